@@ -1,0 +1,111 @@
+"""The accountant protocol and the registry of accountants by name.
+
+An accountant keeps a ledger of ``(event, count)`` entries (``compose``) and converts it to a privacy
+guarantee (``get_epsilon(delta)``). Neighbouring datasets differ by adding or removing one example
+(DESIGN.md section 3). Subclasses implement ``supports`` and ``_epsilon``; the ledger, validation,
+checkpoint state and the registry live here once.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from lightning_dp.accounting.events import event_from_dict, event_to_dict
+
+ACCOUNTANTS: dict[str, type[Accountant]] = {}
+
+
+def register_accountant(cls: type[Accountant]) -> type[Accountant]:
+    """Class decorator: make an accountant constructible by its ``name`` (for configs and the CLI)."""
+    ACCOUNTANTS[cls.name] = cls
+    return cls
+
+
+def make_accountant(name: str) -> Accountant:
+    """Build a registered accountant by name. Raises ``ValueError`` naming the valid choices."""
+    if name not in ACCOUNTANTS:
+        raise ValueError(f"Unknown accountant {name!r}; choose one of {sorted(ACCOUNTANTS)}")
+    return ACCOUNTANTS[name]()
+
+
+def validate_delta(delta: float) -> None:
+    """Raise ``ValueError`` unless ``0 < delta < 1``."""
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must lie in (0, 1), got {delta}; a typical choice is below 1/N for N examples")
+
+
+def validate_epsilon(epsilon: float) -> None:
+    """Raise ``ValueError`` unless ``epsilon > 0``."""
+    if not epsilon > 0.0:
+        raise ValueError(f"epsilon must be positive, got {epsilon}")
+
+
+class Accountant(ABC):
+    """Composes privacy events and reports (epsilon, delta).
+
+    Attributes:
+        name: registry name (``make_accountant(name)``).
+        ledger: list of ``[event, count]`` in the order composed; consecutive equal events are merged.
+    """
+
+    name: ClassVar[str]
+    #: True when the accountant gives pure DP, so ``get_epsilon`` ignores delta.
+    pure: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.ledger: list[list[Any]] = []
+
+    @abstractmethod
+    def supports(self, event: Any) -> bool:
+        """Whether this accountant can bound ``event``."""
+
+    @abstractmethod
+    def _epsilon(self, delta: float) -> float:
+        """Epsilon of the whole ledger at ``delta`` (ledger is non-empty)."""
+
+    def compose(self, event: Any, count: int = 1) -> Accountant:
+        """Record ``count`` applications of ``event``. Raises ``ValueError`` if the event is unsupported."""
+        if count < 0:
+            raise ValueError(f"count must be non-negative, got {count}")
+        if not self.supports(event):
+            raise ValueError(f"Accountant {self.name!r} does not support {event!r}")
+        if count == 0:
+            return self
+        if self.ledger and self.ledger[-1][0] == event:
+            self.ledger[-1][1] += count
+        else:
+            self.ledger.append([event, count])
+        return self
+
+    @property
+    def steps(self) -> int:
+        """Total number of composed events."""
+        return sum(count for _, count in self.ledger)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon of all composed events at ``delta`` (0.0 for an empty ledger).
+
+        Raises:
+            ValueError: ``delta`` outside (0, 1) (pure-DP accountants accept any delta in [0, 1)).
+        """
+        if not (self.pure and 0.0 <= delta < 1.0):
+            validate_delta(delta)
+        if not self.ledger:
+            return 0.0
+        return float(self._epsilon(delta))
+
+    def copy(self) -> Accountant:
+        """An independent copy (e.g. to ask "what if I took k more steps")."""
+        return copy.deepcopy(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-compatible state for checkpoints."""
+        return {"name": self.name, "ledger": [[event_to_dict(e), c] for e, c in self.ledger]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the ledger saved by :meth:`state_dict`. Raises ``ValueError`` on an accountant mismatch."""
+        if state["name"] != self.name:
+            raise ValueError(f"State was saved by accountant {state['name']!r}, not {self.name!r}")
+        self.ledger = [[event_from_dict(e), int(c)] for e, c in state["ledger"]]

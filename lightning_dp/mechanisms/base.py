@@ -1,0 +1,78 @@
+"""The noise-mechanism interface and the registry of mechanisms by name.
+
+A mechanism adds noise ONCE per optimizer step to the SUM of clipped per-sample gradients (DESIGN.md section 3),
+knows the norm its sensitivity is measured in (``clip_norm``: 2 or 1), emits the privacy event of one step
+for its accountant, and states its expected per-coordinate distortion ``E|z|``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+MECHANISMS: dict[str, type[NoiseMechanism]] = {}
+
+
+def register_mechanism(cls: type[NoiseMechanism]) -> type[NoiseMechanism]:
+    """Class decorator: make a mechanism constructible by its ``name``."""
+    MECHANISMS[cls.name] = cls
+    return cls
+
+
+def make_mechanism(name: str, **params: Any) -> NoiseMechanism:
+    """Build a registered mechanism, e.g. ``make_mechanism("gaussian", noise_multiplier=1.1, max_grad_norm=1.0)``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid ones) or invalid parameters.
+    """
+    if name not in MECHANISMS:
+        raise ValueError(f"Unknown noise mechanism {name!r}; choose one of {sorted(MECHANISMS)}")
+    return MECHANISMS[name](**params)
+
+
+def validate_max_grad_norm(max_grad_norm: float) -> None:
+    """Raise ``ValueError`` unless the clipping bound is positive and finite."""
+    if not (max_grad_norm > 0 and max_grad_norm < float("inf")):
+        raise ValueError(f"max_grad_norm must be a positive finite number, got {max_grad_norm}")
+
+
+class NoiseMechanism(ABC):
+    """Noise added to the sum of clipped per-sample gradients.
+
+    Attributes:
+        name: registry name, the ``noise=`` argument of ``DPStrategy``.
+        clip_norm: the norm per-sample gradients are clipped in (2, or 1 for traditional Laplace).
+        default_accountant: the sound accountant used when the user names none.
+        max_grad_norm: the clipping bound C (sensitivity of the sum under add/remove-one).
+    """
+
+    name: ClassVar[str]
+    clip_norm: ClassVar[int] = 2
+    default_accountant: ClassVar[str]
+
+    def __init__(self, max_grad_norm: float) -> None:
+        validate_max_grad_norm(max_grad_norm)
+        self.max_grad_norm = float(max_grad_norm)
+
+    @abstractmethod
+    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device)."""
+
+    @abstractmethod
+    def step_event(self, sample_rate: float, num_params: int) -> Any:
+        """The privacy event of one Poisson-subsampled step over ``num_params`` noised coordinates."""
+
+    @abstractmethod
+    def expected_abs_noise(self) -> float:
+        """Per-coordinate distortion ``E|z|`` of one draw (same units as the gradient sum)."""
+
+    @property
+    def is_noiseless(self) -> bool:
+        """True when the mechanism adds no noise (then no finite epsilon holds)."""
+        return False
+
+    def describe(self) -> dict[str, float]:
+        """The mechanism's parameters, for logs and summaries."""
+        return {"max_grad_norm": self.max_grad_norm}
