@@ -1,6 +1,23 @@
 """Noise mechanisms, registered by name (the ``noise=`` argument)."""
 
-from lightning_dp.mechanisms import gaussian  # noqa: F401  (registers "gaussian")
+from lightning_dp.mechanisms import (  # noqa: F401  (registers the mechanisms by name)
+    gaussian,
+    lap2,
+    laplace,
+    laplace_advanced,
+    plrv,
+)
 from lightning_dp.mechanisms.base import MECHANISMS, NoiseMechanism, make_mechanism, register_mechanism
+from lightning_dp.mechanisms.calibration import Lap2Search, PlrvSearch, calibrate, search_lap2, search_plrv
 
-__all__ = ["MECHANISMS", "NoiseMechanism", "make_mechanism", "register_mechanism"]
+__all__ = [
+    "MECHANISMS",
+    "Lap2Search",
+    "NoiseMechanism",
+    "PlrvSearch",
+    "calibrate",
+    "make_mechanism",
+    "register_mechanism",
+    "search_lap2",
+    "search_plrv",
+]

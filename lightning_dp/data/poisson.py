@@ -1,0 +1,123 @@
+"""Poisson sampling: each example joins each logical batch independently with probability ``sample_rate``.
+
+This is the sampling the accountants assume (DESIGN.md section 3; Abadi et al. 2016; Mironov et al. 2019).
+Batch sizes vary and may be zero. A logical batch may be split into ``micro_batches`` physical chunks for
+gradient accumulation: the chunks of one logical step together are ONE Poisson sample (as Opacus's
+``BatchMemoryManager`` does), so noise is added once per logical step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data._utils.collate import default_collate
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields ``num_steps * micro_batches`` index lists; each step is an independent Poisson sample.
+
+    Args:
+        num_samples: dataset size N.
+        sample_rate: inclusion probability q in (0, 1].
+        num_steps: logical steps per epoch (default ``round(1 / q)``: one pass in expectation).
+        micro_batches: physical chunks each logical batch is split into (gradient accumulation).
+        generator: the sampling generator (CPU). Use a dedicated one; it is never the global RNG.
+
+    Raises:
+        ValueError: non-positive ``num_samples``, ``sample_rate`` outside (0, 1], non-positive counts.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        *,
+        num_steps: int | None = None,
+        micro_batches: int = 1,
+        generator: torch.Generator,
+    ) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} examples")
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        self.num_samples = num_samples
+        self.sample_rate = float(sample_rate)
+        self.num_steps = int(num_steps) if num_steps is not None else max(1, round(1.0 / sample_rate))
+        if self.num_steps <= 0 or micro_batches <= 0:
+            raise ValueError(f"num_steps and micro_batches must be positive, got {num_steps}, {micro_batches}")
+        self.micro_batches = int(micro_batches)
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.num_steps * self.micro_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_steps):
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            indices = mask.nonzero().flatten()
+            for chunk in torch.tensor_split(indices, self.micro_batches):
+                yield chunk.tolist()
+
+
+def _empty_like_batch(batch: Any) -> Any:
+    """The same structure with every tensor cut to zero rows."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {k: _empty_like_batch(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_empty_like_batch(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_empty_like_batch(v) for v in batch)
+    return batch
+
+
+class EmptyBatchCollate:
+    """Wraps a ``collate_fn`` so an empty index list yields a batch of zero-row tensors shaped like the data.
+
+    The zero-row structure comes from collating ``dataset[0]`` once. Picklable (works with worker processes).
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
+        self.collate_fn = collate_fn or default_collate
+        self.dataset = dataset
+
+    def __call__(self, samples: Sequence[Any]) -> Any:
+        if len(samples) == 0:
+            return _empty_like_batch(self.collate_fn([self.dataset[0]]))
+        return self.collate_fn(list(samples))
+
+
+def poisson_dataloader(
+    loader: DataLoader,
+    *,
+    sample_rate: float,
+    num_steps: int | None = None,
+    micro_batches: int = 1,
+    generator: torch.Generator,
+) -> DataLoader:
+    """A copy of ``loader`` (same dataset, collate, workers) drawing Poisson batches.
+
+    Raises:
+        TypeError: the loader's dataset has no ``__len__`` (iterable datasets cannot be Poisson-sampled).
+    """
+    dataset = loader.dataset
+    if not hasattr(dataset, "__len__"):
+        raise TypeError("Poisson sampling needs a map-style dataset with __len__; got an iterable dataset")
+    sampler = PoissonBatchSampler(
+        len(dataset), sample_rate, num_steps=num_steps, micro_batches=micro_batches, generator=generator
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=EmptyBatchCollate(loader.collate_fn, dataset),
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
+        timeout=loader.timeout,
+        multiprocessing_context=loader.multiprocessing_context if loader.num_workers > 0 else None,
+    )

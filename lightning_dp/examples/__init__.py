@@ -1,0 +1,1 @@
+"""Small, offline example models and data used by the demo, the configs and the tests."""

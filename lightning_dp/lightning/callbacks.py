@@ -1,0 +1,158 @@
+"""Callbacks reporting and enforcing the privacy budget of a ``DPStrategy`` run."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.privacy_engine import PrivacyEngine
+
+log = logging.getLogger("lightning_dp")
+
+
+def privacy_engine_of(trainer: pl.Trainer) -> PrivacyEngine:
+    """The ``PrivacyEngine`` of the trainer's strategy. Raises ``TypeError`` if the strategy is not DP."""
+    engine = getattr(trainer.strategy, "privacy_engine", None)
+    if not isinstance(engine, PrivacyEngine):
+        raise TypeError("This callback needs Trainer(strategy=DPStrategy(...))")
+    return engine
+
+
+class PrivacyAccountantCallback(Callback):
+    """Logs ``epsilon`` after every training epoch (to all loggers and the progress bar) and a final summary.
+
+    Args:
+        delta: delta to report epsilon at (default: the strategy's ``target_delta``).
+
+    Attributes:
+        history: ``[(epoch, steps, epsilon)]`` for every epoch.
+        summary: the final report (epsilon, delta, noise parameters, steps, sample rate, accountant), set at the
+            end of training; also sent to every logger as hyperparameters/metrics.
+    """
+
+    def __init__(self, delta: float | None = None) -> None:
+        self.delta = delta
+        self.history: list[tuple[int, int, float]] = []
+        self.summary: dict[str, Any] | None = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = privacy_engine_of(trainer)
+        epsilon = engine.epsilon(self.delta)
+        self.history.append((trainer.current_epoch, engine.steps, epsilon))
+        pl_module.log("epsilon", epsilon, prog_bar=True, logger=True, on_step=False, on_epoch=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = privacy_engine_of(trainer)
+        if engine.accountant is None:
+            return
+        self.summary = engine.summary()
+        if self.delta is not None:
+            self.summary.update(epsilon=engine.epsilon(self.delta), delta=self.delta)
+        numeric = {f"dp/{k}": float(v) for k, v in self.summary.items() if isinstance(v, (int, float))}
+        for logger in trainer.loggers:
+            logger.log_metrics(numeric, step=trainer.global_step)
+        if trainer.is_global_zero:
+            text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.summary.items())
+            log.info("Privacy summary: %s", text)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [tuple(row) for row in state_dict["history"]]
+
+
+class PrivacyBudget(Callback):
+    """Stops training before a step would push epsilon above the budget, with a message saying so.
+
+    Args:
+        target_epsilon: the budget (default: the strategy's ``target_epsilon``).
+
+    Raises:
+        ValueError: non-positive budget, or none given and the strategy has no ``target_epsilon``.
+    """
+
+    def __init__(self, target_epsilon: float | None = None) -> None:
+        if target_epsilon is not None:
+            validate_epsilon(target_epsilon)
+        self.target_epsilon = target_epsilon
+        self.stopped_at_step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = privacy_engine_of(trainer)
+        budget = self.target_epsilon if self.target_epsilon is not None else engine.target_epsilon
+        if budget is None:
+            raise ValueError("PrivacyBudget needs target_epsilon (here or in DPStrategy)")
+        engine.epsilon_budget = budget
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        engine = privacy_engine_of(trainer)
+        if engine.budget_exhausted() and not trainer.should_stop:
+            self.stopped_at_step = engine.steps
+            log.warning(
+                "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
+                "epsilon=%.4g (delta=%.3g). Stopping training.",
+                engine.epsilon(),
+                engine.steps,
+                engine.epsilon_budget,
+                engine.target_delta,
+            )
+            trainer.should_stop = True
+
+
+class EpochTable(Callback):
+    """Prints one aligned row per epoch (epoch, mean train loss, validation metric, epsilon) above the
+    progress bar, through Lightning's progress bar ``print`` so the bar is not broken.
+
+    Args:
+        val_metric: name of a metric the module logs during validation (e.g. ``"val_acc"``).
+
+    Attributes:
+        rows: the printed rows as dicts.
+    """
+
+    def __init__(self, val_metric: str = "val_acc") -> None:
+        self.val_metric = val_metric
+        self.rows: list[dict[str, float]] = []
+        self._losses: list[float] = []
+
+    def _print(self, trainer: pl.Trainer, text: str) -> None:
+        bar = trainer.progress_bar_callback
+        if bar is not None and hasattr(bar, "print"):
+            bar.print(text)
+        else:
+            print(text)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._print(trainer, f"{'epoch':>5}  {'train_loss':>10}  {self.val_metric:>10}  {'epsilon':>8}")
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._losses = []
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None and loss.numel():
+            self._losses.append(float(loss))
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        train_loss = sum(self._losses) / max(len(self._losses), 1)
+        val = trainer.callback_metrics.get(self.val_metric)
+        row = {
+            "epoch": trainer.current_epoch,
+            "train_loss": train_loss,
+            self.val_metric: float(val) if val is not None else float("nan"),
+            "epsilon": privacy_engine_of(trainer).epsilon(),
+        }
+        self.rows.append(row)
+        self._print(
+            trainer,
+            f"{row['epoch']:>5}  {train_loss:>10.4f}  {row[self.val_metric]:>10.4f}  {row['epsilon']:>8.4f}",
+        )

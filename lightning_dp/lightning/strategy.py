@@ -1,0 +1,219 @@
+"""DPStrategy: DP-SGD for an unchanged Lightning training, as one ``Trainer(strategy=...)`` argument.
+
+The strategy overrides only Lightning's documented hooks (``setup``, ``process_dataloader``, ``training_step``,
+``backward``, ``save_checkpoint``/``load_checkpoint``, ``teardown``); the DP logic itself lives in
+:class:`~lightning_dp.privacy_engine.PrivacyEngine`. Single device here; the multi-process variant (DESIGN.md
+section 8) follows the same split.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from torch.utils.data import DataLoader
+
+from lightning_dp.data import poisson_dataloader
+from lightning_dp.mechanisms import NoiseMechanism
+from lightning_dp.privacy_engine import PrivacyEngine
+
+log = logging.getLogger("lightning_dp")
+
+_UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DPStrategy(SingleDeviceStrategy):
+    """Differentially private training on one device: Poisson sampling, per-sample clipping, noise, accounting.
+
+    The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
+    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
+
+    Args:
+        max_grad_norm: per-sample clipping bound C > 0.
+        target_epsilon: privacy budget; the noise is calibrated for the run's planned steps
+            (``trainer.estimated_stepping_batches``). Exclusive with ``noise_multiplier``/``noise_params``.
+        target_delta: delta in (0, 1); default ``1/N^1.1``.
+        noise_multiplier: Gaussian sigma (noise std ``sigma * C`` on the clipped sum).
+        noise: ``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"`` or a ``NoiseMechanism``.
+        noise_params: parameters of a non-Gaussian mechanism, e.g. ``{"noise_scale": 3.0}``.
+        clipping: per-sample clipping engine, ``"flat" | "ghost"``.
+        accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
+        sample_rate: Poisson rate q; default ``batch_size * accumulate_grad_batches / N``.
+        poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
+            loader and logs that the reported epsilon assumes Poisson sampling.
+        seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
+        device: the device to train on (default ``cuda:0`` if available, else CPU).
+
+    Raises:
+        ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
+            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float = 1.0,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        noise_multiplier: float | None = None,
+        noise: str | NoiseMechanism = "gaussian",
+        noise_params: dict[str, Any] | None = None,
+        clipping: str = "flat",
+        accountant: str | None = None,
+        sample_rate: float | None = None,
+        poisson_sampling: bool = True,
+        seed: int | None = None,
+        device: str | torch.device | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device=device if device is not None else _default_device(), **kwargs)
+        self.privacy_engine = PrivacyEngine(
+            max_grad_norm=max_grad_norm,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            noise_multiplier=noise_multiplier,
+            noise=noise,
+            noise_params=noise_params,
+            clipping=clipping,
+            accountant=accountant,
+            seed=seed,
+        )
+        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        self.sample_rate = sample_rate
+        self.poisson_sampling = poisson_sampling
+        self._pending_loss: torch.Tensor | None = None
+        self._num_samples: int | None = None
+        self.last_clip_fraction: float | None = None
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place."""
+        precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
+        if precision in _UNSUPPORTED_PRECISION or getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={precision!r} is not supported by DPStrategy (its loss scaling would corrupt the "
+                "per-sample norms); use precision='bf16-mixed' or '32-true'"
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
+                "DPStrategy(max_grad_norm=...)"
+            )
+        super().setup(trainer)
+        if trainer.state.fn == "fit":
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError("DPStrategy supports automatic optimization only; remove automatic_optimization=False")
+            self.privacy_engine.attach(self.lightning_module)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the training loader's sampling with Poisson sampling (other stages are untouched)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
+            raise TypeError("DPStrategy needs a torch DataLoader over a map-style dataset (with __len__)")
+        num_samples = len(dataloader.dataset)
+        micro_batches = trainer.accumulate_grad_batches
+        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
+        if self.sample_rate is not None:
+            sample_rate = self.sample_rate
+        elif batch_size:
+            sample_rate = min(1.0, batch_size * micro_batches / num_samples)
+        else:
+            raise ValueError("Cannot infer the expected batch size: pass DPStrategy(sample_rate=...)")
+        self._num_samples, self.sample_rate = num_samples, sample_rate
+        if not self.poisson_sampling:
+            log.warning(
+                "poisson_sampling=False: batches come from your sampler, but the reported epsilon assumes Poisson "
+                "sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
+                sample_rate,
+            )
+            return dataloader
+        return poisson_dataloader(
+            dataloader,
+            sample_rate=sample_rate,
+            num_steps=max(1, math.ceil(1.0 / sample_rate)),
+            micro_batches=micro_batches,
+            generator=self.privacy_engine.sampling_generator,
+        )
+
+    def on_train_start(self) -> None:
+        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers."""
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._num_samples is None or self.sample_rate is None:
+            raise RuntimeError("DPStrategy saw no training dataloader")
+        self.privacy_engine.prepare(
+            num_samples=self._num_samples,
+            sample_rate=self.sample_rate,
+            total_steps=int(trainer.estimated_stepping_batches),
+        )
+        self.optimizers = [self.privacy_engine.wrap_optimizer(opt) for opt in self.optimizers]
+
+    # ------------------------------------------------------------------------------------------- the step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging."""
+        if self.privacy_engine.budget_exhausted():
+            return None
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if loss is None:
+            return output
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"training_step must return a per-sample loss of shape [B], got {shape}: use reduction='none' "
+                "(and reduce token losses per sample) so each example can be clipped"
+            )
+        self._pending_loss = loss
+        reduced = loss.mean() if loss.numel() else loss.sum()
+        return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""
+        if self._pending_loss is None:
+            raise RuntimeError("backward() without a per-sample loss from training_step")
+        per_sample_loss, self._pending_loss = self._pending_loss, None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        norms = self.privacy_engine.clipper.backward(per_sample_loss)
+        if norms.numel():
+            self.last_clip_fraction = float((norms > self.privacy_engine.max_grad_norm).float().mean())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Add the privacy state (ledger, mechanism, generators) under ``checkpoint["lightning_dp"]``."""
+        if self.privacy_engine.accountant is not None:
+            checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve."""
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, weights_only=False if weights_only is None else weights_only
+        )
+        if "lightning_dp" in checkpoint:
+            self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
+        return checkpoint
+
+    def teardown(self) -> None:
+        """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
+        self.privacy_engine.detach()
+        self.optimizers = [getattr(opt, "original_optimizer", opt) for opt in self.optimizers]
+        super().teardown()

@@ -1,0 +1,52 @@
+"""LAP2: i.i.d. Laplace noise on the l2-clipped sum (LAP2 seed, Alg. 2 and Thm III.7).
+
+Per-sample gradients are clipped in l2 to ``C`` (as in Gaussian DP-SGD) and ``Lap(0, b)`` is added to every
+coordinate of the clipped sum once per step. Privacy is accounted by the majorization moments accountant: the
+sound variant ``"lap2"`` (DESIGN.md section 6, the default) or the paper's bound ``"lap2-paper"`` (eq. III.7).
+Both depend on ``(C, b)`` only through ``C / b`` (eq. III.8 uses ``x_i / b`` with ``x_i`` proportional to ``C``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_dp.accounting.events import Lap2Event, PoissonSampledEvent
+from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
+from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
+
+
+@register_mechanism
+class Lap2Mechanism(NoiseMechanism):
+    """I.i.d. ``Lap(0, noise_scale)`` per coordinate on the sum of l2-clipped per-sample gradients.
+
+    Args:
+        noise_scale: Laplace scale ``b > 0`` in gradient units (not a multiplier of ``C``).
+        max_grad_norm: l2 clipping bound ``C > 0``.
+
+    Raises:
+        ValueError: non-positive or non-finite ``noise_scale`` or ``max_grad_norm``.
+    """
+
+    name = "lap2"
+    clip_norm = 2
+    default_accountant = "lap2"
+
+    def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
+        super().__init__(max_grad_norm)
+        self.noise_scale = check_positive(
+            "noise_scale", noise_scale, f"Use calibrate(noise={self.name!r}, ...) or search_lap2(...) to pick it."
+        )
+
+    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return sample_laplace(like, self.noise_scale, generator)
+
+    def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
+        """``PoissonSampledEvent(q, Lap2Event(b, C, num_params))`` over the ``num_params`` noised coordinates."""
+        return PoissonSampledEvent(sample_rate, Lap2Event(self.noise_scale, self.max_grad_norm, int(num_params)))
+
+    def expected_abs_noise(self) -> float:
+        """``E|z| = b`` for ``z ~ Lap(0, b)``."""
+        return self.noise_scale
+
+    def describe(self) -> dict[str, float]:
+        return {"noise_scale": self.noise_scale, "max_grad_norm": self.max_grad_norm}

@@ -1,0 +1,315 @@
+"""PrivacyEngine: the framework-agnostic DP state of one training run.
+
+It owns the noise mechanism (calibrated for a target epsilon when asked), the per-sample clipper attached to the
+model, the dedicated noise and sampling generators, and the accountant's ledger. The Lightning strategy (and the
+HF integration) only call it; nothing here knows about a trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dp.accounting import Accountant, make_accountant
+from lightning_dp.accounting.base import validate_delta, validate_epsilon
+from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
+from lightning_dp.mechanisms.base import validate_max_grad_norm
+from lightning_dp.optim import DPOptimizer, NoiseGenerators
+
+log = logging.getLogger("lightning_dp")
+
+
+def default_delta(num_samples: int) -> float:
+    """``1 / N^1.1`` (DESIGN.md section 3): below ``1/N`` by a margin that grows with N."""
+    return 1.0 / num_samples**1.1
+
+
+class PrivacyEngine:
+    """Configuration and state of differentially private training.
+
+    Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
+    ``noise_multiplier`` (Gaussian) / ``noise_params`` (other mechanisms) / a ready ``NoiseMechanism`` must fix
+    the noise.
+
+    Args:
+        max_grad_norm: per-sample clipping bound C > 0 (l2, or l1 for ``noise="laplace"``).
+        target_epsilon: privacy budget to calibrate the noise for, > 0.
+        target_delta: delta in (0, 1); default ``1/N^1.1`` once N is known.
+        noise_multiplier: Gaussian sigma (std of the noise is ``sigma * C``).
+        noise: mechanism name (``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"``) or an instance
+            (e.g. from ``search_lap2(...).mechanism()``).
+        noise_params: constructor arguments of a non-Gaussian mechanism (e.g. ``{"noise_scale": 2.0}``).
+        clipping: per-sample clipping engine name (``"flat" | "ghost"``).
+        accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
+        seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs).
+
+    Raises:
+        ValueError: any invalid combination above, with what to change.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        noise_multiplier: float | None = None,
+        noise: str | NoiseMechanism = "gaussian",
+        noise_params: dict[str, Any] | None = None,
+        clipping: str = "flat",
+        accountant: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        validate_max_grad_norm(max_grad_norm)
+        if target_epsilon is not None:
+            validate_epsilon(target_epsilon)
+        if target_delta is not None:
+            validate_delta(target_delta)
+        fixed_noise = [noise_multiplier is not None, bool(noise_params), isinstance(noise, NoiseMechanism)]
+        if (target_epsilon is None) == (not any(fixed_noise)) or sum(fixed_noise) > 1:
+            raise ValueError(
+                "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
+                "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
+            )
+        if noise_multiplier is not None and not noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if noise_multiplier is not None and noise != "gaussian":
+            raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {noise!r} pass noise_params")
+        if isinstance(noise, NoiseMechanism) and noise.max_grad_norm != max_grad_norm:
+            raise ValueError(
+                f"max_grad_norm={max_grad_norm} differs from the mechanism's {noise.max_grad_norm}; make them equal"
+            )
+        self.max_grad_norm = float(max_grad_norm)
+        self.target_epsilon = target_epsilon
+        self.target_delta = target_delta
+        self.noise_multiplier = noise_multiplier
+        self.noise = noise
+        self.noise_params = dict(noise_params or {})
+        self.clipping = clipping
+        self.accountant_name = accountant
+        self.generators = NoiseGenerators(seed)
+        self.sampling_generator = torch.Generator().manual_seed(self.generators.seed + 17)
+        self.mechanism: NoiseMechanism | None = noise if isinstance(noise, NoiseMechanism) else None
+        self.accountant: Accountant | None = None
+        self.clipper: PerSampleClipper | None = None
+        self.sample_rate: float | None = None
+        self.num_samples: int | None = None
+        self.num_params: int | None = None
+        self._max_steps_cache: tuple[float, int] | None = None
+        self._restored_sample_rate: float | None = None
+        #: when set (by the ``PrivacyBudget`` callback), no step is taken that would push epsilon above it.
+        self.epsilon_budget: float | None = None
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    @property
+    def noise_name(self) -> str:
+        return self.noise.name if isinstance(self.noise, NoiseMechanism) else self.noise
+
+    def attach(self, module: nn.Module) -> PerSampleClipper:
+        """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers)."""
+        clip_norm = self.mechanism.clip_norm if self.mechanism else self._mechanism_class().clip_norm
+        self.clipper = PerSampleClipper(
+            module, clipping=self.clipping, max_grad_norm=self.max_grad_norm, norm=clip_norm
+        )
+        self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
+        return self.clipper
+
+    def detach(self) -> None:
+        """Remove the clipping hooks; the module is exactly as before ``attach``."""
+        if self.clipper is not None:
+            self.clipper.detach()
+            self.clipper = None
+
+    def _mechanism_class(self) -> type[NoiseMechanism]:
+        from lightning_dp.mechanisms import MECHANISMS
+
+        if self.noise_name not in MECHANISMS:
+            raise ValueError(f"Unknown noise mechanism {self.noise_name!r}; choose one of {sorted(MECHANISMS)}")
+        return MECHANISMS[self.noise_name]
+
+    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int) -> None:
+        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
+
+        Args:
+            num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
+            sample_rate: Poisson rate q of one logical step.
+            total_steps: planned logical steps of the whole run (for calibration).
+        """
+        if self.num_params is None:
+            raise RuntimeError("attach(module) must run before prepare()")
+        if self._restored_sample_rate is not None and not math.isclose(self._restored_sample_rate, sample_rate):
+            raise ValueError(
+                f"The checkpoint was trained with sample_rate={self._restored_sample_rate}, this run uses "
+                f"{sample_rate}; resume with the same data and batch size"
+            )
+        self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
+        if self.target_delta is None:
+            self.target_delta = default_delta(num_samples)
+            log.info("target_delta not given: using 1/N^1.1 = %.3g for N = %d", self.target_delta, num_samples)
+        if self.target_delta >= 1.0 / num_samples:
+            log.warning(
+                "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
+                self.target_delta,
+                1.0 / num_samples,
+            )
+        if self.mechanism is None:
+            self.mechanism = self._build_mechanism(total_steps)
+        if self.accountant is None:
+            self.accountant = make_accountant(self.accountant_name or self.mechanism.default_accountant)
+        self._check_accountant_supports()
+
+    def _build_mechanism(self, total_steps: int) -> NoiseMechanism:
+        if self.target_epsilon is None:
+            params = dict(self.noise_params)
+            if self.noise_multiplier is not None:
+                params["noise_multiplier"] = self.noise_multiplier
+            return make_mechanism(self.noise_name, max_grad_norm=self.max_grad_norm, **params)
+        from lightning_dp.mechanisms.calibration import calibrate
+
+        mechanism = calibrate(
+            self.noise_name,
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            sample_rate=self.sample_rate,
+            steps=total_steps,
+            max_grad_norm=self.max_grad_norm,
+            num_params=self.num_params,
+            accountant=self.accountant_name,
+        )
+        log.info(
+            "Calibrated %s noise %s for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
+            self.noise_name,
+            mechanism.describe(),
+            self.target_epsilon,
+            self.target_delta,
+            total_steps,
+            self.sample_rate,
+        )
+        return mechanism
+
+    def _check_accountant_supports(self) -> None:
+        assert self.accountant is not None and self.mechanism is not None
+        event = self.step_event()
+        if not self.accountant.supports(event):
+            raise ValueError(
+                f"Accountant {self.accountant.name!r} cannot account for {self.mechanism.name!r} noise; "
+                f"use accountant={self.mechanism.default_accountant!r}"
+            )
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
+        """Wrap the user's optimizer so each step is privatised and recorded."""
+        if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
+            raise RuntimeError("prepare() must run before wrap_optimizer()")
+        return DPOptimizer(
+            optimizer,
+            mechanism=self.mechanism,
+            expected_batch_size=self.sample_rate * self.num_samples,
+            generators=self.generators,
+            on_step=self.record_step,
+            should_skip=self.budget_exhausted,
+        )
+
+    # ------------------------------------------------------------------------------------------ accounting
+    def step_event(self) -> Any:
+        """The privacy event of one logical step."""
+        assert self.mechanism is not None and self.sample_rate is not None and self.num_params is not None
+        return self.mechanism.step_event(self.sample_rate, self.num_params)
+
+    def record_step(self) -> None:
+        """Record one completed logical step with the accountant."""
+        assert self.accountant is not None
+        self.accountant.compose(self.step_event())
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken (and accounted) so far."""
+        return self.accountant.steps if self.accountant is not None else 0
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default ``target_delta``); ``inf`` when no noise is added."""
+        if self.accountant is None or self.steps == 0:
+            return 0.0
+        assert self.mechanism is not None
+        if self.mechanism.is_noiseless:
+            return math.inf
+        return self.accountant.get_epsilon(delta if delta is not None else self.target_delta)
+
+    def max_steps_within(self, epsilon_budget: float) -> int:
+        """The largest total number of steps whose epsilon stays <= ``epsilon_budget`` (cached per budget).
+
+        Counts the steps already taken plus further steps of the current event; found by doubling and bisection.
+        """
+        if self._max_steps_cache and self._max_steps_cache[0] == epsilon_budget:
+            return self._max_steps_cache[1]
+        assert self.accountant is not None and self.mechanism is not None
+        if self.mechanism.is_noiseless:
+            return self.steps if self.steps == 0 else 0
+
+        def eps_after(extra: int) -> float:
+            return self.accountant.copy().compose(self.step_event(), extra).get_epsilon(self.target_delta)
+
+        if eps_after(0) > epsilon_budget:
+            result = self.steps
+        else:
+            lo, hi = 0, 1
+            while eps_after(hi) <= epsilon_budget and hi < 10**9:
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if eps_after(mid) <= epsilon_budget else (lo, mid)
+            result = self.steps + lo
+        self._max_steps_cache = (epsilon_budget, result)
+        return result
+
+    def budget_exhausted(self) -> bool:
+        """True when an ``epsilon_budget`` is set and one more step would exceed it."""
+        if self.epsilon_budget is None or self.accountant is None:
+            return False
+        return self.steps >= self.max_steps_within(self.epsilon_budget)
+
+    def summary(self) -> dict[str, Any]:
+        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant."""
+        assert self.mechanism is not None and self.accountant is not None
+        return {
+            "epsilon": self.epsilon(),
+            "delta": self.target_delta,
+            "noise": self.mechanism.name,
+            **self.mechanism.describe(),
+            "steps": self.steps,
+            "sample_rate": self.sample_rate,
+            "accountant": self.accountant.name,
+            "clipping": self.clipping,
+        }
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Ledger, mechanism parameters, delta and generator states (so a resumed run continues the same curve)."""
+        assert self.mechanism is not None and self.accountant is not None
+        return {
+            "accountant": self.accountant.state_dict(),
+            "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
+            "target_delta": self.target_delta,
+            "sample_rate": self.sample_rate,
+            "generators": self.generators.state_dict(),
+            "sampling_generator": self.sampling_generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before :meth:`prepare`: the saved mechanism then replaces calibration).
+
+        Raises:
+            ValueError: the checkpoint's sample rate differs from this run's (the ledger would be inconsistent).
+        """
+        params = dict(state["mechanism"])
+        self.mechanism = make_mechanism(params.pop("name"), **params)
+        self.target_delta = state["target_delta"]
+        self.accountant = make_accountant(state["accountant"]["name"])
+        self.accountant.load_state_dict(state["accountant"])
+        self.generators.load_state_dict(state["generators"])
+        self.sampling_generator.set_state(state["sampling_generator"])
+        self._restored_sample_rate = state["sample_rate"]

@@ -1,0 +1,106 @@
+"""Small LightningModules and data shared by the integration tests."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def regression_data(n: int = 64, d: int = 6, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyRegressor(pl.LightningModule):
+    """Linear -> tanh -> Linear with per-sample squared error; optional mean-reduction (a non-DP loss)."""
+
+    def __init__(
+        self,
+        d: int = 6,
+        lr: float = 0.1,
+        batch_size: int = 8,
+        per_sample: bool = True,
+        shuffle: bool = False,
+        scheduler: bool = False,
+        data: TensorDataset | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.lr, self.batch_size, self.per_sample, self.shuffle = lr, batch_size, per_sample, shuffle
+        self.scheduler = scheduler
+        self.data = data if data is not None else regression_data(d=d)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = ((self.net(x) - y) ** 2).squeeze(-1)
+        return loss if self.per_sample else loss.mean()
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=self.shuffle)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if not self.scheduler:
+            return opt
+        return {
+            "optimizer": opt,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        }
+
+
+class ZeroGradModule(pl.LightningModule):
+    """A wide linear layer whose loss has zero gradient: every update is pure noise."""
+
+    def __init__(self, d: int = 400, k: int = 250, n: int = 100, batch_size: int = 10) -> None:
+        super().__init__()
+        self.layer = nn.Linear(d, k, bias=False)
+        nn.init.zeros_(self.layer.weight)
+        self.data = TensorDataset(torch.randn(n, d))
+        self.batch_size = batch_size
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.layer(x) * 0.0).sum(dim=1)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+class ClassifierWith(pl.LightningModule):
+    """A classifier built around a given feature module (to test unsupported layers)."""
+
+    def __init__(self, body: nn.Module, d: int = 6) -> None:
+        super().__init__()
+        self.body = body
+        self.data = regression_data(d=d)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.body(x), y.expand(-1, 1), reduction="none").squeeze(-1)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def make_trainer(strategy, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)

@@ -1,0 +1,60 @@
+"""Poisson sampling: inclusion rate, independence of steps, empty batches, micro-batch splitting."""
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.data import PoissonBatchSampler, poisson_dataloader
+
+
+def test_inclusion_rate_and_variable_sizes():
+    sampler = PoissonBatchSampler(1000, 0.05, num_steps=400, generator=torch.Generator().manual_seed(0))
+    sizes = [len(b) for b in sampler]
+    assert len(sizes) == 400 == len(sampler)
+    mean = sum(sizes) / len(sizes)
+    assert abs(mean - 50) < 3 * (1000 * 0.05 * 0.95 / 400) ** 0.5 * 2
+    assert len(set(sizes)) > 5  # variable batch sizes
+
+
+def test_each_index_included_with_probability_q():
+    sampler = PoissonBatchSampler(20, 0.3, num_steps=4000, generator=torch.Generator().manual_seed(1))
+    counts = torch.zeros(20)
+    for batch in sampler:
+        counts[batch] += 1
+    assert torch.allclose(counts / 4000, torch.full((20,), 0.3), atol=0.03)
+
+
+def test_micro_batches_partition_one_poisson_sample():
+    sampler = PoissonBatchSampler(100, 0.2, num_steps=3, micro_batches=4, generator=torch.Generator().manual_seed(2))
+    chunks = list(sampler)
+    assert len(chunks) == 12 == len(sampler)
+    for step in range(3):
+        union = sum(chunks[4 * step : 4 * step + 4], [])
+        assert len(union) == len(set(union))  # no example twice within a logical step
+
+
+def test_generator_determinism_and_global_rng_untouched():
+    state = torch.random.get_rng_state()
+    a = list(PoissonBatchSampler(50, 0.1, num_steps=5, generator=torch.Generator().manual_seed(3)))
+    b = list(PoissonBatchSampler(50, 0.1, num_steps=5, generator=torch.Generator().manual_seed(3)))
+    assert a == b
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+def test_empty_batches_have_the_data_shape():
+    dataset = TensorDataset(torch.randn(10, 3, 4), torch.arange(10))
+    loader = poisson_dataloader(
+        DataLoader(dataset, batch_size=2), sample_rate=1e-9, num_steps=3, generator=torch.Generator()
+    )
+    batches = list(loader)
+    assert len(batches) == 3
+    x, y = batches[0]
+    assert x.shape == (0, 3, 4) and y.shape == (0,) and y.dtype == torch.long
+
+
+def test_bad_arguments():
+    import pytest
+
+    with pytest.raises(ValueError, match="sample_rate"):
+        PoissonBatchSampler(10, 0.0, generator=torch.Generator())
+    with pytest.raises(ValueError, match="non-empty"):
+        PoissonBatchSampler(0, 0.1, generator=torch.Generator())

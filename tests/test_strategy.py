@@ -1,0 +1,219 @@
+"""DPStrategy end to end on tiny models: equivalence without noise, noise scale, accumulation, resume, errors."""
+
+import math
+
+import pytest
+import torch
+from helpers import ClassifierWith, TinyRegressor, ZeroGradModule, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+
+from lightning_dp import DPStrategy, PrivacyAccountantCallback, PrivacyBudget
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+def test_without_noise_and_clipping_equals_plain_training(clipping):
+    torch.manual_seed(0)
+    plain = TinyRegressor(per_sample=False)
+    private = TinyRegressor(per_sample=True)
+    private.load_state_dict(plain.state_dict())
+    make_trainer("auto", max_steps=6).fit(plain)
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=1e6, clipping=clipping, poisson_sampling=False)
+    make_trainer(strategy, max_steps=6).fit(private)
+    for a, b in zip(_params(plain), _params(private), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_accumulation_equals_large_batch_and_noise_once_per_logical_step():
+    torch.manual_seed(0)
+    big = TinyRegressor(batch_size=16)
+    small = TinyRegressor(batch_size=8)
+    small.load_state_dict(big.state_dict())
+    s_big = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, poisson_sampling=False)
+    make_trainer(s_big, max_steps=4).fit(big)
+    s_small = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, poisson_sampling=False)
+    make_trainer(s_small, max_steps=4, accumulate_grad_batches=2).fit(small)
+    for a, b in zip(_params(big), _params(small), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert s_big.privacy_engine.steps == s_small.privacy_engine.steps == 4
+
+
+def test_noise_std_on_zero_gradient():
+    module = ZeroGradModule()
+    sigma, clip = 1.3, 0.7
+    strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=clip, seed=5)
+    make_trainer(strategy, max_steps=1).fit(module)
+    expected_batch = strategy.sample_rate * 100
+    update = module.layer.weight.detach().flatten()  # -lr * noise / (q N), lr = 1
+    assert update.std().item() == pytest.approx(sigma * clip / expected_batch, rel=0.05)
+    assert abs(update.mean().item()) < 0.05 * sigma * clip / expected_batch
+
+
+def test_noise_is_reproducible_from_seed_and_leaves_global_rng_alone():
+    results = []
+    for _ in range(2):
+        module = ZeroGradModule()
+        make_trainer(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=11), max_steps=2).fit(module)
+        results.append(module.layer.weight.detach().clone())
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_epsilon_logged_each_epoch_and_summary(tmp_path):
+    callback = PrivacyAccountantCallback()
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    logger = CSVLogger(tmp_path)
+    trainer = make_trainer(strategy, max_epochs=3, callbacks=[callback], logger=logger, enable_progress_bar=True)
+    trainer.fit(TinyRegressor())
+    epsilons = [eps for _, _, eps in callback.history]
+    assert len(epsilons) == 3 and epsilons[0] < epsilons[1] < epsilons[2]
+    assert "epsilon" in trainer.progress_bar_metrics
+    assert callback.summary["epsilon"] == pytest.approx(epsilons[-1])
+    assert callback.summary["steps"] == 3 * math.ceil(64 / 8)
+    assert callback.summary["sample_rate"] == pytest.approx(8 / 64)
+    assert callback.summary["noise_multiplier"] == 1.0 and callback.summary["accountant"] == "pld"
+    logger.save()
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "epsilon" in metrics and "dp/epsilon" in metrics
+
+
+def test_hooks_detached_and_state_dict_unchanged_after_fit():
+    module = TinyRegressor()
+    keys = list(module.state_dict())
+    make_trainer(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=2).fit(module)
+    assert list(module.state_dict()) == keys
+    for sub in module.modules():
+        assert not sub._forward_hooks and not sub._forward_pre_hooks and not sub._backward_hooks
+
+
+def test_lr_scheduler_keeps_working():
+    module = TinyRegressor(scheduler=True)
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_epochs=2)
+    trainer.fit(module)
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(0.1 * 0.25)
+
+
+def test_bf16_autocast_runs_with_finite_updates():
+    module = TinyRegressor()
+    before = _params(module)
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, clipping="ghost")
+    make_trainer(strategy, max_steps=3, precision="bf16-mixed").fit(module)
+    after = _params(module)
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def _fit_with_checkpoints(tmp_path, max_epochs, ckpt_path=None):
+    callback = PrivacyAccountantCallback()
+    strategy = DPStrategy(noise_multiplier=1.2, max_grad_norm=1.0, seed=3)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    trainer = make_trainer(strategy, max_epochs=max_epochs, callbacks=[callback, checkpoint], enable_checkpointing=True)
+    trainer.fit(TinyRegressor(), ckpt_path=ckpt_path)
+    return callback, strategy
+
+
+def test_resume_continues_the_epsilon_curve(tmp_path):
+    full, _ = _fit_with_checkpoints(tmp_path / "full", 4)
+    _fit_with_checkpoints(tmp_path / "part", 2)
+    (ckpt,) = [p for p in (tmp_path / "part").iterdir() if "epoch=1" in p.name]
+    checkpoint = torch.load(ckpt, weights_only=False)
+    assert checkpoint["lightning_dp"]["accountant"]["ledger"][0][1] == 2 * 8
+    resumed, strategy = _fit_with_checkpoints(tmp_path / "resumed", 4, ckpt_path=ckpt)
+    assert strategy.privacy_engine.steps == 4 * 8
+    assert [e for _, _, e in resumed.history] == pytest.approx([e for _, _, e in full.history])
+
+
+def test_budget_guard_stops_before_exceeding():
+    budget = PrivacyBudget(target_epsilon=2.0)
+    strategy = DPStrategy(noise_multiplier=0.8, max_grad_norm=1.0, seed=0)
+    trainer = make_trainer(strategy, max_epochs=50, callbacks=[budget])
+    trainer.fit(TinyRegressor())
+    engine = strategy.privacy_engine
+    assert 0 < engine.steps < 50 * 8 and budget.stopped_at_step == engine.steps
+    assert engine.epsilon() <= 2.0
+    one_more = engine.accountant.copy().compose(engine.step_event()).get_epsilon(engine.target_delta)
+    assert one_more > 2.0
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_batchnorm_fails_before_training():
+    body = nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"BatchNorm.*GroupNorm|GroupNorm.*BatchNorm"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(ClassifierWith(body))
+
+
+class _RawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return (x * self.scale).sum(-1, keepdim=True)
+
+
+def test_unsupported_trainable_layer_fails_before_training():
+    with pytest.raises(ValueError, match="scale"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(ClassifierWith(_RawParameter()))
+
+
+def test_frozen_unsupported_layer_is_fine():
+    body = _RawParameter()
+    body.scale.requires_grad_(False)
+    model = ClassifierWith(nn.Sequential(nn.Linear(6, 6), body))
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(model)
+
+
+def test_mean_loss_is_rejected_with_advice():
+    with pytest.raises(ValueError, match=r"per-sample loss of shape \[B\]"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(TinyRegressor(per_sample=False))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target_epsilon": 0.0}, "epsilon must be positive"),
+        ({"target_epsilon": -1.0}, "epsilon must be positive"),
+        ({"target_epsilon": 1.0, "target_delta": 0.0}, "delta"),
+        ({"target_epsilon": 1.0, "target_delta": 1.0}, "delta"),
+        ({"noise_multiplier": 1.0, "max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"noise_multiplier": 1.0, "max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"noise_multiplier": 1.0, "target_epsilon": 1.0}, "exactly one"),
+        ({}, "exactly one"),
+        ({"noise_multiplier": -0.5}, "noise_multiplier"),
+        ({"noise_multiplier": 1.0, "sample_rate": 1.5}, "sample_rate"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DPStrategy(**kwargs)
+
+
+def test_fp16_and_gradient_clipping_are_rejected():
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, precision="16-true").fit(TinyRegressor())
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, gradient_clip_val=1.0).fit(TinyRegressor())
+
+
+def test_calibrated_run_spends_the_target_epsilon():
+    callback = PrivacyAccountantCallback()
+    strategy = DPStrategy(target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0, seed=0)
+    make_trainer(strategy, max_epochs=3, callbacks=[callback]).fit(TinyRegressor())
+    assert callback.summary["epsilon"] == pytest.approx(2.0, rel=0.01)
+    assert callback.summary["epsilon"] <= 2.0 + 1e-9
+
+
+def test_checkpoint_model_weights_are_plain(tmp_path):
+    module = TinyRegressor()
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=2)
+    trainer.fit(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    state = torch.load(tmp_path / "m.ckpt", weights_only=False)["state_dict"]
+    fresh = TinyRegressor()
+    fresh.load_state_dict(state)  # a plain module loads the DP-trained weights: no wrapper prefixes
+    for a, b in zip(_params(fresh), _params(module), strict=True):
+        torch.testing.assert_close(a, b)
