@@ -9,7 +9,8 @@ sequence length T=128, batch B=8, per-sample mean token cross-entropy, SGD. Vari
 - ``opacus-flat``: Opacus ``GradSampleModule`` + Opacus ``DPOptimizer`` (materialised per-sample grads).
 
 Each variant runs in a fresh subprocess so peak memory is its own: on CUDA
-``torch.cuda.max_memory_allocated``, on CPU the peak resident set (VmHWM) minus the resident set after the model is built.
+``torch.cuda.max_memory_allocated``, on CPU the peak resident set (VmHWM) minus the resident set after the model
+is built.
 
 Usage: ``python bench/step_overhead.py [--steps 5] [--device cpu|cuda] [--vocab 50257]``
 """

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import time
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,7 +38,7 @@ def run_demo(
     data = DigitsDataModule(batch_size=batch_size)
     model = DigitsCNN(lr=lr)
     accountant = PrivacyAccountantCallback()
-    table = EpochTable("val_acc")
+    table = EpochTable("val_acc", enabled=progress_bar)
     strategy = DPStrategy(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
@@ -88,6 +89,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a torch/Lightning deprecation, not ours
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     result = run_demo(
         target_epsilon=args.target_epsilon,

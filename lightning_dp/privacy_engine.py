@@ -102,6 +102,7 @@ class PrivacyEngine:
         self.num_params: int | None = None
         self._max_steps_cache: tuple[float, int] | None = None
         self._restored_sample_rate: float | None = None
+        self._epsilon_cache: tuple[tuple[int, float, int], float] | None = None
         #: when set (by the ``PrivacyBudget`` callback), no step is taken that would push epsilon above it.
         self.epsilon_budget: float | None = None
 
@@ -237,7 +238,11 @@ class PrivacyEngine:
         assert self.mechanism is not None
         if self.mechanism.is_noiseless:
             return math.inf
-        return self.accountant.get_epsilon(delta if delta is not None else self.target_delta)
+        delta = delta if delta is not None else self.target_delta
+        key = (self.steps, delta, len(self.accountant.ledger))
+        if self._epsilon_cache is None or self._epsilon_cache[0] != key:
+            self._epsilon_cache = (key, self.accountant.get_epsilon(delta))
+        return self._epsilon_cache[1]
 
     def max_steps_within(self, epsilon_budget: float) -> int:
         """The largest total number of steps whose epsilon stays <= ``epsilon_budget`` (cached per budget).

@@ -43,7 +43,7 @@ class PrivacyAccountantCallback(Callback):
         engine = privacy_engine_of(trainer)
         epsilon = engine.epsilon(self.delta)
         self.history.append((trainer.current_epoch, engine.steps, epsilon))
-        pl_module.log("epsilon", epsilon, prog_bar=True, logger=True, on_step=False, on_epoch=True)
+        pl_module.log("epsilon", epsilon, prog_bar=True, logger=bool(trainer.loggers), on_step=False, on_epoch=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)
@@ -112,25 +112,26 @@ class EpochTable(Callback):
 
     Args:
         val_metric: name of a metric the module logs during validation (e.g. ``"val_acc"``).
+        enabled: print the rows (``False`` only collects them in ``rows``).
 
     Attributes:
-        rows: the printed rows as dicts.
+        rows: the rows as dicts.
     """
 
-    def __init__(self, val_metric: str = "val_acc") -> None:
+    def __init__(self, val_metric: str = "val_acc", enabled: bool = True) -> None:
         self.val_metric = val_metric
+        self.enabled = enabled
         self.rows: list[dict[str, float]] = []
         self._losses: list[float] = []
 
     def _print(self, trainer: pl.Trainer, text: str) -> None:
+        if not self.enabled:
+            return
         bar = trainer.progress_bar_callback
         if bar is not None and hasattr(bar, "print"):
             bar.print(text)
         else:
             print(text)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._print(trainer, f"{'epoch':>5}  {'train_loss':>10}  {self.val_metric:>10}  {'epsilon':>8}")
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._losses = []
@@ -152,6 +153,8 @@ class EpochTable(Callback):
             "epsilon": privacy_engine_of(trainer).epsilon(),
         }
         self.rows.append(row)
+        if len(self.rows) == 1:
+            self._print(trainer, f"{'epoch':>5}  {'train_loss':>10}  {self.val_metric:>10}  {'epsilon':>8}")
         self._print(
             trainer,
             f"{row['epoch']:>5}  {train_loss:>10.4f}  {row[self.val_metric]:>10.4f}  {row['epsilon']:>8.4f}",

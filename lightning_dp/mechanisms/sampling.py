@@ -59,8 +59,13 @@ def sample_laplace(like: torch.Tensor, scale: float | torch.Tensor, generator: t
 
 
 def sample_gamma(
-    shape: float, scale: float, size: torch.Size | tuple[int, ...], generator: torch.Generator, *,
-    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+    shape: float,
+    scale: float,
+    size: torch.Size | tuple[int, ...],
+    generator: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """I.i.d. ``Gamma(shape, scale)`` variables (mean ``shape * scale``) from generator-driven normals/uniforms.
 

@@ -1,0 +1,27 @@
+"""Engine ``flat``: materialise each parameter's per-sample gradient, summed over its uses, and take its norm.
+
+Exact for every layer and for tied parameters. Peak extra memory is ``B * numel`` of the largest parameter (each
+parameter's per-sample gradient is freed after its norm is taken). The only engine supporting l1 clipping.
+Oracle: ``torch.func.vmap(torch.func.grad(...))`` (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.terms import Term
+
+
+class FlatEngine(ClippingEngine):
+    """Per-sample gradients in full; see the module docstring."""
+
+    name = "flat"
+    supports_l1 = True
+
+    def contribution(self, terms: list[Term], norm: int) -> torch.Tensor:
+        """``sum_j |g_ij|^norm`` from the materialised per-sample gradient ``g_i``: ``[B]``."""
+        return materialised_contribution(terms, norm)
+
+
+register_engine(FlatEngine())

@@ -1,0 +1,59 @@
+"""Engine ``ghost``: per-sample squared norms from Gram matrices, without per-sample gradients (Li et al. 2022).
+
+For a factored term ``grad_i = L_i^T R_i``: ``||grad_i||_F^2 = <L_i L_i^T, R_i R_i^T>`` (Li et al. 2022, "Large
+language models can be strong differentially private learners", Section 4, ghost clipping), memory ``B * T^2``.
+A parameter used several times (tied weights such as GPT-2's ``lm_head.weight is wte.weight``, or a module called
+twice) has ``grad_i = sum_u L_ui^T R_ui``, so the squared norm includes the cross terms
+``sum_{u,v} <L_ui L_vi^T, R_ui R_vi^T>`` (memory ``B * T_u * T_v``), never just the sum of the uses' squared norms.
+Left Gram blocks with one-hot ids are formed without the one-hot matrix: id equality between two embedding uses,
+and a gather of the dense factor's columns at the ids between an embedding use and a linear use.
+
+Parameters with a materialised term (biases, norm layers, grouped convolutions) are materialised in full, summed
+over uses (exact; these parameters are small). l2 only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.terms import Factored, Term
+
+
+def left_gram(u: Factored, v: Factored) -> torch.Tensor:
+    """``L_u L_v^T`` per sample: ``[B, T_u, T_v]`` (one-hot ids handled by equality or gather)."""
+    if u.is_index and v.is_index:
+        return (u.left.unsqueeze(2) == v.left.unsqueeze(1)).to(u.right.dtype)
+    if u.is_index:
+        index = u.left.unsqueeze(1).expand(-1, v.left.shape[1], -1)  # [B, T_v, T_u]
+        return v.left.gather(2, index).transpose(1, 2)
+    if v.is_index:
+        return left_gram(v, u).transpose(1, 2)
+    return torch.bmm(u.left, v.left.transpose(1, 2))
+
+
+def gram_squared_norm(terms: list[Factored]) -> torch.Tensor:
+    """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]``."""
+    total = terms[0].right.new_zeros(terms[0].right.shape[0])
+    for i, u in enumerate(terms):
+        for j in range(i, len(terms)):
+            v = terms[j]
+            cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
+            total = total + (cross if i == j else 2.0 * cross)
+    return total
+
+
+class GhostEngine(ClippingEngine):
+    """Ghost norms; see the module docstring."""
+
+    name = "ghost"
+    supports_l1 = False
+
+    def contribution(self, terms: list[Term], norm: int) -> torch.Tensor:
+        """Per-sample squared l2 norm of the parameter's gradient summed over its uses: ``[B]``."""
+        if all(isinstance(term, Factored) for term in terms):
+            return gram_squared_norm(terms)
+        return materialised_contribution(terms, norm)
+
+
+register_engine(GhostEngine())

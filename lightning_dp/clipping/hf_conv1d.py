@@ -1,0 +1,40 @@
+"""Per-sample gradient terms for HuggingFace ``transformers.pytorch_utils.Conv1D`` (GPT-2's projections).
+
+``Conv1D`` is a linear layer with a transposed weight: ``s = a W + b`` with ``W`` of shape ``[d_in, d_out]``, so
+``grad W_i = A_i^T G_i`` and ``grad b_i = sum_t G_i[t]`` (Li et al. 2022, Section 4). Registered only when
+``transformers`` is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.terms import Factored, Materialised, Term, as_sequence, compute_dtype, trainable
+
+
+def conv1d_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
+    """Terms for ``weight`` ``[d_in, d_out]`` (factored ``A^T G``) and ``bias`` ``[d_out]`` (materialised).
+
+    Args:
+        layer: the ``Conv1D`` layer.
+        activation: its input ``[B, *lead, d_in]``.
+        output_grad: gradient w.r.t. its output ``[B, *lead, d_out]``.
+    """
+    dtype = compute_dtype(layer.weight)
+    grads = as_sequence(output_grad, dtype)
+    terms: dict[str, Term] = {}
+    if layer.weight.requires_grad:
+        terms["weight"] = Factored(as_sequence(activation, dtype), grads, layer.weight.shape)
+    if trainable(layer, "bias"):
+        terms["bias"] = Materialised(grads.sum(1))
+    return terms
+
+
+try:
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # transformers is an optional dependency
+    pass
+else:
+    register_layer(Conv1D)(conv1d_terms)

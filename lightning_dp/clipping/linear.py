@@ -1,0 +1,33 @@
+"""Per-sample gradient terms for ``nn.Linear`` (``s = a W^T + b``) with any number of leading dimensions.
+
+For sample ``i`` with activations ``A_i`` (``T x d_in``, all leading dims after the first flattened into ``T``) and
+output gradients ``G_i`` (``T x d_out``): ``grad W_i = G_i^T A_i`` and ``grad b_i = sum_t G_i[t]``
+(DESIGN.md section 4; Li et al. 2022, Section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.terms import Factored, Materialised, Term, as_sequence, compute_dtype, trainable
+
+
+@register_layer(nn.Linear)
+def linear_terms(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
+    """Terms for ``weight`` ``[d_out, d_in]`` (factored ``G^T A``) and ``bias`` ``[d_out]`` (materialised).
+
+    Args:
+        layer: the linear layer.
+        activation: its input ``[B, *lead, d_in]``.
+        output_grad: gradient w.r.t. its output ``[B, *lead, d_out]``.
+    """
+    dtype = compute_dtype(layer.weight)
+    grads = as_sequence(output_grad, dtype)
+    terms: dict[str, Term] = {}
+    if layer.weight.requires_grad:
+        terms["weight"] = Factored(grads, as_sequence(activation, dtype), layer.weight.shape)
+    if trainable(layer, "bias"):
+        terms["bias"] = Materialised(grads.sum(1))
+    return terms

@@ -1,0 +1,103 @@
+"""Per-sample gradient terms: what a layer family hands to a clipping engine.
+
+A layer family turns one captured call of a layer (its input activation and the gradient of the loss w.r.t. its
+output) into one term per trainable parameter. A term either holds the per-sample gradient in full
+(:class:`Materialised`) or in the factored form ``grad_i = L_i^T R_i`` (:class:`Factored`) that lets the ghost
+engine compute ``||grad_i||_F^2 = <L_i L_i^T, R_i R_i^T>`` without forming ``grad_i`` (Li et al. 2022, "Large
+language models can be strong differentially private learners", Section 4, ghost clipping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Materialised:
+    """The per-sample gradient of one parameter for one use of it.
+
+    Attributes:
+        grad: ``[B, *param.shape]`` in the compute dtype (see :func:`compute_dtype`).
+    """
+
+    grad: torch.Tensor
+
+    def materialise(self) -> torch.Tensor:
+        """Return the per-sample gradient ``[B, *param.shape]``."""
+        return self.grad
+
+    def batch_sum(self) -> torch.Tensor:
+        """The gradient summed over the batch, ``[*param.shape]``."""
+        return self.grad.sum(0)
+
+
+@dataclass(frozen=True)
+class Factored:
+    """The per-sample gradient of one parameter for one use, as ``grad_i = reshape(L_i^T R_i, shape)``.
+
+    Attributes:
+        left: either dense ``[B, T, P]`` (floating point), or token ids ``[B, T]`` (integer) standing for the
+            one-hot matrix ``L_i[t, p] = [left[i, t] == p]`` (embeddings).
+        right: dense ``[B, T, Q]``, same dtype as a dense ``left``.
+        shape: the parameter shape, with ``shape[0] == P`` and ``prod(shape[1:]) == Q`` for every layer family, so
+            that terms of different families sharing one parameter (tied weights) index it alike.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def is_index(self) -> bool:
+        """Whether ``left`` holds token ids rather than a dense matrix."""
+        return not self.left.is_floating_point()
+
+    def materialise(self) -> torch.Tensor:
+        """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""
+        batch, _, cols = self.right.shape
+        if self.is_index:
+            grad = self.right.new_zeros(batch, self.shape[0], cols)
+            grad.scatter_add_(1, self.left.unsqueeze(-1).expand_as(self.right), self.right)
+        else:
+            grad = torch.bmm(self.left.transpose(1, 2), self.right)
+        return grad.reshape(batch, *self.shape)
+
+    def batch_sum(self) -> torch.Tensor:
+        """The gradient summed over the batch, ``[*shape]``, without per-sample gradients (one ``P x Q`` matmul)."""
+        cols = self.right.shape[-1]
+        right = self.right.reshape(-1, cols)
+        if self.is_index:
+            total = right.new_zeros(self.shape[0], cols).index_add_(0, self.left.reshape(-1), right)
+        else:
+            total = self.left.reshape(-1, self.left.shape[-1]).T @ right
+        return total.reshape(self.shape)
+
+
+Term = Materialised | Factored
+
+
+def materialise_sum(terms: list[Term]) -> torch.Tensor:
+    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]``."""
+    total = terms[0].materialise()
+    for term in terms[1:]:
+        total = total + term.materialise()
+    return total
+
+
+def compute_dtype(param: nn.Parameter) -> torch.dtype:
+    """Dtype for per-sample norm arithmetic: float64 for float64 parameters, else float32 (safe under autocast)."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def as_sequence(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reshape ``[B, *lead, d]`` to ``[B, T, d]`` with ``T = prod(lead)`` (``T = 1`` for ``[B, d]``), cast to dtype."""
+    return x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype)
+
+
+def trainable(layer: nn.Module, name: str) -> bool:
+    """Whether ``layer`` has a parameter ``name`` (not None) that requires grad."""
+    param = getattr(layer, name, None)
+    return param is not None and param.requires_grad

@@ -1,0 +1,39 @@
+"""The ``lightning-dp`` console entry: help, LightningCLI ``fit`` with the shipped config."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightning_dp.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "fit", "epsilon", "calibrate"):
+        assert command in out
+    assert main(["nope"]) == 2
+
+
+def test_fit_with_shipped_config(tmp_path, capsys):
+    config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+    config["trainer"]["max_epochs"] = 1
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    config["trainer"]["enable_progress_bar"] = False
+    path = tmp_path / "digits.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "epsilon" in out
+
+
+@pytest.mark.slow
+def test_demo_reaches_target_accuracy():
+    from lightning_dp.demo import run_demo
+
+    result = run_demo(progress_bar=False)
+    assert result["epsilon"] <= 3.0 + 1e-9
+    assert result["test_acc"] >= 0.85

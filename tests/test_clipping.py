@@ -1,0 +1,470 @@
+"""Per-sample clipping (flat and ghost engines) against a torch.func per-sample gradient oracle, in float64."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+
+ENGINES = PerSampleClipper.CLIPPING_ENGINES
+RTOL = 1e-4
+
+Forward = Callable[..., torch.Tensor]
+LossFn = Callable[[Forward, tuple[torch.Tensor, ...]], torch.Tensor]
+
+
+def sin_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A nonlinear per-sample loss ``[B]`` of the model output."""
+    return forward(*inputs).flatten(1).sin().sum(1)
+
+
+def oracle_grads(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: LossFn = sin_loss
+) -> dict[str, torch.Tensor]:
+    """Per-sample gradients ``{name: [B, *shape]}`` of the trainable parameters via vmap(grad(functional_call))."""
+    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    fixed = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    fixed.update(dict(model.named_buffers()))
+
+    def one(params: dict[str, torch.Tensor], *xs: torch.Tensor) -> torch.Tensor:
+        def forward(*batched: torch.Tensor) -> torch.Tensor:
+            return functional_call(model, {**params, **fixed}, batched)
+
+        return loss_fn(forward, tuple(x.unsqueeze(0) for x in xs)).sum()
+
+    return vmap(grad(one), in_dims=(None, *([0] * len(inputs))))(trainable, *inputs)
+
+
+def oracle_norms(grads: dict[str, torch.Tensor], norm: int = 2) -> torch.Tensor:
+    flat = torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+    return flat.abs().sum(1) if norm == 1 else flat.norm(dim=1)
+
+
+def check_against_oracle(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    clipping: str,
+    loss_fn: LossFn = sin_loss,
+    norm: int = 2,
+    atol: float = 1e-10,
+) -> PerSampleClipper:
+    """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle."""
+    grads = oracle_grads(model, inputs, loss_fn)
+    ref_norms = oracle_norms(grads, norm)
+    max_grad_norm = ref_norms.median().item()
+    factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm)
+
+    norms = clipper.per_sample_norms(loss_fn(model, inputs))
+    torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=1e-10)
+    assert all(p.grad is None for p in model.parameters()), "per_sample_norms must not touch .grad"
+
+    returned = clipper.backward(loss_fn(model, inputs))
+    torch.testing.assert_close(returned, ref_norms, rtol=RTOL, atol=1e-10)
+    named = dict(model.named_parameters())
+    for name, per_sample in grads.items():
+        expected = torch.einsum("b,b...->...", factors, per_sample)
+        torch.testing.assert_close(named[name].grad, expected, rtol=RTOL, atol=atol, msg=name)
+    return clipper
+
+
+def randomise(model: nn.Module, seed: int = 0) -> nn.Module:
+    """float64 and random parameters (norm weights away from 1, biases away from 0)."""
+    model = model.double()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return model
+
+
+def rand(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _hf_conv1d() -> nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(3, 5)
+
+
+def _llama_rms_norm() -> nn.Module:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(5, eps=1e-5)
+
+
+def _gemma_rms_norm() -> nn.Module:
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    return GemmaRMSNorm(5)
+
+
+B = 4
+IDS = torch.tensor([[1, 2, 1, 0, 3, 1], [0, 0, 5, 5, 6, 2], [4, 4, 4, 4, 4, 4], [6, 5, 3, 2, 1, 0]])
+
+LAYER_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "linear_2d": (lambda: nn.Linear(5, 3), lambda: rand(B, 5)),
+    "linear_2d_nobias": (lambda: nn.Linear(5, 3, bias=False), lambda: rand(B, 5)),
+    "linear_seq": (lambda: nn.Linear(5, 3), lambda: rand(B, 6, 5)),
+    "linear_seq_4d": (lambda: nn.Linear(5, 3), lambda: rand(B, 2, 3, 5)),
+    "linear_seq_nobias": (lambda: nn.Linear(5, 3, bias=False), lambda: rand(B, 6, 5)),
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1), lambda: rand(B, 3, 11)),
+    "conv1d_groups_reflect": (
+        lambda: nn.Conv1d(4, 6, 3, dilation=2, groups=2, padding=2, padding_mode="reflect", bias=False),
+        lambda: rand(B, 4, 10),
+    ),
+    "conv2d": (lambda: nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2), lambda: rand(B, 3, 9, 8)),
+    "conv2d_nobias": (lambda: nn.Conv2d(3, 4, (2, 3), stride=(1, 2), bias=False), lambda: rand(B, 3, 7, 7)),
+    "conv2d_groups": (lambda: nn.Conv2d(4, 6, 3, groups=2, padding="same"), lambda: rand(B, 4, 6, 6)),
+    "conv2d_depthwise_circular": (
+        lambda: nn.Conv2d(3, 3, 3, groups=3, padding=1, padding_mode="circular"),
+        lambda: rand(B, 3, 5, 5),
+    ),
+    "embedding": (lambda: nn.Embedding(7, 4), lambda: IDS),
+    "embedding_padding_idx": (lambda: nn.Embedding(7, 4, padding_idx=0), lambda: IDS),
+    "layer_norm": (lambda: nn.LayerNorm(5), lambda: rand(B, 6, 5)),
+    "layer_norm_2d_shape": (lambda: nn.LayerNorm((3, 5)), lambda: rand(B, 3, 5)),
+    "layer_norm_flat_input": (lambda: nn.LayerNorm(5), lambda: rand(B, 5)),
+    "layer_norm_nobias": (lambda: nn.LayerNorm(5, bias=False), lambda: rand(B, 6, 5)),
+    "group_norm": (lambda: nn.GroupNorm(2, 4), lambda: rand(B, 4, 3, 3)),
+    "rms_norm": (lambda: nn.RMSNorm(5, eps=1e-5), lambda: rand(B, 6, 5)),
+    "rms_norm_eps_none": (lambda: nn.RMSNorm(5), lambda: rand(B, 6, 5)),
+    "llama_rms_norm": (_llama_rms_norm, lambda: rand(B, 6, 5)),
+    "gemma_rms_norm": (_gemma_rms_norm, lambda: rand(B, 6, 5)),
+    "hf_conv1d": (_hf_conv1d, lambda: rand(B, 6, 5)),
+    "hf_conv1d_2d": (_hf_conv1d, lambda: rand(B, 5)),
+}
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+@pytest.mark.parametrize("case", sorted(LAYER_CASES))
+def test_layer_matches_oracle(case: str, clipping: str) -> None:
+    make_layer, make_input = LAYER_CASES[case]
+    check_against_oracle(randomise(make_layer()), (make_input(),), clipping)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_mlp_with_inplace_activation(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Tanh()))
+    check_against_oracle(model, (rand(B, 6, 5),), clipping)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_frozen_parameters_are_skipped(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3), nn.LayerNorm(3)))
+    model[0].weight.requires_grad_(False)
+    model[2].requires_grad_(False)
+    clipper = check_against_oracle(model, (rand(B, 6, 5),), clipping)
+    assert clipper.trainable_parameters == [model[0].bias, model[3].weight, model[3].bias]
+    assert model[0].weight.grad is None and model[2].weight.grad is None
+
+
+class TiedLM(nn.Module):
+    """Embedding and output projection sharing one weight (as GPT-2's ``lm_head``/``wte``), plus positions."""
+
+    def __init__(self, vocab: int = 7, dim: int = 4, seq: int = 6) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)  # broadcast [1, T]
+        h = self.emb(ids) + self.pos(positions)
+        return self.out(torch.tanh(self.mix(h)))
+
+
+class CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.conv = nn.Conv1d(5, 5, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(torch.tanh(self.lin(x)))
+        return self.conv(self.conv(h.transpose(1, 2)).tanh())
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_tied_embedding_and_output_weight(clipping: str) -> None:
+    model = randomise(TiedLM())
+    assert model.out.weight is model.emb.weight
+    check_against_oracle(model, (IDS,), clipping)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_module_called_twice(clipping: str) -> None:
+    check_against_oracle(randomise(CalledTwice()), (rand(B, 6, 5),), clipping)
+
+
+def lm_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Per-sample mean next-token cross-entropy ``[B]``."""
+    (ids,) = inputs
+    logits = forward(ids).logits[:, :-1]
+    tokens = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    return tokens.mean(1)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_tiny_gpt2_matches_oracle(clipping: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0
+    )
+    model = transformers.GPT2LMHeadModel(config).double()
+    # Both projection paths: HF Conv1D (attention/MLP) and nn.Linear (lm_head, tied to the token embedding).
+    assert isinstance(model.transformer.h[0].attn.c_attn, Conv1D)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_tiny_llama_matches_oracle(clipping: str) -> None:
+    """nn.Linear projections, HF LlamaRMSNorm (scale-only rule), rotary positions, tied embeddings."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+    )
+    model = randomise(transformers.LlamaForCausalLM(config), seed=3)
+    ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    # LlamaRMSNorm normalises in float32 even for a float64 model: absolute tolerance at float32 level.
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, atol=1e-5)
+
+
+def test_gpt2_generate_and_save_pretrained_with_hooks(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    keys = list(model.state_dict())
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 6)
+    assert clipper._hooks.captures == []
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    assert list(reloaded.state_dict()) == keys
+    assert all(torch.equal(v, reloaded.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_bf16_autocast_norms_in_float32(clipping: str) -> None:
+    model = nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+    torch.manual_seed(0)
+    x = torch.randn(B, 6, 5)
+    grads = oracle_grads(model, (x,))
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = sin_loss(model, (x,))
+    assert loss.dtype == torch.bfloat16
+    norms = clipper.backward(loss)
+    assert norms.dtype == torch.float32
+    torch.testing.assert_close(norms, oracle_norms(grads), rtol=5e-2, atol=0.0)
+    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_cuda_tied_lm(clipping: str) -> None:
+    model = randomise(TiedLM()).cuda()
+    check_against_oracle(model, (IDS.cuda(),), clipping)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_gradient_accumulation_sums(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x1, x2 = rand(B, 5, seed=1), rand(3, 5, seed=2)
+    grads = [oracle_grads(model, (x,)) for x in (x1, x2)]
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.5)
+    clipper.backward(sin_loss(model, (x1,)))
+    clipper.backward(sin_loss(model, (x2,)))
+    for name, p in model.named_parameters():
+        expected = 0
+        for g in grads:
+            factors = (0.5 / (oracle_norms(g) + 1e-6)).clamp(max=1.0)
+            expected = expected + torch.einsum("b,b...->...", factors, g[name])
+        torch.testing.assert_close(p.grad, expected, rtol=RTOL, atol=1e-10)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_empty_batch(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)))
+    model[2].bias.grad = torch.ones_like(model[2].bias)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    norms = clipper.backward(sin_loss(model, (rand(0, 5),)))
+    assert norms.shape == (0,)
+    for p in clipper.trainable_parameters:
+        expected = torch.ones_like(p) if p is model[2].bias else torch.zeros_like(p)
+        assert torch.equal(p.grad, expected)
+    clipper.backward(sin_loss(model, (rand(B, 5),)))  # the next batch still works
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_small_cnn(clipping: str) -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(4, 4, 3, stride=2, groups=2),
+        nn.Flatten(),
+        nn.Linear(4 * 3 * 3, 3),
+    )
+    check_against_oracle(randomise(model), (rand(B, 3, 8, 8),), clipping)
+
+
+def test_l1_clipping_flat() -> None:
+    model = randomise(nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6, 3)))
+    check_against_oracle(model, (rand(B, 3, 8),), "flat", norm=1)
+    check_against_oracle(randomise(TiedLM()), (IDS,), "flat", norm=1)
+
+
+def test_detach_restores_module() -> None:
+    model = randomise(TiedLM())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    hook_attrs = [name for name in vars(nn.Module()) if "hooks" in name]
+
+    def hooks() -> list[dict]:
+        return [{a: dict(getattr(m, a)) for a in hook_attrs} for m in model.modules()]
+
+    before = hooks()
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    assert hooks() != before
+    assert list(model.state_dict()) == list(state)
+    clipper.backward(sin_loss(model, (IDS,)))
+    clipper.detach()
+    assert hooks() == before
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert list(model.state_dict()) == list(state)
+    with pytest.raises(RuntimeError, match="detached"):
+        clipper.backward(sin_loss(model, (IDS,)))
+
+
+def test_stale_forward_does_not_leak_into_next_batch() -> None:
+    model = randomise(TiedLM())
+    ids = IDS[[0, 2]]
+    grads = oracle_grads(model, (ids,))
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    model(IDS[:3])  # recorded but never clipped (e.g. a forward outside the training step)
+    torch.testing.assert_close(
+        clipper.per_sample_norms(sin_loss(model, (ids,))), oracle_norms(grads), rtol=RTOL, atol=0
+    )
+
+
+def test_no_grad_forward_records_nothing() -> None:
+    model = randomise(TiedLM())
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    with torch.no_grad():
+        model(IDS)
+    assert clipper._hooks.captures == []
+
+
+class RawParam(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_batchnorm_rejected() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4)))
+    model[1][0].requires_grad_(False)
+    with pytest.raises(UnsupportedModuleError, match=r"'1\.0'.*GroupNorm"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+
+
+def test_unsupported_trainable_parameter_rejected() -> None:
+    with pytest.raises(UnsupportedModuleError, match=r"'scale'.*RawParam.*freeze"):
+        PerSampleClipper(RawParam(), max_grad_norm=1.0)
+    frozen = RawParam()
+    frozen.scale.requires_grad_(False)
+    PerSampleClipper(frozen, max_grad_norm=1.0)
+
+
+def test_parameter_used_outside_its_forward_rejected() -> None:
+    model = nn.MultiheadAttention(4, 2)
+    model.in_proj_weight.requires_grad_(False)
+    model.in_proj_bias.requires_grad_(False)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)  # out_proj is an nn.Linear subclass ...
+    x = torch.randn(3, 2, 4)
+    with pytest.raises(UnsupportedModuleError, match="out_proj"):  # ... but MHA uses its weight functionally
+        clipper.backward(model(x, x, x)[0].sum((0, 2)))
+
+
+class FunctionalReuse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_hooked_parameter_also_used_functionally_rejected(clipping: str) -> None:
+    model = FunctionalReuse()
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"'lin\.weight'.*outside the forward"):
+        clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+    unchecked = PerSampleClipper(FunctionalReuse(), clipping=clipping, max_grad_norm=1.0, verify_first_batch=False)
+    unchecked.backward(sin_loss(unchecked.module, (torch.randn(B, 5),)))
+
+
+def test_embedding_scale_grad_by_freq_rejected() -> None:
+    with pytest.raises(UnsupportedModuleError, match="scale_grad_by_freq"):
+        PerSampleClipper(nn.Embedding(5, 2, scale_grad_by_freq=True), max_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("shape", [(), (B, 2)])
+def test_non_per_sample_loss_rejected(shape: tuple[int, ...]) -> None:
+    model = nn.Linear(5, 2)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    out = model(torch.randn(B, 5))
+    loss = out.sum() if shape == () else out
+    with pytest.raises(ValueError, match=r"per-sample loss of shape \[B\]"):
+        clipper.backward(loss)
+
+
+def test_batch_mismatch_rejected() -> None:
+    model = nn.Linear(5, 2)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    loss = model(torch.randn(B, 5)).sum(0)  # shape [2], not [B]
+    with pytest.raises(ValueError, match="batch dimension of 4"):
+        clipper.backward(loss)
+
+
+def test_argument_validation() -> None:
+    model = nn.Linear(5, 2)
+    with pytest.raises(ValueError, match="clipping='flat'"):
+        PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0, norm=1)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="max_grad_norm"):
+            PerSampleClipper(model, max_grad_norm=bad)
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        PerSampleClipper(model, clipping="nope", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="norm must be"):
+        PerSampleClipper(model, max_grad_norm=1.0, norm=3)
