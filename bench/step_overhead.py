@@ -85,15 +85,21 @@ def _run_variant(variant: str, args: argparse.Namespace, queue: mp.Queue) -> Non
         from opacus import GradSampleModule
         from opacus.optimizers import DPOptimizer as OpacusDPOptimizer
 
-        wrapped = GradSampleModule(model)
+        wrapped = GradSampleModule(model, loss_reduction="sum")
+        positions = torch.arange(args.seq_len, device=device).expand(args.batch_size, -1)
         opacus_optimizer = OpacusDPOptimizer(
-            optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=args.batch_size
+            optimizer,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            expected_batch_size=args.batch_size,
+            loss_reduction="sum",
         )
 
         def step() -> None:
             opacus_optimizer.zero_grad(set_to_none=True)
-            # Opacus scales per-sample grads by its loss_reduction="mean"; summing matches per-sample clipping
-            per_sample_loss(wrapped(tokens).logits).sum().backward()
+            # Opacus needs position_ids expanded to the batch (broadcast [1, T] ids give batch-1 per-sample grads);
+            # loss_reduction="sum" matches clipping the per-sample losses.
+            per_sample_loss(wrapped(tokens, position_ids=positions).logits).sum().backward()
             opacus_optimizer.step()
 
     if device.type == "cuda":

@@ -118,10 +118,10 @@ def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     epsilons = _epsilons(mechanism, accountants, args)
     primary = args.accountant or default
     summary = {
+        "noise": args.noise,
         "epsilon": epsilons[primary],
         "delta": args.delta,
         "accountant": primary,
-        "noise": args.noise,
         "sample_rate": args.sample_rate,
         "steps": args.steps,
         **mechanism.describe(),
@@ -180,10 +180,10 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if default != accountant:  # e.g. laplace-advanced calibrated by "advanced": also show the sound bound
         epsilons.update(_epsilons(mechanism, (default,), args))
     summary = {
+        "noise": args.noise,
         "epsilon": epsilon,
         "delta": args.delta,
         "accountant": accountant,
-        "noise": args.noise,
         "target_epsilon": args.target_epsilon,
         "sample_rate": args.sample_rate,
         "steps": args.steps,

@@ -26,6 +26,7 @@ def run_demo(
     lr: float = 1.0,
     clipping: str = "flat",
     noise: str = "gaussian",
+    accountant: str | None = None,
     seed: int = 0,
     progress_bar: bool = True,
 ) -> dict[str, Any]:
@@ -37,7 +38,7 @@ def run_demo(
     pl.seed_everything(seed, verbose=False)
     data = DigitsDataModule(batch_size=batch_size)
     model = DigitsCNN(lr=lr)
-    accountant = PrivacyAccountantCallback()
+    privacy_callback = PrivacyAccountantCallback()
     table = EpochTable("val_acc", enabled=progress_bar)
     strategy = DPStrategy(
         target_epsilon=target_epsilon,
@@ -45,6 +46,7 @@ def run_demo(
         max_grad_norm=max_grad_norm,
         clipping=clipping,
         noise=noise,
+        accountant=accountant,
         seed=seed,
         device="cpu",
     )
@@ -52,7 +54,7 @@ def run_demo(
         strategy=strategy,
         accelerator="cpu",
         max_epochs=epochs,
-        callbacks=[accountant, table],
+        callbacks=[privacy_callback, table],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,
@@ -63,7 +65,7 @@ def run_demo(
     trainer.fit(model, datamodule=data)
     (test,) = trainer.test(model, datamodule=data, verbose=False)
     seconds = time.perf_counter() - start
-    summary = accountant.summary or {}
+    summary = privacy_callback.summary or {}
     return {
         "test_acc": test["test_acc"],
         "epsilon": summary.get("epsilon"),
@@ -84,7 +86,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1.0)
     parser.add_argument("--clipping", default="flat")
-    parser.add_argument("--noise", default="gaussian")
+    parser.add_argument("--noise", default="gaussian", help="gaussian | laplace | laplace-advanced | lap2 | plrv")
+    parser.add_argument("--accountant", default=None, help="default: the mechanism's sound accountant")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     args = parser.parse_args(argv)
@@ -100,6 +103,7 @@ def main(argv: list[str]) -> int:
         lr=args.lr,
         clipping=args.clipping,
         noise=args.noise,
+        accountant=args.accountant,
         seed=args.seed,
         progress_bar=not args.json,
     )

@@ -287,6 +287,7 @@ class PrivacyEngine:
             **self.mechanism.describe(),
             "steps": self.steps,
             "sample_rate": self.sample_rate,
+            "num_params": self.num_params,
             "accountant": self.accountant.name,
             "clipping": self.clipping,
         }

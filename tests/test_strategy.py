@@ -217,3 +217,33 @@ def test_checkpoint_model_weights_are_plain(tmp_path):
     fresh.load_state_dict(state)  # a plain module loads the DP-trained weights: no wrapper prefixes
     for a, b in zip(_params(fresh), _params(module), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_empty_poisson_batches_still_take_noisy_steps():
+    module = ZeroGradModule(n=100, batch_size=10)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.002, seed=1)
+    make_trainer(strategy, max_steps=5).fit(module)
+    assert strategy.privacy_engine.steps == 5
+    assert module.layer.weight.abs().sum() > 0  # noise was added on (mostly) empty batches
+
+
+def test_opting_out_of_poisson_sampling_warns(caplog):
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1).fit(TinyRegressor())
+    assert "assumes Poisson" in caplog.text
+
+
+def test_default_delta_and_large_delta_warning(caplog):
+    strategy = DPStrategy(noise_multiplier=1.0)
+    make_trainer(strategy, max_steps=1).fit(TinyRegressor())
+    assert strategy.privacy_engine.target_delta == pytest.approx(64**-1.1)
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, target_delta=0.05), max_steps=1).fit(TinyRegressor())
+    assert "not below 1/N" in caplog.text
+
+
+def test_manual_optimization_is_rejected():
+    module = TinyRegressor()
+    module.automatic_optimization = False
+    with pytest.raises(ValueError, match="automatic optimization"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(module)

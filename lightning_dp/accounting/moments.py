@@ -121,7 +121,8 @@ def subsampled_log_moments(orders: np.ndarray, q: float, log_base_moments: np.nd
     log_m = np.asarray(log_base_moments, dtype=np.float64)[: log_w.shape[1]]
     if log_m.shape[0] != log_w.shape[1]:
         raise ValueError(f"log_base_moments needs {log_w.shape[1]} entries (eta = 0..max order + 1)")
-    terms = log_w + log_m[None, :]
+    with np.errstate(invalid="ignore"):
+        terms = np.where(np.isneginf(log_w), -np.inf, log_w + log_m[None, :])
     with np.errstate(invalid="ignore"):
         add = logsumexp(terms, axis=1)
         bonus = np.where(np.arange(log_m.shape[0]) >= 3, LOG3, 0.0)

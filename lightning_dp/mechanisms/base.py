@@ -74,5 +74,6 @@ class NoiseMechanism(ABC):
         return False
 
     def describe(self) -> dict[str, float]:
-        """The mechanism's parameters, for logs and summaries."""
+        """The mechanism's constructor arguments (``make_mechanism(name, **describe())`` rebuilds it), for logs,
+        summaries and checkpoints."""
         return {"max_grad_norm": self.max_grad_norm}

@@ -24,6 +24,7 @@ import numpy as np
 from scipy import optimize, special
 
 from lightning_dp.accounting import make_accountant
+from lightning_dp.accounting.composition import advanced_laplace_noise_scale, basic_laplace_noise_scale
 from lightning_dp.mechanisms.base import MECHANISMS, NoiseMechanism, make_mechanism, validate_max_grad_norm
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 from lightning_dp.mechanisms.lap2 import Lap2Mechanism
@@ -133,7 +134,7 @@ def solve_monotone(
     ``log(epsilon / target)`` over ``log x``. Every evaluated point on the safe side (``epsilon <= target``) is
     remembered, the search stops at the first one inside the window, and if the root finder ends without one
     (a step-like accountant, or a jump to ``inf``/``nan`` at a moment-generating-function pole) plain bisection
-    between the tightest safe and unsafe points runs until they agree to a relative ``1e-4`` in ``x``. The returned
+    between the tightest safe and unsafe points runs until they agree to a relative ``1e-3`` in ``x``. The returned
     point is always on the safe side.
 
     Args:
@@ -153,60 +154,61 @@ def solve_monotone(
         ValueError: no ``x`` within ``bounds`` reaches the target (the message gives the closest epsilon).
     """
     lo_bound, hi_bound = bounds
+    sign = 1.0 if increasing else -1.0  # safe points lie at smaller sign * log(x)
     cache: dict[float, float] = {}
-    best: dict[str, tuple[float, float]] = {}
 
     def evaluate(t: float) -> float:
         if t not in cache:
             eps = float(epsilon_of(math.exp(t)))
-            eps = math.inf if math.isnan(eps) else eps
-            cache[t] = eps
-            side = "safe" if eps <= target else "unsafe"
-            # tightest point on each side: safe nearest the target from below, unsafe nearest from above
-            if side not in best or abs(eps - target) < abs(best[side][1] - target):
-                best[side] = (t, eps)
+            cache[t] = math.inf if math.isnan(eps) else eps
             if (1.0 - rtol) * target <= eps <= target:
                 raise _WithinTolerance
         return cache[t]
 
     def signed(t: float) -> float:
-        eps = evaluate(t)
-        ratio = math.log(max(eps, 1e-300) / (target * (1.0 - rtol / 2)))
+        ratio = math.log(max(evaluate(t), 1e-300) / (target * (1.0 - rtol / 2)))
         return max(min(ratio, 50.0), -50.0)
 
-    toward_safe = -1.0 if increasing else 1.0
+    def bracket() -> tuple[float, float]:
+        """The tightest safe and unsafe points evaluated so far (log x)."""
+        safe = max((t for t, e in cache.items() if e <= target), key=lambda t: sign * t)
+        unsafe = min((t for t, e in cache.items() if e > target), key=lambda t: sign * t)
+        return safe, unsafe
+
     t_lo, t_hi = math.log(lo_bound), math.log(hi_bound)
     t0 = min(max(math.log(initial), t_lo), t_hi)
     try:
         first = signed(t0)
-        direction = toward_safe if first > 0 else -toward_safe
-        t_prev, t = t0, t0
+        direction = -sign if first > 0 else sign
+        t = t0
         step = math.log(growth)
         while True:
-            t_prev, t = t, min(max(t + direction * step, t_lo), t_hi)
-            step *= 2.0
+            t = min(max(t + direction * step, t_lo), t_hi)
+            step *= 1.5
             if (signed(t) > 0) != (first > 0):
                 break
             if t in (t_lo, t_hi):
-                if direction != toward_safe:  # the whole range up to the bound is safe: the bound is the answer
+                if direction == sign:  # the whole range up to the bound is safe: the bound is the answer
                     return math.exp(t), cache[t]
                 closest = min(cache.values(), key=lambda e: abs(e - target))
                 raise ValueError(
                     f"No parameter in [{lo_bound:g}, {hi_bound:g}] reaches epsilon {target:g}; the closest was "
                     f"{closest:g}. Loosen the target (larger epsilon or delta, fewer steps, smaller sample rate)."
                 )
-        optimize.brentq(signed, min(t_prev, t), max(t_prev, t), xtol=1e-12, rtol=1e-10, maxiter=200)
-        safe_t, unsafe_t = best["safe"][0], best["unsafe"][0]
-        while abs(unsafe_t - safe_t) > 1e-4:
-            mid = 0.5 * (safe_t + unsafe_t)
-            if evaluate(mid) <= target:
-                safe_t = mid
-            else:
-                unsafe_t = mid
+        safe_t, unsafe_t = bracket()
+        while math.isinf(cache[unsafe_t]) and abs(unsafe_t - safe_t) > 1e-3:  # no interpolation through inf
+            evaluate(0.5 * (safe_t + unsafe_t))
+            safe_t, unsafe_t = bracket()
+        if abs(unsafe_t - safe_t) > 1e-3:
+            optimize.brentq(signed, min(safe_t, unsafe_t), max(safe_t, unsafe_t), xtol=1e-3, maxiter=100)
+            safe_t, unsafe_t = bracket()
+        while abs(unsafe_t - safe_t) > 1e-3:
+            evaluate(0.5 * (safe_t + unsafe_t))
+            safe_t, unsafe_t = bracket()
     except _WithinTolerance:
         pass
-    t_safe, eps_safe = best["safe"]
-    return math.exp(t_safe), eps_safe
+    t_best = max((t for t, e in cache.items() if e <= target), key=lambda t: cache[t])
+    return math.exp(t_best), cache[t_best]
 
 
 def closed_form_noise_ratio(target_epsilon: float, target_delta: float, sample_rate: float, steps: int) -> float:
@@ -283,10 +285,12 @@ def calibrate_result(
     Per mechanism:
 
     - ``gaussian``: noise multiplier ``sigma`` (root finding on the accountant, default ``"pld"``).
-    - ``laplace``: scale ``b``; closed form ``b = C T / eps`` (literature review 3.3) refined on the accountant
-      (default ``"basic"``, which may amplify by subsampling).
+    - ``laplace``: scale ``b``; closed form of literature review 3.3 (``b = C T / eps`` for ``q = 1``; with the
+      subsampling amplification inverted otherwise, ``basic_laplace_noise_scale``), checked and refined on the
+      accountant (default ``"basic"``).
     - ``laplace-advanced``: with the default ``"advanced"`` accountant, the literature review 4.4 scale
-      (``advanced_laplace_noise_scale``); with any other accountant, root finding on it.
+      (``advanced_laplace_noise_scale``, which also guards the review's per-step formula where it is not valid for
+      Laplace noise); with any other accountant (e.g. the sound ``"lap2"``), root finding on it.
     - ``lap2``: scale ``b`` at fixed ``C`` (LAP2 Alg. 1 inner loop; default ``"lap2"``).
     - ``plrv``: ``(k, theta)`` maximising ``(k - 1) theta`` under c1-c4 at fixed ``C`` (:func:`search_plrv` with
       ``clip_range=(C, C)``; default ``"plrv"``).
@@ -321,20 +325,34 @@ def calibrate_result(
         )
         return CalibrationResult(found.mechanism(), found.epsilon, name)
 
+    growth = 4.0
     if noise == "gaussian":
         build: Callable[[float], NoiseMechanism] = lambda s: GaussianMechanism(s, max_grad_norm)  # noqa: E731
         initial = ratio0
+        if name != "rdp":  # warm start from the cheap RDP bound (its sigma is a few % above PLD's)
+            initial = (
+                0.97
+                * calibrate_result(
+                    "gaussian",
+                    target_epsilon=target_epsilon,
+                    target_delta=target_delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    max_grad_norm=max_grad_norm,
+                    accountant="rdp",
+                ).mechanism.noise_multiplier
+            )
+            growth = 1.05
     elif noise == "laplace":
         build = lambda b: make_mechanism("laplace", noise_scale=b, max_grad_norm=max_grad_norm)  # noqa: E731
-        initial = max_grad_norm * steps / target_epsilon
+        initial = basic_laplace_noise_scale(target_epsilon, steps, max_grad_norm, sample_rate)[1]
     elif noise in ("lap2", "laplace-advanced"):
         n = _require_num_params(noise, num_params)
         build = lambda b: make_mechanism(noise, noise_scale=b, max_grad_norm=max_grad_norm)  # noqa: E731
         initial = ratio0 * max_grad_norm
         if noise == "laplace-advanced" and name == "advanced":
-            from lightning_dp.accounting import advanced_laplace_noise_scale
-
-            mech = build(advanced_laplace_noise_scale(target_epsilon, target_delta, steps, max_grad_norm))
+            scale = advanced_laplace_noise_scale(target_epsilon, target_delta, steps, max_grad_norm, sample_rate)[2]
+            mech = build(scale)
             eps = mechanism_epsilon(
                 mech, sample_rate=sample_rate, steps=steps, delta=target_delta, num_params=n, accountant=name
             )
@@ -352,7 +370,7 @@ def calibrate_result(
             accountant=name,
         )
 
-    value, eps = solve_monotone(epsilon_of, target_epsilon, initial=initial, increasing=False)
+    value, eps = solve_monotone(epsilon_of, target_epsilon, initial=initial, increasing=False, growth=growth)
     return CalibrationResult(build(value), eps, name)
 
 
@@ -571,9 +589,10 @@ def search_plrv(
     evaluated at ``(eta-1) C`` and ``-eta C``), and so does ``J = (k - 1) (C theta)``; only c1/c4 depend on
     ``theta`` alone. So for each ``k`` the largest feasible ``phi = C theta`` is found by root finding at
     ``C = C_max`` (c2 and the MGF cap), ``J(k) = (k-1) phi(k)`` is maximised over ``log(k-1)`` with
-    ``scipy.optimize.minimize_scalar`` (bounded, after a coarse grid), and ``C*`` is the largest clip in
-    ``clip_range`` for which ``theta = phi / C`` satisfies c1 and c4 (ties in ``J`` go to the larger clip,
-    as in LAP2 Alg. 1). The result is re-checked with the accountant at ``(k*, theta*, C*)``.
+    ``scipy.optimize.minimize_scalar`` (bounded, after a coarse grid over the shapes not excluded in closed form by
+    the Appendix D.2 bounds ``max{theta_min(k), 0.1/(k-1)} <= theta <= phi_cap / C_min``), and ``C*`` is the
+    largest clip in ``clip_range`` for which ``theta = phi / C`` satisfies c1 and c4 (ties in ``J`` go to the
+    larger clip, as in LAP2 Alg. 1). The result is re-checked with the accountant at ``(k*, theta*, C*)``.
 
     Args:
         target_epsilon, target_delta, sample_rate, steps: the privacy target and training schedule.
@@ -648,25 +667,41 @@ def search_plrv(
         # infeasible shapes (c1/c4 fail for every clip) are pushed away, proportionally to the violation
         return -(k - 1.0) * phi if clip_for(k, phi) is not None else (k - 1.0) * phi
 
-    grid = np.linspace(math.log(k_lo - 1.0), math.log(k_hi - 1.0), 7)
+    def infeasible(reason: str) -> ValueError:
+        return ValueError(
+            f"No PLRV-O configuration in shape_range={shape_range}, clip_range={clip_range} meets c1 "
+            f"(GammaCDF(0.1) <= {gamma_cdf_tol}) and c4 (E|z| <= {max_distortion}) at epsilon {target_epsilon}: "
+            f"{reason}. Use a smaller clip_range, a larger target epsilon, or relax gamma_cdf_tol / max_distortion."
+        )
+
+    # Appendix D.2 closed-form pruning, no accountant call: theta <= phi_cap / C_min, so shapes whose c1/c4 lower
+    # bound on theta exceeds that can never be feasible; the bound decreases in k, so they form an interval [1, k_a).
+    def slack(log_km1: float) -> float:
+        theta_min = gamma_scale_lower_bound(
+            1.0 + math.exp(log_km1), gamma_cdf_tol=gamma_cdf_tol, max_distortion=max_distortion
+        )
+        return math.log(phi_cap / (c_min * theta_min))
+
+    s_lo, s_hi = math.log(k_lo - 1.0), math.log(k_hi - 1.0)
+    if slack(s_hi) < 0:
+        raise infeasible("even the MGF cap on C*theta leaves theta below the c1/c4 bound at every shape")
+    if slack(s_lo) < 0:
+        s_lo = optimize.brentq(slack, s_lo, s_hi, xtol=1e-6)
+    grid = np.linspace(s_lo, s_hi, 7)
     values = [neg_objective(float(g)) for g in grid]
     i = int(np.argmin(values))
     if values[i] >= 0:
-        raise ValueError(
-            f"No PLRV-O configuration in shape_range={shape_range}, clip_range={clip_range} meets c1 "
-            f"(GammaCDF(0.1) <= {gamma_cdf_tol}) and c4 (E|z| <= {max_distortion}) at epsilon {target_epsilon}: "
-            "the privacy constraint forces theta too small. Use a smaller clip_range, a larger target epsilon, "
-            "or relax gamma_cdf_tol / max_distortion."
-        )
+        raise infeasible("the privacy constraint forces theta too small")
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     refined = optimize.minimize_scalar(
-        neg_objective, bounds=(float(lo), float(hi)), method="bounded", options={"xatol": 0.02}
+        neg_objective, bounds=(float(lo), float(hi)), method="bounded", options={"xatol": 0.1}
     )
     log_km1 = float(refined.x) if refined.fun < values[i] else float(grid[i])
     k = 1.0 + math.exp(log_km1)
     phi, _ = best_phi(k)
     clip = clip_for(k, phi)
-    assert clip is not None  # the chosen point is feasible (objective < 0)
+    if clip is None:  # unreachable: the chosen shape has a negative (feasible) objective
+        raise infeasible("the privacy constraint forces theta too small")
     theta = phi / clip
     eps = epsilon_at(k, theta, clip)
     if eps > target_epsilon:
