@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
@@ -90,7 +91,12 @@ def _emit(summary: dict[str, Any], epsilons: dict[str, float], as_json: bool, de
     print(format_table(table))
 
 
-def _run(parser: argparse.ArgumentParser, argv: list[str], body: Any) -> int:
+def _run(
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    body: Callable[[argparse.ArgumentParser, argparse.Namespace], None],
+) -> int:
+    """Parse ``argv``, run ``body``; a ``ValueError`` (invalid values) becomes a message on stderr and exit code 2."""
     args = parser.parse_args(argv)
     try:
         body(parser, args)

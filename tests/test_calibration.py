@@ -270,7 +270,7 @@ def check_plrv_constraints(found, target: float, clip_range: tuple[float, float]
     "accountant",
     [
         pytest.param("plrv-paper", marks=needs("plrv-paper")),
-        pytest.param("plrv", marks=[needs("plrv"), pytest.mark.slow]),
+        pytest.param("plrv", marks=needs("plrv")),
     ],
 )
 def test_plrv_calibration_fixed_clip(accountant: str) -> None:
@@ -297,7 +297,7 @@ def test_plrv_calibration_fixed_clip(accountant: str) -> None:
         pytest.param("plrv-paper", 0.01, 300, 26_000, 1.0, (1.001, 1e6), marks=needs("plrv-paper")),
         pytest.param("plrv-paper", 0.01024, 250, 85 * 10**6, 1.7, (1.001, 1e6), marks=needs("plrv-paper")),
         pytest.param("plrv", 0.01024, 250, 10**8, 1.7, (100.0, 1e6), marks=needs("plrv")),
-        pytest.param("plrv", 0.01, 300, 26_000, 1.0, (1.001, 1e6), marks=[needs("plrv"), pytest.mark.slow]),
+        pytest.param("plrv", 0.01, 300, 26_000, 1.0, (1.001, 1e6), marks=needs("plrv")),
     ],
 )
 def test_search_plrv_feasible(accountant: str, q: float, steps: int, n: int, target: float, shapes: tuple) -> None:

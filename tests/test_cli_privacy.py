@@ -116,3 +116,11 @@ def test_calibrate_laplace_readable(capsys: pytest.CaptureFixture[str]) -> None:
     assert calibrate_main([*argv, "--max-grad-norm", "3"]) == 0
     out = capsys.readouterr().out
     assert "noise_scale" in out and "basic" in out
+
+
+def test_dispatch_from_console_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_dp.cli import main
+
+    argv = ["epsilon", *GAUSS, "--max-grad-norm", "1", "--noise-multiplier", "1.1", "--accountant", "rdp", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["accountant"] == "rdp"

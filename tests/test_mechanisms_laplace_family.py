@@ -167,3 +167,18 @@ def test_describe_lists_parameters() -> None:
     assert make_mechanism("plrv", **MECHS["plrv"]).describe() == MECHS["plrv"]
     assert make_mechanism("lap2", **MECHS["lap2"]).describe() == MECHS["lap2"]
     assert make_mechanism("laplace", **MECHS["laplace"]).describe() == MECHS["laplace"]
+
+
+@pytest.mark.parametrize("name", sorted(MECHS))
+def test_describe_round_trips_through_registry(name: str) -> None:
+    """Checkpoints store ``{"name", **describe()}`` and rebuild with ``make_mechanism``."""
+    mech = make_mechanism(name, **MECHS[name])
+    again = make_mechanism(mech.name, **mech.describe())
+    assert type(again) is type(mech) and again.describe() == mech.describe()
+
+
+@pytest.mark.parametrize("name", sorted(MECHS))
+@pytest.mark.parametrize("shape", [(), (0,), (2, 0, 3)])
+def test_scalar_and_empty_shapes(name: str, shape: tuple[int, ...]) -> None:
+    z = make_mechanism(name, **MECHS[name]).sample(torch.zeros(shape), gen(2))
+    assert z.shape == torch.Size(shape)

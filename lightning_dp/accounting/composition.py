@@ -238,9 +238,7 @@ class AdvancedCompositionAccountant(Accountant):
             if isinstance(base, LaplaceEvent):
                 eps_base = base.max_grad_norm / base.noise_scale
             else:
-                eps_base = lap2_step_epsilon(
-                    base.noise_scale, base.max_grad_norm, int(base.num_params), delta_step / q
-                )
+                eps_base = lap2_step_epsilon(base.noise_scale, base.max_grad_norm, int(base.num_params), delta_step / q)
             eps = amplify_pure(eps_base, q)
             total += count * eps
             total_sq += count * eps * eps

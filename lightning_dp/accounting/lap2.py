@@ -9,14 +9,13 @@ Per coordinate with clipped value ``t`` and scale ``b``, the exact moment of the
 and CONCAVE in ``s`` for every real ``eta >= 1`` (proof in docs/accountants.md: with ``y = (2 eta - 1) t / b`` the
 condition reduces to ``sinh(y) >= y``), so ``sum_i h_eta(s_i) <= n h_eta(C^2/n)`` for all feasible ``s`` with
 equality at the uniform spread ``g = C/sqrt(n) * ones``: ``M_eta = F(C/sqrt(n), eta)^n`` is the exact worst-case base
-moment, simultaneously for every ``eta``. Then
+moment, simultaneously for every ``eta``.
 
-- add direction: ``log sum_eta w_eta M_eta`` (exact worst case of the subsampled mechanism, DESIGN.md eq. for A);
-- remove direction: Zhu & Wang 2019 Thm 1 with base RDP ``log(M_eta)/(eta-1)`` (the base pair is symmetric under
-  ``o -> g - o``, so the base RDP holds in both orderings);
-
-and the reported MAF is the larger (for ``q = 1`` there is no subsampling and the add value is exact for both
-directions). Cost ``O(sum(orders))`` for any ``n``.
+The reported MAF is the add direction ``log sum_eta w_eta M_eta``, the exact worst case of the subsampled
+mechanism over the l2 ball. The remove direction is never larger: the base pair is symmetric under ``o -> g - o``,
+and for every symmetric pair ``E_P[(1-q+qL)^(-lambda)] <= E_P[(1-q+qL)^(lambda+1)]`` (docs/accountants.md, Lemma 1,
+generalising Mironov, Talwar & Zhang 2019 Thm 5 from the Gaussian). With ``q = 1`` (no subsampling) the MAF is
+the exact base value ``n log F(C/sqrt(n), lambda+1)`` for both directions. Cost ``O(sum(orders))`` for any ``n``.
 
 ``lap2-paper``: LAP2 Thm III.7 (eq. III.7) evaluated by :mod:`lightning_dp.accounting.majorization`. NOT a valid bound
 for the subsampled multivariate mechanism (DESIGN.md section 6 counterexample); kept to reproduce the paper.
@@ -95,7 +94,7 @@ def lap2_sound_log_moments(event: Any, orders: tuple[int, ...]) -> np.ndarray:
     """Sound MAF of one ``Lap2Event`` / ``PoissonSampledEvent(q, Lap2Event)`` step (module docstring).
 
     Returns:
-        Shape ``(len(orders),)``, nats: ``max(add, Zhu-Wang)`` for ``0 < q < 1``; the exact base MAF
+        Shape ``(len(orders),)``, nats: the exact worst-case MAF (both directions) for ``0 < q < 1``; the exact base MAF
         ``n log F(C/sqrt(n), lambda+1)`` for ``q = 1``; zeros for ``q = 0``.
 
     Raises:
@@ -113,8 +112,7 @@ def lap2_sound_log_moments(event: Any, orders: tuple[int, ...]) -> np.ndarray:
         return np.zeros(ords.shape[0])
     if q == 1.0:
         return log_base[ords + 1]
-    add, zhu_wang = subsampled_log_moments(ords, q, log_base)
-    return np.maximum(add, zhu_wang)
+    return subsampled_log_moments(ords, q, log_base)
 
 
 @lru_cache(maxsize=64)

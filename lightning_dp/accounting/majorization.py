@@ -17,8 +17,9 @@ which is an UPPER bound of ``S`` (so using it never under-reports the paper's ep
   ``phi`` is convex and increasing. Therefore ``f = phi o x`` is convex in ``t``.
 - Hermite-Hadamard: for convex ``f``, ``f(i) <= int_{i-1/2}^{i+1/2} f(t) dt``. Summing over ``i > H`` gives the bound.
 - The integral is evaluated with composite Gauss-Legendre in ``z = log t`` (the integrand ``t f(t)`` is smooth and
-  nearly constant there), accurate to ~3e-7 relative (measured against 30-node panels of width 0.5); the integral is inflated by
-  ``QUADRATURE_SAFETY = 1 + 1e-6`` to cover it. Tested against the direct loop (tests/test_accounting_lap2.py).
+  nearly constant there), accurate to ~3e-7 relative (measured against 30-node panels of width 0.5); the
+  integral is inflated by ``QUADRATURE_SAFETY = 1 + 1e-6`` to cover it. Tested against the direct loop
+  (tests/test_accounting_lap2.py).
 """
 
 from __future__ import annotations

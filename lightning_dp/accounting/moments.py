@@ -6,9 +6,9 @@ divergence of order ``lambda + 1``. MAFs add up under (adaptive) composition (eq
 
 - :func:`log_binomial_weights`: the Poisson-subsampling weights ``w_eta = binom(lambda+1, eta) (1-q)^(lambda+1-eta)
   q^eta`` (LAP2 Thm III.2, eq. III.4), as a matrix over all orders at once.
-- :func:`subsampled_log_moments`: the add-direction MAF ``log sum_eta w_eta M_eta`` and the Zhu & Wang (ICML 2019,
-  "Poisson subsampled Renyi differential privacy", Theorem 1 -- the general upper bound, valid for both neighbouring
-  directions) bound, fed with log base moments ``log M_eta`` (``M_eta = exp((eta-1) eps_base(eta))``).
+- :func:`subsampled_log_moments`: the add-direction MAF ``log sum_eta w_eta M_eta`` fed with (bounds on) the log
+  base moments ``log M_eta``; for symmetric base pairs it bounds the remove direction too (docs/accountants.md,
+  Lemma 1 -- a generalisation of Mironov, Talwar & Zhang 2019, Thm 5, from the Gaussian to any symmetric pair).
 - :func:`epsilon_from_log_moments`: the MAF -> (epsilon, delta) conversion of Balle et al. 2020 (AISTATS,
   "Hypothesis testing interpretations and Renyi DP", Thm 21), quoted in the LAP2 seed right after eq. II.10:
   ``eps = min_lambda alpha(lambda)/lambda + log(lambda/(lambda+1)) - (log(delta) + log(lambda+1))/lambda``.
@@ -32,8 +32,6 @@ from lightning_dp.accounting.base import Accountant
 DEFAULT_ORDERS: np.ndarray = np.unique(
     np.concatenate([np.arange(1, 129), np.round(np.geomspace(129, 6000, 125))]).astype(np.int64)
 )
-
-LOG3 = float(np.log(3.0))
 
 
 def validate_sample_rate(q: float) -> None:
@@ -97,25 +95,22 @@ def log_binomial_weights(orders: np.ndarray, q: float) -> np.ndarray:
     return _log_binomial_weights_cached(tuple(int(o) for o in orders), float(q))
 
 
-def subsampled_log_moments(orders: np.ndarray, q: float, log_base_moments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Add-direction MAF and the Zhu & Wang bound of a Poisson-subsampled mechanism.
+def subsampled_log_moments(orders: np.ndarray, q: float, log_base_moments: np.ndarray) -> np.ndarray:
+    """MAF of a Poisson-subsampled mechanism from its base moments (LAP2 eq. III.4; Mironov et al. 2019).
 
     Args:
         orders: integer MAF orders ``lambda``, shape ``(L,)`` (sorted, unique).
         q: sample rate in ``[0, 1]``.
         log_base_moments: shape ``(max(orders) + 2,)``; entry ``eta`` is an upper bound on
-            ``log E_{P}[(Q/P)^eta]`` over all neighbouring base pairs ``(P, Q)`` (``P``: without the example,
-            ``Q``: with it), i.e. ``(eta - 1)`` times the base Renyi DP at order ``eta``. Entries 0 and 1 must be 0.
-            ``+inf`` marks an order where no finite bound exists.
+            ``log E_P[(Q/P)^eta]`` over all neighbouring base pairs ``(P, Q)`` (``P``: without the example,
+            ``Q``: with it). Entries 0 and 1 must be 0. ``+inf`` marks an order where no finite bound exists.
 
     Returns:
-        ``(add, zhu_wang)``, each of shape ``(L,)``:
-        ``add = log sum_eta w_eta M_eta`` -- the MAF ``log E_P[((1-q) + q Q/P)^(lambda+1)]`` of the add direction
-        (Mironov et al. 2019; LAP2 eq. III.4), exact when ``M_eta`` is exact; and
-        ``zhu_wang = log[(1-q)^lambda (lambda q + 1) + binom(lambda+1, 2) q^2 (1-q)^(lambda-1) M_2
-        + 3 sum_{l>=3} binom(lambda+1, l) (1-q)^(lambda+1-l) q^l M_l]`` -- ``lambda`` times the Zhu & Wang 2019
-        Theorem 1 bound on the Renyi DP (order ``lambda+1``) of the subsampled mechanism, valid for both the add
-        and the remove direction when the base RDP holds for both orderings of each pair.
+        Shape ``(L,)``: ``log sum_eta w_eta M_eta`` = an upper bound on the add-direction MAF
+        ``log E_P[((1-q) + q Q/P)^(lambda+1)]`` (exact when ``M_eta`` is exact). For base pairs that are symmetric
+        (an involution maps ``P`` to ``Q`` and ``Q`` to ``P``, e.g. any noise with a coordinate-wise even density)
+        it also bounds the remove direction ``log E_P[((1-q) + q Q/P)^(-lambda)]`` -- Lemma 1 in
+        docs/accountants.md.
     """
     log_w = log_binomial_weights(orders, q)
     log_m = np.asarray(log_base_moments, dtype=np.float64)[: log_w.shape[1]]
@@ -123,11 +118,7 @@ def subsampled_log_moments(orders: np.ndarray, q: float, log_base_moments: np.nd
         raise ValueError(f"log_base_moments needs {log_w.shape[1]} entries (eta = 0..max order + 1)")
     with np.errstate(invalid="ignore"):
         terms = np.where(np.isneginf(log_w), -np.inf, log_w + log_m[None, :])
-    with np.errstate(invalid="ignore"):
-        add = logsumexp(terms, axis=1)
-        bonus = np.where(np.arange(log_m.shape[0]) >= 3, LOG3, 0.0)
-        zhu_wang = logsumexp(terms + bonus[None, :], axis=1)
-    return add, zhu_wang
+    return logsumexp(terms, axis=1)
 
 
 def epsilon_from_log_moments(orders: np.ndarray, log_moments: np.ndarray, delta: float) -> float:
@@ -140,7 +131,7 @@ def epsilon_from_log_moments(orders: np.ndarray, log_moments: np.ndarray, delta:
 
     Returns:
         ``max(0, min_lambda [alpha/lambda + log(lambda/(lambda+1)) - (log(delta) + log(lambda+1))/lambda])``;
-        ``inf`` when no order is finite.
+        ``inf`` when no order is finite; 0 when every finite ``alpha`` is 0 (e.g. sample rate 0).
 
     Raises:
         ValueError: ``delta`` outside ``(0, 1)`` or shape mismatch.
@@ -155,6 +146,8 @@ def epsilon_from_log_moments(orders: np.ndarray, log_moments: np.ndarray, delta:
     if not np.any(finite):
         return float("inf")
     lam, alpha = lam[finite], alpha[finite]
+    if np.all(alpha <= 0.0):
+        return 0.0  # zero divergence at every order: the ledger releases nothing about any individual
     eps = alpha / lam + np.log(lam / (lam + 1.0)) - (np.log(delta) + np.log(lam + 1.0)) / lam
     return float(max(0.0, np.min(eps)))
 

@@ -18,8 +18,9 @@ upper bound that holds BETWEEN grid points: ``log G`` is convex in ``x`` (a mixt
 log-convex), so on ``[x_j, x_{j+1}]`` it lies below its chord; the chord as a function of ``s = x^2`` is
 ``h_j + mu (sqrt(s) - x_j)`` with ``mu >= 0`` (``G`` is increasing), concave in ``s``, and therefore lies below
 both of its end tangents (a "tent"); the concave hull of the tent vertices is a concave majorant of ``h``. Then the
-add direction ``log sum_eta w_eta M_eta`` and the Zhu & Wang 2019 Thm 1 bound (remove direction; the base pair is
-symmetric because the noise density is even) are computed and the larger is reported (``q = 1``: the base MAF).
+add-direction MAF ``log sum_eta w_eta M_eta`` is reported; it also bounds the remove direction because the base
+pair is symmetric (the noise density is even in every coordinate; docs/accountants.md, Lemma 1). ``q = 1``: the
+base MAF.
 
 ``plrv-paper``: PLRV-O Thm 4.9 (eq. 19) / Alg. 2 via the fast majorization sum. NOT a valid bound for the
 subsampled mechanism (DESIGN.md section 6); logs a warning.
@@ -292,8 +293,7 @@ def plrv_sound_log_moments(event: Any, orders: tuple[int, ...]) -> np.ndarray:
     )
     if q == 1.0:
         return log_base[ords + 1]
-    add, zhu_wang = subsampled_log_moments(ords, q, log_base)
-    return np.maximum(add, zhu_wang)
+    return subsampled_log_moments(ords, q, log_base)
 
 
 @lru_cache(maxsize=64)

@@ -8,14 +8,24 @@ from lightning_dp.mechanisms import (  # noqa: F401  (registers the mechanisms b
     plrv,
 )
 from lightning_dp.mechanisms.base import MECHANISMS, NoiseMechanism, make_mechanism, register_mechanism
-from lightning_dp.mechanisms.calibration import Lap2Search, PlrvSearch, calibrate, search_lap2, search_plrv
+from lightning_dp.mechanisms.calibration import (
+    CalibrationResult,
+    Lap2Search,
+    PlrvSearch,
+    calibrate,
+    calibrate_result,
+    search_lap2,
+    search_plrv,
+)
 
 __all__ = [
     "MECHANISMS",
+    "CalibrationResult",
     "Lap2Search",
     "NoiseMechanism",
     "PlrvSearch",
     "calibrate",
+    "calibrate_result",
     "make_mechanism",
     "register_mechanism",
     "search_lap2",

@@ -126,7 +126,7 @@ def solve_monotone(
     increasing: bool,
     rtol: float = RTOL,
     bounds: tuple[float, float] = (1e-12, 1e12),
-    growth: float = 4.0,
+    growth: float = 2.0,
 ) -> tuple[float, float]:
     """Find ``x > 0`` with ``(1 - rtol) target <= epsilon_of(x) <= target`` for an epsilon monotone in ``x``.
 
@@ -325,24 +325,21 @@ def calibrate_result(
         )
         return CalibrationResult(found.mechanism(), found.epsilon, name)
 
-    growth = 4.0
+    growth = 2.0
     if noise == "gaussian":
         build: Callable[[float], NoiseMechanism] = lambda s: GaussianMechanism(s, max_grad_norm)  # noqa: E731
         initial = ratio0
         if name != "rdp":  # warm start from the cheap RDP bound (its sigma is a few % above PLD's)
-            initial = (
-                0.97
-                * calibrate_result(
-                    "gaussian",
-                    target_epsilon=target_epsilon,
-                    target_delta=target_delta,
-                    sample_rate=sample_rate,
-                    steps=steps,
-                    max_grad_norm=max_grad_norm,
-                    accountant="rdp",
-                ).mechanism.noise_multiplier
+            rdp = calibrate_result(
+                "gaussian",
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                max_grad_norm=max_grad_norm,
+                accountant="rdp",
             )
-            growth = 1.05
+            initial, growth = 0.97 * rdp.mechanism.noise_multiplier, 1.05
     elif noise == "laplace":
         build = lambda b: make_mechanism("laplace", noise_scale=b, max_grad_norm=max_grad_norm)  # noqa: E731
         initial = basic_laplace_noise_scale(target_epsilon, steps, max_grad_norm, sample_rate)[1]
@@ -593,6 +590,8 @@ def search_plrv(
     the Appendix D.2 bounds ``max{theta_min(k), 0.1/(k-1)} <= theta <= phi_cap / C_min``), and ``C*`` is the
     largest clip in ``clip_range`` for which ``theta = phi / C`` satisfies c1 and c4 (ties in ``J`` go to the
     larger clip, as in LAP2 Alg. 1). The result is re-checked with the accountant at ``(k*, theta*, C*)``.
+    ``J(k)`` is often flat for large ``k`` (``k -> inf`` is the LAP2 limit ``u = k theta``); there any returned
+    ``k`` is one of many optima equivalent within the 1 % calibration window.
 
     Args:
         target_epsilon, target_delta, sample_rate, steps: the privacy target and training schedule.
@@ -661,11 +660,23 @@ def search_plrv(
         clip = min(c_max, phi / theta_min)
         return clip if clip >= c_min else None
 
-    def neg_objective(log_km1: float) -> float:
+    def shape_of(log_km1: float) -> float:
         k = 1.0 + math.exp(log_km1)
+        for edge in (k_lo, k_hi):  # undo exp(log(.)) rounding at the edges of shape_range
+            if math.isclose(k, edge, rel_tol=1e-12):
+                return edge
+        return min(max(k, k_lo), k_hi)
+
+    feasible: dict[float, tuple[float, float]] = {}  # shape -> (phi, clip) for shapes meeting c0-c4
+
+    def neg_objective(log_km1: float) -> float:
+        k = shape_of(log_km1)
         phi, _ = best_phi(k)
-        # infeasible shapes (c1/c4 fail for every clip) are pushed away, proportionally to the violation
-        return -(k - 1.0) * phi if clip_for(k, phi) is not None else (k - 1.0) * phi
+        clip = clip_for(k, phi)
+        if clip is None:  # c1/c4 fail for every clip: +J, so that any feasible shape beats it
+            return (k - 1.0) * phi
+        feasible[k] = (phi, clip)
+        return -(k - 1.0) * phi
 
     def infeasible(reason: str) -> ValueError:
         return ValueError(
@@ -678,7 +689,7 @@ def search_plrv(
     # bound on theta exceeds that can never be feasible; the bound decreases in k, so they form an interval [1, k_a).
     def slack(log_km1: float) -> float:
         theta_min = gamma_scale_lower_bound(
-            1.0 + math.exp(log_km1), gamma_cdf_tol=gamma_cdf_tol, max_distortion=max_distortion
+            shape_of(log_km1), gamma_cdf_tol=gamma_cdf_tol, max_distortion=max_distortion
         )
         return math.log(phi_cap / (c_min * theta_min))
 
@@ -689,19 +700,13 @@ def search_plrv(
         s_lo = optimize.brentq(slack, s_lo, s_hi, xtol=1e-6)
     grid = np.linspace(s_lo, s_hi, 7)
     values = [neg_objective(float(g)) for g in grid]
+    if not feasible:
+        raise infeasible("the privacy constraint forces theta too small")
     i = int(np.argmin(values))
-    if values[i] >= 0:
-        raise infeasible("the privacy constraint forces theta too small")
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-    refined = optimize.minimize_scalar(
-        neg_objective, bounds=(float(lo), float(hi)), method="bounded", options={"xatol": 0.1}
-    )
-    log_km1 = float(refined.x) if refined.fun < values[i] else float(grid[i])
-    k = 1.0 + math.exp(log_km1)
-    phi, _ = best_phi(k)
-    clip = clip_for(k, phi)
-    if clip is None:  # unreachable: the chosen shape has a negative (feasible) objective
-        raise infeasible("the privacy constraint forces theta too small")
+    optimize.minimize_scalar(neg_objective, bounds=(float(lo), float(hi)), method="bounded", options={"xatol": 0.1})
+    k = max(feasible, key=lambda kk: (kk - 1.0) * feasible[kk][0])  # best of the grid and the refinement
+    phi, clip = feasible[k]
     theta = phi / clip
     eps = epsilon_at(k, theta, clip)
     if eps > target_epsilon:

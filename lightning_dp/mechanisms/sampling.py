@@ -94,15 +94,22 @@ def sample_gamma(
     boosted = shape < 1.0
     d = (shape + 1.0 if boosted else shape) - 1.0 / 3.0
     c = 1.0 / math.sqrt(9.0 * d)
-    out = torch.empty(size, dtype=work, device=device).reshape(-1)
-    pending = torch.arange(out.numel(), device=device)
-    while pending.numel() > 0:
-        x = torch.empty(pending.numel(), dtype=work, device=device).normal_(generator=generator)
-        u = torch.empty_like(x).uniform_(generator=generator)
+    numel = math.prod(size)
+
+    def propose(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``count`` Marsaglia-Tsang proposals ``d v`` and their acceptance mask."""
+        x = torch.empty(count, dtype=work, device=device).normal_(generator=generator)
+        log_u = torch.empty_like(x).uniform_(generator=generator).log_()
         v = (1.0 + c * x) ** 3
         log_v = torch.log(v.clamp_min(torch.finfo(work).tiny))
-        accept = (v > 0) & (torch.log(u) < 0.5 * x * x + d - d * v + d * log_v)
-        out[pending[accept]] = d * v[accept]
+        return d * v, (v > 0) & (log_u < 0.5 * x * x + d - d * v + d * log_v)
+
+    # first round over everything without index bookkeeping; only the few rejected entries are redrawn
+    out, accept = propose(numel)
+    pending = torch.nonzero(~accept).reshape(-1)
+    while pending.numel() > 0:
+        value, accept = propose(pending.numel())
+        out[pending[accept]] = value[accept]
         pending = pending[~accept]
     if boosted:
         u = 1.0 - torch.empty_like(out).uniform_(generator=generator)  # in (0, 1]: never a zero draw
