@@ -1,4 +1,4 @@
-"""Shared MAF machinery: binomial weights, Zhu & Wang bound, Balle et al. 2020 conversion, validation."""
+"""Shared MAF machinery: binomial weights, Lemma 1 (remove <= add), Balle et al. 2020 conversion, validation."""
 
 from __future__ import annotations
 

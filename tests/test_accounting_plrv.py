@@ -160,6 +160,7 @@ def test_paper_warning_logged(caplog: pytest.LogCaptureFixture) -> None:
     ("event", "match"),
     [
         (PlrvEvent(0.0, 1e-3, 1.0, 10), "gamma_shape"),
+        (PlrvEvent(1.0, 1e-3, 1.0, 10), "gamma_shape"),
         (PlrvEvent(10.0, 0.0, 1.0, 10), "gamma_scale"),
         (PlrvEvent(10.0, 1e-3, 0.0, 10), "max_grad_norm"),
         (PlrvEvent(10.0, 1e-3, 1.0, 0), "num_params"),

@@ -255,7 +255,11 @@ def _plrv_parts(event: Any) -> tuple[float, PlrvEvent]:
 
 
 def _validate_plrv(event: PlrvEvent) -> None:
-    validate_positive("PlrvEvent.gamma_shape (k)", event.gamma_shape)
+    if not (np.isfinite(event.gamma_shape) and event.gamma_shape > 1.0):
+        raise ValueError(
+            f"PlrvEvent.gamma_shape (k) must be > 1, got {event.gamma_shape}: for k <= 1 the noise has infinite "
+            "expected l1 error (PLRV-O Thm 5.1, constraint c3 of Alg. 1); choose k > 1"
+        )
     validate_positive("PlrvEvent.gamma_scale (theta)", event.gamma_scale)
     validate_positive("PlrvEvent.max_grad_norm (l2 clip C)", event.max_grad_norm)
     if int(event.num_params) < 1:
@@ -276,7 +280,7 @@ def plrv_sound_log_moments(event: Any, orders: tuple[int, ...]) -> np.ndarray:
         Shape ``(len(orders),)``, nats; ``+inf`` for excluded orders (``lambda C theta >= 1``).
 
     Raises:
-        ValueError: non-positive ``k``, ``theta``, ``C`` or ``num_params``; ``q`` outside ``[0, 1]``.
+        ValueError: ``k <= 1``, non-positive ``theta``, ``C`` or ``num_params``; ``q`` outside ``[0, 1]``.
     """
     q, base = _plrv_parts(event)
     validate_sample_rate(q)
