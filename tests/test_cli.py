@@ -18,8 +18,19 @@ def test_help_lists_commands(capsys):
     assert main(["nope"]) == 2
 
 
-def test_fit_with_shipped_config(tmp_path, capsys):
-    config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+CONFIGS = sorted((ROOT / "configs").glob("digits_*.yaml"))
+
+
+def test_one_config_per_mechanism():
+    from lightning_dp.mechanisms import MECHANISMS
+
+    noises = {yaml.safe_load(p.read_text())["trainer"]["strategy"]["init_args"]["noise"] for p in CONFIGS}
+    assert noises == set(MECHANISMS)
+
+
+@pytest.mark.parametrize("config_path", CONFIGS, ids=lambda p: p.stem)
+def test_fit_with_shipped_config(config_path, tmp_path, capsys):
+    config = yaml.safe_load(config_path.read_text())
     config["trainer"]["max_epochs"] = 1
     config["trainer"]["default_root_dir"] = str(tmp_path)
     config["trainer"]["enable_progress_bar"] = False
