@@ -41,7 +41,6 @@ def test_fit_with_shipped_config(config_path, tmp_path, capsys):
     assert "epsilon" in out
 
 
-@pytest.mark.slow
 def test_demo_reaches_target_accuracy():
     from lightning_dp.demo import run_demo
 
