@@ -67,14 +67,14 @@ def _run_variant(variant: str, args: argparse.Namespace, queue: mp.Queue) -> Non
     elif variant.startswith("ours"):
         from lightning_dp.clipping import PerSampleClipper
         from lightning_dp.mechanisms import make_mechanism
-        from lightning_dp.optim import DPOptimizer, NoiseGenerators
+        from lightning_dp.optim import DPOptimizer, DPRandomness
 
         clipper = PerSampleClipper(model, clipping=variant.split("-")[1], max_grad_norm=1.0)
         dp_optimizer = DPOptimizer(
             optimizer,
             mechanism=make_mechanism("gaussian", noise_multiplier=1.0, max_grad_norm=1.0),
             expected_batch_size=args.batch_size,
-            generators=NoiseGenerators(0),
+            randomness=DPRandomness(0),
         )
 
         def step() -> None:

@@ -19,7 +19,7 @@ from lightning_dp.accounting.base import validate_delta, validate_epsilon
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.base import validate_max_grad_norm
-from lightning_dp.optim import DPOptimizer, NoiseGenerators
+from lightning_dp.optim import DPOptimizer, DPRandomness
 
 log = logging.getLogger("lightning_dp")
 
@@ -46,7 +46,8 @@ class PrivacyEngine:
         noise_params: constructor arguments of a non-Gaussian mechanism (e.g. ``{"noise_scale": 2.0}``).
         clipping: per-sample clipping engine name (``"flat" | "ghost"``).
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
-        seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs).
+        seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
+            seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -92,8 +93,7 @@ class PrivacyEngine:
         self.noise_params = dict(noise_params or {})
         self.clipping = clipping
         self.accountant_name = accountant
-        self.generators = NoiseGenerators(seed)
-        self.sampling_generator = torch.Generator().manual_seed(self.generators.seed + 17)
+        self.randomness = DPRandomness(seed)
         self.mechanism: NoiseMechanism | None = noise if isinstance(noise, NoiseMechanism) else None
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
@@ -133,13 +133,18 @@ class PrivacyEngine:
             raise ValueError(f"Unknown noise mechanism {self.noise_name!r}; choose one of {sorted(MECHANISMS)}")
         return MECHANISMS[self.noise_name]
 
-    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int) -> None:
+    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
         """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
 
         Args:
             num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
             sample_rate: Poisson rate q of one logical step.
-            total_steps: planned logical steps of the whole run (for calibration).
+            total_steps: planned logical steps of the whole run (needed only to calibrate for ``target_epsilon``;
+                ``None`` when unbounded).
+
+        Raises:
+            ValueError: calibration needed but ``total_steps`` is None; the sample rate differs from a restored
+                checkpoint's.
         """
         if self.num_params is None:
             raise RuntimeError("attach(module) must run before prepare()")
@@ -164,7 +169,7 @@ class PrivacyEngine:
             self.accountant = make_accountant(self.accountant_name or self.mechanism.default_accountant)
         self._check_accountant_supports()
 
-    def _build_mechanism(self, total_steps: int) -> NoiseMechanism:
+    def _build_mechanism(self, total_steps: int | None) -> NoiseMechanism:
         if self.target_epsilon is None:
             params = dict(self.noise_params)
             if self.noise_multiplier is not None:
@@ -172,6 +177,11 @@ class PrivacyEngine:
             return make_mechanism(self.noise_name, max_grad_norm=self.max_grad_norm, **params)
         from lightning_dp.mechanisms.calibration import calibrate
 
+        if total_steps is None:
+            raise ValueError(
+                "target_epsilon needs a finite number of steps to calibrate the noise for: set max_epochs or "
+                "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
+            )
         mechanism = calibrate(
             self.noise_name,
             target_epsilon=self.target_epsilon,
@@ -210,7 +220,7 @@ class PrivacyEngine:
             optimizer,
             mechanism=self.mechanism,
             expected_batch_size=self.sample_rate * self.num_samples,
-            generators=self.generators,
+            randomness=self.randomness,
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
         )
@@ -294,28 +304,52 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Ledger, mechanism parameters, delta and generator states (so a resumed run continues the same curve)."""
+        """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
+
+        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`.
+        """
         assert self.mechanism is not None and self.accountant is not None
         return {
             "accountant": self.accountant.state_dict(),
             "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
             "target_delta": self.target_delta,
             "sample_rate": self.sample_rate,
-            "generators": self.generators.state_dict(),
-            "sampling_generator": self.sampling_generator.get_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before :meth:`prepare`: the saved mechanism then replaces calibration).
+        """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
+        is replayed into this run's accountant (events are data, so another accountant may recompute them), and
+        the random streams restart so that no noise of the first run is replayed.
 
         Raises:
-            ValueError: the checkpoint's sample rate differs from this run's (the ledger would be inconsistent).
+            ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
+                noise parameters that differ from the checkpoint's (continuing would silently change the noise
+                relative to the clipping bound).
         """
         params = dict(state["mechanism"])
-        self.mechanism = make_mechanism(params.pop("name"), **params)
-        self.target_delta = state["target_delta"]
-        self.accountant = make_accountant(state["accountant"]["name"])
-        self.accountant.load_state_dict(state["accountant"])
-        self.generators.load_state_dict(state["generators"])
-        self.sampling_generator.set_state(state["sampling_generator"])
+        name = params.pop("name")
+        if name != self.noise_name:
+            raise ValueError(f"The checkpoint was trained with noise={name!r}, this run asks for {self.noise_name!r}")
+        if params.get("max_grad_norm") != self.max_grad_norm:
+            raise ValueError(
+                f"The checkpoint was trained with max_grad_norm={params.get('max_grad_norm')}, this run uses "
+                f"{self.max_grad_norm}; resume with the same clipping bound"
+            )
+        restored = make_mechanism(name, **params)
+        if self.mechanism is not None or self.noise_multiplier is not None or self.noise_params:
+            configured = self.mechanism or self._build_mechanism(total_steps=None)
+            if configured.describe() != restored.describe():
+                raise ValueError(
+                    f"The checkpoint's noise {restored.describe()} differs from this run's {configured.describe()}; "
+                    "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
+                )
+        self.mechanism = restored
+        if self.target_delta is None:
+            self.target_delta = state["target_delta"]
+        saved = make_accountant(state["accountant"]["name"])
+        saved.load_state_dict(state["accountant"])
+        self.accountant = make_accountant(self.accountant_name or saved.name)
+        for event, count in saved.ledger:
+            self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]
+        self.randomness.restart(self.accountant.steps)

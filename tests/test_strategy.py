@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from helpers import ClassifierWith, TinyRegressor, ZeroGradModule, make_trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -134,6 +134,7 @@ def test_budget_guard_stops_before_exceeding():
     trainer.fit(TinyRegressor())
     engine = strategy.privacy_engine
     assert 0 < engine.steps < 50 * 8 and budget.stopped_at_step == engine.steps
+    assert trainer.global_step == engine.steps  # no skipped step counted by Lightning
     assert engine.epsilon() <= 2.0
     one_more = engine.accountant.copy().compose(engine.step_event()).get_epsilon(engine.target_delta)
     assert one_more > 2.0
@@ -247,3 +248,65 @@ def test_manual_optimization_is_rejected():
     module.automatic_optimization = False
     with pytest.raises(ValueError, match="automatic optimization"):
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(module)
+
+
+def test_checkpoint_holds_no_randomness_and_resume_does_not_replay_noise(tmp_path):
+    _fit_with_checkpoints(tmp_path / "part", 1)
+    (ckpt,) = list((tmp_path / "part").iterdir())
+    state = torch.load(ckpt, weights_only=False)["lightning_dp"]
+    assert set(state) == {"accountant", "mechanism", "target_delta", "sample_rate"}
+    first = DPStrategy(noise_multiplier=1.0, seed=3).privacy_engine.randomness
+    resumed = DPStrategy(noise_multiplier=1.0, seed=3).privacy_engine.randomness
+    resumed.restart(8)
+    for a, b in ((first.sampling, resumed.sampling), (first.noise_generator("cpu"), resumed.noise_generator("cpu"))):
+        assert not torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"noise_multiplier": 1.2, "max_grad_norm": 5.0}, "max_grad_norm"), ({"noise_multiplier": 3.0}, "noise")],
+)
+def test_resume_with_other_clipping_or_noise_fails(tmp_path, kwargs, message):
+    _fit_with_checkpoints(tmp_path / "part", 1)
+    (ckpt,) = list((tmp_path / "part").iterdir())
+    strategy = DPStrategy(seed=3, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(strategy, max_epochs=2).fit(TinyRegressor(), ckpt_path=ckpt)
+
+
+class _GradRecorder(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grad = pl_module.layer.weight.grad.detach().clone()
+
+
+def test_hooks_before_the_optimizer_step_see_only_noisy_gradients():
+    recorder = _GradRecorder()
+    module = ZeroGradModule()
+    make_trainer(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=1, callbacks=[recorder]).fit(module)
+    assert recorder.grad.abs().sum() > 0  # the clipped sum is exactly zero: what the hook saw is the noise
+    torch.testing.assert_close(module.layer.weight.detach(), -recorder.grad)  # SGD lr=1 applied what it saw
+
+
+def test_partial_logical_steps_are_rejected():
+    strategy = DPStrategy(noise_multiplier=1.0)
+    trainer = make_trainer(strategy, max_epochs=1, accumulate_grad_batches=2, limit_train_batches=5)
+    with pytest.raises(ValueError, match="multiple of accumulate_grad_batches"):
+        trainer.fit(TinyRegressor(batch_size=4))
+
+
+def test_unbounded_training_needs_fixed_noise():
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_epochs=-1, max_steps=3).fit(TinyRegressor())
+    with pytest.raises(ValueError, match="finite number of steps"):
+        make_trainer(DPStrategy(target_epsilon=1.0), max_epochs=-1).fit(TinyRegressor())
+
+
+class _DoubledLoss(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x2, y2 = torch.cat([x, x + 0.01]), torch.cat([y, y])
+        return ((self.net(x2) - y2) ** 2).squeeze(-1)  # two losses per example: sensitivity 2C
+
+
+def test_more_losses_than_examples_is_rejected():
+    with pytest.raises(ValueError, match="one loss per example"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(_DoubledLoss())

@@ -88,12 +88,11 @@ class PrivacyBudget(Callback):
         if budget is None:
             raise ValueError("PrivacyBudget needs target_epsilon (here or in DPStrategy)")
         engine.epsilon_budget = budget
+        self.stopped_at_step = None
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def _stop_if_exhausted(self, trainer: pl.Trainer) -> None:
         engine = privacy_engine_of(trainer)
-        if engine.budget_exhausted() and not trainer.should_stop:
+        if engine.budget_exhausted() and self.stopped_at_step is None:
             self.stopped_at_step = engine.steps
             log.warning(
                 "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
@@ -104,6 +103,16 @@ class PrivacyBudget(Callback):
                 engine.target_delta,
             )
             trainer.should_stop = True
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Checked after each completed batch, so Lightning's step counter never advances for a skipped step.
+        self._stop_if_exhausted(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A resumed run may start with the budget already spent.
+        self._stop_if_exhausted(trainer)
 
 
 class EpochTable(Callback):

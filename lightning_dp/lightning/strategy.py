@@ -17,10 +17,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_dp.data import poisson_dataloader
 from lightning_dp.mechanisms import NoiseMechanism
+from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_engine import PrivacyEngine
 
 log = logging.getLogger("lightning_dp")
@@ -92,8 +95,10 @@ class DPStrategy(SingleDeviceStrategy):
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
-        self.sample_rate = sample_rate
+        self._requested_sample_rate = sample_rate
+        self.sample_rate: float | None = None
         self.poisson_sampling = poisson_sampling
+        self._training = False
         self._pending_loss: torch.Tensor | None = None
         self._num_samples: int | None = None
         self.last_clip_fraction: float | None = None
@@ -119,6 +124,7 @@ class DPStrategy(SingleDeviceStrategy):
                 "DPStrategy(max_grad_norm=...)"
             )
         super().setup(trainer)
+        self._training = False
         if trainer.state.fn == "fit":
             if not self.lightning_module.automatic_optimization:
                 raise ValueError("DPStrategy supports automatic optimization only; remove automatic_optimization=False")
@@ -134,12 +140,18 @@ class DPStrategy(SingleDeviceStrategy):
         num_samples = len(dataloader.dataset)
         micro_batches = trainer.accumulate_grad_batches
         batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
-        if self.sample_rate is not None:
-            sample_rate = self.sample_rate
+        if self._requested_sample_rate is not None:
+            sample_rate = self._requested_sample_rate
         elif batch_size:
             sample_rate = min(1.0, batch_size * micro_batches / num_samples)
         else:
             raise ValueError("Cannot infer the expected batch size: pass DPStrategy(sample_rate=...)")
+        if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):
+            raise ValueError(
+                f"The training data changed during fit (N {self._num_samples} -> {num_samples}, q {self.sample_rate} "
+                f"-> {sample_rate}): reloading dataloaders of another size is not supported under DP, the accountant "
+                "and the noise scale assume one dataset"
+            )
         self._num_samples, self.sample_rate = num_samples, sample_rate
         if not self.poisson_sampling:
             log.warning(
@@ -153,21 +165,49 @@ class DPStrategy(SingleDeviceStrategy):
             sample_rate=sample_rate,
             num_steps=max(1, math.ceil(1.0 / sample_rate)),
             micro_batches=micro_batches,
-            generator=self.privacy_engine.sampling_generator,
+            generator=self.privacy_engine.randomness.sampling,
         )
 
     def on_train_start(self) -> None:
-        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers."""
+        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers.
+
+        Raises:
+            ValueError: with ``accumulate_grad_batches = k > 1``, when an epoch's batch count is not a multiple of
+                k (e.g. ``limit_train_batches``) or training resumes in the middle of a logical step: either would
+                make an optimizer step from part of a Poisson sample (or from two), which the accountant cannot
+                describe.
+        """
         super().on_train_start()
         trainer = self.lightning_module.trainer
         if self._num_samples is None or self.sample_rate is None:
             raise RuntimeError("DPStrategy saw no training dataloader")
+        self._check_logical_steps(trainer)
+        planned = trainer.estimated_stepping_batches
         self.privacy_engine.prepare(
             num_samples=self._num_samples,
             sample_rate=self.sample_rate,
-            total_steps=int(trainer.estimated_stepping_batches),
+            total_steps=int(planned) if math.isfinite(planned) else None,
         )
         self.optimizers = [self.privacy_engine.wrap_optimizer(opt) for opt in self.optimizers]
+        self._training = True
+
+    @staticmethod
+    def _check_logical_steps(trainer: pl.Trainer) -> None:
+        micro = trainer.accumulate_grad_batches
+        if micro == 1:
+            return
+        batches = trainer.num_training_batches
+        if math.isfinite(batches) and batches % micro:
+            raise ValueError(
+                f"{batches} training batches per epoch is not a multiple of accumulate_grad_batches={micro}: an "
+                "optimizer step would use part of a Poisson batch. Remove limit_train_batches or make it a multiple"
+            )
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if done % micro:
+            raise ValueError(
+                f"Resuming after {done} micro-batches, in the middle of a logical step of {micro}: resume from a "
+                "checkpoint saved at an optimizer step (ModelCheckpoint(every_n_train_steps=...) or epoch end)"
+            )
 
     # ------------------------------------------------------------------------------------------- the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -184,9 +224,30 @@ class DPStrategy(SingleDeviceStrategy):
                 f"training_step must return a per-sample loss of shape [B], got {shape}: use reduction='none' "
                 "(and reduce token losses per sample) so each example can be clipped"
             )
+        self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
         self._pending_loss = loss
         reduced = loss.mean() if loss.numel() else loss.sum()
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+
+    @staticmethod
+    def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
+        """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
+        would give each example two clipped contributions (sensitivity 2C)."""
+        try:
+            size = extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            return  # no tensor to read a batch size from; the clipper still checks the layers' batch dimension
+        if size != loss.shape[0]:
+            raise ValueError(
+                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
+                "exactly one loss per example (average the losses of an example's augmented copies)"
+            )
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""
+        if isinstance(optimizer, DPOptimizer):
+            closure = optimizer.privatising(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""

@@ -33,9 +33,12 @@ class GaussianMechanism(NoiseMechanism):
         self.noise_multiplier = float(noise_multiplier)
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Drawn in at least float32 and then cast, so 16-bit gradients do not get coarsely quantised noise."""
         std = self.noise_multiplier * self.max_grad_norm
-        noise = torch.empty_like(like)
-        return noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
+        work = torch.float32 if like.dtype in (torch.float16, torch.bfloat16) else like.dtype
+        noise = torch.empty(like.shape, dtype=work, device=like.device)
+        noise = noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
+        return noise.to(like.dtype)
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         return PoissonSampledEvent(sample_rate, GaussianEvent(self.noise_multiplier))

@@ -8,7 +8,6 @@ batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -16,39 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_dp.mechanisms.base import NoiseMechanism
-
-
-class NoiseGenerators:
-    """One ``torch.Generator`` per device, all derived from one seed; never the global RNG.
-
-    Args:
-        seed: base seed; ``None`` draws a fresh one from the OS entropy pool (``torch.seed`` is not used: it would
-            touch the global RNG).
-    """
-
-    def __init__(self, seed: int | None = None) -> None:
-        self.seed = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def get(self, device: torch.device) -> torch.Generator:
-        """The generator for ``device`` (created and seeded on first use)."""
-        device = torch.device(device)
-        if device not in self._generators:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(self.seed + (device.index or 0) + 1_000 * (device.type != "cpu"))
-            self._generators[device] = generator
-        return self._generators[device]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Seed and per-device generator states (CPU tensors), for checkpoints."""
-        return {"seed": self.seed, "states": {str(d): g.get_state() for d, g in self._generators.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; generators of devices absent now are recreated when first used."""
-        self.seed = int(state["seed"])
-        self._generators = {}
-        for device, generator_state in state["states"].items():
-            self.get(torch.device(device)).set_state(generator_state)
+from lightning_dp.optim.randomness import DPRandomness
 
 
 class DPOptimizer(Optimizer):
@@ -61,7 +28,7 @@ class DPOptimizer(Optimizer):
         optimizer: the user's optimizer.
         mechanism: the noise mechanism (adds noise to the SUM of clipped per-sample gradients).
         expected_batch_size: ``q N`` (examples per logical step, in expectation); the noisy sum is divided by it.
-        generators: the dedicated noise generators.
+        randomness: the run's dedicated generators (noise is drawn from its per-device noise generator).
         on_step: called after each completed step (records the step with the accountant).
         should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
 
@@ -75,7 +42,7 @@ class DPOptimizer(Optimizer):
         *,
         mechanism: NoiseMechanism,
         expected_batch_size: float,
-        generators: NoiseGenerators,
+        randomness: DPRandomness,
         on_step: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
     ) -> None:
@@ -85,9 +52,10 @@ class DPOptimizer(Optimizer):
         self.original_optimizer = optimizer
         self.mechanism = mechanism
         self.expected_batch_size = float(expected_batch_size)
-        self.generators = generators
+        self.randomness = randomness
         self.on_step = on_step
         self.should_skip = should_skip
+        self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
 
@@ -112,24 +80,45 @@ class DPOptimizer(Optimizer):
         """Trainable parameters of all groups (the ones that receive noise)."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    def privatising(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` followed at once by :meth:`privatise`.
+
+        Lightning's precision plugin runs ``on_before_optimizer_step`` hooks (where gradient norms are commonly
+        logged) right after the closure, inside ``step``; wrapping the closure makes those hooks see the noisy,
+        rescaled gradient, never the noise-free clipped sum.
+        """
+
+        def closure_then_privatise() -> Any:
+            result = closure()
+            if not self.should_skip():
+                self.privatise()
+            return result
+
+        return closure_then_privatise
+
     def privatise(self) -> None:
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero."""
+        self._privatised = True
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad
-            grad.add_(self.mechanism.sample(grad, self.generators.get(grad.device)))
+            grad.add_(self.mechanism.sample(grad, self.randomness.noise_generator(grad.device)))
             grad.div_(self.expected_batch_size)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (which accumulates the clipped sum), privatise, step the wrapped optimizer."""
+        """Run ``closure`` (which accumulates the clipped sum), privatise (unless the closure came through
+        :meth:`privatising` and already did), step the wrapped optimizer, record the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self.should_skip():
+            self._privatised = False
             return loss
-        self.privatise()
+        if not self._privatised:
+            self.privatise()
+        self._privatised = False
         self.original_optimizer.step()
         self.on_step()
         return loss

@@ -1,0 +1,61 @@
+"""The dedicated random streams of a DP run: noise (one generator per device) and Poisson sampling.
+
+Never the global RNG. Streams are derived from one base seed with ``numpy.random.SeedSequence`` (independent,
+well-mixed streams per purpose, device and restart), and NOTHING about them is written to checkpoints: a released
+checkpoint that contained the seed or generator states would let anyone re-create every noise draw and the batch
+composition, and subtract the noise. A resumed run instead calls :meth:`DPRandomness.restart` with the number of
+steps already taken, so it never replays noise of the first run (with ``seed=None`` it draws fresh OS entropy).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import torch
+
+
+def derive_seed(base: int, *keys: int | str) -> int:
+    """A 63-bit seed for the stream named by ``keys``, derived from ``base`` with ``SeedSequence``."""
+    entropy = [int(base) & (2**64 - 1)] + [zlib.crc32(k.encode()) if isinstance(k, str) else int(k) for k in keys]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class DPRandomness:
+    """Noise and sampling generators derived from one seed.
+
+    Args:
+        seed: base seed for reproducible experiments; ``None`` (recommended for real runs) draws 64 bits from
+            ``os.urandom``. Either way the seed is never checkpointed.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._user_seed = seed
+        self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._restart = 0
+        self._noise: dict[torch.device, torch.Generator] = {}
+        self.sampling = torch.Generator()
+        self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))
+
+    def noise_generator(self, device: torch.device | str) -> torch.Generator:
+        """The noise generator living on ``device`` (created on first use)."""
+        device = torch.device(device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
+        if device not in self._noise:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(derive_seed(self._base, "noise", device.type, device.index or 0, self._restart))
+            self._noise[device] = generator
+        return self._noise[device]
+
+    def restart(self, steps_taken: int) -> None:
+        """Re-derive every stream for a run resumed after ``steps_taken`` steps (fresh entropy when unseeded).
+
+        The ``sampling`` generator object is reseeded in place, so loaders already holding it keep working.
+        """
+        if self._user_seed is None:
+            self._base = int.from_bytes(os.urandom(8), "little")
+        self._restart = int(steps_taken) + 1
+        self._noise = {}
+        self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))
