@@ -430,7 +430,7 @@ def test_hooked_parameter_also_used_functionally_rejected(clipping: str) -> None
     clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
     with pytest.raises(UnsupportedModuleError, match=r"'lin\.weight'.*outside the forward"):
         clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
-    unchecked = PerSampleClipper(FunctionalReuse(), clipping=clipping, max_grad_norm=1.0, verify_first_batch=False)
+    unchecked = PerSampleClipper(FunctionalReuse(), clipping=clipping, max_grad_norm=1.0, verify=False)
     unchecked.backward(sin_loss(unchecked.module, (torch.randn(B, 5),)))
 
 
@@ -468,3 +468,119 @@ def test_argument_validation() -> None:
         PerSampleClipper(model, clipping="nope", max_grad_norm=1.0)
     with pytest.raises(ValueError, match="norm must be"):
         PerSampleClipper(model, max_grad_norm=1.0, norm=3)
+
+
+class L2Penalised(nn.Module):
+    """Linear -> tanh -> Linear; the loss may add an L2 penalty on the first weight (a use outside its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def loss(self, x: torch.Tensor, lam: float) -> torch.Tensor:
+        return self.net(x).sin().sum(1) + lam * (self.net[0].weight ** 2).sum()
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_outside_use_checked_on_every_batch(clipping: str, dtype: torch.dtype) -> None:
+    """An L2 penalty in the loss that is zero on the first batches and non-zero later raises at that batch."""
+    torch.manual_seed(0)
+    model = L2Penalised().to(dtype)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    x = torch.randn(B, 5, dtype=dtype)
+    for _ in range(2):
+        clipper.backward(model.loss(x, lam=0.0))
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'.*outside the forward.*weight_decay"):
+        clipper.backward(model.loss(x, lam=0.5))
+    assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters()), "nothing written on error"
+    assert clipper._hooks.captures == []
+    # A small penalty (lam=1e-3) is still caught in float32/64; verify=False skips the check.
+    with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'"):
+        clipper.backward(model.loss(x, lam=1e-3))
+    unchecked = PerSampleClipper(L2Penalised().to(dtype), clipping=clipping, max_grad_norm=1.0, verify=False)
+    unchecked.backward(unchecked.module.loss(x, lam=0.5))
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_zero_gradient_parameter_passes_check(clipping: str, dtype: torch.dtype) -> None:
+    """Conv1d before GroupNorm(C, C): the conv bias has an exactly-zero gradient, rounding noise must not raise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.GroupNorm(4, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6, 2))
+    model = model.to(dtype)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    for seed in range(3):
+        x = torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+        clipper.backward(sin_loss(model, (x,)))
+    assert model[0].bias.grad.abs().max() < 1e-5
+
+
+def test_extra_parameter_of_supported_subclass_rejected() -> None:
+    """A parameter of a hooked layer that its family does not cover, used outside, never reaches .grad unclipped."""
+
+    class GainLinear(nn.Linear):  # inherits Linear.forward, so it is hooked as a Linear
+        def __init__(self) -> None:
+            super().__init__(5, 3)
+            self.gain = nn.Parameter(torch.ones(3))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = GainLinear()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.lin.gain
+
+    for verify in (True, False):
+        model = Model()
+        clipper = PerSampleClipper(model, max_grad_norm=1.0, verify=verify)
+        with pytest.raises(UnsupportedModuleError, match=r"'lin\.gain'.*no per-sample gradient"):
+            clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+        assert all(p.grad is None for p in model.parameters())
+
+
+def _two_layer() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def test_freeze_after_attach_rejected() -> None:
+    model = _two_layer()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+    model[0].requires_grad_(False)  # e.g. BackboneFinetuning freezing the backbone in a hook
+    with pytest.raises(ValueError, match=r"no longer trainable.*'0\.weight', '0\.bias'.*fixed before fit"):
+        clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+    with pytest.raises(ValueError, match="no longer trainable"):
+        clipper.per_sample_norms(sin_loss(model, (torch.randn(0, 5),)))
+    model[0].requires_grad_(True)  # restoring the original set is fine
+    clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+
+
+def test_unfreeze_after_attach_rejected() -> None:
+    model = _two_layer()
+    model[0].requires_grad_(False)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    model[0].weight.requires_grad_(True)  # would otherwise get noise-only updates
+    with pytest.raises(ValueError, match=r"newly trainable.*'0\.weight'.*create a new clipper"):
+        clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+    assert model[0].weight.grad is None and model[2].weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.InstanceNorm1d(4, track_running_stats=True),
+        lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+    ],
+)
+def test_instance_norm_with_running_stats_rejected(make: Callable[[], nn.Module]) -> None:
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.Sequential(make()))
+    with pytest.raises(UnsupportedModuleError, match=r"'1\.0'.*track_running_stats=True.*GroupNorm"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+
+
+def test_instance_norm_without_running_stats_accepted() -> None:
+    model = randomise(nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4), nn.Flatten(), nn.Linear(4 * 6, 2)))
+    check_against_oracle(model, (rand(B, 3, 8),), "ghost")
