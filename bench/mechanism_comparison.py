@@ -6,8 +6,8 @@ For each mechanism and target epsilon the noise is calibrated with the mechanism
 end to end, and the paper-mode epsilon (``lap2-paper`` / ``plrv-paper``) of exactly the same run (same noise
 parameters, sample rate, steps and parameter count) is computed afterwards.
 
-Usage: ``python bench/mechanism_comparison.py [--epochs 15] [--out docs]`` writes ``mechanisms_digits.md`` (the
-table) and ``mechanisms_digits.png`` (the figure) into ``--out``.
+Usage: ``python bench/mechanism_comparison.py [--epochs 15] [--seeds 0 1 2] [--out docs]`` writes
+``mechanisms_digits.md`` (the table) and ``mechanisms_digits.png`` (the figure) into ``--out``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 from pathlib import Path
 
 from lightning_dp.accounting import make_accountant
@@ -40,21 +41,23 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.5, 1.0, 3.0])
     parser.add_argument("--noises", nargs="+", default=["gaussian", "lap2", "plrv"])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     rows = []
     for noise in args.noises:
         for target in args.epsilons:
-            result = run_demo(
-                target_epsilon=target, epochs=args.epochs, noise=noise, seed=args.seed, progress_bar=False
-            )
-            privacy = result["privacy"]
+            accuracies = []
+            for seed in args.seeds:
+                result = run_demo(target_epsilon=target, epochs=args.epochs, noise=noise, seed=seed, progress_bar=False)
+                accuracies.append(result["test_acc"])
+            privacy = result["privacy"]  # identical across seeds: calibration does not depend on the seed
             row = {
                 "noise": noise,
                 "target_epsilon": target,
-                "test_acc": result["test_acc"],
+                "test_acc": statistics.mean(accuracies),
+                "test_acc_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
                 "epsilon": privacy["epsilon"],
                 "accountant": privacy["accountant"],
                 "paper_epsilon": paper_epsilon(privacy),
@@ -74,7 +77,8 @@ def write_table(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
     first = rows[0]
     lines = [
         f"Digits CNN ({first['num_params']} parameters), {args.epochs} epochs, sample rate "
-        f"{first['sample_rate']:.4f}, {first['steps']} steps, delta 1e-5, max_grad_norm 1, seed {args.seed}.",
+        f"{first['sample_rate']:.4f}, {first['steps']} steps, delta 1e-5, max_grad_norm 1; test accuracy is the "
+        f"mean +- std over seeds {args.seeds}.",
         "",
         "| noise | target eps | test acc | reported eps (sound) | accountant | paper-mode eps | noise parameters |",
         "|---|---|---|---|---|---|---|",
@@ -83,7 +87,8 @@ def write_table(rows: list[dict], args: argparse.Namespace, path: Path) -> None:
         paper = f"{r['paper_epsilon']:.3f}" if r["paper_epsilon"] is not None else "n/a"
         params = ", ".join(f"{k}={v:.4g}" for k, v in r["params"].items() if k != "max_grad_norm")
         lines.append(
-            f"| {r['noise']} | {r['target_epsilon']:g} | {r['test_acc']:.4f} | {r['epsilon']:.3f} | "
+            f"| {r['noise']} | {r['target_epsilon']:g} | {r['test_acc']:.3f} +- {r['test_acc_std']:.3f} | "
+            f"{r['epsilon']:.3f} | "
             f"{r['accountant']} | {paper} | {params} |"
         )
     path.write_text("\n".join(lines) + "\n")
@@ -98,7 +103,14 @@ def write_figure(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for noise in dict.fromkeys(r["noise"] for r in rows):
         mine = [r for r in rows if r["noise"] == noise]
-        ax.plot([r["epsilon"] for r in mine], [r["test_acc"] for r in mine], marker="o", label=f"{noise} (sound)")
+        ax.errorbar(
+            [r["epsilon"] for r in mine],
+            [r["test_acc"] for r in mine],
+            yerr=[r["test_acc_std"] for r in mine],
+            marker="o",
+            capsize=3,
+            label=f"{noise} (sound)",
+        )
         if mine[0]["paper_epsilon"] is not None:
             ax.plot(
                 [r["paper_epsilon"] for r in mine],
