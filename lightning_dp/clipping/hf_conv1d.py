@@ -10,26 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dp.clipping.linear import affine_terms
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Factored, Materialised, Term, as_sequence, compute_dtype, trainable
+from lightning_dp.clipping.terms import Term
 
 
 def conv1d_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
-    """Terms for ``weight`` ``[d_in, d_out]`` (factored ``A^T G``) and ``bias`` ``[d_out]`` (materialised).
-
-    Args:
-        layer: the ``Conv1D`` layer.
-        activation: its input ``[B, *lead, d_in]``.
-        output_grad: gradient w.r.t. its output ``[B, *lead, d_out]``.
-    """
-    dtype = compute_dtype(layer.weight)
-    grads = as_sequence(output_grad, dtype)
-    terms: dict[str, Term] = {}
-    if layer.weight.requires_grad:
-        terms["weight"] = Factored(as_sequence(activation, dtype), grads, layer.weight.shape)
-    if trainable(layer, "bias"):
-        terms["bias"] = Materialised(grads.sum(1))
-    return terms
+    """Terms for ``weight`` ``[d_in, d_out]`` (factored ``A^T G``) and ``bias`` ``[d_out]`` (materialised)."""
+    return affine_terms(layer, activation, output_grad, transposed_weight=True)
 
 
 try:

@@ -14,12 +14,14 @@ from lightning_dp.clipping.registry import register_layer
 from lightning_dp.clipping.terms import Factored, Materialised, Term, as_sequence, compute_dtype, trainable
 
 
-@register_layer(nn.Linear)
-def linear_terms(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
-    """Terms for ``weight`` ``[d_out, d_in]`` (factored ``G^T A``) and ``bias`` ``[d_out]`` (materialised).
+def affine_terms(
+    layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor, *, transposed_weight: bool
+) -> dict[str, Term]:
+    """Terms of an affine map over the last dimension: ``weight`` factored as ``G^T A`` (``[d_out, d_in]``), or
+    ``A^T G`` when ``transposed_weight`` (``[d_in, d_out]``, HF ``Conv1D``); ``bias`` ``[d_out]`` materialised.
 
     Args:
-        layer: the linear layer.
+        layer: a module with ``weight`` and optional ``bias``.
         activation: its input ``[B, *lead, d_in]``.
         output_grad: gradient w.r.t. its output ``[B, *lead, d_out]``.
     """
@@ -27,7 +29,15 @@ def linear_terms(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.
     grads = as_sequence(output_grad, dtype)
     terms: dict[str, Term] = {}
     if layer.weight.requires_grad:
-        terms["weight"] = Factored(grads, as_sequence(activation, dtype), layer.weight.shape)
+        inputs = as_sequence(activation, dtype)
+        left, right = (inputs, grads) if transposed_weight else (grads, inputs)
+        terms["weight"] = Factored(left, right, layer.weight.shape)
     if trainable(layer, "bias"):
         terms["bias"] = Materialised(grads.sum(1))
     return terms
+
+
+@register_layer(nn.Linear)
+def linear_terms(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
+    """Terms for ``weight`` ``[d_out, d_in]`` (factored ``G^T A``) and ``bias`` ``[d_out]`` (materialised)."""
+    return affine_terms(layer, activation, output_grad, transposed_weight=False)
