@@ -58,3 +58,11 @@ def test_bad_arguments():
         PoissonBatchSampler(10, 0.0, generator=torch.Generator())
     with pytest.raises(ValueError, match="non-empty"):
         PoissonBatchSampler(0, 0.1, generator=torch.Generator())
+
+
+def test_worker_settings_are_kept():
+    dataset = TensorDataset(torch.randn(10, 3))
+    loader = DataLoader(dataset, batch_size=2, num_workers=1, prefetch_factor=3, persistent_workers=True)
+    poisson = poisson_dataloader(loader, sample_rate=0.5, num_steps=2, generator=torch.Generator().manual_seed(0))
+    assert poisson.num_workers == 1 and poisson.prefetch_factor == 3 and poisson.persistent_workers
+    assert sum(len(x) for (x,) in poisson) > 0

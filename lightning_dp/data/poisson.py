@@ -120,4 +120,6 @@ def poisson_dataloader(
         persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
         timeout=loader.timeout,
         multiprocessing_context=loader.multiprocessing_context if loader.num_workers > 0 else None,
+        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        pin_memory_device=loader.pin_memory_device,
     )
