@@ -18,9 +18,9 @@ import logging
 import statistics
 from pathlib import Path
 
-from lightning_dp.accounting import make_accountant
 from lightning_dp.demo import run_demo
 from lightning_dp.mechanisms import make_mechanism
+from lightning_dp.mechanisms.calibration import mechanism_epsilon
 
 PAPER_ACCOUNTANT = {"lap2": "lap2-paper", "plrv": "plrv-paper"}
 MECHANISM_KEYS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale", "max_grad_norm")
@@ -31,9 +31,14 @@ def paper_epsilon(privacy: dict) -> float | None:
     name = PAPER_ACCOUNTANT.get(privacy["noise"])
     if name is None:
         return None
-    params = {k: privacy[k] for k in MECHANISM_KEYS if k in privacy}
-    event = make_mechanism(privacy["noise"], **params).step_event(privacy["sample_rate"], privacy["num_params"])
-    return make_accountant(name).compose(event, privacy["steps"]).get_epsilon(privacy["delta"])
+    return mechanism_epsilon(
+        make_mechanism(privacy["noise"], **{k: privacy[k] for k in MECHANISM_KEYS if k in privacy}),
+        sample_rate=privacy["sample_rate"],
+        steps=privacy["steps"],
+        delta=privacy["delta"],
+        num_params=privacy["num_params"],
+        accountant=name,
+    )
 
 
 def main() -> None:

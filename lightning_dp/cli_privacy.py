@@ -106,6 +106,24 @@ def _run(
     return 0
 
 
+def _summary(
+    args: argparse.Namespace, mechanism: NoiseMechanism, epsilon: float, accountant: str, **extra: float
+) -> dict[str, Any]:
+    """The result object both subcommands print (``extra`` goes after the accountant, e.g. the target)."""
+    return {
+        "noise": args.noise,
+        "epsilon": epsilon,
+        "delta": args.delta,
+        "accountant": accountant,
+        **extra,
+        "sample_rate": args.sample_rate,
+        "steps": args.steps,
+        **mechanism.describe(),
+        "num_params": args.num_params,
+        "expected_abs_noise": mechanism.expected_abs_noise(),
+    }
+
+
 def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     required = {
         "gaussian": ("noise_multiplier",),
@@ -123,18 +141,7 @@ def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     accountants = (args.accountant,) if args.accountant else COMPARISONS.get(args.noise, (default,))
     epsilons = _epsilons(mechanism, accountants, args)
     primary = args.accountant or default
-    summary = {
-        "noise": args.noise,
-        "epsilon": epsilons[primary],
-        "delta": args.delta,
-        "accountant": primary,
-        "sample_rate": args.sample_rate,
-        "steps": args.steps,
-        **mechanism.describe(),
-        "num_params": args.num_params,
-        "expected_abs_noise": mechanism.expected_abs_noise(),
-    }
-    _emit(summary, epsilons, args.json, default)
+    _emit(_summary(args, mechanism, epsilons[primary], primary), epsilons, args.json, default)
 
 
 def epsilon_main(argv: list[str]) -> int:
@@ -185,18 +192,7 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     epsilons = {accountant: epsilon}
     if default != accountant:  # e.g. laplace-advanced calibrated by "advanced": also show the sound bound
         epsilons.update(_epsilons(mechanism, (default,), args))
-    summary = {
-        "noise": args.noise,
-        "epsilon": epsilon,
-        "delta": args.delta,
-        "accountant": accountant,
-        "target_epsilon": args.target_epsilon,
-        "sample_rate": args.sample_rate,
-        "steps": args.steps,
-        **mechanism.describe(),
-        "num_params": args.num_params,
-        "expected_abs_noise": mechanism.expected_abs_noise(),
-    }
+    summary = _summary(args, mechanism, epsilon, accountant, target_epsilon=args.target_epsilon)
     _emit(summary, epsilons, args.json, default)
 
 

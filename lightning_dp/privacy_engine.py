@@ -18,7 +18,7 @@ from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.accounting.base import validate_delta, validate_epsilon
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
-from lightning_dp.mechanisms.base import validate_max_grad_norm
+from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
 log = logging.getLogger("lightning_dp")
@@ -77,8 +77,6 @@ class PrivacyEngine:
                 "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
                 "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
             )
-        if noise_multiplier is not None and not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
         if noise_multiplier is not None and noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {noise!r} pass noise_params")
         if isinstance(noise, NoiseMechanism) and noise.max_grad_norm != max_grad_norm:
@@ -88,13 +86,19 @@ class PrivacyEngine:
         self.max_grad_norm = float(max_grad_norm)
         self.target_epsilon = target_epsilon
         self.target_delta = target_delta
-        self.noise_multiplier = noise_multiplier
         self.noise = noise
-        self.noise_params = dict(noise_params or {})
         self.clipping = clipping
         self.accountant_name = accountant
         self.randomness = DPRandomness(seed)
-        self.mechanism: NoiseMechanism | None = noise if isinstance(noise, NoiseMechanism) else None
+        #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
+        self.mechanism: NoiseMechanism | None = None
+        if isinstance(noise, NoiseMechanism):
+            self.mechanism = noise
+        elif target_epsilon is None:
+            params = dict(noise_params or {})
+            if noise_multiplier is not None:
+                params["noise_multiplier"] = noise_multiplier
+            self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
         self.sample_rate: float | None = None
@@ -113,7 +117,7 @@ class PrivacyEngine:
 
     def attach(self, module: nn.Module) -> PerSampleClipper:
         """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers)."""
-        clip_norm = self.mechanism.clip_norm if self.mechanism else self._mechanism_class().clip_norm
+        clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
             module, clipping=self.clipping, max_grad_norm=self.max_grad_norm, norm=clip_norm
         )
@@ -125,13 +129,6 @@ class PrivacyEngine:
         if self.clipper is not None:
             self.clipper.detach()
             self.clipper = None
-
-    def _mechanism_class(self) -> type[NoiseMechanism]:
-        from lightning_dp.mechanisms import MECHANISMS
-
-        if self.noise_name not in MECHANISMS:
-            raise ValueError(f"Unknown noise mechanism {self.noise_name!r}; choose one of {sorted(MECHANISMS)}")
-        return MECHANISMS[self.noise_name]
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
         """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
@@ -164,17 +161,13 @@ class PrivacyEngine:
                 1.0 / num_samples,
             )
         if self.mechanism is None:
-            self.mechanism = self._build_mechanism(total_steps)
+            self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
             self.accountant = make_accountant(self.accountant_name or self.mechanism.default_accountant)
         self._check_accountant_supports()
 
-    def _build_mechanism(self, total_steps: int | None) -> NoiseMechanism:
-        if self.target_epsilon is None:
-            params = dict(self.noise_params)
-            if self.noise_multiplier is not None:
-                params["noise_multiplier"] = self.noise_multiplier
-            return make_mechanism(self.noise_name, max_grad_norm=self.max_grad_norm, **params)
+    def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
+        """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
         from lightning_dp.mechanisms.calibration import calibrate
 
         if total_steps is None:
@@ -336,13 +329,11 @@ class PrivacyEngine:
                 f"{self.max_grad_norm}; resume with the same clipping bound"
             )
         restored = make_mechanism(name, **params)
-        if self.mechanism is not None or self.noise_multiplier is not None or self.noise_params:
-            configured = self.mechanism or self._build_mechanism(total_steps=None)
-            if configured.describe() != restored.describe():
-                raise ValueError(
-                    f"The checkpoint's noise {restored.describe()} differs from this run's {configured.describe()}; "
-                    "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
-                )
+        if self.mechanism is not None and self.mechanism.describe() != restored.describe():
+            raise ValueError(
+                f"The checkpoint's noise {restored.describe()} differs from this run's {self.mechanism.describe()}; "
+                "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
+            )
         self.mechanism = restored
         if self.target_delta is None:
             self.target_delta = state["target_delta"]

@@ -21,15 +21,20 @@ def register_mechanism(cls: type[NoiseMechanism]) -> type[NoiseMechanism]:
     return cls
 
 
+def mechanism_class(name: str) -> type[NoiseMechanism]:
+    """The registered mechanism class called ``name``. Raises ``ValueError`` listing the valid names."""
+    if name not in MECHANISMS:
+        raise ValueError(f"Unknown noise mechanism {name!r}; choose one of {sorted(MECHANISMS)}")
+    return MECHANISMS[name]
+
+
 def make_mechanism(name: str, **params: Any) -> NoiseMechanism:
     """Build a registered mechanism, e.g. ``make_mechanism("gaussian", noise_multiplier=1.1, max_grad_norm=1.0)``.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones) or invalid parameters.
     """
-    if name not in MECHANISMS:
-        raise ValueError(f"Unknown noise mechanism {name!r}; choose one of {sorted(MECHANISMS)}")
-    return MECHANISMS[name](**params)
+    return mechanism_class(name)(**params)
 
 
 def validate_max_grad_norm(max_grad_norm: float) -> None:

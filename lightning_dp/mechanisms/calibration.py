@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 from scipy import optimize, special
 
-from lightning_dp.accounting import make_accountant
+from lightning_dp.accounting import epsilon_for
 from lightning_dp.accounting.composition import advanced_laplace_noise_scale, basic_laplace_noise_scale
 from lightning_dp.mechanisms.base import MECHANISMS, NoiseMechanism, make_mechanism, validate_max_grad_norm
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
@@ -81,8 +81,7 @@ def mechanism_epsilon(
     if num_params is None and isinstance(mechanism, (Lap2Mechanism, PlrvMechanism)):
         raise ValueError(f"num_params (number of trainable parameters) is required for noise={mechanism.name!r}")
     event = mechanism.step_event(sample_rate, 1 if num_params is None else int(num_params))
-    name = accountant or mechanism.default_accountant
-    return make_accountant(name).compose(event, int(steps)).get_epsilon(delta)
+    return epsilon_for(event, int(steps), delta, accountant or mechanism.default_accountant)
 
 
 def _validate_common(sample_rate: float, steps: int) -> None:

@@ -8,15 +8,13 @@ Both depend on ``(C, b)`` only through ``C / b`` (eq. III.8 uses ``x_i / b`` wit
 
 from __future__ import annotations
 
-import torch
-
 from lightning_dp.accounting.events import Lap2Event, PoissonSampledEvent
-from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
-from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
+from lightning_dp.mechanisms.base import register_mechanism
+from lightning_dp.mechanisms.laplace import IidLaplaceNoise
 
 
 @register_mechanism
-class Lap2Mechanism(NoiseMechanism):
+class Lap2Mechanism(IidLaplaceNoise):
     """I.i.d. ``Lap(0, noise_scale)`` per coordinate on the sum of l2-clipped per-sample gradients.
 
     Args:
@@ -30,23 +28,8 @@ class Lap2Mechanism(NoiseMechanism):
     name = "lap2"
     clip_norm = 2
     default_accountant = "lap2"
-
-    def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
-        super().__init__(max_grad_norm)
-        self.noise_scale = check_positive(
-            "noise_scale", noise_scale, f"Use calibrate(noise={self.name!r}, ...) or search_lap2(...) to pick it."
-        )
-
-    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return sample_laplace(like, self.noise_scale, generator)
+    scale_hint = "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it."
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, Lap2Event(b, C, num_params))`` over the ``num_params`` noised coordinates."""
         return PoissonSampledEvent(sample_rate, Lap2Event(self.noise_scale, self.max_grad_norm, int(num_params)))
-
-    def expected_abs_noise(self) -> float:
-        """``E|z| = b`` for ``z ~ Lap(0, b)``."""
-        return self.noise_scale
-
-    def describe(self) -> dict[str, float]:
-        return {"noise_scale": self.noise_scale, "max_grad_norm": self.max_grad_norm}

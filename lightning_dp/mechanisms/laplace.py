@@ -15,8 +15,39 @@ from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
 
 
+class IidLaplaceNoise(NoiseMechanism):
+    """Shared part of the Laplace mechanisms: i.i.d. ``Lap(0, noise_scale)`` per coordinate on the clipped sum.
+
+    Subclasses fix the clipping norm, the privacy event and the accountant.
+
+    Args:
+        noise_scale: Laplace scale ``b > 0`` in gradient units (not a multiplier of ``C``).
+        max_grad_norm: clipping bound ``C > 0`` (in the subclass's ``clip_norm``).
+
+    Raises:
+        ValueError: non-positive or non-finite ``noise_scale`` or ``max_grad_norm``.
+    """
+
+    #: how to choose ``noise_scale``, appended to the validation message (``{name}`` is the mechanism's name).
+    scale_hint: str = ""
+
+    def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
+        super().__init__(max_grad_norm)
+        self.noise_scale = check_positive("noise_scale", noise_scale, self.scale_hint.format(name=self.name))
+
+    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return sample_laplace(like, self.noise_scale, generator)
+
+    def expected_abs_noise(self) -> float:
+        """``E|z| = b`` for ``z ~ Lap(0, b)``."""
+        return self.noise_scale
+
+    def describe(self) -> dict[str, float]:
+        return {"noise_scale": self.noise_scale, "max_grad_norm": self.max_grad_norm}
+
+
 @register_mechanism
-class LaplaceMechanism(NoiseMechanism):
+class LaplaceMechanism(IidLaplaceNoise):
     """I.i.d. ``Lap(0, noise_scale)`` per coordinate on the sum of l1-clipped per-sample gradients.
 
     Args:
@@ -31,23 +62,8 @@ class LaplaceMechanism(NoiseMechanism):
     name = "laplace"
     clip_norm = 1
     default_accountant = "basic"
-
-    def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
-        super().__init__(max_grad_norm)
-        self.noise_scale = check_positive(
-            "noise_scale", noise_scale, "Pick b = max_grad_norm / eps_step, or calibrate(noise='laplace', ...)."
-        )
-
-    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        return sample_laplace(like, self.noise_scale, generator)
+    scale_hint = "Pick b = max_grad_norm / eps_step, or calibrate(noise='laplace', ...)."
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, LaplaceEvent(b, C))``; ``num_params`` does not matter for l1 sensitivity."""
         return PoissonSampledEvent(sample_rate, LaplaceEvent(self.noise_scale, self.max_grad_norm))
-
-    def expected_abs_noise(self) -> float:
-        """``E|z| = b`` for ``z ~ Lap(0, b)``."""
-        return self.noise_scale
-
-    def describe(self) -> dict[str, float]:
-        return {"noise_scale": self.noise_scale, "max_grad_norm": self.max_grad_norm}
