@@ -17,6 +17,7 @@ from torch import nn
 from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.accounting.base import validate_delta, validate_epsilon
 from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.optim import DPOptimizer, DPRandomness
@@ -44,7 +45,11 @@ class PrivacyEngine:
         noise: mechanism name (``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"``) or an instance
             (e.g. from ``search_lap2(...).mechanism()``).
         noise_params: constructor arguments of a non-Gaussian mechanism (e.g. ``{"noise_scale": 2.0}``).
-        clipping: per-sample clipping engine name (``"flat" | "ghost"``).
+        clipping: per-sample clipping engine name (``"flat" | "ghost" | "fgc" | "mixed" | "hutch" | "hutchpp"``).
+        bookkeeping: form the clipped sum from the captured layer terms in one backward pass (default) instead of a
+            second backward (see :class:`~lightning_dp.clipping.PerSampleClipper`).
+        sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
+        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
         seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
             seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
@@ -63,6 +68,9 @@ class PrivacyEngine:
         noise: str | NoiseMechanism = "gaussian",
         noise_params: dict[str, Any] | None = None,
         clipping: str = "flat",
+        bookkeeping: bool = True,
+        sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
+        projection_dim: int | None = None,
         accountant: str | None = None,
         seed: int | None = None,
     ) -> None:
@@ -88,6 +96,9 @@ class PrivacyEngine:
         self.target_delta = target_delta
         self.noise = noise
         self.clipping = clipping
+        self.bookkeeping = bookkeeping
+        self.sum_check_every = sum_check_every
+        self.projection_dim = projection_dim
         self.accountant_name = accountant
         self.randomness = DPRandomness(seed)
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
@@ -119,7 +130,14 @@ class PrivacyEngine:
         """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers)."""
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
-            module, clipping=self.clipping, max_grad_norm=self.max_grad_norm, norm=clip_norm
+            module,
+            clipping=self.clipping,
+            max_grad_norm=self.max_grad_norm,
+            norm=clip_norm,
+            bookkeeping=self.bookkeeping,
+            sum_check_every=self.sum_check_every,
+            projection_dim=self.projection_dim,
+            generator_for=self.randomness.projection_generator,
         )
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
         return self.clipper

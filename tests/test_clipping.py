@@ -1,4 +1,5 @@
-"""Per-sample clipping (flat and ghost engines) against a torch.func per-sample gradient oracle, in float64."""
+"""Per-sample clipping (exact engines, with book-keeping and with two backwards) against a torch.func per-sample
+gradient oracle, in float64."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from torch.func import functional_call, grad, vmap
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 
-ENGINES = PerSampleClipper.CLIPPING_ENGINES
+ENGINES = ("flat", "ghost", "fgc", "mixed")
 RTOL = 1e-4
+BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [True, False], ids=["bk", "2bw"])
 
 Forward = Callable[..., torch.Tensor]
 LossFn = Callable[[Forward, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -53,13 +55,16 @@ def check_against_oracle(
     loss_fn: LossFn = sin_loss,
     norm: int = 2,
     atol: float = 1e-10,
+    bookkeeping: bool = True,
 ) -> PerSampleClipper:
     """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle."""
     grads = oracle_grads(model, inputs, loss_fn)
     ref_norms = oracle_norms(grads, norm)
     max_grad_norm = ref_norms.median().item()
     factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm)
+    clipper = PerSampleClipper(
+        model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm, bookkeeping=bookkeeping, sum_check_every=1
+    )
 
     norms = clipper.per_sample_norms(loss_fn(model, inputs))
     torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=1e-10)
@@ -143,17 +148,24 @@ LAYER_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]
 }
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
 @pytest.mark.parametrize("case", sorted(LAYER_CASES))
-def test_layer_matches_oracle(case: str, clipping: str) -> None:
+def test_layer_matches_oracle(case: str, clipping: str, bookkeeping: bool) -> None:
     make_layer, make_input = LAYER_CASES[case]
-    check_against_oracle(randomise(make_layer()), (make_input(),), clipping)
+    check_against_oracle(randomise(make_layer()), (make_input(),), clipping, bookkeeping=bookkeeping)
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_mlp_with_inplace_activation(clipping: str) -> None:
+def test_mlp_with_inplace_activation(clipping: str, bookkeeping: bool) -> None:
     model = randomise(nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Tanh()))
-    check_against_oracle(model, (rand(B, 6, 5),), clipping)
+    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
+    # in place on a 3-D Linear output (a view of the 2-D matmul result)
+    model = randomise(
+        nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+    )
+    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
 
 
 @pytest.mark.parametrize("clipping", ENGINES)
@@ -194,16 +206,18 @@ class CalledTwice(nn.Module):
         return self.conv(self.conv(h.transpose(1, 2)).tanh())
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tied_embedding_and_output_weight(clipping: str) -> None:
+def test_tied_embedding_and_output_weight(clipping: str, bookkeeping: bool) -> None:
     model = randomise(TiedLM())
     assert model.out.weight is model.emb.weight
-    check_against_oracle(model, (IDS,), clipping)
+    check_against_oracle(model, (IDS,), clipping, bookkeeping=bookkeeping)
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_module_called_twice(clipping: str) -> None:
-    check_against_oracle(randomise(CalledTwice()), (rand(B, 6, 5),), clipping)
+def test_module_called_twice(clipping: str, bookkeeping: bool) -> None:
+    check_against_oracle(randomise(CalledTwice()), (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
 
 
 def lm_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -215,8 +229,9 @@ def lm_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tiny_gpt2_matches_oracle(clipping: str) -> None:
+def test_tiny_gpt2_matches_oracle(clipping: str, bookkeeping: bool) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
@@ -229,12 +244,13 @@ def test_tiny_gpt2_matches_oracle(clipping: str) -> None:
     assert isinstance(model.transformer.h[0].attn.c_attn, Conv1D)
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.transformer.wte.weight
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
-    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss)
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, bookkeeping=bookkeeping)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tiny_llama_matches_oracle(clipping: str) -> None:
+def test_tiny_llama_matches_oracle(clipping: str, bookkeeping: bool) -> None:
     """nn.Linear projections, HF LlamaRMSNorm (scale-only rule), rotary positions, tied embeddings."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -251,7 +267,7 @@ def test_tiny_llama_matches_oracle(clipping: str) -> None:
     model = randomise(transformers.LlamaForCausalLM(config), seed=3)
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     # LlamaRMSNorm normalises in float32 even for a float64 model: absolute tolerance at float32 level.
-    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, atol=1e-5)
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, atol=1e-5, bookkeeping=bookkeeping)
 
 
 def test_gpt2_generate_and_save_pretrained_with_hooks(tmp_path) -> None:
@@ -292,12 +308,13 @@ def test_cuda_tied_lm(clipping: str) -> None:
     check_against_oracle(model, (IDS.cuda(),), clipping)
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_gradient_accumulation_sums(clipping: str) -> None:
+def test_gradient_accumulation_sums(clipping: str, bookkeeping: bool) -> None:
     model = randomise(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)))
     x1, x2 = rand(B, 5, seed=1), rand(3, 5, seed=2)
     grads = [oracle_grads(model, (x,)) for x in (x1, x2)]
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.5)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.5, bookkeeping=bookkeeping)
     clipper.backward(sin_loss(model, (x1,)))
     clipper.backward(sin_loss(model, (x2,)))
     for name, p in model.named_parameters():
@@ -321,8 +338,9 @@ def test_empty_batch(clipping: str) -> None:
     clipper.backward(sin_loss(model, (rand(B, 5),)))  # the next batch still works
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_small_cnn(clipping: str) -> None:
+def test_small_cnn(clipping: str, bookkeeping: bool) -> None:
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),
         nn.GroupNorm(2, 4),
@@ -331,13 +349,14 @@ def test_small_cnn(clipping: str) -> None:
         nn.Flatten(),
         nn.Linear(4 * 3 * 3, 3),
     )
-    check_against_oracle(randomise(model), (rand(B, 3, 8, 8),), clipping)
+    check_against_oracle(randomise(model), (rand(B, 3, 8, 8),), clipping, bookkeeping=bookkeeping)
 
 
-def test_l1_clipping_flat() -> None:
+@BOOKKEEPING
+def test_l1_clipping_flat(bookkeeping: bool) -> None:
     model = randomise(nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6, 3)))
-    check_against_oracle(model, (rand(B, 3, 8),), "flat", norm=1)
-    check_against_oracle(randomise(TiedLM()), (IDS,), "flat", norm=1)
+    check_against_oracle(model, (rand(B, 3, 8),), "flat", norm=1, bookkeeping=bookkeeping)
+    check_against_oracle(randomise(TiedLM()), (IDS,), "flat", norm=1, bookkeeping=bookkeeping)
 
 
 def test_detach_restores_module() -> None:
@@ -424,14 +443,38 @@ class FunctionalReuse(nn.Module):
         return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)
 
 
+@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_hooked_parameter_also_used_functionally_rejected(clipping: str) -> None:
+def test_hooked_parameter_also_used_functionally_rejected(clipping: str, bookkeeping: bool) -> None:
     model = FunctionalReuse()
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=bookkeeping)
     with pytest.raises(UnsupportedModuleError, match=r"'lin\.weight'.*outside the forward"):
         clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
-    unchecked = PerSampleClipper(FunctionalReuse(), clipping=clipping, max_grad_norm=1.0, verify=False)
-    unchecked.backward(sin_loss(unchecked.module, (torch.randn(B, 5),)))
+
+
+class DetachedReuse(FunctionalReuse):
+    """FunctionalReuse whose functional use of the weight carries no gradient: the oracle of the hooked use alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + F.linear(x.flip(-1), self.lin.weight.detach())
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_bookkeeping_without_check_drops_outside_use(clipping: str) -> None:
+    """Unchecked book-keeping: the functional use of lin.weight loses its gradient but never reaches .grad."""
+    model = randomise(FunctionalReuse())
+    oracle = DetachedReuse().double()
+    oracle.load_state_dict(model.state_dict())
+    x = rand(B, 5)
+    grads = oracle_grads(oracle, (x,))
+    factors = (1.0 / (oracle_norms(grads) + 1e-6)).clamp(max=1.0)
+    unchecked = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, sum_check_every=None)
+    unchecked.backward(sin_loss(model, (x,)))
+    named = dict(model.named_parameters())
+    for name, per_sample in grads.items():
+        torch.testing.assert_close(
+            named[name].grad, torch.einsum("b,b...->...", factors, per_sample), rtol=RTOL, atol=0
+        )
 
 
 def test_embedding_scale_grad_by_freq_rejected() -> None:
@@ -483,11 +526,11 @@ class L2Penalised(nn.Module):
 
 @pytest.mark.parametrize("clipping", ENGINES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outside_use_checked_on_every_batch(clipping: str, dtype: torch.dtype) -> None:
-    """An L2 penalty in the loss that is zero on the first batches and non-zero later raises at that batch."""
+def test_outside_use_checked_on_every_batch_without_bookkeeping(clipping: str, dtype: torch.dtype) -> None:
+    """Two backwards: an L2 penalty that is zero on the first batches and non-zero later raises at that batch."""
     torch.manual_seed(0)
     model = L2Penalised().to(dtype)
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=False)
     x = torch.randn(B, 5, dtype=dtype)
     for _ in range(2):
         clipper.backward(model.loss(x, lam=0.0))
@@ -496,11 +539,27 @@ def test_outside_use_checked_on_every_batch(clipping: str, dtype: torch.dtype) -
         clipper.backward(model.loss(x, lam=0.5))
     assert all(torch.equal(p.grad, before[n]) for n, p in model.named_parameters()), "nothing written on error"
     assert clipper._hooks.captures == []
-    # A small penalty (lam=1e-3) is still caught in float32/64; verify=False skips the check.
+    # A small penalty (lam=1e-3) is still caught in float32/64.
     with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'"):
         clipper.backward(model.loss(x, lam=1e-3))
-    unchecked = PerSampleClipper(L2Penalised().to(dtype), clipping=clipping, max_grad_norm=1.0, verify=False)
-    unchecked.backward(unchecked.module.loss(x, lam=0.5))
+    with pytest.raises(ValueError, match="needs bookkeeping=True"):
+        PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=False, sum_check_every=None)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_bookkeeping_checks_on_schedule(clipping: str) -> None:
+    """Book-keeping: the check runs on the first batch and then every ``sum_check_every`` batches."""
+    torch.manual_seed(0)
+    model = L2Penalised().double()
+    x = torch.randn(B, 5, dtype=torch.float64)
+    with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'"):
+        PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0).backward(model.loss(x, lam=0.5))
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, sum_check_every=3)
+    clipper.backward(model.loss(x, lam=0.0))  # batch 0: checked, passes
+    for _ in range(2):  # batches 1, 2: unchecked, the penalty's gradient is dropped
+        clipper.backward(model.loss(x, lam=0.5))
+    with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'"):
+        clipper.backward(model.loss(x, lam=0.5))  # batch 3: checked
 
 
 @pytest.mark.parametrize("clipping", ENGINES)
@@ -533,12 +592,16 @@ def test_extra_parameter_of_supported_subclass_rejected() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x) * self.lin.gain
 
-    for verify in (True, False):
+    for bookkeeping in (True, False):
         model = Model()
-        clipper = PerSampleClipper(model, max_grad_norm=1.0, verify=verify)
+        clipper = PerSampleClipper(model, max_grad_norm=1.0, bookkeeping=bookkeeping)
         with pytest.raises(UnsupportedModuleError, match=r"'lin\.gain'.*no per-sample gradient"):
             clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
         assert all(p.grad is None for p in model.parameters())
+    # Unchecked book-keeping: the gain gets no gradient (zeros, then noise), never an unclipped one.
+    model = Model()
+    PerSampleClipper(model, max_grad_norm=1.0, sum_check_every=None).backward(sin_loss(model, (torch.randn(B, 5),)))
+    assert torch.equal(model.lin.gain.grad, torch.zeros(3))
 
 
 def _two_layer() -> nn.Sequential:

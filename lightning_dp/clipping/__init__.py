@@ -1,12 +1,25 @@
 """Per-sample gradient clipping through layer hooks (DESIGN.md section 4).
 
-Engines: ``flat`` (materialised per-sample gradients) and ``ghost`` (Gram-matrix norms, Li et al. 2022). Layer
+Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
+Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer
 families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``embedding``, ``norms``.
 """
 
-from lightning_dp.clipping import conv, embedding, flat, ghost, hf_conv1d, linear, norms  # noqa: F401 (registration)
+from lightning_dp.clipping import (  # noqa: F401 (registration)
+    conv,
+    embedding,
+    fgc,
+    flat,
+    ghost,
+    hf_conv1d,
+    hutch,
+    hutchpp,
+    linear,
+    mixed,
+    norms,
+)
 from lightning_dp.clipping.clipper import PerSampleClipper
-from lightning_dp.clipping.engine import ENGINES, ClippingEngine, register_engine
+from lightning_dp.clipping.engine import ENGINES, ClippingEngine, make_engine, register_engine
 from lightning_dp.clipping.registry import (
     UnsupportedModuleError,
     find_layer_family,
@@ -20,6 +33,7 @@ __all__ = [
     "PerSampleClipper",
     "UnsupportedModuleError",
     "find_layer_family",
+    "make_engine",
     "register_engine",
     "register_layer",
     "register_layer_rule",

@@ -1,13 +1,21 @@
 """Per-sample gradient clipping of a module through layer hooks (DESIGN.md sections 2 and 4).
 
-Data flow: per-sample loss ``[B]`` -> first backward (output gradients captured by hooks, nothing written to
-``.grad``) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip factors
-``c_i = min(1, C / (n_i + 1e-6))`` -> second backward of ``sum_i c_i loss_i`` that adds the clipped sum
-``sum_i c_i grad(loss_i)`` into ``p.grad`` (Abadi et al. 2016, "Deep learning with differential privacy",
-Algorithm 1; norms per Li et al. 2022 for ``ghost``).
+Data flow: per-sample loss ``[B]`` -> ONE backward pass that computes only the output gradients of the hooked layers
+(no parameter gradient) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip
+factors ``c_i = min(1, C / (n_i + 1e-6))`` -> the clipped sum ``sum_i c_i grad(loss_i)`` added into ``p.grad``
+(Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1), either
 
-Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers) until
-:meth:`PerSampleClipper.backward`; engine memory is per group of captures sharing a parameter (see the engines).
+- by book-keeping (default): ``sum_i c_i A_i^T G_i`` formed from the same activations and output gradients, without
+  a second backward (Bu et al. 2023, "Differentially private optimization on large model at small cost", Section 3,
+  book-keeping). ``p.grad`` receives only terms whose norms were counted, so a parameter also used outside its
+  hooked layer loses that gradient but cannot leak it; the per-sample sum check (:mod:`sum_check`) then runs on the
+  first batch and every ``sum_check_every`` batches to catch such silent losses and wrong layer maths; or
+- by a second backward of ``sum_i c_i loss_i`` (``bookkeeping=False``): autograd writes EVERY use of a parameter
+  into ``p.grad``, so the sum check runs on every batch (a use outside the layer would otherwise leak).
+
+Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers); book-keeping also
+keeps every hooked layer's output gradient until the clipped sum is formed. Terms are formed per group of captures
+sharing a parameter and freed before the next group (twice with book-keeping: for the norms, then for the sums).
 Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
 is not supported.
@@ -15,72 +23,32 @@ is not supported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
-from lightning_dp.clipping.engine import ENGINES, ClippingEngine
+from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
-from lightning_dp.clipping.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
 from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.validation import hooked_modules
 
 _EPS = 1e-6
-#: Relative tolerance of the per-step sum check in float32/float64 arithmetic.
-_VERIFY_RTOL = 1e-3
-#: Relative tolerance under reduced-precision arithmetic (fp16/bf16 autocast or parameters, TF32 on CUDA).
-_VERIFY_RTOL_REDUCED = 5e-2
-_REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+#: Default period (in clipped batches) of the sum check under book-keeping.
+DEFAULT_SUM_CHECK_EVERY = 100
 
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
 
 
-def _hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]]:
-    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``.
-
-    Raises:
-        UnsupportedModuleError: for BatchNorm anywhere, any other norm layer with ``track_running_stats=True``
-            (InstanceNorm), a supported layer in a sample-mixing configuration, or a trainable parameter owned by a
-            module no registered family covers.
-    """
-    hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
-    for path, sub in module.named_modules():
-        where = path or "<root>"
-        if isinstance(sub, _BatchNorm):
-            raise UnsupportedModuleError(
-                f"module '{where}' ({type(sub).__name__}) mixes samples through batch statistics, so per-sample "
-                "gradients are undefined under differential privacy; replace it with nn.GroupNorm (or nn.LayerNorm)"
-            )
-        if isinstance(sub, _NormBase) and sub.track_running_stats:
-            raise UnsupportedModuleError(
-                f"module '{where}' ({type(sub).__name__}) has track_running_stats=True: its running_mean/running_var "
-                "buffers are updated from the training data without noise and saved in the state_dict, which "
-                "leaks private data; set track_running_stats=False, or use nn.GroupNorm / nn.LayerNorm"
-            )
-        trainable = [name for name, p in sub.named_parameters(recurse=False) if p.requires_grad]
-        if not trainable:
-            continue
-        family = find_layer_family(sub)
-        if family is None:
-            names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
-            raise UnsupportedModuleError(
-                f"trainable parameter(s) {names} of module '{where}' ({type(sub).__name__}) are not covered by any "
-                "registered per-sample gradient layer; freeze them (requires_grad=False) or build the model from "
-                "supported layers (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, HF Conv1D)"
-            )
-        problem = family.check(sub) if family.check is not None else None
-        if problem is not None:
-            raise UnsupportedModuleError(f"module '{where}' ({type(sub).__name__}): {problem}")
-        hooked[path] = (sub, family)
-    return hooked
-
-
 def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
     """Split captures into groups closed under sharing a parameter (a module called twice, tied weights).
 
-    The terms of one group are formed, reduced to norm contributions and freed before the next group, so that peak
-    memory is one group's terms (e.g. one convolution's unfolded input) rather than the whole model's.
+    The terms of one group are formed, reduced and freed before the next group, so that peak memory is one group's
+    terms (e.g. one convolution's unfolded input) rather than the whole model's.
     """
     groups: list[tuple[set[int], list[Capture]]] = []
     for capture in captures:
@@ -91,74 +59,6 @@ def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
             params |= group[0]
         groups.append((params, [c for group in joined for c in group[1]] + [capture]))
     return [members for _, members in groups]
-
-
-def _reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter], captures: list[Capture]) -> bool:
-    """Whether this step's gradients were computed in reduced precision (10 or fewer mantissa bits somewhere).
-
-    True under fp16/bf16 autocast (active now, or seen in the captured activations, output gradients or loss), for
-    fp16/bf16 parameters, and for float32 CUDA parameters when TF32 is allowed for matmuls, or for convolutions
-    (cuDNN's default) and the model has a hooked convolution.
-    """
-    if per_sample_loss.dtype in _REDUCED_DTYPES or torch.is_autocast_enabled(per_sample_loss.device.type):
-        return True
-    if any(p.dtype in _REDUCED_DTYPES for p in params):
-        return True
-    if any(c.activation.dtype in _REDUCED_DTYPES or c.output_grad.dtype in _REDUCED_DTYPES for c in captures):
-        return True
-    if any(p.is_cuda and p.dtype == torch.float32 for p in params):
-        if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
-            return True
-        if torch.backends.cudnn.allow_tf32 and any(isinstance(c.module, nn.modules.conv._ConvNd) for c in captures):
-            return True
-    return False
-
-
-class _SumCheck:
-    """Per-step check that each parameter's per-sample gradients sum to its autograd gradient (see ``verify``).
-
-    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k))``, with
-    ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
-    backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters. The
-    absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly zero in exact arithmetic (a
-    conv bias before ``GroupNorm(C, C)``) from failing on rounding noise, while the mismatch tolerated over all
-    parameters together stays below ``2 * rtol * G``. Norms stay on the device; :meth:`failures` syncs once.
-    """
-
-    def __init__(self, rtol: float) -> None:
-        self.rtol = rtol
-        self.params: list[nn.Parameter] = []
-        self.diffs: list[torch.Tensor] = []
-        self.scales: list[torch.Tensor] = []
-
-    def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
-        """Record the mismatch of one parameter (one batch sum of its terms, ``[*param.shape]``, freed here)."""
-        ours = terms[0].batch_sum()
-        for term in terms[1:]:
-            ours = ours + term.batch_sum()
-        reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
-        device = self.diffs[0].device if self.diffs else ours.device
-        self.params.append(param)
-        self.diffs.append((ours - reference).norm().float().to(device))
-        self.scales.append(torch.maximum(ours.norm(), reference.norm()).float().to(device))
-
-    def failures(self) -> list[tuple[nn.Parameter, float, float]]:
-        """``(param, mismatch, tolerance)`` for each failing parameter (one host sync)."""
-        if not self.params:
-            return []
-        diffs, scales = torch.stack(self.diffs), torch.stack(self.scales)
-        floor = scales.square().sum().sqrt() / len(self.params) ** 0.5
-        tolerance = self.rtol * (scales + floor)
-        bad = diffs > tolerance
-        if not bool(bad.any()):
-            return []
-        return [
-            (param, diff, tol)
-            for param, is_bad, diff, tol in zip(
-                self.params, bad.tolist(), diffs.tolist(), tolerance.tolist(), strict=True
-            )
-            if is_bad
-        ]
 
 
 class PerSampleClipper:
@@ -173,34 +73,34 @@ class PerSampleClipper:
 
     Args:
         module: the model; the first dimension of every hooked layer's input/output is the sample dimension.
-        clipping: engine name, one of :attr:`CLIPPING_ENGINES`.
+        clipping: engine name, one of :data:`~lightning_dp.clipping.engine.ENGINES` (``"flat" | "ghost" | "fgc" |
+            "mixed" | "hutch" | "hutchpp"``).
         max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm).
         norm: 2 (l2 clipping, Gaussian and l2 mechanisms) or 1 (l1 clipping for the Laplace mechanism; ``flat``
             only).
-        verify: on every non-empty batch, check that each trainable parameter's per-sample gradients sum to its
-            gradient from the first backward (which the clipper computes anyway). Guards against a hooked
-            parameter that is also used outside its layer's forward (functional reuse, an L2 penalty on the
-            weights in the loss, ``nn.MultiheadAttention``'s ``out_proj``): that use is missing from the per-sample
-            norms, so its gradient would reach ``p.grad`` unclipped. Tolerance: relative ``1e-3`` in float32/64,
-            ``5e-2`` under reduced precision (fp16/bf16 autocast or parameters, TF32 on CUDA), plus an absolute
-            floor tied to the model's gradient norm (see :class:`_SumCheck`). Cost per step: one batch-summed
-            gradient per parameter from its terms (for a linear/conv weight one ``P x Q`` matmul over the ``B * T``
-            rows, the FLOPs of its weight gradient; for materialised terms a sum over ``B``), one parameter-sized
-            temporary at a time, and one host sync (measured: +15-18% per step for a 4-layer GPT-2, ``B=16``,
-            ``T=64``, on CPU); the first-pass gradients are kept until each parameter is checked instead of being
-            freed at once. A sum check cannot see an outside use whose per-sample
-            contributions cancel over the batch. With ``verify=False`` only a parameter with no per-sample term at
-            all is caught.
+        bookkeeping: form the clipped sum from the captured terms (one backward pass, default) instead of a second
+            backward (see the module docstring).
+        sum_check_every: with book-keeping, check that each trainable parameter's per-sample gradients sum to its
+            autograd gradient on the first non-empty batch and then every ``sum_check_every`` batches; ``None``
+            turns the check off. The check costs one parameter-gradient computation in the backward pass plus one
+            batch-summed gradient per parameter and one host sync. Tolerance: relative ``1e-3`` in float32/64,
+            ``5e-2`` under reduced precision, plus an absolute floor (see :class:`~.sum_check.SumCheck`). A check
+            cannot see an outside use whose per-sample contributions cancel over the batch. The two-backward path
+            checks every batch, whatever this argument (``None`` is rejected there).
+        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
+        generator_for: ``device -> torch.Generator`` on that device, the source of the randomized engines'
+            projections (the run's DP randomness, never the global RNG); required for ``hutch``/``hutchpp``.
 
     Raises:
-        ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``, or
-            ``max_grad_norm <= 0``.
+        ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``,
+            ``max_grad_norm <= 0``, ``sum_check_every < 1``, ``sum_check_every=None`` without book-keeping, a
+            randomized engine without ``generator_for``.
         UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
             ``track_running_stats=True`` (InstanceNorm), or a trainable parameter not covered by a registered
             layer (see :mod:`lightning_dp.clipping.registry`).
     """
 
-    CLIPPING_ENGINES: tuple[str, ...] = ("flat", "ghost")
+    CLIPPING_ENGINES: tuple[str, ...] = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
 
     def __init__(
         self,
@@ -209,23 +109,38 @@ class PerSampleClipper:
         clipping: str = "flat",
         max_grad_norm: float,
         norm: int = 2,
-        verify: bool = True,
+        bookkeeping: bool = True,
+        sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
+        projection_dim: int | None = None,
+        generator_for: Callable[[torch.device], torch.Generator] | None = None,
     ) -> None:
         if clipping not in self.CLIPPING_ENGINES:
             raise ValueError(f"clipping must be one of {self.CLIPPING_ENGINES}, got {clipping!r}")
         if norm not in (1, 2):
             raise ValueError(f"norm must be 1 or 2, got {norm!r}")
-        self._engine: ClippingEngine = ENGINES[clipping]
+        self._engine: ClippingEngine = make_engine(clipping, projection_dim=projection_dim)
         if norm == 1 and not self._engine.supports_l1:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
+        if sum_check_every is not None and sum_check_every < 1:
+            raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
+        if sum_check_every is None and not bookkeeping:
+            raise ValueError(
+                "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
+                "outside its layer would reach .grad unclipped, so that path checks every batch"
+            )
+        if self._engine.randomized and generator_for is None:
+            raise ValueError(f"clipping={clipping!r} draws random projections: pass generator_for (the DP randomness)")
         self.module = module
         self.clipping = clipping
         self.max_grad_norm = float(max_grad_norm)
         self.norm = norm
-        self.verify = verify
-        hooked = _hooked_modules(module)
+        self.bookkeeping = bookkeeping
+        self.sum_check_every = sum_check_every
+        self._generator_for = generator_for
+        self._checked_batches = 0
+        hooked = hooked_modules(module)
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
@@ -236,11 +151,16 @@ class PerSampleClipper:
         """The trainable parameters (``requires_grad`` at construction), each once, in ``module.parameters()`` order."""
         return list(self._params)
 
+    @property
+    def engine(self) -> ClippingEngine:
+        """The clipping engine in use."""
+        return self._engine
+
     def _check_trainable_set(self) -> None:
         """Raise if the parameters with ``requires_grad`` differ from those at construction (one pass over them).
 
-        A parameter frozen since would make the second backward fail; one unfrozen (or added) since would get no
-        clipped gradient, only noise, and is not hooked.
+        A parameter frozen since would make the backward fail; one unfrozen (or added) since would get no clipped
+        gradient, only noise, and is not hooked.
 
         Raises:
             ValueError: naming the parameters whose status changed.
@@ -267,31 +187,49 @@ class PerSampleClipper:
             raise ValueError(f"{_LOSS_SHAPE_MESSAGE}; got shape {shape}")
         return per_sample_loss.shape[0]
 
-    def _first_pass(
-        self, per_sample_loss: torch.Tensor
-    ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
-        """Backward of ``sum_i loss_i`` capturing output gradients; returns the captures and the batch gradients.
+    def _check_due(self) -> bool:
+        """Whether this batch runs the sum check: always without book-keeping, else on the schedule."""
+        if not self.bookkeeping:
+            return True
+        return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
 
-        The parameter gradients (None for a parameter the loss does not reach) are returned, never written to
-        ``.grad``; they serve the per-step sum check.
+    def _backward_pass(
+        self, per_sample_loss: torch.Tensor, *, param_grads: bool
+    ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
+        """ONE backward of ``sum_i loss_i`` to the captured output edges; sets each capture's ``output_grad``.
+
+        With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
+        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is kept
+        only for the two-backward path.
 
         Raises:
-            UnsupportedModuleError: a parameter got a gradient but no hooked call of its module did.
+            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
+                module did.
         """
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
-        with self._hooks.capturing_grads():
-            grads = torch.autograd.grad(per_sample_loss.sum(), self._params, retain_graph=True, allow_unused=True)
-        captures = [c for c in self._hooks.captures if c.output_grad is not None]
+        captures = self._hooks.captures
+        inputs = [c.edge for c in captures] + (self._params if param_grads else [])
+        with self._hooks.suspended():
+            grads = torch.autograd.grad(
+                per_sample_loss.sum(), inputs, retain_graph=not self.bookkeeping, allow_unused=True
+            )
+        for capture, grad in zip(captures, grads[: len(captures)], strict=True):
+            capture.output_grad = None if grad is None else grad.view(capture.output_shape)
+        reached = [c for c in captures if c.output_grad is not None]
+        if not param_grads:
+            return reached, {}
+        batch_grads = dict(zip(self._params, grads[len(captures) :], strict=True))
+        captures = reached
         captured = {id(p) for c in captures for _, p in c.module.named_parameters(recurse=False)}
-        for param, grad in zip(self._params, grads, strict=True):
+        for param, grad in batch_grads.items():
             if grad is not None and id(param) not in captured:
                 raise UnsupportedModuleError(
                     f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
                     "is used outside its module's forward (e.g. functionally by a parent module, as "
                     "nn.MultiheadAttention does with out_proj); freeze it or use supported layers"
                 )
-        return captures, dict(zip(self._params, grads, strict=True))
+        return captures, batch_grads
 
     def _outside_use_error(self, failures: list[tuple[nn.Parameter, float, float]]) -> UnsupportedModuleError:
         details = ", ".join(
@@ -300,9 +238,9 @@ class PerSampleClipper:
         return UnsupportedModuleError(
             f"the per-sample gradients of parameter(s) {details} do not sum to their batch gradient: each is also "
             "used outside the forward of its module (e.g. functionally, as F.linear(x, module.weight), or in an L2 "
-            "penalty added to the loss), and that use would reach .grad unclipped; route every use through the "
-            "module, or freeze the parameter (requires_grad=False); for weight regularisation use the optimizer's "
-            "weight_decay instead of a penalty term in the loss"
+            "penalty added to the loss), and that use would reach .grad unclipped (or, with book-keeping, be lost); "
+            "route every use through the module, or freeze the parameter (requires_grad=False); for weight "
+            "regularisation use the optimizer's weight_decay instead of a penalty term in the loss"
         )
 
     def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
@@ -320,70 +258,121 @@ class PerSampleClipper:
                     terms.setdefault(getattr(capture.module, name), []).append(term)
         return terms
 
+    def _norms(
+        self,
+        per_sample_loss: torch.Tensor,
+        captures: list[Capture],
+        batch_grads: dict[nn.Parameter, torch.Tensor | None],
+        check: bool,
+    ) -> torch.Tensor:
+        """Per-sample norms ``[B]`` from the captures; runs the sum check when ``check``.
+
+        Raises:
+            UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms, or
+                whose per-sample gradients do not sum to its batch gradient.
+        """
+        batch = per_sample_loss.shape[0]
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        checker = None
+        if check:
+            rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
+            checker = SumCheck(rtol)
+        with_terms: set[int] = set()
+        total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
+        for group in _shared_parameter_groups(captures):
+            for param, param_terms in self._terms(group, batch).items():
+                with_terms.add(id(param))
+                if checker is not None:
+                    checker.add(param, param_terms, batch_grads.pop(param, None))
+                generator = None
+                if self._engine.randomized:
+                    generator = self._generator_for(param_terms[0].device)
+                total = total + self._engine.contribution(param_terms, self.norm, generator).to(dtype)
+        if checker is None:
+            return total
+        reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
+        if reached:
+            raise UnsupportedModuleError(
+                f"parameter(s) {', '.join(repr(self._names[p]) for p in reached)} received a gradient but their layer "
+                "family produced no per-sample gradient for them (e.g. an extra parameter of a subclass of a "
+                "supported layer, used outside its forward); freeze them or use supported layers"
+            )
+        failures = checker.failures()
+        if failures:
+            raise self._outside_use_error(failures)
+        return total
+
+    def _add_clipped_sum(self, captures: list[Capture], batch: int, factors: torch.Tensor) -> None:
+        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group."""
+        for group in _shared_parameter_groups(captures):
+            for param, param_terms in self._terms(group, batch).items():
+                clipped = param_terms[0].batch_sum(factors)
+                for term in param_terms[1:]:
+                    clipped = clipped + term.batch_sum(factors)
+                clipped = clipped.to(param.dtype)
+                if param.grad is None:
+                    param.grad = clipped
+                else:
+                    param.grad.add_(clipped)
+
+    def _clip(self, per_sample_loss: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
+        """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``."""
+        if not self._hooks.attached:
+            raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
+        self._check_trainable_set()
+        batch = self._batch_size(per_sample_loss)
+        try:
+            if batch == 0:
+                dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+                return torch.zeros(0, dtype=dtype, device=per_sample_loss.device)
+            check = self._check_due()
+            captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check)
+            total = self._norms(per_sample_loss, captures, batch_grads, check)
+            del batch_grads
+            self._checked_batches += 1
+            norms = (total.sqrt() if self.norm == 2 else total).detach()
+            if accumulate:
+                factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
+                if self.bookkeeping:
+                    self._add_clipped_sum(captures, batch, factors)
+                else:
+                    with self._hooks.suspended():
+                        torch.autograd.backward(
+                            (factors.to(per_sample_loss.dtype) * per_sample_loss).sum(), inputs=self._params
+                        )
+        finally:
+            self._hooks.clear()
+        return norms
+
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.
 
-        Consumes the activations captured in the forward pass that produced ``per_sample_loss``.
+        Consumes the activations captured in the forward pass that produced ``per_sample_loss`` (and, with
+        book-keeping, its autograd graph).
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample.
 
         Returns:
-            ``n_i`` (l2 or l1 per ``norm``), detached, ``[B]``, float32 (float64 for float64 parameters).
+            ``n_i`` (l2 or l1 per ``norm``; for ``hutch``/``hutchpp`` the square root of an unbiased estimate of the
+            squared norm), detached, ``[B]``, float32 (float64 for float64 parameters).
 
         Raises:
             ValueError: ``per_sample_loss`` not of shape ``[B]``, not requiring grad, or a batch size different from
                 the one the hooks captured; or the set of trainable parameters changed since construction.
-            UnsupportedModuleError: a trainable parameter got a gradient outside its module's hooked forward: always
-                checked when it has no hooked use or no per-sample term; on every non-empty batch by the sum check
-                when ``verify`` (see the class docstring).
+            UnsupportedModuleError: a trainable parameter got a gradient outside its module's hooked forward, found
+                by the sum check (see the class docstring for when it runs).
             RuntimeError: after :meth:`detach`.
         """
-        if not self._hooks.attached:
-            raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
-        self._check_trainable_set()
-        batch = self._batch_size(per_sample_loss)
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
-        try:
-            if batch == 0:
-                return torch.zeros(0, dtype=dtype, device=per_sample_loss.device)
-            captures, grads = self._first_pass(per_sample_loss)
-            reached = {id(p) for p, g in grads.items() if g is not None}
-            check = None
-            if self.verify:
-                reduced = _reduced_precision(per_sample_loss, self._params, captures)
-                check = _SumCheck(_VERIFY_RTOL_REDUCED if reduced else _VERIFY_RTOL)
-            else:
-                grads = {}  # free the batch gradients now
-            with_terms: set[int] = set()
-            total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
-            for group in _shared_parameter_groups(captures):
-                for param, param_terms in self._terms(group, batch).items():
-                    with_terms.add(id(param))
-                    if check is not None:
-                        check.add(param, param_terms, grads.pop(param, None))
-                    total = total + self._engine.contribution(param_terms, self.norm).to(dtype)
-            missing = [f"'{self._names[p]}'" for p in self._params if id(p) in reached and id(p) not in with_terms]
-            if missing:
-                raise UnsupportedModuleError(
-                    f"parameter(s) {', '.join(missing)} received a gradient but their layer family produced no "
-                    "per-sample gradient for them (e.g. an extra parameter of a subclass of a supported layer, used "
-                    "outside its forward), so it would reach .grad unclipped; freeze them or use supported layers"
-                )
-            failures = check.failures() if check is not None else []
-            if failures:
-                raise self._outside_use_error(failures)
-        finally:
-            self._hooks.clear()
-        return (total.sqrt() if self.norm == 2 else total).detach()
+        return self._clip(per_sample_loss, accumulate=False)
 
     def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``.
 
         ``p.grad`` may already hold an earlier micro-batch's clipped sum (gradient accumulation); it is created when
-        None. With ``B == 0`` (empty Poisson batch) no backward runs and every trainable parameter without a
-        ``.grad`` gets zeros. Trainable parameters the loss does not reach get zeros too, so that noise is added to
-        every parameter downstream. Nothing is written to ``.grad`` when a check raises.
+        None. With ``B == 0`` (empty Poisson batch) no backward runs. Every trainable parameter without a ``.grad``
+        afterwards (empty batch, not reached by the loss) gets zeros, so that noise is added to every parameter
+        downstream. Nothing is written to ``.grad`` when a check raises.
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample, from the forward pass the hooks captured.
@@ -394,13 +383,7 @@ class PerSampleClipper:
         Raises:
             ValueError, UnsupportedModuleError, RuntimeError: as :meth:`per_sample_norms`.
         """
-        norms = self.per_sample_norms(per_sample_loss)
-        if norms.numel() > 0:
-            factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
-            with self._hooks.suspended():
-                torch.autograd.backward(
-                    (factors.to(per_sample_loss.dtype) * per_sample_loss).sum(), inputs=self._params
-                )
+        norms = self._clip(per_sample_loss, accumulate=True)
         for param in self._params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

@@ -2,16 +2,20 @@
 
 An engine maps the terms of one parameter (one per use of it in the forward pass) to ``sum_j |grad_ij|^p``, a
 ``[B]`` tensor, for the clipping norm ``p`` (2 or 1). The clipper sums these over parameters and takes the ``p``-th
-root. Engines register themselves by name in :data:`ENGINES`; a new engine is one new file.
+root. Engine classes register themselves by name in :data:`ENGINES`; a new engine is one new file.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
 from lightning_dp.clipping.terms import Term, materialise_sum
+
+#: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
+DEFAULT_PROJECTION_DIM = 32
 
 
 class ClippingEngine(ABC):
@@ -20,18 +24,22 @@ class ClippingEngine(ABC):
     Attributes:
         name: registry name (the ``clipping=`` argument of the clipper).
         supports_l1: whether ``norm=1`` is available (it needs the per-sample gradients themselves).
+        randomized: whether the contribution is a random estimate (it then needs a generator and changes the
+            privacy accounting: seed "Efficient DP-SGD for LLMs with Randomized Clipping", Section 5).
     """
 
-    name: str
-    supports_l1: bool
+    name: ClassVar[str]
+    supports_l1: ClassVar[bool] = False
+    randomized: ClassVar[bool] = False
 
     @abstractmethod
-    def contribution(self, terms: list[Term], norm: int) -> torch.Tensor:
+    def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``sum_j |g_ij|^norm`` for ``g_i`` the per-sample gradient summed over all ``terms`` (uses): ``[B]``.
 
         Args:
             terms: one term per use of the parameter (at least one), all with the same batch size ``B``.
             norm: 2 (squared l2 norm) or 1 (l1 norm; only when ``supports_l1``).
+            generator: the source of randomness of a randomized engine, on the terms' device (ignored otherwise).
         """
 
 
@@ -41,10 +49,34 @@ def materialised_contribution(terms: list[Term], norm: int) -> torch.Tensor:
     return grad.abs().sum(1) if norm == 1 else grad.square().sum(1)
 
 
-ENGINES: dict[str, ClippingEngine] = {}
+ENGINES: dict[str, type[ClippingEngine]] = {}
 
 
-def register_engine(engine: ClippingEngine) -> ClippingEngine:
-    """Add ``engine`` to :data:`ENGINES` under ``engine.name``."""
-    ENGINES[engine.name] = engine
-    return engine
+def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
+    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``."""
+    ENGINES[cls.name] = cls
+    return cls
+
+
+def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngine:
+    """Build the engine registered as ``name``.
+
+    Args:
+        name: one of :data:`ENGINES`.
+        projection_dim: ``k``, the number of random projection columns of a randomized engine (default
+            :data:`DEFAULT_PROJECTION_DIM`); only for randomized engines.
+
+    Raises:
+        ValueError: unknown name, ``projection_dim < 1``, or ``projection_dim`` given for a deterministic engine.
+    """
+    if name not in ENGINES:
+        raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {name!r}")
+    cls = ENGINES[name]
+    if not cls.randomized:
+        if projection_dim is not None:
+            raise ValueError(f"projection_dim applies to the randomized engines (hutch, hutchpp), not {name!r}")
+        return cls()
+    k = DEFAULT_PROJECTION_DIM if projection_dim is None else int(projection_dim)
+    if k < 1:
+        raise ValueError(f"projection_dim must be a positive integer, got {projection_dim!r}")
+    return cls(projection_dim=k)  # type: ignore[call-arg]

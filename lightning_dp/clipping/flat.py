@@ -13,15 +13,13 @@ from lightning_dp.clipping.engine import ClippingEngine, materialised_contributi
 from lightning_dp.clipping.terms import Term
 
 
+@register_engine
 class FlatEngine(ClippingEngine):
     """Per-sample gradients in full; see the module docstring."""
 
     name = "flat"
     supports_l1 = True
 
-    def contribution(self, terms: list[Term], norm: int) -> torch.Tensor:
+    def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``sum_j |g_ij|^norm`` from the materialised per-sample gradient ``g_i``: ``[B]``."""
         return materialised_contribution(terms, norm)
-
-
-register_engine(FlatEngine())

@@ -43,17 +43,15 @@ def gram_squared_norm(terms: list[Factored]) -> torch.Tensor:
     return total
 
 
+@register_engine
 class GhostEngine(ClippingEngine):
     """Ghost norms; see the module docstring."""
 
     name = "ghost"
     supports_l1 = False
 
-    def contribution(self, terms: list[Term], norm: int) -> torch.Tensor:
+    def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Per-sample squared l2 norm of the parameter's gradient summed over its uses: ``[B]``."""
         if all(isinstance(term, Factored) for term in terms):
             return gram_squared_norm(terms)
         return materialised_contribution(terms, norm)
-
-
-register_engine(GhostEngine())

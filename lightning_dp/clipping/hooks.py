@@ -1,16 +1,18 @@
-"""Capture of layer activations and output gradients through module hooks, attached in place.
+"""Capture of layer activations and of the autograd edges of layer outputs, through forward hooks attached in place.
 
-Each supported module gets a forward hook that stores its first input and registers a tensor hook on its output;
-the tensor hook stores the gradient w.r.t. that output. One :class:`Capture` is recorded per call, so a module
-called twice in one forward yields two captures (their per-sample gradients are summed by the engines).
+Each supported module gets a forward hook that stores its first input and the gradient edge
+(``torch.autograd.graph.get_gradient_edge``) of its output. One :class:`Capture` is recorded per call, so a module
+called twice in one forward yields two captures (their per-sample gradients are summed by the engines). The clipper
+then asks autograd for the gradients at those edges (``torch.autograd.grad(loss, inputs=edges)``): autograd runs only
+the nodes on the way from the loss to the edges, so the output gradients come without any parameter gradient being
+computed (the book-keeping pass of Bu et al. 2023 needs nothing else).
 
-Why forward hook + tensor hook rather than ``register_full_backward_hook``: full backward hooks wrap the module's
-inputs and outputs in a ``BackwardHookFunction``, which fails when the output is then modified in place (e.g.
-``x = linear(x); x.relu_()``) and needs special handling for first layers whose input does not require grad. A tensor
-hook registered on the output before an in-place op receives the gradient w.r.t. the value the module produced
-(PyTorch's documented semantics for hooks on tensors later modified in place), and works whatever the inputs. The
-one exception is an output that is a view of another tensor (``nn.Linear`` on ``[B, T, d]``, HF ``Conv1D``): an
-in-place op rebases the view's autograd history and its hook never fires, so such outputs are replaced by a copy.
+Why edges rather than tensors or ``register_full_backward_hook``: an edge names the autograd node that produced the
+output, and stays on the graph when the output is later modified in place (``x = linear(x); x.relu_()``): the
+gradient at the edge is the gradient w.r.t. the value the module produced. Full backward hooks fail on such
+in-place ops. An output that is a view (``nn.Linear`` on ``[B, T, d]`` and HF ``Conv1D`` return a reshape of a 2-D
+matmul result) would leave the graph when modified in place, so for a pure reshape of a contiguous base the edge of
+the base is taken and its gradient reshaped back; any other view is replaced by a copy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.clipping.registry import LayerFamily
@@ -36,14 +39,18 @@ class Capture:
         module: the module.
         family: its layer family.
         activation: its first input, detached (``[B, ...]``).
-        output_grad: gradient of the first-pass loss w.r.t. its output (``[B, ...]``); None until the first pass
-            reaches it (and None for calls whose output does not influence the loss).
+        edge: the autograd edge of its output (or of the output's base, see the module docstring).
+        output_shape: the module output's shape (the gradient at ``edge`` is reshaped to it).
+        output_grad: gradient of the loss w.r.t. its output (``[B, ...]``); None until the clipper's backward pass
+            sets it (and None for calls whose output does not influence the loss).
     """
 
     name: str
     module: nn.Module
     family: LayerFamily
     activation: torch.Tensor
+    edge: GradientEdge
+    output_shape: torch.Size
     output_grad: torch.Tensor | None = None
 
 
@@ -53,12 +60,25 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return next(iter(kwargs.values()), None)
 
 
+def _is_reshape_of_base(output: torch.Tensor) -> bool:
+    """Whether ``output`` is a view holding all of its contiguous base in the same order (a pure reshape)."""
+    base = output._base
+    return (
+        base is not None
+        and base.requires_grad
+        and base.grad_fn is not None
+        and output.is_contiguous()
+        and base.is_contiguous()
+        and output.numel() == base.numel()
+        and output.storage_offset() == base.storage_offset()
+    )
+
+
 class CaptureHooks:
     """Hooks on a set of modules recording :class:`Capture` objects.
 
     Forward calls are recorded only when gradients are enabled and the hooks are not suspended (so ``no_grad``
-    evaluation, ``generate()`` and the clipper's own passes record nothing); output gradients only inside
-    :meth:`capturing_grads`.
+    evaluation, ``generate()`` and the clipper's own passes record nothing).
 
     Args:
         modules: ``{path: (module, family)}`` to hook.
@@ -68,7 +88,6 @@ class CaptureHooks:
         self.captures: list[Capture] = []
         self._batch_hint = 0
         self._suspended = False
-        self._grads_on = False
         self._handles: list[RemovableHandle] = []
         self.attached = True
         for name, (module, family) in modules.items():
@@ -104,35 +123,24 @@ class CaptureHooks:
             x = _first_input(args, kwargs)
             if not self._recording() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
-            if output._base is not None:
-                # A view (e.g. Linear on [B, T, d]) modified in place later is rebased onto its base, and a hook on
-                # it would never fire; a copy owns its storage (the view is then freed, so memory is unchanged).
-                output = output.clone()
-            capture = Capture(name, module, family, x.detach())
-            self.captures.append(capture)
+            replaced = None
+            if _is_reshape_of_base(output):
+                edge = get_gradient_edge(output._base)
+            else:
+                if output._base is not None:
+                    # Another kind of view would leave the graph if modified in place; a copy owns its storage
+                    # (the view is then freed, so memory is unchanged).
+                    output = replaced = output.clone()
+                edge = get_gradient_edge(output)
+            self.captures.append(Capture(name, module, family, x.detach(), edge, output.shape))
             self._batch_hint = output.shape[0] if output.ndim else 0
-
-            def grad_hook(grad: torch.Tensor) -> None:
-                if self._grads_on:
-                    capture.output_grad = grad if capture.output_grad is None else capture.output_grad + grad
-
-            output.register_hook(grad_hook)
-            return output
+            return replaced
 
         return hook
 
     @contextmanager
-    def capturing_grads(self) -> Iterator[None]:
-        """Within this context, backward passes store output gradients and forward calls are not recorded."""
-        self._grads_on, self._suspended = True, True
-        try:
-            yield
-        finally:
-            self._grads_on, self._suspended = False, False
-
-    @contextmanager
     def suspended(self) -> Iterator[None]:
-        """Within this context, nothing is recorded (used for the clipper's second backward)."""
+        """Within this context, nothing is recorded (the clipper's own passes)."""
         self._suspended = True
         try:
             yield

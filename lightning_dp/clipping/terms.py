@@ -25,13 +25,23 @@ class Materialised:
 
     grad: torch.Tensor
 
+    @property
+    def device(self) -> torch.device:
+        return self.grad.device
+
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
-    def batch_sum(self) -> torch.Tensor:
-        """The gradient summed over the batch, ``[*param.shape]``."""
-        return self.grad.sum(0)
+    def samples(self, index: slice) -> Materialised:
+        """The term restricted to the samples ``index``."""
+        return Materialised(self.grad[index])
+
+    def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``."""
+        if weights is None:
+            return self.grad.sum(0)
+        return torch.tensordot(weights.to(self.grad.dtype), self.grad, dims=1)
 
 
 @dataclass(frozen=True)
@@ -51,9 +61,17 @@ class Factored:
     shape: torch.Size
 
     @property
+    def device(self) -> torch.device:
+        return self.right.device
+
+    @property
     def is_index(self) -> bool:
         """Whether ``left`` holds token ids rather than a dense matrix."""
         return not self.left.is_floating_point()
+
+    def samples(self, index: slice) -> Factored:
+        """The term restricted to the samples ``index``."""
+        return Factored(self.left[index], self.right[index], self.shape)
 
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""
@@ -65,10 +83,13 @@ class Factored:
             grad = torch.bmm(self.left.transpose(1, 2), self.right)
         return grad.reshape(batch, *self.shape)
 
-    def batch_sum(self) -> torch.Tensor:
-        """The gradient summed over the batch, ``[*shape]``, without per-sample gradients (one ``P x Q`` matmul)."""
+    def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_i w_i L_i^T R_i`` (``w_i = 1`` when ``weights`` is None), ``[*shape]``, without per-sample gradients:
+        one ``P x Q`` matmul over the ``B * T`` rows, with ``R_i`` scaled by ``w_i`` (book-keeping, Bu et al. 2023,
+        "Differentially private optimization on large model at small cost", Section 3). ``weights``: ``[B]``."""
         cols = self.right.shape[-1]
-        right = self.right.reshape(-1, cols)
+        right = self.right if weights is None else self.right * weights.to(self.right.dtype).view(-1, 1, 1)
+        right = right.reshape(-1, cols)
         if self.is_index:
             total = right.new_zeros(self.shape[0], cols).index_add_(0, self.left.reshape(-1), right)
         else:

@@ -34,20 +34,29 @@ class DPRandomness:
         self._user_seed = seed
         self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self._restart = 0
-        self._noise: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[tuple[str, torch.device], torch.Generator] = {}
         self.sampling = torch.Generator()
         self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))
 
     def noise_generator(self, device: torch.device | str) -> torch.Generator:
         """The noise generator living on ``device`` (created on first use)."""
+        return self._device_generator("noise", device)
+
+    def projection_generator(self, device: torch.device | str) -> torch.Generator:
+        """The generator of the randomized clipping engines' projections on ``device`` (its own stream: the
+        projections are part of the mechanism's randomness, DP-SGD-RC seed Algorithm 2)."""
+        return self._device_generator("projection", device)
+
+    def _device_generator(self, purpose: str, device: torch.device | str) -> torch.Generator:
         device = torch.device(device)
         if device.type != "cpu" and device.index is None:
             device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
-        if device not in self._noise:
+        key = (purpose, device)
+        if key not in self._generators:
             generator = torch.Generator(device=device)
-            generator.manual_seed(derive_seed(self._base, "noise", device.type, device.index or 0, self._restart))
-            self._noise[device] = generator
-        return self._noise[device]
+            generator.manual_seed(derive_seed(self._base, purpose, device.type, device.index or 0, self._restart))
+            self._generators[key] = generator
+        return self._generators[key]
 
     def restart(self, steps_taken: int) -> None:
         """Re-derive every stream for a run resumed after ``steps_taken`` steps (fresh entropy when unseeded).
@@ -57,5 +66,5 @@ class DPRandomness:
         if self._user_seed is None:
             self._base = int.from_bytes(os.urandom(8), "little")
         self._restart = int(steps_taken) + 1
-        self._noise = {}
+        self._generators = {}
         self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))

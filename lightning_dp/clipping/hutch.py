@@ -1,0 +1,61 @@
+"""Engine ``hutch``: per-sample squared norms by Hutchinson's trace estimator (seed "Efficient DP-SGD for LLMs with
+Randomized Clipping", Algorithm 2 lines 3-6; Hutchinson 1989).
+
+For a linear-like parameter with per-sample gradient ``M_i`` (``m x n``, ``n`` the larger side) the estimate is
+``||M_i P||_F^2`` with ``P`` an ``n x k`` matrix of i.i.d. ``N(0, 1/k)`` entries, drawn fresh for every parameter and
+step from the DP randomness (never the global RNG; one ``P`` per parameter shared by the batch, so every sample's
+estimate has the same law). It is unbiased, ``E ||M P||_F^2 = ||M||_F^2``, with relative variance at most ``2/k``.
+Memory ``B (T + m) k + n k`` per parameter, against ``B T^2`` for ghost norms. Parameters with materialised terms
+(biases, norm layers, grouped convolutions: "other" layers, Algorithm 2 line 15) get exact norms.
+
+Clipping then uses the estimated norm, so a clipped contribution can exceed ``C``: the privacy of the run is
+accounted by the randomized-clipping accountant (Section 5 of the seed), never by the plain Gaussian one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.projection import GradientOperator
+from lightning_dp.clipping.terms import Factored, Term
+
+
+class RandomizedEngine(ClippingEngine):
+    """Shared skeleton of ``hutch``/``hutchpp``: exact for materialised terms, an estimate for factored ones.
+
+    Args:
+        projection_dim: ``k``, the number of random projection columns (>= 1).
+    """
+
+    randomized = True
+
+    def __init__(self, projection_dim: int) -> None:
+        self.projection_dim = int(projection_dim)
+
+    def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """An unbiased estimate of the per-sample squared l2 norm (exact when a term is materialised): ``[B]``.
+
+        Raises:
+            ValueError: no ``generator``.
+        """
+        if not all(isinstance(term, Factored) for term in terms):
+            return materialised_contribution(terms, norm)
+        if generator is None:
+            raise ValueError(f"clipping={self.name!r} needs a generator for its random projections")
+        return self.estimate(GradientOperator(terms), generator)
+
+    def estimate(self, operator: GradientOperator, generator: torch.Generator) -> torch.Tensor:
+        """The estimate of ``||M_i||_F^2`` for every sample: ``[B]``."""
+        raise NotImplementedError
+
+
+@register_engine
+class HutchEngine(RandomizedEngine):
+    """Hutchinson's estimator; see the module docstring."""
+
+    name = "hutch"
+
+    def estimate(self, operator: GradientOperator, generator: torch.Generator) -> torch.Tensor:
+        """``||M_i P||_F^2`` (Algorithm 2, lines 4-6): ``[B]``."""
+        return operator.times(operator.gaussian(self.projection_dim, generator)).square().sum((1, 2))

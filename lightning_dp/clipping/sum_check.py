@@ -1,0 +1,88 @@
+"""The per-sample sum check: each parameter's per-sample gradients must sum to its autograd gradient.
+
+It catches a parameter used outside its hooked layer (functional reuse, an L2 penalty in the loss) and wrong layer
+maths. With the two-backward path such a use would reach ``p.grad`` unclipped, so the check runs on every batch; with
+book-keeping it can only lose gradient, and the check runs on a schedule (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.hooks import Capture
+from lightning_dp.clipping.terms import Term
+
+#: Relative tolerance of the sum check in float32/float64 arithmetic.
+VERIFY_RTOL = 1e-3
+#: Relative tolerance under reduced-precision arithmetic (fp16/bf16 autocast or parameters, TF32 on CUDA).
+VERIFY_RTOL_REDUCED = 5e-2
+_REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter], captures: list[Capture]) -> bool:
+    """Whether this step's gradients were computed in reduced precision (10 or fewer mantissa bits somewhere).
+
+    True under fp16/bf16 autocast (active now, or seen in the captured activations, output gradients or loss), for
+    fp16/bf16 parameters, and for float32 CUDA parameters when TF32 is allowed for matmuls, or for convolutions
+    (cuDNN's default) and the model has a hooked convolution.
+    """
+    if per_sample_loss.dtype in _REDUCED_DTYPES or torch.is_autocast_enabled(per_sample_loss.device.type):
+        return True
+    if any(p.dtype in _REDUCED_DTYPES for p in params):
+        return True
+    if any(c.activation.dtype in _REDUCED_DTYPES or c.output_grad.dtype in _REDUCED_DTYPES for c in captures):
+        return True
+    if any(p.is_cuda and p.dtype == torch.float32 for p in params):
+        if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
+            return True
+        if torch.backends.cudnn.allow_tf32 and any(isinstance(c.module, nn.modules.conv._ConvNd) for c in captures):
+            return True
+    return False
+
+
+class SumCheck:
+    """Per-step check that each parameter's per-sample gradients sum to its autograd gradient (see ``verify``).
+
+    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k))``, with
+    ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
+    backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters. The
+    absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly zero in exact arithmetic (a
+    conv bias before ``GroupNorm(C, C)``) from failing on rounding noise, while the mismatch tolerated over all
+    parameters together stays below ``2 * rtol * G``. Norms stay on the device; :meth:`failures` syncs once.
+    """
+
+    def __init__(self, rtol: float) -> None:
+        self.rtol = rtol
+        self.params: list[nn.Parameter] = []
+        self.diffs: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
+
+    def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
+        """Record the mismatch of one parameter (one batch sum of its terms, ``[*param.shape]``, freed here)."""
+        ours = terms[0].batch_sum()
+        for term in terms[1:]:
+            ours = ours + term.batch_sum()
+        reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
+        device = self.diffs[0].device if self.diffs else ours.device
+        self.params.append(param)
+        self.diffs.append((ours - reference).norm().float().to(device))
+        self.scales.append(torch.maximum(ours.norm(), reference.norm()).float().to(device))
+
+    def failures(self) -> list[tuple[nn.Parameter, float, float]]:
+        """``(param, mismatch, tolerance)`` for each failing parameter (one host sync)."""
+        if not self.params:
+            return []
+        diffs, scales = torch.stack(self.diffs), torch.stack(self.scales)
+        floor = scales.square().sum().sqrt() / len(self.params) ** 0.5
+        tolerance = self.rtol * (scales + floor)
+        bad = diffs > tolerance
+        if not bool(bad.any()):
+            return []
+        return [
+            (param, diff, tol)
+            for param, is_bad, diff, tol in zip(
+                self.params, bad.tolist(), diffs.tolist(), tolerance.tolist(), strict=True
+            )
+            if is_bad
+        ]

@@ -1,0 +1,52 @@
+"""Validation of a model for per-sample clipping: which modules to hook, and which configurations to reject.
+
+BatchNorm mixes samples through batch statistics and other norm layers with running statistics leak training data
+through unnoised buffers (DESIGN.md section 4); every trainable parameter must belong to a registered layer family.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+from lightning_dp.clipping.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+
+
+def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]]:
+    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``.
+
+    Raises:
+        UnsupportedModuleError: for BatchNorm anywhere, any other norm layer with ``track_running_stats=True``
+            (InstanceNorm), a supported layer in a sample-mixing configuration, or a trainable parameter owned by a
+            module no registered family covers.
+    """
+    hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
+    for path, sub in module.named_modules():
+        where = path or "<root>"
+        if isinstance(sub, _BatchNorm):
+            raise UnsupportedModuleError(
+                f"module '{where}' ({type(sub).__name__}) mixes samples through batch statistics, so per-sample "
+                "gradients are undefined under differential privacy; replace it with nn.GroupNorm (or nn.LayerNorm)"
+            )
+        if isinstance(sub, _NormBase) and sub.track_running_stats:
+            raise UnsupportedModuleError(
+                f"module '{where}' ({type(sub).__name__}) has track_running_stats=True: its running_mean/running_var "
+                "buffers are updated from the training data without noise and saved in the state_dict, which "
+                "leaks private data; set track_running_stats=False, or use nn.GroupNorm / nn.LayerNorm"
+            )
+        trainable = [name for name, p in sub.named_parameters(recurse=False) if p.requires_grad]
+        if not trainable:
+            continue
+        family = find_layer_family(sub)
+        if family is None:
+            names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
+            raise UnsupportedModuleError(
+                f"trainable parameter(s) {names} of module '{where}' ({type(sub).__name__}) are not covered by any "
+                "registered per-sample gradient layer; freeze them (requires_grad=False) or build the model from "
+                "supported layers (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, HF Conv1D)"
+            )
+        problem = family.check(sub) if family.check is not None else None
+        if problem is not None:
+            raise UnsupportedModuleError(f"module '{where}' ({type(sub).__name__}): {problem}")
+        hooked[path] = (sub, family)
+    return hooked

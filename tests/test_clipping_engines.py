@@ -1,0 +1,75 @@
+"""Engine-specific behaviour: the mixed engine's layerwise choice and chunking, fgc's rank-one case, the registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dp.clipping import ENGINES, make_engine
+from lightning_dp.clipping.engine import materialised_contribution
+from lightning_dp.clipping.mixed import chunked_squared_norm, ghost_cost, materialise_cost
+from lightning_dp.clipping.terms import Factored
+
+
+def _linear_term(batch: int, seq: int, rows: int, cols: int, device: str = "meta") -> Factored:
+    left = torch.empty(batch, seq, rows, device=device)
+    return Factored(left, torch.empty(batch, seq, cols, device=device), torch.Size((rows, cols)))
+
+
+def _embedding_term(batch: int, seq: int, rows: int, cols: int) -> Factored:
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return Factored(ids, torch.empty(batch, seq, cols, device="meta"), torch.Size((rows, cols)))
+
+
+@pytest.mark.parametrize(("seq", "ghost"), [(128, True), (512, False), (2048, False)])
+def test_mixed_chooses_by_cost_for_a_tied_gpt2_head(seq: int, ghost: bool) -> None:
+    """GPT-2's 50257 x 256 head tied to the token embedding: ghost at T=128, materialised from T=512 on."""
+    terms = [_linear_term(8, seq, 50257, 256), _embedding_term(8, seq, 50257, 256)]
+    assert (ghost_cost(terms) < materialise_cost(terms)) is ghost
+
+
+@pytest.mark.parametrize(
+    ("term", "ghost"),
+    [
+        (_embedding_term(8, 128, 50257, 256), True),  # T^2 (1 + Q) = 4.2e6 < P Q = 1.3e7
+        (_embedding_term(8, 2048, 50257, 256), False),  # the T^2 Gram outgrows the scatter
+        (_linear_term(8, 128, 1024, 1024), True),
+        (_linear_term(8, 2048, 256, 256), False),
+    ],
+)
+def test_mixed_rule_for_embeddings_and_projections(term: Factored, ghost: bool) -> None:
+    assert (ghost_cost([term]) < materialise_cost([term])) is ghost
+
+
+def test_chunked_materialisation_is_exact() -> None:
+    """Chunks smaller than the batch (2 B T^2 < P Q) give the same norms as materialising the whole batch."""
+    gen = torch.Generator().manual_seed(0)
+    dense = Factored(
+        torch.randn(5, 3, 40, generator=gen, dtype=torch.float64),
+        torch.randn(5, 3, 30, generator=gen, dtype=torch.float64),
+        torch.Size((40, 30)),
+    )
+    ids = Factored(
+        torch.randint(0, 40, (5, 2), generator=gen),
+        torch.randn(5, 2, 30, generator=gen, dtype=torch.float64),
+        dense.shape,
+    )
+    assert 2 * 5 * 3 * 3 < 40 * 30  # chunks of one sample
+    torch.testing.assert_close(chunked_squared_norm([dense, ids]), materialised_contribution([dense, ids], 2))
+
+
+def test_fgc_rank_one_case_matches_materialised() -> None:
+    gen = torch.Generator().manual_seed(1)
+    term = Factored(
+        torch.randn(4, 1, 6, generator=gen, dtype=torch.float64),
+        torch.randn(4, 1, 5, generator=gen, dtype=torch.float64),
+        torch.Size((6, 5)),
+    )
+    torch.testing.assert_close(make_engine("fgc").contribution([term], 2), materialised_contribution([term], 2))
+
+
+def test_registry_lists_every_engine() -> None:
+    assert set(ENGINES) == {"flat", "ghost", "fgc", "mixed", "hutch", "hutchpp"}
+    assert [name for name, cls in ENGINES.items() if cls.randomized] == ["hutch", "hutchpp"]
+    with pytest.raises(ValueError, match="clipping must be one of"):
+        make_engine("nope")
