@@ -139,3 +139,11 @@ def test_hutchpp_error_an_order_of_magnitude_below_hutch() -> None:
         errors[clipping] = ((draws - exact) / exact).square().mean().item()
     assert 0 < errors["hutch"] < 1.5 * 2 / 16, errors  # Hutchinson's relative variance is at most 2/k
     assert errors["hutchpp"] < errors["hutch"] / 10, errors
+
+
+def test_norm_dim_is_the_largest_smaller_side() -> None:
+    from lightning_dp.clipping.hutch import norm_dim
+
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 32), nn.LayerNorm(32), nn.Conv1d(32, 12, 3))
+    assert norm_dim(list(model.parameters())) == 12  # conv weight [12, 32 * 3]; embedding 8, linear 8, vectors 1
+    assert norm_dim([nn.Parameter(torch.zeros(5))]) == 1
