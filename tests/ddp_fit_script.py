@@ -1,0 +1,38 @@
+"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [NOISE]`` trains TinyRegressor with DPDDPStrategy on
+2 CPU processes through Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt``."""
+
+import sys
+from pathlib import Path
+
+import torch
+from helpers import TinyRegressor, make_trainer
+
+from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
+    module = TinyRegressor(batch_size=8)
+    initial = [p.detach().clone() for p in module.parameters()]
+    strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=None)
+    callback = PrivacyAccountantCallback()
+    trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=[callback])
+    trainer.fit(module)
+    engine = strategy.privacy_engine
+    torch.save(
+        {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "initial": initial,
+            "epsilon": engine.epsilon(),
+            "steps": engine.steps,
+            "global_step": trainer.global_step,
+            "sample_rate": engine.sample_rate,
+            "num_samples": engine.num_samples,
+            "delta": engine.target_delta,
+            "ledger": engine.accountant.state_dict(),
+            "summary": callback.summary,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
