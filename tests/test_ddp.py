@@ -169,14 +169,13 @@ def test_noise_is_one_draw_identical_on_every_rank(spawned, name):
 
 
 # ------------------------------------------------------------------------------------------- Lightning
-@pytest.fixture(scope="module")
-def lightning_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("ddp_lightning")
+def _fit_on_two_processes(out: Path, *args: str) -> list[dict]:
+    """Run ddp_fit_script.py (Lightning launches the second rank) and load what each rank wrote."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     env.pop("MASTER_PORT", None)
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_fit_script.py")), str(out)],
+        [sys.executable, str(Path(__file__).with_name("ddp_fit_script.py")), str(out), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -184,6 +183,11 @@ def lightning_ranks(tmp_path_factory) -> list[dict]:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def lightning_ranks(tmp_path_factory) -> list[dict]:
+    return _fit_on_two_processes(tmp_path_factory.mktemp("ddp_lightning"))
 
 
 def test_lightning_ddp_trains_two_identical_ranks(lightning_ranks):
@@ -206,6 +210,17 @@ def test_lightning_ddp_epsilon_equals_single_process(lightning_ranks):
         assert rank["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
         assert rank["delta"] == engine.target_delta and rank["steps"] == engine.steps
     assert lightning_ranks[0]["summary"]["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_lightning_ddp_resume_continues_the_epsilon_curve(tmp_path):
+    first = _fit_on_two_processes(tmp_path, "--max-epochs", "1")
+    (ckpt,) = (tmp_path / "ckpt").iterdir()
+    resumed = _fit_on_two_processes(tmp_path, "--max-epochs", "2", "--resume", str(ckpt))
+    steps_per_epoch = math.ceil(64 / (8 * WORLD))
+    assert first[0]["steps"] == steps_per_epoch and [r["steps"] for r in resumed] == [2 * steps_per_epoch] * 2
+    assert resumed[0]["epsilon"] == resumed[1]["epsilon"] > first[0]["epsilon"]
+    assert all(torch.equal(p, q) for p, q in zip(resumed[0]["params"], resumed[1]["params"], strict=True))
 
 
 # ----------------------------------------------------------------------------------- sharded sampling
