@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -223,8 +224,20 @@ class PrivacyEngine:
                 f"use accountant={self.mechanism.default_accountant!r}"
             )
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> DPOptimizer:
-        """Wrap the user's optimizer so each step is privatised and recorded."""
+    def wrap_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
+    ) -> DPOptimizer:
+        """Wrap the user's optimizer so each step is privatised and recorded.
+
+        Args:
+            optimizer: the user's optimizer.
+            reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums (e.g.
+                ``distributed_context().reduce_clipped_sum``); ``None`` on one process. See
+                :mod:`lightning_dp.optim.distributed` for what else a multi-process run needs.
+        """
         if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
         return DPOptimizer(
@@ -234,6 +247,7 @@ class PrivacyEngine:
             randomness=self.randomness,
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
+            reduce_clipped_sum=reduce_clipped_sum,
         )
 
     # ------------------------------------------------------------------------------------------ accounting

@@ -4,6 +4,12 @@ This is the sampling the accountants assume (DESIGN.md section 3; Abadi et al. 2
 Batch sizes vary and may be zero. A logical batch may be split into ``micro_batches`` physical chunks for
 gradient accumulation: the chunks of one logical step together are ONE Poisson sample (as Opacus's
 ``BatchMemoryManager`` does), so noise is added once per logical step.
+
+On ``W`` processes each rank samples only its own shard, the indices ``rank, rank + W, rank + 2W, ...``, with the
+same rate ``q`` and the same number of steps. The shards partition the dataset, so every example belongs to exactly
+one rank, which includes it independently with probability ``q`` (ranks use independent sampling streams): the
+union of the ranks' batches is one global Poisson sample of rate ``q`` with expected size ``q N``, the sample the
+accountant assumes (argument in docs/privacy.md, "Several processes").
 """
 
 from __future__ import annotations
@@ -20,14 +26,18 @@ class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``num_steps * micro_batches`` index lists; each step is an independent Poisson sample.
 
     Args:
-        num_samples: dataset size N.
-        sample_rate: inclusion probability q in (0, 1].
+        num_samples: dataset size N (the whole dataset, also on several processes).
+        sample_rate: inclusion probability q in (0, 1] (global: the same on every rank).
         num_steps: logical steps per epoch (default ``round(1 / q)``: one pass in expectation).
         micro_batches: physical chunks each logical batch is split into (gradient accumulation).
-        generator: the sampling generator (CPU). Use a dedicated one; it is never the global RNG.
+        generator: the sampling generator (CPU). Use a dedicated one; it is never the global RNG. On several
+            processes, each rank's must be independent of the others' (``DPRandomness.share`` does that).
+        rank: this process's rank; it samples the shard ``range(rank, N, world_size)`` (dataset indices).
+        world_size: number of processes W sharing the dataset; 1 (default) samples all of it.
 
     Raises:
-        ValueError: non-positive ``num_samples``, ``sample_rate`` outside (0, 1], non-positive counts.
+        ValueError: non-positive ``num_samples``, ``sample_rate`` outside (0, 1], non-positive counts, ``rank``
+            outside ``[0, world_size)``.
     """
 
     def __init__(
@@ -38,6 +48,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         num_steps: int | None = None,
         micro_batches: int = 1,
         generator: torch.Generator,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} examples")
@@ -48,16 +60,21 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.num_steps = int(num_steps) if num_steps is not None else max(1, round(1.0 / sample_rate))
         if self.num_steps <= 0 or micro_batches <= 0:
             raise ValueError(f"num_steps and micro_batches must be positive, got {num_steps}, {micro_batches}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must lie in [0, world_size), got rank={rank}, world_size={world_size}")
         self.micro_batches = int(micro_batches)
         self.generator = generator
+        self.rank, self.world_size = int(rank), int(world_size)
+        #: the dataset indices this rank samples from (all of them on one process)
+        self.shard = torch.arange(self.rank, num_samples, self.world_size)
 
     def __len__(self) -> int:
         return self.num_steps * self.micro_batches
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_steps):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            indices = mask.nonzero().flatten()
+            mask = torch.rand(len(self.shard), generator=self.generator) < self.sample_rate
+            indices = self.shard[mask]
             for chunk in torch.tensor_split(indices, self.micro_batches):
                 yield chunk.tolist()
 
@@ -98,8 +115,11 @@ def poisson_dataloader(
     num_steps: int | None = None,
     micro_batches: int = 1,
     generator: torch.Generator,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> DataLoader:
-    """A copy of ``loader`` (same dataset, collate, workers) drawing Poisson batches.
+    """A copy of ``loader`` (same dataset, collate, workers) drawing Poisson batches (``rank``'s shard of
+    ``world_size``; see :class:`PoissonBatchSampler`).
 
     Raises:
         TypeError: the loader's dataset has no ``__len__`` (iterable datasets cannot be Poisson-sampled).
@@ -108,7 +128,13 @@ def poisson_dataloader(
     if not hasattr(dataset, "__len__"):
         raise TypeError("Poisson sampling needs a map-style dataset with __len__; got an iterable dataset")
     sampler = PoissonBatchSampler(
-        len(dataset), sample_rate, num_steps=num_steps, micro_batches=micro_batches, generator=generator
+        len(dataset),
+        sample_rate,
+        num_steps=num_steps,
+        micro_batches=micro_batches,
+        generator=generator,
+        rank=rank,
+        world_size=world_size,
     )
     return DataLoader(
         dataset,

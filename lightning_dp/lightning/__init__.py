@@ -1,6 +1,7 @@
-"""PyTorch Lightning integration: DPStrategy and the privacy callbacks."""
+"""PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), privacy callbacks."""
 
 from lightning_dp.lightning.callbacks import PrivacyAccountantCallback, PrivacyBudget
+from lightning_dp.lightning.ddp_strategy import DPDDPStrategy
 from lightning_dp.lightning.strategy import DPStrategy
 
-__all__ = ["DPStrategy", "PrivacyAccountantCallback", "PrivacyBudget"]
+__all__ = ["DPDDPStrategy", "DPStrategy", "PrivacyAccountantCallback", "PrivacyBudget"]

@@ -43,7 +43,16 @@ class PrivacyAccountantCallback(Callback):
         engine = privacy_engine_of(trainer)
         epsilon = engine.epsilon(self.delta)
         self.history.append((trainer.current_epoch, engine.steps, epsilon))
-        pl_module.log("epsilon", epsilon, prog_bar=True, logger=bool(trainer.loggers), on_step=False, on_epoch=True)
+        # identical on every rank (same ledger); sync_dist only states so to Lightning on several processes
+        pl_module.log(
+            "epsilon",
+            epsilon,
+            prog_bar=True,
+            logger=bool(trainer.loggers),
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)

@@ -1,286 +1,72 @@
-"""DPStrategy: DP-SGD for an unchanged Lightning training, as one ``Trainer(strategy=...)`` argument.
+"""DPStrategy: DP-SGD for an unchanged Lightning training on one device, as one ``Trainer(strategy=...)`` argument.
 
-The strategy overrides only Lightning's documented hooks (``setup``, ``process_dataloader``, ``training_step``,
-``backward``, ``save_checkpoint``/``load_checkpoint``, ``teardown``); the DP logic itself lives in
-:class:`~lightning_dp.privacy_engine.PrivacyEngine`. Single device here; the multi-process variant (DESIGN.md
-section 8) follows the same split.
+The DP hooks live in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin` (shared with
+:class:`~lightning_dp.lightning.ddp_strategy.DPDDPStrategy`, the multi-process variant) and the DP logic itself in
+:class:`~lightning_dp.privacy_engine.PrivacyEngine`; this file only binds them to Lightning's
+``SingleDeviceStrategy`` and refuses a Trainer that asks for several devices or nodes, which this strategy would
+otherwise silently ignore (training on one).
 """
 
 from __future__ import annotations
 
-import logging
-import math
-from collections.abc import Mapping
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader
 
-from lightning_dp.data import poisson_dataloader
-from lightning_dp.mechanisms import NoiseMechanism
-from lightning_dp.optim import DPOptimizer
-from lightning_dp.privacy_engine import PrivacyEngine
-
-log = logging.getLogger("lightning_dp")
-
-_UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 
 
 def _default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class DPStrategy(SingleDeviceStrategy):
+class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     """Differentially private training on one device: Poisson sampling, per-sample clipping, noise, accounting.
 
     The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
     ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
 
     Args:
-        max_grad_norm: per-sample clipping bound C > 0.
-        target_epsilon: privacy budget; the noise is calibrated for the run's planned steps
-            (``trainer.estimated_stepping_batches``). Exclusive with ``noise_multiplier``/``noise_params``.
-        target_delta: delta in (0, 1); default ``1/N^1.1``.
-        noise_multiplier: Gaussian sigma (noise std ``sigma * C`` on the clipped sum).
-        noise: ``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"`` or a ``NoiseMechanism``.
-        noise_params: parameters of a non-Gaussian mechanism, e.g. ``{"noise_scale": 3.0}``.
-        clipping: per-sample clipping engine, ``"flat" | "ghost"``.
-        accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
-        sample_rate: Poisson rate q; default ``batch_size * accumulate_grad_batches / N``.
-        poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
-            loader and logs that the reported epsilon assumes Poisson sampling.
-        seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
         device: the device to train on (default ``cuda:0`` if available, else CPU).
+        kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
+            (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
+            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``) and
+            those of Lightning's ``SingleDeviceStrategy``.
 
     Raises:
-        ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
-            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+        ValueError: invalid privacy arguments (at construction); ``Trainer(devices > 1)`` or ``num_nodes > 1`` (at
+            Trainer construction: use ``DPDDPStrategy``); unsupported layers (at setup), a loss that is not per
+            sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
     """
 
     strategy_name = "dp"
 
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float = 1.0,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        noise_multiplier: float | None = None,
-        noise: str | NoiseMechanism = "gaussian",
-        noise_params: dict[str, Any] | None = None,
-        clipping: str = "flat",
-        accountant: str | None = None,
-        sample_rate: float | None = None,
-        poisson_sampling: bool = True,
-        seed: int | None = None,
-        device: str | torch.device | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, device: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(device=device if device is not None else _default_device(), **kwargs)
-        self.privacy_engine = PrivacyEngine(
-            max_grad_norm=max_grad_norm,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            noise_multiplier=noise_multiplier,
-            noise=noise,
-            noise_params=noise_params,
-            clipping=clipping,
-            accountant=accountant,
-            seed=seed,
-        )
-        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
-        self._requested_sample_rate = sample_rate
-        self.sample_rate: float | None = None
-        self.poisson_sampling = poisson_sampling
-        self._training = False
-        self._pending_loss: torch.Tensor | None = None
-        self._num_samples: int | None = None
-        self.last_clip_fraction: float | None = None
 
-    # ------------------------------------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place."""
-        precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
-        if precision in _UNSUPPORTED_PRECISION or getattr(self.precision_plugin, "scaler", None) is not None:
+    # Lightning hands a strategy the devices and nodes the Trainer was asked for through these two attributes
+    # (when the strategy has them); a single-device strategy accepts only one of each.
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        if devices is not None and len(devices) > 1:
             raise ValueError(
-                f"precision={precision!r} is not supported by DPStrategy (its loss scaling would corrupt the "
-                "per-sample norms); use precision='bf16-mixed' or '32-true'"
+                f"DPStrategy trains on one device, but the Trainer asks for {len(devices)} devices: use "
+                "strategy=DPDDPStrategy(...) with the same arguments to train on several processes, or devices=1"
             )
-        if "bf16" in precision:
-            log.warning(
-                "precision=%r: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
-                "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping",
-                precision,
-            )
-        if trainer.gradient_clip_val:
+
+    @property
+    def num_nodes(self) -> int:
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes > 1:
             raise ValueError(
-                "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
-                "DPStrategy(max_grad_norm=...)"
+                f"DPStrategy trains on one device, but the Trainer asks for num_nodes={num_nodes}: use "
+                "strategy=DPDDPStrategy(...) with the same arguments to train on several nodes"
             )
-        super().setup(trainer)
-        self._training = False
-        if trainer.state.fn == "fit":
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError("DPStrategy supports automatic optimization only; remove automatic_optimization=False")
-            self.privacy_engine.attach(self.lightning_module)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        """Replace the training loader's sampling with Poisson sampling (other stages are untouched)."""
-        trainer = self.lightning_module.trainer
-        if trainer.state.stage != RunningStage.TRAINING:
-            return dataloader
-        if not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
-            raise TypeError("DPStrategy needs a torch DataLoader over a map-style dataset (with __len__)")
-        num_samples = len(dataloader.dataset)
-        micro_batches = trainer.accumulate_grad_batches
-        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
-        if self._requested_sample_rate is not None:
-            sample_rate = self._requested_sample_rate
-        elif batch_size:
-            sample_rate = min(1.0, batch_size * micro_batches / num_samples)
-        else:
-            raise ValueError("Cannot infer the expected batch size: pass DPStrategy(sample_rate=...)")
-        if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):
-            raise ValueError(
-                f"The training data changed during fit (N {self._num_samples} -> {num_samples}, q {self.sample_rate} "
-                f"-> {sample_rate}): reloading dataloaders of another size is not supported under DP, the accountant "
-                "and the noise scale assume one dataset"
-            )
-        self._num_samples, self.sample_rate = num_samples, sample_rate
-        if not self.poisson_sampling:
-            log.warning(
-                "poisson_sampling=False: batches come from your sampler, but the reported epsilon assumes Poisson "
-                "sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
-                sample_rate,
-            )
-            return dataloader
-        return poisson_dataloader(
-            dataloader,
-            sample_rate=sample_rate,
-            num_steps=max(1, math.ceil(1.0 / sample_rate)),
-            micro_batches=micro_batches,
-            generator=self.privacy_engine.randomness.sampling,
-        )
-
-    def on_train_start(self) -> None:
-        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers.
-
-        Raises:
-            ValueError: with ``accumulate_grad_batches = k > 1``, when an epoch's batch count is not a multiple of
-                k (e.g. ``limit_train_batches``) or training resumes in the middle of a logical step: either would
-                make an optimizer step from part of a Poisson sample (or from two), which the accountant cannot
-                describe.
-        """
-        super().on_train_start()
-        trainer = self.lightning_module.trainer
-        if self._num_samples is None or self.sample_rate is None:
-            raise RuntimeError("DPStrategy saw no training dataloader")
-        self._check_logical_steps(trainer)
-        planned = trainer.estimated_stepping_batches
-        self.privacy_engine.prepare(
-            num_samples=self._num_samples,
-            sample_rate=self.sample_rate,
-            total_steps=int(planned) if math.isfinite(planned) else None,
-        )
-        self.optimizers = [self.privacy_engine.wrap_optimizer(opt) for opt in self.optimizers]
-        self._training = True
-
-    @staticmethod
-    def _check_logical_steps(trainer: pl.Trainer) -> None:
-        micro = trainer.accumulate_grad_batches
-        if micro == 1:
-            return
-        batches = trainer.num_training_batches
-        if math.isfinite(batches) and batches % micro:
-            raise ValueError(
-                f"{batches} training batches per epoch is not a multiple of accumulate_grad_batches={micro}: an "
-                "optimizer step would use part of a Poisson batch. Remove limit_train_batches or make it a multiple"
-            )
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if done % micro:
-            raise ValueError(
-                f"Resuming after {done} micro-batches, in the middle of a logical step of {micro}: resume from a "
-                "checkpoint saved at an optimizer step (ModelCheckpoint(every_n_train_steps=...) or epoch end)"
-            )
-
-    # ------------------------------------------------------------------------------------------- the step
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging."""
-        if self.privacy_engine.budget_exhausted():
-            return None
-        output = super().training_step(*args, **kwargs)
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if loss is None:
-            return output
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 1:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"training_step must return a per-sample loss of shape [B], got {shape}: use reduction='none' "
-                "(and reduce token losses per sample) so each example can be clipped"
-            )
-        self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
-        self._pending_loss = loss
-        reduced = loss.mean() if loss.numel() else loss.sum()
-        return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
-
-    @staticmethod
-    def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
-        """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
-        would give each example two clipped contributions (sensitivity 2C)."""
-        try:
-            size = extract_batch_size(batch)
-        except (MisconfigurationException, RecursionError):
-            return  # no tensor to read a batch size from; the clipper still checks the layers' batch dimension
-        if size != loss.shape[0]:
-            raise ValueError(
-                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
-                "exactly one loss per example (average the losses of an example's augmented copies)"
-            )
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""
-        if isinstance(optimizer, DPOptimizer):
-            closure = optimizer.privatising(closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""
-        if self._pending_loss is None:
-            raise RuntimeError("backward() without a per-sample loss from training_step")
-        per_sample_loss, self._pending_loss = self._pending_loss, None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        norms = self.privacy_engine.clipper.backward(per_sample_loss)
-        if norms.numel():
-            self.last_clip_fraction = float((norms > self.privacy_engine.max_grad_norm).float().mean())
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    # ---------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Add the privacy state (ledger, mechanism, generators) under ``checkpoint["lightning_dp"]``."""
-        if self.privacy_engine.accountant is not None:
-            checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve."""
-        checkpoint = super().load_checkpoint(
-            checkpoint_path, weights_only=False if weights_only is None else weights_only
-        )
-        if "lightning_dp" in checkpoint:
-            self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
-        return checkpoint
-
-    def teardown(self) -> None:
-        """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
-        self.privacy_engine.detach()
-        self.optimizers = [getattr(opt, "original_optimizer", opt) for opt in self.optimizers]
-        super().teardown()

@@ -3,12 +3,13 @@
 Order of one step (DESIGN.md section 2): the closure (forward, per-sample clipping, clipped sum accumulated in
 ``p.grad``) -> noise from the mechanism, drawn once from a dedicated generator -> division by the EXPECTED
 batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's ``step()`` without closure ->
-``on_step`` (the accountant records the step).
+``on_step`` (the accountant records the step). On several processes the clipped sums are first all-reduced with
+``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is added once, to the global sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,9 @@ class DPOptimizer(Optimizer):
         randomness: the run's dedicated generators (noise is drawn from its per-device noise generator).
         on_step: called after each completed step (records the step with the accountant).
         should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
+        reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
+            list of ``p.grad``, e.g. :meth:`~lightning_dp.optim.distributed.DistributedContext.reduce_clipped_sum`)
+            before the noise is added; ``None`` on one process.
 
     Raises:
         ValueError: non-positive ``expected_batch_size``.
@@ -45,6 +49,7 @@ class DPOptimizer(Optimizer):
         randomness: DPRandomness,
         on_step: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
+        reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
         if not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
@@ -55,6 +60,7 @@ class DPOptimizer(Optimizer):
         self.randomness = randomness
         self.on_step = on_step
         self.should_skip = should_skip
+        self.reduce_clipped_sum = reduce_clipped_sum
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -97,11 +103,18 @@ class DPOptimizer(Optimizer):
         return closure_then_privatise
 
     def privatise(self) -> None:
-        """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero."""
+        """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
+
+        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks.
+        """
         self._privatised = True
-        for p in self.params:
+        params = self.params
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.reduce_clipped_sum is not None:
+            self.reduce_clipped_sum([p.grad for p in params])
+        for p in params:
             grad = p.grad
             grad.add_(self.mechanism.sample(grad, self.randomness.noise_generator(grad.device)))
             grad.div_(self.expected_batch_size)

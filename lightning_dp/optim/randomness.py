@@ -5,6 +5,11 @@ well-mixed streams per purpose, device and restart), and NOTHING about them is w
 checkpoint that contained the seed or generator states would let anyone re-create every noise draw and the batch
 composition, and subtract the noise. A resumed run instead calls :meth:`DPRandomness.restart` with the number of
 steps already taken, so it never replays noise of the first run (with ``seed=None`` it draws fresh OS entropy).
+
+On several processes (:mod:`lightning_dp.optim.distributed`) every rank adopts rank 0's base seed with
+:meth:`DPRandomness.share`: the noise streams are then identical on all ranks (noise is drawn once per step, the
+same draw everywhere), while each rank's Poisson-sampling stream is derived with its rank, so the ranks' shards are
+sampled independently. Rank 0 keeps the single-process streams.
 """
 
 from __future__ import annotations
@@ -34,9 +39,35 @@ class DPRandomness:
         self._user_seed = seed
         self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self._restart = 0
+        self._rank: int | None = None
         self._generators: dict[tuple[str, torch.device], torch.Generator] = {}
         self.sampling = torch.Generator()
-        self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))
+        self._seed_sampling()
+
+    @property
+    def base_seed(self) -> int:
+        """The base seed (64 bits) every stream is derived from; never checkpointed."""
+        return self._base
+
+    def _seed_sampling(self) -> None:
+        rank_keys = ("rank", self._rank) if self._rank else ()
+        self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart, *rank_keys))
+
+    def share(self, base_seed: int, *, rank: int) -> None:
+        """Adopt the base seed all ranks agreed on (rank 0's) as process ``rank`` of a multi-process run.
+
+        Every stream is re-derived: the noise streams no longer depend on the device index (ranks on ``cuda:0`` and
+        ``cuda:1`` draw the same noise; one rank may then use one device per type), the sampling stream depends on
+        ``rank``. The ``sampling`` generator object is reseeded in place.
+
+        Raises:
+            ValueError: negative ``rank``.
+        """
+        if rank < 0:
+            raise ValueError(f"rank must be non-negative, got {rank}")
+        self._base, self._rank = int(base_seed), int(rank)
+        self._generators = {}
+        self._seed_sampling()
 
     def noise_generator(self, device: torch.device | str) -> torch.Generator:
         """The noise generator living on ``device`` (created on first use)."""
@@ -53,18 +84,27 @@ class DPRandomness:
             device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
         key = (purpose, device)
         if key not in self._generators:
+            index = device.index or 0
+            if self._rank is not None:  # shared across ranks: the stream must not depend on the rank's device
+                if any(p == purpose and d.type == device.type for p, d in self._generators):
+                    raise RuntimeError(
+                        f"Randomness requested on a second {device.type} device ({device}) in one rank of a "
+                        "multi-process run; keep all trainable parameters of a rank on one device"
+                    )
+                index = 0
             generator = torch.Generator(device=device)
-            generator.manual_seed(derive_seed(self._base, purpose, device.type, device.index or 0, self._restart))
+            generator.manual_seed(derive_seed(self._base, purpose, device.type, index, self._restart))
             self._generators[key] = generator
         return self._generators[key]
 
     def restart(self, steps_taken: int) -> None:
         """Re-derive every stream for a run resumed after ``steps_taken`` steps (fresh entropy when unseeded).
 
-        The ``sampling`` generator object is reseeded in place, so loaders already holding it keep working.
+        The ``sampling`` generator object is reseeded in place, so loaders already holding it keep working. On
+        several processes, share the base seed again afterwards (each rank drew its own entropy).
         """
         if self._user_seed is None:
             self._base = int.from_bytes(os.urandom(8), "little")
         self._restart = int(steps_taken) + 1
         self._generators = {}
-        self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart))
+        self._seed_sampling()

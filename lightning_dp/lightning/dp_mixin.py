@@ -1,0 +1,336 @@
+"""The DP side of a Lightning strategy, shared by :class:`DPStrategy` (one device) and :class:`DPDDPStrategy`.
+
+Lightning's strategies own devices and processes; this mixin adds, through the strategy hooks Lightning documents
+(``setup``, ``process_dataloader``, ``on_train_start``, ``training_step``, ``optimizer_step``, ``backward``,
+``save_checkpoint``/``load_checkpoint``, ``teardown``), the calls into
+:class:`~lightning_dp.privacy_engine.PrivacyEngine` where the DP logic itself lives: Poisson sampling, per-sample
+clipping, noise and accounting. It is listed before the Lightning strategy in the bases, so each hook does its DP
+part and calls the strategy's own with ``super()``. On several processes it uses the collectives of
+:mod:`lightning_dp.optim.distributed` (the concrete strategy says whether there are several, in
+:meth:`DPStrategyMixin._distributed_context`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
+from lightning_dp.data import poisson_dataloader
+from lightning_dp.mechanisms import NoiseMechanism
+from lightning_dp.optim import DPOptimizer
+from lightning_dp.optim.distributed import DistributedContext
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
+from lightning_dp.privacy_engine import PrivacyEngine
+
+log = logging.getLogger("lightning_dp")
+
+_UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+
+
+class DPStrategyMixin:
+    """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
+    accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
+
+    The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
+    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
+
+    Args:
+        max_grad_norm: per-sample clipping bound C > 0.
+        target_epsilon: privacy budget; the noise is calibrated for the run's planned steps
+            (``trainer.estimated_stepping_batches``). Exclusive with ``noise_multiplier``/``noise_params``.
+        target_delta: delta in (0, 1); default ``1/N^1.1``.
+        noise_multiplier: Gaussian sigma (noise std ``sigma * C`` on the clipped sum).
+        noise: ``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"`` or a ``NoiseMechanism``.
+        noise_params: parameters of a non-Gaussian mechanism, e.g. ``{"noise_scale": 3.0}``.
+        clipping: per-sample clipping engine, ``"flat" | "ghost" | "fgc" | "mixed" | "hutch" | "hutchpp"``.
+        bookkeeping: one backward pass with the clipped sum formed from the layer terms (default), or a second
+            backward (``False``; see :class:`~lightning_dp.clipping.PerSampleClipper`).
+        sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
+        projection_dim: ``k`` of ``hutch``/``hutchpp`` (default 32).
+        accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
+        sample_rate: Poisson rate q of the whole dataset; default ``batch_size * accumulate_grad_batches * W / N``
+            with W processes (``batch_size`` is the per-process batch size, as in Lightning).
+        poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
+            loader and logs that the reported epsilon assumes Poisson sampling.
+        seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
+        kwargs: the Lightning strategy's own arguments.
+
+    Raises:
+        ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
+            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float = 1.0,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        noise_multiplier: float | None = None,
+        noise: str | NoiseMechanism = "gaussian",
+        noise_params: dict[str, Any] | None = None,
+        clipping: str = "flat",
+        bookkeeping: bool = True,
+        sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
+        projection_dim: int | None = None,
+        accountant: str | None = None,
+        sample_rate: float | None = None,
+        poisson_sampling: bool = True,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.privacy_engine = PrivacyEngine(
+            max_grad_norm=max_grad_norm,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            noise_multiplier=noise_multiplier,
+            noise=noise,
+            noise_params=noise_params,
+            clipping=clipping,
+            bookkeeping=bookkeeping,
+            sum_check_every=sum_check_every,
+            projection_dim=projection_dim,
+            accountant=accountant,
+            seed=seed,
+        )
+        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        self._requested_sample_rate = sample_rate
+        self.sample_rate: float | None = None
+        self.poisson_sampling = poisson_sampling
+        self._training = False
+        self._pending_loss: torch.Tensor | None = None
+        self._num_samples: int | None = None
+        self.last_clip_fraction: float | None = None
+        self._distributed: DistributedContext | None = None
+        self._log_filter: logging.Filter | None = None
+
+    def _distributed_context(self) -> DistributedContext | None:
+        """The process group the DP collectives run over; ``None`` (one process) unless a strategy says otherwise."""
+        return None
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place.
+
+        On several processes, every rank also adopts rank 0's base seed (identical noise, independent sampling
+        shards) and only rank 0 keeps logging.
+        """
+        self._distributed = self._distributed_context()
+        if self._distributed is not None and self._log_filter is None:
+            self._log_filter = self._distributed.log_on_rank_zero_only()
+        precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
+        if precision in _UNSUPPORTED_PRECISION or getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                f"precision={precision!r} is not supported by {type(self).__name__} (its loss scaling would corrupt "
+                "the per-sample norms); use precision='bf16-mixed' or '32-true'"
+            )
+        if "bf16" in precision:
+            log.warning(
+                "precision=%r: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
+                "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping",
+                precision,
+            )
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
+                f"{type(self).__name__}(max_grad_norm=...)"
+            )
+        super().setup(trainer)
+        self._training = False
+        if trainer.state.fn == "fit":
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    f"{type(self).__name__} supports automatic optimization only; remove automatic_optimization=False"
+                )
+            self.privacy_engine.attach(self.lightning_module)
+            if self._distributed is not None:
+                self._distributed.synchronize_randomness(self.privacy_engine.randomness)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the training loader's sampling with Poisson sampling (other stages are untouched).
+
+        On W processes each rank Poisson-samples its shard of the whole dataset at the global rate q, for the same
+        number of steps (see :mod:`lightning_dp.data.poisson`).
+        """
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
+            raise TypeError(f"{type(self).__name__} needs a torch DataLoader over a map-style dataset (with __len__)")
+        num_samples = len(dataloader.dataset)
+        rank, world_size = (self._distributed.rank, self._distributed.world_size) if self._distributed else (0, 1)
+        micro_batches = trainer.accumulate_grad_batches
+        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
+        if self._requested_sample_rate is not None:
+            sample_rate = self._requested_sample_rate
+        elif batch_size:
+            sample_rate = min(1.0, batch_size * micro_batches * world_size / num_samples)
+        else:
+            raise ValueError(f"Cannot infer the expected batch size: pass {type(self).__name__}(sample_rate=...)")
+        if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):
+            raise ValueError(
+                f"The training data changed during fit (N {self._num_samples} -> {num_samples}, q {self.sample_rate} "
+                f"-> {sample_rate}): reloading dataloaders of another size is not supported under DP, the accountant "
+                "and the noise scale assume one dataset"
+            )
+        self._num_samples, self.sample_rate = num_samples, sample_rate
+        if not self.poisson_sampling:
+            log.warning(
+                "poisson_sampling=False: batches come from your sampler, but the reported epsilon assumes Poisson "
+                "sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
+                sample_rate,
+            )
+            return dataloader
+        return poisson_dataloader(
+            dataloader,
+            sample_rate=sample_rate,
+            num_steps=max(1, math.ceil(1.0 / sample_rate)),
+            micro_batches=micro_batches,
+            generator=self.privacy_engine.randomness.sampling,
+            rank=rank,
+            world_size=world_size,
+        )
+
+    def on_train_start(self) -> None:
+        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers.
+
+        On several processes every rank does the same (so the accountants agree), checks that all ranks agree on
+        the dataset size, sample rate and noise, and wraps the optimizers with the SUM all-reduce of the clipped
+        sums.
+
+        Raises:
+            ValueError: with ``accumulate_grad_batches = k > 1``, when an epoch's batch count is not a multiple of
+                k (e.g. ``limit_train_batches``) or training resumes in the middle of a logical step: either would
+                make an optimizer step from part of a Poisson sample (or from two), which the accountant cannot
+                describe.
+        """
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        if self._num_samples is None or self.sample_rate is None:
+            raise RuntimeError(f"{type(self).__name__} saw no training dataloader")
+        self._check_logical_steps(trainer)
+        planned = trainer.estimated_stepping_batches
+        self.privacy_engine.prepare(
+            num_samples=self._num_samples,
+            sample_rate=self.sample_rate,
+            total_steps=int(planned) if math.isfinite(planned) else None,
+        )
+        reduce = None
+        if self._distributed is not None:
+            engine = self.privacy_engine
+            self._distributed.check_identical(
+                "dataset size, sample rate and noise",
+                (self._num_samples, self.sample_rate, engine.mechanism.name, engine.mechanism.describe()),
+            )
+            reduce = self._distributed.reduce_clipped_sum
+        wrap = self.privacy_engine.wrap_optimizer
+        self.optimizers = [wrap(opt, reduce_clipped_sum=reduce) for opt in self.optimizers]
+        self._training = True
+
+    @staticmethod
+    def _check_logical_steps(trainer: pl.Trainer) -> None:
+        micro = trainer.accumulate_grad_batches
+        if micro == 1:
+            return
+        batches = trainer.num_training_batches
+        if math.isfinite(batches) and batches % micro:
+            raise ValueError(
+                f"{batches} training batches per epoch is not a multiple of accumulate_grad_batches={micro}: an "
+                "optimizer step would use part of a Poisson batch. Remove limit_train_batches or make it a multiple"
+            )
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if done % micro:
+            raise ValueError(
+                f"Resuming after {done} micro-batches, in the middle of a logical step of {micro}: resume from a "
+                "checkpoint saved at an optimizer step (ModelCheckpoint(every_n_train_steps=...) or epoch end)"
+            )
+
+    # ------------------------------------------------------------------------------------------- the step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging."""
+        if self.privacy_engine.budget_exhausted():
+            return None
+        output = super().training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if loss is None:
+            return output
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"training_step must return a per-sample loss of shape [B], got {shape}: use reduction='none' "
+                "(and reduce token losses per sample) so each example can be clipped"
+            )
+        self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
+        self._pending_loss = loss
+        reduced = loss.mean() if loss.numel() else loss.sum()
+        return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+
+    @staticmethod
+    def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
+        """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
+        would give each example two clipped contributions (sensitivity 2C)."""
+        try:
+            size = extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            return  # no tensor to read a batch size from; the clipper still checks the layers' batch dimension
+        if size != loss.shape[0]:
+            raise ValueError(
+                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
+                "exactly one loss per example (average the losses of an example's augmented copies)"
+            )
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""
+        if isinstance(optimizer, DPOptimizer):
+            closure = optimizer.privatising(closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""
+        if self._pending_loss is None:
+            raise RuntimeError("backward() without a per-sample loss from training_step")
+        per_sample_loss, self._pending_loss = self._pending_loss, None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        norms = self.privacy_engine.clipper.backward(per_sample_loss)
+        if norms.numel():
+            self.last_clip_fraction = float((norms > self.privacy_engine.max_grad_norm).float().mean())
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # ---------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Add the privacy state (ledger, mechanism, generators) under ``checkpoint["lightning_dp"]``."""
+        if self.privacy_engine.accountant is not None:
+            checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve."""
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, weights_only=False if weights_only is None else weights_only
+        )
+        if "lightning_dp" in checkpoint:
+            self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
+        return checkpoint
+
+    def teardown(self) -> None:
+        """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
+        self.privacy_engine.detach()
+        self.optimizers = [getattr(opt, "original_optimizer", opt) for opt in self.optimizers]
+        if self._log_filter is not None:
+            log.removeFilter(self._log_filter)
+            self._log_filter = None
+        super().teardown()

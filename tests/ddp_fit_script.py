@@ -1,0 +1,50 @@
+"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]`` trains
+TinyRegressor with DPDDPStrategy on 2 CPU processes through Lightning's own launcher; every rank writes what it
+ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with ``--max-epochs``, go to ``OUT_DIR/ckpt``)."""
+
+import argparse
+from pathlib import Path
+
+import torch
+from helpers import TinyRegressor, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-epochs", type=int, default=None)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
+    module = TinyRegressor(batch_size=8)
+    initial = [p.detach().clone() for p in module.parameters()]
+    strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=None)
+    callbacks = [PrivacyAccountantCallback()]
+    if args.max_epochs is None:
+        trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
+    else:
+        callbacks.append(ModelCheckpoint(dirpath=args.out / "ckpt", every_n_epochs=1, save_top_k=-1))
+        trainer = make_trainer(
+            strategy, devices=2, max_epochs=args.max_epochs, callbacks=callbacks, enable_checkpointing=True
+        )
+    trainer.fit(module, ckpt_path=args.resume)
+    engine = strategy.privacy_engine
+    torch.save(
+        {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "params": [p.detach().clone() for p in module.parameters()],
+            "initial": initial,
+            "epsilon": engine.epsilon(),
+            "steps": engine.steps,
+            "global_step": trainer.global_step,
+            "sample_rate": engine.sample_rate,
+            "num_samples": engine.num_samples,
+            "delta": engine.target_delta,
+            "ledger": engine.accountant.state_dict(),
+            "summary": callbacks[0].summary,
+        },
+        args.out / f"rank{trainer.global_rank}.pt",
+    )
