@@ -24,11 +24,11 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.data import poisson_dataloader
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.optim.distributed import DistributedContext
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.privacy_engine import PrivacyEngine
 
 log = logging.getLogger("lightning_dp")
