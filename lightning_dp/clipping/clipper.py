@@ -32,7 +32,7 @@ from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
-from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.terms import Factored, Term
 from lightning_dp.clipping.validation import hooked_modules
 
 _EPS = 1e-6
@@ -42,6 +42,19 @@ DEFAULT_SUM_CHECK_EVERY = 100
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
+
+
+def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
+    """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
+    of the captured activations and output gradients. Materialised terms count as small (vector-sized parameters)."""
+    captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad)}
+    for param_terms in terms.values():
+        for term in param_terms:
+            if isinstance(term, Factored):
+                dense = [term.right] if term.is_index else [term.left, term.right]
+                if any(t.untyped_storage().data_ptr() not in captured for t in dense):
+                    return True
+    return False
 
 
 def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
@@ -264,8 +277,12 @@ class PerSampleClipper:
         captures: list[Capture],
         batch_grads: dict[nn.Parameter, torch.Tensor | None],
         check: bool,
+        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
     ) -> torch.Tensor:
         """Per-sample norms ``[B]`` from the captures; runs the sum check when ``check``.
+
+        With ``kept`` (book-keeping), each group's terms are appended to it for the clipped sum when they are views
+        of the captures (nothing new held), else the group itself, whose terms are then formed again.
 
         Raises:
             UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms, or
@@ -280,7 +297,10 @@ class PerSampleClipper:
         with_terms: set[int] = set()
         total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
         for group in _shared_parameter_groups(captures):
-            for param, param_terms in self._terms(group, batch).items():
+            terms = self._terms(group, batch)
+            if kept is not None:
+                kept.append(group if _allocates_memory(terms, group) else terms)
+            for param, param_terms in terms.items():
                 with_terms.add(id(param))
                 if checker is not None:
                     checker.add(param, param_terms, batch_grads.pop(param, None))
@@ -302,10 +322,14 @@ class PerSampleClipper:
             raise self._outside_use_error(failures)
         return total
 
-    def _add_clipped_sum(self, captures: list[Capture], batch: int, factors: torch.Tensor) -> None:
-        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group."""
-        for group in _shared_parameter_groups(captures):
-            for param, param_terms in self._terms(group, batch).items():
+    def _add_clipped_sum(
+        self, kept: list[dict[nn.Parameter, list[Term]] | list[Capture]], batch: int, factors: torch.Tensor
+    ) -> None:
+        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group (terms kept by
+        :meth:`_norms`, or formed again from a group of captures)."""
+        for item in kept:
+            terms = item if isinstance(item, dict) else self._terms(item, batch)
+            for param, param_terms in terms.items():
                 clipped = param_terms[0].batch_sum(factors)
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(factors)
@@ -327,14 +351,17 @@ class PerSampleClipper:
                 return torch.zeros(0, dtype=dtype, device=per_sample_loss.device)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check)
-            total = self._norms(per_sample_loss, captures, batch_grads, check)
+            kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
+                [] if accumulate and self.bookkeeping else None
+            )
+            total = self._norms(per_sample_loss, captures, batch_grads, check, kept)
             del batch_grads
             self._checked_batches += 1
             norms = (total.sqrt() if self.norm == 2 else total).detach()
             if accumulate:
                 factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
                 if self.bookkeeping:
-                    self._add_clipped_sum(captures, batch, factors)
+                    self._add_clipped_sum(kept, batch, factors)
                 else:
                     with self._hooks.suspended():
                         torch.autograd.backward(
