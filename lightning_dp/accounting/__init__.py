@@ -3,6 +3,7 @@
 import lightning_dp.accounting.composition  # noqa: F401  (registers "basic", "advanced")
 import lightning_dp.accounting.lap2  # noqa: F401  (registers "lap2", "lap2-paper")
 import lightning_dp.accounting.plrv  # noqa: F401  (registers "plrv", "plrv-paper")
+import lightning_dp.accounting.rc  # noqa: F401  (registers "rc")
 from lightning_dp.accounting import gaussian  # noqa: F401  (registers "rdp", "pld")
 from lightning_dp.accounting.base import ACCOUNTANTS, Accountant, make_accountant, register_accountant
 from lightning_dp.accounting.calibration_helpers import epsilon_for
