@@ -8,7 +8,13 @@ from lightning_dp.accounting import gaussian  # noqa: F401  (registers "rdp", "p
 from lightning_dp.accounting.base import ACCOUNTANTS, Accountant, make_accountant, register_accountant
 from lightning_dp.accounting.calibration_helpers import epsilon_for
 from lightning_dp.accounting.composition import advanced_laplace_noise_scale, basic_laplace_noise_scale
-from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent, register_event
+from lightning_dp.accounting.events import (
+    GaussianEvent,
+    PoissonSampledEvent,
+    RandomizedClippingGaussianEvent,
+    register_event,
+)
+from lightning_dp.accounting.rc import randomized_clipping_step_event
 
 __all__ = [
     "ACCOUNTANTS",
@@ -18,7 +24,9 @@ __all__ = [
     "Accountant",
     "GaussianEvent",
     "PoissonSampledEvent",
+    "RandomizedClippingGaussianEvent",
     "make_accountant",
+    "randomized_clipping_step_event",
     "register_accountant",
     "register_event",
 ]
