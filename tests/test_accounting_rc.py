@@ -160,6 +160,13 @@ def test_randomization_costs_privacy_and_monotonicity() -> None:
     assert rc_epsilon(2.0, q, steps, estimator="hutchpp") == k32 == rc_epsilon(2.0, q, steps, d=2)
 
 
+def test_low_noise_stays_finite() -> None:
+    """Regression: the add direction has no infinity atom (its losses are below -log(1 - q)), so a small sigma
+    still gives a finite epsilon, above the deterministic-clipping one."""
+    plain = make_accountant("pld").compose(PoissonSampledEvent(0.01, GaussianEvent(0.6)), 100).get_epsilon(DELTA)
+    assert plain < rc_epsilon(0.6, 0.01, 100) < math.inf
+
+
 def test_event_serialises_and_ledger_composes() -> None:
     event = randomized_clipping_step_event(2.0, 0.02, 32, 2048, "hutchpp")
     assert event.event == RandomizedClippingGaussianEvent(2.0, 32, 2048, "hutchpp")

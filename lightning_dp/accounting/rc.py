@@ -10,7 +10,9 @@ the hockey-stick divergence is linear in the mixture:
 where ``delta_gauss`` is the Poisson-subsampled Gaussian curve (closed form below) and ``(a_m, w_m, w_inf)`` the
 pessimistic discretisation of :func:`~lightning_dp.accounting.rc_envelope.scale_atoms` (mass of each ``y``-cell at
 its smallest ``y``, the far tail at ``a = inf``). This is Algorithm 5 lines 4-11 (the mixture of single-step
-Gaussian kernels over ``a``) with the cell representative moved from the midpoint to the pessimistic end.
+Gaussian kernels over ``a``) with the cell representative moved from the midpoint to the pessimistic end. Hutch
+and Hutch++ share one bound on ``Y`` (:func:`~lightning_dp.accounting.rc_envelope.envelope_cdf_bound`), valid for
+every ``d``; ``norm_dim`` is recorded in the event but does not change the epsilon.
 
 Both neighbouring directions of add/remove-one (DESIGN.md section 3) are bounded, each with its own curve:
 REMOVE (``mu_upper = (1 - q) N(0, 1) + q N(mu, 1)``, ``mu_lower = N(0, 1)``) and ADD (the reverse pair); the
@@ -22,8 +24,9 @@ al. 2022, "Connect the Dots", Alg. 1: its hockey-stick curve upper-bounds the tr
 beyond the grid goes to the infinity atom, mass below the grid is moved up); ``PrivacyLossDistribution`` composes
 the steps (``self_compose``: FFT convolution with pessimistic tail truncation 1e-15) and gives the smallest
 epsilon for delta (``get_epsilon_for_delta``, exact for a discrete PLD, so no root finder is needed there).
-Our own code: the envelope, the discretisation of ``a`` and the vectorised closed-form ``delta_gauss``
-(checked against ``dp_accounting``'s ``GaussianPrivacyLoss`` in the tests).
+Our own code: the envelope, the discretisation of ``a``, the vectorised closed-form ``delta_gauss`` (checked
+against ``dp_accounting``'s ``GaussianPrivacyLoss`` in the tests) and the upper bounds that let each component be
+evaluated on its own loss range only (:func:`mixture_delta`). Soundness argument: docs/accountants.md, 4.6.
 """
 
 from __future__ import annotations
@@ -166,8 +169,8 @@ def mixture_delta(
     tail_sds = np.clip(-special.ndtri(np.minimum(0.5, negligible_delta / (len(mus) * weights * q))), 2.0, _TAIL_SD)
     for mu, w, tail_sd in zip(mus, weights, tail_sds, strict=True):
         lo, hi = _loss_range(float(mu), q, remove, float(tail_sd))
-        i = min(max(math.ceil((lo - h_lo) / step), 0), n - 1)
-        j = min(max(math.floor((hi - h_lo) / step), i), n - 1)
+        i = min(max(math.floor((lo - h_lo) / step), 0), n - 1)  # grid cell around [lo, hi], ends included
+        j = min(max(math.ceil((hi - h_lo) / step), i), n - 1)
         part = _delta_from_terms(tuple(t[i : j + 1] for t in terms), float(mu), remove)
         out[i : j + 1] += w * part
         above[j + 1] += w * part[-1]
