@@ -3,7 +3,9 @@
 ``epsilon`` reports the epsilon of ``T`` Poisson-subsampled steps of a noise mechanism; for ``lap2`` and ``plrv``
 (and ``laplace-advanced``) it shows the paper's accountant next to the sound default (DESIGN.md section 6), unless
 ``--accountant`` names one. ``calibrate`` finds the noise parameters for a target epsilon (and, with ``--search``,
-runs LAP2 / PLRV-O Alg. 1 over the clipping bound). Readable output is an aligned table; ``--json`` prints
+runs LAP2 / PLRV-O Alg. 1 over the clipping bound). With ``--clipping hutch|hutchpp`` (randomized clipping, seed
+``dpsgd-rc``; Gaussian noise only) both use the ``rc`` accountant with ``--projection-dim`` and ``--norm-dim``.
+Readable output is an aligned table; ``--json`` prints
 exactly one JSON object on stdout. Both return a process exit code (0 success, 2 usage or invalid values).
 """
 
@@ -15,6 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from lightning_dp.accounting.rc_envelope import ESTIMATORS
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import (
     calibrate_result,
@@ -23,6 +26,7 @@ from lightning_dp.mechanisms.calibration import (
     search_lap2,
     search_plrv,
 )
+from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
 
 NOISES = ("gaussian", "laplace", "laplace-advanced", "lap2", "plrv")
 
@@ -58,6 +62,24 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-params", type=int, help="noised coordinates n (lap2, laplace-advanced, plrv)")
     parser.add_argument("--accountant", help="accountant name (default: the mechanism's sound accountant)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--clipping", choices=ESTIMATORS, help="randomized clipping (Hutch / Hutch++ norm estimates): rc accountant"
+    )
+    parser.add_argument("--projection-dim", type=int, default=32, help="k, projection columns (default 32)")
+    parser.add_argument("--norm-dim", type=int, help="d, the widest estimated layer's min(p, d) (with --clipping)")
+
+
+def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``rc`` arguments ``{projection_dim, norm_dim, estimator}`` when ``--clipping`` is given, else None."""
+    if args.clipping is None:
+        return None
+    if args.noise != "gaussian":
+        parser.error(f"--clipping {args.clipping} is accounted for Gaussian noise only (got --noise {args.noise})")
+    if args.accountant not in (None, "rc"):
+        parser.error(f"--clipping {args.clipping} uses the rc accountant (got --accountant {args.accountant})")
+    if args.norm_dim is None:
+        parser.error(f"--clipping {args.clipping} needs --norm-dim D (the widest estimated layer's min(p, d))")
+    return {"projection_dim": args.projection_dim, "norm_dim": args.norm_dim, "estimator": args.clipping}
 
 
 def _epsilons(mechanism: NoiseMechanism, accountants: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
@@ -120,6 +142,9 @@ def _summary(
         "steps": args.steps,
         **mechanism.describe(),
         "num_params": args.num_params,
+        "clipping": args.clipping,
+        "projection_dim": args.projection_dim if args.clipping else None,
+        "norm_dim": args.norm_dim,
         "expected_abs_noise": mechanism.expected_abs_noise(),
     }
 
@@ -137,6 +162,12 @@ def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--noise {args.noise} needs {' and '.join(missing)}")
     params = {p: getattr(args, p) for p in required}
     mechanism = make_mechanism(args.noise, max_grad_norm=args.max_grad_norm, **params)
+    rc = _randomized_clipping(parser, args)
+    if rc is not None:
+        schedule = {"target_delta": args.delta, "sample_rate": args.sample_rate, "steps": args.steps}
+        epsilon = randomized_clipping_epsilon(args.noise_multiplier, **schedule, **rc)
+        _emit(_summary(args, mechanism, epsilon, "rc"), {"rc": epsilon}, args.json, "rc")
+        return
     default = MECHANISMS[args.noise].default_accountant
     accountants = (args.accountant,) if args.accountant else COMPARISONS.get(args.noise, (default,))
     epsilons = _epsilons(mechanism, accountants, args)
@@ -163,6 +194,14 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error("--search is only defined for --noise lap2 (LAP2 Alg. 1) and --noise plrv (PLRV-O Alg. 1)")
     if args.search and args.num_params is None:
         parser.error(f"--search with --noise {args.noise} needs --num-params")
+    rc = _randomized_clipping(parser, args)
+    if rc is not None:
+        if args.search:
+            parser.error("--search is not defined with --clipping")
+        result = calibrate_randomized_clipping(**target, **schedule, **rc, max_grad_norm=args.max_grad_norm)
+        summary = _summary(args, result.mechanism, result.epsilon, "rc", target_epsilon=args.target_epsilon)
+        _emit(summary, {"rc": result.epsilon}, args.json, "rc")
+        return
     accountant = resolve_accountant(args.noise, args.accountant)
     if args.search and args.noise == "lap2":
         found = search_lap2(

@@ -70,6 +70,22 @@ class PlrvEvent:
 
 @register_event
 @dataclasses.dataclass(frozen=True)
+class RandomizedClippingGaussianEvent:
+    """Gaussian ``N(0, (noise_multiplier * C)^2 I)`` on a sum clipped with ESTIMATED per-sample norms.
+
+    The norms come from Hutchinson's (``estimator="hutch"``) or Hutch++ (``"hutchpp"``) trace estimator with
+    ``projection_dim`` (k) Gaussian columns, on layers whose unprojected dimension is at most ``norm_dim`` (d);
+    seed ``dpsgd-rc``, Alg. 1-2, Thm 5.1. Accounted by the ``rc`` accountant.
+    """
+
+    noise_multiplier: float
+    projection_dim: int
+    norm_dim: int
+    estimator: str = "hutch"
+
+
+@register_event
+@dataclasses.dataclass(frozen=True)
 class PoissonSampledEvent:
     """``event`` applied to a Poisson subsample where each record is included with ``sample_rate``."""
 

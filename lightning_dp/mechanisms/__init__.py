@@ -17,6 +17,7 @@ from lightning_dp.mechanisms.calibration import (
     search_lap2,
     search_plrv,
 )
+from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
 
 __all__ = [
     "MECHANISMS",
@@ -25,8 +26,10 @@ __all__ = [
     "NoiseMechanism",
     "PlrvSearch",
     "calibrate",
+    "calibrate_randomized_clipping",
     "calibrate_result",
     "make_mechanism",
+    "randomized_clipping_epsilon",
     "register_mechanism",
     "search_lap2",
     "search_plrv",

@@ -1,0 +1,83 @@
+"""Noise calibration for DP-SGD with randomized clipping (Hutch / Hutch++ norms; seed ``dpsgd-rc``, Sec. 5.2).
+
+The noise is the plain Gaussian mechanism; only the accountant differs (``rc``, which bounds the random
+sensitivity ``C / sqrt(Y)``), so the result is a :class:`~lightning_dp.mechanisms.gaussian.GaussianMechanism`
+whose ``noise_multiplier`` meets the target under ``rc``. The search reuses the shared monotone root finder of
+:mod:`lightning_dp.mechanisms.calibration` (scipy ``brentq``), started from the deterministic-clipping sigma
+(``pld`` accountant), which the ``rc`` sigma always exceeds.
+"""
+
+from __future__ import annotations
+
+from lightning_dp.accounting import epsilon_for
+from lightning_dp.accounting.rc import randomized_clipping_step_event
+from lightning_dp.mechanisms.calibration import CalibrationResult, _validate_target, calibrate_result, solve_monotone
+from lightning_dp.mechanisms.gaussian import GaussianMechanism
+
+
+def randomized_clipping_epsilon(
+    noise_multiplier: float,
+    *,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    projection_dim: int,
+    norm_dim: int,
+    estimator: str = "hutch",
+) -> float:
+    """Epsilon (``rc`` accountant) after ``steps`` Poisson-subsampled DP-SGD-RC steps at ``target_delta``.
+
+    Raises:
+        ValueError: invalid arguments (see :func:`~lightning_dp.accounting.rc.randomized_clipping_step_event`).
+    """
+    event = randomized_clipping_step_event(noise_multiplier, sample_rate, projection_dim, norm_dim, estimator)
+    return epsilon_for(event, int(steps), target_delta, "rc")
+
+
+def calibrate_randomized_clipping(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    projection_dim: int,
+    norm_dim: int,
+    estimator: str = "hutch",
+    max_grad_norm: float = 1.0,
+) -> CalibrationResult:
+    """The Gaussian noise multiplier for DP-SGD-RC that meets ``(target_epsilon, target_delta)``.
+
+    The ``rc`` epsilon after ``steps`` steps lies in ``[(1 - 1 %) target, target]`` (the shared tolerance
+    ``calibration.RTOL``).
+
+    Args:
+        target_epsilon: target epsilon ``> 0``.
+        target_delta: target delta in ``(0, 1)``.
+        sample_rate: Poisson rate ``q`` in ``(0, 1]``.
+        steps: number of optimizer steps ``T >= 1``.
+        projection_dim: k, projection columns of the norm estimator (seed default 32).
+        norm_dim: d, largest unprojected layer dimension (recorded in the event; the bound holds for every d).
+        estimator: ``"hutch"`` or ``"hutchpp"``.
+        max_grad_norm: clipping bound ``C`` of the returned mechanism (does not change sigma).
+
+    Returns:
+        ``CalibrationResult(GaussianMechanism(sigma, C), epsilon, "rc")``.
+
+    Raises:
+        ValueError: invalid arguments, or no sigma in ``[1e-3, 1e4]`` reaches the target.
+    """
+    _validate_target(target_epsilon, target_delta, sample_rate, steps)
+    schedule = {"target_delta": target_delta, "sample_rate": sample_rate, "steps": steps}
+    deterministic = calibrate_result(
+        "gaussian", target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, accountant="pld", **schedule
+    ).mechanism.noise_multiplier
+
+    def epsilon_of(sigma: float) -> float:
+        return randomized_clipping_epsilon(
+            sigma, projection_dim=projection_dim, norm_dim=norm_dim, estimator=estimator, **schedule
+        )
+
+    sigma, epsilon = solve_monotone(
+        epsilon_of, target_epsilon, initial=1.03 * deterministic, increasing=False, bounds=(1e-3, 1e4), growth=1.05
+    )
+    return CalibrationResult(GaussianMechanism(sigma, max_grad_norm), epsilon, "rc")
