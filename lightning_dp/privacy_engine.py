@@ -15,11 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dp.accounting import Accountant, make_accountant
+from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
 from lightning_dp.accounting.base import validate_delta, validate_epsilon
-from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping import ENGINES, PerSampleClipper
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
-from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
+from lightning_dp.clipping.hutch import norm_dim
+from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
@@ -50,7 +51,9 @@ class PrivacyEngine:
         bookkeeping: form the clipped sum from the captured layer terms in one backward pass (default) instead of a
             second backward (see :class:`~lightning_dp.clipping.PerSampleClipper`).
         sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
-        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
+        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32). With these engines the
+            clipping norm is a random estimate, so the run is accounted by the randomized-clipping accountant
+            ``"rc"`` (DP-SGD-RC seed, Section 5), the default and the only one accepted there, with Gaussian noise.
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
         seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
             seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
@@ -86,6 +89,18 @@ class PrivacyEngine:
                 "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
                 "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
             )
+        engine = ENGINES.get(clipping)
+        if engine is None:
+            raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")
+        self.randomized_clipping = engine.randomized
+        if self.randomized_clipping:
+            noise_name = noise.name if isinstance(noise, NoiseMechanism) else noise
+            if noise_name != "gaussian" or accountant not in (None, "rc"):
+                raise ValueError(
+                    f"clipping={clipping!r} clips by a random norm estimate, which only the randomized-clipping "
+                    "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or an exact "
+                    "engine (ghost, mixed, fgc, flat)"
+                )
         if noise_multiplier is not None and noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {noise!r} pass noise_params")
         if isinstance(noise, NoiseMechanism) and noise.max_grad_norm != max_grad_norm:
@@ -113,6 +128,8 @@ class PrivacyEngine:
             self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
+        #: ``d`` of the randomized-clipping event (set by ``attach`` for hutch/hutchpp).
+        self.norm_dim: int | None = None
         self.sample_rate: float | None = None
         self.num_samples: int | None = None
         self.num_params: int | None = None
@@ -141,6 +158,8 @@ class PrivacyEngine:
             generator_for=self.randomness.projection_generator,
         )
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
+        if self.randomized_clipping:
+            self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
 
     def detach(self) -> None:
@@ -182,8 +201,12 @@ class PrivacyEngine:
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
-            self.accountant = make_accountant(self.accountant_name or self.mechanism.default_accountant)
+            self.accountant = make_accountant(self.accountant_name or self._default_accountant())
         self._check_accountant_supports()
+
+    def _default_accountant(self) -> str:
+        assert self.mechanism is not None
+        return "rc" if self.randomized_clipping else self.mechanism.default_accountant
 
     def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
         """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
@@ -194,16 +217,29 @@ class PrivacyEngine:
                 "target_epsilon needs a finite number of steps to calibrate the noise for: set max_epochs or "
                 "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
             )
-        mechanism = calibrate(
-            self.noise_name,
-            target_epsilon=self.target_epsilon,
-            target_delta=self.target_delta,
-            sample_rate=self.sample_rate,
-            steps=total_steps,
-            max_grad_norm=self.max_grad_norm,
-            num_params=self.num_params,
-            accountant=self.accountant_name,
-        )
+        if self.randomized_clipping:
+            assert self.clipper is not None and self.norm_dim is not None
+            mechanism = calibrate_randomized_clipping(
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                sample_rate=self.sample_rate,
+                steps=total_steps,
+                projection_dim=self.clipper.engine.projection_dim,
+                norm_dim=self.norm_dim,
+                estimator=self.clipping,
+                max_grad_norm=self.max_grad_norm,
+            ).mechanism
+        else:
+            mechanism = calibrate(
+                self.noise_name,
+                target_epsilon=self.target_epsilon,
+                target_delta=self.target_delta,
+                sample_rate=self.sample_rate,
+                steps=total_steps,
+                max_grad_norm=self.max_grad_norm,
+                num_params=self.num_params,
+                accountant=self.accountant_name,
+            )
         log.info(
             "Calibrated %s noise %s for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
             self.noise_name,
@@ -221,7 +257,7 @@ class PrivacyEngine:
         if not self.accountant.supports(event):
             raise ValueError(
                 f"Accountant {self.accountant.name!r} cannot account for {self.mechanism.name!r} noise; "
-                f"use accountant={self.mechanism.default_accountant!r}"
+                f"use accountant={self._default_accountant()!r}"
             )
 
     def wrap_optimizer(
@@ -254,6 +290,15 @@ class PrivacyEngine:
     def step_event(self) -> Any:
         """The privacy event of one logical step."""
         assert self.mechanism is not None and self.sample_rate is not None and self.num_params is not None
+        if self.randomized_clipping:
+            assert self.clipper is not None and self.norm_dim is not None
+            return randomized_clipping_step_event(
+                self.mechanism.noise_multiplier,
+                self.sample_rate,
+                self.clipper.engine.projection_dim,
+                self.norm_dim,
+                self.clipping,
+            )
         return self.mechanism.step_event(self.sample_rate, self.num_params)
 
     def record_step(self) -> None:
@@ -325,6 +370,11 @@ class PrivacyEngine:
             "num_params": self.num_params,
             "accountant": self.accountant.name,
             "clipping": self.clipping,
+            **(
+                {"projection_dim": self.clipper.engine.projection_dim, "norm_dim": self.norm_dim}
+                if self.randomized_clipping and self.clipper is not None
+                else {}
+            ),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -11,8 +11,7 @@ which is unbiased (the tail is Hutchinson's estimate of ``tr((I - Q Q^T) M^T M (
 captures the top of the spectrum exactly, so its error is far below Hutchinson's for gradients with a decaying
 spectrum. The seed writes the sketch as ``A^T (G S)`` (the range of ``M`` itself); we use ``M^T M S``, the range
 of the trace argument, which is Meyer et al.'s construction. Memory ``B (T + m + n) k`` per parameter (the basis
-is per sample); materialised terms are projected as ``1 x n`` matrices, as in :mod:`~lightning_dp.clipping.hutch`
-(for them the head is the whole gradient, so their estimate is exact whenever ``k >= 1``).
+is per sample); materialised terms are exact as in :mod:`~lightning_dp.clipping.hutch`.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from lightning_dp.clipping.engine import register_engine
 from lightning_dp.clipping.hutch import RandomizedEngine
-from lightning_dp.clipping.projection import DenseGradientOperator, GradientOperator
+from lightning_dp.clipping.projection import GradientOperator
 
 
 @register_engine
@@ -30,7 +29,7 @@ class HutchPlusPlusEngine(RandomizedEngine):
 
     name = "hutchpp"
 
-    def estimate(self, operator: GradientOperator | DenseGradientOperator, generator: torch.Generator) -> torch.Tensor:
+    def estimate(self, operator: GradientOperator, generator: torch.Generator) -> torch.Tensor:
         """Head ``||M Q||^2`` plus Hutchinson tail on the complement of ``Q``: ``[B]``."""
         k = self.projection_dim
         sketch = operator.gaussian(k, generator)

@@ -5,14 +5,13 @@ For a parameter with factored terms ``grad_i = sum_u L_ui^T R_ui`` (``P x Q`` pe
 with the LARGER side ``n = max(P, Q)`` as columns, and applies ``M_i X`` and ``M_i^T Y`` through the factors: memory
 ``B (T + m) k`` for ``k`` columns, never ``B P Q`` (seed "Efficient DP-SGD for LLMs with Randomized Clipping",
 Section 4: project the larger dimension). Token-id factors (embeddings) are applied by gather and scatter.
-:class:`DenseGradientOperator` does the same for a materialised per-sample gradient, seen as a ``1 x n`` matrix.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_dp.clipping.terms import Factored, Term, materialise_sum
+from lightning_dp.clipping.terms import Factored
 
 
 def _left_times(term: Factored, x: torch.Tensor) -> torch.Tensor:
@@ -83,31 +82,3 @@ class GradientOperator:
         like = self.like
         draw = torch.randn(self.cols, k, generator=generator, device=like.device, dtype=like.dtype)
         return draw.div_(k**0.5)
-
-
-class DenseGradientOperator:
-    """The :class:`GradientOperator` interface for a materialised per-sample gradient ``g_i`` as a ``1 x n`` matrix.
-
-    Args:
-        terms: the parameter's terms (any kind); their per-sample gradients are summed and flattened.
-    """
-
-    rows = 1
-
-    def __init__(self, terms: list[Term]) -> None:
-        self.grad = materialise_sum(terms).flatten(1).unsqueeze(1)  # [B, 1, n]
-        self.cols = self.grad.shape[-1]
-
-    @property
-    def like(self) -> torch.Tensor:
-        return self.grad
-
-    def times(self, x: torch.Tensor) -> torch.Tensor:
-        """``g_i x``: ``[B, 1, k]``."""
-        return torch.matmul(self.grad, x)
-
-    def transposed_times(self, y: torch.Tensor) -> torch.Tensor:
-        """``g_i^T y_i``: ``[B, n, k]``."""
-        return torch.bmm(self.grad.transpose(1, 2), y)
-
-    gaussian = GradientOperator.gaussian
