@@ -205,6 +205,7 @@ class PrivacyEngine:
         self._check_accountant_supports()
 
     def _default_accountant(self) -> str:
+        """``"rc"`` for randomized clipping, else the mechanism's sound default."""
         assert self.mechanism is not None
         return "rc" if self.randomized_clipping else self.mechanism.default_accountant
 
@@ -421,7 +422,7 @@ class PrivacyEngine:
             self.target_delta = state["target_delta"]
         saved = make_accountant(state["accountant"]["name"])
         saved.load_state_dict(state["accountant"])
-        self.accountant = make_accountant(self.accountant_name or saved.name)
+        self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
         for event, count in saved.ledger:
             self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]

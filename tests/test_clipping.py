@@ -647,3 +647,40 @@ def test_instance_norm_with_running_stats_rejected(make: Callable[[], nn.Module]
 def test_instance_norm_without_running_stats_accepted() -> None:
     model = randomise(nn.Sequential(nn.Conv1d(3, 4, 3), nn.InstanceNorm1d(4), nn.Flatten(), nn.Linear(4 * 6, 2)))
     check_against_oracle(model, (rand(B, 3, 8),), "ghost")
+
+
+class InputChangedAfterwards(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        x.mul_(10.0)  # changes the activation the per-sample gradient of lin.weight needs
+        return h
+
+
+def test_input_modified_in_place_after_the_layer_rejected() -> None:
+    """Book-keeping never runs the layer's backward node, so autograd's own version check cannot catch this."""
+    model = InputChangedAfterwards()
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0, sum_check_every=None)
+    with pytest.raises(ValueError, match="modified in place after the module ran"):
+        clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+
+
+class WideThenSliced(nn.Linear):
+    """A registered layer whose output is a strided view (not a reshape) of a larger tensor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return torch.cat([out, out], dim=-1)[..., : self.out_features]
+
+
+def test_view_output_that_is_not_a_reshape_is_copied() -> None:
+    from lightning_dp.clipping import register_layer
+    from lightning_dp.clipping.linear import linear_terms
+
+    register_layer(WideThenSliced)(linear_terms)
+    model = randomise(nn.Sequential(WideThenSliced(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)))
+    assert model[0](rand(B, 6, 5))._base is not None
+    check_against_oracle(model, (rand(B, 6, 5),), "ghost")

@@ -147,3 +147,24 @@ def test_norm_dim_is_the_largest_smaller_side() -> None:
     model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 32), nn.LayerNorm(32), nn.Conv1d(32, 12, 3))
     assert norm_dim(list(model.parameters())) == 12  # conv weight [12, 32 * 3]; embedding 8, linear 8, vectors 1
     assert norm_dim([nn.Parameter(torch.zeros(5))]) == 1
+
+
+def test_projection_and_noise_streams_differ_and_global_rng_is_untouched() -> None:
+    randomness = DPRandomness(0)
+    state = torch.get_rng_state()
+    projection = torch.randn(1000, generator=randomness.projection_generator("cpu"))
+    noise = torch.randn(1000, generator=randomness.noise_generator("cpu"))
+    assert abs(float((projection * noise).mean())) < 0.15  # independent streams, not one stream twice
+    model = randomise(SeqModel())
+    _clipper(model, "hutch", k=2).per_sample_norms(sin_loss(model, (IDS,)))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clipping", RANDOMIZED)
+def test_cuda_randomized_engines(clipping: str) -> None:
+    model = randomise(SeqModel()).cuda()
+    exact = oracle_norms(oracle_grads(model, (IDS.cuda(),))).square()
+    clipper = _clipper(model, clipping, k=3)
+    draws = torch.stack([clipper.per_sample_norms(sin_loss(model, (IDS.cuda(),))).square() for _ in range(200)])
+    assert torch.all((draws.mean(0) - exact).abs() < 4 * draws.std(0) / 200**0.5 + 1e-12)

@@ -113,8 +113,6 @@ class PerSampleClipper:
             layer (see :mod:`lightning_dp.clipping.registry`).
     """
 
-    CLIPPING_ENGINES: tuple[str, ...] = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
-
     def __init__(
         self,
         module: nn.Module,
@@ -127,8 +125,6 @@ class PerSampleClipper:
         projection_dim: int | None = None,
         generator_for: Callable[[torch.device], torch.Generator] | None = None,
     ) -> None:
-        if clipping not in self.CLIPPING_ENGINES:
-            raise ValueError(f"clipping must be one of {self.CLIPPING_ENGINES}, got {clipping!r}")
         if norm not in (1, 2):
             raise ValueError(f"norm must be 1 or 2, got {norm!r}")
         self._engine: ClippingEngine = make_engine(clipping, projection_dim=projection_dim)
@@ -261,6 +257,12 @@ class PerSampleClipper:
         terms: dict[nn.Parameter, list[Term]] = {}
         with self._hooks.suspended():
             for capture in captures:
+                if capture.activation._version != capture.activation_version:
+                    raise ValueError(
+                        f"the input of module '{capture.name}' was modified in place after the module ran, so its "
+                        "per-sample gradients would be computed from the modified values; replace the in-place op "
+                        "that follows it (e.g. x.mul_(s) -> x = x * s)"
+                    )
                 if capture.output_grad.shape[0] != batch:
                     raise ValueError(
                         f"module '{capture.name}' saw a batch dimension of {capture.output_grad.shape[0]} but the "

@@ -38,7 +38,8 @@ class Capture:
         name: the module's path in the root module.
         module: the module.
         family: its layer family.
-        activation: its first input, detached (``[B, ...]``).
+        activation: its first input, detached (``[B, ...]``; shares storage and version counter with the input).
+        activation_version: the input's version counter at the call (an in-place change afterwards is detected).
         edge: the autograd edge of its output (or of the output's base, see the module docstring).
         output_shape: the module output's shape (the gradient at ``edge`` is reshaped to it).
         output_grad: gradient of the loss w.r.t. its output (``[B, ...]``); None until the clipper's backward pass
@@ -49,6 +50,7 @@ class Capture:
     module: nn.Module
     family: LayerFamily
     activation: torch.Tensor
+    activation_version: int
     edge: GradientEdge
     output_shape: torch.Size
     output_grad: torch.Tensor | None = None
@@ -132,7 +134,7 @@ class CaptureHooks:
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
-            self.captures.append(Capture(name, module, family, x.detach(), edge, output.shape))
+            self.captures.append(Capture(name, module, family, x.detach(), x._version, edge, output.shape))
             self._batch_hint = output.shape[0] if output.ndim else 0
             return replaced
 

@@ -5,8 +5,8 @@ privacy", mixed ghost clipping).
 
 For a parameter of shape ``P x Q`` with factored uses ``u`` of sequence lengths ``T_u``, per sample:
 
-- ghost costs ``sum_{u,v} T_u T_v (P_uv + Q)`` multiply-adds (the Gram matrices of all pairs of uses, cross terms of
-  tied weights included), with ``P_uv = 1`` when a use is an embedding (id equality or a gather replaces the
+- ghost costs ``sum_{u <= v} T_u T_v (P_uv + Q)`` multiply-adds (the Gram matrices of every pair of uses, cross
+  terms of tied weights included), with ``P_uv = 1`` when a use is an embedding (id equality or a gather replaces the
   ``P``-wide product) and ``P_uv = P`` otherwise;
 - materialising costs ``P Q + sum_u T_u P Q`` for dense uses (``T_u Q`` for an embedding's scatter).
 
@@ -14,7 +14,8 @@ For a parameter of shape ``P x Q`` with factored uses ``u`` of sequence lengths 
 engines exist for speed and the two rules part exactly where it matters: a 50257-wide output head at ``T = 512`` has
 ``2 T^2 = 5e5 << P Q = 1.3e7`` (ghost by the memory rule) but a ghost cost ``T^2 (P + Q)`` twice the ``T P Q`` of
 materialising. Memory is then bounded by materialising in chunks of samples: ``max(1, floor(2 B T^2 / (P Q)))``
-samples at a time, so the extra memory is at most ghost's plus one sample's gradient. The decision depends only on
+samples at a time, so a chunk's per-sample gradients take at most ghost's memory plus one sample's gradient (the
+sum over uses and the squares hold two or three such buffers at once). The decision depends only on
 the shapes. Parameters with a materialised term (biases, norms, grouped convolutions) are materialised. Exact; l2.
 """
 
@@ -33,8 +34,8 @@ def ghost_cost(terms: list[Factored]) -> int:
     """Multiply-adds per sample of the Gram-matrix norm over all pairs of uses (see the module docstring)."""
     cols = math.prod(terms[0].shape[1:])
     cost = 0
-    for u in terms:
-        for v in terms:
+    for i, u in enumerate(terms):
+        for v in terms[i:]:  # each pair once, as gram_squared_norm computes it
             width = 1 if u.is_index or v.is_index else terms[0].shape[0]
             cost += u.right.shape[1] * v.right.shape[1] * (width + cols)
     return cost
@@ -49,8 +50,8 @@ def materialise_cost(terms: list[Factored]) -> int:
 def chunked_squared_norm(terms: list[Factored]) -> torch.Tensor:
     """Squared norms ``[B]`` of the materialised per-sample gradients, formed a chunk of samples at a time.
 
-    The chunk holds ``max(1, floor(2 B T^2 / (P Q)))`` samples (``T`` the longest use), so its memory stays within
-    the ghost engine's ``2 B T^2`` plus one sample's ``P Q``.
+    The chunk holds ``max(1, floor(2 B T^2 / (P Q)))`` samples (``T`` the longest use), so one chunk's gradients
+    fit in the ghost engine's ``2 B T^2`` plus one sample's ``P Q`` (two or three such buffers live at once).
     """
     batch = terms[0].right.shape[0]
     longest = max(term.right.shape[1] for term in terms)

@@ -33,10 +33,6 @@ class Materialised:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
-    def samples(self, index: slice) -> Materialised:
-        """The term restricted to the samples ``index``."""
-        return Materialised(self.grad[index])
-
     def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``."""
         if weights is None:
@@ -85,15 +81,22 @@ class Factored:
 
     def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i L_i^T R_i`` (``w_i = 1`` when ``weights`` is None), ``[*shape]``, without per-sample gradients:
-        one ``P x Q`` matmul over the ``B * T`` rows, with ``R_i`` scaled by ``w_i`` (book-keeping, Bu et al. 2023,
-        "Differentially private optimization on large model at small cost", Section 3). ``weights``: ``[B]``."""
-        cols = self.right.shape[-1]
-        right = self.right if weights is None else self.right * weights.to(self.right.dtype).view(-1, 1, 1)
+        one ``P x Q`` matmul over the ``B * T`` rows, with the narrower factor scaled by ``w_i`` (book-keeping, Bu et
+        al. 2023, "Differentially private optimization on large model at small cost", Section 3). ``weights``:
+        ``[B]``."""
+        left, right = self.left, self.right
+        if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
+            scale = weights.to(right.dtype).view(-1, 1, 1)
+            if self.is_index or right.shape[-1] <= left.shape[-1]:
+                right = right * scale
+            else:
+                left = left * scale
+        cols = right.shape[-1]
         right = right.reshape(-1, cols)
         if self.is_index:
-            total = right.new_zeros(self.shape[0], cols).index_add_(0, self.left.reshape(-1), right)
+            total = right.new_zeros(self.shape[0], cols).index_add_(0, left.reshape(-1), right)
         else:
-            total = self.left.reshape(-1, self.left.shape[-1]).T @ right
+            total = left.reshape(-1, left.shape[-1]).T @ right
         return total.reshape(self.shape)
 
 
