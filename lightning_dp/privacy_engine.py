@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting import Accountant, make_accountant
-from lightning_dp.accounting.base import validate_delta, validate_epsilon
-from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
+from lightning_dp.clipping import ENGINES, PerSampleClipper
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.optim import DPOptimizer, DPRandomness
@@ -79,6 +79,12 @@ class PrivacyEngine:
             )
         if noise_multiplier is not None and noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {noise!r} pass noise_params")
+        if not isinstance(noise, NoiseMechanism):
+            mechanism_class(noise)  # an unknown name fails here, listing the valid ones
+        if clipping not in ENGINES:
+            raise ValueError(f"clipping must be one of {sorted(ENGINES)}, got {clipping!r}")
+        if accountant is not None and accountant not in ACCOUNTANTS:
+            raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
         if isinstance(noise, NoiseMechanism) and noise.max_grad_norm != max_grad_norm:
             raise ValueError(
                 f"max_grad_norm={max_grad_norm} differs from the mechanism's {noise.max_grad_norm}; make them equal"
