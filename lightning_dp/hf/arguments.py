@@ -1,6 +1,8 @@
 """``PrivacyArguments``: the privacy configuration of a ``DPTrainer`` run, parsable by ``HfArgumentParser``.
 
-The fields carry the names and meaning of :class:`~lightning_dp.lightning.DPStrategy`'s arguments, and
+The fields carry the names and meaning of :class:`~lightning_dp.lightning.DPStrategy`'s arguments, except two that
+``TrainingArguments`` already has (``HfArgumentParser((TrainingArguments, PrivacyArguments))`` refuses duplicate
+flags): the clipping bound is ``per_sample_max_grad_norm`` (the dp-transformers name) and the seed is ``dp_seed``. And
 ``__post_init__`` validates them by building the :class:`~lightning_dp.privacy_engine.PrivacyEngine` they describe
 (its validators, no copies), so a bad combination fails when the arguments are parsed, not at the first step.
 """
@@ -22,12 +24,13 @@ class PrivacyArguments:
     """Differential-privacy arguments of :class:`~lightning_dp.hf.DPTrainer`.
 
     ``HfArgumentParser((TrainingArguments, PrivacyArguments))`` parses them from the command line
-    (``--target_epsilon 3 --max_grad_norm 1.0 --noise_params '{"noise_scale": 2.0}'``), a JSON file or a YAML file.
+    (``--target_epsilon 3 --per_sample_max_grad_norm 1.0 --noise_params '{"noise_scale": 2.0}'``), a JSON file or a
+    YAML file.
 
     Attributes:
-        max_grad_norm: per-sample clipping bound C > 0 (l2; l1 for ``noise="laplace"``). Not to be confused with
-            ``TrainingArguments.max_grad_norm`` (batch clipping after the step's gradient is formed), which DPTrainer
-            switches off.
+        per_sample_max_grad_norm: per-sample clipping bound C > 0 (l2; l1 for ``noise="laplace"``); the
+            ``max_grad_norm`` of ``DPStrategy``. Not to be confused with ``TrainingArguments.max_grad_norm`` (clipping
+            of the batch gradient after it is formed), which DPTrainer switches off.
         target_epsilon: privacy budget; the noise is calibrated for the Trainer's planned optimizer steps
             (``max_steps``, or ``num_train_epochs`` times the steps per epoch). Exclusive with ``noise_multiplier``
             and ``noise_params``.
@@ -43,7 +46,7 @@ class PrivacyArguments:
             world_size / N``.
         poisson_sampling: replace the Trainer's sampler by Poisson sampling (default). ``False`` keeps the Trainer's
             shuffled fixed-size batches and logs that the reported epsilon assumes Poisson sampling.
-        seed: seed of the dedicated noise and sampling generators (``None``: OS entropy, recommended for real runs);
+        dp_seed: seed of the dedicated noise and sampling generators (``None``: OS entropy, recommended for real runs);
             independent of ``TrainingArguments.seed`` and never written to checkpoints.
         per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
             tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
@@ -53,7 +56,7 @@ class PrivacyArguments:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
     """
 
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Per-sample clipping bound C > 0."})
+    per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "Per-sample clipping bound C > 0."})
     target_epsilon: float | None = field(
         default=None, metadata={"help": "Privacy budget; the noise is calibrated for the planned steps."}
     )
@@ -71,7 +74,7 @@ class PrivacyArguments:
         default=None, metadata={"help": "Poisson rate q; default batch * accumulation * world_size / N."}
     )
     poisson_sampling: bool = field(default=True, metadata={"help": "Poisson-sample the training set."})
-    seed: int | None = field(default=None, metadata={"help": "Seed of the noise and sampling generators."})
+    dp_seed: int | None = field(default=None, metadata={"help": "Seed of the DP noise and sampling generators."})
     per_example_reduction: Literal["mean", "sum"] = field(
         default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}
     )
@@ -97,7 +100,7 @@ class PrivacyArguments:
     def make_engine(self) -> PrivacyEngine:
         """A fresh :class:`PrivacyEngine` for these arguments. Raises ``ValueError`` as the class docstring."""
         return PrivacyEngine(
-            max_grad_norm=self.max_grad_norm,
+            max_grad_norm=self.per_sample_max_grad_norm,
             target_epsilon=self.target_epsilon,
             target_delta=self.target_delta,
             noise_multiplier=self.noise_multiplier,
@@ -105,5 +108,5 @@ class PrivacyArguments:
             noise_params=self.noise_params,
             clipping=self.clipping,
             accountant=self.accountant,
-            seed=self.seed,
+            seed=self.dp_seed,
         )

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
 from lightning_dp.data import poisson_dataloader
@@ -82,11 +82,15 @@ class DPTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            _check_training_arguments(training_args, privacy_args)
         super().__init__(*args, **kwargs)
+        if training_args is None:
+            _check_training_arguments(self.args, privacy_args)
         self.privacy_args = privacy_args
         self.privacy_engine = privacy_args.make_engine()
-        self._check_configuration()
-        self._head = None if self._custom_per_example_loss() else head_kind(self.model)
+        self._check_model_and_loss()
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
@@ -101,56 +105,23 @@ class DPTrainer(Trainer):
     def _custom_per_example_loss(self) -> bool:
         return type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
 
-    def _check_configuration(self) -> None:
-        """Reject what DP training does not support, saying what to change."""
-        args = self.args
-        unsupported = {
-            "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
-            "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and "
-            "lower per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
-            "a DeepSpeed config": "not yet supported; train without deepspeed",
-            "FSDP": "not yet supported; train without fsdp",
-            "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
-            "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant "
-            "assumes; set per_device_train_batch_size",
-            "model_init": "the model must exist before training to attach per-sample clipping; pass model=",
-            "compute_loss_func": "it returns one loss per batch; override DPTrainer.compute_per_example_loss to "
-            "return one loss per example",
-            "several GPUs in one process (DataParallel)": "use one process per GPU",
-        }
-        flags = {
-            "fp16=True": args.fp16,
-            "gradient_checkpointing=True": bool(args.gradient_checkpointing or args.activation_checkpointing),
-            "a DeepSpeed config": bool(args.deepspeed) or self.is_deepspeed_enabled,
-            "FSDP": bool(args.fsdp) or self.is_fsdp_enabled,
-            "torch_compile=True": args.torch_compile,
-            "auto_find_batch_size=True": args.auto_find_batch_size,
-            "model_init": self.model_init is not None,
-            "compute_loss_func": self.compute_loss_func is not None,
-            "several GPUs in one process (DataParallel)": args.n_gpu > 1,
-        }
-        for name, active in flags.items():
-            if active:
-                raise ValueError(f"DPTrainer does not support {name}: {unsupported[name]}")
-        if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
+    def _check_model_and_loss(self) -> None:
+        """Reject a model or loss set-up that cannot give one loss per example, saying what to change."""
+        if self.model_init is not None:
             raise ValueError(
-                f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it "
-                "to 0 and give the per-sample clipping bound as PrivacyArguments(max_grad_norm=...)"
+                "DPTrainer does not support model_init: the model must exist before training to attach per-sample "
+                "clipping; pass model="
             )
-        if args.max_grad_norm:
-            log.warning(
-                "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
-                "DPTrainer clips each example's gradient at PrivacyArguments.max_grad_norm=%s instead",
-                args.max_grad_norm,
-                self.privacy_args.max_grad_norm,
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "DPTrainer does not support compute_loss_func (it returns one loss per batch): override "
+                "DPTrainer.compute_per_example_loss to return one loss per example"
             )
-            args.max_grad_norm = 0.0
-        if args.bf16:
-            log.warning(
-                "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
-                "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
-            )
-        if not self._custom_per_example_loss() and list(self.label_names) != ["labels"]:
+        if self._custom_per_example_loss():
+            self._head = None
+            return
+        self._head = head_kind(self.model)
+        if list(self.label_names) != ["labels"]:
             raise ValueError(
                 f"DPTrainer forms per-example losses from a 'labels' column, this model uses {self.label_names}: "
                 "override DPTrainer.compute_per_example_loss for it"
@@ -202,7 +173,7 @@ class DPTrainer(Trainer):
         sample_rate = self.privacy_args.sample_rate or min(
             1.0, args.per_device_train_batch_size * micro_batches * args.world_size / num_samples
         )
-        if self.privacy_engine.accountant is not None and (num_samples, sample_rate) != (
+        if self.num_samples is not None and (num_samples, sample_rate) != (
             self.num_samples,
             self.sample_rate,
         ):
@@ -344,3 +315,55 @@ def _batch_size(inputs: dict[str, Any]) -> int | None:
         if isinstance(value, torch.Tensor) and value.ndim:
             return value.shape[0]
     return None
+
+
+_UNSUPPORTED = {
+    "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
+    "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
+    "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
+    "a DeepSpeed config": "not yet supported; train without deepspeed",
+    "FSDP": "not yet supported; train without fsdp",
+    "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
+    "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
+    "per_device_train_batch_size",
+    "several GPUs in one process (DataParallel)": "use one process per GPU",
+}
+
+
+def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
+    """Reject training arguments DP training does not support, saying what to change; switch off the Trainer's
+    default batch clipping (``max_grad_norm=1.0``) with a log line.
+
+    Raises:
+        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
+    """
+    active = {
+        "fp16=True": args.fp16,
+        "gradient_checkpointing=True": bool(args.gradient_checkpointing or args.activation_checkpointing),
+        "a DeepSpeed config": bool(args.deepspeed),
+        "FSDP": bool(args.fsdp),
+        "torch_compile=True": args.torch_compile,
+        "auto_find_batch_size=True": args.auto_find_batch_size,
+        "several GPUs in one process (DataParallel)": args.n_gpu > 1,
+    }
+    for name, is_set in active.items():
+        if is_set:
+            raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
+    if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
+        raise ValueError(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it to 0 "
+            "and give the per-sample clipping bound as PrivacyArguments(per_sample_max_grad_norm=...)"
+        )
+    if args.max_grad_norm:
+        log.warning(
+            "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
+            "DPTrainer clips each example's gradient at PrivacyArguments.per_sample_max_grad_norm=%s instead",
+            args.max_grad_norm,
+            privacy_args.per_sample_max_grad_norm,
+        )
+        args.max_grad_norm = 0.0
+    if args.bf16:
+        log.warning(
+            "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
+            "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
+        )
