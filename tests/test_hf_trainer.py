@@ -295,3 +295,33 @@ def test_unsupported_models_and_loss_fail_early(tmp_path) -> None:
         make_trainer(with_batchnorm, tmp_path)
     with pytest.raises(ValueError, match="compute_loss_func"):
         make_trainer(tiny_gpt2(), tmp_path, compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)
+
+
+def tiny_t5() -> transformers.T5ForConditionalGeneration:
+    """Tiny T5 with its T5LayerNorm and relative attention bias frozen (the clipper covers neither: the bias embedding
+    is looked up with ``[T, T]`` position buckets, not per example); frozen, they need no hook."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2, decoder_start_token_id=0, pad_token_id=0
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    for name, param in model.named_parameters():
+        param.requires_grad_("layer_norm" not in name and "relative_attention_bias" not in name)
+    return model
+
+
+def test_seq2seq_per_example_losses_sum_to_the_model_loss_and_train(tmp_path) -> None:
+    model = tiny_t5()
+    privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp", per_example_reduction="sum")
+    trainer = make_trainer(model, tmp_path, TokenDataset(n=16), privacy=privacy, args=dict(max_steps=2))
+    batch = default_collate([trainer.train_dataset[i] for i in range(4)])
+    model.eval()
+    per_example = trainer.compute_per_example_loss(model, batch)
+    labelled = (batch["labels"] != -100).sum()
+    # unshifted (the decoder inputs are the shifted labels): the batch loss is the token mean
+    assert torch.allclose(per_example.sum() / labelled, model(**batch).loss)
+    before = trainable_snapshot(model)
+    trainer.train()
+    assert trainer.privacy_engine.steps == 2
+    for name, param in model.named_parameters():
+        assert torch.equal(before[name], param) == (not param.requires_grad), name
