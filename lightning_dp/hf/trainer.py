@@ -188,6 +188,12 @@ class DPTrainer(Trainer):
                 "Poisson sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
                 sample_rate,
             )
+            if len(loader) % micro_batches:
+                raise ValueError(
+                    f"{len(loader)} batches per epoch is not a multiple of gradient_accumulation_steps="
+                    f"{micro_batches}: the last optimizer step would use fewer examples than the others; choose sizes "
+                    "that divide evenly, or keep poisson_sampling=True"
+                )
             return loader
         return poisson_dataloader(
             loader,
@@ -337,9 +343,10 @@ def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgu
     Raises:
         ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
     """
+    checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
     active = {
         "fp16=True": args.fp16,
-        "gradient_checkpointing=True": bool(args.gradient_checkpointing or args.activation_checkpointing),
+        "gradient_checkpointing=True": bool(checkpointing),
         "a DeepSpeed config": bool(args.deepspeed),
         "FSDP": bool(args.fsdp),
         "torch_compile=True": args.torch_compile,
