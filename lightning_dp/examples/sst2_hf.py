@@ -8,8 +8,8 @@ the first ``--train-size`` training sentences and prints the dev accuracy, with 
     python -m lightning_dp.examples.sst2_hf --train-size 4000 --epochs 3             # DP, epsilon = 3
     python -m lightning_dp.examples.sst2_hf --train-size 4000 --epochs 3 --no-dp     # baseline
 
-Only the top ``--train-layers`` encoder layers, the pooler and the head are trained (the rest is frozen), which keeps
-a CPU run to minutes.
+By default only the pooler and the head are trained (``--train-layers 0``: the encoder is frozen), which keeps a CPU
+run to minutes and the number of noised parameters small; ``--train-layers k`` also trains the top k encoder layers.
 """
 
 from __future__ import annotations
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--train-size", type=int, default=4000)
     parser.add_argument("--epochs", type=float, default=3.0)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=None, help="default 1e-3 with DP, 5e-5 without")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound")
     parser.add_argument("--clipping", default="ghost")
     parser.add_argument(
-        "--train-layers", type=int, default=2, help="train the top k encoder layers, pooler and head (rest frozen)"
+        "--train-layers", type=int, default=0, help="train the top k encoder layers, pooler and head (rest frozen)"
     )
     parser.add_argument("--no-dp", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -94,13 +94,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     freeze_below(model, opts.train_layers)
     train = SST2(opts.data / "train_full.tsv", tokenizer, opts.train_size)
     dev = SST2(opts.data / "dev.tsv", tokenizer)
-    lr = opts.lr if opts.lr is not None else (5e-5 if opts.no_dp else 1e-3)
     args = TrainingArguments(
         output_dir=str(opts.output_dir),
         per_device_train_batch_size=opts.batch_size,
         per_device_eval_batch_size=128,
         num_train_epochs=opts.epochs,
-        learning_rate=lr,
+        learning_rate=opts.lr,
         warmup_steps=0,
         weight_decay=0.0,
         logging_steps=20,
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "dp": not opts.no_dp,
         "train_size": len(train),
         "epochs": opts.epochs,
-        "lr": lr,
+        "lr": opts.lr,
         "train_layers": opts.train_layers,
         "dev_accuracy": metrics["eval_accuracy"],
         "majority_class": float(majority),
