@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument(
         "--train-layers", type=int, default=0, help="train the top k encoder layers, pooler and head (rest frozen)"
     )
+    parser.add_argument("--head-only", action="store_true", help="train the classification head only")
     parser.add_argument("--no-dp", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("sst2_hf_out"))
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(opts.seed)
     model = BertForSequenceClassification.from_pretrained(path, num_labels=2)
     freeze_below(model, opts.train_layers)
+    if opts.head_only:
+        model.bert.requires_grad_(False)
     train = SST2(opts.data / "train_full.tsv", tokenizer, opts.train_size)
     dev = SST2(opts.data / "dev.tsv", tokenizer)
     args = TrainingArguments(
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "train_size": len(train),
         "epochs": opts.epochs,
         "lr": opts.lr,
-        "train_layers": opts.train_layers,
+        "trained": "head" if opts.head_only else f"pooler, head, top {opts.train_layers} layers",
         "dev_accuracy": metrics["eval_accuracy"],
         "majority_class": float(majority),
     }
