@@ -325,3 +325,31 @@ def test_seq2seq_per_example_losses_sum_to_the_model_loss_and_train(tmp_path) ->
     assert trainer.privacy_engine.steps == 2
     for name, param in model.named_parameters():
         assert torch.equal(before[name], param) == (not param.requires_grad), name
+
+
+def test_one_noiseless_full_batch_step_equals_the_plain_trainer(tmp_path) -> None:
+    """With q = 1, a clipping bound no gradient reaches and negligible noise, a DP step is the Trainer's step (SGD:
+    Adam's first step is lr * sign(g), which even 1e-6 noise flips on coordinates whose gradient is 0)."""
+    dataset = TokenDataset(n=8, task="cls")
+    models = []
+    for trainer_cls in (transformers.Trainer, DPTrainer):
+        model = tiny_bert_classifier()
+        model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0
+        model = type(model)(model.config)
+        model.load_state_dict(tiny_bert_classifier().state_dict())
+        extra = {}
+        if trainer_cls is DPTrainer:
+            extra["privacy_args"] = PrivacyArguments(
+                noise_multiplier=1e-12, per_sample_max_grad_norm=1e6, accountant="rdp"
+            )
+        trainer = trainer_cls(
+            model=model,
+            args=training_args(tmp_path, per_device_train_batch_size=8, max_steps=1, learning_rate=0.1, optim="sgd"),
+            train_dataset=dataset,
+            **extra,
+        )
+        trainer.train()
+        models.append(model)
+    plain, private = (dict(m.named_parameters()) for m in models)
+    for name, param in plain.items():
+        torch.testing.assert_close(private[name], param, rtol=1e-4, atol=1e-6, msg=name)
