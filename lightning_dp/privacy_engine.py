@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
-from lightning_dp.accounting.base import validate_delta, validate_epsilon
+from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.clipping import ENGINES, PerSampleClipper
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.hutch import norm_dim
@@ -89,6 +89,10 @@ class PrivacyEngine:
                 "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
                 "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
             )
+        if not isinstance(noise, NoiseMechanism):
+            mechanism_class(noise)  # an unknown name fails here, listing the valid ones
+        if accountant is not None and accountant not in ACCOUNTANTS:
+            raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
         engine = ENGINES.get(clipping)
         if engine is None:
             raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")

@@ -14,12 +14,18 @@ accountant assumes (argument in docs/privacy.md, "Several processes").
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
+
+
+def validate_sample_rate(sample_rate: float) -> None:
+    """Raise ``ValueError`` unless the Poisson rate q of a training run lies in (0, 1]."""
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -53,8 +59,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} examples")
-        if not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
+        validate_sample_rate(sample_rate)
         self.num_samples = num_samples
         self.sample_rate = float(sample_rate)
         self.num_steps = int(num_steps) if num_steps is not None else max(1, round(1.0 / sample_rate))
@@ -83,7 +88,7 @@ def _empty_like_batch(batch: Any) -> Any:
     """The same structure with every tensor cut to zero rows."""
     if isinstance(batch, torch.Tensor):
         return batch[:0]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # dict, or a mapping such as HF's BatchEncoding (returned as a dict)
         return {k: _empty_like_batch(v) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_empty_like_batch(v) for v in batch))

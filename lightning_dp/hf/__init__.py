@@ -1,0 +1,10 @@
+"""Differentially private training with the HuggingFace ``Trainer`` (and PEFT/LoRA models), over ``PrivacyEngine``.
+
+``from lightning_dp.hf import DPTrainer, PrivacyArguments`` (the dp-transformers convention). See docs/hf.md.
+"""
+
+from lightning_dp.hf.arguments import PrivacyArguments
+from lightning_dp.hf.callbacks import PrivacyBudget
+from lightning_dp.hf.trainer import DPTrainer
+
+__all__ = ["DPTrainer", "PrivacyArguments", "PrivacyBudget"]

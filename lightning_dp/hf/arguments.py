@@ -1,0 +1,112 @@
+"""``PrivacyArguments``: the privacy configuration of a ``DPTrainer`` run, parsable by ``HfArgumentParser``.
+
+The fields carry the names and meaning of :class:`~lightning_dp.lightning.DPStrategy`'s arguments, except two that
+``TrainingArguments`` already has (``HfArgumentParser((TrainingArguments, PrivacyArguments))`` refuses duplicate
+flags): the clipping bound is ``per_sample_max_grad_norm`` (the dp-transformers name) and the seed is ``dp_seed``. And
+``__post_init__`` validates them by building the :class:`~lightning_dp.privacy_engine.PrivacyEngine` they describe
+(its validators, no copies), so a bad combination fails when the arguments are parsed, not at the first step.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lightning_dp.data import validate_sample_rate
+from lightning_dp.privacy_engine import PrivacyEngine
+
+PER_EXAMPLE_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class PrivacyArguments:
+    """Differential-privacy arguments of :class:`~lightning_dp.hf.DPTrainer`.
+
+    ``HfArgumentParser((TrainingArguments, PrivacyArguments))`` parses them from the command line
+    (``--target_epsilon 3 --per_sample_max_grad_norm 1.0 --noise_params '{"noise_scale": 2.0}'``), a JSON file or a
+    YAML file.
+
+    Attributes:
+        per_sample_max_grad_norm: per-sample clipping bound C > 0 (l2; l1 for ``noise="laplace"``); the
+            ``max_grad_norm`` of ``DPStrategy``. Not to be confused with ``TrainingArguments.max_grad_norm`` (clipping
+            of the batch gradient after it is formed), which DPTrainer switches off.
+        target_epsilon: privacy budget; the noise is calibrated for the Trainer's planned optimizer steps
+            (``max_steps``, or ``num_train_epochs`` times the steps per epoch). Exclusive with ``noise_multiplier``
+            and ``noise_params``.
+        target_delta: delta in (0, 1); default ``1/N^1.1``.
+        noise_multiplier: Gaussian sigma (noise std ``sigma * C`` on the clipped sum of a logical step).
+        noise: ``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"`` (a ``NoiseMechanism`` instance is
+            accepted when constructed in Python).
+        noise_params: parameters of a non-Gaussian mechanism: a dict, or its JSON text on the command line,
+            e.g. ``'{"noise_scale": 3.0}'``.
+        clipping: per-sample clipping engine, ``"flat" | "ghost"``.
+        accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
+        sample_rate: Poisson rate q; default ``per_device_train_batch_size * gradient_accumulation_steps *
+            world_size / N``.
+        poisson_sampling: replace the Trainer's sampler by Poisson sampling (default). ``False`` keeps the Trainer's
+            shuffled fixed-size batches and logs that the reported epsilon assumes Poisson sampling.
+        dp_seed: seed of the dedicated noise and sampling generators (``None``: OS entropy, recommended for real runs);
+            independent of ``TrainingArguments.seed`` and never written to checkpoints.
+        per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
+            tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
+            more, and are clipped more often). Labels ``-100`` are ignored either way.
+
+    Raises:
+        ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
+    """
+
+    per_sample_max_grad_norm: float = field(default=1.0, metadata={"help": "Per-sample clipping bound C > 0."})
+    target_epsilon: float | None = field(
+        default=None, metadata={"help": "Privacy budget; the noise is calibrated for the planned steps."}
+    )
+    target_delta: float | None = field(default=None, metadata={"help": "Delta in (0, 1); default 1/N^1.1."})
+    noise_multiplier: float | None = field(default=None, metadata={"help": "Gaussian noise multiplier sigma."})
+    noise: str = field(
+        default="gaussian", metadata={"help": "Noise mechanism: gaussian, laplace, laplace-advanced, lap2, plrv."}
+    )
+    noise_params: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": 'Non-Gaussian mechanism parameters as JSON, e.g. {"noise_scale": 3.0}.'}
+    )
+    clipping: str = field(default="flat", metadata={"help": "Per-sample clipping engine: flat or ghost."})
+    accountant: str | None = field(default=None, metadata={"help": "Accountant (default: the mechanism's)."})
+    sample_rate: float | None = field(
+        default=None, metadata={"help": "Poisson rate q; default batch * accumulation * world_size / N."}
+    )
+    poisson_sampling: bool = field(default=True, metadata={"help": "Poisson-sample the training set."})
+    dp_seed: int | None = field(default=None, metadata={"help": "Seed of the DP noise and sampling generators."})
+    per_example_reduction: Literal["mean", "sum"] = field(
+        default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.noise_params, str):
+            try:
+                self.noise_params = json.loads(self.noise_params)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"noise_params must be a JSON object such as '{{\"noise_scale\": 3.0}}', got {self.noise_params!r}"
+                ) from error
+        if self.noise_params is not None and not isinstance(self.noise_params, dict):
+            raise ValueError(f"noise_params must be a dict (JSON object), got {self.noise_params!r}")
+        if self.per_example_reduction not in PER_EXAMPLE_REDUCTIONS:
+            raise ValueError(
+                f"per_example_reduction must be one of {PER_EXAMPLE_REDUCTIONS}, got {self.per_example_reduction!r}"
+            )
+        if self.sample_rate is not None:
+            validate_sample_rate(self.sample_rate)
+        self.make_engine()  # validates every privacy argument; the trainer builds its own engine
+
+    def make_engine(self) -> PrivacyEngine:
+        """A fresh :class:`PrivacyEngine` for these arguments. Raises ``ValueError`` as the class docstring."""
+        return PrivacyEngine(
+            max_grad_norm=self.per_sample_max_grad_norm,
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            noise_multiplier=self.noise_multiplier,
+            noise=self.noise,
+            noise_params=self.noise_params,
+            clipping=self.clipping,
+            accountant=self.accountant,
+            seed=self.dp_seed,
+        )

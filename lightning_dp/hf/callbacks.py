@@ -1,0 +1,124 @@
+"""TrainerCallbacks of a ``DPTrainer`` run: privacy state in checkpoints, the budget stop."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.privacy_engine import PrivacyEngine
+
+log = logging.getLogger("lightning_dp")
+
+#: File holding the privacy state (ledger, mechanism, delta, sample rate) in each Trainer checkpoint folder.
+PRIVACY_STATE_NAME = "lightning_dp_privacy.json"
+
+
+def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]) -> None:
+    """Restore ``engine`` from a checkpoint folder written by a ``DPTrainer`` (before ``engine.prepare``).
+
+    Raises:
+        ValueError: the folder has no privacy state (resuming would restart epsilon at 0), or the state does not
+            match the engine (see :meth:`PrivacyEngine.load_state_dict`).
+    """
+    path = Path(checkpoint) / PRIVACY_STATE_NAME
+    if not path.is_file():
+        raise ValueError(
+            f"Checkpoint {str(checkpoint)!r} has no {PRIVACY_STATE_NAME}: it was not saved by DPTrainer, and resuming "
+            "from it would restart epsilon at 0. Resume from a DPTrainer checkpoint, or start a new run without "
+            "resume_from_checkpoint"
+        )
+    engine.load_state_dict(json.loads(path.read_text()))
+    log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
+
+
+class PrivacyStateCallback(TrainerCallback):
+    """Writes the engine's privacy state next to every checkpoint the Trainer saves (``on_save``).
+
+    The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
+    sample rate; never a seed or generator state (see :mod:`lightning_dp.optim.randomness`).
+
+    Args:
+        engine: the trainer's privacy engine.
+    """
+
+    def __init__(self, engine: PrivacyEngine) -> None:
+        self.engine = engine
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if self.engine.accountant is None or not state.is_world_process_zero:
+            return control
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():
+            raise RuntimeError(
+                f"DPTrainer expected the checkpoint folder {folder} to hold the privacy state; checkpoints saved "
+                "elsewhere (hyperparameter search runs) are not supported"
+            )
+        (folder / PRIVACY_STATE_NAME).write_text(json.dumps(self.engine.state_dict(), indent=1))
+        return control
+
+
+class PrivacyBudget(TrainerCallback):
+    """Stops training before an optimizer step would push epsilon above the budget, with a message saying so.
+
+    Add it to ``DPTrainer(callbacks=[PrivacyBudget(3.0)])``, typically with fixed noise (``noise_multiplier``). A step
+    that would exceed the budget is never taken: the trainer skips its forward, backward and noise and sets
+    ``control.should_training_stop``. The same semantics as :class:`lightning_dp.lightning.PrivacyBudget`.
+
+    Args:
+        target_epsilon: the budget (default: ``PrivacyArguments.target_epsilon``).
+
+    Raises:
+        ValueError: non-positive budget, or none given and the run has no ``target_epsilon``.
+    """
+
+    def __init__(self, target_epsilon: float | None = None) -> None:
+        if target_epsilon is not None:
+            validate_epsilon(target_epsilon)
+        self.target_epsilon = target_epsilon
+        self.engine: PrivacyEngine | None = None
+        self.stopped_at_step: int | None = None
+
+    def bind(self, engine: PrivacyEngine) -> None:
+        """Set the engine whose budget this callback enforces (``DPTrainer.train`` calls it)."""
+        budget = self.target_epsilon if self.target_epsilon is not None else engine.target_epsilon
+        if budget is None:
+            raise ValueError("PrivacyBudget needs target_epsilon (here or in PrivacyArguments)")
+        self.engine, engine.epsilon_budget, self.stopped_at_step = engine, budget, None
+
+    def _stop_if_exhausted(self, control: TrainerControl) -> TrainerControl:
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("PrivacyBudget works with DPTrainer only")
+        if engine.budget_exhausted():
+            control.should_training_stop = True
+            if self.stopped_at_step is None:
+                self.stopped_at_step = engine.steps
+                log.warning(
+                    "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
+                    "epsilon=%.4g (delta=%.3g). Stopping training.",
+                    engine.epsilon(),
+                    engine.steps,
+                    engine.epsilon_budget,
+                    engine.target_delta,
+                )
+        return control
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        # A resumed run may start with the budget already spent.
+        return self._stop_if_exhausted(control)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        return self._stop_if_exhausted(control)

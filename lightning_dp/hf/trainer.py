@@ -1,0 +1,376 @@
+"""``DPTrainer``: differentially private training with the HuggingFace ``Trainer``, over the same ``PrivacyEngine``.
+
+A thin adapter like :class:`~lightning_dp.lightning.DPStrategy`: Poisson sampling, per-sample clipping, noise and
+accounting all live in :class:`~lightning_dp.privacy_engine.PrivacyEngine`, :class:`~lightning_dp.optim.DPOptimizer`
+and :mod:`lightning_dp.data`; this module only connects them to the Trainer. The model is never wrapped: clipping
+hooks are attached in place for the duration of :meth:`DPTrainer.train` and removed afterwards, so
+``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
+
+Overridden ``Trainer`` methods (all documented "subclass and override" points), and why:
+
+- ``train``: attach the clipping hooks (removed when training ends) and, with ``resume_from_checkpoint``, restore
+  the privacy state saved in the checkpoint, so epsilon continues instead of restarting at 0.
+- ``get_train_dataloader``: replace the sampler by Poisson sampling with ``q = per_device_train_batch_size *
+  gradient_accumulation_steps * world_size / N`` (Trainer's collator kept; empty batches collate to zero rows). Each
+  logical step is ``gradient_accumulation_steps`` micro-batches that together are ONE Poisson sample, so HF's
+  accumulation loop performs exactly one optimizer step per Poisson sample.
+- ``create_optimizer``: fix delta, calibrate ``target_epsilon`` for the Trainer's planned steps (``state.max_steps``,
+  from ``max_steps`` or the epochs), and wrap the optimizer in a ``DPOptimizer`` (noise once per logical step, then
+  division by the expected batch size ``q N``, then the accountant records the step).
+- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`), per-sample clipping of each
+  micro-batch into ``p.grad`` (instead of ``accelerator.backward``); on the last micro-batch of a logical step the
+  noise is added right away, so the Trainer's ``grad_norm`` log and ``on_pre_optimizer_step`` callbacks only ever
+  see the noisy gradient, never the noise-free clipped sum.
+- ``log``: add ``epsilon`` (spent so far, at ``target_delta``) to every log, so it reaches the progress bar,
+  ``trainer.state.log_history`` and every ``report_to`` logger.
+
+Reporting and checkpoints go through TrainerCallbacks (:mod:`lightning_dp.hf.callbacks`): the privacy state is
+written next to each checkpoint (``on_save``); :class:`~lightning_dp.hf.callbacks.PrivacyBudget` stops training
+through ``control.should_training_stop``.
+
+Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
+checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``torch_compile``,
+``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, and several processes (``accelerate launch``) for now.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from lightning_dp.data import poisson_dataloader
+from lightning_dp.hf.arguments import PrivacyArguments
+from lightning_dp.hf.callbacks import PrivacyBudget, PrivacyStateCallback, load_privacy_state
+from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
+from lightning_dp.optim import DPOptimizer
+
+log = logging.getLogger("lightning_dp")
+
+#: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
+_HF_DEFAULT_MAX_GRAD_NORM = 1.0
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
+
+    Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
+    LM, token and sequence classification heads (see :mod:`lightning_dp.hf.losses`); override
+    :meth:`compute_per_example_loss` for another head.
+
+    Args:
+        *args, **kwargs: the ``Trainer``'s arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
+        privacy_args: the privacy configuration.
+
+    Attributes:
+        privacy_engine: the run's :class:`~lightning_dp.privacy_engine.PrivacyEngine` (``privacy_engine.epsilon()``,
+            ``privacy_engine.summary()`` after training).
+        last_clip_fraction: fraction of the last micro-batch's examples whose gradient norm exceeded
+            ``max_grad_norm`` (diagnostic only: not privatised, so not logged).
+
+    Raises:
+        ValueError: an unsupported configuration (see the module docstring) or training argument
+            (``TrainingArguments.max_grad_norm`` set to a value other than 0 or its default, which is switched off
+            with a log line); a model whose head has no per-example loss; an unsupported trainable layer
+            (``UnsupportedModuleError``, a ``ValueError``).
+    """
+
+    def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            _check_training_arguments(training_args, privacy_args)
+        super().__init__(*args, **kwargs)
+        if training_args is None:
+            _check_training_arguments(self.args, privacy_args)
+        self.privacy_args = privacy_args
+        self.privacy_engine = privacy_args.make_engine()
+        self._check_model_and_loss()
+        # Fail now on unsupported trainable layers; the hooks live only while train() runs.
+        self.privacy_engine.attach(self.model)
+        self.privacy_engine.detach()
+        self.num_samples: int | None = None
+        self.sample_rate: float | None = None
+        self.last_clip_fraction: float | None = None
+        self._dp_optimizer: DPOptimizer | None = None
+        self._micro_batches = 0
+        self.add_callback(PrivacyStateCallback(self.privacy_engine))
+
+    # ------------------------------------------------------------------------------------------ configuration
+    def _custom_per_example_loss(self) -> bool:
+        return type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
+
+    def _check_model_and_loss(self) -> None:
+        """Reject a model or loss set-up that cannot give one loss per example, saying what to change."""
+        if self.model_init is not None:
+            raise ValueError(
+                "DPTrainer does not support model_init: the model must exist before training to attach per-sample "
+                "clipping; pass model="
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "DPTrainer does not support compute_loss_func (it returns one loss per batch): override "
+                "DPTrainer.compute_per_example_loss to return one loss per example"
+            )
+        if self._custom_per_example_loss():
+            self._head = None
+            return
+        self._head = head_kind(self.model)
+        if list(self.label_names) != ["labels"]:
+            raise ValueError(
+                f"DPTrainer forms per-example losses from a 'labels' column, this model uses {self.label_names}: "
+                "override DPTrainer.compute_per_example_loss for it"
+            )
+
+    # --------------------------------------------------------------------------------------------- training
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
+        """``Trainer.train`` with the clipping hooks attached and, on resume, the checkpoint's privacy state restored.
+
+        Raises:
+            ValueError: the checkpoint has no privacy state or one that does not match this run's privacy
+                arguments; the sample rate differs from the checkpoint's.
+        """
+        engine = self.privacy_engine
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint:
+            load_privacy_state(engine, resume_from_checkpoint)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, PrivacyBudget):
+                callback.bind(engine)
+        engine.attach(self.model)
+        self._micro_batches = 0
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        finally:
+            engine.detach()
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches.
+
+        Raises:
+            ValueError: the training set changed size between calls; several processes (not yet supported).
+            TypeError: an iterable dataset (Poisson sampling needs ``__len__``).
+        """
+        loader = super().get_train_dataloader()
+        args = self.args
+        if args.world_size > 1:
+            raise ValueError(
+                "DPTrainer runs on one process so far: Poisson sampling across ranks and one noise draw per step for "
+                "all ranks are not wired yet; launch a single process"
+            )
+        if not hasattr(loader.dataset, "__len__"):
+            raise TypeError("DPTrainer needs a map-style train_dataset (with __len__) to Poisson-sample it")
+        num_samples = len(loader.dataset)
+        micro_batches = args.gradient_accumulation_steps
+        sample_rate = self.privacy_args.sample_rate or min(
+            1.0, args.per_device_train_batch_size * micro_batches * args.world_size / num_samples
+        )
+        if self.num_samples is not None and (num_samples, sample_rate) != (
+            self.num_samples,
+            self.sample_rate,
+        ):
+            raise ValueError(
+                f"The training data changed between runs (N {self.num_samples} -> {num_samples}, q {self.sample_rate} "
+                f"-> {sample_rate}): the accountant and the noise scale assume one dataset and sample rate"
+            )
+        self.num_samples, self.sample_rate = num_samples, sample_rate
+        if not self.privacy_args.poisson_sampling:
+            log.warning(
+                "poisson_sampling=False: batches come from the Trainer's sampler, but the reported epsilon assumes "
+                "Poisson sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
+                sample_rate,
+            )
+            if len(loader) % micro_batches:
+                raise ValueError(
+                    f"{len(loader)} batches per epoch is not a multiple of gradient_accumulation_steps="
+                    f"{micro_batches}: the last optimizer step would use fewer examples than the others; choose sizes "
+                    "that divide evenly, or keep poisson_sampling=True"
+                )
+            return loader
+        return poisson_dataloader(
+            loader,
+            sample_rate=sample_rate,
+            num_steps=max(1, math.ceil(1.0 / sample_rate)),
+            micro_batches=micro_batches,
+            generator=self.privacy_engine.randomness.sampling,
+        )
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, wrapped in a ``DPOptimizer`` after the engine is prepared for the planned steps.
+
+        Raises:
+            RuntimeError: called outside :meth:`train` (the sample rate and the planned steps are not known yet).
+        """
+        optimizer = super().create_optimizer(model)
+        if isinstance(optimizer, DPOptimizer) or isinstance(getattr(optimizer, "optimizer", None), DPOptimizer):
+            return optimizer
+        if self.num_samples is None or self.sample_rate is None:
+            raise RuntimeError("DPTrainer creates its optimizer inside train(), once the training data is known")
+        planned = self.state.max_steps
+        self.privacy_engine.prepare(
+            num_samples=self.num_samples,
+            sample_rate=self.sample_rate,
+            total_steps=planned if planned and planned > 0 else None,
+        )
+        self._dp_optimizer = self.privacy_engine.wrap_optimizer(optimizer)
+        self.optimizer = self._dp_optimizer
+        return self.optimizer
+
+    def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """One loss per example, ``[B]``, for the model's head (override for other heads).
+
+        The labels are taken out of the inputs (so the model does not also compute its batch loss), except for a
+        seq2seq model that builds its decoder inputs from them. Token losses are reduced per example by
+        ``PrivacyArguments.per_example_reduction``; ``TrainingArguments.label_smoothing_factor`` applies to
+        cross-entropy heads.
+
+        Args:
+            model: the (training) model.
+            inputs: the batch on the device, with ``labels``.
+
+        Returns:
+            ``[B]`` per-example losses, attached to the graph.
+
+        Raises:
+            ValueError: the batch has no ``labels``.
+        """
+        if "labels" not in inputs:
+            raise ValueError("DPTrainer needs 'labels' in every training batch to form per-example losses")
+        if self._head == "seq2seq_lm" and "decoder_input_ids" not in inputs:
+            labels = inputs["labels"]
+            logits = model(**inputs).logits
+        else:
+            inputs = dict(inputs)
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+        smoothing = self.args.label_smoothing_factor
+        if self._head == "sequence_classification":
+            return sequence_classification_loss(
+                logits, labels, problem_type=getattr(self.model.config, "problem_type", None), label_smoothing=smoothing
+            )
+        return token_cross_entropy(
+            logits,
+            labels,
+            self.privacy_args.per_example_reduction,
+            shift=self._head == "causal_lm",
+            label_smoothing=smoothing,
+        )
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """Forward, per-example losses, per-sample clipping of this micro-batch into ``p.grad``; on the last
+        micro-batch of a logical step, the noise (once per step).
+
+        Returns the micro-batch's mean loss divided by ``gradient_accumulation_steps`` (for the Trainer's loss log;
+        0 for an empty Poisson batch). ``num_items_in_batch`` is ignored: the step's gradient is divided by the
+        expected batch size ``q N`` instead (DESIGN.md section 3).
+
+        Raises:
+            RuntimeError: a logical step of a number of micro-batches other than ``gradient_accumulation_steps``
+                (it would not be one Poisson sample).
+        """
+        engine = self.privacy_engine
+        micro_batches = self.args.gradient_accumulation_steps
+        self._micro_batches += 1
+        exhausted = engine.budget_exhausted()
+        loss = torch.zeros((), device=self.args.device)
+        if exhausted:
+            self.control.should_training_stop = True
+        else:
+            model.train()
+            inputs = self._prepare_inputs(inputs)
+            if _batch_size(inputs) == 0:
+                losses = torch.zeros(0, device=self.args.device)
+            else:
+                with self.compute_loss_context_manager():
+                    losses = self.compute_per_example_loss(model, inputs)
+            norms = engine.clipper.backward(losses)
+            if norms.numel():
+                self.last_clip_fraction = float((norms > engine.max_grad_norm).float().mean())
+                loss = losses.detach().mean().to(loss.device)
+        if self.accelerator.sync_gradients:
+            if self._micro_batches != micro_batches:
+                raise RuntimeError(
+                    f"An optimizer step after {self._micro_batches} micro-batches, expected gradient_accumulation_steps"
+                    f"={micro_batches}: a logical step must be exactly one Poisson sample"
+                )
+            self._micro_batches = 0
+            if not exhausted:
+                self._dp_optimizer.privatise()
+        return loss / micro_batches
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started."""
+        if self.privacy_engine.accountant is not None:
+            logs["epsilon"] = self.privacy_engine.epsilon()
+        super().log(logs, start_time)
+
+
+def _batch_size(inputs: dict[str, Any]) -> int | None:
+    """Rows of the first tensor in the batch (None when there is none)."""
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.ndim:
+            return value.shape[0]
+    return None
+
+
+_UNSUPPORTED = {
+    "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
+    "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
+    "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
+    "a DeepSpeed config": "not yet supported; train without deepspeed",
+    "FSDP": "not yet supported; train without fsdp",
+    "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
+    "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
+    "per_device_train_batch_size",
+    "several GPUs in one process (DataParallel)": "use one process per GPU",
+}
+
+
+def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
+    """Reject training arguments DP training does not support, saying what to change; switch off the Trainer's
+    default batch clipping (``max_grad_norm=1.0``) with a log line.
+
+    Raises:
+        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
+    """
+    checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
+    active = {
+        "fp16=True": args.fp16,
+        "gradient_checkpointing=True": bool(checkpointing),
+        "a DeepSpeed config": bool(args.deepspeed),
+        "FSDP": bool(args.fsdp),
+        "torch_compile=True": args.torch_compile,
+        "auto_find_batch_size=True": args.auto_find_batch_size,
+        "several GPUs in one process (DataParallel)": args.n_gpu > 1,
+    }
+    for name, is_set in active.items():
+        if is_set:
+            raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
+    if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
+        raise ValueError(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it to 0 "
+            "and give the per-sample clipping bound as PrivacyArguments(per_sample_max_grad_norm=...)"
+        )
+    if args.max_grad_norm:
+        log.warning(
+            "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
+            "DPTrainer clips each example's gradient at PrivacyArguments.per_sample_max_grad_norm=%s instead",
+            args.max_grad_norm,
+            privacy_args.per_sample_max_grad_norm,
+        )
+        args.max_grad_norm = 0.0
+    if args.bf16:
+        log.warning(
+            "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
+            "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
+        )
