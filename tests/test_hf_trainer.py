@@ -173,6 +173,21 @@ def test_causal_lm_trains_with_noise_once_per_logical_step(model_fn, tmp_path) -
     assert torch.allclose(model(ids).logits, reloaded(ids).logits)
 
 
+@pytest.mark.parametrize("clipping", ["mixed", "hutchpp"])
+def test_gpt2_trains_with_every_engine_family(clipping, tmp_path) -> None:
+    """An exact engine with book-keeping, and a randomized one (accounted by rc) through PrivacyArguments."""
+    model = tiny_gpt2()
+    before = trainable_snapshot(model)
+    k = 4 if clipping == "hutchpp" else None
+    privacy = PrivacyArguments(noise_multiplier=1.0, clipping=clipping, projection_dim=k, dp_seed=0)
+    trainer = make_trainer(model, tmp_path, privacy=privacy, args=dict(max_steps=2))
+    trainer.train()
+    engine = trainer.privacy_engine
+    assert engine.accountant.name == ("rc" if clipping == "hutchpp" else "pld")
+    assert engine.steps == 2 and math.isfinite(engine.epsilon())
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
 def test_bert_classifier_trains_with_ghost_clipping_and_calibrated_epsilon(tmp_path) -> None:
     model = tiny_bert_classifier()
     before = trainable_snapshot(model)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.data import validate_sample_rate
 from lightning_dp.privacy_engine import PrivacyEngine
 
@@ -40,7 +41,11 @@ class PrivacyArguments:
             accepted when constructed in Python).
         noise_params: parameters of a non-Gaussian mechanism: a dict, or its JSON text on the command line,
             e.g. ``'{"noise_scale": 3.0}'``.
-        clipping: per-sample clipping engine, ``"flat" | "ghost"``.
+        clipping: per-sample clipping engine, ``"flat" | "ghost" | "fgc" | "mixed" | "hutch" | "hutchpp"``.
+        bookkeeping: one backward pass with the clipped sum formed from the layer terms (default), or a second
+            backward (``False``; see :class:`~lightning_dp.clipping.PerSampleClipper`).
+        sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
+        projection_dim: ``k`` of ``hutch``/``hutchpp`` (default 32; they are accounted with ``accountant="rc"``).
         accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
         sample_rate: Poisson rate q; default ``per_device_train_batch_size * gradient_accumulation_steps *
             world_size / N``.
@@ -68,7 +73,18 @@ class PrivacyArguments:
     noise_params: dict[str, Any] | str | None = field(
         default=None, metadata={"help": 'Non-Gaussian mechanism parameters as JSON, e.g. {"noise_scale": 3.0}.'}
     )
-    clipping: str = field(default="flat", metadata={"help": "Per-sample clipping engine: flat or ghost."})
+    clipping: str = field(
+        default="flat", metadata={"help": "Per-sample clipping engine: flat, ghost, fgc, mixed, hutch, hutchpp."}
+    )
+    bookkeeping: bool = field(
+        default=True, metadata={"help": "One backward pass (book-keeping) instead of a second backward."}
+    )
+    sum_check_every: int | None = field(
+        default=DEFAULT_SUM_CHECK_EVERY, metadata={"help": "Batches between per-sample sum checks (None: off)."}
+    )
+    projection_dim: int | None = field(
+        default=None, metadata={"help": "Projection columns k of hutch/hutchpp (default 32)."}
+    )
     accountant: str | None = field(default=None, metadata={"help": "Accountant (default: the mechanism's)."})
     sample_rate: float | None = field(
         default=None, metadata={"help": "Poisson rate q; default batch * accumulation * world_size / N."}
@@ -107,6 +123,9 @@ class PrivacyArguments:
             noise=self.noise,
             noise_params=self.noise_params,
             clipping=self.clipping,
+            bookkeeping=self.bookkeeping,
+            sum_check_every=self.sum_check_every,
+            projection_dim=self.projection_dim,
             accountant=self.accountant,
             seed=self.dp_seed,
         )
