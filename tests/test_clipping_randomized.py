@@ -151,11 +151,11 @@ def test_norm_dim_is_the_largest_smaller_side() -> None:
 
 def test_projection_and_noise_streams_differ_and_global_rng_is_untouched() -> None:
     randomness = DPRandomness(0)
+    model = randomise(SeqModel())
     state = torch.get_rng_state()
     projection = torch.randn(1000, generator=randomness.projection_generator("cpu"))
     noise = torch.randn(1000, generator=randomness.noise_generator("cpu"))
     assert abs(float((projection * noise).mean())) < 0.15  # independent streams, not one stream twice
-    model = randomise(SeqModel())
     _clipper(model, "hutch", k=2).per_sample_norms(sin_loss(model, (IDS,)))
     assert torch.equal(torch.get_rng_state(), state)
 

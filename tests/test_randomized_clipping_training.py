@@ -14,19 +14,19 @@ from lightning_dp.mechanisms import randomized_clipping_epsilon
 @pytest.mark.parametrize("clipping", ["hutch", "hutchpp"])
 def test_fixed_noise_run_reports_the_rc_epsilon(clipping: str) -> None:
     callback = PrivacyAccountantCallback()
-    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, clipping=clipping, projection_dim=4, seed=0)
+    strategy = DPStrategy(noise_multiplier=2.0, max_grad_norm=1.0, clipping=clipping, projection_dim=16, seed=0)
     make_trainer(strategy, max_epochs=2, callbacks=[callback]).fit(TinyRegressor())
     engine = strategy.privacy_engine
     assert engine.accountant.name == "rc"
     event, steps = engine.accountant.ledger[0]
     assert isinstance(event.event, RandomizedClippingGaussianEvent)
-    assert (event.event.projection_dim, event.event.norm_dim, event.event.estimator) == (4, 6, clipping)
+    assert (event.event.projection_dim, event.event.norm_dim, event.event.estimator) == (16, 6, clipping)
     expected = randomized_clipping_epsilon(
         2.0, target_delta=engine.target_delta, sample_rate=engine.sample_rate, steps=steps,
-        projection_dim=4, norm_dim=6, estimator=clipping,
+        projection_dim=16, norm_dim=6, estimator=clipping,
     )  # fmt: skip
     assert callback.summary["epsilon"] == pytest.approx(expected, rel=1e-9)
-    assert callback.summary["projection_dim"] == 4 and callback.summary["norm_dim"] == 6
+    assert callback.summary["projection_dim"] == 16 and callback.summary["norm_dim"] == 6
 
 
 def test_calibrated_rc_run_spends_the_target_epsilon() -> None:
