@@ -30,11 +30,28 @@ through ``control.should_training_stop``.
 
 Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
 checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``torch_compile``,
-``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, and several processes (``accelerate launch``) for now.
+``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
+
+Several processes (``accelerate launch``, ``torchrun``): the same recipe as
+:class:`~lightning_dp.lightning.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.optim.distributed` (DESIGN.md
+section 8). Rank and world size come from :func:`~lightning_dp.optim.distributed_context` (the initialised
+``torch.distributed`` group), not from accelerate's state or ``TrainingArguments.world_size``, which depend on how
+accelerate is configured and launched (tested: on CPU, ``accelerate launch --multi_gpu --num_processes 2`` with
+``use_cpu=True``; ``--cpu --num_processes 2`` starts a single process). In ``train`` every
+rank adopts rank 0's base seed (after any checkpoint restore, before the first batch: identical noise, distinct
+sampling streams) and rank 0's parameters; ``get_train_dataloader`` Poisson-samples this rank's shard of the GLOBAL
+dataset at the global rate ``q`` (the loader is not passed through ``accelerator.prepare``, which would re-shard it);
+``create_optimizer`` checks that the ranks agree on ``N``, ``q`` and the noise, and gives the ``DPOptimizer`` the
+SUM all-reduce of the clipped sums, so noise is drawn once per step and the parameters stay bit-identical. Only rank
+0 logs through the ``lightning_dp`` logger. The model is never wrapped in ``DistributedDataParallel`` (its all-reduce
+on every backward would average the un-noised per-rank gradients): ``train`` makes the Trainer's accelerator prepare
+the model with ``evaluation_mode=True``, accelerate's switch that places the model (and applies autocast) without
+the DDP/FSDP wrapping, and the one SUM all-reduce happens in the ``DPOptimizer`` before the noise.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Any
@@ -50,6 +67,7 @@ from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
+from lightning_dp.optim.distributed import DistributedContext, distributed_context
 
 log = logging.getLogger("lightning_dp")
 
@@ -99,6 +117,8 @@ class DPTrainer(Trainer):
         self.last_clip_fraction: float | None = None
         self._dp_optimizer: DPOptimizer | None = None
         self._micro_batches = 0
+        self._distributed: DistributedContext | None = None
+        self._log_filter: logging.Filter | None = None
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
 
     # ------------------------------------------------------------------------------------------ configuration
@@ -131,6 +151,8 @@ class DPTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """``Trainer.train`` with the clipping hooks attached and, on resume, the checkpoint's privacy state restored.
 
+        On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
+
         Raises:
             ValueError: the checkpoint has no privacy state or one that does not match this run's privacy
                 arguments; the sample rate differs from the checkpoint's.
@@ -142,6 +164,16 @@ class DPTrainer(Trainer):
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
             load_privacy_state(engine, resume_from_checkpoint)
+        self._distributed = distributed_context()
+        if self._distributed is not None:
+            if self._log_filter is None:
+                self._log_filter = self._distributed.log_on_rank_zero_only()
+            self._distributed.synchronize_randomness(engine.randomness)
+            self._distributed.broadcast_module(self.model)
+        # Never DistributedDataParallel: accelerate's switch that skips the DDP/FSDP wrapping (module docstring).
+        accelerator = self.accelerator
+        prepare_model = type(accelerator).prepare_model
+        accelerator.prepare_model = functools.partial(prepare_model, accelerator, evaluation_mode=True)
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.bind(engine)
@@ -156,22 +188,19 @@ class DPTrainer(Trainer):
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches.
 
         Raises:
-            ValueError: the training set changed size between calls; several processes (not yet supported).
+            ValueError: the training set changed size between calls; ``poisson_sampling=False`` on several processes.
             TypeError: an iterable dataset (Poisson sampling needs ``__len__``).
         """
         loader = super().get_train_dataloader()
         args = self.args
-        if args.world_size > 1:
-            raise ValueError(
-                "DPTrainer runs on one process so far: Poisson sampling across ranks and one noise draw per step for "
-                "all ranks are not wired yet; launch a single process"
-            )
+        context = self._distributed
+        rank, world_size = (context.rank, context.world_size) if context is not None else (0, 1)
         if not hasattr(loader.dataset, "__len__"):
             raise TypeError("DPTrainer needs a map-style train_dataset (with __len__) to Poisson-sample it")
         num_samples = len(loader.dataset)
         micro_batches = args.gradient_accumulation_steps
         sample_rate = self.privacy_args.sample_rate or min(
-            1.0, args.per_device_train_batch_size * micro_batches * args.world_size / num_samples
+            1.0, args.per_device_train_batch_size * micro_batches * world_size / num_samples
         )
         if self.num_samples is not None and (num_samples, sample_rate) != (
             self.num_samples,
@@ -183,6 +212,11 @@ class DPTrainer(Trainer):
             )
         self.num_samples, self.sample_rate = num_samples, sample_rate
         if not self.privacy_args.poisson_sampling:
+            if world_size > 1:
+                raise ValueError(
+                    "poisson_sampling=False is not supported on several processes: keep poisson_sampling=True (each "
+                    "rank then Poisson-samples its shard of the whole dataset)"
+                )
             log.warning(
                 "poisson_sampling=False: batches come from the Trainer's sampler, but the reported epsilon assumes "
                 "Poisson sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
@@ -201,13 +235,19 @@ class DPTrainer(Trainer):
             num_steps=max(1, math.ceil(1.0 / sample_rate)),
             micro_batches=micro_batches,
             generator=self.privacy_engine.randomness.sampling,
+            rank=rank,
+            world_size=world_size,
         )
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, wrapped in a ``DPOptimizer`` after the engine is prepared for the planned steps.
 
+        On several processes, the ranks must agree on the dataset size, sample rate and noise, and the clipped sums
+        are SUM all-reduced before the noise.
+
         Raises:
-            RuntimeError: called outside :meth:`train` (the sample rate and the planned steps are not known yet).
+            RuntimeError: called outside :meth:`train` (the sample rate and the planned steps are not known yet);
+                ranks that disagree on the dataset size, sample rate or noise.
         """
         optimizer = super().create_optimizer(model)
         if isinstance(optimizer, DPOptimizer) or isinstance(getattr(optimizer, "optimizer", None), DPOptimizer):
@@ -220,7 +260,15 @@ class DPTrainer(Trainer):
             sample_rate=self.sample_rate,
             total_steps=planned if planned and planned > 0 else None,
         )
-        self._dp_optimizer = self.privacy_engine.wrap_optimizer(optimizer)
+        engine, context = self.privacy_engine, self._distributed
+        reduce = None
+        if context is not None:
+            context.check_identical(
+                "dataset size, sample rate and noise",
+                (self.num_samples, self.sample_rate, engine.mechanism.name, engine.mechanism.describe()),
+            )
+            reduce = context.reduce_clipped_sum
+        self._dp_optimizer = engine.wrap_optimizer(optimizer, reduce_clipped_sum=reduce)
         self.optimizer = self._dp_optimizer
         return self.optimizer
 
