@@ -46,7 +46,7 @@ def test_lora_adapters_move_frozen_weights_do_not(tmp_path) -> None:
     assert torch.allclose(model(input_ids=ids).logits, reloaded(input_ids=ids).logits, atol=1e-6)
 
 
-@pytest.mark.parametrize("clipping", PerSampleClipper.CLIPPING_ENGINES)
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
 def test_lora_per_sample_norms_match_torch_func_oracle(clipping: str, tmp_path) -> None:
     model = lora_llama(torch.float64)
     gen = torch.Generator().manual_seed(1)
