@@ -44,7 +44,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.slow
 def test_accelerate_launch_trains_identical_ranks_with_the_single_process_epsilon(ranks, tmp_path) -> None:
     a, b = ranks
     assert (a["rank"], b["rank"], a["world_size"], b["world_size"]) == (0, 1, WORLD, WORLD)
