@@ -178,7 +178,7 @@ def test_gpt2_trains_with_every_engine_family(clipping, tmp_path) -> None:
     """An exact engine with book-keeping, and a randomized one (accounted by rc) through PrivacyArguments."""
     model = tiny_gpt2()
     before = trainable_snapshot(model)
-    k = 4 if clipping == "hutchpp" else None
+    k = 16 if clipping == "hutchpp" else None
     privacy = PrivacyArguments(noise_multiplier=1.0, clipping=clipping, projection_dim=k, dp_seed=0)
     trainer = make_trainer(model, tmp_path, privacy=privacy, args=dict(max_steps=2))
     trainer.train()
