@@ -161,6 +161,11 @@ class PerSampleClipper:
         return list(self._params)
 
     @property
+    def _norm_dtype(self) -> torch.dtype:
+        """float64 when any trainable parameter is float64, else float32 (the dtype of the returned norms)."""
+        return torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+
+    @property
     def engine(self) -> ClippingEngine:
         """The clipping engine in use."""
         return self._engine
@@ -291,7 +296,7 @@ class PerSampleClipper:
                 whose per-sample gradients do not sum to its batch gradient.
         """
         batch = per_sample_loss.shape[0]
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
+        dtype = self._norm_dtype
         checker = None
         if check:
             rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
@@ -349,8 +354,7 @@ class PerSampleClipper:
         batch = self._batch_size(per_sample_loss)
         try:
             if batch == 0:
-                dtype = torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
-                return torch.zeros(0, dtype=dtype, device=per_sample_loss.device)
+                return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
