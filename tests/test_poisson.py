@@ -1,9 +1,10 @@
 """Poisson sampling: inclusion rate, independence of steps, empty batches, micro-batch splitting."""
 
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.data import PoissonBatchSampler, poisson_dataloader
+from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader, steps_per_epoch
 
 
 def test_inclusion_rate_and_variable_sizes():
@@ -66,3 +67,13 @@ def test_worker_settings_are_kept():
     poisson = poisson_dataloader(loader, sample_rate=0.5, num_steps=2, generator=torch.Generator().manual_seed(0))
     assert poisson.num_workers == 1 and poisson.prefetch_factor == 3 and poisson.persistent_workers
     assert sum(len(x) for (x,) in poisson) > 0
+
+
+def test_epoch_length_and_rate_from_the_nominal_batch():
+    assert steps_per_epoch(0.3) == 4  # ceil(1/q): an epoch covers the data at least once in expectation
+    assert steps_per_epoch(1.0) == 1
+    assert PoissonBatchSampler(100, 0.3, generator=torch.Generator()).num_steps == 4
+    assert expected_batch_sample_rate(num_samples=1000, batch_size=8, micro_batches=2, world_size=2) == 0.032
+    assert expected_batch_sample_rate(num_samples=10, batch_size=64) == 1.0
+    with pytest.raises(ValueError, match="positive dataset size and batch size"):
+        expected_batch_sample_rate(num_samples=10, batch_size=0)

@@ -1,5 +1,19 @@
 """Data utilities: Poisson sampling with empty-batch support."""
 
-from lightning_dp.data.poisson import EmptyBatchCollate, PoissonBatchSampler, poisson_dataloader, validate_sample_rate
+from lightning_dp.data.poisson import (
+    EmptyBatchCollate,
+    PoissonBatchSampler,
+    expected_batch_sample_rate,
+    poisson_dataloader,
+    steps_per_epoch,
+    validate_sample_rate,
+)
 
-__all__ = ["EmptyBatchCollate", "PoissonBatchSampler", "poisson_dataloader", "validate_sample_rate"]
+__all__ = [
+    "EmptyBatchCollate",
+    "PoissonBatchSampler",
+    "expected_batch_sample_rate",
+    "poisson_dataloader",
+    "steps_per_epoch",
+    "validate_sample_rate",
+]

@@ -14,6 +14,7 @@ accountant assumes (argument in docs/privacy.md, "Several processes").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,13 +29,34 @@ def validate_sample_rate(sample_rate: float) -> None:
         raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
 
 
+def steps_per_epoch(sample_rate: float) -> int:
+    """Logical steps of one epoch at rate q: ``ceil(1 / q)``, at least one (one pass over the data in expectation,
+    rounded up so that no epoch covers less than the dataset)."""
+    validate_sample_rate(sample_rate)
+    return max(1, math.ceil(1.0 / sample_rate))
+
+
+def expected_batch_sample_rate(
+    *, num_samples: int, batch_size: int, micro_batches: int = 1, world_size: int = 1
+) -> float:
+    """The Poisson rate that makes one logical step's expected size the trainer's nominal batch:
+    ``q = min(1, batch_size * micro_batches * world_size / N)`` (``batch_size`` per process and micro-batch).
+
+    Raises:
+        ValueError: non-positive ``num_samples`` or ``batch_size``.
+    """
+    if num_samples <= 0 or batch_size <= 0:
+        raise ValueError(f"need a positive dataset size and batch size, got N={num_samples}, batch={batch_size}")
+    return min(1.0, batch_size * micro_batches * world_size / num_samples)
+
+
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``num_steps * micro_batches`` index lists; each step is an independent Poisson sample.
 
     Args:
         num_samples: dataset size N (the whole dataset, also on several processes).
         sample_rate: inclusion probability q in (0, 1] (global: the same on every rank).
-        num_steps: logical steps per epoch (default ``round(1 / q)``: one pass in expectation).
+        num_steps: logical steps per epoch (default :func:`steps_per_epoch`, ``ceil(1 / q)``).
         micro_batches: physical chunks each logical batch is split into (gradient accumulation).
         generator: the sampling generator (CPU). Use a dedicated one; it is never the global RNG. On several
             processes, each rank's must be independent of the others' (``DPRandomness.share`` does that).
@@ -62,7 +84,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         validate_sample_rate(sample_rate)
         self.num_samples = num_samples
         self.sample_rate = float(sample_rate)
-        self.num_steps = int(num_steps) if num_steps is not None else max(1, round(1.0 / sample_rate))
+        self.num_steps = int(num_steps) if num_steps is not None else steps_per_epoch(sample_rate)
         if self.num_steps <= 0 or micro_batches <= 0:
             raise ValueError(f"num_steps and micro_batches must be positive, got {num_steps}, {micro_batches}")
         if not 0 <= rank < world_size:

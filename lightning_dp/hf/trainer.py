@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from lightning_dp.data import poisson_dataloader
+from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
@@ -199,8 +198,11 @@ class DPTrainer(Trainer):
             raise TypeError("DPTrainer needs a map-style train_dataset (with __len__) to Poisson-sample it")
         num_samples = len(loader.dataset)
         micro_batches = args.gradient_accumulation_steps
-        sample_rate = self.privacy_args.sample_rate or min(
-            1.0, args.per_device_train_batch_size * micro_batches * world_size / num_samples
+        sample_rate = self.privacy_args.sample_rate or expected_batch_sample_rate(
+            num_samples=num_samples,
+            batch_size=args.per_device_train_batch_size,
+            micro_batches=micro_batches,
+            world_size=world_size,
         )
         if self.num_samples is not None and (num_samples, sample_rate) != (
             self.num_samples,
@@ -232,7 +234,6 @@ class DPTrainer(Trainer):
         return poisson_dataloader(
             loader,
             sample_rate=sample_rate,
-            num_steps=max(1, math.ceil(1.0 / sample_rate)),
             micro_batches=micro_batches,
             generator=self.privacy_engine.randomness.sampling,
             rank=rank,

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
-from lightning_dp.data import poisson_dataloader
+from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.optim.distributed import DistributedContext
@@ -175,7 +175,9 @@ class DPStrategyMixin:
         if self._requested_sample_rate is not None:
             sample_rate = self._requested_sample_rate
         elif batch_size:
-            sample_rate = min(1.0, batch_size * micro_batches * world_size / num_samples)
+            sample_rate = expected_batch_sample_rate(
+                num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
+            )
         else:
             raise ValueError(f"Cannot infer the expected batch size: pass {type(self).__name__}(sample_rate=...)")
         if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):
@@ -195,7 +197,6 @@ class DPStrategyMixin:
         return poisson_dataloader(
             dataloader,
             sample_rate=sample_rate,
-            num_steps=max(1, math.ceil(1.0 / sample_rate)),
             micro_batches=micro_batches,
             generator=self.privacy_engine.randomness.sampling,
             rank=rank,
