@@ -114,6 +114,23 @@ def test_randomized_engine_runs_with_momentum():
     assert norms.shape == (BATCH,) and torch.isfinite(norms).all()
 
 
+def test_empty_batch_and_frozen_parameters():
+    model = TiedModel().double()
+    model.lin.requires_grad_(False)
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    momentum = PerSampleMomentum(3, 0.5)
+    momentum.bind(clipper)
+    momentum.record()
+    assert [t.shape for t in momentum.history[0]] == [p.shape for p in clipper.trainable_parameters]
+    assert len(momentum.history[0]) == 4  # emb (= head) weight, conv weight and bias, head bias; not lin
+    ids = torch.zeros(0, SEQ, dtype=torch.long)
+    momentum.add_past_iterates(clipper, lambda: per_sample_loss(model, ids, ids))
+    norms = clipper.backward(per_sample_loss(model, ids, ids), weight=momentum.current_weight)
+    assert norms.shape == (0,)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in clipper.trainable_parameters)
+    assert model.lin.weight.grad is None
+
+
 def test_weights_follow_the_paper():
     assert momentum_weights(0, 0.9) == [1.0]
     w = momentum_weights(2, 0.5)

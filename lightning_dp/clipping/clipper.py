@@ -19,6 +19,12 @@ sharing a parameter and freed before the next group (twice with book-keeping: fo
 Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
 is not supported.
+
+Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`): captures of the same
+batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with their weights, join the current
+iterate's as further uses of each parameter, so the engines take the exact norm of the weighted sum (cross terms
+between iterates included) and the clipped sum adds them; they are kept until the next clip (memory: one set of
+captures per iterate).
 """
 
 from __future__ import annotations
