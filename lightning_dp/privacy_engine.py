@@ -410,6 +410,11 @@ class PrivacyEngine:
                 if self.randomized_clipping and self.clipper is not None
                 else {}
             ),
+            **(
+                {"momentum_length": self.momentum.momentum_length, "momentum_beta": self.momentum.momentum_beta}
+                if self.momentum.enabled
+                else {}
+            ),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints
