@@ -23,6 +23,7 @@ from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.optim import DPOptimizer, DPRandomness
+from lightning_dp.optim.momentum import PerSampleMomentum
 
 log = logging.getLogger("lightning_dp")
 
@@ -57,6 +58,12 @@ class PrivacyEngine:
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
         seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
             seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
+        momentum_length: ``k >= 1``, the number of iterates averaged into each example's per-sample momentum before
+            clipping (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`); 1 (default) is DP-SGD.
+            ``k > 1`` keeps ``k - 1`` copies of the trainable parameters and runs the forward ``k`` times per batch
+            (see :meth:`add_past_iterates`); the accountant is unchanged (sensitivity stays ``C``).
+        momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights ``beta^(t-i) / c_beta`` (ignored
+            when ``momentum_length = 1``).
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -77,8 +84,11 @@ class PrivacyEngine:
         projection_dim: int | None = None,
         accountant: str | None = None,
         seed: int | None = None,
+        momentum_length: int = 1,
+        momentum_beta: float = 0.9,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
+        self.momentum = PerSampleMomentum(momentum_length, momentum_beta)
         if target_epsilon is not None:
             validate_epsilon(target_epsilon)
         if target_delta is not None:
@@ -132,6 +142,7 @@ class PrivacyEngine:
             self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
+        self._momentum_hooks: list[Any] = []
         #: ``d`` of the randomized-clipping event (set by ``attach`` for hutch/hutchpp).
         self.norm_dim: int | None = None
         self.sample_rate: float | None = None
@@ -161,6 +172,7 @@ class PrivacyEngine:
             projection_dim=self.projection_dim,
             generator_for=self.randomness.projection_generator,
         )
+        self.momentum.bind(self.clipper)
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
@@ -171,6 +183,22 @@ class PrivacyEngine:
         if self.clipper is not None:
             self.clipper.detach()
             self.clipper = None
+        for handle in self._momentum_hooks:
+            handle.remove()
+        self._momentum_hooks = []
+
+    def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None]) -> None:
+        """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms
+        for the next ``clipper.backward(loss, weight=self.momentum.current_weight)`` (nothing when
+        ``momentum_length = 1``).
+
+        Call once per (micro-)batch BEFORE the current forward, with a ``compute_loss`` that re-runs the user's
+        forward and per-sample loss on that batch (``() -> [B]``, or ``None`` to skip the batch). See
+        :meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`.
+        """
+        if self.clipper is None:
+            raise RuntimeError("attach(module) must run before add_past_iterates()")
+        self.momentum.add_past_iterates(self.clipper, compute_loss)
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
         """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
@@ -281,6 +309,8 @@ class PrivacyEngine:
         """
         if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
+        if self.momentum.enabled:  # the iterate x_t is stored right before the update to x_{t+1}
+            self._momentum_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.momentum.record()))
         return DPOptimizer(
             optimizer,
             mechanism=self.mechanism,
@@ -380,21 +410,31 @@ class PrivacyEngine:
                 if self.randomized_clipping and self.clipper is not None
                 else {}
             ),
+            **(
+                {"momentum_length": self.momentum.momentum_length, "momentum_beta": self.momentum.momentum_beta}
+                if self.momentum.enabled
+                else {}
+            ),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
 
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`.
+        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`. With per-sample
+        momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
+        noisy releases only).
         """
         assert self.mechanism is not None and self.accountant is not None
-        return {
+        state = {
             "accountant": self.accountant.state_dict(),
             "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
             "target_delta": self.target_delta,
             "sample_rate": self.sample_rate,
         }
+        if self.momentum.enabled:
+            state["momentum"] = self.momentum.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
@@ -404,8 +444,16 @@ class PrivacyEngine:
         Raises:
             ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
                 noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound).
+                relative to the clipping bound); its per-sample momentum (``momentum_length``, ``momentum_beta``,
+                parameters) differs from this run's.
         """
+        if "momentum" in state:
+            self.momentum.load_state_dict(state["momentum"])
+        elif self.momentum.enabled:
+            raise ValueError(
+                f"The checkpoint was trained without per-sample momentum, this run uses momentum_length="
+                f"{self.momentum.momentum_length}: resume with the same per-sample momentum"
+            )
         params = dict(state["mechanism"])
         name = params.pop("name")
         if name != self.noise_name:

@@ -19,6 +19,12 @@ sharing a parameter and freed before the next group (twice with book-keeping: fo
 Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
 is not supported.
+
+Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`): captures of the same
+batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with their weights, join the current
+iterate's as further uses of each parameter, so the engines take the exact norm of the weighted sum (cross terms
+between iterates included) and the clipped sum adds them; they are kept until the next clip (memory: one set of
+captures per iterate).
 """
 
 from __future__ import annotations
@@ -154,6 +160,9 @@ class PerSampleClipper:
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
         self._hooks = CaptureHooks(hooked)
+        #: captures of the current batch at past iterates (per-sample momentum), output gradients set and weighted.
+        self._past: list[Capture] = []
+        self._past_batch = 0
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -208,13 +217,14 @@ class PerSampleClipper:
         return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
 
     def _backward_pass(
-        self, per_sample_loss: torch.Tensor, *, param_grads: bool
+        self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0, retain_graph: bool = False
     ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
-        """ONE backward of ``sum_i loss_i`` to the captured output edges; sets each capture's ``output_grad``.
+        """ONE backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's
+        ``output_grad`` (every per-sample term is linear in it, so the terms come out scaled by ``weight``).
 
         With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
         parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is kept
-        only for the two-backward path.
+        with ``retain_graph`` (the two-backward path).
 
         Raises:
             UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
@@ -224,10 +234,9 @@ class PerSampleClipper:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
         captures = self._hooks.captures
         inputs = [c.edge for c in captures] + (self._params if param_grads else [])
+        total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
         with self._hooks.suspended():
-            grads = torch.autograd.grad(
-                per_sample_loss.sum(), inputs, retain_graph=not self.bookkeeping, allow_unused=True
-            )
+            grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
         for capture, grad in zip(captures, grads[: len(captures)], strict=True):
             capture.output_grad = None if grad is None else grad.view(capture.output_shape)
         reached = [c for c in captures if c.output_grad is not None]
@@ -286,10 +295,13 @@ class PerSampleClipper:
         check: bool,
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
     ) -> torch.Tensor:
-        """Per-sample norms ``[B]`` from the captures; runs the sum check when ``check``.
+        """Per-sample norms ``[B]`` from the captures of the current iterate and of the past ones
+        (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied parameter; runs the sum
+        check on the current iterate's terms when ``check``.
 
-        With ``kept`` (book-keeping), each group's terms are appended to it for the clipped sum when they are views
-        of the captures (nothing new held), else the group itself, whose terms are then formed again.
+        With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
+        book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
+        held), else the captures themselves, whose terms are then formed again.
 
         Raises:
             UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms, or
@@ -301,16 +313,21 @@ class PerSampleClipper:
         if check:
             rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
             checker = SumCheck(rtol)
+        past = {id(c) for c in self._past}
         with_terms: set[int] = set()
         total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
-        for group in _shared_parameter_groups(captures):
-            terms = self._terms(group, batch)
+        for group in _shared_parameter_groups(captures + self._past):
+            then = [c for c in group if id(c) in past]
+            now_terms = self._terms([c for c in group if id(c) not in past], batch)
+            past_terms = self._terms(then, batch)
+            terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
             if kept is not None:
-                kept.append(group if _allocates_memory(terms, group) else terms)
+                kept_terms, kept_group = (terms, group) if self.bookkeeping else (past_terms, then)
+                kept.append(kept_group if _allocates_memory(kept_terms, kept_group) else kept_terms)
             for param, param_terms in terms.items():
                 with_terms.add(id(param))
-                if checker is not None:
-                    checker.add(param, param_terms, batch_grads.pop(param, None))
+                if checker is not None and param in now_terms:
+                    checker.add(param, now_terms[param], batch_grads.pop(param, None))
                 generator = None
                 if self._engine.randomized:
                     generator = self._generator_for(param_terms[0].device)
@@ -346,19 +363,26 @@ class PerSampleClipper:
                 else:
                     param.grad.add_(clipped)
 
-    def _clip(self, per_sample_loss: torch.Tensor, *, accumulate: bool) -> torch.Tensor:
+    def _clip(self, per_sample_loss: torch.Tensor, *, accumulate: bool, weight: float = 1.0) -> torch.Tensor:
         """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``."""
         if not self._hooks.attached:
             raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
         self._check_trainable_set()
         batch = self._batch_size(per_sample_loss)
         try:
+            if self._past and batch != self._past_batch:
+                raise ValueError(
+                    f"the per-sample loss has {batch} samples but the past iterates were given {self._past_batch}: "
+                    "add_past_iterate must see the same batch as the backward that follows it"
+                )
             if batch == 0:
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             check = self._check_due()
-            captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check)
+            captures, batch_grads = self._backward_pass(
+                per_sample_loss, param_grads=check, weight=weight, retain_graph=not self.bookkeeping
+            )
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
-                [] if accumulate and self.bookkeeping else None
+                [] if accumulate and (self.bookkeeping or self._past) else None
             )
             total = self._norms(per_sample_loss, captures, batch_grads, check, kept)
             del batch_grads
@@ -366,16 +390,61 @@ class PerSampleClipper:
             norms = (total.sqrt() if self.norm == 2 else total).detach()
             if accumulate:
                 factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
-                if self.bookkeeping:
+                if kept is not None:
                     self._add_clipped_sum(kept, batch, factors)
-                else:
+                if not self.bookkeeping:
+                    scaled = factors.to(per_sample_loss.dtype) * per_sample_loss
                     with self._hooks.suspended():
                         torch.autograd.backward(
-                            (factors.to(per_sample_loss.dtype) * per_sample_loss).sum(), inputs=self._params
+                            (scaled if weight == 1.0 else scaled * weight).sum(), inputs=self._params
                         )
         finally:
             self._hooks.clear()
+            self.discard_past_iterates()
         return norms
+
+    def add_past_iterate(self, per_sample_loss: torch.Tensor, weight: float) -> None:
+        """Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5): keep the per-sample terms of the batch at a past
+        iterate, scaled by ``weight``, for the next :meth:`backward` or :meth:`per_sample_norms`.
+
+        Call right after the forward at that iterate, while the parameters still hold its values (its graph is
+        consumed here: one output-gradient pass, no parameter gradient). The next clip then takes the norm of, and
+        sums, ``weight_now * grad_i(now) + sum_past weight * grad_i(past)`` per sample, exactly (each engine treats
+        a parameter's uses at all iterates as the uses of a tied parameter). The terms are always summed by
+        book-keeping (the past graphs are gone), whatever ``bookkeeping``. See :mod:`lightning_dp.optim.momentum`.
+
+        Args:
+            per_sample_loss: ``[B]``, the batch's per-sample loss at the past iterate.
+            weight: its momentum weight ``beta^(t-i) / c_beta``.
+
+        Raises:
+            ValueError: ``per_sample_loss`` not of shape ``[B]`` or not requiring grad, or a batch size different
+                from an earlier past iterate's.
+            RuntimeError: after :meth:`detach`.
+        """
+        if not self._hooks.attached:
+            raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
+        batch = self._batch_size(per_sample_loss)
+        try:
+            if self._past and batch != self._past_batch:
+                raise ValueError(
+                    f"past iterates of one batch gave {self._past_batch} and {batch} per-sample losses: the forward "
+                    "at every iterate must see the same batch"
+                )
+            if batch:
+                captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight)
+                self._past.extend(captures)
+            self._past_batch = batch
+        except BaseException:
+            self.discard_past_iterates()
+            raise
+        finally:
+            self._hooks.clear()
+
+    def discard_past_iterates(self) -> None:
+        """Forget the terms kept by :meth:`add_past_iterate` (e.g. when the batch is skipped)."""
+        self._past = []
+        self._past_batch = 0
 
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.
@@ -399,8 +468,11 @@ class PerSampleClipper:
         """
         return self._clip(per_sample_loss, accumulate=False)
 
-    def backward(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
+    def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
         """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``.
+
+        With past iterates added (:meth:`add_past_iterate`), ``grad(loss_i)`` is the per-sample momentum
+        ``weight * grad(loss_i) + sum_past w * grad_past(loss_i)``, and ``n_i`` its norm.
 
         ``p.grad`` may already hold an earlier micro-batch's clipped sum (gradient accumulation); it is created when
         None. With ``B == 0`` (empty Poisson batch) no backward runs. Every trainable parameter without a ``.grad``
@@ -409,6 +481,7 @@ class PerSampleClipper:
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample, from the forward pass the hooks captured.
+            weight: the current iterate's weight in the per-sample momentum (``1 / c_beta``; 1 without momentum).
 
         Returns:
             The per-sample norms ``n_i`` before clipping, detached, ``[B]``.
@@ -416,7 +489,7 @@ class PerSampleClipper:
         Raises:
             ValueError, UnsupportedModuleError, RuntimeError: as :meth:`per_sample_norms`.
         """
-        norms = self._clip(per_sample_loss, accumulate=True)
+        norms = self._clip(per_sample_loss, accumulate=True, weight=weight)
         for param in self._params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

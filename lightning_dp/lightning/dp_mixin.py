@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,20 @@ from lightning_dp.privacy_engine import PrivacyEngine
 log = logging.getLogger("lightning_dp")
 
 _UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+
+
+@contextmanager
+def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
+    """Within this context, ``module.log`` and ``module.log_dict`` do nothing (re-runs of a training step)."""
+
+    def drop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.log, module.log_dict = drop, drop  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict
 
 
 class DPStrategyMixin:
@@ -62,6 +77,13 @@ class DPStrategyMixin:
         poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
             loader and logs that the reported epsilon assumes Poisson sampling.
         seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
+        momentum_length: ``k >= 1``: each example's clipped quantity is its per-sample momentum over the ``k`` most
+            recent iterates (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`); 1 (default) is
+            DP-SGD. With ``k > 1`` the user's ``training_step`` runs ``k`` times per batch, first at each stored
+            iterate (newest first; its ``self.log``/``self.log_dict`` calls are dropped there, other side effects
+            such as metric updates are not), then at the current one; ``k - 1`` copies of the trainable parameters
+            are kept and saved in checkpoints.
+        momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights (ignored when ``k = 1``).
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -86,6 +108,8 @@ class DPStrategyMixin:
         sample_rate: float | None = None,
         poisson_sampling: bool = True,
         seed: int | None = None,
+        momentum_length: int = 1,
+        momentum_beta: float = 0.9,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -102,6 +126,8 @@ class DPStrategyMixin:
             projection_dim=projection_dim,
             accountant=accountant,
             seed=seed,
+            momentum_length=momentum_length,
+            momentum_beta=momentum_beta,
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
@@ -259,13 +285,36 @@ class DPStrategyMixin:
 
     # ------------------------------------------------------------------------------------------- the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging."""
-        if self.privacy_engine.budget_exhausted():
+        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging.
+
+        With per-sample momentum, the user's step first runs on the same batch at each stored iterate (logging
+        off), and those per-sample losses go to the clipper with their weights.
+        """
+        engine = self.privacy_engine
+        if engine.budget_exhausted():
             return None
-        output = super().training_step(*args, **kwargs)
+        step = super().training_step
+        if engine.momentum.enabled:
+            with _logging_dropped(self.lightning_module):
+                engine.add_past_iterates(lambda: self._per_sample_loss(step(*args, **kwargs), args, kwargs))
+        output = step(*args, **kwargs)
+        loss = self._per_sample_loss(output, args, kwargs)
+        if loss is None:
+            engine.clipper.discard_past_iterates()
+            return output
+        self._pending_loss = loss
+        reduced = loss.mean() if loss.numel() else loss.sum()
+        return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+
+    def _per_sample_loss(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The per-sample loss ``[B]`` in the user's step output (None when the step skips the batch).
+
+        Raises:
+            ValueError: a loss that is not of shape ``[B]``, or not one entry per example.
+        """
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if loss is None:
-            return output
+            return None
         if not isinstance(loss, torch.Tensor) or loss.ndim != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(
@@ -273,9 +322,7 @@ class DPStrategyMixin:
                 "(and reduce token losses per sample) so each example can be clipped"
             )
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
-        self._pending_loss = loss
-        reduced = loss.mean() if loss.numel() else loss.sum()
-        return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+        return loss
 
     @staticmethod
     def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
@@ -304,7 +351,8 @@ class DPStrategyMixin:
         per_sample_loss, self._pending_loss = self._pending_loss, None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        norms = self.privacy_engine.clipper.backward(per_sample_loss)
+        engine = self.privacy_engine
+        norms = engine.clipper.backward(per_sample_loss, weight=engine.momentum.current_weight)
         if norms.numel():
             self.last_clip_fraction = float((norms > self.privacy_engine.max_grad_norm).float().mean())
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
