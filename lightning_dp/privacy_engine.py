@@ -19,6 +19,7 @@ from lightning_dp.accounting import Accountant, make_accountant, randomized_clip
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.clipping import ENGINES, PerSampleClipper
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
+from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
@@ -30,6 +31,41 @@ log = logging.getLogger("lightning_dp")
 def default_delta(num_samples: int) -> float:
     """``1 / N^1.1`` (DESIGN.md section 3): below ``1/N`` by a margin that grows with N."""
     return 1.0 / num_samples**1.1
+
+
+_CORRUPT_STATE = (
+    "The checkpoint's privacy state is corrupted or incomplete (resuming from it could restart epsilon at 0); resume "
+    "from an intact earlier checkpoint of this run"
+)
+
+
+def check_privacy_state(state: Any) -> None:
+    """Check the structure of a :meth:`PrivacyEngine.state_dict` read back from a checkpoint.
+
+    Raises:
+        ValueError: not a dict with ``accountant`` (a dict with a name and a ledger of ``[event, count]`` pairs
+            with positive counts), ``mechanism`` (a dict with a name), ``target_delta`` and ``sample_rate`` (numbers
+            in (0, 1]).
+    """
+    problem = None
+    if not isinstance(state, dict) or not {"accountant", "mechanism", "target_delta", "sample_rate"} <= set(state):
+        problem = "missing entries (accountant, mechanism, target_delta, sample_rate)"
+    elif not isinstance(state["mechanism"], dict) or "name" not in state["mechanism"]:
+        problem = "no mechanism name"
+    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("ledger"), list):
+        problem = "no accountant ledger"
+    elif any(
+        not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[1], int) or item[1] < 1
+        for item in state["accountant"]["ledger"]
+    ):
+        problem = "ledger entries that are not [event, positive count]"
+    else:
+        for key in ("target_delta", "sample_rate"):
+            value = state[key]
+            if not isinstance(value, int | float) or not 0 < value <= 1:
+                problem = f"{key}={value!r}"
+    if problem is not None:
+        raise ValueError(f"{_CORRUPT_STATE}: {problem}")
 
 
 class PrivacyEngine:
@@ -57,6 +93,12 @@ class PrivacyEngine:
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
         seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
             seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
+        check_batch_independence: on the first step, check that no example's loss depends on another example's
+            data (``h - h.mean(0)`` and the like; see :mod:`lightning_dp.clipping.guard`); ``False`` switches the
+            check off. Buffers written during a training forward are rejected on every step either way.
+        secure_mode: draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the
+            floating-point mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); a ``seed`` is
+            rejected in this mode.
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -77,8 +119,15 @@ class PrivacyEngine:
         projection_dim: int | None = None,
         accountant: str | None = None,
         seed: int | None = None,
+        check_batch_independence: bool = True,
+        secure_mode: bool = False,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
+        if secure_mode and seed is not None:
+            raise ValueError(
+                f"secure_mode=True draws every noise sample from the OS CSPRNG, so a seed ({seed}) cannot apply: "
+                "remove the seed, or set secure_mode=False for a reproducible experiment"
+            )
         if target_epsilon is not None:
             validate_epsilon(target_epsilon)
         if target_delta is not None:
@@ -120,7 +169,11 @@ class PrivacyEngine:
         self.sum_check_every = sum_check_every
         self.projection_dim = projection_dim
         self.accountant_name = accountant
+        self.check_batch_independence = bool(check_batch_independence)
+        self.secure_mode = bool(secure_mode)
         self.randomness = DPRandomness(seed)
+        #: checks around each training forward (buffers, batch independence), created by ``attach``.
+        self.guard: TrainingGuard | None = None
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
         self.mechanism: NoiseMechanism | None = None
         if isinstance(noise, NoiseMechanism):
@@ -162,6 +215,9 @@ class PrivacyEngine:
             generator_for=self.randomness.projection_generator,
         )
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
+        self.guard = TrainingGuard(
+            module, self.clipper.output_targets, check_batch_independence=self.check_batch_independence
+        )
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
@@ -171,6 +227,7 @@ class PrivacyEngine:
         if self.clipper is not None:
             self.clipper.detach()
             self.clipper = None
+        self.guard = None
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
         """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
@@ -404,8 +461,10 @@ class PrivacyEngine:
         Raises:
             ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
                 noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound).
+                relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
+                event): it is never replaced by an empty ledger, which would restart epsilon at 0.
         """
+        check_privacy_state(state)
         params = dict(state["mechanism"])
         name = params.pop("name")
         if name != self.noise_name:
@@ -425,7 +484,10 @@ class PrivacyEngine:
         if self.target_delta is None:
             self.target_delta = state["target_delta"]
         saved = make_accountant(state["accountant"]["name"])
-        saved.load_state_dict(state["accountant"])
+        try:
+            saved.load_state_dict(state["accountant"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
         self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
         for event, count in saved.ledger:
             self.accountant.compose(event, count)

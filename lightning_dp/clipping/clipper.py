@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
@@ -376,6 +377,17 @@ class PerSampleClipper:
         finally:
             self._hooks.clear()
         return norms
+
+    def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
+        """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
+        a description (``"output of module 'net.0'"``, with the call number for a module called twice); for the
+        batch-independence check (:mod:`lightning_dp.clipping.guard`)."""
+        targets: dict[str, tuple[GradientEdge, torch.Size]] = {}
+        for capture in self._hooks.captures:
+            name = f"output of module '{capture.name}'"
+            calls = sum(key.startswith(name) for key in targets)
+            targets[name + (f" (call {calls + 1})" if calls else "")] = (capture.edge, capture.output_shape)
+        return targets
 
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.

@@ -56,6 +56,9 @@ class PrivacyArguments:
         per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
             tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
             more, and are clipped more often). Labels ``-100`` are ignored either way.
+        check_batch_independence: check on the first step that no example's loss depends on another example's data
+            (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
+        secure_mode: noise from the OS CSPRNG with floating-point mitigations (docs/privacy.md); rejects ``dp_seed``.
 
     Raises:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
@@ -94,6 +97,12 @@ class PrivacyArguments:
     per_example_reduction: Literal["mean", "sum"] = field(
         default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}
     )
+    check_batch_independence: bool = field(
+        default=True, metadata={"help": "Check on the first step that examples do not influence each other's loss."}
+    )
+    secure_mode: bool = field(
+        default=False, metadata={"help": "Noise from the OS CSPRNG with floating-point mitigations; no dp_seed."}
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.noise_params, str):
@@ -128,4 +137,6 @@ class PrivacyArguments:
             projection_dim=self.projection_dim,
             accountant=self.accountant,
             seed=self.dp_seed,
+            check_batch_independence=self.check_batch_independence,
+            secure_mode=self.secure_mode,
         )

@@ -62,6 +62,9 @@ class DPStrategyMixin:
         poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
             loader and logs that the reported epsilon assumes Poisson sampling.
         seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
+        check_batch_independence: check on the first step that no example's loss depends on another example's data
+            (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
+        secure_mode: noise from the OS CSPRNG with floating-point mitigations; rejects ``seed``.
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -86,6 +89,8 @@ class DPStrategyMixin:
         sample_rate: float | None = None,
         poisson_sampling: bool = True,
         seed: int | None = None,
+        check_batch_independence: bool = True,
+        secure_mode: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -102,6 +107,8 @@ class DPStrategyMixin:
             projection_dim=projection_dim,
             accountant=accountant,
             seed=seed,
+            check_batch_independence=check_batch_independence,
+            secure_mode=secure_mode,
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
@@ -261,6 +268,7 @@ class DPStrategyMixin:
         """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging."""
         if self.privacy_engine.budget_exhausted():
             return None
+        args, kwargs = self._guarded_batch(args, kwargs)
         output = super().training_step(*args, **kwargs)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if loss is None:
@@ -272,9 +280,23 @@ class DPStrategyMixin:
                 "(and reduce token losses per sample) so each example can be clipped"
             )
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
+        self.privacy_engine.guard.after_forward(loss)
         self._pending_loss = loss
         reduced = loss.mean() if loss.numel() else loss.sum()
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
+
+    def _guarded_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The step's arguments with the batch passed through the engine's guard (buffer watch; float inputs as
+        gradient leaves while the first-step batch-independence check is pending)."""
+        batch = args[0] if args else kwargs.get("batch")
+        try:
+            size = extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            size = None
+        batch = self.privacy_engine.guard.before_forward(batch, size)
+        if args:
+            return (batch, *args[1:]), kwargs
+        return args, {**kwargs, "batch": batch} if "batch" in kwargs else kwargs
 
     @staticmethod
     def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
@@ -318,12 +340,38 @@ class DPStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve."""
-        checkpoint = super().load_checkpoint(
-            checkpoint_path, weights_only=False if weights_only is None else weights_only
-        )
+        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
+
+        Raises:
+            ValueError: the file cannot be read (truncated or corrupted), a checkpoint of a run that took steps has
+                no privacy state (resuming would restart epsilon at 0), or the privacy state is malformed or does
+                not match this run (see :meth:`~lightning_dp.privacy_engine.PrivacyEngine.load_state_dict`).
+        """
+        try:
+            checkpoint = super().load_checkpoint(
+                checkpoint_path, weights_only=False if weights_only is None else weights_only
+            )
+        except Exception as error:  # noqa: BLE001 - torch.load fails in many ways on damaged files (zip, pickle, EOF)
+            raise ValueError(
+                f"Cannot read the checkpoint {str(checkpoint_path)!r}: the file is truncated or corrupted ({error}). "
+                "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
+            ) from error
+        resuming = checkpoint.get("global_step", 0) > 0 and self.lightning_module.trainer.state.fn == "fit"
         if "lightning_dp" in checkpoint:
             self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
+            if resuming and self.privacy_engine.steps == 0:
+                raise ValueError(
+                    f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but "
+                    "its privacy ledger is empty (damaged): resuming would restart epsilon at 0. Resume from an intact "
+                    "earlier checkpoint of this run"
+                )
+        elif resuming:
+            raise ValueError(
+                f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but holds "
+                "no privacy state (it was not written by a DP strategy, or the entry was removed): resuming would "
+                "restart epsilon at 0. Resume from a checkpoint of this DP run, or load only the weights "
+                "(module.load_state_dict) and start a new run without ckpt_path"
+            )
         return checkpoint
 
     def teardown(self) -> None:
