@@ -23,6 +23,7 @@ from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
+from lightning_dp.mechanisms.secure import check_secure_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
 log = logging.getLogger("lightning_dp")
@@ -171,7 +172,9 @@ class PrivacyEngine:
         self.accountant_name = accountant
         self.check_batch_independence = bool(check_batch_independence)
         self.secure_mode = bool(secure_mode)
-        self.randomness = DPRandomness(seed)
+        if secure_mode:
+            check_secure_mechanism(noise)
+        self.randomness = DPRandomness(seed, secure=self.secure_mode)
         #: checks around each training forward (buffers, batch independence), created by ``attach``.
         self.guard: TrainingGuard | None = None
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
@@ -346,6 +349,7 @@ class PrivacyEngine:
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
+            secure_mode=self.secure_mode,
         )
 
     # ------------------------------------------------------------------------------------------ accounting
