@@ -18,7 +18,7 @@ from torch import nn
 from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.clipping import ENGINES, PerSampleClipper
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
 from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
@@ -143,6 +143,7 @@ class PrivacyEngine:
             mechanism_class(noise)  # an unknown name fails here, listing the valid ones
         if accountant is not None and accountant not in ACCOUNTANTS:
             raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
+        validate_sum_check(sum_check_every, bookkeeping)
         engine = ENGINES.get(clipping)
         if engine is None:
             raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")

@@ -45,6 +45,18 @@ _LOSS_SHAPE_MESSAGE = (
 )
 
 
+def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
+    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches, or ``None`` with
+    book-keeping (with a second backward a parameter used outside its layer would reach ``.grad`` unclipped)."""
+    if sum_check_every is not None and sum_check_every < 1:
+        raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
+    if sum_check_every is None and not bookkeeping:
+        raise ValueError(
+            "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
+            "outside its layer would reach .grad unclipped, so that path checks every batch"
+        )
+
+
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
     """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
     of the captured activations and output gradients. Materialised terms count as small (vector-sized parameters)."""
@@ -133,13 +145,7 @@ class PerSampleClipper:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
-        if sum_check_every is not None and sum_check_every < 1:
-            raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
-        if sum_check_every is None and not bookkeeping:
-            raise ValueError(
-                "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
-                "outside its layer would reach .grad unclipped, so that path checks every batch"
-            )
+        validate_sum_check(sum_check_every, bookkeeping)
         if self._engine.randomized and generator_for is None:
             raise ValueError(f"clipping={clipping!r} draws random projections: pass generator_for (the DP randomness)")
         self.module = module
