@@ -150,3 +150,22 @@ def test_damaged_privacy_state_never_resets_the_ledger(killed_run, tmp_path, edi
     torch.save(checkpoint, path)
     with pytest.raises(ValueError, match=message):
         _resume(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"accountant": {"name": "pld", "ledger": [[{"type"', "truncated or corrupted.*never reset"),
+        ("\x00\x01garbage", "truncated or corrupted"),
+        ('{"accountant": {"name": "pld", "ledger": []}}', "corrupted or incomplete.*missing entries"),
+    ],
+)
+def test_hf_damaged_privacy_state_fails_clearly(tmp_path, text, message):
+    from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, load_privacy_state
+    from lightning_dp.privacy_engine import PrivacyEngine
+
+    (tmp_path / PRIVACY_STATE_NAME).write_text(text)
+    engine = PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=message):
+        load_privacy_state(engine, tmp_path)
+    assert engine.accountant is None  # nothing restored, nothing reset

@@ -31,7 +31,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         device: the device to train on (default ``cuda:0`` if available, else CPU).
         kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
             (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
-            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``) and
+            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``,
+            ``check_batch_independence``, ``secure_mode``) and
             those of Lightning's ``SingleDeviceStrategy``.
 
     Raises:
