@@ -9,7 +9,6 @@ batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +67,7 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
-        self._sample = functools.partial(secure_sample, mechanism) if secure_mode else mechanism.sample
+        self.secure_mode = secure_mode
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -124,7 +123,11 @@ class DPOptimizer(Optimizer):
             self.reduce_clipped_sum([p.grad for p in params])
         for p in params:
             grad = p.grad
-            grad.add_(self._sample(grad, self.randomness.noise_generator(grad.device)))
+            generator = self.randomness.noise_generator(grad.device)
+            if self.secure_mode:
+                grad.add_(secure_sample(self.mechanism, grad, generator))
+            else:
+                grad.add_(self.mechanism.sample(grad, generator))
             grad.div_(self.expected_batch_size)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
