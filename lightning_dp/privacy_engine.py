@@ -18,10 +18,12 @@ from torch import nn
 from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.clipping import ENGINES, PerSampleClipper
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
+from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
+from lightning_dp.mechanisms.secure import check_secure_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
 from lightning_dp.optim.momentum import PerSampleMomentum
 
@@ -31,6 +33,41 @@ log = logging.getLogger("lightning_dp")
 def default_delta(num_samples: int) -> float:
     """``1 / N^1.1`` (DESIGN.md section 3): below ``1/N`` by a margin that grows with N."""
     return 1.0 / num_samples**1.1
+
+
+_CORRUPT_STATE = (
+    "The checkpoint's privacy state is corrupted or incomplete (resuming from it could restart epsilon at 0); resume "
+    "from an intact earlier checkpoint of this run"
+)
+
+
+def check_privacy_state(state: Any) -> None:
+    """Check the structure of a :meth:`PrivacyEngine.state_dict` read back from a checkpoint.
+
+    Raises:
+        ValueError: not a dict with ``accountant`` (a dict with a name and a ledger of ``[event, count]`` pairs
+            with positive counts), ``mechanism`` (a dict with a name), ``target_delta`` and ``sample_rate`` (numbers
+            in (0, 1]).
+    """
+    problem = None
+    if not isinstance(state, dict) or not {"accountant", "mechanism", "target_delta", "sample_rate"} <= set(state):
+        problem = "missing entries (accountant, mechanism, target_delta, sample_rate)"
+    elif not isinstance(state["mechanism"], dict) or "name" not in state["mechanism"]:
+        problem = "no mechanism name"
+    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("ledger"), list):
+        problem = "no accountant ledger"
+    elif any(
+        not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[1], int) or item[1] < 1
+        for item in state["accountant"]["ledger"]
+    ):
+        problem = "ledger entries that are not [event, positive count]"
+    else:
+        for key in ("target_delta", "sample_rate"):
+            value = state[key]
+            if not isinstance(value, int | float) or not 0 < value <= 1:
+                problem = f"{key}={value!r}"
+    if problem is not None:
+        raise ValueError(f"{_CORRUPT_STATE}: {problem}")
 
 
 class PrivacyEngine:
@@ -64,6 +101,12 @@ class PrivacyEngine:
             (see :meth:`add_past_iterates`); the accountant is unchanged (sensitivity stays ``C``).
         momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights ``beta^(t-i) / c_beta`` (ignored
             when ``momentum_length = 1``).
+        check_batch_independence: on the first step, check that no example's loss depends on another example's
+            data (``h - h.mean(0)`` and the like; see :mod:`lightning_dp.clipping.guard`); ``False`` switches the
+            check off. Buffers written during a training forward are rejected on every step either way.
+        secure_mode: draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the
+            floating-point mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); a ``seed`` is
+            rejected in this mode.
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -86,9 +129,16 @@ class PrivacyEngine:
         seed: int | None = None,
         momentum_length: int = 1,
         momentum_beta: float = 0.9,
+        check_batch_independence: bool = True,
+        secure_mode: bool = False,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
         self.momentum = PerSampleMomentum(momentum_length, momentum_beta)
+        if secure_mode and seed is not None:
+            raise ValueError(
+                f"secure_mode=True draws every noise sample from the OS CSPRNG, so a seed ({seed}) cannot apply: "
+                "remove the seed, or set secure_mode=False for a reproducible experiment"
+            )
         if target_epsilon is not None:
             validate_epsilon(target_epsilon)
         if target_delta is not None:
@@ -103,6 +153,7 @@ class PrivacyEngine:
             mechanism_class(noise)  # an unknown name fails here, listing the valid ones
         if accountant is not None and accountant not in ACCOUNTANTS:
             raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
+        validate_sum_check(sum_check_every, bookkeeping)
         engine = ENGINES.get(clipping)
         if engine is None:
             raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")
@@ -130,7 +181,13 @@ class PrivacyEngine:
         self.sum_check_every = sum_check_every
         self.projection_dim = projection_dim
         self.accountant_name = accountant
-        self.randomness = DPRandomness(seed)
+        self.check_batch_independence = bool(check_batch_independence)
+        self.secure_mode = bool(secure_mode)
+        if secure_mode:
+            check_secure_mechanism(noise)
+        self.randomness = DPRandomness(seed, secure=self.secure_mode)
+        #: checks around each training forward (buffers, batch independence), created by ``attach``.
+        self.guard: TrainingGuard | None = None
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
         self.mechanism: NoiseMechanism | None = None
         if isinstance(noise, NoiseMechanism):
@@ -174,6 +231,9 @@ class PrivacyEngine:
         )
         self.momentum.bind(self.clipper)
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
+        self.guard = TrainingGuard(
+            module, self.clipper.output_targets, check_batch_independence=self.check_batch_independence
+        )
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
@@ -186,6 +246,7 @@ class PrivacyEngine:
         for handle in self._momentum_hooks:
             handle.remove()
         self._momentum_hooks = []
+        self.guard = None
 
     def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None]) -> None:
         """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms
@@ -319,6 +380,7 @@ class PrivacyEngine:
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
+            secure_mode=self.secure_mode,
         )
 
     # ------------------------------------------------------------------------------------------ accounting
@@ -444,9 +506,11 @@ class PrivacyEngine:
         Raises:
             ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
                 noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound); its per-sample momentum (``momentum_length``, ``momentum_beta``,
-                parameters) differs from this run's.
+                relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
+                event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
+                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's.
         """
+        check_privacy_state(state)
         if "momentum" in state:
             self.momentum.load_state_dict(state["momentum"])
         elif self.momentum.enabled:
@@ -473,7 +537,10 @@ class PrivacyEngine:
         if self.target_delta is None:
             self.target_delta = state["target_delta"]
         saved = make_accountant(state["accountant"]["name"])
-        saved.load_state_dict(state["accountant"])
+        try:
+            saved.load_state_dict(state["accountant"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
         self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
         for event, count in saved.ledger:
             self.accountant.compose(event, count)

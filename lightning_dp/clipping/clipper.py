@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
@@ -48,6 +49,18 @@ DEFAULT_SUM_CHECK_EVERY = 100
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
+
+
+def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
+    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches, or ``None`` with
+    book-keeping (with a second backward a parameter used outside its layer would reach ``.grad`` unclipped)."""
+    if sum_check_every is not None and sum_check_every < 1:
+        raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
+    if sum_check_every is None and not bookkeeping:
+        raise ValueError(
+            "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
+            "outside its layer would reach .grad unclipped, so that path checks every batch"
+        )
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
@@ -138,13 +151,7 @@ class PerSampleClipper:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
-        if sum_check_every is not None and sum_check_every < 1:
-            raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
-        if sum_check_every is None and not bookkeeping:
-            raise ValueError(
-                "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
-                "outside its layer would reach .grad unclipped, so that path checks every batch"
-            )
+        validate_sum_check(sum_check_every, bookkeeping)
         if self._engine.randomized and generator_for is None:
             raise ValueError(f"clipping={clipping!r} draws random projections: pass generator_for (the DP randomness)")
         self.module = module
@@ -445,6 +452,17 @@ class PerSampleClipper:
         """Forget the terms kept by :meth:`add_past_iterate` (e.g. when the batch is skipped)."""
         self._past = []
         self._past_batch = 0
+
+    def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
+        """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
+        a description (``"output of module 'net.0'"``, with the call number for a module called twice); for the
+        batch-independence check (:mod:`lightning_dp.clipping.guard`)."""
+        targets: dict[str, tuple[GradientEdge, torch.Size]] = {}
+        for capture in self._hooks.captures:
+            name = f"output of module '{capture.name}'"
+            calls = sum(key.startswith(name) for key in targets)
+            targets[name + (f" (call {calls + 1})" if calls else "")] = (capture.edge, capture.output_shape)
+        return targets
 
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.

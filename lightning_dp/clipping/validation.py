@@ -1,7 +1,10 @@
 """Validation of a model for per-sample clipping: which modules to hook, and which configurations to reject.
 
 BatchNorm mixes samples through batch statistics and other norm layers with running statistics leak training data
-through unnoised buffers (DESIGN.md section 4); every trainable parameter must belong to a registered layer family.
+through unnoised buffers (DESIGN.md section 4); an embedding with ``max_norm`` renormalises the looked-up rows of its
+weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal which tokens were in
+training batches, whether the embedding is trainable or frozen; every trainable parameter must belong to a registered
+layer family.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
 
     Raises:
         UnsupportedModuleError: for BatchNorm anywhere, any other norm layer with ``track_running_stats=True``
-            (InstanceNorm), a supported layer in a sample-mixing configuration, or a trainable parameter owned by a
+            (InstanceNorm), an ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` anywhere, a supported layer
+            in a sample-mixing configuration, or a trainable parameter owned by a
             module no registered family covers.
     """
     hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
@@ -33,6 +37,12 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
                 f"module '{where}' ({type(sub).__name__}) has track_running_stats=True: its running_mean/running_var "
                 "buffers are updated from the training data without noise and saved in the state_dict, which "
                 "leaks private data; set track_running_stats=False, or use nn.GroupNorm / nn.LayerNorm"
+            )
+        if isinstance(sub, nn.Embedding | nn.EmbeddingBag) and sub.max_norm is not None:
+            raise UnsupportedModuleError(
+                f"module '{where}' ({type(sub).__name__}) has max_norm={sub.max_norm}: its forward renormalises the "
+                "looked-up rows of the weight in place, so the saved weights reveal which tokens were in training "
+                "batches (without noise); set max_norm=None (per-sample clipping already bounds each update)"
             )
         trainable = [name for name, p in sub.named_parameters(recurse=False) if p.requires_grad]
         if not trainable:

@@ -59,6 +59,9 @@ class PrivacyArguments:
         momentum_length: ``k`` of the per-sample momentum (DP-PMLF seed, Algorithm 1 line 5); only 1 (DP-SGD) for
             now: ``k > 1`` is rejected (use ``DPStrategy`` for it), see :mod:`lightning_dp.optim.momentum`.
         momentum_beta: ``beta`` in ``(0, 1]`` of the per-sample momentum weights (ignored when ``k = 1``).
+        check_batch_independence: check on the first step that no example's loss depends on another example's data
+            (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
+        secure_mode: noise from the OS CSPRNG with floating-point mitigations (docs/privacy.md); rejects ``dp_seed``.
 
     Raises:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
@@ -101,6 +104,12 @@ class PrivacyArguments:
         default=1, metadata={"help": "Per-sample momentum length k (DP-PMLF); only 1 (DP-SGD) with DPTrainer."}
     )
     momentum_beta: float = field(default=0.9, metadata={"help": "Per-sample momentum decay beta in (0, 1]."})
+    check_batch_independence: bool = field(
+        default=True, metadata={"help": "Check on the first step that examples do not influence each other's loss."}
+    )
+    secure_mode: bool = field(
+        default=False, metadata={"help": "Noise from the OS CSPRNG with floating-point mitigations; no dp_seed."}
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.noise_params, str):
@@ -143,4 +152,6 @@ class PrivacyArguments:
             seed=self.dp_seed,
             momentum_length=self.momentum_length,
             momentum_beta=self.momentum_beta,
+            check_batch_independence=self.check_batch_independence,
+            secure_mode=self.secure_mode,
         )

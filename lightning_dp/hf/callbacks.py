@@ -24,8 +24,8 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
     """Restore ``engine`` from a checkpoint folder written by a ``DPTrainer`` (before ``engine.prepare``).
 
     Raises:
-        ValueError: the folder has no privacy state (resuming would restart epsilon at 0), or the state does not
-            match the engine (see :meth:`PrivacyEngine.load_state_dict`).
+        ValueError: the folder has no privacy state (resuming would restart epsilon at 0), the state file is
+            truncated or corrupted, or the state does not match the engine (see :meth:`PrivacyEngine.load_state_dict`).
     """
     path = Path(checkpoint) / PRIVACY_STATE_NAME
     if not path.is_file():
@@ -34,7 +34,14 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             "from it would restart epsilon at 0. Resume from a DPTrainer checkpoint, or start a new run without "
             "resume_from_checkpoint"
         )
-    engine.load_state_dict(json.loads(path.read_text()))
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"Cannot read {str(path)!r}: the file is truncated or corrupted ({error}). Resume from an intact earlier "
+            "checkpoint of this run (the privacy ledger is never reset to 0)"
+        ) from error
+    engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 
 

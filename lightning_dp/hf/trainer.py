@@ -337,11 +337,14 @@ class DPTrainer(Trainer):
         else:
             model.train()
             inputs = self._prepare_inputs(inputs)
-            if _batch_size(inputs) == 0:
+            size = _batch_size(inputs)
+            if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
+                inputs = engine.guard.before_forward(inputs, size)
                 with self.compute_loss_context_manager():
                     losses = self.compute_per_example_loss(model, inputs)
+                engine.guard.after_forward(losses)
             norms = engine.clipper.backward(losses)
             if norms.numel():
                 self.last_clip_fraction = float((norms > engine.max_grad_norm).float().mean())

@@ -84,6 +84,9 @@ class DPStrategyMixin:
             such as metric updates are not), then at the current one; ``k - 1`` copies of the trainable parameters
             are kept and saved in checkpoints.
         momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights (ignored when ``k = 1``).
+        check_batch_independence: check on the first step that no example's loss depends on another example's data
+            (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
+        secure_mode: noise from the OS CSPRNG with floating-point mitigations; rejects ``seed``.
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -110,6 +113,8 @@ class DPStrategyMixin:
         seed: int | None = None,
         momentum_length: int = 1,
         momentum_beta: float = 0.9,
+        check_batch_independence: bool = True,
+        secure_mode: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -128,6 +133,8 @@ class DPStrategyMixin:
             seed=seed,
             momentum_length=momentum_length,
             momentum_beta=momentum_beta,
+            check_batch_independence=check_batch_independence,
+            secure_mode=secure_mode,
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
@@ -293,6 +300,7 @@ class DPStrategyMixin:
         engine = self.privacy_engine
         if engine.budget_exhausted():
             return None
+        args, kwargs = self._guarded_batch(args, kwargs)
         step = super().training_step
         if engine.momentum.enabled:
             with _logging_dropped(self.lightning_module):
@@ -302,6 +310,7 @@ class DPStrategyMixin:
         if loss is None:
             engine.clipper.discard_past_iterates()
             return output
+        engine.guard.after_forward(loss)
         self._pending_loss = loss
         reduced = loss.mean() if loss.numel() else loss.sum()
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
@@ -323,6 +332,19 @@ class DPStrategyMixin:
             )
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
         return loss
+
+    def _guarded_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The step's arguments with the batch passed through the engine's guard (buffer watch; float inputs as
+        gradient leaves while the first-step batch-independence check is pending)."""
+        batch = args[0] if args else kwargs.get("batch")
+        try:
+            size = extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            size = None
+        batch = self.privacy_engine.guard.before_forward(batch, size)
+        if args:
+            return (batch, *args[1:]), kwargs
+        return args, {**kwargs, "batch": batch} if "batch" in kwargs else kwargs
 
     @staticmethod
     def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
@@ -367,12 +389,38 @@ class DPStrategyMixin:
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve."""
-        checkpoint = super().load_checkpoint(
-            checkpoint_path, weights_only=False if weights_only is None else weights_only
-        )
+        """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
+
+        Raises:
+            ValueError: the file cannot be read (truncated or corrupted), a checkpoint of a run that took steps has
+                no privacy state (resuming would restart epsilon at 0), or the privacy state is malformed or does
+                not match this run (see :meth:`~lightning_dp.privacy_engine.PrivacyEngine.load_state_dict`).
+        """
+        try:
+            checkpoint = super().load_checkpoint(
+                checkpoint_path, weights_only=False if weights_only is None else weights_only
+            )
+        except Exception as error:  # noqa: BLE001 - torch.load fails in many ways on damaged files (zip, pickle, EOF)
+            raise ValueError(
+                f"Cannot read the checkpoint {str(checkpoint_path)!r}: the file is truncated or corrupted ({error}). "
+                "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
+            ) from error
+        resuming = checkpoint.get("global_step", 0) > 0 and self.lightning_module.trainer.state.fn == "fit"
         if "lightning_dp" in checkpoint:
             self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
+            if resuming and self.privacy_engine.steps == 0:
+                raise ValueError(
+                    f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but "
+                    "its privacy ledger is empty (damaged): resuming would restart epsilon at 0. Resume from an intact "
+                    "earlier checkpoint of this run"
+                )
+        elif resuming:
+            raise ValueError(
+                f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but holds "
+                "no privacy state (it was not written by a DP strategy, or the entry was removed): resuming would "
+                "restart epsilon at 0. Resume from a checkpoint of this DP run, or load only the weights "
+                "(module.load_state_dict) and start a new run without ckpt_path"
+            )
         return checkpoint
 
     def teardown(self) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_dp.mechanisms.base import NoiseMechanism
+from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.optim.randomness import DPRandomness
 
 
@@ -35,6 +36,8 @@ class DPOptimizer(Optimizer):
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
             list of ``p.grad``, e.g. :meth:`~lightning_dp.optim.distributed.DistributedContext.reduce_clipped_sum`)
             before the noise is added; ``None`` on one process.
+        secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample` (same law, samplers
+            hardened against floating-point attacks); pair it with ``DPRandomness(secure=True)``.
 
     Raises:
         ValueError: non-positive ``expected_batch_size``.
@@ -50,7 +53,10 @@ class DPOptimizer(Optimizer):
         on_step: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
+        secure_mode: bool = False,
     ) -> None:
+        if secure_mode:
+            check_secure_mechanism(mechanism)
         if not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
         # Deliberately no Optimizer.__init__: the groups and state are the wrapped optimizer's own objects.
@@ -61,6 +67,7 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
+        self.secure_mode = secure_mode
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -116,7 +123,11 @@ class DPOptimizer(Optimizer):
             self.reduce_clipped_sum([p.grad for p in params])
         for p in params:
             grad = p.grad
-            grad.add_(self.mechanism.sample(grad, self.randomness.noise_generator(grad.device)))
+            generator = self.randomness.noise_generator(grad.device)
+            if self.secure_mode:
+                grad.add_(secure_sample(self.mechanism, grad, generator))
+            else:
+                grad.add_(self.mechanism.sample(grad, generator))
             grad.div_(self.expected_batch_size)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -10,6 +10,12 @@ On several processes (:mod:`lightning_dp.optim.distributed`) every rank adopts r
 :meth:`DPRandomness.share`: the noise streams are then identical on all ranks (noise is drawn once per step, the
 same draw everywhere), while each rank's Poisson-sampling stream is derived with its rank, so the ranks' shards are
 sampled independently. Rank 0 keeps the single-process streams.
+
+With ``secure=True`` (``secure_mode``) no seed is accepted, and every request for a noise or projection generator
+reseeds it with 64 fresh bits from the OS CSPRNG (``os.urandom``), so each draw (one per parameter per step) starts
+from fresh OS entropy and nothing links draws of different steps. torch's generators themselves (MT19937 on CPU,
+Philox on CUDA) are not cryptographic; the seeds are. The Poisson-sampling stream is seeded from OS entropy at the
+start and at each restart. Secure mode is single-process: ranks cannot share fresh OS entropy per draw.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ class DPRandomness:
     Args:
         seed: base seed for reproducible experiments; ``None`` (recommended for real runs) draws 64 bits from
             ``os.urandom``. Either way the seed is never checkpointed.
+        secure: reseed the noise and projection generators from ``os.urandom`` at every request (module docstring).
+
+    Raises:
+        ValueError: a ``seed`` with ``secure=True``.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, secure: bool = False) -> None:
+        if secure and seed is not None:
+            raise ValueError(f"secure randomness draws from the OS CSPRNG and takes no seed, got seed={seed}")
+        self.secure = secure
         self._user_seed = seed
         self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self._restart = 0
@@ -65,6 +78,11 @@ class DPRandomness:
         """
         if rank < 0:
             raise ValueError(f"rank must be non-negative, got {rank}")
+        if self.secure:
+            raise ValueError(
+                "secure_mode=True is single-process: ranks cannot draw identical noise from fresh OS entropy; train on "
+                "one process or set secure_mode=False"
+            )
         self._base, self._rank = int(base_seed), int(rank)
         self._generators = {}
         self._seed_sampling()
@@ -83,6 +101,10 @@ class DPRandomness:
         if device.type != "cpu" and device.index is None:
             device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
         key = (purpose, device)
+        if self.secure:
+            generator = self._generators.setdefault(key, torch.Generator(device=device))
+            generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+            return generator
         if key not in self._generators:
             index = device.index or 0
             if self._rank is not None:  # shared across ranks: the stream must not depend on the rank's device

@@ -1,0 +1,210 @@
+"""Checks around the training forward for leaks the clipping hooks cannot see (issue 10, item 5).
+
+Per-sample clipping bounds each example's influence on the GRADIENT. Two things escape it:
+
+- state written during the forward without noise: a module that updates a buffer from the data (a hand-written
+  running mean) stores data in the ``state_dict`` that is released with the model. :class:`BufferWatch` records the
+  identity and version counter of every buffer before a training forward and fails, naming the module and buffer,
+  when one was written or replaced (checked on every step: one pass over the buffers, no tensor work).
+- operations that mix examples without parameters (``h - h.mean(0)``, batch statistics computed by hand): example
+  i's loss then depends on example j's data, so removing j changes every clipped contribution and the sensitivity
+  of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step, that the
+  gradient of example i's loss with respect to example j's input (float inputs) and to every hooked layer's output
+  for example j (which covers integer inputs through the embedding outputs) is zero for i != j. This is the idea of
+  Lightning's ``BatchGradientVerification`` (``lightning.pytorch.callbacks.batch_size_finder``'s sibling in
+  ``pl_bolts``), made complete over pairs: for each bit b of the sample index, one vector-Jacobian product of
+  ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
+  with ``2 ceil(log2 B)`` extra backward passes of the first batch.
+
+What the independence check cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
+hooked layer (e.g. sorting token ids across the batch), mixing that only happens on later batches (a data-dependent
+branch), gradients that cancel exactly within a tested set, and mixing through non-differentiable paths (e.g.
+``torch.no_grad`` or ``.detach()`` on a batch statistic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.autograd.graph import GradientEdge
+
+from lightning_dp.clipping.registry import UnsupportedModuleError
+
+#: relative tolerance of the independence check: gradients across examples must vanish up to rounding.
+INDEPENDENCE_RTOL = 1e-6
+
+BATCH_MIXING_HINT = (
+    "an operation mixes examples of the batch (e.g. h - h.mean(0), hand-written batch statistics, attention or "
+    "pooling over the batch dimension), so clipping each example's gradient no longer bounds its influence; make "
+    "every operation act on each example separately. If you are sure the model is per-example (e.g. the coupling is "
+    "in a non-trainable diagnostic), switch the check off with check_batch_independence=False"
+)
+
+
+class BatchMixingError(UnsupportedModuleError):
+    """Example i's loss depends on example j's data (i != j): the per-sample sensitivity bound does not hold."""
+
+
+class BufferWatch:
+    """Detects buffers written or replaced during a training forward.
+
+    Args:
+        module: the model (all its buffers, persistent or not, are watched: a non-persistent buffer written from the
+            data still shapes later outputs).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._before: dict[str, tuple[int, int]] = {}
+
+    def _state(self) -> dict[str, tuple[int, int]]:
+        return {name: (id(buf), buf._version) for name, buf in self.module.named_buffers()}
+
+    def start(self) -> None:
+        """Record the buffers' identities and version counters (call right before the training forward)."""
+        self._before = self._state()
+
+    def check(self) -> None:
+        """Compare with :meth:`start`.
+
+        Raises:
+            UnsupportedModuleError: naming each buffer (and its module) written in place, replaced or added since.
+        """
+        changed = [name for name, state in self._state().items() if self._before.get(name) != state]
+        if not changed:
+            return
+        parts = [name.rpartition(".") for name in changed]
+        details = ", ".join(f"'{buffer}' of module '{owner or '<root>'}'" for owner, _, buffer in parts)
+        raise UnsupportedModuleError(
+            f"buffer(s) {details} changed during the training forward: a buffer written from the data (e.g. a "
+            "hand-written running mean) is saved in the state_dict without noise and leaks the training examples; "
+            "compute the statistic without storing it, make it a trainable parameter of a supported layer, or update "
+            "it only outside training (e.g. from public data)"
+        )
+
+
+def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The batch with every floating-point tensor of first dimension ``batch_size`` replaced by a clone of a fresh
+    leaf that requires grad (a clone, so the user's in-place ops on it stay legal), and those leaves by position.
+
+    Returns:
+        ``(batch, {"input 0": leaf [B, ...], ...})``; the batch unchanged when it has no such tensor.
+    """
+    leaves: dict[str, torch.Tensor] = {}
+
+    def as_leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.ndim == 0 or tensor.shape[0] != batch_size:
+            return tensor
+        leaf = tensor.detach().requires_grad_(True)
+        leaves[f"input {len(leaves)}"] = leaf
+        return leaf.clone()
+
+    return apply_to_collection(batch, torch.Tensor, as_leaf), leaves
+
+
+def check_batch_independence(
+    per_sample_loss: torch.Tensor,
+    targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
+) -> None:
+    """Fail when example i's loss has a nonzero gradient with respect to example j's part of a target, i != j.
+
+    Runs ``2 ceil(log2 B)`` vector-Jacobian products of the per-sample loss (graph retained, nothing written to
+    ``.grad``); see the module docstring for the construction and what it cannot see.
+
+    Args:
+        per_sample_loss: ``[B]``, attached to the graph of the training forward.
+        targets: ``{description: (edge or tensor, shape)}`` with the sample dimension first (hooked layer outputs,
+            float input leaves); targets whose first dimension is not ``B`` are skipped.
+
+    Raises:
+        BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
+    """
+    batch = per_sample_loss.shape[0]
+    targets = {name: t for name, t in targets.items() if len(t[1]) and t[1][0] == batch}
+    if batch < 2 or not targets or not per_sample_loss.requires_grad:
+        return
+    names = list(targets)
+    inputs = [targets[name][0] for name in names]
+    index = torch.arange(batch, device=per_sample_loss.device)
+    for bit in range(math.ceil(math.log2(batch))):
+        member = ((index >> bit) & 1).bool()
+        for chosen in (member, ~member):
+            weights = chosen.to(per_sample_loss.dtype)
+            with torch.enable_grad():
+                grads = torch.autograd.grad(
+                    per_sample_loss, inputs, grad_outputs=weights, retain_graph=True, allow_unused=True
+                )
+            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen)
+
+
+def _raise_on_leak(
+    names: Iterable[str], grads: Iterable[torch.Tensor | None], shapes: Iterable[torch.Size], chosen: torch.Tensor
+) -> None:
+    for name, grad, shape in zip(names, grads, shapes, strict=True):
+        if grad is None:
+            continue
+        rows = grad.reshape(shape).reshape(shape[0], -1).abs().amax(dim=1).float()
+        inside, outside = rows[chosen], rows[~chosen]
+        scale = float(inside.max()) if inside.numel() else 0.0
+        if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
+            j = int(torch.nonzero(~chosen)[int(outside.argmax())])
+            raise BatchMixingError(
+                f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
+                f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + BATCH_MIXING_HINT
+            )
+
+
+class TrainingGuard:
+    """The checks of this module around each training forward of one run: buffers on every step, batch
+    independence on the first step with at least two examples (when ``check_batch_independence``).
+
+    Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
+    loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
+
+    Args:
+        module: the model.
+        output_targets: ``() -> {description: (edge, shape)}`` of the hooked layer outputs of the current forward
+            (:meth:`~lightning_dp.clipping.PerSampleClipper.output_targets`).
+        check_batch_independence: run :func:`check_batch_independence` on the first step.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        output_targets: Any,
+        *,
+        check_batch_independence: bool = True,
+    ) -> None:
+        self.buffers = BufferWatch(module)
+        self._output_targets = output_targets
+        self.independence_pending = check_batch_independence
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    def before_forward(self, batch: Any, batch_size: int | None) -> Any:
+        """Start watching the buffers; while the independence check is pending, return the batch with its float
+        inputs as gradient leaves (see :func:`input_leaves`), else the batch itself."""
+        self.buffers.start()
+        self._leaves = {}
+        if self.independence_pending and batch_size is not None and batch_size >= 2:
+            batch, self._leaves = input_leaves(batch, batch_size)
+        return batch
+
+    def after_forward(self, per_sample_loss: torch.Tensor) -> None:
+        """Check the buffers, and (once) batch independence.
+
+        Raises:
+            UnsupportedModuleError: a buffer changed during the forward.
+            BatchMixingError: an example's loss depends on another example's data.
+        """
+        self.buffers.check()
+        if not self.independence_pending or per_sample_loss.ndim != 1 or per_sample_loss.shape[0] < 2:
+            return
+        targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
+        self._leaves = {}
+        check_batch_independence(per_sample_loss, targets)
+        self.independence_pending = False

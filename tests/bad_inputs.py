@@ -1,0 +1,497 @@
+"""Registry of rejected inputs (issue 10, item 6): each case builds one bad configuration and names the message it must
+fail with. ``tests/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases and
+writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
+
+Surfaces: ``DPStrategy`` arguments (constructor), a Lightning ``fit`` with ``DPStrategy`` (setup and first step),
+the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp`` command line, and YAML configs of
+``lightning-dp fit``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One rejected input.
+
+    Attributes:
+        surface: where the user gives it (``DPStrategy``, ``Lightning fit``, ``HF PrivacyArguments``, ...).
+        value: the bad input as the user writes it.
+        run: builds (and for fit-time cases, starts) the configuration; must raise.
+        match: regular expression the message must match.
+    """
+
+    surface: str
+    value: str
+    run: Callable[[], Any]
+    match: str
+
+
+class CommandLineError(Exception):
+    """A ``lightning-dp`` invocation that exited with a non-zero status; the message is its stderr."""
+
+
+def failure(case: BadInput) -> tuple[str, str]:
+    """Run ``case`` and return ``(message, where)``: the error's message and the ``lightning_dp`` function that raised
+    it (``file:function``; the CLI for command-line cases).
+
+    Raises:
+        AssertionError: the case did not fail.
+    """
+    try:
+        case.run()
+    except CommandLineError as error:
+        return str(error).strip(), "lightning-dp (exit status 2)"
+    except Exception as error:  # noqa: BLE001 - every rejection is reported, whatever its type
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "/lightning_dp/" in f.filename]
+        where = "(outside lightning_dp)"
+        if frames:
+            frame = frames[-1]
+            where = f"{Path(frame.filename).relative_to(ROOT).as_posix()}:{frame.name}"
+        return f"{type(error).__name__}: {error}", where
+    raise AssertionError(f"{case.surface} {case.value}: no error raised")
+
+
+# ------------------------------------------------------------------------------------------------- builders
+def _strategy(**kwargs: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp import DPStrategy
+
+        return DPStrategy(**kwargs)
+
+    return run
+
+
+def _fit(module_factory: Callable[[], Any], strategy_kwargs: dict[str, Any] | None = None, **trainer_kwargs: Any):
+    def run() -> None:
+        from lightning_dp import DPStrategy
+        from tests.helpers import make_trainer
+
+        kwargs = {"noise_multiplier": 1.0, **(strategy_kwargs or {})}
+        trainer_kwargs.setdefault("max_steps", 2)
+        make_trainer(DPStrategy(**kwargs), **trainer_kwargs).fit(module_factory())
+
+    return run
+
+
+def _body(factory: Callable[[], nn.Module]) -> Callable[[], Any]:
+    def make() -> Any:
+        from tests.helpers import ClassifierWith
+
+        return ClassifierWith(factory())
+
+    return make
+
+
+def _tiny(**kwargs: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        from tests.helpers import TinyRegressor
+
+        return TinyRegressor(**kwargs)
+
+    return make
+
+
+class _Centered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h - h.mean(0))
+
+
+class _RunningMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 1)
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.running.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return self.lin(x)
+
+
+def _manual_optimization() -> Any:
+    from tests.helpers import TinyRegressor
+
+    module = TinyRegressor()
+    module.automatic_optimization = False
+    return module
+
+
+def _privacy_arguments(**kwargs: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp.hf import PrivacyArguments
+
+        return PrivacyArguments(**kwargs)
+
+    return run
+
+
+def _hf_trainer(attribute: str | None = None, value: Any = None, model: Callable[[], nn.Module] | None = None):
+    def run() -> Any:
+        from lightning_dp.hf import DPTrainer, PrivacyArguments
+        from tests.hf_helpers import TokenDataset, tiny_gpt2, training_args
+
+        with tempfile.TemporaryDirectory() as tmp:
+            args = training_args(tmp)
+            if attribute is not None:
+                setattr(args, attribute, value)  # after construction: some need a GPU to construct
+            return DPTrainer(
+                model=(model or tiny_gpt2)(),
+                args=args,
+                train_dataset=TokenDataset(),
+                privacy_args=PrivacyArguments(per_sample_max_grad_norm=1.0, target_epsilon=3.0),
+            )
+
+    return run
+
+
+def _gpt2_with(extra: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        from tests.hf_helpers import tiny_gpt2
+
+        model = tiny_gpt2()
+        model.transformer.extra = extra()
+        return model
+
+    return make
+
+
+def _cli(*argv: str) -> Callable[[], None]:
+    def run() -> None:
+        from lightning_dp.cli import main
+
+        stderr = io.StringIO()
+        code: Any = 0
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = main(list(argv))
+            except SystemExit as exit_:
+                code = exit_.code
+        if code:
+            lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+            errors = [line for line in lines if "error" in line] or lines[:1]
+            raise CommandLineError(errors[-1])
+
+    return run
+
+
+GAUSS = ("--noise", "gaussian", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
+
+
+def _yaml(edit: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
+    """``lightning-dp fit --config`` on configs/digits_cnn.yaml changed by ``edit`` (with 1 step)."""
+
+    def run() -> None:
+        config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+        config["trainer"].update(max_steps=1, max_epochs=1, enable_progress_bar=False, enable_model_summary=False)
+        config["trainer"]["callbacks"] = []
+        edit(config)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "bad.yaml"
+            path.write_text(yaml.safe_dump(config))
+            from lightning_dp.cli import main
+
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr):
+                try:
+                    main(["fit", "--config", str(path), "--trainer.default_root_dir", tmp])
+                except SystemExit as exit_:
+                    if exit_.code:
+                        lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+                        raise CommandLineError(" ".join(lines[-3:])) from None
+
+    return run
+
+
+def _strategy_args(**kwargs: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        config["trainer"]["strategy"]["init_args"].update(kwargs)
+
+    return edit
+
+
+def _trainer_args(**kwargs: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(config: dict[str, Any]) -> None:
+        config["trainer"].update(kwargs)
+
+    return edit
+
+
+# ---------------------------------------------------------------------------------------------------- cases
+CASES: list[BadInput] = [
+    # DPStrategy arguments, rejected at construction
+    BadInput("DPStrategy", "max_grad_norm=0", _strategy(max_grad_norm=0.0, noise_multiplier=1.0), "max_grad_norm"),
+    BadInput(
+        "DPStrategy", "max_grad_norm=inf", _strategy(max_grad_norm=float("inf"), noise_multiplier=1.0), "max_grad_norm"
+    ),
+    BadInput("DPStrategy", "target_epsilon=-1", _strategy(target_epsilon=-1.0), "epsilon"),
+    BadInput("DPStrategy", "target_delta=1.5", _strategy(target_epsilon=1.0, target_delta=1.5), "delta"),
+    BadInput(
+        "DPStrategy",
+        "target_epsilon=3 with noise_multiplier=1",
+        _strategy(target_epsilon=3.0, noise_multiplier=1.0),
+        "exactly one",
+    ),
+    BadInput("DPStrategy", "neither target_epsilon nor noise", _strategy(), "exactly one"),
+    BadInput("DPStrategy", "noise='gauss'", _strategy(target_epsilon=1.0, noise="gauss"), "Unknown noise mechanism"),
+    BadInput(
+        "DPStrategy", "accountant='moments'", _strategy(target_epsilon=1.0, accountant="moments"), "Unknown accountant"
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping='per-layer'",
+        _strategy(target_epsilon=1.0, clipping="per-layer"),
+        "clipping must be one of",
+    ),
+    BadInput("DPStrategy", "noise_multiplier=-1", _strategy(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
+    BadInput(
+        "DPStrategy",
+        "noise='laplace', noise_multiplier=1",
+        _strategy(noise="laplace", noise_multiplier=1.0),
+        "noise_params",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise='lap2', noise_params={'noise_scale': -2}",
+        _strategy(noise="lap2", noise_params={"noise_scale": -2.0}),
+        "noise_scale",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise='plrv', gamma_shape=1",
+        _strategy(noise="plrv", noise_params={"gamma_shape": 1.0, "gamma_scale": 0.1}),
+        "gamma_shape must be > 1",
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping='hutch', noise='laplace'",
+        _strategy(clipping="hutch", noise="laplace", noise_params={"noise_scale": 1.0}),
+        "randomized-clipping",
+    ),
+    BadInput("DPStrategy", "sample_rate=1.5", _strategy(noise_multiplier=1.0, sample_rate=1.5), "sample_rate"),
+    BadInput("DPStrategy", "sum_check_every=0", _strategy(noise_multiplier=1.0, sum_check_every=0), "sum_check_every"),
+    BadInput(
+        "DPStrategy",
+        "sum_check_every=None, bookkeeping=False",
+        _strategy(noise_multiplier=1.0, sum_check_every=None, bookkeeping=False),
+        "needs bookkeeping=True",
+    ),
+    BadInput(
+        "DPStrategy",
+        "secure_mode=True, seed=0",
+        _strategy(noise_multiplier=1.0, seed=0, secure_mode=True),
+        "secure_mode.*seed",
+    ),
+    # Lightning fit with DPStrategy: setup and first step
+    BadInput(
+        "Lightning fit",
+        "nn.BatchNorm1d in the model",
+        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))),
+        "GroupNorm",
+    ),
+    BadInput(
+        "Lightning fit",
+        "nn.InstanceNorm1d(track_running_stats=True)",
+        _fit(
+            _body(
+                lambda: nn.Sequential(
+                    nn.Linear(6, 4),
+                    nn.Unflatten(1, (1, 4)),
+                    nn.InstanceNorm1d(1, track_running_stats=True),
+                    nn.Flatten(),
+                    nn.Linear(4, 1),
+                )
+            )
+        ),
+        "track_running_stats",
+    ),
+    BadInput(
+        "Lightning fit",
+        "nn.Embedding(max_norm=1.0) in the model",
+        _fit(_body(lambda: nn.Sequential(nn.Embedding(10, 6, max_norm=1.0), nn.Linear(6, 1)))),
+        "max_norm",
+    ),
+    BadInput(
+        "Lightning fit",
+        "trainable nn.PReLU (no per-sample layer)",
+        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), nn.PReLU(), nn.Linear(4, 1)))),
+        "not covered by any registered",
+    ),
+    BadInput(
+        "Lightning fit",
+        "buffer written in forward (running mean)",
+        _fit(_body(_RunningMean)),
+        "'running' of module 'body'",
+    ),
+    BadInput("Lightning fit", "h - h.mean(0) in forward", _fit(_body(_Centered)), "batch-independence"),
+    BadInput(
+        "Lightning fit",
+        "training_step returns loss.mean()",
+        _fit(_tiny(per_sample=False)),
+        r"per-sample loss of shape \[B\]",
+    ),
+    BadInput(
+        "Lightning fit", "Trainer(gradient_clip_val=1.0)", _fit(_tiny(), gradient_clip_val=1.0), "gradient_clip_val"
+    ),
+    BadInput("Lightning fit", "Trainer(precision='16-true')", _fit(_tiny(), precision="16-true"), "precision"),
+    BadInput("Lightning fit", "automatic_optimization=False", _fit(_manual_optimization), "automatic optimization"),
+    BadInput("Lightning fit", "Trainer(devices=2) with DPStrategy", _fit(_tiny(), devices=2), "DPDDPStrategy"),
+    BadInput(
+        "Lightning fit",
+        "limit_train_batches=5, accumulate_grad_batches=2",
+        _fit(_tiny(batch_size=4), accumulate_grad_batches=2, limit_train_batches=5, max_epochs=1, max_steps=-1),
+        "multiple of accumulate_grad_batches",
+    ),
+    BadInput(
+        "Lightning fit",
+        "target_epsilon with max_epochs=-1 (unbounded)",
+        _fit(_tiny(), {"noise_multiplier": None, "target_epsilon": 1.0}, max_epochs=-1, max_steps=-1),
+        "finite number of steps",
+    ),
+    # HF integration
+    BadInput(
+        "HF PrivacyArguments",
+        "per_sample_max_grad_norm=-1",
+        _privacy_arguments(per_sample_max_grad_norm=-1.0, noise_multiplier=1.0),
+        "max_grad_norm",
+    ),
+    BadInput(
+        "HF PrivacyArguments",
+        "noise_params='{noise_scale: 2}' (not JSON)",
+        _privacy_arguments(noise="laplace", noise_params="{noise_scale: 2}"),
+        "JSON",
+    ),
+    BadInput(
+        "HF PrivacyArguments",
+        "per_example_reduction='median'",
+        _privacy_arguments(noise_multiplier=1.0, per_example_reduction="median"),
+        "per_example_reduction",
+    ),
+    BadInput(
+        "HF PrivacyArguments",
+        "sample_rate=1.5",
+        _privacy_arguments(noise_multiplier=1.0, sample_rate=1.5),
+        "sample_rate",
+    ),
+    BadInput(
+        "HF PrivacyArguments",
+        "secure_mode=True, dp_seed=1",
+        _privacy_arguments(noise_multiplier=1.0, dp_seed=1, secure_mode=True),
+        "secure_mode.*seed",
+    ),
+    BadInput("HF DPTrainer", "TrainingArguments(fp16=True)", _hf_trainer("fp16", True), "fp16"),
+    BadInput(
+        "HF DPTrainer",
+        "TrainingArguments(gradient_checkpointing=True)",
+        _hf_trainer("gradient_checkpointing", True),
+        "gradient_checkpointing",
+    ),
+    BadInput(
+        "HF DPTrainer", "TrainingArguments(max_grad_norm=0.5)", _hf_trainer("max_grad_norm", 0.5), "max_grad_norm=0.5"
+    ),
+    BadInput(
+        "HF DPTrainer", "TrainingArguments(torch_compile=True)", _hf_trainer("torch_compile", True), "torch_compile"
+    ),
+    BadInput(
+        "HF DPTrainer",
+        "BatchNorm1d added to a GPT-2",
+        _hf_trainer(model=_gpt2_with(lambda: nn.BatchNorm1d(4))),
+        "BatchNorm",
+    ),
+    BadInput(
+        "HF DPTrainer",
+        "Embedding(max_norm=2.0) added to a GPT-2",
+        _hf_trainer(model=_gpt2_with(lambda: nn.Embedding(4, 4, max_norm=2.0))),
+        "max_norm",
+    ),
+    # command line
+    BadInput(
+        "CLI",
+        "lightning-dp epsilon ... --max-grad-norm -1",
+        _cli("epsilon", *GAUSS, "--max-grad-norm", "-1", "--noise-multiplier", "1"),
+        "max_grad_norm",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp epsilon ... (no --noise-multiplier)",
+        _cli("epsilon", *GAUSS, "--max-grad-norm", "1"),
+        "--noise-multiplier",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp epsilon --noise gauss ...",
+        _cli("epsilon", "--noise", "gauss", *GAUSS[2:], "--max-grad-norm", "1", "--noise-multiplier", "1"),
+        "invalid choice",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp calibrate --noise gaussian --search",
+        _cli("calibrate", *GAUSS, "--target-epsilon", "1", "--search"),
+        "--search",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp epsilon --clipping hutch --noise laplace",
+        _cli(
+            "epsilon",
+            "--noise",
+            "laplace",
+            *GAUSS[2:],
+            "--max-grad-norm",
+            "1",
+            "--noise-scale",
+            "1",
+            "--clipping",
+            "hutch",
+            "--norm-dim",
+            "8",
+        ),
+        "Gaussian noise only",
+    ),
+    BadInput("CLI", "lightning-dp frobnicate", _cli("frobnicate"), "unknown command"),
+    # YAML configs of lightning-dp fit (configs/digits_cnn.yaml, edited)
+    BadInput(
+        "YAML config",
+        "strategy.init_args.max_grad_norm: -1.0",
+        _yaml(_strategy_args(max_grad_norm=-1.0)),
+        "max_grad_norm",
+    ),
+    BadInput("YAML config", "strategy.init_args.noise: gauss", _yaml(_strategy_args(noise="gauss")), "noise"),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.noise_multiplier: 1.0 (with target_epsilon)",
+        _yaml(_strategy_args(noise_multiplier=1.0)),
+        "exactly one",
+    ),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.secure_mode: true (with seed: 0)",
+        _yaml(_strategy_args(secure_mode=True)),
+        "secure_mode.*seed",
+    ),
+    BadInput(
+        "YAML config",
+        "trainer.gradient_clip_val: 1.0",
+        _yaml(_trainer_args(gradient_clip_val=1.0)),
+        "gradient_clip_val",
+    ),
+]
