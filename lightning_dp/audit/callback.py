@@ -14,8 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_dp.audit.controls import NoiseScaledForTesting
 from lightning_dp.audit.gradient import GradientCanaries
-from lightning_dp.audit.one_run import audit_scores
-from lightning_dp.audit.report import AuditReport
+from lightning_dp.audit.report import AuditReport, report_for
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.optim import DPOptimizer
 
@@ -64,7 +63,12 @@ class GradientCanaryAudit(Callback):
         if self._strategy is None or self.canaries.steps_observed == 0:
             raise RuntimeError("No DP training step was observed: call trainer.fit(...) with this callback first")
         return report_for(
-            self._strategy, self.canaries.scores, self.canaries.included.numpy(), "gradient", confidence, guess_sets
+            self._strategy.privacy_engine,
+            self.canaries.scores,
+            self.canaries.included.numpy(),
+            "gradient",
+            confidence,
+            guess_sets,
         )
 
 
@@ -115,17 +119,3 @@ def dp_optimizer_of(trainer: pl.Trainer, user: str) -> tuple[DPStrategyMixin, DP
     if len(optimizers) != 1:
         raise ValueError(f"{user} needs exactly one DP optimizer, found {len(optimizers)}")
     return strategy, optimizers[0]
-
-
-def report_for(
-    strategy: DPStrategyMixin,
-    scores: Any,
-    included: Any,
-    mode: str,
-    confidence: float,
-    guess_sets: Sequence[tuple[int, int]] | None,
-) -> AuditReport:
-    """The one-run audit of ``scores`` at the run's ``target_delta``, next to the run's reported epsilon."""
-    engine = strategy.privacy_engine
-    audit = audit_scores(scores, included, delta=engine.target_delta, confidence=confidence, guess_sets=guess_sets)
-    return AuditReport(engine.epsilon(), audit, engine.mechanism.name, engine.steps, mode)

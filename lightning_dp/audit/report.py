@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_dp.audit.one_run import OneRunAudit
+from lightning_dp.audit.one_run import OneRunAudit, audit_scores
+from lightning_dp.privacy_engine import PrivacyEngine
 
 
 @dataclass(frozen=True)
@@ -40,3 +42,16 @@ class AuditReport:
             **asdict(self.audit),
             "violated": self.violated,
         }
+
+
+def report_for(
+    engine: PrivacyEngine,
+    scores: Any,
+    included: Any,
+    mode: str,
+    confidence: float,
+    guess_sets: Sequence[tuple[int, int]] | None,
+) -> AuditReport:
+    """The one-run audit of ``scores`` at the run's ``target_delta``, next to the run's reported epsilon."""
+    audit = audit_scores(scores, included, delta=engine.target_delta, confidence=confidence, guess_sets=guess_sets)
+    return AuditReport(engine.epsilon(), audit, engine.mechanism.name, engine.steps, mode)

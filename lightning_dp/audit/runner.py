@@ -9,9 +9,9 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lightning_dp.audit.callback import GradientCanaryAudit, ScaleNoiseForTesting, report_for
+from lightning_dp.audit.callback import GradientCanaryAudit, ScaleNoiseForTesting
 from lightning_dp.audit.inputs import InputCanaries
-from lightning_dp.audit.report import AuditReport
+from lightning_dp.audit.report import AuditReport, report_for
 from lightning_dp.audit.setups import make_setup
 from lightning_dp.lightning import DPStrategy
 
@@ -102,4 +102,6 @@ def run_audit(config: AuditConfig, **trainer_kwargs: Any) -> AuditReport:
         return audit.report(confidence=config.confidence, guess_sets=config.guess_sets)
     module = setup.module.eval()
     scores = inputs.scores(lambda batch: module.training_step(batch, 0))
-    return report_for(strategy, scores, inputs.included.numpy(), "input", config.confidence, config.guess_sets)
+    return report_for(
+        strategy.privacy_engine, scores, inputs.included.numpy(), "input", config.confidence, config.guess_sets
+    )
