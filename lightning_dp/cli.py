@@ -1,15 +1,16 @@
-"""The ``lightning-dp`` command: ``demo``, ``fit`` (LightningCLI), ``epsilon`` and ``calibrate``."""
+"""The ``lightning-dp`` command: ``demo``, ``fit`` (LightningCLI), ``epsilon``, ``calibrate`` and ``audit``."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: lightning-dp {demo,fit,epsilon,calibrate} ...
+USAGE = """usage: lightning-dp {demo,fit,epsilon,calibrate,audit} ...
 
   demo        DP-SGD on scikit-learn digits with a small CNN (offline, ~1 min on CPU)
   fit         LightningCLI: lightning-dp fit --config configs/digits_cnn.yaml
   epsilon     epsilon of a noise mechanism after T steps
   calibrate   noise parameters for a target epsilon
+  audit       empirical epsilon lower bound of a training run (canaries, one run)
 """
 
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_dp import cli_privacy
 
         return getattr(cli_privacy, f"{command}_main")(rest)
+    if command == "audit":
+        from lightning_dp.cli_audit import audit_main
+
+        return audit_main(rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -68,6 +68,9 @@ class DPOptimizer(Optimizer):
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
         self.secure_mode = secure_mode
+        #: called with the trainable parameters after the clipped sums are in ``p.grad`` (and all-reduced) and
+        #: before the noise is added; used by :mod:`lightning_dp.audit` to inject gradient canaries.
+        self.clipped_sum_hooks: list[Callable[[Sequence[torch.nn.Parameter]], None]] = []
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -112,7 +115,8 @@ class DPOptimizer(Optimizer):
     def privatise(self) -> None:
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
 
-        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks.
+        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks; then the
+        ``clipped_sum_hooks`` run.
         """
         self._privatised = True
         params = self.params
@@ -121,6 +125,8 @@ class DPOptimizer(Optimizer):
                 p.grad = torch.zeros_like(p)
         if self.reduce_clipped_sum is not None:
             self.reduce_clipped_sum([p.grad for p in params])
+        for hook in self.clipped_sum_hooks:
+            hook(params)
         for p in params:
             grad = p.grad
             generator = self.randomness.noise_generator(grad.device)

@@ -1,0 +1,52 @@
+"""TEST-ONLY breakage of a DP run, so that the audit can be shown to fail when it should (issue 10, item 2).
+
+:class:`NoiseScaledForTesting` wraps the run's real mechanism and multiplies every draw by a factor (0.1: the noise
+is a tenth of what the accountant assumes) while its privacy event, and so the accountant and the printed epsilon,
+stay those of the original mechanism. For Gaussian, Laplace and the Gamma-randomised Laplace (PLRV-O) noise,
+multiplying a draw by ``s`` is exactly drawing with scale ``s`` times the original. Nothing in the library installs
+it; only the audit's ``break_noise_for_testing`` option and the tests do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_dp.mechanisms.base import NoiseMechanism
+
+
+class NoiseScaledForTesting(NoiseMechanism):
+    """``factor * mechanism.sample(...)`` with ``mechanism``'s privacy event: a deliberately BROKEN mechanism.
+
+    Args:
+        mechanism: the run's real, calibrated mechanism (it still draws the noise, from the run's generator).
+        factor: multiplier of every draw, in (0, 1) to under-noise (e.g. 0.1).
+
+    Raises:
+        ValueError: ``factor`` outside (0, 1).
+    """
+
+    name = "noise-scaled-for-testing"
+
+    def __init__(self, mechanism: NoiseMechanism, factor: float) -> None:
+        if not 0.0 < factor < 1.0:
+            raise ValueError(f"factor must lie in (0, 1) to under-noise the run, got {factor}")
+        super().__init__(mechanism.max_grad_norm)
+        self.mechanism = mechanism
+        self.factor = float(factor)
+        self.clip_norm = mechanism.clip_norm
+        self.default_accountant = mechanism.default_accountant
+
+    def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        return self.mechanism.sample(like, generator).mul_(self.factor)
+
+    def step_event(self, sample_rate: float, num_params: int) -> Any:
+        """The ORIGINAL mechanism's event: the accountant keeps assuming the full noise."""
+        return self.mechanism.step_event(sample_rate, num_params)
+
+    def expected_abs_noise(self) -> float:
+        return self.factor * self.mechanism.expected_abs_noise()
+
+    def describe(self) -> dict[str, float]:
+        return {**self.mechanism.describe(), "factor_for_testing": self.factor}
