@@ -2,11 +2,13 @@
 
 Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
 Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer
-families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``embedding``, ``norms``.
+families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``,
+``embedding``, ``norms``.
 """
 
 from lightning_dp.clipping import (  # noqa: F401 (registration)
     conv,
+    conv_transpose,
     embedding,
     fgc,
     flat,
