@@ -7,6 +7,7 @@ families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, `
 """
 
 from lightning_dp.clipping import (  # noqa: F401 (registration)
+    attention,
     conv,
     conv_transpose,
     embedding,
