@@ -56,9 +56,11 @@ def check_against_oracle(
     norm: int = 2,
     atol: float = 1e-10,
     bookkeeping: bool = True,
+    oracle: Callable[[nn.Module, tuple[torch.Tensor, ...], LossFn], dict[str, torch.Tensor]] | None = None,
 ) -> PerSampleClipper:
-    """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle."""
-    grads = oracle_grads(model, inputs, loss_fn)
+    """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle
+    (``oracle_grads`` unless another is given)."""
+    grads = (oracle or oracle_grads)(model, inputs, loss_fn)
     ref_norms = oracle_norms(grads, norm)
     max_grad_norm = ref_norms.median().item()
     factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)

@@ -20,6 +20,8 @@ from lightning_dp.clipping import (  # noqa: F401 (registration)
     linear,
     mixed,
     norms,
+    positional,
+    recurrent,
 )
 from lightning_dp.clipping.clipper import PerSampleClipper
 from lightning_dp.clipping.engine import ENGINES, ClippingEngine, make_engine, register_engine

@@ -28,16 +28,9 @@ from torch import nn
 from lightning_dp.clipping.registry import UnsupportedModuleError
 
 
-class SharedLinear(nn.Linear):
-    """An ``nn.Linear`` whose ``weight`` ``[d_out, d_in]`` and ``bias`` ``[d_out]`` (or None) are parameters owned
-    by another module (the same objects, not copies); it adds nothing to ``state_dict`` and loads nothing. Hooked
-    as an ``nn.Linear`` (its ``forward`` is Linear's)."""
-
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = weight
-        self.bias = bias
+class Proxy(nn.Module):
+    """Base of proxy modules: they register parameters owned by another module (the same objects, not copies), so
+    they add nothing to ``state_dict`` and load nothing (the owner saves and loads the parameters)."""
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         """Save nothing: the owner saves these parameters under its own keys."""
@@ -46,8 +39,20 @@ class SharedLinear(nn.Linear):
         """Load nothing (and report no missing key): the owner loads these parameters."""
 
 
+class SharedLinear(Proxy, nn.Linear):
+    """A :class:`Proxy` ``nn.Linear`` over another module's ``weight`` ``[d_out, d_in]`` and ``bias`` ``[d_out]``
+    (or None); hooked as an ``nn.Linear`` (its ``forward`` is Linear's)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = weight
+        self.bias = bias
+
+
 class SwappedModule(nn.Module):
-    """Base of the swapped classes: a subclass of the original type (listed first) and of this class.
+    """Base of the swapped classes, which subclass the original type and this class (a base defining ``forward``
+    must come before the original type in the bases).
 
     Subclasses implement :meth:`add_proxies` (which must not fail: configurations it cannot handle are reported by
     :meth:`swap_problem`); their ``forward`` must compute the original function, every use of a trainable parameter
@@ -64,19 +69,40 @@ class SwappedModule(nn.Module):
         raise NotImplementedError
 
 
-_SWAPS: dict[type[nn.Module], type[SwappedModule]] = {}
+_SWAPS: dict[type[nn.Module] | str, type[SwappedModule]] = {}
+_DYNAMIC: dict[tuple[type[SwappedModule], type[nn.Module]], type[nn.Module]] = {}
 
 
-def register_swap(original: type[nn.Module]) -> Callable[[type[SwappedModule]], type[SwappedModule]]:
-    """Class decorator registering a swapped subclass for modules of exactly the type ``original``."""
+def register_swap(original: type[nn.Module] | str) -> Callable[[type[SwappedModule]], type[SwappedModule]]:
+    """Class decorator registering a swap for modules of exactly the type ``original``.
+
+    ``original`` is either a class, which the decorated class must subclass, or the qualified name of a class of
+    an optional dependency (``"torchvision.models.vision_transformer.Encoder"``; nothing is imported): the decorated
+    class is then a mixin, combined with the module's class when a module of that name is swapped.
+    """
 
     def decorate(cls: type[SwappedModule]) -> type[SwappedModule]:
-        if not issubclass(cls, original):
+        if isinstance(original, type) and not issubclass(cls, original):
             raise TypeError(f"{cls.__name__} must subclass {original.__name__}")
         _SWAPS[original] = cls
         return cls
 
     return decorate
+
+
+def _swapped_class(module: nn.Module) -> type[nn.Module] | None:
+    """The swapped class for ``module``'s exact type, or None."""
+    module_type = type(module)
+    cls = _SWAPS.get(module_type)
+    if cls is not None:
+        return cls
+    mixin = _SWAPS.get(f"{module_type.__module__}.{module_type.__qualname__}")
+    if mixin is None:
+        return None
+    key = (mixin, module_type)
+    if key not in _DYNAMIC:
+        _DYNAMIC[key] = type(f"DP{module_type.__name__}", (mixin, module_type), {"__module__": mixin.__module__})
+    return _DYNAMIC[key]
 
 
 @dataclass(frozen=True)
@@ -101,7 +127,7 @@ def swap_modules(module: nn.Module) -> list[Swap]:
     swaps: list[Swap] = []
     try:
         for path, sub in list(module.named_modules()):
-            cls = _SWAPS.get(type(sub))
+            cls = _swapped_class(sub)
             if cls is None or not any(p.requires_grad for p in sub.parameters()):
                 continue
             problem = cls.swap_problem(sub)
