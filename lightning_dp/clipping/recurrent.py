@@ -64,6 +64,26 @@ class _DPRecurrent(SwappedModule):
         h0 = like.new_zeros(count, batch, out_size) if hx is None else hx
         return [h0[i] for i in range(count)]
 
+    def _scan(
+        self,
+        gates_x: torch.Tensor,
+        state: Hidden,
+        proxies: dict[str, nn.Module],
+        mask: torch.Tensor | None,
+        reverse: bool,
+    ) -> tuple[torch.Tensor, Hidden]:
+        """One layer and direction over time: input gates ``[B, T, G * H]`` -> outputs ``[B, T, H_out]`` and the
+        final state. With ``mask`` ``[B, T]`` (packed input), padded steps keep the state and output zeros."""
+        steps = gates_x.shape[1]
+        out: list[torch.Tensor] = [gates_x] * steps  # placeholders, all overwritten
+        for t in range(steps - 1, -1, -1) if reverse else range(steps):
+            new = self.cell(gates_x[:, t], state, proxies)
+            keep = None if mask is None else mask[:, t : t + 1]
+            state = new if keep is None else _where(keep, new, state)
+            h = state[0] if isinstance(state, tuple) else state
+            out[t] = h if keep is None else h * keep
+        return torch.stack(out, dim=1), state
+
     def forward(self, input: torch.Tensor | PackedSequence, hx: Hidden | None = None) -> tuple[object, Hidden]:
         """As the original ``forward`` (batched or packed input).
 
@@ -81,7 +101,6 @@ class _DPRecurrent(SwappedModule):
             )
         else:
             x = input if self.batch_first else input.transpose(0, 1)
-        steps = x.shape[1]
         states = self._initial_state(hx, x.shape[0], x)
         finals: list[Hidden] = []
         for layer in range(self.num_layers):
@@ -94,16 +113,8 @@ class _DPRecurrent(SwappedModule):
                 }
                 gates_x = self.dp_proxies[f"ih_l{layer}{suffix}"](x)  # [B, T, G * H], one call
                 state = states[layer * (1 + self.bidirectional) + direction]
-                out: list[torch.Tensor | None] = [None] * steps
-                for t in range(steps - 1, -1, -1) if direction else range(steps):
-                    new = self.cell(gates_x[:, t], state, proxies)
-                    if mask is not None:  # padded steps keep the state; their output is zero
-                        keep = mask[:, t : t + 1]
-                        new = _where(keep, new, state)
-                    state = new
-                    h = state[0] if isinstance(state, tuple) else state
-                    out[t] = h if mask is None else h * keep
-                outputs.append(torch.stack(out, dim=1))
+                out, state = self._scan(gates_x, state, proxies, mask, reverse=bool(direction))
+                outputs.append(out)
                 finals.append(state)
             x = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
             if self.dropout and self.training and layer < self.num_layers - 1:
