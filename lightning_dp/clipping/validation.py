@@ -11,11 +11,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from lightning_dp.clipping.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+from lightning_dp.clipping.swap import SwappedModule
 
 
 def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool:
     """Whether each parameter ``names`` of ``module`` is also registered in a descendant with a layer family (the
-    proxy children of :mod:`~lightning_dp.clipping.swap`), whose hooks then see its uses."""
+    proxy children of a swapped module, :mod:`~lightning_dp.clipping.swap`), whose hooks then see its uses."""
     covered = {
         id(p)
         for sub in module.modules()
@@ -51,8 +52,8 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
         if not trainable:
             continue
         family = find_layer_family(sub)
-        if family is None and _shared_with_hooked_descendants(sub, trainable):
-            continue  # a swapped module (see swap.py): its parameters are used through proxy children
+        if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
+            continue  # its parameters are used through its proxy children (see swap.py)
         if family is None:
             names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
             raise UnsupportedModuleError(
