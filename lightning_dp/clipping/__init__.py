@@ -3,7 +3,9 @@
 Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
 Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer
 families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``,
-``embedding``, ``norms``.
+``embedding``, ``norms``, ``positional``. Modules that use their parameters inside fused functions are swapped in
+place to equivalent classes calling hooked proxies (``swap``): ``attention`` (``nn.MultiheadAttention``),
+``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``positional`` (torchvision's ViT).
 """
 
 from lightning_dp.clipping import (  # noqa: F401 (registration)
