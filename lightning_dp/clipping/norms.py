@@ -62,18 +62,12 @@ def group_norm_terms(layer: nn.GroupNorm, activation: torch.Tensor, output_grad:
     return _affine_terms(layer, xhat, output_grad, tuple(range(2, activation.ndim)))
 
 
-def _check_instance_norm(layer: nn.modules.instancenorm._InstanceNorm) -> str | None:
-    if layer.track_running_stats:  # also rejected by validation for every norm layer; kept for direct use
-        return "track_running_stats=True leaks training data through unnoised buffers; set it to False"
-    return None
-
-
-@register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, check=_check_instance_norm)
+@register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 def instance_norm_terms(
     layer: nn.modules.instancenorm._InstanceNorm, activation: torch.Tensor, output_grad: torch.Tensor
 ) -> dict[str, Term]:
-    """Terms for ``weight`` and ``bias`` ``[C]`` (``affine=True``, ``track_running_stats=False``); activation
-    ``[B, C, *spatial]``, normalised per sample and channel over ``spatial``."""
+    """Terms for ``weight`` and ``bias`` ``[C]`` (``affine=True``); activation ``[B, C, *spatial]``, normalised per
+    sample and channel over ``spatial``. ``track_running_stats=True`` is rejected by validation (unnoised buffers)."""
     dtype = compute_dtype(layer.weight)
     xhat = F.instance_norm(activation.to(dtype), eps=layer.eps)
     return _affine_terms(layer, xhat, output_grad, tuple(range(2, activation.ndim)))
