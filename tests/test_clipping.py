@@ -56,9 +56,11 @@ def check_against_oracle(
     norm: int = 2,
     atol: float = 1e-10,
     bookkeeping: bool = True,
+    oracle: Callable[[nn.Module, tuple[torch.Tensor, ...], LossFn], dict[str, torch.Tensor]] | None = None,
 ) -> PerSampleClipper:
-    """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle."""
-    grads = oracle_grads(model, inputs, loss_fn)
+    """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle
+    (``oracle_grads`` unless another is given)."""
+    grads = (oracle or oracle_grads)(model, inputs, loss_fn)
     ref_norms = oracle_norms(grads, norm)
     max_grad_norm = ref_norms.median().item()
     factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)
@@ -424,14 +426,23 @@ def test_unsupported_trainable_parameter_rejected() -> None:
     PerSampleClipper(frozen, max_grad_norm=1.0)
 
 
+class UsesChildWeight(nn.Module):
+    """Uses a child layer's weight functionally without calling the child (as nn.MultiheadAttention does with
+    out_proj, which the clipper now swaps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.proj.weight, self.proj.bias)
+
+
 def test_parameter_used_outside_its_forward_rejected() -> None:
-    model = nn.MultiheadAttention(4, 2)
-    model.in_proj_weight.requires_grad_(False)
-    model.in_proj_bias.requires_grad_(False)
-    clipper = PerSampleClipper(model, max_grad_norm=1.0)  # out_proj is an nn.Linear subclass ...
-    x = torch.randn(3, 2, 4)
-    with pytest.raises(UnsupportedModuleError, match="out_proj"):  # ... but MHA uses its weight functionally
-        clipper.backward(model(x, x, x)[0].sum((0, 2)))
+    model = UsesChildWeight()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)  # proj is an nn.Linear ...
+    with pytest.raises(UnsupportedModuleError, match="proj"):  # ... but its weight is used functionally
+        clipper.backward(model(torch.randn(3, 4)).sum(1))
 
 
 class FunctionalReuse(nn.Module):

@@ -2,11 +2,16 @@
 
 Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
 Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer
-families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``embedding``, ``norms``.
+families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``,
+``embedding``, ``norms``, ``positional``. Modules that use their parameters inside fused functions are swapped in
+place to equivalent classes calling hooked proxies (``swap``): ``attention`` (``nn.MultiheadAttention``),
+``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``positional`` (torchvision's ViT).
 """
 
 from lightning_dp.clipping import (  # noqa: F401 (registration)
+    attention,
     conv,
+    conv_transpose,
     embedding,
     fgc,
     flat,
@@ -17,6 +22,8 @@ from lightning_dp.clipping import (  # noqa: F401 (registration)
     linear,
     mixed,
     norms,
+    positional,
+    recurrent,
 )
 from lightning_dp.clipping.clipper import PerSampleClipper
 from lightning_dp.clipping.engine import ENGINES, ClippingEngine, make_engine, register_engine

@@ -39,6 +39,7 @@ from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
+from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Factored, Term
 from lightning_dp.clipping.validation import hooked_modules
 
@@ -97,7 +98,10 @@ class PerSampleClipper:
     """Clips per-sample gradients of ``module`` and accumulates their sum into ``p.grad``.
 
     Hooks are attached in place (no wrapping; ``state_dict`` keys, HF ``generate()``/``save_pretrained`` and
-    Lightning checkpoints are unaffected); :meth:`detach` removes them. Frozen parameters are ignored. The
+    Lightning checkpoints are unaffected); :meth:`detach` removes them. Modules that use their parameters outside
+    any hookable call (``nn.MultiheadAttention``, ``nn.LSTM``/``GRU``/``RNN``) are first swapped in place to
+    equivalent classes that keep the same parameter objects and ``state_dict`` (:mod:`~lightning_dp.clipping.swap`;
+    undone by :meth:`detach`). Frozen parameters are ignored. The
     per-sample norm is taken over all trainable parameters jointly; a parameter used several times (tied weights,
     a module called twice) contributes the norm of its summed gradient. The set of trainable parameters is fixed
     at construction: freezing or unfreezing a parameter afterwards (e.g. Lightning's ``BackboneFinetuning``) makes
@@ -162,7 +166,12 @@ class PerSampleClipper:
         self.sum_check_every = sum_check_every
         self._generator_for = generator_for
         self._checked_batches = 0
-        hooked = hooked_modules(module)
+        self._swaps = swap_modules(module)
+        try:
+            hooked = hooked_modules(module)
+        except BaseException:
+            restore_modules(self._swaps)
+            raise
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
@@ -257,7 +266,7 @@ class PerSampleClipper:
                 raise UnsupportedModuleError(
                     f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
                     "is used outside its module's forward (e.g. functionally by a parent module, as "
-                    "nn.MultiheadAttention does with out_proj); freeze it or use supported layers"
+                    "F.linear(x, child.weight)); freeze it or use supported layers"
                 )
         return captures, batch_grads
 
@@ -514,5 +523,8 @@ class PerSampleClipper:
         return norms
 
     def detach(self) -> None:
-        """Remove all hooks; the module is left exactly as before the clipper was attached."""
+        """Remove all hooks and undo the module swaps; the module is left exactly as before the clipper was
+        attached."""
         self._hooks.remove()
+        restore_modules(self._swaps)
+        self._swaps = []

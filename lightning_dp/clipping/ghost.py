@@ -32,8 +32,41 @@ def left_gram(u: Factored, v: Factored) -> torch.Tensor:
     return torch.bmm(u.left, v.left.transpose(1, 2))
 
 
+#: Uses of one kind are concatenated up to this many rows (or the longest use, if longer) before the Gram blocks.
+MERGE_ROWS = 256
+
+
+def merge_uses(terms: list[Factored]) -> list[Factored]:
+    """Concatenate consecutive uses of the same kind (dense or ids) along the sequence, up to ``max(MERGE_ROWS,
+    longest use)`` rows per merged use: exact, since ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``.
+
+    A recurrent weight used once per time step (``T`` uses of one row each) then costs a few Gram blocks instead of
+    ``T^2 / 2``; the largest Gram block grows by at most that bound.
+    """
+    limit = max(MERGE_ROWS, max(term.right.shape[1] for term in terms))
+    merged: list[list[Factored]] = []
+    for term in terms:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and last[0].is_index == term.is_index
+            and sum(t.right.shape[1] for t in last) + term.right.shape[1] <= limit
+        ):
+            last.append(term)
+        else:
+            merged.append([term])
+    return [
+        group[0]
+        if len(group) == 1
+        else Factored(torch.cat([t.left for t in group], 1), torch.cat([t.right for t in group], 1), group[0].shape)
+        for group in merged
+    ]
+
+
 def gram_squared_norm(terms: list[Factored]) -> torch.Tensor:
-    """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]``."""
+    """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (after
+    :func:`merge_uses`)."""
+    terms = merge_uses(terms)
     total = terms[0].right.new_zeros(terms[0].right.shape[0])
     for i, u in enumerate(terms):
         for j in range(i, len(terms)):

@@ -1,4 +1,5 @@
-"""Per-sample gradient terms for normalisation layers: LayerNorm, GroupNorm and scale-only RMS norms.
+"""Per-sample gradient terms for normalisation layers: LayerNorm, GroupNorm, InstanceNorm (affine, without running
+statistics) and scale-only RMS norms.
 
 All have an output affine in the parameters, ``y = xhat * w + b`` with ``xhat`` the normalised input, so the
 per-sample gradients are ``grad w_i = sum (G_i * xhat_i)`` and ``grad b_i = sum G_i``, summed over the dimensions
@@ -58,6 +59,17 @@ def group_norm_terms(layer: nn.GroupNorm, activation: torch.Tensor, output_grad:
     """Terms for ``weight`` and ``bias`` ``[C]``; activation ``[B, C, *spatial]``."""
     dtype = compute_dtype(layer.weight)
     xhat = F.group_norm(activation.to(dtype), layer.num_groups, None, None, layer.eps)
+    return _affine_terms(layer, xhat, output_grad, tuple(range(2, activation.ndim)))
+
+
+@register_layer(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_terms(
+    layer: nn.modules.instancenorm._InstanceNorm, activation: torch.Tensor, output_grad: torch.Tensor
+) -> dict[str, Term]:
+    """Terms for ``weight`` and ``bias`` ``[C]`` (``affine=True``); activation ``[B, C, *spatial]``, normalised per
+    sample and channel over ``spatial``. ``track_running_stats=True`` is rejected by validation (unnoised buffers)."""
+    dtype = compute_dtype(layer.weight)
+    xhat = F.instance_norm(activation.to(dtype), eps=layer.eps)
     return _affine_terms(layer, xhat, output_grad, tuple(range(2, activation.ndim)))
 
 

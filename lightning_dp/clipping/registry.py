@@ -59,11 +59,14 @@ def register_layer(
     return decorate
 
 
-def register_layer_rule(rule: Callable[[nn.Module], bool]) -> Callable[[LayerTermsFn], LayerTermsFn]:
-    """Decorator registering a layer-terms function for every module for which ``rule(module)`` is True."""
+def register_layer_rule(
+    rule: Callable[[nn.Module], bool], *, check: Callable[[nn.Module], str | None] | None = None
+) -> Callable[[LayerTermsFn], LayerTermsFn]:
+    """Decorator registering a layer-terms function for every module for which ``rule(module)`` is True
+    (``check`` as in :class:`LayerFamily`)."""
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        _BY_RULE.append((rule, LayerFamily(fn)))
+        _BY_RULE.append((rule, LayerFamily(fn, check=check)))
         return fn
 
     return decorate

@@ -4,7 +4,7 @@ BatchNorm mixes samples through batch statistics and other norm layers with runn
 through unnoised buffers (DESIGN.md section 4); an embedding with ``max_norm`` renormalises the looked-up rows of its
 weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal which tokens were in
 training batches, whether the embedding is trainable or frozen; every trainable parameter must belong to a registered
-layer family.
+layer family (directly, or through a proxy child of a swapped module, :mod:`~lightning_dp.clipping.swap`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,19 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from lightning_dp.clipping.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+from lightning_dp.clipping.swap import SwappedModule
+
+
+def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool:
+    """Whether each parameter ``names`` of ``module`` is also registered in a descendant with a layer family (the
+    proxy children of a swapped module, :mod:`~lightning_dp.clipping.swap`), whose hooks then see its uses."""
+    covered = {
+        id(p)
+        for sub in module.modules()
+        if sub is not module and find_layer_family(sub) is not None
+        for p in sub.parameters(recurse=False)
+    }
+    return all(id(getattr(module, name)) in covered for name in names)
 
 
 def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]]:
@@ -48,12 +61,14 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
         if not trainable:
             continue
         family = find_layer_family(sub)
+        if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
+            continue  # its parameters are used through its proxy children (see swap.py)
         if family is None:
             names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
             raise UnsupportedModuleError(
                 f"trainable parameter(s) {names} of module '{where}' ({type(sub).__name__}) are not covered by any "
                 "registered per-sample gradient layer; freeze them (requires_grad=False) or build the model from "
-                "supported layers (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, HF Conv1D)"
+                "supported layers (see the README's list of supported layers)"
             )
         problem = family.check(sub) if family.check is not None else None
         if problem is not None:

@@ -1,0 +1,51 @@
+"""Per-sample gradient terms for ``nn.ConvTranspose1d``, ``nn.ConvTranspose2d`` and ``nn.ConvTranspose3d``.
+
+A transposed convolution ``y = conv_transpose(x, W)`` is the adjoint of the convolution ``conv(., W)`` with the same
+stride, padding and dilation, so ``<y, G> = <x, conv(G, W)>`` and its weight gradient is the weight gradient of that
+convolution with input ``G`` (the output gradient) and output ``x``: after zero-padding ``G`` by ``padding`` and
+unfolding it (kernel, dilation, stride of the layer), sample ``i`` has patches ``P_i`` (``L x C_out k``, one row per
+INPUT position; positions added by ``output_padding`` beyond the un-padded output are cropped: no weight reaches
+them) and inputs ``X_i``
+(``L x C_in``), and ``grad W_i = X_i^T P_i`` for ``W`` of shape ``[C_in, C_out / groups, *kernel]`` (DESIGN.md
+section 4, "Conv: unfold to linear"). ``groups > 1`` is materialised per group as for
+:mod:`~lightning_dp.clipping.conv`; ``grad b_i = sum_l G_i[:, l]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_dp.clipping.conv import unfold, unfolded_weight_term
+from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+
+ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
+
+
+@register_layer(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+def conv_transpose_terms(layer: ConvTranspose, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
+    """Terms for ``weight`` ``[C_in, C_out / groups, *kernel]`` and ``bias`` ``[C_out]``.
+
+    Args:
+        layer: the transposed convolution (stride, padding, output_padding or ``output_size``, dilation, groups).
+        activation: its input ``[B, C_in, *spatial]``.
+        output_grad: gradient w.r.t. its output ``[B, C_out, *spatial_out]``.
+    """
+    dtype = compute_dtype(layer.weight)
+    batch = output_grad.shape[0]
+    grads = output_grad.to(dtype)
+    terms: dict[str, Term] = {}
+    if layer.weight.requires_grad:
+        padded = F.pad(grads, [p for p in reversed(layer.padding) for _ in range(2)])
+        for dim, (n, k, d, s) in enumerate(
+            zip(activation.shape[2:], layer.kernel_size, layer.dilation, layer.stride, strict=True), start=2
+        ):  # crop the output_padding positions that lie beyond the un-padded full output
+            padded = padded.narrow(dim, 0, (n - 1) * s + d * (k - 1) + 1)
+        patches = unfold(padded, layer.kernel_size, layer.dilation, layer.stride)  # [B, C_out * k, L]
+        inputs = activation.reshape(batch, layer.in_channels, -1).to(dtype)  # [B, C_in, L]
+        terms["weight"] = unfolded_weight_term(inputs, patches, layer.groups, layer.weight.shape)
+    if trainable(layer, "bias"):
+        terms["bias"] = Materialised(grads.reshape(batch, layer.out_channels, -1).sum(2))
+    return terms
