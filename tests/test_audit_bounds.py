@@ -1,5 +1,5 @@
-"""The audit's statistics against independent computations: Clopper-Pearson (scipy's binomtest), the Theorem 5.2
-tail written from binomial survival functions, and Monte Carlo runs of mechanisms whose epsilon is known."""
+"""The audit's statistics against independent computations: Clopper-Pearson (scipy's binomtest), the approximate-DP
+theorem's tail written from binomial survival functions, and Monte Carlo runs of mechanisms whose epsilon is known."""
 
 import math
 
@@ -15,13 +15,13 @@ from lightning_dp.audit.many_runs import clopper_pearson, many_run_epsilon_lower
 
 @pytest.mark.parametrize(("r", "v"), [(10, 9), (100, 80), (1000, 700), (1000, 1000), (5000, 4990)])
 def test_pure_dp_bound_is_the_clopper_pearson_lower_limit(r, v):
-    # delta = 0 (Theorem 3.1): P[Binomial(r, p) >= v] = beta  <=>  p = one-sided Clopper-Pearson lower limit.
+    # delta = 0 (pure DP): P[Binomial(r, p) >= v] = beta  <=>  p = one-sided Clopper-Pearson lower limit.
     lower = binomtest(v, r, alternative="greater").proportion_ci(confidence_level=0.95).low
     assert one_run_epsilon_lower_bound(r, r, v, delta=0.0, confidence=0.95) == pytest.approx(logit(lower), abs=1e-5)
 
 
-def _theorem_5_2_tail(m, r, v, eps, delta):
-    """Theorem 5.2 of Steinke et al. 2023, written with survival functions: f(v) + 2 m delta max_i (f(v-i)-f(v))/i."""
+def _approx_dp_tail(m, r, v, eps, delta):
+    """Steinke et al. 2023's approximate-DP bound with survival functions: f(v) + 2 m delta max_i (f(v-i)-f(v))/i."""
     p = math.exp(eps) / (1 + math.exp(eps))
 
     def f(k):
@@ -33,14 +33,14 @@ def _theorem_5_2_tail(m, r, v, eps, delta):
 @pytest.mark.parametrize(("m", "r", "v"), [(100, 40, 35), (1000, 200, 170), (2000, 1000, 990)])
 @pytest.mark.parametrize("eps", [0.0, 0.5, 2.0, 5.0])
 def test_approximate_dp_p_value_matches_theorem_5_2(m, r, v, eps):
-    expected = _theorem_5_2_tail(m, r, v, eps, 1e-5)
+    expected = _approx_dp_tail(m, r, v, eps, 1e-5)
     assert one_run_p_value(m, r, v, eps, 1e-5) == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
 def test_bound_sits_where_the_p_value_crosses_beta_and_grows_with_evidence():
     m, r, v, delta = 2000, 1000, 990, 1e-5
     bound = one_run_epsilon_lower_bound(m, r, v, delta=delta, confidence=0.95)
-    assert _theorem_5_2_tail(m, r, v, bound - 1e-3, delta) < 0.05 < _theorem_5_2_tail(m, r, v, bound + 1e-3, delta)
+    assert _approx_dp_tail(m, r, v, bound - 1e-3, delta) < 0.05 < _approx_dp_tail(m, r, v, bound + 1e-3, delta)
     assert one_run_epsilon_lower_bound(m, r, v, delta=delta, confidence=0.99) < bound
     assert one_run_epsilon_lower_bound(m, r, v, delta=1e-3, confidence=0.95) < bound
     assert one_run_epsilon_lower_bound(m, r, 500, delta=delta) == 0.0  # chance accuracy proves nothing

@@ -26,7 +26,7 @@ class GradientCanaryAudit(Callback):
 
     ``trainer = Trainer(strategy=DPStrategy(...), callbacks=[audit := GradientCanaryAudit(1000)])``, then after
     ``trainer.fit(...)``, ``audit.report()`` gives the audited lower bound next to the reported epsilon (Steinke,
-    Nasr & Jagielski 2023, Algorithm 1 with the bound of their Theorem 5.2; canaries as in
+    Nasr & Jagielski 2023, Algorithm 1 with the bound of their theorem for approximate DP; canaries as in
     :mod:`lightning_dp.audit.gradient`). One process only (``DPStrategy``).
 
     Args:

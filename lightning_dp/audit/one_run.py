@@ -6,8 +6,8 @@ Setting (their Algorithm 1): ``m`` canaries are each included in the training in
 ``k_+`` highest scores, ``-1`` for the ``k_-`` lowest, and abstains on the rest. With ``r = k_+ + k_-`` guesses of
 which ``v`` are correct:
 
-- pure epsilon-DP (their Theorem 3.1): ``P[v correct] <= P[Binomial(r, e^eps / (1 + e^eps)) >= v]``;
-- (epsilon, delta)-DP (their Theorem 5.2): with ``f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v]``,
+- pure epsilon-DP (their main theorem for pure DP): ``P[v correct] <= P[Binomial(r, e^eps / (1 + e^eps)) >= v]``;
+- (epsilon, delta)-DP (their theorem for approximate DP): with ``f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v]``,
   ``P[W >= v] <= f(v) + 2 m delta max_{1 <= i <= v} (f(v - i) - f(v)) / i``.
 
 That right-hand side is the p-value of the null hypothesis "the training run is (epsilon, delta)-DP"; the audit's
@@ -44,8 +44,8 @@ def _validate_confidence(confidence: float) -> None:
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Probability of at least ``v`` correct guesses out of ``r`` if the run were (epsilon, delta)-DP.
 
-    Steinke et al. 2023, Theorem 3.1 (``delta = 0``) and Theorem 5.2 (``delta > 0``; the maximum over ``i`` of
-    ``(f(v - i) - f(v)) / i`` is taken over all ``1 <= i <= v``, as in their Appendix D).
+    Steinke et al. 2023, main theorems for pure DP (``delta = 0``) and approximate DP (``delta > 0``; the maximum
+    over ``i`` of ``(f(v - i) - f(v)) / i`` is taken over all ``1 <= i <= v``, as in their Appendix D).
 
     Args:
         m: number of canaries (each included with probability 1/2).
@@ -78,9 +78,9 @@ def one_run_epsilon_lower_bound(m: int, r: int, v: int, *, delta: float, confide
     """The largest epsilon the one-run audit rejects at ``confidence``: with probability at least ``confidence``
     over the canaries' inclusion, an (epsilon, delta)-DP run does not produce a bound above its epsilon.
 
-    ``sup {eps >= 0 : one_run_p_value(m, r, v, eps, delta) < 1 - confidence}`` (Steinke et al. 2023, Theorem 5.2;
-    Appendix D). The p-value increases in epsilon, so the root is bracketed by doubling and found with Brent's
-    method to 1e-6.
+    ``sup {eps >= 0 : one_run_p_value(m, r, v, eps, delta) < 1 - confidence}`` (Steinke et al. 2023,
+    approximate-DP theorem; Appendix D). The p-value increases in epsilon, so the root is bracketed by doubling
+    and found with Brent's method to 1e-6.
 
     Args:
         m: canaries; r: guesses; v: correct guesses (``0 <= v <= r <= m``).
