@@ -22,7 +22,7 @@ from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
-from lightning_dp.optim import DPOptimizer, DPRandomness
+from lightning_dp.optim import DPOptimizer, DPRandomness, LowPassFilter, make_lowpass
 
 log = logging.getLogger("lightning_dp")
 
@@ -57,6 +57,10 @@ class PrivacyEngine:
         accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
         seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
             seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
+        lowpass: low-pass filter of the noisy gradient (DP-PMLF seed, Algorithm 1 lines 9-11; LP-DPSGD): ``None``
+            (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
+            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost, same accountant. Its state is
+            part of :meth:`state_dict`.
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -77,6 +81,7 @@ class PrivacyEngine:
         projection_dim: int | None = None,
         accountant: str | None = None,
         seed: int | None = None,
+        lowpass: str | dict[str, Any] | LowPassFilter | None = None,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
         if target_epsilon is not None:
@@ -121,6 +126,8 @@ class PrivacyEngine:
         self.projection_dim = projection_dim
         self.accountant_name = accountant
         self.randomness = DPRandomness(seed)
+        #: the low-pass filter applied to every noisy step (validated here), or ``None``.
+        self.lowpass = make_lowpass(lowpass)
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
         self.mechanism: NoiseMechanism | None = None
         if isinstance(noise, NoiseMechanism):
@@ -289,6 +296,7 @@ class PrivacyEngine:
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
+            postprocess=self.lowpass.apply_ if self.lowpass is not None else None,
         )
 
     # ------------------------------------------------------------------------------------------ accounting
@@ -380,31 +388,39 @@ class PrivacyEngine:
                 if self.randomized_clipping and self.clipper is not None
                 else {}
             ),
+            **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
 
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`.
+        With a low-pass filter, its state (past filtered and noisy gradients: tensors, functions of released values
+        only) is under ``"lowpass"``. Deliberately no seed and no generator state: see
+        :mod:`lightning_dp.optim.randomness`.
         """
         assert self.mechanism is not None and self.accountant is not None
-        return {
+        state = {
             "accountant": self.accountant.state_dict(),
             "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
             "target_delta": self.target_delta,
             "sample_rate": self.sample_rate,
         }
+        if self.lowpass is not None:
+            state["lowpass"] = self.lowpass.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
         is replayed into this run's accountant (events are data, so another accountant may recompute them), and
         the random streams restart so that no noise of the first run is replayed.
 
+        The low-pass filter's state, if any, is restored too.
+
         Raises:
             ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
                 noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound).
+                relative to the clipping bound); the checkpoint's lowpass coefficients differ from this run's.
         """
         params = dict(state["mechanism"])
         name = params.pop("name")
@@ -431,3 +447,13 @@ class PrivacyEngine:
             self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]
         self.randomness.restart(self.accountant.steps)
+        self._load_lowpass_state(state.get("lowpass"))
+
+    def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""
+        if self.lowpass is not None and state is not None:
+            self.lowpass.load_state_dict(state)
+        elif self.lowpass is not None:
+            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
+        elif state is not None:
+            log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")

@@ -56,6 +56,9 @@ class PrivacyArguments:
         per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
             tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
             more, and are clipped more often). Labels ``-100`` are ignored either way.
+        lowpass: low-pass filter of the noisy gradient (LP-DPSGD; DP-PMLF seed, Algorithm 1 lines 9-11): a preset
+            name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, a dict ``{"a": [...], "b": [...]}``, or its
+            JSON text on the command line (``--lowpass '{"a": [-0.9], "b": [0.1]}'``); ``None``: off.
 
     Raises:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
@@ -94,6 +97,10 @@ class PrivacyArguments:
     per_example_reduction: Literal["mean", "sum"] = field(
         default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}
     )
+    lowpass: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": 'Low-pass filter of the noisy gradient: a preset name or JSON {"a": [...], "b": [...]}.'},
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.noise_params, str):
@@ -105,6 +112,14 @@ class PrivacyArguments:
                 ) from error
         if self.noise_params is not None and not isinstance(self.noise_params, dict):
             raise ValueError(f"noise_params must be a dict (JSON object), got {self.noise_params!r}")
+        if isinstance(self.lowpass, str) and self.lowpass.lstrip().startswith("{"):
+            try:
+                self.lowpass = json.loads(self.lowpass)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f'lowpass must be a preset name or a JSON object such as \'{{"a": [-0.9], "b": [0.1]}}\', got '
+                    f"{self.lowpass!r}"
+                ) from error
         if self.per_example_reduction not in PER_EXAMPLE_REDUCTIONS:
             raise ValueError(
                 f"per_example_reduction must be one of {PER_EXAMPLE_REDUCTIONS}, got {self.per_example_reduction!r}"
@@ -128,4 +143,5 @@ class PrivacyArguments:
             projection_dim=self.projection_dim,
             accountant=self.accountant,
             seed=self.dp_seed,
+            lowpass=self.lowpass,
         )

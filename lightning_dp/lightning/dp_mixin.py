@@ -62,6 +62,9 @@ class DPStrategyMixin:
         poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
             loader and logs that the reported epsilon assumes Poisson sampling.
         seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
+        lowpass: low-pass filter of the noisy gradient (LP-DPSGD; the filter of DP-PMLF, seed Algorithm 1 lines
+            9-11): ``None`` (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
+            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost; its state is checkpointed.
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -86,6 +89,7 @@ class DPStrategyMixin:
         sample_rate: float | None = None,
         poisson_sampling: bool = True,
         seed: int | None = None,
+        lowpass: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -102,6 +106,7 @@ class DPStrategyMixin:
             projection_dim=projection_dim,
             accountant=accountant,
             seed=seed,
+            lowpass=lowpass,
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
@@ -312,7 +317,8 @@ class DPStrategyMixin:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Add the privacy state (ledger, mechanism, generators) under ``checkpoint["lightning_dp"]``."""
+        """Add the privacy state (ledger, mechanism, lowpass filter state; never generators) under
+        ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -3,8 +3,11 @@
 Order of one step (DESIGN.md section 2): the closure (forward, per-sample clipping, clipped sum accumulated in
 ``p.grad``) -> noise from the mechanism, drawn once from a dedicated generator -> division by the EXPECTED
 batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's ``step()`` without closure ->
-``on_step`` (the accountant records the step). On several processes the clipped sums are first all-reduced with
-``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is added once, to the global sum.
+``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of
+:mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
+it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
+sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is
+added once, to the global sum.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class DPOptimizer(Optimizer):
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
             list of ``p.grad``, e.g. :meth:`~lightning_dp.optim.distributed.DistributedContext.reduce_clipped_sum`)
             before the noise is added; ``None`` on one process.
+        postprocess: called with the list of noisy, rescaled ``p.grad`` (one per trainable parameter) once per
+            logical step, after the division by ``q N`` and before the wrapped optimizer's step; it replaces them in
+            place (e.g. :meth:`~lightning_dp.optim.lowpass.LowPassFilter.apply_`). ``None``: no post-processing.
 
     Raises:
         ValueError: non-positive ``expected_batch_size``.
@@ -50,6 +56,7 @@ class DPOptimizer(Optimizer):
         on_step: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
+        postprocess: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
         if not expected_batch_size > 0:
             raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
@@ -61,6 +68,7 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
+        self.postprocess = postprocess
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -105,7 +113,9 @@ class DPOptimizer(Optimizer):
     def privatise(self) -> None:
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
 
-        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks.
+        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks; with ``postprocess``,
+        the result is then post-processed in place (on several processes the noisy gradient is identical on every
+        rank, so a deterministic post-processing such as the low-pass filter stays identical too).
         """
         self._privatised = True
         params = self.params
@@ -118,6 +128,8 @@ class DPOptimizer(Optimizer):
             grad = p.grad
             grad.add_(self.mechanism.sample(grad, self.randomness.noise_generator(grad.device)))
             grad.div_(self.expected_batch_size)
+        if self.postprocess is not None:
+            self.postprocess([p.grad for p in params])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (which accumulates the clipped sum), privatise (unless the closure came through
