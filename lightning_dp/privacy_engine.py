@@ -24,7 +24,7 @@ from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
-from lightning_dp.optim import DPOptimizer, DPRandomness
+from lightning_dp.optim import DPOptimizer, DPRandomness, LowPassFilter, make_lowpass
 from lightning_dp.optim.momentum import PerSampleMomentum
 
 log = logging.getLogger("lightning_dp")
@@ -107,6 +107,10 @@ class PrivacyEngine:
         secure_mode: draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the
             floating-point mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); a ``seed`` is
             rejected in this mode.
+        lowpass: low-pass filter of the noisy gradient (DP-PMLF seed, Algorithm 1 lines 9-11; LP-DPSGD): ``None``
+            (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
+            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost, same accountant. Its state is
+            part of :meth:`state_dict`.
 
     Raises:
         ValueError: any invalid combination above, with what to change.
@@ -131,6 +135,7 @@ class PrivacyEngine:
         momentum_beta: float = 0.9,
         check_batch_independence: bool = True,
         secure_mode: bool = False,
+        lowpass: str | dict[str, Any] | LowPassFilter | None = None,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
         self.momentum = PerSampleMomentum(momentum_length, momentum_beta)
@@ -188,6 +193,8 @@ class PrivacyEngine:
         self.randomness = DPRandomness(seed, secure=self.secure_mode)
         #: checks around each training forward (buffers, batch independence), created by ``attach``.
         self.guard: TrainingGuard | None = None
+        #: the low-pass filter applied to every noisy step (validated here), or ``None``.
+        self.lowpass = make_lowpass(lowpass)
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
         self.mechanism: NoiseMechanism | None = None
         if isinstance(noise, NoiseMechanism):
@@ -381,6 +388,7 @@ class PrivacyEngine:
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
             secure_mode=self.secure_mode,
+            postprocess=self.lowpass.apply_ if self.lowpass is not None else None,
         )
 
     # ------------------------------------------------------------------------------------------ accounting
@@ -477,6 +485,7 @@ class PrivacyEngine:
                 if self.momentum.enabled
                 else {}
             ),
+            **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -485,7 +494,8 @@ class PrivacyEngine:
 
         Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`. With per-sample
         momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
-        noisy releases only).
+        noisy releases only). With a low-pass filter, also
+        ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
         """
         assert self.mechanism is not None and self.accountant is not None
         state = {
@@ -496,6 +506,8 @@ class PrivacyEngine:
         }
         if self.momentum.enabled:
             state["momentum"] = self.momentum.state_dict()
+        if self.lowpass is not None:
+            state["lowpass"] = self.lowpass.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -503,12 +515,15 @@ class PrivacyEngine:
         is replayed into this run's accountant (events are data, so another accountant may recompute them), and
         the random streams restart so that no noise of the first run is replayed.
 
+        The low-pass filter's state, if any, is restored too.
+
         Raises:
             ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
                 noise parameters that differ from the checkpoint's (continuing would silently change the noise
                 relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
                 event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
-                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's.
+                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
+                checkpoint's lowpass coefficients differ from this run's.
         """
         check_privacy_state(state)
         if "momentum" in state:
@@ -546,3 +561,13 @@ class PrivacyEngine:
             self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]
         self.randomness.restart(self.accountant.steps)
+        self._load_lowpass_state(state.get("lowpass"))
+
+    def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""
+        if self.lowpass is not None and state is not None:
+            self.lowpass.load_state_dict(state)
+        elif self.lowpass is not None:
+            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
+        elif state is not None:
+            log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")

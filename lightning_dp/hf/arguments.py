@@ -62,6 +62,9 @@ class PrivacyArguments:
         check_batch_independence: check on the first step that no example's loss depends on another example's data
             (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
         secure_mode: noise from the OS CSPRNG with floating-point mitigations (docs/privacy.md); rejects ``dp_seed``.
+        lowpass: low-pass filter of the noisy gradient (LP-DPSGD; DP-PMLF seed, Algorithm 1 lines 9-11): a preset
+            name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, a dict ``{"a": [...], "b": [...]}``, or its
+            JSON text on the command line (``--lowpass '{"a": [-0.9], "b": [0.1]}'``); ``None``: off.
 
     Raises:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).
@@ -110,6 +113,10 @@ class PrivacyArguments:
     secure_mode: bool = field(
         default=False, metadata={"help": "Noise from the OS CSPRNG with floating-point mitigations; no dp_seed."}
     )
+    lowpass: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": 'Low-pass filter of the noisy gradient: a preset name or JSON {"a": [...], "b": [...]}.'},
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.noise_params, str):
@@ -121,6 +128,14 @@ class PrivacyArguments:
                 ) from error
         if self.noise_params is not None and not isinstance(self.noise_params, dict):
             raise ValueError(f"noise_params must be a dict (JSON object), got {self.noise_params!r}")
+        if isinstance(self.lowpass, str) and self.lowpass.lstrip().startswith("{"):
+            try:
+                self.lowpass = json.loads(self.lowpass)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f'lowpass must be a preset name or a JSON object such as \'{{"a": [-0.9], "b": [0.1]}}\', got '
+                    f"{self.lowpass!r}"
+                ) from error
         if self.per_example_reduction not in PER_EXAMPLE_REDUCTIONS:
             raise ValueError(
                 f"per_example_reduction must be one of {PER_EXAMPLE_REDUCTIONS}, got {self.per_example_reduction!r}"
@@ -154,4 +169,5 @@ class PrivacyArguments:
             momentum_beta=self.momentum_beta,
             check_batch_independence=self.check_batch_independence,
             secure_mode=self.secure_mode,
+            lowpass=self.lowpass,
         )

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -18,6 +19,8 @@ log = logging.getLogger("lightning_dp")
 
 #: File holding the privacy state (ledger, mechanism, delta, sample rate) in each Trainer checkpoint folder.
 PRIVACY_STATE_NAME = "lightning_dp_privacy.json"
+#: File holding the low-pass filter's state (tensors, so not JSON) next to it, when the run has a filter.
+LOWPASS_STATE_NAME = "lightning_dp_lowpass.pt"
 
 
 def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]) -> None:
@@ -41,6 +44,9 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             f"Cannot read {str(path)!r}: the file is truncated or corrupted ({error}). Resume from an intact earlier "
             "checkpoint of this run (the privacy ledger is never reset to 0)"
         ) from error
+    lowpass_path = Path(checkpoint) / LOWPASS_STATE_NAME
+    if lowpass_path.is_file():
+        state["lowpass"] = torch.load(lowpass_path, map_location="cpu", weights_only=True)
     engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 
@@ -49,7 +55,8 @@ class PrivacyStateCallback(TrainerCallback):
     """Writes the engine's privacy state next to every checkpoint the Trainer saves (``on_save``).
 
     The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
-    sample rate; never a seed or generator state (see :mod:`lightning_dp.optim.randomness`).
+    sample rate; never a seed or generator state (see :mod:`lightning_dp.optim.randomness`). The low-pass filter's
+    state (tensors) goes to :data:`LOWPASS_STATE_NAME` beside it.
 
     Args:
         engine: the trainer's privacy engine.
@@ -69,7 +76,11 @@ class PrivacyStateCallback(TrainerCallback):
                 f"DPTrainer expected the checkpoint folder {folder} to hold the privacy state; checkpoints saved "
                 "elsewhere (hyperparameter search runs) are not supported"
             )
-        (folder / PRIVACY_STATE_NAME).write_text(json.dumps(self.engine.state_dict(), indent=1))
+        privacy_state = self.engine.state_dict()
+        lowpass_state = privacy_state.pop("lowpass", None)
+        (folder / PRIVACY_STATE_NAME).write_text(json.dumps(privacy_state, indent=1))
+        if lowpass_state is not None:
+            torch.save(lowpass_state, folder / LOWPASS_STATE_NAME)
         return control
 
 

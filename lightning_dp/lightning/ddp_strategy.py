@@ -43,7 +43,8 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     Args:
         kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
             (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
-            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``) and
+            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``,
+            ``momentum_length``, ``momentum_beta``, ``check_batch_independence``, ``secure_mode``, ``lowpass``) and
             those of Lightning's ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``,
             ``cluster_environment``, ...).
 

@@ -87,6 +87,9 @@ class DPStrategyMixin:
         check_batch_independence: check on the first step that no example's loss depends on another example's data
             (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
         secure_mode: noise from the OS CSPRNG with floating-point mitigations; rejects ``seed``.
+        lowpass: low-pass filter of the noisy gradient (LP-DPSGD; the filter of DP-PMLF, seed Algorithm 1 lines
+            9-11): ``None`` (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
+            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost; its state is checkpointed.
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -115,6 +118,7 @@ class DPStrategyMixin:
         momentum_beta: float = 0.9,
         check_batch_independence: bool = True,
         secure_mode: bool = False,
+        lowpass: str | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -135,6 +139,7 @@ class DPStrategyMixin:
             momentum_beta=momentum_beta,
             check_batch_independence=check_batch_independence,
             secure_mode=secure_mode,
+            lowpass=lowpass,
         )
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
@@ -383,7 +388,8 @@ class DPStrategyMixin:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Add the privacy state (ledger, mechanism, generators) under ``checkpoint["lightning_dp"]``."""
+        """Add the privacy state (ledger, mechanism, lowpass filter state; never generators) under
+        ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

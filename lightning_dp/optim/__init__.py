@@ -1,8 +1,18 @@
-"""Optimizer wrapper (noise on the clipped sum, scaling, accumulation), the run's dedicated generators, and the
-collectives of multi-process runs."""
+"""Optimizer wrapper (noise on the clipped sum, scaling, accumulation), the low-pass filter (post-processing of the
+noisy gradient), the run's dedicated generators, and the collectives of multi-process runs."""
 
 from lightning_dp.optim.distributed import DistributedContext, distributed_context
 from lightning_dp.optim.dp_optimizer import DPOptimizer
+from lightning_dp.optim.lowpass import LOWPASS_PRESETS, LowPassFilter, make_lowpass
 from lightning_dp.optim.randomness import DPRandomness, derive_seed
 
-__all__ = ["DPOptimizer", "DPRandomness", "DistributedContext", "derive_seed", "distributed_context"]
+__all__ = [
+    "LOWPASS_PRESETS",
+    "DPOptimizer",
+    "DPRandomness",
+    "DistributedContext",
+    "LowPassFilter",
+    "derive_seed",
+    "distributed_context",
+    "make_lowpass",
+]

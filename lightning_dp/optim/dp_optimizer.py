@@ -3,8 +3,11 @@
 Order of one step (DESIGN.md section 2): the closure (forward, per-sample clipping, clipped sum accumulated in
 ``p.grad``) -> noise from the mechanism, drawn once from a dedicated generator -> division by the EXPECTED
 batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's ``step()`` without closure ->
-``on_step`` (the accountant records the step). On several processes the clipped sums are first all-reduced with
-``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is added once, to the global sum.
+``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of
+:mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
+it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
+sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is
+added once, to the global sum.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class DPOptimizer(Optimizer):
             before the noise is added; ``None`` on one process.
         secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample` (same law, samplers
             hardened against floating-point attacks); pair it with ``DPRandomness(secure=True)``.
+        postprocess: called with the list of noisy, rescaled ``p.grad`` (one per trainable parameter) once per
+            logical step, after the division by ``q N`` and before the wrapped optimizer's step; it replaces them in
+            place (e.g. :meth:`~lightning_dp.optim.lowpass.LowPassFilter.apply_`). ``None``: no post-processing.
 
     Raises:
         ValueError: non-positive ``expected_batch_size``.
@@ -54,6 +60,7 @@ class DPOptimizer(Optimizer):
         should_skip: Callable[[], bool] = lambda: False,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
         secure_mode: bool = False,
+        postprocess: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
         if secure_mode:
             check_secure_mechanism(mechanism)
@@ -71,6 +78,7 @@ class DPOptimizer(Optimizer):
         #: called with the trainable parameters after the clipped sums are in ``p.grad`` (and all-reduced) and
         #: before the noise is added; used by :mod:`lightning_dp.audit` to inject gradient canaries.
         self.clipped_sum_hooks: list[Callable[[Sequence[torch.nn.Parameter]], None]] = []
+        self.postprocess = postprocess
         self._privatised = False
         self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
@@ -116,7 +124,9 @@ class DPOptimizer(Optimizer):
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
 
         With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks; then the
-        ``clipped_sum_hooks`` run.
+        ``clipped_sum_hooks`` run; with ``postprocess``, the noisy, rescaled result is post-processed in place (on
+        several processes the noisy gradient is identical on every rank, so a deterministic post-processing such as
+        the low-pass filter stays identical too).
         """
         self._privatised = True
         params = self.params
@@ -135,6 +145,8 @@ class DPOptimizer(Optimizer):
             else:
                 grad.add_(self.mechanism.sample(grad, generator))
             grad.div_(self.expected_batch_size)
+        if self.postprocess is not None:
+            self.postprocess([p.grad for p in params])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (which accumulates the clipped sum), privatise (unless the closure came through
