@@ -285,7 +285,7 @@ def test_hf_checkpoint_holds_the_filter_state_and_resume_restores_it(tmp_path):
     from hf_helpers import tiny_gpt2
 
     from lightning_dp.hf import PrivacyArguments
-    from lightning_dp.hf.callbacks import LOWPASS_STATE_NAME, PRIVACY_STATE_NAME
+    from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, TENSOR_STATE_NAMES
 
     def privacy():
         return PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0, lowpass="first-order")
@@ -296,7 +296,7 @@ def test_hf_checkpoint_holds_the_filter_state_and_resume_restores_it(tmp_path):
     live = first.privacy_engine.lowpass
     folder = tmp_path / "checkpoint-2"
     assert "lowpass" not in json.loads((folder / PRIVACY_STATE_NAME).read_text())
-    saved = torch.load(folder / LOWPASS_STATE_NAME, weights_only=True)
+    saved = torch.load(folder / TENSOR_STATE_NAMES["lowpass"], weights_only=True)
     assert saved["steps"] == live.steps == 2
     for lag_saved, lag_live in zip(saved["vbar"], live.state_dict()["vbar"], strict=True):
         assert all(torch.equal(x, y) for x, y in zip(lag_saved, lag_live, strict=True))

@@ -154,10 +154,37 @@ def test_bad_options_rejected(kwargs, match):
         DPStrategy(noise_multiplier=1.0, **kwargs)
 
 
-def test_hf_rejects_momentum_clearly():
-    with pytest.raises(ValueError, match="not supported by DPTrainer"):
-        PrivacyArguments(noise_multiplier=1.0, momentum_length=2)
-    assert PrivacyArguments(noise_multiplier=1.0, momentum_length=1).make_engine().momentum.enabled is False
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_hf_trainer_runs_momentum_and_checkpoints_its_iterates(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_helpers import make_trainer as make_hf_trainer
+    from hf_helpers import tiny_gpt2
+
+    from lightning_dp.hf.callbacks import TENSOR_STATE_NAMES
+
+    def privacy(k=3):
+        return PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0, momentum_length=k)
+
+    args = dict(max_steps=3, save_strategy="steps", save_steps=3)
+    first = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy(), args=args)
+    calls = []
+    forward = first.compute_per_example_loss
+    first.compute_per_example_loss = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    first.train()
+    # forwards per step: 1, 2, 3 (the stored iterates fill up to k - 1 = 2); empty Poisson batches have none
+    assert 3 <= len(calls) <= 6
+    history = first.privacy_engine.momentum.history
+    assert len(history) == 2
+    saved = torch.load(tmp_path / "checkpoint-3" / TENSOR_STATE_NAMES["momentum"], weights_only=True)
+    assert len(saved["iterates"]) == 2
+    for iterate, live in zip(saved["iterates"], history, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(iterate.values(), live, strict=True))
+    resumed = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy(), args={**args, "max_steps": 4})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert resumed.privacy_engine.steps == 4 and len(resumed.privacy_engine.momentum.history) == 2
+    other = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy(k=2), args={**args, "max_steps": 4})
+    with pytest.raises(ValueError, match="momentum_length=3"):
+        other.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:

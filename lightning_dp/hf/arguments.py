@@ -56,8 +56,10 @@ class PrivacyArguments:
         per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
             tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
             more, and are clipped more often). Labels ``-100`` are ignored either way.
-        momentum_length: ``k`` of the per-sample momentum (DP-PMLF seed, Algorithm 1 line 5); only 1 (DP-SGD) for
-            now: ``k > 1`` is rejected (use ``DPStrategy`` for it), see :mod:`lightning_dp.optim.momentum`.
+        momentum_length: ``k`` of the per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; 1: DP-SGD): with
+            ``k > 1`` each micro-batch's forward also runs at the ``k - 1`` stored iterates (newest first, the same
+            dropout masks), whose copies of the trainable parameters are saved with each checkpoint; see
+            :mod:`lightning_dp.optim.momentum`.
         momentum_beta: ``beta`` in ``(0, 1]`` of the per-sample momentum weights (ignored when ``k = 1``).
         check_batch_independence: check on the first step that no example's loss depends on another example's data
             (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
@@ -103,9 +105,7 @@ class PrivacyArguments:
     per_example_reduction: Literal["mean", "sum"] = field(
         default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}
     )
-    momentum_length: int = field(
-        default=1, metadata={"help": "Per-sample momentum length k (DP-PMLF); only 1 (DP-SGD) with DPTrainer."}
-    )
+    momentum_length: int = field(default=1, metadata={"help": "Per-sample momentum length k (DP-PMLF); 1 is DP-SGD."})
     momentum_beta: float = field(default=0.9, metadata={"help": "Per-sample momentum decay beta in (0, 1]."})
     check_batch_independence: bool = field(
         default=True, metadata={"help": "Check on the first step that examples do not influence each other's loss."}
@@ -143,12 +143,6 @@ class PrivacyArguments:
         if self.sample_rate is not None:
             validate_sample_rate(self.sample_rate)
         self.make_engine()  # validates every privacy argument; the trainer builds its own engine
-        if self.momentum_length > 1:
-            raise ValueError(
-                f"momentum_length={self.momentum_length}: per-sample momentum is not supported by DPTrainer yet (its "
-                "re-runs at stored iterates and their checkpointing are wired for Lightning only); use "
-                "DPStrategy(momentum_length=...) or momentum_length=1"
-            )
 
     def make_engine(self) -> PrivacyEngine:
         """A fresh :class:`PrivacyEngine` for these arguments. Raises ``ValueError`` as the class docstring."""

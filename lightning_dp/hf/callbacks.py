@@ -19,8 +19,9 @@ log = logging.getLogger("lightning_dp")
 
 #: File holding the privacy state (ledger, mechanism, delta, sample rate) in each Trainer checkpoint folder.
 PRIVACY_STATE_NAME = "lightning_dp_privacy.json"
-#: File holding the low-pass filter's state (tensors, so not JSON) next to it, when the run has a filter.
-LOWPASS_STATE_NAME = "lightning_dp_lowpass.pt"
+#: Files holding the parts of the privacy state that are tensors (so not JSON) next to it, when the run has them:
+#: the low-pass filter's past values and the per-sample momentum's stored iterates.
+TENSOR_STATE_NAMES = {"lowpass": "lightning_dp_lowpass.pt", "momentum": "lightning_dp_momentum.pt"}
 
 
 def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]) -> None:
@@ -44,9 +45,9 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             f"Cannot read {str(path)!r}: the file is truncated or corrupted ({error}). Resume from an intact earlier "
             "checkpoint of this run (the privacy ledger is never reset to 0)"
         ) from error
-    lowpass_path = Path(checkpoint) / LOWPASS_STATE_NAME
-    if lowpass_path.is_file():
-        state["lowpass"] = torch.load(lowpass_path, map_location="cpu", weights_only=True)
+    for key, name in TENSOR_STATE_NAMES.items():
+        if (Path(checkpoint) / name).is_file():
+            state[key] = torch.load(Path(checkpoint) / name, map_location="cpu", weights_only=True)
     engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 
@@ -56,7 +57,7 @@ class PrivacyStateCallback(TrainerCallback):
 
     The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
     sample rate; never a seed or generator state (see :mod:`lightning_dp.optim.randomness`). The low-pass filter's
-    state (tensors) goes to :data:`LOWPASS_STATE_NAME` beside it.
+    state and the per-sample momentum's iterates (tensors) go to the files :data:`TENSOR_STATE_NAMES` beside it.
 
     Args:
         engine: the trainer's privacy engine.
@@ -77,10 +78,10 @@ class PrivacyStateCallback(TrainerCallback):
                 "elsewhere (hyperparameter search runs) are not supported"
             )
         privacy_state = self.engine.state_dict()
-        lowpass_state = privacy_state.pop("lowpass", None)
+        tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
         (folder / PRIVACY_STATE_NAME).write_text(json.dumps(privacy_state, indent=1))
-        if lowpass_state is not None:
-            torch.save(lowpass_state, folder / LOWPASS_STATE_NAME)
+        for key, tensor_state in tensor_states.items():
+            torch.save(tensor_state, folder / TENSOR_STATE_NAMES[key])
         return control
 
 

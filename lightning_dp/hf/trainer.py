@@ -343,9 +343,11 @@ class DPTrainer(Trainer):
             else:
                 inputs = engine.guard.before_forward(inputs, size)
                 with self.compute_loss_context_manager():
+                    if engine.momentum.enabled:  # the same micro-batch at each stored iterate first
+                        engine.add_past_iterates(lambda: self.compute_per_example_loss(model, inputs))
                     losses = self.compute_per_example_loss(model, inputs)
                 engine.guard.after_forward(losses)
-            norms = engine.clipper.backward(losses)
+            norms = engine.clipper.backward(losses, weight=engine.momentum.current_weight)
             if norms.numel():
                 self.last_clip_fraction = float((norms > engine.max_grad_norm).float().mean())
                 loss = losses.detach().mean().to(loss.device)
