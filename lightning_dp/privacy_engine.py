@@ -22,6 +22,7 @@ from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
+from lightning_dp.naming import did_you_mean, unknown_name
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
 log = logging.getLogger("lightning_dp")
@@ -92,10 +93,12 @@ class PrivacyEngine:
         if not isinstance(noise, NoiseMechanism):
             mechanism_class(noise)  # an unknown name fails here, listing the valid ones
         if accountant is not None and accountant not in ACCOUNTANTS:
-            raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
+            raise ValueError(unknown_name("accountant", accountant, ACCOUNTANTS))
         engine = ENGINES.get(clipping)
         if engine is None:
-            raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")
+            raise ValueError(
+                f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}{did_you_mean(clipping, ENGINES)}"
+            )
         self.randomized_clipping = engine.randomized
         if self.randomized_clipping:
             noise_name = noise.name if isinstance(noise, NoiseMechanism) else noise
@@ -130,6 +133,13 @@ class PrivacyEngine:
             if noise_multiplier is not None:
                 params["noise_multiplier"] = noise_multiplier
             self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
+        if self.mechanism is not None and self.mechanism.is_noiseless:
+            log.warning(
+                "%s adds no noise (%s): no finite epsilon holds, the run is NOT differentially private and reports "
+                "epsilon = inf",
+                self.mechanism.name,
+                self.mechanism.describe(),
+            )
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
         #: ``d`` of the randomized-clipping event (set by ``attach`` for hutch/hutchpp).
@@ -193,9 +203,10 @@ class PrivacyEngine:
                 f"{sample_rate}; resume with the same data and batch size"
             )
         self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
+        defaults = []
         if self.target_delta is None:
             self.target_delta = default_delta(num_samples)
-            log.info("target_delta not given: using 1/N^1.1 = %.3g for N = %d", self.target_delta, num_samples)
+            defaults.append(f"target_delta = 1/N^1.1 = {self.target_delta:.3g} for N = {num_samples}")
         if self.target_delta >= 1.0 / num_samples:
             log.warning(
                 "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
@@ -205,7 +216,11 @@ class PrivacyEngine:
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
+            if self.accountant_name is None:
+                defaults.append(f"accountant = {self._default_accountant()!r} (the sound default for this noise)")
             self.accountant = make_accountant(self.accountant_name or self._default_accountant())
+        if defaults:
+            log.info("Privacy defaults applied: %s", "; ".join(defaults))
         self._check_accountant_supports()
 
     def _default_accountant(self) -> str:
@@ -422,8 +437,16 @@ class PrivacyEngine:
                 "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
             )
         self.mechanism = restored
+        saved_delta = state["target_delta"]
         if self.target_delta is None:
-            self.target_delta = state["target_delta"]
+            self.target_delta = saved_delta
+        elif not math.isclose(self.target_delta, saved_delta):
+            log.warning(
+                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
+                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
+                saved_delta,
+                self.target_delta,
+            )
         saved = make_accountant(state["accountant"]["name"])
         saved.load_state_dict(state["accountant"])
         self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))

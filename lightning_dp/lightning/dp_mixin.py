@@ -176,6 +176,16 @@ class DPStrategyMixin:
             sample_rate = self._requested_sample_rate
         elif batch_size:
             sample_rate = min(1.0, batch_size * micro_batches * world_size / num_samples)
+            if self.sample_rate is None:  # logged once, at the first training loader
+                log.info(
+                    "Privacy defaults applied: sample_rate = batch_size %d x accumulate_grad_batches %d x %d "
+                    "process(es) / N %d = %.4g (Poisson sampling)",
+                    batch_size,
+                    micro_batches,
+                    world_size,
+                    num_samples,
+                    sample_rate,
+                )
         else:
             raise ValueError(f"Cannot infer the expected batch size: pass {type(self).__name__}(sample_rate=...)")
         if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):

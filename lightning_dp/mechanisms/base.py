@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_dp.naming import unknown_name
+
 MECHANISMS: dict[str, type[NoiseMechanism]] = {}
 
 
@@ -24,7 +26,7 @@ def register_mechanism(cls: type[NoiseMechanism]) -> type[NoiseMechanism]:
 def mechanism_class(name: str) -> type[NoiseMechanism]:
     """The registered mechanism class called ``name``. Raises ``ValueError`` listing the valid names."""
     if name not in MECHANISMS:
-        raise ValueError(f"Unknown noise mechanism {name!r}; choose one of {sorted(MECHANISMS)}")
+        raise ValueError(unknown_name("noise", name, MECHANISMS))
     return MECHANISMS[name]
 
 
