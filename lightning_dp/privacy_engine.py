@@ -213,20 +213,20 @@ class PrivacyEngine:
                 self.target_delta,
                 1.0 / num_samples,
             )
+        if self.accountant is None and self.accountant_name is None:
+            defaults.append(f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})")
+        if defaults:
+            log.info("Privacy defaults applied: %s", "; ".join(defaults))
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
-            if self.accountant_name is None:
-                defaults.append(f"accountant = {self._default_accountant()!r} (the sound default for this noise)")
             self.accountant = make_accountant(self.accountant_name or self._default_accountant())
-        if defaults:
-            log.info("Privacy defaults applied: %s", "; ".join(defaults))
         self._check_accountant_supports()
 
     def _default_accountant(self) -> str:
         """``"rc"`` for randomized clipping, else the mechanism's sound default."""
-        assert self.mechanism is not None
-        return "rc" if self.randomized_clipping else self.mechanism.default_accountant
+        mechanism = self.mechanism or mechanism_class(self.noise_name)
+        return "rc" if self.randomized_clipping else mechanism.default_accountant
 
     def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
         """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
@@ -261,9 +261,9 @@ class PrivacyEngine:
                 accountant=self.accountant_name,
             )
         log.info(
-            "Calibrated %s noise %s for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
+            "Calibrated %s noise (%s) for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
             self.noise_name,
-            mechanism.describe(),
+            ", ".join(f"{k}={v:.4g}" for k, v in mechanism.describe().items()),
             self.target_epsilon,
             self.target_delta,
             total_steps,
