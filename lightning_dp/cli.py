@@ -52,6 +52,7 @@ def fit_main(argv: list[str]) -> int:
     """LightningCLI over any LightningModule/LightningDataModule given by class path in the config; logs the
     calibration line and, at the end, the privacy summary (also when the config has no PrivacyAccountantCallback).
     """
+    from jsonargparse import ArgumentError
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
@@ -62,14 +63,18 @@ def fit_main(argv: list[str]) -> int:
         # LightningCLI warns whenever args= is passed while sys.argv has arguments, which is always the case here
         # (they are the same arguments); only that message is ignored, and only here.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
-        cli = LightningCLI(
-            LightningModule,
-            LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=["fit", *argv],
-            save_config_kwargs={"overwrite": True},
-        )
+        try:
+            cli = LightningCLI(
+                LightningModule,
+                LightningDataModule,
+                subclass_mode_model=True,
+                subclass_mode_data=True,
+                args=["fit", *argv],
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"exit_on_error": False},
+            )
+        except ArgumentError as err:  # a bad config value: one line, as every subcommand
+            raise ValueError(f"{err} (see lightning-dp fit --help)") from err
     trainer = cli.trainer
     engine = getattr(trainer.strategy, "privacy_engine", None)
     reported = any(isinstance(cb, PrivacyAccountantCallback) for cb in trainer.callbacks)

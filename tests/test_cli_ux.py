@@ -69,6 +69,16 @@ def test_bad_input_is_one_error_line_with_exit_code_2(argv, expected, capsys):
     assert "Traceback" not in captured.err + captured.out
 
 
+@pytest.mark.parametrize("text", ["trainer:\n  max_epochs: foo\n", None])
+def test_fit_bad_config_is_one_error_line(text, tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    if text is not None:
+        path.write_text(text)
+    assert exit_code(["fit", "--config", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightning-dp fit: error:")
+
+
 def test_wrong_accountant_for_the_noise_is_one_line(capsys):
     assert exit_code(["demo", "--noise", "laplace", "--accountant", "rdp", "--epochs", "1"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
