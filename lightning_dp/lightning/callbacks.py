@@ -65,11 +65,11 @@ class PrivacyAccountantCallback(Callback):
         # on_train_epoch_end hook has run: an epsilon logged in on_train_epoch_end alone reached the bar one epoch
         # late. So the bar's value is logged here, as a step metric, on each epoch's last batch (and every
         # log_every_n_steps steps); the epoch hook logs the same value to the loggers.
-        loop = trainer.fit_loop.epoch_loop
+        every = trainer.log_every_n_steps
         if (
-            loop.batch_progress.is_last_batch
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
             or trainer.should_stop
-            or trainer.global_step % trainer.log_every_n_steps == 0
+            or (every and trainer.global_step % every == 0)
         ):
             epsilon = privacy_engine_of(trainer).epsilon(self.delta)
             pl_module.log("epsilon", epsilon, prog_bar=True, logger=False, on_step=True, on_epoch=False)
