@@ -118,6 +118,15 @@ def test_misspelt_names_suggest_the_closest(kwargs, pattern):
         DPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("noise", "params", "foreign"),
+    [("gaussian", {"noise_scale": 3.0}, "noise_scale"), ("lap2", {"noise_multiplier": 1.0}, "noise_multiplier")],
+)
+def test_noise_params_that_do_not_apply_are_rejected(noise, params, foreign):
+    with pytest.raises(ValueError, match=rf"{foreign} does not apply to noise='{noise}'"):
+        DPStrategy(noise=noise, noise_params=params)
+
+
 # ------------------------------------------------------------------------------------------------ calibrate
 def test_calibrate_refuses_a_meaningless_target_within_seconds():
     with pytest.raises(ValueError, match=r"no meaningful privacy.*accountant='rdp'"):
