@@ -45,8 +45,10 @@ NOISE_OPTIONS: dict[str, tuple[str, ...]] = {
     "plrv": ("gamma_shape", "gamma_scale"),
 }
 
-#: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD).
+#: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD); the ``rc``
+#: accountant (``--clipping``) is far slower per evaluation, so its curve has fewer.
 PLOT_POINTS = 16
+RC_PLOT_POINTS = 5
 
 #: Accountants shown side by side when the user names none: the paper's bound first, the sound default last.
 COMPARISONS: dict[str, tuple[str, ...]] = {
@@ -233,7 +235,7 @@ def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             def rc_epsilon(steps: int) -> float:
                 return randomized_clipping_epsilon(args.noise_multiplier, **{**schedule, "steps": steps}, **rc)
 
-            _plot(args, mechanism, {"rc": rc_epsilon})
+            _plot(args, mechanism, {"rc": rc_epsilon}, points=RC_PLOT_POINTS)
         return
     default = MECHANISMS[args.noise].default_accountant
     accountants = (args.accountant,) if args.accountant else COMPARISONS.get(args.noise, (default,))
@@ -258,11 +260,16 @@ def _epsilon_at_steps(mechanism: NoiseMechanism, accountant: str, args: argparse
     return at
 
 
-def _plot(args: argparse.Namespace, mechanism: NoiseMechanism, curves: dict[str, Callable[[int], float]]) -> None:
-    """Write epsilon against steps (``PLOT_POINTS`` points up to ``--steps``) for each accountant to ``--plot``."""
+def _plot(
+    args: argparse.Namespace,
+    mechanism: NoiseMechanism,
+    curves: dict[str, Callable[[int], float]],
+    points: int = PLOT_POINTS,
+) -> None:
+    """Write epsilon against steps (``points`` points up to ``--steps``) for each accountant to ``--plot``."""
     from lightning_dp.plots import save_epsilon_curves
 
-    grid = sorted({max(1, round(args.steps * i / PLOT_POINTS)) for i in range(1, PLOT_POINTS + 1)})
+    grid = sorted({max(1, round(args.steps * i / points)) for i in range(1, points + 1)})
     labelled = {
         PLOT_LABELS.get(name, name): ([0, *grid], [0.0, *(eps(t) for t in grid)]) for name, eps in curves.items()
     }
