@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 
 from lightning_dp.audit import AuditConfig, run_audit
 from lightning_dp.audit.runner import MODES
 from lightning_dp.audit.setups import SETUPS
+from lightning_dp.cli_args import Parser, choice, metavar_of
 from lightning_dp.cli_privacy import NOISES, _fmt, format_table
 
 
@@ -49,10 +49,16 @@ def _audit_body(args: argparse.Namespace) -> bool:
 
 def audit_main(argv: list[str]) -> int:
     """``lightning-dp audit [--setup linear|digits] [--mode gradient|input] --noise N --target-epsilon E ...``."""
-    parser = argparse.ArgumentParser(prog="lightning-dp audit", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setup", default="linear", choices=SETUPS, help="linear (white-box, fast) or digits CNN")
-    parser.add_argument("--mode", default="gradient", choices=MODES, help="canary type (default gradient)")
-    parser.add_argument("--noise", default="gaussian", choices=NOISES, help="noise mechanism")
+    parser = Parser("lightning-dp audit", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--setup",
+        default="linear",
+        type=choice(SETUPS),
+        metavar=metavar_of(SETUPS),
+        help="linear (white-box, fast) or digits CNN",
+    )
+    parser.add_argument("--mode", default="gradient", type=choice(MODES), metavar=metavar_of(MODES), help="canary type")
+    parser.add_argument("--noise", default="gaussian", type=choice(NOISES), metavar=metavar_of(NOISES), help="noise")
     parser.add_argument("--target-epsilon", type=float, required=True, help="epsilon the noise is calibrated for")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")
@@ -63,9 +69,4 @@ def audit_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of data, weights, noise and canaries")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args(argv)
-    try:
-        violated = _audit_body(args)
-    except ValueError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
-    return 1 if violated else 0
+    return 1 if _audit_body(args) else 0  # a ValueError becomes one error line (exit 2) in cli.main

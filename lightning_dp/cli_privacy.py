@@ -6,18 +6,24 @@
 runs LAP2 / PLRV-O Alg. 1 over the clipping bound). With ``--clipping hutch|hutchpp`` (randomized clipping, seed
 ``dpsgd-rc``; Gaussian noise only) both use the ``rc`` accountant with ``--projection-dim`` and ``--norm-dim``.
 Readable output is an aligned table; ``--json`` prints
-exactly one JSON object on stdout. Both return a process exit code (0 success, 2 usage or invalid values).
+exactly one JSON object on stdout; ``epsilon --plot FILE.png`` also draws epsilon against steps for each accountant
+shown (matplotlib, the ``plot`` extra). Both return a process exit code (0 success, 2 usage or invalid values, with
+one ``error:`` line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
+from lightning_dp.cli_args import Parser, choice, metavar_of, positive_int
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import (
     calibrate_result,
@@ -30,11 +36,32 @@ from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping
 
 NOISES = ("gaussian", "laplace", "laplace-advanced", "lap2", "plrv")
 
+#: The noise-parameter options each mechanism takes (``epsilon``); any other one given is an error, not ignored.
+NOISE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "gaussian": ("noise_multiplier",),
+    "laplace": ("noise_scale",),
+    "laplace-advanced": ("noise_scale",),
+    "lap2": ("noise_scale",),
+    "plrv": ("gamma_shape", "gamma_scale"),
+}
+
+#: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD); the ``rc``
+#: accountant (``--clipping``) is far slower per evaluation, so its curve has fewer.
+PLOT_POINTS = 16
+RC_PLOT_POINTS = 5
+
 #: Accountants shown side by side when the user names none: the paper's bound first, the sound default last.
 COMPARISONS: dict[str, tuple[str, ...]] = {
     "laplace-advanced": ("advanced", "lap2"),
     "lap2": ("lap2-paper", "lap2"),
     "plrv": ("plrv-paper", "plrv"),
+}
+
+#: Legend labels of the ``--plot`` curves where the accountant name alone would mislead.
+PLOT_LABELS: dict[str, str] = {
+    "lap2-paper": "lap2-paper (not a valid bound)",
+    "plrv-paper": "plrv-paper (not a valid bound)",
+    "advanced": "advanced composition",
 }
 
 NOTES: dict[str, str] = {
@@ -54,19 +81,37 @@ def _fmt(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
+def _option(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--noise", required=True, choices=NOISES, help="noise mechanism")
-    parser.add_argument("--sample-rate", type=float, required=True, help="Poisson rate q = batch size / N")
-    parser.add_argument("--steps", type=int, required=True, help="number of optimizer steps T")
-    parser.add_argument("--delta", type=float, required=True, help="target delta (below 1/N)")
-    parser.add_argument("--num-params", type=int, help="noised coordinates n (lap2, laplace-advanced, plrv)")
-    parser.add_argument("--accountant", help="accountant name (default: the mechanism's sound accountant)")
+    parser.add_argument(
+        "--noise", required=True, type=choice(NOISES), metavar=metavar_of(NOISES), help="noise mechanism"
+    )
+    parser.add_argument("--sample-rate", type=float, required=True, help="Poisson rate q = batch size / N, in (0, 1]")
+    parser.add_argument("--steps", type=positive_int, required=True, help="number of optimizer steps T")
+    parser.add_argument("--delta", type=float, required=True, help="target delta in (0, 1), below 1/N")
+    parser.add_argument("--num-params", type=positive_int, help="noised coordinates n (lap2, laplace-advanced, plrv)")
+    parser.add_argument(
+        "--accountant",
+        type=choice(ACCOUNTANTS),
+        metavar=metavar_of(ACCOUNTANTS),
+        help="accountant (default: the mechanism's sound accountant; epsilon also shows the paper's for lap2, plrv)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument(
-        "--clipping", choices=ESTIMATORS, help="randomized clipping (Hutch / Hutch++ norm estimates): rc accountant"
+        "--clipping",
+        type=choice(ESTIMATORS),
+        metavar=metavar_of(ESTIMATORS),
+        help="randomized clipping (Hutch / Hutch++ norm estimates): rc accountant, Gaussian noise only",
     )
-    parser.add_argument("--projection-dim", type=int, default=32, help="k, projection columns (default 32)")
-    parser.add_argument("--norm-dim", type=int, help="d, the widest estimated layer's min(p, d) (with --clipping)")
+    parser.add_argument(
+        "--projection-dim", type=positive_int, default=32, help="k, projection columns (with --clipping)"
+    )
+    parser.add_argument(
+        "--norm-dim", type=positive_int, help="d, the widest estimated layer's min(p, d) (required with --clipping)"
+    )
 
 
 def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -97,6 +142,12 @@ def _epsilons(mechanism: NoiseMechanism, accountants: tuple[str, ...], args: arg
 
 
 def _emit(summary: dict[str, Any], epsilons: dict[str, float], as_json: bool, default: str) -> None:
+    if not all(math.isfinite(eps) for eps in epsilons.values()):
+        print(
+            "lightning-dp: warning: epsilon is infinite (no noise, or noise the accountant cannot bound): no "
+            "differential-privacy guarantee",
+            file=sys.stderr,
+        )
     if as_json:
         print(json.dumps({**summary, "epsilons": epsilons}))
         return
@@ -111,21 +162,6 @@ def _emit(summary: dict[str, Any], epsilons: dict[str, float], as_json: bool, de
     print(format_table(rows))
     print()
     print(format_table(table))
-
-
-def _run(
-    parser: argparse.ArgumentParser,
-    argv: list[str],
-    body: Callable[[argparse.ArgumentParser, argparse.Namespace], None],
-) -> int:
-    """Parse ``argv``, run ``body``; a ``ValueError`` (invalid values) becomes a message on stderr and exit code 2."""
-    args = parser.parse_args(argv)
-    try:
-        body(parser, args)
-    except ValueError as err:
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def _summary(
@@ -149,17 +185,44 @@ def _summary(
     }
 
 
+class _OncePerMessage(logging.Filter):
+    """Passes each distinct log message once (the paper accountants warn at every construction, and ``--plot``
+    builds one per point)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
 def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    required = {
-        "gaussian": ("noise_multiplier",),
-        "laplace": ("noise_scale",),
-        "laplace-advanced": ("noise_scale",),
-        "lap2": ("noise_scale",),
-        "plrv": ("gamma_shape", "gamma_scale"),
-    }[args.noise]
-    missing = [f"--{p.replace('_', '-')}" for p in required if getattr(args, p) is None]
+    once = _OncePerMessage()
+    logger = logging.getLogger("lightning_dp")
+    logger.addFilter(once)
+    try:
+        _epsilon_report(parser, args)
+    finally:
+        logger.removeFilter(once)
+
+
+def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    required = NOISE_OPTIONS[args.noise]
+    missing = [_option(p) for p in required if getattr(args, p) is None]
     if missing:
         parser.error(f"--noise {args.noise} needs {' and '.join(missing)}")
+    others = {p for options in NOISE_OPTIONS.values() for p in options} - set(required)
+    extra = [_option(p) for p in sorted(others) if getattr(args, p) is not None]
+    if extra:
+        parser.error(
+            f"{' and '.join(extra)} does not apply to --noise {args.noise}, which takes "
+            f"{' and '.join(_option(p) for p in required)}"
+        )
     params = {p: getattr(args, p) for p in required}
     mechanism = make_mechanism(args.noise, max_grad_norm=args.max_grad_norm, **params)
     rc = _randomized_clipping(parser, args)
@@ -167,24 +230,70 @@ def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         schedule = {"target_delta": args.delta, "sample_rate": args.sample_rate, "steps": args.steps}
         epsilon = randomized_clipping_epsilon(args.noise_multiplier, **schedule, **rc)
         _emit(_summary(args, mechanism, epsilon, "rc"), {"rc": epsilon}, args.json, "rc")
+        if args.plot:
+
+            def rc_epsilon(steps: int) -> float:
+                return randomized_clipping_epsilon(args.noise_multiplier, **{**schedule, "steps": steps}, **rc)
+
+            _plot(args, mechanism, {"rc": rc_epsilon}, points=RC_PLOT_POINTS)
         return
     default = MECHANISMS[args.noise].default_accountant
     accountants = (args.accountant,) if args.accountant else COMPARISONS.get(args.noise, (default,))
     epsilons = _epsilons(mechanism, accountants, args)
     primary = args.accountant or default
     _emit(_summary(args, mechanism, epsilons[primary], primary), epsilons, args.json, default)
+    if args.plot:
+        _plot(args, mechanism, {name: _epsilon_at_steps(mechanism, name, args) for name in accountants})
+
+
+def _epsilon_at_steps(mechanism: NoiseMechanism, accountant: str, args: argparse.Namespace) -> Callable[[int], float]:
+    def at(steps: int) -> float:
+        return mechanism_epsilon(
+            mechanism,
+            sample_rate=args.sample_rate,
+            steps=steps,
+            delta=args.delta,
+            num_params=args.num_params,
+            accountant=accountant,
+        )
+
+    return at
+
+
+def _plot(
+    args: argparse.Namespace,
+    mechanism: NoiseMechanism,
+    curves: dict[str, Callable[[int], float]],
+    points: int = PLOT_POINTS,
+) -> None:
+    """Write epsilon against steps (``points`` points up to ``--steps``) for each accountant to ``--plot``."""
+    from lightning_dp.plots import save_epsilon_curves
+
+    grid = sorted({max(1, round(args.steps * i / points)) for i in range(1, points + 1)})
+    labelled = {
+        PLOT_LABELS.get(name, name): ([0, *grid], [0.0, *(eps(t) for t in grid)]) for name, eps in curves.items()
+    }
+    params = ", ".join(f"{k}={_fmt(v)}" for k, v in mechanism.describe().items())
+    title = f"{args.noise} noise ({params}), q={_fmt(args.sample_rate)}"
+    path = save_epsilon_curves(args.plot, labelled, delta=args.delta, title=title)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def epsilon_main(argv: list[str]) -> int:
     """``lightning-dp epsilon``: epsilon after ``--steps`` steps of the given mechanism at ``--delta``."""
-    parser = argparse.ArgumentParser(prog="lightning-dp epsilon", description=epsilon_main.__doc__)
+    parser = Parser("lightning-dp epsilon", description=epsilon_main.__doc__)
     _common_arguments(parser)
     parser.add_argument("--max-grad-norm", type=float, required=True, help="clipping bound C")
-    parser.add_argument("--noise-multiplier", type=float, help="Gaussian sigma (noise std = sigma * C)")
+    parser.add_argument("--noise-multiplier", type=float, help="Gaussian sigma, noise std = sigma * C (gaussian)")
     parser.add_argument("--noise-scale", type=float, help="Laplace scale b (laplace, laplace-advanced, lap2)")
-    parser.add_argument("--gamma-shape", type=float, help="PLRV-O Gamma shape k > 1")
-    parser.add_argument("--gamma-scale", type=float, help="PLRV-O Gamma scale theta > 0")
-    return _run(parser, argv, _epsilon_body)
+    parser.add_argument("--gamma-shape", type=float, help="PLRV-O Gamma shape k > 1 (plrv)")
+    parser.add_argument("--gamma-scale", type=float, help="PLRV-O Gamma scale theta > 0 (plrv)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help=f"also write epsilon against steps ({PLOT_POINTS} points) for each accountant shown; needs matplotlib",
+    )
+    return parser.run(argv, lambda args: _epsilon_body(parser, args))
 
 
 def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -237,16 +346,16 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def calibrate_main(argv: list[str]) -> int:
     """``lightning-dp calibrate``: noise parameters that reach ``--target-epsilon`` at ``--delta``."""
-    parser = argparse.ArgumentParser(prog="lightning-dp calibrate", description=calibrate_main.__doc__)
+    parser = Parser("lightning-dp calibrate", description=calibrate_main.__doc__)
     _common_arguments(parser)
-    parser.add_argument("--target-epsilon", type=float, required=True, help="target epsilon")
+    parser.add_argument("--target-epsilon", type=float, required=True, help="target epsilon > 0")
     parser.add_argument(
         "--max-grad-norm",
         type=float,
         default=1.0,
-        help="clipping bound C (with --search: the largest C considered); default 1.0",
+        help="clipping bound C (with --search: the largest C considered)",
     )
     parser.add_argument(
         "--search", action="store_true", help="lap2/plrv: also search the clipping bound (LAP2 / PLRV-O Alg. 1)"
     )
-    return _run(parser, argv, _calibrate_body)
+    return parser.run(argv, lambda args: _calibrate_body(parser, args))

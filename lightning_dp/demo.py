@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import time
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_dp.accounting import ACCOUNTANTS
+from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
+from lightning_dp.clipping import ENGINES
 from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.lightning.callbacks import EpochTable
+from lightning_dp.mechanisms import MECHANISMS
 
 
 def run_demo(
@@ -77,23 +79,40 @@ def run_demo(
 
 
 def main(argv: list[str]) -> int:
-    """Parse ``lightning-dp demo`` arguments, run, print the result."""
-    parser = argparse.ArgumentParser(prog="lightning-dp demo", description=__doc__)
-    parser.add_argument("--target-epsilon", type=float, default=3.0)
-    parser.add_argument("--target-delta", type=float, default=1e-5)
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=1.0)
-    parser.add_argument("--clipping", default="flat")
-    parser.add_argument("--noise", default="gaussian", help="gaussian | laplace | laplace-advanced | lap2 | plrv")
-    parser.add_argument("--accountant", default=None, help="default: the mechanism's sound accountant")
-    parser.add_argument("--seed", type=int, default=0)
+    """Parse ``lightning-dp demo`` arguments, run, print the result (exit code 2 with one line on bad input)."""
+    parser = Parser(
+        "lightning-dp demo", description="DP-SGD on scikit-learn's digits with a small CNN, end to end, offline."
+    )
+    parser.add_argument("--target-epsilon", type=positive_float, default=3.0, help="privacy budget epsilon (> 0)")
+    parser.add_argument("--target-delta", type=float, default=1e-5, help="delta in (0, 1), below 1/N")
+    parser.add_argument("--epochs", type=positive_int, default=15, help="training epochs (>= 1)")
+    parser.add_argument("--batch-size", type=positive_int, default=128, help="expected Poisson batch size")
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="per-sample clipping bound C")
+    parser.add_argument("--lr", type=positive_float, default=1.0, help="SGD learning rate")
+    parser.add_argument(
+        "--clipping",
+        type=choice(ENGINES),
+        metavar=metavar_of(ENGINES),
+        default="flat",
+        help="per-sample clipping engine",
+    )
+    parser.add_argument(
+        "--noise", type=choice(MECHANISMS), metavar=metavar_of(MECHANISMS), default="gaussian", help="noise mechanism"
+    )
+    parser.add_argument(
+        "--accountant",
+        type=choice(ACCOUNTANTS),
+        metavar=metavar_of(ACCOUNTANTS),
+        default=None,
+        help="privacy accountant (default: the mechanism's sound accountant, pld for gaussian)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, data split and noise generators")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")  # a torch/Lightning deprecation, not ours
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    return parser.run(argv, _run)
+
+
+def _run(args: argparse.Namespace) -> None:
+    quiet_lightning()
     result = run_demo(
         target_epsilon=args.target_epsilon,
         target_delta=args.target_delta,
@@ -109,9 +128,8 @@ def main(argv: list[str]) -> int:
     )
     if args.json:
         print(json.dumps(result))
-    else:
-        print(
-            f"test accuracy {result['test_acc']:.4f} at epsilon {result['epsilon']:.4f}, delta {result['delta']:.0e}"
-            f" ({result['privacy'].get('noise')}, {args.clipping} clipping, {result['seconds']:.1f} s)"
-        )
-    return 0
+        return
+    print(
+        f"test accuracy {result['test_acc']:.4f} at epsilon {result['epsilon']:.4f}, delta {result['delta']:.0e}"
+        f" ({result['privacy'].get('noise')}, {args.clipping} clipping, {result['seconds']:.1f} s)"
+    )

@@ -24,6 +24,7 @@ from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
+from lightning_dp.naming import did_you_mean, unknown_name
 from lightning_dp.optim import DPOptimizer, DPRandomness, LowPassFilter, make_lowpass
 from lightning_dp.optim.momentum import PerSampleMomentum
 
@@ -157,11 +158,13 @@ class PrivacyEngine:
         if not isinstance(noise, NoiseMechanism):
             mechanism_class(noise)  # an unknown name fails here, listing the valid ones
         if accountant is not None and accountant not in ACCOUNTANTS:
-            raise ValueError(f"Unknown accountant {accountant!r}; choose one of {sorted(ACCOUNTANTS)}")
+            raise ValueError(unknown_name("accountant", accountant, ACCOUNTANTS))
         validate_sum_check(sum_check_every, bookkeeping)
         engine = ENGINES.get(clipping)
         if engine is None:
-            raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}")
+            raise ValueError(
+                f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}{did_you_mean(clipping, ENGINES)}"
+            )
         self.randomized_clipping = engine.randomized
         if self.randomized_clipping:
             noise_name = noise.name if isinstance(noise, NoiseMechanism) else noise
@@ -204,6 +207,13 @@ class PrivacyEngine:
             if noise_multiplier is not None:
                 params["noise_multiplier"] = noise_multiplier
             self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
+        if self.mechanism is not None and self.mechanism.is_noiseless:
+            log.warning(
+                "%s adds no noise (%s): no finite epsilon holds, the run is NOT differentially private and reports "
+                "epsilon = inf",
+                self.mechanism.name,
+                self.mechanism.describe(),
+            )
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
         self._momentum_hooks: list[Any] = []
@@ -289,15 +299,20 @@ class PrivacyEngine:
                 f"{sample_rate}; resume with the same data and batch size"
             )
         self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
+        defaults = []
         if self.target_delta is None:
             self.target_delta = default_delta(num_samples)
-            log.info("target_delta not given: using 1/N^1.1 = %.3g for N = %d", self.target_delta, num_samples)
+            defaults.append(f"target_delta = 1/N^1.1 = {self.target_delta:.3g} for N = {num_samples}")
         if self.target_delta >= 1.0 / num_samples:
             log.warning(
                 "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
                 self.target_delta,
                 1.0 / num_samples,
             )
+        if self.accountant is None and self.accountant_name is None:
+            defaults.append(f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})")
+        if defaults:
+            log.info("Privacy defaults applied: %s", "; ".join(defaults))
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
@@ -306,8 +321,8 @@ class PrivacyEngine:
 
     def _default_accountant(self) -> str:
         """``"rc"`` for randomized clipping, else the mechanism's sound default."""
-        assert self.mechanism is not None
-        return "rc" if self.randomized_clipping else self.mechanism.default_accountant
+        mechanism = self.mechanism or mechanism_class(self.noise_name)
+        return "rc" if self.randomized_clipping else mechanism.default_accountant
 
     def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
         """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
@@ -342,9 +357,9 @@ class PrivacyEngine:
                 accountant=self.accountant_name,
             )
         log.info(
-            "Calibrated %s noise %s for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
+            "Calibrated %s noise (%s) for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
             self.noise_name,
-            mechanism.describe(),
+            ", ".join(f"{k}={v:.4g}" for k, v in mechanism.describe().items()),
             self.target_epsilon,
             self.target_delta,
             total_steps,
@@ -549,8 +564,16 @@ class PrivacyEngine:
                 "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
             )
         self.mechanism = restored
+        saved_delta = state["target_delta"]
         if self.target_delta is None:
-            self.target_delta = state["target_delta"]
+            self.target_delta = saved_delta
+        elif not math.isclose(self.target_delta, saved_delta):
+            log.warning(
+                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
+                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
+                saved_delta,
+                self.target_delta,
+            )
         saved = make_accountant(state["accountant"]["name"])
         try:
             saved.load_state_dict(state["accountant"])

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lightning_dp.cli import USAGE, main
+from lightning_dp.cli import main, usage
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,7 @@ def one_thread():
 
 
 def test_audit_prints_one_json_object_and_exits_0_when_the_bound_holds(capsys):
-    assert "audit" in USAGE
+    assert "audit" in usage()
     code = main(["audit", "--target-epsilon", "2", "--canaries", "200", "--epochs", "2", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0

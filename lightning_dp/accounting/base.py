@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from lightning_dp.accounting.events import event_from_dict, event_to_dict
+from lightning_dp.naming import unknown_name
 
 ACCOUNTANTS: dict[str, type[Accountant]] = {}
 
@@ -26,7 +27,7 @@ def register_accountant(cls: type[Accountant]) -> type[Accountant]:
 def make_accountant(name: str) -> Accountant:
     """Build a registered accountant by name. Raises ``ValueError`` naming the valid choices."""
     if name not in ACCOUNTANTS:
-        raise ValueError(f"Unknown accountant {name!r}; choose one of {sorted(ACCOUNTANTS)}")
+        raise ValueError(unknown_name("accountant", name, ACCOUNTANTS))
     return ACCOUNTANTS[name]()
 
 

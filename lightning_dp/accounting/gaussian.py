@@ -10,7 +10,10 @@ Both accept ``GaussianEvent`` and ``PoissonSampledEvent(q, GaussianEvent)``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from abc import abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import dp_accounting
@@ -29,6 +32,28 @@ def to_dp_accounting_event(event: Any) -> dp_accounting.DpEvent:
     raise TypeError(f"{event!r} is not a Gaussian event")
 
 
+class _RdpConvergenceFilter(logging.Filter):
+    """Drops dp-accounting's ``_compute_log_a_frac failed to converge ... Excluding this order`` lines.
+
+    They report that one Renyi order's series did not converge and is left out of the minimum over orders, which
+    keeps the epsilon a valid (if slightly looser) upper bound; nothing for the user to act on.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("_compute_log_a_frac failed to converge")
+
+
+@contextlib.contextmanager
+def quiet_rdp_convergence() -> Iterator[None]:
+    """Filter :class:`_RdpConvergenceFilter`'s lines from the ``absl`` logger for the duration of the block only."""
+    absl_logger, quiet = logging.getLogger("absl"), _RdpConvergenceFilter()
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
+
+
 class _DpAccountingAccountant(Accountant):
     """Shared delegation: rebuild a ``dp_accounting`` accountant from the ledger and query it."""
 
@@ -43,11 +68,12 @@ class _DpAccountingAccountant(Accountant):
 
     def _epsilon(self, delta: float) -> float:
         backend = self._backend()
-        for event, count in self.ledger:
-            if isinstance(event, GaussianEvent) and event.noise_multiplier == 0:
-                return float("inf")
-            backend.compose(to_dp_accounting_event(event), count)
-        return backend.get_epsilon(delta)
+        with quiet_rdp_convergence():
+            for event, count in self.ledger:
+                if isinstance(event, GaussianEvent) and event.noise_multiplier == 0:
+                    return float("inf")
+                backend.compose(to_dp_accounting_event(event), count)
+            return backend.get_epsilon(delta)
 
 
 @register_accountant

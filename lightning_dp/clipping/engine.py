@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from lightning_dp.clipping.terms import Term, materialise_sum
+from lightning_dp.naming import did_you_mean
 
 #: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
 DEFAULT_PROJECTION_DIM = 32
@@ -70,7 +71,7 @@ def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngi
         ValueError: unknown name, ``projection_dim < 1``, or ``projection_dim`` given for a deterministic engine.
     """
     if name not in ENGINES:
-        raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {name!r}")
+        raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {name!r}{did_you_mean(name, ENGINES)}")
     cls = ENGINES[name]
     if not cls.randomized:
         if projection_dim is not None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.plots import MISSING_MATPLOTLIB, epsilon_curve_figure, log_figure, matplotlib_available
 from lightning_dp.privacy_engine import PrivacyEngine
 
 log = logging.getLogger("lightning_dp")
@@ -22,11 +24,20 @@ def privacy_engine_of(trainer: pl.Trainer) -> PrivacyEngine:
     return engine
 
 
+def format_summary(summary: dict[str, Any]) -> str:
+    """``"epsilon=2.98, delta=1e-05, noise=gaussian, ..."``: the one-line form of ``PrivacyEngine.summary()``."""
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+
+
 class PrivacyAccountantCallback(Callback):
-    """Logs ``epsilon`` after every training epoch (to all loggers and the progress bar) and a final summary.
+    """Logs ``epsilon`` after every training epoch (to all loggers and the progress bar), a final summary, and a
+    privacy-curve image (epsilon against steps) to the loggers that take images.
 
     Args:
         delta: delta to report epsilon at (default: the strategy's ``target_delta``).
+        plot: log the privacy curve as an image at the end of training (``TensorBoardLogger`` via
+            ``add_figure``, any logger with ``log_image``). ``None`` (default): when matplotlib is installed;
+            ``True``: required (``ImportError`` naming the ``plot`` extra at the start of fit if missing).
 
     Attributes:
         history: ``[(epoch, steps, epsilon)]`` for every epoch.
@@ -34,25 +45,42 @@ class PrivacyAccountantCallback(Callback):
             end of training; also sent to every logger as hyperparameters/metrics.
     """
 
-    def __init__(self, delta: float | None = None) -> None:
+    #: tag of the privacy-curve image in the loggers.
+    plot_tag = "privacy/epsilon_curve"
+
+    def __init__(self, delta: float | None = None, plot: bool | None = None) -> None:
         self.delta = delta
+        self.plot = plot
         self.history: list[tuple[int, int, float]] = []
         self.summary: dict[str, Any] | None = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.plot and not matplotlib_available():
+            raise ImportError(f"PrivacyAccountantCallback(plot=True): {MISSING_MATPLOTLIB}")
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # The progress bar shows step metrics logged in an earlier batch hook, but epoch metrics only after every
+        # on_train_epoch_end hook has run: an epsilon logged in on_train_epoch_end alone reached the bar one epoch
+        # late. So the bar's value is logged here, as a step metric, on each epoch's last batch (and every
+        # log_every_n_steps steps); the epoch hook logs the same value to the loggers.
+        every = trainer.log_every_n_steps
+        if (
+            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+            or trainer.should_stop
+            or (every and trainer.global_step % every == 0)
+        ):
+            epsilon = privacy_engine_of(trainer).epsilon(self.delta)
+            pl_module.log("epsilon", epsilon, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)
         epsilon = engine.epsilon(self.delta)
         self.history.append((trainer.current_epoch, engine.steps, epsilon))
-        # identical on every rank (same ledger); sync_dist only states so to Lightning on several processes
-        pl_module.log(
-            "epsilon",
-            epsilon,
-            prog_bar=True,
-            logger=bool(trainer.loggers),
-            on_step=False,
-            on_epoch=True,
-            sync_dist=True,
-        )
+        if trainer.loggers:
+            # identical on every rank (same ledger); sync_dist only states so to Lightning on several processes
+            pl_module.log("epsilon", epsilon, logger=True, on_step=False, on_epoch=True, sync_dist=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)
@@ -65,8 +93,25 @@ class PrivacyAccountantCallback(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(numeric, step=trainer.global_step)
         if trainer.is_global_zero:
-            text = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.summary.items())
-            log.info("Privacy summary: %s", text)
+            log.info("Privacy summary: %s", format_summary(self.summary))
+            if not math.isfinite(self.summary["epsilon"]):
+                log.warning(
+                    "epsilon is infinite: this run has NO differential-privacy guarantee (no noise, or noise the "
+                    "accountant cannot bound)"
+                )
+            self._log_curve(trainer)
+
+    def _log_curve(self, trainer: pl.Trainer) -> None:
+        """The epsilon-against-steps figure of :attr:`history` to every logger that takes images."""
+        if self.plot is False or not trainer.loggers or not self.history or not matplotlib_available():
+            return
+        assert self.summary is not None
+        steps = [0] + [row[1] for row in self.history]
+        epsilons = [0.0] + [row[2] for row in self.history]
+        label = f"{self.summary['noise']} noise, {self.summary['accountant']} accountant"
+        figure = epsilon_curve_figure({label: (steps, epsilons)}, delta=self.summary["delta"], title=label)
+        for logger in trainer.loggers:
+            log_figure(logger, self.plot_tag, figure, trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}

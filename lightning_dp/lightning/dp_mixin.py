@@ -216,6 +216,16 @@ class DPStrategyMixin:
             sample_rate = expected_batch_sample_rate(
                 num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
             )
+            if self.sample_rate is None:  # logged once, at the first training loader
+                log.info(
+                    "Privacy defaults applied: sample_rate = batch_size %d x accumulate_grad_batches %d x %d "
+                    "process(es) / N %d = %.4g (Poisson sampling)",
+                    batch_size,
+                    micro_batches,
+                    world_size,
+                    num_samples,
+                    sample_rate,
+                )
         else:
             raise ValueError(f"Cannot infer the expected batch size: pass {type(self).__name__}(sample_rate=...)")
         if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):

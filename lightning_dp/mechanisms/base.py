@@ -7,10 +7,13 @@ for its accountant, and states its expected per-coordinate distortion ``E|z|``.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
+
+from lightning_dp.naming import unknown_name
 
 MECHANISMS: dict[str, type[NoiseMechanism]] = {}
 
@@ -24,7 +27,7 @@ def register_mechanism(cls: type[NoiseMechanism]) -> type[NoiseMechanism]:
 def mechanism_class(name: str) -> type[NoiseMechanism]:
     """The registered mechanism class called ``name``. Raises ``ValueError`` listing the valid names."""
     if name not in MECHANISMS:
-        raise ValueError(f"Unknown noise mechanism {name!r}; choose one of {sorted(MECHANISMS)}")
+        raise ValueError(unknown_name("noise", name, MECHANISMS))
     return MECHANISMS[name]
 
 
@@ -32,9 +35,18 @@ def make_mechanism(name: str, **params: Any) -> NoiseMechanism:
     """Build a registered mechanism, e.g. ``make_mechanism("gaussian", noise_multiplier=1.1, max_grad_norm=1.0)``.
 
     Raises:
-        ValueError: unknown name (the message lists the valid ones) or invalid parameters.
+        ValueError: unknown name (the message lists the valid ones), a parameter the mechanism does not take (e.g.
+            ``noise_scale`` for ``"gaussian"``), or invalid parameter values.
     """
-    return mechanism_class(name)(**params)
+    cls = mechanism_class(name)
+    accepted = inspect.signature(cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        foreign = sorted(set(params) - set(accepted))
+        if foreign:
+            raise ValueError(
+                f"{', '.join(foreign)} does not apply to noise={name!r}, which takes {', '.join(accepted)}"
+            )
+    return cls(**params)
 
 
 def validate_max_grad_norm(max_grad_norm: float) -> None:

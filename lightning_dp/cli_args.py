@@ -1,0 +1,145 @@
+"""What every ``lightning-dp`` subcommand shares: its argument parser, typed options, and one error handler.
+
+Bad input (a usage error, or a ``ValueError`` raised while validating or running) is reported as ONE line on
+stderr, ``lightning-dp CMD: error: ...``, with exit code 2 and no traceback; ``LIGHTNING_DP_TRACEBACK=1`` re-raises
+instead, for debugging. ``--help`` lists every option with its description, default and choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+from lightning_dp.naming import did_you_mean
+
+#: Exit code of every usage or invalid-value error (as argparse's own).
+USAGE_ERROR = 2
+
+
+def error_line(prog: str, err: BaseException | str) -> str:
+    """``"PROG: error: MESSAGE"`` on one line (a multi-line message is joined with spaces)."""
+    return f"{prog}: error: {' '.join(str(err).split())}"
+
+
+def report(prog: str, err: BaseException | str, code: int = USAGE_ERROR) -> int:
+    """Print :func:`error_line` to stderr and return ``code`` (re-raise ``err`` if ``LIGHTNING_DP_TRACEBACK=1``)."""
+    if isinstance(err, BaseException) and os.environ.get("LIGHTNING_DP_TRACEBACK") == "1":
+        raise err
+    print(error_line(prog, err), file=sys.stderr)
+    return code
+
+
+def guarded(prog: str, run: Callable[[], int]) -> int:
+    """Run a subcommand; a ``ValueError`` (invalid value) becomes one error line and exit code 2, an
+    ``ImportError`` (a missing optional extra) one error line and exit code 1."""
+    try:
+        return run()
+    except ValueError as err:
+        return report(prog, err)
+    except ImportError as err:
+        return report(prog, err, code=1)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and appends each option's default (``(default: 3.0)``) to its help,
+    unless the default is ``None``/``False`` (an option off unless given) or the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+            or "default" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line (no usage block) with exit code 2."""
+
+    def __init__(self, prog: str, description: str | None = None, **kwargs: Any) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        print(error_line(self.prog, f"{message} (see {self.prog} --help)"), file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
+
+    def run(self, argv: list[str], body: Callable[[argparse.Namespace], None]) -> int:
+        """Parse ``argv`` and run ``body(args)`` under :func:`guarded`; return the exit code."""
+        args = self.parse_args(argv)
+
+        def call() -> int:
+            body(args)
+            return 0
+
+        return guarded(self.prog, call)
+
+
+def choice(names: Iterable[str]) -> Callable[[str], str]:
+    """An argparse ``type`` accepting one of ``names`` and suggesting the closest for a misspelt one.
+
+    Use with ``metavar=metavar_of(names)`` so ``--help`` lists the choices.
+    """
+    valid = tuple(names)
+
+    def parse(value: str) -> str:
+        if value not in valid:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {value!r}{did_you_mean(value, valid)}; choose from {', '.join(valid)}"
+            )
+        return value
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def metavar_of(names: Iterable[str]) -> str:
+    """``{a,b,c}``, the metavar argparse shows for choices."""
+    return "{" + ",".join(names) + "}"
+
+
+def positive_int(value: str) -> int:
+    """An argparse ``type``: an integer >= 1."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return number
+
+
+def positive_float(value: str) -> float:
+    """An argparse ``type``: a finite float > 0."""
+    number = float(value)
+    if not 0.0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {value}")
+    return number
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """INFO lines as the bare message; warnings and errors prefixed by their level (``warning: ...``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return message if record.levelno <= logging.INFO else f"{record.levelname.lower()}: {message}"
+
+
+def quiet_lightning() -> None:
+    """Console output of the ``demo`` and ``fit`` commands: lightning_dp's INFO lines (defaults, calibration, privacy
+    summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines and adverts, nor the ``LeafSpec``
+    deprecation that Lightning's own pytree code triggers under recent torch. Only these commands call this; the
+    Python API (the user's own Trainer and logging set-up) is untouched.
+    """
+    if not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_ConsoleFormatter("%(message)s"))
+        logging.getLogger().addHandler(handler)
+    logging.getLogger("lightning_dp").setLevel(logging.INFO)
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
