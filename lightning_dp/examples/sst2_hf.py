@@ -5,11 +5,17 @@ Reads the GLUE SST-2 TSVs in place (``--data``, default ``../shared/data/glue/ss
 the first ``--train-size`` training sentences and prints the dev accuracy, with DP (``--target-epsilon``) or, with
 ``--no-dp``, the same model through the plain ``Trainer``. Results are in docs/hf.md::
 
-    python -m lightning_dp.examples.sst2_hf --train-size 4000 --epochs 3             # DP, epsilon = 3
-    python -m lightning_dp.examples.sst2_hf --train-size 4000 --epochs 3 --no-dp     # baseline
+    C="--train-size 4000 --epochs 3 --batch-size 256 --grad-accum 1 --lr 3e-2 --cache-features sst2_features.pt"
+    python -m lightning_dp.examples.sst2_hf $C            # DP, epsilon = 3
+    python -m lightning_dp.examples.sst2_hf $C --no-dp    # baseline
 
-By default only the pooler and the head are trained (``--train-layers 0``: the encoder is frozen), which keeps a CPU
-run to minutes and the number of noised parameters small; ``--train-layers k`` also trains the top k encoder layers.
+The head is linear on the mean of the encoder's last hidden states (``--pooling mean``, default; the model was
+trained for mean-pooled sentence embeddings) or on the pooler's ``[CLS]`` transform (``--pooling cls``, HF's
+``BertForSequenceClassification``). The encoder is frozen (``--train-layers 0``, default); ``--train-layers k``
+trains its top k layers too (``--head-only`` freezes the pooler as well). With a frozen encoder and mean pooling,
+``--cache-features FILE`` runs the encoder once (eval mode) over the train and dev sentences and trains the head on
+the stored outputs: the same privacy (the encoder is fixed public preprocessing of each example), orders of
+magnitude less CPU. Without it every step runs the whole encoder (with its dropout) on the step's batch.
 """
 
 from __future__ import annotations
@@ -243,7 +249,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trainer = DPTrainer(**common, privacy_args=privacy)
     trainer.train()
     metrics = trainer.evaluate()
-    pooler = "pooler, " if opts.pooling == "cls" else ""
+    trained = "head" if opts.head_only or opts.pooling == "mean" else "pooler, head"
+    if opts.train_layers and not opts.head_only:
+        trained += f", top {opts.train_layers} encoder layers"
     majority = max(np.mean(dev.labels), 1 - np.mean(dev.labels))
     result = {
         "dp": not opts.no_dp,
@@ -252,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "lr": opts.lr,
         "pooling": opts.pooling,
         "batch": opts.batch_size * opts.grad_accum,
-        "trained": "head" if opts.head_only else f"{pooler}head, top {opts.train_layers} layers",
+        "trained": trained,
         "trained_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "dev_accuracy": metrics["eval_accuracy"],
         "majority_class": float(majority),
