@@ -1,0 +1,78 @@
+"""The HF examples' building blocks on tiny models: the mean-pooling classifier of ``sst2_hf`` (token and
+cached-feature paths agree, ``DPTrainer`` trains its head from cached features) and the E2E examples of
+``e2e_lora_hf`` (loss on the reference only, cut at ``max_length``)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from hf_helpers import VOCAB, make_trainer, trainable_snapshot
+from transformers import default_data_collator
+
+from lightning_dp.examples.e2e_lora_hf import E2E, IGNORE_INDEX, prompt
+from lightning_dp.examples.sst2_hf import MeanPoolingBertForSequenceClassification, PooledFeatures
+
+
+def tiny_mean_pooling_bert() -> MeanPoolingBertForSequenceClassification:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        num_labels=2,
+    )
+    return MeanPoolingBertForSequenceClassification(config).eval()
+
+
+def test_mean_pooling_ignores_padding_and_equals_the_cached_feature_path() -> None:
+    model = tiny_mean_pooling_bert()
+    assert model.bert.pooler is None  # not trained, not noised
+    ids = torch.tensor([[5, 6, 7, 0, 0], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        unpadded = model(input_ids=ids[:1, :3], attention_mask=mask[:1, :3]).logits
+        cached = model(pooled=model.mean_pool(ids, mask)).logits
+    assert logits.shape == (2, 2)
+    torch.testing.assert_close(logits[:1], unpadded)
+    torch.testing.assert_close(logits, cached)
+
+
+def test_dp_trainer_trains_the_head_from_cached_features(tmp_path) -> None:
+    model = tiny_mean_pooling_bert()
+    model.bert.requires_grad_(False)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(32, 16, generator=generator)
+    data = PooledFeatures(features, (features[:, 0] > 0).long().tolist())
+    trainer = make_trainer(model, tmp_path, data, data_collator=default_data_collator)
+    before = trainable_snapshot(model)
+    trainer.train()
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"classifier.weight", "classifier.bias"}
+    for name, p in model.named_parameters():
+        assert torch.equal(before[name], p) != (name in trained), name
+    assert trainer.privacy_engine.steps == 3
+
+
+class CharTokenizer:
+    """Callable like an HF tokenizer: one id per character (``ord``), no special tokens."""
+
+    eos_token_id = 1
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_e2e_examples_label_only_the_reference_and_are_cut_at_max_length() -> None:
+    rows = [{"mr": "name[A]", "ref": "A is."}, {"mr": "name[Bee], food[x]", "ref": "Bee serves x food."}]
+    full, cut = E2E(rows, CharTokenizer(), max_length=64), E2E(rows, CharTokenizer(), max_length=12)
+    context = [ord(c) for c in prompt("name[A]")]
+    example = full[0]
+    assert example["input_ids"] == context + [ord(c) for c in "A is."] + [1]
+    assert example["labels"] == [IGNORE_INDEX] * len(context) + [ord(c) for c in "A is."] + [1]
+    assert example["attention_mask"] == [1] * len(example["input_ids"])
+    assert all(len(cut[i]["input_ids"]) == len(cut[i]["labels"]) <= 12 for i in range(len(cut)))
+    assert cut[1]["labels"] == [IGNORE_INDEX] * 12  # the prompt alone fills the budget: no labelled token
