@@ -1,6 +1,7 @@
 """Per-sample momentum (DP-PMLF seed, Algorithm 1 lines 1, 5, 6): the clipped per-sample momentum and the clipped sum
 against torch.func per-sample gradients at stored iterates, k = 1 equal to DP-SGD, checkpoint round trip, options."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,8 +172,9 @@ def test_hf_trainer_runs_momentum_and_checkpoints_its_iterates(tmp_path):
     forward = first.compute_per_example_loss
     first.compute_per_example_loss = lambda *a, **k: calls.append(1) or forward(*a, **k)
     first.train()
-    # forwards per step: 1, 2, 3 (the stored iterates fill up to k - 1 = 2); empty Poisson batches have none
-    assert 3 <= len(calls) <= 6
+    # forwards per step: 1, 2, 3 (the stored iterates fill up to k - 1 = 2), plus the row check's 2 on the first
+    # non-empty batch; empty Poisson batches have none
+    assert 5 <= len(calls) <= 8
     history = first.privacy_engine.momentum.history
     assert len(history) == 2
     saved = torch.load(tmp_path / "checkpoint-3" / TENSOR_STATE_NAMES["momentum"], weights_only=True)
@@ -268,3 +270,46 @@ def test_dp_strategy_with_momentum_trains():
     assert after < 0.5 * before
     assert strategy.privacy_engine.epsilon() > 0
     assert len(strategy.privacy_engine.momentum.history) == 1
+
+
+class _RowShuffler(TinyRegressor):
+    """A step that permutes its rows with numpy: each run of it on one batch puts other examples in other rows."""
+
+    rng = np.random.default_rng(0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        order = torch.as_tensor(self.rng.permutation(len(x)))
+        return ((self.net(x[order]) - y[order]) ** 2).squeeze(-1)
+
+
+def test_a_step_that_reorders_rows_outside_torch_rng_is_rejected():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, momentum_length=2)
+    with pytest.raises(ValueError, match="same example in the same row"):
+        make_trainer(strategy, max_steps=2).fit(_RowShuffler())
+
+
+def test_abandoned_past_reruns_leave_the_current_iterate_with_weight_one():
+    model = nn.Linear(3, 1)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    momentum = PerSampleMomentum(3, 0.5)
+    momentum.bind(clipper)
+    momentum.record()
+    momentum.record()
+    assert momentum.current_weight == pytest.approx(1 / 1.75)
+    x = torch.randn(4, 3)
+    momentum.add_past_iterates(clipper, lambda: None)  # the step skips this batch at the past iterates
+    assert momentum.current_weight == 1.0
+    momentum.add_past_iterates(clipper, lambda: model(x).squeeze(-1) ** 2)
+    assert momentum.current_weight == pytest.approx(1 / 1.75)
+    clipper.discard_past_iterates()
+
+
+def test_stored_iterates_follow_the_model_to_another_dtype():
+    model = nn.Linear(3, 1)
+    momentum = PerSampleMomentum(2, 0.9)
+    momentum.bind(PerSampleClipper(model, max_grad_norm=1.0))
+    momentum.record()
+    model.double()
+    momentum.bind(PerSampleClipper(model, max_grad_norm=1.0))
+    assert all(value.dtype == torch.float64 for value in momentum.history[0])

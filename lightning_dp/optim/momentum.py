@@ -27,6 +27,10 @@ Randomness inside the forward (dropout): each past re-run starts from the global
 starts from, and that state is restored afterwards (``torch.random.fork_rng``): every iterate sees the same dropout
 masks as the current forward, whose draws are exactly those it would make without momentum.
 
+Rows: row ``r`` of every re-run must be the same example (the momentum of row ``r`` sums row ``r``'s gradients), so
+the step must not reorder or pair rows with randomness outside torch's global RNG; two runs of the step on the first
+batch are compared to catch that (:meth:`PerSampleMomentum._check_rows`), a parameter-dependent row order is not.
+
 Privacy: each example contributes its own clipped momentum, of norm at most ``C``, once per step, so the sensitivity
 of the noisy sum is ``C`` as in DP-SGD; the stored iterates are functions of earlier noisy releases (post-
 processing), so the accountant is unchanged (the paper's Theorem 2) and the iterates may be checkpointed.
@@ -94,6 +98,11 @@ class PerSampleMomentum:
         self._params: list[nn.Parameter] = []
         self._names: list[str] = []
         self._pending: dict[str, Any] | None = None
+        #: whether the current batch's past re-runs were abandoned (a step returned ``None``): then the current
+        #: iterate alone is the example's quantity, with weight 1.
+        self._skipped = False
+        #: whether two runs of the user's step on one batch were seen to give the same rows (see ``_check_rows``).
+        self._rows_checked = False
 
     @property
     def enabled(self) -> bool:
@@ -111,6 +120,8 @@ class PerSampleMomentum:
         params = clipper.trainable_parameters
         if [id(p) for p in params] != [id(p) for p in self._params]:
             self.history.clear()  # another model: its iterates are unrelated (the same one keeps them across fits)
+        for iterate in self.history:  # the same model may have moved (``.to(device)``, ``.double()``) between fits
+            iterate[:] = [value.to(device=p.device, dtype=p.dtype) for value, p in zip(iterate, params, strict=True)]
         self._params = params
         self._names = [names[p] for p in params]
         if self._pending is not None:
@@ -123,8 +134,9 @@ class PerSampleMomentum:
 
     @property
     def current_weight(self) -> float:
-        """``1 / c_beta``, the weight of the current iterate (``1.0`` without stored iterates)."""
-        return self.weights()[0]
+        """``1 / c_beta``, the weight of the current iterate (``1.0`` without stored iterates, or when the batch's
+        past re-runs were abandoned)."""
+        return 1.0 if self._skipped else self.weights()[0]
 
     def record(self) -> None:
         """Store the current parameters as an iterate (call right before each optimizer update)."""
@@ -160,13 +172,46 @@ class PerSampleMomentum:
         """
         weights = self.weights()
         devices = sorted({p.device.index or 0 for p in self._params if p.is_cuda})
+        self._skipped = False
+        if not self._rows_checked:
+            self._check_rows(compute_loss, devices)
         for iterate, weight in zip(self.history, weights[1:], strict=True):
             with self._at(iterate), torch.random.fork_rng(devices=devices), torch.enable_grad():
                 loss = compute_loss()
                 if loss is None:
                     clipper.discard_past_iterates()
+                    self._skipped = True
                     return
                 clipper.add_past_iterate(loss, weight)
+
+    def _check_rows(self, compute_loss: Callable[[], torch.Tensor | None], devices: list[int]) -> None:
+        """Once per run: two runs of ``compute_loss`` at the same parameters and torch RNG state must give the same
+        per-sample losses row by row.
+
+        The momentum of row ``r`` sums row ``r``'s gradients over the iterates, so every run of the step on a batch
+        must put the same example in the same row; a step that shuffles or pairs rows with another random source
+        (numpy, ``random``, its own ``torch.Generator``) would mix examples' gradients across iterates and raise
+        the sensitivity above ``C``. This catches such a step on the first batch (no gradient, hooks not recording);
+        a row order that depends on the parameters themselves (e.g. sorting by loss) it cannot see.
+
+        Raises:
+            ValueError: the two runs differ.
+        """
+        losses = []
+        for _ in range(2):
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                losses.append(compute_loss())
+        first, second = losses
+        if first is None or second is None or first.numel() == 0:
+            return
+        if first.shape != second.shape or not torch.allclose(first, second, rtol=1e-5, atol=1e-6):
+            raise ValueError(
+                "per-sample momentum re-runs your training step on the same batch at past iterates and needs the "
+                "same example in the same row every time, but two runs of the step at the same parameters and torch "
+                "RNG state gave different per-sample losses: draw any randomness of the step from torch's global RNG "
+                "(not numpy, random or your own generator) and do not reorder rows, or use momentum_length=1"
+            )
+        self._rows_checked = True
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
