@@ -217,6 +217,9 @@ class PrivacyEngine:
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
         self._momentum_hooks: list[Any] = []
+        #: set only by the audit's test-only controls (:mod:`lightning_dp.audit.controls`): what was broken; the
+        #: summary then says so, since its epsilon is false.
+        self.broken_for_testing: str | None = None
         #: ``d`` of the randomized-clipping event (set by ``attach`` for hutch/hutchpp).
         self.norm_dim: int | None = None
         self.sample_rate: float | None = None
@@ -501,6 +504,7 @@ class PrivacyEngine:
                 else {}
             ),
             **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
+            **({"BROKEN_FOR_TESTING": self.broken_for_testing} if self.broken_for_testing else {}),
         }
 
     # ------------------------------------------------------------------------------------------ checkpoints

@@ -60,6 +60,8 @@ def test_canary_coordinates_get_the_configured_mechanisms_noise(factor):
     out = canaries.scores[~canaries.included.numpy()]
     assert out.std() == pytest.approx(factor * 1.5 * np.sqrt(30) / 100, rel=0.1)
     assert strategy.privacy_engine.mechanism.noise_multiplier == 1.5  # the accountant's view is unchanged
+    broken = strategy.privacy_engine.summary().get("BROKEN_FOR_TESTING")
+    assert (broken is not None) == (factor < 1)  # a broken run's summary says its epsilon is false
 
 
 # (noise, target_epsilon, epochs): settings where a tenth of the noise is detectable with 2000 canaries.

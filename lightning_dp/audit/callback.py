@@ -93,13 +93,14 @@ class ScaleNoiseForTesting(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self._installed:
             return
-        _, optimizer = dp_optimizer_of(trainer, type(self).__name__)
+        strategy, optimizer = dp_optimizer_of(trainer, type(self).__name__)
         log.warning(
             "TEST-ONLY: the noise is scaled by %g while the accountant assumes the full noise; the reported epsilon "
             "of this run is FALSE",
             self.factor,
         )
         optimizer.mechanism = NoiseScaledForTesting(optimizer.mechanism, self.factor)
+        strategy.privacy_engine.broken_for_testing = f"noise scaled by {self.factor:g}: the reported epsilon is false"
         self._installed = True
 
 

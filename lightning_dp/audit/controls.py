@@ -4,7 +4,8 @@
 is a tenth of what the accountant assumes) while its privacy event, and so the accountant and the printed epsilon,
 stay those of the original mechanism. For Gaussian, Laplace and the Gamma-randomised Laplace (PLRV-O) noise,
 multiplying a draw by ``s`` is exactly drawing with scale ``s`` times the original. Nothing in the library installs
-it; only the audit's ``break_noise_for_testing`` option and the tests do.
+it; only the audit's ``noise_factor_for_testing`` option (``ScaleNoiseForTesting``) and the tests do,
+and the run's privacy summary then carries ``BROKEN_FOR_TESTING``.
 """
 
 from __future__ import annotations
