@@ -104,7 +104,8 @@ def one_run_epsilon_lower_bound(m: int, r: int, v: int, *, delta: float, confide
     low, high = 0.0, 1.0
     while excess(high) > 0:  # terminates: P[Binomial(r, expit(eps)) >= v] tends to 1 as eps grows
         low, high = high, 2.0 * high
-    return float(brentq(excess, low, high, xtol=1e-6))
+    root = float(brentq(excess, low, high, xtol=1e-6))
+    return max(low, root - 1e-6)  # the root lies within 1e-6 of brentq's answer: report the side below it
 
 
 @dataclass(frozen=True)
