@@ -58,6 +58,34 @@ class ReassignedMean(RunningMean):
         return self.lin(x)
 
 
+class DataCopiedMean(RunningMean):
+    """Written through ``.data``: that alias has its own version counter, only the contents show the write."""
+
+    def forward(self, x):
+        self.running.data.copy_(x.detach().mean(0))
+        return self.lin(x)
+
+
+class DataAssignedMean(RunningMean):
+    def forward(self, x):
+        self.running.data = x.detach().mean(0)
+        return self.lin(x)
+
+
+class FrozenStatistic(nn.Module):
+    """A frozen parameter written from the data under ``no_grad``."""
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 1)
+        self.stat = nn.Parameter(torch.zeros(d), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.stat.copy_(x.mean(0))
+        return self.lin(x)
+
+
 @pytest.mark.parametrize("embedding", [nn.Embedding(10, 4, max_norm=1.0), nn.EmbeddingBag(10, 4, max_norm=1.0)])
 @pytest.mark.parametrize("frozen", [False, True])
 def test_embedding_max_norm_is_rejected_trainable_or_frozen(embedding, frozen):
@@ -67,16 +95,44 @@ def test_embedding_max_norm_is_rejected_trainable_or_frozen(embedding, frozen):
         PerSampleClipper(model, max_grad_norm=1.0)
 
 
-@pytest.mark.parametrize("body", [RunningMean(), ReassignedMean()])
-def test_buffer_written_in_training_forward_is_rejected(body):
-    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=2)
-    with pytest.raises(UnsupportedModuleError, match=r"'running' of module 'body'.*running mean"):
+@pytest.mark.parametrize(
+    ("body", "name"),
+    [
+        (RunningMean(), "running"),
+        (ReassignedMean(), "running"),
+        (DataCopiedMean(), "running"),
+        (DataAssignedMean(), "running"),
+        (FrozenStatistic(), "stat"),
+    ],
+)
+@pytest.mark.parametrize("check_independence", [True, False])
+def test_buffer_or_frozen_parameter_written_in_training_forward_is_rejected(body, name, check_independence):
+    strategy = DPStrategy(noise_multiplier=1.0, check_batch_independence=check_independence)
+    trainer = make_trainer(strategy, max_steps=2)
+    with pytest.raises(UnsupportedModuleError, match=rf"'{name}' of module 'body'.*running mean"):
         trainer.fit(ClassifierWith(body))
 
 
-def test_buffer_watch_is_silent_for_unchanged_buffers():
-    body = nn.Sequential(nn.Linear(6, 1))
-    body.register_buffer("constant", torch.ones(3))
+@pytest.mark.parametrize("exact_up_to", [2**16, 0])
+def test_data_writes_are_caught_by_exact_compare_and_by_checksum(monkeypatch, exact_up_to):
+    import lightning_dp.clipping.guard as guard
+
+    monkeypatch.setattr(guard, "EXACT_COMPARE_NUMEL", exact_up_to)
+    body = DataCopiedMean()
+    watch = guard.BufferWatch(body)
+    watch.start(contents=True)
+    body(torch.randn(4, 6))
+    with pytest.raises(UnsupportedModuleError, match="'running' of module '<root>'"):
+        watch.check()
+    watch.start()  # ids, versions and addresses only: a write through .data is not seen
+    body(torch.randn(4, 6))
+    watch.check()
+
+
+def test_buffer_watch_is_silent_for_unchanged_buffers_and_frozen_parameters():
+    body = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1))
+    body[0].requires_grad_(False)
+    body.register_buffer("constant", torch.tensor([1.0, float("nan")]))
     make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=2).fit(ClassifierWith(body))
 
 
@@ -116,6 +172,26 @@ def test_every_pair_is_tested():
     with pytest.raises(BatchMixingError, match="example [67]'s x"):
         check_batch_independence(coupled**2, {"x": (x, x.shape)})
     check_batch_independence((x @ w) ** 2, {"x": (x, x.shape)})  # independent: passes
+
+
+def test_independence_check_that_cannot_run_warns(caplog):
+    x = torch.randn(4, 3, requires_grad=True)
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        check_batch_independence((x @ torch.randn(3)).detach(), {"x": (x, x.shape)})
+        check_batch_independence((x @ torch.randn(3)) ** 2, {"x": (x[:2], torch.Size([2, 3]))})
+    assert "could not run (the per-sample loss has no gradient)" in caplog.text
+    assert "no hooked layer output or float input has the batch size 4" in caplog.text
+
+
+def test_guard_warns_once_when_the_batch_size_is_unknown(caplog):
+    model = nn.Linear(6, 1)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    guard = TrainingGuard(model, clipper.output_targets)
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        for _ in range(2):
+            guard.after_forward(model(guard.before_forward(torch.randn(1, 6), None)).squeeze(-1))
+            clipper._hooks.clear()
+    assert caplog.text.count("batch size could not be read") == 1
 
 
 def test_input_leaves_only_float_batch_tensors():
@@ -162,4 +238,18 @@ def test_hf_batch_mixing_is_caught(tmp_path):
     model.transformer.drop.register_forward_hook(mix)
     trainer = make_hf_trainer(model, tmp_path, TokenDataset(), args={"max_steps": 1})
     with pytest.raises(BatchMixingError, match="example .*'s output of module 'transformer.w[tp]e'"):
+        trainer.train()
+
+
+def test_hf_frozen_parameter_written_through_data_is_caught(tmp_path):
+    """A frozen final layer norm whose weight a forward hook overwrites from the data through ``.data``."""
+    model = tiny_gpt2()
+    model.transformer.ln_f.requires_grad_(False)
+
+    def write(module, args, output):
+        module.weight.data.copy_(output.detach().mean((0, 1)))
+
+    model.transformer.ln_f.register_forward_hook(write)
+    trainer = make_hf_trainer(model, tmp_path, TokenDataset(), args={"max_steps": 1})
+    with pytest.raises(UnsupportedModuleError, match="'weight' of module 'transformer.ln_f'"):
         trainer.train()

@@ -2,10 +2,18 @@
 
 Per-sample clipping bounds each example's influence on the GRADIENT. Two things escape it:
 
-- state written during the forward without noise: a module that updates a buffer from the data (a hand-written
-  running mean) stores data in the ``state_dict`` that is released with the model. :class:`BufferWatch` records the
-  identity and version counter of every buffer before a training forward and fails, naming the module and buffer,
-  when one was written or replaced (checked on every step: one pass over the buffers, no tensor work).
+- state written during the forward without noise: a module that updates a buffer or a frozen parameter
+  (``requires_grad=False``) from the data (a hand-written running mean) stores data in the ``state_dict`` that is
+  released with the model. :class:`BufferWatch` fails, naming the module and the tensor, when one was written or
+  replaced during a training forward. On EVERY step it compares each tensor's identity, version counter and storage
+  address (``data_ptr()``): in-place ops on the tensor or a ``.detach()`` of it (``buf.add_(...)``,
+  ``buf.detach().copy_(...)``), reassignment of the attribute (``self.buf = ...``) and ``buf.data = ...`` are caught;
+  no tensor work. A write through ``.data`` (``buf.data.copy_(...)``: that alias has its own version counter) changes
+  none of the three, so on the FIRST training forward, and on every step while the batch-independence check is
+  pending, it also compares the contents before and after the forward (exact equality for tensors up to
+  :data:`EXACT_COMPARE_NUMEL` elements, the float64 sum and sum of squares for larger ones: one read of every watched
+  tensor, no copy of the large ones; a write that keeps both, e.g. a permutation, is missed). Such a write on a later
+  step only is not caught.
 - operations that mix examples without parameters (``h - h.mean(0)``, batch statistics computed by hand): example
   i's loss then depends on example j's data, so removing j changes every clipped contribution and the sensitivity
   of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step, that the
@@ -16,14 +24,17 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Two things 
   ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
   with ``2 ceil(log2 B)`` extra backward passes of the first batch.
 
-What the independence check cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
-hooked layer (e.g. sorting token ids across the batch), mixing that only happens on later batches (a data-dependent
-branch), gradients that cancel exactly within a tested set, and mixing through non-differentiable paths (e.g.
-``torch.no_grad`` or ``.detach()`` on a batch statistic).
+What the independence check cannot see (documented in docs/privacy.md): mixing through paths without gradient (a
+per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1) / mask.sum()``; ``h -
+h.mean(0).detach()``; statistics computed under ``torch.no_grad``), mixing of integer inputs before the first hooked
+layer (e.g. sorting token ids across the batch), mixing that only happens on later batches (a data-dependent branch),
+and gradients that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows, a loss
+without gradient) or cannot check the float inputs (batch size unknown), it logs a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +45,13 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
+
+log = logging.getLogger("lightning_dp")
+
+#: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by
+#: checksum (float64 sum and sum of squares), so a large frozen base (LoRA) is read in chunks, never copied whole.
+EXACT_COMPARE_NUMEL = 2**16
+_CHECKSUM_CHUNK = 2**22
 
 #: relative tolerance of the independence check: gradients across examples must vanish up to rounding.
 INDEPENDENCE_RTOL = 1e-6
@@ -51,41 +69,81 @@ class BatchMixingError(UnsupportedModuleError):
 
 
 class BufferWatch:
-    """Detects buffers written or replaced during a training forward.
+    """Detects buffers and frozen parameters written or replaced during a training forward (see the module
+    docstring for what is caught on every step and what only when contents are compared).
 
     Args:
         module: the model (all its buffers, persistent or not, are watched: a non-persistent buffer written from the
-            data still shapes later outputs).
+            data still shapes later outputs; and every parameter with ``requires_grad=False``).
     """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._before: dict[str, tuple[int, int]] = {}
+        self._before: dict[str, tuple[int, int, int]] = {}
+        self._contents: dict[str, torch.Tensor] = {}
 
-    def _state(self) -> dict[str, tuple[int, int]]:
-        return {name: (id(buf), buf._version) for name, buf in self.module.named_buffers()}
+    def _watched(self) -> Iterable[tuple[str, torch.Tensor]]:
+        yield from self.module.named_buffers()
+        yield from ((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
 
-    def start(self) -> None:
-        """Record the buffers' identities and version counters (call right before the training forward)."""
+    def _state(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (id(t), t._version, t.data_ptr()) for name, t in self._watched()}
+
+    def start(self, *, contents: bool = False) -> None:
+        """Record identities, version counters and storage addresses (call right before the training forward);
+        with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents."""
         self._before = self._state()
+        self._contents = {name: _fingerprint(t) for name, t in self._watched()} if contents else {}
 
     def check(self) -> None:
         """Compare with :meth:`start`.
 
         Raises:
-            UnsupportedModuleError: naming each buffer (and its module) written in place, replaced or added since.
+            UnsupportedModuleError: naming each buffer or frozen parameter (and its module) written in place,
+                replaced or added since.
         """
         changed = [name for name, state in self._state().items() if self._before.get(name) != state]
+        if self._contents:
+            current = dict(self._watched())
+            changed += [
+                name
+                for name, before in self._contents.items()
+                if name not in changed and name in current and not _same(before, _fingerprint(current[name]))
+            ]
+            self._contents = {}
         if not changed:
             return
         parts = [name.rpartition(".") for name in changed]
         details = ", ".join(f"'{buffer}' of module '{owner or '<root>'}'" for owner, _, buffer in parts)
         raise UnsupportedModuleError(
-            f"buffer(s) {details} changed during the training forward: a buffer written from the data (e.g. a "
-            "hand-written running mean) is saved in the state_dict without noise and leaks the training examples; "
-            "compute the statistic without storing it, make it a trainable parameter of a supported layer, or update "
-            "it only outside training (e.g. from public data)"
+            f"buffer(s) or frozen parameter(s) {details} changed during the training forward: a buffer or frozen "
+            "parameter written from the data (e.g. a hand-written running mean) is saved in the state_dict without "
+            "noise and leaks the training examples; compute the statistic without storing it, make it a trainable "
+            "parameter of a supported layer, or update it only outside training (e.g. from public data)"
         )
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (at most :data:`EXACT_COMPARE_NUMEL` elements), else ``[2]`` float64: sum and sum of
+    squares."""
+    tensor = tensor.detach()
+    if tensor.numel() <= EXACT_COMPARE_NUMEL:
+        return tensor.clone()
+    values = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+    for chunk in values.split(_CHECKSUM_CHUNK):  # bounded float64 temporaries
+        chunk = chunk.to(torch.float64)
+        total += torch.stack((chunk.sum(), chunk.square().sum()))
+    return total
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Equal contents (NaN equal to NaN)."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if before.is_floating_point() or before.is_complex():
+        return bool(torch.isclose(before, after, rtol=0.0, atol=0.0, equal_nan=True).all())
+    return torch.equal(before, after)
 
 
 def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -123,10 +181,24 @@ def check_batch_independence(
 
     Raises:
         BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
+
+    Logs a warning (and checks nothing) when no target has ``B`` rows or the loss has no gradient.
     """
     batch = per_sample_loss.shape[0]
     targets = {name: t for name, t in targets.items() if len(t[1]) and t[1][0] == batch}
-    if batch < 2 or not targets or not per_sample_loss.requires_grad:
+    if batch < 2:
+        return
+    if not targets or not per_sample_loss.requires_grad:
+        why = (
+            "the per-sample loss has no gradient"
+            if targets
+            else f"no hooked layer output or float input has the batch size {batch} as its first dimension"
+        )
+        log.warning(
+            "batch-independence check could not run (%s), so mixing of examples in the model is NOT checked; "
+            "make sure every operation acts on each example separately",
+            why,
+        )
         return
     names = list(targets)
     inputs = [targets[name][0] for name in names]
@@ -160,8 +232,9 @@ def _raise_on_leak(
 
 
 class TrainingGuard:
-    """The checks of this module around each training forward of one run: buffers on every step, batch
-    independence on the first step with at least two examples (when ``check_batch_independence``).
+    """The checks of this module around each training forward of one run: buffers and frozen parameters on every
+    step (contents on the first step and while independence is pending), batch independence on the first step with
+    at least two examples (when ``check_batch_independence``).
 
     Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
     loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
@@ -183,13 +256,23 @@ class TrainingGuard:
         self.buffers = BufferWatch(module)
         self._output_targets = output_targets
         self.independence_pending = check_batch_independence
+        self._first_step = True
+        self._warned_no_size = False
         self._leaves: dict[str, torch.Tensor] = {}
 
     def before_forward(self, batch: Any, batch_size: int | None) -> Any:
-        """Start watching the buffers; while the independence check is pending, return the batch with its float
+        """Start watching the buffers and frozen parameters (their contents too on the first step and while the
+        independence check is pending); while the independence check is pending, return the batch with its float
         inputs as gradient leaves (see :func:`input_leaves`), else the batch itself."""
-        self.buffers.start()
+        self.buffers.start(contents=self._first_step or self.independence_pending)
         self._leaves = {}
+        if self.independence_pending and batch_size is None and not self._warned_no_size:
+            self._warned_no_size = True
+            log.warning(
+                "batch-independence check: the batch size could not be read from the batch, so its float inputs "
+                "are not checked (only the hooked layer outputs are); mixing of examples before the first hooked "
+                "layer is NOT checked"
+            )
         if self.independence_pending and batch_size is not None and batch_size >= 2:
             batch, self._leaves = input_leaves(batch, batch_size)
         return batch
@@ -198,10 +281,11 @@ class TrainingGuard:
         """Check the buffers, and (once) batch independence.
 
         Raises:
-            UnsupportedModuleError: a buffer changed during the forward.
+            UnsupportedModuleError: a buffer or frozen parameter changed during the forward.
             BatchMixingError: an example's loss depends on another example's data.
         """
         self.buffers.check()
+        self._first_step = False
         if not self.independence_pending or per_sample_loss.ndim != 1 or per_sample_loss.shape[0] < 2:
             return
         targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
