@@ -208,16 +208,7 @@ def _yaml(edit: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "bad.yaml"
             path.write_text(yaml.safe_dump(config))
-            from lightning_dp.cli import main
-
-            stderr = io.StringIO()
-            with contextlib.redirect_stderr(stderr):
-                try:
-                    main(["fit", "--config", str(path), "--trainer.default_root_dir", tmp])
-                except SystemExit as exit_:
-                    if exit_.code:
-                        lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
-                        raise CommandLineError(" ".join(lines[-3:])) from None
+            _cli("fit", "--config", str(path), "--trainer.default_root_dir", tmp)()
 
     return run
 
@@ -252,7 +243,7 @@ CASES: list[BadInput] = [
         "exactly one",
     ),
     BadInput("DPStrategy", "neither target_epsilon nor noise", _strategy(), "exactly one"),
-    BadInput("DPStrategy", "noise='gauss'", _strategy(target_epsilon=1.0, noise="gauss"), "Unknown noise mechanism"),
+    BadInput("DPStrategy", "noise='gauss'", _strategy(target_epsilon=1.0, noise="gauss"), "did you mean .gaussian"),
     BadInput(
         "DPStrategy", "accountant='moments'", _strategy(target_epsilon=1.0, accountant="moments"), "Unknown accountant"
     ),
