@@ -303,3 +303,18 @@ def test_hf_checkpoint_holds_the_filter_state_and_resume_restores_it(tmp_path):
     resumed = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy(), args={**args, "max_steps": 4})
     resumed.train(resume_from_checkpoint=str(folder))
     assert resumed.privacy_engine.lowpass.steps == 4 and resumed.privacy_engine.steps == 4
+    tensors = folder / TENSOR_STATE_NAMES["lowpass"]
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])  # a truncated filter state
+    damaged = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy(), args={**args, "max_steps": 4})
+    with pytest.raises(ValueError, match="truncated or corrupted"):
+        damaged.train(resume_from_checkpoint=str(folder))
+
+
+def test_a_filter_state_whose_history_does_not_fit_is_rejected():
+    filt = make_lowpass("second-order")
+    for _ in range(3):
+        filt.apply_([torch.ones(2)])
+    state = filt.state_dict()
+    make_lowpass("second-order").load_state_dict(state)
+    with pytest.raises(ValueError, match="lowpass state is damaged"):
+        make_lowpass("second-order").load_state_dict({**state, "m": state["m"][:1]})

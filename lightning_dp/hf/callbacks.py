@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,15 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             "checkpoint of this run (the privacy ledger is never reset to 0)"
         ) from error
     for key, name in TENSOR_STATE_NAMES.items():
-        if (Path(checkpoint) / name).is_file():
-            state[key] = torch.load(Path(checkpoint) / name, map_location="cpu", weights_only=True)
+        tensor_path = Path(checkpoint) / name
+        if tensor_path.is_file():
+            try:
+                state[key] = torch.load(tensor_path, map_location="cpu", weights_only=True)
+            except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as error:
+                raise ValueError(
+                    f"Cannot read {str(tensor_path)!r}: the file is truncated or corrupted ({error}). Resume from an "
+                    "intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
+                ) from error
     engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 

@@ -184,13 +184,21 @@ class LowPassFilter:
         """Restore :meth:`state_dict` (tensors move to the gradients' device at the next step).
 
         Raises:
-            ValueError: the saved coefficients differ from this filter's (resume with the same ``lowpass``).
+            ValueError: the saved coefficients differ from this filter's (resume with the same ``lowpass``), or the
+                saved history does not fit them (a damaged checkpoint).
         """
         saved = (tuple(float(v) for v in state["a"]), tuple(float(v) for v in state["b"]))
         if saved != (self.a, self.b):
             raise ValueError(
                 f"The checkpoint's lowpass filter a={list(saved[0])}, b={list(saved[1])} differs from this run's "
                 f"a={list(self.a)}, b={list(self.b)}; resume with the same lowpass"
+            )
+        steps, lags = int(state["steps"]), (len(state["m"]), len(state["vbar"]), len(state["c_m"]))
+        expected = (min(steps, len(self.a)), min(steps, len(self.b) - 1), min(steps, len(self.a)))
+        if steps < 0 or lags != expected:
+            raise ValueError(
+                f"The checkpoint's lowpass state is damaged: after {steps} steps it holds {lags} past (m, vbar, c_m), "
+                f"the filter keeps {expected}; resume from an intact checkpoint"
             )
         self.steps = int(state["steps"])
         self._m = [list(lag) for lag in state["m"]]
