@@ -253,3 +253,44 @@ def test_hf_frozen_parameter_written_through_data_is_caught(tmp_path):
     trainer = make_hf_trainer(model, tmp_path, TokenDataset(), args={"max_steps": 1})
     with pytest.raises(UnsupportedModuleError, match="'weight' of module 'transformer.ln_f'"):
         trainer.train()
+
+
+class DetachedCentered(Centered):
+    """``h - h.mean(0).detach()``: no gradient path between examples, so only the leave-half-out forward sees it."""
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h - h.mean(0).detach())
+
+
+class BatchNormalisedLoss(ClassifierWith):
+    """Per-sample losses divided by the batch's total "token count" (a common LM pattern that mixes examples)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        tokens = torch.ones_like(x)  # every feature a "token"
+        err = (self.body(x) - y.expand(-1, 1)) ** 2
+        return (err * tokens).sum(1) / tokens.sum()
+
+
+@pytest.mark.parametrize("module", [ClassifierWith(DetachedCentered()), BatchNormalisedLoss(nn.Linear(6, 1))])
+def test_mixing_without_a_gradient_path_is_caught_by_the_leave_half_out_forward(module):
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=2)
+    with pytest.raises(BatchMixingError, match=r"leave-half-out check: the loss of example \d+ .*per-example mean"):
+        trainer.fit(module)
+
+
+def test_leave_half_out_runs_once_in_eval_mode_without_logging(monkeypatch):
+    import lightning_dp.clipping.guard as guard
+
+    calls, modes = [], []
+    original = guard.check_leave_half_out
+
+    def spy(compute_loss, batch, batch_size, module):
+        calls.append(batch_size)
+        return original(lambda b: modes.append(module.training) or compute_loss(b), batch, batch_size, module)
+
+    monkeypatch.setattr(guard, "check_leave_half_out", spy)
+    module = TinyRegressor()
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=3).fit(module)
+    assert len(calls) == 1 and calls[0] >= 2 and modes == [False, False] and module.training

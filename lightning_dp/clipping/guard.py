@@ -24,11 +24,16 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Two things 
   ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
   with ``2 ceil(log2 B)`` extra backward passes of the first batch.
 
-What the independence check cannot see (documented in docs/privacy.md): mixing through paths without gradient (a
-per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1) / mask.sum()``; ``h -
-h.mean(0).detach()``; statistics computed under ``torch.no_grad``), mixing of integer inputs before the first hooked
-layer (e.g. sorting token ids across the batch), mixing that only happens on later batches (a data-dependent branch),
-and gradients that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows, a loss
+- mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
+  / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
+  gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch: with the model in
+  eval mode, under ``no_grad`` and the same torch RNG state, the per-sample losses of the even-indexed examples must
+  be the same whether the odd-indexed ones are in the batch or not (two extra forwards, once per run).
+
+What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
+hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that
+only happens on later batches (a data-dependent branch) or only in train mode, and gradients that cancel exactly
+within a tested set. When it cannot run at all (no target with ``B`` rows, a loss
 without gradient) or cannot check the float inputs (batch size unknown), it logs a warning.
 """
 
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -231,6 +236,71 @@ def _raise_on_leak(
             )
 
 
+def check_leave_half_out(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
+) -> None:
+    """Fail when removing the odd-indexed examples changes the per-sample loss of an even-indexed one.
+
+    The forward-only complement of :func:`check_batch_independence`: it sees mixing without a gradient path (a loss
+    normalised by the batch's token count, statistics under ``no_grad``). Both forwards run with ``module`` in eval
+    mode (no dropout), under ``no_grad`` (the hooks record nothing) and from the same torch RNG state; the batch is
+    cut to the even rows in every tensor whose first dimension is ``batch_size``.
+
+    Args:
+        compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: skipped).
+        batch: the training batch (before any guard transformation).
+        batch_size: ``B``.
+        module: the model (put in eval mode for the two forwards, then restored).
+
+    Raises:
+        BatchMixingError: naming an example whose loss changed.
+
+    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
+    """
+    if batch_size < 2:
+        return
+    keep = torch.arange(0, batch_size, 2)
+    cut = []
+
+    def even_rows(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim == 0 or tensor.shape[0] != batch_size:
+            return tensor
+        cut.append(tensor)
+        return tensor[keep.to(tensor.device)]
+
+    half = apply_to_collection(batch, torch.Tensor, even_rows)
+    if not cut:
+        log.warning(
+            "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
+            "dimension), so mixing of examples without a gradient path is NOT checked",
+            batch_size,
+        )
+        return
+    devices = sorted({t.device.index or 0 for t in cut if t.is_cuda})
+    training = module.training
+    module.eval()
+    try:
+        losses = []
+        for data in (batch, half):
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                losses.append(compute_loss(data))
+    finally:
+        module.train(training)
+    full, part = losses
+    if full is None or part is None:
+        return
+    kept = full[keep.to(full.device)]
+    close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6)
+    if not bool(close.all()):
+        i = int(keep[int(torch.nonzero(~close)[0])])
+        raise BatchMixingError(
+            f"leave-half-out check: the loss of example {i} is {float(kept[~close][0]):.6g} with the whole batch and "
+            f"{float(part[~close][0]):.6g} without the odd-indexed examples, so it depends on other examples (e.g. a "
+            "loss divided by the batch's total token count: use a per-example mean; batch statistics computed under "
+            "no_grad or detached); " + BATCH_MIXING_HINT
+        )
+
+
 class TrainingGuard:
     """The checks of this module around each training forward of one run: buffers and frozen parameters on every
     step (contents on the first step and while independence is pending), batch independence on the first step with
@@ -256,6 +326,8 @@ class TrainingGuard:
         self.buffers = BufferWatch(module)
         self._output_targets = output_targets
         self.independence_pending = check_batch_independence
+        #: whether :func:`check_leave_half_out` is still to run (on the first batch with two examples or more).
+        self.leave_half_out_pending = check_batch_independence
         self._first_step = True
         self._warned_no_size = False
         self._leaves: dict[str, torch.Tensor] = {}
@@ -292,3 +364,17 @@ class TrainingGuard:
         self._leaves = {}
         check_batch_independence(per_sample_loss, targets)
         self.independence_pending = False
+
+    def leave_half_out(
+        self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
+    ) -> None:
+        """Run :func:`check_leave_half_out` once, on the first batch with two examples or more (call after
+        :meth:`after_forward`, with the batch as the user's step received it).
+
+        Raises:
+            BatchMixingError: as :func:`check_leave_half_out`.
+        """
+        if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
+            return
+        self.leave_half_out_pending = False
+        check_leave_half_out(compute_loss, batch, batch_size, module)

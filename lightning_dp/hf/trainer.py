@@ -341,12 +341,15 @@ class DPTrainer(Trainer):
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
-                inputs = engine.guard.before_forward(inputs, size)
+                raw_inputs, inputs = inputs, engine.guard.before_forward(inputs, size)
                 with self.compute_loss_context_manager():
                     if engine.momentum.enabled:  # the same micro-batch at each stored iterate first
                         engine.add_past_iterates(lambda: self.compute_per_example_loss(model, inputs))
                     losses = self.compute_per_example_loss(model, inputs)
                 engine.guard.after_forward(losses)
+                engine.guard.leave_half_out(
+                    lambda batch: self.compute_per_example_loss(model, batch), raw_inputs, len(losses), model
+                )
             norms = engine.clipper.backward(losses, weight=engine.momentum.current_weight)
             if norms.numel():
                 self.last_clip_fraction = float((norms > engine.max_grad_norm).float().mean())

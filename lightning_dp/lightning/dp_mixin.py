@@ -315,6 +315,7 @@ class DPStrategyMixin:
         engine = self.privacy_engine
         if engine.budget_exhausted():
             return None
+        raw_args, raw_kwargs = args, kwargs
         args, kwargs = self._guarded_batch(args, kwargs)
         step = super().training_step
         if engine.momentum.enabled:
@@ -326,6 +327,8 @@ class DPStrategyMixin:
             engine.clipper.discard_past_iterates()
             return output
         engine.guard.after_forward(loss)
+        if engine.guard.leave_half_out_pending:
+            self._leave_half_out(step, raw_args, raw_kwargs, len(loss))
         self._pending_loss = loss
         reduced = loss.mean() if loss.numel() else loss.sum()
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
@@ -347,6 +350,17 @@ class DPStrategyMixin:
             )
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
         return loss
+
+    def _leave_half_out(self, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> None:
+        """The guard's forward-only leave-half-out check of the user's step on this batch (logging off)."""
+
+        def on(batch: Any) -> torch.Tensor | None:
+            call_args, call_kwargs = ((batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": batch})
+            return self._per_sample_loss(step(*call_args, **call_kwargs), call_args, call_kwargs)
+
+        batch = args[0] if args else kwargs.get("batch")
+        with _logging_dropped(self.lightning_module):
+            self.privacy_engine.guard.leave_half_out(on, batch, batch_size, self.lightning_module)
 
     def _guarded_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The step's arguments with the batch passed through the engine's guard (buffer watch; float inputs as
