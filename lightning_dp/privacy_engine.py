@@ -480,6 +480,29 @@ class PrivacyEngine:
             return False
         return self.steps >= self.max_steps_within(self.epsilon_budget)
 
+    def set_epsilon_budget(self, target_epsilon: float | None, *, configured_in: str) -> None:
+        """Enforce ``target_epsilon`` (default: this engine's ``target_epsilon``) as the budget of
+        :meth:`budget_exhausted` (the ``PrivacyBudget`` callbacks of Lightning and HF).
+
+        Raises:
+            ValueError: neither is set (``configured_in`` names where the user could set it).
+        """
+        budget = target_epsilon if target_epsilon is not None else self.target_epsilon
+        if budget is None:
+            raise ValueError(f"PrivacyBudget needs target_epsilon (here or in {configured_in})")
+        self.epsilon_budget = budget
+
+    def log_budget_stop(self) -> None:
+        """Warn that training stops because one more step would exceed the budget."""
+        log.warning(
+            "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
+            "epsilon=%.4g (delta=%.3g). Stopping training.",
+            self.epsilon(),
+            self.steps,
+            self.epsilon_budget,
+            self.target_delta,
+        )
+
     def summary(self) -> dict[str, Any]:
         """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant."""
         assert self.mechanism is not None and self.accountant is not None

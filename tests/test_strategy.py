@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_dp import DPStrategy, PrivacyAccountantCallback, PrivacyBudget
+from lightning_dp import DPStrategy, PrivacyAccountantCallback, PrivacyBudget, PrivacyEngine
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:
@@ -310,3 +310,11 @@ class _DoubledLoss(TinyRegressor):
 def test_more_losses_than_examples_is_rejected():
     with pytest.raises(ValueError, match="one loss per example"):
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(_DoubledLoss())
+
+
+def test_a_budget_needs_a_target_epsilon_here_or_in_the_strategy():
+    engine = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=r"PrivacyBudget needs target_epsilon \(here or in DPStrategy\)"):
+        engine.set_epsilon_budget(None, configured_in="DPStrategy")
+    engine.set_epsilon_budget(2.0, configured_in="DPStrategy")
+    assert engine.epsilon_budget == 2.0

@@ -116,10 +116,8 @@ class PrivacyBudget(TrainerCallback):
 
     def bind(self, engine: PrivacyEngine) -> None:
         """Set the engine whose budget this callback enforces (``DPTrainer.train`` calls it)."""
-        budget = self.target_epsilon if self.target_epsilon is not None else engine.target_epsilon
-        if budget is None:
-            raise ValueError("PrivacyBudget needs target_epsilon (here or in PrivacyArguments)")
-        self.engine, engine.epsilon_budget, self.stopped_at_step = engine, budget, None
+        engine.set_epsilon_budget(self.target_epsilon, configured_in="PrivacyArguments")
+        self.engine, self.stopped_at_step = engine, None
 
     def _stop_if_exhausted(self, control: TrainerControl) -> TrainerControl:
         engine = self.engine
@@ -129,14 +127,7 @@ class PrivacyBudget(TrainerCallback):
             control.should_training_stop = True
             if self.stopped_at_step is None:
                 self.stopped_at_step = engine.steps
-                log.warning(
-                    "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
-                    "epsilon=%.4g (delta=%.3g). Stopping training.",
-                    engine.epsilon(),
-                    engine.steps,
-                    engine.epsilon_budget,
-                    engine.target_delta,
-                )
+                engine.log_budget_stop()
         return control
 
     def on_train_begin(

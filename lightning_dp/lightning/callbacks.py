@@ -137,25 +137,14 @@ class PrivacyBudget(Callback):
         self.stopped_at_step: int | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        engine = privacy_engine_of(trainer)
-        budget = self.target_epsilon if self.target_epsilon is not None else engine.target_epsilon
-        if budget is None:
-            raise ValueError("PrivacyBudget needs target_epsilon (here or in DPStrategy)")
-        engine.epsilon_budget = budget
+        privacy_engine_of(trainer).set_epsilon_budget(self.target_epsilon, configured_in="DPStrategy")
         self.stopped_at_step = None
 
     def _stop_if_exhausted(self, trainer: pl.Trainer) -> None:
         engine = privacy_engine_of(trainer)
         if engine.budget_exhausted() and self.stopped_at_step is None:
             self.stopped_at_step = engine.steps
-            log.warning(
-                "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
-                "epsilon=%.4g (delta=%.3g). Stopping training.",
-                engine.epsilon(),
-                engine.steps,
-                engine.epsilon_budget,
-                engine.target_delta,
-            )
+            engine.log_budget_stop()
             trainer.should_stop = True
 
     def on_train_batch_end(
