@@ -1,0 +1,198 @@
+"""What every HF recipe shares: its common arguments, where its local data lives, and the run itself (Trainer or
+DPTrainer, training, the task's evaluation, one ``results.json``).
+
+All the differential privacy comes from :class:`~lightning_dp.hf.DPTrainer` and
+:class:`~lightning_dp.hf.PrivacyArguments`; a recipe adds only data, model and metric.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import PretrainedConfig, Trainer, TrainingArguments
+
+from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.recipes.models import DEFAULT_CACHE
+
+log = logging.getLogger("lightning_dp")
+
+#: ``../shared/data`` beside the repository (the offline copies of the datasets); ``LIGHTNING_DP_DATA`` overrides it.
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+@dataclass
+class RecipeArguments:
+    """Arguments every HF recipe has (each recipe subclasses this with its own fields).
+
+    Attributes:
+        task: the recipe's task or subset (e.g. ``sst2`` for GLUE, ``e2e`` for E2E/DART); the recipe checks it.
+        data_source: ``"local"`` (the offline copy under ``data_dir``) or ``"hub"`` (``datasets.load_dataset``).
+        data_dir: folder of the local copy (default: ``$LIGHTNING_DP_DATA/<dataset>`` or
+            ``../shared/data/<dataset>`` beside the repository).
+        model_name_or_path: a Hub id, a folder, or ``package:NAME`` (see :mod:`lightning_dp.recipes.models`).
+        cache_dir: where converted packaged models are kept.
+        tiny_model: a random model of the same architecture and tokenizer, tiny (smoke tests; metrics meaningless).
+        train_size: use the first ``train_size`` training examples (``None``: all).
+        eval_size: evaluate on the first ``eval_size`` evaluation examples (``None``: all).
+        max_length: tokens per example; longer inputs are cut by the recipe's documented rule.
+        lora_rank: rank of peft LoRA adapters (0: fine-tune the model's own trainable parameters).
+        lora_target_modules: module names that get adapters (e.g. ``q_proj v_proj``).
+        lora_layers: adapt only the top ``lora_layers`` transformer layers (``None``: all).
+        dp: train with DP (``DPTrainer``); ``false`` runs the same recipe through the plain ``Trainer``.
+        results_file: where the run's JSON summary is written (default ``OUTPUT_DIR/results.json``).
+    """
+
+    task: str = field(default="", metadata={"help": "Task or subset of the recipe."})
+    data_source: str = field(default="local", metadata={"help": "local (offline copy) or hub (datasets)."})
+    data_dir: str | None = field(default=None, metadata={"help": "Folder of the local copy of the data."})
+    model_name_or_path: str = field(default="", metadata={"help": "Hub id, folder, or package:NAME."})
+    cache_dir: str = field(default=str(DEFAULT_CACHE), metadata={"help": "Cache of converted packaged models."})
+    tiny_model: bool = field(default=False, metadata={"help": "Tiny random model (smoke tests)."})
+    train_size: int | None = field(default=None, metadata={"help": "First N training examples (default all)."})
+    eval_size: int | None = field(default=None, metadata={"help": "First N evaluation examples (default all)."})
+    max_length: int = field(default=128, metadata={"help": "Tokens per example (longer inputs are cut)."})
+    lora_rank: int = field(default=0, metadata={"help": "LoRA rank (0: no adapters)."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "v_proj"], metadata={"help": "Modules that get LoRA adapters."}
+    )
+    lora_layers: int | None = field(default=None, metadata={"help": "Adapt the top N layers only (default all)."})
+    dp: bool = field(default=True, metadata={"help": "Train with DP (false: plain Trainer)."})
+    results_file: str | None = field(default=None, metadata={"help": "JSON summary (default OUTPUT_DIR/results.json)."})
+
+    def __post_init__(self) -> None:
+        if self.data_source not in ("local", "hub"):
+            raise ValueError(f"data_source must be 'local' or 'hub', got {self.data_source!r}")
+        if not self.model_name_or_path:
+            raise ValueError("model_name_or_path is required (a Hub id, a folder, or package:NAME)")
+        for name in ("train_size", "eval_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or unset for all examples), got {value}")
+        if self.max_length <= 0:
+            raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
+
+
+def local_data_dir(recipe: RecipeArguments, dataset: str) -> Path:
+    """The folder of the offline copy of ``dataset``: ``recipe.data_dir`` if set, else ``$LIGHTNING_DP_DATA/dataset``
+    or ``../shared/data/dataset``.
+
+    Raises:
+        FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
+    """
+    if recipe.data_dir is not None:
+        folder = Path(recipe.data_dir)
+    else:
+        folder = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"local data for {dataset!r} not found at {str(folder)!r}: set data_dir to its folder, or data_source: hub"
+        )
+    return folder
+
+
+def require_file(path: Path) -> Path:
+    """``path`` if it is a file. Raises ``FileNotFoundError`` saying which file of the local copy is missing."""
+    if not path.is_file():
+        raise FileNotFoundError(f"expected data file {str(path)!r} is missing; check data_dir")
+    return path
+
+
+def check_max_length(config: PretrainedConfig, max_length: int) -> None:
+    """Raise ``ValueError`` when ``max_length`` exceeds the model's position limit (``max_position_embeddings``,
+    ``n_positions``); models without one (relative positions, e.g. T5) accept any length."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and max_length > limit:
+        raise ValueError(f"max_length {max_length} exceeds the model's maximum of {limit} positions; lower max_length")
+
+
+def run_recipe(
+    recipe: RecipeArguments,
+    training: TrainingArguments,
+    privacy: PrivacyArguments,
+    *,
+    model: nn.Module,
+    train_dataset: Dataset,
+    evaluate: Callable[[Trainer], dict[str, float]],
+    eval_dataset: Dataset | None = None,
+    data_collator: Callable | None = None,
+    trainer_kwargs: dict[str, Any] | None = None,
+    details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false),
+    evaluate it with ``evaluate(trainer)``, and write and print the JSON summary on the main process.
+
+    The summary holds the task metrics, the privacy summary (epsilon actually spent, delta, noise, accountant,
+    steps, sample rate; ``null`` without DP), the training and evaluation sizes, the trainable parameter count, the
+    wall time of training and of evaluation in seconds, the full arguments and the command line that ran it.
+
+    Returns:
+        The summary dict (on every process).
+    """
+    common = dict(
+        model=model,
+        args=training,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+        **(trainer_kwargs or {}),
+    )
+    trainer = DPTrainer(**common, privacy_args=privacy) if recipe.dp else Trainer(**common)
+    start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    metrics = evaluate(trainer)
+    eval_seconds = time.perf_counter() - start
+    privacy_summary = None
+    if recipe.dp:
+        privacy_summary = {k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"}
+    result = {
+        "task": recipe.task,
+        "dp": recipe.dp,
+        "metrics": metrics,
+        "privacy": privacy_summary,
+        "train_size": len(train_dataset),
+        "eval_size": None if eval_dataset is None else len(eval_dataset),
+        "steps": trainer.state.global_step,
+        "expected_batch": training.per_device_train_batch_size
+        * training.gradient_accumulation_steps
+        * training.world_size,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "train_seconds": round(train_seconds, 1),
+        "eval_seconds": round(eval_seconds, 1),
+        "world_size": training.world_size,
+        **(details or {}),
+        "arguments": {
+            "recipe": asdict(recipe),
+            "privacy": {k: v for k, v in asdict(privacy).items()} if recipe.dp else None,
+            "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
+        },
+        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    if training.process_index == 0:
+        path = Path(recipe.results_file or Path(training.output_dir) / "results.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+        print(json.dumps({k: result[k] for k in ("task", "dp", "metrics", "privacy", "steps", "train_seconds")}))
+    return result
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except TypeError:
+        return str(value)
+    return value
