@@ -103,6 +103,13 @@ class Factored:
 Term = Materialised | Factored
 
 
+def term_elements(term: Term) -> int:
+    """Number of elements a term holds (both factors of a :class:`Factored`, token ids included)."""
+    if isinstance(term, Factored):
+        return term.left.numel() + term.right.numel()
+    return term.grad.numel()
+
+
 def materialise_sum(terms: list[Term]) -> torch.Tensor:
     """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]``."""
     total = terms[0].materialise()
