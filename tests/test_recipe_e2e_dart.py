@@ -43,7 +43,7 @@ def test_smoke_docs_config_on_a_tiny_model(task: str, tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     done = run_script(
         "--config", str(DOCS_CONFIG), "--task", task, "--tiny_model", "true", "--train_size", "16",
-        "--eval_size", "3", "--max_steps", "2", "--per_device_train_batch_size", "4", "--max_new_tokens", "4",
+        "--eval_size", "3", "--max_steps", "2", "--lora_layers", "1", "--per_device_train_batch_size", "4", "--max_new_tokens", "4",
         "--output_dir", str(tmp_path), "--results_file", str(results),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
