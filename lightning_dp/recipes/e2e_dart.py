@@ -1,0 +1,318 @@
+"""E2E / DART table-to-text generation with a causal LM: the generation task of Li et al. 2022 ("Large language
+models can be strong differentially private learners", section 3 and appendix; their code: private-transformers,
+``examples/table2text``).
+
+Task: ``task: e2e`` (E2E NLG, Novikova et al. 2017: restaurant meaning representations) or ``task: dart`` (DART, Nan
+et al. 2021: open-domain RDF triple sets).
+
+Data:
+- local (``data_source: local``, read in place from ``../shared/data/e2e`` or ``../shared/data/dart``): the copies
+  have no training split, so E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART
+  trains on ``dart-v1.1.1-full-dev.json`` and evaluates on ``dart-v1.1.1-full-test.from_xml.json``.
+- Hub (``data_source: hub``, ``datasets.load_dataset``): ``tuetschek/e2e_nlg`` (formerly ``e2e_nlg``) and
+  ``Yale-LILY/dart`` (formerly ``dart``), ``train`` and ``test`` splits. Both are script datasets, which
+  ``datasets`` 4+ no longer runs, so the default ``dataset_revision`` is the Hub's parquet conversion
+  ``refs/convert/parquet``.
+
+A training example is one (table, reference) pair (``train_size``: the first N pairs); an evaluation example is one
+table with ALL its references (E2E test rows grouped by meaning representation in order of first appearance; a DART
+test entry with all its annotations; ``eval_size``: the first N tables).
+
+Formatting (Li et al. 2022, taken over from prefix-tuning, Li & Liang 2021): the table is linearised as
+``key : value | key : value`` (E2E; ``eatType`` is written ``Type``, ``priceRange`` ``price``, ``familyFriendly``
+``family friendly``) or ``subject : predicate : object | ...`` (DART, predicates lower-cased); the model reads
+``" " + table + separator`` and is trained to continue with ``" " + reference`` and the end-of-sequence token, the
+loss on the reference and EOS tokens only (mean over them per example). Li et al.'s separator is the tokenizer's
+BOS token (GPT-2's ``<|endoftext|>``), written here ``separator: " {bos}"``; any other text may be set.
+
+Decoding (Li et al. 2022, ``decoding_utils.py``): beam search with 5 beams and up to 100 new tokens
+(``num_beams``, ``max_new_tokens``); their evaluation files hold one line per example (they forbid newline tokens),
+so the hypothesis here is the generated text up to its first newline.
+
+Model: ``AutoModelForCausalLM`` from ``model_name_or_path`` (``gpt2`` and larger GPT-2s in Li et al.; offline the
+packaged SmolLM2-135M-Instruct), fully fine-tuned (``lora_rank: 0``) or with peft LoRA adapters
+(:func:`~lightning_dp.recipes.models.add_lora`).
+
+Metric: corpus BLEU (sacrebleu), ROUGE-1/2/L and METEOR against all references of each table
+(:func:`~lightning_dp.recipes.metrics.generation_metrics`), in percent.
+
+Truncation rule (:mod:`~lightning_dp.recipes.generation`): the reference is cut to ``max_target_length`` tokens,
+then the linearised table is cut from its end so that table + separator + reference + EOS fit in ``max_length``
+tokens; at evaluation the table is cut so that ``max_new_tokens`` more fit. (Li et al. instead drop training
+examples longer than ``max_seq_len``: 100 tokens for E2E, 120 for DART.)
+
+Commands::
+
+    python recipes/e2e_dart.py --config configs/e2e_dart.yaml                   # offline, CPU (docs/recipes.md)
+    accelerate launch recipes/e2e_dart.py --config configs/e2e_dart_hub.yaml     # GPT-2 on the Hub data
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import (
+    AutoConfig,
+    DataCollatorForSeq2Seq,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from lightning_dp.hf import PrivacyArguments
+from lightning_dp.naming import did_you_mean
+from lightning_dp.recipes import generation, metrics, models
+from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.recipes.run import RecipeArguments, check_max_length, local_data_dir, require_file, run_recipe
+
+TASKS = ("e2e", "dart")
+#: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).
+HUB_DATASETS = {"e2e": "tuetschek/e2e_nlg", "dart": "Yale-LILY/dart"}
+#: Local copies: folder under ``../shared/data`` and the (training, evaluation) files.
+LOCAL_FILES = {
+    "e2e": ("devset.csv", "testset_w_refs.csv"),
+    "dart": ("dart-v1.1.1-full-dev.json", "dart-v1.1.1-full-test.from_xml.json"),
+}
+#: E2E attribute names as prefix-tuning's and Li et al.'s data files write them; the others are kept.
+E2E_KEYS = {"eatType": "Type", "priceRange": "price", "familyFriendly": "family friendly"}
+_MR_ITEM = re.compile(r"\s*([^\[\],][^\[\]]*?)\s*\[([^\]]*)\]\s*(?:,|$)")
+
+
+@dataclass
+class E2EDartArguments(RecipeArguments):
+    """The E2E/DART recipe's arguments (see the module docstring; the common ones are
+    :class:`~lightning_dp.recipes.run.RecipeArguments`).
+
+    Attributes:
+        max_target_length: reference tokens kept per training example (the truncation rule).
+        separator: text between the table and the reference; ``{bos}`` stands for the tokenizer's BOS token
+            (Li et al.: ``" {bos}"``).
+        num_beams: beams of the evaluation decoding (1: greedy).
+        max_new_tokens: tokens generated per evaluation table.
+        dataset_name: the Hub dataset id (default: :data:`HUB_DATASETS` of the task).
+        dataset_revision: its revision (default ``refs/convert/parquet``, the Hub's parquet conversion).
+    """
+
+    task: str = field(default="e2e", metadata={"help": "e2e or dart."})
+    model_name_or_path: str = field(default="gpt2", metadata={"help": "Causal LM: Hub id, folder, or package:NAME."})
+    max_length: int = field(default=100, metadata={"help": "Tokens per example (table cut from its end)."})
+    max_target_length: int = field(default=64, metadata={"help": "Reference tokens kept per training example."})
+    separator: str = field(default=" {bos}", metadata={"help": "Text between table and reference; {bos}: BOS token."})
+    num_beams: int = field(default=5, metadata={"help": "Beams of the evaluation decoding (1: greedy)."})
+    max_new_tokens: int = field(default=100, metadata={"help": "Tokens generated per evaluation table."})
+    dataset_name: str | None = field(default=None, metadata={"help": "Hub dataset id (default per task)."})
+    dataset_revision: str | None = field(
+        default="refs/convert/parquet", metadata={"help": "Hub revision (default: the parquet conversion)."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}: choose e2e or dart{did_you_mean(self.task, TASKS)}")
+        for name in ("max_target_length", "num_beams", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def linearise_e2e(meaning_representation: str) -> str:
+    """``"name[Blue Spice], eatType[coffee shop]"`` -> ``"name : Blue Spice | Type : coffee shop"`` (the attribute
+    names of :data:`E2E_KEYS` renamed as in Li et al.'s data).
+
+    Raises:
+        ValueError: the text is not a list of ``attribute[value]`` items.
+    """
+    items = _MR_ITEM.findall(meaning_representation)
+    if not items or "".join(_MR_ITEM.sub("", meaning_representation).split()):
+        raise ValueError(f"not an E2E meaning representation (attribute[value], ...): {meaning_representation!r}")
+    return " | ".join(f"{E2E_KEYS.get(key, key)} : {value}" for key, value in items)
+
+
+def linearise_triples(tripleset: Sequence[Sequence[str]]) -> str:
+    """``[[s, p, o], ...]`` -> ``"s : p : o | ..."`` with lower-cased predicates (Li et al.'s DART format).
+
+    Raises:
+        ValueError: an empty set or a triple without three parts.
+    """
+    if not tripleset or any(len(triple) != 3 for triple in tripleset):
+        raise ValueError(f"a DART tripleset is a non-empty list of [subject, predicate, object], got {tripleset!r}")
+    return " | ".join(f"{s} : {p.lower()} : {o}" for s, p, o in tripleset)
+
+
+def group_references(pairs: Iterable[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """``(table, reference)`` pairs -> ``(table, [its references])`` in order of each table's first appearance."""
+    grouped: dict[str, list[str]] = {}
+    for table, reference in pairs:
+        grouped.setdefault(table, []).append(reference)
+    return list(grouped.items())
+
+
+def make_examples(
+    tables: Sequence[tuple[str, Sequence[str]]], separator: str, train: bool, limit: int | None
+) -> list[generation.PromptTarget]:
+    """PromptTargets of linearised ``tables`` with their references: for training one per (table, reference) pair,
+    the first ``limit`` pairs; for evaluation one per table holding all its references, the first ``limit`` tables.
+    The target is the first reference (the one trained on), with a leading space as in Li et al."""
+    if train:
+        pairs = [(table, ref) for table, refs in tables for ref in refs][:limit]
+        return [generation.PromptTarget(table, separator, " " + ref.strip(), (ref,)) for table, ref in pairs]
+    return [
+        generation.PromptTarget(table, separator, " " + refs[0].strip(), tuple(refs)) for table, refs in tables[:limit]
+    ]
+
+
+def read_local(task: str, folder: Path) -> tuple[list[tuple[str, list[str]]], list[tuple[str, list[str]]]]:
+    """The (training, evaluation) tables of the local copy in ``folder``: linearised tables, each with its
+    references (training tables keep their rows' order; several rows of one E2E table stay separate pairs)."""
+    train_file, eval_file = (require_file(folder / name) for name in LOCAL_FILES[task])
+    if task == "e2e":
+        return _e2e_tables(_read_csv(train_file), train=True), _e2e_tables(_read_csv(eval_file), train=False)
+    return _dart_tables(_read_json(train_file)), _dart_tables(_read_json(eval_file))
+
+
+def _read_csv(path: Path) -> list[tuple[str, str]]:
+    with path.open(newline="", encoding="utf-8") as handle:
+        return [(row["mr"], row["ref"]) for row in csv.DictReader(handle)]
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _e2e_tables(rows: Iterable[tuple[str, str]], train: bool) -> list[tuple[str, list[str]]]:
+    """E2E rows ``(mr, ref)`` -> tables: one per row for training, grouped by meaning representation otherwise."""
+    pairs = [(linearise_e2e(mr), ref) for mr, ref in rows]
+    return [(table, [ref]) for table, ref in pairs] if train else group_references(pairs)
+
+
+def _dart_tables(entries: Iterable[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """DART entries -> (linearised tripleset, its annotation texts); ``annotations`` is a list of
+    ``{"source", "text"}`` (the JSON files) or ``{"source": [...], "text": [...]}`` (the Hub's columns)."""
+    tables = []
+    for entry in entries:
+        annotations = entry["annotations"]
+        texts = annotations["text"] if isinstance(annotations, dict) else [a["text"] for a in annotations]
+        if texts:
+            tables.append((linearise_triples(entry["tripleset"]), list(texts)))
+    return tables
+
+
+def read_hub(recipe: E2EDartArguments) -> tuple[list[tuple[str, list[str]]], list[tuple[str, list[str]]]]:
+    """The (training, evaluation) tables of the Hub dataset's ``train`` and ``test`` splits."""
+    from datasets import load_dataset
+
+    data = load_dataset(recipe.dataset_name or HUB_DATASETS[recipe.task], revision=recipe.dataset_revision)
+    if recipe.task == "e2e":
+
+        def rows(split: str) -> list[tuple[str, str]]:
+            return list(zip(data[split]["meaning_representation"], data[split]["human_reference"], strict=True))
+
+        return _e2e_tables(rows("train"), train=True), _e2e_tables(rows("test"), train=False)
+    return _dart_tables(data["train"]), _dart_tables(data["test"])
+
+
+def load_model(recipe: E2EDartArguments) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The causal LM and tokenizer of ``recipe.model_name_or_path`` (tiny random weights with ``tiny_model``), with
+    LoRA adapters when ``lora_rank > 0``.
+
+    Raises:
+        ValueError: the model has no causal-LM head (e.g. an encoder or an encoder-decoder), or ``max_length``
+            exceeds its positions.
+    """
+    path = models.resolve_pretrained(recipe.model_name_or_path, recipe.cache_dir)
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{recipe.model_name_or_path!r} ({config.model_type}) has no causal-LM head (AutoModelForCausalLM); "
+            "table-to-text here needs a decoder-only model such as gpt2"
+        )
+    tokenizer = models.load_tokenizer(recipe.model_name_or_path, recipe.cache_dir)
+    model = models.load_causal_lm(recipe.model_name_or_path, recipe.cache_dir, tiny=recipe.tiny_model)
+    check_max_length(model.config, recipe.max_length)
+    if recipe.lora_rank > 0:
+        model = models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM")
+    return model, tokenizer
+
+
+def separator_text(separator: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    """``separator`` with ``{bos}`` replaced by the tokenizer's BOS token (its EOS token when it has none)."""
+    return separator.replace("{bos}", tokenizer.bos_token or tokenizer.eos_token)
+
+
+def first_line(text: str) -> str:
+    """The text up to its first newline, stripped (one hypothesis per line, as in Li et al.'s evaluation files)."""
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def make_evaluate(
+    recipe: E2EDartArguments,
+    training: TrainingArguments,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[generation.PromptTarget],
+    samples: list[dict[str, str]],
+) -> Callable[[Trainer], dict[str, float]]:
+    """The evaluation of :func:`~lightning_dp.recipes.run.run_recipe`: decode every evaluation table (main process
+    only; the others return no metrics) and score the first lines against all references; the first three
+    (table, hypothesis, references) go to ``samples``."""
+
+    def evaluate(_trainer: Trainer) -> dict[str, float]:
+        if training.process_index != 0:
+            return {}
+        texts = generation.generate_texts(
+            model,
+            tokenizer,
+            examples,
+            max_length=recipe.max_length,
+            max_new_tokens=recipe.max_new_tokens,
+            batch_size=training.per_device_eval_batch_size,
+            num_beams=recipe.num_beams,
+        )
+        hypotheses = [first_line(text) for text in texts]
+        references = [list(example.references) for example in examples]
+        samples.extend(
+            {"table": e.body, "hypothesis": h, "references": list(e.references)}
+            for e, h in zip(examples[:3], hypotheses, strict=False)
+        )
+        return metrics.generation_metrics(hypotheses, references)
+
+    return evaluate
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse ``--config FILE.yaml`` and flags, fine-tune, decode, score, write ``results.json``; return the summary."""
+    recipe, training, privacy = parse_recipe_args(
+        (E2EDartArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
+    )
+    if recipe.data_source == "local":
+        train_tables, eval_tables = read_local(recipe.task, local_data_dir(recipe, recipe.task))
+    else:
+        train_tables, eval_tables = read_hub(recipe)
+    with training.main_process_first(desc="model loading"):  # a packaged model is converted by one process
+        model, tokenizer = load_model(recipe)
+    separator = separator_text(recipe.separator, tokenizer)
+    train = make_examples(train_tables, separator, train=True, limit=recipe.train_size)
+    evaluation = make_examples(eval_tables, separator, train=False, limit=recipe.eval_size)
+    train_dataset = generation.PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length)
+    samples: list[dict[str, str]] = []
+    return run_recipe(
+        recipe,
+        training,
+        privacy,
+        model=model,
+        train_dataset=train_dataset,
+        evaluate=make_evaluate(recipe, training, model, tokenizer, evaluation, samples),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=generation.IGNORE_INDEX),
+        details={
+            "eval_tables": len(evaluation),
+            "eval_references": sum(len(e.references) for e in evaluation),
+            "samples": samples,
+        },
+    )
