@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+from lightning_dp.clipping.hooks import Capture
 
 ENGINES = ("flat", "ghost", "fgc", "mixed")
 RTOL = 1e-4
@@ -214,6 +215,25 @@ def test_tied_embedding_and_output_weight(clipping: str, bookkeeping: bool) -> N
     model = randomise(TiedLM())
     assert model.out.weight is model.emb.weight
     check_against_oracle(model, (IDS,), clipping, bookkeeping=bookkeeping)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "mixed"])
+def test_bookkeeping_reuses_materialised_gradients(clipping: str, monkeypatch) -> None:
+    """Long sequences: the per-sample gradients are smaller than their factors (P Q <= T (P + Q)), so book-keeping
+    forms the clipped sum from them and releases the captured tensors; the result is still the oracle's."""
+    released = []
+    release = Capture.release
+
+    def recording_release(self: Capture) -> None:
+        released.append(self.name)
+        release(self)
+
+    monkeypatch.setattr(Capture, "release", recording_release)
+    seq = 64
+    model = randomise(TiedLM(vocab=40, dim=6, seq=seq))
+    ids = torch.randint(0, 40, (B, seq), generator=torch.Generator().manual_seed(3))
+    check_against_oracle(model, (ids,), clipping)
+    assert {"emb", "out", "mix"} <= set(released)
 
 
 @BOOKKEEPING

@@ -40,7 +40,7 @@ from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
 from lightning_dp.clipping.swap import restore_modules, swap_modules
-from lightning_dp.clipping.terms import Factored, Term
+from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.clipping.validation import hooked_modules
 
 _EPS = 1e-6
@@ -337,9 +337,7 @@ class PerSampleClipper:
             now_terms = self._terms([c for c in group if id(c) not in past], batch)
             past_terms = self._terms(then, batch)
             terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
-            if kept is not None:
-                kept_terms, kept_group = (terms, group) if self.bookkeeping else (past_terms, then)
-                kept.append(kept_group if _allocates_memory(kept_terms, kept_group) else kept_terms)
+            grads: dict[nn.Parameter, torch.Tensor] = {}
             for param, param_terms in terms.items():
                 with_terms.add(id(param))
                 if checker is not None and param in now_terms:
@@ -347,7 +345,15 @@ class PerSampleClipper:
                 generator = None
                 if self._engine.randomized:
                     generator = self._generator_for(param_terms[0].device)
-                total = total + self._engine.contribution(param_terms, self.norm, generator).to(dtype)
+                if kept is not None and self.bookkeeping:
+                    contribution, grad = self._engine.contribution_and_gradient(param_terms, self.norm, generator)
+                    if grad is not None:
+                        grads[param] = grad
+                else:
+                    contribution = self._engine.contribution(param_terms, self.norm, generator)
+                total = total + contribution.to(dtype)
+            if kept is not None:
+                kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
         if checker is None:
             return total
         reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
@@ -361,6 +367,28 @@ class PerSampleClipper:
         if failures:
             raise self._outside_use_error(failures)
         return total
+
+    def _kept_for_sum(
+        self,
+        terms: dict[nn.Parameter, list[Term]],
+        past_terms: dict[nn.Parameter, list[Term]],
+        group: list[Capture],
+        then: list[Capture],
+        grads: dict[nn.Parameter, torch.Tensor],
+    ) -> dict[nn.Parameter, list[Term]] | list[Capture]:
+        """What the clipped sum of one group needs: its terms when they are views of the captures (nothing new held),
+        else the captures, whose terms are then formed again; with book-keeping all of the group's terms, else the
+        past iterates'. Per-sample gradients the engine formed (``grads``, book-keeping only) replace their
+        parameter's terms; when they replace every term, the group's captured tensors are released."""
+        if not self.bookkeeping:
+            return then if _allocates_memory(past_terms, then) else past_terms
+        rest = {param: param_terms for param, param_terms in terms.items() if param not in grads}
+        if _allocates_memory(rest, group):
+            return group
+        if not rest:
+            for capture in group:
+                capture.release()
+        return {**rest, **{param: [Materialised(grad)] for param, grad in grads.items()}}
 
     def _add_clipped_sum(
         self, kept: list[dict[nn.Parameter, list[Term]] | list[Capture]], batch: int, factors: torch.Tensor

@@ -7,12 +7,13 @@ root. Engine classes register themselves by name in :data:`ENGINES`; a new engin
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
 
-from lightning_dp.clipping.terms import Term, materialise_sum
+from lightning_dp.clipping.terms import Materialised, Term, materialise_sum, term_elements
 from lightning_dp.naming import did_you_mean
 
 #: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
@@ -43,11 +44,39 @@ class ClippingEngine(ABC):
             generator: the source of randomness of a randomized engine, on the terms' device (ignored otherwise).
         """
 
+    def contribution_and_gradient(
+        self, terms: list[Term], norm: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`contribution` ``[B]``, plus the per-sample gradient summed over the uses ``[B, *param.shape]``
+        when the engine formed it in full and it holds no more elements than the terms it stands for (else None).
+
+        Book-keeping then forms the clipped sum ``sum_i c_i g_i`` from it (``B * numel`` multiply-adds) instead of
+        ``sum_i c_i L_i^T R_i`` from the factors (``B * T * numel``), and drops the factors, so keeping it costs no
+        memory. The default forms nothing (None).
+        """
+        return self.contribution(terms, norm, generator), None
+
 
 def materialised_contribution(terms: list[Term], norm: int) -> torch.Tensor:
     """Exact contribution from the materialised per-sample gradient (memory ``B * param.numel()``)."""
     grad = materialise_sum(terms).flatten(1)
     return grad.abs().sum(1) if norm == 1 else grad.square().sum(1)
+
+
+def materialised_contribution_and_gradient(terms: list[Term], norm: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`materialised_contribution` and, when it is no larger than the terms (see
+    :meth:`ClippingEngine.contribution_and_gradient`), the per-sample gradient it was computed from."""
+    grad = materialise_sum(terms)
+    flat = grad.flatten(1)
+    contribution = flat.abs().sum(1) if norm == 1 else flat.square().sum(1)
+    return contribution, grad if gradient_fits(terms) else None
+
+
+def gradient_fits(terms: list[Term]) -> bool:
+    """Whether the per-sample gradient ``[B, *param.shape]`` of ``terms`` holds no more elements than the terms."""
+    first = terms[0]
+    size = first.grad.numel() if isinstance(first, Materialised) else first.right.shape[0] * math.prod(first.shape)
+    return size <= sum(term_elements(term) for term in terms)
 
 
 ENGINES: dict[str, type[ClippingEngine]] = {}

@@ -55,6 +55,11 @@ class Capture:
     output_shape: torch.Size
     output_grad: torch.Tensor | None = None
 
+    def release(self) -> None:
+        """Drop the captured activation and output gradient, once the clipper holds what it needs of them (the
+        per-sample gradients that book-keeping keeps instead); the capture is not used again."""
+        self.activation = self.output_grad = None  # type: ignore[assignment]
+
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if args:

@@ -17,6 +17,12 @@ materialising. Memory is then bounded by materialising in chunks of samples: ``m
 samples at a time, so a chunk's per-sample gradients take at most ghost's memory plus one sample's gradient (the
 sum over uses and the squares hold two or three such buffers at once). The decision depends only on
 the shapes. Parameters with a materialised term (biases, norms, grouped convolutions) are materialised. Exact; l2.
+
+Under book-keeping a materialised per-sample gradient that holds no more elements than its factors (``P Q <=
+sum_u T_u (P + Q)``, which the work rule implies up to a factor of about two) is formed whole and kept for the
+clipped sum, ``sum_i c_i g_i``, in place of the factors, which are freed: the clipped sum then costs ``B P Q``
+instead of the ``B T P Q`` of ``sum_i c_i L_i^T R_i``, at no extra memory. For a 50257-wide output head at
+``T = 512`` this removes a quarter of the step's work.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ import math
 
 import torch
 
-from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.engine import (
+    ClippingEngine,
+    gradient_fits,
+    materialised_contribution,
+    materialised_contribution_and_gradient,
+    register_engine,
+)
 from lightning_dp.clipping.ghost import gram_squared_norm
 from lightning_dp.clipping.terms import Factored, Term
 
@@ -78,3 +90,15 @@ class MixedEngine(ClippingEngine):
         if ghost_cost(factored) < materialise_cost(factored):
             return gram_squared_norm(factored)
         return chunked_squared_norm(factored)
+
+    def contribution_and_gradient(
+        self, terms: list[Term], norm: int, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where materialising is chosen and the per-sample gradient is no larger than the factors, it is formed
+        whole (not in chunks) and returned for book-keeping's clipped sum; otherwise as :meth:`contribution`."""
+        factored = [term for term in terms if isinstance(term, Factored)]
+        if len(factored) < len(terms):
+            return materialised_contribution_and_gradient(terms, norm)
+        if ghost_cost(factored) >= materialise_cost(factored) and gradient_fits(factored):
+            return materialised_contribution_and_gradient(factored, norm)
+        return self.contribution(terms, norm, generator), None

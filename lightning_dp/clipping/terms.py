@@ -33,6 +33,10 @@ class Materialised:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
+    def add_to(self, total: torch.Tensor) -> None:
+        """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
+        total.add_(self.grad.reshape(total.shape))
+
     def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``."""
         if weights is None:
@@ -79,6 +83,16 @@ class Factored:
             grad = torch.bmm(self.left.transpose(1, 2), self.right)
         return grad.reshape(batch, *self.shape)
 
+    def add_to(self, total: torch.Tensor) -> None:
+        """``total += L_i^T R_i`` in place (a batched multiply-add, or a scatter-add of the ids), without forming the
+        term's own ``[B, *shape]`` tensor; ``total`` ``[B, *shape]``, contiguous."""
+        batch, _, cols = self.right.shape
+        view = total.view(batch, self.shape[0], cols)
+        if self.is_index:
+            view.scatter_add_(1, self.left.unsqueeze(-1).expand_as(self.right), self.right)
+        else:
+            view.baddbmm_(self.left.transpose(1, 2), self.right)
+
     def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
         """``sum_i w_i L_i^T R_i`` (``w_i = 1`` when ``weights`` is None), ``[*shape]``, without per-sample gradients:
         one ``P x Q`` matmul over the ``B * T`` rows, with the narrower factor scaled by ``w_i`` (book-keeping, Bu et
@@ -103,11 +117,21 @@ class Factored:
 Term = Materialised | Factored
 
 
+def term_elements(term: Term) -> int:
+    """Number of elements a term holds (both factors of a :class:`Factored`, token ids included)."""
+    if isinstance(term, Factored):
+        return term.left.numel() + term.right.numel()
+    return term.grad.numel()
+
+
 def materialise_sum(terms: list[Term]) -> torch.Tensor:
-    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]``."""
-    total = terms[0].materialise()
-    for term in terms[1:]:
-        total = total + term.materialise()
+    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]``, one buffer: the first
+    factored term's product (or a copy of a materialised term), to which the other uses are added in place."""
+    first = next((term for term in terms if isinstance(term, Factored)), terms[0])
+    total = first.materialise() if isinstance(first, Factored) else first.grad.clone()
+    for term in terms:
+        if term is not first:
+            term.add_to(total)
     return total
 
 
