@@ -13,8 +13,9 @@
   (:mod:`lightning_dp.recipes.wide_resnet`; depth and width are arguments), or :class:`ViTClassifier`, HF
   ``ViTForImageClassification`` fine-tuned from a Hub checkpoint (images resized to its input size), with ``tiny``
   a random ViT of a small config (offline: no ViT weights are packaged).
-- Metric: test accuracy in percent (``torchmetrics`` through :func:`lightning_dp.recipes.metrics.classification_metrics`),
-  computed at the end of fit by :class:`RecipeResults`, which writes the same summary keys as the HF recipes'
+- Metric: test accuracy in percent (``torchmetrics``, through
+  :func:`lightning_dp.recipes.metrics.classification_metrics`), computed at the end of fit by
+  :class:`RecipeResults`, which writes the same summary keys as the HF recipes'
   :func:`lightning_dp.recipes.run.run_recipe`.
 - Commands (the same LightningCLI as ``lightning-dp fit``)::
 
@@ -208,10 +209,6 @@ class CifarClassifier(pl.LightningModule):
         dp = getattr(self.trainer.strategy, "privacy_engine", None) is not None
         return loss if dp else loss.mean()
 
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("test_acc", (self(x).argmax(dim=1) == y).float().mean())
-
     @torch.no_grad()
     def accuracy(self, loader: DataLoader) -> dict[str, float]:
         """``{"accuracy": percent}`` of the model in eval mode over ``loader`` (restores the training mode)."""
@@ -403,7 +400,11 @@ def variant_flags(variant: str, results_file: str) -> list[str]:
             *flags,
         ]
     epsilon, noise = spec
-    return [f"--trainer.strategy.init_args.target_epsilon={epsilon}", f"--trainer.strategy.init_args.noise={noise}", *flags]
+    return [
+        f"--trainer.strategy.init_args.target_epsilon={epsilon}",
+        f"--trainer.strategy.init_args.noise={noise}",
+        *flags,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,7 +102,9 @@ def data_folder(data_dir: str | Path | None, dataset: str) -> Path:
     Raises:
         FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
     """
-    folder = Path(data_dir) if data_dir is not None else Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
+    if data_dir is None:
+        data_dir = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
+    folder = Path(data_dir)
     if not folder.is_dir():
         raise FileNotFoundError(
             f"local data for {dataset!r} not found at {str(folder)!r}: set data_dir to its folder, or data_source: hub"
