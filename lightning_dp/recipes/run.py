@@ -92,10 +92,19 @@ def local_data_dir(recipe: RecipeArguments, dataset: str) -> Path:
     Raises:
         FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
     """
-    if recipe.data_dir is not None:
-        folder = Path(recipe.data_dir)
-    else:
-        folder = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
+    return data_folder(recipe.data_dir, dataset)
+
+
+def data_folder(data_dir: str | Path | None, dataset: str) -> Path:
+    """:func:`local_data_dir` for callers without a :class:`RecipeArguments` (the Lightning recipes' data modules):
+    ``data_dir`` if set, else ``$LIGHTNING_DP_DATA/dataset`` or ``../shared/data/dataset``.
+
+    Raises:
+        FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
+    """
+    if data_dir is None:
+        data_dir = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
+    folder = Path(data_dir)
     if not folder.is_dir():
         raise FileNotFoundError(
             f"local data for {dataset!r} not found at {str(folder)!r}: set data_dir to its folder, or data_source: hub"
@@ -183,11 +192,15 @@ def run_recipe(
         "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
     if training.process_index == 0:
-        path = Path(recipe.results_file or Path(training.output_dir) / "results.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
-        print(json.dumps({k: result[k] for k in ("task", "dp", "metrics", "privacy", "steps", "train_seconds")}))
+        write_results(result, Path(recipe.results_file or Path(training.output_dir) / "results.json"))
     return result
+
+
+def write_results(result: dict[str, Any], path: Path) -> None:
+    """Write a recipe's summary to ``path`` (JSON; parent folders created) and print its headline keys as one line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
+    print(json.dumps({k: result[k] for k in ("task", "dp", "metrics", "privacy", "steps", "train_seconds")}))
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,0 +1,415 @@
+"""CIFAR-10 recipe through Lightning: the data module, the classifiers, and the callback writing ``results.json``.
+
+- Task: 10-class image classification of 32x32 RGB images (CIFAR-10, Krizhevsky 2009).
+- Data: ``data_source: hub`` loads ``uoft-cs/cifar10`` with ``datasets.load_dataset`` (50,000 training, 10,000 test
+  images); ``data_source: local`` reads the offline copies in ``../shared/data/cifar10`` in place
+  (``cifar10_train_5k_subset_from_jpg.npz``: 500 training images per class; ``cifar10_test_10k_from_jpg.npz``: the
+  full test set; both decoded from JPEG re-encodings, see that folder's SOURCE.md). Both are shuffled once with
+  ``split_seed`` and cut to ``train_size`` / ``eval_size``; pixels are standardised per channel with the public
+  CIFAR-10 mean and standard deviation (no statistic of the private data). No augmentation: De et al. 2022 average
+  16 augmented copies per example inside its clipped gradient ("augmentation multiplicity"), which the library's
+  per-sample clipping (one forward row per example) does not support, and single augmentations hurt DP-SGD there.
+- Models: :class:`WideResNetClassifier`, the WRN-16-4 with GroupNorm of De et al. 2022 trained from scratch
+  (:mod:`lightning_dp.recipes.wide_resnet`; depth and width are arguments), or :class:`ViTClassifier`, HF
+  ``ViTForImageClassification`` fine-tuned from a Hub checkpoint (images resized to its input size), with ``tiny``
+  a random ViT of a small config (offline: no ViT weights are packaged).
+- Metric: test accuracy in percent (``torchmetrics``, through
+  :func:`lightning_dp.recipes.metrics.classification_metrics`), computed at the end of fit by
+  :class:`RecipeResults`, which writes the same summary keys as the HF recipes'
+  :func:`lightning_dp.recipes.run.run_recipe`.
+- Commands (the same LightningCLI as ``lightning-dp fit``)::
+
+    python recipes/cifar.py --config configs/cifar10.yaml
+    accelerate launch recipes/cifar.py --config configs/cifar10.yaml
+    lightning-dp fit --config configs/cifar10.yaml
+    lightning-dp fit --config configs/cifar10_hub.yaml      # full WRN-16-4 on the Hub data (GPU)
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.cli import SaveConfigCallback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.recipes.metrics import classification_metrics
+from lightning_dp.recipes.models import TINY_SIZES
+from lightning_dp.recipes.run import data_folder, require_file, write_results
+from lightning_dp.recipes.wide_resnet import WideResNet
+
+log = logging.getLogger("lightning_dp")
+
+NUM_CLASSES = 10
+IMAGE_SHAPE = (32, 32, 3)
+HUB_DATASET = "uoft-cs/cifar10"
+TRAIN_FILE = "cifar10_train_5k_subset_from_jpg.npz"
+TEST_FILE = "cifar10_test_10k_from_jpg.npz"
+#: Public CIFAR-10 channel statistics (of the full official training set; not computed from the private data).
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+#: The documented runs of ``bench/recipes.py``: name -> (target epsilon, noise); ``None``: no DP.
+VARIANTS: dict[str, tuple[float, str] | None] = {
+    "non-private": None,
+    "gaussian-eps3": (3.0, "gaussian"),
+    "gaussian-eps8": (8.0, "gaussian"),
+    "lap2-eps3": (3.0, "lap2"),
+    "lap2-eps8": (8.0, "lap2"),
+}
+#: SGD of the non-private variant: DP-SGD's large learning rate multiplies a clipped, noised mean gradient, which is
+#: far smaller than the raw mean gradient, so the non-private run takes a usual learning rate instead.
+NON_PRIVATE_LR = 0.1
+NON_PRIVATE_MOMENTUM = 0.9
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+def standardise(images: np.ndarray) -> torch.Tensor:
+    """uint8 ``[N, 32, 32, 3]`` HWC RGB images as float ``[N, 3, 32, 32]`` standardised by :data:`CIFAR_MEAN` /
+    :data:`CIFAR_STD`.
+
+    Raises:
+        ValueError: images not of shape ``[N, 32, 32, 3]``.
+    """
+    if images.ndim != 4 or tuple(images.shape[1:]) != IMAGE_SHAPE:
+        raise ValueError(f"expected CIFAR-10 images of shape [N, 32, 32, 3] (HWC RGB), got {list(images.shape)}")
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
+    mean, std = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def load_local(folder: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{"train": (x, y), "test": (x, y)}`` from the npz files of the local copy (uint8 ``[N, 32, 32, 3]``, int64
+    ``[N]``). Raises ``FileNotFoundError`` naming a missing file."""
+    splits = {}
+    for split, name in (("train", TRAIN_FILE), ("test", TEST_FILE)):
+        with np.load(require_file(folder / name)) as data:
+            splits[split] = (data["x"], data["y"].astype(np.int64))
+    return splits
+
+
+def load_hub(name: str = HUB_DATASET) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """``{"train": (x, y), "test": (x, y)}`` of the Hub dataset ``name`` (columns ``img``: PIL image, ``label``)."""
+    from datasets import load_dataset
+
+    dataset = load_dataset(name)
+    return {
+        split: (
+            np.stack([np.asarray(image.convert("RGB")) for image in dataset[split]["img"]]),
+            np.asarray(dataset[split]["label"], dtype=np.int64),
+        )
+        for split in ("train", "test")
+    }
+
+
+class CifarDataModule(pl.LightningDataModule):
+    """CIFAR-10 as standardised ``[B, 3, 32, 32]`` float images and int64 labels ``[B]``.
+
+    Under ``DPStrategy`` the training loader's sampling is replaced by Poisson sampling with expected batch size
+    ``batch_size``; without DP it is shuffled with a generator seeded by ``split_seed``. There is no validation
+    loader: the test accuracy is computed once, at the end of fit (:class:`RecipeResults`).
+
+    Args:
+        data_source: ``"local"`` (npz copies under ``data_dir``) or ``"hub"`` (``datasets.load_dataset(hub_dataset)``).
+        data_dir: folder of the local copy (default ``$LIGHTNING_DP_DATA/cifar10`` or ``../shared/data/cifar10``).
+        hub_dataset: the Hub dataset of ``data_source: hub``.
+        train_size: training examples kept after the seeded shuffle (``None``: all).
+        eval_size: test examples kept after the seeded shuffle (``None``: all).
+        batch_size: training batch size (the expected batch size under DP).
+        eval_batch_size: batch size of the evaluation loader.
+        split_seed: seed of the shuffles (a dedicated ``numpy`` generator; the rows of the local copy are grouped by
+            class, so the cut must come after a shuffle).
+
+    Raises:
+        ValueError: unknown ``data_source``, non-positive sizes (at construction); more examples asked for than the
+            data has, images that are not 32x32 RGB (at setup).
+        FileNotFoundError: the local folder or one of its files is missing (at construction / setup).
+    """
+
+    def __init__(
+        self,
+        data_source: str = "local",
+        data_dir: str | None = None,
+        hub_dataset: str = HUB_DATASET,
+        train_size: int | None = None,
+        eval_size: int | None = None,
+        batch_size: int = 256,
+        eval_batch_size: int = 500,
+        split_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if data_source not in ("local", "hub"):
+            raise ValueError(f"data_source must be 'local' or 'hub', got {data_source!r}")
+        for name, value in (("train_size", train_size), ("eval_size", eval_size)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or null for all examples), got {value}")
+        if batch_size <= 0 or eval_batch_size <= 0:
+            raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
+        self.save_hyperparameters()
+        self.folder = data_folder(data_dir, "cifar10") if data_source == "local" else None
+        self.train_set: TensorDataset | None = None
+        self.test_set: TensorDataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        hp = self.hparams
+        splits = load_local(self.folder) if self.folder is not None else load_hub(hp.hub_dataset)
+        rng = np.random.default_rng(hp.split_seed)
+        self.train_set = self._subset("train", *splits["train"], hp.train_size, rng)
+        self.test_set = self._subset("test", *splits["test"], hp.eval_size, rng)
+
+    @staticmethod
+    def _subset(split: str, x: np.ndarray, y: np.ndarray, size: int | None, rng: np.random.Generator) -> TensorDataset:
+        if size is not None and size > len(y):
+            raise ValueError(f"the {split} split has {len(y)} examples, fewer than the {size} asked for; lower it")
+        keep = rng.permutation(len(y))[:size]
+        return TensorDataset(standardise(x[keep]), torch.from_numpy(y[keep]))
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.hparams.split_seed)
+        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, generator=generator)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test_set, batch_size=self.hparams.eval_batch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+class CifarClassifier(pl.LightningModule):
+    """Shared training logic: cross-entropy per example (shape ``[B]`` under a DP strategy, its mean otherwise) and
+    SGD. Subclasses set ``self.net`` (``[B, 3, H, W] -> [B, 10]`` logits) or override :meth:`forward`.
+
+    Args:
+        lr: SGD learning rate.
+        momentum: SGD momentum (De et al. 2022: none).
+        weight_decay: SGD weight decay (De et al. 2022: none).
+    """
+
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        super().__init__()
+        if lr <= 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"need lr > 0, momentum >= 0, weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
+        self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y, reduction="none")  # [B]: what per-sample clipping needs
+        dp = getattr(self.trainer.strategy, "privacy_engine", None) is not None
+        return loss if dp else loss.mean()
+
+    @torch.no_grad()
+    def accuracy(self, loader: DataLoader) -> dict[str, float]:
+        """``{"accuracy": percent}`` of the model in eval mode over ``loader`` (restores the training mode)."""
+        was_training = self.training
+        self.eval()
+        predictions, labels = [], []
+        for x, y in loader:
+            predictions.append(self(x.to(self.device)).argmax(dim=1).cpu())
+            labels.append(y)
+        self.train(was_training)
+        return classification_metrics(torch.cat(predictions).tolist(), torch.cat(labels).tolist(), NUM_CLASSES)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+class WideResNetClassifier(CifarClassifier):
+    """WRN-``depth``-``width`` with GroupNorm trained from scratch (De et al. 2022; see
+    :class:`~lightning_dp.recipes.wide_resnet.WideResNet` for the layout and ``Raises``).
+
+    Args:
+        depth: ``6 n + 4`` (16 for WRN-16-4).
+        width: channel multiplier (4 for WRN-16-4).
+        groups: GroupNorm groups (16).
+        norm: ``"group"``, or ``"batch"`` for non-private comparisons (DP strategies reject BatchNorm).
+        lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`; De et al. 2022 WRN-16-4: lr 2 to 4, no
+            momentum, no weight decay).
+    """
+
+    def __init__(
+        self,
+        depth: int = 16,
+        width: int = 4,
+        groups: int = 16,
+        norm: str = "group",
+        lr: float = 4.0,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        self.save_hyperparameters()
+        self.net = WideResNet(depth=depth, width=width, num_classes=NUM_CLASSES, groups=groups, norm=norm)
+
+
+class ViTClassifier(CifarClassifier):
+    """HF ``ViTForImageClassification`` with a 10-class head: fine-tuned from ``model_name_or_path``, or, with
+    ``tiny``, a random ViT of a small config (``image_size`` 32, ``patch_size`` 4, the shared tiny sizes of
+    :data:`lightning_dp.recipes.models.TINY_SIZES`; offline and smoke tests). Input ``[B, 3, 32, 32]`` images are
+    resized (bilinear) to the model's ``image_size``. Dropout is off (the library's per-sample terms of ViT's
+    embeddings are exact only then).
+
+    Args:
+        model_name_or_path: a Hub id or folder of a ViT checkpoint (ignored with ``tiny``).
+        tiny: build the random tiny ViT instead.
+        image_size: input size of the tiny ViT.
+        patch_size: patch size of the tiny ViT.
+        lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`).
+
+    Raises:
+        ValueError: ``image_size`` not a positive multiple of ``patch_size`` (the tiny ViT cannot split it into
+            patches).
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "google/vit-base-patch16-224-in21k",
+        tiny: bool = False,
+        image_size: int = 32,
+        patch_size: int = 4,
+        lr: float = 0.5,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        from transformers import ViTConfig, ViTForImageClassification
+
+        self.save_hyperparameters()
+        no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        if tiny:
+            if patch_size <= 0 or image_size <= 0 or image_size % patch_size:
+                raise ValueError(
+                    f"image_size {image_size} is not a positive multiple of patch_size {patch_size}: the ViT cannot "
+                    "split it into patches; choose e.g. image_size 32 with patch_size 4"
+                )
+            sizes = {k: v for k, v in TINY_SIZES.items() if k in ViTConfig().to_dict()}
+            config = ViTConfig(
+                image_size=image_size, patch_size=patch_size, num_labels=NUM_CLASSES, **sizes, **no_dropout
+            )
+            self.vit = ViTForImageClassification(config)
+        else:
+            self.vit = ViTForImageClassification.from_pretrained(
+                model_name_or_path, num_labels=NUM_CLASSES, ignore_mismatched_sizes=True, **no_dropout
+            )
+        self.image_size = self.vit.config.image_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        return self.vit(pixel_values=x).logits
+
+
+# ------------------------------------------------------------------------------------------------------- results
+class RecipeResults(Callback):
+    """At the end of fit: the test accuracy of the trained model and the run's summary written to ``path`` as JSON,
+    with the keys of :func:`lightning_dp.recipes.run.run_recipe` (``task``, ``dp``, ``metrics``, ``privacy`` (the
+    privacy engine's summary without ``num_params``, ``null`` without DP), ``train_size``, ``eval_size``, ``steps``,
+    ``expected_batch``, ``trainable_params``, ``train_seconds``, ``eval_seconds``, ``world_size``, ``arguments`` (the
+    resolved LightningCLI config, else the model's and data's hyper-parameters), ``command``).
+
+    The model's ``accuracy(loader)`` is evaluated on the data module's ``test_dataloader()`` on the main process.
+
+    Args:
+        path: the JSON file to write (parent folders are created).
+        task: the ``task`` entry.
+    """
+
+    def __init__(self, path: str = "results.json", task: str = "cifar10") -> None:
+        self.path = Path(path)
+        self.task = task
+        self._start = 0.0
+        self.train_seconds = 0.0
+        self.result: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.train_seconds = time.perf_counter() - self._start
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        data = trainer.datamodule
+        start = time.perf_counter()
+        metrics = pl_module.accuracy(data.test_dataloader())
+        eval_seconds = time.perf_counter() - start
+        engine = getattr(trainer.strategy, "privacy_engine", None)
+        privacy = None
+        if engine is not None and engine.accountant is not None:
+            privacy = {k: v for k, v in engine.summary().items() if k != "num_params"}
+        self.result = {
+            "task": self.task,
+            "dp": engine is not None,
+            "metrics": metrics,
+            "privacy": privacy,
+            "train_size": len(data.train_set),
+            "eval_size": len(data.test_set),
+            "steps": trainer.global_step,
+            "expected_batch": data.hparams.batch_size * trainer.accumulate_grad_batches * trainer.world_size,
+            "trainable_params": sum(p.numel() for p in pl_module.parameters() if p.requires_grad),
+            "train_seconds": round(self.train_seconds, 1),
+            "eval_seconds": round(eval_seconds, 1),
+            "world_size": trainer.world_size,
+            "arguments": _arguments(trainer, pl_module),
+            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        }
+        write_results(self.result, self.path)
+
+
+def _arguments(trainer: pl.Trainer, pl_module: nn.Module) -> dict[str, Any]:
+    """The resolved LightningCLI config of the run (from its ``SaveConfigCallback``), else the hyper-parameters."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, SaveConfigCallback):
+            config = callback.config.as_dict()
+            config.pop("config", None)  # the paths of the YAML files, already in "command"
+            return config
+    return {"model": dict(pl_module.hparams), "data": dict(trainer.datamodule.hparams)}
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+def variant_flags(variant: str, results_file: str) -> list[str]:
+    """Command-line flags turning the docs config into one of the documented runs (:data:`VARIANTS`) that writes
+    its summary to ``results_file``: ``non-private`` trains with Lightning's own strategy (no clipping, no noise)
+    and the usual SGD of :data:`NON_PRIVATE_LR` / :data:`NON_PRIVATE_MOMENTUM`; the others set the DP strategy's
+    ``target_epsilon`` and ``noise``.
+
+    Raises:
+        ValueError: an unknown variant.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    flags = [f"--trainer.callbacks.init_args.path={results_file}"]
+    spec = VARIANTS[variant]
+    if spec is None:
+        return [
+            "--trainer.strategy=auto",
+            f"--model.init_args.lr={NON_PRIVATE_LR}",
+            f"--model.init_args.momentum={NON_PRIVATE_MOMENTUM}",
+            *flags,
+        ]
+    epsilon, noise = spec
+    return [
+        f"--trainer.strategy.init_args.target_epsilon={epsilon}",
+        f"--trainer.strategy.init_args.noise={noise}",
+        *flags,
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``recipes/cifar.py``: ``lightning-dp fit`` (the same LightningCLI, the same one-line errors) on ``argv``
+    (default ``sys.argv[1:]``); returns the exit code."""
+    from lightning_dp.cli import main as cli_main
+
+    return cli_main(["fit", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,255 @@
+"""The CIFAR-10 recipe (Lightning): the real entry points on a few local images, the accuracy on hand-made
+predictions, bad input, the ViT option, the hub config, and (slow) the docs configuration unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp.recipes.cifar import (
+    VARIANTS,
+    CifarClassifier,
+    CifarDataModule,
+    ViTClassifier,
+    WideResNetClassifier,
+    main,
+    standardise,
+    variant_flags,
+)
+from lightning_dp.recipes.run import SHARED_DATA
+from lightning_dp.recipes.wide_resnet import WideResNet
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "cifar10.yaml"
+HUB_CONFIG = ROOT / "configs" / "cifar10_hub.yaml"
+DATA = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / "cifar10"
+KEYS = {
+    "task",
+    "dp",
+    "metrics",
+    "privacy",
+    "train_size",
+    "eval_size",
+    "steps",
+    "expected_batch",
+    "trainable_params",
+    "train_seconds",
+    "eval_seconds",
+    "world_size",
+    "arguments",
+    "command",
+}
+
+needs_data = pytest.mark.skipif(not (DATA / "cifar10_test_10k_from_jpg.npz").is_file(), reason="no local CIFAR-10")
+
+
+def tiny_flags(tmp_path: Path) -> list[str]:
+    """A few steps on a few images: the docs config's model family at its smallest."""
+    return [
+        "--data.init_args.train_size=64",
+        "--data.init_args.eval_size=40",
+        "--data.init_args.batch_size=16",
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks.init_args.path={tmp_path / 'results.json'}",
+    ]
+
+
+def read_results(tmp_path: Path) -> dict:
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result) == KEYS
+    assert 0.0 <= result["metrics"]["accuracy"] <= 100.0
+    assert result["train_size"] == 64 and result["eval_size"] == 40 and result["steps"] == 2
+    return result
+
+
+# ------------------------------------------------------------------------------------------------- entry points
+@needs_data
+def test_script_smoke(tmp_path: Path) -> None:
+    """``python recipes/cifar.py --config configs/cifar10.yaml``: DP by default, a finite epsilon within budget."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CONFIG), *tiny_flags(tmp_path)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = read_results(tmp_path)
+    assert result["dp"] is True and result["expected_batch"] == 16 and result["world_size"] == 1
+    privacy = result["privacy"]
+    assert privacy["noise"] == "gaussian" and "num_params" not in privacy
+    assert math.isfinite(privacy["epsilon"]) and 0 < privacy["epsilon"] <= 3.0 + 1e-6
+    assert result["command"].startswith("cifar.py --config")
+    assert result["arguments"]["model"]["class_path"].endswith("WideResNetClassifier")
+
+
+@needs_data
+def test_lightning_dp_fit_runs_the_same(tmp_path: Path) -> None:
+    """``lightning-dp fit`` with the same config and flags gives the same run as the recipe's ``main``."""
+    from lightning_dp.cli import main as cli_main
+
+    runs = []
+    for name, entry in (("fit", lambda a: cli_main(["fit", *a])), ("recipe", main)):
+        out = tmp_path / name
+        assert entry(["--config", str(CONFIG), *tiny_flags(out)]) == 0
+        runs.append(read_results(out))
+    fit, recipe = runs
+    assert fit["metrics"] == recipe["metrics"]
+    assert fit["privacy"] == recipe["privacy"]
+
+
+@needs_data
+@pytest.mark.parametrize("variant", ["non-private", "lap2-eps8"])
+def test_variant_flags(tmp_path: Path, variant: str) -> None:
+    """The flags of bench/recipes.py's documented runs: no DP at all, or the named mechanism and budget."""
+    flags = variant_flags(variant, str(tmp_path / "variant.json"))
+    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *flags]) == 0
+    result = json.loads((tmp_path / "variant.json").read_text())
+    assert set(result) == KEYS
+    if variant == "non-private":
+        assert result["dp"] is False and result["privacy"] is None
+    else:
+        assert result["privacy"]["noise"] == "lap2" and 0 < result["privacy"]["epsilon"] <= 8.0 + 1e-6
+
+
+def test_variant_flags_names() -> None:
+    assert set(VARIANTS) == {"non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8"}
+    with pytest.raises(ValueError, match="unknown variant 'laplace-eps3'"):
+        variant_flags("laplace-eps3", "x.json")
+
+
+# ------------------------------------------------------------------------------------------------------ metric
+class _Lookup(nn.Module):
+    """Logits that predict the class written in each image's first pixel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.one_hot(x[:, 0, 0, 0].long(), 10).float()
+
+
+def test_accuracy_on_hand_made_predictions() -> None:
+    model = CifarClassifier(lr=1.0)
+    model.net = _Lookup()
+    x = torch.zeros(4, 3, 32, 32)
+    x[:, 0, 0, 0] = torch.tensor([0.0, 1.0, 2.0, 3.0])  # predictions 0, 1, 2, 3
+    loader = DataLoader(TensorDataset(x, torch.tensor([0, 1, 2, 0])), batch_size=3)
+    assert model.accuracy(loader) == {"accuracy": pytest.approx(75.0)}
+    assert model.training  # the training mode is restored
+
+
+# --------------------------------------------------------------------------------------------------- bad input
+def test_unknown_data_source_is_one_error_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", str(CONFIG), "--data.init_args.data_source=ftp"]) == 2
+    assert "data_source must be 'local' or 'hub', got 'ftp'" in capsys.readouterr().err
+
+
+def test_missing_local_data(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="set data_dir to its folder, or data_source: hub"):
+        CifarDataModule(data_dir=str(tmp_path / "nowhere"))
+    module = CifarDataModule(data_dir=str(tmp_path))  # the folder exists, its files do not
+    with pytest.raises(FileNotFoundError, match="cifar10_train_5k_subset_from_jpg.npz' is missing"):
+        module.setup("fit")
+
+
+@needs_data
+def test_more_examples_than_the_data_has() -> None:
+    with pytest.raises(ValueError, match="the train split has 5000 examples, fewer than the 6000 asked for"):
+        CifarDataModule(train_size=6000).setup("fit")
+
+
+def test_images_of_another_size_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"shape \[N, 32, 32, 3\].*got \[2, 28, 28, 3\]"):
+        standardise(np.zeros((2, 28, 28, 3), dtype=np.uint8))
+
+
+def test_vit_image_size_must_split_into_patches() -> None:
+    with pytest.raises(ValueError, match="image_size 30 is not a positive multiple of patch_size 4"):
+        ViTClassifier(tiny=True, image_size=30, patch_size=4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"depth": 12}, "depth must be 6n \\+ 4"),
+        ({"groups": 3}, "groups must divide 16"),
+        ({"norm": "layer"}, "norm must be one of group, batch"),
+    ],
+)
+def test_wide_resnet_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WideResNet(**kwargs)
+
+
+@needs_data
+def test_batchnorm_is_rejected_under_dp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), "--model.init_args.norm=batch"]) == 2
+    assert "mixes samples through batch statistics" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- models
+def test_wide_resnet_16_4_shape_and_size() -> None:
+    """WRN-16-4: 2.75M parameters (De et al.'s layout, plain convolutions), logits [B, 10]."""
+    model = WideResNet(depth=16, width=4)
+    assert sum(p.numel() for p in model.parameters()) == 2_751_562
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert all(m.num_groups == 16 for m in model.modules() if isinstance(m, nn.GroupNorm))
+    assert WideResNet(depth=10, width=1)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
+@needs_data
+def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
+    vit = ["--model=lightning_dp.recipes.cifar.ViTClassifier", "--model.init_args.tiny=true"]
+    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *vit]) == 0
+    result = read_results(tmp_path)
+    assert result["arguments"]["model"]["class_path"].endswith("ViTClassifier")
+    assert math.isfinite(result["privacy"]["epsilon"])
+
+
+@needs_data
+def test_ema_of_the_hub_config_runs_under_dp(tmp_path: Path) -> None:
+    """The hub config's EMAWeightAveraging (De et al.'s parameter averaging) trains under DPStrategy; the results
+    are those of the averaged weights, evaluated after the callback copies them into the model."""
+    ema = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.decay=0.5"]
+    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *ema]) == 0
+    assert math.isfinite(read_results(tmp_path)["privacy"]["epsilon"])
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_hub_config_parses() -> None:
+    """The full-scale config builds its WRN-16-4, Hub data module and DP strategy (nothing is loaded or run)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_dp import DPStrategy
+
+    cli = LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(HUB_CONFIG), "--trainer.accelerator=cpu"],
+    )
+    assert isinstance(cli.model, WideResNetClassifier)
+    assert (cli.model.hparams.depth, cli.model.hparams.width, cli.model.hparams.groups) == (16, 4, 16)
+    assert cli.datamodule.hparams.data_source == "hub" and cli.datamodule.hparams.hub_dataset == "uoft-cs/cifar10"
+    assert cli.datamodule.hparams.batch_size * cli.trainer.accumulate_grad_batches == 4096
+    assert isinstance(cli.trainer.strategy, DPStrategy)
+
+
+# ------------------------------------------------------------------------------------------------------- slow
+@needs_data
+@pytest.mark.slow
+def test_docs_config(tmp_path: Path) -> None:
+    """configs/cifar10.yaml unchanged (only the output paths): DP at epsilon <= 3, above chance accuracy."""
+    flags = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}"]
+    assert main(["--config", str(CONFIG), *flags]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
+    assert result["metrics"]["accuracy"] > 15.0  # chance is 10%
