@@ -177,7 +177,7 @@ def run_recipe(
         **(details or {}),
         "arguments": {
             "recipe": asdict(recipe),
-            "privacy": {k: v for k, v in asdict(privacy).items()} if recipe.dp else None,
+            "privacy": asdict(privacy) if recipe.dp else None,
             "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
         },
         "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),

