@@ -190,7 +190,7 @@ def test_mean_pooling_needs_a_bert_encoder(tmp_path):
 def test_bad_trainable_choices_fail_when_parsed():
     with pytest.raises(ValueError, match="pooling must be one of cls, mean"):
         glue.GlueArguments(pooling="max")
-    with pytest.raises(ValueError, match="with lora_rank > 0 use lora_layers"):
+    with pytest.raises(ValueError, match="train_layers > 0 applies without LoRA"):
         glue.GlueArguments(lora_rank=4, train_layers=1)
     with pytest.raises(ValueError, match="at most the model's 2 layers"):
         glue.load_model(glue.GlueArguments(tiny_model=True, train_layers=3), num_labels=2)

@@ -98,7 +98,8 @@ class GlueArguments(run.RecipeArguments):
         pooling: ``cls`` (the model's own head on the ``[CLS]`` token) or ``mean`` (BERT encoders: the head on the
             mean of the last hidden states, :class:`MeanPoolingBertForSequenceClassification`).
         train_layers: without LoRA, train the top ``train_layers`` encoder layers and the head (and the pooler, when
-            the model has one), freezing the embeddings and the other layers; ``None`` trains everything.
+            the model has one), freezing the embeddings and the other layers; ``None`` trains everything. With LoRA
+            (which freezes the encoder itself) it must be unset or 0.
     """
 
     task: str = field(default="sst2", metadata={"help": "GLUE subset: sst2, qnli, mnli, qqp."})
@@ -121,8 +122,8 @@ class GlueArguments(run.RecipeArguments):
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.train_layers is not None and self.train_layers < 0:
             raise ValueError(f"train_layers must be >= 0 (0: head only) or unset (all), got {self.train_layers}")
-        if self.train_layers is not None and self.lora_rank > 0:
-            raise ValueError("train_layers applies without LoRA; with lora_rank > 0 use lora_layers")
+        if self.train_layers and self.lora_rank > 0:
+            raise ValueError("train_layers > 0 applies without LoRA (which freezes the encoder); use lora_layers")
 
 
 @dataclass(frozen=True)
