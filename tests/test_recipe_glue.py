@@ -71,6 +71,23 @@ def test_qnli_pairs_without_dp_in_process(tmp_path):
     assert set(result["metrics"]) == {"accuracy"}
 
 
+@needs_sst2
+def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):
+    """LoRA (peft, SEQ_CLS) on the mean-pooling BERT classifier, trained with DP for one step in-process."""
+    recipe = glue.GlueArguments(tiny_model=True, pooling="mean", lora_rank=2, lora_layers=1, train_layers=0)
+    model = glue.load_model(recipe, num_labels=2)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in name or "classifier" in name for name in names), names
+    assert all(".layer.1." in name for name in names if "lora_" in name)  # the top layer of the tiny model's 2
+    result = glue.main(
+        ["--config", str(DOCS_CONFIG), "--tiny_model", "true", "--lora_rank", "2", "--lora_layers", "1",
+         "--train_size", "16", "--eval_size", "8", "--max_steps", "1", "--per_device_train_batch_size", "4",
+         "--accountant", "rdp", "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "r.json")]
+    )  # fmt: skip
+    assert result["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert math.isfinite(result["privacy"]["epsilon"])
+
+
 # --- metric --------------------------------------------------------------------------------------------------------
 
 
