@@ -71,7 +71,7 @@ POOLINGS = ("cls", "mean")
 
 @dataclass(frozen=True)
 class GlueTask:
-    """A GLUE subset: its text columns (one or a pair), number of classes, the label names in the Hub's id order,
+    """A GLUE subset: its text columns (one or a pair), its label names in the Hub's id order (as many as classes),
     the Hub's evaluation split, and whether F1 is reported."""
 
     text_columns: tuple[str, ...]
