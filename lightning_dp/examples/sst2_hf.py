@@ -28,11 +28,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 from torch.utils.data import Dataset
 from transformers import (
     AutoTokenizer,
-    BertConfig,
     BertForSequenceClassification,
     DataCollatorWithPadding,
     EvalPrediction,
@@ -40,9 +38,9 @@ from transformers import (
     TrainingArguments,
     default_data_collator,
 )
-from transformers.modeling_outputs import SequenceClassifierOutput
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.recipes.glue import MeanPoolingBertForSequenceClassification, freeze_below
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue" / "sst2"
 
@@ -61,47 +59,6 @@ class SST2(Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {**{k: v[i] for k, v in self.encodings.items()}, "labels": self.labels[i]}
-
-
-class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
-    """``BertForSequenceClassification`` whose head reads the mean of the last hidden states over the attention mask
-    instead of the pooler's transform of the ``[CLS]`` vector.
-
-    all-MiniLM-L6-v2 was trained for sentence embeddings with mean pooling (Reimers & Gurevych 2019,
-    Sentence-BERT), so its ``[CLS]`` vector and pooler carry little sentence-level information: a linear probe on the
-    pooler output reaches about 58% dev accuracy on SST-2, on the mean-pooled states about 79% (docs/hf.md). The
-    pooler is dropped (``pooler.*`` in the checkpoint is ignored), so it is neither trained nor noised. A subclass
-    of ``BertForSequenceClassification``, so ``DPTrainer`` forms its per-example loss like for the HF class.
-    """
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__(config)
-        self.bert.pooler = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        pooled: torch.Tensor | None = None,
-        **kwargs,
-    ) -> SequenceClassifierOutput:
-        """``[B, T]`` token inputs, or ``pooled`` ``[B, hidden]`` mean hidden states computed beforehand (see
-        :func:`mean_pooled_features`), -> ``[B, num_labels]`` logits (and HF's batch loss when ``labels`` are given)."""
-        if pooled is None:
-            pooled = self.mean_pool(input_ids, attention_mask, token_type_ids)
-        logits = self.classifier(self.dropout(pooled))
-        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def mean_pool(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, token_type_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``[B, T]`` tokens -> ``[B, hidden]`` mean of the encoder's last hidden states over the attention mask."""
-        hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
-        mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).unsqueeze(-1)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
 class PooledFeatures(Dataset):
@@ -148,15 +105,6 @@ def cached_features(
     input_ids = {k: v.encodings["input_ids"] for k, v in splits.items()}
     torch.save({"pooled": pooled, "labels": labels, "input_ids": input_ids}, cache)
     return {name: PooledFeatures(pooled[name], labels[name]) for name in splits}
-
-
-def freeze_below(model: BertForSequenceClassification, train_layers: int) -> None:
-    """Freeze the embeddings and all but the top ``train_layers`` encoder layers (frozen layers get no clipping
-    hooks and no noise; fewer noised parameters also mean less noise overall)."""
-    layers = model.bert.encoder.layer
-    frozen = [model.bert.embeddings, *layers[: len(layers) - train_layers]]
-    for module in frozen:
-        module.requires_grad_(False)
 
 
 def accuracy(prediction: EvalPrediction) -> dict[str, float]:

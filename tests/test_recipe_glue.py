@@ -1,0 +1,254 @@
+"""The GLUE recipe (lightning_dp/recipes/glue.py): the entry point users run on a tiny model, the metric on
+hand-made predictions, the data (local SST-2 and the QNLI split, the Hub path with a stand-in ``load_dataset``),
+early failures on bad input, the Hub config, and (slow) the docs configuration."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from transformers import GPT2Config, RobertaConfig, TrainingArguments, ViTConfig
+
+from lightning_dp.hf import PrivacyArguments
+from lightning_dp.recipes import config, glue, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "recipes" / "glue.py"
+DOCS_CONFIG = ROOT / "configs" / "glue.yaml"
+HUB_CONFIG = ROOT / "configs" / "glue_hub.yaml"
+SST2 = run.SHARED_DATA / "glue" / "sst2"
+QNLI = run.SHARED_DATA / "glue" / "qnli"
+needs_sst2 = pytest.mark.skipif(not (SST2 / "train_full.tsv").is_file(), reason="no local SST-2 copy")
+needs_qnli = pytest.mark.skipif(not (QNLI / "dev.tsv").is_file(), reason="no local QNLI copy")
+
+
+def run_script(*flags: str, timeout: int = 600) -> dict:
+    """Run ``recipes/glue.py`` as users do (a subprocess) and return its results.json."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    results = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--results_file"]
+    return json.loads(Path(results[0]).read_text())
+
+
+# --- entry point ---------------------------------------------------------------------------------------------------
+
+
+@needs_sst2
+def test_smoke_docs_config_on_a_tiny_model(tmp_path):
+    result = run_script(
+        "--config", str(DOCS_CONFIG), "--tiny_model", "true", "--train_size", "32", "--eval_size", "16",
+        "--max_steps", "2", "--per_device_train_batch_size", "8", "--accountant", "rdp",
+        "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "results.json"),
+    )  # fmt: skip
+    assert set(result["metrics"]) == {"accuracy"}
+    assert 0 <= result["metrics"]["accuracy"] <= 100
+    assert math.isfinite(result["privacy"]["epsilon"]) and 0 < result["privacy"]["epsilon"] <= 3.0 + 1e-6
+    assert result["privacy"]["noise"] == "gaussian" and result["privacy"]["clipping"] == "mixed"
+    assert result["privacy"]["accountant"] == "rdp"  # the docs config's PLD takes minutes at this q and delta
+    assert result["steps"] == 2 and result["train_size"] == 32 and result["eval_size"] == 16
+    assert result["arguments"]["recipe"]["task"] == "sst2"
+
+
+@needs_qnli
+def test_qnli_pairs_without_dp_in_process(tmp_path):
+    """Sentence pairs, the plain Trainer, the CLS head with the top layer trained (no LoRA)."""
+    result = glue.main(
+        ["--config", str(DOCS_CONFIG), "--task", "qnli", "--tiny_model", "true", "--pooling", "cls",
+         "--lora_rank", "0", "--train_layers", "1", "--dp", "false", "--train_size", "16", "--eval_size", "8",
+         "--max_steps", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path),
+         "--results_file", str(tmp_path / "r.json")]
+    )  # fmt: skip
+    assert result["privacy"] is None and result["steps"] == 1
+    assert set(result["metrics"]) == {"accuracy"}
+
+
+@needs_sst2
+def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):
+    """LoRA (peft, SEQ_CLS) on the mean-pooling BERT classifier, trained with DP for one step in-process."""
+    recipe = glue.GlueArguments(tiny_model=True, pooling="mean", lora_rank=2, lora_layers=1, train_layers=0)
+    model = glue.load_model(recipe, num_labels=2)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in name or "classifier" in name for name in names), names
+    assert all(".layer.1." in name for name in names if "lora_" in name)  # the top layer of the tiny model's 2
+    result = glue.main(
+        ["--config", str(DOCS_CONFIG), "--tiny_model", "true", "--lora_rank", "2", "--lora_layers", "1",
+         "--train_size", "16", "--eval_size", "8", "--max_steps", "1", "--per_device_train_batch_size", "4",
+         "--accountant", "rdp", "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "r.json")]
+    )  # fmt: skip
+    assert result["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert math.isfinite(result["privacy"]["epsilon"])
+
+
+# --- metric --------------------------------------------------------------------------------------------------------
+
+
+def test_accuracy_on_hand_made_logits():
+    logits = np.array([[0.1, 0.9], [2.0, -1.0], [0.0, 1.0], [-3.0, 3.0]])  # predictions 1, 0, 1, 1
+    assert glue.glue_metrics(logits, [1, 0, 0, 1], "sst2") == {"accuracy": 75.0}
+
+
+def test_qqp_reports_f1_of_the_duplicate_class():
+    logits = np.array([[0.1, 0.9], [2.0, -1.0], [0.0, 1.0], [-3.0, 3.0]])  # predictions 1, 0, 1, 1
+    # duplicate (1): TP 2, FP 1, FN 0 -> precision 2/3, recall 1, F1 0.8
+    result = glue.glue_metrics(logits, [1, 0, 0, 1], "qqp")
+    assert result["accuracy"] == pytest.approx(75.0) and result["f1"] == pytest.approx(80.0)
+
+
+def test_mnli_three_classes():
+    logits = np.eye(3)[[0, 1, 2, 2, 1]]
+    assert glue.glue_metrics(logits, [0, 1, 2, 0, 0], "mnli") == {"accuracy": pytest.approx(60.0)}
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+
+
+@needs_sst2
+def test_local_sst2_reads_the_tsvs_in_place():
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="sst2", train_size=5))
+    assert len(train) == 5 and len(evaluation) == 872
+    assert all(len(e.texts) == 1 and e.label in (0, 1) for e in train + evaluation)
+    assert train[0].texts[0].startswith("hide new secretions")
+
+
+@needs_qnli
+def test_local_qnli_split_is_deterministic_and_disjoint():
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="qnli"))
+    assert len(train) == glue.QNLI_LOCAL_TRAIN_ROWS and len(evaluation) == 5463 - glue.QNLI_LOCAL_TRAIN_ROWS
+    assert train[0].texts[0] == "What came into force after the new constitution was herald?"
+    assert train[0].label == 0 and train[1].label == 1  # entailment, not_entailment
+    assert not {e.texts for e in train} & {e.texts for e in evaluation}
+    again, _ = glue.load_examples(glue.GlueArguments(task="qnli"))
+    assert again == train
+
+
+def test_hub_path_uses_the_right_splits_and_columns(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(name, subset, split):
+        calls.append((name, subset, split))
+        rows = {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"], "label": [2, 0], "idx": [0, 1]}
+        return datasets.Dataset.from_dict(rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="mnli", data_source="hub", eval_size=1))
+    assert calls == [("nyu-mll/glue", "mnli", "train"), ("nyu-mll/glue", "mnli", "validation_matched")]
+    assert train == [glue.Example(("p1", "h1"), 2), glue.Example(("p2", "h2"), 0)]
+    assert evaluation == [glue.Example(("p1", "h1"), 2)]
+
+
+def test_evaluation_rows_ordered_by_length_keep_their_labels():
+    class Tokenizer:
+        def __call__(self, texts, truncation, max_length):
+            ids = [[0] * len(t.split()) for t in texts]
+            return {"input_ids": ids, "attention_mask": ids}
+
+    examples = [glue.Example(("a b c",), 0), glue.Example(("a",), 1), glue.Example(("a b",), 0)]
+    data = glue.GlueDataset(examples, Tokenizer(), 8, by_length=True)
+    assert [len(data[i]["input_ids"]) for i in range(3)] == [1, 2, 3]
+    assert data.labels == [1, 0, 0]
+
+
+# --- bad input -----------------------------------------------------------------------------------------------------
+
+
+def test_unknown_task_lists_the_supported_ones():
+    with pytest.raises(ValueError, match="unknown GLUE task 'cola'; choose from sst2, qnli, mnli, qqp"):
+        glue.main(["--config", str(DOCS_CONFIG), "--task", "cola"])
+
+
+@pytest.mark.parametrize("task", ["mnli", "qqp"])
+def test_tasks_without_a_local_copy_say_to_use_the_hub(task):
+    with pytest.raises(ValueError, match="no local copy.*data_source: hub"):
+        glue.load_examples(glue.GlueArguments(task=task))
+
+
+def test_missing_local_data_folder_and_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found.*data_dir"):
+        glue.load_examples(glue.GlueArguments(data_dir=str(tmp_path / "absent")))
+    (tmp_path / "sst2").mkdir()
+    with pytest.raises(FileNotFoundError, match="train_full.tsv"):
+        glue.load_examples(glue.GlueArguments(data_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("model_config", "message"),
+    [
+        (GPT2Config(n_layer=1, n_embd=8, n_head=2, architectures=["GPT2LMHeadModel"]), "causal language model"),
+        (ViTConfig(num_hidden_layers=1, hidden_size=8), "no sequence-classification head"),
+    ],
+)
+def test_models_without_a_classification_head_fail_early(tmp_path, model_config, message):
+    model_config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        glue.load_model(glue.GlueArguments(model_name_or_path=str(tmp_path)), num_labels=2)
+
+
+def test_max_length_above_the_model_maximum_fails():
+    with pytest.raises(ValueError, match="max_length 1024 exceeds the model's maximum of 512"):
+        glue.load_model(glue.GlueArguments(max_length=1024, tiny_model=True), num_labels=2)
+
+
+def test_mean_pooling_needs_a_bert_encoder(tmp_path):
+    RobertaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="pooling: mean is for BERT"):
+        glue.load_model(glue.GlueArguments(model_name_or_path=str(tmp_path), pooling="mean"), num_labels=2)
+
+
+def test_bad_trainable_choices_fail_when_parsed():
+    with pytest.raises(ValueError, match="pooling must be one of cls, mean"):
+        glue.GlueArguments(pooling="max")
+    with pytest.raises(ValueError, match="train_layers > 0 applies without LoRA"):
+        glue.GlueArguments(lora_rank=4, train_layers=1)
+    with pytest.raises(ValueError, match="at most the model's 2 layers"):
+        glue.load_model(glue.GlueArguments(tiny_model=True, train_layers=3), num_labels=2)
+
+
+def test_train_layers_freezes_embeddings_and_lower_layers():
+    model = glue.load_model(glue.GlueArguments(tiny_model=True, pooling="mean", train_layers=1), num_labels=2)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert all(name.startswith(("bert.encoder.layer.1.", "classifier.")) for name in names), names
+    assert any(name.startswith("classifier.") for name in names)
+
+
+# --- configs -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [DOCS_CONFIG, HUB_CONFIG])
+def test_configs_parse_into_the_dataclasses(path):
+    recipe, training, privacy = config.parse_recipe_args(
+        (glue.GlueArguments, TrainingArguments, PrivacyArguments), ["--config", str(path)]
+    )
+    assert isinstance(recipe, glue.GlueArguments) and recipe.task in glue.TASKS
+    assert privacy.target_epsilon == 3.0 and privacy.noise == "gaussian"
+    assert training.max_grad_norm == 0.0
+
+
+def test_hub_config_is_the_full_scale_setup():
+    recipe, training, privacy = config.parse_recipe_args(
+        (glue.GlueArguments, TrainingArguments, PrivacyArguments), ["--config", str(HUB_CONFIG)]
+    )
+    assert recipe.model_name_or_path == "roberta-base" and recipe.data_source == "hub"
+    assert recipe.train_size is None and recipe.eval_size is None and recipe.lora_rank == 0
+    assert not training.use_cpu
+
+
+# --- docs configuration (slow) -------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_sst2
+def test_docs_config_learns_sst2(tmp_path):
+    result = run_script("--config", str(DOCS_CONFIG), "--output_dir", str(tmp_path),
+                        "--results_file", str(tmp_path / "results.json"), timeout=1800)  # fmt: skip
+    assert result["metrics"]["accuracy"] > 70.0  # majority class 50.9%
+    assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
