@@ -75,7 +75,7 @@ class HotpotQAArguments(CausalLMArguments):
         if self.task not in TASKS:
             raise ValueError(f"unknown HotpotQA task {self.task!r}; choose from {', '.join(TASKS)}")
         if self.paragraph_words is not None and self.paragraph_words <= 0:
-            raise ValueError(f"paragraph_words must be positive (or unset: whole paragraphs), got {self.paragraph_words}")
+            raise ValueError(f"paragraph_words must be positive (or unset), got {self.paragraph_words}")
 
 
 def context_text(titles: Sequence[str], sentences: Sequence[Sequence[str]], paragraph_words: int | None) -> str:
