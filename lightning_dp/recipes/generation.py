@@ -210,15 +210,15 @@ def generation_evaluator(
     tokenizer: PreTrainedTokenizerBase,
     examples: Sequence[PromptTarget],
     score: Callable[[list[str], list[tuple[str, ...]]], dict[str, float]],
-    samples: dict[str, Any],
+    details: dict[str, Any],
     postprocess: Callable[[str], str] | None = None,
 ) -> Callable[[Trainer], dict[str, float]]:
     """The ``evaluate`` callback of :func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: decode
     ``examples`` with the trained model (:func:`generate_texts`, on the main process only; the others return
     ``{}``), apply ``postprocess`` to each text, and return ``score(predictions, references)``.
 
-    ``samples`` (the ``details`` dict given to ``run_recipe``) receives ``"samples"``: the first
-    ``recipe.num_samples`` (tail, prediction, references) triples.
+    ``details`` (the dict also given to ``run_recipe`` as its ``details``, written to the results file) receives
+    ``"samples"``: the first ``recipe.num_samples`` (tail, prediction, references) triples, for inspection.
     """
 
     def evaluate(trainer: Trainer) -> dict[str, float]:
@@ -235,7 +235,7 @@ def generation_evaluator(
         )
         predictions = [postprocess(t) for t in texts] if postprocess is not None else texts
         references = [example.references for example in examples]
-        samples["samples"] = [
+        details["samples"] = [
             {"tail": e.tail, "prediction": p, "references": list(e.references)}
             for e, p in zip(examples[: recipe.num_samples], predictions, strict=False)
         ]
