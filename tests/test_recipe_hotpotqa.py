@@ -11,7 +11,7 @@ from transformers import TrainingArguments
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import hotpotqa, metrics, models
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.generation import PromptTarget
+from lightning_dp.recipes.generation import PromptTarget, first_line
 
 QA_KEYS = {"exact_match", "f1"}
 TINY = ["--tiny_model", "true", "--train_size", "4", "--eval_size", "2", "--max_steps", "2"]
@@ -45,7 +45,7 @@ def test_context_keeps_dataset_order_and_cuts_each_paragraph():
     assert example.body == "A: One two three.\nB: Six seven. Eight."
     assert example.tail == "\nQuestion: Which city?\nAnswer:" and example.target == " Paris"
     assert example.references == ("Paris",)
-    assert hotpotqa.first_line(" Paris\nQuestion: next") == "Paris"
+    assert first_line(" Paris\nQuestion: next") == "Paris"
 
 
 def test_answer_in_prompt_follows_the_truncation_rule():
@@ -71,6 +71,8 @@ def test_bad_input_fails_early(tmp_path):
         hotpotqa.HotpotQAArguments(task="fullwiki")
     with pytest.raises(ValueError, match="paragraph_words"):
         hotpotqa.HotpotQAArguments(paragraph_words=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be positive"):
+        hotpotqa.HotpotQAArguments(max_new_tokens=0)
     with pytest.raises(FileNotFoundError, match="not found"):
         hotpotqa.load_rows(hotpotqa.HotpotQAArguments(data_dir=str(tmp_path / "absent")))
     config = ["--config", str(ROOT / "configs/hotpotqa.yaml"), "--output_dir", str(tmp_path)]

@@ -1,4 +1,6 @@
-"""Causal-LM fine-tuning data and decoding shared by the generation recipes (E2E/DART, BillSum, HotpotQA).
+"""Causal-LM fine-tuning data and decoding shared by the generation recipes (E2E/DART, BillSum, HotpotQA): the
+prompt/target examples and their truncation rule, batched decoding, and the recipe plumbing around them (arguments,
+model loading with the head and length checks and LoRA, the collator, the evaluation callback).
 
 An example is a prompt followed by its target and the end-of-sequence token; the loss is on the target and EOS only
 (prompt tokens get label ``-100``), which is the table-to-text setup of Li et al. 2022 ("Large language models can
@@ -203,6 +205,11 @@ def load_causal_lm_recipe(recipe: CausalLMArguments) -> tuple[torch.nn.Module, P
 def causal_lm_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
     """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``)."""
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+
+
+def first_line(text: str) -> str:
+    """A generated text up to its first newline, stripped (a model may go on with another prompt's lines)."""
+    return text.strip().split("\n", 1)[0].strip()
 
 
 def generation_evaluator(

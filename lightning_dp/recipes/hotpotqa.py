@@ -45,6 +45,7 @@ from lightning_dp.recipes.generation import (
     PromptTarget,
     PromptTargetDataset,
     causal_lm_collator,
+    first_line,
     generation_evaluator,
     load_causal_lm_recipe,
     prompt_ids,
@@ -95,11 +96,6 @@ def to_example(row: dict, paragraph_words: int | None) -> PromptTarget:
     return PromptTarget(
         body=context, tail=f"\nQuestion: {question}\nAnswer:", target=" " + row["answer"], references=(row["answer"],)
     )
-
-
-def first_line(text: str) -> str:
-    """The prediction: the generated text up to its first newline (the model may go on with another line)."""
-    return text.split("\n", 1)[0].strip()
 
 
 def answer_in_prompt(
