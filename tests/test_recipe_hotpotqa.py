@@ -95,4 +95,4 @@ def test_hub_config_parses():
 def test_docs_configuration(tmp_path):
     result = run_recipe_script("hotpotqa.py", "hotpotqa.yaml", tmp_path)
     assert_dp_result(result, QA_KEYS, target_epsilon=3.0)
-    assert result["metrics"]["f1"] > 2.0  # sanity floor: the pretrained model copies some answer words
+    assert result["metrics"]["f1"] > 1.0  # sanity floor: some predicted words are answer words (16 questions)
