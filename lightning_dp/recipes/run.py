@@ -119,6 +119,14 @@ def require_file(path: Path) -> Path:
     return path
 
 
+def first_rows(split: Any, size: int | None) -> list[dict[str, Any]]:
+    """The first ``size`` rows (all for ``None``) of a ``datasets.Dataset`` split, as dicts; only those rows are
+    decoded."""
+    if size is not None:
+        split = split.select(range(min(size, len(split))))
+    return list(split)
+
+
 def check_max_length(config: PretrainedConfig, max_length: int) -> None:
     """Raise ``ValueError`` when ``max_length`` exceeds the model's position limit (``max_position_embeddings``,
     ``n_positions``); models without one (relative positions, e.g. T5) accept any length."""

