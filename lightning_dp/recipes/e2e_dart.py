@@ -52,26 +52,21 @@ from __future__ import annotations
 import csv
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from transformers import (
-    AutoConfig,
-    DataCollatorForSeq2Seq,
-    PreTrainedModel,
     PreTrainedTokenizerBase,
-    Trainer,
     TrainingArguments,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.naming import did_you_mean
-from lightning_dp.recipes import generation, metrics, models
+from lightning_dp.recipes import generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.run import RecipeArguments, check_max_length, local_data_dir, require_file, run_recipe
+from lightning_dp.recipes.run import local_data_dir, require_file, run_recipe
 
 TASKS = ("e2e", "dart")
 #: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).
@@ -87,16 +82,13 @@ _MR_ITEM = re.compile(r"\s*([^\[\],][^\[\]]*?)\s*\[([^\]]*)\]\s*(?:,|$)")
 
 
 @dataclass
-class E2EDartArguments(RecipeArguments):
+class E2EDartArguments(generation.CausalLMArguments):
     """The E2E/DART recipe's arguments (see the module docstring; the common ones are
-    :class:`~lightning_dp.recipes.run.RecipeArguments`).
+    :class:`~lightning_dp.recipes.generation.CausalLMArguments`, here with Li et al.'s decoding defaults).
 
     Attributes:
-        max_target_length: reference tokens kept per training example (the truncation rule).
         separator: text between the table and the reference; ``{bos}`` stands for the tokenizer's BOS token
             (Li et al.: ``" {bos}"``).
-        num_beams: beams of the evaluation decoding (1: greedy).
-        max_new_tokens: tokens generated per evaluation table.
         dataset_name: the Hub dataset id (default: :data:`HUB_DATASETS` of the task).
         dataset_revision: its revision (default ``refs/convert/parquet``, the Hub's parquet conversion).
     """
@@ -104,7 +96,6 @@ class E2EDartArguments(RecipeArguments):
     task: str = field(default="e2e", metadata={"help": "e2e or dart."})
     model_name_or_path: str = field(default="gpt2", metadata={"help": "Causal LM: Hub id, folder, or package:NAME."})
     max_length: int = field(default=100, metadata={"help": "Tokens per example (table cut from its end)."})
-    max_target_length: int = field(default=64, metadata={"help": "Reference tokens kept per training example."})
     separator: str = field(default=" {bos}", metadata={"help": "Text between table and reference; {bos}: BOS token."})
     num_beams: int = field(default=5, metadata={"help": "Beams of the evaluation decoding (1: greedy)."})
     max_new_tokens: int = field(default=100, metadata={"help": "Tokens generated per evaluation table."})
@@ -117,9 +108,6 @@ class E2EDartArguments(RecipeArguments):
         super().__post_init__()
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}: choose e2e or dart{did_you_mean(self.task, TASKS)}")
-        for name in ("max_target_length", "num_beams", "max_new_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 def linearise_e2e(meaning_representation: str) -> str:
@@ -218,72 +206,9 @@ def read_hub(recipe: E2EDartArguments) -> tuple[list[tuple[str, list[str]]], lis
     return _dart_tables(data["train"]), _dart_tables(data["test"])
 
 
-def load_model(recipe: E2EDartArguments) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The causal LM and tokenizer of ``recipe.model_name_or_path`` (tiny random weights with ``tiny_model``), with
-    LoRA adapters when ``lora_rank > 0``.
-
-    Raises:
-        ValueError: the model has no causal-LM head (e.g. an encoder or an encoder-decoder), or ``max_length``
-            exceeds its positions.
-    """
-    path = models.resolve_pretrained(recipe.model_name_or_path, recipe.cache_dir)
-    config = AutoConfig.from_pretrained(path)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{recipe.model_name_or_path!r} ({config.model_type}) has no causal-LM head (AutoModelForCausalLM); "
-            "table-to-text here needs a decoder-only model such as gpt2"
-        )
-    tokenizer = models.load_tokenizer(recipe.model_name_or_path, recipe.cache_dir)
-    model = models.load_causal_lm(recipe.model_name_or_path, recipe.cache_dir, tiny=recipe.tiny_model)
-    check_max_length(model.config, recipe.max_length)
-    if recipe.lora_rank > 0:
-        model = models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM")
-    return model, tokenizer
-
-
 def separator_text(separator: str, tokenizer: PreTrainedTokenizerBase) -> str:
     """``separator`` with ``{bos}`` replaced by the tokenizer's BOS token (its EOS token when it has none)."""
     return separator.replace("{bos}", tokenizer.bos_token or tokenizer.eos_token)
-
-
-def first_line(text: str) -> str:
-    """The text up to its first newline, stripped (one hypothesis per line, as in Li et al.'s evaluation files)."""
-    return text.strip().split("\n", 1)[0].strip()
-
-
-def make_evaluate(
-    recipe: E2EDartArguments,
-    training: TrainingArguments,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    examples: Sequence[generation.PromptTarget],
-    samples: list[dict[str, str]],
-) -> Callable[[Trainer], dict[str, float]]:
-    """The evaluation of :func:`~lightning_dp.recipes.run.run_recipe`: decode every evaluation table (main process
-    only; the others return no metrics) and score the first lines against all references; the first three
-    (table, hypothesis, references) go to ``samples``."""
-
-    def evaluate(_trainer: Trainer) -> dict[str, float]:
-        if training.process_index != 0:
-            return {}
-        texts = generation.generate_texts(
-            model,
-            tokenizer,
-            examples,
-            max_length=recipe.max_length,
-            max_new_tokens=recipe.max_new_tokens,
-            batch_size=training.per_device_eval_batch_size,
-            num_beams=recipe.num_beams,
-        )
-        hypotheses = [first_line(text) for text in texts]
-        references = [list(example.references) for example in examples]
-        samples.extend(
-            {"table": e.body, "hypothesis": h, "references": list(e.references)}
-            for e, h in zip(examples[:3], hypotheses, strict=False)
-        )
-        return metrics.generation_metrics(hypotheses, references)
-
-    return evaluate
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -296,23 +221,27 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         train_tables, eval_tables = read_hub(recipe)
     with training.main_process_first(desc="model loading"):  # a packaged model is converted by one process
-        model, tokenizer = load_model(recipe)
+        model, tokenizer = generation.load_causal_lm_recipe(recipe)
     separator = separator_text(recipe.separator, tokenizer)
     train = make_examples(train_tables, separator, train=True, limit=recipe.train_size)
     evaluation = make_examples(eval_tables, separator, train=False, limit=recipe.eval_size)
     train_dataset = generation.PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length)
-    samples: list[dict[str, str]] = []
+    details: dict[str, Any] = {
+        "eval_size": len(evaluation),
+        "eval_tables": len(evaluation),
+        "eval_references": sum(len(e.references) for e in evaluation),
+    }
+    # one hypothesis per line, as in Li et al.'s evaluation files
+    evaluate = generation.generation_evaluator(
+        recipe, tokenizer, evaluation, metrics.generation_metrics, details, postprocess=generation.first_line
+    )
     return run_recipe(
         recipe,
         training,
         privacy,
         model=model,
         train_dataset=train_dataset,
-        evaluate=make_evaluate(recipe, training, model, tokenizer, evaluation, samples),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=generation.IGNORE_INDEX),
-        details={
-            "eval_tables": len(evaluation),
-            "eval_references": sum(len(e.references) for e in evaluation),
-            "samples": samples,
-        },
+        evaluate=evaluate,
+        data_collator=generation.causal_lm_collator(tokenizer),
+        details=details,
     )

@@ -27,6 +27,8 @@ from lightning_dp.recipes import models
 from lightning_dp.recipes.run import RecipeArguments, check_max_length
 
 IGNORE_INDEX = -100
+#: Characters of each sample's prompt body written to the results file.
+SAMPLE_BODY_CHARS = 300
 #: Suffixes of the ``architectures`` names of models with a causal-LM head (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
 CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
 
@@ -189,13 +191,13 @@ def load_causal_lm_recipe(recipe: CausalLMArguments) -> tuple[torch.nn.Module, P
         ValueError: the model has no causal-LM head, or ``max_length`` exceeds its positions.
     """
     name = recipe.model_name_or_path
-    tokenizer = models.load_tokenizer(name, recipe.cache_dir)
     if recipe.tiny_model:
         config = models.tiny_config(name, recipe.cache_dir)
     else:
         config = AutoConfig.from_pretrained(models.resolve_pretrained(name, recipe.cache_dir))
     check_causal_lm_head(config, name)
     check_max_length(config, recipe.max_length)
+    tokenizer = models.load_tokenizer(name, recipe.cache_dir)
     model = models.load_causal_lm(name, recipe.cache_dir, tiny=recipe.tiny_model)
     if recipe.lora_rank > 0:
         model = models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM")
@@ -225,7 +227,7 @@ def generation_evaluator(
     ``{}``), apply ``postprocess`` to each text, and return ``score(predictions, references)``.
 
     ``details`` (the dict also given to ``run_recipe`` as its ``details``, written to the results file) receives
-    ``"samples"``: the first ``recipe.num_samples`` (tail, prediction, references) triples, for inspection.
+    ``"samples"``: the first ``recipe.num_samples`` (start of the body, tail, prediction, references), for inspection.
     """
 
     def evaluate(trainer: Trainer) -> dict[str, float]:
@@ -243,7 +245,7 @@ def generation_evaluator(
         predictions = [postprocess(t) for t in texts] if postprocess is not None else texts
         references = [example.references for example in examples]
         details["samples"] = [
-            {"tail": e.tail, "prediction": p, "references": list(e.references)}
+            {"body": e.body[:SAMPLE_BODY_CHARS], "tail": e.tail, "prediction": p, "references": list(e.references)}
             for e, p in zip(examples[: recipe.num_samples], predictions, strict=False)
         ]
         return score(predictions, references)
