@@ -59,14 +59,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dp import DPStrategy
 from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
+from lightning_dp.recipes.cifar import standardise
 
 METHODS = ("dpsgd", "lp-dpsgd", "momentum", "dp-pmlf")
 FILTERED = {"lp-dpsgd", "dp-pmlf"}
 WITH_MOMENTUM = {"momentum", "dp-pmlf"}
 TASKS = ("digits", "cifar10")
-#: Public CIFAR-10 channel statistics (not computed from the private training subset).
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 
 # ------------------------------------------------------------------------------------------------ CIFAR-10 task
@@ -107,12 +105,10 @@ class CifarGroupNormCNN(pl.LightningModule):
 
 
 def load_cifar(path: Path) -> TensorDataset:
-    """An npz of the CIFAR-10 folder (``x`` uint8 ``[N, 32, 32, 3]``, ``y`` int64) as normalised ``[N, 3, 32, 32]``."""
+    """An npz of the CIFAR-10 folder (``x`` uint8 ``[N, 32, 32, 3]``, ``y`` int64) as a dataset of standardised
+    ``[N, 3, 32, 32]`` images (the CIFAR-10 recipe's :func:`~lightning_dp.recipes.cifar.standardise`)."""
     with np.load(path) as data:
-        x = torch.from_numpy(data["x"]).permute(0, 3, 1, 2).float() / 255.0
-        y = torch.from_numpy(data["y"]).long()
-    mean, std = torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1), torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
-    return TensorDataset((x - mean) / std, y)
+        return TensorDataset(standardise(data["x"]), torch.from_numpy(data["y"]).long())
 
 
 # ------------------------------------------------------------------------------------------------ one run
