@@ -84,7 +84,24 @@ def load_results(task: str) -> dict[str, dict]:
     return {v: json.loads((folder / f"{v}.json").read_text()) for v in VARIANTS if (folder / f"{v}.json").exists()}
 
 
-def task_table(results: dict[str, dict]) -> str:
+def display_command(task: str, command: str) -> str:
+    """The recorded command as a user types it from the repository root: ``python recipes/<task>.py ARGS``, without
+    the temporary ``--output_dir`` the variant ran with."""
+    args = shlex.split(command)
+    args = args[args.index("--config") :] if "--config" in args else args[1:]
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--output_dir":
+            skip = True
+        else:
+            kept.append(arg)
+    return shlex.join(["python", TASKS[task][0], *kept])
+
+
+def task_table(task: str, results: dict[str, dict]) -> str:
     """The Markdown table (and commands) of one task's variants."""
     if not results:
         return "(no runs recorded yet)"
@@ -114,7 +131,7 @@ def task_table(results: dict[str, dict]) -> str:
         "repository root):",
         "",
         "```bash",
-        *(result["command"] for result in results.values()),
+        *(display_command(task, result["command"]) for result in results.values()),
         "```",
     ]
     return "\n".join(lines)
@@ -162,7 +179,7 @@ def render(tasks: list[str]) -> None:
     for task in tasks:
         page = DOCS / "recipes" / f"{task}.md"
         if page.exists():
-            replace_between_markers(page, task_table(load_results(task)))
+            replace_between_markers(page, task_table(task, load_results(task)))
     replace_between_markers(DOCS / "recipes.md", summary_table())
 
 

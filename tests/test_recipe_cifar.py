@@ -86,7 +86,7 @@ def test_script_smoke(tmp_path: Path) -> None:
     privacy = result["privacy"]
     assert privacy["noise"] == "gaussian" and "num_params" not in privacy
     assert math.isfinite(privacy["epsilon"]) and 0 < privacy["epsilon"] <= 3.0 + 1e-6
-    assert result["command"].startswith("cifar.py --config")
+    assert result["command"].startswith("python ") and "cifar.py --config" in result["command"]
     assert result["arguments"]["model"]["class_path"].endswith("WideResNetClassifier")
 
 

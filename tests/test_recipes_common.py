@@ -193,11 +193,11 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
         "eval_size": 100,
         "trainable_params": 1234,
         "world_size": 1,
-        "command": "glue.py --config configs/glue.yaml",
+        "command": "python recipes/glue.py --config configs/glue.yaml --output_dir /tmp/x --dp true",
     }
-    table = bench.task_table({"gaussian-eps3": result})
+    table = bench.task_table("glue", {"gaussian-eps3": result})
     assert "| gaussian-eps3 | 81.25 | 2.990 | 1e-05 | gaussian (noise_multiplier=1.5) | 1 | 10 | 64 | 12 | 1 |" in table
-    assert "glue.py --config configs/glue.yaml" in table
+    assert "python recipes/glue.py --config configs/glue.yaml --dp true" in table and "/tmp/x" not in table
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
     bench.replace_between_markers(page, "new")

@@ -28,7 +28,6 @@
 from __future__ import annotations
 
 import logging
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.metrics import classification_metrics
 from lightning_dp.recipes.models import TINY_SIZES
-from lightning_dp.recipes.run import data_folder, require_file, write_results
+from lightning_dp.recipes.run import command_line, data_folder, require_file, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
 
 log = logging.getLogger("lightning_dp")
@@ -363,7 +362,7 @@ class RecipeResults(Callback):
             "eval_seconds": round(eval_seconds, 1),
             "world_size": trainer.world_size,
             "arguments": _arguments(trainer, pl_module),
-            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "command": command_line(),
         }
         write_results(self.result, self.path)
 

@@ -197,7 +197,7 @@ def run_recipe(
             "privacy": asdict(privacy) if recipe.dp else None,
             "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
         },
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": command_line(),
     }
     if training.process_index == 0:
         write_results(result, Path(recipe.results_file or Path(training.output_dir) / "results.json"))
@@ -209,6 +209,14 @@ def write_results(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n", encoding="utf-8")
     print(json.dumps({k: result[k] for k in ("task", "dp", "metrics", "privacy", "steps", "train_seconds")}))
+
+
+def command_line() -> str:
+    """The command that runs this process, as typed from the working directory: ``python path/to/script.py ARGS``
+    for a script, the program's name and arguments for a console script (``lightning-dp fit ...``)."""
+    program = sys.argv[0]
+    head = ["python", os.path.relpath(program)] if program.endswith(".py") else [Path(program).name]
+    return shlex.join([*head, *sys.argv[1:]])
 
 
 def _jsonable(value: Any) -> Any:
