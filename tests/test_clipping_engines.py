@@ -8,7 +8,7 @@ import torch
 from lightning_dp.clipping import ENGINES, make_engine
 from lightning_dp.clipping.engine import materialised_contribution
 from lightning_dp.clipping.mixed import chunked_squared_norm, ghost_cost, materialise_cost
-from lightning_dp.clipping.terms import Factored
+from lightning_dp.clipping.terms import Factored, Materialised, materialise_sum
 
 
 def _linear_term(batch: int, seq: int, rows: int, cols: int, device: str = "meta") -> Factored:
@@ -73,3 +73,20 @@ def test_registry_lists_every_engine() -> None:
     assert [name for name, cls in ENGINES.items() if cls.randomized] == ["hutch", "hutchpp"]
     with pytest.raises(ValueError, match="clipping must be one of"):
         make_engine("nope")
+
+
+def test_materialise_sum_writes_no_term_and_promotes_dtype() -> None:
+    """The sum of several uses goes into a new buffer: neither a materialised term (which may be a capture's own
+    output gradient, as a LayerNorm bias's is) nor a factor is written; mixed dtypes promote as ``+`` would."""
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randn(3, 1, 4, generator=gen)  # per-sample gradients of a 1 x 4 parameter
+    first, second = Materialised(shared), Materialised(shared[:, :, :])
+    dense = Factored(torch.randn(3, 2, 1, generator=gen), torch.randn(3, 2, 4, generator=gen), torch.Size((1, 4)))
+    before = [shared.clone(), dense.left.clone(), dense.right.clone()]
+    total = materialise_sum([first, second, dense])
+    torch.testing.assert_close(total, 2 * shared + dense.materialise())
+    for tensor, copy in zip([shared, dense.left, dense.right], before, strict=True):
+        assert torch.equal(tensor, copy)
+    assert materialise_sum([first]) is shared  # one use: no copy
+    wide = Materialised(torch.randn(3, 1, 4, generator=gen, dtype=torch.float64))
+    assert materialise_sum([Materialised(shared.to(torch.bfloat16)), wide]).dtype == torch.float64

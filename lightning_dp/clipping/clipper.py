@@ -14,7 +14,9 @@ factors ``c_i = min(1, C / (n_i + 1e-6))`` -> the clipped sum ``sum_i c_i grad(l
   into ``p.grad``, so the sum check runs on every batch (a use outside the layer would otherwise leak).
 
 Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers); book-keeping also
-keeps every hooked layer's output gradient until the clipped sum is formed. Terms are formed per group of captures
+keeps every hooked layer's output gradient until the clipped sum is formed, except for groups whose per-sample
+gradients the engine formed and kept instead (:meth:`ClippingEngine.contribution_and_gradient`: their captures are
+released once the norms are taken). Terms are formed per group of captures
 sharing a parameter and freed before the next group (twice with book-keeping: for the norms, then for the sums).
 Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing

@@ -51,8 +51,10 @@ class ClippingEngine(ABC):
         when the engine formed it in full and it holds no more elements than the terms it stands for (else None).
 
         Book-keeping then forms the clipped sum ``sum_i c_i g_i`` from it (``B * numel`` multiply-adds) instead of
-        ``sum_i c_i L_i^T R_i`` from the factors (``B * T * numel``), and drops the factors, so keeping it costs no
-        memory. The default forms nothing (None).
+        ``sum_i c_i L_i^T R_i`` from the factors (``B * T * numel``). When every parameter of a group of captures
+        is kept this way, the captures are released, so the kept gradients take at most the factors' memory;
+        otherwise the captures live until the clipped sum and the kept gradients come on top. The default forms
+        nothing (None).
         """
         return self.contribution(terms, norm, generator), None
 

@@ -20,9 +20,11 @@ the shapes. Parameters with a materialised term (biases, norms, grouped convolut
 
 Under book-keeping a materialised per-sample gradient that holds no more elements than its factors (``P Q <=
 sum_u T_u (P + Q)``, which the work rule implies up to a factor of about two) is formed whole and kept for the
-clipped sum, ``sum_i c_i g_i``, in place of the factors, which are freed: the clipped sum then costs ``B P Q``
-instead of the ``B T P Q`` of ``sum_i c_i L_i^T R_i``, at no extra memory. For a 50257-wide output head at
-``T = 512`` this removes a quarter of the step's work.
+clipped sum, ``sum_i c_i g_i``, in place of the factors: the clipped sum then costs ``B P Q`` instead of the
+``B T P Q`` of ``sum_i c_i L_i^T R_i``. The factors are freed when every parameter of their group is kept so
+(:meth:`~lightning_dp.clipping.engine.ClippingEngine.contribution_and_gradient`); forming the whole gradient and its
+squares takes up to twice its size for a moment. For a 50257-wide output head at ``T = 512`` this removes a quarter
+of the step's work at the same peak memory (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ language models can be strong differentially private learners", Section 4, ghost
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,10 @@ class Materialised:
     @property
     def device(self) -> torch.device:
         return self.grad.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.grad.dtype
 
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *param.shape]``."""
@@ -63,6 +68,10 @@ class Factored:
     @property
     def device(self) -> torch.device:
         return self.right.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.right.dtype
 
     @property
     def is_index(self) -> bool:
@@ -125,10 +134,16 @@ def term_elements(term: Term) -> int:
 
 
 def materialise_sum(terms: list[Term]) -> torch.Tensor:
-    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]``, one buffer: the first
-    factored term's product (or a copy of a materialised term), to which the other uses are added in place."""
+    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]`` in the terms' promoted
+    dtype. A single term is returned as it materialises (no copy; callers do not write into it); several are summed
+    in one new buffer, the first factored term's product (or a copy of a materialised term), into which the other
+    uses are added in place, so no term's tensor is ever written."""
+    if len(terms) == 1:
+        return terms[0].materialise()
     first = next((term for term in terms if isinstance(term, Factored)), terms[0])
     total = first.materialise() if isinstance(first, Factored) else first.grad.clone()
+    dtype = functools.reduce(torch.promote_types, (term.dtype for term in terms))
+    total = total.to(dtype)
     for term in terms:
         if term is not first:
             term.add_to(total)
