@@ -1,6 +1,6 @@
 """The HF examples' building blocks on tiny models: the mean-pooling classifier of ``sst2_hf`` (token and
 cached-feature paths agree, ``DPTrainer`` trains its head from cached features) and the E2E examples of
-``e2e_lora_hf`` (loss on the reference only, cut at ``max_length``)."""
+``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` by the recipes' rule)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import transformers
 from hf_helpers import VOCAB, make_trainer, trainable_snapshot
 from transformers import default_data_collator
 
-from lightning_dp.examples.e2e_lora_hf import E2E, IGNORE_INDEX, prompt
+from lightning_dp.examples.e2e_lora_hf import e2e_dataset, prompt
 from lightning_dp.examples.sst2_hf import MeanPoolingBertForSequenceClassification, PooledFeatures
+from lightning_dp.recipes.generation import IGNORE_INDEX
 
 
 def tiny_mean_pooling_bert() -> MeanPoolingBertForSequenceClassification:
@@ -61,18 +62,22 @@ class CharTokenizer:
     """Callable like an HF tokenizer: one id per character (``ord``), no special tokens."""
 
     eos_token_id = 1
+    bos_token_id = None
 
-    def __call__(self, text: str) -> dict[str, list[int]]:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) for c in text]}
 
 
 def test_e2e_examples_label_only_the_reference_and_are_cut_at_max_length() -> None:
     rows = [{"mr": "name[A]", "ref": "A is."}, {"mr": "name[Bee], food[x]", "ref": "Bee serves x food."}]
-    full, cut = E2E(rows, CharTokenizer(), max_length=64), E2E(rows, CharTokenizer(), max_length=12)
+    full = e2e_dataset(rows, CharTokenizer(), max_length=64)
+    cut = e2e_dataset(rows, CharTokenizer(), max_length=12)
     context = [ord(c) for c in prompt("name[A]")]
     example = full[0]
     assert example["input_ids"] == context + [ord(c) for c in "A is."] + [1]
     assert example["labels"] == [IGNORE_INDEX] * len(context) + [ord(c) for c in "A is."] + [1]
     assert example["attention_mask"] == [1] * len(example["input_ids"])
     assert all(len(cut[i]["input_ids"]) == len(cut[i]["labels"]) <= 12 for i in range(len(cut)))
-    assert cut[1]["labels"] == [IGNORE_INDEX] * 12  # the prompt alone fills the budget: no labelled token
+    # the recipes' rule: the reference keeps 12 // 2 = 6 tokens, then EOS; the meaning representation is cut
+    assert cut[1]["labels"] == [IGNORE_INDEX] * 5 + [ord(c) for c in "Bee se"] + [1]
+    assert cut[1]["input_ids"][:5] == [ord(c) for c in "name"] + [ord("\n")]

@@ -202,3 +202,36 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
     bench.replace_between_markers(page, "new")
     assert page.read_text() == f"intro\n{bench.START}\nnew\n{bench.END}\nend\n"
+
+
+class FakeSplit(list):
+    """Stands in for a ``datasets.Dataset`` split: ``select`` and iteration over dict rows."""
+
+    def select(self, indices):
+        return FakeSplit(self[i] for i in indices)
+
+
+def test_split_rows_local_file_order_and_hub_splits(tmp_path, monkeypatch):
+    from lightning_dp.recipes.run import split_rows
+
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "rows.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
+    recipe = RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path / "task"), train_size=3, eval_size=2)
+    spec = dict(dataset="task", local_file="rows.jsonl", local_train_rows=6, hub=("org/name", "cfg"))
+    train, evaluation = split_rows(recipe, **spec, hub_splits=("train", "test"))
+    assert [r["i"] for r in train] == [0, 1, 2] and [r["i"] for r in evaluation] == [6, 7]
+    calls = []
+
+    def load_dataset(*args, split):
+        calls.append((*args, split))
+        return FakeSplit({"i": i, "split": split} for i in range(5))
+
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    recipe.data_source = "hub"
+    train, evaluation = split_rows(recipe, **spec, hub_splits=("train", "validation"))
+    assert calls == [("org/name", "cfg", "train"), ("org/name", "cfg", "validation")]
+    assert [(r["i"], r["split"]) for r in evaluation] == [(0, "validation"), (1, "validation")] and len(train) == 3
+    with pytest.raises(FileNotFoundError, match="rows.jsonl"):
+        split_rows(RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path)), **spec, hub_splits=("a", "b"))

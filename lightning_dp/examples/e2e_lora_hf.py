@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
-from lightning_dp.recipes.generation import IGNORE_INDEX
+from lightning_dp.recipes.generation import PromptTarget, PromptTargetDataset, causal_lm_collator
 from lightning_dp.recipes.models import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "e2e"
@@ -55,24 +55,12 @@ def prompt(mr: str) -> str:
     return f"{mr}\n"
 
 
-class E2E(Dataset):
-    """Tokenised E2E rows: ``input_ids`` of prompt + reference + EOS (at most ``max_length`` tokens) and ``labels``
-    equal to them on the reference and EOS, ``-100`` on the prompt."""
-
-    def __init__(self, rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: int) -> None:
-        self.examples = []
-        for row in rows:
-            context = tokenizer(prompt(row["mr"]))["input_ids"]
-            target = tokenizer(row["ref"])["input_ids"] + [tokenizer.eos_token_id]
-            ids = (context + target)[:max_length]
-            labels = ([IGNORE_INDEX] * len(context) + target)[:max_length]
-            self.examples.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.examples[i]
+def e2e_dataset(rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+    """Tokenised E2E rows: ``prompt(mr)`` + reference + EOS with the loss on the reference and EOS only, at most
+    ``max_length`` tokens, cut by the recipes' rule (:mod:`lightning_dp.recipes.generation`: the reference keeps at
+    most half of ``max_length``, the meaning representation is cut from its end)."""
+    examples = [PromptTarget(row["mr"], "\n", row["ref"], (row["ref"],)) for row in rows]
+    return PromptTargetDataset(examples, tokenizer, max_length, max_target_length=max(1, max_length // 2))
 
 
 @torch.no_grad()
@@ -131,14 +119,14 @@ def main(argv: list[str] | None = None) -> dict:
     with args.main_process_first(desc="model loading"):  # the package's model is converted by one process only
         model, tokenizer = load_causal_lm(opts.model, opts.cache_dir), load_tokenizer(opts.model, opts.cache_dir)
     model = add_lora(model, opts.lora_rank, ["q_proj", "v_proj"], opts.lora_layers, task_type="CAUSAL_LM")
-    train = E2E(read_e2e(opts.data / "devset.csv", opts.train_size), tokenizer, opts.max_length)
+    train = e2e_dataset(read_e2e(opts.data / "devset.csv", opts.train_size), tokenizer, opts.max_length)
     eval_rows = read_e2e(opts.data / "testset_w_refs.csv", opts.eval_size)
     common = dict(
         model=model,
         args=args,
         train_dataset=train,
-        eval_dataset=E2E(eval_rows, tokenizer, opts.max_length),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX),
+        eval_dataset=e2e_dataset(eval_rows, tokenizer, opts.max_length),
+        data_collator=causal_lm_collator(tokenizer),
     )
     if opts.no_dp:
         trainer = Trainer(**common)

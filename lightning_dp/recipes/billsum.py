@@ -34,7 +34,6 @@ Commands::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -50,7 +49,7 @@ from lightning_dp.recipes.generation import (
     generation_evaluator,
     load_causal_lm_recipe,
 )
-from lightning_dp.recipes.run import first_rows, local_data_dir, require_file, run_recipe
+from lightning_dp.recipes.run import run_recipe, split_rows
 
 HUB_DATASET = "FiscalNote/billsum"
 LOCAL_FILE = "us_train_sample100.jsonl"
@@ -90,18 +89,14 @@ def load_examples(recipe: BillSumArguments) -> tuple[list[PromptTarget], list[Pr
     Raises:
         FileNotFoundError: the local copy (folder or file) is missing.
     """
-    if recipe.data_source == "local":
-        path = require_file(local_data_dir(recipe, "billsum") / LOCAL_FILE)
-        with path.open(encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
-        train = rows[:LOCAL_TRAIN_ROWS][: recipe.train_size]
-        evaluation = rows[LOCAL_TRAIN_ROWS:][: recipe.eval_size]
-    else:
-        from datasets import load_dataset
-
-        train_split, eval_split = TASKS[recipe.task]
-        train = first_rows(load_dataset(HUB_DATASET, split=train_split), recipe.train_size)
-        evaluation = first_rows(load_dataset(HUB_DATASET, split=eval_split), recipe.eval_size)
+    train, evaluation = split_rows(
+        recipe,
+        dataset="billsum",
+        local_file=LOCAL_FILE,
+        local_train_rows=LOCAL_TRAIN_ROWS,
+        hub=(HUB_DATASET,),
+        hub_splits=TASKS[recipe.task],
+    )
     as_examples = [[to_example(r["text"], r["summary"]) for r in rows] for rows in (train, evaluation)]
     return as_examples[0], as_examples[1]
 

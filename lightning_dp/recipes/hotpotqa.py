@@ -31,7 +31,6 @@ Commands::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +49,7 @@ from lightning_dp.recipes.generation import (
     load_causal_lm_recipe,
     prompt_ids,
 )
-from lightning_dp.recipes.run import first_rows, local_data_dir, require_file, run_recipe
+from lightning_dp.recipes.run import run_recipe, split_rows
 
 HUB_DATASET = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILE = "hotpotqa_dev_distractor_500.jsonl"
@@ -116,16 +115,13 @@ def load_rows(recipe: HotpotQAArguments) -> tuple[list[dict], list[dict]]:
     Raises:
         FileNotFoundError: the local copy (folder or file) is missing.
     """
-    if recipe.data_source == "local":
-        path = require_file(local_data_dir(recipe, "hotpotqa") / LOCAL_FILE)
-        with path.open(encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
-        return rows[:LOCAL_TRAIN_ROWS][: recipe.train_size], rows[LOCAL_TRAIN_ROWS:][: recipe.eval_size]
-    from datasets import load_dataset
-
-    return (
-        first_rows(load_dataset(*HUB_DATASET, split="train"), recipe.train_size),
-        first_rows(load_dataset(*HUB_DATASET, split="validation"), recipe.eval_size),
+    return split_rows(
+        recipe,
+        dataset="hotpotqa",
+        local_file=LOCAL_FILE,
+        local_train_rows=LOCAL_TRAIN_ROWS,
+        hub=HUB_DATASET,
+        hub_splits=("train", "validation"),
     )
 
 

@@ -127,6 +127,37 @@ def first_rows(split: Any, size: int | None) -> list[dict[str, Any]]:
     return list(split)
 
 
+def split_rows(
+    recipe: RecipeArguments,
+    *,
+    dataset: str,
+    local_file: str,
+    local_train_rows: int,
+    hub: tuple[str, ...],
+    hub_splits: tuple[str, str],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training and evaluation rows of a recipe, the first ``train_size`` / ``eval_size`` of each: from the local
+    copy (``data_source: local``), the JSON-lines file ``local_file`` of ``dataset`` split in file order, its first
+    ``local_train_rows`` rows for training and the rest for evaluation; from the Hub, the splits ``hub_splits`` of
+    ``datasets.load_dataset(*hub)``.
+
+    Raises:
+        FileNotFoundError: the local copy (folder or file) is missing.
+    """
+    if recipe.data_source == "local":
+        path = require_file(local_data_dir(recipe, dataset) / local_file)
+        with path.open(encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+        return rows[:local_train_rows][: recipe.train_size], rows[local_train_rows:][: recipe.eval_size]
+    from datasets import load_dataset
+
+    train_split, eval_split = hub_splits
+    return (
+        first_rows(load_dataset(*hub, split=train_split), recipe.train_size),
+        first_rows(load_dataset(*hub, split=eval_split), recipe.eval_size),
+    )
+
+
 def check_max_length(config: PretrainedConfig, max_length: int) -> None:
     """Raise ``ValueError`` when ``max_length`` exceeds the model's position limit (``max_position_embeddings``,
     ``n_positions``); models without one (relative positions, e.g. T5) accept any length."""
