@@ -44,12 +44,10 @@ from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.generation import (
     CausalLMArguments,
     PromptTarget,
-    PromptTargetDataset,
-    causal_lm_collator,
-    generation_evaluator,
     load_causal_lm_recipe,
+    run_generation_recipe,
 )
-from lightning_dp.recipes.run import run_recipe, split_rows
+from lightning_dp.recipes.run import split_rows
 
 HUB_DATASET = "FiscalNote/billsum"
 LOCAL_FILE = "us_train_sample100.jsonl"
@@ -110,15 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     train, evaluation = load_examples(recipe)
     with training.main_process_first(desc="model loading"):
         model, tokenizer = load_causal_lm_recipe(recipe)
-    details: dict = {"max_length": recipe.max_length, "max_target_length": recipe.max_target_length}
-    return run_recipe(
+    return run_generation_recipe(
         recipe,
         training,
         privacy,
         model=model,
-        train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
-        eval_dataset=evaluation,
-        data_collator=causal_lm_collator(tokenizer),
-        evaluate=generation_evaluator(recipe, tokenizer, evaluation, metrics.rouge, details),
-        details=details,
+        tokenizer=tokenizer,
+        train=train,
+        evaluation=evaluation,
+        score=metrics.rouge,
     )

@@ -66,7 +66,7 @@ from lightning_dp.hf import PrivacyArguments
 from lightning_dp.naming import did_you_mean
 from lightning_dp.recipes import generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.run import local_data_dir, require_file, run_recipe
+from lightning_dp.recipes.run import local_data_dir, require_file
 
 TASKS = ("e2e", "dart")
 #: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).
@@ -225,23 +225,16 @@ def main(argv: list[str] | None = None) -> dict:
     separator = separator_text(recipe.separator, tokenizer)
     train = make_examples(train_tables, separator, train=True, limit=recipe.train_size)
     evaluation = make_examples(eval_tables, separator, train=False, limit=recipe.eval_size)
-    train_dataset = generation.PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length)
-    details: dict[str, Any] = {
-        "eval_size": len(evaluation),
-        "eval_tables": len(evaluation),
-        "eval_references": sum(len(e.references) for e in evaluation),
-    }
-    # one hypothesis per line, as in Li et al.'s evaluation files
-    evaluate = generation.generation_evaluator(
-        recipe, tokenizer, evaluation, metrics.generation_metrics, details, postprocess=generation.first_line
-    )
-    return run_recipe(
+    details = {"eval_tables": len(evaluation), "eval_references": sum(len(e.references) for e in evaluation)}
+    return generation.run_generation_recipe(
         recipe,
         training,
         privacy,
         model=model,
-        train_dataset=train_dataset,
-        evaluate=evaluate,
-        data_collator=generation.causal_lm_collator(tokenizer),
+        tokenizer=tokenizer,
+        train=train,
+        evaluation=evaluation,
+        score=metrics.generation_metrics,
         details=details,
+        postprocess=generation.first_line,  # one hypothesis per line, as in Li et al.'s evaluation files
     )

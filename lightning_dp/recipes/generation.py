@@ -21,10 +21,18 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import AutoConfig, DataCollatorForSeq2Seq, PretrainedConfig, PreTrainedTokenizerBase, Trainer
+from transformers import (
+    AutoConfig,
+    DataCollatorForSeq2Seq,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
 
+from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import models
-from lightning_dp.recipes.run import RecipeArguments, check_max_length
+from lightning_dp.recipes.run import RecipeArguments, check_max_length, run_recipe
 
 IGNORE_INDEX = -100
 #: Characters of each sample's prompt body written to the results file.
@@ -251,3 +259,38 @@ def generation_evaluator(
         return score(predictions, references)
 
     return evaluate
+
+
+def run_generation_recipe(
+    recipe: CausalLMArguments,
+    training: TrainingArguments,
+    privacy: PrivacyArguments,
+    *,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    train: Sequence[PromptTarget],
+    evaluation: Sequence[PromptTarget],
+    score: Callable[[list[str], list[tuple[str, ...]]], dict[str, float]],
+    details: dict[str, Any] | None = None,
+    postprocess: Callable[[str], str] | None = None,
+) -> dict[str, Any]:
+    """:func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: fine-tune on ``train`` (tokenised and
+    cut by :class:`PromptTargetDataset`, padded by :func:`causal_lm_collator`), then decode ``evaluation`` and score
+    it (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
+    samples) go to the results file."""
+    details = {
+        "eval_size": len(evaluation),
+        "max_length": recipe.max_length,
+        "max_target_length": recipe.max_target_length,
+        **(details or {}),
+    }
+    return run_recipe(
+        recipe,
+        training,
+        privacy,
+        model=model,
+        train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
+        data_collator=causal_lm_collator(tokenizer),
+        evaluate=generation_evaluator(recipe, tokenizer, evaluation, score, details, postprocess),
+        details=details,
+    )

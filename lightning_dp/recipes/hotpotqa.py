@@ -42,14 +42,12 @@ from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.generation import (
     CausalLMArguments,
     PromptTarget,
-    PromptTargetDataset,
-    causal_lm_collator,
     first_line,
-    generation_evaluator,
     load_causal_lm_recipe,
     prompt_ids,
+    run_generation_recipe,
 )
-from lightning_dp.recipes.run import run_recipe, split_rows
+from lightning_dp.recipes.run import split_rows
 
 HUB_DATASET = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILE = "hotpotqa_dev_distractor_500.jsonl"
@@ -136,19 +134,19 @@ def main(argv: list[str] | None = None) -> dict:
     evaluation = [to_example(row, recipe.paragraph_words) for row in eval_rows]
     with training.main_process_first(desc="model loading"):
         model, tokenizer = load_causal_lm_recipe(recipe)
-    details: dict = {
-        "max_length": recipe.max_length,
+    details = {
         "paragraph_words": recipe.paragraph_words,
         "answer_in_prompt": answer_in_prompt(tokenizer, evaluation, recipe.max_length, recipe.max_new_tokens),
     }
-    return run_recipe(
+    return run_generation_recipe(
         recipe,
         training,
         privacy,
         model=model,
-        train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
-        eval_dataset=evaluation,
-        data_collator=causal_lm_collator(tokenizer),
-        evaluate=generation_evaluator(recipe, tokenizer, evaluation, metrics.exact_match_f1, details, first_line),
+        tokenizer=tokenizer,
+        train=train,
+        evaluation=evaluation,
+        score=metrics.exact_match_f1,
         details=details,
+        postprocess=first_line,
     )
