@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.metrics import classification_metrics
 from lightning_dp.recipes.models import TINY_SIZES
-from lightning_dp.recipes.run import command_line, data_folder, require_file, write_results
+from lightning_dp.recipes.run import data_folder, require_file, results_record, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
 
 log = logging.getLogger("lightning_dp")
@@ -344,26 +344,20 @@ class RecipeResults(Callback):
         start = time.perf_counter()
         metrics = pl_module.accuracy(data.test_dataloader())
         eval_seconds = time.perf_counter() - start
-        engine = getattr(trainer.strategy, "privacy_engine", None)
-        privacy = None
-        if engine is not None and engine.accountant is not None:
-            privacy = {k: v for k, v in engine.summary().items() if k != "num_params"}
-        self.result = {
-            "task": self.task,
-            "dp": engine is not None,
-            "metrics": metrics,
-            "privacy": privacy,
-            "train_size": len(data.train_set),
-            "eval_size": len(data.test_set),
-            "steps": trainer.global_step,
-            "expected_batch": data.hparams.batch_size * trainer.accumulate_grad_batches * trainer.world_size,
-            "trainable_params": sum(p.numel() for p in pl_module.parameters() if p.requires_grad),
-            "train_seconds": round(self.train_seconds, 1),
-            "eval_seconds": round(eval_seconds, 1),
-            "world_size": trainer.world_size,
-            "arguments": _arguments(trainer, pl_module),
-            "command": command_line(),
-        }
+        self.result = results_record(
+            task=self.task,
+            metrics=metrics,
+            privacy_engine=getattr(trainer.strategy, "privacy_engine", None),
+            model=pl_module,
+            train_size=len(data.train_set),
+            eval_size=len(data.test_set),
+            steps=trainer.global_step,
+            expected_batch=data.hparams.batch_size * trainer.accumulate_grad_batches * trainer.world_size,
+            train_seconds=self.train_seconds,
+            eval_seconds=eval_seconds,
+            world_size=trainer.world_size,
+            arguments=_arguments(trainer, pl_module),
+        )
         write_results(self.result, self.path)
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 from transformers import PretrainedConfig, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.models import DEFAULT_CACHE
 
 log = logging.getLogger("lightning_dp")
@@ -204,35 +205,72 @@ def run_recipe(
     start = time.perf_counter()
     metrics = evaluate(trainer)
     eval_seconds = time.perf_counter() - start
-    privacy_summary = None
-    if recipe.dp:
-        privacy_summary = {k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"}
-    result = {
-        "task": recipe.task,
-        "dp": recipe.dp,
-        "metrics": metrics,
-        "privacy": privacy_summary,
-        "train_size": len(train_dataset),
-        "eval_size": None if eval_dataset is None else len(eval_dataset),
-        "steps": trainer.state.global_step,
-        "expected_batch": training.per_device_train_batch_size
+    result = results_record(
+        task=recipe.task,
+        metrics=metrics,
+        privacy_engine=trainer.privacy_engine if recipe.dp else None,
+        model=model,
+        train_size=len(train_dataset),
+        eval_size=None if eval_dataset is None else len(eval_dataset),
+        steps=trainer.state.global_step,
+        expected_batch=training.per_device_train_batch_size
         * training.gradient_accumulation_steps
         * training.world_size,
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "train_seconds": round(train_seconds, 1),
-        "eval_seconds": round(eval_seconds, 1),
-        "world_size": training.world_size,
-        **(details or {}),
-        "arguments": {
+        train_seconds=train_seconds,
+        eval_seconds=eval_seconds,
+        world_size=training.world_size,
+        details=details,
+        arguments={
             "recipe": asdict(recipe),
             "privacy": asdict(privacy) if recipe.dp else None,
             "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
         },
-        "command": command_line(),
-    }
+    )
     if training.process_index == 0:
         write_results(result, Path(recipe.results_file or Path(training.output_dir) / "results.json"))
     return result
+
+
+def results_record(
+    *,
+    task: str,
+    metrics: dict[str, float],
+    privacy_engine: PrivacyEngine | None,
+    model: nn.Module,
+    train_size: int,
+    eval_size: int | None,
+    steps: int,
+    expected_batch: int,
+    train_seconds: float,
+    eval_seconds: float,
+    world_size: int,
+    arguments: dict[str, Any],
+    details: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The summary every recipe writes (HF and Lightning alike; ``bench/recipes.py`` renders the docs from it):
+    ``dp`` is whether a privacy engine trained the model, ``privacy`` its summary without ``num_params`` (``None``
+    without DP or accountant), ``trainable_params`` counted on ``model``, times rounded to 0.1 s, the recipe's
+    ``details`` (which may override ``eval_size``), then ``arguments`` and the ``command`` line."""
+    privacy = None
+    if privacy_engine is not None and privacy_engine.accountant is not None:
+        privacy = {k: v for k, v in privacy_engine.summary().items() if k != "num_params"}
+    return {
+        "task": task,
+        "dp": privacy_engine is not None,
+        "metrics": metrics,
+        "privacy": privacy,
+        "train_size": train_size,
+        "eval_size": eval_size,
+        "steps": steps,
+        "expected_batch": expected_batch,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "train_seconds": round(train_seconds, 1),
+        "eval_seconds": round(eval_seconds, 1),
+        "world_size": world_size,
+        **(details or {}),
+        "arguments": arguments,
+        "command": command_line(),
+    }
 
 
 def write_results(result: dict[str, Any], path: Path) -> None:
