@@ -61,17 +61,20 @@ class ClippingEngine(ABC):
 
 def materialised_contribution(terms: list[Term], norm: int) -> torch.Tensor:
     """Exact contribution from the materialised per-sample gradient (memory ``B * param.numel()``)."""
-    grad = materialise_sum(terms).flatten(1)
-    return grad.abs().sum(1) if norm == 1 else grad.square().sum(1)
+    return gradient_contribution(materialise_sum(terms), norm)
+
+
+def gradient_contribution(grad: torch.Tensor, norm: int) -> torch.Tensor:
+    """``sum_j |g_ij|^norm`` ``[B]`` of per-sample gradients ``grad`` ``[B, ...]`` (norm 1 or 2)."""
+    flat = grad.flatten(1)
+    return flat.abs().sum(1) if norm == 1 else flat.square().sum(1)
 
 
 def materialised_contribution_and_gradient(terms: list[Term], norm: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`materialised_contribution` and, when it is no larger than the terms (see
     :meth:`ClippingEngine.contribution_and_gradient`), the per-sample gradient it was computed from."""
     grad = materialise_sum(terms)
-    flat = grad.flatten(1)
-    contribution = flat.abs().sum(1) if norm == 1 else flat.square().sum(1)
-    return contribution, grad if gradient_fits(terms) else None
+    return gradient_contribution(grad, norm), grad if gradient_fits(terms) else None
 
 
 def gradient_fits(terms: list[Term]) -> bool:
