@@ -216,6 +216,9 @@ class PrivacyEngine:
             )
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
+        #: whether the clipper of a finished run dropped examples with a non-finite loss or gradient (set by
+        #: :meth:`detach`; this process's examples only).
+        self.dropped_nonfinite = False
         self._momentum_hooks: list[Any] = []
         #: set only by the audit's test-only controls (:mod:`lightning_dp.audit.controls`): what was broken; the
         #: summary then says so, since its epsilon is false.
@@ -259,8 +262,19 @@ class PrivacyEngine:
         return self.clipper
 
     def detach(self) -> None:
-        """Remove the clipping hooks; the module is exactly as before ``attach``."""
+        """Remove the clipping hooks; the module is exactly as before ``attach``.
+
+        Logs one warning when the clipper dropped examples with a non-finite loss or gradient during the run (the
+        only report of it; see docs/privacy.md, "Non-finite losses and gradients").
+        """
         if self.clipper is not None:
+            if self.clipper.dropped_nonfinite:
+                self.dropped_nonfinite = True
+                log.warning(
+                    "Some examples had a non-finite loss or gradient and were left out of the clipped sum on the "
+                    "steps that sampled them (no count is kept). This message is about the private data and is not "
+                    "covered by the privacy guarantee: keep it, like the training loss, out of published logs"
+                )
             self.clipper.detach()
             self.clipper = None
         for handle in self._momentum_hooks:

@@ -1,4 +1,4 @@
-"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]`` trains
+"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT] [--poison]`` trains
 TinyRegressor with DPDDPStrategy on 2 CPU processes through Lightning's own launcher; every rank writes what it
 ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with ``--max-epochs``, go to ``OUT_DIR/ckpt``)."""
 
@@ -16,11 +16,15 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--poison", action="store_true", help="example 3 of the data is NaN; seed 0, q = 0.5")
     args = parser.parse_args()
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
     module = TinyRegressor(batch_size=8)
+    if args.poison:
+        module.data.tensors[0][3] = float("nan")
     initial = [p.detach().clone() for p in module.parameters()]
-    strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=None)
+    poison = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=None)
+    strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, **poison)
     callbacks = [PrivacyAccountantCallback()]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
@@ -45,6 +49,7 @@ if __name__ == "__main__":
             "delta": engine.target_delta,
             "ledger": engine.accountant.state_dict(),
             "summary": callbacks[0].summary,
+            "dropped_nonfinite": engine.dropped_nonfinite,
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )

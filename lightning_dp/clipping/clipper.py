@@ -181,6 +181,11 @@ class PerSampleClipper:
         #: captures of the current batch at past iterates (per-sample momentum), output gradients set and weighted.
         self._past: list[Capture] = []
         self._past_batch = 0
+        #: ``[B]`` bool, whether each sample's loss was finite at every past iterate (None: no past iterate).
+        self._past_finite: torch.Tensor | None = None
+        #: whether any sample has been dropped for a non-finite loss or norm since construction (see
+        #: :meth:`backward`); read once at the end of a run, never per step.
+        self.dropped_nonfinite = False
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -312,18 +317,18 @@ class PerSampleClipper:
         batch_grads: dict[nn.Parameter, torch.Tensor | None],
         check: bool,
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
-    ) -> torch.Tensor:
-        """Per-sample norms ``[B]`` from the captures of the current iterate and of the past ones
-        (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied parameter; runs the sum
-        check on the current iterate's terms when ``check``.
+    ) -> tuple[torch.Tensor, SumCheck | None]:
+        """Per-sample squared norms (l1 norms for ``norm=1``) ``[B]`` from the captures of the current iterate and
+        of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
+        parameter, and, when ``check``, the sum check fed with the current iterate's terms (its failures are read by
+        the caller, who knows whether the batch had non-finite samples).
 
         With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
         book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
         held), else the captures themselves, whose terms are then formed again.
 
         Raises:
-            UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms, or
-                whose per-sample gradients do not sum to its batch gradient.
+            UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms.
         """
         batch = per_sample_loss.shape[0]
         dtype = self._norm_dtype
@@ -357,7 +362,7 @@ class PerSampleClipper:
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
         if checker is None:
-            return total
+            return total, None
         reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
         if reached:
             raise UnsupportedModuleError(
@@ -365,10 +370,7 @@ class PerSampleClipper:
                 "family produced no per-sample gradient for them (e.g. an extra parameter of a subclass of a "
                 "supported layer, used outside its forward); freeze them or use supported layers"
             )
-        failures = checker.failures()
-        if failures:
-            raise self._outside_use_error(failures)
-        return total
+        return total, checker
 
     def _kept_for_sum(
         self,
@@ -392,14 +394,38 @@ class PerSampleClipper:
                 capture.release()
         return {**rest, **{param: [Materialised(grad)] for param, grad in grads.items()}}
 
+    def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` bool, the samples whose loss (now and at every past iterate) and norm are finite, or ``None``
+        when all are (one host sync).
+
+        A non-finite value in a sample's per-sample terms makes its norm non-finite: every term entry enters the
+        norm through sums and products (``x * inf`` is ``inf`` or NaN, never finite), so the norm is the one place to
+        look. A finite norm that overflowed (``inf`` from finite terms) drops the sample too.
+        """
+        keep = torch.isfinite(norms) & torch.isfinite(per_sample_loss.detach())
+        if self._past_finite is not None:
+            keep = keep & self._past_finite
+        if bool(keep.all()):
+            return None
+        self.dropped_nonfinite = True
+        return keep
+
     def _add_clipped_sum(
-        self, kept: list[dict[nn.Parameter, list[Term]] | list[Capture]], batch: int, factors: torch.Tensor
+        self,
+        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]],
+        batch: int,
+        factors: torch.Tensor,
+        keep: torch.Tensor | None,
     ) -> None:
         """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group (terms kept by
-        :meth:`_norms`, or formed again from a group of captures)."""
+        :meth:`_norms`, or formed again from a group of captures). With ``keep`` (``[B]`` bool, the samples whose
+        quantities are all finite), the terms of the other samples are zeroed first (their factor is 0 already, but
+        ``0 * inf`` is NaN)."""
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
+                if keep is not None:
+                    param_terms = [term.masked(keep) for term in param_terms]
                 clipped = param_terms[0].batch_sum(factors)
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(factors)
@@ -430,15 +456,25 @@ class PerSampleClipper:
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
                 [] if accumulate and (self.bookkeeping or self._past) else None
             )
-            total = self._norms(per_sample_loss, captures, batch_grads, check, kept)
+            total, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept)
             del batch_grads
-            self._checked_batches += 1
             norms = (total.sqrt() if self.norm == 2 else total).detach()
+            keep = self._finite_samples(norms, per_sample_loss)
+            if checker is not None and keep is None:
+                failures = checker.failures()
+                if failures:
+                    raise self._outside_use_error(failures)
+            if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
+                self._checked_batches += 1
             if accumulate:
                 factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
+                if keep is not None:
+                    factors = torch.where(keep, factors, 0)
+                    if not self.bookkeeping:  # a second backward would carry 0 * inf = NaN: book-keeping instead
+                        kept = [*(kept or []), captures]
                 if kept is not None:
-                    self._add_clipped_sum(kept, batch, factors)
-                if not self.bookkeeping:
+                    self._add_clipped_sum(kept, batch, factors, keep)
+                if not self.bookkeeping and keep is None:
                     scaled = factors.to(per_sample_loss.dtype) * per_sample_loss
                     with self._hooks.suspended():
                         torch.autograd.backward(
@@ -480,6 +516,8 @@ class PerSampleClipper:
             if batch:
                 captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight)
                 self._past.extend(captures)
+                finite = torch.isfinite(per_sample_loss.detach())
+                self._past_finite = finite if self._past_finite is None else self._past_finite & finite
             self._past_batch = batch
         except BaseException:
             self.discard_past_iterates()
@@ -491,6 +529,7 @@ class PerSampleClipper:
         """Forget the terms kept by :meth:`add_past_iterate` (e.g. when the batch is skipped)."""
         self._past = []
         self._past_batch = 0
+        self._past_finite = None
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
@@ -536,12 +575,19 @@ class PerSampleClipper:
         afterwards (empty batch, not reached by the loss) gets zeros, so that noise is added to every parameter
         downstream. Nothing is written to ``.grad`` when a check raises.
 
+        Non-finite samples: a sample whose loss (at any iterate) or norm is not finite (an input that overflows)
+        contributes nothing: its factor is 0 and its terms are zeroed before the sum (``0 * inf`` would be NaN, and
+        a NaN update exactly when the sample is drawn would reveal its membership). Nothing is raised for it, which
+        would reveal the same; :attr:`dropped_nonfinite` records that it happened. Without book-keeping, such a
+        batch's clipped sum is formed by book-keeping (a second backward would carry the NaN), and the sum check,
+        blind on such a batch, is due again on the next one.
+
         Args:
             per_sample_loss: ``[B]``, one loss per sample, from the forward pass the hooks captured.
             weight: the current iterate's weight in the per-sample momentum (``1 / c_beta``; 1 without momentum).
 
         Returns:
-            The per-sample norms ``n_i`` before clipping, detached, ``[B]``.
+            The per-sample norms ``n_i`` before clipping, detached, ``[B]`` (not finite for a dropped sample).
 
         Raises:
             ValueError, UnsupportedModuleError, RuntimeError: as :meth:`per_sample_norms`.

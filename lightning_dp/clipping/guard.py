@@ -208,28 +208,37 @@ def check_batch_independence(
     names = list(targets)
     inputs = [targets[name][0] for name in names]
     index = torch.arange(batch, device=per_sample_loss.device)
+    finite = torch.isfinite(per_sample_loss.detach())
     for bit in range(math.ceil(math.log2(batch))):
         member = ((index >> bit) & 1).bool()
         for chosen in (member, ~member):
-            weights = chosen.to(per_sample_loss.dtype)
+            weights = (chosen & finite).to(per_sample_loss.dtype)
             with torch.enable_grad():
                 grads = torch.autograd.grad(
                     per_sample_loss, inputs, grad_outputs=weights, retain_graph=True, allow_unused=True
                 )
-            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen)
+            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen, finite)
 
 
 def _raise_on_leak(
-    names: Iterable[str], grads: Iterable[torch.Tensor | None], shapes: Iterable[torch.Size], chosen: torch.Tensor
+    names: Iterable[str],
+    grads: Iterable[torch.Tensor | None],
+    shapes: Iterable[torch.Size],
+    chosen: torch.Tensor,
+    finite: torch.Tensor,
 ) -> None:
+    """Raise when a row outside ``chosen`` has a gradient above the relative tolerance. Examples whose loss is not
+    finite (``~finite``; the clipper drops them) and non-finite gradient rows (``0 * inf`` in a backward) are left
+    out, so that such an example neither fails the check (which would reveal that it was drawn) nor blinds it
+    (an infinite scale would hide every other example's leak)."""
     for name, grad, shape in zip(names, grads, shapes, strict=True):
         if grad is None:
             continue
-        rows = grad.reshape(shape).reshape(shape[0], -1).abs().amax(dim=1).float()
-        inside, outside = rows[chosen], rows[~chosen]
+        rows = grad.reshape(shape).reshape(shape[0], -1).abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1).float()
+        inside, outside = rows[chosen & finite], rows[~chosen & finite]
         scale = float(inside.max()) if inside.numel() else 0.0
         if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
-            j = int(torch.nonzero(~chosen)[int(outside.argmax())])
+            j = int(torch.nonzero(~chosen & finite)[int(outside.argmax())])
             raise BatchMixingError(
                 f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
                 f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + BATCH_MIXING_HINT
@@ -290,7 +299,7 @@ def check_leave_half_out(
     if full is None or part is None:
         return
     kept = full[keep.to(full.device)]
-    close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6)
+    close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6, equal_nan=True)  # an example's NaN loss is its own
     if not bool(close.all()):
         i = int(keep[int(torch.nonzero(~close)[0])])
         raise BatchMixingError(

@@ -38,6 +38,11 @@ class Materialised:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
+    def masked(self, keep: torch.Tensor) -> Materialised:
+        """The term with every sample outside ``keep`` (``[B]`` bool) set to zero (a new tensor; non-finite
+        values of dropped samples included, which a multiplication by zero would turn into NaN)."""
+        return Materialised(torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0))
+
     def add_to(self, total: torch.Tensor) -> None:
         """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
         total.add_(self.grad.reshape(total.shape))
@@ -81,6 +86,14 @@ class Factored:
     def samples(self, index: slice) -> Factored:
         """The term restricted to the samples ``index``."""
         return Factored(self.left[index], self.right[index], self.shape)
+
+    def masked(self, keep: torch.Tensor) -> Factored:
+        """The term with every sample outside ``keep`` (``[B]`` bool) set to zero: both dense factors' rows of a
+        dropped sample are zeroed (new tensors), so a non-finite value there cannot reach a product as ``0 * inf``.
+        Token ids are kept (they index, they do not multiply)."""
+        rows = keep.view(-1, 1, 1)
+        left = self.left if self.is_index else torch.where(rows, self.left, 0)
+        return Factored(left, torch.where(rows, self.right, 0), self.shape)
 
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""

@@ -23,6 +23,32 @@ from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.optim.randomness import DPRandomness
 
 
+def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
+    """Raise before any noise is added when a clipped sum ``p.grad`` holds a non-finite value (one host sync).
+
+    The per-sample clipper drops examples whose loss or gradient is not finite (their contribution is zero), so a
+    non-finite sum here comes from a gradient written outside the per-sample clipping: a second ``backward`` of a
+    loss that is not per sample, a hook or callback writing ``p.grad``, a gradient canary. Adding noise to it would
+    release a NaN or inf whose presence depends on the data; stopping releases nothing.
+
+    Raises:
+        FloatingPointError: naming the first parameters (position among the trainable ones, and shape) at fault.
+    """
+    if not params:
+        return
+    device = params[0].grad.device
+    finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+    if bool(finite.all()):
+        return
+    bad = [f"#{i} {tuple(params[i].shape)}" for i in torch.nonzero(~finite).flatten().tolist()[:5]]
+    raise FloatingPointError(
+        f"the clipped gradient sum of trainable parameter(s) {', '.join(bad)} is not finite before the noise is "
+        "added. Per-sample clipping drops examples whose loss or gradient is not finite, so the value comes from a "
+        "gradient written outside it (a second backward of a loss that is not per sample, a hook or callback "
+        "writing p.grad); no noise was added and no step was taken. Remove that write, or make the loss per sample"
+    )
+
+
 class DPOptimizer(Optimizer):
     """Wraps an optimizer so each ``step`` adds noise to the clipped gradient sum and rescales it.
 
@@ -124,9 +150,14 @@ class DPOptimizer(Optimizer):
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
 
         With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks; then the
-        ``clipped_sum_hooks`` run; with ``postprocess``, the noisy, rescaled result is post-processed in place (on
-        several processes the noisy gradient is identical on every rank, so a deterministic post-processing such as
-        the low-pass filter stays identical too).
+        ``clipped_sum_hooks`` run; then the sums must be finite (:func:`check_finite_clipped_sum`); with
+        ``postprocess``, the noisy, rescaled result is post-processed in place (on several processes the noisy
+        gradient is identical on every rank, so a deterministic post-processing such as the low-pass filter stays
+        identical too).
+
+        Raises:
+            FloatingPointError: a clipped sum is not finite; nothing is noised or stepped (on several processes every
+                rank raises, since the sums are reduced first).
         """
         self._privatised = True
         params = self.params
@@ -137,6 +168,7 @@ class DPOptimizer(Optimizer):
             self.reduce_clipped_sum([p.grad for p in params])
         for hook in self.clipped_sum_hooks:
             hook(params)
+        check_finite_clipped_sum(params)
         for p in params:
             grad = p.grad
             generator = self.randomness.noise_generator(grad.device)
