@@ -2,7 +2,7 @@
 papers' (unsound) accountant's epsilon for the same noise beside it.
 
 For each mechanism and target epsilon the noise is calibrated with the mechanism's sound default accountant
-(``pld`` for Gaussian, ``lap2`` and ``plrv`` for the Laplace family, DESIGN.md section 6), the demo CNN is trained
+(``pld`` for Gaussian, ``lap2`` and ``plrv`` for the Laplace family, docs/design.md section 6), the demo CNN is trained
 end to end, and the paper-mode epsilon (``lap2-paper`` / ``plrv-paper``) of exactly the same run (same noise
 parameters, sample rate, steps and parameter count) is computed afterwards.
 

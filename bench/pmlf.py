@@ -1,7 +1,6 @@
 """DPSGD, LP-DPSGD, per-sample momentum and DP-PMLF on real data: test accuracy, wall time and peak memory.
 
-Methods (DP-PMLF seed ``dp-pmlf-per-sample-momentum-low-pass-filter.md``, Algorithm 1), all with the same
-hyper-parameters except their own:
+Methods (DP-PMLF, Xu et al. 2026, Algorithm 1), all with the same hyper-parameters except their own:
 
 - ``dpsgd``: neither part;
 - ``lp-dpsgd``: the low-pass filter only (``DPStrategy(lowpass=...)``, Zhang et al. 2024a);

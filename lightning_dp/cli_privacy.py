@@ -1,7 +1,7 @@
 """``lightning-dp epsilon`` and ``lightning-dp calibrate``: privacy accounting from the command line.
 
 ``epsilon`` reports the epsilon of ``T`` Poisson-subsampled steps of a noise mechanism; for ``lap2`` and ``plrv``
-(and ``laplace-advanced``) it shows the paper's accountant next to the sound default (DESIGN.md section 6), unless
+(and ``laplace-advanced``) it shows the paper's accountant next to the sound default (docs/design.md section 6), unless
 ``--accountant`` names one. ``calibrate`` finds the noise parameters for a target epsilon (and, with ``--search``,
 runs LAP2 / PLRV-O Alg. 1 over the clipping bound). With ``--clipping hutch|hutchpp`` (randomized clipping, seed
 ``dpsgd-rc``; Gaussian noise only) both use the ``rc`` accountant with ``--projection-dim`` and ``--norm-dim``.

@@ -32,7 +32,7 @@ log = logging.getLogger("lightning_dp")
 
 
 def default_delta(num_samples: int) -> float:
-    """``1 / N^1.1`` (DESIGN.md section 3): below ``1/N`` by a margin that grows with N."""
+    """``1 / N^1.1`` (docs/design.md section 3.1): below ``1/N`` by a margin that grows with N."""
     return 1.0 / num_samples**1.1
 
 

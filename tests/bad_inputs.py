@@ -1,4 +1,4 @@
-"""Registry of rejected inputs (issue 10, item 6): each case builds one bad configuration and names the message it must
+"""Registry of rejected inputs: each case builds one bad configuration and names the message it must
 fail with. ``tests/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases and
 writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
 

@@ -16,7 +16,7 @@ def test_rdp_matches_dp_accounting_and_opacus():
     reference = rdp.RdpAccountant(orders=make_accountant("rdp").orders)
     reference.compose(dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.GaussianDpEvent(SIGMA)), STEPS)
     assert ours == pytest.approx(reference.get_epsilon(DELTA), rel=1e-9)
-    # Opacus RDPAccountant on the reference case reports 7.329 (issue 2); different order grids -> 1 %.
+    # Opacus RDPAccountant on the reference case reports 7.329; different order grids -> 1 %.
     assert ours == pytest.approx(7.329, rel=0.01)
 
 

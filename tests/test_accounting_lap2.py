@@ -1,5 +1,5 @@
-"""LAP2 accountants: exactness for n = 1, soundness against brute force for n = 2..4, the DESIGN.md
-counterexample, the fast majorization sum, the CLT limit, and input validation."""
+"""LAP2 accountants: exactness for n = 1, soundness against brute force for n = 2..4, the counterexample
+of docs/design.md section 6.3, the fast majorization sum, the CLT limit, and input validation."""
 
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_sound_add_direction_is_exact_worst_case_n4() -> None:
     ],
 )
 def test_design_counterexample_regression(b: float, q: float, lam: int, n: int, paper: float, exact: float) -> None:
-    """DESIGN.md section 6 table: the paper bound falls below the exact moment at g = C/sqrt(n) * ones."""
+    """docs/design.md section 6.3 table: the paper bound falls below the exact moment at g = C/sqrt(n) * ones."""
     assert _paper_maf(b, n, q, lam) == pytest.approx(paper, rel=1e-3)
     log_w = log_binomial_weights(np.array([lam]), q)[0]
     at_uniform = logsumexp(log_w + n * laplace_log_moment(1.0 / (np.sqrt(n) * b), np.arange(lam + 2.0)))
@@ -179,7 +179,7 @@ def test_design_counterexample_regression(b: float, q: float, lam: int, n: int, 
 def test_paper_warning_logged(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lightning_dp"):
         make_accountant("lap2-paper")
-    assert "NOT a valid upper bound" in caplog.text and "DESIGN.md" in caplog.text
+    assert "NOT a valid upper bound" in caplog.text and "docs/design.md section 6.3" in caplog.text
 
 
 # ------------------------------------------------------------------------------------ fast majorization sum

@@ -82,7 +82,7 @@ def test_n1_G_bounds_exact_univariate_moment() -> None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_majorant_dominates_every_allocation(C: float, k: float, theta: float, n: int) -> None:
     """n * hhat_eta(C^2/n) >= sum_i log G(|g_i|, eta) for all g on the l2 sphere (grid), including the
-    non-concave case near the MGF pole (k=141, theta=8.3e-4, C=10, DESIGN.md section 6)."""
+    non-concave case near the MGF pole (k=141, theta=8.3e-4, C=10, docs/design.md section 6.4)."""
     eta_max = min(120, int(1 / (C * theta)))
     bound = plrv_majorant(C, n, k, theta, eta_max)
     eta = np.arange(eta_max + 1, dtype=np.float64)

@@ -1,5 +1,5 @@
 """What a user sees: one-line CLI errors (exit 2), help texts, name suggestions, quiet and useful log output, the
-``fit`` summary, the privacy-curve plots (issue 11, items 2-4)."""
+``fit`` summary, the privacy-curve plots."""
 
 from __future__ import annotations
 

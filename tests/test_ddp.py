@@ -1,4 +1,4 @@
-"""DP on several processes (DESIGN.md section 8), with 2 CPU processes over gloo.
+"""DP on several processes (docs/design.md section 8), with 2 CPU processes over gloo.
 
 Framework-agnostic parts run in 2 processes started with ``torch.multiprocessing.spawn``; the Lightning path runs
 ``ddp_fit_script.py`` in a subprocess, which Lightning's own launcher turns into 2 ranks. Checked: (a) parameters

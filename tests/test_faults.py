@@ -1,4 +1,4 @@
-"""Faults and resumes (issue 10, item 4): a real training process killed with SIGKILL mid-epoch and resumed from its
+"""Faults and resumes: a real training process killed with SIGKILL mid-epoch and resumed from its
 last checkpoint; resumes under another configuration; truncated, corrupted and stripped checkpoints."""
 
 from __future__ import annotations

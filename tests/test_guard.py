@@ -1,4 +1,4 @@
-"""Leaks the clipping hooks cannot see (issue 10, item 5): embedding max_norm, buffers written in the forward,
+"""Leaks the clipping hooks cannot see (docs/design.md section 9): embedding max_norm, buffers written in the forward,
 operations that mix examples."""
 
 from __future__ import annotations

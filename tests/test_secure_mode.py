@@ -1,4 +1,4 @@
-"""secure_mode (issue 10, item 3): OS-CSPRNG seeds for every draw, no user seed, hardened samplers with the same law."""
+"""secure_mode: OS-CSPRNG seeds for every draw, no user seed, hardened samplers with the same law."""
 
 from __future__ import annotations
 

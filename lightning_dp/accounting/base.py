@@ -2,7 +2,7 @@
 
 An accountant keeps a ledger of ``(event, count)`` entries (``compose``) and converts it to a privacy
 guarantee (``get_epsilon(delta)``). Neighbouring datasets differ by adding or removing one example
-(DESIGN.md section 3). Subclasses implement ``supports`` and ``_epsilon``; the ledger, validation,
+(docs/design.md section 3.1). Subclasses implement ``supports`` and ``_epsilon``; the ledger, validation,
 checkpoint state and the registry live here once.
 """
 

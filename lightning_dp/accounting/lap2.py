@@ -4,12 +4,12 @@ Per coordinate with clipped value ``t`` and scale ``b``, the exact moment of the
 
     F(t, eta) = E_{o ~ Lap(0,b)}[(p_t(o)/p_0(o))^eta] = (eta e^{(eta-1)t/b} + (eta-1) e^{-eta t/b}) / (2 eta - 1).
 
-``lap2`` (default, sound; DESIGN.md section 6). For a clipped gradient ``g`` (``||g||_2 <= C``) the base moment is
-``prod_i F(|g_i|, eta) = exp(sum_i h_eta(g_i^2))`` with ``h_eta(s) = log F(sqrt(s), eta)``. ``h_eta`` is increasing
+``lap2`` (default, sound; docs/design.md section 6.4). For a clipped gradient ``g`` (``||g||_2 <= C``) the base moment
+is ``prod_i F(|g_i|, eta) = exp(sum_i h_eta(g_i^2))`` with ``h_eta(s) = log F(sqrt(s), eta)``. ``h_eta`` is increasing
 and CONCAVE in ``s`` for every real ``eta >= 1`` (proof in docs/accountants.md: with ``y = (2 eta - 1) t / b`` the
-condition reduces to ``sinh(y) >= y``), so ``sum_i h_eta(s_i) <= n h_eta(C^2/n)`` for all feasible ``s`` with
-equality at the uniform spread ``g = C/sqrt(n) * ones``: ``M_eta = F(C/sqrt(n), eta)^n`` is the exact worst-case base
-moment, simultaneously for every ``eta``.
+condition reduces to ``sinh(y) >= y``), so ``sum_i h_eta(s_i) <= n h_eta(C^2/n)`` for all feasible ``s`` with equality
+at the uniform spread ``g = C/sqrt(n) * ones``: ``M_eta = F(C/sqrt(n), eta)^n`` is the exact worst-case base moment,
+simultaneously for every ``eta``.
 
 The reported MAF is the add direction ``log sum_eta w_eta M_eta``, the exact worst case of the subsampled
 mechanism over the l2 ball. The remove direction is never larger: the base pair is symmetric under ``o -> g - o``,
@@ -18,7 +18,8 @@ generalising Mironov, Talwar & Zhang 2019 Thm 5 from the Gaussian). With ``q = 1
 the exact base value ``n log F(C/sqrt(n), lambda+1)`` for both directions. Cost ``O(sum(orders))`` for any ``n``.
 
 ``lap2-paper``: LAP2 Thm III.7 (eq. III.7) evaluated by :mod:`lightning_dp.accounting.majorization`. NOT a valid bound
-for the subsampled multivariate mechanism (DESIGN.md section 6 counterexample); kept to reproduce the paper.
+for the subsampled multivariate mechanism (the counterexample of docs/design.md section 6.3); kept to reproduce the
+paper.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ logger = logging.getLogger("lightning_dp")
 PAPER_WARNING = (
     "accountant {name!r} reproduces the paper's per-coordinate majorization bound ({source}); it is NOT a valid "
     "upper bound for the Poisson-subsampled multivariate mechanism (subsampling acts on the whole vector) and can "
-    "under-report epsilon, e.g. b=0.5, q=0.01, lambda=32, n=2: paper MAF 0.3653 vs exact 1.221 (DESIGN.md section "
-    "6). Use {sound!r} for a guarantee."
+    "under-report epsilon, e.g. b=0.5, q=0.01, lambda=32, n=2: paper MAF 0.3653 vs exact 1.221 (docs/design.md "
+    "section 6.3). Use {sound!r} for a guarantee."
 )
 
 

@@ -11,7 +11,7 @@ For one coordinate with clipped value ``x`` the moment ``E_{P}[(Q/P)^eta]`` of t
 So an order ``lambda`` needs ``lambda * x * theta < 1``; with ``x <= C`` an order with ``lambda C theta >= 1`` is
 EXCLUDED (its MAF is ``+inf``, never clipped).
 
-``plrv`` (default, sound; DESIGN.md section 6): the worst base moment over the l2 ball is bounded by
+``plrv`` (default, sound; docs/design.md section 6.4): the worst base moment over the l2 ball is bounded by
 ``exp(n * hhat_eta(C^2/n))`` where ``hhat_eta`` is a concave majorant of ``h_eta(s) = log G(sqrt(s), eta)`` on
 ``[0, C^2]``. ``h_eta`` need not be concave (near the MGF pole it is not), so :func:`plrv_majorant` certifies an
 upper bound that holds BETWEEN grid points: ``log G`` is convex in ``x`` (a mixture of log-convex functions is
@@ -23,7 +23,7 @@ pair is symmetric (the noise density is even in every coordinate; docs/accountan
 base MAF.
 
 ``plrv-paper``: PLRV-O Thm 4.9 (eq. 19) / Alg. 2 via the fast majorization sum. NOT a valid bound for the
-subsampled mechanism (DESIGN.md section 6); logs a warning.
+subsampled mechanism (docs/design.md section 6.3); logs a warning.
 
 If a mechanism instead shares ONE ``u`` across all coordinates (the density written in eq. 18), the moments do not
 factorise over coordinates and neither accountant applies.

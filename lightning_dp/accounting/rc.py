@@ -14,7 +14,7 @@ Gaussian kernels over ``a``) with the cell representative moved from the midpoin
 and Hutch++ share one bound on ``Y`` (:func:`~lightning_dp.accounting.rc_envelope.envelope_cdf_bound`), valid for
 every ``d``; ``norm_dim`` is recorded in the event but does not change the epsilon.
 
-Both neighbouring directions of add/remove-one (DESIGN.md section 3) are bounded, each with its own curve:
+Both neighbouring directions of add/remove-one (docs/design.md section 3.1) are bounded, each with its own curve:
 REMOVE (``mu_upper = (1 - q) N(0, 1) + q N(mu, 1)``, ``mu_lower = N(0, 1)``) and ADD (the reverse pair); the
 reported epsilon is the larger of the two, as ``dp_accounting`` does for the Gaussian.
 

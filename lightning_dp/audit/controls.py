@@ -1,4 +1,4 @@
-"""TEST-ONLY breakage of a DP run, so that the audit can be shown to fail when it should (issue 10, item 2).
+"""TEST-ONLY breakage of a DP run, so that the audit can be shown to fail when it should.
 
 :class:`NoiseScaledForTesting` wraps the run's real mechanism and multiplies every draw by a factor (0.1: the noise
 is a tenth of what the accountant assumes) while its privacy event, and so the accountant and the printed epsilon,

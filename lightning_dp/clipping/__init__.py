@@ -1,4 +1,4 @@
-"""Per-sample gradient clipping through layer hooks (DESIGN.md section 4).
+"""Per-sample gradient clipping through layer hooks (docs/design.md section 4).
 
 Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
 Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer

@@ -1,4 +1,4 @@
-"""Per-sample gradient clipping of a module through layer hooks (DESIGN.md sections 2 and 4).
+"""Per-sample gradient clipping of a module through layer hooks (docs/design.md sections 2.2 and 4).
 
 Data flow: per-sample loss ``[B]`` -> ONE backward pass that computes only the output gradients of the hooked layers
 (no parameter gradient) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip

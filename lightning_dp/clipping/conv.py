@@ -3,7 +3,7 @@ linear layer.
 
 After padding (any ``padding_mode``) and unfolding (``F.unfold`` layout), sample ``i`` has patches ``A_i``
 (``L x C_in k``, one row per output position) and output gradients ``G_i`` (``L x C_out``); for ``groups == 1``
-``grad W_i = G_i^T A_i`` (DESIGN.md section 4, "Conv: unfold to linear"). For ``groups > 1`` each group is its own
+``grad W_i = G_i^T A_i`` (docs/design.md section 4.2). For ``groups > 1`` each group is its own
 linear map; the per-sample gradient (``B * C_out * C_in/groups * k`` values, ``groups`` times smaller than the
 ungrouped weight) is materialised. The unfolding is the same for any number of spatial dimensions.
 """

@@ -6,8 +6,8 @@ convolution with input ``G`` (the output gradient) and output ``x``: after zero-
 unfolding it (kernel, dilation, stride of the layer), sample ``i`` has patches ``P_i`` (``L x C_out k``, one row per
 INPUT position; positions added by ``output_padding`` beyond the un-padded output are cropped: no weight reaches
 them) and inputs ``X_i``
-(``L x C_in``), and ``grad W_i = X_i^T P_i`` for ``W`` of shape ``[C_in, C_out / groups, *kernel]`` (DESIGN.md
-section 4, "Conv: unfold to linear"). ``groups > 1`` is materialised per group as for
+(``L x C_in``), and ``grad W_i = X_i^T P_i`` for ``W`` of shape ``[C_in, C_out / groups, *kernel]``
+(docs/design.md section 4.2). ``groups > 1`` is materialised per group as for
 :mod:`~lightning_dp.clipping.conv`; ``grad b_i = sum_l G_i[:, l]``.
 """
 

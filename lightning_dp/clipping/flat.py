@@ -4,7 +4,7 @@ Exact for every layer and for tied parameters. Peak extra memory is ``B * numel`
 parameter's per-sample gradient is freed after its norm is taken, unless book-keeping keeps it for the clipped sum
 in place of the larger factors it was formed from: :meth:`ClippingEngine.contribution_and_gradient`). The only
 engine supporting l1 clipping.
-Oracle: ``torch.func.vmap(torch.func.grad(...))`` (DESIGN.md section 4).
+Oracle: ``torch.func.vmap(torch.func.grad(...))`` (docs/design.md section 11).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checks around the training forward for leaks the clipping hooks cannot see (issue 10, item 5).
+"""Checks around the training forward for leaks the clipping hooks cannot see (docs/design.md section 9).
 
 Per-sample clipping bounds each example's influence on the GRADIENT. Two things escape it:
 

@@ -2,7 +2,7 @@
 
 For sample ``i`` with activations ``A_i`` (``T x d_in``, all leading dims after the first flattened into ``T``) and
 output gradients ``G_i`` (``T x d_out``): ``grad W_i = G_i^T A_i`` and ``grad b_i = sum_t G_i[t]``
-(DESIGN.md section 4; Li et al. 2022, Section 4).
+(docs/design.md section 4.2; Li et al. 2022, Section 4).
 """
 
 from __future__ import annotations

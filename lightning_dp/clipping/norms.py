@@ -3,7 +3,7 @@ statistics) and scale-only RMS norms.
 
 All have an output affine in the parameters, ``y = xhat * w + b`` with ``xhat`` the normalised input, so the
 per-sample gradients are ``grad w_i = sum (G_i * xhat_i)`` and ``grad b_i = sum G_i``, summed over the dimensions
-the parameter is broadcast over. They are small and always materialised (DESIGN.md section 4).
+the parameter is broadcast over. They are small and always materialised (docs/design.md section 4.2).
 
 Scale-only norm rule: a module is treated as an RMS norm if it is a ``torch.nn.RMSNorm``, or if its class name ends
 with ``"RMSNorm"`` (HF ``LlamaRMSNorm``, ``MistralRMSNorm``, ``Qwen2RMSNorm``, ``GemmaRMSNorm``, ...), it has no

@@ -2,7 +2,7 @@
 
 It catches a parameter used outside its hooked layer (functional reuse, an L2 penalty in the loss) and wrong layer
 maths. With the two-backward path such a use would reach ``p.grad`` unclipped, so the check runs on every batch; with
-book-keeping it can only lose gradient, and the check runs on a schedule (DESIGN.md section 4).
+book-keeping it can only lose gradient, and the check runs on a schedule (docs/design.md section 4.4).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Validation of a model for per-sample clipping: which modules to hook, and which configurations to reject.
 
 BatchNorm mixes samples through batch statistics and other norm layers with running statistics leak training data
-through unnoised buffers (DESIGN.md section 4); an embedding with ``max_norm`` renormalises the looked-up rows of its
-weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal which tokens were in
-training batches, whether the embedding is trainable or frozen; every trainable parameter must belong to a registered
-layer family (directly, or through a proxy child of a swapped module, :mod:`~lightning_dp.clipping.swap`).
+through unnoised buffers (docs/design.md sections 4.6 and 9.1); an embedding with ``max_norm`` renormalises the
+looked-up rows of its weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal
+which tokens were in training batches, whether the embedding is trainable or frozen; every trainable parameter must
+belong to a registered layer family (directly, or through a proxy child of a swapped module,
+:mod:`~lightning_dp.clipping.swap`).
 """
 
 from __future__ import annotations

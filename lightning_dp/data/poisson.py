@@ -1,6 +1,6 @@
 """Poisson sampling: each example joins each logical batch independently with probability ``sample_rate``.
 
-This is the sampling the accountants assume (DESIGN.md section 3; Abadi et al. 2016; Mironov et al. 2019).
+This is the sampling the accountants assume (docs/design.md section 3.2; Abadi et al. 2016; Mironov et al. 2019).
 Batch sizes vary and may be zero. A logical batch may be split into ``micro_batches`` physical chunks for
 gradient accumulation: the chunks of one logical step together are ONE Poisson sample (as Opacus's
 ``BatchMemoryManager`` does), so noise is added once per logical step.

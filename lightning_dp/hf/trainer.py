@@ -33,7 +33,7 @@ checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``to
 ``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
-:class:`~lightning_dp.lightning.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.optim.distributed` (DESIGN.md
+:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.optim.distributed` (docs/design.md
 section 8). Rank and world size come from :func:`~lightning_dp.optim.distributed_context` (the initialised
 ``torch.distributed`` group), not from accelerate's state or ``TrainingArguments.world_size``, which depend on how
 accelerate is configured and launched (tested: on CPU, ``accelerate launch --multi_gpu --num_processes 2`` with
@@ -321,7 +321,7 @@ class DPTrainer(Trainer):
 
         Returns the micro-batch's mean loss divided by ``gradient_accumulation_steps`` (for the Trainer's loss log;
         0 for an empty Poisson batch). ``num_items_in_batch`` is ignored: the step's gradient is divided by the
-        expected batch size ``q N`` instead (DESIGN.md section 3).
+        expected batch size ``q N`` instead (docs/design.md section 3.2).
 
         Raises:
             RuntimeError: a logical step of a number of micro-batches other than ``gradient_accumulation_steps``

@@ -1,7 +1,7 @@
 """DPDDPStrategy: DP-SGD on several processes (devices or nodes) with Lightning's DDP launcher and process group.
 
 ``Trainer(strategy=DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=1.0), devices=2)`` trains the same model
-with the same privacy guarantee as one process with the global sample rate (DESIGN.md section 8): each rank
+with the same privacy guarantee as one process with the global sample rate (docs/design.md section 8): each rank
 Poisson-samples its shard of the data and clips its own examples, the clipped SUMS are all-reduced, noise is drawn
 once (the same draw on every rank) and divided by the global expected batch size ``q N``, so every rank takes the
 same step and the parameters stay bit-identical. The collectives are in :mod:`lightning_dp.optim.distributed`, the

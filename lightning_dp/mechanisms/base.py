@@ -1,6 +1,6 @@
 """The noise-mechanism interface and the registry of mechanisms by name.
 
-A mechanism adds noise ONCE per optimizer step to the SUM of clipped per-sample gradients (DESIGN.md section 3),
+A mechanism adds noise ONCE per optimizer step to the SUM of clipped per-sample gradients (docs/design.md section 3.4),
 knows the norm its sensitivity is measured in (``clip_norm``: 2 or 1), emits the privacy event of one step
 for its accountant, and states its expected per-coordinate distortion ``E|z|``.
 """

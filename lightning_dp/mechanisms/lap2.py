@@ -2,7 +2,7 @@
 
 Per-sample gradients are clipped in l2 to ``C`` (as in Gaussian DP-SGD) and ``Lap(0, b)`` is added to every
 coordinate of the clipped sum once per step. Privacy is accounted by the majorization moments accountant: the
-sound variant ``"lap2"`` (DESIGN.md section 6, the default) or the paper's bound ``"lap2-paper"`` (eq. III.7).
+sound variant ``"lap2"`` (docs/design.md section 6.4, the default) or the paper's bound ``"lap2-paper"`` (eq. III.7).
 Both depend on ``(C, b)`` only through ``C / b`` (eq. III.8 uses ``x_i / b`` with ``x_i`` proportional to ``C``).
 """
 

@@ -1,4 +1,4 @@
-"""Noise samplers of ``secure_mode``: mitigations of floating-point attacks on textbook samplers (issue 10, item 3).
+"""Noise samplers of ``secure_mode``: mitigations of floating-point attacks on textbook samplers.
 
 Mironov (2012), "On significance of the least significant bits for differential privacy" (CCS), shows that the
 textbook Laplace sampler ``-b sign(u) log(1 - 2|u|)`` in floating point cannot produce every float near the true

@@ -1,4 +1,4 @@
-"""The collectives of DP training on several processes (DESIGN.md section 8), framework-agnostic.
+"""The collectives of DP training on several processes (docs/design.md section 8), framework-agnostic.
 
 One logical step on ``W`` processes is exactly the single-process step on the union of the ranks' examples:
 

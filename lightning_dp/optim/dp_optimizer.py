@@ -1,6 +1,6 @@
 """DPOptimizer: privatise the clipped gradient sum once per logical step, then step the user's optimizer.
 
-Order of one step (DESIGN.md section 2): the closure (forward, per-sample clipping, clipped sum accumulated in
+Order of one step (docs/design.md section 2.2): the closure (forward, per-sample clipping, clipped sum accumulated in
 ``p.grad``) -> noise from the mechanism, drawn once from a dedicated generator -> division by the EXPECTED
 batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's ``step()`` without closure ->
 ``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of

@@ -1,8 +1,7 @@
 """Low-pass filter of the noisy gradient with bias correction (DP-PMLF seed, Algorithm 1 lines 9-11).
 
-Xu et al., "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering" (AAAI 2026; seed
-``dp-pmlf-per-sample-momentum-low-pass-filter.md``) filter the released noisy average ``vbar_t`` of each step with a
-linear IIR filter, in the sign convention of their line 9::
+Xu et al., "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering" (AAAI 2026) filter the released noisy
+average ``vbar_t`` of each step with a linear IIR filter, in the sign convention of their line 9::
 
     m_t     = - sum_{r=1..na} a_r m_{t-r}     + sum_{r=0..nb} b_r vbar_{t-r}          (line 9)
     c_{m,t} = - sum_{r=1..na} a_r c_{m,t-r}   + sum_{r=0..nb} b_r c_{b,t-r},  c_b = 1 (line 10)
