@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -104,3 +106,16 @@ def make_trainer(strategy, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(strategy=strategy, **defaults)
+
+
+def parameter_fingerprint(module: nn.Module) -> dict:
+    """``sha256`` over the state_dict in key order (each key, then its tensor's float32 bytes), plus each tensor's
+    float64 sum: the hash compares bit-exactly, the sums show which tensors moved and by how much."""
+    digest = hashlib.sha256()
+    sums = {}
+    for key, tensor in module.state_dict().items():
+        values = tensor.detach().to("cpu", torch.float32).contiguous()
+        digest.update(key.encode())
+        digest.update(values.numpy().tobytes())
+        sums[key] = float(values.double().sum())
+    return {"sha256": digest.hexdigest(), "sums": sums}

@@ -1,7 +1,16 @@
-"""PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), privacy callbacks."""
+"""PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), privacy callbacks.
+
+Importing it registers both strategies in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp_epsilon_3")``;
+the names are in :mod:`lightning_dp.lightning.registry`).
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dp.lightning.callbacks import PrivacyAccountantCallback, PrivacyBudget
 from lightning_dp.lightning.ddp_strategy import DPDDPStrategy
 from lightning_dp.lightning.strategy import DPStrategy
+
+DPStrategy.register_strategies(StrategyRegistry)
+DPDDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["DPDDPStrategy", "DPStrategy", "PrivacyAccountantCallback", "PrivacyBudget"]

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
+from lightning_dp.lightning.registry import register_dp_strategy, require_privacy_level
 from lightning_dp.optim.distributed import DistributedContext, distributed_context
 
 _DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -39,6 +41,11 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     ``batch_size`` of the training loader is per process (as in Lightning); the default sample rate is
     ``batch_size * accumulate_grad_batches * W / N`` for W processes, and the epsilon is the single-process one
     for that rate.
+
+    By name (registered on importing ``lightning_dp``, like ``DPStrategy``'s ``"dp"``):
+    ``Trainer(strategy="dp_ddp_epsilon_3", devices=2)`` (or ``"dp_ddp_epsilon_8"``) is
+    ``DPDDPStrategy(target_epsilon=3.0)`` with the other arguments at their defaults (``start_method="popen"``);
+    ``"dp_ddp"`` alone fixes no privacy level and fails at Trainer construction naming what to pass.
 
     Args:
         kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
@@ -58,6 +65,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     strategy_name = "dp_ddp"
 
     def __init__(self, **kwargs: Any) -> None:
+        require_privacy_level(type(self).__name__, self.strategy_name, kwargs)
         given = sorted(name for name in _DDP_ONLY if kwargs.get(name) is not None)
         if given:
             raise ValueError(
@@ -70,6 +78,12 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
                 f"{sorted(self._ddp_kwargs)} are arguments of DistributedDataParallel, which DPDDPStrategy does not "
                 "use (see its module docstring): remove them"
             )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"dp_ddp"`` (the defaults), ``"dp_ddp_epsilon_3"`` and ``"dp_ddp_epsilon_8"`` (and not the
+        ``"ddp*"`` names ``DDPStrategy.register_strategies`` would register for this class)."""
+        register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 
     def _distributed_context(self) -> DistributedContext | None:
         """The default process group Lightning's ``setup_environment`` initialised."""

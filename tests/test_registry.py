@@ -1,0 +1,135 @@
+"""The DP strategies by name in Lightning's StrategyRegistry: ``Trainer(strategy="dp_epsilon_3")``, the plain
+``"dp"`` / ``"dp_ddp"`` (the class defaults, which fix no privacy level: a clear error), and LightningCLI's
+``--trainer.strategy``."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import make_trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyAccountantCallback
+from lightning_dp.cli import main
+from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
+from lightning_dp.lightning.registry import REGISTERED_EPSILONS
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = {
+    "dp": (DPStrategy, {}),
+    "dp_epsilon_3": (DPStrategy, {"target_epsilon": 3.0}),
+    "dp_epsilon_8": (DPStrategy, {"target_epsilon": 8.0}),
+    "dp_ddp": (DPDDPStrategy, {}),
+    "dp_ddp_epsilon_3": (DPDDPStrategy, {"target_epsilon": 3.0}),
+    "dp_ddp_epsilon_8": (DPDDPStrategy, {"target_epsilon": 8.0}),
+}
+
+
+def test_importing_lightning_dp_registers_the_names():
+    code = (
+        "from lightning.pytorch.strategies import StrategyRegistry as R; assert 'dp' not in R; import lightning_dp; "
+        "print(sorted(n for n, e in R.items() if e['strategy'].__module__.startswith('lightning_dp')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[0] == str(sorted(NAMES))
+    assert REGISTERED_EPSILONS == (3.0, 8.0)
+    for name, (strategy, init_params) in NAMES.items():
+        assert StrategyRegistry[name]["strategy"] is strategy and StrategyRegistry[name]["init_params"] == init_params
+    # Lightning's own names keep their classes (DDPStrategy.register_strategies is not inherited as is)
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy
+    assert StrategyRegistry["single_device"]["strategy"] is SingleDeviceStrategy
+
+
+@pytest.mark.parametrize(("name", "strategy"), [("dp", "DPStrategy"), ("dp_ddp", "DPDDPStrategy")])
+def test_plain_name_without_privacy_level_fails_naming_what_to_pass(name, strategy):
+    with pytest.raises(ValueError, match="no default privacy level") as error:
+        make_trainer(name, devices=2 if name == "dp_ddp" else 1)
+    message = str(error.value)
+    for expected in (f"{strategy}(target_epsilon=", f"'{name}_epsilon_3'", "noise_multiplier", "class_path"):
+        assert expected in message
+
+
+def test_trainer_strategy_by_name_trains_digits_privately():
+    torch.manual_seed(0)
+    model = DigitsCNN()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    callback = PrivacyAccountantCallback(plot=False)
+    trainer = make_trainer("dp_epsilon_3", max_epochs=1, limit_val_batches=0, callbacks=[callback])
+    strategy = trainer.strategy
+    assert type(strategy) is DPStrategy and strategy.root_device == torch.device("cpu")
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=128))
+    engine = strategy.privacy_engine
+    assert engine.target_epsilon == 3.0 and engine.max_grad_norm == 1.0 and engine.clipping == "flat"
+    assert engine.steps == trainer.global_step > 0
+    assert 0.0 < engine.epsilon() <= 3.0 + 1e-9 and callback.summary["epsilon"] == engine.epsilon()
+    assert engine.mechanism.name == "gaussian" and engine.mechanism.noise_multiplier > 0.5  # calibrated noise
+    assert callback.summary["accountant"] == "pld" and callback.summary["noise_multiplier"] > 0.5
+    assert all(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("epsilon", REGISTERED_EPSILONS)
+def test_budget_names_are_the_class_defaults_with_target_epsilon(epsilon):
+    engine = make_trainer(f"dp_epsilon_{epsilon:g}").strategy.privacy_engine
+    default = DPStrategy(target_epsilon=epsilon).privacy_engine
+    for attribute in ("target_epsilon", "target_delta", "max_grad_norm", "noise", "clipping", "accountant_name"):
+        assert getattr(engine, attribute) == getattr(default, attribute)
+    assert engine.target_epsilon == epsilon and engine.target_delta is None  # 1/N^1.1, logged at fit
+    assert (engine.max_grad_norm, engine.noise, engine.clipping) == (1.0, "gaussian", "flat")
+    again = make_trainer(f"dp_epsilon_{epsilon:g}").strategy.privacy_engine
+    assert engine.randomness.base_seed != again.randomness.base_seed  # seed=None: OS entropy, as real runs should
+
+
+def test_dp_ddp_names_resolve_to_dp_ddp_strategy():
+    trainer = make_trainer("dp_ddp_epsilon_3", devices=2)
+    strategy = trainer.strategy
+    assert type(strategy) is DPDDPStrategy and strategy.privacy_engine.target_epsilon == 3.0
+    assert strategy.parallel_devices == [torch.device("cpu")] * 2 and strategy._start_method == "popen"
+    assert type(make_trainer("dp_ddp_epsilon_8", devices=2).strategy) is DPDDPStrategy
+
+
+def test_dp_strategy_without_device_takes_the_trainers():
+    strategy = DPStrategy(noise_multiplier=1.0)
+    strategy.parallel_devices = [torch.device("cuda", 1)]  # what the Trainer hands it for devices=[1] on GPUs
+    assert strategy.root_device == torch.device("cuda", 1)
+    fixed = DPStrategy(noise_multiplier=1.0, device="cpu")
+    fixed.parallel_devices = [torch.device("cuda", 1)]
+    assert fixed.root_device == torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------- LightningCLI
+def _digits_config(tmp_path: Path, strategy: object) -> Path:
+    config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+    config["trainer"].update(
+        max_epochs=1,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        strategy=strategy,
+    )
+    path = tmp_path / "digits.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_cli_trainer_strategy_by_name(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning_dp")
+    path = _digits_config(tmp_path, "dp_epsilon_3")  # the YAML form: trainer.strategy: dp_epsilon_3
+    assert main(["fit", "--config", str(path)]) == 0
+    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text
+    assert "Privacy summary: epsilon=2.9" in caplog.text and "clipping=flat" in caplog.text
+
+
+def test_cli_trainer_strategy_flag_dp_is_accepted_and_asks_for_a_privacy_level(tmp_path, capsys):
+    path = _digits_config(tmp_path, {"class_path": "lightning_dp.DPStrategy", "init_args": {"target_epsilon": 3.0}})
+    assert main(["fit", "--config", str(path), "--trainer.strategy", "dp"]) == 2
+    err = capsys.readouterr().err
+    assert "DPStrategy has no default privacy level" in err and "'dp_epsilon_3'" in err
+    assert "invalid strategy name" not in err  # Lightning's message for an unregistered name
