@@ -1,6 +1,6 @@
 """Clipped gradient canaries (canary examples the run's clipper clips) and the TEST-ONLY broken-clipper control: the
 new mode catches a clipper that clips to 10 C, the post-clipping Dirac mode cannot, and orthogonal input canaries
-catch a tenth of the noise."""
+catch both a tenth of the noise and the clipper at 10 C."""
 
 import math
 
@@ -89,17 +89,13 @@ def test_clipped_canaries_catch_a_tenth_of_the_noise():
     assert run_audit(config).violated
 
 
-@pytest.mark.parametrize("factor", [None, 0.1])
-def test_orthogonal_input_canaries_catch_a_tenth_of_the_noise(factor):
-    config = AuditConfig(
-        mode="input",
-        input_candidates="orthogonal",
-        target_epsilon=2.0,
-        num_canaries=200,
-        noise_factor_for_testing=factor,
-    )
+@pytest.mark.parametrize(
+    "broken", [{}, {"noise_factor_for_testing": 0.1}, {"clipping_factor_for_testing": 10.0}], ids=str
+)
+def test_orthogonal_input_canaries_catch_a_tenth_of_the_noise_and_a_clipper_at_10c(broken):
+    config = AuditConfig(mode="input", input_candidates="orthogonal", target_epsilon=2.0, num_canaries=200, **broken)
     report = run_audit(config)
-    assert report.violated == (factor is not None)
+    assert report.violated == bool(broken)
 
 
 def test_canary_loss_is_the_logit_and_leaves_other_rows_cross_entropy():
