@@ -2,6 +2,11 @@
 epsilon (Steinke, Nasr & Jagielski 2023; see docs/audit.md). Readable output is an aligned table; ``--json``
 prints exactly one JSON object on stdout. Exit code 0 when the bound stays below the reported epsilon, 1 when it
 exceeds it (the run is not as private as reported, at the stated confidence), 2 for usage or invalid values.
+
+Modes (``--mode``): ``gradient``, Dirac canaries added to the clipped sum after clipping (catches noise and accounting
+bugs, never a clipping bug); ``clipped-gradient``, canary examples of gradient norm ``--canary-norm`` times C that the
+run's clipper clips (also catches clipping bugs; linear setup); ``input``, candidate examples scored by their loss
+decrease (``--input-candidates mislabelled|orthogonal``).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 
 from lightning_dp.audit import AuditConfig, run_audit
 from lightning_dp.audit.runner import MODES
-from lightning_dp.audit.setups import SETUPS
+from lightning_dp.audit.setups import INPUT_CANDIDATES, SETUPS
 from lightning_dp.cli_args import Parser, choice, metavar_of
 from lightning_dp.cli_privacy import NOISES, _fmt, format_table
 
@@ -29,6 +34,8 @@ def _audit_body(args: argparse.Namespace) -> bool:
         epochs=args.epochs,
         batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm,
+        canary_norm=args.canary_norm,
+        input_candidates=args.input_candidates,
         confidence=args.confidence,
         seed=args.seed,
     )
@@ -48,7 +55,8 @@ def _audit_body(args: argparse.Namespace) -> bool:
 
 
 def audit_main(argv: list[str]) -> int:
-    """``lightning-dp audit [--setup linear|digits] [--mode gradient|input] --noise N --target-epsilon E ...``."""
+    """``lightning-dp audit [--setup linear|digits] [--mode gradient|clipped-gradient|input] --noise N
+    --target-epsilon E ...``; returns the exit code."""
     parser = Parser("lightning-dp audit", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--setup",
@@ -57,7 +65,13 @@ def audit_main(argv: list[str]) -> int:
         metavar=metavar_of(SETUPS),
         help="linear (white-box, fast) or digits CNN",
     )
-    parser.add_argument("--mode", default="gradient", type=choice(MODES), metavar=metavar_of(MODES), help="canary type")
+    parser.add_argument(
+        "--mode",
+        default="gradient",
+        type=choice(MODES),
+        metavar=metavar_of(MODES),
+        help="canary type: gradient (added after clipping), clipped-gradient (clipped by the run), input",
+    )
     parser.add_argument("--noise", default="gaussian", type=choice(NOISES), metavar=metavar_of(NOISES), help="noise")
     parser.add_argument("--target-epsilon", type=float, required=True, help="epsilon the noise is calibrated for")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
@@ -65,6 +79,19 @@ def audit_main(argv: list[str]) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="training epochs (default 10)")
     parser.add_argument("--batch-size", type=int, default=100, help="expected Poisson batch size (default 100)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping bound C (default 1)")
+    parser.add_argument(
+        "--canary-norm",
+        type=float,
+        default=10.0,
+        help="clipped-gradient canaries' gradient norm in units of C, > 1 (default 10)",
+    )
+    parser.add_argument(
+        "--input-candidates",
+        default="mislabelled",
+        type=choice(INPUT_CANDIDATES),
+        metavar=metavar_of(INPUT_CANDIDATES),
+        help="input canaries: mislabelled data points or orthogonal ones on unused features (default mislabelled)",
+    )
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound (default 0.95)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, weights, noise and canaries")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

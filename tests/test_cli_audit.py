@@ -25,6 +25,17 @@ def test_audit_prints_one_json_object_and_exits_0_when_the_bound_holds(capsys):
     assert result["epsilon_lower_bound"] < result["reported_epsilon"] and not result["violated"]
 
 
+def test_audit_clipped_gradient_mode(capsys):
+    argv = ["audit", "--mode", "clipped-gradient", "--target-epsilon", "2", "--canaries", "200", "--epochs", "2"]
+    code = main([*argv, "--canary-norm", "5", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["mode"] == "clipped-gradient" and result["num_canaries"] == 200
+    assert main([*argv, "--canary-norm", "1"]) == 2
+    assert "canary_norm must exceed 1" in capsys.readouterr().err
+    assert main(["audit", "--setup", "digits", "--mode", "clipped-gradient", "--target-epsilon", "2"]) == 2
+    assert "unused input features" in capsys.readouterr().err
+
+
 def test_audit_rejects_bad_values(capsys):
     assert main(["audit", "--target-epsilon", "2", "--canaries", "0"]) == 2
     assert "num_canaries must be >= 1" in capsys.readouterr().err

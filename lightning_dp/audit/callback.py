@@ -1,5 +1,7 @@
-"""Lightning callbacks of the audit: ``GradientCanaryAudit`` audits a :class:`~lightning_dp.DPStrategy` run in one
-run; ``ScaleNoiseForTesting`` is the TEST-ONLY control that breaks a run's noise (:mod:`lightning_dp.audit.controls`).
+"""Lightning callbacks of the audit: ``GradientCanaryAudit`` (Dirac canaries added after clipping) and
+``ClippedGradientCanaryAudit`` (canary examples clipped by the run's clipper) audit a :class:`~lightning_dp.DPStrategy`
+run in one run; ``ScaleNoiseForTesting`` and ``ScaleClippingForTesting`` are the TEST-ONLY controls that break a run's
+noise or its clipping (:mod:`lightning_dp.audit.controls`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dp.audit.controls import NoiseScaledForTesting
+from lightning_dp.audit.clipped import ClippedGradientCanaries
+from lightning_dp.audit.controls import NoiseScaledForTesting, scale_clipping_for_testing
 from lightning_dp.audit.gradient import GradientCanaries
 from lightning_dp.audit.report import AuditReport, report_for
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
@@ -72,6 +75,61 @@ class GradientCanaryAudit(Callback):
         )
 
 
+class ClippedGradientCanaryAudit(Callback):
+    """Score canary EXAMPLES that the run's clipper clips (:mod:`lightning_dp.audit.clipped`) and bound the run's
+    epsilon from below (Steinke, Nasr & Jagielski 2023, Algorithm 1). Unlike :class:`GradientCanaryAudit`, whose
+    canaries are added after clipping, this audit also catches a clipping bug.
+
+    The run must train on ``canaries.training_set(data)`` and its module must give a canary row the loss
+    ``logit_k`` of the audited ``Linear`` layer fed with the row itself
+    (:func:`~lightning_dp.audit.clipped.per_sample_loss_with_canaries`), as
+    :class:`~lightning_dp.audit.setups.LinearClassifier` does. One process only (``DPStrategy``).
+
+    Args:
+        canaries: the canaries (their inclusion is fixed; pass the same object's ``training_set`` to the trainer).
+        layer: path of the audited ``nn.Linear`` in the LightningModule (``module.get_submodule(layer)``).
+
+    Raises:
+        TypeError: the trainer's strategy is not a DP strategy.
+        ValueError: several processes, not exactly one DP optimizer, or a layer that does not fit the canaries or
+            whose canaries clipping would not act on (see :meth:`ClippedGradientCanaries.install`), at the first
+            training batch.
+    """
+
+    def __init__(self, canaries: ClippedGradientCanaries, *, layer: str = "layer") -> None:
+        self.canaries = canaries
+        self.layer = layer
+        self._strategy: DPStrategyMixin | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self._strategy is not None:
+            return
+        strategy, optimizer = dp_optimizer_of(trainer, type(self).__name__)
+        layer = pl_module.get_submodule(self.layer)
+        self.canaries.install(optimizer, layer, max_grad_norm=strategy.privacy_engine.max_grad_norm)
+        self._strategy = strategy
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.canaries.remove()
+
+    def report(self, *, confidence: float = 0.95, guess_sets: Sequence[tuple[int, int]] | None = None) -> AuditReport:
+        """The audited lower bound (at ``confidence``, delta = the run's ``target_delta``) and the reported epsilon.
+
+        Raises:
+            RuntimeError: no training step was observed.
+        """
+        if self._strategy is None or self.canaries.steps_observed == 0:
+            raise RuntimeError("No DP training step was observed: call trainer.fit(...) with this callback first")
+        return report_for(
+            self._strategy.privacy_engine,
+            self.canaries.scores,
+            self.canaries.included.numpy(),
+            "clipped-gradient",
+            confidence,
+            guess_sets,
+        )
+
+
 class ScaleNoiseForTesting(Callback):
     """TEST-ONLY control: from the first training batch on, every noise draw of the run is multiplied by ``factor``
     while the accountant keeps the original noise (:class:`~lightning_dp.audit.controls.NoiseScaledForTesting`),
@@ -101,6 +159,42 @@ class ScaleNoiseForTesting(Callback):
         )
         optimizer.mechanism = NoiseScaledForTesting(optimizer.mechanism, self.factor)
         strategy.privacy_engine.broken_for_testing = f"noise scaled by {self.factor:g}: the reported epsilon is false"
+        self._installed = True
+
+
+class ScaleClippingForTesting(Callback):
+    """TEST-ONLY control: from the first training batch on, the run's clipper clips per-sample gradients to
+    ``factor * C`` while the noise and the accountant keep assuming C
+    (:func:`~lightning_dp.audit.controls.scale_clipping_for_testing`), so the reported epsilon is FALSE. Never use it
+    to train a model.
+
+    Args:
+        factor: > 1, e.g. 10 for a clipper that clips to 10 C.
+
+    Raises:
+        ValueError: ``factor <= 1``; see :func:`dp_optimizer_of` for the trainer checks.
+    """
+
+    def __init__(self, factor: float) -> None:
+        if not factor > 1.0:
+            raise ValueError(f"factor must exceed 1 to clip too loosely, got {factor}")
+        self.factor = float(factor)
+        self._installed = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self._installed:
+            return
+        strategy, _ = dp_optimizer_of(trainer, type(self).__name__)
+        engine = strategy.privacy_engine
+        if engine.clipper is None:
+            raise RuntimeError("ScaleClippingForTesting found no per-sample clipper on the DP strategy")
+        log.warning(
+            "TEST-ONLY: per-sample gradients are clipped to %g x max_grad_norm while the noise and the accountant "
+            "assume max_grad_norm; the reported epsilon of this run is FALSE",
+            self.factor,
+        )
+        scale_clipping_for_testing(engine.clipper, self.factor)
+        engine.broken_for_testing = f"clipping to {self.factor:g} x max_grad_norm: the reported epsilon is false"
         self._installed = True
 
 

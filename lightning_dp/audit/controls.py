@@ -6,6 +6,12 @@ stay those of the original mechanism. For Gaussian, Laplace and the Gamma-random
 multiplying a draw by ``s`` is exactly drawing with scale ``s`` times the original. Nothing in the library installs
 it; only the audit's ``noise_factor_for_testing`` option (``ScaleNoiseForTesting``) and the tests do,
 and the run's privacy summary then carries ``BROKEN_FOR_TESTING``.
+
+:func:`scale_clipping_for_testing` breaks the clipping instead: it multiplies the threshold of the run's
+:class:`~lightning_dp.clipping.PerSampleClipper` INSTANCE (its ``max_grad_norm`` attribute, read at every clip), so
+per-sample gradients are clipped to ``factor * C`` while the mechanism, its noise scale and the accountant keep
+assuming C. Only the audit's ``clipping_factor_for_testing`` option (``ScaleClippingForTesting``) and the tests
+use it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_dp.clipping.clipper import PerSampleClipper
 from lightning_dp.mechanisms.base import NoiseMechanism
 
 
@@ -51,3 +58,20 @@ class NoiseScaledForTesting(NoiseMechanism):
 
     def describe(self) -> dict[str, float]:
         return {**self.mechanism.describe(), "factor_for_testing": self.factor}
+
+
+def scale_clipping_for_testing(clipper: PerSampleClipper, factor: float) -> None:
+    """TEST-ONLY: make ``clipper`` clip per-sample gradients to ``factor`` times its threshold C, while the noise and
+    the accountant keep assuming C: a deliberately BROKEN clipper (sensitivity ``factor * C``).
+
+    Args:
+        clipper: the run's per-sample clipper (its instance attribute ``max_grad_norm`` is multiplied; the class and
+            its code are untouched).
+        factor: > 1, e.g. 10 for a clipper that clips to 10 C.
+
+    Raises:
+        ValueError: ``factor <= 1``.
+    """
+    if not factor > 1.0:
+        raise ValueError(f"factor must exceed 1 to clip too loosely, got {factor}")
+    clipper.max_grad_norm = float(clipper.max_grad_norm) * float(factor)
