@@ -19,7 +19,7 @@ from lightning_dp.accounting import Accountant, make_accountant, randomized_clip
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.clipping import ENGINES, PerSampleClipper
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
-from lightning_dp.clipping.guard import TrainingGuard
+from lightning_dp.clipping.guard import TrainingGuard, validate_independence_every
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
@@ -105,6 +105,12 @@ class PrivacyEngine:
         check_batch_independence: on the first step, check that no example's loss depends on another example's
             data (``h - h.mean(0)`` and the like; see :mod:`lightning_dp.clipping.guard`); ``False`` switches the
             check off. Buffers written during a training forward are rejected on every step either way.
+        check_batch_independence_every: ``N >= 1``: repeat that check every N optimizer steps (steps ``0, N, 2N,
+            ...``; with gradient accumulation on the step's first micro-batch with two examples or more), to
+            catch mixing that starts after the first step (a schedule, a data-dependent branch); ``None`` (default):
+            the first step only. Each checked step costs ``2 ceil(log2 B)`` extra backward passes and two extra
+            forwards (measured: 3.6x to 4.7x the time of an unchecked step, docs/privacy.md) and leaves the update
+            unchanged; mixing on unchecked steps is not seen. Needs ``check_batch_independence=True``.
         secure_mode: draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the
             floating-point mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); a ``seed`` is
             rejected in this mode.
@@ -135,10 +141,12 @@ class PrivacyEngine:
         momentum_length: int = 1,
         momentum_beta: float = 0.9,
         check_batch_independence: bool = True,
+        check_batch_independence_every: int | None = None,
         secure_mode: bool = False,
         lowpass: str | dict[str, Any] | LowPassFilter | None = None,
     ) -> None:
         validate_max_grad_norm(max_grad_norm)
+        validate_independence_every(check_batch_independence_every, check_batch_independence)
         self.momentum = PerSampleMomentum(momentum_length, momentum_beta)
         if secure_mode and seed is not None:
             raise ValueError(
@@ -190,6 +198,9 @@ class PrivacyEngine:
         self.projection_dim = projection_dim
         self.accountant_name = accountant
         self.check_batch_independence = bool(check_batch_independence)
+        self.check_batch_independence_every = (
+            None if check_batch_independence_every is None else int(check_batch_independence_every)
+        )
         self.secure_mode = bool(secure_mode)
         if secure_mode:
             check_secure_mechanism(noise)
@@ -255,7 +266,11 @@ class PrivacyEngine:
         self.momentum.bind(self.clipper)
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
         self.guard = TrainingGuard(
-            module, self.clipper.output_targets, check_batch_independence=self.check_batch_independence
+            module,
+            self.clipper.output_targets,
+            check_batch_independence=self.check_batch_independence,
+            check_every=self.check_batch_independence_every,
+            step=lambda: self.steps,
         )
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)

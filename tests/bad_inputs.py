@@ -310,6 +310,18 @@ CASES: list[BadInput] = [
         _strategy(noise_multiplier=1.0, seed=0, secure_mode=True),
         "secure_mode.*seed",
     ),
+    BadInput(
+        "DPStrategy",
+        "check_batch_independence_every=0",
+        _strategy(noise_multiplier=1.0, check_batch_independence_every=0),
+        "check_batch_independence_every must be a positive whole number of optimizer steps or None",
+    ),
+    BadInput(
+        "DPStrategy",
+        "check_batch_independence_every=10, check_batch_independence=False",
+        _strategy(noise_multiplier=1.0, check_batch_independence=False, check_batch_independence_every=10),
+        "set check_batch_independence=True",
+    ),
     # Lightning fit with DPStrategy: setup and first step
     BadInput(
         "Lightning fit",
@@ -407,6 +419,12 @@ CASES: list[BadInput] = [
         _privacy_arguments(noise_multiplier=1.0, dp_seed=1, secure_mode=True),
         "secure_mode.*seed",
     ),
+    BadInput(
+        "HF PrivacyArguments",
+        "check_batch_independence_every=-1",
+        _privacy_arguments(noise_multiplier=1.0, check_batch_independence_every=-1),
+        "check_batch_independence_every must be a positive whole number",
+    ),
     BadInput("HF DPTrainer", "TrainingArguments(fp16=True)", _hf_trainer("fp16", True), "fp16"),
     BadInput(
         "HF DPTrainer",
@@ -502,6 +520,12 @@ CASES: list[BadInput] = [
         "strategy.init_args.secure_mode: true (with seed: 0)",
         _yaml(_strategy_args(secure_mode=True)),
         "secure_mode.*seed",
+    ),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.check_batch_independence_every: 0",
+        _yaml(_strategy_args(check_batch_independence_every=0)),
+        "check_batch_independence_every must be a positive whole number",
     ),
     BadInput(
         "YAML config",

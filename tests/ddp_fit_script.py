@@ -1,6 +1,8 @@
-"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT] [--poison]`` trains
-TinyRegressor with DPDDPStrategy on 2 CPU processes through Lightning's own launcher; every rank writes what it
-ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with ``--max-epochs``, go to ``OUT_DIR/ckpt``)."""
+"""Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
+[--independence-every N] [--seed S] [--poison]`` trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
+Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
+``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
+ran."""
 
 import argparse
 from pathlib import Path
@@ -10,21 +12,37 @@ from helpers import TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
+from lightning_dp.clipping import guard
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--independence-every", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--poison", action="store_true", help="example 3 of the data is NaN; seed 0, q = 0.5")
     args = parser.parse_args()
+    checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
     module = TinyRegressor(batch_size=8)
     if args.poison:
         module.data.tensors[0][3] = float("nan")
     initial = [p.detach().clone() for p in module.parameters()]
-    poison = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=None)
-    strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, **poison)
+    poison = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=args.seed)
+    strategy = DPDDPStrategy(
+        noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **poison
+    )
+
+    def recording(kind, check):
+        def run(*check_args):
+            checked[kind].append(strategy.privacy_engine.steps)
+            return check(*check_args)
+
+        return run
+
+    guard.check_batch_independence = recording("gradient", guard.check_batch_independence)
+    guard.check_leave_half_out = recording("leave_half_out", guard.check_leave_half_out)
     callbacks = [PrivacyAccountantCallback()]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
@@ -50,6 +68,7 @@ if __name__ == "__main__":
             "ledger": engine.accountant.state_dict(),
             "summary": callbacks[0].summary,
             "dropped_nonfinite": engine.dropped_nonfinite,
+            "checked_steps": checked,
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )

@@ -201,6 +201,16 @@ def test_lightning_ddp_trains_two_identical_ranks(lightning_ranks):
     assert a["ledger"] == b["ledger"]  # the same events on every rank
 
 
+def test_lightning_ddp_periodic_independence_check_runs_on_the_same_steps_on_every_rank(tmp_path):
+    """Every rank arms the same optimizer steps (the step count, not its local batch, decides) and checks its own
+    examples there, without a collective; the ranks stay bit-identical."""
+    a, b = _fit_on_two_processes(tmp_path, "--independence-every", "2", "--seed", "0")  # seeded: no batch below 2
+    expected = {"gradient": [0, 2, 4], "leave_half_out": [0, 2, 4]}
+    assert a["checked_steps"] == b["checked_steps"] == expected
+    assert a["steps"] == b["steps"] == 6
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+
+
 def test_lightning_ddp_epsilon_equals_single_process(lightning_ranks):
     single = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=0)
     make_trainer(single, max_steps=6).fit(TinyRegressor(batch_size=8 * WORLD))  # the same q = 16 / 64

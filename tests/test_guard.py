@@ -294,3 +294,216 @@ def test_leave_half_out_runs_once_in_eval_mode_without_logging(monkeypatch):
     module = TinyRegressor()
     make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=3).fit(module)
     assert len(calls) == 1 and calls[0] >= 2 and modes == [False, False] and module.training
+
+
+# ------------------------------------------------------------------------- the periodic check (every N steps)
+class LateCentered(nn.Module):
+    """``h - h.mean(0)`` from its ``start``-th forward in training mode on (a schedule that starts mixing later)."""
+
+    def __init__(self, start: int = 5, d: int = 6) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4), nn.Linear(4, 1)
+        self.start, self.calls = start, 0
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.training:
+            self.calls += 1
+            if self.calls >= self.start:
+                h = h - h.mean(0)
+        return self.b(h)
+
+
+def _spy_checks(monkeypatch) -> dict[str, list[int]]:
+    """Record the batch size of every gradient and leave-half-out check."""
+    import lightning_dp.clipping.guard as guard
+
+    calls: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
+    gradient, half = guard.check_batch_independence, guard.check_leave_half_out
+    monkeypatch.setattr(
+        guard, "check_batch_independence", lambda *a: calls["gradient"].append(len(a[0])) or gradient(*a)
+    )
+    monkeypatch.setattr(guard, "check_leave_half_out", lambda *a: calls["leave_half_out"].append(a[2]) or half(*a))
+    return calls
+
+
+@pytest.mark.parametrize(("every", "caught_after"), [(None, None), (1, 4), (2, 4), (3, 6)])
+def test_mixing_that_starts_later_is_missed_on_the_first_step_and_caught_by_the_periodic_check(every, caught_after):
+    """Mixing from the 5th step (after 4 optimizer steps): the first-step check passes it and training completes;
+    every 1 or 2 steps it is caught on that step, every 3 steps on the next checked one (after 6 steps)."""
+    torch.manual_seed(0)
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_batch_independence_every=every)
+    trainer = make_trainer(strategy, max_steps=8)
+    if caught_after is None:
+        trainer.fit(ClassifierWith(LateCentered()))
+        assert strategy.privacy_engine.steps == 8
+        return
+    message = rf"batch-independence check after {caught_after} optimizer steps: .*example \d+'s .*h - h\.mean\(0\)"
+    with pytest.raises(BatchMixingError, match=message + ".*check_batch_independence=False"):
+        trainer.fit(ClassifierWith(LateCentered()))
+    assert strategy.privacy_engine.steps == caught_after  # raised before that step's update
+
+
+@pytest.mark.parametrize("options", [{"momentum_length": 2}, {"accumulate_grad_batches": 2}])
+@pytest.mark.parametrize("every", [None, 1])
+def test_late_mixing_with_momentum_or_accumulation(options, every):
+    """With per-sample momentum (k forwards per batch) and with gradient accumulation (k micro-batches per step)
+    the first-step check misses the late mixing and the periodic one catches it."""
+    options = dict(options)
+    trainer_options = {"accumulate_grad_batches": options.pop("accumulate_grad_batches", 1)}
+    torch.manual_seed(0)
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_batch_independence_every=every, **options)
+    trainer = make_trainer(strategy, max_steps=6, **trainer_options)
+    if every is None:
+        trainer.fit(ClassifierWith(LateCentered()))
+        assert strategy.privacy_engine.steps == 6
+    else:
+        with pytest.raises(BatchMixingError, match=r"check after [1-5] optimizer steps: .*h - h\.mean\(0\)"):
+            trainer.fit(ClassifierWith(LateCentered()))
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"momentum_length": 2}, {"accumulate_grad_batches": 2}, {"clipping": "ghost"}], ids=str
+)
+def test_periodic_check_leaves_the_update_bit_identical(monkeypatch, options):
+    """An independent model trains to the same parameters, bit for bit, with the check on every step as with the
+    first-step check only (same seeds): the check draws no DP randomness and does not change the update. The checks
+    run once per optimizer step (on one micro-batch of each step with accumulation)."""
+    options = dict(options)
+    trainer_options = {"accumulate_grad_batches": options.pop("accumulate_grad_batches", 1)}
+    params = []
+    for every in (None, 1):
+        calls = _spy_checks(monkeypatch)
+        torch.manual_seed(0)
+        module = TinyRegressor()
+        strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_batch_independence_every=every, **options)
+        make_trainer(strategy, max_steps=6, **trainer_options).fit(module)
+        assert strategy.privacy_engine.steps == 6
+        assert len(calls["gradient"]) == len(calls["leave_half_out"]) == (1 if every is None else 6)
+        params.append([p.detach().clone() for p in module.parameters()])
+    for without, with_check in zip(*params, strict=True):
+        assert torch.equal(without, with_check)
+
+
+class _Steps:
+    """A stand-in for the engine's step count."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> int:
+        return self.count
+
+
+def test_guard_arms_due_steps_once_on_their_first_micro_batch_with_two_examples(monkeypatch):
+    """check_every=2, two micro-batches per step: the checks run on the first micro-batch of steps 0, 2, 4; at step
+    2 the first micro-batch has one example, so they run on the second; never twice in a step."""
+    calls = _spy_checks(monkeypatch)
+    model = nn.Linear(6, 1)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    steps = _Steps()
+    guard = TrainingGuard(model, clipper.output_targets, check_every=2, step=steps)
+    checked = []
+    for step in range(6):
+        steps.count = step
+        for micro in range(2):
+            size = 1 if (step, micro) == (2, 0) else 4
+            before = len(calls["gradient"])
+            batch = torch.randn(size, 6)
+            loss = model(guard.before_forward(batch, size)).squeeze(-1)
+            guard.after_forward(loss)
+            guard.leave_half_out(lambda b: model(b).squeeze(-1), batch, size, model)
+            clipper._hooks.clear()
+            if len(calls["gradient"]) > before:
+                checked.append((step, micro))
+    assert checked == [(0, 0), (2, 1), (4, 0)]
+    assert calls["leave_half_out"] == [4, 4, 4]
+
+
+def test_periodic_failure_names_the_step():
+    model = Centered()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    steps = _Steps()
+    steps.count = 6
+    guard = TrainingGuard(model, clipper.output_targets, check_every=3, step=steps)
+    x = guard.before_forward(torch.randn(4, 6), 4)
+    with pytest.raises(BatchMixingError, match=r"^batch-independence check after 6 optimizer steps: the losses"):
+        guard.after_forward(model(x).squeeze(-1))
+
+
+@pytest.mark.parametrize("every", [0, -2, 1.5, True, "3"])
+def test_check_every_must_be_a_positive_int_or_none(every):
+    from lightning_dp import PrivacyEngine
+    from lightning_dp.hf import PrivacyArguments
+
+    message = "check_batch_independence_every must be a positive whole number of optimizer steps or None"
+    for make in (
+        lambda: DPStrategy(noise_multiplier=1.0, check_batch_independence_every=every),
+        lambda: PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.0, check_batch_independence_every=every),
+        lambda: PrivacyArguments(noise_multiplier=1.0, check_batch_independence_every=every),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make()
+
+
+def test_check_every_needs_the_check_on():
+    from lightning_dp.hf import PrivacyArguments
+
+    message = r"check_batch_independence_every=5 .* set check_batch_independence=True .* or check_batch_independence_"
+    with pytest.raises(ValueError, match=message):
+        DPStrategy(noise_multiplier=1.0, check_batch_independence=False, check_batch_independence_every=5)
+    with pytest.raises(ValueError, match=message):
+        PrivacyArguments(noise_multiplier=1.0, check_batch_independence=False, check_batch_independence_every=5)
+    strategy = DPStrategy(noise_multiplier=1.0, check_batch_independence_every=5)
+    assert strategy.privacy_engine.check_batch_independence_every == 5
+
+
+def _late_mixing_hook(start: int = 5):
+    """A forward hook on a module without parameters: ``output - output.mean(0)`` from its ``start``-th call in
+    training mode on."""
+    calls = []
+
+    def mix(module, args, output):
+        if not module.training:
+            return output
+        calls.append(1)
+        return output - output.mean(0, keepdim=True) if len(calls) >= start else output
+
+    return mix
+
+
+@pytest.mark.parametrize("every", [None, 1, 2])
+def test_hf_mixing_that_starts_later_is_caught_by_the_periodic_check(tmp_path, every):
+    from lightning_dp.hf import PrivacyArguments
+
+    model = tiny_gpt2()
+    model.transformer.drop.register_forward_hook(_late_mixing_hook())
+    privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0, check_batch_independence_every=every)
+    trainer = make_hf_trainer(model, tmp_path, TokenDataset(), privacy=privacy, args={"max_steps": 7})
+    if every is None:
+        trainer.train()
+        assert trainer.privacy_engine.steps == 7
+        return
+    with pytest.raises(BatchMixingError, match=r"check after 4 optimizer steps: .*example .*'s output of module"):
+        trainer.train()
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_hf_periodic_check_leaves_the_update_bit_identical(tmp_path, monkeypatch, accumulation):
+    from lightning_dp.hf import PrivacyArguments
+    from tests.hf_helpers import trainable_snapshot
+
+    params = []
+    for every in (None, 1):
+        calls = _spy_checks(monkeypatch)
+        privacy = PrivacyArguments(
+            noise_multiplier=1.0, accountant="rdp", dp_seed=0, check_batch_independence_every=every
+        )
+        args = {"max_steps": 3, "gradient_accumulation_steps": accumulation, "per_device_train_batch_size": 8}
+        trainer = make_hf_trainer(tiny_gpt2(), tmp_path / str(every), TokenDataset(), privacy=privacy, args=args)
+        trainer.train()
+        assert len(calls["gradient"]) == len(calls["leave_half_out"]) == (1 if every is None else 3)
+        params.append(trainable_snapshot(trainer.model))
+    assert params[0].keys() == params[1].keys()
+    for name, value in params[0].items():
+        assert torch.equal(value, params[1][name]), name

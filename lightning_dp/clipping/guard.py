@@ -16,32 +16,37 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Two things 
   step only is not caught.
 - operations that mix examples without parameters (``h - h.mean(0)``, batch statistics computed by hand): example
   i's loss then depends on example j's data, so removing j changes every clipped contribution and the sensitivity
-  of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step, that the
+  of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step (and, with
+  ``check_batch_independence_every=N``, on every N-th optimizer step: see :class:`TrainingGuard`), that the
   gradient of example i's loss with respect to example j's input (float inputs) and to every hooked layer's output
   for example j (which covers integer inputs through the embedding outputs) is zero for i != j. This is the idea of
   Lightning's ``BatchGradientVerification`` (``lightning.pytorch.callbacks.batch_size_finder``'s sibling in
   ``pl_bolts``), made complete over pairs: for each bit b of the sample index, one vector-Jacobian product of
   ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
-  with ``2 ceil(log2 B)`` extra backward passes of the first batch.
+  with ``2 ceil(log2 B)`` extra backward passes of the checked batch.
 
 - mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
   / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
   gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch: with the model in
   eval mode, under ``no_grad`` and the same torch RNG state, the per-sample losses of the even-indexed examples must
-  be the same whether the odd-indexed ones are in the batch or not (two extra forwards, once per run).
+  be the same whether the odd-indexed ones are in the batch or not (two extra forwards per checked step).
 
 What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
 hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that
-only happens on later batches (a data-dependent branch) or only in train mode, and gradients that cancel exactly
-within a tested set. When it cannot run at all (no target with ``B`` rows, a loss
-without gradient) or cannot check the float inputs (batch size unknown), it logs a warning.
+only happens on batches that are not checked (a schedule or a data-dependent branch that starts after the first
+step, when only the first step is checked; any mixing on the steps between two periodic checks), mixing that only
+happens in train mode (for the leave-half-out forward), and gradients that cancel exactly within a tested set. When
+it cannot run at all (no target with ``B`` rows, a loss without gradient) or cannot check the float inputs (batch
+size unknown), it logs a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+import numbers
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -67,6 +72,24 @@ BATCH_MIXING_HINT = (
     "every operation act on each example separately. If you are sure the model is per-example (e.g. the coupling is "
     "in a non-trainable diagnostic), switch the check off with check_batch_independence=False"
 )
+
+
+def validate_independence_every(every: int | None, check_batch_independence: bool) -> None:
+    """Raise ``ValueError`` unless ``every`` (``check_batch_independence_every``) is ``None`` or a positive whole
+    number of optimizer steps, and, when it is a number, ``check_batch_independence`` is on."""
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        raise ValueError(
+            f"check_batch_independence_every must be a positive whole number of optimizer steps or None (first "
+            f"step only), got {every!r}"
+        )
+    if not check_batch_independence:
+        raise ValueError(
+            f"check_batch_independence_every={every} repeats the batch-independence check, which "
+            "check_batch_independence=False switches off: set check_batch_independence=True to check every "
+            f"{every} optimizer steps, or check_batch_independence_every=None to keep the check off"
+        )
 
 
 class BatchMixingError(UnsupportedModuleError):
@@ -312,8 +335,21 @@ def check_leave_half_out(
 
 class TrainingGuard:
     """The checks of this module around each training forward of one run: buffers and frozen parameters on every
-    step (contents on the first step and while independence is pending), batch independence on the first step with
-    at least two examples (when ``check_batch_independence``).
+    step (contents on the first step and while independence is pending), batch independence (gradients, then the
+    leave-half-out forward) on the first step with at least two examples (when ``check_batch_independence``) and,
+    with ``check_every = N``, again on every optimizer step whose number is a multiple of N.
+
+    Which steps are checked: the count of optimizer steps taken so far (``step()``, the accountant's count, the same
+    on every process of a multi-process run) decides, never the local batch: at the first forward of a step whose
+    number is a multiple of N, both checks become pending, exactly as at the start of a run, and they run on the
+    first micro-batch of that step with at least two examples (the first micro-batch when ``accumulate_grad_batches``
+    / ``gradient_accumulation_steps`` > 1, unless it has fewer than two examples; then the next one, possibly in a
+    later step). So every rank arms the same steps; the checks themselves are local, as the first-step check is (no
+    collective: each rank checks its own examples and a rank whose examples mix raises there), so they add no
+    synchronisation point. With per-sample momentum the checks see the current iterate's forward (the forwards at
+    the stored iterates of the same batch run the same code at older parameters). A check never writes ``.grad``,
+    never draws from the noise or sampling generators and restores the torch RNG state around its forwards, so it
+    does not change the update.
 
     Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
     loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
@@ -322,7 +358,15 @@ class TrainingGuard:
         module: the model.
         output_targets: ``() -> {description: (edge, shape)}`` of the hooked layer outputs of the current forward
             (:meth:`~lightning_dp.clipping.PerSampleClipper.output_targets`).
-        check_batch_independence: run :func:`check_batch_independence` on the first step.
+        check_batch_independence: run :func:`check_batch_independence` and :func:`check_leave_half_out` on the first
+            step.
+        check_every: ``N >= 1``: also on every N-th optimizer step (steps ``0, N, 2N, ...`` of ``step()``);
+            ``None`` (default): the first step only. Needs ``check_batch_independence``.
+        step: ``() -> int``, the number of optimizer steps taken so far (needed with ``check_every``).
+
+    Raises:
+        ValueError: ``check_every`` not ``None`` or a positive int, or given without ``check_batch_independence`` or
+            without ``step``.
     """
 
     def __init__(
@@ -331,20 +375,42 @@ class TrainingGuard:
         output_targets: Any,
         *,
         check_batch_independence: bool = True,
+        check_every: int | None = None,
+        step: Callable[[], int] | None = None,
     ) -> None:
+        validate_independence_every(check_every, check_batch_independence)
+        if check_every is not None and step is None:
+            raise ValueError("check_every needs step, the count of optimizer steps taken so far")
         self.buffers = BufferWatch(module)
         self._output_targets = output_targets
         self.independence_pending = check_batch_independence
         #: whether :func:`check_leave_half_out` is still to run (on the first batch with two examples or more).
         self.leave_half_out_pending = check_batch_independence
+        self.check_every = check_every
+        self._step = step
+        #: the last optimizer step whose checks were armed (each due step arms once, at its first forward).
+        self._armed_step: int | None = None
         self._first_step = True
         self._warned_no_size = False
         self._leaves: dict[str, torch.Tensor] = {}
 
+    def _arm_if_due(self) -> None:
+        """Make both independence checks pending at the first forward of a step that is a multiple of
+        ``check_every``."""
+        if self.check_every is None:
+            return
+        step = self._step()
+        if step % self.check_every == 0 and step != self._armed_step:
+            self._armed_step = step
+            self.independence_pending = True
+            self.leave_half_out_pending = True
+
     def before_forward(self, batch: Any, batch_size: int | None) -> Any:
         """Start watching the buffers and frozen parameters (their contents too on the first step and while the
-        independence check is pending); while the independence check is pending, return the batch with its float
-        inputs as gradient leaves (see :func:`input_leaves`), else the batch itself."""
+        independence check is pending); while the independence check is pending (first step; with ``check_every``,
+        every due step), return the batch with its float inputs as gradient leaves (see :func:`input_leaves`), else
+        the batch itself."""
+        self._arm_if_due()
         self.buffers.start(contents=self._first_step or self.independence_pending)
         self._leaves = {}
         if self.independence_pending and batch_size is None and not self._warned_no_size:
@@ -359,7 +425,7 @@ class TrainingGuard:
         return batch
 
     def after_forward(self, per_sample_loss: torch.Tensor) -> None:
-        """Check the buffers, and (once) batch independence.
+        """Check the buffers, and (while pending) batch independence.
 
         Raises:
             UnsupportedModuleError: a buffer or frozen parameter changed during the forward.
@@ -371,14 +437,16 @@ class TrainingGuard:
             return
         targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
         self._leaves = {}
-        check_batch_independence(per_sample_loss, targets)
+        with self._naming_the_step():
+            check_batch_independence(per_sample_loss, targets)
         self.independence_pending = False
 
     def leave_half_out(
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
     ) -> None:
-        """Run :func:`check_leave_half_out` once, on the first batch with two examples or more (call after
-        :meth:`after_forward`, with the batch as the user's step received it).
+        """Run :func:`check_leave_half_out` while pending, on the first batch with two examples or more of the first
+        step (and of every due step with ``check_every``); call after :meth:`after_forward`, with the batch as the
+        user's step received it.
 
         Raises:
             BatchMixingError: as :func:`check_leave_half_out`.
@@ -386,4 +454,17 @@ class TrainingGuard:
         if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
             return
         self.leave_half_out_pending = False
-        check_leave_half_out(compute_loss, batch, batch_size, module)
+        with self._naming_the_step():
+            check_leave_half_out(compute_loss, batch, batch_size, module)
+
+    @contextmanager
+    def _naming_the_step(self) -> Iterator[None]:
+        """With ``check_every``, a :class:`BatchMixingError` raised inside says on which optimizer step
+        (``"batch-independence check after 4 optimizer steps: ..."``): mixing may have started after the first step."""
+        try:
+            yield
+        except BatchMixingError as error:
+            if self.check_every is not None and error.args and isinstance(error.args[0], str):
+                step = self._step()
+                error.args = (error.args[0].replace(" check: ", f" check after {step} optimizer steps: ", 1),)
+            raise

@@ -42,8 +42,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
             (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
             ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``,
-            ``momentum_length``, ``momentum_beta``, ``check_batch_independence``, ``secure_mode``, ``lowpass``) and
-            those of Lightning's ``SingleDeviceStrategy``.
+            ``momentum_length``, ``momentum_beta``, ``check_batch_independence``, ``check_batch_independence_every``,
+            ``secure_mode``, ``lowpass``) and those of Lightning's ``SingleDeviceStrategy``.
 
     Raises:
         ValueError: invalid privacy arguments (at construction); ``Trainer(devices > 1)`` or ``num_nodes > 1`` (at
