@@ -1,5 +1,5 @@
-"""The DP strategies by name in Lightning's StrategyRegistry: ``Trainer(strategy="dp_epsilon_3")``, the plain
-``"dp"`` / ``"dp_ddp"`` (the class defaults, which fix no privacy level: a clear error), and LightningCLI's
+"""The DP strategies by name in Lightning's StrategyRegistry: ``Trainer(strategy="dp")`` / ``"dp_ddp"`` (the class
+defaults with target_epsilon 3, logged), the budget names ``"dp_epsilon_3"`` / ``"dp_epsilon_8"``, and LightningCLI's
 ``--trainer.strategy``."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyAccountantCallback
 from lightning_dp.cli import main
 from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
-from lightning_dp.lightning.registry import REGISTERED_EPSILONS
+from lightning_dp.lightning.registry import DEFAULT_EPSILON, REGISTERED_EPSILONS
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {
-    "dp": (DPStrategy, {}),
+    "dp": (DPStrategy, {"target_epsilon": 3.0}),
     "dp_epsilon_3": (DPStrategy, {"target_epsilon": 3.0}),
     "dp_epsilon_8": (DPStrategy, {"target_epsilon": 8.0}),
-    "dp_ddp": (DPDDPStrategy, {}),
+    "dp_ddp": (DPDDPStrategy, {"target_epsilon": 3.0}),
     "dp_ddp_epsilon_3": (DPDDPStrategy, {"target_epsilon": 3.0}),
     "dp_ddp_epsilon_8": (DPDDPStrategy, {"target_epsilon": 8.0}),
 }
@@ -39,7 +39,7 @@ def test_importing_lightning_dp_registers_the_names():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[0] == str(sorted(NAMES))
-    assert REGISTERED_EPSILONS == (3.0, 8.0)
+    assert REGISTERED_EPSILONS == (3.0, 8.0) and DEFAULT_EPSILON == 3.0
     for name, (strategy, init_params) in NAMES.items():
         assert StrategyRegistry[name]["strategy"] is strategy and StrategyRegistry[name]["init_params"] == init_params
     # Lightning's own names keep their classes (DDPStrategy.register_strategies is not inherited as is)
@@ -47,21 +47,19 @@ def test_importing_lightning_dp_registers_the_names():
     assert StrategyRegistry["single_device"]["strategy"] is SingleDeviceStrategy
 
 
-@pytest.mark.parametrize(("name", "strategy"), [("dp", "DPStrategy"), ("dp_ddp", "DPDDPStrategy")])
-def test_plain_name_without_privacy_level_fails_naming_what_to_pass(name, strategy):
-    with pytest.raises(ValueError, match="no default privacy level") as error:
-        make_trainer(name, devices=2 if name == "dp_ddp" else 1)
-    message = str(error.value)
-    for expected in (f"{strategy}(target_epsilon=", f"'{name}_epsilon_3'", "noise_multiplier", "class_path"):
-        assert expected in message
+@pytest.mark.parametrize("strategy", [DPStrategy, DPDDPStrategy])
+def test_direct_construction_without_privacy_level_fails(strategy):
+    with pytest.raises(ValueError, match="Give exactly one of target_epsilon"):
+        strategy()
 
 
-def test_trainer_strategy_by_name_trains_digits_privately():
+def test_trainer_strategy_dp_trains_digits_privately_at_epsilon_3(caplog):
+    caplog.set_level(logging.INFO, logger="lightning_dp")
     torch.manual_seed(0)
     model = DigitsCNN()
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     callback = PrivacyAccountantCallback(plot=False)
-    trainer = make_trainer("dp_epsilon_3", max_epochs=1, limit_val_batches=0, callbacks=[callback])
+    trainer = make_trainer("dp", max_epochs=1, limit_val_batches=0, callbacks=[callback])
     strategy = trainer.strategy
     assert type(strategy) is DPStrategy and strategy.root_device == torch.device("cpu")
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=128))
@@ -72,6 +70,8 @@ def test_trainer_strategy_by_name_trains_digits_privately():
     assert engine.mechanism.name == "gaussian" and engine.mechanism.noise_multiplier > 0.5  # calibrated noise
     assert callback.summary["accountant"] == "pld" and callback.summary["noise_multiplier"] > 0.5
     assert all(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
+    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text  # the defaults, logged
+    assert "Privacy defaults applied: target_delta = 1/N^1.1" in caplog.text
 
 
 @pytest.mark.parametrize("epsilon", REGISTERED_EPSILONS)
@@ -87,11 +87,13 @@ def test_budget_names_are_the_class_defaults_with_target_epsilon(epsilon):
 
 
 def test_dp_ddp_names_resolve_to_dp_ddp_strategy():
-    trainer = make_trainer("dp_ddp_epsilon_3", devices=2)
+    trainer = make_trainer("dp_ddp", devices=2)
     strategy = trainer.strategy
     assert type(strategy) is DPDDPStrategy and strategy.privacy_engine.target_epsilon == 3.0
     assert strategy.parallel_devices == [torch.device("cpu")] * 2 and strategy._start_method == "popen"
-    assert type(make_trainer("dp_ddp_epsilon_8", devices=2).strategy) is DPDDPStrategy
+    for name, epsilon in (("dp_ddp_epsilon_3", 3.0), ("dp_ddp_epsilon_8", 8.0)):
+        strategy = make_trainer(name, devices=2).strategy
+        assert type(strategy) is DPDDPStrategy and strategy.privacy_engine.target_epsilon == epsilon
 
 
 def test_dp_strategy_without_device_takes_the_trainers():
@@ -127,9 +129,8 @@ def test_cli_trainer_strategy_by_name(tmp_path, caplog):
     assert "Privacy summary: epsilon=2.9" in caplog.text and "clipping=flat" in caplog.text
 
 
-def test_cli_trainer_strategy_flag_dp_is_accepted_and_asks_for_a_privacy_level(tmp_path, capsys):
-    path = _digits_config(tmp_path, {"class_path": "lightning_dp.DPStrategy", "init_args": {"target_epsilon": 3.0}})
-    assert main(["fit", "--config", str(path), "--trainer.strategy", "dp"]) == 2
-    err = capsys.readouterr().err
-    assert "DPStrategy has no default privacy level" in err and "'dp_epsilon_3'" in err
-    assert "invalid strategy name" not in err  # Lightning's message for an unregistered name
+def test_cli_trainer_strategy_flag_dp_is_accepted(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="lightning_dp")
+    path = _digits_config(tmp_path, {"class_path": "lightning_dp.DPStrategy", "init_args": {"target_epsilon": 8.0}})
+    assert main(["fit", "--config", str(path), "--trainer.strategy", "dp"]) == 0  # the flag replaces the instance
+    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text

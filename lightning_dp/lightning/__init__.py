@@ -1,6 +1,6 @@
 """PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), privacy callbacks.
 
-Importing it registers both strategies in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp_epsilon_3")``;
+Importing it registers both strategies in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp")``;
 the names are in :mod:`lightning_dp.lightning.registry`).
 """
 

@@ -28,7 +28,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
-from lightning_dp.lightning.registry import register_dp_strategy, require_privacy_level
+from lightning_dp.lightning.registry import register_dp_strategy
 from lightning_dp.optim.distributed import DistributedContext, distributed_context
 
 _DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -43,9 +43,9 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     for that rate.
 
     By name (registered on importing ``lightning_dp``, like ``DPStrategy``'s ``"dp"``):
-    ``Trainer(strategy="dp_ddp_epsilon_3", devices=2)`` (or ``"dp_ddp_epsilon_8"``) is
-    ``DPDDPStrategy(target_epsilon=3.0)`` with the other arguments at their defaults (``start_method="popen"``);
-    ``"dp_ddp"`` alone fixes no privacy level and fails at Trainer construction naming what to pass.
+    ``Trainer(strategy="dp_ddp", devices=2)`` is ``DPDDPStrategy(target_epsilon=3.0)`` with the other arguments at
+    their defaults (``start_method="popen"``); ``"dp_ddp_epsilon_3"`` and ``"dp_ddp_epsilon_8"`` name the budget
+    explicitly.
 
     Args:
         kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
@@ -65,7 +65,6 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     strategy_name = "dp_ddp"
 
     def __init__(self, **kwargs: Any) -> None:
-        require_privacy_level(type(self).__name__, self.strategy_name, kwargs)
         given = sorted(name for name in _DDP_ONLY if kwargs.get(name) is not None)
         if given:
             raise ValueError(
@@ -81,7 +80,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"dp_ddp"`` (the defaults), ``"dp_ddp_epsilon_3"`` and ``"dp_ddp_epsilon_8"`` (and not the
+        """Register ``"dp_ddp"`` (epsilon 3), ``"dp_ddp_epsilon_3"`` and ``"dp_ddp_epsilon_8"`` (and not the
         ``"ddp*"`` names ``DDPStrategy.register_strategies`` would register for this class)."""
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 

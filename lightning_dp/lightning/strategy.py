@@ -16,7 +16,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
-from lightning_dp.lightning.registry import register_dp_strategy, require_privacy_level
+from lightning_dp.lightning.registry import register_dp_strategy
 
 
 def _default_device() -> torch.device:
@@ -29,12 +29,11 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
     ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
 
-    By name: importing ``lightning_dp`` registers it in Lightning's ``StrategyRegistry``.
-    ``Trainer(strategy="dp_epsilon_3")`` (or ``"dp_epsilon_8"``; ``--trainer.strategy dp_epsilon_3`` in LightningCLI)
-    is ``DPStrategy(target_epsilon=3.0)`` with every other argument at its default. ``"dp"`` alone is registered
-    with the defaults, which fix no privacy level: the library does not choose a budget for you, so it fails at
-    Trainer construction naming what to pass (``target_epsilon`` or ``noise_multiplier``). See
-    :mod:`lightning_dp.lightning.registry`.
+    By name: importing ``lightning_dp`` registers it in Lightning's ``StrategyRegistry``. ``Trainer(strategy="dp")``
+    (``--trainer.strategy dp`` in LightningCLI) is ``DPStrategy(target_epsilon=3.0)`` with every other argument at
+    its default (the calibrated noise and the default delta are logged at fit); ``"dp_epsilon_3"`` and
+    ``"dp_epsilon_8"`` name the budget explicitly. Constructed directly, ``DPStrategy()`` has no privacy level and
+    fails: give ``target_epsilon`` or ``noise_multiplier``. See :mod:`lightning_dp.lightning.registry`.
 
     Args:
         device: the device to train on; default: the one device the Trainer selects (``accelerator``,
@@ -54,18 +53,17 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     strategy_name = "dp"
 
     def __init__(self, *, device: str | torch.device | None = None, **kwargs: Any) -> None:
-        require_privacy_level(type(self).__name__, self.strategy_name, kwargs)
         self._device_given = device is not None
         super().__init__(device=device if device is not None else _default_device(), **kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register ``"dp"`` (the defaults) and ``"dp_epsilon_3"``, ``"dp_epsilon_8"`` (see the class docstring)."""
+        """Register ``"dp"`` (epsilon 3) and ``"dp_epsilon_3"``, ``"dp_epsilon_8"`` (see the class docstring)."""
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 
     # Lightning hands a strategy the devices and nodes the Trainer was asked for through these two attributes
     # (when the strategy has them); a single-device strategy accepts only one of each, and without a device of its
-    # own trains on the Trainer's (e.g. Trainer(strategy="dp_epsilon_3", accelerator="cpu") on a CUDA machine).
+    # own trains on the Trainer's (e.g. Trainer(strategy="dp", accelerator="cpu") on a CUDA machine).
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         return None
