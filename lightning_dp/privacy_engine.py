@@ -16,16 +16,13 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
-from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
-from lightning_dp.clipping import ENGINES, PerSampleClipper
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
-from lightning_dp.clipping.guard import TrainingGuard, validate_independence_every
+from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
+from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
-from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
-from lightning_dp.mechanisms.secure import check_secure_mechanism
-from lightning_dp.naming import did_you_mean, unknown_name
-from lightning_dp.optim import DPOptimizer, DPRandomness, LowPassFilter, make_lowpass
+from lightning_dp.mechanisms.base import mechanism_class
+from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
 from lightning_dp.optim.momentum import PerSampleMomentum
 
 log = logging.getLogger("lightning_dp")
@@ -79,145 +76,51 @@ class PrivacyEngine:
     the noise.
 
     Args:
-        max_grad_norm: per-sample clipping bound C > 0 (l2, or l1 for ``noise="laplace"``).
-        target_epsilon: privacy budget to calibrate the noise for, > 0.
-        target_delta: delta in (0, 1); default ``1/N^1.1`` once N is known.
-        noise_multiplier: Gaussian sigma (std of the noise is ``sigma * C``).
-        noise: mechanism name (``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"``) or an instance
-            (e.g. from ``search_lap2(...).mechanism()``).
-        noise_params: constructor arguments of a non-Gaussian mechanism (e.g. ``{"noise_scale": 2.0}``).
-        clipping: per-sample clipping engine name (``"flat" | "ghost" | "fgc" | "mixed" | "hutch" | "hutchpp"``).
-        bookkeeping: form the clipped sum from the captured layer terms in one backward pass (default) instead of a
-            second backward (see :class:`~lightning_dp.clipping.PerSampleClipper`).
-        sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
-        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32). With these engines the
-            clipping norm is a random estimate, so the run is accounted by the randomized-clipping accountant
-            ``"rc"`` (DP-SGD-RC seed, Section 5), the default and the only one accepted there, with Gaussian noise.
-        accountant: accountant name; default the mechanism's sound default (``"pld"`` for Gaussian).
-        seed: seed of the noise and sampling generators; ``None`` uses OS entropy (recommended for real runs). The
-            seed and generator states are never written to checkpoints (see :mod:`lightning_dp.optim.randomness`).
-        momentum_length: ``k >= 1``, the number of iterates averaged into each example's per-sample momentum before
-            clipping (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`); 1 (default) is DP-SGD.
-            ``k > 1`` keeps ``k - 1`` copies of the trainable parameters and runs the forward ``k`` times per batch
-            (see :meth:`add_past_iterates`); the accountant is unchanged (sensitivity stays ``C``).
-        momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights ``beta^(t-i) / c_beta`` (ignored
-            when ``momentum_length = 1``).
-        check_batch_independence: on the first step, check that no example's loss depends on another example's
-            data (``h - h.mean(0)`` and the like; see :mod:`lightning_dp.clipping.guard`); ``False`` switches the
-            check off. Buffers written during a training forward are rejected on every step either way.
-        check_batch_independence_every: ``N >= 1``: repeat that check every N optimizer steps (steps ``0, N, 2N,
-            ...``; with gradient accumulation on the step's first micro-batch with two examples or more), to
-            catch mixing that starts after the first step (a schedule, a data-dependent branch); ``None`` (default):
-            the first step only. Each checked step costs ``2 ceil(log2 B)`` extra backward passes and two extra
-            forwards (measured: 3.6x to 4.7x the time of an unchecked step, docs/privacy.md) and leaves the update
-            unchanged; mixing on unchecked steps is not seen. Needs ``check_batch_independence=True``.
-        secure_mode: draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the
-            floating-point mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); a ``seed`` is
-            rejected in this mode.
-        lowpass: low-pass filter of the noisy gradient (DP-PMLF seed, Algorithm 1 lines 9-11; LP-DPSGD): ``None``
-            (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
-            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost, same accountant. Its state is
-            part of :meth:`state_dict`.
+        config: the run's options (:class:`~lightning_dp.config.PrivacyConfig`); or give them as keyword arguments
+            instead, ``PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.1)``.
+        options: the fields of :class:`~lightning_dp.config.PrivacyConfig`, when ``config`` is not given:
+{options}
 
     Raises:
-        ValueError: any invalid combination above, with what to change.
+        ValueError: any invalid option or combination (see :class:`~lightning_dp.config.PrivacyConfig`), with what
+            to change; both ``config`` and keyword options.
     """
 
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        noise_multiplier: float | None = None,
-        noise: str | NoiseMechanism = "gaussian",
-        noise_params: dict[str, Any] | None = None,
-        clipping: str = "flat",
-        bookkeeping: bool = True,
-        sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
-        projection_dim: int | None = None,
-        accountant: str | None = None,
-        seed: int | None = None,
-        momentum_length: int = 1,
-        momentum_beta: float = 0.9,
-        check_batch_independence: bool = True,
-        check_batch_independence_every: int | None = None,
-        secure_mode: bool = False,
-        lowpass: str | dict[str, Any] | LowPassFilter | None = None,
-    ) -> None:
-        validate_max_grad_norm(max_grad_norm)
-        validate_independence_every(check_batch_independence_every, check_batch_independence)
-        self.momentum = PerSampleMomentum(momentum_length, momentum_beta)
-        if secure_mode and seed is not None:
-            raise ValueError(
-                f"secure_mode=True draws every noise sample from the OS CSPRNG, so a seed ({seed}) cannot apply: "
-                "remove the seed, or set secure_mode=False for a reproducible experiment"
-            )
-        if target_epsilon is not None:
-            validate_epsilon(target_epsilon)
-        if target_delta is not None:
-            validate_delta(target_delta)
-        fixed_noise = [noise_multiplier is not None, bool(noise_params), isinstance(noise, NoiseMechanism)]
-        if (target_epsilon is None) == (not any(fixed_noise)) or sum(fixed_noise) > 1:
-            raise ValueError(
-                "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
-                "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
-            )
-        if not isinstance(noise, NoiseMechanism):
-            mechanism_class(noise)  # an unknown name fails here, listing the valid ones
-        if accountant is not None and accountant not in ACCOUNTANTS:
-            raise ValueError(unknown_name("accountant", accountant, ACCOUNTANTS))
-        validate_sum_check(sum_check_every, bookkeeping)
-        engine = ENGINES.get(clipping)
-        if engine is None:
-            raise ValueError(
-                f"clipping must be one of {tuple(ENGINES)}, got {clipping!r}{did_you_mean(clipping, ENGINES)}"
-            )
-        self.randomized_clipping = engine.randomized
-        if self.randomized_clipping:
-            noise_name = noise.name if isinstance(noise, NoiseMechanism) else noise
-            if noise_name != "gaussian" or accountant not in (None, "rc"):
-                raise ValueError(
-                    f"clipping={clipping!r} clips by a random norm estimate, which only the randomized-clipping "
-                    "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or an exact "
-                    "engine (ghost, mixed, fgc, flat)"
-                )
-        if noise_multiplier is not None and noise != "gaussian":
-            raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {noise!r} pass noise_params")
-        if isinstance(noise, NoiseMechanism) and noise.max_grad_norm != max_grad_norm:
-            raise ValueError(
-                f"max_grad_norm={max_grad_norm} differs from the mechanism's {noise.max_grad_norm}; make them equal"
-            )
-        self.max_grad_norm = float(max_grad_norm)
-        self.target_epsilon = target_epsilon
-        self.target_delta = target_delta
-        self.noise = noise
-        self.clipping = clipping
-        self.bookkeeping = bookkeeping
-        self.sum_check_every = sum_check_every
-        self.projection_dim = projection_dim
-        self.accountant_name = accountant
-        self.check_batch_independence = bool(check_batch_independence)
-        self.check_batch_independence_every = (
-            None if check_batch_independence_every is None else int(check_batch_independence_every)
-        )
-        self.secure_mode = bool(secure_mode)
-        if secure_mode:
-            check_secure_mechanism(noise)
-        self.randomness = DPRandomness(seed, secure=self.secure_mode)
+    def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = PrivacyConfig(**options)
+        elif options:
+            raise ValueError(f"give either a PrivacyConfig or its options as keywords, not both ({sorted(options)})")
+        self.config = config
+        self.momentum = PerSampleMomentum(config.momentum_length, config.momentum_beta)
+        self.randomized_clipping = config.randomized_clipping
+        self.max_grad_norm = float(config.max_grad_norm)
+        self.target_epsilon = config.target_epsilon
+        #: delta of the reported epsilon: ``config.target_delta``, or its default once N is known (``prepare``).
+        self.target_delta = config.target_delta
+        self.noise = config.noise
+        self.clipping = config.clipping
+        self.bookkeeping = config.bookkeeping
+        self.sum_check_every = config.sum_check_every
+        self.projection_dim = config.projection_dim
+        self.accountant_name = config.accountant
+        self.check_batch_independence = bool(config.check_batch_independence)
+        self.check_batch_independence_every = config.check_batch_independence_every
+        self.secure_mode = bool(config.secure_mode)
+        self.randomness = DPRandomness(config.seed, secure=self.secure_mode)
         #: checks around each training forward (buffers, batch independence), created by ``attach``.
         self.guard: TrainingGuard | None = None
-        #: the low-pass filter applied to every noisy step (validated here), or ``None``.
-        self.lowpass = make_lowpass(lowpass)
+        #: the low-pass filter applied to every noisy step, or ``None``.
+        self.lowpass = make_lowpass(config.lowpass)
         #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
         self.mechanism: NoiseMechanism | None = None
-        if isinstance(noise, NoiseMechanism):
-            self.mechanism = noise
-        elif target_epsilon is None:
-            params = dict(noise_params or {})
-            if noise_multiplier is not None:
-                params["noise_multiplier"] = noise_multiplier
-            self.mechanism = make_mechanism(noise, max_grad_norm=max_grad_norm, **params)
+        if isinstance(config.noise, NoiseMechanism):
+            self.mechanism = config.noise
+        elif config.target_epsilon is None:
+            params = dict(config.noise_params or {})
+            if config.noise_multiplier is not None:
+                params["noise_multiplier"] = config.noise_multiplier
+            self.mechanism = make_mechanism(config.noise, max_grad_norm=config.max_grad_norm, **params)
         if self.mechanism is not None and self.mechanism.is_noiseless:
             log.warning(
                 "%s adds no noise (%s): no finite epsilon holds, the run is NOT differentially private and reports "
@@ -248,7 +151,8 @@ class PrivacyEngine:
     # ----------------------------------------------------------------------------------------------- set-up
     @property
     def noise_name(self) -> str:
-        return self.noise.name if isinstance(self.noise, NoiseMechanism) else self.noise
+        """The mechanism's registry name."""
+        return self.config.noise_name
 
     def attach(self, module: nn.Module) -> PerSampleClipper:
         """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers)."""
@@ -650,3 +554,6 @@ class PrivacyEngine:
             log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
         elif state is not None:
             log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")
+
+
+PrivacyEngine.__doc__ = PrivacyEngine.__doc__.replace("{options}", option_docs())

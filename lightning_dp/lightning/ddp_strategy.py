@@ -48,12 +48,9 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
     explicitly.
 
     Args:
-        kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
-            (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
-            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``,
-            ``momentum_length``, ``momentum_beta``, ``check_batch_independence``, ``check_batch_independence_every``,
-            ``secure_mode``, ``lowpass``) and those of Lightning's ``DDPStrategy`` (``start_method``,
-            ``process_group_backend``, ``timeout``, ``cluster_environment``, ...).
+        kwargs: the privacy options, the fields of :class:`~lightning_dp.config.PrivacyConfig` (documented there
+            and in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and those of Lightning's
+            ``DDPStrategy`` (``start_method``, ``process_group_backend``, ``timeout``, ``cluster_environment``, ...).
 
     Raises:
         ValueError: the arguments of ``DPStrategy``; DDP communication hooks or model averaging (they act on

@@ -12,6 +12,7 @@ part and calls the strategy's own with ``super()``. On several processes it uses
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Iterator, Mapping
@@ -25,9 +26,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
+from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
-from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.optim.distributed import DistributedContext
 from lightning_dp.privacy_engine import PrivacyEngine
@@ -58,44 +58,11 @@ class DPStrategyMixin:
     The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
     ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
 
+    The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
+    (the signature lists them); every other keyword argument goes to the Lightning strategy.
+
     Args:
-        max_grad_norm: per-sample clipping bound C > 0.
-        target_epsilon: privacy budget; the noise is calibrated for the run's planned steps
-            (``trainer.estimated_stepping_batches``). Exclusive with ``noise_multiplier``/``noise_params``.
-        target_delta: delta in (0, 1); default ``1/N^1.1``.
-        noise_multiplier: Gaussian sigma (noise std ``sigma * C`` on the clipped sum).
-        noise: ``"gaussian" | "laplace" | "laplace-advanced" | "lap2" | "plrv"`` or a ``NoiseMechanism``.
-        noise_params: parameters of a non-Gaussian mechanism, e.g. ``{"noise_scale": 3.0}``.
-        clipping: per-sample clipping engine, ``"flat" | "ghost" | "fgc" | "mixed" | "hutch" | "hutchpp"``.
-        bookkeeping: one backward pass with the clipped sum formed from the layer terms (default), or a second
-            backward (``False``; see :class:`~lightning_dp.clipping.PerSampleClipper`).
-        sum_check_every: period in batches of the per-sample sum check under book-keeping (``None``: off).
-        projection_dim: ``k`` of ``hutch``/``hutchpp`` (default 32).
-        accountant: accountant name (default: the mechanism's sound default, ``"pld"`` for Gaussian).
-        sample_rate: Poisson rate q of the whole dataset; default ``batch_size * accumulate_grad_batches * W / N``
-            with W processes (``batch_size`` is the per-process batch size, as in Lightning).
-        poisson_sampling: replace the training sampler by Poisson sampling (default). ``False`` keeps the user's
-            loader and logs that the reported epsilon assumes Poisson sampling.
-        seed: seed of the dedicated noise and sampling generators (``None``: OS entropy).
-        momentum_length: ``k >= 1``: each example's clipped quantity is its per-sample momentum over the ``k`` most
-            recent iterates (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`); 1 (default) is
-            DP-SGD. With ``k > 1`` the user's ``training_step`` runs ``k`` times per batch, first at each stored
-            iterate (newest first; its ``self.log``/``self.log_dict`` calls are dropped there, other side effects
-            such as metric updates are not), then at the current one; ``k - 1`` copies of the trainable parameters
-            are kept and saved in checkpoints.
-        momentum_beta: ``beta`` in ``(0, 1]``, the decay of the momentum weights (ignored when ``k = 1``).
-        check_batch_independence: check on the first step that no example's loss depends on another example's data
-            (see :class:`~lightning_dp.privacy_engine.PrivacyEngine`); ``False`` switches it off.
-        check_batch_independence_every: ``N >= 1``: repeat that check every N optimizer steps (steps ``0, N, 2N,
-            ...``; with ``accumulate_grad_batches`` on the step's first micro-batch with two examples or more), to
-            catch mixing that starts after the first step (a schedule, a data-dependent branch); ``None`` (default):
-            the first step only. Each checked step costs ``2 ceil(log2 B)`` extra backward passes and two extra
-            forwards (measured: 3.6x to 4.7x the time of an unchecked step, docs/privacy.md) and leaves the update
-            unchanged; mixing on unchecked steps is not seen. Needs ``check_batch_independence=True``.
-        secure_mode: noise from the OS CSPRNG with floating-point mitigations; rejects ``seed``.
-        lowpass: low-pass filter of the noisy gradient (LP-DPSGD; the filter of DP-PMLF, seed Algorithm 1 lines
-            9-11): ``None`` (off), a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or
-            ``{"a": [a_1, ...], "b": [b_0, ...]}``. Post-processing: no privacy cost; its state is checkpointed.
+{options}
         kwargs: the Lightning strategy's own arguments.
 
     Raises:
@@ -103,57 +70,13 @@ class DPStrategyMixin:
             not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
     """
 
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float = 1.0,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        noise_multiplier: float | None = None,
-        noise: str | NoiseMechanism = "gaussian",
-        noise_params: dict[str, Any] | None = None,
-        clipping: str = "flat",
-        bookkeeping: bool = True,
-        sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
-        projection_dim: int | None = None,
-        accountant: str | None = None,
-        sample_rate: float | None = None,
-        poisson_sampling: bool = True,
-        seed: int | None = None,
-        momentum_length: int = 1,
-        momentum_beta: float = 0.9,
-        check_batch_independence: bool = True,
-        check_batch_independence_every: int | None = None,
-        secure_mode: bool = False,
-        lowpass: str | dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        config = pop_options(kwargs)
         super().__init__(**kwargs)
-        self.privacy_engine = PrivacyEngine(
-            max_grad_norm=max_grad_norm,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            noise_multiplier=noise_multiplier,
-            noise=noise,
-            noise_params=noise_params,
-            clipping=clipping,
-            bookkeeping=bookkeeping,
-            sum_check_every=sum_check_every,
-            projection_dim=projection_dim,
-            accountant=accountant,
-            seed=seed,
-            momentum_length=momentum_length,
-            momentum_beta=momentum_beta,
-            check_batch_independence=check_batch_independence,
-            check_batch_independence_every=check_batch_independence_every,
-            secure_mode=secure_mode,
-            lowpass=lowpass,
-        )
-        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"sample_rate must lie in (0, 1], got {sample_rate}")
-        self._requested_sample_rate = sample_rate
+        self.privacy_engine = PrivacyEngine(config)
+        self._requested_sample_rate = config.sample_rate
         self.sample_rate: float | None = None
-        self.poisson_sampling = poisson_sampling
+        self.poisson_sampling = config.poisson_sampling
         self._training = False
         self._pending_loss: torch.Tensor | None = None
         self._num_samples: int | None = None
@@ -469,3 +392,15 @@ class DPStrategyMixin:
             log.removeFilter(self._log_filter)
             self._log_filter = None
         super().teardown()
+
+
+# The options as explicit keyword parameters and documented arguments, derived from PrivacyConfig (LightningCLI and
+# help() read both; the body passes every other keyword argument on to the Lightning strategy).
+DPStrategyMixin.__doc__ = DPStrategyMixin.__doc__.replace("{options}", option_docs(indent=8))
+DPStrategyMixin.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *option_parameters(),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation=Any),
+    ]
+)

@@ -38,11 +38,9 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     Args:
         device: the device to train on; default: the one device the Trainer selects (``accelerator``,
             ``devices=1``), or ``cuda:0`` if available, else CPU, when the strategy is used outside a Trainer.
-        kwargs: the privacy arguments of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`
-            (``max_grad_norm``, ``target_epsilon``, ``target_delta``, ``noise_multiplier``, ``noise``,
-            ``noise_params``, ``clipping``, ``accountant``, ``sample_rate``, ``poisson_sampling``, ``seed``,
-            ``momentum_length``, ``momentum_beta``, ``check_batch_independence``, ``check_batch_independence_every``,
-            ``secure_mode``, ``lowpass``) and those of Lightning's ``SingleDeviceStrategy``.
+        kwargs: the privacy options, the fields of :class:`~lightning_dp.config.PrivacyConfig` (documented there
+            and in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and those of Lightning's
+            ``SingleDeviceStrategy``.
 
     Raises:
         ValueError: invalid privacy arguments (at construction); ``Trainer(devices > 1)`` or ``num_nodes > 1`` (at

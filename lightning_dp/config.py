@@ -1,0 +1,277 @@
+"""The privacy options of a run, defined, documented and validated once.
+
+:class:`PrivacyConfig` holds every option of differentially private training; :class:`~lightning_dp.PrivacyEngine`
+takes one. The users' surfaces are derived from it rather than copied:
+
+- ``DPStrategy`` / ``DPDDPStrategy`` take the options as keyword arguments: their signature and the ``Args`` of
+  their docstring are built from the fields here (:func:`option_parameters`, :func:`option_docs`), so LightningCLI
+  and ``help()`` see every option with its type, default and documentation;
+- ``PrivacyArguments`` (HF) is a dataclass generated from these fields, with two names renamed to the HF convention
+  (:data:`HF_NAMES`) and JSON text accepted where a dict is expected.
+
+A new option is one field here (type, default, documentation in ``metadata["doc"]``, a check in
+:meth:`PrivacyConfig.__post_init__` if needed); ``tests/test_config.py`` fails when a surface drifts from it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
+from lightning_dp.clipping import ENGINES
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
+from lightning_dp.clipping.guard import validate_independence_every
+from lightning_dp.data.poisson import validate_sample_rate
+from lightning_dp.mechanisms import NoiseMechanism
+from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
+from lightning_dp.mechanisms.secure import check_secure_mechanism
+from lightning_dp.naming import did_you_mean, unknown_name
+from lightning_dp.optim.lowpass import LowPassFilter, make_lowpass
+from lightning_dp.optim.momentum import validate_momentum
+
+#: option name -> its name on the HF surface (``TrainingArguments`` already has ``max_grad_norm`` and ``seed``).
+HF_NAMES = {"max_grad_norm": "per_sample_max_grad_norm", "seed": "dp_seed"}
+
+
+def _option(default: Any, doc: str, help: str) -> Any:  # noqa: A002 - "help" is the HF metadata key
+    return field(default=default, metadata={"doc": " ".join(doc.split()), "help": help})
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """Every option of a differentially private run (documented per field in ``metadata["doc"]``; see
+    :func:`option_docs`). Validated on construction.
+
+    Raises:
+        ValueError: any invalid value or combination, with what to change.
+    """
+
+    max_grad_norm: float = _option(
+        1.0,
+        "per-sample clipping bound C > 0 (l2; l1 for ``noise='laplace'``), in the units of the gradient norm.",
+        "Per-sample clipping bound C > 0.",
+    )
+    target_epsilon: float | None = _option(
+        None,
+        "privacy budget epsilon > 0; the noise is calibrated for the run's planned optimizer steps. Exclusive with "
+        "``noise_multiplier`` / ``noise_params`` / a ``NoiseMechanism`` instance: exactly one fixes the noise.",
+        "Privacy budget; the noise is calibrated for the planned steps.",
+    )
+    target_delta: float | None = _option(
+        None, "delta in (0, 1); default ``1/N^1.1`` once the dataset size N is known.", "Delta in (0, 1)."
+    )
+    noise_multiplier: float | None = _option(
+        None,
+        "Gaussian sigma: the noise std is ``sigma * C`` on the clipped sum of a logical step.",
+        "Gaussian noise multiplier sigma.",
+    )
+    noise: str | NoiseMechanism = _option(
+        "gaussian",
+        "noise mechanism, ``'gaussian' | 'laplace' | 'laplace-advanced' | 'lap2' | 'plrv'``, or a ``NoiseMechanism`` "
+        "instance (e.g. from ``search_lap2(...).mechanism()``; in Python only).",
+        "Noise mechanism: gaussian, laplace, laplace-advanced, lap2, plrv.",
+    )
+    noise_params: dict[str, Any] | None = _option(
+        None,
+        "constructor arguments of a non-Gaussian mechanism, e.g. ``{'noise_scale': 3.0}`` (JSON text on the HF "
+        "command line).",
+        'Non-Gaussian mechanism parameters as JSON, e.g. {"noise_scale": 3.0}.',
+    )
+    clipping: str = _option(
+        "flat",
+        "per-sample clipping engine, ``'flat' | 'ghost' | 'fgc' | 'mixed' | 'hutch' | 'hutchpp'`` "
+        "(:mod:`lightning_dp.clipping`).",
+        "Per-sample clipping engine: flat, ghost, fgc, mixed, hutch, hutchpp.",
+    )
+    bookkeeping: bool = _option(
+        True,
+        "form the clipped sum from the captured layer terms in one backward pass (default) instead of a second "
+        "backward (see :class:`~lightning_dp.clipping.PerSampleClipper`).",
+        "One backward pass (book-keeping) instead of a second backward.",
+    )
+    sum_check_every: int | None = _option(
+        DEFAULT_SUM_CHECK_EVERY,
+        "period in batches of the per-sample sum check under book-keeping (``None``: off; the two-backward path "
+        "checks every batch).",
+        "Batches between per-sample sum checks (None: off).",
+    )
+    projection_dim: int | None = _option(
+        None,
+        "``k`` of the randomized engines ``hutch`` / ``hutchpp`` (default 32). Their clipping norm is a random "
+        "estimate, so the run is accounted by the randomized-clipping accountant ``'rc'`` (Ullah et al. 2026, "
+        "Section 5), the default and the only one accepted there, with Gaussian noise.",
+        "Projection columns k of hutch/hutchpp (default 32).",
+    )
+    accountant: str | None = _option(
+        None,
+        "accountant name; default the mechanism's sound default (``'pld'`` for Gaussian, ``'rc'`` for randomized "
+        "clipping).",
+        "Accountant (default: the mechanism's).",
+    )
+    sample_rate: float | None = _option(
+        None,
+        "Poisson rate q in (0, 1] of the whole dataset; default ``batch_size * accumulation * W / N`` with the "
+        "per-process batch size and W processes.",
+        "Poisson rate q; default batch * accumulation * world_size / N.",
+    )
+    poisson_sampling: bool = _option(
+        True,
+        "replace the training sampler by Poisson sampling (default). ``False`` keeps the framework's batches and "
+        "logs that the reported epsilon assumes Poisson sampling, which shuffled fixed-size batches are not.",
+        "Poisson-sample the training set.",
+    )
+    seed: int | None = _option(
+        None,
+        "seed of the dedicated noise, sampling and projection generators; ``None`` uses OS entropy (recommended "
+        "for real runs). Never written to checkpoints (:mod:`lightning_dp.optim.randomness`).",
+        "Seed of the DP noise and sampling generators.",
+    )
+    momentum_length: int = _option(
+        1,
+        "``k >= 1``: each example's clipped quantity is its per-sample momentum over the ``k`` most recent iterates "
+        "(Xu et al. 2026, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`); 1 is DP-SGD. ``k > 1`` runs the "
+        "forward ``k`` times per batch (first at each stored iterate, newest first, with logging dropped there) and "
+        "keeps ``k - 1`` copies of the trainable parameters, saved in checkpoints; the accountant is unchanged "
+        "(the sensitivity stays ``C``).",
+        "Per-sample momentum length k (DP-PMLF); 1 is DP-SGD.",
+    )
+    momentum_beta: float = _option(
+        0.9,
+        "``beta`` in ``(0, 1]``, the decay of the momentum weights ``beta^(t-i) / c_beta`` (ignored when "
+        "``momentum_length = 1``).",
+        "Per-sample momentum decay beta in (0, 1].",
+    )
+    check_batch_independence: bool = _option(
+        True,
+        "on the first step, check that no example's loss depends on another example's data (``h - h.mean(0)`` "
+        "and the like; :mod:`lightning_dp.clipping.guard`); ``False`` switches the check off. Buffers written "
+        "during a training forward are rejected on every step either way.",
+        "Check on the first step that examples do not influence each other's loss.",
+    )
+    check_batch_independence_every: int | None = _option(
+        None,
+        "``N >= 1``: repeat that check every N optimizer steps (steps ``0, N, 2N, ...``; with gradient "
+        "accumulation on the step's first micro-batch with two examples or more), to catch mixing that starts "
+        "after the first step (a schedule, a data-dependent branch); ``None`` (default): the first step only. Each "
+        "checked step costs ``2 ceil(log2 B)`` extra backward passes and two extra forwards (measured: 3.6x to "
+        "4.7x the time of an unchecked step, docs/privacy.md) and leaves the update unchanged; mixing on unchecked "
+        "steps is not seen. Needs ``check_batch_independence=True``.",
+        "Repeat the batch-independence check every N optimizer steps (None: first step only).",
+    )
+    secure_mode: bool = _option(
+        False,
+        "draw the noise and sampling streams from the OS CSPRNG, reseeded for every draw, with the floating-point "
+        "mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); rejects a ``seed``.",
+        "Noise from the OS CSPRNG with floating-point mitigations; no seed.",
+    )
+    lowpass: str | dict[str, Any] | LowPassFilter | None = _option(
+        None,
+        "low-pass filter of the noisy gradient (Xu et al. 2026, Algorithm 1 lines 9-11; LP-DPSGD): ``None`` (off), "
+        "a preset name of :data:`~lightning_dp.optim.lowpass.LOWPASS_PRESETS`, or ``{'a': [a_1, ...], 'b': [b_0, "
+        "...]}`` (JSON text on the HF command line). Post-processing: no privacy cost, same accountant; its state "
+        "is checkpointed.",
+        'Low-pass filter of the noisy gradient: a preset name or JSON {"a": [...], "b": [...]}.',
+    )
+
+    def __post_init__(self) -> None:
+        validate_max_grad_norm(self.max_grad_norm)
+        validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
+        validate_momentum(self.momentum_length, self.momentum_beta)
+        if self.secure_mode and self.seed is not None:
+            raise ValueError(
+                f"secure_mode=True draws every noise sample from the OS CSPRNG, so a seed ({self.seed}) cannot "
+                "apply: remove the seed, or set secure_mode=False for a reproducible experiment"
+            )
+        if self.target_epsilon is not None:
+            validate_epsilon(self.target_epsilon)
+        if self.target_delta is not None:
+            validate_delta(self.target_delta)
+        if self.sample_rate is not None:
+            validate_sample_rate(self.sample_rate)
+        fixed_noise = [
+            self.noise_multiplier is not None,
+            bool(self.noise_params),
+            isinstance(self.noise, NoiseMechanism),
+        ]
+        if (self.target_epsilon is None) == (not any(fixed_noise)) or sum(fixed_noise) > 1:
+            raise ValueError(
+                "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
+                "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
+            )
+        if not isinstance(self.noise, NoiseMechanism):
+            mechanism_class(self.noise)  # an unknown name fails here, listing the valid ones
+        if self.accountant is not None and self.accountant not in ACCOUNTANTS:
+            raise ValueError(unknown_name("accountant", self.accountant, ACCOUNTANTS))
+        validate_sum_check(self.sum_check_every, self.bookkeeping)
+        engine = ENGINES.get(self.clipping)
+        if engine is None:
+            raise ValueError(
+                f"clipping must be one of {tuple(ENGINES)}, got {self.clipping!r}{did_you_mean(self.clipping, ENGINES)}"
+            )
+        if engine.randomized and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
+            raise ValueError(
+                f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
+                "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or an exact "
+                "engine (ghost, mixed, fgc, flat)"
+            )
+        if self.noise_multiplier is not None and self.noise != "gaussian":
+            raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {self.noise!r} pass noise_params")
+        if isinstance(self.noise, NoiseMechanism) and self.noise.max_grad_norm != self.max_grad_norm:
+            raise ValueError(
+                f"max_grad_norm={self.max_grad_norm} differs from the mechanism's {self.noise.max_grad_norm}; make "
+                "them equal"
+            )
+        if self.secure_mode:
+            check_secure_mechanism(self.noise)
+        make_lowpass(self.lowpass)  # validates the preset name or coefficients
+
+    @property
+    def noise_name(self) -> str:
+        """The mechanism's registry name (of the instance when ``noise`` is one)."""
+        return self.noise.name if isinstance(self.noise, NoiseMechanism) else self.noise
+
+    @property
+    def randomized_clipping(self) -> bool:
+        """Whether the clipping engine clips by a random norm estimate (it then needs the ``rc`` accountant)."""
+        return ENGINES[self.clipping].randomized
+
+
+def option_docs(names: dict[str, str] | None = None, indent: int = 12) -> str:
+    """The ``Args:`` entries of every option (Google style, each entry indented by ``indent`` spaces and its
+    continuation lines by 4 more), the option names renamed by ``names`` (e.g. :data:`HF_NAMES`)."""
+    names = names or {}
+    lines = []
+    for f in fields(PrivacyConfig):
+        entry = f"{names.get(f.name, f.name)}: {f.metadata['doc']}"
+        lines.extend(
+            textwrap.wrap(entry, 120 - indent, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
+        )
+    return "\n".join(lines)
+
+
+#: the option names, in declaration order.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PrivacyConfig))
+
+
+def pop_options(kwargs: dict[str, Any]) -> PrivacyConfig:
+    """Remove the option names from ``kwargs`` (in place; the rest are, e.g., a Lightning strategy's own arguments)
+    and return the :class:`PrivacyConfig` they make.
+
+    Raises:
+        ValueError: as :class:`PrivacyConfig`.
+    """
+    return PrivacyConfig(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
+
+
+def option_parameters() -> list[inspect.Parameter]:
+    """Keyword-only :class:`inspect.Parameter` of every option (name, default, annotation), for the signatures of
+    the strategies that take the options as keyword arguments."""
+    hints = typing.get_type_hints(PrivacyConfig)
+    return [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in fields(PrivacyConfig)
+    ]
