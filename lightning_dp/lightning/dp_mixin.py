@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
+from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.mechanisms import NoiseMechanism
@@ -424,7 +425,7 @@ class DPStrategyMixin:
         ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        save_lightning_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)  # atomic
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
