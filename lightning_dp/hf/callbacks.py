@@ -14,6 +14,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.checkpoints import atomic_save, atomic_write_bytes
 from lightning_dp.privacy_engine import PrivacyEngine
 
 log = logging.getLogger("lightning_dp")
@@ -87,9 +88,10 @@ class PrivacyStateCallback(TrainerCallback):
             )
         privacy_state = self.engine.state_dict()
         tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
-        (folder / PRIVACY_STATE_NAME).write_text(json.dumps(privacy_state, indent=1))
         for key, tensor_state in tensor_states.items():
-            torch.save(tensor_state, folder / TENSOR_STATE_NAMES[key])
+            atomic_save(tensor_state, folder / TENSOR_STATE_NAMES[key])
+        # last and atomic: its presence marks the folder complete (lightning_dp.checkpoints.last_complete_checkpoint)
+        atomic_write_bytes(folder / PRIVACY_STATE_NAME, json.dumps(privacy_state, indent=1).encode())
         return control
 
 

@@ -59,11 +59,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
+from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.hf.arguments import PrivacyArguments
-from lightning_dp.hf.callbacks import PrivacyBudget, PrivacyStateCallback, load_privacy_state
+from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.optim.distributed import DistributedContext, distributed_context
@@ -158,7 +158,7 @@ class DPTrainer(Trainer):
         """
         engine = self.privacy_engine
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
+from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.optim import DPOptimizer
@@ -347,7 +348,7 @@ class DPStrategyMixin:
         ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        save_lightning_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)  # atomic
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
