@@ -71,19 +71,19 @@ def check_privacy_state(state: Any) -> None:
 class PrivacyEngine:
     """Configuration and state of differentially private training.
 
-    Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
-    ``noise_multiplier`` (Gaussian) / ``noise_params`` (other mechanisms) / a ready ``NoiseMechanism`` must fix
-    the noise.
+        Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
+        ``noise_multiplier`` (Gaussian) / ``noise_params`` (other mechanisms) / a ready ``NoiseMechanism`` must fix
+        the noise.
 
-    Args:
-        config: the run's options (:class:`~lightning_dp.config.PrivacyConfig`); or give them as keyword arguments
-            instead, ``PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.1)``.
-        options: the fields of :class:`~lightning_dp.config.PrivacyConfig`, when ``config`` is not given:
-{options}
+        Args:
+            config: the run's options (:class:`~lightning_dp.config.PrivacyConfig`); or give them as keyword arguments
+                instead, ``PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.1)``.
+            options: the fields of :class:`~lightning_dp.config.PrivacyConfig`, when ``config`` is not given:
+    {options}
 
-    Raises:
-        ValueError: any invalid option or combination (see :class:`~lightning_dp.config.PrivacyConfig`), with what
-            to change; both ``config`` and keyword options.
+        Raises:
+            ValueError: any invalid option or combination (see :class:`~lightning_dp.config.PrivacyConfig`), with what
+                to change; both ``config`` and keyword options.
     """
 
     def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:

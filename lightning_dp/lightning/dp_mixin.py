@@ -54,21 +54,21 @@ def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
 
 class DPStrategyMixin:
     """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
-    accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
+        accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
-    The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
-    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
+        The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
+        ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
 
-    The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
-    (the signature lists them); every other keyword argument goes to the Lightning strategy.
+        The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
+        (the signature lists them); every other keyword argument goes to the Lightning strategy.
 
-    Args:
-{options}
-        kwargs: the Lightning strategy's own arguments.
+        Args:
+    {options}
+            kwargs: the Lightning strategy's own arguments.
 
-    Raises:
-        ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
-            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+        Raises:
+            ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
+                not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
     """
 
     def __init__(self, **kwargs: Any) -> None:
