@@ -15,11 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dp.accounting import Accountant, make_accountant, randomized_clipping_step_event
+from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
+from lightning_dp.engine_accounting import EngineAccounting
+from lightning_dp.engine_checkpoint import EngineCheckpoint
+from lightning_dp.engine_steps import EngineSteps
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class
 from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
@@ -33,57 +36,22 @@ def default_delta(num_samples: int) -> float:
     return 1.0 / num_samples**1.1
 
 
-_CORRUPT_STATE = (
-    "The checkpoint's privacy state is corrupted or incomplete (resuming from it could restart epsilon at 0); resume "
-    "from an intact earlier checkpoint of this run"
-)
-
-
-def check_privacy_state(state: Any) -> None:
-    """Check the structure of a :meth:`PrivacyEngine.state_dict` read back from a checkpoint.
-
-    Raises:
-        ValueError: not a dict with ``accountant`` (a dict with a name and a ledger of ``[event, count]`` pairs
-            with positive counts), ``mechanism`` (a dict with a name), ``target_delta`` and ``sample_rate`` (numbers
-            in (0, 1]).
-    """
-    problem = None
-    if not isinstance(state, dict) or not {"accountant", "mechanism", "target_delta", "sample_rate"} <= set(state):
-        problem = "missing entries (accountant, mechanism, target_delta, sample_rate)"
-    elif not isinstance(state["mechanism"], dict) or "name" not in state["mechanism"]:
-        problem = "no mechanism name"
-    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("ledger"), list):
-        problem = "no accountant ledger"
-    elif any(
-        not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[1], int) or item[1] < 1
-        for item in state["accountant"]["ledger"]
-    ):
-        problem = "ledger entries that are not [event, positive count]"
-    else:
-        for key in ("target_delta", "sample_rate"):
-            value = state[key]
-            if not isinstance(value, int | float) or not 0 < value <= 1:
-                problem = f"{key}={value!r}"
-    if problem is not None:
-        raise ValueError(f"{_CORRUPT_STATE}: {problem}")
-
-
-class PrivacyEngine:
+class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
     """Configuration and state of differentially private training.
 
-        Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
-        ``noise_multiplier`` (Gaussian) / ``noise_params`` (other mechanisms) / a ready ``NoiseMechanism`` must fix
-        the noise.
+    Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
+    ``noise_multiplier`` (Gaussian) / ``noise_params`` (other mechanisms) / a ready ``NoiseMechanism`` must fix
+    the noise.
 
-        Args:
-            config: the run's options (:class:`~lightning_dp.config.PrivacyConfig`); or give them as keyword arguments
-                instead, ``PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.1)``.
-            options: the fields of :class:`~lightning_dp.config.PrivacyConfig`, when ``config`` is not given:
-    {options}
+    Args:
+        config: the run's options (:class:`~lightning_dp.config.PrivacyConfig`); or give them as keyword arguments
+            instead, ``PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.1)``.
+        options: the fields of :class:`~lightning_dp.config.PrivacyConfig`, when ``config`` is not given:
+            {options}
 
-        Raises:
-            ValueError: any invalid option or combination (see :class:`~lightning_dp.config.PrivacyConfig`), with what
-                to change; both ``config`` and keyword options.
+    Raises:
+        ValueError: any invalid option or combination (see :class:`~lightning_dp.config.PrivacyConfig`), with what
+            to change; both ``config`` and keyword options.
     """
 
     def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:
@@ -342,218 +310,5 @@ class PrivacyEngine:
             postprocess=self.lowpass.apply_ if self.lowpass is not None else None,
         )
 
-    # ------------------------------------------------------------------------------------------ accounting
-    def step_event(self) -> Any:
-        """The privacy event of one logical step."""
-        assert self.mechanism is not None and self.sample_rate is not None and self.num_params is not None
-        if self.randomized_clipping:
-            assert self.clipper is not None and self.norm_dim is not None
-            return randomized_clipping_step_event(
-                self.mechanism.noise_multiplier,
-                self.sample_rate,
-                self.clipper.engine.projection_dim,
-                self.norm_dim,
-                self.clipping,
-            )
-        return self.mechanism.step_event(self.sample_rate, self.num_params)
 
-    def record_step(self) -> None:
-        """Record one completed logical step with the accountant."""
-        assert self.accountant is not None
-        self.accountant.compose(self.step_event())
-
-    @property
-    def steps(self) -> int:
-        """Logical steps taken (and accounted) so far."""
-        return self.accountant.steps if self.accountant is not None else 0
-
-    def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far at ``delta`` (default ``target_delta``); ``inf`` when no noise is added."""
-        if self.accountant is None or self.steps == 0:
-            return 0.0
-        assert self.mechanism is not None
-        if self.mechanism.is_noiseless:
-            return math.inf
-        delta = delta if delta is not None else self.target_delta
-        key = (self.steps, delta, len(self.accountant.ledger))
-        if self._epsilon_cache is None or self._epsilon_cache[0] != key:
-            self._epsilon_cache = (key, self.accountant.get_epsilon(delta))
-        return self._epsilon_cache[1]
-
-    def max_steps_within(self, epsilon_budget: float) -> int:
-        """The largest total number of steps whose epsilon stays <= ``epsilon_budget`` (cached per budget).
-
-        Counts the steps already taken plus further steps of the current event; found by doubling and bisection.
-        """
-        if self._max_steps_cache and self._max_steps_cache[0] == epsilon_budget:
-            return self._max_steps_cache[1]
-        assert self.accountant is not None and self.mechanism is not None
-        if self.mechanism.is_noiseless:
-            return self.steps if self.steps == 0 else 0
-
-        def eps_after(extra: int) -> float:
-            return self.accountant.copy().compose(self.step_event(), extra).get_epsilon(self.target_delta)
-
-        if eps_after(0) > epsilon_budget:
-            result = self.steps
-        else:
-            lo, hi = 0, 1
-            while eps_after(hi) <= epsilon_budget and hi < 10**9:
-                lo, hi = hi, hi * 2
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if eps_after(mid) <= epsilon_budget else (lo, mid)
-            result = self.steps + lo
-        self._max_steps_cache = (epsilon_budget, result)
-        return result
-
-    def budget_exhausted(self) -> bool:
-        """True when an ``epsilon_budget`` is set and one more step would exceed it."""
-        if self.epsilon_budget is None or self.accountant is None:
-            return False
-        return self.steps >= self.max_steps_within(self.epsilon_budget)
-
-    def set_epsilon_budget(self, target_epsilon: float | None, *, configured_in: str) -> None:
-        """Enforce ``target_epsilon`` (default: this engine's ``target_epsilon``) as the budget of
-        :meth:`budget_exhausted` (the ``PrivacyBudget`` callbacks of Lightning and HF).
-
-        Raises:
-            ValueError: neither is set (``configured_in`` names where the user could set it).
-        """
-        budget = target_epsilon if target_epsilon is not None else self.target_epsilon
-        if budget is None:
-            raise ValueError(f"PrivacyBudget needs target_epsilon (here or in {configured_in})")
-        self.epsilon_budget = budget
-
-    def log_budget_stop(self) -> None:
-        """Warn that training stops because one more step would exceed the budget."""
-        log.warning(
-            "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
-            "epsilon=%.4g (delta=%.3g). Stopping training.",
-            self.epsilon(),
-            self.steps,
-            self.epsilon_budget,
-            self.target_delta,
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant."""
-        assert self.mechanism is not None and self.accountant is not None
-        return {
-            "epsilon": self.epsilon(),
-            "delta": self.target_delta,
-            "noise": self.mechanism.name,
-            **self.mechanism.describe(),
-            "steps": self.steps,
-            "sample_rate": self.sample_rate,
-            "num_params": self.num_params,
-            "accountant": self.accountant.name,
-            "clipping": self.clipping,
-            **(
-                {"projection_dim": self.clipper.engine.projection_dim, "norm_dim": self.norm_dim}
-                if self.randomized_clipping and self.clipper is not None
-                else {}
-            ),
-            **(
-                {"momentum_length": self.momentum.momentum_length, "momentum_beta": self.momentum.momentum_beta}
-                if self.momentum.enabled
-                else {}
-            ),
-            **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
-            **({"BROKEN_FOR_TESTING": self.broken_for_testing} if self.broken_for_testing else {}),
-        }
-
-    # ------------------------------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
-
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`. With per-sample
-        momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
-        noisy releases only). With a low-pass filter, also
-        ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
-        """
-        assert self.mechanism is not None and self.accountant is not None
-        state = {
-            "accountant": self.accountant.state_dict(),
-            "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
-            "target_delta": self.target_delta,
-            "sample_rate": self.sample_rate,
-        }
-        if self.momentum.enabled:
-            state["momentum"] = self.momentum.state_dict()
-        if self.lowpass is not None:
-            state["lowpass"] = self.lowpass.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
-        is replayed into this run's accountant (events are data, so another accountant may recompute them), and
-        the random streams restart so that no noise of the first run is replayed.
-
-        The low-pass filter's state, if any, is restored too.
-
-        Raises:
-            ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
-                noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
-                event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
-                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
-                checkpoint's lowpass coefficients differ from this run's.
-        """
-        check_privacy_state(state)
-        if "momentum" in state:
-            self.momentum.load_state_dict(state["momentum"])
-        elif self.momentum.enabled:
-            raise ValueError(
-                f"The checkpoint was trained without per-sample momentum, this run uses momentum_length="
-                f"{self.momentum.momentum_length}: resume with the same per-sample momentum"
-            )
-        params = dict(state["mechanism"])
-        name = params.pop("name")
-        if name != self.noise_name:
-            raise ValueError(f"The checkpoint was trained with noise={name!r}, this run asks for {self.noise_name!r}")
-        if params.get("max_grad_norm") != self.max_grad_norm:
-            raise ValueError(
-                f"The checkpoint was trained with max_grad_norm={params.get('max_grad_norm')}, this run uses "
-                f"{self.max_grad_norm}; resume with the same clipping bound"
-            )
-        restored = make_mechanism(name, **params)
-        if self.mechanism is not None and self.mechanism.describe() != restored.describe():
-            raise ValueError(
-                f"The checkpoint's noise {restored.describe()} differs from this run's {self.mechanism.describe()}; "
-                "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
-            )
-        self.mechanism = restored
-        saved_delta = state["target_delta"]
-        if self.target_delta is None:
-            self.target_delta = saved_delta
-        elif not math.isclose(self.target_delta, saved_delta):
-            log.warning(
-                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
-                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
-                saved_delta,
-                self.target_delta,
-            )
-        saved = make_accountant(state["accountant"]["name"])
-        try:
-            saved.load_state_dict(state["accountant"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
-        self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
-        for event, count in saved.ledger:
-            self.accountant.compose(event, count)
-        self._restored_sample_rate = state["sample_rate"]
-        self.randomness.restart(self.accountant.steps)
-        self._load_lowpass_state(state.get("lowpass"))
-
-    def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
-        """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""
-        if self.lowpass is not None and state is not None:
-            self.lowpass.load_state_dict(state)
-        elif self.lowpass is not None:
-            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
-        elif state is not None:
-            log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")
-
-
-PrivacyEngine.__doc__ = PrivacyEngine.__doc__.replace("{options}", option_docs())
+PrivacyEngine.__doc__ = PrivacyEngine.__doc__.replace(" " * 12 + "{options}", option_docs(indent=12))

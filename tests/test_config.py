@@ -23,7 +23,7 @@ def test_strategies_take_exactly_the_options_as_keywords(strategy) -> None:
     for name, default in CONFIG_DEFAULTS.items():
         assert name in seen, f"{strategy.__name__} does not expose the option {name!r} to LightningCLI"
         assert seen[name] == default, name
-    help_text = parser.format_help()
+    help_text = " ".join(parser.format_help().split())  # argparse wraps to the terminal's width
     assert "per-sample clipping bound C > 0" in help_text  # the option's documentation, from PrivacyConfig
     built = strategy(noise_multiplier=1.3, clipping="ghost", seed=3, sample_rate=0.1)
     assert built.privacy_engine.config == PrivacyConfig(noise_multiplier=1.3, clipping="ghost", seed=3, sample_rate=0.1)

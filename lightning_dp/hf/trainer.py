@@ -61,7 +61,6 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 
 from lightning_dp.checkpoints import last_complete_checkpoint
-from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
@@ -111,14 +110,25 @@ class DPTrainer(Trainer):
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
-        self.num_samples: int | None = None
-        self.sample_rate: float | None = None
-        self.last_clip_fraction: float | None = None
         self._dp_optimizer: DPOptimizer | None = None
-        self._micro_batches = 0
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The run's Poisson rate q (known once the training loader is built)."""
+        return self.privacy_engine.loader_sample_rate
+
+    @property
+    def num_samples(self) -> int | None:
+        """The training set's size N (known once the training loader is built)."""
+        return self.privacy_engine.num_samples
+
+    @property
+    def last_clip_fraction(self) -> float | None:
+        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
+        return self.privacy_engine.last_clip_fraction
 
     # ------------------------------------------------------------------------------------------ configuration
     def _custom_per_example_loss(self) -> bool:
@@ -167,7 +177,6 @@ class DPTrainer(Trainer):
         if self._distributed is not None:
             if self._log_filter is None:
                 self._log_filter = self._distributed.log_on_rank_zero_only()
-            self._distributed.synchronize_randomness(engine.randomness)
             self._distributed.broadcast_module(self.model)
         # Never DistributedDataParallel: accelerate's switch that skips the DDP/FSDP wrapping (module docstring).
         accelerator = self.accelerator
@@ -176,75 +185,30 @@ class DPTrainer(Trainer):
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.bind(engine)
-        engine.attach(self.model)
-        self._micro_batches = 0
+        engine.start_run(self.model, self._distributed)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
         finally:
             engine.detach()
 
     def get_train_dataloader(self) -> DataLoader:
-        """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches.
+        """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
+        shard at the global rate q (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.training_loader`).
 
         Raises:
             ValueError: the training set changed size between calls; ``poisson_sampling=False`` on several processes.
             TypeError: an iterable dataset (Poisson sampling needs ``__len__``).
         """
-        loader = super().get_train_dataloader()
-        args = self.args
-        context = self._distributed
-        rank, world_size = (context.rank, context.world_size) if context is not None else (0, 1)
-        if not hasattr(loader.dataset, "__len__"):
-            raise TypeError("DPTrainer needs a map-style train_dataset (with __len__) to Poisson-sample it")
-        num_samples = len(loader.dataset)
-        micro_batches = args.gradient_accumulation_steps
-        sample_rate = self.privacy_args.sample_rate or expected_batch_sample_rate(
-            num_samples=num_samples,
-            batch_size=args.per_device_train_batch_size,
-            micro_batches=micro_batches,
-            world_size=world_size,
-        )
-        if self.num_samples is not None and (num_samples, sample_rate) != (
-            self.num_samples,
-            self.sample_rate,
-        ):
-            raise ValueError(
-                f"The training data changed between runs (N {self.num_samples} -> {num_samples}, q {self.sample_rate} "
-                f"-> {sample_rate}): the accountant and the noise scale assume one dataset and sample rate"
-            )
-        self.num_samples, self.sample_rate = num_samples, sample_rate
-        if not self.privacy_args.poisson_sampling:
-            if world_size > 1:
-                raise ValueError(
-                    "poisson_sampling=False is not supported on several processes: keep poisson_sampling=True (each "
-                    "rank then Poisson-samples its shard of the whole dataset)"
-                )
-            log.warning(
-                "poisson_sampling=False: batches come from the Trainer's sampler, but the reported epsilon assumes "
-                "Poisson sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
-                sample_rate,
-            )
-            if len(loader) % micro_batches:
-                raise ValueError(
-                    f"{len(loader)} batches per epoch is not a multiple of gradient_accumulation_steps="
-                    f"{micro_batches}: the last optimizer step would use fewer examples than the others; choose sizes "
-                    "that divide evenly, or keep poisson_sampling=True"
-                )
-            return loader
-        return poisson_dataloader(
-            loader,
-            sample_rate=sample_rate,
-            micro_batches=micro_batches,
-            generator=self.privacy_engine.randomness.sampling,
-            rank=rank,
-            world_size=world_size,
+        return self.privacy_engine.training_loader(
+            super().get_train_dataloader(),
+            batch_size=self.args.per_device_train_batch_size,
+            micro_batches=self.args.gradient_accumulation_steps,
         )
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer, wrapped in a ``DPOptimizer`` after the engine is prepared for the planned steps.
-
-        On several processes, the ranks must agree on the dataset size, sample rate and noise, and the clipped sums
-        are SUM all-reduced before the noise.
+        """The Trainer's optimizer, wrapped in a ``DPOptimizer`` once the engine is prepared for the planned steps
+        (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.start_training`: on several processes the ranks must
+        agree on N, q and the noise, and the clipped sums are SUM all-reduced before the noise).
 
         Raises:
             RuntimeError: called outside :meth:`train` (the sample rate and the planned steps are not known yet);
@@ -253,23 +217,12 @@ class DPTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         if isinstance(optimizer, DPOptimizer) or isinstance(getattr(optimizer, "optimizer", None), DPOptimizer):
             return optimizer
-        if self.num_samples is None or self.sample_rate is None:
+        if self.sample_rate is None:
             raise RuntimeError("DPTrainer creates its optimizer inside train(), once the training data is known")
         planned = self.state.max_steps
-        self.privacy_engine.prepare(
-            num_samples=self.num_samples,
-            sample_rate=self.sample_rate,
-            total_steps=planned if planned and planned > 0 else None,
+        (self._dp_optimizer,) = self.privacy_engine.start_training(
+            [optimizer], total_steps=planned if planned and planned > 0 else None
         )
-        engine, context = self.privacy_engine, self._distributed
-        reduce = None
-        if context is not None:
-            context.check_identical(
-                "dataset size, sample rate and noise",
-                (self.num_samples, self.sample_rate, engine.mechanism.name, engine.mechanism.describe()),
-            )
-            reduce = context.reduce_clipped_sum
-        self._dp_optimizer = engine.wrap_optimizer(optimizer, reduce_clipped_sum=reduce)
         self.optimizer = self._dp_optimizer
         return self.optimizer
 
@@ -328,8 +281,7 @@ class DPTrainer(Trainer):
                 (it would not be one Poisson sample).
         """
         engine = self.privacy_engine
-        micro_batches = self.args.gradient_accumulation_steps
-        self._micro_batches += 1
+        engine.count_micro_batch()
         exhausted = engine.budget_exhausted()
         loss = torch.zeros((), device=self.args.device)
         if exhausted:
@@ -341,29 +293,19 @@ class DPTrainer(Trainer):
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
-                raw_inputs, inputs = inputs, engine.guard.before_forward(inputs, size)
-                with self.compute_loss_context_manager():
-                    if engine.momentum.enabled:  # the same micro-batch at each stored iterate first
-                        engine.add_past_iterates(lambda: self.compute_per_example_loss(model, inputs))
-                    losses = self.compute_per_example_loss(model, inputs)
-                engine.guard.after_forward(losses)
-                engine.guard.leave_half_out(
-                    lambda batch: self.compute_per_example_loss(model, batch), raw_inputs, len(losses), model
-                )
-            norms = engine.clipper.backward(losses, weight=engine.momentum.current_weight)
-            if norms.numel():
-                self.last_clip_fraction = float((norms > engine.max_grad_norm).float().mean())
+
+                def compute(batch: dict[str, Any]) -> torch.Tensor:
+                    with self.compute_loss_context_manager():
+                        return self.compute_per_example_loss(model, batch)
+
+                losses = engine.per_sample_loss(inputs, size, compute, module=model)
+            if engine.clip(losses).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
-            if self._micro_batches != micro_batches:
-                raise RuntimeError(
-                    f"An optimizer step after {self._micro_batches} micro-batches, expected gradient_accumulation_steps"
-                    f"={micro_batches}: a logical step must be exactly one Poisson sample"
-                )
-            self._micro_batches = 0
+            engine.end_logical_step(self.args.gradient_accumulation_steps)
             if not exhausted:
                 self._dp_optimizer.privatise()
-        return loss / micro_batches
+        return loss / self.args.gradient_accumulation_steps
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started."""

@@ -24,11 +24,9 @@ import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader
 
 from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.config import option_docs, option_parameters, pop_options
-from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.optim.distributed import DistributedContext
 from lightning_dp.privacy_engine import PrivacyEngine
@@ -36,6 +34,14 @@ from lightning_dp.privacy_engine import PrivacyEngine
 log = logging.getLogger("lightning_dp")
 
 _UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+
+
+def _batch_size(batch: Any) -> int | None:
+    """Lightning's reading of the batch size (``None`` when no tensor gives it)."""
+    try:
+        return extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError):
+        return None
 
 
 @contextmanager
@@ -54,36 +60,40 @@ def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
 
 class DPStrategyMixin:
     """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
-        accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
+    accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
-        The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
-        ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
+    The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
+    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
 
-        The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
-        (the signature lists them); every other keyword argument goes to the Lightning strategy.
+    The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
+    (the signature lists them); every other keyword argument goes to the Lightning strategy.
 
-        Args:
-    {options}
-            kwargs: the Lightning strategy's own arguments.
+    Args:
+        {options}
+        kwargs: the Lightning strategy's own arguments.
 
-        Raises:
-            ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
-                not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+    Raises:
+        ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
+            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         config = pop_options(kwargs)
         super().__init__(**kwargs)
         self.privacy_engine = PrivacyEngine(config)
-        self._requested_sample_rate = config.sample_rate
-        self.sample_rate: float | None = None
-        self.poisson_sampling = config.poisson_sampling
-        self._training = False
         self._pending_loss: torch.Tensor | None = None
-        self._num_samples: int | None = None
-        self.last_clip_fraction: float | None = None
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The run's Poisson rate q (known once the training loader is built)."""
+        return self.privacy_engine.loader_sample_rate
+
+    @property
+    def last_clip_fraction(self) -> float | None:
+        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
+        return self.privacy_engine.last_clip_fraction
 
     def _distributed_context(self) -> DistributedContext | None:
         """The process group the DP collectives run over; ``None`` (one process) unless a strategy says otherwise."""
@@ -117,78 +127,30 @@ class DPStrategyMixin:
                 f"{type(self).__name__}(max_grad_norm=...)"
             )
         super().setup(trainer)
-        self._training = False
         if trainer.state.fn == "fit":
             if not self.lightning_module.automatic_optimization:
                 raise ValueError(
                     f"{type(self).__name__} supports automatic optimization only; remove automatic_optimization=False"
                 )
-            self.privacy_engine.attach(self.lightning_module)
-            if self._distributed is not None:
-                self._distributed.synchronize_randomness(self.privacy_engine.randomness)
+            self.privacy_engine.start_run(self.lightning_module, self._distributed)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Replace the training loader's sampling with Poisson sampling (other stages are untouched).
-
-        On W processes each rank Poisson-samples its shard of the whole dataset at the global rate q, for the same
-        number of steps (see :mod:`lightning_dp.data.poisson`).
-        """
+        """The training loader of the run (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.training_loader`:
+        Poisson sampling of this rank's shard at the global rate q); other stages are untouched."""
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        if not isinstance(dataloader, DataLoader) or not hasattr(dataloader.dataset, "__len__"):
-            raise TypeError(f"{type(self).__name__} needs a torch DataLoader over a map-style dataset (with __len__)")
-        num_samples = len(dataloader.dataset)
-        rank, world_size = (self._distributed.rank, self._distributed.world_size) if self._distributed else (0, 1)
-        micro_batches = trainer.accumulate_grad_batches
-        batch_size = dataloader.batch_size or getattr(dataloader.batch_sampler, "batch_size", None)
-        if self._requested_sample_rate is not None:
-            sample_rate = self._requested_sample_rate
-        elif batch_size:
-            sample_rate = expected_batch_sample_rate(
-                num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
-            )
-            if self.sample_rate is None:  # logged once, at the first training loader
-                log.info(
-                    "Privacy defaults applied: sample_rate = batch_size %d x accumulate_grad_batches %d x %d "
-                    "process(es) / N %d = %.4g (Poisson sampling)",
-                    batch_size,
-                    micro_batches,
-                    world_size,
-                    num_samples,
-                    sample_rate,
-                )
-        else:
-            raise ValueError(f"Cannot infer the expected batch size: pass {type(self).__name__}(sample_rate=...)")
-        if self._training and (num_samples, sample_rate) != (self._num_samples, self.sample_rate):
-            raise ValueError(
-                f"The training data changed during fit (N {self._num_samples} -> {num_samples}, q {self.sample_rate} "
-                f"-> {sample_rate}): reloading dataloaders of another size is not supported under DP, the accountant "
-                "and the noise scale assume one dataset"
-            )
-        self._num_samples, self.sample_rate = num_samples, sample_rate
-        if not self.poisson_sampling:
-            log.warning(
-                "poisson_sampling=False: batches come from your sampler, but the reported epsilon assumes Poisson "
-                "sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
-                sample_rate,
-            )
-            return dataloader
-        return poisson_dataloader(
-            dataloader,
-            sample_rate=sample_rate,
-            micro_batches=micro_batches,
-            generator=self.privacy_engine.randomness.sampling,
-            rank=rank,
-            world_size=world_size,
+        batch_size = getattr(dataloader, "batch_size", None) or getattr(
+            getattr(dataloader, "batch_sampler", None), "batch_size", None
+        )
+        return self.privacy_engine.training_loader(
+            dataloader, batch_size=batch_size, micro_batches=trainer.accumulate_grad_batches
         )
 
     def on_train_start(self) -> None:
-        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers.
-
-        On several processes every rank does the same (so the accountants agree), checks that all ranks agree on
-        the dataset size, sample rate and noise, and wraps the optimizers with the SUM all-reduce of the clipped
-        sums.
+        """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers
+        (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.start_training`; on several processes the ranks must
+        agree on N, q and the noise, and the clipped sums are SUM all-reduced).
 
         Raises:
             ValueError: with ``accumulate_grad_batches = k > 1``, when an epoch's batch count is not a multiple of
@@ -198,26 +160,11 @@ class DPStrategyMixin:
         """
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        if self._num_samples is None or self.sample_rate is None:
-            raise RuntimeError(f"{type(self).__name__} saw no training dataloader")
         self._check_logical_steps(trainer)
         planned = trainer.estimated_stepping_batches
-        self.privacy_engine.prepare(
-            num_samples=self._num_samples,
-            sample_rate=self.sample_rate,
-            total_steps=int(planned) if math.isfinite(planned) else None,
+        self.optimizers = self.privacy_engine.start_training(
+            self.optimizers, total_steps=int(planned) if math.isfinite(planned) else None
         )
-        reduce = None
-        if self._distributed is not None:
-            engine = self.privacy_engine
-            self._distributed.check_identical(
-                "dataset size, sample rate and noise",
-                (self._num_samples, self.sample_rate, engine.mechanism.name, engine.mechanism.describe()),
-            )
-            reduce = self._distributed.reduce_clipped_sum
-        wrap = self.privacy_engine.wrap_optimizer
-        self.optimizers = [wrap(opt, reduce_clipped_sum=reduce) for opt in self.optimizers]
-        self._training = True
 
     @staticmethod
     def _check_logical_steps(trainer: pl.Trainer) -> None:
@@ -239,28 +186,39 @@ class DPStrategyMixin:
 
     # ------------------------------------------------------------------------------------------- the step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the user's step, keep its per-sample loss for clipping, hand Lightning its mean for logging.
+        """Run the user's step through the engine's per-sample loss sequence (guard, per-sample momentum,
+        independence checks), keep its per-sample loss for clipping, hand Lightning its mean for logging.
 
-        With per-sample momentum, the user's step first runs on the same batch at each stored iterate (logging
-        off), and those per-sample losses go to the clipper with their weights.
+        The extra runs of the user's step (at the stored iterates of per-sample momentum, and the leave-half-out
+        forwards) have ``self.log`` / ``self.log_dict`` switched off.
         """
         engine = self.privacy_engine
         if engine.budget_exhausted():
             return None
-        raw_args, raw_kwargs = args, kwargs
-        args, kwargs = self._guarded_batch(args, kwargs)
+        batch = args[0] if args else kwargs.get("batch")
         step = super().training_step
-        if engine.momentum.enabled:
+        outputs: list[Any] = []
+
+        def run(on: Any) -> Any:
+            if args:
+                call_args, call_kwargs = (on, *args[1:]), kwargs
+            else:
+                call_args, call_kwargs = args, {**kwargs, "batch": on} if "batch" in kwargs else kwargs
+            return step(*call_args, **call_kwargs), call_args, call_kwargs
+
+        def current(on: Any) -> torch.Tensor | None:
+            output, call_args, call_kwargs = run(on)
+            outputs.append(output)
+            return self._per_sample_loss(output, call_args, call_kwargs)
+
+        def replay(on: Any) -> torch.Tensor | None:
             with _logging_dropped(self.lightning_module):
-                engine.add_past_iterates(lambda: self._per_sample_loss(step(*args, **kwargs), args, kwargs))
-        output = step(*args, **kwargs)
-        loss = self._per_sample_loss(output, args, kwargs)
+                return self._per_sample_loss(*run(on))
+
+        loss = engine.per_sample_loss(batch, _batch_size(batch), current, replay=replay, module=self.lightning_module)
+        output = outputs[-1]
         if loss is None:
-            engine.clipper.discard_past_iterates()
             return output
-        engine.guard.after_forward(loss)
-        if engine.guard.leave_half_out_pending:
-            self._leave_half_out(step, raw_args, raw_kwargs, len(loss))
         self._pending_loss = loss
         reduced = loss.mean() if loss.numel() else loss.sum()
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
@@ -283,39 +241,12 @@ class DPStrategyMixin:
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
         return loss
 
-    def _leave_half_out(self, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any], batch_size: int) -> None:
-        """The guard's forward-only leave-half-out check of the user's step on this batch (logging off)."""
-
-        def on(batch: Any) -> torch.Tensor | None:
-            call_args, call_kwargs = ((batch, *args[1:]), kwargs) if args else (args, {**kwargs, "batch": batch})
-            return self._per_sample_loss(step(*call_args, **call_kwargs), call_args, call_kwargs)
-
-        batch = args[0] if args else kwargs.get("batch")
-        with _logging_dropped(self.lightning_module):
-            self.privacy_engine.guard.leave_half_out(on, batch, batch_size, self.lightning_module)
-
-    def _guarded_batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The step's arguments with the batch passed through the engine's guard (buffer watch; float inputs as
-        gradient leaves while the batch-independence check is pending: first step, and every checked step)."""
-        batch = args[0] if args else kwargs.get("batch")
-        try:
-            size = extract_batch_size(batch)
-        except (MisconfigurationException, RecursionError):
-            size = None
-        batch = self.privacy_engine.guard.before_forward(batch, size)
-        if args:
-            return (batch, *args[1:]), kwargs
-        return args, {**kwargs, "batch": batch} if "batch" in kwargs else kwargs
-
     @staticmethod
     def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
         """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
         would give each example two clipped contributions (sensitivity 2C)."""
-        try:
-            size = extract_batch_size(batch)
-        except (MisconfigurationException, RecursionError):
-            return  # no tensor to read a batch size from; the clipper still checks the layers' batch dimension
-        if size != loss.shape[0]:
+        size = _batch_size(batch)
+        if size is not None and size != loss.shape[0]:  # None: the clipper still checks the layers' batch size
             raise ValueError(
                 f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
                 "exactly one loss per example (average the losses of an example's augmented copies)"
@@ -334,10 +265,7 @@ class DPStrategyMixin:
         per_sample_loss, self._pending_loss = self._pending_loss, None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        engine = self.privacy_engine
-        norms = engine.clipper.backward(per_sample_loss, weight=engine.momentum.current_weight)
-        if norms.numel():
-            self.last_clip_fraction = float((norms > self.privacy_engine.max_grad_norm).float().mean())
+        self.privacy_engine.clip(per_sample_loss)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -397,7 +325,7 @@ class DPStrategyMixin:
 
 # The options as explicit keyword parameters and documented arguments, derived from PrivacyConfig (LightningCLI and
 # help() read both; the body passes every other keyword argument on to the Lightning strategy).
-DPStrategyMixin.__doc__ = DPStrategyMixin.__doc__.replace("{options}", option_docs(indent=8))
+DPStrategyMixin.__doc__ = DPStrategyMixin.__doc__.replace(" " * 8 + "{options}", option_docs(indent=8))
 DPStrategyMixin.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),

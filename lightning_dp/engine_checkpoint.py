@@ -1,0 +1,143 @@
+"""The checkpoint state of :class:`~lightning_dp.privacy_engine.PrivacyEngine`: what a resumed run needs to continue
+the same epsilon curve (ledger, mechanism, delta, sample rate, per-sample momentum and low-pass state), never a seed
+or a generator state (docs/design.md section 2.3)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from lightning_dp.accounting import make_accountant
+from lightning_dp.mechanisms import make_mechanism
+
+log = logging.getLogger("lightning_dp")
+
+_CORRUPT_STATE = (
+    "The checkpoint's privacy state is corrupted or incomplete (resuming from it could restart epsilon at 0); resume "
+    "from an intact earlier checkpoint of this run"
+)
+
+
+def check_privacy_state(state: Any) -> None:
+    """Check the structure of a :meth:`PrivacyEngine.state_dict` read back from a checkpoint.
+
+    Raises:
+        ValueError: not a dict with ``accountant`` (a dict with a name and a ledger of ``[event, count]`` pairs
+            with positive counts), ``mechanism`` (a dict with a name), ``target_delta`` and ``sample_rate`` (numbers
+            in (0, 1]).
+    """
+    problem = None
+    if not isinstance(state, dict) or not {"accountant", "mechanism", "target_delta", "sample_rate"} <= set(state):
+        problem = "missing entries (accountant, mechanism, target_delta, sample_rate)"
+    elif not isinstance(state["mechanism"], dict) or "name" not in state["mechanism"]:
+        problem = "no mechanism name"
+    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("ledger"), list):
+        problem = "no accountant ledger"
+    elif any(
+        not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[1], int) or item[1] < 1
+        for item in state["accountant"]["ledger"]
+    ):
+        problem = "ledger entries that are not [event, positive count]"
+    else:
+        for key in ("target_delta", "sample_rate"):
+            value = state[key]
+            if not isinstance(value, int | float) or not 0 < value <= 1:
+                problem = f"{key}={value!r}"
+    if problem is not None:
+        raise ValueError(f"{_CORRUPT_STATE}: {problem}")
+
+
+class EngineCheckpoint:
+    """Checkpoint methods of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
+
+        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`. With per-sample
+        momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
+        noisy releases only). With a low-pass filter, also
+        ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
+        """
+        assert self.mechanism is not None and self.accountant is not None
+        state = {
+            "accountant": self.accountant.state_dict(),
+            "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
+            "target_delta": self.target_delta,
+            "sample_rate": self.sample_rate,
+        }
+        if self.momentum.enabled:
+            state["momentum"] = self.momentum.state_dict()
+        if self.lowpass is not None:
+            state["lowpass"] = self.lowpass.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
+        is replayed into this run's accountant (events are data, so another accountant may recompute them), and
+        the random streams restart so that no noise of the first run is replayed.
+
+        The low-pass filter's state, if any, is restored too.
+
+        Raises:
+            ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
+                noise parameters that differ from the checkpoint's (continuing would silently change the noise
+                relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
+                event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
+                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
+                checkpoint's lowpass coefficients differ from this run's.
+        """
+        check_privacy_state(state)
+        if "momentum" in state:
+            self.momentum.load_state_dict(state["momentum"])
+        elif self.momentum.enabled:
+            raise ValueError(
+                f"The checkpoint was trained without per-sample momentum, this run uses momentum_length="
+                f"{self.momentum.momentum_length}: resume with the same per-sample momentum"
+            )
+        params = dict(state["mechanism"])
+        name = params.pop("name")
+        if name != self.noise_name:
+            raise ValueError(f"The checkpoint was trained with noise={name!r}, this run asks for {self.noise_name!r}")
+        if params.get("max_grad_norm") != self.max_grad_norm:
+            raise ValueError(
+                f"The checkpoint was trained with max_grad_norm={params.get('max_grad_norm')}, this run uses "
+                f"{self.max_grad_norm}; resume with the same clipping bound"
+            )
+        restored = make_mechanism(name, **params)
+        if self.mechanism is not None and self.mechanism.describe() != restored.describe():
+            raise ValueError(
+                f"The checkpoint's noise {restored.describe()} differs from this run's {self.mechanism.describe()}; "
+                "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
+            )
+        self.mechanism = restored
+        saved_delta = state["target_delta"]
+        if self.target_delta is None:
+            self.target_delta = saved_delta
+        elif not math.isclose(self.target_delta, saved_delta):
+            log.warning(
+                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
+                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
+                saved_delta,
+                self.target_delta,
+            )
+        saved = make_accountant(state["accountant"]["name"])
+        try:
+            saved.load_state_dict(state["accountant"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
+        self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
+        for event, count in saved.ledger:
+            self.accountant.compose(event, count)
+        self._restored_sample_rate = state["sample_rate"]
+        self.randomness.restart(self.accountant.steps)
+        self._load_lowpass_state(state.get("lowpass"))
+
+    def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""
+        if self.lowpass is not None and state is not None:
+            self.lowpass.load_state_dict(state)
+        elif self.lowpass is not None:
+            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
+        elif state is not None:
+            log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")

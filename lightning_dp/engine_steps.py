@@ -1,0 +1,238 @@
+"""The run sequence of DP training, which every trainer adapter drives through its framework's hooks.
+
+One run, whatever the trainer (docs/design.md section 2.2):
+
+1. :meth:`EngineSteps.start_run` (the trainer's set-up): attach the clipping hooks; on several processes, share the
+   base seed of rank 0 (identical noise, distinct sampling shards).
+2. :meth:`EngineSteps.training_loader` (each training loader the trainer builds): the sample rate, the check that
+   the data did not change, and the sampling policy (Poisson sampling of this rank's shard at the global rate, or
+   the trainer's own batches with a warning on one process; an error on several).
+3. :meth:`EngineSteps.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
+   accountant, the ranks' agreement, and the optimizers wrapped so that each step is privatised and recorded.
+4. Per micro-batch, :meth:`EngineSteps.per_sample_loss` (the guard around the user's forward, the forwards at the
+   stored iterates of per-sample momentum, the batch-independence checks) and :meth:`EngineSteps.clip` (the clipped
+   sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
+   optimizer step is exactly one Poisson sample.
+
+The adapters (:mod:`lightning_dp.lightning`, :mod:`lightning_dp.hf`) translate hooks into these calls and never
+reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.optim import DPOptimizer
+from lightning_dp.optim.distributed import DistributedContext
+
+log = logging.getLogger("lightning_dp")
+
+LossFunction = Callable[[Any], torch.Tensor | None]
+
+
+class EngineSteps:
+    """The run sequence of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it; see the module
+    docstring). The attributes it reads (``config``, ``clipper``, ``guard``, ``momentum``, ``randomness``,
+    ``mechanism``) are the engine's."""
+
+    #: the process group of a multi-process run, set by :meth:`start_run` (``None`` on one process).
+    distributed: DistributedContext | None = None
+    #: Poisson rate q and dataset size N of the run, set by :meth:`training_loader`.
+    sample_rate: float | None = None
+    num_samples: int | None = None
+    #: fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only: not
+    #: privatised, so never logged by the library).
+    last_clip_fraction: float | None = None
+    _loader_rate: float | None = None
+    _micro_batches = 0
+
+    # -------------------------------------------------------------------------------------------- per run
+    def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
+        """Attach the clipping hooks to ``module``; on several processes, adopt rank 0's base seed.
+
+        Raises:
+            UnsupportedModuleError: unsupported layers (see :meth:`attach`).
+        """
+        self.attach(module)
+        self.distributed = distributed
+        self._micro_batches = 0
+        if distributed is not None:
+            distributed.synchronize_randomness(self.randomness)
+
+    def training_loader(self, loader: DataLoader, *, batch_size: int | None, micro_batches: int) -> DataLoader:
+        """The training loader the run uses: ``loader``'s dataset, collator and workers, drawing Poisson batches of
+        this rank's shard at the global rate q (default ``batch_size * micro_batches * W / N``), or ``loader``
+        itself with ``poisson_sampling=False`` (one process only, with a warning that epsilon assumes Poisson
+        sampling).
+
+        Args:
+            loader: the trainer's training loader (a map-style dataset).
+            batch_size: its per-process batch size (``None`` when unknown: then ``sample_rate`` must be given).
+            micro_batches: micro-batches per optimizer step (gradient accumulation).
+
+        Raises:
+            TypeError: not a torch ``DataLoader`` over a map-style dataset.
+            ValueError: the batch size unknown and no ``sample_rate``; the data changed size during the run;
+                ``poisson_sampling=False`` on several processes, or with an epoch that is not a whole number of
+                optimizer steps.
+        """
+        if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
+            raise TypeError("DP training needs a torch DataLoader over a map-style dataset (with __len__)")
+        num_samples = len(loader.dataset)
+        rank, world_size = (self.distributed.rank, self.distributed.world_size) if self.distributed else (0, 1)
+        sample_rate = self.config.sample_rate
+        if sample_rate is None:
+            if not batch_size:
+                raise ValueError("Cannot infer the expected batch size: pass the privacy option sample_rate=...")
+            sample_rate = expected_batch_sample_rate(
+                num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
+            )
+            if self._loader_rate is None:  # logged once, at the first training loader
+                log.info(
+                    "Privacy defaults applied: sample_rate = batch_size %d x accumulation %d x %d process(es) / N %d "
+                    "= %.4g (Poisson sampling)",
+                    batch_size,
+                    micro_batches,
+                    world_size,
+                    num_samples,
+                    sample_rate,
+                )
+        if self._loader_rate is not None and (num_samples, sample_rate) != (self.num_samples, self._loader_rate):
+            raise ValueError(
+                f"The training data changed during the run (N {self.num_samples} -> {num_samples}, q "
+                f"{self._loader_rate} -> {sample_rate}): reloading data of another size is not supported under DP, "
+                "the accountant and the noise scale assume one dataset"
+            )
+        self.num_samples, self._loader_rate = num_samples, sample_rate
+        if self.config.poisson_sampling:
+            return poisson_dataloader(
+                loader,
+                sample_rate=sample_rate,
+                micro_batches=micro_batches,
+                generator=self.randomness.sampling,
+                rank=rank,
+                world_size=world_size,
+            )
+        if world_size > 1:
+            raise ValueError(
+                "poisson_sampling=False is not supported on several processes: keep poisson_sampling=True (each "
+                "rank then Poisson-samples its shard of the whole dataset)"
+            )
+        log.warning(
+            "poisson_sampling=False: batches come from your sampler, but the reported epsilon assumes Poisson "
+            "sampling with q=%.4g; it is not a guarantee for shuffled fixed-size batches",
+            sample_rate,
+        )
+        if len(loader) % micro_batches:
+            raise ValueError(
+                f"{len(loader)} batches per epoch is not a multiple of {micro_batches} micro-batches per optimizer "
+                "step: the last step would use fewer examples than the others; choose sizes that divide evenly, or "
+                "keep poisson_sampling=True"
+            )
+        return loader
+
+    @property
+    def loader_sample_rate(self) -> float | None:
+        """The sample rate fixed by :meth:`training_loader` (``None`` before it ran)."""
+        return self._loader_rate
+
+    def start_training(
+        self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
+    ) -> list[DPOptimizer]:
+        """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant; on several
+        processes check that every rank agrees on N, q and the noise; return the optimizers wrapped so that each
+        step adds the noise once to the (all-reduced) clipped sum and is recorded.
+
+        Raises:
+            RuntimeError: no training loader yet; ranks that disagree.
+            ValueError: as :meth:`prepare`.
+        """
+        if self.num_samples is None or self._loader_rate is None:
+            raise RuntimeError("the training loader must be built (training_loader) before training starts")
+        self.prepare(num_samples=self.num_samples, sample_rate=self._loader_rate, total_steps=total_steps)
+        reduce = None
+        if self.distributed is not None:
+            self.distributed.check_identical(
+                "dataset size, sample rate and noise",
+                (self.num_samples, self.sample_rate, self.mechanism.name, self.mechanism.describe()),
+            )
+            reduce = self.distributed.reduce_clipped_sum
+        return [
+            opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, reduce_clipped_sum=reduce)
+            for opt in optimizers
+        ]
+
+    # ------------------------------------------------------------------------------------------- per step
+    def per_sample_loss(
+        self,
+        batch: Any,
+        batch_size: int | None,
+        compute_loss: LossFunction,
+        *,
+        replay: LossFunction | None = None,
+        module: nn.Module,
+    ) -> torch.Tensor | None:
+        """The per-sample losses ``[B]`` of one micro-batch, with the run's checks around the user's forward.
+
+        In order: the guard sees the batch (buffer watch; float inputs as gradient leaves while the independence
+        check is pending); with per-sample momentum, ``replay`` runs on the same batch at each stored iterate;
+        ``compute_loss`` runs at the current parameters; the guard checks the buffers and (while pending) batch
+        independence, then the leave-half-out forward on the batch as given.
+
+        Args:
+            batch: the micro-batch as the trainer gives it.
+            batch_size: its number of examples (``None`` when it cannot be read).
+            compute_loss: ``batch -> [B]`` per-sample loss of the user's step (``None``: the step skips the batch).
+            replay: the same, for the extra forwards (stored iterates, leave-half-out), e.g. with logging off;
+                default ``compute_loss``.
+            module: the model (eval mode for the leave-half-out forwards).
+
+        Returns:
+            The per-sample losses, or ``None`` when the user's step skipped the batch.
+
+        Raises:
+            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.clipping.guard`).
+        """
+        replay = replay or compute_loss
+        guarded = self.guard.before_forward(batch, batch_size)
+        if self.momentum.enabled:
+            self.add_past_iterates(lambda: replay(guarded))
+        loss = compute_loss(guarded)
+        if loss is None:
+            self.clipper.discard_past_iterates()
+            return None
+        self.guard.after_forward(loss)
+        self.guard.leave_half_out(replay, batch, len(loss), module)
+        return loss
+
+    def clip(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
+        """Add the clipped sum of this micro-batch (per-sample momentum included) into ``p.grad``; returns the
+        per-sample norms ``[B]`` (see :meth:`~lightning_dp.clipping.PerSampleClipper.backward`)."""
+        norms = self.clipper.backward(per_sample_loss, weight=self.momentum.current_weight)
+        if norms.numel():
+            self.last_clip_fraction = float((norms > self.max_grad_norm).float().mean())
+        return norms
+
+    def count_micro_batch(self) -> None:
+        """Count one micro-batch of the current logical step."""
+        self._micro_batches += 1
+
+    def end_logical_step(self, micro_batches: int) -> None:
+        """Check, at an optimizer step, that exactly ``micro_batches`` micro-batches were counted since the last one.
+
+        Raises:
+            RuntimeError: another count: the optimizer step would not use exactly one Poisson sample.
+        """
+        counted, self._micro_batches = self._micro_batches, 0
+        if counted != micro_batches:
+            raise RuntimeError(
+                f"An optimizer step after {counted} micro-batches, expected {micro_batches}: a logical step must be "
+                "exactly one Poisson sample"
+            )
