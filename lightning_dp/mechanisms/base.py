@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult, calibrate_parameter
 from lightning_dp.naming import unknown_name
 
 MECHANISMS: dict[str, type[NoiseMechanism]] = {}
@@ -63,11 +64,26 @@ class NoiseMechanism(ABC):
         clip_norm: the norm per-sample gradients are clipped in (2, or 1 for traditional Laplace).
         default_accountant: the sound accountant used when the user names none.
         max_grad_norm: the clipping bound C (sensitivity of the sum under add/remove-one).
+
+    Calibration (``calibrate(noise=name, ...)``, :mod:`lightning_dp.mechanisms.calibration`) reads the class: by
+    default it solves for the one constructor argument ``calibrated_parameter`` at fixed ``C``
+    (:func:`~lightning_dp.mechanisms.solver.calibrate_parameter`); a mechanism with its own search overrides
+    :meth:`calibrate`.
     """
 
     name: ClassVar[str]
     clip_norm: ClassVar[int] = 2
     default_accountant: ClassVar[str]
+    #: The accountant a calibration targets when none is named (``None``: ``default_accountant``).
+    calibration_accountant: ClassVar[str | None] = None
+    #: True when the privacy event depends on the number of noised coordinates (``num_params`` is then required).
+    needs_num_params: ClassVar[bool] = False
+    #: The constructor argument :meth:`calibrate` solves for (``None``: no single calibrated parameter).
+    calibrated_parameter: ClassVar[str | None] = None
+    #: True if epsilon increases with the calibrated parameter (an inverse scale), False if it decreases (a scale).
+    epsilon_increases: ClassVar[bool] = False
+    #: The range the calibrated parameter is searched in.
+    parameter_bounds: ClassVar[tuple[float, float]] = (1e-12, 1e12)
 
     def __init__(self, max_grad_norm: float) -> None:
         validate_max_grad_norm(max_grad_norm)
@@ -94,3 +110,33 @@ class NoiseMechanism(ABC):
         """The mechanism's constructor arguments (``make_mechanism(name, **describe())`` rebuilds it), for logs,
         summaries and checkpoints."""
         return {"max_grad_norm": self.max_grad_norm}
+
+    # ------------------------------------------------------------------------------------------------ calibration
+
+    @classmethod
+    def from_parameter(cls, value: float, *, max_grad_norm: float) -> NoiseMechanism:
+        """The mechanism with ``calibrated_parameter = value`` and clipping bound ``max_grad_norm``."""
+        return cls(**{cls.calibrated_parameter: value, "max_grad_norm": max_grad_norm})
+
+    @classmethod
+    def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:
+        """``(initial, growth)`` of the root finder: the first value tried and the bracket's growth factor.
+
+        Default: the LAP2 seed's closed form ``(2 q / eps) sqrt(T log(1/delta))`` (the right order of magnitude for
+        a noise multiplier), growth 2.
+        """
+        return problem.noise_ratio(), 2.0
+
+    @classmethod
+    def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """This mechanism calibrated for ``problem`` (its accountant already resolved, ``num_params`` checked).
+
+        Default: one monotone root finding over ``calibrated_parameter``
+        (:func:`~lightning_dp.mechanisms.solver.calibrate_parameter`).
+
+        Raises:
+            ValueError: no calibrated parameter, or an unreachable target.
+        """
+        if cls.calibrated_parameter is None:
+            raise ValueError(f"No calibration for noise={cls.name!r}; choose one of {sorted(MECHANISMS)}")
+        return calibrate_parameter(cls, problem)

@@ -1,32 +1,25 @@
-"""Noise calibration for a target (epsilon, delta); the LAP2 / PLRV-O parameter searches are re-exported here.
+"""Noise calibration for a target (epsilon, delta), through the registry of mechanisms.
 
-- :func:`calibrate`: fixed clipping bound ``C``; find the noise parameter whose accountant epsilon after ``steps``
-  Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 1 %``). One monotone root finder,
-  :func:`solve_monotone` (scipy ``brentq`` in log-parameter space, keeping the best point on the safe side), serves
-  every mechanism (module :mod:`lightning_dp.mechanisms.solver`).
+- :func:`calibrate` / :func:`calibrate_result`: fixed clipping bound ``C``; find the noise parameter whose accountant
+  epsilon after ``steps`` Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 1 %``). The
+  mechanism is looked up by name and calibrates itself (``NoiseMechanism.calibrate``): by default one monotone root
+  finding over its ``calibrated_parameter`` with the shared :func:`solve_monotone` (module
+  :mod:`lightning_dp.mechanisms.solver`), or the mechanism's own search. No mechanism is named here, so a newly
+  registered mechanism is calibrated the same way.
 - :func:`search_lap2`: LAP2 seed, Alg. 1 -- the largest ``C`` with its smallest feasible Laplace scale ``b``
-  (module :mod:`lightning_dp.mechanisms.search_lap2`).
+  (module :mod:`lightning_dp.mechanisms.search_lap2`, re-exported here).
 - :func:`search_plrv`: PLRV-O seed, Alg. 1 -- maximise ``C (k - 1) theta`` subject to constraints c0-c4
-  (module :mod:`lightning_dp.mechanisms.search_plrv`).
+  (module :mod:`lightning_dp.mechanisms.search_plrv`, re-exported here).
 
-The accountants are looked up by name (``make_accountant``); the mechanism's ``default_accountant`` is used when
-none is given, except for ``laplace-advanced`` whose calibration is, by definition, the literature review's
-advanced-composition formula (accountant ``"advanced"``).
+The accountants are looked up by name (``make_accountant``); the mechanism class's ``calibration_accountant`` (else
+its ``default_accountant``) is used when none is given: ``laplace-advanced``'s calibration is, by definition, the
+literature review's advanced-composition formula (accountant ``"advanced"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from lightning_dp.accounting.composition import advanced_laplace_noise_scale, basic_laplace_noise_scale
-from lightning_dp.mechanisms.base import (
-    MECHANISMS,
-    NoiseMechanism,
-    make_mechanism,
-    mechanism_class,
-    validate_max_grad_norm,
-)
-from lightning_dp.mechanisms.gaussian import GaussianMechanism
+from lightning_dp.mechanisms.base import NoiseMechanism, mechanism_class, validate_max_grad_norm
+from lightning_dp.mechanisms.gaussian import PLD_MIN_NOISE_MULTIPLIER
 from lightning_dp.mechanisms.search_lap2 import Lap2Search, search_lap2
 from lightning_dp.mechanisms.search_plrv import (
     PlrvSearch,
@@ -36,9 +29,11 @@ from lightning_dp.mechanisms.search_plrv import (
 )
 from lightning_dp.mechanisms.solver import (
     RTOL,
+    CalibrationProblem,
     CalibrationResult,
     _require_num_params,
     _validate_target,
+    calibrate_parameter,
     closed_form_noise_ratio,
     mechanism_epsilon,
     solve_monotone,
@@ -47,10 +42,12 @@ from lightning_dp.mechanisms.solver import (
 __all__ = [
     "PLD_MIN_NOISE_MULTIPLIER",
     "RTOL",
+    "CalibrationProblem",
     "CalibrationResult",
     "Lap2Search",
     "PlrvSearch",
     "calibrate",
+    "calibrate_parameter",
     "calibrate_result",
     "closed_form_noise_ratio",
     "corollary_d2_shape_bounds",
@@ -62,15 +59,10 @@ __all__ = [
     "solve_monotone",
 ]
 
-#: Smallest Gaussian noise multiplier calibrated with the PLD accountant. The PLD grid of dp-accounting grows as sigma
-#: falls (measured at q = 0.01, T = 1000 on one core: sigma 0.5 -> 3.6 s, 0.3 -> 7 s, 0.1 -> 99 s and 2.3 GB), while
-#: such noise already means epsilon in the tens or more; below it :func:`calibrate_result` stops with a clear error
-#: (the cheap RDP warm start tells within seconds).
-PLD_MIN_NOISE_MULTIPLIER = 0.3
-
 
 def resolve_accountant(noise: str, accountant: str | None = None) -> str:
-    """The accountant a calibration of ``noise`` targets: ``accountant`` if given, else the mechanism's default.
+    """The accountant a calibration of ``noise`` targets: ``accountant`` if given, else the mechanism class's
+    ``calibration_accountant``, else its ``default_accountant``.
 
     ``laplace-advanced`` defaults to ``"advanced"`` here (its noise scale is defined by the literature review's
     advanced composition, section 4.4), while its training-time default stays the sound ``"lap2"``.
@@ -78,10 +70,10 @@ def resolve_accountant(noise: str, accountant: str | None = None) -> str:
     Raises:
         ValueError: unknown mechanism name.
     """
-    default = mechanism_class(noise).default_accountant  # an unknown name fails here, with a suggestion
+    cls = mechanism_class(noise)  # an unknown name fails here, with a suggestion
     if accountant is not None:
         return accountant
-    return "advanced" if noise == "laplace-advanced" else default
+    return cls.calibration_accountant or cls.default_accountant
 
 
 def calibrate(
@@ -125,7 +117,7 @@ def calibrate_result(
 ) -> CalibrationResult:
     """Calibrate the noise parameter of ``noise`` for a fixed clipping bound ``C = max_grad_norm``.
 
-    Per mechanism:
+    Per mechanism (each class's ``calibrate``):
 
     - ``gaussian``: noise multiplier ``sigma`` (root finding on the accountant, default ``"pld"``).
     - ``laplace``: scale ``b``; closed form of literature review 3.3 (``b = C T / eps`` for ``q = 1``; with the
@@ -139,13 +131,15 @@ def calibrate_result(
       ``clip_range=(C, C)``; default ``"plrv"``).
 
     Args:
-        noise: mechanism name (``gaussian``, ``laplace``, ``laplace-advanced``, ``lap2``, ``plrv``).
+        noise: a registered mechanism name (``gaussian``, ``laplace``, ``laplace-advanced``, ``lap2``, ``plrv``, or
+            one registered since).
         target_epsilon: target epsilon ``> 0``.
         target_delta: target delta in ``[0, 1)`` (``0`` only for pure-DP accounting).
         sample_rate: Poisson sampling rate ``q`` in ``(0, 1]``.
         steps: number of steps ``T``.
         max_grad_norm: clipping bound ``C`` (l1 for ``laplace``, l2 otherwise).
-        num_params: noised coordinates ``n``, required for ``laplace-advanced``, ``lap2``, ``plrv``.
+        num_params: noised coordinates ``n``, required for ``laplace-advanced``, ``lap2``, ``plrv`` (every class with
+            ``needs_num_params``).
         accountant: accountant name (see :func:`resolve_accountant` for the default).
 
     Raises:
@@ -153,70 +147,17 @@ def calibrate_result(
     """
     _validate_target(target_epsilon, target_delta, sample_rate, steps)
     validate_max_grad_norm(max_grad_norm)
+    cls = mechanism_class(noise)
     name = resolve_accountant(noise, accountant)
-    ratio0 = closed_form_noise_ratio(target_epsilon, target_delta, sample_rate, steps)
-
-    if noise == "plrv":
-        found = search_plrv(
-            target_epsilon,
-            target_delta,
-            sample_rate,
-            steps,
-            _require_num_params(noise, num_params),
-            accountant=name,
-            clip_range=(max_grad_norm, max_grad_norm),
-        )
-        return CalibrationResult(found.mechanism(), found.epsilon, name)
-
-    growth = 2.0
-    if noise == "gaussian":
-        build: Callable[[float], NoiseMechanism] = lambda s: GaussianMechanism(s, max_grad_norm)  # noqa: E731
-        initial = ratio0
-        if name != "rdp":  # warm start from the cheap RDP bound (its sigma is a few % above PLD's)
-            rdp = calibrate_result(
-                "gaussian",
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                max_grad_norm=max_grad_norm,
-                accountant="rdp",
-            )
-            initial, growth = 0.97 * rdp.mechanism.noise_multiplier, 1.05
-            if name == "pld" and rdp.mechanism.noise_multiplier < PLD_MIN_NOISE_MULTIPLIER:
-                raise ValueError(
-                    f"target_epsilon={target_epsilon:g} needs a noise multiplier of about "
-                    f"{rdp.mechanism.noise_multiplier:.3g} (RDP estimate), below {PLD_MIN_NOISE_MULTIPLIER}: such "
-                    "little noise gives no meaningful privacy, and the PLD accountant's grid would grow to minutes "
-                    "and gigabytes. Lower the target (epsilon <= 10 is typical), or calibrate with accountant='rdp' "
-                    "(sound, a few % looser, cheap at any noise)"
-                )
-    elif noise == "laplace":
-        build = lambda b: make_mechanism("laplace", noise_scale=b, max_grad_norm=max_grad_norm)  # noqa: E731
-        initial = basic_laplace_noise_scale(target_epsilon, steps, max_grad_norm, sample_rate)[1]
-    elif noise in ("lap2", "laplace-advanced"):
-        n = _require_num_params(noise, num_params)
-        build = lambda b: make_mechanism(noise, noise_scale=b, max_grad_norm=max_grad_norm)  # noqa: E731
-        initial = ratio0 * max_grad_norm
-        if noise == "laplace-advanced" and name == "advanced":
-            scale = advanced_laplace_noise_scale(target_epsilon, target_delta, steps, max_grad_norm, sample_rate)[2]
-            mech = build(scale)
-            eps = mechanism_epsilon(
-                mech, sample_rate=sample_rate, steps=steps, delta=target_delta, num_params=n, accountant=name
-            )
-            return CalibrationResult(mech, eps, name)
-    else:
-        raise ValueError(f"No calibration for noise={noise!r}; choose one of {sorted(MECHANISMS)}")
-
-    def epsilon_of(value: float) -> float:
-        return mechanism_epsilon(
-            build(value),
-            sample_rate=sample_rate,
-            steps=steps,
-            delta=target_delta,
-            num_params=num_params,
-            accountant=name,
-        )
-
-    value, eps = solve_monotone(epsilon_of, target_epsilon, initial=initial, increasing=False, growth=growth)
-    return CalibrationResult(build(value), eps, name)
+    if cls.needs_num_params:
+        num_params = _require_num_params(noise, num_params)
+    problem = CalibrationProblem(
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        max_grad_norm=max_grad_norm,
+        accountant=name,
+        num_params=num_params,
+    )
+    return cls.calibrate(problem)

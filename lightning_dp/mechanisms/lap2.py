@@ -28,6 +28,7 @@ class Lap2Mechanism(IidLaplaceNoise):
     name = "lap2"
     clip_norm = 2
     default_accountant = "lap2"
+    needs_num_params = True
     scale_hint = "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it."
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:

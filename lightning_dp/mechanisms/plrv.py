@@ -14,6 +14,7 @@ import torch
 from lightning_dp.accounting.events import PlrvEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_gamma, sample_laplace
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
 
 
 @register_mechanism
@@ -32,6 +33,7 @@ class PlrvMechanism(NoiseMechanism):
     name = "plrv"
     clip_norm = 2
     default_accountant = "plrv"
+    needs_num_params = True
 
     def __init__(self, gamma_shape: float, gamma_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -43,6 +45,24 @@ class PlrvMechanism(NoiseMechanism):
                 f"got {gamma_shape}. {hint}"
             )
         self.gamma_scale = check_positive("gamma_scale", gamma_scale, hint)
+
+    @classmethod
+    def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """``(k, theta)`` maximising ``(k - 1) theta`` under c1-c4 at fixed ``C``: PLRV-O Alg. 1
+        (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) with ``clip_range=(C, C)``."""
+        from lightning_dp.mechanisms.search_plrv import search_plrv  # it builds this class: imported on use
+
+        p = problem
+        found = search_plrv(
+            p.target_epsilon,
+            p.target_delta,
+            p.sample_rate,
+            p.steps,
+            p.num_params,
+            accountant=p.accountant,
+            clip_range=(p.max_grad_norm, p.max_grad_norm),
+        )
+        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         u = sample_gamma(

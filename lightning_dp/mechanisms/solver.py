@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING
 from scipy import optimize
 
 from lightning_dp.accounting import epsilon_for
-from lightning_dp.mechanisms.lap2 import Lap2Mechanism
-from lightning_dp.mechanisms.plrv import PlrvMechanism
 
 if TYPE_CHECKING:
     from lightning_dp.mechanisms.base import NoiseMechanism
@@ -52,7 +50,7 @@ def mechanism_epsilon(
         ValueError: invalid arguments, or an accountant that does not support the mechanism's event.
     """
     _validate_common(sample_rate, steps)
-    if num_params is None and isinstance(mechanism, (Lap2Mechanism, PlrvMechanism)):
+    if num_params is None and mechanism.needs_num_params:
         raise ValueError(f"num_params (number of trainable parameters) is required for noise={mechanism.name!r}")
     event = mechanism.step_event(sample_rate, 1 if num_params is None else int(num_params))
     return epsilon_for(event, int(steps), delta, accountant or mechanism.default_accountant)
@@ -207,3 +205,70 @@ class CalibrationResult:
     mechanism: NoiseMechanism
     epsilon: float
     accountant: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationProblem:
+    """What a calibration must meet, and how a candidate mechanism is scored.
+
+    Attributes:
+        target_epsilon: target epsilon ``> 0``.
+        target_delta: target delta in ``[0, 1)``.
+        sample_rate: Poisson rate ``q`` in ``(0, 1]``.
+        steps: number of steps ``T``.
+        max_grad_norm: the clipping bound ``C`` (fixed; the largest one considered by a clipping search).
+        accountant: the accountant the calibration targets (already resolved, see ``resolve_accountant``).
+        num_params: noised coordinates ``n`` (``None`` where the mechanism's event does not depend on it).
+    """
+
+    target_epsilon: float
+    target_delta: float
+    sample_rate: float
+    steps: int
+    max_grad_norm: float
+    accountant: str
+    num_params: int | None = None
+
+    def epsilon_of(self, mechanism: NoiseMechanism) -> float:
+        """Epsilon of ``steps`` steps of ``mechanism`` under the target accountant at the target delta (the
+        ``make_fresh_accountant`` + ``make_event_from_param`` of dp-accounting's ``calibrate_dp_mechanism``, with the
+        event coming from ``mechanism.step_event``)."""
+        return mechanism_epsilon(
+            mechanism,
+            sample_rate=self.sample_rate,
+            steps=self.steps,
+            delta=self.target_delta,
+            num_params=self.num_params,
+            accountant=self.accountant,
+        )
+
+    def noise_ratio(self) -> float:
+        """:func:`closed_form_noise_ratio` of this target and schedule (a first guess for ``sigma`` or ``b / C``)."""
+        return closed_form_noise_ratio(self.target_epsilon, self.target_delta, self.sample_rate, self.steps)
+
+
+def calibrate_parameter(mechanism_class: type[NoiseMechanism], problem: CalibrationProblem) -> CalibrationResult:
+    """Calibrate the one parameter ``mechanism_class.calibrated_parameter`` at fixed ``C`` for ``problem``.
+
+    The generic path of every mechanism (dp-accounting's ``calibrate_dp_mechanism``): the class says how a value
+    becomes a mechanism (``from_parameter``), where the search starts (``calibration_start``), in which direction
+    epsilon moves (``epsilon_increases``) and the range searched (``parameter_bounds``); :func:`solve_monotone`
+    finds the value whose epsilon lies in ``[(1 - RTOL) target, target]``.
+
+    Raises:
+        ValueError: an unreachable target (see :func:`solve_monotone`).
+    """
+    initial, growth = mechanism_class.calibration_start(problem)
+
+    def build(value: float) -> NoiseMechanism:
+        return mechanism_class.from_parameter(value, max_grad_norm=problem.max_grad_norm)
+
+    value, eps = solve_monotone(
+        lambda value: problem.epsilon_of(build(value)),
+        problem.target_epsilon,
+        initial=initial,
+        increasing=mechanism_class.epsilon_increases,
+        bounds=mechanism_class.parameter_bounds,
+        growth=growth,
+    )
+    return CalibrationResult(build(value), eps, problem.accountant)
