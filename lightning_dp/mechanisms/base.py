@@ -50,6 +50,16 @@ def make_mechanism(name: str, **params: Any) -> NoiseMechanism:
     return cls(**params)
 
 
+def secure_mechanisms() -> tuple[str, ...]:
+    """The registered mechanisms with a hardened sampler (``supports_secure``), in registration order."""
+    return tuple(name for name, cls in MECHANISMS.items() if cls.supports_secure)
+
+
+def secure_mode_unsupported(name: str) -> str:
+    """The error message for ``secure_mode`` with a mechanism that has no hardened sampler."""
+    return f"secure_mode=True has samplers for noise in {secure_mechanisms()}, not {name!r}"
+
+
 def validate_max_grad_norm(max_grad_norm: float) -> None:
     """Raise ``ValueError`` unless the clipping bound is positive and finite."""
     if not (max_grad_norm > 0 and max_grad_norm < float("inf")):
@@ -84,6 +94,8 @@ class NoiseMechanism(ABC):
     epsilon_increases: ClassVar[bool] = False
     #: The range the calibrated parameter is searched in.
     parameter_bounds: ClassVar[tuple[float, float]] = (1e-12, 1e12)
+    #: True when :meth:`secure_sample` has a sampler hardened against floating-point attacks (``secure_mode``).
+    supports_secure: ClassVar[bool] = False
 
     def __init__(self, max_grad_norm: float) -> None:
         validate_max_grad_norm(max_grad_norm)
@@ -92,6 +104,15 @@ class NoiseMechanism(ABC):
     @abstractmethod
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device)."""
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The noise of :meth:`sample` (same law) drawn with the hardened samplers of
+        :mod:`lightning_dp.mechanisms.secure` (``secure_mode``); overridden where ``supports_secure`` is True.
+
+        Raises:
+            ValueError: the mechanism has no hardened sampler.
+        """
+        raise ValueError(secure_mode_unsupported(self.name))
 
     @abstractmethod
     def step_event(self, sample_rate: float, num_params: int) -> Any:

@@ -9,6 +9,7 @@ import torch
 
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
+from lightning_dp.mechanisms.secure import secure_gaussian
 from lightning_dp.mechanisms.solver import CalibrationProblem
 
 #: Smallest Gaussian noise multiplier calibrated with the PLD accountant. The PLD grid of dp-accounting grows as sigma
@@ -34,6 +35,7 @@ class GaussianMechanism(NoiseMechanism):
     clip_norm = 2
     default_accountant = "pld"
     calibrated_parameter = "noise_multiplier"
+    supports_secure = True
 
     def __init__(self, noise_multiplier: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -48,6 +50,10 @@ class GaussianMechanism(NoiseMechanism):
         noise = torch.empty(like.shape, dtype=work, device=like.device)
         noise = noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
         return noise.to(like.dtype)
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Sum of 4 Gaussian draws divided by 2 (:func:`~lightning_dp.mechanisms.secure.secure_gaussian`)."""
+        return secure_gaussian(like, self.noise_multiplier * self.max_grad_norm, generator)
 
     @classmethod
     def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:

@@ -14,6 +14,7 @@ from lightning_dp.accounting.composition import basic_laplace_noise_scale
 from lightning_dp.accounting.events import LaplaceEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
+from lightning_dp.mechanisms.secure import secure_laplace
 from lightning_dp.mechanisms.solver import CalibrationProblem
 
 
@@ -33,6 +34,7 @@ class IidLaplaceNoise(NoiseMechanism):
     #: how to choose ``noise_scale``, appended to the validation message (``{name}`` is the mechanism's name).
     scale_hint: str = ""
     calibrated_parameter = "noise_scale"
+    supports_secure = True
 
     def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -45,6 +47,10 @@ class IidLaplaceNoise(NoiseMechanism):
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return sample_laplace(like, self.noise_scale, generator)
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Four uniforms per sample (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
+        return secure_laplace(like, self.noise_scale, generator)
 
     def expected_abs_noise(self) -> float:
         """``E|z| = b`` for ``z ~ Lap(0, b)``."""

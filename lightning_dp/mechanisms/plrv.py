@@ -14,6 +14,7 @@ import torch
 from lightning_dp.accounting.events import PlrvEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_gamma, sample_laplace
+from lightning_dp.mechanisms.secure import secure_laplace
 from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
 
 
@@ -34,6 +35,7 @@ class PlrvMechanism(NoiseMechanism):
     clip_norm = 2
     default_accountant = "plrv"
     needs_num_params = True
+    supports_secure = True
 
     def __init__(self, gamma_shape: float, gamma_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -69,6 +71,14 @@ class PlrvMechanism(NoiseMechanism):
             self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
         )
         return sample_laplace(like, u.reciprocal_(), generator)
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The Gamma inverse scales as in :meth:`sample`, then the hardened Laplace sampler
+        (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
+        u = sample_gamma(
+            self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
+        )
+        return secure_laplace(like, u.reciprocal_(), generator)
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, PlrvEvent(k, theta, C, num_params))``."""
