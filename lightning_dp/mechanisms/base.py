@@ -94,6 +94,12 @@ class NoiseMechanism(ABC):
     epsilon_increases: ClassVar[bool] = False
     #: The range the calibrated parameter is searched in.
     parameter_bounds: ClassVar[tuple[float, float]] = (1e-12, 1e12)
+    #: One-line help of each noise parameter (constructor argument), for the command line.
+    parameter_help: ClassVar[dict[str, str]] = {}
+    #: Accountants reported next to ``default_accountant`` when none is named (e.g. a paper's bound), shown first.
+    comparison_accountants: ClassVar[tuple[str, ...]] = ()
+    #: Name of the mechanism's joint search over the clipping bound (:meth:`search_clipping`), or ``None``.
+    clip_search: ClassVar[str | None] = None
     #: True when :meth:`secure_sample` has a sampler hardened against floating-point attacks (``secure_mode``).
     supports_secure: ClassVar[bool] = False
 
@@ -132,6 +138,11 @@ class NoiseMechanism(ABC):
         summaries and checkpoints."""
         return {"max_grad_norm": self.max_grad_norm}
 
+    @classmethod
+    def noise_parameters(cls) -> tuple[str, ...]:
+        """The constructor arguments that set the noise (all but ``max_grad_norm``), in signature order."""
+        return tuple(p for p in inspect.signature(cls).parameters if p != "max_grad_norm")
+
     # ------------------------------------------------------------------------------------------------ calibration
 
     @classmethod
@@ -161,3 +172,13 @@ class NoiseMechanism(ABC):
         if cls.calibrated_parameter is None:
             raise ValueError(f"No calibration for noise={cls.name!r}; choose one of {sorted(MECHANISMS)}")
         return calibrate_parameter(cls, problem)
+
+    @classmethod
+    def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """The mechanism's own search over the clipping bound (``clip_search``, e.g. LAP2 / PLRV-O Alg. 1), with
+        ``problem.max_grad_norm`` the largest bound considered.
+
+        Raises:
+            ValueError: the mechanism has no such search.
+        """
+        raise ValueError(f"noise={cls.name!r} has no search over the clipping bound")

@@ -35,6 +35,7 @@ class GaussianMechanism(NoiseMechanism):
     clip_norm = 2
     default_accountant = "pld"
     calibrated_parameter = "noise_multiplier"
+    parameter_help = {"noise_multiplier": "Gaussian sigma, noise std = sigma * C"}
     supports_secure = True
 
     def __init__(self, noise_multiplier: float, max_grad_norm: float) -> None:

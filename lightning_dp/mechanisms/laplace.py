@@ -34,6 +34,7 @@ class IidLaplaceNoise(NoiseMechanism):
     #: how to choose ``noise_scale``, appended to the validation message (``{name}`` is the mechanism's name).
     scale_hint: str = ""
     calibrated_parameter = "noise_scale"
+    parameter_help = {"noise_scale": "Laplace scale b"}
     supports_secure = True
 
     def __init__(self, noise_scale: float, max_grad_norm: float) -> None:

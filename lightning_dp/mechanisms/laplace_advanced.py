@@ -31,6 +31,8 @@ class LaplaceAdvancedMechanism(Lap2Mechanism):
     default_accountant = "lap2"
     #: calibration defaults to the review's advanced composition (section 4.4), training to the sound "lap2"
     calibration_accountant = "advanced"
+    comparison_accountants = ("advanced",)
+    clip_search = None  # LAP2 Alg. 1 is not defined for the review's scale
 
     @classmethod
     def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:

@@ -36,6 +36,9 @@ class PlrvMechanism(NoiseMechanism):
     default_accountant = "plrv"
     needs_num_params = True
     supports_secure = True
+    parameter_help = {"gamma_shape": "PLRV-O Gamma shape k > 1", "gamma_scale": "PLRV-O Gamma scale theta > 0"}
+    comparison_accountants = ("plrv-paper",)
+    clip_search = "PLRV-O Alg. 1"
 
     def __init__(self, gamma_shape: float, gamma_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -71,6 +74,23 @@ class PlrvMechanism(NoiseMechanism):
             self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
         )
         return sample_laplace(like, u.reciprocal_(), generator)
+
+    @classmethod
+    def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """PLRV-O Alg. 1 (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) over ``C`` in ``[C/2, C]``."""
+        from lightning_dp.mechanisms.search_plrv import search_plrv
+
+        p = problem
+        found = search_plrv(
+            p.target_epsilon,
+            p.target_delta,
+            p.sample_rate,
+            p.steps,
+            num_params=p.num_params,
+            accountant=p.accountant,
+            clip_range=(p.max_grad_norm / 2, p.max_grad_norm),
+        )
+        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The Gamma inverse scales as in :meth:`sample`, then the hardened Laplace sampler
