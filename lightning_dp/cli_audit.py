@@ -19,7 +19,7 @@ from lightning_dp.audit import AuditConfig, run_audit
 from lightning_dp.audit.runner import MODES
 from lightning_dp.audit.setups import INPUT_CANDIDATES, SETUPS
 from lightning_dp.cli_args import Parser, choice, metavar_of
-from lightning_dp.cli_privacy import NOISES, _fmt, format_table
+from lightning_dp.cli_privacy import _fmt, format_table, noises
 
 
 def _audit_body(args: argparse.Namespace) -> bool:
@@ -72,7 +72,8 @@ def audit_main(argv: list[str]) -> int:
         metavar=metavar_of(MODES),
         help="canary type: gradient (added after clipping), clipped-gradient (clipped by the run), input",
     )
-    parser.add_argument("--noise", default="gaussian", type=choice(NOISES), metavar=metavar_of(NOISES), help="noise")
+    names = noises()
+    parser.add_argument("--noise", default="gaussian", type=choice(names), metavar=metavar_of(names), help="noise")
     parser.add_argument("--target-epsilon", type=float, required=True, help="epsilon the noise is calibrated for")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")

@@ -25,37 +25,36 @@ from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
 from lightning_dp.cli_args import Parser, choice, metavar_of, positive_int
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
-from lightning_dp.mechanisms.calibration import (
-    calibrate_result,
-    mechanism_epsilon,
-    resolve_accountant,
-    search_lap2,
-    search_plrv,
-)
+from lightning_dp.mechanisms.calibration import calibrate_result, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
+from lightning_dp.mechanisms.solver import CalibrationProblem
 
-NOISES = ("gaussian", "laplace", "laplace-advanced", "lap2", "plrv")
 
-#: The noise-parameter options each mechanism takes (``epsilon``); any other one given is an error, not ignored.
-NOISE_OPTIONS: dict[str, tuple[str, ...]] = {
-    "gaussian": ("noise_multiplier",),
-    "laplace": ("noise_scale",),
-    "laplace-advanced": ("noise_scale",),
-    "lap2": ("noise_scale",),
-    "plrv": ("gamma_shape", "gamma_scale"),
-}
+def noises() -> tuple[str, ...]:
+    """The registered mechanism names (read at call time, so a mechanism registered later is offered too)."""
+    return tuple(MECHANISMS)
+
+
+def noise_options(noise: str) -> tuple[str, ...]:
+    """The noise-parameter options ``noise`` takes (``epsilon``); any other one given is an error, not ignored."""
+    return MECHANISMS[noise].noise_parameters()
+
+
+def _noise_parameter_help() -> dict[str, str]:
+    """Each noise parameter of the registered mechanisms and its help, naming the mechanisms that take it."""
+    takers: dict[str, list[str]] = {}
+    helps: dict[str, str] = {}
+    for name, cls in MECHANISMS.items():
+        for param in cls.noise_parameters():
+            takers.setdefault(param, []).append(name)
+            helps.setdefault(param, cls.parameter_help.get(param, param.replace("_", " ")))
+    return {param: f"{helps[param]} ({', '.join(names)})" for param, names in takers.items()}
+
 
 #: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD); the ``rc``
 #: accountant (``--clipping``) is far slower per evaluation, so its curve has fewer.
 PLOT_POINTS = 16
 RC_PLOT_POINTS = 5
-
-#: Accountants shown side by side when the user names none: the paper's bound first, the sound default last.
-COMPARISONS: dict[str, tuple[str, ...]] = {
-    "laplace-advanced": ("advanced", "lap2"),
-    "lap2": ("lap2-paper", "lap2"),
-    "plrv": ("plrv-paper", "plrv"),
-}
 
 #: Legend labels of the ``--plot`` curves where the accountant name alone would mislead.
 PLOT_LABELS: dict[str, str] = {
@@ -86,13 +85,13 @@ def _option(name: str) -> str:
 
 
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--noise", required=True, type=choice(NOISES), metavar=metavar_of(NOISES), help="noise mechanism"
-    )
+    names = noises()
+    parser.add_argument("--noise", required=True, type=choice(names), metavar=metavar_of(names), help="noise mechanism")
     parser.add_argument("--sample-rate", type=float, required=True, help="Poisson rate q = batch size / N, in (0, 1]")
     parser.add_argument("--steps", type=positive_int, required=True, help="number of optimizer steps T")
     parser.add_argument("--delta", type=float, required=True, help="target delta in (0, 1), below 1/N")
-    parser.add_argument("--num-params", type=positive_int, help="noised coordinates n (lap2, laplace-advanced, plrv)")
+    counting = ", ".join(name for name, cls in MECHANISMS.items() if cls.needs_num_params)
+    parser.add_argument("--num-params", type=positive_int, help=f"noised coordinates n ({counting})")
     parser.add_argument(
         "--accountant",
         type=choice(ACCOUNTANTS),
@@ -212,11 +211,11 @@ def _epsilon_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    required = NOISE_OPTIONS[args.noise]
+    required = noise_options(args.noise)
     missing = [_option(p) for p in required if getattr(args, p) is None]
     if missing:
         parser.error(f"--noise {args.noise} needs {' and '.join(missing)}")
-    others = {p for options in NOISE_OPTIONS.values() for p in options} - set(required)
+    others = {p for name in MECHANISMS for p in noise_options(name)} - set(required)
     extra = [_option(p) for p in sorted(others) if getattr(args, p) is not None]
     if extra:
         parser.error(
@@ -237,8 +236,9 @@ def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
             _plot(args, mechanism, {"rc": rc_epsilon}, points=RC_PLOT_POINTS)
         return
-    default = MECHANISMS[args.noise].default_accountant
-    accountants = (args.accountant,) if args.accountant else COMPARISONS.get(args.noise, (default,))
+    cls = MECHANISMS[args.noise]
+    default = cls.default_accountant  # the paper's bounds (comparison_accountants) first, the sound default last
+    accountants = (args.accountant,) if args.accountant else (*cls.comparison_accountants, default)
     epsilons = _epsilons(mechanism, accountants, args)
     primary = args.accountant or default
     _emit(_summary(args, mechanism, epsilons[primary], primary), epsilons, args.json, default)
@@ -284,10 +284,8 @@ def epsilon_main(argv: list[str]) -> int:
     parser = Parser("lightning-dp epsilon", description=epsilon_main.__doc__)
     _common_arguments(parser)
     parser.add_argument("--max-grad-norm", type=float, required=True, help="clipping bound C")
-    parser.add_argument("--noise-multiplier", type=float, help="Gaussian sigma, noise std = sigma * C (gaussian)")
-    parser.add_argument("--noise-scale", type=float, help="Laplace scale b (laplace, laplace-advanced, lap2)")
-    parser.add_argument("--gamma-shape", type=float, help="PLRV-O Gamma shape k > 1 (plrv)")
-    parser.add_argument("--gamma-scale", type=float, help="PLRV-O Gamma scale theta > 0 (plrv)")
+    for param, text in _noise_parameter_help().items():
+        parser.add_argument(_option(param), type=float, help=text)
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
@@ -299,8 +297,10 @@ def epsilon_main(argv: list[str]) -> int:
 def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     target = {"target_epsilon": args.target_epsilon, "target_delta": args.delta}
     schedule = {"sample_rate": args.sample_rate, "steps": args.steps}
-    if args.search and args.noise not in ("lap2", "plrv"):
-        parser.error("--search is only defined for --noise lap2 (LAP2 Alg. 1) and --noise plrv (PLRV-O Alg. 1)")
+    cls = MECHANISMS[args.noise]
+    if args.search and cls.clip_search is None:
+        searches = [f"--noise {name} ({c.clip_search})" for name, c in MECHANISMS.items() if c.clip_search]
+        parser.error(f"--search is only defined for {' and '.join(searches)}")
     if args.search and args.num_params is None:
         parser.error(f"--search with --noise {args.noise} needs --num-params")
     rc = _randomized_clipping(parser, args)
@@ -312,20 +312,11 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         _emit(summary, {"rc": result.epsilon}, args.json, "rc")
         return
     accountant = resolve_accountant(args.noise, args.accountant)
-    if args.search and args.noise == "lap2":
-        found = search_lap2(
-            **target, **schedule, num_params=args.num_params, accountant=accountant, max_clip=args.max_grad_norm
+    if args.search:
+        problem = CalibrationProblem(
+            **target, **schedule, max_grad_norm=args.max_grad_norm, accountant=accountant, num_params=args.num_params
         )
-        mechanism, epsilon = found.mechanism(), found.epsilon
-    elif args.search:
-        found = search_plrv(
-            **target,
-            **schedule,
-            num_params=args.num_params,
-            accountant=accountant,
-            clip_range=(args.max_grad_norm / 2, args.max_grad_norm),
-        )
-        mechanism, epsilon = found.mechanism(), found.epsilon
+        result = cls.search_clipping(problem)
     else:
         result = calibrate_result(
             args.noise,
@@ -335,8 +326,8 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             num_params=args.num_params,
             accountant=accountant,
         )
-        mechanism, epsilon = result.mechanism, result.epsilon
-    default = MECHANISMS[args.noise].default_accountant
+    mechanism, epsilon = result.mechanism, result.epsilon
+    default = cls.default_accountant
     epsilons = {accountant: epsilon}
     if default != accountant:  # e.g. laplace-advanced calibrated by "advanced": also show the sound bound
         epsilons.update(_epsilons(mechanism, (default,), args))
@@ -355,7 +346,10 @@ def calibrate_main(argv: list[str]) -> int:
         default=1.0,
         help="clipping bound C (with --search: the largest C considered)",
     )
+    searches = {name: cls.clip_search for name, cls in MECHANISMS.items() if cls.clip_search}
     parser.add_argument(
-        "--search", action="store_true", help="lap2/plrv: also search the clipping bound (LAP2 / PLRV-O Alg. 1)"
+        "--search",
+        action="store_true",
+        help=f"{'/'.join(searches)}: also search the clipping bound ({' / '.join(searches.values())})",
     )
     return parser.run(argv, lambda args: _calibrate_body(parser, args))

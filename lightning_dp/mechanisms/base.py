@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult, calibrate_parameter
 from lightning_dp.naming import unknown_name
 
 MECHANISMS: dict[str, type[NoiseMechanism]] = {}
@@ -49,6 +50,16 @@ def make_mechanism(name: str, **params: Any) -> NoiseMechanism:
     return cls(**params)
 
 
+def secure_mechanisms() -> tuple[str, ...]:
+    """The registered mechanisms with a hardened sampler (``supports_secure``), in registration order."""
+    return tuple(name for name, cls in MECHANISMS.items() if cls.supports_secure)
+
+
+def secure_mode_unsupported(name: str) -> str:
+    """The error message for ``secure_mode`` with a mechanism that has no hardened sampler."""
+    return f"secure_mode=True has samplers for noise in {secure_mechanisms()}, not {name!r}"
+
+
 def validate_max_grad_norm(max_grad_norm: float) -> None:
     """Raise ``ValueError`` unless the clipping bound is positive and finite."""
     if not (max_grad_norm > 0 and max_grad_norm < float("inf")):
@@ -63,11 +74,34 @@ class NoiseMechanism(ABC):
         clip_norm: the norm per-sample gradients are clipped in (2, or 1 for traditional Laplace).
         default_accountant: the sound accountant used when the user names none.
         max_grad_norm: the clipping bound C (sensitivity of the sum under add/remove-one).
+
+    Calibration (``calibrate(noise=name, ...)``, :mod:`lightning_dp.mechanisms.calibration`) reads the class: by
+    default it solves for the one constructor argument ``calibrated_parameter`` at fixed ``C``
+    (:func:`~lightning_dp.mechanisms.solver.calibrate_parameter`); a mechanism with its own search overrides
+    :meth:`calibrate`.
     """
 
     name: ClassVar[str]
     clip_norm: ClassVar[int] = 2
     default_accountant: ClassVar[str]
+    #: The accountant a calibration targets when none is named (``None``: ``default_accountant``).
+    calibration_accountant: ClassVar[str | None] = None
+    #: True when the privacy event depends on the number of noised coordinates (``num_params`` is then required).
+    needs_num_params: ClassVar[bool] = False
+    #: The constructor argument :meth:`calibrate` solves for (``None``: no single calibrated parameter).
+    calibrated_parameter: ClassVar[str | None] = None
+    #: True if epsilon increases with the calibrated parameter (an inverse scale), False if it decreases (a scale).
+    epsilon_increases: ClassVar[bool] = False
+    #: The range the calibrated parameter is searched in.
+    parameter_bounds: ClassVar[tuple[float, float]] = (1e-12, 1e12)
+    #: One-line help of each noise parameter (constructor argument), for the command line.
+    parameter_help: ClassVar[dict[str, str]] = {}
+    #: Accountants reported next to ``default_accountant`` when none is named (e.g. a paper's bound), shown first.
+    comparison_accountants: ClassVar[tuple[str, ...]] = ()
+    #: Name of the mechanism's joint search over the clipping bound (:meth:`search_clipping`), or ``None``.
+    clip_search: ClassVar[str | None] = None
+    #: True when :meth:`secure_sample` has a sampler hardened against floating-point attacks (``secure_mode``).
+    supports_secure: ClassVar[bool] = False
 
     def __init__(self, max_grad_norm: float) -> None:
         validate_max_grad_norm(max_grad_norm)
@@ -76,6 +110,15 @@ class NoiseMechanism(ABC):
     @abstractmethod
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device)."""
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The noise of :meth:`sample` (same law) drawn with the hardened samplers of
+        :mod:`lightning_dp.mechanisms.secure` (``secure_mode``); overridden where ``supports_secure`` is True.
+
+        Raises:
+            ValueError: the mechanism has no hardened sampler.
+        """
+        raise ValueError(secure_mode_unsupported(self.name))
 
     @abstractmethod
     def step_event(self, sample_rate: float, num_params: int) -> Any:
@@ -94,3 +137,48 @@ class NoiseMechanism(ABC):
         """The mechanism's constructor arguments (``make_mechanism(name, **describe())`` rebuilds it), for logs,
         summaries and checkpoints."""
         return {"max_grad_norm": self.max_grad_norm}
+
+    @classmethod
+    def noise_parameters(cls) -> tuple[str, ...]:
+        """The constructor arguments that set the noise (all but ``max_grad_norm``), in signature order."""
+        return tuple(p for p in inspect.signature(cls).parameters if p != "max_grad_norm")
+
+    # ------------------------------------------------------------------------------------------------ calibration
+
+    @classmethod
+    def from_parameter(cls, value: float, *, max_grad_norm: float) -> NoiseMechanism:
+        """The mechanism with ``calibrated_parameter = value`` and clipping bound ``max_grad_norm``."""
+        return cls(**{cls.calibrated_parameter: value, "max_grad_norm": max_grad_norm})
+
+    @classmethod
+    def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:
+        """``(initial, growth)`` of the root finder: the first value tried and the bracket's growth factor.
+
+        Default: the LAP2 seed's closed form ``(2 q / eps) sqrt(T log(1/delta))`` (the right order of magnitude for
+        a noise multiplier), growth 2.
+        """
+        return problem.noise_ratio(), 2.0
+
+    @classmethod
+    def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """This mechanism calibrated for ``problem`` (its accountant already resolved, ``num_params`` checked).
+
+        Default: one monotone root finding over ``calibrated_parameter``
+        (:func:`~lightning_dp.mechanisms.solver.calibrate_parameter`).
+
+        Raises:
+            ValueError: no calibrated parameter, or an unreachable target.
+        """
+        if cls.calibrated_parameter is None:
+            raise ValueError(f"No calibration for noise={cls.name!r}; choose one of {sorted(MECHANISMS)}")
+        return calibrate_parameter(cls, problem)
+
+    @classmethod
+    def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """The mechanism's own search over the clipping bound (``clip_search``, e.g. LAP2 / PLRV-O Alg. 1), with
+        ``problem.max_grad_norm`` the largest bound considered.
+
+        Raises:
+            ValueError: the mechanism has no such search.
+        """
+        raise ValueError(f"noise={cls.name!r} has no search over the clipping bound")

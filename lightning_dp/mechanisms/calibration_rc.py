@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from lightning_dp.accounting import epsilon_for
 from lightning_dp.accounting.rc import randomized_clipping_step_event
-from lightning_dp.mechanisms.calibration import CalibrationResult, _validate_target, calibrate_result, solve_monotone
+from lightning_dp.mechanisms.calibration import calibrate_result
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
+from lightning_dp.mechanisms.solver import CalibrationResult, _validate_target, solve_monotone
 
 
 def randomized_clipping_epsilon(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from lightning_dp.accounting.events import Lap2Event, PoissonSampledEvent
 from lightning_dp.mechanisms.base import register_mechanism
 from lightning_dp.mechanisms.laplace import IidLaplaceNoise
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
 
 
 @register_mechanism
@@ -28,8 +29,28 @@ class Lap2Mechanism(IidLaplaceNoise):
     name = "lap2"
     clip_norm = 2
     default_accountant = "lap2"
+    needs_num_params = True
+    comparison_accountants = ("lap2-paper",)
+    clip_search = "LAP2 Alg. 1"
     scale_hint = "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it."
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, Lap2Event(b, C, num_params))`` over the ``num_params`` noised coordinates."""
         return PoissonSampledEvent(sample_rate, Lap2Event(self.noise_scale, self.max_grad_norm, int(num_params)))
+
+    @classmethod
+    def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """LAP2 Alg. 1 (:func:`~lightning_dp.mechanisms.search_lap2.search_lap2`) with ``max_clip = C``."""
+        from lightning_dp.mechanisms.search_lap2 import search_lap2  # it builds this class: imported on use
+
+        p = problem
+        found = search_lap2(
+            p.target_epsilon,
+            p.target_delta,
+            p.sample_rate,
+            p.steps,
+            num_params=p.num_params,
+            accountant=p.accountant,
+            max_clip=p.max_grad_norm,
+        )
+        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from lightning_dp.accounting.composition import basic_laplace_noise_scale
 from lightning_dp.accounting.events import LaplaceEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
+from lightning_dp.mechanisms.secure import secure_laplace
+from lightning_dp.mechanisms.solver import CalibrationProblem
 
 
 class IidLaplaceNoise(NoiseMechanism):
@@ -30,13 +33,25 @@ class IidLaplaceNoise(NoiseMechanism):
 
     #: how to choose ``noise_scale``, appended to the validation message (``{name}`` is the mechanism's name).
     scale_hint: str = ""
+    calibrated_parameter = "noise_scale"
+    parameter_help = {"noise_scale": "Laplace scale b"}
+    supports_secure = True
 
     def __init__(self, noise_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
         self.noise_scale = check_positive("noise_scale", noise_scale, self.scale_hint.format(name=self.name))
 
+    @classmethod
+    def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:
+        """The closed-form ratio times ``C``: ``b ~ (2 q / eps) sqrt(T log(1/delta)) C`` (LAP2 seed Sec. IV-B)."""
+        return problem.noise_ratio() * problem.max_grad_norm, 2.0
+
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         return sample_laplace(like, self.noise_scale, generator)
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Four uniforms per sample (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
+        return secure_laplace(like, self.noise_scale, generator)
 
     def expected_abs_noise(self) -> float:
         """``E|z| = b`` for ``z ~ Lap(0, b)``."""
@@ -63,6 +78,13 @@ class LaplaceMechanism(IidLaplaceNoise):
     clip_norm = 1
     default_accountant = "basic"
     scale_hint = "Pick b = max_grad_norm / eps_step, or calibrate(noise='laplace', ...)."
+
+    @classmethod
+    def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:
+        """Literature review 3.3's scale (``b = C T / eps`` for ``q = 1``; with the subsampling amplification
+        inverted otherwise, ``basic_laplace_noise_scale``), then checked and refined on the accountant."""
+        p = problem
+        return basic_laplace_noise_scale(p.target_epsilon, p.steps, p.max_grad_norm, p.sample_rate)[1], 2.0
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, LaplaceEvent(b, C))``; ``num_params`` does not matter for l1 sensitivity."""

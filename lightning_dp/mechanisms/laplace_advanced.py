@@ -9,8 +9,10 @@ LAP2 accountant (``"lap2"``), with ``"advanced"`` (the review's composition) ava
 
 from __future__ import annotations
 
+from lightning_dp.accounting.composition import advanced_laplace_noise_scale
 from lightning_dp.mechanisms.base import register_mechanism
 from lightning_dp.mechanisms.lap2 import Lap2Mechanism
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
 
 
 @register_mechanism
@@ -27,3 +29,19 @@ class LaplaceAdvancedMechanism(Lap2Mechanism):
 
     name = "laplace-advanced"
     default_accountant = "lap2"
+    #: calibration defaults to the review's advanced composition (section 4.4), training to the sound "lap2"
+    calibration_accountant = "advanced"
+    comparison_accountants = ("advanced",)
+    clip_search = None  # LAP2 Alg. 1 is not defined for the review's scale
+
+    @classmethod
+    def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """With the ``"advanced"`` accountant, the literature review 4.4 scale (``advanced_laplace_noise_scale``, which
+        also guards the review's per-step formula where it is not valid for Laplace noise); with any other
+        accountant (e.g. the sound ``"lap2"``), root finding on it."""
+        if problem.accountant != "advanced":
+            return super().calibrate(problem)
+        p = problem
+        scale = advanced_laplace_noise_scale(p.target_epsilon, p.target_delta, p.steps, p.max_grad_norm, p.sample_rate)
+        mechanism = cls(scale[2], p.max_grad_norm)
+        return CalibrationResult(mechanism, problem.epsilon_of(mechanism), problem.accountant)

@@ -14,6 +14,8 @@ import torch
 from lightning_dp.accounting.events import PlrvEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
 from lightning_dp.mechanisms.sampling import check_positive, sample_gamma, sample_laplace
+from lightning_dp.mechanisms.secure import secure_laplace
+from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
 
 
 @register_mechanism
@@ -32,6 +34,11 @@ class PlrvMechanism(NoiseMechanism):
     name = "plrv"
     clip_norm = 2
     default_accountant = "plrv"
+    needs_num_params = True
+    supports_secure = True
+    parameter_help = {"gamma_shape": "PLRV-O Gamma shape k > 1", "gamma_scale": "PLRV-O Gamma scale theta > 0"}
+    comparison_accountants = ("plrv-paper",)
+    clip_search = "PLRV-O Alg. 1"
 
     def __init__(self, gamma_shape: float, gamma_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
@@ -44,11 +51,54 @@ class PlrvMechanism(NoiseMechanism):
             )
         self.gamma_scale = check_positive("gamma_scale", gamma_scale, hint)
 
+    @classmethod
+    def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """``(k, theta)`` maximising ``(k - 1) theta`` under c1-c4 at fixed ``C``: PLRV-O Alg. 1
+        (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) with ``clip_range=(C, C)``."""
+        from lightning_dp.mechanisms.search_plrv import search_plrv  # it builds this class: imported on use
+
+        p = problem
+        found = search_plrv(
+            p.target_epsilon,
+            p.target_delta,
+            p.sample_rate,
+            p.steps,
+            p.num_params,
+            accountant=p.accountant,
+            clip_range=(p.max_grad_norm, p.max_grad_norm),
+        )
+        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
+
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         u = sample_gamma(
             self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
         )
         return sample_laplace(like, u.reciprocal_(), generator)
+
+    @classmethod
+    def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
+        """PLRV-O Alg. 1 (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) over ``C`` in ``[C/2, C]``."""
+        from lightning_dp.mechanisms.search_plrv import search_plrv
+
+        p = problem
+        found = search_plrv(
+            p.target_epsilon,
+            p.target_delta,
+            p.sample_rate,
+            p.steps,
+            num_params=p.num_params,
+            accountant=p.accountant,
+            clip_range=(p.max_grad_norm / 2, p.max_grad_norm),
+        )
+        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
+
+    def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The Gamma inverse scales as in :meth:`sample`, then the hardened Laplace sampler
+        (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
+        u = sample_gamma(
+            self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
+        )
+        return secure_laplace(like, u.reciprocal_(), generator)
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, PlrvEvent(k, theta, C, num_params))``."""

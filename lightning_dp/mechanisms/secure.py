@@ -18,6 +18,9 @@ infeasible (for a sum of ``2n`` draws the search grows as ``2^(p(2n-1))`` with `
   of two independent terms has characteristic function ``1 / (1 + t^2)``, that of ``Lap(0, 1)``.
 - PLRV-O: the Gamma-distributed inverse scale as usual, then the Laplace sampler above.
 
+Each mechanism draws its own hardened noise (``NoiseMechanism.secure_sample``, with ``supports_secure = True``) from
+the primitive samplers here; :func:`secure_sample` and :func:`check_secure_mechanism` read the mechanism class.
+
 Both samplers have, in exact arithmetic, the law the accountants assume, so the accounting is unchanged. They are a
 mitigation, not a proof: see docs/privacy.md for what is and is not covered (the snapping mechanism of Mironov 2012,
 which does come with a floating-point proof, is NOT implemented, because it changes the output distribution
@@ -27,19 +30,27 @@ which does come with a floating-point proof, is NOT implemented, because it chan
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from lightning_dp.mechanisms.base import NoiseMechanism
-from lightning_dp.mechanisms.gaussian import GaussianMechanism
-from lightning_dp.mechanisms.laplace import IidLaplaceNoise
-from lightning_dp.mechanisms.plrv import PlrvMechanism, _gamma_dtype
-from lightning_dp.mechanisms.sampling import _working_dtype, sample_gamma
+from lightning_dp.mechanisms.base import (
+    MECHANISMS,
+    NoiseMechanism,
+    secure_mechanisms,
+    secure_mode_unsupported,
+)
+from lightning_dp.mechanisms.sampling import _working_dtype
 
 #: number of Gaussian draws summed per sample (2n with n = 2, as Opacus).
 GAUSSIAN_DRAWS = 4
-SECURE_MECHANISMS = ("gaussian", "laplace", "laplace-advanced", "lap2", "plrv")
-_SECURE_TYPES = (GaussianMechanism, IidLaplaceNoise, PlrvMechanism)
+
+
+def __getattr__(name: str) -> Any:
+    """``SECURE_MECHANISMS``: the registered mechanisms with ``supports_secure``, read at access time."""
+    if name == "SECURE_MECHANISMS":
+        return secure_mechanisms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def secure_gaussian(like: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
@@ -78,32 +89,22 @@ def secure_laplace(like: torch.Tensor, scale: float | torch.Tensor, generator: t
 
 
 def check_secure_mechanism(mechanism: NoiseMechanism | str) -> None:
-    """Raise ``ValueError`` unless ``secure_mode`` has a sampler for ``mechanism`` (an instance or a name)."""
+    """Raise ``ValueError`` unless ``secure_mode`` has a sampler for ``mechanism`` (an instance or a name): its class
+    says so with ``supports_secure``."""
     if isinstance(mechanism, str):
-        name, supported = mechanism, mechanism in SECURE_MECHANISMS
+        name, cls = mechanism, MECHANISMS.get(mechanism)
     else:
-        name, supported = mechanism.name, isinstance(mechanism, _SECURE_TYPES)
-    if not supported:
-        raise ValueError(f"secure_mode=True has samplers for noise in {SECURE_MECHANISMS}, not {name!r}")
+        name, cls = mechanism.name, type(mechanism)
+    if cls is None or not cls.supports_secure:
+        raise ValueError(secure_mode_unsupported(name))
 
 
 def secure_sample(mechanism: NoiseMechanism, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The noise of ``mechanism`` (same law as ``mechanism.sample``) drawn with the samplers of this module.
+    """The noise of ``mechanism`` (same law as ``mechanism.sample``) drawn with the samplers of this module
+    (``mechanism.secure_sample``).
 
     Raises:
         ValueError: a mechanism without a secure sampler (see :func:`check_secure_mechanism`).
     """
     check_secure_mechanism(mechanism)
-    if isinstance(mechanism, GaussianMechanism):
-        return secure_gaussian(like, mechanism.noise_multiplier * mechanism.max_grad_norm, generator)
-    if isinstance(mechanism, PlrvMechanism):
-        u = sample_gamma(
-            mechanism.gamma_shape,
-            mechanism.gamma_scale,
-            like.shape,
-            generator,
-            dtype=_gamma_dtype(like),
-            device=like.device,
-        )
-        return secure_laplace(like, u.reciprocal_(), generator)
-    return secure_laplace(like, mechanism.noise_scale, generator)
+    return mechanism.secure_sample(like, generator)
