@@ -24,7 +24,50 @@ from lightning_dp.optim import DPOptimizer
 log = logging.getLogger("lightning_dp")
 
 
-class GradientCanaryAudit(Callback):
+class _CanaryAudit(Callback):
+    """What both canary audits share: canaries installed at the first training batch (the strategy wraps the
+    optimizer at train start), removed at the end, and the report. A subclass sets ``mode`` and installs its
+    canaries in :meth:`_install`."""
+
+    mode: str
+    canaries: GradientCanaries | ClippedGradientCanaries
+
+    def __init__(self) -> None:
+        self._strategy: DPStrategyMixin | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        """Install the canaries on the DP optimizer once it exists (the strategy wraps it at train start)."""
+        if self._strategy is not None:
+            return
+        strategy, optimizer = dp_optimizer_of(trainer, type(self).__name__)
+        self._install(strategy, optimizer, pl_module)
+        self._strategy = strategy
+
+    def _install(self, strategy: DPStrategyMixin, optimizer: DPOptimizer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.canaries.remove()
+
+    def report(self, *, confidence: float = 0.95, guess_sets: Sequence[tuple[int, int]] | None = None) -> AuditReport:
+        """The audited lower bound (at ``confidence``, delta = the run's ``target_delta``) and the reported epsilon.
+
+        Raises:
+            RuntimeError: no training step was observed.
+        """
+        if self._strategy is None or self.canaries.steps_observed == 0:
+            raise RuntimeError("No DP training step was observed: call trainer.fit(...) with this callback first")
+        return report_for(
+            self._strategy.privacy_engine,
+            self.canaries.scores,
+            self.canaries.included.numpy(),
+            self.mode,
+            confidence,
+            guess_sets,
+        )
+
+
+class GradientCanaryAudit(_CanaryAudit):
     """Inject ``m`` Dirac gradient canaries into a DP training run and bound its epsilon from below.
 
     ``trainer = Trainer(strategy=DPStrategy(...), callbacks=[audit := GradientCanaryAudit(1000)])``, then after
@@ -42,40 +85,17 @@ class GradientCanaryAudit(Callback):
         ValueError: several processes, or not exactly one DP optimizer (at the first training batch).
     """
 
+    mode = "gradient"
+
     def __init__(self, num_canaries: int, *, seed: int | None = None, coordinates: torch.Tensor | None = None) -> None:
+        super().__init__()
         self.canaries = GradientCanaries(num_canaries, seed=seed, coordinates=coordinates)
-        self._strategy: DPStrategyMixin | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        """Install the canaries on the DP optimizer once it exists (the strategy wraps it at train start)."""
-        if self._strategy is not None:
-            return
-        strategy, optimizer = dp_optimizer_of(trainer, type(self).__name__)
+    def _install(self, strategy: DPStrategyMixin, optimizer: DPOptimizer, pl_module: pl.LightningModule) -> None:
         self.canaries.install(optimizer, sample_rate=strategy.privacy_engine.sample_rate)
-        self._strategy = strategy
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.canaries.remove()
-
-    def report(self, *, confidence: float = 0.95, guess_sets: Sequence[tuple[int, int]] | None = None) -> AuditReport:
-        """The audited lower bound (at ``confidence``, delta = the run's ``target_delta``) and the reported epsilon.
-
-        Raises:
-            RuntimeError: no training step was observed.
-        """
-        if self._strategy is None or self.canaries.steps_observed == 0:
-            raise RuntimeError("No DP training step was observed: call trainer.fit(...) with this callback first")
-        return report_for(
-            self._strategy.privacy_engine,
-            self.canaries.scores,
-            self.canaries.included.numpy(),
-            "gradient",
-            confidence,
-            guess_sets,
-        )
 
 
-class ClippedGradientCanaryAudit(Callback):
+class ClippedGradientCanaryAudit(_CanaryAudit):
     """Score canary EXAMPLES that the run's clipper clips (:mod:`lightning_dp.audit.clipped`) and bound the run's
     epsilon from below (Steinke, Nasr & Jagielski 2023, Algorithm 1). Unlike :class:`GradientCanaryAudit`, whose
     canaries are added after clipping, this audit also catches a clipping bug.
@@ -96,38 +116,16 @@ class ClippedGradientCanaryAudit(Callback):
             training batch.
     """
 
+    mode = "clipped-gradient"
+
     def __init__(self, canaries: ClippedGradientCanaries, *, layer: str = "layer") -> None:
+        super().__init__()
         self.canaries = canaries
         self.layer = layer
-        self._strategy: DPStrategyMixin | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self._strategy is not None:
-            return
-        strategy, optimizer = dp_optimizer_of(trainer, type(self).__name__)
+    def _install(self, strategy: DPStrategyMixin, optimizer: DPOptimizer, pl_module: pl.LightningModule) -> None:
         layer = pl_module.get_submodule(self.layer)
         self.canaries.install(optimizer, layer, max_grad_norm=strategy.privacy_engine.max_grad_norm)
-        self._strategy = strategy
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.canaries.remove()
-
-    def report(self, *, confidence: float = 0.95, guess_sets: Sequence[tuple[int, int]] | None = None) -> AuditReport:
-        """The audited lower bound (at ``confidence``, delta = the run's ``target_delta``) and the reported epsilon.
-
-        Raises:
-            RuntimeError: no training step was observed.
-        """
-        if self._strategy is None or self.canaries.steps_observed == 0:
-            raise RuntimeError("No DP training step was observed: call trainer.fit(...) with this callback first")
-        return report_for(
-            self._strategy.privacy_engine,
-            self.canaries.scores,
-            self.canaries.included.numpy(),
-            "clipped-gradient",
-            confidence,
-            guess_sets,
-        )
 
 
 class ScaleNoiseForTesting(Callback):

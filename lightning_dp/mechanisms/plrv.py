@@ -55,6 +55,11 @@ class PlrvMechanism(NoiseMechanism):
     def calibrate(cls, problem: CalibrationProblem) -> CalibrationResult:
         """``(k, theta)`` maximising ``(k - 1) theta`` under c1-c4 at fixed ``C``: PLRV-O Alg. 1
         (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) with ``clip_range=(C, C)``."""
+        return cls._search(problem, (problem.max_grad_norm, problem.max_grad_norm))
+
+    @classmethod
+    def _search(cls, problem: CalibrationProblem, clip_range: tuple[float, float]) -> CalibrationResult:
+        """PLRV-O Alg. 1 for ``problem`` with the clipping bound searched in ``clip_range``."""
         from lightning_dp.mechanisms.search_plrv import search_plrv  # it builds this class: imported on use
 
         p = problem
@@ -65,7 +70,7 @@ class PlrvMechanism(NoiseMechanism):
             p.steps,
             p.num_params,
             accountant=p.accountant,
-            clip_range=(p.max_grad_norm, p.max_grad_norm),
+            clip_range=clip_range,
         )
         return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
 
@@ -78,19 +83,7 @@ class PlrvMechanism(NoiseMechanism):
     @classmethod
     def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
         """PLRV-O Alg. 1 (:func:`~lightning_dp.mechanisms.search_plrv.search_plrv`) over ``C`` in ``[C/2, C]``."""
-        from lightning_dp.mechanisms.search_plrv import search_plrv
-
-        p = problem
-        found = search_plrv(
-            p.target_epsilon,
-            p.target_delta,
-            p.sample_rate,
-            p.steps,
-            num_params=p.num_params,
-            accountant=p.accountant,
-            clip_range=(p.max_grad_norm / 2, p.max_grad_norm),
-        )
-        return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
+        return cls._search(problem, (problem.max_grad_norm / 2, problem.max_grad_norm))
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The Gamma inverse scales as in :meth:`sample`, then the hardened Laplace sampler
