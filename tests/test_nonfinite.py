@@ -208,6 +208,12 @@ def test_non_finite_clipped_sum_raises_before_noise() -> None:
     with pytest.raises(FloatingPointError, match=r"#1 \(2,\).*not finite before the noise"):
         optimizer.step()
     assert torch.equal(layer.weight.grad, torch.zeros(2, 3))  # nothing noised, nothing stepped
+    with pytest.raises(FloatingPointError):  # caught and stepped again: it fails again, nothing released
+        optimizer.step()
+    layer.bias.grad = torch.zeros(2)  # a caller that repairs the gradient and steps again gets the noise
+    weight = layer.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(layer.weight.detach(), weight) and not torch.equal(layer.weight.grad, torch.zeros(2, 3))
 
 
 # ------------------------------------------------------------------------------- the first-step checks

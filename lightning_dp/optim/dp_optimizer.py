@@ -159,7 +159,6 @@ class DPOptimizer(Optimizer):
             FloatingPointError: a clipped sum is not finite; nothing is noised or stepped (on several processes every
                 rank raises, since the sums are reduced first).
         """
-        self._privatised = True
         params = self.params
         for p in params:
             if p.grad is None:
@@ -177,6 +176,7 @@ class DPOptimizer(Optimizer):
             else:
                 grad.add_(self.mechanism.sample(grad, generator))
             grad.div_(self.expected_batch_size)
+        self._privatised = True  # only now: after a failure above, the next step privatises again
         if self.postprocess is not None:
             self.postprocess([p.grad for p in params])
 
