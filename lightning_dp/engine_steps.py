@@ -198,7 +198,7 @@ class EngineSteps:
             The per-sample losses, or ``None`` when the user's step skipped the batch.
 
         Raises:
-            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.clipping.guard`).
+            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.checks`).
         """
         replay = replay or compute_loss
         guarded = self.guard.before_forward(batch, batch_size)

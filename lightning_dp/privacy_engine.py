@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting import Accountant, make_accountant
+from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine_accounting import EngineAccounting
