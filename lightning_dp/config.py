@@ -127,7 +127,7 @@ class PrivacyConfig:
     seed: int | None = _option(
         None,
         "seed of the dedicated noise, sampling and projection generators; ``None`` uses OS entropy (recommended "
-        "for real runs). Never written to checkpoints (:mod:`lightning_dp.optim.randomness`).",
+        "for real runs). Never written to checkpoints (:mod:`lightning_dp.randomness`).",
         "Seed of the DP noise and sampling generators.",
     )
     momentum_length: int = _option(

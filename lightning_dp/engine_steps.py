@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.optim.distributed import DistributedContext
 
 log = logging.getLogger("lightning_dp")
 
