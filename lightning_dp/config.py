@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
+from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import ENGINES
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
-from lightning_dp.clipping.guard import validate_independence_every
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
@@ -127,7 +127,7 @@ class PrivacyConfig:
     seed: int | None = _option(
         None,
         "seed of the dedicated noise, sampling and projection generators; ``None`` uses OS entropy (recommended "
-        "for real runs). Never written to checkpoints (:mod:`lightning_dp.optim.randomness`).",
+        "for real runs). Never written to checkpoints (:mod:`lightning_dp.randomness`).",
         "Seed of the DP noise and sampling generators.",
     )
     momentum_length: int = _option(
@@ -148,7 +148,7 @@ class PrivacyConfig:
     check_batch_independence: bool = _option(
         True,
         "on the first step, check that no example's loss depends on another example's data (``h - h.mean(0)`` "
-        "and the like; :mod:`lightning_dp.clipping.guard`); ``False`` switches the check off. Buffers written "
+        "and the like; :mod:`lightning_dp.checks`); ``False`` switches the check off. Buffers written "
         "during a training forward are rejected on every step either way.",
         "Check on the first step that examples do not influence each other's loss.",
     )

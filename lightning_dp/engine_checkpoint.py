@@ -54,7 +54,7 @@ class EngineCheckpoint:
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
 
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.optim.randomness`. With per-sample
+        Deliberately no seed and no generator state: see :mod:`lightning_dp.randomness`. With per-sample
         momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
         noisy releases only). With a low-pass filter, also
         ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.optim.distributed import DistributedContext
 
 log = logging.getLogger("lightning_dp")
 
@@ -198,7 +198,7 @@ class EngineSteps:
             The per-sample losses, or ``None`` when the user's step skipped the batch.
 
         Raises:
-            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.clipping.guard`).
+            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.checks`).
         """
         replay = replay or compute_loss
         guarded = self.guard.before_forward(batch, batch_size)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting import Accountant, make_accountant
+from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.guard import TrainingGuard
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine_accounting import EngineAccounting
@@ -292,7 +292,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
             optimizer: the user's optimizer.
             reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums (e.g.
                 ``distributed_context().reduce_clipped_sum``); ``None`` on one process. See
-                :mod:`lightning_dp.optim.distributed` for what else a multi-process run needs.
+                :mod:`lightning_dp.distributed` for what else a multi-process run needs.
         """
         if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")

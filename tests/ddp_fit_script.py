@@ -12,7 +12,7 @@ from helpers import TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
-from lightning_dp.clipping import guard
+from lightning_dp.checks import guard
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dp.checks.guard import TrainingGuard
+from lightning_dp.checks.independence import BatchMixingError, check_batch_independence, input_leaves
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
-from lightning_dp.clipping.guard import BatchMixingError, TrainingGuard, check_batch_independence, input_leaves
 from lightning_dp.lightning import DPStrategy
 from tests.helpers import ClassifierWith, TinyRegressor, make_trainer
 from tests.hf_helpers import TokenDataset, tiny_bert_classifier, tiny_gpt2, tiny_llama
@@ -115,11 +116,11 @@ def test_buffer_or_frozen_parameter_written_in_training_forward_is_rejected(body
 
 @pytest.mark.parametrize("exact_up_to", [2**16, 0])
 def test_data_writes_are_caught_by_exact_compare_and_by_checksum(monkeypatch, exact_up_to):
-    import lightning_dp.clipping.guard as guard
+    import lightning_dp.checks.buffers as buffers
 
-    monkeypatch.setattr(guard, "EXACT_COMPARE_NUMEL", exact_up_to)
+    monkeypatch.setattr(buffers, "EXACT_COMPARE_NUMEL", exact_up_to)
     body = DataCopiedMean()
-    watch = guard.BufferWatch(body)
+    watch = buffers.BufferWatch(body)
     watch.start(contents=True)
     body(torch.randn(4, 6))
     with pytest.raises(UnsupportedModuleError, match="'running' of module '<root>'"):
@@ -154,7 +155,7 @@ def test_batch_mixing_check_can_be_switched_off():
 
 
 def test_normal_models_pass_and_the_check_runs_once(monkeypatch):
-    import lightning_dp.clipping.guard as guard
+    import lightning_dp.checks.guard as guard
 
     calls = []
     original = guard.check_batch_independence
@@ -216,7 +217,7 @@ def test_guard_skips_single_example_batches_until_a_larger_one():
 
 @pytest.mark.parametrize("factory", [tiny_gpt2, tiny_llama, tiny_bert_classifier])
 def test_hf_tiny_models_pass(tmp_path, factory, monkeypatch):
-    import lightning_dp.clipping.guard as guard
+    import lightning_dp.checks.guard as guard
 
     calls = []
     original = guard.check_batch_independence
@@ -281,7 +282,7 @@ def test_mixing_without_a_gradient_path_is_caught_by_the_leave_half_out_forward(
 
 
 def test_leave_half_out_runs_once_in_eval_mode_without_logging(monkeypatch):
-    import lightning_dp.clipping.guard as guard
+    import lightning_dp.checks.guard as guard
 
     calls, modes = [], []
     original = guard.check_leave_half_out
@@ -316,7 +317,7 @@ class LateCentered(nn.Module):
 
 def _spy_checks(monkeypatch) -> dict[str, list[int]]:
     """Record the batch size of every gradient and leave-half-out check."""
-    import lightning_dp.clipping.guard as guard
+    import lightning_dp.checks.guard as guard
 
     calls: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     gradient, half = guard.check_batch_independence, guard.check_leave_half_out

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
+from lightning_dp.checks.independence import BatchMixingError, check_batch_independence, check_leave_half_out
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
-from lightning_dp.clipping.guard import BatchMixingError, check_batch_independence, check_leave_half_out
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
 from tests.test_clipping import FunctionalReuse, TiedLM, randomise

@@ -27,6 +27,12 @@ batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with 
 iterate's as further uses of each parameter, so the engines take the exact norm of the weighted sum (cross terms
 between iterates included) and the clipped sum adds them; they are kept until the next clip (memory: one set of
 captures per iterate).
+
+Code layout: this module holds the clip sequence (:meth:`PerSampleClipper.backward`) and the public surface; the
+class's bases hold one job each: :mod:`~lightning_dp.clipping.sample_norms` (the backward pass to the captures, the
+per-sample norms and the sum check's wiring), :mod:`~lightning_dp.clipping.clipped_sum` (the clipped sum by
+book-keeping and the masking of non-finite samples) and :mod:`~lightning_dp.clipping.past_iterates` (per-sample
+momentum's past iterates).
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from lightning_dp.clipping.clipped_sum import ClippedSumMixin
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
-from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
+from lightning_dp.clipping.past_iterates import PastIteratesMixin
+from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.swap import restore_modules, swap_modules
-from lightning_dp.clipping.terms import Factored, Materialised, Term
+from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
 
 _EPS = 1e-6
@@ -66,37 +73,7 @@ def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
         )
 
 
-def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
-    """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
-    of the captured activations and output gradients. Materialised terms count as small (vector-sized parameters)."""
-    captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad)}
-    for param_terms in terms.values():
-        for term in param_terms:
-            if isinstance(term, Factored):
-                dense = [term.right] if term.is_index else [term.left, term.right]
-                if any(t.untyped_storage().data_ptr() not in captured for t in dense):
-                    return True
-    return False
-
-
-def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
-    """Split captures into groups closed under sharing a parameter (a module called twice, tied weights).
-
-    The terms of one group are formed, reduced and freed before the next group, so that peak memory is one group's
-    terms (e.g. one convolution's unfolded input) rather than the whole model's.
-    """
-    groups: list[tuple[set[int], list[Capture]]] = []
-    for capture in captures:
-        params = {id(p) for p in capture.module.parameters(recurse=False) if p.requires_grad}
-        joined = [group for group in groups if group[0] & params]
-        for group in joined:
-            groups.remove(group)
-            params |= group[0]
-        groups.append((params, [c for group in joined for c in group[1]] + [capture]))
-    return [members for _, members in groups]
-
-
-class PerSampleClipper:
+class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     """Clips per-sample gradients of ``module`` and accumulates their sum into ``p.grad``.
 
     Hooks are attached in place (no wrapping; ``state_dict`` keys, HF ``generate()``/``save_pretrained`` and
@@ -178,11 +155,7 @@ class PerSampleClipper:
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
         self._hooks = CaptureHooks(hooked)
-        #: captures of the current batch at past iterates (per-sample momentum), output gradients set and weighted.
-        self._past: list[Capture] = []
-        self._past_batch = 0
-        #: ``[B]`` bool, whether each sample's loss was finite at every past iterate (None: no past iterate).
-        self._past_finite: torch.Tensor | None = None
+        self._init_past_iterates()
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
         #: :meth:`backward`); read once at the end of a run, never per step.
         self.dropped_nonfinite = False
@@ -232,208 +205,6 @@ class PerSampleClipper:
             shape = tuple(per_sample_loss.shape) if isinstance(per_sample_loss, torch.Tensor) else "not a tensor"
             raise ValueError(f"{_LOSS_SHAPE_MESSAGE}; got shape {shape}")
         return per_sample_loss.shape[0]
-
-    def _check_due(self) -> bool:
-        """Whether this batch runs the sum check: always without book-keeping, else on the schedule."""
-        if not self.bookkeeping:
-            return True
-        return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
-
-    def _backward_pass(
-        self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0, retain_graph: bool = False
-    ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
-        """ONE backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's
-        ``output_grad`` (every per-sample term is linear in it, so the terms come out scaled by ``weight``).
-
-        With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
-        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is kept
-        with ``retain_graph`` (the two-backward path).
-
-        Raises:
-            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
-                module did.
-        """
-        if not per_sample_loss.requires_grad:
-            raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
-        captures = self._hooks.captures
-        inputs = [c.edge for c in captures] + (self._params if param_grads else [])
-        total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
-        with self._hooks.suspended():
-            grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
-        for capture, grad in zip(captures, grads[: len(captures)], strict=True):
-            capture.output_grad = None if grad is None else grad.view(capture.output_shape)
-        reached = [c for c in captures if c.output_grad is not None]
-        if not param_grads:
-            return reached, {}
-        batch_grads = dict(zip(self._params, grads[len(captures) :], strict=True))
-        captures = reached
-        captured = {id(p) for c in captures for _, p in c.module.named_parameters(recurse=False)}
-        for param, grad in batch_grads.items():
-            if grad is not None and id(param) not in captured:
-                raise UnsupportedModuleError(
-                    f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
-                    "is used outside its module's forward (e.g. functionally by a parent module, as "
-                    "F.linear(x, child.weight)); freeze it or use supported layers"
-                )
-        return captures, batch_grads
-
-    def _outside_use_error(self, failures: list[tuple[nn.Parameter, float, float]]) -> UnsupportedModuleError:
-        details = ", ".join(
-            f"'{self._names[p]}' (mismatch {diff:.3g} > tolerance {tol:.3g})" for p, diff, tol in failures
-        )
-        return UnsupportedModuleError(
-            f"the per-sample gradients of parameter(s) {details} do not sum to their batch gradient: each is also "
-            "used outside the forward of its module (e.g. functionally, as F.linear(x, module.weight), or in an L2 "
-            "penalty added to the loss), and that use would reach .grad unclipped (or, with book-keeping, be lost); "
-            "route every use through the module, or freeze the parameter (requires_grad=False); for weight "
-            "regularisation use the optimizer's weight_decay instead of a penalty term in the loss"
-        )
-
-    def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
-        """Group the terms of all captures by parameter (one term per use)."""
-        terms: dict[nn.Parameter, list[Term]] = {}
-        with self._hooks.suspended():
-            for capture in captures:
-                if capture.activation._version != capture.activation_version:
-                    raise ValueError(
-                        f"the input of module '{capture.name}' was modified in place after the module ran, so its "
-                        "per-sample gradients would be computed from the modified values; replace the in-place op "
-                        "that follows it (e.g. x.mul_(s) -> x = x * s)"
-                    )
-                if capture.output_grad.shape[0] != batch:
-                    raise ValueError(
-                        f"module '{capture.name}' saw a batch dimension of {capture.output_grad.shape[0]} but the "
-                        f"per-sample loss has {batch} samples; the first dimension of every layer input must be the "
-                        "sample dimension (expand broadcast inputs to the batch)"
-                    )
-                for name, term in capture.family.terms(capture.module, capture.activation, capture.output_grad).items():
-                    terms.setdefault(getattr(capture.module, name), []).append(term)
-        return terms
-
-    def _norms(
-        self,
-        per_sample_loss: torch.Tensor,
-        captures: list[Capture],
-        batch_grads: dict[nn.Parameter, torch.Tensor | None],
-        check: bool,
-        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
-    ) -> tuple[torch.Tensor, SumCheck | None]:
-        """Per-sample squared norms (l1 norms for ``norm=1``) ``[B]`` from the captures of the current iterate and
-        of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
-        parameter, and, when ``check``, the sum check fed with the current iterate's terms (its failures are read by
-        the caller, who knows whether the batch had non-finite samples).
-
-        With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
-        book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
-        held), else the captures themselves, whose terms are then formed again.
-
-        Raises:
-            UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms.
-        """
-        batch = per_sample_loss.shape[0]
-        dtype = self._norm_dtype
-        checker = None
-        if check:
-            rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
-            checker = SumCheck(rtol)
-        past = {id(c) for c in self._past}
-        with_terms: set[int] = set()
-        total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
-        for group in _shared_parameter_groups(captures + self._past):
-            then = [c for c in group if id(c) in past]
-            now_terms = self._terms([c for c in group if id(c) not in past], batch)
-            past_terms = self._terms(then, batch)
-            terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
-            grads: dict[nn.Parameter, torch.Tensor] = {}
-            for param, param_terms in terms.items():
-                with_terms.add(id(param))
-                if checker is not None and param in now_terms:
-                    checker.add(param, now_terms[param], batch_grads.pop(param, None))
-                generator = None
-                if self._engine.randomized:
-                    generator = self._generator_for(param_terms[0].device)
-                if kept is not None and self.bookkeeping:
-                    contribution, grad = self._engine.contribution_and_gradient(param_terms, self.norm, generator)
-                    if grad is not None:
-                        grads[param] = grad
-                else:
-                    contribution = self._engine.contribution(param_terms, self.norm, generator)
-                total = total + contribution.to(dtype)
-            if kept is not None:
-                kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
-        if checker is None:
-            return total, None
-        reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
-        if reached:
-            raise UnsupportedModuleError(
-                f"parameter(s) {', '.join(repr(self._names[p]) for p in reached)} received a gradient but their layer "
-                "family produced no per-sample gradient for them (e.g. an extra parameter of a subclass of a "
-                "supported layer, used outside its forward); freeze them or use supported layers"
-            )
-        return total, checker
-
-    def _kept_for_sum(
-        self,
-        terms: dict[nn.Parameter, list[Term]],
-        past_terms: dict[nn.Parameter, list[Term]],
-        group: list[Capture],
-        then: list[Capture],
-        grads: dict[nn.Parameter, torch.Tensor],
-    ) -> dict[nn.Parameter, list[Term]] | list[Capture]:
-        """What the clipped sum of one group needs: its terms when they are views of the captures (nothing new held),
-        else the captures, whose terms are then formed again; with book-keeping all of the group's terms, else the
-        past iterates'. Per-sample gradients the engine formed (``grads``, book-keeping only) replace their
-        parameter's terms; when they replace every term, the group's captured tensors are released."""
-        if not self.bookkeeping:
-            return then if _allocates_memory(past_terms, then) else past_terms
-        rest = {param: param_terms for param, param_terms in terms.items() if param not in grads}
-        if _allocates_memory(rest, group):
-            return group
-        if not rest:
-            for capture in group:
-                capture.release()
-        return {**rest, **{param: [Materialised(grad)] for param, grad in grads.items()}}
-
-    def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
-        """``[B]`` bool, the samples whose loss (now and at every past iterate) and norm are finite, or ``None``
-        when all are (one host sync).
-
-        A non-finite value in a sample's per-sample terms makes its norm non-finite: every term entry enters the
-        norm through sums and products (``x * inf`` is ``inf`` or NaN, never finite), so the norm is the one place to
-        look. A finite norm that overflowed (``inf`` from finite terms) drops the sample too.
-        """
-        keep = torch.isfinite(norms) & torch.isfinite(per_sample_loss.detach())
-        if self._past_finite is not None:
-            keep = keep & self._past_finite
-        if bool(keep.all()):
-            return None
-        self.dropped_nonfinite = True
-        return keep
-
-    def _add_clipped_sum(
-        self,
-        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]],
-        batch: int,
-        factors: torch.Tensor,
-        keep: torch.Tensor | None,
-    ) -> None:
-        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group (terms kept by
-        :meth:`_norms`, or formed again from a group of captures). With ``keep`` (``[B]`` bool, the samples whose
-        quantities are all finite), the terms of the other samples are zeroed first (their factor is 0 already, but
-        ``0 * inf`` is NaN)."""
-        for item in kept:
-            terms = item if isinstance(item, dict) else self._terms(item, batch)
-            for param, param_terms in terms.items():
-                if keep is not None:
-                    param_terms = [term.masked(keep) for term in param_terms]
-                clipped = param_terms[0].batch_sum(factors)
-                for term in param_terms[1:]:
-                    clipped = clipped + term.batch_sum(factors)
-                clipped = clipped.to(param.dtype)
-                if param.grad is None:
-                    param.grad = clipped
-                else:
-                    param.grad.add_(clipped)
 
     def _clip(self, per_sample_loss: torch.Tensor, *, accumulate: bool, weight: float = 1.0) -> torch.Tensor:
         """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``."""
@@ -485,56 +256,10 @@ class PerSampleClipper:
             self.discard_past_iterates()
         return norms
 
-    def add_past_iterate(self, per_sample_loss: torch.Tensor, weight: float) -> None:
-        """Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5): keep the per-sample terms of the batch at a past
-        iterate, scaled by ``weight``, for the next :meth:`backward` or :meth:`per_sample_norms`.
-
-        Call right after the forward at that iterate, while the parameters still hold its values (its graph is
-        consumed here: one output-gradient pass, no parameter gradient). The next clip then takes the norm of, and
-        sums, ``weight_now * grad_i(now) + sum_past weight * grad_i(past)`` per sample, exactly (each engine treats
-        a parameter's uses at all iterates as the uses of a tied parameter). The terms are always summed by
-        book-keeping (the past graphs are gone), whatever ``bookkeeping``. See :mod:`lightning_dp.optim.momentum`.
-
-        Args:
-            per_sample_loss: ``[B]``, the batch's per-sample loss at the past iterate.
-            weight: its momentum weight ``beta^(t-i) / c_beta``.
-
-        Raises:
-            ValueError: ``per_sample_loss`` not of shape ``[B]`` or not requiring grad, or a batch size different
-                from an earlier past iterate's.
-            RuntimeError: after :meth:`detach`.
-        """
-        if not self._hooks.attached:
-            raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
-        batch = self._batch_size(per_sample_loss)
-        try:
-            if self._past and batch != self._past_batch:
-                raise ValueError(
-                    f"past iterates of one batch gave {self._past_batch} and {batch} per-sample losses: the forward "
-                    "at every iterate must see the same batch"
-                )
-            if batch:
-                captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight)
-                self._past.extend(captures)
-                finite = torch.isfinite(per_sample_loss.detach())
-                self._past_finite = finite if self._past_finite is None else self._past_finite & finite
-            self._past_batch = batch
-        except BaseException:
-            self.discard_past_iterates()
-            raise
-        finally:
-            self._hooks.clear()
-
-    def discard_past_iterates(self) -> None:
-        """Forget the terms kept by :meth:`add_past_iterate` (e.g. when the batch is skipped)."""
-        self._past = []
-        self._past_batch = 0
-        self._past_finite = None
-
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
         a description (``"output of module 'net.0'"``, with the call number for a module called twice); for the
-        batch-independence check (:mod:`lightning_dp.clipping.guard`)."""
+        batch-independence check (:mod:`lightning_dp.checks.independence`)."""
         targets: dict[str, tuple[GradientEdge, torch.Size]] = {}
         for capture in self._hooks.captures:
             name = f"output of module '{capture.name}'"

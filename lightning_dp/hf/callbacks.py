@@ -65,7 +65,7 @@ class PrivacyStateCallback(TrainerCallback):
     """Writes the engine's privacy state next to every checkpoint the Trainer saves (``on_save``).
 
     The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
-    sample rate; never a seed or generator state (see :mod:`lightning_dp.optim.randomness`). The low-pass filter's
+    sample rate; never a seed or generator state (see :mod:`lightning_dp.randomness`). The low-pass filter's
     state and the per-sample momentum's iterates (tensors) go to the files :data:`TENSOR_STATE_NAMES` beside it.
 
     Args:

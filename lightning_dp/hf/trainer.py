@@ -33,8 +33,8 @@ checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``to
 ``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
-:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.optim.distributed` (docs/design.md
-section 8). Rank and world size come from :func:`~lightning_dp.optim.distributed_context` (the initialised
+:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
+section 8). Rank and world size come from :func:`~lightning_dp.distributed.distributed_context` (the initialised
 ``torch.distributed`` group), not from accelerate's state or ``TrainingArguments.world_size``, which depend on how
 accelerate is configured and launched (tested: on CPU, ``accelerate launch --multi_gpu --num_processes 2`` with
 ``use_cpu=True``; ``--cpu --num_processes 2`` starts a single process). In ``train`` every
@@ -61,11 +61,11 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 
 from lightning_dp.checkpoints import last_complete_checkpoint
+from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.optim.distributed import DistributedContext, distributed_context
 
 log = logging.getLogger("lightning_dp")
 

@@ -6,7 +6,7 @@ Lightning's strategies own devices and processes; this mixin adds, through the s
 :class:`~lightning_dp.privacy_engine.PrivacyEngine` where the DP logic itself lives: Poisson sampling, per-sample
 clipping, noise and accounting. It is listed before the Lightning strategy in the bases, so each hook does its DP
 part and calls the strategy's own with ``super()``. On several processes it uses the collectives of
-:mod:`lightning_dp.optim.distributed` (the concrete strategy says whether there are several, in
+:mod:`lightning_dp.distributed` (the concrete strategy says whether there are several, in
 :meth:`DPStrategyMixin._distributed_context`).
 """
 
@@ -27,8 +27,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.config import option_docs, option_parameters, pop_options
+from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.optim.distributed import DistributedContext
 from lightning_dp.privacy_engine import PrivacyEngine
 
 log = logging.getLogger("lightning_dp")

@@ -6,7 +6,7 @@ batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's 
 ``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of
 :mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
 it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
-sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.optim.distributed`), so the noise is
+sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.distributed`), so the noise is
 added once, to the global sum.
 """
 
@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
-from lightning_dp.optim.randomness import DPRandomness
+from lightning_dp.randomness import DPRandomness
 
 
 def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
@@ -63,7 +63,7 @@ class DPOptimizer(Optimizer):
         on_step: called after each completed step (records the step with the accountant).
         should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
-            list of ``p.grad``, e.g. :meth:`~lightning_dp.optim.distributed.DistributedContext.reduce_clipped_sum`)
+            list of ``p.grad``, e.g. :meth:`~lightning_dp.distributed.DistributedContext.reduce_clipped_sum`)
             before the noise is added; ``None`` on one process.
         secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample` (same law, samplers
             hardened against floating-point attacks); pair it with ``DPRandomness(secure=True)``.

@@ -6,7 +6,7 @@ checkpoint that contained the seed or generator states would let anyone re-creat
 composition, and subtract the noise. A resumed run instead calls :meth:`DPRandomness.restart` with the number of
 steps already taken, so it never replays noise of the first run (with ``seed=None`` it draws fresh OS entropy).
 
-On several processes (:mod:`lightning_dp.optim.distributed`) every rank adopts rank 0's base seed with
+On several processes (:mod:`lightning_dp.distributed`) every rank adopts rank 0's base seed with
 :meth:`DPRandomness.share`: the noise streams are then identical on all ranks (noise is drawn once per step, the
 same draw everywhere), while each rank's Poisson-sampling stream is derived with its rank, so the ranks' shards are
 sampled independently. Rank 0 keeps the single-process streams.

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dp.optim.randomness import DPRandomness
+from lightning_dp.randomness import DPRandomness
 
 log = logging.getLogger("lightning_dp")
 

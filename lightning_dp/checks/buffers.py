@@ -1,0 +1,109 @@
+"""Buffers and frozen parameters written during a training forward (docs/design.md section 9.2); one of the
+run-time checks of :mod:`lightning_dp.checks`.
+
+Per-sample clipping bounds each example's influence on the GRADIENT. State written during the forward without
+noise escapes it: a module that updates a buffer or a frozen parameter
+(``requires_grad=False``) from the data (a hand-written running mean) stores data in the ``state_dict`` that is
+released with the model. :class:`BufferWatch` fails, naming the module and the tensor, when one was written or
+replaced during a training forward. On EVERY step it compares each tensor's identity, version counter and storage
+address (``data_ptr()``): in-place ops on the tensor or a ``.detach()`` of it (``buf.add_(...)``,
+``buf.detach().copy_(...)``), reassignment of the attribute (``self.buf = ...``) and ``buf.data = ...`` are caught;
+no tensor work. A write through ``.data`` (``buf.data.copy_(...)``: that alias has its own version counter) changes
+none of the three, so on the FIRST training forward, and on every step while the batch-independence check is
+pending, it also compares the contents before and after the forward (exact equality for tensors up to
+:data:`EXACT_COMPARE_NUMEL` elements, the float64 sum and sum of squares for larger ones: one read of every watched
+tensor, no copy of the large ones; a write that keeps both, e.g. a permutation, is missed). Such a write on a later
+step only is not caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.registry import UnsupportedModuleError
+
+#: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by
+#: checksum (float64 sum and sum of squares), so a large frozen base (LoRA) is read in chunks, never copied whole.
+EXACT_COMPARE_NUMEL = 2**16
+_CHECKSUM_CHUNK = 2**22
+
+
+class BufferWatch:
+    """Detects buffers and frozen parameters written or replaced during a training forward (see the module
+    docstring for what is caught on every step and what only when contents are compared).
+
+    Args:
+        module: the model (all its buffers, persistent or not, are watched: a non-persistent buffer written from the
+            data still shapes later outputs; and every parameter with ``requires_grad=False``).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._before: dict[str, tuple[int, int, int]] = {}
+        self._contents: dict[str, torch.Tensor] = {}
+
+    def _watched(self) -> Iterable[tuple[str, torch.Tensor]]:
+        yield from self.module.named_buffers()
+        yield from ((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
+
+    def _state(self) -> dict[str, tuple[int, int, int]]:
+        return {name: (id(t), t._version, t.data_ptr()) for name, t in self._watched()}
+
+    def start(self, *, contents: bool = False) -> None:
+        """Record identities, version counters and storage addresses (call right before the training forward);
+        with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents."""
+        self._before = self._state()
+        self._contents = {name: _fingerprint(t) for name, t in self._watched()} if contents else {}
+
+    def check(self) -> None:
+        """Compare with :meth:`start`.
+
+        Raises:
+            UnsupportedModuleError: naming each buffer or frozen parameter (and its module) written in place,
+                replaced or added since.
+        """
+        changed = [name for name, state in self._state().items() if self._before.get(name) != state]
+        if self._contents:
+            current = dict(self._watched())
+            changed += [
+                name
+                for name, before in self._contents.items()
+                if name not in changed and name in current and not _same(before, _fingerprint(current[name]))
+            ]
+            self._contents = {}
+        if not changed:
+            return
+        parts = [name.rpartition(".") for name in changed]
+        details = ", ".join(f"'{buffer}' of module '{owner or '<root>'}'" for owner, _, buffer in parts)
+        raise UnsupportedModuleError(
+            f"buffer(s) or frozen parameter(s) {details} changed during the training forward: a buffer or frozen "
+            "parameter written from the data (e.g. a hand-written running mean) is saved in the state_dict without "
+            "noise and leaks the training examples; compute the statistic without storing it, make it a trainable "
+            "parameter of a supported layer, or update it only outside training (e.g. from public data)"
+        )
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (at most :data:`EXACT_COMPARE_NUMEL` elements), else ``[2]`` float64: sum and sum of
+    squares."""
+    tensor = tensor.detach()
+    if tensor.numel() <= EXACT_COMPARE_NUMEL:
+        return tensor.clone()
+    values = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=tensor.device)
+    for chunk in values.split(_CHECKSUM_CHUNK):  # bounded float64 temporaries
+        chunk = chunk.to(torch.float64)
+        total += torch.stack((chunk.sum(), chunk.square().sum()))
+    return total
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Equal contents (NaN equal to NaN)."""
+    if before.shape != after.shape or before.dtype != after.dtype:
+        return False
+    if before.is_floating_point() or before.is_complex():
+        return bool(torch.isclose(before, after, rtol=0.0, atol=0.0, equal_nan=True).all())
+    return torch.equal(before, after)

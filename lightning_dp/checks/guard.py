@@ -1,0 +1,180 @@
+"""The run-time checks of :mod:`lightning_dp.checks` around each training forward of one run, and when they run
+(docs/design.md section 9): :class:`TrainingGuard`.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dp.checks.buffers import BufferWatch
+from lightning_dp.checks.independence import (
+    BatchMixingError,
+    check_batch_independence,
+    check_leave_half_out,
+    input_leaves,
+)
+
+log = logging.getLogger("lightning_dp")
+
+
+def validate_independence_every(every: int | None, check_batch_independence: bool) -> None:
+    """Raise ``ValueError`` unless ``every`` (``check_batch_independence_every``) is ``None`` or a positive whole
+    number of optimizer steps, and, when it is a number, ``check_batch_independence`` is on."""
+    if every is None:
+        return
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        raise ValueError(
+            f"check_batch_independence_every must be a positive whole number of optimizer steps or None (first "
+            f"step only), got {every!r}"
+        )
+    if not check_batch_independence:
+        raise ValueError(
+            f"check_batch_independence_every={every} repeats the batch-independence check, which "
+            "check_batch_independence=False switches off: set check_batch_independence=True to check every "
+            f"{every} optimizer steps, or check_batch_independence_every=None to keep the check off"
+        )
+
+
+class TrainingGuard:
+    """The checks of :mod:`lightning_dp.checks` around each training forward of one run: buffers and frozen
+    parameters on every step (contents on the first step and while independence is pending), batch independence
+    (gradients, then the leave-half-out forward) on the first step with at least two examples (when
+    ``check_batch_independence``) and, with ``check_every = N``, again on every optimizer step whose number is a
+    multiple of N.
+
+    Which steps are checked: the count of optimizer steps taken so far (``step()``, the accountant's count, the same
+    on every process of a multi-process run) decides, never the local batch: at the first forward of a step whose
+    number is a multiple of N, both checks become pending, exactly as at the start of a run, and they run on the
+    first micro-batch of that step with at least two examples (the first micro-batch when ``accumulate_grad_batches``
+    / ``gradient_accumulation_steps`` > 1, unless it has fewer than two examples; then the next one, possibly in a
+    later step). So every rank arms the same steps; the checks themselves are local, as the first-step check is (no
+    collective: each rank checks its own examples and a rank whose examples mix raises there), so they add no
+    synchronisation point. With per-sample momentum the checks see the current iterate's forward (the forwards at
+    the stored iterates of the same batch run the same code at older parameters). A check never writes ``.grad``,
+    never draws from the noise or sampling generators and restores the torch RNG state around its forwards, so it
+    does not change the update.
+
+    Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
+    loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
+
+    Args:
+        module: the model.
+        output_targets: ``() -> {description: (edge, shape)}`` of the hooked layer outputs of the current forward
+            (:meth:`~lightning_dp.clipping.PerSampleClipper.output_targets`).
+        check_batch_independence: run :func:`check_batch_independence` and :func:`check_leave_half_out` on the first
+            step.
+        check_every: ``N >= 1``: also on every N-th optimizer step (steps ``0, N, 2N, ...`` of ``step()``);
+            ``None`` (default): the first step only. Needs ``check_batch_independence``.
+        step: ``() -> int``, the number of optimizer steps taken so far (needed with ``check_every``).
+
+    Raises:
+        ValueError: ``check_every`` not ``None`` or a positive int, or given without ``check_batch_independence`` or
+            without ``step``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        output_targets: Any,
+        *,
+        check_batch_independence: bool = True,
+        check_every: int | None = None,
+        step: Callable[[], int] | None = None,
+    ) -> None:
+        validate_independence_every(check_every, check_batch_independence)
+        if check_every is not None and step is None:
+            raise ValueError("check_every needs step, the count of optimizer steps taken so far")
+        self.buffers = BufferWatch(module)
+        self._output_targets = output_targets
+        self.independence_pending = check_batch_independence
+        #: whether :func:`check_leave_half_out` is still to run (on the first batch with two examples or more).
+        self.leave_half_out_pending = check_batch_independence
+        self.check_every = check_every
+        self._step = step
+        #: the last optimizer step whose checks were armed (each due step arms once, at its first forward).
+        self._armed_step: int | None = None
+        self._first_step = True
+        self._warned_no_size = False
+        self._leaves: dict[str, torch.Tensor] = {}
+
+    def _arm_if_due(self) -> None:
+        """Make both independence checks pending at the first forward of a step that is a multiple of
+        ``check_every``."""
+        if self.check_every is None:
+            return
+        step = self._step()
+        if step % self.check_every == 0 and step != self._armed_step:
+            self._armed_step = step
+            self.independence_pending = True
+            self.leave_half_out_pending = True
+
+    def before_forward(self, batch: Any, batch_size: int | None) -> Any:
+        """Start watching the buffers and frozen parameters (their contents too on the first step and while the
+        independence check is pending); while the independence check is pending (first step; with ``check_every``,
+        every due step), return the batch with its float inputs as gradient leaves (see :func:`input_leaves`), else
+        the batch itself."""
+        self._arm_if_due()
+        self.buffers.start(contents=self._first_step or self.independence_pending)
+        self._leaves = {}
+        if self.independence_pending and batch_size is None and not self._warned_no_size:
+            self._warned_no_size = True
+            log.warning(
+                "batch-independence check: the batch size could not be read from the batch, so its float inputs "
+                "are not checked (only the hooked layer outputs are); mixing of examples before the first hooked "
+                "layer is NOT checked"
+            )
+        if self.independence_pending and batch_size is not None and batch_size >= 2:
+            batch, self._leaves = input_leaves(batch, batch_size)
+        return batch
+
+    def after_forward(self, per_sample_loss: torch.Tensor) -> None:
+        """Check the buffers, and (while pending) batch independence.
+
+        Raises:
+            UnsupportedModuleError: a buffer or frozen parameter changed during the forward.
+            BatchMixingError: an example's loss depends on another example's data.
+        """
+        self.buffers.check()
+        self._first_step = False
+        if not self.independence_pending or per_sample_loss.ndim != 1 or per_sample_loss.shape[0] < 2:
+            return
+        targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
+        self._leaves = {}
+        with self._naming_the_step():
+            check_batch_independence(per_sample_loss, targets)
+        self.independence_pending = False
+
+    def leave_half_out(
+        self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
+    ) -> None:
+        """Run :func:`check_leave_half_out` while pending, on the first batch with two examples or more of the first
+        step (and of every due step with ``check_every``); call after :meth:`after_forward`, with the batch as the
+        user's step received it.
+
+        Raises:
+            BatchMixingError: as :func:`check_leave_half_out`.
+        """
+        if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
+            return
+        self.leave_half_out_pending = False
+        with self._naming_the_step():
+            check_leave_half_out(compute_loss, batch, batch_size, module)
+
+    @contextmanager
+    def _naming_the_step(self) -> Iterator[None]:
+        """With ``check_every``, a :class:`BatchMixingError` raised inside says on which optimizer step
+        (``"batch-independence check after 4 optimizer steps: ..."``): mixing may have started after the first step."""
+        try:
+            yield
+        except BatchMixingError as error:
+            if self.check_every is not None and error.args and isinstance(error.args[0], str):
+                step = self._step()
+                error.args = (error.args[0].replace(" check: ", f" check after {step} optimizer steps: ", 1),)
+            raise

@@ -1,0 +1,220 @@
+"""Batch independence: example i's loss must not depend on example j's data (docs/design.md section 9.4); one of
+the run-time checks of :mod:`lightning_dp.checks`.
+
+Per-sample clipping bounds each example's influence on the GRADIENT. Mixing of examples escapes it:
+
+- operations that mix examples without parameters (``h - h.mean(0)``, batch statistics computed by hand): example
+  i's loss then depends on example j's data, so removing j changes every clipped contribution and the sensitivity
+  of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step (and, with
+  ``check_batch_independence_every=N``, on every N-th optimizer step: see
+  :class:`~lightning_dp.checks.guard.TrainingGuard`), that the gradient of example i's loss with respect to example
+  j's input (float inputs) and to every hooked layer's output for example j (which covers integer inputs through the
+  embedding outputs) is zero for i != j. This is the idea of
+  Lightning's ``BatchGradientVerification`` (``lightning.pytorch.callbacks.batch_size_finder``'s sibling in
+  ``pl_bolts``), made complete over pairs: for each bit b of the sample index, one vector-Jacobian product of
+  ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
+  with ``2 ceil(log2 B)`` extra backward passes of the checked batch.
+
+- mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
+  / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
+  gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch: with the model in
+  eval mode, under ``no_grad`` and the same torch RNG state, the per-sample losses of the even-indexed examples must
+  be the same whether the odd-indexed ones are in the batch or not (two extra forwards per checked step).
+
+What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
+hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that
+only happens on batches that are not checked (a schedule or a data-dependent branch that starts after the first
+step, when only the first step is checked; any mixing on the steps between two periodic checks), mixing that only
+happens in train mode (for the leave-half-out forward), and gradients that cancel exactly within a tested set. When
+it cannot run at all (no target with ``B`` rows, a loss without gradient) or cannot check the float inputs (batch
+size unknown), it logs a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.autograd.graph import GradientEdge
+
+from lightning_dp.clipping.registry import UnsupportedModuleError
+
+log = logging.getLogger("lightning_dp")
+
+#: relative tolerance of the independence check: gradients across examples must vanish up to rounding.
+INDEPENDENCE_RTOL = 1e-6
+
+BATCH_MIXING_HINT = (
+    "an operation mixes examples of the batch (e.g. h - h.mean(0), hand-written batch statistics, attention or "
+    "pooling over the batch dimension), so clipping each example's gradient no longer bounds its influence; make "
+    "every operation act on each example separately. If you are sure the model is per-example (e.g. the coupling is "
+    "in a non-trainable diagnostic), switch the check off with check_batch_independence=False"
+)
+
+
+class BatchMixingError(UnsupportedModuleError):
+    """Example i's loss depends on example j's data (i != j): the per-sample sensitivity bound does not hold."""
+
+
+def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The batch with every floating-point tensor of first dimension ``batch_size`` replaced by a clone of a fresh
+    leaf that requires grad (a clone, so the user's in-place ops on it stay legal), and those leaves by position.
+
+    Returns:
+        ``(batch, {"input 0": leaf [B, ...], ...})``; the batch unchanged when it has no such tensor.
+    """
+    leaves: dict[str, torch.Tensor] = {}
+
+    def as_leaf(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_floating_point() or tensor.ndim == 0 or tensor.shape[0] != batch_size:
+            return tensor
+        leaf = tensor.detach().requires_grad_(True)
+        leaves[f"input {len(leaves)}"] = leaf
+        return leaf.clone()
+
+    return apply_to_collection(batch, torch.Tensor, as_leaf), leaves
+
+
+def check_batch_independence(
+    per_sample_loss: torch.Tensor,
+    targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
+) -> None:
+    """Fail when example i's loss has a nonzero gradient with respect to example j's part of a target, i != j.
+
+    Runs ``2 ceil(log2 B)`` vector-Jacobian products of the per-sample loss (graph retained, nothing written to
+    ``.grad``); see the module docstring for the construction and what it cannot see.
+
+    Args:
+        per_sample_loss: ``[B]``, attached to the graph of the training forward.
+        targets: ``{description: (edge or tensor, shape)}`` with the sample dimension first (hooked layer outputs,
+            float input leaves); targets whose first dimension is not ``B`` are skipped.
+
+    Raises:
+        BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
+
+    Logs a warning (and checks nothing) when no target has ``B`` rows or the loss has no gradient.
+    """
+    batch = per_sample_loss.shape[0]
+    targets = {name: t for name, t in targets.items() if len(t[1]) and t[1][0] == batch}
+    if batch < 2:
+        return
+    if not targets or not per_sample_loss.requires_grad:
+        why = (
+            "the per-sample loss has no gradient"
+            if targets
+            else f"no hooked layer output or float input has the batch size {batch} as its first dimension"
+        )
+        log.warning(
+            "batch-independence check could not run (%s), so mixing of examples in the model is NOT checked; "
+            "make sure every operation acts on each example separately",
+            why,
+        )
+        return
+    names = list(targets)
+    inputs = [targets[name][0] for name in names]
+    index = torch.arange(batch, device=per_sample_loss.device)
+    finite = torch.isfinite(per_sample_loss.detach())
+    for bit in range(math.ceil(math.log2(batch))):
+        member = ((index >> bit) & 1).bool()
+        for chosen in (member, ~member):
+            weights = (chosen & finite).to(per_sample_loss.dtype)
+            with torch.enable_grad():
+                grads = torch.autograd.grad(
+                    per_sample_loss, inputs, grad_outputs=weights, retain_graph=True, allow_unused=True
+                )
+            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen, finite)
+
+
+def _raise_on_leak(
+    names: Iterable[str],
+    grads: Iterable[torch.Tensor | None],
+    shapes: Iterable[torch.Size],
+    chosen: torch.Tensor,
+    finite: torch.Tensor,
+) -> None:
+    """Raise when a row outside ``chosen`` has a gradient above the relative tolerance. Examples whose loss is not
+    finite (``~finite``; the clipper drops them) and non-finite gradient rows (``0 * inf`` in a backward) are left
+    out, so that such an example neither fails the check (which would reveal that it was drawn) nor blinds it
+    (an infinite scale would hide every other example's leak)."""
+    for name, grad, shape in zip(names, grads, shapes, strict=True):
+        if grad is None:
+            continue
+        rows = grad.reshape(shape).reshape(shape[0], -1).abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1).float()
+        inside, outside = rows[chosen & finite], rows[~chosen & finite]
+        scale = float(inside.max()) if inside.numel() else 0.0
+        if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
+            j = int(torch.nonzero(~chosen & finite)[int(outside.argmax())])
+            raise BatchMixingError(
+                f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
+                f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + BATCH_MIXING_HINT
+            )
+
+
+def check_leave_half_out(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
+) -> None:
+    """Fail when removing the odd-indexed examples changes the per-sample loss of an even-indexed one.
+
+    The forward-only complement of :func:`check_batch_independence`: it sees mixing without a gradient path (a loss
+    normalised by the batch's token count, statistics under ``no_grad``). Both forwards run with ``module`` in eval
+    mode (no dropout), under ``no_grad`` (the hooks record nothing) and from the same torch RNG state; the batch is
+    cut to the even rows in every tensor whose first dimension is ``batch_size``.
+
+    Args:
+        compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: skipped).
+        batch: the training batch (before any guard transformation).
+        batch_size: ``B``.
+        module: the model (put in eval mode for the two forwards, then restored).
+
+    Raises:
+        BatchMixingError: naming an example whose loss changed.
+
+    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
+    """
+    if batch_size < 2:
+        return
+    keep = torch.arange(0, batch_size, 2)
+    cut = []
+
+    def even_rows(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim == 0 or tensor.shape[0] != batch_size:
+            return tensor
+        cut.append(tensor)
+        return tensor[keep.to(tensor.device)]
+
+    half = apply_to_collection(batch, torch.Tensor, even_rows)
+    if not cut:
+        log.warning(
+            "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
+            "dimension), so mixing of examples without a gradient path is NOT checked",
+            batch_size,
+        )
+        return
+    devices = sorted({t.device.index or 0 for t in cut if t.is_cuda})
+    training = module.training
+    module.eval()
+    try:
+        losses = []
+        for data in (batch, half):
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                losses.append(compute_loss(data))
+    finally:
+        module.train(training)
+    full, part = losses
+    if full is None or part is None:
+        return
+    kept = full[keep.to(full.device)]
+    close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6, equal_nan=True)  # an example's NaN loss is its own
+    if not bool(close.all()):
+        i = int(keep[int(torch.nonzero(~close)[0])])
+        raise BatchMixingError(
+            f"leave-half-out check: the loss of example {i} is {float(kept[~close][0]):.6g} with the whole batch and "
+            f"{float(part[~close][0]):.6g} without the odd-indexed examples, so it depends on other examples (e.g. a "
+            "loss divided by the batch's total token count: use a per-example mean; batch statistics computed under "
+            "no_grad or detached); " + BATCH_MIXING_HINT
+        )

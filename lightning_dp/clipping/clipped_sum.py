@@ -1,0 +1,98 @@
+"""The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping (docs/design.md
+sections 4.4 and 9.2): what each group of captures keeps for it while the norms are taken, the masking of samples
+whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``. The mixin holds no state of its own: it reads the
+clipper's attributes (set by ``PerSampleClipper.__init__``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.hooks import Capture
+from lightning_dp.clipping.terms import Factored, Materialised, Term
+
+
+def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
+    """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
+    of the captured activations and output gradients. Materialised terms count as small (vector-sized parameters)."""
+    captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad)}
+    for param_terms in terms.values():
+        for term in param_terms:
+            if isinstance(term, Factored):
+                dense = [term.right] if term.is_index else [term.left, term.right]
+                if any(t.untyped_storage().data_ptr() not in captured for t in dense):
+                    return True
+    return False
+
+
+class ClippedSumMixin:
+    """Book-keeping of the clipped sum and masking of non-finite samples for
+    :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (a base class of it, not used alone)."""
+
+    bookkeeping: bool
+    dropped_nonfinite: bool
+    _past_finite: torch.Tensor | None
+
+    def _kept_for_sum(
+        self,
+        terms: dict[nn.Parameter, list[Term]],
+        past_terms: dict[nn.Parameter, list[Term]],
+        group: list[Capture],
+        then: list[Capture],
+        grads: dict[nn.Parameter, torch.Tensor],
+    ) -> dict[nn.Parameter, list[Term]] | list[Capture]:
+        """What the clipped sum of one group needs: its terms when they are views of the captures (nothing new held),
+        else the captures, whose terms are then formed again; with book-keeping all of the group's terms, else the
+        past iterates'. Per-sample gradients the engine formed (``grads``, book-keeping only) replace their
+        parameter's terms; when they replace every term, the group's captured tensors are released."""
+        if not self.bookkeeping:
+            return then if _allocates_memory(past_terms, then) else past_terms
+        rest = {param: param_terms for param, param_terms in terms.items() if param not in grads}
+        if _allocates_memory(rest, group):
+            return group
+        if not rest:
+            for capture in group:
+                capture.release()
+        return {**rest, **{param: [Materialised(grad)] for param, grad in grads.items()}}
+
+    def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` bool, the samples whose loss (now and at every past iterate) and norm are finite, or ``None``
+        when all are (one host sync).
+
+        A non-finite value in a sample's per-sample terms makes its norm non-finite: every term entry enters the
+        norm through sums and products (``x * inf`` is ``inf`` or NaN, never finite), so the norm is the one place to
+        look. A finite norm that overflowed (``inf`` from finite terms) drops the sample too.
+        """
+        keep = torch.isfinite(norms) & torch.isfinite(per_sample_loss.detach())
+        if self._past_finite is not None:
+            keep = keep & self._past_finite
+        if bool(keep.all()):
+            return None
+        self.dropped_nonfinite = True
+        return keep
+
+    def _add_clipped_sum(
+        self,
+        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]],
+        batch: int,
+        factors: torch.Tensor,
+        keep: torch.Tensor | None,
+    ) -> None:
+        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group (terms kept by
+        :meth:`_norms`, or formed again from a group of captures). With ``keep`` (``[B]`` bool, the samples whose
+        quantities are all finite), the terms of the other samples are zeroed first (their factor is 0 already, but
+        ``0 * inf`` is NaN)."""
+        for item in kept:
+            terms = item if isinstance(item, dict) else self._terms(item, batch)
+            for param, param_terms in terms.items():
+                if keep is not None:
+                    param_terms = [term.masked(keep) for term in param_terms]
+                clipped = param_terms[0].batch_sum(factors)
+                for term in param_terms[1:]:
+                    clipped = clipped + term.batch_sum(factors)
+                clipped = clipped.to(param.dtype)
+                if param.grad is None:
+                    param.grad = clipped
+                else:
+                    param.grad.add_(clipped)

@@ -1,0 +1,194 @@
+"""The per-sample norms of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` and the wiring of the sum check
+(docs/design.md sections 4.3, 4.5 and 9.3).
+
+One backward pass to the captured layer outputs (with the parameter gradients when the sum check is due), the
+per-sample terms grouped by parameter, and the engine's norm contributions summed group by group over the groups of
+captures that share a parameter (of the current iterate and of the past ones). The mixin holds no state of its own:
+it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_dp.clipping.engine import ClippingEngine
+from lightning_dp.clipping.hooks import Capture, CaptureHooks
+from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
+from lightning_dp.clipping.terms import Term
+
+
+def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
+    """Split captures into groups closed under sharing a parameter (a module called twice, tied weights).
+
+    The terms of one group are formed, reduced and freed before the next group, so that peak memory is one group's
+    terms (e.g. one convolution's unfolded input) rather than the whole model's.
+    """
+    groups: list[tuple[set[int], list[Capture]]] = []
+    for capture in captures:
+        params = {id(p) for p in capture.module.parameters(recurse=False) if p.requires_grad}
+        joined = [group for group in groups if group[0] & params]
+        for group in joined:
+            groups.remove(group)
+            params |= group[0]
+        groups.append((params, [c for group in joined for c in group[1]] + [capture]))
+    return [members for _, members in groups]
+
+
+class SampleNormsMixin:
+    """Per-sample norms and the sum check of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (a base class
+    of it, not used alone)."""
+
+    module: nn.Module
+    norm: int
+    bookkeeping: bool
+    sum_check_every: int | None
+    _engine: ClippingEngine
+    _hooks: CaptureHooks
+    _params: list[nn.Parameter]
+    _names: dict[nn.Parameter, str]
+    _checked_batches: int
+    _generator_for: Callable[[torch.device], torch.Generator] | None
+    _past: list[Capture]
+
+    def _check_due(self) -> bool:
+        """Whether this batch runs the sum check: always without book-keeping, else on the schedule."""
+        if not self.bookkeeping:
+            return True
+        return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
+
+    def _backward_pass(
+        self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0, retain_graph: bool = False
+    ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
+        """ONE backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's
+        ``output_grad`` (every per-sample term is linear in it, so the terms come out scaled by ``weight``).
+
+        With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
+        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is kept
+        with ``retain_graph`` (the two-backward path).
+
+        Raises:
+            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
+                module did.
+        """
+        if not per_sample_loss.requires_grad:
+            raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
+        captures = self._hooks.captures
+        inputs = [c.edge for c in captures] + (self._params if param_grads else [])
+        total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
+        with self._hooks.suspended():
+            grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
+        for capture, grad in zip(captures, grads[: len(captures)], strict=True):
+            capture.output_grad = None if grad is None else grad.view(capture.output_shape)
+        reached = [c for c in captures if c.output_grad is not None]
+        if not param_grads:
+            return reached, {}
+        batch_grads = dict(zip(self._params, grads[len(captures) :], strict=True))
+        captures = reached
+        captured = {id(p) for c in captures for _, p in c.module.named_parameters(recurse=False)}
+        for param, grad in batch_grads.items():
+            if grad is not None and id(param) not in captured:
+                raise UnsupportedModuleError(
+                    f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
+                    "is used outside its module's forward (e.g. functionally by a parent module, as "
+                    "F.linear(x, child.weight)); freeze it or use supported layers"
+                )
+        return captures, batch_grads
+
+    def _outside_use_error(self, failures: list[tuple[nn.Parameter, float, float]]) -> UnsupportedModuleError:
+        details = ", ".join(
+            f"'{self._names[p]}' (mismatch {diff:.3g} > tolerance {tol:.3g})" for p, diff, tol in failures
+        )
+        return UnsupportedModuleError(
+            f"the per-sample gradients of parameter(s) {details} do not sum to their batch gradient: each is also "
+            "used outside the forward of its module (e.g. functionally, as F.linear(x, module.weight), or in an L2 "
+            "penalty added to the loss), and that use would reach .grad unclipped (or, with book-keeping, be lost); "
+            "route every use through the module, or freeze the parameter (requires_grad=False); for weight "
+            "regularisation use the optimizer's weight_decay instead of a penalty term in the loss"
+        )
+
+    def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
+        """Group the terms of all captures by parameter (one term per use)."""
+        terms: dict[nn.Parameter, list[Term]] = {}
+        with self._hooks.suspended():
+            for capture in captures:
+                if capture.activation._version != capture.activation_version:
+                    raise ValueError(
+                        f"the input of module '{capture.name}' was modified in place after the module ran, so its "
+                        "per-sample gradients would be computed from the modified values; replace the in-place op "
+                        "that follows it (e.g. x.mul_(s) -> x = x * s)"
+                    )
+                if capture.output_grad.shape[0] != batch:
+                    raise ValueError(
+                        f"module '{capture.name}' saw a batch dimension of {capture.output_grad.shape[0]} but the "
+                        f"per-sample loss has {batch} samples; the first dimension of every layer input must be the "
+                        "sample dimension (expand broadcast inputs to the batch)"
+                    )
+                for name, term in capture.family.terms(capture.module, capture.activation, capture.output_grad).items():
+                    terms.setdefault(getattr(capture.module, name), []).append(term)
+        return terms
+
+    def _norms(
+        self,
+        per_sample_loss: torch.Tensor,
+        captures: list[Capture],
+        batch_grads: dict[nn.Parameter, torch.Tensor | None],
+        check: bool,
+        kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
+    ) -> tuple[torch.Tensor, SumCheck | None]:
+        """Per-sample squared norms (l1 norms for ``norm=1``) ``[B]`` from the captures of the current iterate and
+        of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
+        parameter, and, when ``check``, the sum check fed with the current iterate's terms (its failures are read by
+        the caller, who knows whether the batch had non-finite samples).
+
+        With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
+        book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
+        held), else the captures themselves, whose terms are then formed again.
+
+        Raises:
+            UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms.
+        """
+        batch = per_sample_loss.shape[0]
+        dtype = self._norm_dtype
+        checker = None
+        if check:
+            rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
+            checker = SumCheck(rtol)
+        past = {id(c) for c in self._past}
+        with_terms: set[int] = set()
+        total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
+        for group in _shared_parameter_groups(captures + self._past):
+            then = [c for c in group if id(c) in past]
+            now_terms = self._terms([c for c in group if id(c) not in past], batch)
+            past_terms = self._terms(then, batch)
+            terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
+            grads: dict[nn.Parameter, torch.Tensor] = {}
+            for param, param_terms in terms.items():
+                with_terms.add(id(param))
+                if checker is not None and param in now_terms:
+                    checker.add(param, now_terms[param], batch_grads.pop(param, None))
+                generator = None
+                if self._engine.randomized:
+                    generator = self._generator_for(param_terms[0].device)
+                if kept is not None and self.bookkeeping:
+                    contribution, grad = self._engine.contribution_and_gradient(param_terms, self.norm, generator)
+                    if grad is not None:
+                        grads[param] = grad
+                else:
+                    contribution = self._engine.contribution(param_terms, self.norm, generator)
+                total = total + contribution.to(dtype)
+            if kept is not None:
+                kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
+        if checker is None:
+            return total, None
+        reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
+        if reached:
+            raise UnsupportedModuleError(
+                f"parameter(s) {', '.join(repr(self._names[p]) for p in reached)} received a gradient but their layer "
+                "family produced no per-sample gradient for them (e.g. an extra parameter of a subclass of a "
+                "supported layer, used outside its forward); freeze them or use supported layers"
+            )
+        return total, checker
