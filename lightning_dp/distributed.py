@@ -87,6 +87,13 @@ class DistributedContext:
             for tensor, reduced in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
                 tensor.copy_(reduced.view_as(tensor))
 
+    def any_rank(self, flags: Sequence[bool]) -> list[bool]:
+        """Each flag OR-ed over all ranks (one MAX all-reduce); call only where every rank gets to, e.g. at the normal
+        end of a run, never on an error path (a dead peer would make it wait for the collective's timeout)."""
+        buffer = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=self._device())
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group)
+        return [bool(value) for value in buffer.tolist()]
+
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` (an unsigned 64-bit integer), on every rank."""
         signed = value - 2**64 if value >= 2**63 else value

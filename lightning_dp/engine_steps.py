@@ -220,6 +220,35 @@ class EngineSteps:
             self.last_clip_fraction = float((norms > self.max_grad_norm).float().mean())
         return norms
 
+    def finish_run(self) -> None:
+        """At the normal end of training (never on an error path: on several processes it is a collective): one
+        warning when any process dropped examples with a non-finite loss or gradient, and one when a due sum check
+        was postponed by such examples and never ran again (docs/privacy.md, "Non-finite losses and gradients").
+
+        The two flags are OR-ed over the ranks, and rank 0 logs; no count is kept or released.
+        """
+        clipper = self.clipper
+        flags = [
+            self.dropped_nonfinite or (clipper is not None and clipper.dropped_nonfinite),
+            clipper is not None and clipper.sum_check_postponed,
+        ]
+        if self.distributed is not None:
+            flags = self.distributed.any_rank(flags)
+        dropped, postponed = flags
+        if dropped:
+            log.warning(
+                "Some examples had a non-finite loss or gradient and were left out of the clipped sum on the steps "
+                "that sampled them (no count is kept). This message is about the private data and is not covered "
+                "by the privacy guarantee: keep it, like the training loss, out of published logs"
+            )
+        if postponed:
+            log.warning(
+                "The per-sample sum check was due on a batch with non-finite examples and did not run after it: a "
+                "parameter used outside its layer would not have been seen (with book-keeping it loses that "
+                "gradient; it never leaks). Remove the examples whose loss is not finite, or run with bookkeeping="
+                "False, which checks every batch"
+            )
+
     def count_micro_batch(self) -> None:
         """Count one micro-batch of the current logical step."""
         self._micro_batches += 1

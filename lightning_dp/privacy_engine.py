@@ -149,19 +149,10 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         return self.clipper
 
     def detach(self) -> None:
-        """Remove the clipping hooks; the module is exactly as before ``attach``.
-
-        Logs one warning when the clipper dropped examples with a non-finite loss or gradient during the run (the
-        only report of it; see docs/privacy.md, "Non-finite losses and gradients").
-        """
+        """Remove the clipping hooks; the module is exactly as before ``attach``. Whether the clipper dropped
+        examples with a non-finite loss or gradient is kept in :attr:`dropped_nonfinite` (this process only)."""
         if self.clipper is not None:
-            if self.clipper.dropped_nonfinite:
-                self.dropped_nonfinite = True
-                log.warning(
-                    "Some examples had a non-finite loss or gradient and were left out of the clipped sum on the "
-                    "steps that sampled them (no count is kept). This message is about the private data and is not "
-                    "covered by the privacy guarantee: keep it, like the training loss, out of published logs"
-                )
+            self.dropped_nonfinite |= self.clipper.dropped_nonfinite
             self.clipper.detach()
             self.clipper = None
         for handle in self._momentum_hooks:

@@ -147,6 +147,7 @@ def test_sum_check_is_postponed_past_a_nonfinite_batch(bookkeeping: bool) -> Non
     x[1] = 1e5
     clipper.backward(torch.cosh(model(x)).sum(1))
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert clipper.sum_check_postponed  # reported at the end of a run if no later check runs
     with pytest.raises(UnsupportedModuleError, match="outside the forward"):
         clipper.backward(torch.cosh(model(x[[0, 2, 3]])).sum(1))
 
@@ -235,3 +236,35 @@ def test_leave_half_out_accepts_an_example_with_a_nan_loss() -> None:
     x = torch.randn(4, 3)
     x[2, 0] = math.nan
     check_leave_half_out(lambda batch: layer(batch).sin().sum(-1), x, 4, layer)
+
+
+class GlobalMixing(pl.LightningModule):
+    """``h - h.mean(0)`` with a NaN example in the first batch: every loss of that batch is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(3, 1)
+        x = torch.randn(8, 3)
+        x[0, 0] = math.nan
+        self.data = TensorDataset(x)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        h = self.layer(x).squeeze(-1)
+        return (h - h.mean(0)) ** 2
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=4)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_independence_checks_wait_for_a_batch_with_finite_losses() -> None:
+    """A non-finite first batch cannot switch the first-step checks off: they run again on the next batch."""
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, poisson_sampling=False)
+    trainer = make_trainer(strategy, max_steps=2)
+    with pytest.raises(BatchMixingError, match="batch-independence check"):
+        trainer.fit(GlobalMixing())
+    assert trainer.global_step == 1  # the NaN batch was stepped (every example dropped); the next one failed

@@ -148,8 +148,8 @@ class TrainingGuard:
         targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
         self._leaves = {}
         with self._naming_the_step():
-            check_batch_independence(per_sample_loss, targets)
-        self.independence_pending = False
+            conclusive = check_batch_independence(per_sample_loss, targets)
+        self.independence_pending = not conclusive  # a non-finite loss: check again on the next batch
 
     def leave_half_out(
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
@@ -163,9 +163,9 @@ class TrainingGuard:
         """
         if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
             return
-        self.leave_half_out_pending = False
         with self._naming_the_step():
-            check_leave_half_out(compute_loss, batch, batch_size, module)
+            conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
+        self.leave_half_out_pending = not conclusive
 
     @contextmanager
     def _naming_the_step(self) -> Iterator[None]:

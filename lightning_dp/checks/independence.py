@@ -83,7 +83,7 @@ def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tens
 def check_batch_independence(
     per_sample_loss: torch.Tensor,
     targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
-) -> None:
+) -> bool:
     """Fail when example i's loss has a nonzero gradient with respect to example j's part of a target, i != j.
 
     Runs ``2 ceil(log2 B)`` vector-Jacobian products of the per-sample loss (graph retained, nothing written to
@@ -98,11 +98,16 @@ def check_batch_independence(
         BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
 
     Logs a warning (and checks nothing) when no target has ``B`` rows or the loss has no gradient.
+
+    Returns:
+        Whether the check was conclusive: False when a per-sample loss is not finite (such an example neither fails
+        the check nor hides the others' mixing, but mixing that makes every loss non-finite cannot be seen), so the
+        caller checks again on a later batch.
     """
     batch = per_sample_loss.shape[0]
     targets = {name: t for name, t in targets.items() if len(t[1]) and t[1][0] == batch}
     if batch < 2:
-        return
+        return True
     if not targets or not per_sample_loss.requires_grad:
         why = (
             "the per-sample loss has no gradient"
@@ -114,7 +119,7 @@ def check_batch_independence(
             "make sure every operation acts on each example separately",
             why,
         )
-        return
+        return True
     names = list(targets)
     inputs = [targets[name][0] for name in names]
     index = torch.arange(batch, device=per_sample_loss.device)
@@ -127,28 +132,33 @@ def check_batch_independence(
                 grads = torch.autograd.grad(
                     per_sample_loss, inputs, grad_outputs=weights, retain_graph=True, allow_unused=True
                 )
-            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen, finite)
+            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen & finite)
+    return bool(finite.all())
 
 
 def _raise_on_leak(
     names: Iterable[str],
     grads: Iterable[torch.Tensor | None],
     shapes: Iterable[torch.Size],
-    chosen: torch.Tensor,
-    finite: torch.Tensor,
+    weighted: torch.Tensor,
 ) -> None:
-    """Raise when a row outside ``chosen`` has a gradient above the relative tolerance. Examples whose loss is not
-    finite (``~finite``; the clipper drops them) and non-finite gradient rows (``0 * inf`` in a backward) are left
-    out, so that such an example neither fails the check (which would reveal that it was drawn) nor blinds it
-    (an infinite scale would hide every other example's leak)."""
+    """Raise when a row outside ``weighted`` (the examples whose losses were summed: chosen, with a finite loss) has
+    a gradient above the relative tolerance.
+
+    A NaN entry counts as zero: an example with a non-finite loss, given weight 0, gets ``0 * inf = NaN`` on its own
+    path, which is no dependence; so such an example neither fails the check (which would reveal that it was drawn)
+    nor, through an infinite scale, hides the others' leaks. An infinite entry outside is a dependence (a weight-0
+    path gives NaN, never inf) and counts as the largest float."""
     for name, grad, shape in zip(names, grads, shapes, strict=True):
         if grad is None:
             continue
-        rows = grad.reshape(shape).reshape(shape[0], -1).abs().nan_to_num(0.0, 0.0, 0.0).amax(dim=1).float()
-        inside, outside = rows[chosen & finite], rows[~chosen & finite]
+        largest = torch.finfo(torch.float32).max
+        rows = grad.reshape(shape).reshape(shape[0], -1).abs().float().nan_to_num(0.0, largest, largest).amax(dim=1)
+        inside, outside = rows[weighted], rows[~weighted]
         scale = float(inside.max()) if inside.numel() else 0.0
+        scale = min(scale, largest / INDEPENDENCE_RTOL)
         if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
-            j = int(torch.nonzero(~chosen & finite)[int(outside.argmax())])
+            j = int(torch.nonzero(~weighted)[int(outside.argmax())])
             raise BatchMixingError(
                 f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
                 f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + BATCH_MIXING_HINT
@@ -157,7 +167,7 @@ def _raise_on_leak(
 
 def check_leave_half_out(
     compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
-) -> None:
+) -> bool:
     """Fail when removing the odd-indexed examples changes the per-sample loss of an even-indexed one.
 
     The forward-only complement of :func:`check_batch_independence`: it sees mixing without a gradient path (a loss
@@ -171,13 +181,17 @@ def check_leave_half_out(
         batch_size: ``B``.
         module: the model (put in eval mode for the two forwards, then restored).
 
+    Returns:
+        Whether the check was conclusive: False when a loss of either forward is not finite (NaN is compared as
+        equal to NaN, which mixing that turns every loss into NaN would pass), so the caller checks again later.
+
     Raises:
         BatchMixingError: naming an example whose loss changed.
 
     Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
     """
     if batch_size < 2:
-        return
+        return True
     keep = torch.arange(0, batch_size, 2)
     cut = []
 
@@ -194,7 +208,7 @@ def check_leave_half_out(
             "dimension), so mixing of examples without a gradient path is NOT checked",
             batch_size,
         )
-        return
+        return True
     devices = sorted({t.device.index or 0 for t in cut if t.is_cuda})
     training = module.training
     module.eval()
@@ -207,7 +221,7 @@ def check_leave_half_out(
         module.train(training)
     full, part = losses
     if full is None or part is None:
-        return
+        return True
     kept = full[keep.to(full.device)]
     close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6, equal_nan=True)  # an example's NaN loss is its own
     if not bool(close.all()):
@@ -218,3 +232,4 @@ def check_leave_half_out(
             "loss divided by the batch's total token count: use a per-example mean; batch statistics computed under "
             "no_grad or detached); " + BATCH_MIXING_HINT
         )
+    return bool(torch.isfinite(full).all() and torch.isfinite(part).all())

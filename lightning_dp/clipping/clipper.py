@@ -159,6 +159,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
         #: :meth:`backward`); read once at the end of a run, never per step.
         self.dropped_nonfinite = False
+        #: whether a due sum check was postponed because its batch held a non-finite sample and has not run since
+        #: (a check that never runs cannot catch a parameter used outside its layer); read at the end of a run.
+        self.sum_check_postponed = False
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -235,6 +238,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 failures = checker.failures()
                 if failures:
                     raise self._outside_use_error(failures)
+            if checker is not None:
+                self.sum_check_postponed = keep is not None
             if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
                 self._checked_batches += 1
             if accumulate:

@@ -187,7 +187,9 @@ class DPTrainer(Trainer):
                 callback.bind(engine)
         engine.start_run(self.model, self._distributed)
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+            result = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+            engine.finish_run()
+            return result
         finally:
             engine.detach()
 

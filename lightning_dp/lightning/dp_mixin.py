@@ -313,6 +313,12 @@ class DPStrategyMixin:
             )
         return checkpoint
 
+    def on_train_end(self) -> None:
+        """The engine's end-of-run report (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.finish_run`), at the
+        normal end of training only."""
+        self.privacy_engine.finish_run()
+        super().on_train_end()
+
     def teardown(self) -> None:
         """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
         self.privacy_engine.detach()
