@@ -368,3 +368,23 @@ def test_one_noiseless_full_batch_step_equals_the_plain_trainer(tmp_path) -> Non
     plain, private = (dict(m.named_parameters()) for m in models)
     for name, param in plain.items():
         torch.testing.assert_close(private[name], param, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_stale_privacy_state_is_removed_before_a_checkpoint_folder_is_rewritten(tmp_path) -> None:
+    """The Trainer rewrites ``checkpoint-STEP`` in place (a resumed run reaching the same step): the old privacy state
+    goes first, so a kill mid-write cannot leave new files under an old marker that resuming would trust."""
+    from transformers import TrainerControl, TrainerState
+
+    from lightning_dp.checkpoints import last_complete_checkpoint
+    from lightning_dp.hf.callbacks import PrivacyStateCallback
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    (folder / PRIVACY_STATE_NAME).write_text("{}")
+    state = TrainerState(global_step=4, is_world_process_zero=True)
+    args = training_args(tmp_path)
+    callback = PrivacyStateCallback(PrivacyArguments(noise_multiplier=1.0).make_engine())
+    callback.on_step_end(args, state, TrainerControl(should_save=False))
+    assert last_complete_checkpoint(tmp_path, PRIVACY_STATE_NAME) == str(folder)
+    callback.on_step_end(args, state, TrainerControl(should_save=True))
+    assert last_complete_checkpoint(tmp_path, PRIVACY_STATE_NAME) is None

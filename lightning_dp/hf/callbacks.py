@@ -75,12 +75,27 @@ class PrivacyStateCallback(TrainerCallback):
     def __init__(self, engine: PrivacyEngine) -> None:
         self.engine = engine
 
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        """Before the Trainer writes ``checkpoint-STEP`` (``control.should_save``, set by the flow callback that runs
+        first), remove a privacy state left there by an earlier run: the Trainer writes the folder in place, and a
+        kill mid-write would otherwise leave new files under an old marker that resuming trusts."""
+        if control.should_save and state.is_world_process_zero:
+            marker = self._folder(args, state) / PRIVACY_STATE_NAME
+            marker.unlink(missing_ok=True)
+        return control
+
+    @staticmethod
+    def _folder(args: TrainingArguments, state: TrainerState) -> Path:
+        return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         if self.engine.accountant is None or not state.is_world_process_zero:
             return control
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = self._folder(args, state)
         if not folder.is_dir():
             raise RuntimeError(
                 f"DPTrainer expected the checkpoint folder {folder} to hold the privacy state; checkpoints saved "
