@@ -27,7 +27,7 @@ class EngineAccounting:
                 self.sample_rate,
                 self.clipper.engine.projection_dim,
                 self.norm_dim,
-                self.clipping,
+                self.clipper.engine.estimator,
             )
         return self.mechanism.step_event(self.sample_rate, self.num_params)
 

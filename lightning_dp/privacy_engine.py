@@ -237,7 +237,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
                 steps=total_steps,
                 projection_dim=self.clipper.engine.projection_dim,
                 norm_dim=self.norm_dim,
-                estimator=self.clipping,
+                estimator=self.clipper.engine.estimator,
                 max_grad_norm=self.max_grad_norm,
             ).mechanism
         else:

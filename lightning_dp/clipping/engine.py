@@ -28,11 +28,16 @@ class ClippingEngine(ABC):
         supports_l1: whether ``norm=1`` is available (it needs the per-sample gradients themselves).
         randomized: whether the contribution is a random estimate (it then needs a generator and changes the
             privacy accounting: seed "Efficient DP-SGD for LLMs with Randomized Clipping", Section 5).
+        estimator: for a randomized engine, the law of its estimate that the ``rc`` accountant bounds, one of
+            :data:`~lightning_dp.accounting.rc_envelope.ESTIMATORS` (``"hutch"``: Hutchinson's, ``"hutchpp"``:
+            Hutch++); recorded in the privacy event in place of the engine's name, so a new engine with one of
+            these laws is accounted without naming it anywhere else. ``None`` for an exact engine.
     """
 
     name: ClassVar[str]
     supports_l1: ClassVar[bool] = False
     randomized: ClassVar[bool] = False
+    estimator: ClassVar[str | None] = None
 
     @abstractmethod
     def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -88,7 +93,18 @@ ENGINES: dict[str, type[ClippingEngine]] = {}
 
 
 def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
-    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``."""
+    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``.
+
+    Raises:
+        ValueError: a randomized engine whose ``estimator`` is not one the ``rc`` accountant bounds.
+    """
+    from lightning_dp.accounting.rc_envelope import ESTIMATORS
+
+    if cls.randomized and cls.estimator not in ESTIMATORS:
+        raise ValueError(
+            f"randomized engine {cls.name!r} must set estimator to one of {ESTIMATORS} (the law of its norm estimate "
+            f"that the rc accountant bounds), got {cls.estimator!r}"
+        )
     ENGINES[cls.name] = cls
     return cls
 
@@ -109,7 +125,8 @@ def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngi
     cls = ENGINES[name]
     if not cls.randomized:
         if projection_dim is not None:
-            raise ValueError(f"projection_dim applies to the randomized engines (hutch, hutchpp), not {name!r}")
+            randomized = ", ".join(n for n, engine in ENGINES.items() if engine.randomized)
+            raise ValueError(f"projection_dim applies to the randomized engines ({randomized}), not {name!r}")
         return cls()
     k = DEFAULT_PROJECTION_DIM if projection_dim is None else int(projection_dim)
     if k < 1:

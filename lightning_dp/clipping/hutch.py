@@ -71,6 +71,7 @@ class HutchEngine(RandomizedEngine):
     """Hutchinson's estimator; see the module docstring."""
 
     name = "hutch"
+    estimator = "hutch"
 
     def estimate(self, operator: GradientOperator, generator: torch.Generator) -> torch.Tensor:
         """``||M_i P||_F^2`` (Algorithm 2, lines 4-6): ``[B]``."""

@@ -28,6 +28,7 @@ class HutchPlusPlusEngine(RandomizedEngine):
     """Hutch++; see the module docstring."""
 
     name = "hutchpp"
+    estimator = "hutchpp"
 
     def estimate(self, operator: GradientOperator, generator: torch.Generator) -> torch.Tensor:
         """Head ``||M Q||^2`` plus Hutchinson tail on the complement of ``Q``: ``[B]``."""
