@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fault_helpers import STOP_WITHIN, job_end, wait_until
 
 from lightning_dp import checkpoints
 from lightning_dp.accounting import make_accountant
@@ -23,7 +24,6 @@ from lightning_dp.mechanisms import make_mechanism
 
 SCRIPT = Path(__file__).with_name("ddp_fault_script.py")
 MAX_STEPS, EVERY, Q = 8, 3, 0.25
-STOP_WITHIN = 60.0  # seconds from the fault to the end of every process (gloo's default timeout is 30 minutes)
 
 
 def _env() -> dict[str, str]:
@@ -38,38 +38,6 @@ def _launch(out: Path, *args: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "log.txt").open("w")
     return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=_env(), stdout=log, stderr=log)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def _wait_until(condition, process: subprocess.Popen, out: Path, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            pytest.fail(f"the job ended before {what}: {(out / 'log.txt').read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the job did not reach {what} in time")
-        time.sleep(0.1)
-
-
-def _job_end(process: subprocess.Popen, out: Path, since: float) -> float:
-    """Seconds from ``since`` (time.time()) until both ranks are gone; the job is killed if it takes too long."""
-    pids = [int((out / f"pid{r}").read_text()) for r in range(2)]
-    deadline = time.monotonic() + 2 * STOP_WITHIN
-    while process.poll() is None or any(_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            for pid in pids:
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"the job did not end within {2 * STOP_WITHIN} s of the fault")
-        time.sleep(0.05)
-    return time.time() - since
 
 
 def _curve(out: Path, rank: int) -> list[str]:
@@ -124,9 +92,9 @@ def test_sigkill_one_rank_mid_epoch_ends_the_job_then_resume(tmp_path, killed):
     """Rank ``killed`` sleeps after step 7 (mid-epoch; last checkpoint at step 6) while the other rank waits in step
     8's all-reduce; SIGKILL it: gloo's connection to the dead peer closes, the waiting rank raises at once."""
     process = _launch(tmp_path, "--wait-at", "7", "--wait-rank", str(killed))
-    _wait_until(lambda: _waiting(tmp_path), process, tmp_path, "the kill point")
+    wait_until(lambda: _waiting(tmp_path), process, tmp_path, "the kill point")
     os.kill(int((tmp_path / f"pid{killed}").read_text()), signal.SIGKILL)
-    seconds = _job_end(process, tmp_path, time.time())
+    seconds = job_end(process, tmp_path, time.time())
     print(f"job ended {seconds:.1f} s after SIGKILL of rank {killed}")
     assert seconds < STOP_WITHIN
     assert process.returncode != 0
@@ -139,8 +107,8 @@ def test_sigkill_one_rank_mid_epoch_ends_the_job_then_resume(tmp_path, killed):
 @pytest.mark.parametrize("failing", [1, 0])
 def test_one_rank_raising_in_a_step_ends_the_job_and_leaves_the_previous_checkpoint(tmp_path, failing):
     process = _launch(tmp_path, "--raise-at", "7", "--raise-rank", str(failing))
-    _wait_until(lambda: (tmp_path / "raised").exists(), process, tmp_path, "the failing step")
-    seconds = _job_end(process, tmp_path, float((tmp_path / "raised").read_text()))
+    wait_until(lambda: (tmp_path / "raised").exists(), process, tmp_path, "the failing step")
+    seconds = job_end(process, tmp_path, float((tmp_path / "raised").read_text()))
     print(f"job ended {seconds:.1f} s after rank {failing} raised")
     assert seconds < STOP_WITHIN
     assert process.returncode != 0
@@ -158,9 +126,9 @@ def test_kill_while_rewriting_last_ckpt_leaves_the_previous_one(tmp_path):
     SIGKILL rank 0: rank 1 ends, ``last.ckpt`` is still step 3's, complete, and resumes; the half-written bytes are
     only in the temporary file beside it."""
     process = _launch(tmp_path, "--slow-save-at", "6")
-    _wait_until(lambda: (tmp_path / "writing").exists(), process, tmp_path, "the checkpoint write")
+    wait_until(lambda: (tmp_path / "writing").exists(), process, tmp_path, "the checkpoint write")
     os.kill(int((tmp_path / "pid0").read_text()), signal.SIGKILL)
-    seconds = _job_end(process, tmp_path, time.time())
+    seconds = job_end(process, tmp_path, time.time())
     print(f"job ended {seconds:.1f} s after SIGKILL of rank 0 mid-write")
     assert seconds < STOP_WITHIN
     partial = Path((tmp_path / "writing").read_text())

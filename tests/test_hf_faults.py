@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from fault_helpers import STOP_WITHIN, job_end, wait_until
 from hf_fault_script import MAX_STEPS, checksum
-from test_ddp_faults import STOP_WITHIN, _alive
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME
@@ -53,31 +53,6 @@ def _launch(out: Path, *args: str) -> subprocess.Popen:
 def _curve(out: Path, rank: int) -> list[str]:
     path = out / f"curve{rank}.txt"
     return path.read_text().splitlines() if path.exists() else []
-
-
-def _wait_until(condition, process: subprocess.Popen, out: Path, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            pytest.fail(f"the job ended before {what}: {(out / 'log.txt').read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the job did not reach {what} in time")
-        time.sleep(0.1)
-
-
-def _job_end(process: subprocess.Popen, out: Path, since: float) -> float:
-    """Seconds from ``since`` (time.time()) until the launcher and both ranks are gone."""
-    pids = [int((out / f"pid{r}").read_text()) for r in range(2)]
-    deadline = time.monotonic() + 2 * STOP_WITHIN
-    while process.poll() is None or any(_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            for pid in [process.pid, *pids]:
-                if _alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-            pytest.fail(f"the job did not end within {2 * STOP_WITHIN} s of the fault")
-        time.sleep(0.05)
-    return time.time() - since
 
 
 def _ledger_epsilon(state: dict, steps: int) -> tuple[dict, float]:
@@ -125,9 +100,9 @@ def test_sigkill_one_rank_ends_the_job_then_resume(tmp_path):
     """Rank 1 sleeps after step 3 (mid-epoch; 4 steps per epoch; last checkpoint at 2) while rank 0 waits in step
     4's all-reduce; SIGKILL rank 1: rank 0 raises at once (gloo), torchrun's agent stops the job."""
     process = _launch(tmp_path, "--wait-at", "3", "--wait-rank", "1")
-    _wait_until(lambda: "waiting" in _curve(tmp_path, 1), process, tmp_path, "the kill point")
+    wait_until(lambda: "waiting" in _curve(tmp_path, 1), process, tmp_path, "the kill point")
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
-    seconds = _job_end(process, tmp_path, time.time())
+    seconds = job_end(process, tmp_path, time.time())
     print(f"job ended {seconds:.1f} s after SIGKILL of rank 1")
     assert seconds < STOP_WITHIN and process.returncode != 0
     assert [int(line.split()[0]) for line in _curve(tmp_path, 0)] == [1, 2, 3]
@@ -136,8 +111,8 @@ def test_sigkill_one_rank_ends_the_job_then_resume(tmp_path):
 
 def test_one_rank_raising_in_forward_ends_the_job(tmp_path):
     process = _launch(tmp_path, "--raise-at", "3", "--raise-rank", "1")
-    _wait_until(lambda: (tmp_path / "raised").exists(), process, tmp_path, "the failing step")
-    seconds = _job_end(process, tmp_path, float((tmp_path / "raised").read_text()))
+    wait_until(lambda: (tmp_path / "raised").exists(), process, tmp_path, "the failing step")
+    seconds = job_end(process, tmp_path, float((tmp_path / "raised").read_text()))
     print(f"job ended {seconds:.1f} s after rank 1 raised")
     assert seconds < STOP_WITHIN and process.returncode != 0
     assert "RuntimeError: test failure on rank 1 at step 4" in (tmp_path / "log.txt").read_text()
@@ -149,9 +124,9 @@ def test_kill_while_saving_a_checkpoint_folder_resumes_from_the_previous_one(tmp
     """Rank 0 stops inside the save of checkpoint-4 after the Trainer's files, before the privacy state; SIGKILL
     it: checkpoint-4 is left without privacy state and ``resume_from_checkpoint=True`` skips it for checkpoint-2."""
     process = _launch(tmp_path, "--stall-save-at", "4")
-    _wait_until(lambda: (tmp_path / "writing").exists(), process, tmp_path, "the checkpoint save")
+    wait_until(lambda: (tmp_path / "writing").exists(), process, tmp_path, "the checkpoint save")
     os.kill(int((tmp_path / "pid0").read_text()), signal.SIGKILL)
-    seconds = _job_end(process, tmp_path, time.time())
+    seconds = job_end(process, tmp_path, time.time())
     print(f"job ended {seconds:.1f} s after SIGKILL of rank 0 mid-save")
     assert seconds < STOP_WITHIN and process.returncode != 0
     partial = tmp_path / "trainer" / "checkpoint-4"
