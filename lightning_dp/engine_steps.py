@@ -63,6 +63,7 @@ class EngineSteps:
         self.attach(module)
         self.distributed = distributed
         self._micro_batches = 0
+        self.dropped_nonfinite = False  # reported per run (finish_run)
         if distributed is not None:
             distributed.synchronize_randomness(self.randomness)
 
@@ -208,6 +209,8 @@ class EngineSteps:
         if loss is None:
             self.clipper.discard_past_iterates()
             return None
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the per-sample loss must be a tensor of shape [B], got {type(loss).__name__}")
         self.guard.after_forward(loss)
         self.guard.leave_half_out(replay, batch, len(loss), module)
         return loss

@@ -87,7 +87,7 @@ PrivacyArguments = make_dataclass(
         ),
     ],
     bases=(_PrivacyArgumentsBehaviour,),
-)
+)  # positional order: PrivacyConfig's (the same as before up to dp_seed), then per_example_reduction
 PrivacyArguments.__module__ = __name__
 PrivacyArguments.__doc__ = f"""Differential-privacy arguments of :class:`~lightning_dp.hf.DPTrainer`.
 

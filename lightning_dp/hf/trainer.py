@@ -301,6 +301,8 @@ class DPTrainer(Trainer):
                         return self.compute_per_example_loss(model, batch)
 
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
+                if losses is None:
+                    raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
             if engine.clip(losses).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:

@@ -91,6 +91,11 @@ class DPStrategyMixin:
         return self.privacy_engine.loader_sample_rate
 
     @property
+    def poisson_sampling(self) -> bool:
+        """Whether the training loader Poisson-samples (the ``poisson_sampling`` option)."""
+        return self.privacy_engine.config.poisson_sampling
+
+    @property
     def last_clip_fraction(self) -> float | None:
         """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
         return self.privacy_engine.last_clip_fraction
