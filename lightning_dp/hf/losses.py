@@ -87,8 +87,8 @@ def token_cross_entropy(
     Returns:
         ``[B]`` losses.
     """
-    if shift:
-        logits, labels = logits[:, :-1], labels[:, 1:]
+    if shift:  # shift the labels, not the logits: slicing [B, T, V] logits would copy them (as HF's own loss)
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     token_losses = F.cross_entropy(

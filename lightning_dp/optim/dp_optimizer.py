@@ -23,6 +23,14 @@ from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.randomness import DPRandomness
 
 
+def _finite_extremes(tensor: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: every entry of ``tensor`` is finite (True for an empty tensor)."""
+    if tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    low, high = torch.aminmax(tensor)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
     """Raise before any noise is added when a clipped sum ``p.grad`` holds a non-finite value (one host sync).
 
@@ -37,7 +45,9 @@ def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
     if not params:
         return
     device = params[0].grad.device
-    finite = torch.stack([torch.isfinite(p.grad).all().to(device) for p in params])
+    # min and max propagate NaN and hold any inf: one pass without a boolean copy of each gradient (isfinite on
+    # the 14.5M parameters of a small GPT-2 costs as much as drawing their noise).
+    finite = torch.stack([_finite_extremes(p.grad).to(device) for p in params])
     if bool(finite.all()):
         return
     bad = [f"#{i} {tuple(params[i].shape)}" for i in torch.nonzero(~finite).flatten().tolist()[:5]]
