@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from docs_tables import replace_between_markers
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -160,27 +162,13 @@ def summary_table() -> str:
     return "\n".join(lines)
 
 
-def replace_between_markers(path: Path, text: str) -> None:
-    """Put ``text`` between the results markers of ``path``.
-
-    Raises:
-        ValueError: the file lacks the markers.
-    """
-    content = path.read_text(encoding="utf-8")
-    if START not in content or END not in content:
-        raise ValueError(f"{path} lacks the lines {START} and {END}")
-    before, rest = content.split(START, 1)
-    _, after = rest.split(END, 1)
-    path.write_text(f"{before}{START}\n{text}\n{END}{after}", encoding="utf-8")
-
-
 def render(tasks: list[str]) -> None:
     """Re-render the tables of ``tasks``' pages and the summary table of docs/recipes.md."""
     for task in tasks:
         page = DOCS / "recipes" / f"{task}.md"
         if page.exists():
-            replace_between_markers(page, task_table(task, load_results(task)))
-    replace_between_markers(DOCS / "recipes.md", summary_table())
+            replace_between_markers(page, task_table(task, load_results(task)), START, END)
+    replace_between_markers(DOCS / "recipes.md", summary_table(), START, END)
 
 
 def main() -> None:

@@ -49,15 +49,25 @@ import copy
 import functools
 import json
 import logging
+import os
+import platform
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+from docs_tables import replace_between_markers
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "bench" / "users_paths"
+START, END = "<!-- users_paths:start -->", "<!-- users_paths:end -->"
 
 PATHS = {"gpt2": ("lightning", "hf"), "digits": ("lightning", "torch")}
 DP_OF = {"lightning": "lightning-dp", "hf": "hf-dp", "torch": "opacus"}
@@ -458,6 +468,101 @@ def quiet() -> None:
         pass
 
 
+def report_lines(record: dict[str, Any]) -> list[str]:
+    """The plain-text report of one run (``record``: the JSON this script writes)."""
+    args, out = record["args"], record
+    timed_by = "cpu" if args["device"] == "cpu" else "wall"
+    size = f"T={args['seq_len']} " if args["model"] == "gpt2" else ""
+    lines = [
+        f"model={args['model']} {size}B={args['batch_size']} device={args['device']} threads={args['threads']} "
+        f"rounds={args['rounds']} x {args['steps_per_round']} steps (first {args['skip_first']} of each left out); "
+        f"ratio from {timed_by} time",
+        f"{'variant':<22} {'steps':>5} {'cpu ms/ex':>10} {'wall ms/ex':>11} {'x plain':>8}",
+    ]
+    for name in out["order"]:
+        row = out["results"][name]
+        if "error" in row:
+            lines.append(f"{name:<22} {row['error']}")
+            continue
+        ratio = f"{row['ratio']:>8.2f}" if "ratio" in row else f"{'-':>8}"
+        lines.append(
+            f"{name:<22} {row['steps']:>5} {row['cpu_per_example'] * 1e3:>10.3f} "
+            f"{row['wall_per_example'] * 1e3:>11.3f} {ratio}"
+        )
+    for name, parts in out["breakdown"].items():
+        plain = out["results"].get(name.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
+        lines.append(f"\nbreakdown of {name} ({timed_by} ms per step, mean; B={parts['examples']:.0f})")
+        for part in (*PARTS, "rest (framework, adapter)", "step"):
+            lines.append(f"  {part:<28} {parts[part] * 1e3:>10.2f} {parts[part] / parts['step']:>7.1%}")
+        if plain is not None:
+            lines.append(f"  {'plain step (median)':<28} {plain * parts['examples'] * 1e3:>10.2f}")
+    return lines
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """One recorded run as the docs show it: the command, the ratios table and the breakdown table."""
+    args, env = record["args"], record["environment"]
+    timed_by = "cpu" if args["device"] == "cpu" else "wall"
+    size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
+    lines = [
+        f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}, torch {env['torch']}, "
+        f"{args['threads']} thread(s), load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
+        f"ratios of {timed_by} time)",
+        "",
+        "```bash",
+        record["command"],
+        "```",
+        "",
+        "| variant | steps | cpu ms / example | wall ms / example | x plain of its path |",
+        "|---|---|---|---|---|",
+    ]
+    for name in record["order"]:
+        row = record["results"][name]
+        if "error" in row:
+            lines.append(f"| {name} | {row['error']} | | | |")
+            continue
+        ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
+        lines.append(
+            f"| {name} | {row['steps']} | {row['cpu_per_example'] * 1e3:.2f} | {row['wall_per_example'] * 1e3:.2f} "
+            f"| {ratio} |"
+        )
+    if record["breakdown"]:
+        names = list(record["breakdown"])
+        lines += ["", f"Where a DP step's {timed_by} time goes (ms per step, mean):", ""]
+        lines.append("| part | " + " | ".join(names) + " |")
+        lines.append("|---" * (len(names) + 1) + "|")
+        for part in (*PARTS, "rest (framework, adapter)", "step"):
+            shares = [(record["breakdown"][n][part], record["breakdown"][n]["step"]) for n in names]
+            cells = [f"{value * 1e3:.1f} ({value / step:.1%})" for value, step in shares]
+            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+        plains = []
+        for n in names:
+            plain = record["results"].get(n.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
+            plains.append("-" if plain is None else f"{plain * record['breakdown'][n]['examples'] * 1e3:.1f}")
+        lines.append("| plain step of the path (median) | " + " | ".join(plains) + " |")
+    return "\n".join(lines)
+
+
+def render() -> None:
+    """Re-render docs/performance.md's users'-path section from the JSON records in docs/bench/users_paths/."""
+    records = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RECORDS.glob("*.json"))]
+    text = "\n\n".join(markdown(record) for record in records) or "(no run recorded yet)"
+    replace_between_markers(ROOT / "docs" / "performance.md", text, START, END)
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: torch, the device, the load average (before the run; ``load_after`` later)."""
+    device_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    return {"torch": torch.__version__, "device_name": device_name, "load_before": os.getloadavg()[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(PATHS), default="gpt2")
@@ -472,41 +577,36 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the breakdown of the DP step")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")
+    parser.add_argument("--record", metavar="NAME", help="also write the record to docs/bench/users_paths/NAME.json "
+                        "and re-render docs/performance.md from all records")  # fmt: skip
+    parser.add_argument("--render", action="store_true", help="only re-render docs/performance.md from the records")
     args = parser.parse_args()
+    if args.render:
+        render()
+        return
     args.paths = [p for p in (args.paths or PATHS[args.model]) if p in PATHS[args.model]]
     args.batch_size = 128 if args.model == "digits" else (args.batch_size or 8)
     torch.set_num_threads(args.threads)
     quiet()
+    env = environment()
     out = run(args)
-    if args.json:
-        print(json.dumps({"args": vars(args), **out}))
-        return
-    timed_by = "cpu" if args.device == "cpu" else "wall"
-    size = f"T={args.seq_len} " if args.model == "gpt2" else ""
-    print(
-        f"model={args.model} {size}B={args.batch_size} device={args.device} threads={args.threads} "
-        f"rounds={args.rounds} x {args.steps_per_round} steps (first {args.skip_first} of each left out); "
-        f"ratio from {timed_by} time"
-    )
-    print(f"{'variant':<22} {'steps':>5} {'cpu ms/ex':>10} {'wall ms/ex':>11} {'x plain':>8}")
-    for name in out["order"]:
-        row = out["results"][name]
-        if "error" in row:
-            print(f"{name:<22} {row['error']}")
-            continue
-        ratio = f"{row['ratio']:>8.2f}" if "ratio" in row else f"{'-':>8}"
-        print(
-            f"{name:<22} {row['steps']:>5} {row['cpu_per_example'] * 1e3:>10.3f} "
-            f"{row['wall_per_example'] * 1e3:>11.3f} {ratio}"
-        )
-    for name, parts in out["breakdown"].items():
-        plain = out["results"].get(name.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
-        print(f"\nbreakdown of {name} ({timed_by} ms per step, mean; B={parts['examples']:.0f})")
-        for part in (*PARTS, "rest (framework, adapter)", "step"):
-            print(f"  {part:<28} {parts[part] * 1e3:>10.2f} {parts[part] / parts['step']:>7.1%}")
-        if plain is not None:
-            print(f"  {'plain step (median)':<28} {plain * parts['examples'] * 1e3:>10.2f}")
+    env["load_after"] = os.getloadavg()[0]
+    argv = [a for a in sys.argv[1:] if a != "--json"]
+    if args.record:  # the command as it reproduces the numbers, without the bookkeeping flag
+        at = argv.index("--record") if "--record" in argv else None
+        argv = argv[:at] + argv[at + 2 :] if at is not None else [a for a in argv if not a.startswith("--record=")]
+    record = {
+        "command": shlex.join(["python", "bench/users_paths.py", *argv]),
+        "args": vars(args),
+        "environment": env,
+        **out,
+    }
+    if args.record:
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        (RECORDS / f"{args.record}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+        render()
+    print(json.dumps(record) if args.json else "\n".join(report_lines(record)))
 
 
 if __name__ == "__main__":

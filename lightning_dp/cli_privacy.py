@@ -56,19 +56,6 @@ def _noise_parameter_help() -> dict[str, str]:
 PLOT_POINTS = 16
 RC_PLOT_POINTS = 5
 
-#: Legend labels of the ``--plot`` curves where the accountant name alone would mislead.
-PLOT_LABELS: dict[str, str] = {
-    "lap2-paper": "lap2-paper (not a valid bound)",
-    "plrv-paper": "plrv-paper (not a valid bound)",
-    "advanced": "advanced composition",
-}
-
-NOTES: dict[str, str] = {
-    "lap2-paper": "paper bound (eq. III.7), not valid for the subsampled mechanism",
-    "plrv-paper": "paper bound (Alg. 2), not valid for the subsampled mechanism",
-    "advanced": "advanced composition (literature review 4.3)",
-}
-
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
     """Left-aligned plain-text columns separated by two spaces (one line per row)."""
@@ -157,7 +144,8 @@ def _emit(summary: dict[str, Any], epsilons: dict[str, float], as_json: bool, de
     ]
     table = [("accountant", "epsilon", "note")]
     for name, eps in epsilons.items():
-        table.append((name, _fmt(eps), NOTES.get(name, "sound (default)" if name == default else "")))
+        note = ACCOUNTANTS[name].note or ("sound (default)" if name == default else "")
+        table.append((name, _fmt(eps), note))
     print(format_table(rows))
     print()
     print(format_table(table))
@@ -271,7 +259,8 @@ def _plot(
 
     grid = sorted({max(1, round(args.steps * i / points)) for i in range(1, points + 1)})
     labelled = {
-        PLOT_LABELS.get(name, name): ([0, *grid], [0.0, *(eps(t) for t in grid)]) for name, eps in curves.items()
+        (ACCOUNTANTS[name].plot_label or name): ([0, *grid], [0.0, *(eps(t) for t in grid)])
+        for name, eps in curves.items()
     }
     params = ", ".join(f"{k}={_fmt(v)}" for k, v in mechanism.describe().items())
     title = f"{args.noise} noise ({params}), q={_fmt(args.sample_rate)}"

@@ -54,6 +54,10 @@ class Accountant(ABC):
     name: ClassVar[str]
     #: True when the accountant gives pure DP, so ``get_epsilon`` ignores delta.
     pure: ClassVar[bool] = False
+    #: What a reader of ``lightning-dp epsilon``'s table must know about this bound ("" when nothing).
+    note: ClassVar[str] = ""
+    #: The legend label of its curve in ``--plot`` (``None``: the name), where the name alone would mislead.
+    plot_label: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         self.ledger: list[list[Any]] = []

@@ -220,6 +220,8 @@ class AdvancedCompositionAccountant(Accountant):
     """
 
     name = "advanced"
+    note = "advanced composition (literature review 4.3)"
+    plot_label = "advanced composition"
 
     def supports(self, event: Any) -> bool:
         return _supports(event)

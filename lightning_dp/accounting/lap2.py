@@ -153,6 +153,8 @@ class Lap2PaperAccountant(MomentsAccountant):
     """LAP2 paper accountant (Thm III.7): reproduces the paper; logs a warning that it is not a valid bound."""
 
     name = "lap2-paper"
+    note = "paper bound (eq. III.7), not valid for the subsampled mechanism"
+    plot_label = "lap2-paper (not a valid bound)"
 
     def __init__(self) -> None:
         super().__init__()

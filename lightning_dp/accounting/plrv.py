@@ -341,6 +341,8 @@ class PlrvPaperAccountant(MomentsAccountant):
     """PLRV-O paper accountant (Thm 4.9, Alg. 2): reproduces the paper; logs a warning that it is not a valid bound."""
 
     name = "plrv-paper"
+    note = "paper bound (Alg. 2), not valid for the subsampled mechanism"
+    plot_label = "plrv-paper (not a valid bound)"
 
     def __init__(self) -> None:
         super().__init__()
