@@ -36,7 +36,7 @@ def build(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Cal
     """The model, a fixed batch of ``batch_size`` examples and ``loss(model, batch) -> [B]``."""
     torch.manual_seed(0)
     if name == "digits":
-        from lightning_dp.examples.digits import DigitsCNN
+        from lightning_dp.tasks.digits import DigitsCNN
 
         model = DigitsCNN()
         batch = (torch.rand(batch_size, 1, 8, 8), torch.randint(0, 10, (batch_size,)))

@@ -7,7 +7,7 @@ Methods (DP-PMLF, Xu et al. 2026, Algorithm 1), all with the same hyper-paramete
 - ``momentum``: per-sample momentum only (``DPStrategy(momentum_length=k, momentum_beta=beta)``);
 - ``dp-pmlf``: both.
 
-Tasks: ``digits`` (the demo CNN of :mod:`lightning_dp.examples.digits` on scikit-learn's digits) and ``cifar10`` (a
+Tasks: ``digits`` (the demo CNN of :mod:`lightning_dp.tasks.digits` on scikit-learn's digits) and ``cifar10`` (a
 small GroupNorm CNN on the 5k-image CIFAR-10 training subset of ``--cifar-dir``, tested on its 10k test images; the
 npz files are read in place). Every (task, method) runs in its own process, which trains all epsilons and seeds of
 that method, so its peak resident memory (``ru_maxrss``) is the method's own; wall time is the training loop only
@@ -56,9 +56,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.recipes.cifar import standardise
+from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 METHODS = ("dpsgd", "lp-dpsgd", "momentum", "dp-pmlf")
 FILTERED = {"lp-dpsgd", "dp-pmlf"}

@@ -223,7 +223,7 @@ def digits_setup():
     """The digits CNN (seed 0) and a fixed-order loader of the train split in batches of 128 (last one dropped)."""
     from torch.utils.data import DataLoader
 
-    from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
+    from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
     class BenchDigitsCNN(DigitsCNN):
         """``DigitsCNN`` whose step returns the mean of its per-sample loss when ``mean_loss`` (plain training)."""

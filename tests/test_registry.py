@@ -17,8 +17,8 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 
 from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyAccountantCallback
 from lightning_dp.cli import main
-from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.lightning.registry import DEFAULT_EPSILON, REGISTERED_EPSILONS
+from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = {

@@ -1,5 +1,5 @@
 """Ready-made audit targets: a small linear classifier on synthetic data (the cheap white-box setting) and the
-digits CNN of :mod:`lightning_dp.examples.digits`, each returning the training set, the LightningModule, for input
+digits CNN of :mod:`lightning_dp.tasks.digits`, each returning the training set, the LightningModule, for input
 canaries the candidate canary examples and, for clipped gradient canaries, the unused input features and the layer
 they enter."""
 
@@ -113,7 +113,7 @@ def make_setup(
             torch.manual_seed(seed)
             module = LinearClassifier(width, classes)
         return AuditSetup(module, train, candidates, unused_weights, torch.arange(used, width), "layer")
-    from lightning_dp.examples.digits import DigitsCNN, DigitsDataModule
+    from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
     data = DigitsDataModule(split_seed=seed)
     data.setup()

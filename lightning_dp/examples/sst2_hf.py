@@ -40,7 +40,7 @@ from transformers import (
 )
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
-from lightning_dp.recipes.glue import MeanPoolingBertForSequenceClassification, freeze_below
+from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue" / "sst2"
 

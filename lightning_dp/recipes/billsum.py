@@ -20,7 +20,7 @@ prompt is ``<bill text>`` (the body, which may be cut) followed by ``"\\nSummary
 is ``" <summary>"`` cut to ``max_target_length`` tokens, then EOS, with the loss on target and EOS only. The bill text
 is cut from its END so that prompt + target + EOS fit in ``max_length`` tokens (the beginning of a bill holds its
 title, short title and purpose); evaluation prompts are cut the same way leaving ``max_new_tokens`` tokens of room
-(:mod:`lightning_dp.recipes.generation`).
+(:mod:`lightning_dp.tasks.prompt_target`).
 
 Metric: ROUGE-1/2/L F-measure in percent (``rouge-score`` with Porter stemming, :func:`metrics.rouge`) of the greedy
 continuation (up to EOS or ``max_new_tokens``) against the FULL reference summary (uncut, original whitespace).
@@ -41,13 +41,9 @@ from transformers import TrainingArguments
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import metrics
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.generation import (
-    CausalLMArguments,
-    PromptTarget,
-    load_causal_lm_recipe,
-    run_generation_recipe,
-)
+from lightning_dp.recipes.generation import CausalLMArguments, load_causal_lm_recipe, run_generation_recipe
 from lightning_dp.recipes.run import split_rows
+from lightning_dp.tasks.prompt_target import PromptTarget
 
 HUB_DATASET = "FiscalNote/billsum"
 LOCAL_FILE = "us_train_sample100.jsonl"

@@ -43,9 +43,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.metrics import classification_metrics
-from lightning_dp.recipes.models import TINY_SIZES
 from lightning_dp.recipes.run import data_folder, require_file, results_record, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
+from lightning_dp.tasks.pretrained import TINY_SIZES
 
 log = logging.getLogger("lightning_dp")
 
@@ -255,7 +255,7 @@ class WideResNetClassifier(CifarClassifier):
 class ViTClassifier(CifarClassifier):
     """HF ``ViTForImageClassification`` with a 10-class head: fine-tuned from ``model_name_or_path``, or, with
     ``tiny``, a random ViT of a small config (``image_size`` 32, ``patch_size`` 4, the shared tiny sizes of
-    :data:`lightning_dp.recipes.models.TINY_SIZES`; offline and smoke tests). Input ``[B, 3, 32, 32]`` images are
+    :data:`lightning_dp.tasks.pretrained.TINY_SIZES`; offline and smoke tests). Input ``[B, 3, 32, 32]`` images are
     resized (bilinear) to the model's ``image_size``. Dropout is off (the library's per-sample terms of ViT's
     embeddings are exact only then).
 

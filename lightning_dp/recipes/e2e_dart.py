@@ -31,12 +31,12 @@ so the hypothesis here is the generated text up to its first newline.
 
 Model: ``AutoModelForCausalLM`` from ``model_name_or_path`` (``gpt2`` and larger GPT-2s in Li et al.; offline the
 packaged SmolLM2-135M-Instruct), fully fine-tuned (``lora_rank: 0``) or with peft LoRA adapters
-(:func:`~lightning_dp.recipes.models.add_lora`).
+(:func:`~lightning_dp.tasks.pretrained.add_lora`).
 
 Metric: corpus BLEU (sacrebleu), ROUGE-1/2/L and METEOR against all references of each table
 (:func:`~lightning_dp.recipes.metrics.generation_metrics`), in percent.
 
-Truncation rule (:mod:`~lightning_dp.recipes.generation`): the reference is cut to ``max_target_length`` tokens,
+Truncation rule (:mod:`~lightning_dp.tasks.prompt_target`): the reference is cut to ``max_target_length`` tokens,
 then the linearised table is cut from its end so that table + separator + reference + EOS fit in ``max_length``
 tokens; at evaluation the table is cut so that ``max_new_tokens`` more fit. (Li et al. instead drop training
 examples longer than ``max_seq_len``: 100 tokens for E2E, 120 for DART.)
@@ -67,6 +67,7 @@ from lightning_dp.naming import did_you_mean
 from lightning_dp.recipes import generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.run import local_data_dir, require_file
+from lightning_dp.tasks.prompt_target import PromptTarget
 
 TASKS = ("e2e", "dart")
 #: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).
@@ -144,16 +145,14 @@ def group_references(pairs: Iterable[tuple[str, str]]) -> list[tuple[str, list[s
 
 def make_examples(
     tables: Sequence[tuple[str, Sequence[str]]], separator: str, train: bool, limit: int | None
-) -> list[generation.PromptTarget]:
+) -> list[PromptTarget]:
     """PromptTargets of linearised ``tables`` with their references: for training one per (table, reference) pair,
     the first ``limit`` pairs; for evaluation one per table holding all its references, the first ``limit`` tables.
     The target is the first reference (the one trained on), with a leading space as in Li et al."""
     if train:
         pairs = [(table, ref) for table, refs in tables for ref in refs][:limit]
-        return [generation.PromptTarget(table, separator, " " + ref.strip(), (ref,)) for table, ref in pairs]
-    return [
-        generation.PromptTarget(table, separator, " " + refs[0].strip(), tuple(refs)) for table, refs in tables[:limit]
-    ]
+        return [PromptTarget(table, separator, " " + ref.strip(), (ref,)) for table, ref in pairs]
+    return [PromptTarget(table, separator, " " + refs[0].strip(), tuple(refs)) for table, refs in tables[:limit]]
 
 
 def read_local(task: str, folder: Path) -> tuple[list[tuple[str, list[str]]], list[tuple[str, list[str]]]]:

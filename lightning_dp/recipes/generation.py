@@ -1,16 +1,9 @@
-"""Causal-LM fine-tuning data and decoding shared by the generation recipes (E2E/DART, BillSum, HotpotQA): the
-prompt/target examples and their truncation rule, batched decoding, and the recipe plumbing around them (arguments,
-model loading with the head and length checks and LoRA, the collator, the evaluation callback).
+"""Causal-LM fine-tuning plumbing shared by the generation recipes (E2E/DART, BillSum, HotpotQA): batched decoding,
+the recipe arguments, model loading with the head and length checks and LoRA, and the evaluation callback.
 
-An example is a prompt followed by its target and the end-of-sequence token; the loss is on the target and EOS only
-(prompt tokens get label ``-100``), which is the table-to-text setup of Li et al. 2022 ("Large language models can
-be strong differentially private learners", section 3) and of the other generation tasks. ``DPTrainer`` reduces
-each example's token losses to one per-example loss (``PrivacyArguments.per_example_reduction``).
-
-Truncation rule (documented in every recipe): the prompt is ``body + tail``. The target is cut to
-``max_target_length`` tokens first; then the body (a long document or the context paragraphs) is cut from its END
-so that ``body + tail + target + EOS`` fits in ``max_length`` tokens; the tail (the question, or the "summary:"
-cue) is never cut. Evaluation prompts are cut the same way, leaving room for ``max_target_length`` new tokens.
+The examples themselves (prompt/target, the truncation rule every recipe documents, the tokenised dataset and its
+collator) are :mod:`lightning_dp.tasks.prompt_target`'s, shared with the E2E LoRA example; model and tokenizer
+loading is :mod:`lightning_dp.tasks.pretrained`'s.
 """
 
 from __future__ import annotations
@@ -20,92 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
-from transformers import (
-    AutoConfig,
-    DataCollatorForSeq2Seq,
-    PretrainedConfig,
-    PreTrainedTokenizerBase,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import models
 from lightning_dp.recipes.run import RecipeArguments, check_max_length, run_recipe
+from lightning_dp.tasks import pretrained
+from lightning_dp.tasks.prompt_target import PromptTarget, PromptTargetDataset, causal_lm_collator, prompt_ids
 
-IGNORE_INDEX = -100
 #: Characters of each sample's prompt body written to the results file.
 SAMPLE_BODY_CHARS = 300
-
-
-@dataclass(frozen=True)
-class PromptTarget:
-    """One example: ``body`` (may be cut), ``tail`` (never cut), the ``target`` text, and every acceptable reference
-    for evaluation (``references``; the target is usually one of them)."""
-
-    body: str
-    tail: str
-    target: str
-    references: tuple[str, ...]
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, example: PromptTarget, max_length: int, reserve: int) -> list[int]:
-    """Token ids of ``body + tail`` with the body cut from its end so that ``reserve`` more tokens fit in
-    ``max_length``.
-
-    Raises:
-        ValueError: the tail alone leaves no room (``max_length`` too small for the task).
-    """
-    body = tokenizer(example.body, add_special_tokens=False)["input_ids"]
-    tail = tokenizer(example.tail, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
-    room = max_length - reserve - len(tail) - len(bos)
-    if room < 0:
-        raise ValueError(
-            f"max_length {max_length} leaves no room for the prompt's fixed part ({len(tail)} tokens) and "
-            f"{reserve} target tokens; raise max_length or lower max_target_length"
-        )
-    return bos + body[:room] + tail
-
-
-def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer puts BOS in front of a text by itself (Llama does, GPT-2 does not)."""
-    ids = tokenizer("a")["input_ids"]
-    return bool(ids) and ids[0] == tokenizer.bos_token_id
-
-
-class PromptTargetDataset(Dataset):
-    """Tokenised training examples: ``input_ids`` = cut prompt + target (at most ``max_target_length`` tokens) +
-    EOS, ``labels`` = ``-100`` on the prompt and the ids on target and EOS, ``attention_mask`` all ones.
-
-    Raises:
-        ValueError: ``max_target_length`` not positive, or a prompt's tail leaves no room (see :func:`prompt_ids`).
-    """
-
-    def __init__(
-        self,
-        examples: Sequence[PromptTarget],
-        tokenizer: PreTrainedTokenizerBase,
-        max_length: int,
-        max_target_length: int,
-    ) -> None:
-        if max_target_length <= 0:
-            raise ValueError(f"max_target_length must be positive, got {max_target_length}")
-        self.examples = []
-        for example in examples:
-            target = tokenizer(example.target, add_special_tokens=False)["input_ids"][:max_target_length]
-            target = target + [tokenizer.eos_token_id]
-            prompt = prompt_ids(tokenizer, example, max_length, len(target))
-            ids = prompt + target
-            labels = [IGNORE_INDEX] * len(prompt) + target
-            self.examples.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.examples[i]
 
 
 @torch.no_grad()
@@ -121,7 +37,8 @@ def generate_texts(
     """Decoded continuations (up to EOS, special tokens dropped, stripped) of each example's cut prompt: greedy
     (``num_beams=1``) or beam search, in left-padded batches, in eval mode (no dropout).
 
-    Prompts are cut like the training examples (:func:`prompt_ids`) with ``max_new_tokens`` reserved.
+    Prompts are cut like the training examples (:func:`~lightning_dp.tasks.prompt_target.prompt_ids`) with
+    ``max_new_tokens`` reserved.
     """
     model.eval()
     device = next(model.parameters()).device
@@ -182,7 +99,7 @@ def check_causal_lm_head(config: PretrainedConfig, name: str) -> None:
     """Raise ``ValueError`` unless ``config`` names a decoder-only model with a causal-LM head (its
     ``architectures`` end in ``ForCausalLM`` or ``LMHeadModel``; encoder-decoder models such as T5 are refused)."""
     architectures = list(getattr(config, "architectures", None) or [])
-    causal = any(a.endswith(models.CAUSAL_LM_HEADS) for a in architectures)
+    causal = any(a.endswith(pretrained.CAUSAL_LM_HEADS) for a in architectures)
     if getattr(config, "is_encoder_decoder", False) or not causal:
         raise ValueError(
             f"model {name!r} ({', '.join(architectures) or config.model_type}) has no causal-LM head; this recipe "
@@ -199,21 +116,18 @@ def load_causal_lm_recipe(recipe: CausalLMArguments) -> tuple[torch.nn.Module, P
     """
     name = recipe.model_name_or_path
     if recipe.tiny_model:
-        config = models.tiny_config(name, recipe.cache_dir)
+        config = pretrained.tiny_config(name, recipe.cache_dir)
     else:
-        config = AutoConfig.from_pretrained(models.resolve_pretrained(name, recipe.cache_dir))
+        config = AutoConfig.from_pretrained(pretrained.resolve_pretrained(name, recipe.cache_dir))
     check_causal_lm_head(config, name)
     check_max_length(config, recipe.max_length)
-    tokenizer = models.load_tokenizer(name, recipe.cache_dir)
-    model = models.load_causal_lm(name, recipe.cache_dir, tiny=recipe.tiny_model)
+    tokenizer = pretrained.load_tokenizer(name, recipe.cache_dir)
+    model = pretrained.load_causal_lm(name, recipe.cache_dir, tiny=recipe.tiny_model)
     if recipe.lora_rank > 0:
-        model = models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM")
+        model = pretrained.add_lora(
+            model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "CAUSAL_LM"
+        )
     return model, tokenizer
-
-
-def causal_lm_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
-    """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``)."""
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
 
 
 def first_line(text: str) -> str:
@@ -274,8 +188,9 @@ def run_generation_recipe(
     postprocess: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """:func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: fine-tune on ``train`` (tokenised and
-    cut by :class:`PromptTargetDataset`, padded by :func:`causal_lm_collator`), then decode ``evaluation`` and score
-    it (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
+    cut by :class:`~lightning_dp.tasks.prompt_target.PromptTargetDataset`, padded by
+    :func:`~lightning_dp.tasks.prompt_target.causal_lm_collator`), then decode ``evaluation`` and score it
+    (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
     samples) go to the results file."""
     details = {
         "eval_size": len(evaluation),

@@ -12,8 +12,9 @@ GLUE dev set only, split deterministically: rows 0..3999 (in file order) train, 
 the first rows of each split.
 
 Model: ``AutoModelForSequenceClassification`` of ``model_name_or_path`` (a fresh linear head on the encoder, HF's
-``[CLS]``-based head), or with ``pooling: mean`` (BERT encoders) :class:`MeanPoolingBertForSequenceClassification`,
-whose head reads the mean of the last hidden states, which the offline default all-MiniLM-L6-v2 was trained for.
+``[CLS]``-based head), or with ``pooling: mean`` (BERT encoders)
+:class:`~lightning_dp.tasks.encoders.MeanPoolingBertForSequenceClassification`, whose head reads the mean of the last
+hidden states, which the offline default all-MiniLM-L6-v2 was trained for.
 Trained parameters: everything (``train_layers`` unset), the top ``train_layers`` encoder layers plus the head
 (the embeddings and lower layers frozen), or LoRA adapters (``lora_rank > 0``, ``lora_target_modules`` of the top
 ``lora_layers`` layers) plus the head.
@@ -39,14 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-import torch
-from torch import nn
 from torch.utils.data import Dataset
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
-    BertConfig,
-    BertForSequenceClassification,
     DataCollatorWithPadding,
     PretrainedConfig,
     PreTrainedModel,
@@ -54,14 +51,15 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
-from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
 )
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import config, metrics, models, run
+from lightning_dp.recipes import config, metrics, run
+from lightning_dp.tasks import pretrained
+from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 
 HUB_DATASET = "nyu-mll/glue"
 #: QNLI's local copy is its GLUE dev set: the first this many rows (file order) train, the rest evaluate.
@@ -160,69 +158,6 @@ class GlueDataset(Dataset):
         return {**{k: v[i] for k, v in self.encodings.items()}, "labels": self.labels[i]}
 
 
-class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
-    """``BertForSequenceClassification`` whose head reads the mean of the last hidden states over the attention mask
-    instead of the pooler's transform of the ``[CLS]`` vector.
-
-    all-MiniLM-L6-v2 was trained for sentence embeddings with mean pooling (Reimers & Gurevych 2019,
-    Sentence-BERT), so its ``[CLS]`` vector and pooler carry little sentence-level information: a linear probe on the
-    pooler output reaches about 58% dev accuracy on SST-2, on the mean-pooled states about 79% (docs/hf.md). The
-    pooler is dropped (``pooler.*`` in the checkpoint is ignored), so it is neither trained nor noised. A subclass
-    of ``BertForSequenceClassification``, so ``DPTrainer`` forms its per-example loss like for the HF class.
-    """
-
-    def __init__(self, config: BertConfig) -> None:
-        super().__init__(config)
-        self.bert.pooler = None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        pooled: torch.Tensor | None = None,
-        **kwargs,
-    ) -> SequenceClassifierOutput:
-        """``[B, T]`` token inputs, or ``pooled`` ``[B, hidden]`` mean hidden states computed beforehand (see
-        ``lightning_dp.examples.sst2_hf.mean_pooled_features``), -> ``[B, num_labels]`` logits (and HF's batch loss
-        when ``labels`` are given)."""
-        if pooled is None:
-            pooled = self.mean_pool(input_ids, attention_mask, token_type_ids)
-        logits = self.classifier(self.dropout(pooled))
-        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
-        return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def mean_pool(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, token_type_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``[B, T]`` tokens -> ``[B, hidden]`` mean of the encoder's last hidden states over the attention mask."""
-        hidden = self.bert(input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).last_hidden_state
-        mask = (attention_mask if attention_mask is not None else torch.ones_like(input_ids)).unsqueeze(-1)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
-
-
-def freeze_below(model: PreTrainedModel, train_layers: int) -> None:
-    """Freeze the embeddings and all but the top ``train_layers`` encoder layers of a BERT-style encoder
-    (``model.base_model.embeddings`` and ``.encoder.layer``); frozen layers get no clipping hooks and no noise, and
-    fewer noised parameters also mean less noise overall.
-
-    Raises:
-        ValueError: the model has no ``embeddings`` / ``encoder.layer``, or ``train_layers`` exceeds its layers.
-    """
-    encoder = model.base_model
-    if not hasattr(encoder, "embeddings") or not hasattr(getattr(encoder, "encoder", None), "layer"):
-        raise ValueError(
-            f"train_layers needs a BERT-style encoder (embeddings, encoder.layer); {type(model).__name__} is not: "
-            "unset train_layers or use LoRA (lora_rank > 0)"
-        )
-    layers = encoder.encoder.layer
-    if train_layers > len(layers):
-        raise ValueError(f"train_layers must be at most the model's {len(layers)} layers, got {train_layers}")
-    for module in [encoder.embeddings, *layers[: len(layers) - train_layers]]:
-        module.requires_grad_(False)
-
-
 def load_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
     """The (train, evaluation) examples of ``recipe.task``, the first ``train_size`` / ``eval_size`` of each.
 
@@ -283,7 +218,7 @@ def check_classifier(model_config: PretrainedConfig, name: str) -> None:
         )
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     architectures = model_config.architectures or []
-    if architectures and all(a in causal or a.endswith(models.CAUSAL_LM_HEADS) for a in architectures):
+    if architectures and all(a in causal or a.endswith(pretrained.CAUSAL_LM_HEADS) for a in architectures):
         raise ValueError(
             f"{name} is a causal language model ({', '.join(architectures)}); the GLUE recipe fine-tunes encoders "
             "with a sequence-classification head: choose one such as roberta-base or bert-base-uncased"
@@ -292,13 +227,13 @@ def check_classifier(model_config: PretrainedConfig, name: str) -> None:
 
 def load_model(recipe: GlueArguments, num_labels: int) -> PreTrainedModel:
     """The classifier of the module docstring with its trainable parameters set (pretrained, or with
-    ``tiny_model`` random of :func:`~lightning_dp.recipes.models.tiny_config`).
+    ``tiny_model`` random of :func:`~lightning_dp.tasks.pretrained.tiny_config`).
 
     Raises:
         ValueError: no sequence-classification head (:func:`check_classifier`), ``max_length`` above the model's
             maximum, ``pooling: mean`` for a non-BERT model, or bad ``train_layers`` / ``lora_layers``.
     """
-    path = models.resolve_pretrained(recipe.model_name_or_path, recipe.cache_dir)
+    path = pretrained.resolve_pretrained(recipe.model_name_or_path, recipe.cache_dir)
     model_config = AutoConfig.from_pretrained(path, num_labels=num_labels)
     check_classifier(model_config, recipe.model_name_or_path)
     run.check_max_length(model_config, recipe.max_length)
@@ -310,12 +245,12 @@ def load_model(recipe: GlueArguments, num_labels: int) -> PreTrainedModel:
     mean = recipe.pooling == "mean"
     model_class = MeanPoolingBertForSequenceClassification if mean else AutoModelForSequenceClassification
     if recipe.tiny_model:
-        tiny = models.tiny_config(recipe.model_name_or_path, recipe.cache_dir, num_labels=num_labels)
+        tiny = pretrained.tiny_config(recipe.model_name_or_path, recipe.cache_dir, num_labels=num_labels)
         model = model_class(tiny) if mean else model_class.from_config(tiny)
     else:
         model = model_class.from_pretrained(path, config=model_config)
     if recipe.lora_rank > 0:
-        return models.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "SEQ_CLS")
+        return pretrained.add_lora(model, recipe.lora_rank, recipe.lora_target_modules, recipe.lora_layers, "SEQ_CLS")
     if recipe.train_layers is not None:
         freeze_below(model, recipe.train_layers)
     return model
@@ -336,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = TASKS[recipe.task]
     train_examples, eval_examples = load_examples(recipe)
     model = load_model(recipe, len(spec.label_names))
-    tokenizer = models.load_tokenizer(recipe.model_name_or_path, recipe.cache_dir)
+    tokenizer = pretrained.load_tokenizer(recipe.model_name_or_path, recipe.cache_dir)
     train = GlueDataset(train_examples, tokenizer, recipe.max_length)
     evaluation = GlueDataset(eval_examples, tokenizer, recipe.max_length, by_length=True)
 

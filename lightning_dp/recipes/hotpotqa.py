@@ -16,7 +16,7 @@ order (never reordered: gold-first would leak which paragraphs are gold; the sup
 paragraph cut to its first ``paragraph_words`` whitespace words (``None``: whole paragraphs), whitespace collapsed.
 The tail, never cut, is ``"\\nQuestion: <question>\\nAnswer:"``; the target is ``" <answer>"`` (at most
 ``max_target_length`` tokens) then EOS. The body is then cut from its END so that the example fits in ``max_length``
-tokens (:mod:`lightning_dp.recipes.generation`), so the last paragraphs go first; evaluation prompts are cut the same
+tokens (:mod:`lightning_dp.tasks.prompt_target`), so the last paragraphs go first; evaluation prompts are cut the same
 way leaving ``max_new_tokens`` tokens of room. ``details.answer_in_prompt`` of the results file is the share of
 evaluation prompts whose kept context still contains the gold answer string (an upper bound for a reader).
 
@@ -41,13 +41,12 @@ from lightning_dp.recipes import metrics
 from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.generation import (
     CausalLMArguments,
-    PromptTarget,
     first_line,
     load_causal_lm_recipe,
-    prompt_ids,
     run_generation_recipe,
 )
 from lightning_dp.recipes.run import split_rows
+from lightning_dp.tasks.prompt_target import PromptTarget, prompt_ids
 
 HUB_DATASET = ("hotpotqa/hotpot_qa", "distractor")
 LOCAL_FILE = "hotpotqa_dev_distractor_500.jsonl"

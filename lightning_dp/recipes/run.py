@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
-from lightning_dp.recipes.models import DEFAULT_CACHE
+from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
 log = logging.getLogger("lightning_dp")
 
@@ -41,7 +41,7 @@ class RecipeArguments:
         data_source: ``"local"`` (the offline copy under ``data_dir``) or ``"hub"`` (``datasets.load_dataset``).
         data_dir: folder of the local copy (default: ``$LIGHTNING_DP_DATA/<dataset>`` or
             ``../shared/data/<dataset>`` beside the repository).
-        model_name_or_path: a Hub id, a folder, or ``package:NAME`` (see :mod:`lightning_dp.recipes.models`).
+        model_name_or_path: a Hub id, a folder, or ``package:NAME`` (see :mod:`lightning_dp.tasks.pretrained`).
         cache_dir: where converted packaged models are kept.
         tiny_model: a random model of the same architecture and tokenizer, tiny (smoke tests; metrics meaningless).
         train_size: use the first ``train_size`` training examples (``None``: all).

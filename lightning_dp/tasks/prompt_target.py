@@ -1,0 +1,97 @@
+"""Causal-LM fine-tuning examples shared by the generation recipes (E2E/DART, BillSum, HotpotQA) and the E2E LoRA
+example: prompt/target examples, their truncation rule, their tokenised dataset and its collator.
+
+An example is a prompt followed by its target and the end-of-sequence token; the loss is on the target and EOS only
+(prompt tokens get label ``-100``), which is the table-to-text setup of Li et al. 2022 ("Large language models can
+be strong differentially private learners", section 3) and of the other generation tasks. ``DPTrainer`` reduces
+each example's token losses to one per-example loss (``PrivacyArguments.per_example_reduction``).
+
+Truncation rule (documented in every recipe): the prompt is ``body + tail``. The target is cut to
+``max_target_length`` tokens first; then the body (a long document or the context paragraphs) is cut from its END
+so that ``body + tail + target + EOS`` fits in ``max_length`` tokens; the tail (the question, or the "summary:"
+cue) is never cut. Evaluation prompts are cut the same way, leaving room for ``max_target_length`` new tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.utils.data import Dataset
+from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class PromptTarget:
+    """One example: ``body`` (may be cut), ``tail`` (never cut), the ``target`` text, and every acceptable reference
+    for evaluation (``references``; the target is usually one of them)."""
+
+    body: str
+    tail: str
+    target: str
+    references: tuple[str, ...]
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, example: PromptTarget, max_length: int, reserve: int) -> list[int]:
+    """Token ids of ``body + tail`` with the body cut from its end so that ``reserve`` more tokens fit in
+    ``max_length``.
+
+    Raises:
+        ValueError: the tail alone leaves no room (``max_length`` too small for the task).
+    """
+    body = tokenizer(example.body, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(example.tail, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
+    room = max_length - reserve - len(tail) - len(bos)
+    if room < 0:
+        raise ValueError(
+            f"max_length {max_length} leaves no room for the prompt's fixed part ({len(tail)} tokens) and "
+            f"{reserve} target tokens; raise max_length or lower max_target_length"
+        )
+    return bos + body[:room] + tail
+
+
+def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer puts BOS in front of a text by itself (Llama does, GPT-2 does not)."""
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
+
+
+class PromptTargetDataset(Dataset):
+    """Tokenised training examples: ``input_ids`` = cut prompt + target (at most ``max_target_length`` tokens) +
+    EOS, ``labels`` = ``-100`` on the prompt and the ids on target and EOS, ``attention_mask`` all ones.
+
+    Raises:
+        ValueError: ``max_target_length`` not positive, or a prompt's tail leaves no room (see :func:`prompt_ids`).
+    """
+
+    def __init__(
+        self,
+        examples: Sequence[PromptTarget],
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int,
+        max_target_length: int,
+    ) -> None:
+        if max_target_length <= 0:
+            raise ValueError(f"max_target_length must be positive, got {max_target_length}")
+        self.examples = []
+        for example in examples:
+            target = tokenizer(example.target, add_special_tokens=False)["input_ids"][:max_target_length]
+            target = target + [tokenizer.eos_token_id]
+            prompt = prompt_ids(tokenizer, example, max_length, len(target))
+            ids = prompt + target
+            labels = [IGNORE_INDEX] * len(prompt) + target
+            self.examples.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels})
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.examples[i]
+
+
+def causal_lm_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
+    """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``)."""
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)

@@ -1,0 +1,135 @@
+"""Imports between the packages of ``lightning_dp`` go one way: library core < ``tasks`` < entry points.
+
+Every module under ``lightning_dp/`` is parsed (not imported: the recipes' and examples' optional extras need not be
+installed) and every ``import`` / ``from ... import`` in it, at module level or inside a function or class, and every
+``importlib.import_module("...")`` / ``__import__("...")`` with a literal name, is checked against :data:`FORBIDDEN`.
+
+Groups: ``tasks`` (``tasks/``: models and data shared by the entry points), the entry points ``examples``
+(``examples/``), ``recipes`` (``recipes/``), ``audit`` (``audit/``), ``demo`` (``demo.py``) and ``cli``
+(``cli.py``, ``cli_args.py``, ``cli_audit.py``, ``cli_privacy.py``), and ``core``: every other module (engine,
+clipping, mechanisms, accounting, the Lightning and HF integrations, ...).
+
+- ``core`` imports no other group (it does not today, so the rule is kept whole rather than the narrower "no
+  examples, recipes or tasks").
+- ``tasks`` imports only the core: no entry point.
+- ``examples`` imports no other entry point (in particular not ``recipes``).
+- ``audit`` imports no other entry point (in particular neither ``examples`` nor ``recipes``).
+- The command line is the one place where entry points meet, so these imports are allowed: ``cli`` may import
+  ``audit`` (``lightning-dp audit`` runs the audit setups) and ``demo`` (``lightning-dp demo``; loaded by name
+  today); ``demo`` may import ``cli`` (it is the ``demo`` subcommand and uses ``cli_args``' parser and options);
+  ``recipes`` may import ``cli`` (the CIFAR recipe is a LightningCLI config run through ``lightning-dp fit``).
+  Every other import between entry points is forbidden.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dp"
+ENTRY_POINTS = frozenset({"examples", "recipes", "audit", "demo", "cli"})
+#: group -> groups it must not import.
+FORBIDDEN: dict[str, frozenset[str]] = {
+    "core": ENTRY_POINTS | {"tasks"},
+    "tasks": ENTRY_POINTS,
+    "examples": ENTRY_POINTS - {"examples"},
+    "audit": ENTRY_POINTS - {"audit"},
+    "recipes": ENTRY_POINTS - {"recipes", "cli"},
+    "demo": ENTRY_POINTS - {"demo", "cli"},
+    "cli": ENTRY_POINTS - {"cli", "audit", "demo"},
+}
+
+
+def group(module: str) -> str | None:
+    """The group of a dotted module name inside ``lightning_dp`` (``None`` outside it)."""
+    parts = module.split(".")
+    if parts[0] != "lightning_dp":
+        return None
+    if len(parts) == 1:
+        return "core"
+    top = parts[1]
+    if top in ("examples", "recipes", "audit", "tasks", "demo"):
+        return top
+    if top == "cli" or top.startswith("cli_"):
+        return "cli"
+    return "core"
+
+
+def module_name(path: Path) -> str:
+    """``lightning_dp/a/b.py`` -> ``lightning_dp.a.b``; ``lightning_dp/a/__init__.py`` -> ``lightning_dp.a``."""
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Every module name ``source`` (the code of ``module``) may import, anywhere in its body: ``import X`` gives
+    ``X``; ``from X import Y`` gives ``X`` and ``X.Y`` (``Y`` may be a submodule), relative imports resolved; a call
+    ``import_module("X")`` / ``__import__("X")`` with a literal name gives ``X``."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            names.add(origin)
+            names.update(f"{origin}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def violations(module: str, imports: set[str]) -> list[str]:
+    """``"module -> imported (group -> group)"`` for each import of ``module`` that :data:`FORBIDDEN` rules out."""
+    source = group(module)
+    found = []
+    for name in sorted(imports):
+        target = group(name)
+        if target is not None and target in FORBIDDEN[source]:
+            found.append(f"{module} -> {name} ({source} -> {target})")
+    return found
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_is_walked():
+    """The walk sees the package: a module of every group, and the imports the rules are about."""
+    groups = {group(module_name(path)) for path in MODULES}
+    assert groups == {"core", "tasks", "examples", "recipes", "audit", "demo", "cli"}
+    demo = PACKAGE / "demo.py"
+    assert "lightning_dp.tasks.digits" in imported_modules(demo.read_text(), "lightning_dp.demo")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_imports_respect_the_layers(path: Path):
+    module = module_name(path)
+    imports = imported_modules(path.read_text(encoding="utf-8"), module, path.name == "__init__.py")
+    assert violations(module, imports) == []
+
+
+def test_imports_inside_functions_and_relative_imports_are_seen():
+    """The checker itself: an import inside a function, a relative import and ``import_module`` all count."""
+    source = (
+        "def f():\n"
+        "    from lightning_dp.recipes import glue\n"
+        "from ..examples import sst2_hf\n"
+        "import importlib\n"
+        "importlib.import_module('lightning_dp.audit.setups')\n"
+    )
+    imports = imported_modules(source, "lightning_dp.tasks.digits")
+    assert {"lightning_dp.recipes.glue", "lightning_dp.examples.sst2_hf", "lightning_dp.audit.setups"} <= imports
+    assert (
+        len(violations("lightning_dp.tasks.digits", imports)) == 5
+    )  # recipes(.glue), examples(.sst2_hf), audit.setups
+    assert violations("lightning_dp.cli_audit", {"lightning_dp.audit.setups"}) == []
+    assert violations("lightning_dp.privacy_engine", {"lightning_dp.tasks.digits"}) != []
