@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch.utils.data import Dataset
 from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100
+from lightning_dp.hf.losses import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
