@@ -180,6 +180,7 @@ def test_check_max_length_and_local_data_dir(tmp_path, monkeypatch):
 
 
 def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as python bench/recipes.py
     spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -201,7 +202,7 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
     assert "python recipes/glue.py --config configs/glue.yaml --dp true" in table and "/tmp/x" not in table
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
-    bench.replace_between_markers(page, "new")
+    bench.replace_between_markers(page, "new", bench.START, bench.END)
     assert page.read_text() == f"intro\n{bench.START}\nnew\n{bench.END}\nend\n"
 
 

@@ -1,0 +1,65 @@
+"""bench/users_paths.py renders its docs section only from the recorded JSON (no timing is run here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as python bench/users_paths.py
+    spec = importlib.util.spec_from_file_location("bench_users_paths", ROOT / "bench" / "users_paths.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def record() -> dict:
+    parts = {part: 0.1 for part in ("user forward", "check forwards", "per_sample_loss rest", "opt step")}
+    parts |= {"clip (backward)": 1.0, "privatise (noise)": 0.2}
+    parts |= {"rest (framework, adapter)": 0.05, "step": 1.65, "examples": 8.0}
+    return {
+        "command": "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed",
+        "args": {
+            "model": "gpt2",
+            "seq_len": 128,
+            "batch_size": 8,
+            "device": "cpu",
+            "threads": 1,
+            "rounds": 5,
+            "steps_per_round": 4,
+            "skip_first": 1,
+        },  # fmt: skip
+        "environment": {"torch": "2.13.0+cpu", "device_name": "Some CPU", "load_before": 0.5, "load_after": 1.0},
+        "order": ["hf-plain", "hf-dp-mixed"],
+        "results": {
+            "hf-plain": {"steps": 15, "cpu_per_example": 0.2, "wall_per_example": 0.21, "ratio": 1.0},
+            "hf-dp-mixed": {"steps": 15, "cpu_per_example": 0.22, "wall_per_example": 0.23, "ratio": 1.1},
+        },
+        "breakdown": {"hf-dp-mixed": parts},
+    }
+
+
+def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
+    text = load_bench(monkeypatch).markdown(record())
+    assert "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed" in text
+    assert "| hf-dp-mixed | 15 | 220.00 | 230.00 | 1.10 |" in text
+    assert "| clip (backward) | 1000.0 (60.6%) |" in text
+    assert "| plain step of the path (median) | 1600.0 |" in text
+
+
+def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
+    bench = load_bench(monkeypatch)
+    (tmp_path / "docs" / "bench" / "users_paths").mkdir(parents=True)
+    (tmp_path / "docs" / "bench" / "users_paths" / "a.json").write_text(json.dumps(record()))
+    page = tmp_path / "docs" / "performance.md"
+    page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "RECORDS", tmp_path / "docs" / "bench" / "users_paths")
+    bench.render()
+    text = page.read_text()
+    assert text.startswith(f"intro\n{bench.START}\n**gpt2, T=128, B=8**") and text.endswith(f"{bench.END}\nend\n")
+    assert "old" not in text
