@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dp.randomness import DPRandomness
+from lightning_dp.sharding import is_sharded
 
 log = logging.getLogger("lightning_dp")
 
@@ -76,10 +77,13 @@ class DistributedContext:
 
         Args:
             tensors: the clipped gradient sums ``p.grad`` of one logical step, any shapes, the same list (order,
-                shapes, dtypes) on every rank.
+                shapes, dtypes) on every rank. Sharded ones (FSDP2 ``DTensor``) are left as they are: the clipper
+                summed them over the ranks into each rank's shard (:func:`lightning_dp.sharding.sum_into_shard`).
         """
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for tensor in tensors:
+            if is_sharded(tensor):  # already the sum over the ranks (the clipper reduce-scattered it)
+                continue
             buckets.setdefault((tensor.device, tensor.dtype), []).append(tensor)
         for bucket in buckets.values():
             flat = torch.cat([t.reshape(-1) for t in bucket])

@@ -158,17 +158,17 @@ class EngineSteps:
         if self.num_samples is None or self._loader_rate is None:
             raise RuntimeError("the training loader must be built (training_loader) before training starts")
         self.prepare(num_samples=self.num_samples, sample_rate=self._loader_rate, total_steps=total_steps)
-        reduce = None
+        collectives: dict[str, Any] = {}
         if self.distributed is not None:
             self.distributed.check_identical(
                 "dataset size, sample rate and noise",
                 (self.num_samples, self.sample_rate, self.mechanism.name, self.mechanism.describe()),
             )
-            reduce = self.distributed.reduce_clipped_sum
-        return [
-            opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, reduce_clipped_sum=reduce)
-            for opt in optimizers
-        ]
+            collectives = {
+                "reduce_clipped_sum": self.distributed.reduce_clipped_sum,
+                "any_rank": self.distributed.any_rank,
+            }
+        return [opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, **collectives) for opt in optimizers]
 
     # ------------------------------------------------------------------------------------------- per step
     def per_sample_loss(

@@ -27,6 +27,7 @@ from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clippin
 from lightning_dp.mechanisms.base import mechanism_class
 from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
 from lightning_dp.optim.momentum import PerSampleMomentum
+from lightning_dp.sharding import uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
@@ -123,7 +124,30 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         return self.config.noise_name
 
     def attach(self, module: nn.Module) -> PerSampleClipper:
-        """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers)."""
+        """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers).
+
+        An FSDP2-sharded ``module`` (``fully_shard`` applied before this call) is clipped exactly, its clipped sums
+        reach each rank's shards (:mod:`lightning_dp.sharding`); what it does not support yet raises here.
+
+        Raises:
+            ValueError: unsupported layers (see :class:`PerSampleClipper`); on a sharded module, per-sample momentum
+                (``momentum``) or the batch-independence check (``check_batch_independence``), which are not
+                supported there yet.
+        """
+        if uses_fsdp(module):
+            unsupported = [
+                name
+                for name, on in (
+                    ("momentum (per-sample momentum)", self.momentum.enabled),
+                    ("check_batch_independence", self.check_batch_independence),
+                )
+                if on
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"{' and '.join(unsupported)} not supported on FSDP2-sharded models yet: turn "
+                    f"{'them' if len(unsupported) > 1 else 'it'} off, or train with DDP"
+                )
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
             module,
@@ -276,6 +300,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         optimizer: torch.optim.Optimizer,
         *,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
+        any_rank: Callable[[Sequence[bool]], list[bool]] | None = None,
     ) -> DPOptimizer:
         """Wrap the user's optimizer so each step is privatised and recorded.
 
@@ -284,6 +309,8 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
             reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums (e.g.
                 ``distributed_context().reduce_clipped_sum``); ``None`` on one process. See
                 :mod:`lightning_dp.distributed` for what else a multi-process run needs.
+            any_rank: on several processes, the OR of flags over the ranks (``distributed_context().any_rank``),
+                which the finite check of sharded (FSDP2) gradient sums needs; ``None`` on one process.
         """
         if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
@@ -297,6 +324,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
             on_step=self.record_step,
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
+            any_rank=any_rank,
             secure_mode=self.secure_mode,
             postprocess=self.lowpass.apply_ if self.lowpass is not None else None,
         )

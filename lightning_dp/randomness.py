@@ -53,7 +53,7 @@ class DPRandomness:
         self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
         self._restart = 0
         self._rank: int | None = None
-        self._generators: dict[tuple[str, torch.device], torch.Generator] = {}
+        self._generators: dict[tuple[str, torch.device, tuple[int, ...]], torch.Generator] = {}
         self.sampling = torch.Generator()
         self._seed_sampling()
 
@@ -87,20 +87,29 @@ class DPRandomness:
         self._generators = {}
         self._seed_sampling()
 
-    def noise_generator(self, device: torch.device | str) -> torch.Generator:
-        """The noise generator living on ``device`` (created on first use)."""
-        return self._device_generator("noise", device)
+    def noise_generator(self, device: torch.device | str, shard: tuple[int, ...] = ()) -> torch.Generator:
+        """The noise generator living on ``device`` (created on first use).
+
+        Args:
+            device: where the noise is drawn.
+            shard: for a sharded parameter, which shard this rank holds (:func:`lightning_dp.sharding.shard_key`):
+                each shard has its own stream, the same on the ranks holding replicas of it; ``()`` (replicated
+                parameters): the stream shared by all ranks.
+        """
+        return self._device_generator("noise", device, shard)
 
     def projection_generator(self, device: torch.device | str) -> torch.Generator:
         """The generator of the randomized clipping engines' projections on ``device`` (its own stream: the
         projections are part of the mechanism's randomness, DP-SGD-RC seed Algorithm 2)."""
         return self._device_generator("projection", device)
 
-    def _device_generator(self, purpose: str, device: torch.device | str) -> torch.Generator:
+    def _device_generator(
+        self, purpose: str, device: torch.device | str, shard: tuple[int, ...] = ()
+    ) -> torch.Generator:
         device = torch.device(device)
         if device.type != "cpu" and device.index is None:
             device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
-        key = (purpose, device)
+        key = (purpose, device, shard)
         if self.secure:
             generator = self._generators.setdefault(key, torch.Generator(device=device))
             generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
@@ -108,14 +117,15 @@ class DPRandomness:
         if key not in self._generators:
             index = device.index or 0
             if self._rank is not None:  # shared across ranks: the stream must not depend on the rank's device
-                if any(p == purpose and d.type == device.type for p, d in self._generators):
+                if any(p == purpose and d.type == device.type and d != device for p, d, _ in self._generators):
                     raise RuntimeError(
                         f"Randomness requested on a second {device.type} device ({device}) in one rank of a "
                         "multi-process run; keep all trainable parameters of a rank on one device"
                     )
                 index = 0
             generator = torch.Generator(device=device)
-            generator.manual_seed(derive_seed(self._base, purpose, device.type, index, self._restart))
+            shard_keys = ("shard", *shard) if shard else ()
+            generator.manual_seed(derive_seed(self._base, purpose, device.type, index, self._restart, *shard_keys))
             self._generators[key] = generator
         return self._generators[key]
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
+from lightning_dp.sharding import is_sharded, sum_into_shard
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
@@ -92,6 +93,8 @@ class ClippedSumMixin:
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(factors)
                 clipped = clipped.to(param.dtype)
+                if is_sharded(param):  # the sum over all ranks, this rank's shard (one reduce-scatter)
+                    clipped = sum_into_shard(clipped, param)
                 if param.grad is None:
                     param.grad = clipped
                 else:

@@ -51,6 +51,7 @@ from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
+from lightning_dp.sharding import uses_fsdp
 
 _EPS = 1e-6
 #: Default period (in clipped batches) of the sum check under book-keeping.
@@ -154,6 +155,22 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
+        #: FSDP2 swaps each sharded module's registered parameters (DTensor shards) for unsharded ones around its
+        #: forward and backward, so parameters are identified by (module, attribute), never by the object a
+        #: module holds at the moment (:mod:`lightning_dp.sharding`).
+        self._sharded = uses_fsdp(module)
+        if self._sharded and not bookkeeping:
+            raise ValueError(
+                "bookkeeping=False (a second backward) is not supported on FSDP2-sharded models: keep "
+                "bookkeeping=True, which forms the clipped sum from the captured terms and sums it into each rank's "
+                "shard"
+            )
+        self._registered = {
+            (id(owner), attr): p
+            for owner in module.modules()
+            for attr, p in owner.named_parameters(recurse=False)
+            if p.requires_grad
+        }
         self._hooks = CaptureHooks(hooked)
         self._init_past_iterates()
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
@@ -187,11 +204,16 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Raises:
             ValueError: naming the parameters whose status changed.
         """
-        current = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
-        if current.keys() == self._trainable_ids:
+        if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded): compare by name
+            current = {name: name for name, p in self.module.named_parameters() if p.requires_grad}
+            known = {self._names[p]: p for p in self._params}
+        else:
+            current = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
+            known = {id(p): p for p in self._params}
+        if current.keys() == known.keys():
             return
-        frozen = [f"'{self._names[p]}'" for p in self._params if id(p) not in current]
-        unfrozen = [f"'{name}'" for key, name in current.items() if key not in self._trainable_ids]
+        frozen = [f"'{self._names[p]}'" for key, p in known.items() if key not in current]
+        unfrozen = [f"'{name}'" for key, name in current.items() if key not in known]
         changes = []
         if frozen:
             changes.append(f"no longer trainable (frozen or removed): {', '.join(frozen)}")

@@ -44,6 +44,9 @@ class Capture:
         output_shape: the module output's shape (the gradient at ``edge`` is reshaped to it).
         output_grad: gradient of the loss w.r.t. its output (``[B, ...]``); None until the clipper's backward pass
             sets it (and None for calls whose output does not influence the loss).
+        leaves: the module's own parameters as the call used them, by attribute name: the registered parameters,
+            except under FSDP2, where a sharded module's call uses the unsharded parameters that autograd sees
+            (:mod:`lightning_dp.sharding`).
     """
 
     name: str
@@ -53,6 +56,7 @@ class Capture:
     activation_version: int
     edge: GradientEdge
     output_shape: torch.Size
+    leaves: dict[str, torch.Tensor]
     output_grad: torch.Tensor | None = None
 
     def release(self) -> None:
@@ -139,7 +143,8 @@ class CaptureHooks:
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
-            self.captures.append(Capture(name, module, family, x.detach(), x._version, edge, output.shape))
+            leaves = dict(module.named_parameters(recurse=False))
+            self.captures.append(Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves))
             self._batch_hint = output.shape[0] if output.ndim else 0
             return replaced
 

@@ -95,9 +95,10 @@ def is_scale_only_rms_norm(module: nn.Module) -> bool:
 def scale_only_norm_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
     """Term for ``weight`` of a third-party RMS norm, with ``xhat = f(x; w=1) - f(x; w=0)``."""
     weight = layer.weight
+    like = {"dtype": weight.dtype, "device": activation.device}  # plain tensors even for a sharded weight
     with torch.no_grad():
-        ones = functional_call(layer, {"weight": torch.ones_like(weight)}, (activation,))
-        zeros = functional_call(layer, {"weight": torch.zeros_like(weight)}, (activation,))
+        ones = functional_call(layer, {"weight": torch.ones(weight.shape, **like)}, (activation,))
+        zeros = functional_call(layer, {"weight": torch.zeros(weight.shape, **like)}, (activation,))
     dtype = compute_dtype(weight)
     xhat = ones.to(dtype) - zeros.to(dtype)
     return _affine_terms(layer, xhat, output_grad, _leading_dims(activation, weight.ndim))

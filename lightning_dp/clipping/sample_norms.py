@@ -21,21 +21,29 @@ from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, Su
 from lightning_dp.clipping.terms import Term
 
 
-def _shared_parameter_groups(captures: list[Capture]) -> list[list[Capture]]:
-    """Split captures into groups closed under sharing a parameter (a module called twice, tied weights).
+def _shared_parameter_groups(
+    captures: list[Capture], registered: dict[tuple[int, str], nn.Parameter]
+) -> list[list[Capture]]:
+    """Split captures into groups closed under sharing a parameter (a module called twice, tied weights); parameters
+    are the ``registered`` ones of ``(id(module), attribute)``.
 
     The terms of one group are formed, reduced and freed before the next group, so that peak memory is one group's
     terms (e.g. one convolution's unfolded input) rather than the whole model's.
     """
     groups: list[tuple[set[int], list[Capture]]] = []
     for capture in captures:
-        params = {id(p) for p in capture.module.parameters(recurse=False) if p.requires_grad}
+        params = {id(registered[key]) for key in _keys(capture) if key in registered}
         joined = [group for group in groups if group[0] & params]
         for group in joined:
             groups.remove(group)
             params |= group[0]
         groups.append((params, [c for group in joined for c in group[1]] + [capture]))
     return [members for _, members in groups]
+
+
+def _keys(capture: Capture) -> list[tuple[int, str]]:
+    """The ``(id(module), attribute)`` keys of the parameters of ``capture``'s module."""
+    return [(id(capture.module), attr) for attr in capture.leaves]
 
 
 class SampleNormsMixin:
@@ -50,6 +58,7 @@ class SampleNormsMixin:
     _hooks: CaptureHooks
     _params: list[nn.Parameter]
     _names: dict[nn.Parameter, str]
+    _registered: dict[tuple[int, str], nn.Parameter]
     _checked_batches: int
     _generator_for: Callable[[torch.device], torch.Generator] | None
     _past: list[Capture]
@@ -77,7 +86,11 @@ class SampleNormsMixin:
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
         captures = self._hooks.captures
-        inputs = [c.edge for c in captures] + (self._params if param_grads else [])
+        # the parameters as the forward used them (under FSDP2 the unsharded leaves autograd saw)
+        leaf = {
+            id(self._registered[key]): c.leaves[key[1]] for c in captures for key in _keys(c) if key in self._registered
+        }
+        inputs = [c.edge for c in captures] + ([leaf.get(id(p), p) for p in self._params] if param_grads else [])
         total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
         with self._hooks.suspended():
             grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
@@ -88,7 +101,7 @@ class SampleNormsMixin:
             return reached, {}
         batch_grads = dict(zip(self._params, grads[len(captures) :], strict=True))
         captures = reached
-        captured = {id(p) for c in captures for _, p in c.module.named_parameters(recurse=False)}
+        captured = {id(self._registered[key]) for c in captures for key in _keys(c) if key in self._registered}
         for param, grad in batch_grads.items():
             if grad is not None and id(param) not in captured:
                 raise UnsupportedModuleError(
@@ -128,7 +141,7 @@ class SampleNormsMixin:
                         "sample dimension (expand broadcast inputs to the batch)"
                     )
                 for name, term in capture.family.terms(capture.module, capture.activation, capture.output_grad).items():
-                    terms.setdefault(getattr(capture.module, name), []).append(term)
+                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
         return terms
 
     def _norms(
@@ -160,7 +173,7 @@ class SampleNormsMixin:
         past = {id(c) for c in self._past}
         with_terms: set[int] = set()
         total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
-        for group in _shared_parameter_groups(captures + self._past):
+        for group in _shared_parameter_groups(captures + self._past, self._registered):
             then = [c for c in group if id(c) in past]
             now_terms = self._terms([c for c in group if id(c) not in past], batch)
             past_terms = self._terms(then, batch)

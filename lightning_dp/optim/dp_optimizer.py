@@ -7,7 +7,8 @@ batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's 
 :mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
 it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
 sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.distributed`), so the noise is
-added once, to the global sum.
+added once, to the global sum. Sharded gradients (FSDP2 ``DTensor`` shards, :mod:`lightning_dp.sharding`) already hold
+the sum over the ranks of their shard; each rank noises its own shard, from that shard's noise stream.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.optim import Optimizer
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.randomness import DPRandomness
+from lightning_dp.sharding import is_sharded, local_part, shard_key
 
 
 def _finite_extremes(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,7 +33,9 @@ def _finite_extremes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(low) & torch.isfinite(high)
 
 
-def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
+def check_finite_clipped_sum(
+    params: Sequence[torch.nn.Parameter], any_rank: Callable[[Sequence[bool]], list[bool]] | None = None
+) -> None:
     """Raise before any noise is added when a clipped sum ``p.grad`` holds a non-finite value (one host sync).
 
     The per-sample clipper drops examples whose loss or gradient is not finite (their contribution is zero), so a
@@ -39,15 +43,22 @@ def check_finite_clipped_sum(params: Sequence[torch.nn.Parameter]) -> None:
     loss that is not per sample, a hook or callback writing ``p.grad``, a gradient canary. Adding noise to it would
     release a NaN or inf whose presence depends on the data; stopping releases nothing.
 
+    Args:
+        params: the trainable parameters, each with its clipped sum in ``.grad``.
+        any_rank: OR of flags over the ranks (:meth:`~lightning_dp.distributed.DistributedContext.any_rank`): with
+            sharded gradients each rank sees only its shards, so the ranks agree before raising (all raise).
+
     Raises:
         FloatingPointError: naming the first parameters (position among the trainable ones, and shape) at fault.
     """
     if not params:
         return
-    device = params[0].grad.device
+    device = local_part(params[0].grad).device
     # min and max propagate NaN and hold any inf: one pass without a boolean copy of each gradient (isfinite on
     # the 14.5M parameters of a small GPT-2 costs as much as drawing their noise).
-    finite = torch.stack([_finite_extremes(p.grad).to(device) for p in params])
+    finite = torch.stack([_finite_extremes(local_part(p.grad)).to(device) for p in params])
+    if any_rank is not None and any(is_sharded(p.grad) for p in params):
+        finite = ~torch.tensor(any_rank((~finite).tolist()), device=device)
     if bool(finite.all()):
         return
     bad = [f"#{i} {tuple(params[i].shape)}" for i in torch.nonzero(~finite).flatten().tolist()[:5]]
@@ -75,6 +86,8 @@ class DPOptimizer(Optimizer):
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
             list of ``p.grad``, e.g. :meth:`~lightning_dp.distributed.DistributedContext.reduce_clipped_sum`)
             before the noise is added; ``None`` on one process.
+        any_rank: on several processes, the OR of flags over the ranks (for the finite check of sharded sums);
+            ``None`` on one process.
         secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample` (same law, samplers
             hardened against floating-point attacks); pair it with ``DPRandomness(secure=True)``.
         postprocess: called with the list of noisy, rescaled ``p.grad`` (one per trainable parameter) once per
@@ -95,6 +108,7 @@ class DPOptimizer(Optimizer):
         on_step: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
+        any_rank: Callable[[Sequence[bool]], list[bool]] | None = None,
         secure_mode: bool = False,
         postprocess: Callable[[Sequence[torch.Tensor]], None] | None = None,
     ) -> None:
@@ -110,6 +124,7 @@ class DPOptimizer(Optimizer):
         self.on_step = on_step
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
+        self.any_rank = any_rank
         self.secure_mode = secure_mode
         #: called with the trainable parameters after the clipped sums are in ``p.grad`` (and all-reduced) and
         #: before the noise is added; used by :mod:`lightning_dp.audit` to inject gradient canaries.
@@ -177,10 +192,11 @@ class DPOptimizer(Optimizer):
             self.reduce_clipped_sum([p.grad for p in params])
         for hook in self.clipped_sum_hooks:
             hook(params)
-        check_finite_clipped_sum(params)
+        check_finite_clipped_sum(params, self.any_rank)
         for p in params:
-            grad = p.grad
-            generator = self.randomness.noise_generator(grad.device)
+            grad = local_part(p.grad)  # a sharded gradient: this rank's shard, noised from that shard's stream
+            shard = shard_key(p.grad) if is_sharded(p.grad) else ()
+            generator = self.randomness.noise_generator(grad.device, shard)
             if self.secure_mode:
                 grad.add_(secure_sample(self.mechanism, grad, generator))
             else:

@@ -1,0 +1,63 @@
+"""Parameters sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``): what the clipper and the optimizer need of
+them (docs/design.md section 8.1).
+
+Under FSDP2 every parameter registered in a sharded module is a ``DTensor`` holding one shard of the full tensor per
+rank (``Shard(0)`` along the data-parallel mesh dimension, replicated along a replicate dimension under HSDP). During
+a sharded module's forward and backward FSDP2 swaps in the unsharded parameter (a plain full-size tensor, the leaf
+autograd sees), so layer hooks see the whole weight and the per-sample terms and norms are those of one process.
+Two things differ from replicated (DDP) training:
+
+- the clipped sum each rank forms from its examples is full-size; :func:`sum_into_shard` sums it over the ranks and
+  keeps this rank's shard (one reduce-scatter), so the gradient reaches the optimizer sharded, as FSDP2's own;
+- noise is drawn per shard: each coordinate is owned by exactly one shard, whose owner draws its noise once from the
+  shard's own stream (:func:`shard_key`; ranks holding replicas of one shard draw the same values).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Partial
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a sharded parameter or gradient)."""
+    return isinstance(tensor, DTensor)
+
+
+def uses_fsdp(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or to one of its submodules."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this rank holds: a sharded tensor's local shard (sharing its storage, so in-place
+    changes reach the ``DTensor``), any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:
+    """The sum over all ranks of their full-size ``full`` tensors, laid out as ``param`` (this rank keeps its shard).
+
+    Args:
+        full: this rank's full-size tensor, ``param``'s global shape (e.g. its clipped sum over its own examples).
+        param: the sharded parameter whose layout (mesh and placements) the result takes.
+
+    Returns:
+        A ``DTensor`` with ``param``'s placements: one reduce-scatter along sharded dimensions (all-reduce along
+        replicated ones). A collective: every rank of the mesh must call it for the same parameter, in the same
+        order.
+    """
+    mesh = param.device_mesh
+    pending = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return pending.redistribute(mesh, param.placements)
+
+
+def shard_key(tensor: DTensor) -> tuple[int, ...]:
+    """Which shard of ``tensor`` this rank holds: its mesh coordinates along the sharded dimensions (ranks holding
+    replicas of a shard get the same key)."""
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise RuntimeError("this rank is not part of the sharded tensor's device mesh")
+    return tuple(c for c, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_shard())
