@@ -12,7 +12,9 @@ One run, whatever the trainer (docs/design.md section 2.2):
 4. Per micro-batch, :meth:`EngineSteps.per_sample_loss` (the guard around the user's forward, the forwards at the
    stored iterates of per-sample momentum, the batch-independence checks) and :meth:`EngineSteps.clip` (the clipped
    sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
-   optimizer step is exactly one Poisson sample.
+   optimizer step is exactly one Poisson sample. On an FSDP2-sharded model every rank must join every forward and
+   backward (their collectives gather the weights), so a rank whose micro-batch is empty runs the step on
+   :meth:`EngineSteps.stand_in_batch` instead and clips it with ``stand_in=True``: it contributes exactly zero.
 
 The adapters (:mod:`lightning_dp.lightning`, :mod:`lightning_dp.hf`) translate hooks into these calls and never
 reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
@@ -52,6 +54,7 @@ class EngineSteps:
     last_clip_fraction: float | None = None
     _loader_rate: float | None = None
     _micro_batches = 0
+    _stand_in_source: tuple[Callable[[list[Any]], Any], Any, int] | None = None
 
     # -------------------------------------------------------------------------------------------- per run
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
@@ -112,6 +115,7 @@ class EngineSteps:
                 "the accountant and the noise scale assume one dataset"
             )
         self.num_samples, self._loader_rate = num_samples, sample_rate
+        self._stand_in_source = (loader.collate_fn, loader.dataset, rank)
         if self.config.poisson_sampling:
             return poisson_dataloader(
                 loader,
@@ -215,9 +219,37 @@ class EngineSteps:
         self.guard.leave_half_out(replay, batch, len(loss), module)
         return loss
 
-    def clip(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
+    @property
+    def every_rank_runs_every_step(self) -> bool:
+        """Whether a rank must run the forward and backward even on an empty micro-batch: on an FSDP2-sharded model
+        (its collectives gather the weights around each module); run :meth:`stand_in_batch` instead."""
+        return self.clipper is not None and self.clipper.sharded
+
+    def stand_in_batch(self) -> Any:
+        """A one-example batch of the training data (this rank's first example, collated as the loader does, on
+        the CPU), for a rank whose micro-batch is empty when :attr:`every_rank_runs_every_step`.
+
+        Its per-sample loss goes to :meth:`clip` with ``stand_in=True``, which adds exactly zero: the batch keeps
+        the ranks' collectives in step and carries nothing of the example (which one it is does not depend on the
+        sampling).
+
+        Raises:
+            RuntimeError: before :meth:`training_loader`.
+        """
+        if self._stand_in_source is None:
+            raise RuntimeError("the training loader must be built (training_loader) before a stand-in batch")
+        collate, dataset, rank = self._stand_in_source
+        return collate([dataset[rank % len(dataset)]])
+
+    def clip(self, per_sample_loss: torch.Tensor, *, stand_in: bool = False) -> torch.Tensor:
         """Add the clipped sum of this micro-batch (per-sample momentum included) into ``p.grad``; returns the
-        per-sample norms ``[B]`` (see :meth:`~lightning_dp.clipping.PerSampleClipper.backward`)."""
+        per-sample norms ``[B]`` (see :meth:`~lightning_dp.clipping.PerSampleClipper.backward`).
+
+        With ``stand_in`` (the loss of :meth:`stand_in_batch`), the backward and its collectives run with weight 0:
+        the clipped sum gains exactly zero and no norm is returned (``[0]``)."""
+        if stand_in:
+            self.clipper.backward(per_sample_loss, weight=0.0)
+            return per_sample_loss.new_zeros(0).detach()
         norms = self.clipper.backward(per_sample_loss, weight=self.momentum.current_weight)
         if norms.numel():
             self.last_clip_fraction = float((norms > self.max_grad_norm).float().mean())

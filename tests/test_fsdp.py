@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from scipy import stats
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import PrivacyEngine
 from lightning_dp.hf.losses import token_cross_entropy
@@ -134,6 +135,21 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             clipper.backward(_loss(model, _tokens(step)[rank::world]))
             optimizer.step()
         result["params"] = {name: p.full_tensor() for name, p in model.named_parameters()}
+        # an empty micro-batch on rank 1: the engine's stand-in batch keeps the collectives in step and adds zero
+        model = _shard(_tiny_llama(), mesh)
+        engine = PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=0.0, check_batch_independence=False, seed=3)
+        engine.start_run(model, context)
+        data = DataLoader(TensorDataset(_tokens(5)), batch_size=4)
+        engine.training_loader(data, batch_size=4, micro_batches=1)
+        (optimizer,) = engine.start_training([torch.optim.SGD(model.parameters(), lr=2.0)], total_steps=1)
+        batch = _tokens(0)[:3] if rank == 0 else _tokens(0)[:0]
+        stand_in = len(batch) == 0 and engine.every_rank_runs_every_step
+        if stand_in:
+            (batch,) = engine.stand_in_batch()
+        loss = engine.per_sample_loss(batch, len(batch), lambda ids: _loss(model, ids), module=model)
+        result["stand-in norms"] = engine.clip(loss, stand_in=stand_in)
+        optimizer.step()
+        result["stand-in params"] = {name: p.full_tensor() for name, p in model.named_parameters()}
         # noise on a sharded weight with a zero clipped sum
         for name, params in NOISE.items():
             layer = nn.Linear(NOISE_COLS, NOISE_ROWS, bias=False).double()
@@ -212,6 +228,21 @@ def test_zero_noise_update_equals_single_process_training_on_the_union(ranks):
         for name, p in model.named_parameters():
             torch.testing.assert_close(result["params"][name], p.detach(), rtol=1e-6, atol=1e-10)
             assert not torch.equal(p.detach(), initial[name])
+
+
+def test_a_rank_with_an_empty_batch_joins_the_step_and_adds_nothing(ranks):
+    model = _tiny_llama()
+    engine = PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=0.0, check_batch_independence=False, seed=3)
+    engine.start_run(model, None)
+    engine.training_loader(DataLoader(TensorDataset(_tokens(5)), batch_size=8), batch_size=8, micro_batches=1)
+    assert not engine.every_rank_runs_every_step  # one process, unsharded: empty batches are simply empty
+    (optimizer,) = engine.start_training([torch.optim.SGD(model.parameters(), lr=2.0)], total_steps=1)
+    engine.clip(engine.per_sample_loss(_tokens(0)[:3], 3, lambda ids: _loss(model, ids), module=model))
+    optimizer.step()  # the same expected batch size q N = 8: N = 8, q = 4 x 2 ranks / 8 there, 8 / 8 here
+    assert ranks[0]["stand-in norms"].numel() == 3 and ranks[1]["stand-in norms"].numel() == 0
+    for result in ranks:
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(result["stand-in params"][name], p.detach(), rtol=1e-6, atol=1e-10)
 
 
 def test_each_rank_holds_about_half_of_the_parameters(ranks):

@@ -191,6 +191,11 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return torch.float64 if any(p.dtype == torch.float64 for p in self._params) else torch.float32
 
     @property
+    def sharded(self) -> bool:
+        """Whether the module is FSDP2-sharded (``fully_shard`` applied before the clipper was built)."""
+        return self._sharded
+
+    @property
     def engine(self) -> ClippingEngine:
         """The clipping engine in use."""
         return self._engine

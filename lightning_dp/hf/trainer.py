@@ -292,6 +292,9 @@ class DPTrainer(Trainer):
             model.train()
             inputs = self._prepare_inputs(inputs)
             size = _batch_size(inputs)
+            stand_in = size == 0 and engine.every_rank_runs_every_step
+            if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
+                inputs, size = self._prepare_inputs(engine.stand_in_batch()), 1
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
@@ -303,7 +306,7 @@ class DPTrainer(Trainer):
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses).numel():
+            if engine.clip(losses, stand_in=stand_in).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)

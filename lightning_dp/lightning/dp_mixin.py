@@ -82,6 +82,7 @@ class DPStrategyMixin:
         super().__init__(**kwargs)
         self.privacy_engine = PrivacyEngine(config)
         self._pending_loss: torch.Tensor | None = None
+        self._pending_stand_in = False
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
 
@@ -201,6 +202,9 @@ class DPStrategyMixin:
         if engine.budget_exhausted():
             return None
         batch = args[0] if args else kwargs.get("batch")
+        stand_in = _batch_size(batch) == 0 and engine.every_rank_runs_every_step
+        if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
+            batch = self.batch_to_device(engine.stand_in_batch())
         step = super().training_step
         outputs: list[Any] = []
 
@@ -224,8 +228,8 @@ class DPStrategyMixin:
         output = outputs[-1]
         if loss is None:
             return output
-        self._pending_loss = loss
-        reduced = loss.mean() if loss.numel() else loss.sum()
+        self._pending_loss, self._pending_stand_in = loss, stand_in
+        reduced = loss.mean() if loss.numel() and not stand_in else loss.sum() * 0
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
 
     def _per_sample_loss(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -270,7 +274,7 @@ class DPStrategyMixin:
         per_sample_loss, self._pending_loss = self._pending_loss, None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.privacy_engine.clip(per_sample_loss)
+        self.privacy_engine.clip(per_sample_loss, stand_in=self._pending_stand_in)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
