@@ -94,9 +94,13 @@ class DistributedContext:
     def any_rank(self, flags: Sequence[bool]) -> list[bool]:
         """Each flag OR-ed over all ranks (one MAX all-reduce); call only where every rank gets to, e.g. at the normal
         end of a run, never on an error path (a dead peer would make it wait for the collective's timeout)."""
-        buffer = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=self._device())
+        return [bool(value) for value in self.max_over_ranks([int(flag) for flag in flags])]
+
+    def max_over_ranks(self, values: Sequence[int]) -> list[int]:
+        """Each integer's maximum over all ranks (one MAX all-reduce); the same caveat as :meth:`any_rank`."""
+        buffer = torch.tensor(list(values), dtype=torch.int64, device=self._device())
         dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group)
-        return [bool(value) for value in buffer.tolist()]
+        return [int(value) for value in buffer.tolist()]
 
     def broadcast_int(self, value: int) -> int:
         """Rank 0's ``value`` (an unsigned 64-bit integer), on every rank."""

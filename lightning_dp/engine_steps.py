@@ -69,6 +69,8 @@ class EngineSteps:
         self.dropped_nonfinite = False  # reported per run (finish_run)
         if distributed is not None:
             distributed.synchronize_randomness(self.randomness)
+            if self.clipper.sharded:  # the checks' extra passes are collectives there: all ranks run them together
+                self.guard.lockstep = distributed.max_over_ranks
 
     def training_loader(self, loader: DataLoader, *, batch_size: int | None, micro_batches: int) -> DataLoader:
         """The training loader the run uses: ``loader``'s dataset, collator and workers, drawing Poisson batches of

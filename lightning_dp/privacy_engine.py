@@ -130,24 +130,14 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         reach each rank's shards (:mod:`lightning_dp.sharding`); what it does not support yet raises here.
 
         Raises:
-            ValueError: unsupported layers (see :class:`PerSampleClipper`); on a sharded module, per-sample momentum
-                (``momentum``) or the batch-independence check (``check_batch_independence``), which are not
-                supported there yet.
+            ValueError: unsupported layers (see :class:`PerSampleClipper`); per-sample momentum (``momentum_length >
+                1``) on a sharded module, which is not supported there yet.
         """
-        if uses_fsdp(module):
-            unsupported = [
-                name
-                for name, on in (
-                    ("momentum (per-sample momentum)", self.momentum.enabled),
-                    ("check_batch_independence", self.check_batch_independence),
-                )
-                if on
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"{' and '.join(unsupported)} not supported on FSDP2-sharded models yet: turn "
-                    f"{'them' if len(unsupported) > 1 else 'it'} off, or train with DDP"
-                )
+        if uses_fsdp(module) and self.momentum.enabled:
+            raise ValueError(
+                "per-sample momentum (momentum_length > 1) is not supported on FSDP2-sharded models yet: set "
+                "momentum_length=1, or train with DDP"
+            )
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
             module,

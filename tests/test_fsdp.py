@@ -12,11 +12,15 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
   and scale (Gaussian ``sigma * C``, Laplace ``b``), the two ranks' shards come from different streams, and nothing is
   left without noise;
 - sharding is real: each rank holds about half of the parameters' bytes, and gradients arrive as shards;
-- what is not supported yet (per-sample momentum, the batch-independence check, a second backward) fails early.
+- a rank with an empty micro-batch joins the step on the engine's stand-in batch, which adds nothing;
+- the first-step checks run in lockstep (the rank with too few examples to check joins the passes) and mixing found
+  on one rank makes every rank raise;
+- what is not supported yet (per-sample momentum, a second backward) fails early.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import socket
 from pathlib import Path
@@ -30,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import PrivacyEngine
+from lightning_dp.checks import BatchMixingError
 from lightning_dp.hf.losses import token_cross_entropy
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness, distributed_context
@@ -87,6 +92,13 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def _engine(clipping: str = "mixed", **options) -> PrivacyEngine:
     options = {"check_batch_independence": False, **options}
     return PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=1.0, clipping=clipping, **options)
+
+
+def _subtract_batch_mean(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> torch.Tensor | tuple:
+    """A forward hook that mixes the examples of the batch (a decoder layer's output minus its batch mean)."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    mixed = hidden - hidden.mean(0, keepdim=True)
+    return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
 
 
 def _free_port() -> int:
@@ -169,9 +181,27 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             ).privatise()
             result[("noise", name)] = layer.weight.grad.full_tensor()
             result[("local noise", name)] = layer.weight.grad.to_local().clone()
+        # the first-step checks in lockstep: rank 0 checks 3 examples, rank 1 has one (it cannot check, but joins the
+        # passes); with mixing between examples (a hook subtracting the batch mean) every rank raises
+        for mixing in (False, True):
+            model = _tiny_llama()
+            if mixing:
+                model.model.layers[0].register_forward_hook(_subtract_batch_mean)
+            model = _shard(model, mesh)
+            engine = PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=1.0, seed=3)
+            engine.start_run(model, context)
+            engine.training_loader(DataLoader(TensorDataset(_tokens(5)), batch_size=4), batch_size=4, micro_batches=1)
+            engine.start_training([torch.optim.SGD(model.parameters(), lr=2.0)], total_steps=1)
+            batch = _tokens(0)[:3] if rank == 0 else _tokens(0)[:1]
+            try:
+                loss = engine.per_sample_loss(batch, len(batch), functools.partial(_loss, model), module=model)
+                engine.clip(loss)
+                result[("checked", mixing)] = "passed"
+            except BatchMixingError as error:
+                result[("checked", mixing)] = str(error)
         # not supported yet: fails early, on every rank
         model = _shard(_tiny_llama(), mesh)
-        for options in (dict(check_batch_independence=True), dict(momentum_length=2), dict(bookkeeping=False)):
+        for options in (dict(momentum_length=2), dict(bookkeeping=False)):
             try:
                 _engine(**options).attach(model)
             except ValueError as error:
@@ -274,11 +304,13 @@ def test_every_coordinate_gets_one_draw_of_the_mechanism(ranks, name):
     assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 0.05
 
 
+def test_the_first_step_checks_run_in_lockstep_and_every_rank_raises_on_mixing(ranks):
+    assert [r[("checked", False)] for r in ranks] == ["passed", "passed"]
+    assert "example" in ranks[0][("checked", True)] and "batch-independence check" in ranks[0][("checked", True)]
+    assert "another process found examples of its batch mixing" in ranks[1][("checked", True)]
+
+
 def test_what_is_not_supported_yet_fails_early_on_every_rank(ranks):
     for result in ranks:
-        assert (
-            "check_batch_independence not supported on FSDP2-sharded models"
-            in result[("refused", "check_batch_independence")]
-        )
         assert "momentum" in result[("refused", "momentum_length")]
         assert "bookkeeping=False" in result[("refused", "bookkeeping")]

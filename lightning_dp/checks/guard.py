@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +18,9 @@ from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.checks.independence import (
     BatchMixingError,
     check_batch_independence,
+    check_batch_independence_in_step,
     check_leave_half_out,
+    check_leave_half_out_in_step,
     input_leaves,
 )
 
@@ -64,6 +67,13 @@ class TrainingGuard:
     Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
     loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
 
+    On an FSDP2-sharded model on several processes (:attr:`lockstep` set), the checks' extra backward passes and
+    forwards gather weights with collectives, so every rank runs them together: the ranks agree (one small
+    all-reduce per check) on whether any rank checks this micro-batch and on the number of passes, ranks that do not
+    check run the same passes with zero weights (or their own batch twice), and a rank that finds mixing makes every
+    rank raise. Float inputs are not made gradient leaves there (the ranks' passes must reach the same tensors): the
+    gradient check covers the hooked layers' outputs, the leave-half-out forward covers the rest.
+
     Args:
         module: the model.
         output_targets: ``() -> {description: (edge, shape)}`` of the hooked layer outputs of the current forward
@@ -103,6 +113,9 @@ class TrainingGuard:
         self._first_step = True
         self._warned_no_size = False
         self._leaves: dict[str, torch.Tensor] = {}
+        #: ``values -> each one's maximum over the ranks``, set by the engine for a sharded model on several
+        #: processes: the checks then run in lockstep (class docstring); ``None``: each rank checks on its own.
+        self.lockstep: Callable[[list[int]], list[int]] | None = None
 
     def _arm_if_due(self) -> None:
         """Make both independence checks pending at the first forward of a step that is a multiple of
@@ -130,7 +143,7 @@ class TrainingGuard:
                 "are not checked (only the hooked layer outputs are); mixing of examples before the first hooked "
                 "layer is NOT checked"
             )
-        if self.independence_pending and batch_size is not None and batch_size >= 2:
+        if self.independence_pending and batch_size is not None and batch_size >= 2 and self.lockstep is None:
             batch, self._leaves = input_leaves(batch, batch_size)
         return batch
 
@@ -143,6 +156,9 @@ class TrainingGuard:
         """
         self.buffers.check()
         self._first_step = False
+        if self.lockstep is not None:
+            self._after_forward_in_step(per_sample_loss)
+            return
         if not self.independence_pending or per_sample_loss.ndim != 1 or per_sample_loss.shape[0] < 2:
             return
         targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
@@ -150,6 +166,30 @@ class TrainingGuard:
         with self._naming_the_step():
             conclusive = check_batch_independence(per_sample_loss, targets)
         self.independence_pending = not conclusive  # a non-finite loss: check again on the next batch
+
+    def _after_forward_in_step(self, per_sample_loss: torch.Tensor) -> None:
+        """:meth:`after_forward`'s gradient check in lockstep with the other ranks (class docstring)."""
+        batch = per_sample_loss.shape[0] if per_sample_loss.ndim == 1 else 0
+        active = self.independence_pending and batch >= 2
+        (bits,) = self.lockstep([math.ceil(math.log2(batch)) if active else 0])
+        if bits == 0:
+            return
+        with self._naming_the_step():
+            conclusive, error = check_batch_independence_in_step(
+                per_sample_loss, self._output_targets(), active=active, bits=bits
+            )
+            self._raise_if_any_rank(error, "batch-independence")
+        if active:
+            self.independence_pending = not conclusive
+
+    def _raise_if_any_rank(self, error: BatchMixingError | None, check: str) -> None:
+        """Raise ``error``, or, when another rank found mixing, a :class:`BatchMixingError` saying so (every rank
+        raises together)."""
+        (found,) = self.lockstep([int(error is not None)])
+        if error is not None:
+            raise error
+        if found:
+            raise BatchMixingError(f"{check} check: another process found examples of its batch mixing")
 
     def leave_half_out(
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
@@ -161,6 +201,19 @@ class TrainingGuard:
         Raises:
             BatchMixingError: as :func:`check_leave_half_out`.
         """
+        if self.lockstep is not None:
+            active = self.leave_half_out_pending and batch_size is not None and batch_size >= 2
+            (run,) = self.lockstep([int(active)])
+            if not run:
+                return
+            with self._naming_the_step():
+                conclusive, error = check_leave_half_out_in_step(
+                    compute_loss, batch, batch_size or 0, module, active=active
+                )
+                self._raise_if_any_rank(error, "leave-half-out")
+            if active:
+                self.leave_half_out_pending = not conclusive
+            return
         if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
             return
         with self._naming_the_step():

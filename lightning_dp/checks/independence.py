@@ -120,20 +120,68 @@ def check_batch_independence(
             why,
         )
         return True
+    conclusive, error = _vector_jacobian_passes(per_sample_loss, targets, bits=math.ceil(math.log2(batch)), active=True)
+    if error is not None:
+        raise error
+    return conclusive
+
+
+def _vector_jacobian_passes(
+    per_sample_loss: torch.Tensor,
+    targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
+    *,
+    bits: int,
+    active: bool,
+) -> tuple[bool, BatchMixingError | None]:
+    """``2 bits`` vector-Jacobian products of the per-sample loss to every target; with ``active``, the first leak
+    into a target with ``B`` rows is returned (after all passes ran: the passes of a sharded model are collectives).
+    Inactive, the weights are zero: the passes only run the backward (see :func:`check_batch_independence_in_step`).
+    Returns whether every loss is finite, and the leak found (or ``None``)."""
+    error: BatchMixingError | None = None
+    batch = per_sample_loss.shape[0]
     names = list(targets)
     inputs = [targets[name][0] for name in names]
+    checked = [name for name in names if len(targets[name][1]) and targets[name][1][0] == batch]
     index = torch.arange(batch, device=per_sample_loss.device)
     finite = torch.isfinite(per_sample_loss.detach())
-    for bit in range(math.ceil(math.log2(batch))):
+    for bit in range(bits):
         member = ((index >> bit) & 1).bool()
         for chosen in (member, ~member):
-            weights = (chosen & finite).to(per_sample_loss.dtype)
+            weighted = chosen & finite if active else torch.zeros_like(chosen)
             with torch.enable_grad():
                 grads = torch.autograd.grad(
-                    per_sample_loss, inputs, grad_outputs=weights, retain_graph=True, allow_unused=True
+                    per_sample_loss,
+                    inputs,
+                    grad_outputs=weighted.to(per_sample_loss.dtype),
+                    retain_graph=True,
+                    allow_unused=True,
                 )
-            _raise_on_leak(names, grads, [targets[n][1] for n in names], chosen & finite)
-    return bool(finite.all())
+            if active and error is None:
+                by_name = dict(zip(names, grads, strict=True))
+                try:
+                    _raise_on_leak(checked, [by_name[n] for n in checked], [targets[n][1] for n in checked], weighted)
+                except BatchMixingError as leak:
+                    error = leak
+    return bool(finite.all()), error
+
+
+def check_batch_independence_in_step(
+    per_sample_loss: torch.Tensor,
+    targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
+    *,
+    active: bool,
+    bits: int,
+) -> tuple[bool, BatchMixingError | None]:
+    """:func:`check_batch_independence` in lockstep with the other ranks, for a sharded (FSDP2) model, whose
+    backward passes gather weights with collectives: every rank runs exactly ``2 bits`` passes (``bits`` agreed
+    over the ranks: the largest ``ceil(log2 B)`` of the ranks that check) to the same targets (all hooked layer
+    outputs of the forward, whatever their size); a rank that does not check this batch (``active`` False: not
+    pending, or fewer than two examples) passes zero weights.
+
+    Returns:
+        ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
+    """
+    return _vector_jacobian_passes(per_sample_loss, targets, bits=bits, active=active)
 
 
 def _raise_on_leak(
@@ -192,6 +240,29 @@ def check_leave_half_out(
     """
     if batch_size < 2:
         return True
+    conclusive, error = _leave_half_out(compute_loss, batch, batch_size, module, active=True)
+    if error is not None:
+        raise error
+    return conclusive
+
+
+def check_leave_half_out_in_step(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
+) -> tuple[bool, BatchMixingError | None]:
+    """:func:`check_leave_half_out` in lockstep with the other ranks, for a sharded (FSDP2) model, whose forwards
+    gather weights with collectives: every rank runs the two forwards; a rank that does not check this batch
+    (``active`` False) runs its batch twice and compares nothing.
+
+    Returns:
+        ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
+    """
+    return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2)
+
+
+def _leave_half_out(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
+) -> tuple[bool, BatchMixingError | None]:
+    """The two forwards of :func:`check_leave_half_out` (inactive: the batch twice) and, active, the comparison."""
     keep = torch.arange(0, batch_size, 2)
     cut = []
 
@@ -201,15 +272,15 @@ def check_leave_half_out(
         cut.append(tensor)
         return tensor[keep.to(tensor.device)]
 
-    half = apply_to_collection(batch, torch.Tensor, even_rows)
-    if not cut:
+    half = apply_to_collection(batch, torch.Tensor, even_rows) if active else batch
+    if active and not cut:
         log.warning(
             "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
             "dimension), so mixing of examples without a gradient path is NOT checked",
             batch_size,
         )
-        return True
-    devices = sorted({t.device.index or 0 for t in cut if t.is_cuda})
+        active = False
+    devices = sorted({t.device.index or 0 for t in _tensors(batch) if t.is_cuda})
     training = module.training
     module.eval()
     try:
@@ -220,16 +291,23 @@ def check_leave_half_out(
     finally:
         module.train(training)
     full, part = losses
-    if full is None or part is None:
-        return True
+    if not active or full is None or part is None:
+        return True, None
     kept = full[keep.to(full.device)]
     close = torch.isclose(kept, part, rtol=1e-4, atol=1e-6, equal_nan=True)  # an example's NaN loss is its own
     if not bool(close.all()):
         i = int(keep[int(torch.nonzero(~close)[0])])
-        raise BatchMixingError(
+        return True, BatchMixingError(
             f"leave-half-out check: the loss of example {i} is {float(kept[~close][0]):.6g} with the whole batch and "
             f"{float(part[~close][0]):.6g} without the odd-indexed examples, so it depends on other examples (e.g. a "
             "loss divided by the batch's total token count: use a per-example mean; batch statistics computed under "
             "no_grad or detached); " + BATCH_MIXING_HINT
         )
-    return bool(torch.isfinite(full).all() and torch.isfinite(part).all())
+    return bool(torch.isfinite(full).all() and torch.isfinite(part).all()), None
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in ``batch`` (any nesting of collections)."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found
