@@ -506,7 +506,7 @@ def markdown(record: dict[str, Any]) -> str:
     size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
     lines = [
         f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}, torch {env['torch']}, "
-        f"{args['threads']} thread(s), load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
+        f"{args['threads']} intra-op thread{'s' if args['threads'] > 1 else ''}, load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
         f"ratios of {timed_by} time)",
         "",
         "```bash",
@@ -523,7 +523,7 @@ def markdown(record: dict[str, Any]) -> str:
             continue
         ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
         lines.append(
-            f"| {name} | {row['steps']} | {row['cpu_per_example'] * 1e3:.2f} | {row['wall_per_example'] * 1e3:.2f} "
+            f"| {name} | {row['steps']} | {row['cpu_per_example'] * 1e3:.4g} | {row['wall_per_example'] * 1e3:.4g} "
             f"| {ratio} |"
         )
     if record["breakdown"]:
@@ -533,12 +533,12 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append("|---" * (len(names) + 1) + "|")
         for part in (*PARTS, "rest (framework, adapter)", "step"):
             shares = [(record["breakdown"][n][part], record["breakdown"][n]["step"]) for n in names]
-            cells = [f"{value * 1e3:.1f} ({value / step:.1%})" for value, step in shares]
+            cells = [f"{value * 1e3:.4g} ({value / step:.1%})" for value, step in shares]
             lines.append(f"| {part} | " + " | ".join(cells) + " |")
         plains = []
         for n in names:
             plain = record["results"].get(n.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
-            plains.append("-" if plain is None else f"{plain * record['breakdown'][n]['examples'] * 1e3:.1f}")
+            plains.append("-" if plain is None else f"{plain * record['breakdown'][n]['examples'] * 1e3:.4g}")
         lines.append("| plain step of the path (median) | " + " | ".join(plains) + " |")
     return "\n".join(lines)
 

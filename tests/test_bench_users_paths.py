@@ -46,9 +46,9 @@ def record() -> dict:
 def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
     text = load_bench(monkeypatch).markdown(record())
     assert "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed" in text
-    assert "| hf-dp-mixed | 15 | 220.00 | 230.00 | 1.10 |" in text
-    assert "| clip (backward) | 1000.0 (60.6%) |" in text
-    assert "| plain step of the path (median) | 1600.0 |" in text
+    assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 |" in text
+    assert "| clip (backward) | 1000 (60.6%) |" in text
+    assert "| plain step of the path (median) | 1600 |" in text
 
 
 def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
