@@ -159,6 +159,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: forward and backward, so parameters are identified by (module, attribute), never by the object a
         #: module holds at the moment (:mod:`lightning_dp.sharding`).
         self._sharded = uses_fsdp(module)
+        self._all_names = frozenset(
+            name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
+        )
         if self._sharded and not bookkeeping:
             raise ValueError(
                 "bookkeeping=False (a second backward) is not supported on FSDP2-sharded models: keep "
@@ -209,15 +212,17 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Raises:
             ValueError: naming the parameters whose status changed.
         """
-        if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded): compare by name
-            current = {name: name for name, p in self.module.named_parameters() if p.requires_grad}
-            known = {self._names[p]: p for p in self._params}
+        if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded), tied ones too: compare every name
+            current = {
+                name: name for name, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad
+            }
+            known = {name: name for name in self._all_names}
         else:
             current = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
-            known = {id(p): p for p in self._params}
+            known = {id(p): self._names[p] for p in self._params}
         if current.keys() == known.keys():
             return
-        frozen = [f"'{self._names[p]}'" for key, p in known.items() if key not in current]
+        frozen = [f"'{name}'" for key, name in known.items() if key not in current]
         unfrozen = [f"'{name}'" for key, name in current.items() if key not in known]
         changes = []
         if frozen:

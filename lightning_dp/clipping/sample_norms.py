@@ -86,11 +86,8 @@ class SampleNormsMixin:
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
         captures = self._hooks.captures
-        # the parameters as the forward used them (under FSDP2 the unsharded leaves autograd saw)
-        leaf = {
-            id(self._registered[key]): c.leaves[key[1]] for c in captures for key in _keys(c) if key in self._registered
-        }
-        inputs = [c.edge for c in captures] + ([leaf.get(id(p), p) for p in self._params] if param_grads else [])
+        leaves = self._forward_leaves(captures) if param_grads else []
+        inputs = [c.edge for c in captures] + [leaf for _, leaf in leaves]
         total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
         with self._hooks.suspended():
             grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
@@ -99,7 +96,10 @@ class SampleNormsMixin:
         reached = [c for c in captures if c.output_grad is not None]
         if not param_grads:
             return reached, {}
-        batch_grads = dict(zip(self._params, grads[len(captures) :], strict=True))
+        batch_grads: dict[nn.Parameter, torch.Tensor | None] = dict.fromkeys(self._params)
+        for (param, _), grad in zip(leaves, grads[len(captures) :], strict=True):
+            if grad is not None:
+                batch_grads[param] = grad if batch_grads[param] is None else batch_grads[param] + grad
         captures = reached
         captured = {id(self._registered[key]) for c in captures for key in _keys(c) if key in self._registered}
         for param, grad in batch_grads.items():
@@ -110,6 +110,19 @@ class SampleNormsMixin:
                     "F.linear(x, child.weight)); freeze it or use supported layers"
                 )
         return captures, batch_grads
+
+    def _forward_leaves(self, captures: list[Capture]) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each trainable parameter with the tensors the forward used for it, each distinct tensor once: the
+        parameter itself, or under FSDP2 the unsharded tensors a sharded module swapped in (a tied weight may be
+        gathered into one per module that uses it; their gradients add up to the parameter's)."""
+        leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        for capture in captures:
+            for key in _keys(capture):
+                if key in self._registered:
+                    leaf = capture.leaves[key[1]]
+                    leaves.setdefault(id(leaf), (self._registered[key], leaf))
+        used = {id(param) for param, _ in leaves.values()}
+        return list(leaves.values()) + [(p, p) for p in self._params if id(p) not in used]
 
     def _outside_use_error(self, failures: list[tuple[nn.Parameter, float, float]]) -> UnsupportedModuleError:
         details = ", ".join(
