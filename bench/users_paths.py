@@ -506,7 +506,8 @@ def markdown(record: dict[str, Any]) -> str:
     size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
     lines = [
         f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}, torch {env['torch']}, "
-        f"{args['threads']} intra-op thread{'s' if args['threads'] > 1 else ''}, load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
+        f"{args['threads']} intra-op thread{'s' if args['threads'] > 1 else ''}, "
+        f"load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
         f"ratios of {timed_by} time)",
         "",
         "```bash",
