@@ -2,9 +2,9 @@
 fail with. ``tests/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases and
 writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
 
-Surfaces: ``DPStrategy`` arguments (constructor), a Lightning ``fit`` with ``DPStrategy`` (setup and first step),
-the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp`` command line, and YAML configs of
-``lightning-dp fit``.
+Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
+``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``
+command line, and YAML configs of ``lightning-dp fit``.
 """
 
 from __future__ import annotations
@@ -73,6 +73,15 @@ def _strategy(**kwargs: Any) -> Callable[[], Any]:
         from lightning_dp import DPStrategy
 
         return DPStrategy(**kwargs)
+
+    return run
+
+
+def _model_parallel(**kwargs: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp import DPModelParallelStrategy
+
+        return DPModelParallelStrategy(**kwargs)
 
     return run
 
@@ -306,6 +315,31 @@ CASES: list[BadInput] = [
         "check_batch_independence_every=10, check_batch_independence=False",
         _strategy(noise_multiplier=1.0, check_batch_independence=False, check_batch_independence_every=10),
         "set check_batch_independence=True",
+    ),
+    # DPModelParallelStrategy (FSDP2-sharded models): what it does not support
+    BadInput(
+        "DPModelParallelStrategy",
+        "tensor_parallel_size=2",
+        _model_parallel(noise_multiplier=1.0, tensor_parallel_size=2),
+        "over tensor parallelism is not supported",
+    ),
+    BadInput(
+        "DPModelParallelStrategy",
+        "check_batch_independence=True",
+        _model_parallel(noise_multiplier=1.0, check_batch_independence=True),
+        "check_batch_independence=True is not supported",
+    ),
+    BadInput(
+        "DPModelParallelStrategy",
+        "momentum_length=2",
+        _model_parallel(noise_multiplier=1.0, momentum_length=2),
+        r"momentum_length > 1 \(per-sample momentum\) not supported",
+    ),
+    BadInput(
+        "DPModelParallelStrategy",
+        "bookkeeping=False",
+        _model_parallel(noise_multiplier=1.0, bookkeeping=False),
+        r"bookkeeping=False \(a second backward\) not supported",
     ),
     # Lightning fit with DPStrategy: setup and first step
     BadInput(

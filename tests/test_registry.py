@@ -1,6 +1,6 @@
-"""The DP strategies by name in Lightning's StrategyRegistry: ``Trainer(strategy="dp")`` / ``"dp_ddp"`` (the class
-defaults with target_epsilon 3, logged), the budget names ``"dp_epsilon_3"`` / ``"dp_epsilon_8"``, and LightningCLI's
-``--trainer.strategy``."""
+"""The DP strategies by name in Lightning's StrategyRegistry: ``Trainer(strategy="dp")`` / ``"dp_ddp"`` /
+``"dp_fsdp"`` (the class defaults with target_epsilon 3, logged), the budget names ``"dp_epsilon_3"`` /
+``"dp_epsilon_8"``, and LightningCLI's ``--trainer.strategy``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import yaml
 from helpers import make_trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
-from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyAccountantCallback
+from lightning_dp import DPDDPStrategy, DPModelParallelStrategy, DPStrategy, PrivacyAccountantCallback
 from lightning_dp.cli import main
 from lightning_dp.lightning.registry import DEFAULT_EPSILON, REGISTERED_EPSILONS
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
@@ -28,6 +28,9 @@ NAMES = {
     "dp_ddp": (DPDDPStrategy, {"target_epsilon": 3.0}),
     "dp_ddp_epsilon_3": (DPDDPStrategy, {"target_epsilon": 3.0}),
     "dp_ddp_epsilon_8": (DPDDPStrategy, {"target_epsilon": 8.0}),
+    "dp_fsdp": (DPModelParallelStrategy, {"target_epsilon": 3.0}),
+    "dp_fsdp_epsilon_3": (DPModelParallelStrategy, {"target_epsilon": 3.0}),
+    "dp_fsdp_epsilon_8": (DPModelParallelStrategy, {"target_epsilon": 8.0}),
 }
 
 
@@ -47,7 +50,7 @@ def test_importing_lightning_dp_registers_the_names():
     assert StrategyRegistry["single_device"]["strategy"] is SingleDeviceStrategy
 
 
-@pytest.mark.parametrize("strategy", [DPStrategy, DPDDPStrategy])
+@pytest.mark.parametrize("strategy", [DPStrategy, DPDDPStrategy, DPModelParallelStrategy])
 def test_direct_construction_without_privacy_level_fails(strategy):
     with pytest.raises(ValueError, match="Give exactly one of target_epsilon"):
         strategy()
@@ -94,6 +97,15 @@ def test_dp_ddp_names_resolve_to_dp_ddp_strategy():
     for name, epsilon in (("dp_ddp_epsilon_3", 3.0), ("dp_ddp_epsilon_8", 8.0)):
         strategy = make_trainer(name, devices=2).strategy
         assert type(strategy) is DPDDPStrategy and strategy.privacy_engine.target_epsilon == epsilon
+
+
+def test_dp_fsdp_names_resolve_to_dp_model_parallel_strategy():
+    """Trained by name in tests/test_fsdp_lightning.py; here: the class, the budget, data parallelism only."""
+    for name, epsilon in (("dp_fsdp", 3.0), ("dp_fsdp_epsilon_3", 3.0), ("dp_fsdp_epsilon_8", 8.0)):
+        strategy = make_trainer(name, devices=2).strategy
+        assert type(strategy) is DPModelParallelStrategy and strategy.privacy_engine.target_epsilon == epsilon
+        assert strategy.parallel_devices == [torch.device("cpu")] * 2 and strategy._tensor_parallel_size == 1
+        assert strategy.privacy_engine.config.check_batch_independence is False  # not on sharded models yet
 
 
 def test_dp_strategy_without_device_takes_the_trainers():

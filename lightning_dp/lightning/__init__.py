@@ -1,6 +1,7 @@
-"""PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), privacy callbacks.
+"""PyTorch Lightning integration: DPStrategy (one device), DPDDPStrategy (several processes), DPModelParallelStrategy
+(several processes, FSDP2-sharded model), privacy callbacks.
 
-Importing it registers both strategies in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp")``;
+Importing it registers the three strategies in Lightning's ``StrategyRegistry`` (``Trainer(strategy="dp")``;
 the names are in :mod:`lightning_dp.lightning.registry`).
 """
 
@@ -8,9 +9,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dp.lightning.callbacks import PrivacyAccountantCallback, PrivacyBudget
 from lightning_dp.lightning.ddp_strategy import DPDDPStrategy
+from lightning_dp.lightning.model_parallel_strategy import DPModelParallelStrategy
 from lightning_dp.lightning.strategy import DPStrategy
 
 DPStrategy.register_strategies(StrategyRegistry)
 DPDDPStrategy.register_strategies(StrategyRegistry)
+DPModelParallelStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DPDDPStrategy", "DPStrategy", "PrivacyAccountantCallback", "PrivacyBudget"]
+__all__ = ["DPDDPStrategy", "DPModelParallelStrategy", "DPStrategy", "PrivacyAccountantCallback", "PrivacyBudget"]

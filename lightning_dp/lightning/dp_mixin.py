@@ -1,4 +1,5 @@
-"""The DP side of a Lightning strategy, shared by :class:`DPStrategy` (one device) and :class:`DPDDPStrategy`.
+"""The DP side of a Lightning strategy, shared by :class:`DPStrategy` (one device), :class:`DPDDPStrategy` and
+:class:`DPModelParallelStrategy` (several processes, replicated or FSDP2-sharded parameters).
 
 Lightning's strategies own devices and processes; this mixin adds, through the strategy hooks Lightning documents
 (``setup``, ``process_dataloader``, ``on_train_start``, ``training_step``, ``optimizer_step``, ``backward``,
@@ -285,6 +286,12 @@ class DPStrategyMixin:
         ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
+        self._write_checkpoint(checkpoint, filepath, storage_options)
+
+    def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        """Write ``checkpoint`` as the Lightning strategy does, atomically for a local file written by rank 0
+        (:func:`~lightning_dp.checkpoints.save_lightning_checkpoint`); a strategy with its own format (sharded
+        checkpoints) overrides this."""
         save_lightning_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)  # atomic
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

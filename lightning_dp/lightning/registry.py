@@ -1,7 +1,8 @@
 """The DP strategies in Lightning's ``StrategyRegistry``, so a strategy can be named by a string:
 ``Trainer(strategy="dp")``, ``lightning-dp fit --trainer.strategy dp``.
 
-Importing ``lightning_dp`` registers, for ``DPStrategy`` (base name ``"dp"``) and ``DPDDPStrategy`` (``"dp_ddp"``):
+Importing ``lightning_dp`` registers, for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
+``DPModelParallelStrategy`` (``"dp_fsdp"``):
 
 - the base name: the class defaults (``max_grad_norm=1.0``, Gaussian noise, flat clipping, the mechanism's sound
   accountant, Poisson sampling, ``seed=None``) with ``target_epsilon=3`` (:data:`DEFAULT_EPSILON`, the library's
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
 
-#: the ``target_epsilon`` of the base names ``"dp"`` and ``"dp_ddp"``.
+#: the ``target_epsilon`` of the base names ``"dp"``, ``"dp_ddp"`` and ``"dp_fsdp"``.
 DEFAULT_EPSILON: float = 3.0
 
 #: the target epsilons registered by name (``"dp_epsilon_3"``, ``"dp_ddp_epsilon_8"``, ...).
