@@ -130,14 +130,11 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         reach each rank's shards (:mod:`lightning_dp.sharding`); what it does not support yet raises here.
 
         Raises:
-            ValueError: unsupported layers (see :class:`PerSampleClipper`); per-sample momentum (``momentum_length >
-                1``) on a sharded module, which is not supported there yet.
+            ValueError: unsupported layers (see :class:`PerSampleClipper`); on a sharded module, what
+                :meth:`check_shardable` refuses.
         """
-        if uses_fsdp(module) and self.momentum.enabled:
-            raise ValueError(
-                "per-sample momentum (momentum_length > 1) is not supported on FSDP2-sharded models yet: set "
-                "momentum_length=1, or train with DDP"
-            )
+        if uses_fsdp(module):
+            self.check_shardable()
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
             module,
@@ -161,6 +158,27 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
+
+    def check_shardable(self) -> None:
+        """Raise unless these options work on an FSDP2-sharded model (docs/design.md section 8.1).
+
+        Raises:
+            ValueError: per-sample momentum (``momentum_length > 1``) or ``bookkeeping=False`` (a second backward),
+                not supported on sharded models yet.
+        """
+        unsupported = [
+            text
+            for text, given in (
+                ("momentum_length > 1 (per-sample momentum)", self.momentum.enabled),
+                ("bookkeeping=False (a second backward)", not self.bookkeeping),
+            )
+            if given
+        ]
+        if unsupported:
+            raise ValueError(
+                f"{' and '.join(unsupported)} not supported on FSDP2-sharded models yet: remove it, or train an "
+                "unsharded model (DPDDPStrategy, or DPTrainer on several processes)"
+            )
 
     def detach(self) -> None:
         """Remove the clipping hooks; the module is exactly as before ``attach``. Whether the clipper dropped

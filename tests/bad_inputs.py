@@ -325,21 +325,15 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "DPModelParallelStrategy",
-        "check_batch_independence=True",
-        _model_parallel(noise_multiplier=1.0, check_batch_independence=True),
-        "check_batch_independence=True is not supported",
-    ),
-    BadInput(
-        "DPModelParallelStrategy",
         "momentum_length=2",
         _model_parallel(noise_multiplier=1.0, momentum_length=2),
-        r"momentum_length > 1 \(per-sample momentum\) not supported",
+        r"momentum_length > 1 \(per-sample momentum\) not supported on FSDP2-sharded models",
     ),
     BadInput(
         "DPModelParallelStrategy",
         "bookkeeping=False",
         _model_parallel(noise_multiplier=1.0, bookkeeping=False),
-        r"bookkeeping=False \(a second backward\) not supported",
+        r"bookkeeping=False \(a second backward\) not supported on FSDP2-sharded models",
     ),
     # Lightning fit with DPStrategy: setup and first step
     BadInput(

@@ -84,7 +84,8 @@ class TinyLlama(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
-        self.batch_sizes.append(len(ids))
+        if torch.is_grad_enabled():  # not the first step's leave-half-out check, which replays the step under no_grad
+            self.batch_sizes.append(len(ids))
         return token_cross_entropy(self.model(input_ids=ids).logits, ids, "mean", shift=True)
 
     def train_dataloader(self):

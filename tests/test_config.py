@@ -11,7 +11,6 @@ from jsonargparse import ArgumentParser
 from lightning_dp import DPDDPStrategy, DPModelParallelStrategy, DPStrategy, PrivacyEngine
 from lightning_dp.config import HF_NAMES, OPTION_NAMES, PrivacyConfig
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.lightning.model_parallel_strategy import SHARDED_DEFAULTS
 
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PrivacyConfig)}
 
@@ -21,14 +20,13 @@ def test_strategies_take_exactly_the_options_as_keywords(strategy) -> None:
     parser = ArgumentParser()
     parser.add_class_arguments(strategy, "strategy")  # what LightningCLI sees
     seen = {action.dest.removeprefix("strategy."): action.default for action in parser._actions}
-    changed = SHARDED_DEFAULTS if strategy is DPModelParallelStrategy else {}  # documented in its docstring
     for name, default in CONFIG_DEFAULTS.items():
         assert name in seen, f"{strategy.__name__} does not expose the option {name!r} to LightningCLI"
-        assert seen[name] == changed.get(name, default), name
+        assert seen[name] == default, name
     help_text = " ".join(parser.format_help().split())  # argparse wraps to the terminal's width
     assert "per-sample clipping bound C > 0" in help_text  # the option's documentation, from PrivacyConfig
     built = strategy(noise_multiplier=1.3, clipping="ghost", seed=3, sample_rate=0.1)
-    expected = PrivacyConfig(noise_multiplier=1.3, clipping="ghost", seed=3, sample_rate=0.1, **changed)
+    expected = PrivacyConfig(noise_multiplier=1.3, clipping="ghost", seed=3, sample_rate=0.1)
     assert built.privacy_engine.config == expected
 
 

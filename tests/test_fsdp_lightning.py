@@ -30,7 +30,6 @@ pytest.importorskip("transformers")
 
 WORLD = 2
 FITS = ("a", "b", "part", "resumed", "part (one file)", "resumed (one file)", "name", "layers only")
-INFO_LINE = "lightning_dp INFO: check_batch_independence is off: the batch-independence check is not available"
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +165,6 @@ def test_generate_on_the_gathered_weights_and_on_the_sharded_model(ranks):
     assert torch.equal(first["generated sharded"], generated) and torch.equal(second["generated sharded"], generated)
 
 
-def test_every_fit_says_the_independence_check_is_off(launched):
-    _, stderr = launched
-    assert stderr.count(INFO_LINE) == len(FITS)  # once per fit, from rank 0 only
-
-
 # ----------------------------------------------------------------------------------------- arguments
 @pytest.mark.parametrize("size", [2, "auto"])
 def test_tensor_parallelism_is_refused(size):
@@ -181,7 +175,6 @@ def test_tensor_parallelism_is_refused(size):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(check_batch_independence=True), "check_batch_independence=True is not supported"),
         (dict(momentum_length=2), "momentum_length > 1"),
         (dict(bookkeeping=False), "bookkeeping=False"),
     ],
@@ -191,9 +184,9 @@ def test_what_sharded_models_do_not_support_yet_is_refused_at_construction(optio
         DPModelParallelStrategy(noise_multiplier=1.0, **options)
 
 
-def test_defaults_data_parallel_over_every_process_without_the_independence_check():
+def test_defaults_data_parallel_over_every_process_with_the_independence_check():
     strategy = DPModelParallelStrategy(noise_multiplier=1.0, save_distributed_checkpoint=False)
-    assert strategy.privacy_engine.config.check_batch_independence is False
+    assert strategy.privacy_engine.config.check_batch_independence is True  # in lockstep over the ranks
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == ("auto", 1)
     assert strategy._save_distributed_checkpoint is False  # ModelParallelStrategy's own arguments pass through
 

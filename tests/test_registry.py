@@ -105,7 +105,6 @@ def test_dp_fsdp_names_resolve_to_dp_model_parallel_strategy():
         strategy = make_trainer(name, devices=2).strategy
         assert type(strategy) is DPModelParallelStrategy and strategy.privacy_engine.target_epsilon == epsilon
         assert strategy.parallel_devices == [torch.device("cpu")] * 2 and strategy._tensor_parallel_size == 1
-        assert strategy.privacy_engine.config.check_batch_independence is False  # not on sharded models yet
 
 
 def test_dp_strategy_without_device_takes_the_trainers():

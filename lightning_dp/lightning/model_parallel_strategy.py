@@ -30,9 +30,6 @@ from lightning_dp.sharding import is_sharded
 
 log = logging.getLogger("lightning_dp")
 
-#: the privacy options whose default differs on this strategy (see the class docstring).
-SHARDED_DEFAULTS: dict[str, Any] = {"check_batch_independence": False}
-
 
 class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     """Differentially private training of an FSDP2-sharded model: global Poisson sampling over the ranks' shards of
@@ -55,14 +52,9 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     of processes.
 
     Not on sharded models yet, refused at construction: per-sample momentum (``momentum_length > 1``) and
-    ``bookkeeping=False`` (see docs/design.md section 8.1). The batch-independence check is not available on
-    sharded models yet either (its number of backward passes depends on each rank's batch size, and FSDP2 needs
-    every rank in every pass). Its option ``check_batch_independence`` therefore defaults to ``False`` on this
-    strategy only, and ``True`` is refused: with the library-wide default ``True``, the registered names and
-    LightningCLI configs (which pass every default explicitly) could only fail. Nothing is skipped silently: every
-    fit logs an INFO line saying that the check is off and that a model mixing examples is not detected. The other
-    run-time checks run as on one process (buffers written from the data, the per-sample loss's shape, the
-    periodic sum check).
+    ``bookkeeping=False`` (see docs/design.md section 8.1). The run-time checks run as on one process; the
+    first-step batch-independence checks, whose extra passes gather weights, run in lockstep over the ranks (a rank
+    with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
 
     By name: ``Trainer(strategy="dp_fsdp", devices=2)`` is ``DPModelParallelStrategy(target_epsilon=3.0)`` with the
     other arguments at their defaults; ``"dp_fsdp_epsilon_3"`` and ``"dp_fsdp_epsilon_8"`` name the budget
@@ -96,15 +88,14 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     Args:
         data_parallel_size: the number of processes that shard the model; default (``"auto"``): all of them.
         tensor_parallel_size: must be 1.
-        check_batch_independence: must be ``False`` (the default here, see above).
         kwargs: the other privacy options, the fields of :class:`~lightning_dp.config.PrivacyConfig` (documented
             there and in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and those of Lightning's
             ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
     Raises:
         ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1;
-            ``check_batch_independence=True``, ``momentum_length > 1`` or ``bookkeeping=False``; a dataset, sample
-            rate or noise that differs between ranks (``RuntimeError``, at the start of training).
+            ``momentum_length > 1`` or ``bookkeeping=False``; a dataset, sample rate or noise that differs between
+            ranks (``RuntimeError``, at the start of training).
     """
 
     strategy_name = "dp_fsdp"
@@ -114,7 +105,6 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         *,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: int = 1,
-        check_batch_independence: bool = False,
         **kwargs: Any,
     ) -> None:
         if tensor_parallel_size != 1:
@@ -124,32 +114,12 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
                 "gradient across ranks, which the per-sample clipping does not combine). Use tensor_parallel_size=1: "
                 "the model is then sharded over all processes with fully_shard (data parallelism)"
             )
-        if check_batch_independence:
-            raise ValueError(
-                f"check_batch_independence=True is not supported by {type(self).__name__} yet (the check's number "
-                "of backward passes depends on each rank's batch, and FSDP2 needs every rank in every pass): remove "
-                "it (its default here is False), or check the model once with DPStrategy or DPDDPStrategy on an "
-                "unsharded copy"
-            )
-        unsupported = [
-            text
-            for text, given in (
-                ("momentum_length > 1 (per-sample momentum)", kwargs.get("momentum_length", 1) != 1),
-                ("bookkeeping=False (a second backward)", kwargs.get("bookkeeping", True) is False),
-            )
-            if given
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{' and '.join(unsupported)} not supported by {type(self).__name__} (FSDP2-sharded models) yet: "
-                "remove it, or train an unsharded model with DPDDPStrategy"
-            )
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
-            check_batch_independence=False,
             **kwargs,
         )
+        self.privacy_engine.check_shardable()  # at construction, not only when setup attaches to the model
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -167,18 +137,6 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         if self._data_parallel_size == "auto":
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
-
-    def setup(self, trainer: Any) -> None:
-        """As :meth:`DPStrategyMixin.setup`, telling the user (INFO, rank 0) that the batch-independence check is
-        off."""
-        super().setup(trainer)
-        if trainer.state.fn == "fit":
-            log.info(
-                "check_batch_independence is off: the batch-independence check is not available on FSDP2-sharded "
-                "models yet (%s). A model that mixes examples (e.g. batch statistics in the training forward) is "
-                "not detected: check it once with DPStrategy on an unsharded copy",
-                type(self).__name__,
-            )
 
     def model_to_device(self) -> None:
         """Move the module (``ModelParallelStrategy.setup`` calls this after materialising it), then copy rank 0's
@@ -211,10 +169,7 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
 DPModelParallelStrategy.__init__.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        *(
-            p.replace(default=SHARDED_DEFAULTS[p.name]) if p.name in SHARDED_DEFAULTS else p
-            for p in option_parameters()
-        ),
+        *option_parameters(),
         *(
             p
             for name, p in inspect.signature(DPModelParallelStrategy.__init__).parameters.items()
