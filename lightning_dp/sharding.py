@@ -31,6 +31,14 @@ def uses_fsdp(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Put every FSDP2-managed parameter of ``module`` back into its registered sharded form (after a forward FSDP2
+    may keep some gathered, e.g. the root's, until the next backward)."""
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
+
+
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds: a sharded tensor's local shard (sharing its storage, so in-place
     changes reach the ``DTensor``), any other tensor itself."""
@@ -55,9 +63,13 @@ def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:
 
 
 def shard_key(tensor: DTensor) -> tuple[int, ...]:
-    """Which shard of ``tensor`` this rank holds: its mesh coordinates along the sharded dimensions (ranks holding
-    replicas of a shard get the same key)."""
-    coordinate = tensor.device_mesh.get_coordinate()
+    """Which shard of ``tensor`` this rank holds, as integers naming a noise stream: the mesh's shape, then
+    ``(mesh dimension, coordinate)`` for each sharded dimension (ranks holding replicas of a shard get the same key;
+    tensors sharded along different mesh dimensions, or on meshes of other shapes, get different ones)."""
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise RuntimeError("this rank is not part of the sharded tensor's device mesh")
-    return tuple(c for c, placement in zip(coordinate, tensor.placements, strict=True) if placement.is_shard())
+    sharded = [(dim, c) for dim, (c, placement) in enumerate(zip(coordinate, tensor.placements, strict=True))]
+    sharded = [pair for pair, placement in zip(sharded, tensor.placements, strict=True) if placement.is_shard()]
+    return (mesh.ndim, *mesh.shape, *(value for pair in sharded for value in pair))

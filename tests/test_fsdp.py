@@ -129,7 +129,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         # sharding is real: local bytes of the parameters
         model = _shard(_tiny_llama(), mesh)
         result["local bytes"] = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-        # update: zero noise, 3 steps of SGD with momentum, gathered afterwards
+        # update: zero noise, 3 steps of SGD with momentum, gathered afterwards; attached after a forward, which
+        # leaves the root's parameters gathered (the clipper must still send the clipped sums to the shards)
+        _loss(model, _tokens(9)[rank::world])
         engine = _engine("mixed")
         clipper = engine.attach(model)
         randomness = DPRandomness(3)
@@ -199,6 +201,48 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 result[("checked", mixing)] = "passed"
             except BatchMixingError as error:
                 result[("checked", mixing)] = str(error)
+        # HSDP: a (2, 1) mesh replicates each parameter over the two ranks (shard dimension of size 1)
+        hsdp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+        model = _shard(_tiny_llama(), hsdp_mesh)
+        clipper = _engine("ghost").attach(model)
+        randomness = DPRandomness(4)
+        context.synchronize_randomness(randomness)
+        optimizer = DPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=2.0),
+            mechanism=make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=1.0),
+            expected_batch_size=EXAMPLES,
+            randomness=randomness,
+            reduce_clipped_sum=context.reduce_clipped_sum,
+            any_rank=context.any_rank,
+        )
+        clipper.backward(_loss(model, _tokens(0)[rank::world]))
+        optimizer.privatise()
+        result["hsdp noisy grads"] = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
+        # refused on sharded models: modules the clipper swaps, an empty batch (without the stand-in), DPTrainer
+        attention = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True))
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(attention, mesh=mesh)
+        try:
+            _engine().attach(attention)
+        except ValueError as error:
+            result[("refused", "swap")] = str(error)
+        model = _shard(_tiny_llama(), mesh)
+        try:
+            _engine().attach(model).backward(torch.zeros(0, requires_grad=True))  # (a Llama cannot run 0 rows)
+        except ValueError as error:
+            result[("refused", "empty")] = str(error)
+        from transformers import TrainingArguments
+
+        from lightning_dp.hf import DPTrainer, PrivacyArguments
+
+        arguments = TrainingArguments(output_dir=str(Path(out) / f"hf{rank}"), use_cpu=True, report_to=[])
+        privacy = PrivacyArguments(noise_multiplier=1.0, per_sample_max_grad_norm=1.0)
+        trainer = DPTrainer(model=model, args=arguments, train_dataset=TensorDataset(_tokens(0)), privacy_args=privacy)
+        try:
+            trainer.train()
+        except ValueError as error:
+            result[("refused", "DPTrainer")] = str(error)
         # not supported yet: fails early, on every rank
         model = _shard(_tiny_llama(), mesh)
         for options in (dict(momentum_length=2), dict(bookkeeping=False)):
@@ -310,7 +354,23 @@ def test_the_first_step_checks_run_in_lockstep_and_every_rank_raises_on_mixing(r
     assert "another process found examples of its batch mixing" in ranks[1][("checked", True)]
 
 
+def test_hsdp_replicas_get_the_same_noise_and_the_same_sum(ranks):
+    first, second = (r["hsdp noisy grads"] for r in ranks)
+    for name in first:  # each rank holds the whole parameter: the replicas must agree to the bit
+        assert torch.equal(first[name], second[name]), name
+    model = _tiny_llama()
+    clipper = _engine("ghost").attach(model)
+    clipper.backward(_loss(model, _tokens(0)))
+    scale = CLIP * 1.0
+    noisy = first["model.layers.0.self_attn.q_proj.weight"] * EXAMPLES  # privatise divided by q N
+    noise = noisy - model.model.layers[0].self_attn.q_proj.weight.grad  # the sum over both ranks' examples
+    assert noise.std().item() == pytest.approx(scale, rel=0.1)  # one draw, not a sum of the replicas' draws
+
+
 def test_what_is_not_supported_yet_fails_early_on_every_rank(ranks):
     for result in ranks:
+        assert "MultiheadAttention cannot be clipped on an FSDP2-sharded model" in result[("refused", "swap")]
+        assert "an empty batch on an FSDP2-sharded model" in result[("refused", "empty")]
+        assert "DPTrainer does not train FSDP2-sharded models yet" in result[("refused", "DPTrainer")]
         assert "momentum" in result[("refused", "momentum_length")]
         assert "bookkeeping=False" in result[("refused", "bookkeeping")]

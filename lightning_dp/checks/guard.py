@@ -68,11 +68,13 @@ class TrainingGuard:
     loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
 
     On an FSDP2-sharded model on several processes (:attr:`lockstep` set), the checks' extra backward passes and
-    forwards gather weights with collectives, so every rank runs them together: the ranks agree (one small
-    all-reduce per check) on whether any rank checks this micro-batch and on the number of passes, ranks that do not
-    check run the same passes with zero weights (or their own batch twice), and a rank that finds mixing makes every
-    rank raise. Float inputs are not made gradient leaves there (the ranks' passes must reach the same tensors): the
-    gradient check covers the hooked layers' outputs, the leave-half-out forward covers the rest.
+    forwards gather weights with collectives, so every rank runs them together: while any rank may have a check
+    pending, the ranks agree (small all-reduces) on whether any rank checks this micro-batch and on the number of
+    passes, ranks that do not check run the same passes with zero weights (or their own batch twice), a rank that
+    finds mixing makes every rank raise, and at the end of the micro-batch the ranks agree whether any check is still
+    pending; once none is, no collective runs until a due step (``check_every``) arms the checks on every rank.
+    Float inputs are not made gradient leaves there (the ranks' passes must reach the same tensors): the gradient
+    check covers the hooked layers' outputs, the leave-half-out forward covers the rest.
 
     Args:
         module: the model.
@@ -116,6 +118,9 @@ class TrainingGuard:
         #: ``values -> each one's maximum over the ranks``, set by the engine for a sharded model on several
         #: processes: the checks then run in lockstep (class docstring); ``None``: each rank checks on its own.
         self.lockstep: Callable[[list[int]], list[int]] | None = None
+        #: in lockstep, whether the ranks agreed that none of them has a check pending (then no collective runs
+        #: until a due step arms the checks again on every rank).
+        self._nobody_pending = not check_batch_independence
 
     def _arm_if_due(self) -> None:
         """Make both independence checks pending at the first forward of a step that is a multiple of
@@ -127,6 +132,7 @@ class TrainingGuard:
             self._armed_step = step
             self.independence_pending = True
             self.leave_half_out_pending = True
+            self._nobody_pending = False
 
     def before_forward(self, batch: Any, batch_size: int | None) -> Any:
         """Start watching the buffers and frozen parameters (their contents too on the first step and while the
@@ -169,6 +175,8 @@ class TrainingGuard:
 
     def _after_forward_in_step(self, per_sample_loss: torch.Tensor) -> None:
         """:meth:`after_forward`'s gradient check in lockstep with the other ranks (class docstring)."""
+        if self._nobody_pending:
+            return
         batch = per_sample_loss.shape[0] if per_sample_loss.ndim == 1 else 0
         active = self.independence_pending and batch >= 2
         (bits,) = self.lockstep([math.ceil(math.log2(batch)) if active else 0])
@@ -202,10 +210,24 @@ class TrainingGuard:
             BatchMixingError: as :func:`check_leave_half_out`.
         """
         if self.lockstep is not None:
-            active = self.leave_half_out_pending and batch_size is not None and batch_size >= 2
-            (run,) = self.lockstep([int(active)])
-            if not run:
-                return
+            self._leave_half_out_in_step(compute_loss, batch, batch_size, module)
+            return
+        if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
+            return
+        with self._naming_the_step():
+            conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
+        self.leave_half_out_pending = not conclusive
+
+    def _leave_half_out_in_step(
+        self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
+    ) -> None:
+        """:meth:`leave_half_out` in lockstep with the other ranks (class docstring), then the ranks' agreement on
+        whether any check is still pending (when none is, the lockstep stops until a due step arms the checks)."""
+        if self._nobody_pending:
+            return
+        active = self.leave_half_out_pending and batch_size is not None and batch_size >= 2
+        (run,) = self.lockstep([int(active)])
+        if run:
             with self._naming_the_step():
                 conclusive, error = check_leave_half_out_in_step(
                     compute_loss, batch, batch_size or 0, module, active=active
@@ -213,12 +235,8 @@ class TrainingGuard:
                 self._raise_if_any_rank(error, "leave-half-out")
             if active:
                 self.leave_half_out_pending = not conclusive
-            return
-        if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
-            return
-        with self._naming_the_step():
-            conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
-        self.leave_half_out_pending = not conclusive
+        pending = self.lockstep([int(self.independence_pending), int(self.leave_half_out_pending)])
+        self._nobody_pending = not any(pending)
 
     @contextmanager
     def _naming_the_step(self) -> Iterator[None]:

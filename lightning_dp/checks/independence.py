@@ -240,7 +240,7 @@ def check_leave_half_out(
     """
     if batch_size < 2:
         return True
-    conclusive, error = _leave_half_out(compute_loss, batch, batch_size, module, active=True)
+    conclusive, error = _leave_half_out(compute_loss, batch, batch_size, module, active=True, lockstep=False)
     if error is not None:
         raise error
     return conclusive
@@ -256,13 +256,20 @@ def check_leave_half_out_in_step(
     Returns:
         ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
     """
-    return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2)
+    return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2, lockstep=True)
 
 
 def _leave_half_out(
-    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
+    compute_loss: Callable[[Any], torch.Tensor | None],
+    batch: Any,
+    batch_size: int,
+    module: nn.Module,
+    *,
+    active: bool,
+    lockstep: bool,
 ) -> tuple[bool, BatchMixingError | None]:
-    """The two forwards of :func:`check_leave_half_out` (inactive: the batch twice) and, active, the comparison."""
+    """The two forwards of :func:`check_leave_half_out` (inactive: the batch twice, only in ``lockstep``, where the
+    other ranks' forwards need this rank's) and, active, the comparison."""
     keep = torch.arange(0, batch_size, 2)
     cut = []
 
@@ -279,7 +286,11 @@ def _leave_half_out(
             "dimension), so mixing of examples without a gradient path is NOT checked",
             batch_size,
         )
+        if not lockstep:
+            return True, None
         active = False
+    if not active and not lockstep:
+        return True, None
     devices = sorted({t.device.index or 0 for t in _tensors(batch) if t.is_cuda})
     training = module.training
     module.eval()

@@ -55,7 +55,9 @@ class ClippedSumMixin:
         if not rest:
             for capture in group:
                 capture.release()
-        return {**rest, **{param: [Materialised(grad)] for param, grad in grads.items()}}
+        # in the order of ``terms``: on a sharded model the sums are collectives, issued in the same order on every
+        # rank (which parameters got per-sample gradients may differ between ranks)
+        return {param: [Materialised(grads[param])] if param in grads else rest[param] for param in terms}
 
     def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
         """``[B]`` bool, the samples whose loss (now and at every past iterate) and norm are finite, or ``None``

@@ -51,7 +51,7 @@ from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
-from lightning_dp.sharding import uses_fsdp
+from lightning_dp.sharding import reshard_all, uses_fsdp
 
 _EPS = 1e-6
 #: Default period (in clipped batches) of the sum check under book-keeping.
@@ -146,8 +146,28 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self.sum_check_every = sum_check_every
         self._generator_for = generator_for
         self._checked_batches = 0
+        #: FSDP2 swaps each sharded module's registered parameters (DTensor shards) for unsharded ones around its
+        #: forward and backward, so parameters are identified by (module, attribute), never by the object a
+        #: module holds at the moment (:mod:`lightning_dp.sharding`).
+        self._sharded = uses_fsdp(module)
+        if self._sharded:
+            if not bookkeeping:
+                raise ValueError(
+                    "bookkeeping=False (a second backward) is not supported on FSDP2-sharded models: keep "
+                    "bookkeeping=True, which forms the clipped sum from the captured terms and sums it into each "
+                    "rank's shard"
+                )
+            # after a forward (evaluation, generation) FSDP2 may hold some modules' parameters gathered: the
+            # clipper must know the registered shards, which the clipped sums go to
+            reshard_all(module)
         self._swaps = swap_modules(module)
         try:
+            if self._sharded and self._swaps:
+                raise ValueError(
+                    f"{', '.join(sorted({swap.original.__name__ for swap in self._swaps}))} cannot be clipped "
+                    "on an FSDP2-sharded model (their replacements use the parameters outside FSDP2's gathering); "
+                    "train such a model unsharded (DPDDPStrategy), or shard a model without these modules"
+                )
             hooked = hooked_modules(module)
         except BaseException:
             restore_modules(self._swaps)
@@ -155,19 +175,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
         self._trainable_ids = frozenset(id(p) for p in self._params)
-        #: FSDP2 swaps each sharded module's registered parameters (DTensor shards) for unsharded ones around its
-        #: forward and backward, so parameters are identified by (module, attribute), never by the object a
-        #: module holds at the moment (:mod:`lightning_dp.sharding`).
-        self._sharded = uses_fsdp(module)
         self._all_names = frozenset(
             name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
         )
-        if self._sharded and not bookkeeping:
-            raise ValueError(
-                "bookkeeping=False (a second backward) is not supported on FSDP2-sharded models: keep "
-                "bookkeeping=True, which forms the clipped sum from the captured terms and sums it into each rank's "
-                "shard"
-            )
         self._registered = {
             (id(owner), attr): p
             for owner in module.modules()
@@ -254,6 +264,11 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                     "add_past_iterate must see the same batch as the backward that follows it"
                 )
             if batch == 0:
+                if self._sharded:  # the other ranks would wait in the collectives of this backward
+                    raise ValueError(
+                        "an empty batch on an FSDP2-sharded model: every rank must run every step's forward and "
+                        "backward; run the step on EngineSteps.stand_in_batch() and clip it with stand_in=True"
+                    )
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(

@@ -66,6 +66,7 @@ from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
+from lightning_dp.sharding import uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
@@ -163,10 +164,16 @@ class DPTrainer(Trainer):
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: the checkpoint has no privacy state or one that does not match this run's privacy
-                arguments; the sample rate differs from the checkpoint's.
+            ValueError: an FSDP2-sharded model (not supported by DPTrainer yet); the checkpoint has no privacy state
+                or one that does not match this run's privacy arguments; the sample rate differs from the
+                checkpoint's.
         """
         engine = self.privacy_engine
+        if uses_fsdp(self.model):
+            raise ValueError(
+                "DPTrainer does not train FSDP2-sharded models yet: train the model unsharded on several processes "
+                "(accelerate launch / torchrun, DDP), or shard it under Lightning with DPModelParallelStrategy"
+            )
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
@@ -292,9 +299,6 @@ class DPTrainer(Trainer):
             model.train()
             inputs = self._prepare_inputs(inputs)
             size = _batch_size(inputs)
-            stand_in = size == 0 and engine.every_rank_runs_every_step
-            if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
-                inputs, size = self._prepare_inputs(engine.stand_in_batch()), 1
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
@@ -306,7 +310,7 @@ class DPTrainer(Trainer):
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses, stand_in=stand_in).numel():
+            if engine.clip(losses).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)

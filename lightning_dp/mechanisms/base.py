@@ -109,7 +109,10 @@ class NoiseMechanism(ABC):
 
     @abstractmethod
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device)."""
+        """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device).
+
+        The coordinates must be i.i.d. draws of the mechanism's one-coordinate law, whatever the shape: a sharded
+        gradient is noised shard by shard (:mod:`lightning_dp.sharding`), each shard from its own stream."""
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The noise of :meth:`sample` (same law) drawn with the hardened samplers of
