@@ -508,3 +508,46 @@ def test_hf_periodic_check_leaves_the_update_bit_identical(tmp_path, monkeypatch
     assert params[0].keys() == params[1].keys()
     for name, value in params[0].items():
         assert torch.equal(value, params[1][name]), name
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        # off: no collective at all
+        (dict(check_batch_independence=False), []),
+        # first step only: the step's three agreements (passes, errors, what is pending), then none
+        (dict(), [(0, 0, "bits"), (0, 0, "error"), (0, 0, "run"), (0, 0, "error"), (0, 0, "pending")]),
+        # every 2 steps: the same on steps 0 and 2, nothing in between
+        (
+            dict(check_every=2),
+            [(s, 0, what) for s in (0, 2) for what in ("bits", "error", "run", "error", "pending")],
+        ),
+    ],
+    ids=["off", "first-step", "every-2"],
+)
+def test_lockstep_agreements_stop_once_no_rank_has_a_check_pending(options, expected):
+    """On a sharded model the checks run in lockstep over the ranks (here one rank: the agreement is the identity);
+    the small all-reduces run only while a check may be pending somewhere, not on every micro-batch of the run."""
+    model = nn.Linear(6, 1)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    steps = _Steps()
+    check = options.pop("check_batch_independence", True)
+    guard = TrainingGuard(model, clipper.output_targets, check_batch_independence=check, step=steps, **options)
+    calls: list[tuple[int, int, str]] = []
+    where = {"micro": 0, "names": iter(())}
+
+    def lockstep(values: list[int]) -> list[int]:
+        calls.append((steps.count, where["micro"], next(where["names"])))
+        return values
+
+    guard.lockstep = lockstep
+    for step in range(4):
+        steps.count = step
+        for micro in range(2):
+            where.update(micro=micro, names=iter(("bits", "error", "run", "error", "pending")))
+            batch = torch.randn(4, 6)
+            loss = model(guard.before_forward(batch, 4)).squeeze(-1)
+            guard.after_forward(loss)
+            guard.leave_half_out(lambda b: model(b).squeeze(-1), batch, 4, model)
+            clipper._hooks.clear()
+    assert calls == expected
