@@ -1,4 +1,5 @@
-"""DPTrainer on 2 CPU processes over gloo, launched by ``accelerate launch --multi_gpu --num_processes 2``.
+"""DPTrainer on 2 CPU processes over gloo, launched by ``accelerate launch --config_file
+configs/accelerate/ddp_2_processes.yaml``.
 
 ``hf_ddp_script.py`` trains a tiny GPT-2 on each rank (ranks other than 0 start from perturbed parameters). Checked:
 (a) parameters bit-identical across ranks after 3 steps and changed from rank 0's start, the model never wrapped;
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hf_helpers import TokenDataset, make_trainer, tiny_gpt2
 
 WORLD, BATCH, ACCUM, N = 2, 4, 2, 32
@@ -35,9 +37,10 @@ def ranks(tmp_path_factory) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
-    launch += ["--num_processes", str(WORLD), "--num_machines", "1", "--mixed_precision", "no"]
-    launch += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    config = root / "configs" / "accelerate" / "ddp_2_processes.yaml"  # the file users launch with
+    assert yaml.safe_load(config.read_text())["num_processes"] == WORLD
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
+    launch += ["--main_process_port", str(_free_port())]
     script = [str(Path(__file__).with_name("hf_ddp_script.py")), str(out)]
     done = subprocess.run([*launch, *script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
