@@ -131,6 +131,8 @@ class EngineCheckpoint:
             self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]
         self.randomness.restart(self.accountant.steps)
+        if self.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
+            self.distributed.synchronize_randomness(self.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
 
     def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:

@@ -206,13 +206,26 @@ class EngineSteps:
 
         Raises:
             UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.checks`).
+            ValueError: on an FSDP2-sharded model, a batch whose size cannot be read, or a step that returns
+                ``None`` (every rank must run every step).
         """
         replay = replay or compute_loss
+        if batch_size is None and self.every_rank_runs_every_step:
+            raise ValueError(
+                "the batch size cannot be read from the training batch, which an FSDP2-sharded model needs (a rank "
+                "with an empty batch must run the step on a stand-in batch, or the other ranks would wait for it): "
+                "return tensors with the examples along their first dimension from the training loader"
+            )
         guarded = self.guard.before_forward(batch, batch_size)
         if self.momentum.enabled:
             self.add_past_iterates(lambda: replay(guarded))
         loss = compute_loss(guarded)
         if loss is None:
+            if self.every_rank_runs_every_step:
+                raise ValueError(
+                    "training_step returned None on an FSDP2-sharded model: every rank must run every step's "
+                    "backward (the others would wait for this rank in the collectives); return the per-sample loss"
+                )
             self.clipper.discard_past_iterates()
             return None
         if not isinstance(loss, torch.Tensor):

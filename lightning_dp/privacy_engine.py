@@ -191,6 +191,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
             handle.remove()
         self._momentum_hooks = []
         self.guard = None
+        self.distributed = None  # the run is over: a later restore must not reach for its process group
 
     def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None]) -> None:
         """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms

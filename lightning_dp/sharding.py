@@ -65,7 +65,9 @@ def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:
 def shard_key(tensor: DTensor) -> tuple[int, ...]:
     """Which shard of ``tensor`` this rank holds, as integers naming a noise stream: the mesh's shape, then
     ``(mesh dimension, coordinate)`` for each sharded dimension (ranks holding replicas of a shard get the same key;
-    tensors sharded along different mesh dimensions, or on meshes of other shapes, get different ones)."""
+    tensors sharded along different mesh dimensions, or on meshes of other shapes, get different ones). Two meshes of
+    one shape over the ranks in different orders would give one key to different shards: the model's sharded
+    parameters must live on one mesh (as with ``fully_shard`` on one ``init_device_mesh``)."""
     mesh = tensor.device_mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:

@@ -164,6 +164,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         result["stand-in norms"] = engine.clip(loss, stand_in=stand_in)
         optimizer.step()
         result["stand-in params"] = {name: p.full_tensor() for name, p in model.named_parameters()}
+        # a restore after the run started (Lightning's ModelParallelStrategy restores after set-up) shares rank 0's
+        # fresh seed again: unseeded, each rank's restart draws its own entropy
+        engine = PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=1.0, check_batch_independence=False)
+        engine.start_run(model, context)
+        engine.training_loader(DataLoader(TensorDataset(_tokens(5)), batch_size=4), batch_size=4, micro_batches=1)
+        (optimizer,) = engine.start_training([torch.optim.SGD(model.parameters(), lr=2.0)], total_steps=2)
+        engine.clip(engine.per_sample_loss(_tokens(1)[rank::world], 4, functools.partial(_loss, model), module=model))
+        optimizer.step()
+        engine.load_state_dict(engine.state_dict())
+        result["restored seed"] = engine.randomness.base_seed
+        engine.detach()
         # noise on a sharded weight with a zero clipped sum
         for name, params in NOISE.items():
             layer = nn.Linear(NOISE_COLS, NOISE_ROWS, bias=False).double()
@@ -317,6 +328,10 @@ def test_a_rank_with_an_empty_batch_joins_the_step_and_adds_nothing(ranks):
     for result in ranks:
         for name, p in model.named_parameters():
             torch.testing.assert_close(result["stand-in params"][name], p.detach(), rtol=1e-6, atol=1e-10)
+
+
+def test_a_restore_after_the_run_started_shares_the_seed_again(ranks):
+    assert ranks[0]["restored seed"] == ranks[1]["restored seed"]
 
 
 def test_each_rank_holds_about_half_of_the_parameters(ranks):

@@ -4,8 +4,8 @@
 LightningModule shards in ``configure_model`` with ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``,
 with the guarantee of one process at the global sample rate (docs/design.md sections 8 and 8.1): each rank
 Poisson-samples its shard of the data at the global rate q, the clipper sums the clipped per-sample gradients over
-the ranks into each rank's parameter shard (one reduce-scatter per parameter), each shard gets the noise once from
-its own stream, and the optimizer steps on the shards. The DP hooks are those of
+the ranks into each rank's parameter shard (one reduce-scatter per parameter and micro-batch), each shard gets the
+noise once from its own stream, and the optimizer steps on the shards. The DP hooks are those of
 :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`; the engine does the sharded parts
 (:mod:`lightning_dp.sharding`). Everything else of Lightning's ``ModelParallelStrategy`` is kept: the launcher,
 process group, device mesh, sharded (DCP) or full checkpoints.
@@ -45,7 +45,8 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     ``seed_everything``). The sharded parameters are one tensor across the ranks (each coordinate is held by one
     rank, so there is nothing to compare), and the parameters and buffers that are not sharded are copied from
     rank 0 at setup (as ``DPDDPStrategy`` does); a ``DTensor`` cannot be broadcast, so a sharded model whose ranks
-    were initialised differently trains, consistently, on a mixture of the ranks' initial shards.
+    were initialised differently trains, consistently, on a mixture of the ranks' initial shards (under HSDP, where
+    ranks hold replicas, such replicas would start, and stay, different).
 
     Only data parallelism: ``tensor_parallel_size`` must be 1 (DP over tensor-parallel layers is not supported:
     the per-sample terms of a layer would be split across ranks), and ``data_parallel_size`` defaults to the number
@@ -53,7 +54,8 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
 
     Not on sharded models yet, refused at construction: per-sample momentum (``momentum_length > 1``) and
     ``bookkeeping=False`` (see docs/design.md section 8.1). The run-time checks run as on one process; the
-    first-step batch-independence checks, whose extra passes gather weights, run in lockstep over the ranks (a rank
+    batch-independence checks (first step, and every N steps with ``check_batch_independence_every``), whose extra
+    passes gather weights, run in lockstep over the ranks (a rank
     with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
 
     By name: ``Trainer(strategy="dp_fsdp", devices=2)`` is ``DPModelParallelStrategy(target_epsilon=3.0)`` with the
