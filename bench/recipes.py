@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from docs_tables import replace_between_markers
+from records import replace_between_markers
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

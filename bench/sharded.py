@@ -53,8 +53,6 @@ import datetime
 import json
 import logging
 import os
-import platform
-import shlex
 import socket
 import statistics
 import sys
@@ -67,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from docs_tables import replace_between_markers
+from records import add_record_options, environment, finish, render_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "sharded"
@@ -578,22 +576,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def render() -> None:
     """Re-render docs/performance.md's sharded section from the JSON records in docs/bench/sharded/."""
-    records = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RECORDS.glob("*.json"))]
-    text = "\n\n".join(markdown(record) for record in records) or "(no run recorded yet)"
-    replace_between_markers(ROOT / "docs" / "performance.md", text, START, END)
-
-
-def environment(device: str) -> dict[str, Any]:
-    """What the numbers depend on: torch, the device, the load average (before the run; ``load_after`` later)."""
-    device_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name()
-    return {"torch": torch.__version__, "device_name": device_name, "load_before": os.getloadavg()[0]}
+    render_records(RECORDS, markdown, ROOT / "docs" / "performance.md", START, END)
 
 
 def main() -> None:
@@ -611,10 +594,7 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant memory runs")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a launch's processes are killed")
     parser.add_argument("--collective-timeout", type=float, default=300.0, help="seconds a collective may wait")
-    parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")
-    parser.add_argument("--record", metavar="NAME", help="also write the record to docs/bench/sharded/NAME.json "
-                        "and re-render docs/performance.md from all records")  # fmt: skip
-    parser.add_argument("--render", action="store_true", help="only re-render docs/performance.md from the records")
+    add_record_options(parser, RECORDS.relative_to(ROOT))
     args = parser.parse_args()
     if args.render:
         render()
@@ -622,18 +602,7 @@ def main() -> None:
     args.variants = [PLAIN] + [v for v in dict.fromkeys(args.variants) if v != PLAIN]
     env = environment(args.device)
     out = run(args)
-    env["load_after"] = os.getloadavg()[0]
-    argv = [a for a in sys.argv[1:] if a != "--json"]
-    if args.record:  # the command as it reproduces the numbers, without the bookkeeping flag
-        at = argv.index("--record") if "--record" in argv else None
-        argv = argv[:at] + argv[at + 2 :] if at is not None else [a for a in argv if not a.startswith("--record=")]
-    command = shlex.join(["python", "bench/sharded.py", *argv])
-    record = {"command": command, "args": vars(args), "environment": env, **out}
-    if args.record:
-        RECORDS.mkdir(parents=True, exist_ok=True)
-        (RECORDS / f"{args.record}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
-        render()
-    print(json.dumps(record) if args.json else "\n".join(report_lines(record)))
+    finish(args, out, env, script="bench/sharded.py", records=RECORDS, render=render, report_lines=report_lines)
 
 
 if __name__ == "__main__":

@@ -47,13 +47,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import logging
-import os
-import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -63,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from docs_tables import replace_between_markers
+from records import add_record_options, environment, finish, render_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "users_paths"
@@ -546,22 +541,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def render() -> None:
     """Re-render docs/performance.md's users'-path section from the JSON records in docs/bench/users_paths/."""
-    records = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RECORDS.glob("*.json"))]
-    text = "\n\n".join(markdown(record) for record in records) or "(no run recorded yet)"
-    replace_between_markers(ROOT / "docs" / "performance.md", text, START, END)
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers depend on: torch, the device, the load average (before the run; ``load_after`` later)."""
-    device_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name()
-    return {"torch": torch.__version__, "device_name": device_name, "load_before": os.getloadavg()[0]}
+    render_records(RECORDS, markdown, ROOT / "docs" / "performance.md", START, END)
 
 
 def main() -> None:
@@ -578,10 +558,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the breakdown of the DP step")
-    parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")
-    parser.add_argument("--record", metavar="NAME", help="also write the record to docs/bench/users_paths/NAME.json "
-                        "and re-render docs/performance.md from all records")  # fmt: skip
-    parser.add_argument("--render", action="store_true", help="only re-render docs/performance.md from the records")
+    add_record_options(parser, RECORDS.relative_to(ROOT))
     args = parser.parse_args()
     if args.render:
         render()
@@ -590,24 +567,9 @@ def main() -> None:
     args.batch_size = 128 if args.model == "digits" else (args.batch_size or 8)
     torch.set_num_threads(args.threads)
     quiet()
-    env = environment()
+    env = environment(args.device)
     out = run(args)
-    env["load_after"] = os.getloadavg()[0]
-    argv = [a for a in sys.argv[1:] if a != "--json"]
-    if args.record:  # the command as it reproduces the numbers, without the bookkeeping flag
-        at = argv.index("--record") if "--record" in argv else None
-        argv = argv[:at] + argv[at + 2 :] if at is not None else [a for a in argv if not a.startswith("--record=")]
-    record = {
-        "command": shlex.join(["python", "bench/users_paths.py", *argv]),
-        "args": vars(args),
-        "environment": env,
-        **out,
-    }
-    if args.record:
-        RECORDS.mkdir(parents=True, exist_ok=True)
-        (RECORDS / f"{args.record}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
-        render()
-    print(json.dumps(record) if args.json else "\n".join(report_lines(record)))
+    finish(args, out, env, script="bench/users_paths.py", records=RECORDS, render=render, report_lines=report_lines)
 
 
 if __name__ == "__main__":

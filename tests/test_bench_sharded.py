@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
+from bench_helpers import load_bench, render_into_scratch_page
 
-ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
-
-
-def load_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as python bench/sharded.py
-    spec = importlib.util.spec_from_file_location("bench_sharded", ROOT / "bench" / "sharded.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 def record() -> dict:
@@ -50,7 +39,7 @@ def record() -> dict:
 
 
 def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
-    text = load_bench(monkeypatch).markdown(record())
+    text = load_bench(monkeypatch, "sharded").markdown(record())
     assert "**T=128, B=4 per rank x 2 ranks** (Some CPU, torch 2.13.0+cpu, 1 intra-op thread," in text
     assert "python bench/sharded.py --variants ours-mixed opacus-fsdp-ghost" in text
     assert "| variant | steps | cpu s / step | x fsdp-plain | state MiB / rank |" in text
@@ -60,23 +49,15 @@ def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
 
 
 def test_the_plain_text_report_has_one_line_per_variant(monkeypatch):
-    lines = load_bench(monkeypatch).report_lines(record())
+    lines = load_bench(monkeypatch, "sharded").report_lines(record())
     expected = "fsdp-plain 5 0.800 1.600 1.00 100.0 1.00 400.0 1.00 1000.0 1.00"
     assert lines[2].split() == expected.split()
     assert lines[4] == f"{'opacus-fsdp-ghost':<18} NotImplementedError: something Opacus refuses"
 
 
 def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
-    bench = load_bench(monkeypatch)
-    (tmp_path / "docs" / "bench" / "sharded").mkdir(parents=True)
-    (tmp_path / "docs" / "bench" / "sharded" / "a.json").write_text(json.dumps(record()))
-    page = tmp_path / "docs" / "performance.md"
-    page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    monkeypatch.setattr(bench, "RECORDS", tmp_path / "docs" / "bench" / "sharded")
-    bench.render()
-    text = page.read_text()
-    assert text.startswith(f"intro\n{bench.START}\n**T=128, B=4 per rank x 2 ranks**") and text.endswith(
-        f"{bench.END}\nend\n"
-    )
+    bench = load_bench(monkeypatch, "sharded")
+    text = render_into_scratch_page(bench, monkeypatch, tmp_path, record())
+    assert text.startswith(f"intro\n{bench.START}\n**T=128, B=4 per rank x 2 ranks**")
+    assert text.endswith(f"{bench.END}\nend\n")
     assert "old" not in text

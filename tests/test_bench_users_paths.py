@@ -2,19 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as python bench/users_paths.py
-    spec = importlib.util.spec_from_file_location("bench_users_paths", ROOT / "bench" / "users_paths.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+from bench_helpers import load_bench, render_into_scratch_page
 
 
 def record() -> dict:
@@ -44,7 +32,7 @@ def record() -> dict:
 
 
 def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
-    text = load_bench(monkeypatch).markdown(record())
+    text = load_bench(monkeypatch, "users_paths").markdown(record())
     assert "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed" in text
     assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 |" in text
     assert "| clip (backward) | 1000 (60.6%) |" in text
@@ -52,14 +40,7 @@ def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
 
 
 def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
-    bench = load_bench(monkeypatch)
-    (tmp_path / "docs" / "bench" / "users_paths").mkdir(parents=True)
-    (tmp_path / "docs" / "bench" / "users_paths" / "a.json").write_text(json.dumps(record()))
-    page = tmp_path / "docs" / "performance.md"
-    page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
-    monkeypatch.setattr(bench, "RECORDS", tmp_path / "docs" / "bench" / "users_paths")
-    bench.render()
-    text = page.read_text()
+    bench = load_bench(monkeypatch, "users_paths")
+    text = render_into_scratch_page(bench, monkeypatch, tmp_path, record())
     assert text.startswith(f"intro\n{bench.START}\n**gpt2, T=128, B=8**") and text.endswith(f"{bench.END}\nend\n")
     assert "old" not in text

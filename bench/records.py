@@ -1,0 +1,84 @@
+"""What the bench scripts share: recording a run as JSON and rendering the records into the docs between marker
+lines (``--record NAME`` / ``--render``), and the environment a record states."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def replace_between_markers(path: Path, text: str, start: str, end: str) -> None:
+    """Put ``text`` between the marker lines ``start`` and ``end`` of ``path``, keeping the rest of the file.
+
+    Raises:
+        ValueError: the file lacks one of the markers.
+    """
+    content = path.read_text(encoding="utf-8")
+    if start not in content or end not in content:
+        raise ValueError(f"{path} lacks the lines {start} and {end}")
+    before, rest = content.split(start, 1)
+    _, after = rest.split(end, 1)
+    path.write_text(f"{before}{start}\n{text}\n{end}{after}", encoding="utf-8")
+
+
+def render_records(records: Path, markdown: Callable[[dict[str, Any]], str], page: Path, start: str, end: str) -> None:
+    """Render every JSON record in ``records`` (in file-name order) with ``markdown`` between the markers of
+    ``page``."""
+    rendered = [markdown(json.loads(path.read_text(encoding="utf-8"))) for path in sorted(records.glob("*.json"))]
+    replace_between_markers(page, "\n\n".join(rendered) or "(no run recorded yet)", start, end)
+
+
+def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
+    """``--json``, ``--record NAME`` (write ``records/NAME.json`` and re-render the docs) and ``--render``."""
+    parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")
+    parser.add_argument("--record", metavar="NAME", help=f"also write the record to {records}/NAME.json and "
+                        "re-render the docs from all records")  # fmt: skip
+    parser.add_argument("--render", action="store_true", help="only re-render the docs from the records")
+
+
+def environment(device: str) -> dict[str, Any]:
+    """What the numbers depend on: torch, the device's name, the load average (before the run; the caller adds
+    ``load_after``)."""
+    device_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name()
+    return {"torch": torch.__version__, "device_name": device_name, "load_before": os.getloadavg()[0]}
+
+
+def finish(
+    args: argparse.Namespace,
+    out: dict[str, Any],
+    env: dict[str, Any],
+    *,
+    script: str,
+    records: Path,
+    render: Callable[[], None],
+    report_lines: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """Complete the record of a run (the command that reproduces it, without ``--json`` and ``--record NAME``; the
+    arguments; the environment, with ``load_after``), write it with ``--record`` and re-render, then print it."""
+    env["load_after"] = os.getloadavg()[0]
+    argv = [a for a in sys.argv[1:] if a != "--json"]
+    if args.record:
+        at = argv.index("--record") if "--record" in argv else None
+        argv = argv[:at] + argv[at + 2 :] if at is not None else [a for a in argv if not a.startswith("--record=")]
+    record = {"command": shlex.join(["python", script, *argv]), "args": vars(args), "environment": env, **out}
+    if args.record:
+        records.mkdir(parents=True, exist_ok=True)
+        (records / f"{args.record}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")
+        render()
+    print(json.dumps(record) if args.json else "\n".join(report_lines(record)))
