@@ -206,6 +206,9 @@ def test_bert_classifier_trains_with_ghost_clipping_and_calibrated_epsilon(tmp_p
     assert engine.mechanism.noise_multiplier > 0
     assert 0.9 * 2.0 < engine.epsilon() <= 2.0 + 1e-6
     assert trainer.state.log_history[-1]["epsilon"] == pytest.approx(engine.epsilon())
+    assert trainer.get_epsilon() == engine.accountant.get_epsilon(1e-3)  # the call users make (Opacus's name)
+    assert trainer.get_epsilon(1e-5) == engine.accountant.get_epsilon(1e-5) > trainer.get_epsilon()
+    assert trainer.privacy_summary() == engine.summary() and trainer.privacy_summary()["steps"] == 12
     assert all(math.isfinite(row["loss"]) for row in trainer.state.log_history if "loss" in row)
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
 

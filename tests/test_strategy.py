@@ -76,9 +76,22 @@ def test_epsilon_logged_each_epoch_and_summary(tmp_path):
     assert callback.summary["steps"] == 3 * math.ceil(64 / 8)
     assert callback.summary["sample_rate"] == pytest.approx(8 / 64)
     assert callback.summary["noise_multiplier"] == 1.0 and callback.summary["accountant"] == "pld"
+    # the calls users make on the strategy (Opacus's name), the same numbers as the accountant's
+    accountant = strategy.privacy_engine.accountant
+    delta = strategy.privacy_engine.target_delta
+    assert strategy.get_epsilon() == accountant.get_epsilon(delta) == callback.summary["epsilon"]
+    assert strategy.get_epsilon(delta / 10) == accountant.get_epsilon(delta / 10) > strategy.get_epsilon()
+    assert strategy.privacy_summary() == callback.summary
     logger.save()
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "epsilon" in metrics and "dp/epsilon" in metrics
+
+
+def test_privacy_summary_before_training_says_there_is_none_yet():
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0)
+    assert strategy.get_epsilon() == 0.0
+    with pytest.raises(RuntimeError, match="once training has started"):
+        strategy.privacy_summary()
 
 
 def test_hooks_detached_and_state_dict_unchanged_after_fit():

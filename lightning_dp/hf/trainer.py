@@ -66,6 +66,7 @@ from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
+from lightning_dp.privacy_queries import PrivacyQueries
 from lightning_dp.sharding import uses_fsdp
 
 log = logging.getLogger("lightning_dp")
@@ -74,7 +75,7 @@ log = logging.getLogger("lightning_dp")
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
 
 
-class DPTrainer(Trainer):
+class DPTrainer(PrivacyQueries, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
     Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq

@@ -31,6 +31,7 @@ from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.privacy_queries import PrivacyQueries
 
 log = logging.getLogger("lightning_dp")
 
@@ -59,7 +60,7 @@ def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
         del module.log, module.log_dict
 
 
-class DPStrategyMixin:
+class DPStrategyMixin(PrivacyQueries):
     """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
     accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
