@@ -122,10 +122,13 @@ class DistributedContext:
         randomness.share(self.broadcast_int(randomness.base_seed), rank=self.rank)
 
     def broadcast_module(self, module: nn.Module) -> None:
-        """Copy rank 0's parameters and buffers into ``module`` on every rank (the ranks start identical)."""
+        """Copy rank 0's parameters and buffers into ``module`` on every rank (the ranks start identical). Sharded
+        ones (FSDP2 ``DTensor``) are left as they are: they are one tensor across the ranks and cannot be
+        broadcast."""
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=self._global_rank_zero(), group=self.group)
+                if not is_sharded(tensor):
+                    dist.broadcast(tensor.data, src=self._global_rank_zero(), group=self.group)
 
     def check_identical(self, what: str, value: Any) -> None:
         """Raise ``RuntimeError`` unless every rank passes an equal ``value`` (a picklable object).

@@ -101,6 +101,19 @@ def _subtract_batch_mean(module: nn.Module, args: tuple, output: torch.Tensor | 
     return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
 
 
+def _dp_optimizer(optimizer, mechanism, expected_batch_size: float, *, seed: int, context=None) -> DPOptimizer:
+    """``optimizer`` privatised from a seeded stream; with ``context`` (several processes), rank 0's seed and the
+    ranks' collectives."""
+    randomness = DPRandomness(seed)
+    collectives = {}
+    if context is not None:
+        context.synchronize_randomness(randomness)
+        collectives = {"reduce_clipped_sum": context.reduce_clipped_sum, "any_rank": context.any_rank}
+    return DPOptimizer(
+        optimizer, mechanism=mechanism, expected_batch_size=expected_batch_size, randomness=randomness, **collectives
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,15 +147,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         _loss(model, _tokens(9)[rank::world])
         engine = _engine("mixed")
         clipper = engine.attach(model)
-        randomness = DPRandomness(3)
-        context.synchronize_randomness(randomness)
-        optimizer = DPOptimizer(
+        optimizer = _dp_optimizer(
             torch.optim.SGD(model.parameters(), lr=2.0, momentum=0.5),
-            mechanism=make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=0.0),
-            expected_batch_size=EXAMPLES,
-            randomness=randomness,
-            reduce_clipped_sum=context.reduce_clipped_sum,
-            any_rank=context.any_rank,
+            make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=0.0),
+            EXAMPLES,
+            seed=3,
+            context=context,
         )
         for step in range(3):
             optimizer.zero_grad()
@@ -182,15 +192,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
             fully_shard(layer, mesh=mesh)
             layer.weight.grad = torch.zeros_like(layer.weight)
-            randomness = DPRandomness(7)
-            context.synchronize_randomness(randomness)
-            DPOptimizer(
+            _dp_optimizer(
                 torch.optim.SGD(layer.parameters(), lr=1.0),
-                mechanism=make_mechanism(name, max_grad_norm=CLIP, **params),
-                expected_batch_size=1.0,
-                randomness=randomness,
-                reduce_clipped_sum=context.reduce_clipped_sum,
-                any_rank=context.any_rank,
+                make_mechanism(name, max_grad_norm=CLIP, **params),
+                1.0,
+                seed=7,
+                context=context,
             ).privatise()
             result[("noise", name)] = layer.weight.grad.full_tensor()
             result[("local noise", name)] = layer.weight.grad.to_local().clone()
@@ -216,15 +223,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         hsdp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         model = _shard(_tiny_llama(), hsdp_mesh)
         clipper = _engine("ghost").attach(model)
-        randomness = DPRandomness(4)
-        context.synchronize_randomness(randomness)
-        optimizer = DPOptimizer(
+        optimizer = _dp_optimizer(
             torch.optim.SGD(model.parameters(), lr=2.0),
-            mechanism=make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=1.0),
-            expected_batch_size=EXAMPLES,
-            randomness=randomness,
-            reduce_clipped_sum=context.reduce_clipped_sum,
-            any_rank=context.any_rank,
+            make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=1.0),
+            EXAMPLES,
+            seed=4,
+            context=context,
         )
         clipper.backward(_loss(model, _tokens(0)[rank::world]))
         optimizer.privatise()
@@ -298,11 +302,11 @@ def test_norms_on_each_rank_equal_the_single_process_oracle(ranks, clipping, lor
 def test_zero_noise_update_equals_single_process_training_on_the_union(ranks):
     model = _tiny_llama()
     clipper = _engine("mixed").attach(model)
-    optimizer = DPOptimizer(
+    optimizer = _dp_optimizer(
         torch.optim.SGD(model.parameters(), lr=2.0, momentum=0.5),
-        mechanism=make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=0.0),
-        expected_batch_size=EXAMPLES,
-        randomness=DPRandomness(3),
+        make_mechanism("gaussian", max_grad_norm=CLIP, noise_multiplier=0.0),
+        EXAMPLES,
+        seed=3,
     )
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     for step in range(3):

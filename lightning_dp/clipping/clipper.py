@@ -174,7 +174,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             raise
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
-        self._trainable_ids = frozenset(id(p) for p in self._params)
         self._all_names = frozenset(
             name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
         )

@@ -14,11 +14,8 @@ process group, device mesh, sharded (DCP) or full checkpoints.
 from __future__ import annotations
 
 import inspect
-import logging
 from typing import Any, Literal
 
-import torch
-import torch.distributed as dist
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -26,9 +23,6 @@ from lightning_dp.config import option_parameters
 from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
-from lightning_dp.sharding import is_sharded
-
-log = logging.getLogger("lightning_dp")
 
 
 class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
@@ -146,13 +140,10 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         ``DPDDPStrategy``'s, which needs identical copies. Sharded ones (``DTensor``) are one tensor across the
         ranks already and cannot be broadcast."""
         super().model_to_device()
-        if distributed_context() is None:
-            return
-        assert self.model is not None
-        with torch.no_grad():
-            for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                if not is_sharded(tensor):
-                    dist.broadcast(tensor.data, src=0)
+        context = distributed_context()
+        if context is not None:
+            assert self.model is not None
+            context.broadcast_module(self.model)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The wrapped optimizer's state, as ``ModelParallelStrategy`` collects it. Collected from the user's
