@@ -1,4 +1,8 @@
-"""``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline."""
+"""``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline.
+
+Lightning and the digits task are imported by :func:`run_demo`, so ``lightning-dp demo --help`` and a bad option
+answer without loading them.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +11,10 @@ import json
 import time
 from typing import Any
 
-import lightning.pytorch as pl
-
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
 from lightning_dp.clipping import ENGINES
-from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
-from lightning_dp.lightning.callbacks import EpochTable
 from lightning_dp.mechanisms import MECHANISMS
-from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 
 def run_demo(
@@ -37,6 +36,12 @@ def run_demo(
     Returns:
         ``{"test_acc", "epsilon", "delta", "seconds", "epochs": [per-epoch rows], "privacy": summary}``.
     """
+    import lightning.pytorch as pl
+
+    from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
+    from lightning_dp.lightning.callbacks import EpochTable
+    from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
+
     pl.seed_everything(seed, verbose=False)
     data = DigitsDataModule(batch_size=batch_size)
     model = DigitsCNN(lr=lr)

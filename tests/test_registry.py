@@ -34,14 +34,31 @@ NAMES = {
 }
 
 
-def test_importing_lightning_dp_registers_the_names():
+#: Lightning imported before ``lightning_dp``, and after it (``import lightning_dp`` does not import Lightning: the
+#: names are registered when Lightning comes), also after an availability check that finds Lightning without loading
+#: it.
+IMPORT_ORDERS = {
+    "lightning first": "from lightning.pytorch.strategies import StrategyRegistry as R\nassert 'dp' not in R\n"
+    "import lightning_dp",
+    "lightning_dp first": "import lightning_dp, sys\nassert 'lightning' not in sys.modules\n"
+    "from lightning.pytorch.strategies import StrategyRegistry as R",
+    "lightning_dp first, lightning looked up before": "import importlib.util, lightning_dp, sys\n"
+    "assert importlib.util.find_spec('lightning') and 'lightning' not in sys.modules\n"
+    "from lightning.pytorch.strategies import StrategyRegistry as R",
+}
+
+
+@pytest.mark.parametrize("order", IMPORT_ORDERS)
+def test_importing_lightning_dp_registers_the_names(order):
     code = (
-        "from lightning.pytorch.strategies import StrategyRegistry as R; assert 'dp' not in R; import lightning_dp; "
-        "print(sorted(n for n, e in R.items() if e['strategy'].__module__.startswith('lightning_dp')))"
+        f"{IMPORT_ORDERS[order]}\nimport lightning as L\n"
+        "print(sorted(n for n, e in R.items() if e['strategy'].__module__.startswith('lightning_dp')))\n"
+        "print(type(L.Trainer(strategy='dp', accelerator='cpu', logger=False).strategy).__name__)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split("\n")[0] == str(sorted(NAMES))
+    lines = done.stdout.splitlines()
+    assert lines[0] == str(sorted(NAMES)) and lines[-1] == "DPStrategy"
     assert REGISTERED_EPSILONS == (3.0, 8.0) and DEFAULT_EPSILON == 3.0
     for name, (strategy, init_params) in NAMES.items():
         assert StrategyRegistry[name]["strategy"] is strategy and StrategyRegistry[name]["init_params"] == init_params

@@ -33,6 +33,7 @@ choice. The bound used here does not depend on ``d`` at all.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -42,8 +43,12 @@ from scipy import optimize, special
 Estimator = Literal["hutch", "hutchpp"]
 ESTIMATORS: tuple[str, ...] = ("hutch", "hutchpp")
 
-#: Gauss-Legendre nodes for :func:`two_point_cdf` (integration in probability space, smooth integrand).
-_GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(256)
+
+@functools.cache
+def _gauss_legendre() -> tuple[np.ndarray, np.ndarray]:
+    """Nodes and weights of the 256-point Gauss-Legendre rule of :func:`two_point_cdf` (integration in probability
+    space, smooth integrand), computed on first use: about half a second, which an import should not cost."""
+    return np.polynomial.legendre.leggauss(256)
 
 
 def validate_rc(projection_dim: int, norm_dim: int, estimator: str) -> None:
@@ -88,6 +93,7 @@ def two_point_cdf(x: float, k: int, i: int, j: int, lam: np.ndarray | float) -> 
     lam = np.atleast_1d(np.asarray(lam, dtype=float))
     out = np.empty_like(lam)
     a_dof, b_dof = i * k, j * k
+    nodes, weights = _gauss_legendre()
     for n, lm in enumerate(lam):
         if j == 0 or lm >= 1.0:
             out[n] = _chi2_mean_cdf(x, a_dof) if lm > 0 else 1.0
@@ -96,10 +102,10 @@ def two_point_cdf(x: float, k: int, i: int, j: int, lam: np.ndarray | float) -> 
             out[n] = _chi2_mean_cdf(x, b_dof)
             continue
         p_max = float(special.gammainc(a_dof / 2.0, x * a_dof / (2.0 * lm)))
-        p = 0.5 * p_max * (_GL_NODES + 1.0)
+        p = 0.5 * p_max * (nodes + 1.0)
         u = special.gammaincinv(a_dof / 2.0, p) * 2.0 / a_dof  # chi^2(ik)/(ik) at probability p
         rest = (x - lm * u) / (1.0 - lm)
-        out[n] = 0.5 * p_max * float(np.dot(_GL_WEIGHTS, _chi2_mean_cdf(rest, b_dof)))
+        out[n] = 0.5 * p_max * float(np.dot(weights, _chi2_mean_cdf(rest, b_dof)))
     return out
 
 

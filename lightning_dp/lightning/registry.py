@@ -1,7 +1,8 @@
 """The DP strategies in Lightning's ``StrategyRegistry``, so a strategy can be named by a string:
 ``Trainer(strategy="dp")``, ``lightning-dp fit --trainer.strategy dp``.
 
-Importing ``lightning_dp`` registers, for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
+Importing ``lightning_dp`` registers (when Lightning is imported, before or after it:
+:mod:`lightning_dp.import_hooks`), for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
 ``DPModelParallelStrategy`` (``"dp_fsdp"``):
 
 - the base name: the class defaults (``max_grad_norm=1.0``, Gaussian noise, flat clipping, the mechanism's sound

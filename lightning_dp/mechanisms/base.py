@@ -3,18 +3,24 @@
 A mechanism adds noise ONCE per optimizer step to the SUM of clipped per-sample gradients (docs/design.md section 3.4),
 knows the norm its sensitivity is measured in (``clip_norm``: 2 or 1), emits the privacy event of one step
 for its accountant, and states its expected per-coordinate distortion ``E|z|``.
+
+The mechanism classes import torch only where they draw noise (:mod:`~lightning_dp.mechanisms.sampling` and
+:mod:`~lightning_dp.mechanisms.secure`), so the registry, calibration and accounting load without it (``lightning-dp
+epsilon`` and ``calibrate`` never import torch).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult, calibrate_parameter
 from lightning_dp.naming import unknown_name
+
+if TYPE_CHECKING:
+    import torch
 
 MECHANISMS: dict[str, type[NoiseMechanism]] = {}
 
@@ -58,6 +64,19 @@ def secure_mechanisms() -> tuple[str, ...]:
 def secure_mode_unsupported(name: str) -> str:
     """The error message for ``secure_mode`` with a mechanism that has no hardened sampler."""
     return f"secure_mode=True has samplers for noise in {secure_mechanisms()}, not {name!r}"
+
+
+def check_positive(name: str, value: float, hint: str = "") -> float:
+    """Return ``float(value)`` or raise ``ValueError`` unless it is positive and finite.
+
+    Args:
+        name: the parameter name, used in the message.
+        value: the value to check.
+        hint: an extra sentence telling the user how to pick a valid value.
+    """
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value}. {hint}".rstrip())
+    return float(value)
 
 
 def validate_max_grad_norm(max_grad_norm: float) -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
-from lightning_dp.mechanisms.secure import secure_gaussian
 from lightning_dp.mechanisms.solver import CalibrationProblem
+
+if TYPE_CHECKING:
+    import torch
 
 #: Smallest Gaussian noise multiplier calibrated with the PLD accountant. The PLD grid of dp-accounting grows as sigma
 #: falls (measured at q = 0.01, T = 1000 on one core: sigma 0.5 -> 3.6 s, 0.3 -> 7 s, 0.1 -> 99 s and 2.3 GB), while
@@ -46,14 +47,14 @@ class GaussianMechanism(NoiseMechanism):
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Drawn in at least float32 and then cast, so 16-bit gradients do not get coarsely quantised noise."""
-        std = self.noise_multiplier * self.max_grad_norm
-        work = torch.float32 if like.dtype in (torch.float16, torch.bfloat16) else like.dtype
-        noise = torch.empty(like.shape, dtype=work, device=like.device)
-        noise = noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
-        return noise.to(like.dtype)
+        from lightning_dp.mechanisms.sampling import sample_gaussian  # torch: imported on use
+
+        return sample_gaussian(like, self.noise_multiplier * self.max_grad_norm, generator)
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Sum of 4 Gaussian draws divided by 2 (:func:`~lightning_dp.mechanisms.secure.secure_gaussian`)."""
+        from lightning_dp.mechanisms.secure import secure_gaussian
+
         return secure_gaussian(like, self.noise_multiplier * self.max_grad_norm, generator)
 
     @classmethod

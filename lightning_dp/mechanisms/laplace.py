@@ -8,14 +8,15 @@ composition over ``T`` steps the run is ``T * eps_step``-DP (literature review 3
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from lightning_dp.accounting.composition import basic_laplace_noise_scale
 from lightning_dp.accounting.events import LaplaceEvent, PoissonSampledEvent
-from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
-from lightning_dp.mechanisms.sampling import check_positive, sample_laplace
-from lightning_dp.mechanisms.secure import secure_laplace
+from lightning_dp.mechanisms.base import NoiseMechanism, check_positive, register_mechanism
 from lightning_dp.mechanisms.solver import CalibrationProblem
+
+if TYPE_CHECKING:
+    import torch
 
 
 class IidLaplaceNoise(NoiseMechanism):
@@ -47,10 +48,14 @@ class IidLaplaceNoise(NoiseMechanism):
         return problem.noise_ratio() * problem.max_grad_norm, 2.0
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        from lightning_dp.mechanisms.sampling import sample_laplace  # torch: imported on use
+
         return sample_laplace(like, self.noise_scale, generator)
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """Four uniforms per sample (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
+        from lightning_dp.mechanisms.secure import secure_laplace
+
         return secure_laplace(like, self.noise_scale, generator)
 
     def expected_abs_noise(self) -> float:

@@ -9,13 +9,14 @@ signal-to-noise objective of the search (Alg. 1) is ``C (k - 1) theta``.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from lightning_dp.accounting.events import PlrvEvent, PoissonSampledEvent
-from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
-from lightning_dp.mechanisms.sampling import check_positive, sample_gamma, sample_laplace
-from lightning_dp.mechanisms.secure import secure_laplace
+from lightning_dp.mechanisms.base import NoiseMechanism, check_positive, register_mechanism
 from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult
+
+if TYPE_CHECKING:
+    import torch
 
 
 @register_mechanism
@@ -75,10 +76,10 @@ class PlrvMechanism(NoiseMechanism):
         return CalibrationResult(found.mechanism(), found.epsilon, p.accountant)
 
     def sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        u = sample_gamma(
-            self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
-        )
-        return sample_laplace(like, u.reciprocal_(), generator)
+        from lightning_dp.mechanisms.sampling import inverse_gamma_scales, sample_laplace  # torch: imported on use
+
+        scales = inverse_gamma_scales(like, self.gamma_shape, self.gamma_scale, generator)
+        return sample_laplace(like, scales, generator)
 
     @classmethod
     def search_clipping(cls, problem: CalibrationProblem) -> CalibrationResult:
@@ -88,10 +89,11 @@ class PlrvMechanism(NoiseMechanism):
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The Gamma inverse scales as in :meth:`sample`, then the hardened Laplace sampler
         (:func:`~lightning_dp.mechanisms.secure.secure_laplace`)."""
-        u = sample_gamma(
-            self.gamma_shape, self.gamma_scale, like.shape, generator, dtype=_gamma_dtype(like), device=like.device
-        )
-        return secure_laplace(like, u.reciprocal_(), generator)
+        from lightning_dp.mechanisms.sampling import inverse_gamma_scales
+        from lightning_dp.mechanisms.secure import secure_laplace
+
+        scales = inverse_gamma_scales(like, self.gamma_shape, self.gamma_scale, generator)
+        return secure_laplace(like, scales, generator)
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, PlrvEvent(k, theta, C, num_params))``."""
@@ -104,8 +106,3 @@ class PlrvMechanism(NoiseMechanism):
 
     def describe(self) -> dict[str, float]:
         return {"gamma_shape": self.gamma_shape, "gamma_scale": self.gamma_scale, "max_grad_norm": self.max_grad_norm}
-
-
-def _gamma_dtype(like: torch.Tensor) -> torch.dtype:
-    """Sample the inverse scales in at least float32: ``1/u`` of a 16-bit ``u`` would be too coarse."""
-    return torch.float32 if like.dtype in (torch.float16, torch.bfloat16) else like.dtype

@@ -1,11 +1,15 @@
-"""Generator-driven samplers for the Laplace family, on the device and dtype of a reference tensor.
+"""Generator-driven noise samplers (Gaussian, Laplace, Gamma), on the device and dtype of a reference tensor.
+
+The torch side of the mechanisms: a mechanism imports this module (and :mod:`~lightning_dp.mechanisms.secure`) in
+``sample`` / ``secure_sample`` only, so the registry and the accounting load without torch.
 
 Every draw comes from the ``torch.Generator`` passed in (never from torch's global RNG), so DP noise is
 reproducible from the DP seed and independent of model/data randomness. The generator must live on the
 tensor's device (``torch.Generator(device=x.device)``).
 
 Half-precision tensors (``float16`` / ``bfloat16``) are sampled in ``float32`` and cast at the end, because
-the logarithms and the Gamma rejection test lose too much precision in 16 bits.
+16-bit gradients should not get coarsely quantised noise, and the logarithms and the Gamma rejection test lose too
+much precision in 16 bits.
 """
 
 from __future__ import annotations
@@ -14,26 +18,22 @@ import math
 
 import torch
 
+from lightning_dp.mechanisms.base import check_positive
+
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def check_positive(name: str, value: float, hint: str = "") -> float:
-    """Return ``float(value)`` or raise ``ValueError`` unless it is positive and finite.
-
-    Args:
-        name: the parameter name, used in the message.
-        value: the value to check.
-        hint: an extra sentence telling the user how to pick a valid value.
-    """
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive finite number, got {value}. {hint}".rstrip())
-    return float(value)
 
 
 def _working_dtype(dtype: torch.dtype) -> torch.dtype:
     if not dtype.is_floating_point:
         raise TypeError(f"noise can only be added to floating-point tensors, got {dtype}")
     return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def sample_gaussian(like: torch.Tensor, std: float, generator: torch.Generator) -> torch.Tensor:
+    """I.i.d. ``N(0, std^2)`` noise shaped like ``like`` (same dtype and device); zeros when ``std`` is 0."""
+    noise = torch.empty(like.shape, dtype=_working_dtype(like.dtype), device=like.device)
+    noise = noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
+    return noise.to(like.dtype)
 
 
 def sample_laplace(like: torch.Tensor, scale: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -115,3 +115,10 @@ def sample_gamma(
         u = 1.0 - torch.empty_like(out).uniform_(generator=generator)  # in (0, 1]: never a zero draw
         out.mul_(torch.exp(torch.log(u) / shape))
     return out.mul_(scale).reshape(size).to(dtype)
+
+
+def inverse_gamma_scales(like: torch.Tensor, shape: float, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """PLRV-O's per-coordinate Laplace scales ``1/u``, ``u ~ Gamma(shape, scale)`` i.i.d., shaped like ``like``, in
+    at least float32 (``1/u`` of a 16-bit ``u`` would be too coarse)."""
+    work = _working_dtype(like.dtype)
+    return sample_gamma(shape, scale, like.shape, generator, dtype=work, device=like.device).reciprocal_()
