@@ -29,11 +29,11 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 #: task -> (script users run, docs configuration, metric of the summary table).
 TASKS = {
-    "glue": ("recipes/glue.py", "configs/glue.yaml", "accuracy"),
-    "e2e_dart": ("recipes/e2e_dart.py", "configs/e2e_dart.yaml", "bleu"),
-    "billsum": ("recipes/billsum.py", "configs/billsum.yaml", "rougeL"),
-    "hotpotqa": ("recipes/hotpotqa.py", "configs/hotpotqa.yaml", "f1"),
-    "cifar": ("recipes/cifar.py", "configs/cifar10.yaml", "accuracy"),
+    "glue": ("recipes/glue.py", "configs/glue_offline.yaml", "accuracy"),
+    "e2e_dart": ("recipes/e2e_dart.py", "configs/e2e_dart_offline.yaml", "bleu"),
+    "billsum": ("recipes/billsum.py", "configs/billsum_offline.yaml", "rougeL"),
+    "hotpotqa": ("recipes/hotpotqa.py", "configs/hotpotqa_offline.yaml", "f1"),
+    "cifar": ("recipes/cifar.py", "configs/cifar10_offline.yaml", "accuracy"),
 }
 NOISE_PARAMETERS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale")
 VARIANTS = ("non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8")
