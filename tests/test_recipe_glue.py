@@ -1,7 +1,7 @@
-"""The GLUE recipe (lightning_dp/recipes/glue.py): the entry point users run on a tiny model, the metric on
-hand-made predictions, the data (local SST-2 and the QNLI split of the test subsets, the Hub path of every task with
-a stand-in ``load_dataset``), early failures on bad input, the Hub config, and (slow) the full local copies and the
-docs configuration."""
+"""The GLUE recipe (lightning_dp/recipes/glue.py): the entry point users run on a tiny model, the same run twice
+with the same seed, the metric on hand-made predictions, the data (local SST-2 and the QNLI split of the test
+subsets, the Hub path of every task with a stand-in ``load_dataset``), early failures on bad input, the Hub config,
+and (slow) the full local copies and the docs configuration."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_env
 from transformers import GPT2Config, RobertaConfig, TrainingArguments, ViTConfig
 
@@ -85,6 +86,37 @@ def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):
     )  # fmt: skip
     assert result["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert math.isfinite(result["privacy"]["epsilon"])
+
+
+def test_same_seed_same_run(tmp_path, monkeypatch):
+    """The same command twice in one process (so the generators' state differs between the two): the recipe seeds
+    them before building the classifier, so the new head starts, trains and scores the same."""
+    models = []
+    load_model = glue.load_model
+
+    def recorded(*args, **kwargs):
+        models.append(load_model(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(glue, "load_model", recorded)
+    torch.manual_seed(12345)  # whatever ran before: the recipe must not depend on it
+    results = []
+    for run_index in range(2):
+        results.append(
+            glue.main(
+                [*LOCAL, "--tiny_model", "true", "--train_size", "32", "--eval_size", "32", "--max_steps", "2",
+                 "--per_device_train_batch_size", "8", "--accountant", "rdp", "--output_dir", str(tmp_path),
+                 "--results_file", str(tmp_path / f"r{run_index}.json")]
+            )
+        )  # fmt: skip
+        torch.rand(7)  # moves the global generator on between the runs
+    assert results[0]["metrics"] == results[1]["metrics"]
+    assert results[0]["privacy"] == results[1]["privacy"]
+    first, second = (dict(model.named_parameters()) for model in models)
+    trained = [name for name, p in first.items() if p.requires_grad]
+    assert trained and all("classifier" in name for name in trained)
+    for name, parameter in first.items():
+        assert torch.equal(parameter, second[name]), name
 
 
 # --- metric --------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The recipes' shared parts: YAML + command-line config, metrics on hand-made inputs, the truncation rule, batched
 decoding, where the local data is (a data root or the dataset's folder, the flag, the variable, one error line),
-the split of single-file copies, length checks, and the rendering of the
+the split of single-file copies, the seeding before models are built, length checks, and the rendering of the
 result tables."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import billsum, e2e_dart, glue, hotpotqa, metrics
+from lightning_dp.recipes import billsum, e2e_dart, generation, glue, hotpotqa, metrics
 from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
 from lightning_dp.recipes.generation import generate_texts
 from lightning_dp.recipes.run import (
@@ -22,6 +22,7 @@ from lightning_dp.recipes.run import (
     RecipeArguments,
     check_max_length,
     local_data_dir,
+    parse_recipe,
     script_main,
     split_in_file_order,
 )
@@ -250,6 +251,22 @@ def test_single_file_copies_split_in_file_order():
     assert split_in_file_order(list(range(2))) == ([0], [1])
     with pytest.raises(ValueError, match="1 row\\(s\\): too few"):
         split_in_file_order([0])
+
+
+def test_recipes_seed_every_generator_before_building_models(tmp_path):
+    """Two parses of the same command build the same LoRA adapters (and tiny model), whatever the generators'
+    state was before: the generation recipes' LoRA initialisation is seeded from ``seed``."""
+    argv = ["--config", str(ROOT / "configs/e2e_dart_offline.yaml"), "--tiny_model", "true", "--lora_layers", "1"]
+    argv += ["--output_dir", str(tmp_path)]
+    models = []
+    for offset in range(2):
+        torch.manual_seed(100 + offset)
+        recipe, _, _ = parse_recipe(e2e_dart.E2EDartArguments, argv)
+        models.append(generation.load_causal_lm_recipe(recipe)[0])
+    first, second = (dict(model.named_parameters()) for model in models)
+    assert any("lora_A" in name for name in first)
+    for name, parameter in first.items():
+        assert torch.equal(parameter, second[name]), name
 
 
 def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""What every recipe shares: its common arguments, where its local data lives, the script's error handling, and
-(HF recipes) the run itself (Trainer or DPTrainer, training, the task's evaluation, one ``results.json``).
+"""What every recipe shares: its common arguments, where its local data lives, the seeding, the script's error
+handling, and (HF recipes) the run itself (Trainer or DPTrainer, training, the task's evaluation, one
+``results.json``).
 
 All the differential privacy comes from :class:`~lightning_dp.hf.DPTrainer` and
 :class:`~lightning_dp.hf.PrivacyArguments` (HF) or :class:`~lightning_dp.DPStrategy` (Lightning); a recipe adds
@@ -28,7 +29,7 @@ from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import PretrainedConfig, Trainer, TrainingArguments
+from transformers import PretrainedConfig, Trainer, TrainingArguments, set_seed
 
 from lightning_dp.cli_args import guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
@@ -222,7 +223,10 @@ def parse_recipe(
     recipe_type: type[RecipeArguments], argv: Sequence[str] | None, description: str | None = None
 ) -> tuple[Any, TrainingArguments, PrivacyArguments]:
     """Parse ``--config FILE.yaml`` and flags into ``(recipe_type, TrainingArguments, PrivacyArguments)``
-    (:func:`~lightning_dp.recipes.config.parse_recipe_args`).
+    (:func:`~lightning_dp.recipes.config.parse_recipe_args`), then seed Python's ``random``, numpy and torch with
+    ``training.seed`` (``transformers.set_seed``) before the recipe builds anything random (a new classifier head,
+    LoRA adapters, a tiny model), so that the same command with the same seed gives the same run (the Trainer seeds
+    again from ``seed`` when it is built, after the model; the DP noise has its own ``dp_seed``).
 
     Raises:
         FileNotFoundError, ValueError, SystemExit: as :func:`~lightning_dp.recipes.config.parse_recipe_args`.
@@ -230,6 +234,7 @@ def parse_recipe(
     recipe, training, privacy = parse_recipe_args(
         (recipe_type, TrainingArguments, PrivacyArguments), argv, description=description
     )
+    set_seed(training.seed)
     return recipe, training, privacy
 
 
