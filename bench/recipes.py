@@ -4,8 +4,10 @@
     python bench/recipes.py --render                        # only re-render the docs from docs/recipes/*/*.json
 
 Each variant runs the recipe's docs configuration unchanged plus the variant's flags, through the same script users
-run (``python recipes/<task>.py --config configs/<config>.yaml ...``), one process after another (each in its own
-process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``.
+run (``python recipes/<task>.py --config configs/<name>_offline.yaml ...``), one process after another (each in its
+own process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``.
+The offline configurations read the full local copies of the data from the data root ``LIGHTNING_DP_DATA`` (set it
+first; docs/recipes.md, "Local data").
 Rendering puts one table per task between the ``<!-- results -->`` markers of ``docs/recipes/<task>.md`` and the
 summary table between those of ``docs/recipes.md``; the tables hold only what the JSON files say.
 """
