@@ -18,7 +18,8 @@ from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_e
 from transformers import GPT2Config, RobertaConfig, TrainingArguments, ViTConfig
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import config, glue, run
+from lightning_dp.recipes import config, glue
+from lightning_dp.tasks.local_data import LocalDataError
 
 SCRIPT = ROOT / "recipes" / "glue.py"
 DOCS_CONFIG = ROOT / "configs" / "glue_offline.yaml"
@@ -231,7 +232,7 @@ def test_tasks_without_a_local_copy_say_to_use_the_hub(task):
 def test_missing_local_data_folder_and_file(tmp_path, monkeypatch):
     monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
     message = "no local data for glue/sst2: .*--data_dir.*LIGHTNING_DP_DATA.*configs/glue_hub.yaml"
-    with pytest.raises(run.LocalDataError, match=message):
+    with pytest.raises(LocalDataError, match=message):
         glue.load_examples(glue.GlueArguments())
     with pytest.raises(FileNotFoundError, match="does not exist.*data_dir"):
         glue.load_examples(glue.GlueArguments(data_dir=str(tmp_path / "absent")))

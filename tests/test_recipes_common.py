@@ -17,15 +17,8 @@ from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import billsum, e2e_dart, generation, glue, hotpotqa, metrics
 from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
 from lightning_dp.recipes.generation import generate_texts
-from lightning_dp.recipes.run import (
-    LocalDataError,
-    RecipeArguments,
-    check_max_length,
-    local_data_dir,
-    parse_recipe,
-    script_main,
-    split_in_file_order,
-)
+from lightning_dp.recipes.run import RecipeArguments, check_max_length, parse_recipe, script_main, split_in_file_order
+from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
 from lightning_dp.tasks.prompt_target import IGNORE_INDEX, PromptTarget, PromptTargetDataset, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]

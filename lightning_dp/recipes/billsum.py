@@ -5,7 +5,7 @@ Task: write the summary of a US Congressional bill. Tasks (``task``):
 
 - ``us`` (default): train on US bills, evaluate on US bills. Hub: ``FiscalNote/billsum`` splits ``train`` (18,949)
   and ``test`` (3,269). Local (``data_source: local``): ``billsum/us_train_sample100.jsonl`` under the data root
-  (``--data_dir`` or ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.recipes.run.local_data_dir`), 100 rows of the
+  (``--data_dir`` or ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`), 100 rows of the
   US train split read in place, split deterministically in file order
   (:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-79 train, rows 80-99 evaluate).
 - ``ca_test`` (Hub only): train on the US train split, evaluate on the 1,237 California bills of ``ca_test`` (the
@@ -78,7 +78,8 @@ def load_examples(recipe: BillSumArguments) -> tuple[list[PromptTarget], list[Pr
     """The training and evaluation examples of ``recipe.task`` (first ``train_size`` / ``eval_size`` of each).
 
     Raises:
-        LocalDataError: the local copy (folder or file) is missing (:class:`~lightning_dp.recipes.run.LocalDataError`).
+        LocalDataError: the local copy (folder or file) is missing
+            (:class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     train, evaluation = split_rows(
         recipe,

@@ -3,7 +3,7 @@
 - Task: 10-class image classification of 32x32 RGB images (CIFAR-10, Krizhevsky 2009).
 - Data: ``data_source: hub`` loads ``uoft-cs/cifar10`` with ``datasets.load_dataset`` (50,000 training, 10,000 test
   images); ``data_source: local`` reads the offline copies in ``cifar10/`` under the data root (``--data_dir`` or
-  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.recipes.run.local_data_dir`) in place
+  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`) in place
   (``cifar10_train_5k_subset_from_jpg.npz``: 500 training images per class; ``cifar10_test_10k_from_jpg.npz``: the
   full test set; both decoded from JPEG re-encodings of real CIFAR-10 images). Both are shuffled once with
   ``split_seed`` and cut to ``train_size`` / ``eval_size``; pixels are standardised per channel with the public
@@ -45,8 +45,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.metrics import classification_metrics
-from lightning_dp.recipes.run import local_data_dir, require_file, results_record, write_results
+from lightning_dp.recipes.run import results_record, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 from lightning_dp.tasks.pretrained import TINY_SIZES
 
 log = logging.getLogger("lightning_dp")
@@ -126,7 +127,7 @@ class CifarDataModule(pl.LightningDataModule):
     Args:
         data_source: ``"local"`` (npz copies under ``data_dir``) or ``"hub"`` (``datasets.load_dataset(hub_dataset)``).
         data_dir: the data root holding ``cifar10/``, or that folder itself (default ``$LIGHTNING_DP_DATA``; see
-            :func:`~lightning_dp.recipes.run.local_data_dir`).
+            :func:`~lightning_dp.tasks.local_data.local_data_dir`).
         hub_dataset: the Hub dataset of ``data_source: hub``.
         train_size: training examples kept after the seeded shuffle (``None``: all).
         eval_size: test examples kept after the seeded shuffle (``None``: all).
@@ -139,7 +140,7 @@ class CifarDataModule(pl.LightningDataModule):
         ValueError: unknown ``data_source``, non-positive sizes (at construction); more examples asked for than the
             data has, images that are not 32x32 RGB (at setup).
         LocalDataError: no data root is set, or it holds no local copy (at setup, the start of fit; a
-            ``FileNotFoundError`` and a ``ValueError``, :class:`~lightning_dp.recipes.run.LocalDataError`).
+            ``FileNotFoundError`` and a ``ValueError``, :class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
 
     def __init__(

@@ -7,8 +7,8 @@ et al. 2021: open-domain RDF triple sets).
 
 Data:
 - local (``data_source: local``, read in place from ``e2e/`` or ``dart/`` under the data root, ``--data_dir`` or
-  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.recipes.run.local_data_dir`): the copies have no training split, so
-  E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART trains on
+  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`): the copies have no training
+  split, so E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART trains on
   ``dart-v1.1.1-full-dev.json`` and evaluates on ``dart-v1.1.1-full-test.from_xml.json`` (:data:`LOCAL_FILES`).
 - Hub (``data_source: hub``, ``datasets.load_dataset``): ``tuetschek/e2e_nlg`` (formerly ``e2e_nlg``) and
   ``Yale-LILY/dart`` (formerly ``dart``), ``train`` and ``test`` splits. Both are script datasets, which
@@ -64,7 +64,8 @@ from transformers import (
 
 from lightning_dp.naming import did_you_mean
 from lightning_dp.recipes import generation, metrics
-from lightning_dp.recipes.run import local_data_dir, parse_recipe, require_file
+from lightning_dp.recipes.run import parse_recipe
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 from lightning_dp.tasks.prompt_target import PromptTarget
 
 TASKS = ("e2e", "dart")

@@ -7,7 +7,7 @@ with DP by Li et al. 2022 ("Large language models can be strong differentially p
 Data: ``data_source: hub`` reads ``datasets.load_dataset("nyu-mll/glue", task)``, training on ``train`` and
 evaluating on ``validation`` (``validation_matched`` for MNLI). ``data_source: local`` reads the original GLUE TSVs in
 place from ``glue/<task>/`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
-:func:`~lightning_dp.recipes.run.local_data_dir`; :data:`LOCAL_FILES`): SST-2's ``train_full.tsv`` (train) and
+:func:`~lightning_dp.tasks.local_data.local_data_dir`; :data:`LOCAL_FILES`): SST-2's ``train_full.tsv`` (train) and
 ``dev.tsv`` (evaluation); QNLI's copy is its GLUE dev set only, split deterministically in file order by
 :func:`~lightning_dp.recipes.run.split_in_file_order` (the first 80 % train: rows 0..4369 of the 5,463, the rest
 evaluate). MNLI and QQP have no local copy (use the Hub). ``train_size`` / ``eval_size`` take the first rows of each
@@ -61,6 +61,7 @@ from transformers.models.auto.modeling_auto import (
 from lightning_dp.recipes import metrics, run
 from lightning_dp.tasks import pretrained
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 
 HUB_DATASET = "nyu-mll/glue"
 #: The configuration reading the same tasks from the Hub (named when local data is missing).
@@ -168,7 +169,7 @@ def load_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
     Raises:
         ValueError: ``data_source: local`` for a task without a local copy (MNLI, QQP).
         LocalDataError: the local folder or one of its files is missing (a ``FileNotFoundError`` and a
-            ``ValueError``, :class:`~lightning_dp.recipes.run.LocalDataError`).
+            ``ValueError``, :class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     if recipe.data_source == "hub":
         train, evaluation = _hub_examples(recipe.task)
@@ -184,7 +185,7 @@ def _local_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]
             f"{HUB_DATASET} {recipe.task} with datasets (e.g. --config {HUB_CONFIG} --task {recipe.task})"
         )
     files = LOCAL_FILES[recipe.task]
-    folder = run.local_data_dir(recipe.data_dir, f"glue/{recipe.task}", files, HUB_CONFIG)
+    folder = local_data_dir(recipe.data_dir, f"glue/{recipe.task}", files, HUB_CONFIG)
     if recipe.task == "sst2":
         return _read_tsv(folder / "train_full.tsv", "sst2"), _read_tsv(folder / "dev.tsv", "sst2")
     return run.split_in_file_order(_read_tsv(folder / "dev.tsv", "qnli"))
@@ -193,7 +194,7 @@ def _local_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]
 def _read_tsv(path: Path, task: str) -> list[Example]:
     """Examples of an original GLUE TSV (header row; labels as ids or as label names)."""
     spec = TASKS[task]
-    frame = pd.read_csv(run.require_file(path), sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
+    frame = pd.read_csv(require_file(path), sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
     labels = [spec.label_names.index(v) if v in spec.label_names else int(v) for v in frame["label"]]
     texts = zip(*(frame[c].astype(str) for c in spec.text_columns), strict=True)
     return [Example(tuple(t), label) for t, label in zip(texts, labels, strict=True)]

@@ -5,7 +5,7 @@ Task ``distractor`` (the only one): each question comes with 10 Wikipedia paragr
 dataset's order; the fullwiki setting needs a retriever and is not a recipe here). Hub: ``hotpotqa/hotpot_qa``
 config ``distractor``, splits ``train`` (90,447) and ``validation`` (7,405). Local (``data_source: local``):
 ``hotpotqa/hotpotqa_dev_distractor_500.jsonl`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
-:func:`~lightning_dp.recipes.run.local_data_dir`), the first 500 validation questions without yes/no answers, HF
+:func:`~lightning_dp.tasks.local_data.local_data_dir`), the first 500 validation questions without yes/no answers, HF
 schema, read in place and split deterministically in file order
 (:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-399 train, rows 400-499 evaluate). ``train_size`` /
 ``eval_size`` keep the first N examples of each side.
@@ -110,7 +110,8 @@ def load_rows(recipe: HotpotQAArguments) -> tuple[list[dict], list[dict]]:
     """The training and evaluation rows (HF schema; first ``train_size`` / ``eval_size`` of each).
 
     Raises:
-        LocalDataError: the local copy (folder or file) is missing (:class:`~lightning_dp.recipes.run.LocalDataError`).
+        LocalDataError: the local copy (folder or file) is missing
+            (:class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     return split_rows(
         recipe,

@@ -6,11 +6,8 @@ All the differential privacy comes from :class:`~lightning_dp.hf.DPTrainer` and
 :class:`~lightning_dp.hf.PrivacyArguments` (HF) or :class:`~lightning_dp.DPStrategy` (Lightning); a recipe adds
 only data, model and metric.
 
-Local data: the offline configurations read a *data root*, the folder holding one folder per dataset
-(:data:`DATASETS`: ``glue/sst2/train_full.tsv``, ``e2e/devset.csv``, ``cifar10/...``). It is ``--data_dir ROOT``
-(every recipe; ``data_dir`` of the config), else the environment variable ``LIGHTNING_DP_DATA=ROOT``; with neither,
-a local configuration stops with one line saying so. ``--data_dir`` also accepts the dataset's own folder (the one
-holding the expected files, e.g. ``ROOT/glue/sst2`` or ``ROOT/glue`` for SST-2), recognised by those files.
+Local data (the offline configurations) is found by :func:`~lightning_dp.tasks.local_data.local_data_dir`: the data
+root ``--data_dir`` (or the dataset's own folder), else ``LIGHTNING_DP_DATA``.
 """
 
 from __future__ import annotations
@@ -35,24 +32,13 @@ from lightning_dp.cli_args import guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
 log = logging.getLogger("lightning_dp")
 
-#: The environment variable naming the data root (used when ``--data_dir`` is not given).
-DATA_ENV = "LIGHTNING_DP_DATA"
-#: The dataset folders a data root holds, one per recipe dataset.
-DATASETS = ("glue", "e2e", "dart", "billsum", "hotpotqa", "cifar10")
 #: Share of a single-file local copy used for training, in file order (the rest evaluates): see :func:`split_rows`.
 LOCAL_TRAIN_FRACTION = Fraction(4, 5)
-
-
-class LocalDataError(FileNotFoundError, ValueError):
-    """The local copy of a dataset is not where ``--data_dir`` / ``LIGHTNING_DP_DATA`` say, or neither is set.
-
-    Both a ``FileNotFoundError`` (a file is missing) and a ``ValueError`` (an argument has a bad value), so that the
-    recipes' scripts and ``lightning-dp fit`` report it as one error line (exit status 2) like any bad input.
-    """
 
 
 @dataclass
@@ -63,7 +49,7 @@ class RecipeArguments:
         task: the recipe's task or subset (e.g. ``sst2`` for GLUE, ``e2e`` for E2E/DART); the recipe checks it.
         data_source: ``"local"`` (the offline copy under ``data_dir``) or ``"hub"`` (``datasets.load_dataset``).
         data_dir: the data root holding the dataset's folder (``glue/``, ``e2e/``, ...), or that folder itself;
-            default ``$LIGHTNING_DP_DATA`` (see :func:`local_data_dir`).
+            default ``$LIGHTNING_DP_DATA`` (see :func:`~lightning_dp.tasks.local_data.local_data_dir`).
         model_name_or_path: a Hub id, a folder, or ``package:NAME`` (see :mod:`lightning_dp.tasks.pretrained`).
         cache_dir: where converted packaged models are kept.
         tiny_model: a random model of the same architecture and tokenizer, tiny (smoke tests; metrics meaningless).
@@ -112,53 +98,6 @@ class RecipeArguments:
             raise ValueError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
 
 
-def local_data_dir(
-    data_dir: str | Path | None, dataset: str, files: Sequence[str], hub_config: str, flag: str = "--data_dir ROOT"
-) -> Path:
-    """The folder of the local copy of ``dataset``: the one holding every file of ``files``.
-
-    Args:
-        data_dir: a data root holding ``dataset`` (a relative path such as ``glue/sst2``), or the dataset's own folder
-            (any tail of ``dataset``: ``ROOT/glue`` or ``ROOT/glue/sst2``); ``None``: the root ``$LIGHTNING_DP_DATA``.
-        dataset: where the dataset lies under a data root (``e2e``, ``glue/sst2``, ``cifar10``).
-        files: the file names the folder must hold (they tell a dataset folder from a root).
-        hub_config: the configuration loading the same data from the Hub, named in the error message.
-        flag: how the user gives ``data_dir`` on the command line, named in the error message.
-
-    Raises:
-        LocalDataError: neither ``data_dir`` nor ``LIGHTNING_DP_DATA`` is set, the folder does not exist, or no
-            candidate folder holds all of ``files`` (one line naming the flag, the variable and ``hub_config``).
-    """
-    hint = (
-        f"give the data root (the folder holding {'/, '.join(DATASETS)}/) or the dataset's own folder with {flag}, "
-        f"or set {DATA_ENV}=ROOT; or load the data from the Hub with --config {hub_config}"
-    )
-    if data_dir is None:
-        root = os.environ.get(DATA_ENV)
-        if not root:
-            raise LocalDataError(f"no local data for {dataset}: {hint}")
-        given, source = Path(root), f"{DATA_ENV}={root}"
-    else:
-        given, source = Path(data_dir), f"data folder {str(data_dir)!r}"
-    if not given.is_dir():
-        raise LocalDataError(f"{source} does not exist; {hint}")
-    parts = Path(dataset).parts
-    for folder in (given.joinpath(*parts[i:]) for i in range(len(parts) + 1)):
-        if all((folder / name).is_file() for name in files):
-            return folder
-    raise LocalDataError(
-        f"{source} holds no local copy of {dataset} (expected {' and '.join(files)} in {given / dataset} or in the "
-        f"folder itself); {hint}"
-    )
-
-
-def require_file(path: Path) -> Path:
-    """``path`` if it is a file. Raises :class:`LocalDataError` saying which file of the local copy is missing."""
-    if not path.is_file():
-        raise LocalDataError(f"expected data file {str(path)!r} is missing; check --data_dir or {DATA_ENV}")
-    return path
-
-
 def split_in_file_order(rows: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """A single-file local copy cut into (training, evaluation) rows in file order: the first
     :data:`LOCAL_TRAIN_FRACTION` (rounded down) train, the rest evaluate.
@@ -190,11 +129,13 @@ def split_rows(
     hub_splits: tuple[str, str],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and evaluation rows of a recipe, the first ``train_size`` / ``eval_size`` of each: from the local
-    copy (``data_source: local``), the JSON-lines file ``local_file`` of ``dataset`` (:func:`local_data_dir`) cut by
-    :func:`split_in_file_order`; from the Hub, the splits ``hub_splits`` of ``datasets.load_dataset(*hub)``.
+    copy (``data_source: local``), the JSON-lines file ``local_file`` of ``dataset``
+    (:func:`~lightning_dp.tasks.local_data.local_data_dir`) cut by :func:`split_in_file_order`; from the Hub, the
+    splits ``hub_splits`` of ``datasets.load_dataset(*hub)``.
 
     Raises:
-        LocalDataError: the local copy is missing (the message names ``hub_config``).
+        LocalDataError: the local copy is missing (the message names ``hub_config``;
+            :class:`~lightning_dp.tasks.local_data.LocalDataError`).
         ValueError: the local file has fewer than 2 rows.
     """
     if recipe.data_source == "local":
