@@ -1,6 +1,6 @@
 """GLUE (SST-2, QNLI, MNLI, QQP) with DP fine-tuning; see lightning_dp/recipes/glue.py and docs/recipes/glue.md.
 
-python recipes/glue.py --config configs/glue_offline.yaml
+python recipes/glue.py --config configs/glue_offline.yaml --data_dir ROOT   # local data under ROOT
 accelerate launch recipes/glue.py --config configs/glue_hub.yaml --task mnli
 """
 
