@@ -8,12 +8,14 @@ Methods (DP-PMLF, Xu et al. 2026, Algorithm 1), all with the same hyper-paramete
 - ``dp-pmlf``: both.
 
 Tasks: ``digits`` (the demo CNN of :mod:`lightning_dp.tasks.digits` on scikit-learn's digits) and ``cifar10`` (a
-small GroupNorm CNN on the 5k-image CIFAR-10 training subset of ``--cifar-dir``, tested on its 10k test images; the
-npz files are read in place). Every (task, method) runs in its own process, which trains all epsilons and seeds of
-that method, so its peak resident memory (``ru_maxrss``) is the method's own; wall time is the training loop only
-(the first training batch to the end of ``fit``; noise calibration, identical for all methods, is excluded). The
-noise is calibrated per run for ``target_epsilon`` over the planned steps (PLD accountant, delta 1e-5): the filter and
-the momentum are post-processing / sensitivity-preserving (docs/privacy.md), so every method gets the same noise.
+small GroupNorm CNN on the 5k-image CIFAR-10 training subset, tested on the 10k test images; the npz files are read in
+place from ``cifar10/`` of the data root ``--cifar-dir``, else ``LIGHTNING_DP_DATA``, as the recipes read them:
+:mod:`lightning_dp.tasks.local_data`). Every (task, method) runs in its own process, which trains all epsilons and
+seeds of that method, so its peak resident memory (``ru_maxrss``) is the method's own; wall time is the training
+loop only (the first training batch to the end of ``fit``; noise calibration, identical for all methods, is
+excluded). The noise is calibrated per run for ``target_epsilon`` over the planned steps (PLD accountant, delta
+1e-5): the filter and the momentum are post-processing / sensitivity-preserving (docs/privacy.md), so every method
+gets the same noise.
 
 Plain SGD without optimizer momentum is the outer optimizer (Algorithm 1 line 12), so the filter's smoothing is not
 confounded with heavy-ball momentum.
@@ -57,8 +59,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
-from lightning_dp.recipes.cifar import standardise
+from lightning_dp.recipes.cifar import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
+from lightning_dp.tasks.local_data import local_data_dir
 
 METHODS = ("dpsgd", "lp-dpsgd", "momentum", "dp-pmlf")
 FILTERED = {"lp-dpsgd", "dp-pmlf"}
@@ -136,8 +139,8 @@ def task_setup(task: str, args: argparse.Namespace) -> tuple[pl.LightningModule,
         model = DigitsCNN(lr=args.digits_lr, momentum=0.0)
         settings = dict(epochs=args.digits_epochs, batch_size=args.digits_batch_size, lr=args.digits_lr)
         return model, data.train_dataloader(), data.test_dataloader(), settings
-    train = load_cifar(args.cifar_dir / "cifar10_train_5k_subset_from_jpg.npz")
-    test = load_cifar(args.cifar_dir / "cifar10_test_10k_from_jpg.npz")
+    folder = local_data_dir(args.cifar_dir, "cifar10", (TRAIN_FILE, TEST_FILE), flag="--cifar-dir DIR")
+    train, test = load_cifar(folder / TRAIN_FILE), load_cifar(folder / TEST_FILE)
     model = CifarGroupNormCNN(lr=args.cifar_lr, channels=args.cifar_channels)
     settings = dict(
         epochs=args.cifar_epochs, batch_size=args.cifar_batch_size, lr=args.cifar_lr, channels=args.cifar_channels
@@ -380,7 +383,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cifar-batch-size", type=int, default=256)
     parser.add_argument("--cifar-lr", type=float, default=2.0)
     parser.add_argument("--cifar-channels", type=int, default=8)
-    parser.add_argument("--cifar-dir", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/cifar10")
+    parser.add_argument(
+        "--cifar-dir", type=Path, default=None, help="data root or cifar10 folder (default $LIGHTNING_DP_DATA)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes at once (one per core)")
     parser.add_argument("--out", type=Path, default=Path("docs"))

@@ -4,8 +4,10 @@
     python bench/recipes.py --render                        # only re-render the docs from docs/recipes/*/*.json
 
 Each variant runs the recipe's docs configuration unchanged plus the variant's flags, through the same script users
-run (``python recipes/<task>.py --config configs/<config>.yaml ...``), one process after another (each in its own
-process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``.
+run (``python recipes/<task>.py --config configs/<name>_offline.yaml ...``), one process after another (each in its
+own process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``.
+The offline configurations read the full local copies of the data from the data root ``LIGHTNING_DP_DATA`` (set it
+first; docs/recipes.md, "Local data").
 Rendering puts one table per task between the ``<!-- results -->`` markers of ``docs/recipes/<task>.md`` and the
 summary table between those of ``docs/recipes.md``; the tables hold only what the JSON files say.
 """
@@ -29,11 +31,11 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 #: task -> (script users run, docs configuration, metric of the summary table).
 TASKS = {
-    "glue": ("recipes/glue.py", "configs/glue.yaml", "accuracy"),
-    "e2e_dart": ("recipes/e2e_dart.py", "configs/e2e_dart.yaml", "bleu"),
-    "billsum": ("recipes/billsum.py", "configs/billsum.yaml", "rougeL"),
-    "hotpotqa": ("recipes/hotpotqa.py", "configs/hotpotqa.yaml", "f1"),
-    "cifar": ("recipes/cifar.py", "configs/cifar10.yaml", "accuracy"),
+    "glue": ("recipes/glue.py", "configs/glue_offline.yaml", "accuracy"),
+    "e2e_dart": ("recipes/e2e_dart.py", "configs/e2e_dart_offline.yaml", "bleu"),
+    "billsum": ("recipes/billsum.py", "configs/billsum_offline.yaml", "rougeL"),
+    "hotpotqa": ("recipes/hotpotqa.py", "configs/hotpotqa_offline.yaml", "f1"),
+    "cifar": ("recipes/cifar.py", "configs/cifar10_offline.yaml", "accuracy"),
 }
 NOISE_PARAMETERS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale")
 VARIANTS = ("non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8")

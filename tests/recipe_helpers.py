@@ -1,4 +1,10 @@
-"""Helpers of the recipe tests: run a recipe through the script users run, in its own process."""
+"""Helpers of the recipe tests: where their data is, and running a recipe through the script users run, in its own
+process.
+
+The default suite reads the small real subsets committed in ``tests/data`` (:data:`TEST_DATA`; see its README.md),
+passed as ``--data_dir``, so it needs nothing beside the repository. The full local copies serve only the slow tests
+(:func:`needs_full_data`), found through ``LIGHTNING_DP_DATA`` as the recipes find them.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +15,41 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+#: The data root of the default suite: small real subsets in the layout the recipes read.
+TEST_DATA = ROOT / "tests" / "data"
+#: The data root of the full local copies (``LIGHTNING_DP_DATA``), for the slow tests; ``None`` when unset.
+FULL_DATA = Path(os.environ["LIGHTNING_DP_DATA"]) if os.environ.get("LIGHTNING_DP_DATA") else None
 
 
-def run_recipe_script(script: str, config: str, output_dir: Path, *flags: str, timeout: float = 1200) -> dict:
-    """Run ``python recipes/SCRIPT --config configs/CONFIG FLAGS`` from the repository root (this checkout first on
-    ``PYTHONPATH``) and return its ``results.json``; a failing run fails the test with the run's stderr."""
+def needs_full_data(*files: str) -> pytest.MarkDecorator:
+    """Skip unless ``LIGHTNING_DP_DATA`` names a data root holding ``files`` (paths relative to it)."""
+    missing = FULL_DATA is None or not all((FULL_DATA / name).is_file() for name in files)
+    return pytest.mark.skipif(
+        missing,
+        reason=f"needs the full local copies: set LIGHTNING_DP_DATA to their data root (with {', '.join(files)})",
+    )
+
+
+def script_env() -> dict[str, str]:
+    """The environment of a recipe run in a subprocess: this checkout first on ``PYTHONPATH``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def run_recipe_script(
+    script: str, config: str, output_dir: Path, *flags: str, data_dir: Path | None = TEST_DATA, timeout: float = 1200
+) -> dict:
+    """Run ``python recipes/SCRIPT --config configs/CONFIG --data_dir DATA_DIR FLAGS`` from the repository root (this
+    checkout first on ``PYTHONPATH``) and return its ``results.json``; a failing run fails the test with the run's
+    stderr. ``data_dir`` defaults to the test subsets; ``FULL_DATA`` for the slow tests."""
     results = output_dir / "results.json"
     command = [sys.executable, f"recipes/{script}", "--config", f"configs/{config}", "--output_dir", str(output_dir)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if data_dir is not None:
+        command += ["--data_dir", str(data_dir)]
     done = subprocess.run(
-        [*command, *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        [*command, *flags], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(results.read_text(encoding="utf-8"))

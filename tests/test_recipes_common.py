@@ -1,5 +1,7 @@
 """The recipes' shared parts: YAML + command-line config, metrics on hand-made inputs, the truncation rule, batched
-decoding, data-folder and length checks, and the rendering of the result tables."""
+decoding, where the local data is (a data root or the dataset's folder, the flag, the variable, one error line),
+the split of single-file copies, the seeding before models are built, length checks, and the rendering of the
+result tables."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import metrics
+from lightning_dp.recipes import billsum, e2e_dart, generation, glue, hotpotqa, metrics
 from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
 from lightning_dp.recipes.generation import generate_texts
-from lightning_dp.recipes.run import RecipeArguments, check_max_length, local_data_dir
+from lightning_dp.recipes.run import RecipeArguments, check_max_length, parse_recipe, script_main, split_in_file_order
+from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
 from lightning_dp.tasks.prompt_target import IGNORE_INDEX, PromptTarget, PromptTargetDataset, prompt_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,16 +170,96 @@ def test_batched_decoding_matches_one_by_one(smollm2_tokenizer):
     assert smollm2_tokenizer.padding_side == side  # generate_texts pads on the left and restores the side
 
 
-def test_check_max_length_and_local_data_dir(tmp_path, monkeypatch):
+def test_check_max_length():
     check_max_length(LlamaConfig(max_position_embeddings=128), 128)
     with pytest.raises(ValueError, match="exceeds the model's maximum of 128"):
         check_max_length(LlamaConfig(max_position_embeddings=128), 129)
-    recipe = RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path / "absent"))
-    with pytest.raises(FileNotFoundError, match="data_source: hub"):
-        local_data_dir(recipe, "glue")
+
+
+def test_local_data_dir_is_a_root_or_the_dataset_folder(tmp_path, monkeypatch):
+    """``--data_dir`` (or else ``LIGHTNING_DP_DATA``) names the data root; the dataset's own folder, or any folder
+    between the root and the files, is recognised by the files it holds."""
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    folder = tmp_path / "glue" / "sst2"
+    folder.mkdir(parents=True)
+    for name in ("train_full.tsv", "dev.tsv"):
+        (folder / name).write_text("sentence\tlabel\n")
+    files = ("train_full.tsv", "dev.tsv")
+    for given in (tmp_path, tmp_path / "glue", folder):
+        assert local_data_dir(str(given), "glue/sst2", files, "configs/x_hub.yaml") == folder
     monkeypatch.setenv("LIGHTNING_DP_DATA", str(tmp_path))
-    (tmp_path / "glue").mkdir()
-    assert local_data_dir(RecipeArguments(model_name_or_path="m"), "glue") == tmp_path / "glue"
+    assert local_data_dir(None, "glue/sst2", files, "configs/x_hub.yaml") == folder
+    assert local_data_dir(str(folder), "glue/sst2", files, "configs/x_hub.yaml") == folder  # the flag wins
+
+
+def test_missing_local_data_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    hub = "configs/x_hub.yaml"
+    with pytest.raises(LocalDataError) as caught:
+        local_data_dir(None, "e2e", ("devset.csv",), hub)
+    message = str(caught.value)
+    assert message.startswith("no local data for e2e: ") and "\n" not in message
+    assert "--data_dir ROOT" in message and "LIGHTNING_DP_DATA=ROOT" in message and hub in message
+    assert isinstance(caught.value, FileNotFoundError) and isinstance(caught.value, ValueError)
+    monkeypatch.setenv("LIGHTNING_DP_DATA", "")  # set but empty: as unset
+    with pytest.raises(LocalDataError, match="no local data for e2e"):
+        local_data_dir(None, "e2e", ("devset.csv",), hub)
+    monkeypatch.setenv("LIGHTNING_DP_DATA", str(tmp_path / "absent"))
+    with pytest.raises(LocalDataError, match="LIGHTNING_DP_DATA=.*absent does not exist"):
+        local_data_dir(None, "e2e", ("devset.csv",), hub)
+    (tmp_path / "e2e").mkdir()
+    with pytest.raises(LocalDataError, match=r"holds no local copy of e2e \(expected devset.csv in .*e2e"):
+        local_data_dir(str(tmp_path), "e2e", ("devset.csv",), hub, flag="--data.data_dir ROOT")
+    with pytest.raises(LocalDataError, match="with --data.data_dir ROOT, or set LIGHTNING_DP_DATA=ROOT"):
+        local_data_dir(str(tmp_path), "e2e", ("devset.csv",), hub, flag="--data.data_dir ROOT")
+
+
+#: recipe module -> its offline configuration.
+OFFLINE_CONFIGS = {
+    glue: "configs/glue_offline.yaml",
+    e2e_dart: "configs/e2e_dart_offline.yaml",
+    billsum: "configs/billsum_offline.yaml",
+    hotpotqa: "configs/hotpotqa_offline.yaml",
+}
+
+
+@pytest.mark.parametrize("recipe", list(OFFLINE_CONFIGS), ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_script_without_local_data_is_one_error_line(recipe, tmp_path, capsys, monkeypatch):
+    """What ``python recipes/<task>.py --config configs/<task>_offline.yaml`` prints with no data root set: one
+    line naming the flag, the variable and the recipe's Hub configuration; exit status 2."""
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    monkeypatch.setattr("sys.argv", [str(ROOT / "recipes" / "x.py")])
+    argv = ["--config", str(ROOT / OFFLINE_CONFIGS[recipe]), "--tiny_model", "true", "--output_dir", str(tmp_path)]
+    assert script_main(lambda: recipe.main(argv)) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert "error: no local data for " in line and "--data_dir ROOT" in line and "LIGHTNING_DP_DATA=ROOT" in line
+    assert recipe.HUB_CONFIG in line and (ROOT / recipe.HUB_CONFIG).is_file()
+    assert captured.out == ""
+
+
+def test_single_file_copies_split_in_file_order():
+    assert split_in_file_order(list(range(10))) == ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
+    assert split_in_file_order(list(range(5))) == ([0, 1, 2, 3], [4])
+    assert split_in_file_order(list(range(2))) == ([0], [1])
+    with pytest.raises(ValueError, match="1 row\\(s\\): too few"):
+        split_in_file_order([0])
+
+
+def test_recipes_seed_every_generator_before_building_models(tmp_path):
+    """Two parses of the same command build the same LoRA adapters (and tiny model), whatever the generators'
+    state was before: the generation recipes' LoRA initialisation is seeded from ``seed``."""
+    argv = ["--config", str(ROOT / "configs/e2e_dart_offline.yaml"), "--tiny_model", "true", "--lora_layers", "1"]
+    argv += ["--output_dir", str(tmp_path)]
+    models = []
+    for offset in range(2):
+        torch.manual_seed(100 + offset)
+        recipe, _, _ = parse_recipe(e2e_dart.E2EDartArguments, argv)
+        models.append(generation.load_causal_lm_recipe(recipe)[0])
+    first, second = (dict(model.named_parameters()) for model in models)
+    assert any("lora_A" in name for name in first)
+    for name, parameter in first.items():
+        assert torch.equal(parameter, second[name]), name
 
 
 def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
@@ -195,11 +278,11 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
         "eval_size": 100,
         "trainable_params": 1234,
         "world_size": 1,
-        "command": "python recipes/glue.py --config configs/glue.yaml --output_dir /tmp/x --dp true",
+        "command": "python recipes/glue.py --config configs/glue_offline.yaml --output_dir /tmp/x --dp true",
     }
     table = bench.task_table("glue", {"gaussian-eps3": result})
     assert "| gaussian-eps3 | 81.25 | 2.990 | 1e-05 | gaussian (noise_multiplier=1.5) | 1 | 10 | 64 | 12 | 1 |" in table
-    assert "python recipes/glue.py --config configs/glue.yaml --dp true" in table and "/tmp/x" not in table
+    assert "python recipes/glue.py --config configs/glue_offline.yaml --dp true" in table and "/tmp/x" not in table
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
     bench.replace_between_markers(page, "new", bench.START, bench.END)
@@ -219,9 +302,9 @@ def test_split_rows_local_file_order_and_hub_splits(tmp_path, monkeypatch):
     (tmp_path / "task").mkdir()
     (tmp_path / "task" / "rows.jsonl").write_text("".join(f'{{"i": {i}}}\n' for i in range(10)))
     recipe = RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path / "task"), train_size=3, eval_size=2)
-    spec = dict(dataset="task", local_file="rows.jsonl", local_train_rows=6, hub=("org/name", "cfg"))
+    spec = dict(dataset="task", local_file="rows.jsonl", hub_config="configs/task_hub.yaml", hub=("org/name", "cfg"))
     train, evaluation = split_rows(recipe, **spec, hub_splits=("train", "test"))
-    assert [r["i"] for r in train] == [0, 1, 2] and [r["i"] for r in evaluation] == [6, 7]
+    assert [r["i"] for r in train] == [0, 1, 2] and [r["i"] for r in evaluation] == [8, 9]
     calls = []
 
     def load_dataset(*args, split):
@@ -235,5 +318,9 @@ def test_split_rows_local_file_order_and_hub_splits(tmp_path, monkeypatch):
     train, evaluation = split_rows(recipe, **spec, hub_splits=("train", "validation"))
     assert calls == [("org/name", "cfg", "train"), ("org/name", "cfg", "validation")]
     assert [(r["i"], r["split"]) for r in evaluation] == [(0, "validation"), (1, "validation")] and len(train) == 3
-    with pytest.raises(FileNotFoundError, match="rows.jsonl"):
-        split_rows(RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path)), **spec, hub_splits=("a", "b"))
+    recipe = RecipeArguments(model_name_or_path="m", data_dir=str(tmp_path))  # the data root: the same rows
+    assert split_rows(recipe, **spec, hub_splits=("a", "b"))[1] == [{"i": 8}, {"i": 9}]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="rows.jsonl.*configs/task_hub.yaml"):
+        recipe.data_dir = str(tmp_path / "empty")
+        split_rows(recipe, **spec, hub_splits=("a", "b"))

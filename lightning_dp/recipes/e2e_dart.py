@@ -6,9 +6,10 @@ Task: ``task: e2e`` (E2E NLG, Novikova et al. 2017: restaurant meaning represent
 et al. 2021: open-domain RDF triple sets).
 
 Data:
-- local (``data_source: local``, read in place from ``../shared/data/e2e`` or ``../shared/data/dart``): the copies
-  have no training split, so E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART
-  trains on ``dart-v1.1.1-full-dev.json`` and evaluates on ``dart-v1.1.1-full-test.from_xml.json``.
+- local (``data_source: local``, read in place from ``e2e/`` or ``dart/`` under the data root, ``--data_dir`` or
+  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`): the copies have no training
+  split, so E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART trains on
+  ``dart-v1.1.1-full-dev.json`` and evaluates on ``dart-v1.1.1-full-test.from_xml.json`` (:data:`LOCAL_FILES`).
 - Hub (``data_source: hub``, ``datasets.load_dataset``): ``tuetschek/e2e_nlg`` (formerly ``e2e_nlg``) and
   ``Yale-LILY/dart`` (formerly ``dart``), ``train`` and ``test`` splits. Both are script datasets, which
   ``datasets`` 4+ no longer runs, so the default ``dataset_revision`` is the Hub's parquet conversion
@@ -43,8 +44,8 @@ examples longer than ``max_seq_len``: 100 tokens for E2E, 120 for DART.)
 
 Commands::
 
-    python recipes/e2e_dart.py --config configs/e2e_dart.yaml                   # offline, CPU (docs/recipes.md)
-    accelerate launch recipes/e2e_dart.py --config configs/e2e_dart_hub.yaml     # GPT-2 on the Hub data
+    python recipes/e2e_dart.py --config configs/e2e_dart_offline.yaml --data_dir ROOT   # offline, CPU
+    accelerate launch recipes/e2e_dart.py --config configs/e2e_dart_hub.yaml             # GPT-2 on the Hub data
 """
 
 from __future__ import annotations
@@ -59,20 +60,20 @@ from typing import Any
 
 from transformers import (
     PreTrainedTokenizerBase,
-    TrainingArguments,
 )
 
-from lightning_dp.hf import PrivacyArguments
 from lightning_dp.naming import did_you_mean
 from lightning_dp.recipes import generation, metrics
-from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.recipes.run import local_data_dir, require_file
+from lightning_dp.recipes.run import parse_recipe
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 from lightning_dp.tasks.prompt_target import PromptTarget
 
 TASKS = ("e2e", "dart")
 #: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).
 HUB_DATASETS = {"e2e": "tuetschek/e2e_nlg", "dart": "Yale-LILY/dart"}
-#: Local copies: folder under ``../shared/data`` and the (training, evaluation) files.
+#: The configuration reading the same tasks from the Hub (named when local data is missing).
+HUB_CONFIG = "configs/e2e_dart_hub.yaml"
+#: Local copies: the (training, evaluation) files of the task's folder under the data root.
 LOCAL_FILES = {
     "e2e": ("devset.csv", "testset_w_refs.csv"),
     "dart": ("dart-v1.1.1-full-dev.json", "dart-v1.1.1-full-test.from_xml.json"),
@@ -211,12 +212,12 @@ def separator_text(separator: str, tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Parse ``--config FILE.yaml`` and flags, fine-tune, decode, score, write ``results.json``; return the summary."""
-    recipe, training, privacy = parse_recipe_args(
-        (E2EDartArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
-    )
+    """Parse ``--config FILE.yaml`` and flags (seeding every generator, :func:`~lightning_dp.recipes.run.parse_recipe`),
+    fine-tune, decode, score, write ``results.json``; return the summary."""
+    recipe, training, privacy = parse_recipe(E2EDartArguments, argv, description=__doc__.split("\n")[0])
     if recipe.data_source == "local":
-        train_tables, eval_tables = read_local(recipe.task, local_data_dir(recipe, recipe.task))
+        folder = local_data_dir(recipe.data_dir, recipe.task, LOCAL_FILES[recipe.task], HUB_CONFIG)
+        train_tables, eval_tables = read_local(recipe.task, folder)
     else:
         train_tables, eval_tables = read_hub(recipe)
     with training.main_process_first(desc="model loading"):  # a packaged model is converted by one process

@@ -5,11 +5,13 @@ question1 / question2) -> a class (2 classes; 3 for MNLI), the GLUE benchmark of
 with DP by Li et al. 2022 ("Large language models can be strong differentially private learners", Table 1).
 
 Data: ``data_source: hub`` reads ``datasets.load_dataset("nyu-mll/glue", task)``, training on ``train`` and
-evaluating on ``validation`` (``validation_matched`` for MNLI). ``data_source: local`` reads the offline copies under
-``../shared/data/glue`` in place: SST-2's ``train_full.tsv`` (train) and ``dev.tsv`` (evaluation); QNLI's copy is its
-GLUE dev set only, split deterministically: rows 0..3999 (in file order) train, rows 4000..5462 evaluate
-(:data:`QNLI_LOCAL_TRAIN_ROWS`). MNLI and QQP have no local copy (use the Hub). ``train_size`` / ``eval_size`` take
-the first rows of each split.
+evaluating on ``validation`` (``validation_matched`` for MNLI). ``data_source: local`` reads the original GLUE TSVs in
+place from ``glue/<task>/`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
+:func:`~lightning_dp.tasks.local_data.local_data_dir`; :data:`LOCAL_FILES`): SST-2's ``train_full.tsv`` (train) and
+``dev.tsv`` (evaluation); QNLI's copy is its GLUE dev set only, split deterministically in file order by
+:func:`~lightning_dp.recipes.run.split_in_file_order` (the first 80 % train: rows 0..4369 of the 5,463, the rest
+evaluate). MNLI and QQP have no local copy (use the Hub). ``train_size`` / ``eval_size`` take the first rows of each
+split.
 
 Model: ``AutoModelForSequenceClassification`` of ``model_name_or_path`` (a fresh linear head on the encoder, HF's
 ``[CLS]``-based head), or with ``pooling: mean`` (BERT encoders)
@@ -27,8 +29,8 @@ evaluation split (:func:`~lightning_dp.recipes.metrics.classification_metrics`).
 
 Commands::
 
-    python recipes/glue.py --config configs/glue.yaml                       # offline, SST-2, CPU
-    python recipes/glue.py --config configs/glue.yaml --target_epsilon 8 --noise lap2
+    python recipes/glue.py --config configs/glue_offline.yaml --data_dir ROOT    # offline, SST-2, CPU
+    python recipes/glue.py --config configs/glue_offline.yaml --target_epsilon 8 --noise lap2
     accelerate launch recipes/glue.py --config configs/glue_hub.yaml --task mnli   # roberta-base, Hub data, GPU
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 import csv
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -49,21 +52,23 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Trainer,
-    TrainingArguments,
 )
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
     MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
 )
 
-from lightning_dp.hf import PrivacyArguments
-from lightning_dp.recipes import config, metrics, run
+from lightning_dp.recipes import metrics, run
 from lightning_dp.tasks import pretrained
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
+from lightning_dp.tasks.local_data import local_data_dir, require_file
 
 HUB_DATASET = "nyu-mll/glue"
-#: QNLI's local copy is its GLUE dev set: the first this many rows (file order) train, the rest evaluate.
-QNLI_LOCAL_TRAIN_ROWS = 4000
+#: The configuration reading the same tasks from the Hub (named when local data is missing).
+HUB_CONFIG = "configs/glue_hub.yaml"
+#: The tasks with a local copy: the files of ``glue/<task>/`` under the data root (QNLI's is its GLUE dev set, split
+#: in file order by :func:`~lightning_dp.recipes.run.split_in_file_order`).
+LOCAL_FILES = {"sst2": ("train_full.tsv", "dev.tsv"), "qnli": ("dev.tsv",)}
 POOLINGS = ("cls", "mean")
 
 
@@ -163,7 +168,8 @@ def load_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
 
     Raises:
         ValueError: ``data_source: local`` for a task without a local copy (MNLI, QQP).
-        FileNotFoundError: the local folder or one of its files is missing.
+        LocalDataError: the local folder or one of its files is missing (a ``FileNotFoundError`` and a
+            ``ValueError``, :class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     if recipe.data_source == "hub":
         train, evaluation = _hub_examples(recipe.task)
@@ -173,22 +179,22 @@ def load_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
 
 
 def _local_examples(recipe: GlueArguments) -> tuple[list[Example], list[Example]]:
-    if recipe.task not in ("sst2", "qnli"):
+    if recipe.task not in LOCAL_FILES:
         raise ValueError(
-            f"GLUE {recipe.task} has no local copy (only sst2 and qnli do): set data_source: hub to load "
-            f"{HUB_DATASET} {recipe.task} with datasets"
+            f"GLUE {recipe.task} has no local copy (only {' and '.join(LOCAL_FILES)} do): set data_source: hub to load "
+            f"{HUB_DATASET} {recipe.task} with datasets (e.g. --config {HUB_CONFIG} --task {recipe.task})"
         )
-    folder = run.local_data_dir(recipe, "glue") / recipe.task
+    files = LOCAL_FILES[recipe.task]
+    folder = local_data_dir(recipe.data_dir, f"glue/{recipe.task}", files, HUB_CONFIG)
     if recipe.task == "sst2":
-        return _read_tsv(run.require_file(folder / "train_full.tsv"), "sst2"), _read_tsv(folder / "dev.tsv", "sst2")
-    rows = _read_tsv(run.require_file(folder / "dev.tsv"), "qnli")
-    return rows[:QNLI_LOCAL_TRAIN_ROWS], rows[QNLI_LOCAL_TRAIN_ROWS:]
+        return _read_tsv(folder / "train_full.tsv", "sst2"), _read_tsv(folder / "dev.tsv", "sst2")
+    return run.split_in_file_order(_read_tsv(folder / "dev.tsv", "qnli"))
 
 
-def _read_tsv(path, task: str) -> list[Example]:
+def _read_tsv(path: Path, task: str) -> list[Example]:
     """Examples of an original GLUE TSV (header row; labels as ids or as label names)."""
     spec = TASKS[task]
-    frame = pd.read_csv(run.require_file(path), sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
+    frame = pd.read_csv(require_file(path), sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
     labels = [spec.label_names.index(v) if v in spec.label_names else int(v) for v in frame["label"]]
     texts = zip(*(frame[c].astype(str) for c in spec.text_columns), strict=True)
     return [Example(tuple(t), label) for t, label in zip(texts, labels, strict=True)]
@@ -264,10 +270,9 @@ def glue_metrics(logits: np.ndarray, labels: Sequence[int], task: str) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Parse ``--config`` and flags, fine-tune, evaluate, and write ``results.json`` (see the module docstring)."""
-    recipe, training, privacy = config.parse_recipe_args(
-        (GlueArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
-    )
+    """Parse ``--config`` and flags (seeding every generator, :func:`~lightning_dp.recipes.run.parse_recipe`),
+    fine-tune, evaluate, and write ``results.json`` (see the module docstring); returns the summary."""
+    recipe, training, privacy = run.parse_recipe(GlueArguments, argv, description=__doc__.split("\n")[0])
     spec = TASKS[recipe.task]
     train_examples, eval_examples = load_examples(recipe)
     model = load_model(recipe, len(spec.label_names))

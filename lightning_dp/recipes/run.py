@@ -1,8 +1,13 @@
-"""What every HF recipe shares: its common arguments, where its local data lives, and the run itself (Trainer or
-DPTrainer, training, the task's evaluation, one ``results.json``).
+"""What every recipe shares: its common arguments, where its local data lives, the seeding, the script's error
+handling, and (HF recipes) the run itself (Trainer or DPTrainer, training, the task's evaluation, one
+``results.json``).
 
 All the differential privacy comes from :class:`~lightning_dp.hf.DPTrainer` and
-:class:`~lightning_dp.hf.PrivacyArguments`; a recipe adds only data, model and metric.
+:class:`~lightning_dp.hf.PrivacyArguments` (HF) or :class:`~lightning_dp.DPStrategy` (Lightning); a recipe adds
+only data, model and metric.
+
+Local data (the offline configurations) is found by :func:`~lightning_dp.tasks.local_data.local_data_dir`: the data
+root ``--data_dir`` (or the dataset's own folder), else ``LIGHTNING_DP_DATA``.
 """
 
 from __future__ import annotations
@@ -13,23 +18,27 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
-from transformers import PretrainedConfig, Trainer, TrainingArguments
+from transformers import PretrainedConfig, Trainer, TrainingArguments, set_seed
 
+from lightning_dp.cli_args import guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
 log = logging.getLogger("lightning_dp")
 
-#: ``../shared/data`` beside the repository (the offline copies of the datasets); ``LIGHTNING_DP_DATA`` overrides it.
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+#: Share of a single-file local copy used for training, in file order (the rest evaluates): see :func:`split_rows`.
+LOCAL_TRAIN_FRACTION = Fraction(4, 5)
 
 
 @dataclass
@@ -39,8 +48,8 @@ class RecipeArguments:
     Attributes:
         task: the recipe's task or subset (e.g. ``sst2`` for GLUE, ``e2e`` for E2E/DART); the recipe checks it.
         data_source: ``"local"`` (the offline copy under ``data_dir``) or ``"hub"`` (``datasets.load_dataset``).
-        data_dir: folder of the local copy (default: ``$LIGHTNING_DP_DATA/<dataset>`` or
-            ``../shared/data/<dataset>`` beside the repository).
+        data_dir: the data root holding the dataset's folder (``glue/``, ``e2e/``, ...), or that folder itself;
+            default ``$LIGHTNING_DP_DATA`` (see :func:`~lightning_dp.tasks.local_data.local_data_dir`).
         model_name_or_path: a Hub id, a folder, or ``package:NAME`` (see :mod:`lightning_dp.tasks.pretrained`).
         cache_dir: where converted packaged models are kept.
         tiny_model: a random model of the same architecture and tokenizer, tiny (smoke tests; metrics meaningless).
@@ -56,7 +65,10 @@ class RecipeArguments:
 
     task: str = field(default="", metadata={"help": "Task or subset of the recipe."})
     data_source: str = field(default="local", metadata={"help": "local (offline copy) or hub (datasets)."})
-    data_dir: str | None = field(default=None, metadata={"help": "Folder of the local copy of the data."})
+    data_dir: str | None = field(
+        default=None,
+        metadata={"help": "Data root holding glue/, e2e/, ... (or the dataset's folder); default $LIGHTNING_DP_DATA."},
+    )
     model_name_or_path: str = field(default="", metadata={"help": "Hub id, folder, or package:NAME."})
     cache_dir: str = field(default=str(DEFAULT_CACHE), metadata={"help": "Cache of converted packaged models."})
     tiny_model: bool = field(default=False, metadata={"help": "Tiny random model (smoke tests)."})
@@ -86,38 +98,17 @@ class RecipeArguments:
             raise ValueError(f"lora_rank must be >= 0 (0: no LoRA), got {self.lora_rank}")
 
 
-def local_data_dir(recipe: RecipeArguments, dataset: str) -> Path:
-    """The folder of the offline copy of ``dataset``: ``recipe.data_dir`` if set, else ``$LIGHTNING_DP_DATA/dataset``
-    or ``../shared/data/dataset``.
+def split_in_file_order(rows: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """A single-file local copy cut into (training, evaluation) rows in file order: the first
+    :data:`LOCAL_TRAIN_FRACTION` (rounded down) train, the rest evaluate.
 
     Raises:
-        FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
+        ValueError: fewer than 2 rows (one side would be empty).
     """
-    return data_folder(recipe.data_dir, dataset)
-
-
-def data_folder(data_dir: str | Path | None, dataset: str) -> Path:
-    """:func:`local_data_dir` for callers without a :class:`RecipeArguments` (the Lightning recipes' data modules):
-    ``data_dir`` if set, else ``$LIGHTNING_DP_DATA/dataset`` or ``../shared/data/dataset``.
-
-    Raises:
-        FileNotFoundError: the folder does not exist (the message says how to point at it or use the Hub).
-    """
-    if data_dir is None:
-        data_dir = Path(os.environ.get("LIGHTNING_DP_DATA", SHARED_DATA)) / dataset
-    folder = Path(data_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"local data for {dataset!r} not found at {str(folder)!r}: set data_dir to its folder, or data_source: hub"
-        )
-    return folder
-
-
-def require_file(path: Path) -> Path:
-    """``path`` if it is a file. Raises ``FileNotFoundError`` saying which file of the local copy is missing."""
-    if not path.is_file():
-        raise FileNotFoundError(f"expected data file {str(path)!r} is missing; check data_dir")
-    return path
+    cut = len(rows) * LOCAL_TRAIN_FRACTION.numerator // LOCAL_TRAIN_FRACTION.denominator
+    if cut == 0 or cut == len(rows):
+        raise ValueError(f"the local copy has {len(rows)} row(s): too few to split into training and evaluation rows")
+    return list(rows[:cut]), list(rows[cut:])
 
 
 def first_rows(split: Any, size: int | None) -> list[dict[str, Any]]:
@@ -133,23 +124,25 @@ def split_rows(
     *,
     dataset: str,
     local_file: str,
-    local_train_rows: int,
+    hub_config: str,
     hub: tuple[str, ...],
     hub_splits: tuple[str, str],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The training and evaluation rows of a recipe, the first ``train_size`` / ``eval_size`` of each: from the local
-    copy (``data_source: local``), the JSON-lines file ``local_file`` of ``dataset`` split in file order, its first
-    ``local_train_rows`` rows for training and the rest for evaluation; from the Hub, the splits ``hub_splits`` of
-    ``datasets.load_dataset(*hub)``.
+    copy (``data_source: local``), the JSON-lines file ``local_file`` of ``dataset``
+    (:func:`~lightning_dp.tasks.local_data.local_data_dir`) cut by :func:`split_in_file_order`; from the Hub, the
+    splits ``hub_splits`` of ``datasets.load_dataset(*hub)``.
 
     Raises:
-        FileNotFoundError: the local copy (folder or file) is missing.
+        LocalDataError: the local copy is missing (the message names ``hub_config``;
+            :class:`~lightning_dp.tasks.local_data.LocalDataError`).
+        ValueError: the local file has fewer than 2 rows.
     """
     if recipe.data_source == "local":
-        path = require_file(local_data_dir(recipe, dataset) / local_file)
+        path = local_data_dir(recipe.data_dir, dataset, (local_file,), hub_config) / local_file
         with path.open(encoding="utf-8") as handle:
-            rows = [json.loads(line) for line in handle if line.strip()]
-        return rows[:local_train_rows][: recipe.train_size], rows[local_train_rows:][: recipe.eval_size]
+            train, evaluation = split_in_file_order([json.loads(line) for line in handle if line.strip()])
+        return train[: recipe.train_size], evaluation[: recipe.eval_size]
     from datasets import load_dataset
 
     train_split, eval_split = hub_splits
@@ -165,6 +158,39 @@ def check_max_length(config: PretrainedConfig, max_length: int) -> None:
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit is not None and max_length > limit:
         raise ValueError(f"max_length {max_length} exceeds the model's maximum of {limit} positions; lower max_length")
+
+
+def parse_recipe(
+    recipe_type: type[RecipeArguments], argv: Sequence[str] | None, description: str | None = None
+) -> tuple[Any, TrainingArguments, PrivacyArguments]:
+    """Parse ``--config FILE.yaml`` and flags into ``(recipe_type, TrainingArguments, PrivacyArguments)``
+    (:func:`~lightning_dp.recipes.config.parse_recipe_args`), then seed Python's ``random``, numpy and torch with
+    ``training.seed`` (``transformers.set_seed``) before the recipe builds anything random (a new classifier head,
+    LoRA adapters, a tiny model), so that the same command with the same seed gives the same run (the Trainer seeds
+    again from ``seed`` when it is built, after the model; the DP noise has its own ``dp_seed``).
+
+    Raises:
+        FileNotFoundError, ValueError, SystemExit: as :func:`~lightning_dp.recipes.config.parse_recipe_args`.
+    """
+    recipe, training, privacy = parse_recipe_args(
+        (recipe_type, TrainingArguments, PrivacyArguments), argv, description=description
+    )
+    set_seed(training.seed)
+    return recipe, training, privacy
+
+
+def script_main(main: Callable[[], object]) -> int:
+    """Run a recipe's ``main()`` as its script (``recipes/<task>.py``) and return the exit status: 0, or 2 after
+    one ``PROG: error: ...`` line on stderr for bad input (a ``ValueError``: a bad value, missing local data), or 1
+    for a missing optional package (an ``ImportError``), as ``lightning-dp`` does (no traceback unless
+    ``LIGHTNING_DP_TRACEBACK=1``)."""
+    program = os.path.relpath(sys.argv[0]) if sys.argv[0] else "recipe"
+
+    def run() -> int:
+        main()
+        return 0
+
+    return guarded(program, run)
 
 
 def run_recipe(

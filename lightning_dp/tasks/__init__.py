@@ -11,4 +11,6 @@ load the demo and the audit setups, the demo shares ``cli_args``, the CIFAR reci
 - :mod:`~lightning_dp.tasks.pretrained`: pretrained model and tokenizer loading (Hub or ``package:NAME``), LoRA.
 - :mod:`~lightning_dp.tasks.encoders`: the mean-pooling BERT classifier and freezing of lower encoder layers.
 - :mod:`~lightning_dp.tasks.prompt_target`: causal-LM prompt/target examples, their truncation rule, the collator.
+- :mod:`~lightning_dp.tasks.local_data`: where the local copies of public datasets are (a data root given by a flag
+  or ``LIGHTNING_DP_DATA``).
 """

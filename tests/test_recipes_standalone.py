@@ -1,0 +1,80 @@
+"""The recipe tests need nothing beside the repository: a copy of its files in a fresh folder (no data folder beside
+it, no ``LIGHTNING_DP_DATA``) runs a few recipe tests of the default suite with no failure and no skip."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from recipe_helpers import ROOT
+
+#: Cheap recipe tests of the default suite that read the committed subsets (one of them runs a recipe script).
+SELECTED = [
+    "tests/test_recipe_glue.py::test_smoke_docs_config_on_a_tiny_model",
+    "tests/test_recipe_glue.py::test_local_qnli_split_is_deterministic_and_disjoint",
+    "tests/test_recipe_e2e_dart.py::test_local_copies_are_read_in_place_with_every_reference",
+    "tests/test_recipe_billsum.py::test_prompt_and_deterministic_local_split",
+    "tests/test_recipe_hotpotqa.py::test_deterministic_local_split",
+    "tests/test_recipe_cifar.py::test_more_examples_than_the_data_has",
+]
+#: Never copied when git cannot list the files.
+IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "runs", "build")
+
+
+def repository_files() -> list[str]:
+    """The repository's files as git lists them (tracked, and untracked but not ignored), relative to its root;
+    ``[]`` without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [name for name in listed if (ROOT / name).is_file()]
+
+
+def copy_repository(target: Path) -> None:
+    """Copy the repository's files to ``target`` (git's list, else the whole tree without caches and outputs)."""
+    files = repository_files()
+    if not files:
+        shutil.copytree(ROOT, target, ignore=IGNORED)
+        return
+    for name in files:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target / name)
+
+
+def test_recipe_tests_pass_in_a_copy_of_the_repository(tmp_path: Path) -> None:
+    copy = tmp_path / "repository"
+    copy_repository(copy)
+    assert not (tmp_path / "shared").exists()
+    env = {k: v for k, v in os.environ.items() if k not in ("LIGHTNING_DP_DATA", "PYTHONPATH")}
+    env["PYTHONPATH"] = str(copy)
+    found = subprocess.run(
+        [sys.executable, "-c", "import lightning_dp; print(lightning_dp.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(found.stdout.strip()).is_relative_to(copy)  # the copy's code, not this checkout's
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *SELECTED],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(rf"\b{len(SELECTED)} passed\b", summary) and "skipped" not in summary, summary
