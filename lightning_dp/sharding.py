@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
@@ -75,3 +76,11 @@ def shard_key(tensor: DTensor) -> tuple[int, ...]:
     sharded = [(dim, c) for dim, (c, placement) in enumerate(zip(coordinate, tensor.placements, strict=True))]
     sharded = [pair for pair, placement in zip(sharded, tensor.placements, strict=True) if placement.is_shard()]
     return (mesh.ndim, *mesh.shape, *(value for pair in sharded for value in pair))
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters and buffers of a sharded ``module`` on rank 0's CPU, ``{}`` on other ranks.
+
+    A collective: every rank must call it (each sends its shards). Plain tensors come back as they are.
+    """
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

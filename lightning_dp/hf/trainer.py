@@ -29,8 +29,17 @@ written next to each checkpoint (``on_save``); :class:`~lightning_dp.hf.callback
 through ``control.should_training_stop``.
 
 Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
-checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``torch_compile``,
-``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
+checkpointing, DeepSpeed and FSDP through ``TrainingArguments`` or accelerate's plugins (DPTrainer reduces the
+gradients itself), DataParallel (several GPUs in one process), ``torch_compile``, ``auto_find_batch_size``,
+``model_init``, ``compute_loss_func``.
+
+Sharded models: a model the user shards with ``fully_shard`` (torch's FSDP2) before handing it to DPTrainer trains
+on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
+reduce-scattered into the shards, noise once per shard coordinate, every rank running every step: an empty Poisson
+batch runs the engine's stand-in batch). ``save_model`` gathers the full weights (every rank calls it; rank 0
+writes a folder ``from_pretrained`` loads). Not yet: checkpoints for resuming (refused: ``save_only_model=True``
+writes the weights and the privacy state), models sharded by ``from_pretrained(distributed_config=...)``, and
+what ``PrivacyEngine.check_shardable`` refuses.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
 :class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
@@ -67,7 +76,7 @@ from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, Privacy
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_queries import PrivacyQueries
-from lightning_dp.sharding import uses_fsdp
+from lightning_dp.sharding import full_state_dict, uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
@@ -106,6 +115,9 @@ class DPTrainer(PrivacyQueries, Trainer):
         super().__init__(*args, **kwargs)
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set by accelerate's config or environment
+            wrapper = "FSDP" if self.is_fsdp_enabled else "a DeepSpeed config"
+            raise ValueError(f"DPTrainer does not support {wrapper} from accelerate: {_UNSUPPORTED[wrapper]}")
         self.privacy_args = privacy_args
         self.privacy_engine = privacy_args.make_engine()
         self._check_model_and_loss()
@@ -165,16 +177,14 @@ class DPTrainer(PrivacyQueries, Trainer):
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: an FSDP2-sharded model (not supported by DPTrainer yet); the checkpoint has no privacy state
+            ValueError: on an FSDP2-sharded model, what :meth:`_check_sharded_run` refuses; the checkpoint has no
+                privacy state
                 or one that does not match this run's privacy arguments; the sample rate differs from the
                 checkpoint's.
         """
         engine = self.privacy_engine
         if uses_fsdp(self.model):
-            raise ValueError(
-                "DPTrainer does not train FSDP2-sharded models yet: train the model unsharded on several processes "
-                "(accelerate launch / torchrun, DDP), or shard it under Lightning with DPModelParallelStrategy"
-            )
+            self._check_sharded_run(resume_from_checkpoint)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
@@ -200,6 +210,34 @@ class DPTrainer(PrivacyQueries, Trainer):
             return result
         finally:
             engine.detach()
+
+    def _check_sharded_run(self, resume_from_checkpoint: str | bool | None) -> None:
+        """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there yet.
+
+        Raises:
+            ValueError: a model sharded by ``from_pretrained(distributed_config=...)`` (the Trainer then averages the
+                gradients of replicated trainable parameters itself, before the noise); checkpoints for resuming
+                (they would need each rank's optimizer shards) or a resume.
+        """
+        how = "shard the model with fully_shard before DPTrainer (docs/hf.md, 'Sharded models')"
+        if getattr(self.model, "is_distributed_loading_by_transformers", False):
+            raise ValueError(
+                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
+                f"would average replicated gradients before the noise; load it unsharded and {how}"
+            )
+        if resume_from_checkpoint or (self.args.save_strategy != "no" and not self.args.save_only_model):
+            raise ValueError(
+                "DPTrainer does not write or resume checkpoints of FSDP2-sharded models yet (each rank's optimizer "
+                "shards would be needed): set save_only_model=True (weights and privacy state only) or "
+                "save_strategy='no'; DPModelParallelStrategy under Lightning resumes sharded runs"
+            )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """``Trainer._save``; on an FSDP2-sharded model, with the full weights gathered first (a collective: every
+        rank calls ``save_model``, rank 0 writes), so that the folder loads with ``from_pretrained``."""
+        if state_dict is None and uses_fsdp(self.model):
+            state_dict = full_state_dict(self.model)
+        super()._save(output_dir, state_dict)
 
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
@@ -298,8 +336,11 @@ class DPTrainer(PrivacyQueries, Trainer):
             self.control.should_training_stop = True
         else:
             model.train()
-            inputs = self._prepare_inputs(inputs)
             size = _batch_size(inputs)
+            stand_in = size == 0 and engine.every_rank_runs_every_step
+            if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
+                inputs, size = engine.stand_in_batch(), 1
+            inputs = self._prepare_inputs(inputs)
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
@@ -311,7 +352,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses).numel():
+            if engine.clip(losses, stand_in=stand_in).numel() and not stand_in:
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)
@@ -334,12 +375,18 @@ def _batch_size(inputs: dict[str, Any]) -> int | None:
     return None
 
 
+#: What the messages refusing other sharding set-ups say to do instead.
+_SHARDED_ROUTE = (
+    "to shard a model, apply torch's fully_shard (FSDP2) to its blocks and root before DPTrainer and launch as for "
+    "several processes (docs/hf.md, 'Sharded models')"
+)
+
 _UNSUPPORTED = {
     "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
-    "a DeepSpeed config": "not yet supported; train without deepspeed",
-    "FSDP": "not yet supported; train without fsdp",
+    "a DeepSpeed config": f"not supported; {_SHARDED_ROUTE}",
+    "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
     "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
     "per_device_train_batch_size",

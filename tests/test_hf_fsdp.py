@@ -1,0 +1,103 @@
+"""DPTrainer on an FSDP2-sharded model (``fully_shard`` applied by the user before DPTrainer), 2 CPU processes over
+gloo, launched by ``accelerate launch --config_file configs/accelerate/ddp_2_processes.yaml``.
+
+``hf_fsdp_script.py`` trains a tiny float64 Llama with tied embeddings several times in one launch (see its
+docstring). Checked: the gathered parameters are identical on both ranks and moved; with zero noise the sharded run
+equals the unsharded run on the same processes, for full fine-tuning and for LoRA (float64 round-off); epsilon is
+the single-process accountant's at the global q and reaches the Trainer's logs; empty Poisson batches run the
+stand-in batch; ``save_model`` writes the full weights, which reload with ``from_pretrained`` and give the sharded
+model's logits; ``generate`` runs on the sharded model on every rank; checkpoints for resuming are refused with what
+to set. The engine's sharded numbers (norms of every engine, the noise on shards) are tested in tests/test_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dp.accounting.calibration_helpers import epsilon_for
+from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
+
+pytest.importorskip("peft")
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    """Run hf_fsdp_script.py under ``accelerate launch`` (about 20 s on 2 cores); what each rank wrote."""
+    out = tmp_path_factory.mktemp("hf_fsdp")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    config = root / "configs" / "accelerate" / "ddp_2_processes.yaml"
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
+    launch += ["--main_process_port", str(_free_port())]
+    script = [str(Path(__file__).with_name("hf_fsdp_script.py")), str(out)]
+    done = subprocess.run([*launch, *script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+RUNS = ("noisy", "sharded", "replicated", "lora sharded", "lora replicated", "small batches")
+
+
+def test_ranks_agree_and_the_parameters_move(ranks) -> None:
+    a, b = ranks
+    assert (a["rank"], b["rank"], a["world_size"]) == (0, 1, WORLD)
+    for name in RUNS:
+        assert a[name]["sharded"] == ("replicated" not in name), name
+        assert a[name]["state"] == b[name]["state"] and a[name]["steps"] == 3, name
+        params_a, params_b = a[name]["params"], b[name]["params"]
+        assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), name
+    noisy = a["noisy"]["params"]
+    assert all(not torch.equal(noisy[k], a["initial"][k]) for k in noisy)
+
+
+@pytest.mark.parametrize("kind", ["", "lora "])
+def test_zero_noise_sharded_training_equals_unsharded_training(ranks, kind) -> None:
+    sharded, replicated = ranks[0][f"{kind}sharded"]["params"], ranks[0][f"{kind}replicated"]["params"]
+    assert sharded.keys() == replicated.keys()
+    for name, value in sharded.items():
+        torch.testing.assert_close(value, replicated[name], rtol=0, atol=1e-12, msg=name)
+    if kind:  # LoRA: the adapters trained (B starts at zero), the frozen base did not
+        assert any("lora_B" in name and value.abs().max() > 0 for name, value in sharded.items())
+
+
+@pytest.mark.parametrize("name", ["noisy", "small batches"])
+def test_epsilon_is_the_single_process_accountants_at_the_global_rate_and_is_logged(ranks, name) -> None:
+    run = ranks[0][name]
+    batch = 4 * 2 if name == "noisy" else 1
+    assert run["sample_rate"] == batch * WORLD / 32
+    expected = epsilon_for(PoissonSampledEvent(run["sample_rate"], GaussianEvent(1.0)), 3, run["delta"], "rdp")
+    assert run["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert run["logged epsilons"][-1] == pytest.approx(run["epsilon"], rel=1e-12)
+
+
+def test_empty_poisson_batches_run_the_stand_in_batch(ranks) -> None:
+    assert sum(r["small batches"]["stand-in batches"] for r in ranks) > 0
+
+
+def test_saved_model_reloads_with_the_trained_weights_and_generate_runs_sharded(ranks) -> None:
+    a, b = ranks
+    torch.testing.assert_close(a["logits saved"], a["logits sharded"], rtol=0, atol=1e-12)
+    assert torch.equal(a["generated sharded"], b["generated sharded"])
+    assert a["generated sharded"].shape == (1, 8)
+
+
+def test_checkpoints_for_resuming_are_refused_with_what_to_set(ranks) -> None:
+    for rank in ranks:
+        assert "save_only_model=True" in rank["refused"] and "save_strategy='no'" in rank["refused"]
