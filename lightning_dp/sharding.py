@@ -15,9 +15,18 @@ Two things differ from replicated (DDP) training:
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
@@ -84,3 +93,40 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     A collective: every rank must call it (each sends its shards). Plain tensors come back as they are.
     """
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(folder: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write ``module``'s and ``optimizer``'s state to ``folder`` with ``torch.distributed.checkpoint`` (each rank
+    writes its shards; a collective). The folder is not written atomically.
+
+    Args:
+        folder: the checkpoint folder to create.
+        module: the (sharded) model.
+        optimizer: the user's optimizer, never a ``DPOptimizer``: torch creates a missing optimizer state by calling
+            ``step()``, which on the wrapper would add noise and record a privacy step.
+    """
+    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.save(state, checkpoint_id=folder)
+
+
+def load_sharded_model(folder: str | os.PathLike[str], module: nn.Module) -> None:
+    """Load the model state :func:`save_sharded` wrote into ``module`` (same process count; a collective).
+
+    Raises:
+        RuntimeError: the folder does not hold every entry of ``module``'s state.
+    """
+    state = {"model": get_model_state_dict(module)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(module, state["model"])
+
+
+def load_sharded_optimizer(folder: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the optimizer state :func:`save_sharded` wrote into ``optimizer`` (the user's optimizer, as there; a
+    collective).
+
+    Raises:
+        RuntimeError: the folder does not hold the optimizer's state.
+    """
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(state, checkpoint_id=folder)
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])

@@ -4,14 +4,19 @@ Usage: ``accelerate launch --config_file configs/accelerate/ddp_2_processes.yaml
 tiny float64 Llama (tied embeddings) is sharded with ``fully_shard`` on each block and on the root before it is
 handed to ``DPTrainer``, as a user does. Runs, each from the same initial model and data:
 
-- ``"noisy"``: 3 steps (per-device batch 4, 2 micro-batches, N = 32), Gaussian noise, ``mixed`` clipping; then
-  ``save_model`` (the full weights, written by rank 0) and ``generate`` on the sharded model on every rank;
+- ``"noisy"``: 3 steps (per-device batch 4, 2 micro-batches, N = 32), Gaussian noise, ``mixed`` clipping, a
+  checkpoint at step 2; then ``save_model`` (the full weights, written by rank 0) and ``generate`` on the sharded
+  model on every rank;
 - ``"sharded"`` and ``"replicated"``: 3 steps with zero noise, the same model sharded and unsharded (the unsharded
   one trains as on several processes without sharding): the parameters must agree;
 - ``"lora sharded"`` and ``"lora replicated"``: the same with LoRA adapters (peft) on the attention projections;
 - ``"small batches"``: per-device batch 1, so some ranks' Poisson batches are empty and run the stand-in batch
   (counted);
-- a run with ``save_strategy="steps"``, which must be refused (its message is recorded).
+- ``"resumed"``: the ``"noisy"`` run resumed from its checkpoint at step 2 (model and optimizer shards, privacy
+  state), on a fresh sharded model.
+
+The ``"noisy"`` run records the gathered parameters and optimizer state when it writes its checkpoint, the
+``"resumed"`` run when its training begins.
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters, the privacy state, epsilon, the sample
 rate and the logged epsilons; the logits of the saved model reloaded on rank 0 and of the sharded model.
@@ -26,10 +31,11 @@ import peft
 import torch
 from accelerate import PartialState
 from hf_helpers import LogRecorder, TokenDataset, make_trainer, tiny_llama
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, TrainerCallback
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from lightning_dp.distributed import distributed_context
@@ -57,22 +63,46 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def train(name: str, model: torch.nn.Module, out: Path, noise: float, batch: int = BATCH, accum: int = ACCUM):
+class Snapshot(TrainerCallback):
+    """The gathered parameters and optimizer state (full, on rank 0) when a checkpoint is written and when training
+    begins (after a resume restored them); every rank runs the callbacks, so the gathers are collectives."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer, self.taken = trainer, {}
+
+    def take(self, when: str, model: torch.nn.Module) -> None:
+        optimizer = self.trainer._dp_optimizer.original_optimizer
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        self.taken[when] = (gathered(model), get_optimizer_state_dict(model, optimizer, options=options))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.take("begin", model)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        self.take(f"save {state.global_step}", model)
+
+
+def train(
+    name: str,
+    model: torch.nn.Module,
+    out: Path,
+    noise: float,
+    batch: int = BATCH,
+    accum: int = ACCUM,
+    resume: Path | None = None,
+    **args,
+):
     privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed")
-    trainer = make_trainer(
-        model,
-        out / name,
-        TokenDataset(n=N),
-        privacy=privacy,
-        args=dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=STEPS),
-    )
-    recorder = LogRecorder()
+    arguments = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=STEPS)
+    trainer = make_trainer(model, out / name, TokenDataset(n=N), privacy=privacy, args={**arguments, **args})
+    recorder, snapshot = LogRecorder(), Snapshot(trainer)
     trainer.add_callback(recorder)
+    trainer.add_callback(snapshot)
     engine = trainer.privacy_engine
     stand_ins = []
     stand_in_batch = engine.stand_in_batch
     engine.stand_in_batch = lambda: stand_ins.append(1) or stand_in_batch()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     RESULT[name] = {
         "params": gathered(model),
         "state": engine.state_dict(),
@@ -83,6 +113,7 @@ def train(name: str, model: torch.nn.Module, out: Path, noise: float, batch: int
         "logged epsilons": [log["epsilon"] for log in recorder.logs if "epsilon" in log],
         "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
         "stand-in batches": len(stand_ins),
+        "snapshots": snapshot.taken,
     }
     return trainer
 
@@ -98,7 +129,7 @@ def main(out: Path) -> None:
     RESULT["initial"] = gathered(tiny_llama(torch.float64))
 
     model = shard(tiny_llama(torch.float64))
-    trainer = train("noisy", model, out, noise=1.0)
+    trainer = train("noisy", model, out, noise=1.0, save_strategy="steps", save_steps=2)
     trainer.save_model(str(out / "saved"))  # every rank gathers, rank 0 writes
     model.eval()
     with torch.no_grad():
@@ -116,11 +147,10 @@ def main(out: Path) -> None:
     train("lora sharded", shard(lora(tiny_llama(torch.float64))), out, noise=0.0)
     train("lora replicated", lora(tiny_llama(torch.float64)), out, noise=0.0)
     train("small batches", shard(tiny_llama(torch.float64)), out, noise=1.0, batch=1, accum=1)
-    try:  # checkpoints for resuming are refused on sharded models
-        trainer = make_trainer(shard(tiny_llama(torch.float64)), out / "refused", args=dict(save_strategy="steps"))
-        trainer.train()
-    except ValueError as error:
-        RESULT["refused"] = str(error)
+    resumed = shard(tiny_llama(torch.float64))
+    train(
+        "resumed", resumed, out, noise=1.0, resume=out / "noisy" / "checkpoint-2", save_strategy="steps", save_steps=2
+    )
     RESULT["rank"], RESULT["world_size"] = context.rank, context.world_size
     torch.save(RESULT, out / f"rank{context.rank}.pt")
 

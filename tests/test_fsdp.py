@@ -233,7 +233,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         clipper.backward(_loss(model, _tokens(0)[rank::world]))
         optimizer.privatise()
         result["hsdp noisy grads"] = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
-        # refused on sharded models: modules the clipper swaps, an empty batch (without the stand-in), DPTrainer
+        # refused on sharded models: modules the clipper swaps, an empty batch (without the stand-in)
         attention = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True))
         from torch.distributed.fsdp import fully_shard
 
@@ -247,17 +247,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             _engine().attach(model).backward(torch.zeros(0, requires_grad=True))  # (a Llama cannot run 0 rows)
         except ValueError as error:
             result[("refused", "empty")] = str(error)
-        from transformers import TrainingArguments
-
-        from lightning_dp.hf import DPTrainer, PrivacyArguments
-
-        arguments = TrainingArguments(output_dir=str(Path(out) / f"hf{rank}"), use_cpu=True, report_to=[])
-        privacy = PrivacyArguments(noise_multiplier=1.0, per_sample_max_grad_norm=1.0)
-        trainer = DPTrainer(model=model, args=arguments, train_dataset=TensorDataset(_tokens(0)), privacy_args=privacy)
-        try:
-            trainer.train()
-        except ValueError as error:
-            result[("refused", "DPTrainer")] = str(error)
         # not supported yet: fails early, on every rank
         model = _shard(_tiny_llama(), mesh)
         for options in (dict(momentum_length=2), dict(bookkeeping=False)):
@@ -390,6 +379,5 @@ def test_what_is_not_supported_yet_fails_early_on_every_rank(ranks):
     for result in ranks:
         assert "MultiheadAttention cannot be clipped on an FSDP2-sharded model" in result[("refused", "swap")]
         assert "an empty batch on an FSDP2-sharded model" in result[("refused", "empty")]
-        assert "DPTrainer does not train FSDP2-sharded models yet" in result[("refused", "DPTrainer")]
         assert "momentum" in result[("refused", "momentum_length")]
         assert "bookkeeping=False" in result[("refused", "bookkeeping")]

@@ -37,9 +37,10 @@ Sharded models: a model the user shards with ``fully_shard`` (torch's FSDP2) bef
 on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
 reduce-scattered into the shards, noise once per shard coordinate, every rank running every step: an empty Poisson
 batch runs the engine's stand-in batch). ``save_model`` gathers the full weights (every rank calls it; rank 0
-writes a folder ``from_pretrained`` loads). Not yet: checkpoints for resuming (refused: ``save_only_model=True``
-writes the weights and the privacy state), models sharded by ``from_pretrained(distributed_config=...)``, and
-what ``PrivacyEngine.check_shardable`` refuses.
+writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's and the optimizer's shards
+(``sharded_state``, ``torch.distributed.checkpoint``), from which ``resume_from_checkpoint`` restores them on the
+same number of processes. Not supported: models sharded by ``from_pretrained(distributed_config=...)``, and what
+``PrivacyEngine.check_shardable`` refuses.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
 :class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
@@ -62,12 +63,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
@@ -76,9 +79,12 @@ from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, Privacy
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_queries import PrivacyQueries
-from lightning_dp.sharding import full_state_dict, uses_fsdp
+from lightning_dp.sharding import full_state_dict, load_sharded_model, load_sharded_optimizer, save_sharded, uses_fsdp
 
 log = logging.getLogger("lightning_dp")
+
+#: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
+SHARDED_STATE_NAME = "sharded_state"
 
 #: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
@@ -177,14 +183,14 @@ class DPTrainer(PrivacyQueries, Trainer):
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: on an FSDP2-sharded model, what :meth:`_check_sharded_run` refuses; the checkpoint has no
+            ValueError: a model sharded by ``from_pretrained(distributed_config=...)``; the checkpoint has no
                 privacy state
                 or one that does not match this run's privacy arguments; the sample rate differs from the
                 checkpoint's.
         """
         engine = self.privacy_engine
         if uses_fsdp(self.model):
-            self._check_sharded_run(resume_from_checkpoint)
+            self._check_sharded_run()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
@@ -211,25 +217,18 @@ class DPTrainer(PrivacyQueries, Trainer):
         finally:
             engine.detach()
 
-    def _check_sharded_run(self, resume_from_checkpoint: str | bool | None) -> None:
-        """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there yet.
+    def _check_sharded_run(self) -> None:
+        """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
 
         Raises:
             ValueError: a model sharded by ``from_pretrained(distributed_config=...)`` (the Trainer then averages the
-                gradients of replicated trainable parameters itself, before the noise); checkpoints for resuming
-                (they would need each rank's optimizer shards) or a resume.
+                gradients of replicated trainable parameters itself, before the noise).
         """
-        how = "shard the model with fully_shard before DPTrainer (docs/hf.md, 'Sharded models')"
         if getattr(self.model, "is_distributed_loading_by_transformers", False):
             raise ValueError(
                 "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
-                f"would average replicated gradients before the noise; load it unsharded and {how}"
-            )
-        if resume_from_checkpoint or (self.args.save_strategy != "no" and not self.args.save_only_model):
-            raise ValueError(
-                "DPTrainer does not write or resume checkpoints of FSDP2-sharded models yet (each rank's optimizer "
-                "shards would be needed): set save_only_model=True (weights and privacy state only) or "
-                "save_strategy='no'; DPModelParallelStrategy under Lightning resumes sharded runs"
+                "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
+                "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
             )
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
@@ -238,6 +237,49 @@ class DPTrainer(PrivacyQueries, Trainer):
         if state_dict is None and uses_fsdp(self.model):
             state_dict = full_state_dict(self.model)
         super()._save(output_dir, state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's; on an FSDP2-sharded model, the model's and the optimizer's shards go to
+        ``output_dir/sharded_state`` (``torch.distributed.checkpoint``: every rank writes its own) and rank 0 writes
+        the scheduler, as the Trainer does."""
+        if not uses_fsdp(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_sharded(Path(output_dir) / SHARDED_STATE_NAME, self.model, self._user_optimizer())
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``.
+
+        Raises:
+            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (e.g. ``save_only_model``).
+        """
+        if not uses_fsdp(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded_model(self._sharded_state(resume_from_checkpoint), self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's; on an FSDP2-sharded model, each rank loads its optimizer shards from ``sharded_state``,
+        and the scheduler is read as the Trainer reads it."""
+        if checkpoint is None or not uses_fsdp(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_optimizer(self._sharded_state(checkpoint), self.model, self._user_optimizer())
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+
+    @staticmethod
+    def _sharded_state(checkpoint: str) -> Path:
+        folder = Path(checkpoint) / SHARDED_STATE_NAME
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"{checkpoint} has no {SHARDED_STATE_NAME} folder: a sharded run resumes from a checkpoint written "
+                "by a sharded DPTrainer run with save_only_model=False"
+            )
+        return folder
+
+    def _user_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the DPOptimizer wraps (torch's sharded state helpers may call ``step()`` on it)."""
+        assert self._dp_optimizer is not None
+        return self._dp_optimizer.original_optimizer
 
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
