@@ -103,6 +103,7 @@ def train(
     stand_in_batch = engine.stand_in_batch
     engine.stand_in_batch = lambda: stand_ins.append(1) or stand_in_batch()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    optimizer = trainer._dp_optimizer.original_optimizer
     RESULT[name] = {
         "params": gathered(model),
         "state": engine.state_dict(),
@@ -114,8 +115,17 @@ def train(
         "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
         "stand-in batches": len(stand_ins),
         "snapshots": snapshot.taken,
+        "local bytes": {  # what this rank holds of the parameters and of the optimizer's state
+            "parameters": sum(_bytes(p) for p in model.parameters()),
+            "optimizer state": sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if v.ndim),
+        },
     }
     return trainer
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
 
 
 RESULT: dict = {}

@@ -2,13 +2,14 @@
 gloo, launched by ``accelerate launch --config_file configs/accelerate/ddp_2_processes.yaml``.
 
 ``hf_fsdp_script.py`` trains a tiny float64 Llama with tied embeddings several times in one launch (see its
-docstring). Checked: the gathered parameters are identical on both ranks and moved; with zero noise the sharded run
-equals the unsharded run on the same processes, for full fine-tuning and for LoRA (float64 round-off); epsilon is
-the single-process accountant's at the global q and reaches the Trainer's logs; empty Poisson batches run the
-stand-in batch; ``save_model`` writes the full weights, which reload with ``from_pretrained`` and give the sharded
-model's logits; ``generate`` runs on the sharded model on every rank; resuming from a checkpoint restores the
-model's and the optimizer's shards and continues epsilon. The engine's sharded numbers (norms of every engine, the
-noise on shards) are tested in tests/test_fsdp.py.
+docstring). Checked: the gathered parameters are identical on both ranks and moved; each rank holds about half of
+the parameters' and the optimizer state's bytes (local shards, against the unsharded run); with zero noise the
+sharded run equals the unsharded run on the same processes, for full fine-tuning and for LoRA (float64 round-off);
+epsilon is the single-process accountant's at the global q and reaches the Trainer's logs; empty Poisson batches run
+the stand-in batch; ``save_model`` writes the full weights, which reload with ``from_pretrained`` and give the
+sharded model's logits; ``generate`` runs on the sharded model on every rank; resuming from a checkpoint restores
+the model's and the optimizer's shards and continues epsilon. The engine's sharded numbers (norms of every engine,
+the noise on shards) are tested in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -66,6 +67,13 @@ def test_ranks_agree_and_the_parameters_move(ranks) -> None:
         assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), name
     noisy = a["noisy"]["params"]
     assert all(not torch.equal(noisy[k], a["initial"][k]) for k in noisy)
+
+
+def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(ranks) -> None:
+    for rank in ranks:
+        sharded, replicated = rank["sharded"]["local bytes"], rank["replicated"]["local bytes"]
+        for what in ("parameters", "optimizer state"):
+            assert sharded[what] == pytest.approx(replicated[what] / WORLD, rel=0.05), what
 
 
 @pytest.mark.parametrize("kind", ["", "lora "])
