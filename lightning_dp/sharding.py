@@ -16,10 +16,12 @@ Two things differ from replicated (DDP) training:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -110,13 +112,13 @@ def save_sharded(folder: str | os.PathLike[str], module: nn.Module, optimizer: t
 
 
 def load_sharded_model(folder: str | os.PathLike[str], module: nn.Module) -> None:
-    """Load the model state :func:`save_sharded` wrote into ``module`` (same process count; a collective).
+    """Load the model state :func:`save_sharded` wrote into ``module`` (a collective).
 
     Raises:
-        RuntimeError: the folder does not hold every entry of ``module``'s state.
+        ValueError: the folder does not hold ``module``'s state (another model, other adapters).
     """
     state = {"model": get_model_state_dict(module)}
-    dcp.load(state, checkpoint_id=folder)
+    _load(state, folder)
     set_model_state_dict(module, state["model"])
 
 
@@ -125,8 +127,37 @@ def load_sharded_optimizer(folder: str | os.PathLike[str], module: nn.Module, op
     collective).
 
     Raises:
-        RuntimeError: the folder does not hold the optimizer's state.
+        ValueError: the folder does not hold this optimizer's state (another model or optimizer).
     """
     state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(state, checkpoint_id=folder)
+    _load(state, folder)
     set_optimizer_state_dict(module, optimizer, state["optimizer"])
+
+
+def _load(state: dict[str, Any], folder: str | os.PathLike[str]) -> None:
+    """``dcp.load`` into ``state`` in place; a mismatch raises a ``ValueError`` that names the missing tensors
+    (``dcp``'s own ``CheckpointException`` derives from ``BaseException`` and names only the ranks)."""
+    stored = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    missing = sorted(set(_tensor_keys(state)) - stored)
+    try:
+        if not missing:
+            dcp.load(state, checkpoint_id=folder)
+    except CheckpointException as error:
+        missing = [str(error)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"the sharded checkpoint {str(folder)!r} does not match: {shown}; resume with the model, adapters and "
+            "optimizer of the run that wrote it"
+        )
+
+
+def _tensor_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys ``dcp`` stores the tensors of a nested state dict under."""
+    keys = []
+    for name, value in state.items():
+        if isinstance(value, dict):
+            keys += _tensor_keys(value, f"{prefix}{name}.")
+        elif isinstance(value, torch.Tensor):
+            keys.append(f"{prefix}{name}")
+    return keys

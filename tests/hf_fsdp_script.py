@@ -11,12 +11,15 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   one trains as on several processes without sharding): the parameters must agree;
 - ``"lora sharded"`` and ``"lora replicated"``: the same with LoRA adapters (peft) on the attention projections;
 - ``"small batches"``: per-device batch 1, so some ranks' Poisson batches are empty and run the stand-in batch
-  (counted);
+  (counted); ``"small sharded"`` and ``"small replicated"``: the same with 2 micro-batches and zero noise, sharded
+  and unsharded (the stand-in batches must add exactly nothing);
+- ``"lora resumed"``: the ``"lora sharded"`` run resumed from its checkpoint at step 2;
+- ``"best"``: evaluation and a checkpoint at every step, ``load_best_model_at_end=True``;
 - ``"resumed"``: the ``"noisy"`` run resumed from its checkpoint at step 2 (model and optimizer shards, privacy
   state), on a fresh sharded model.
 
-The ``"noisy"`` run records the gathered parameters and optimizer state when it writes its checkpoint, the
-``"resumed"`` run when its training begins.
+Every run records the gathered parameters and optimizer state when it writes a checkpoint and when its training
+begins (after a resume restored them).
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters, the privacy state, epsilon, the sample
 rate and the logged epsilons; the logits of the saved model reloaded on rank 0 and of the sharded model.
@@ -94,7 +97,10 @@ def train(
 ):
     privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed")
     arguments = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=STEPS)
-    trainer = make_trainer(model, out / name, TokenDataset(n=N), privacy=privacy, args={**arguments, **args})
+    evaluation = {"eval_dataset": TokenDataset(n=8, seed=1)} if args.get("eval_strategy") else {}
+    trainer = make_trainer(
+        model, out / name, TokenDataset(n=N), privacy=privacy, args={**arguments, **args}, **evaluation
+    )
     recorder, snapshot = LogRecorder(), Snapshot(trainer)
     trainer.add_callback(recorder)
     trainer.add_callback(snapshot)
@@ -112,6 +118,8 @@ def train(
         "delta": engine.target_delta,
         "steps": engine.steps,
         "logged epsilons": [log["epsilon"] for log in recorder.logs if "epsilon" in log],
+        "logged losses": [log["loss"] for log in recorder.logs if "loss" in log],
+        "best step": trainer.state.best_global_step,
         "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
         "stand-in batches": len(stand_ins),
         "snapshots": snapshot.taken,
@@ -154,9 +162,16 @@ def main(out: Path) -> None:
 
     train("sharded", shard(tiny_llama(torch.float64)), out, noise=0.0)
     train("replicated", tiny_llama(torch.float64), out, noise=0.0)
-    train("lora sharded", shard(lora(tiny_llama(torch.float64))), out, noise=0.0)
+    checkpoints = dict(save_strategy="steps", save_steps=2)
+    train("lora sharded", shard(lora(tiny_llama(torch.float64))), out, noise=0.0, **checkpoints)
     train("lora replicated", lora(tiny_llama(torch.float64)), out, noise=0.0)
+    lora_checkpoint = out / "lora sharded" / "checkpoint-2"
+    train("lora resumed", shard(lora(tiny_llama(torch.float64))), out, 0.0, resume=lora_checkpoint, **checkpoints)
     train("small batches", shard(tiny_llama(torch.float64)), out, noise=1.0, batch=1, accum=1)
+    train("small sharded", shard(tiny_llama(torch.float64)), out, noise=0.0, batch=1, accum=2)
+    train("small replicated", tiny_llama(torch.float64), out, noise=0.0, batch=1, accum=2)
+    best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True)
+    train("best", shard(tiny_llama(torch.float64)), out, noise=1.0, **best, metric_for_best_model="loss")
     resumed = shard(tiny_llama(torch.float64))
     train(
         "resumed", resumed, out, noise=1.0, resume=out / "noisy" / "checkpoint-2", save_strategy="steps", save_steps=2

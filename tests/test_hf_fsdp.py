@@ -4,12 +4,13 @@ gloo, launched by ``accelerate launch --config_file configs/accelerate/ddp_2_pro
 ``hf_fsdp_script.py`` trains a tiny float64 Llama with tied embeddings several times in one launch (see its
 docstring). Checked: the gathered parameters are identical on both ranks and moved; each rank holds about half of
 the parameters' and the optimizer state's bytes (local shards, against the unsharded run); with zero noise the
-sharded run equals the unsharded run on the same processes, for full fine-tuning and for LoRA (float64 round-off);
-epsilon is the single-process accountant's at the global q and reaches the Trainer's logs; empty Poisson batches run
-the stand-in batch; ``save_model`` writes the full weights, which reload with ``from_pretrained`` and give the
-sharded model's logits; ``generate`` runs on the sharded model on every rank; resuming from a checkpoint restores
-the model's and the optimizer's shards and continues epsilon. The engine's sharded numbers (norms of every engine,
-the noise on shards) are tested in tests/test_fsdp.py.
+sharded run equals the unsharded run on the same processes, for full fine-tuning, for LoRA and with empty Poisson
+batches, whose stand-in batch must add exactly nothing (float64 round-off); epsilon is the single-process
+accountant's at the global q and reaches the Trainer's logs; ``save_model`` writes the full weights, which reload
+with ``from_pretrained`` and give the sharded model's logits; ``generate`` runs on the sharded model on every rank;
+resuming from a checkpoint restores the model's and the optimizer's shards (also for LoRA) and continues epsilon;
+``load_best_model_at_end`` restores the best checkpoint's shards. The engine's sharded numbers (norms of every
+engine, the noise on shards) are tested in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
-RUNS = ("noisy", "sharded", "replicated", "lora sharded", "lora replicated", "small batches", "resumed")
+RUNS = ("noisy", "sharded", "replicated", "lora sharded", "lora replicated", "lora resumed", "small batches")
+RUNS += ("small sharded", "small replicated", "resumed", "best")
 
 
 def test_ranks_agree_and_the_parameters_move(ranks) -> None:
@@ -76,14 +78,18 @@ def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(ranks)
             assert sharded[what] == pytest.approx(replicated[what] / WORLD, rel=0.05), what
 
 
-@pytest.mark.parametrize("kind", ["", "lora "])
+@pytest.mark.parametrize("kind", ["", "lora ", "small "])
 def test_zero_noise_sharded_training_equals_unsharded_training(ranks, kind) -> None:
     sharded, replicated = ranks[0][f"{kind}sharded"]["params"], ranks[0][f"{kind}replicated"]["params"]
     assert sharded.keys() == replicated.keys()
     for name, value in sharded.items():
         torch.testing.assert_close(value, replicated[name], rtol=0, atol=1e-12, msg=name)
-    if kind:  # LoRA: the adapters trained (B starts at zero), the frozen base did not
+    if kind == "lora ":  # the adapters trained (B starts at zero)
         assert any("lora_B" in name and value.abs().max() > 0 for name, value in sharded.items())
+    if kind == "small ":  # batch 1: empty micro-batches ran the stand-in batch, which added exactly nothing
+        assert sum(rank["small sharded"]["stand-in batches"] for rank in ranks) > 0
+        losses = [ranks[0][f"small {how}"]["logged losses"] for how in ("sharded", "replicated")]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["noisy", "small batches"])
@@ -117,15 +123,26 @@ def _equal(x, y) -> bool:
     return x == y
 
 
-def test_resume_restores_the_shards_and_continues_epsilon(ranks) -> None:
+@pytest.mark.parametrize("kind", ["", "lora "])
+def test_resume_restores_the_shards_and_continues_epsilon(ranks, kind) -> None:
     """``resume_from_checkpoint``: the weights and the optimizer state (gathered, on rank 0) at the start of the
     resumed run are those written at step 2, and the ledger continues to the uninterrupted run's epsilon."""
     a, b = ranks
-    saved_params, saved_optimizer = a["noisy"]["snapshots"]["save 2"]
-    start_params, start_optimizer = a["resumed"]["snapshots"]["begin"]
+    first = "lora sharded" if kind else "noisy"
+    saved_params, saved_optimizer = a[first]["snapshots"]["save 2"]
+    start_params, start_optimizer = a[f"{kind}resumed"]["snapshots"]["begin"]
     assert all(torch.equal(saved_params[k], start_params[k]) for k in saved_params)
     assert saved_optimizer["state"] and _equal(saved_optimizer, start_optimizer)
+    if kind:  # nothing to compare for epsilon without noise
+        return
     for rank in (a, b):
         resumed, uninterrupted = rank["resumed"], rank["noisy"]
         assert resumed["steps"] == 3 and resumed["epsilon"] == pytest.approx(uninterrupted["epsilon"], rel=1e-12)
         assert resumed["logged epsilons"][0] == pytest.approx(uninterrupted["logged epsilons"][2], rel=1e-12)
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoints_shards(ranks) -> None:
+    run = ranks[0]["best"]
+    assert run["best step"] in (1, 2, 3)
+    best_params, _ = run["snapshots"][f"save {run['best step']}"]
+    assert all(torch.equal(best_params[k], run["params"][k]) for k in best_params)

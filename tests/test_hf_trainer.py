@@ -309,6 +309,13 @@ def test_sharding_plugins_from_accelerates_config_fail_early(flag, message, tmp_
         make_trainer(tiny_gpt2(), tmp_path)
 
 
+def test_a_model_sharded_by_from_pretrained_distributed_config_fails_early(tmp_path) -> None:
+    model = tiny_gpt2()
+    model._is_distributed_loading_by_transformers = True  # what from_pretrained(distributed_config=...) sets
+    with pytest.raises(ValueError, match="distributed_config.*fully_shard"):
+        make_trainer(model, tmp_path)
+
+
 def test_default_trainer_clipping_is_switched_off_with_a_log_line(tmp_path, caplog) -> None:
     trainer = make_trainer(tiny_gpt2(), tmp_path, args=dict(max_grad_norm=1.0))
     assert trainer.args.max_grad_norm == 0.0

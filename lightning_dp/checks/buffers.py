@@ -45,13 +45,18 @@ class BufferWatch:
         self._contents: dict[str, torch.Tensor] = {}
         self._sharded: dict[str, torch.Tensor] = {}
 
+    def _registered(self) -> dict[str, torch.Tensor]:
+        """The buffers and frozen parameters the module holds now, by name."""
+        registered = dict(self.module.named_buffers())
+        registered.update((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
+        return registered
+
     def _watched(self) -> dict[str, torch.Tensor]:
         """The watched tensors by name. A frozen parameter sharded by FSDP2 is the ``DTensor`` registered at
         :meth:`start`: during a forward FSDP2 registers the gathered copy in its place, which it frees when it
-        reshards (a write to that copy never reaches the shard, the state_dict or the next step)."""
-        watched = dict(self.module.named_buffers())
-        watched.update((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
-        return {**watched, **self._sharded}
+        reshards. A write to that copy never reaches the shard, the state_dict or the next step; within the step
+        it can mix examples, which the batch-independence check looks for."""
+        return {**self._registered(), **self._sharded}
 
     def _state(self) -> dict[str, tuple[int, int, int]]:
         return {name: (id(t), t._version, local_part(t).data_ptr()) for name, t in self._watched().items()}
@@ -60,8 +65,7 @@ class BufferWatch:
         """Record identities, version counters and storage addresses (call right before the training forward);
         with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents (of
         this rank's shard for a sharded one)."""
-        self._sharded = {}
-        self._sharded = {name: t for name, t in self._watched().items() if is_sharded(t)}
+        self._sharded = {name: t for name, t in self._registered().items() if is_sharded(t)}
         self._before = self._state()
         self._contents = {name: _fingerprint(t) for name, t in self._watched().items()} if contents else {}
 

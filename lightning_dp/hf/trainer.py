@@ -124,6 +124,12 @@ class DPTrainer(PrivacyQueries, Trainer):
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set by accelerate's config or environment
             wrapper = "FSDP" if self.is_fsdp_enabled else "a DeepSpeed config"
             raise ValueError(f"DPTrainer does not support {wrapper} from accelerate: {_UNSUPPORTED[wrapper]}")
+        if self.is_distributed_loading_by_transformers:
+            raise ValueError(
+                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
+                "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
+                "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
+            )
         self.privacy_args = privacy_args
         self.privacy_engine = privacy_args.make_engine()
         self._check_model_and_loss()
@@ -183,10 +189,10 @@ class DPTrainer(PrivacyQueries, Trainer):
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: a model sharded by ``from_pretrained(distributed_config=...)``; the checkpoint has no
-                privacy state
-                or one that does not match this run's privacy arguments; the sample rate differs from the
-                checkpoint's.
+            ValueError: on a sharded model, what :meth:`_check_sharded_run` refuses; the checkpoint has no privacy
+                state or one that does not match this run's privacy arguments (or, sharded, its model and optimizer
+                shards do not match); the sample rate differs from the checkpoint's.
+            FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
         engine = self.privacy_engine
         if uses_fsdp(self.model):
@@ -221,14 +227,14 @@ class DPTrainer(PrivacyQueries, Trainer):
         """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
 
         Raises:
-            ValueError: a model sharded by ``from_pretrained(distributed_config=...)`` (the Trainer then averages the
-                gradients of replicated trainable parameters itself, before the noise).
+            ValueError: ``save_on_each_node`` (only rank 0 receives the gathered weights, so other nodes would write
+                folders without them).
         """
-        if getattr(self.model, "is_distributed_loading_by_transformers", False):
+        if self.args.save_on_each_node and self.args.save_strategy != "no":
             raise ValueError(
-                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
-                "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
-                "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
+                "save_on_each_node=True on an FSDP2-sharded model: only rank 0 receives the gathered weights and the "
+                "shards' index, so other nodes' checkpoints would be incomplete; set save_on_each_node=False and "
+                "write checkpoints to a filesystem every node reads"
             )
 
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
@@ -252,7 +258,8 @@ class DPTrainer(PrivacyQueries, Trainer):
         """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``.
 
         Raises:
-            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (e.g. ``save_only_model``).
+            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
+            ValueError: its shards are not this model's (another model, other adapters).
         """
         if not uses_fsdp(self.model):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -260,14 +267,37 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The Trainer's; on an FSDP2-sharded model, each rank loads its optimizer shards from ``sharded_state``,
-        and the scheduler is read as the Trainer reads it."""
+        and the scheduler is read as the Trainer reads it.
+
+        Raises:
+            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
+            ValueError: its shards are not this optimizer's.
+        """
         if checkpoint is None or not uses_fsdp(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded_optimizer(self._sharded_state(checkpoint), self.model, self._user_optimizer())
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
 
+    def _load_best_model(self) -> None:
+        """The Trainer's (``load_best_model_at_end``); on an FSDP2-sharded model, each rank loads its shards from
+        the best checkpoint's ``sharded_state``.
+
+        Raises:
+            FileNotFoundError: the best checkpoint has no ``sharded_state`` (``save_only_model=True``).
+        """
+        if not uses_fsdp(self.model):
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        log.info("Loading the best model from %s (score: %s)", best, self.state.best_metric)
+        load_sharded_model(self._sharded_state(best), self.model)
+
     @staticmethod
     def _sharded_state(checkpoint: str) -> Path:
+        """The checkpoint's folder of model and optimizer shards.
+
+        Raises:
+            FileNotFoundError: there is none (the checkpoint was written with ``save_only_model=True``).
+        """
         folder = Path(checkpoint) / SHARDED_STATE_NAME
         if not folder.is_dir():
             raise FileNotFoundError(
@@ -394,7 +424,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses, stand_in=stand_in).numel() and not stand_in:
+            if engine.clip(losses, stand_in=stand_in).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)
@@ -427,7 +457,7 @@ _UNSUPPORTED = {
     "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
-    "a DeepSpeed config": f"not supported; {_SHARDED_ROUTE}",
+    "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
     "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
