@@ -15,8 +15,20 @@ Two things differ from replicated (DDP) training:
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial
 
@@ -75,3 +87,77 @@ def shard_key(tensor: DTensor) -> tuple[int, ...]:
     sharded = [(dim, c) for dim, (c, placement) in enumerate(zip(coordinate, tensor.placements, strict=True))]
     sharded = [pair for pair, placement in zip(sharded, tensor.placements, strict=True) if placement.is_shard()]
     return (mesh.ndim, *mesh.shape, *(value for pair in sharded for value in pair))
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters and buffers of a sharded ``module`` on rank 0's CPU, ``{}`` on other ranks.
+
+    A collective: every rank must call it (each sends its shards). Plain tensors come back as they are.
+    """
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_sharded(folder: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write ``module``'s and ``optimizer``'s state to ``folder`` with ``torch.distributed.checkpoint`` (each rank
+    writes its shards; a collective). The folder is not written atomically.
+
+    Args:
+        folder: the checkpoint folder to create.
+        module: the (sharded) model.
+        optimizer: the user's optimizer, never a ``DPOptimizer``: torch creates a missing optimizer state by calling
+            ``step()``, which on the wrapper would add noise and record a privacy step.
+    """
+    state = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.save(state, checkpoint_id=folder)
+
+
+def load_sharded_model(folder: str | os.PathLike[str], module: nn.Module) -> None:
+    """Load the model state :func:`save_sharded` wrote into ``module`` (a collective).
+
+    Raises:
+        ValueError: the folder does not hold ``module``'s state (another model, other adapters).
+    """
+    state = {"model": get_model_state_dict(module)}
+    _load(state, folder)
+    set_model_state_dict(module, state["model"])
+
+
+def load_sharded_optimizer(folder: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the optimizer state :func:`save_sharded` wrote into ``optimizer`` (the user's optimizer, as there; a
+    collective).
+
+    Raises:
+        ValueError: the folder does not hold this optimizer's state (another model or optimizer).
+    """
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    _load(state, folder)
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])
+
+
+def _load(state: dict[str, Any], folder: str | os.PathLike[str]) -> None:
+    """``dcp.load`` into ``state`` in place; a mismatch raises a ``ValueError`` that names the missing tensors
+    (``dcp``'s own ``CheckpointException`` derives from ``BaseException`` and names only the ranks)."""
+    stored = set(dcp.FileSystemReader(folder).read_metadata().state_dict_metadata)
+    missing = sorted(set(_tensor_keys(state)) - stored)
+    try:
+        if not missing:
+            dcp.load(state, checkpoint_id=folder)
+    except CheckpointException as error:
+        missing = [str(error)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"the sharded checkpoint {str(folder)!r} does not match: {shown}; resume with the model, adapters and "
+            "optimizer of the run that wrote it"
+        )
+
+
+def _tensor_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys ``dcp`` stores the tensors of a nested state dict under."""
+    keys = []
+    for name, value in state.items():
+        if isinstance(value, dict):
+            keys += _tensor_keys(value, f"{prefix}{name}.")
+        elif isinstance(value, torch.Tensor):
+            keys.append(f"{prefix}{name}")
+    return keys

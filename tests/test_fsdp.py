@@ -35,9 +35,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import PrivacyEngine
 from lightning_dp.checks import BatchMixingError
+from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.hf.losses import token_cross_entropy
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness, distributed_context
+from lightning_dp.sharding import reshard_all
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -233,7 +235,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         clipper.backward(_loss(model, _tokens(0)[rank::world]))
         optimizer.privatise()
         result["hsdp noisy grads"] = {name: p.grad.to_local().clone() for name, p in model.named_parameters()}
-        # refused on sharded models: modules the clipper swaps, an empty batch (without the stand-in), DPTrainer
+        # refused on sharded models: modules the clipper swaps, an empty batch (without the stand-in)
         attention = nn.Sequential(nn.Linear(4, 8), nn.MultiheadAttention(8, 2, batch_first=True))
         from torch.distributed.fsdp import fully_shard
 
@@ -247,17 +249,31 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             _engine().attach(model).backward(torch.zeros(0, requires_grad=True))  # (a Llama cannot run 0 rows)
         except ValueError as error:
             result[("refused", "empty")] = str(error)
-        from transformers import TrainingArguments
-
-        from lightning_dp.hf import DPTrainer, PrivacyArguments
-
-        arguments = TrainingArguments(output_dir=str(Path(out) / f"hf{rank}"), use_cpu=True, report_to=[])
-        privacy = PrivacyArguments(noise_multiplier=1.0, per_sample_max_grad_norm=1.0)
-        trainer = DPTrainer(model=model, args=arguments, train_dataset=TensorDataset(_tokens(0)), privacy_args=privacy)
-        try:
-            trainer.train()
-        except ValueError as error:
-            result[("refused", "DPTrainer")] = str(error)
+        # the buffer check on a sharded model whose root holds frozen parameters (the embedding and final norm)
+        model = _shard(_tiny_llama(), mesh)
+        for name, p in model.named_parameters():
+            p.requires_grad_("layers" in name)
+        watch = BufferWatch(model)
+        result["buffer check"] = {}
+        for case in ("eval forward, then training forward", "shard written", "buffer written"):
+            model.train()
+            if case.startswith("eval"):
+                with torch.no_grad():
+                    model.eval()(input_ids=_tokens(0)[:2])
+            watch.start(contents=True)
+            shard = model.model.norm.weight
+            model(input_ids=_tokens(0)[:2])  # FSDP2 registers the root's gathered copies in place of the shards
+            if case == "shard written":
+                with torch.no_grad():
+                    shard.to_local().add_(1.0)  # what the state_dict holds, as a leak would
+            if case == "buffer written":
+                model.model.rotary_emb.inv_freq.mul_(1.0)  # a buffer FSDP2 does not shard
+            try:
+                watch.check()
+                result["buffer check"][case] = "passed"
+            except ValueError as error:
+                result["buffer check"][case] = str(error)
+            reshard_all(model)
         # not supported yet: fails early, on every rank
         model = _shard(_tiny_llama(), mesh)
         for options in (dict(momentum_length=2), dict(bookkeeping=False)):
@@ -386,10 +402,19 @@ def test_hsdp_replicas_get_the_same_noise_and_the_same_sum(ranks):
     assert noise.std().item() == pytest.approx(scale, rel=0.1)  # one draw, not a sum of the replicas' draws
 
 
+def test_the_buffer_check_tracks_frozen_shards_through_fsdp2s_swaps(ranks):
+    """A frozen root parameter is registered as the gathered copy after the forward: not a write. A write to the
+    shard itself, or to a buffer FSDP2 does not shard, is still caught."""
+    for result in ranks:
+        checks = result["buffer check"]
+        assert checks["eval forward, then training forward"] == "passed"
+        assert "'weight' of module 'model.norm'" in checks["shard written"]
+        assert "'inv_freq' of module 'model.rotary_emb'" in checks["buffer written"]
+
+
 def test_what_is_not_supported_yet_fails_early_on_every_rank(ranks):
     for result in ranks:
         assert "MultiheadAttention cannot be clipped on an FSDP2-sharded model" in result[("refused", "swap")]
         assert "an empty batch on an FSDP2-sharded model" in result[("refused", "empty")]
-        assert "DPTrainer does not train FSDP2-sharded models yet" in result[("refused", "DPTrainer")]
         assert "momentum" in result[("refused", "momentum_length")]
         assert "bookkeeping=False" in result[("refused", "bookkeeping")]

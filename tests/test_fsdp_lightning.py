@@ -177,6 +177,7 @@ def test_tensor_parallelism_is_refused(size):
     [
         (dict(momentum_length=2), "momentum_length > 1"),
         (dict(bookkeeping=False), "bookkeeping=False"),
+        (dict(lowpass="ema"), "lowpass"),
     ],
 )
 def test_what_sharded_models_do_not_support_yet_is_refused_at_construction(options, message):

@@ -282,8 +282,8 @@ def test_privacy_budget_stops_before_exceeding(tmp_path) -> None:
     [
         ("fp16", True, "fp16"),
         ("gradient_checkpointing", True, "gradient_checkpointing"),
-        ("deepspeed", "ds_config.json", "DeepSpeed.*not yet supported"),
-        ("fsdp", "full_shard", "FSDP.*not yet supported"),
+        ("deepspeed", "ds_config.json", "DeepSpeed.*fully_shard"),
+        ("fsdp", "full_shard", "FSDP.*fully_shard"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
         ("torch_compile", True, "torch_compile"),
     ],
@@ -293,6 +293,27 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
     setattr(args, attribute, value)  # set after construction: some need a GPU or DeepSpeed to construct
     with pytest.raises(ValueError, match=message):
         DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
+
+
+@pytest.mark.parametrize(("flag", "message"), [("is_fsdp_enabled", "FSDP from"), ("is_deepspeed_enabled", "DeepSpeed")])
+def test_sharding_plugins_from_accelerates_config_fail_early(flag, message, tmp_path, monkeypatch) -> None:
+    """accelerate's FSDP or DeepSpeed plugin (set by its config file, e.g. on GPUs) is refused, naming fully_shard."""
+    create = transformers.Trainer.create_accelerator_and_postprocess
+
+    def with_plugin(self):
+        create(self)
+        setattr(self, flag, True)
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", with_plugin)
+    with pytest.raises(ValueError, match=f"{message}.*fully_shard"):
+        make_trainer(tiny_gpt2(), tmp_path)
+
+
+def test_a_model_sharded_by_from_pretrained_distributed_config_fails_early(tmp_path) -> None:
+    model = tiny_gpt2()
+    model._is_distributed_loading_by_transformers = True  # what from_pretrained(distributed_config=...) sets
+    with pytest.raises(ValueError, match="distributed_config.*fully_shard"):
+        make_trainer(model, tmp_path)
 
 
 def test_default_trainer_clipping_is_switched_off_with_a_log_line(tmp_path, caplog) -> None:

@@ -18,12 +18,11 @@ step only is not caught.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.sharding import is_sharded, local_part
 
 #: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by
 #: checksum (float64 sum and sum of squares), so a large frozen base (LoRA) is read in chunks, never copied whole.
@@ -44,19 +43,31 @@ class BufferWatch:
         self.module = module
         self._before: dict[str, tuple[int, int, int]] = {}
         self._contents: dict[str, torch.Tensor] = {}
+        self._sharded: dict[str, torch.Tensor] = {}
 
-    def _watched(self) -> Iterable[tuple[str, torch.Tensor]]:
-        yield from self.module.named_buffers()
-        yield from ((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
+    def _registered(self) -> dict[str, torch.Tensor]:
+        """The buffers and frozen parameters the module holds now, by name."""
+        registered = dict(self.module.named_buffers())
+        registered.update((name, p) for name, p in self.module.named_parameters() if not p.requires_grad)
+        return registered
+
+    def _watched(self) -> dict[str, torch.Tensor]:
+        """The watched tensors by name. A frozen parameter sharded by FSDP2 is the ``DTensor`` registered at
+        :meth:`start`: during a forward FSDP2 registers the gathered copy in its place, which it frees when it
+        reshards. A write to that copy never reaches the shard, the state_dict or the next step; within the step
+        it can mix examples, which the batch-independence check looks for."""
+        return {**self._registered(), **self._sharded}
 
     def _state(self) -> dict[str, tuple[int, int, int]]:
-        return {name: (id(t), t._version, t.data_ptr()) for name, t in self._watched()}
+        return {name: (id(t), t._version, local_part(t).data_ptr()) for name, t in self._watched().items()}
 
     def start(self, *, contents: bool = False) -> None:
         """Record identities, version counters and storage addresses (call right before the training forward);
-        with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents."""
+        with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents (of
+        this rank's shard for a sharded one)."""
+        self._sharded = {name: t for name, t in self._registered().items() if is_sharded(t)}
         self._before = self._state()
-        self._contents = {name: _fingerprint(t) for name, t in self._watched()} if contents else {}
+        self._contents = {name: _fingerprint(t) for name, t in self._watched().items()} if contents else {}
 
     def check(self) -> None:
         """Compare with :meth:`start`.
@@ -67,7 +78,7 @@ class BufferWatch:
         """
         changed = [name for name, state in self._state().items() if self._before.get(name) != state]
         if self._contents:
-            current = dict(self._watched())
+            current = self._watched()
             changed += [
                 name
                 for name, before in self._contents.items()
@@ -89,7 +100,7 @@ class BufferWatch:
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """A copy of ``tensor`` (at most :data:`EXACT_COMPARE_NUMEL` elements), else ``[2]`` float64: sum and sum of
     squares."""
-    tensor = tensor.detach()
+    tensor = local_part(tensor).detach()
     if tensor.numel() <= EXACT_COMPARE_NUMEL:
         return tensor.clone()
     values = (torch.view_as_real(tensor) if tensor.is_complex() else tensor).reshape(-1)

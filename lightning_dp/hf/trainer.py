@@ -29,8 +29,18 @@ written next to each checkpoint (``on_save``); :class:`~lightning_dp.hf.callback
 through ``control.should_training_stop``.
 
 Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
-checkpointing, DeepSpeed, FSDP, DataParallel (several GPUs in one process), ``torch_compile``,
-``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
+checkpointing, DeepSpeed and FSDP through ``TrainingArguments`` or accelerate's plugins (DPTrainer reduces the
+gradients itself), DataParallel (several GPUs in one process), ``torch_compile``, ``auto_find_batch_size``,
+``model_init``, ``compute_loss_func``.
+
+Sharded models: a model the user shards with ``fully_shard`` (torch's FSDP2) before handing it to DPTrainer trains
+on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
+reduce-scattered into the shards, noise once per shard coordinate, every rank running every step: an empty Poisson
+batch runs the engine's stand-in batch). ``save_model`` gathers the full weights (every rank calls it; rank 0
+writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's and the optimizer's shards
+(``sharded_state``, ``torch.distributed.checkpoint``), from which ``resume_from_checkpoint`` restores them on the
+same number of processes. Not supported: models sharded by ``from_pretrained(distributed_config=...)``, and what
+``PrivacyEngine.check_shardable`` refuses.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
 :class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
@@ -53,12 +63,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
@@ -67,9 +79,12 @@ from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, Privacy
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_queries import PrivacyQueries
-from lightning_dp.sharding import uses_fsdp
+from lightning_dp.sharding import full_state_dict, load_sharded_model, load_sharded_optimizer, save_sharded, uses_fsdp
 
 log = logging.getLogger("lightning_dp")
+
+#: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
+SHARDED_STATE_NAME = "sharded_state"
 
 #: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
@@ -106,6 +121,15 @@ class DPTrainer(PrivacyQueries, Trainer):
         super().__init__(*args, **kwargs)
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set by accelerate's config or environment
+            wrapper = "FSDP" if self.is_fsdp_enabled else "a DeepSpeed config"
+            raise ValueError(f"DPTrainer does not support {wrapper} from accelerate: {_UNSUPPORTED[wrapper]}")
+        if self.is_distributed_loading_by_transformers:
+            raise ValueError(
+                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
+                "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
+                "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
+            )
         self.privacy_args = privacy_args
         self.privacy_engine = privacy_args.make_engine()
         self._check_model_and_loss()
@@ -165,16 +189,14 @@ class DPTrainer(PrivacyQueries, Trainer):
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: an FSDP2-sharded model (not supported by DPTrainer yet); the checkpoint has no privacy state
-                or one that does not match this run's privacy arguments; the sample rate differs from the
-                checkpoint's.
+            ValueError: on a sharded model, what :meth:`_check_sharded_run` refuses; the checkpoint has no privacy
+                state or one that does not match this run's privacy arguments (or, sharded, its model and optimizer
+                shards do not match); the sample rate differs from the checkpoint's.
+            FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
         engine = self.privacy_engine
         if uses_fsdp(self.model):
-            raise ValueError(
-                "DPTrainer does not train FSDP2-sharded models yet: train the model unsharded on several processes "
-                "(accelerate launch / torchrun, DDP), or shard it under Lightning with DPModelParallelStrategy"
-            )
+            self._check_sharded_run()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
@@ -200,6 +222,94 @@ class DPTrainer(PrivacyQueries, Trainer):
             return result
         finally:
             engine.detach()
+
+    def _check_sharded_run(self) -> None:
+        """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
+
+        Raises:
+            ValueError: ``save_on_each_node`` (only rank 0 receives the gathered weights, so other nodes would write
+                folders without them).
+        """
+        if self.args.save_on_each_node and self.args.save_strategy != "no":
+            raise ValueError(
+                "save_on_each_node=True on an FSDP2-sharded model: only rank 0 receives the gathered weights and the "
+                "shards' index, so other nodes' checkpoints would be incomplete; set save_on_each_node=False and "
+                "write checkpoints to a filesystem every node reads"
+            )
+
+    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
+        """``Trainer._save``; on an FSDP2-sharded model, with the full weights gathered first (a collective: every
+        rank calls ``save_model``, rank 0 writes), so that the folder loads with ``from_pretrained``."""
+        if state_dict is None and uses_fsdp(self.model):
+            state_dict = full_state_dict(self.model)
+        super()._save(output_dir, state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's; on an FSDP2-sharded model, the model's and the optimizer's shards go to
+        ``output_dir/sharded_state`` (``torch.distributed.checkpoint``: every rank writes its own) and rank 0 writes
+        the scheduler, as the Trainer does."""
+        if not uses_fsdp(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_sharded(Path(output_dir) / SHARDED_STATE_NAME, self.model, self._user_optimizer())
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``.
+
+        Raises:
+            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
+            ValueError: its shards are not this model's (another model, other adapters).
+        """
+        if not uses_fsdp(self.model):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded_model(self._sharded_state(resume_from_checkpoint), self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's; on an FSDP2-sharded model, each rank loads its optimizer shards from ``sharded_state``,
+        and the scheduler is read as the Trainer reads it.
+
+        Raises:
+            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
+            ValueError: its shards are not this optimizer's.
+        """
+        if checkpoint is None or not uses_fsdp(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_optimizer(self._sharded_state(checkpoint), self.model, self._user_optimizer())
+        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """The Trainer's (``load_best_model_at_end``); on an FSDP2-sharded model, each rank loads its shards from
+        the best checkpoint's ``sharded_state``.
+
+        Raises:
+            FileNotFoundError: the best checkpoint has no ``sharded_state`` (``save_only_model=True``).
+        """
+        if not uses_fsdp(self.model):
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        log.info("Loading the best model from %s (score: %s)", best, self.state.best_metric)
+        load_sharded_model(self._sharded_state(best), self.model)
+
+    @staticmethod
+    def _sharded_state(checkpoint: str) -> Path:
+        """The checkpoint's folder of model and optimizer shards.
+
+        Raises:
+            FileNotFoundError: there is none (the checkpoint was written with ``save_only_model=True``).
+        """
+        folder = Path(checkpoint) / SHARDED_STATE_NAME
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"{checkpoint} has no {SHARDED_STATE_NAME} folder: a sharded run resumes from a checkpoint written "
+                "by a sharded DPTrainer run with save_only_model=False"
+            )
+        return folder
+
+    def _user_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the DPOptimizer wraps (torch's sharded state helpers may call ``step()`` on it)."""
+        assert self._dp_optimizer is not None
+        return self._dp_optimizer.original_optimizer
 
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
@@ -298,8 +408,11 @@ class DPTrainer(PrivacyQueries, Trainer):
             self.control.should_training_stop = True
         else:
             model.train()
-            inputs = self._prepare_inputs(inputs)
             size = _batch_size(inputs)
+            stand_in = size == 0 and engine.every_rank_runs_every_step
+            if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
+                inputs, size = engine.stand_in_batch(), 1
+            inputs = self._prepare_inputs(inputs)
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)
             else:
@@ -311,7 +424,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 losses = engine.per_sample_loss(inputs, size, compute, module=model)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses).numel():
+            if engine.clip(losses, stand_in=stand_in).numel():
                 loss = losses.detach().mean().to(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)
@@ -334,12 +447,18 @@ def _batch_size(inputs: dict[str, Any]) -> int | None:
     return None
 
 
+#: What the messages refusing other sharding set-ups say to do instead.
+_SHARDED_ROUTE = (
+    "to shard a model, apply torch's fully_shard (FSDP2) to its blocks and root before DPTrainer and launch as for "
+    "several processes (docs/hf.md, 'Sharded models')"
+)
+
 _UNSUPPORTED = {
     "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
-    "a DeepSpeed config": "not yet supported; train without deepspeed",
-    "FSDP": "not yet supported; train without fsdp",
+    "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
+    "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
     "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
     "per_device_train_batch_size",
