@@ -92,13 +92,17 @@ def figure_to_rgb(figure: Figure) -> np.ndarray:
 def log_figure(logger: Any, tag: str, figure: Figure, step: int) -> bool:
     """Send ``figure`` to a Lightning logger that takes images; return whether it did.
 
-    ``TensorBoardLogger``: ``experiment.add_figure``; any logger with ``log_image`` (e.g. ``WandbLogger``,
-    ``NeptuneLogger``): the rendered RGB array. Other loggers (CSV, MLflow without images) are skipped.
+    ``TensorBoardLogger``: ``experiment.add_figure``; ``MLFlowLogger``: the run's artifact ``<tag>.png``; any logger
+    with ``log_image`` (e.g. ``WandbLogger``, ``NeptuneLogger``): the rendered RGB array. Other loggers (CSV) are
+    skipped.
     """
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
     if isinstance(logger, TensorBoardLogger):
         logger.experiment.add_figure(tag, figure, global_step=step)
+        return True
+    if isinstance(logger, MLFlowLogger):
+        logger.experiment.log_figure(logger.run_id, figure, f"{tag}.png")
         return True
     if callable(getattr(logger, "log_image", None)):
         logger.log_image(key=tag, images=[figure_to_rgb(figure)], step=step)

@@ -433,9 +433,16 @@ class DPTrainer(PrivacyQueries, Trainer):
         return loss / self.args.gradient_accumulation_steps
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started."""
-        if self.privacy_engine.accountant is not None:
-            logs["epsilon"] = self.privacy_engine.epsilon()
+        """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started, and
+        the numbers of the privacy summary (``dp/epsilon``, ``dp/delta``, ``dp/noise_multiplier``, ``dp/steps``...)
+        added to the Trainer's end-of-training log (the one with ``train_runtime``), so every ``report_to`` tracker
+        records them with the run's final metrics."""
+        engine = self.privacy_engine
+        if engine.accountant is not None:
+            logs["epsilon"] = engine.epsilon()
+            if "train_runtime" in logs:
+                summary = engine.summary()
+                logs.update({f"dp/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
         super().log(logs, start_time)
 
 

@@ -24,6 +24,12 @@ def privacy_engine_of(trainer: pl.Trainer) -> PrivacyEngine:
     return engine
 
 
+def tracker_params(summary: dict[str, Any]) -> dict[str, Any]:
+    """The privacy summary as experiment-tracker parameters: keys ``dp/<name>``, numbers and strings as they are,
+    anything else (e.g. the low-pass filter's description) as its ``str``."""
+    return {f"dp/{k}": v if isinstance(v, (int, float, str)) else str(v) for k, v in summary.items()}
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """``"epsilon=2.98, delta=1e-05, noise=gaussian, ..."``: the one-line form of ``PrivacyEngine.summary()``."""
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
@@ -36,13 +42,15 @@ class PrivacyAccountantCallback(Callback):
     Args:
         delta: delta to report epsilon at (default: the strategy's ``target_delta``).
         plot: log the privacy curve as an image at the end of training (``TensorBoardLogger`` via
-            ``add_figure``, any logger with ``log_image``). ``None`` (default): when matplotlib is installed;
-            ``True``: required (``ImportError`` naming the ``plot`` extra at the start of fit if missing).
+            ``add_figure``, ``MLFlowLogger`` as an artifact, any logger with ``log_image``). ``None`` (default):
+            when matplotlib is installed; ``True``: required (``ImportError`` naming the ``plot`` extra at the
+            start of fit if missing).
 
     Attributes:
         history: ``[(epoch, steps, epsilon)]`` for every epoch.
         summary: the final report (epsilon, delta, noise parameters, steps, sample rate, accountant), set at the
-            end of training; also sent to every logger as hyperparameters/metrics.
+            end of training; also sent to every logger, its numbers as metrics and all of it as hyperparameters
+            (``dp/<name>``).
     """
 
     #: tag of the privacy-curve image in the loggers.
@@ -92,6 +100,7 @@ class PrivacyAccountantCallback(Callback):
         numeric = {f"dp/{k}": float(v) for k, v in self.summary.items() if isinstance(v, (int, float))}
         for logger in trainer.loggers:
             logger.log_metrics(numeric, step=trainer.global_step)
+            logger.log_hyperparams(tracker_params(self.summary))
         if trainer.is_global_zero:
             log.info("Privacy summary: %s", format_summary(self.summary))
             if not math.isfinite(self.summary["epsilon"]):
