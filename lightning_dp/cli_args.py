@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.naming import did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
@@ -43,22 +44,6 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         return report(prog, err)
     except ImportError as err:
         return report(prog, err, code=1)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends each option's default (``(default: 3.0)``) to its help,
-    unless the default is ``None``/``False`` (an option off unless given) or the help already states it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            action.default is None
-            or action.default is False
-            or action.default == argparse.SUPPRESS
-            or "default" in text
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 class Parser(argparse.ArgumentParser):

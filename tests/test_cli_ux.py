@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import logging
 import os
 import subprocess
@@ -19,6 +21,7 @@ from lightning_dp import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.cli import main
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.lightning.callbacks import privacy_engine_of
 from lightning_dp.mechanisms.calibration import calibrate_result
 from lightning_dp.privacy_engine import PrivacyEngine
@@ -328,3 +331,23 @@ def test_fit_without_the_callback_still_prints_the_summary(tmp_path, capfd):
     finally:
         logging.getLogger("lightning_dp").removeHandler(handler)
     assert "Privacy summary: epsilon=" in capfd.readouterr().err
+
+
+def test_every_scripts_help_shows_the_defaults() -> None:
+    """Every ``argparse`` parser of the examples and benches uses the package's HelpFormatter, which appends each
+    option's default to its help (the ``lightning-dp`` commands use it through ``cli_args.Parser``)."""
+    root = Path(__file__).resolve().parents[1]
+    scripts = [*root.glob("bench/*.py"), *root.glob("lightning_dp/examples/*.py")]
+    parsers = 0
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                parsers += 1
+                formatter = {k.arg: k.value for k in node.keywords}.get("formatter_class")
+                assert isinstance(formatter, ast.Name) and formatter.id == "HelpFormatter", script.name
+    assert parsers >= 10
+    parser = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--seed", type=int, default=None, help="seed")
+    text = parser.format_help()
+    assert "optimizer steps (default: 100)" in text and "seed (default" not in text
