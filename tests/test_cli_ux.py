@@ -351,3 +351,23 @@ def test_every_scripts_help_shows_the_defaults() -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed")
     text = parser.format_help()
     assert "optimizer steps (default: 100)" in text and "seed (default" not in text
+
+
+def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation() -> None:
+    """A plain script training with DPStrategy (no logging or warnings set-up): Lightning's own lines stay, its
+    cloud-logger advert and the ``_pytree`` deprecation torch raises for it do not."""
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import lightning.pytorch as pl\n"
+        "from helpers import TinyRegressor\n"
+        "from lightning_dp import DPStrategy\n"
+        "trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1, accelerator='cpu',\n"
+        "                     logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "trainer.fit(TinyRegressor())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "GPU available" in output  # Lightning's own information is kept
+    assert "litlogger" not in output and "LeafSpec" not in output
