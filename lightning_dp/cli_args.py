@@ -11,11 +11,11 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from lightning_dp.help_format import HelpFormatter
+from lightning_dp.lightning_noise import drop_lightning_noise
 from lightning_dp.naming import did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
@@ -127,4 +127,4 @@ def quiet_lightning() -> None:
     logging.getLogger("lightning_dp").setLevel(logging.INFO)
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    drop_lightning_noise()

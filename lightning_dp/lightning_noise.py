@@ -1,4 +1,5 @@
-"""Two lines of Lightning's own output that a DP run's log is better without, dropped once a DP strategy exists.
+"""Two lines of Lightning's own output that a DP run's log is better without, dropped once a DP strategy exists
+(and by the ``lightning-dp`` commands). This module imports nothing of Lightning.
 
 - Lightning's advert for its cloud logger (``"💡 Tip: For seamless cloud logging ... litlogger"``), logged at INFO
   whenever a Trainer has no such logger: an advert, not information about the run.
@@ -24,7 +25,7 @@ class _DropAdvert(logging.Filter):
         return not record.getMessage().startswith(ADVERT)
 
 
-def quiet_lightning() -> None:
+def drop_lightning_noise() -> None:
     """Drop the two messages (idempotent): a filter on Lightning's rank-zero logger and a ``warnings`` filter."""
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropAdvert) for f in logger.filters):
