@@ -120,6 +120,8 @@ def quiet_lightning() -> None:
     deprecation that Lightning's own pytree code triggers under recent torch. Only these commands call this; the
     Python API (the user's own Trainer and logging set-up) is untouched.
     """
+    import lightning.pytorch  # noqa: F401  (first: importing Lightning sets its loggers' levels and handlers)
+
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(_ConsoleFormatter("%(message)s"))

@@ -371,3 +371,23 @@ def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation() -> None:
     assert done.returncode == 0, output
     assert "GPU available" in output  # Lightning's own information is kept
     assert "litlogger" not in output and "LeafSpec" not in output
+
+
+def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> None:
+    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: every epoch row is a line
+    of its own (never glued to progress-bar output), and stderr holds our lines without Lightning's device lines."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        command = [sys.executable, "-m", "lightning_dp.cli", "demo", "--epochs", "2"]
+        done = subprocess.run(command, cwd=tmp_path, env=env, stdout=stdout, stderr=stderr, timeout=300)
+    assert done.returncode == 0, err.read_text()
+    lines = out.read_text().splitlines()
+    assert lines[0].split() == ["epoch", "train_loss", "val_acc", "epsilon"]
+    rows = [line for line in lines if line.split() and line.split()[0] in ("0", "1")]
+    assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
+    assert lines[1:3] == rows  # the rows follow the header directly
+    log = err.read_text()
+    assert "Calibrated gaussian noise" in log and "Privacy summary" in log
+    assert "GPU available" not in log and "litlogger" not in log
