@@ -6,13 +6,17 @@ It names the processes and batches (world size, per-device batch, gradient accum
 the accountant and every default applied that affects the guarantee. It goes to the ``lightning_dp`` logger at INFO,
 which only rank 0 keeps on several processes (:meth:`~lightning_dp.distributed.DistributedContext.
 log_on_rank_zero_only`), and which shows on stderr in a script that set up no logging (:mod:`lightning_dp.console`).
+A launch that started fewer processes than asked for adds a warning (:mod:`lightning_dp.launch_check`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 from lightning_dp.console import show_info_lines
+from lightning_dp.launch_check import process_count_warning
 
 log = logging.getLogger("lightning_dp")
 
@@ -70,6 +74,10 @@ class EngineStartup:
 
     def log_startup(self) -> None:
         """Log :meth:`startup_lines` as one INFO record of the ``lightning_dp`` logger (shown on stderr when no
-        logging is set up, :func:`~lightning_dp.console.show_info_lines`)."""
+        logging is set up, :func:`~lightning_dp.console.show_info_lines`), then a warning when the launcher asked for
+        more processes than are training (:func:`~lightning_dp.launch_check.process_count_warning`)."""
         show_info_lines(log)
         log.info("\n".join(self.startup_lines()))
+        warning = process_count_warning(self._world_size, os.environ, sys.argv)
+        if warning is not None:
+            log.warning(warning)

@@ -1,5 +1,6 @@
 """What a run prints when it starts: the start-up block of the engine (once, with the engine's own numbers) on the HF
-and the Lightning paths, in a plain script that set up no logging."""
+and the Lightning paths, in a plain script that set up no logging; the warning when accelerate started fewer
+processes than asked for."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ import pytest
 
 from lightning_dp.console import show_info_lines
 from lightning_dp.engine_startup import HEADER
+from lightning_dp.launch_check import TWO_PROCESSES_CONFIG, process_count_warning
 
 ROOT = Path(__file__).resolve().parents[1]
+#: What accelerate's simple launcher sets in its one child for ``accelerate launch --num_processes 2`` (no
+#: ``--multi_gpu``): no WORLD_SIZE, the rendezvous address of the processes it does not start.
+SIMPLE_LAUNCHER_TWO = {"ACCELERATE_USE_CPU": "False", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 LAUNCH_VARIABLES = ("ACCELERATE_USE_CPU", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
 
 
@@ -72,16 +77,41 @@ def check_rows(rows: dict[str, str], facts: dict, *, batch: int, micro_batches: 
     assert rows["defaults applied"].startswith(f"sample_rate = batch_size {batch} x accumulation {micro_batches}")
 
 
-def test_dptrainer_prints_the_block_once() -> None:
-    facts, output = run_script("hf", {})
+def test_dptrainer_prints_the_block_once_and_warns_about_the_missing_process() -> None:
+    facts, output = run_script("hf", SIMPLE_LAUNCHER_TWO)
     check_rows(startup_rows(output), facts, batch=4, micro_batches=2)
     assert "target_delta = 1/N^1.1" in output and "accountant = 'pld'" in output  # the other defaults
+    warnings = [line for line in output.splitlines() if line.startswith("warning: accelerate launch")]
+    assert len(warnings) == 1 and f"--config_file {TWO_PROCESSES_CONFIG}" in warnings[0]
     assert "'epsilon'" in output  # the Trainer's log lines carry epsilon
 
 
 def test_lightning_prints_the_block_once() -> None:
     facts, output = run_script("lightning", {})
     check_rows(startup_rows(output), facts, batch=8, micro_batches=2)
+    assert "warning: accelerate launch" not in output
+
+
+@pytest.mark.parametrize(
+    ("world_size", "environ", "expected"),
+    [
+        (1, SIMPLE_LAUNCHER_TWO, "accelerate launch was asked for several processes"),
+        (1, {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "WORLD_SIZE=2"),
+        (2, {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "ACCELERATE_USE_CPU": "False"}, None),
+        (1, {"ACCELERATE_USE_CPU": "False"}, None),  # accelerate launch of one process
+        (1, {"MASTER_ADDR": "10.0.0.1"}, None),  # a rendezvous address alone: no launcher asked for more
+        (1, {}, None),
+    ],
+)
+def test_process_count_warning(world_size: int, environ: dict[str, str], expected: str | None) -> None:
+    warning = process_count_warning(world_size, environ, ["recipes/glue.py", "--config", "configs/glue_offline.yaml"])
+    if expected is None:
+        assert warning is None
+    else:
+        assert expected in warning
+    if expected and "accelerate launch" in expected:
+        command = f"accelerate launch --config_file {TWO_PROCESSES_CONFIG} recipes/glue.py --config configs/glue"
+        assert command in warning
 
 
 def test_console_handler_only_while_no_logging_is_set_up(monkeypatch, capsys) -> None:
