@@ -2,7 +2,7 @@
 
 Usage: ``python startup_script.py hf|lightning``. ``hf``: ``DPTrainer`` on a tiny GPT-2 (N = 32, per-device batch 4,
 2 micro-batches, 2 steps); ``lightning``: ``DPStrategy`` on a tiny regressor (N = 64, batch 8, 2 micro-batches, 4
-steps). Both calibrate the noise for epsilon 3 with every other privacy
+steps) with ``TrainingProgress`` every 2 steps. Both calibrate the noise for epsilon 3 with every other privacy
 default. At the end the engine's own numbers go to stdout as one JSON line, to compare with the start-up block.
 """
 
@@ -30,10 +30,17 @@ def train_hf(out: str) -> PrivacyEngine:
 def train_lightning(out: str) -> PrivacyEngine:
     from helpers import TinyRegressor, make_trainer
 
-    from lightning_dp import DPStrategy
+    from lightning_dp import DPStrategy, TrainingProgress
 
     strategy = DPStrategy(target_epsilon=3.0, max_grad_norm=1.0, seed=0)
-    trainer = make_trainer(strategy, max_steps=4, accumulate_grad_batches=2, default_root_dir=out)
+    trainer = make_trainer(
+        strategy,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        callbacks=[TrainingProgress()],
+        default_root_dir=out,
+    )
     trainer.fit(TinyRegressor())
     return strategy.privacy_engine
 

@@ -1,6 +1,6 @@
 """What a run prints when it starts: the start-up block of the engine (once, with the engine's own numbers) on the HF
 and the Lightning paths, in a plain script that set up no logging; the warning when accelerate started fewer
-processes than asked for."""
+processes than asked for; the progress lines of ``TrainingProgress``."""
 
 from __future__ import annotations
 
@@ -86,10 +86,12 @@ def test_dptrainer_prints_the_block_once_and_warns_about_the_missing_process() -
     assert "'epsilon'" in output  # the Trainer's log lines carry epsilon
 
 
-def test_lightning_prints_the_block_once() -> None:
+def test_lightning_prints_the_block_once_and_progress_lines() -> None:
     facts, output = run_script("lightning", {})
     check_rows(startup_rows(output), facts, batch=8, micro_batches=2)
     assert "warning: accelerate launch" not in output
+    steps = re.findall(r"^step (\d+)/4: loss [0-9.]+, epsilon [0-9.]+ \(\d+ s\)$", output, flags=re.MULTILINE)
+    assert steps == ["2", "4"], output
 
 
 @pytest.mark.parametrize(
