@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         DPStrategy,
         PrivacyAccountantCallback,
         PrivacyBudget,
+        TrainingProgress,
     )
     from lightning_dp.privacy_engine import PrivacyEngine
 
@@ -33,6 +34,7 @@ __all__ = [
     "PrivacyAccountantCallback",
     "PrivacyBudget",
     "PrivacyEngine",
+    "TrainingProgress",
 ]
 __version__ = "0.1.0"
 
@@ -44,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "PrivacyAccountantCallback": "lightning_dp.lightning",
     "PrivacyBudget": "lightning_dp.lightning",
     "PrivacyEngine": "lightning_dp.privacy_engine",
+    "TrainingProgress": "lightning_dp.lightning",
 }
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from lightning_dp.console import ConsoleFormatter
 from lightning_dp.help_format import HelpFormatter
 from lightning_dp.lightning_noise import drop_lightning_noise
 from lightning_dp.naming import did_you_mean
@@ -106,14 +107,6 @@ def positive_float(value: str) -> float:
     return number
 
 
-class _ConsoleFormatter(logging.Formatter):
-    """INFO lines as the bare message; warnings and errors prefixed by their level (``warning: ...``)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = super().format(record)
-        return message if record.levelno <= logging.INFO else f"{record.levelname.lower()}: {message}"
-
-
 def quiet_lightning() -> None:
     """Console output of the ``demo`` and ``fit`` commands: lightning_dp's INFO lines (defaults, calibration, privacy
     summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines and adverts, nor the ``LeafSpec``
@@ -124,7 +117,7 @@ def quiet_lightning() -> None:
 
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(_ConsoleFormatter("%(message)s"))
+        handler.setFormatter(ConsoleFormatter("%(message)s"))
         logging.getLogger().addHandler(handler)
     logging.getLogger("lightning_dp").setLevel(logging.INFO)
     for name in ("lightning.pytorch", "lightning.fabric"):

@@ -111,6 +111,7 @@ class EngineCheckpoint:
                 "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
             )
         self.mechanism = restored
+        self.noise_origin = "restored from the checkpoint"
         saved_delta = state["target_delta"]
         if self.target_delta is None:
             self.target_delta = saved_delta

@@ -8,7 +8,8 @@ One run, whatever the trainer (docs/design.md section 2.2):
    the data did not change, and the sampling policy (Poisson sampling of this rank's shard at the global rate, or
    the trainer's own batches with a warning on one process; an error on several).
 3. :meth:`EngineSteps.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
-   accountant, the ranks' agreement, and the optimizers wrapped so that each step is privatised and recorded.
+   accountant, the ranks' agreement, the optimizers wrapped so that each step is privatised and recorded, and the
+   start-up block on the ``lightning_dp`` logger (:mod:`lightning_dp.engine_startup`).
 4. Per micro-batch, :meth:`EngineSteps.per_sample_loss` (the guard around the user's forward, the forwards at the
    stored iterates of per-sample momentum, the batch-independence checks) and :meth:`EngineSteps.clip` (the clipped
    sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
@@ -42,13 +43,17 @@ LossFunction = Callable[[Any], torch.Tensor | None]
 class EngineSteps:
     """The run sequence of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it; see the module
     docstring). The attributes it reads (``config``, ``clipper``, ``guard``, ``momentum``, ``randomness``,
-    ``mechanism``) are the engine's."""
+    ``mechanism``, ``defaults_applied``) are the engine's."""
 
     #: the process group of a multi-process run, set by :meth:`start_run` (``None`` on one process).
     distributed: DistributedContext | None = None
     #: Poisson rate q and dataset size N of the run, set by :meth:`training_loader`.
     sample_rate: float | None = None
     num_samples: int | None = None
+    #: the per-process batch size (``None`` when unknown) and micro-batches per step of the training loader.
+    loader_batches: tuple[int | None, int] | None = None
+    #: the logical steps the run plans (``None``: unbounded), set by :meth:`start_training`.
+    planned_steps: int | None = None
     #: fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only: not
     #: privatised, so never logged by the library).
     last_clip_fraction: float | None = None
@@ -100,15 +105,10 @@ class EngineSteps:
             sample_rate = expected_batch_sample_rate(
                 num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
             )
-            if self._loader_rate is None:  # logged once, at the first training loader
-                log.info(
-                    "Privacy defaults applied: sample_rate = batch_size %d x accumulation %d x %d process(es) / N %d "
-                    "= %.4g (Poisson sampling)",
-                    batch_size,
-                    micro_batches,
-                    world_size,
-                    num_samples,
-                    sample_rate,
+            if self._loader_rate is None:  # the first training loader of the run
+                self.defaults_applied.append(
+                    f"sample_rate = batch_size {batch_size} x accumulation {micro_batches} x {world_size} "
+                    f"process(es) / N {num_samples} = {sample_rate:.4g} (Poisson sampling)"
                 )
         if self._loader_rate is not None and (num_samples, sample_rate) != (self.num_samples, self._loader_rate):
             raise ValueError(
@@ -117,6 +117,7 @@ class EngineSteps:
                 "the accountant and the noise scale assume one dataset"
             )
         self.num_samples, self._loader_rate = num_samples, sample_rate
+        self.loader_batches = (batch_size, micro_batches)
         self._stand_in_source = (loader.collate_fn, loader.dataset, rank)
         if self.config.poisson_sampling:
             return poisson_dataloader(
@@ -154,7 +155,8 @@ class EngineSteps:
         self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
     ) -> list[DPOptimizer]:
         """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant; on several
-        processes check that every rank agrees on N, q and the noise; return the optimizers wrapped so that each
+        processes check that every rank agrees on N, q and the noise; log the start-up block
+        (:meth:`~lightning_dp.engine_startup.EngineStartup.log_startup`); return the optimizers wrapped so that each
         step adds the noise once to the (all-reduced) clipped sum and is recorded.
 
         Raises:
@@ -163,6 +165,7 @@ class EngineSteps:
         """
         if self.num_samples is None or self._loader_rate is None:
             raise RuntimeError("the training loader must be built (training_loader) before training starts")
+        self.planned_steps = total_steps
         self.prepare(num_samples=self.num_samples, sample_rate=self._loader_rate, total_steps=total_steps)
         collectives: dict[str, Any] = {}
         if self.distributed is not None:
@@ -174,6 +177,7 @@ class EngineSteps:
                 "reduce_clipped_sum": self.distributed.reduce_clipped_sum,
                 "any_rank": self.distributed.any_rank,
             }
+        self.log_startup()
         return [opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, **collectives) for opt in optimizers]
 
     # ------------------------------------------------------------------------------------------- per step

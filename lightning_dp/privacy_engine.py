@@ -22,6 +22,7 @@ from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine_accounting import EngineAccounting
 from lightning_dp.engine_checkpoint import EngineCheckpoint
+from lightning_dp.engine_startup import EngineStartup
 from lightning_dp.engine_steps import EngineSteps
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class
@@ -37,7 +38,7 @@ def default_delta(num_samples: int) -> float:
     return 1.0 / num_samples**1.1
 
 
-class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
+class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStartup):
     """Configuration and state of differentially private training.
 
     Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
@@ -90,6 +91,12 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
             if config.noise_multiplier is not None:
                 params["noise_multiplier"] = config.noise_multiplier
             self.mechanism = make_mechanism(config.noise, max_grad_norm=config.max_grad_norm, **params)
+        #: where the noise came from, for the start-up block: ``"given"``, ``"calibrated for ..."`` (``prepare``) or
+        #: ``"restored from the checkpoint"`` (``load_state_dict``).
+        self.noise_origin = "given" if self.mechanism is not None else None
+        #: the defaults that affect the guarantee, one phrase each (``training_loader``, ``prepare``), shown by the
+        #: start-up block.
+        self.defaults_applied: list[str] = []
         if self.mechanism is not None and self.mechanism.is_noiseless:
             log.warning(
                 "%s adds no noise (%s): no finite epsilon holds, the run is NOT differentially private and reports "
@@ -209,7 +216,8 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
         self.momentum.add_past_iterates(self.clipper, compute_loss)
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
-        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant.
+        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant; the defaults it applies
+        join :attr:`defaults_applied` (shown by :meth:`startup_lines`).
 
         Args:
             num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
@@ -229,10 +237,9 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
                 f"{sample_rate}; resume with the same data and batch size"
             )
         self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
-        defaults = []
         if self.target_delta is None:
             self.target_delta = default_delta(num_samples)
-            defaults.append(f"target_delta = 1/N^1.1 = {self.target_delta:.3g} for N = {num_samples}")
+            self.defaults_applied.append(f"target_delta = 1/N^1.1 = {self.target_delta:.3g} for N = {num_samples}")
         if self.target_delta >= 1.0 / num_samples:
             log.warning(
                 "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
@@ -240,9 +247,9 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
                 1.0 / num_samples,
             )
         if self.accountant is None and self.accountant_name is None:
-            defaults.append(f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})")
-        if defaults:
-            log.info("Privacy defaults applied: %s", "; ".join(defaults))
+            self.defaults_applied.append(
+                f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})"
+            )
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:
@@ -286,15 +293,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint):
                 num_params=self.num_params,
                 accountant=self.accountant_name,
             )
-        log.info(
-            "Calibrated %s noise (%s) for epsilon=%.4g, delta=%.3g over %d steps at q=%.4g",
-            self.noise_name,
-            ", ".join(f"{k}={v:.4g}" for k, v in mechanism.describe().items()),
-            self.target_epsilon,
-            self.target_delta,
-            total_steps,
-            self.sample_rate,
-        )
+        self.noise_origin = f"calibrated for epsilon={self.target_epsilon:.4g} over {total_steps} steps"
         return mechanism
 
     def _check_accountant_supports(self) -> None:

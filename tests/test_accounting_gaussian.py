@@ -1,5 +1,7 @@
 """Gaussian accountants against independent references: dp-accounting directly, and Opacus's accountants."""
 
+import logging
+
 import dp_accounting
 import pytest
 from dp_accounting import pld, rdp
@@ -83,3 +85,14 @@ def test_unknown_accountant_and_unsupported_event():
 def test_empty_ledger_is_zero_and_noiseless_is_infinite():
     assert make_accountant("pld").get_epsilon(DELTA) == 0.0
     assert make_accountant("rdp").compose(GaussianEvent(0.0)).get_epsilon(DELTA) == float("inf")
+
+
+def test_rdp_leaves_a_script_without_logging_set_up_so(monkeypatch):
+    """absl's warning about an RDP order runs ``logging.basicConfig()``; the accountant removes that handler again."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    event = PoissonSampledEvent(0.101749, GaussianEvent(1.029309))  # an order whose series does not converge
+    assert 0 < make_accountant("rdp").compose(event, 20).get_epsilon(1e-5) < 10
+    assert root.handlers == []
+    rdp.RdpAccountant().compose(dp_accounting.PoissonSampledDpEvent(0.101749, dp_accounting.GaussianDpEvent(1.029309)))
+    assert root.handlers  # dp_accounting alone configures the root logger

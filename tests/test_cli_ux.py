@@ -167,12 +167,10 @@ def _prepared_engine(**kwargs) -> PrivacyEngine:
     return engine
 
 
-def test_guarantee_defaults_are_logged_once_at_info(caplog):
-    with caplog.at_level(logging.INFO, logger="lightning_dp"):
-        _prepared_engine()
-    lines = [r for r in caplog.records if "defaults applied" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].levelno == logging.INFO
-    assert "1/N^1.1" in lines[0].getMessage() and "accountant = 'pld'" in lines[0].getMessage()
+def test_guarantee_defaults_are_in_the_startup_block():
+    lines = _prepared_engine().startup_lines()
+    first = next(i for i, line in enumerate(lines) if "defaults applied" in line)
+    assert "target_delta = 1/N^1.1" in lines[first] and "accountant = 'pld'" in lines[first + 1]
 
 
 def test_zero_noise_warns_and_reports_infinite_epsilon(caplog):
@@ -315,7 +313,8 @@ def test_fit_prints_the_summary_and_no_third_party_noise(tmp_path):
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
-    assert "Calibrated gaussian noise" in output and "Privacy summary: epsilon=" in output
+    assert output.count("DP training start-up:") == 1 and "calibrated for epsilon=" in output
+    assert "Privacy summary: epsilon=" in output
     for noise in ("absl", "failed to converge", "LightningCLI's args", "LeafSpec", "GPU available", "Tip:"):
         assert noise not in output, output
 
@@ -389,5 +388,5 @@ def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> 
     assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
     assert lines[1:3] == rows  # the rows follow the header directly
     log = err.read_text()
-    assert "Calibrated gaussian noise" in log and "Privacy summary" in log
+    assert "DP training start-up" in log and "Privacy summary" in log
     assert "GPU available" not in log and "litlogger" not in log

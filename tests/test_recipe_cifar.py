@@ -78,11 +78,12 @@ def read_results(tmp_path: Path) -> dict:
 # ------------------------------------------------------------------------------------------------- entry points
 def test_script_smoke(tmp_path: Path) -> None:
     """``python recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir=ROOT``: DP by default, a finite
-    epsilon within budget."""
+    epsilon within budget; the start-up block once, and a progress line at the last step."""
     flags = tiny_flags(tmp_path, data_flag="--data_dir")
     command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CONFIG), *flags]
     done = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("DP training start-up:") == 1 and "step 2/2: loss " in done.stderr, done.stderr
     result = read_results(tmp_path)
     assert result["dp"] is True and result["expected_batch"] == 16 and result["world_size"] == 1
     privacy = result["privacy"]

@@ -90,8 +90,8 @@ def test_trainer_strategy_dp_trains_digits_privately_at_epsilon_3(caplog):
     assert engine.mechanism.name == "gaussian" and engine.mechanism.noise_multiplier > 0.5  # calibrated noise
     assert callback.summary["accountant"] == "pld" and callback.summary["noise_multiplier"] > 0.5
     assert all(not torch.equal(v, initial[k]) for k, v in model.state_dict().items())
-    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text  # the defaults, logged
-    assert "Privacy defaults applied: target_delta = 1/N^1.1" in caplog.text
+    assert "gaussian (noise_multiplier=" in caplog.text and "calibrated for epsilon=3 over" in caplog.text
+    assert "target_delta = 1/N^1.1" in caplog.text  # the defaults, in the start-up block
 
 
 @pytest.mark.parametrize("epsilon", REGISTERED_EPSILONS)
@@ -153,7 +153,7 @@ def test_cli_trainer_strategy_by_name(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning_dp")
     path = _digits_config(tmp_path, "dp_epsilon_3")  # the YAML form: trainer.strategy: dp_epsilon_3
     assert main(["fit", "--config", str(path)]) == 0
-    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text
+    assert "gaussian (noise_multiplier=" in caplog.text and "calibrated for epsilon=3 over" in caplog.text
     assert "Privacy summary: epsilon=2.9" in caplog.text and "clipping=flat" in caplog.text
 
 
@@ -161,4 +161,4 @@ def test_cli_trainer_strategy_flag_dp_is_accepted(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="lightning_dp")
     path = _digits_config(tmp_path, {"class_path": "lightning_dp.DPStrategy", "init_args": {"target_epsilon": 8.0}})
     assert main(["fit", "--config", str(path), "--trainer.strategy", "dp"]) == 0  # the flag replaces the instance
-    assert "Calibrated gaussian noise" in caplog.text and "for epsilon=3," in caplog.text
+    assert "gaussian (noise_multiplier=" in caplog.text and "calibrated for epsilon=3 over" in caplog.text

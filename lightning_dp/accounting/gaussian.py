@@ -45,13 +45,22 @@ class _RdpConvergenceFilter(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_rdp_convergence() -> Iterator[None]:
-    """Filter :class:`_RdpConvergenceFilter`'s lines from the ``absl`` logger for the duration of the block only."""
+    """Filter :class:`_RdpConvergenceFilter`'s lines from the ``absl`` logger for the duration of the block only.
+
+    absl's ``logging.warning`` also runs ``logging.basicConfig()`` when the root logger has no handler, before any
+    filter: the handlers it adds to the root logger during the block are removed again, so that a script which set
+    up no logging stays so (and :mod:`lightning_dp.console` still shows the library's INFO lines).
+    """
     absl_logger, quiet = logging.getLogger("absl"), _RdpConvergenceFilter()
+    root, before = logging.getLogger(), set(logging.getLogger().handlers)
     absl_logger.addFilter(quiet)
     try:
         yield
     finally:
         absl_logger.removeFilter(quiet)
+        if not before:
+            for handler in [h for h in root.handlers if h not in before]:
+                root.removeHandler(handler)
 
 
 class _DpAccountingAccountant(Accountant):

@@ -1,0 +1,49 @@
+"""Whether the launcher asked for more processes than are training.
+
+Two launches start fewer training processes than the user asked for, without an error:
+
+- ``accelerate launch --num_processes 2 script.py`` without ``--multi_gpu`` (or a config file saying
+  ``distributed_type: MULTI_GPU``) runs accelerate's simple launcher: ONE process, on CPU as on GPU. Its only trace
+  in that process's environment is ``MASTER_ADDR`` (set only when several processes or machines were asked for) next
+  to ``ACCELERATE_USE_CPU`` (set on every launch by it), with no ``WORLD_SIZE``; the count itself is not passed on.
+- a launcher that sets ``WORLD_SIZE`` (torchrun, accelerate's multi-GPU launcher) around a run whose
+  ``torch.distributed`` group is not initialised (e.g. Lightning's one-device ``DPStrategy``): each process trains
+  alone, on the whole data and with its own noise.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+
+#: The repository's accelerate configuration for 2 processes on one machine (gloo on CPU, NCCL with GPUs).
+TWO_PROCESSES_CONFIG = "configs/accelerate/ddp_2_processes.yaml"
+
+
+def process_count_warning(world_size: int, environ: Mapping[str, str], argv: Sequence[str]) -> str | None:
+    """The warning to give when the launcher asked for more processes than the ``world_size`` that trains, else
+    ``None``.
+
+    Args:
+        world_size: processes in this run's ``torch.distributed`` group (1 when it is not initialised).
+        environ: this process's environment (``os.environ``).
+        argv: this process's command line (``sys.argv``: the script and its arguments), repeated in the command
+            that works.
+    """
+    if world_size != 1:
+        return None
+    if "WORLD_SIZE" not in environ and "MASTER_ADDR" in environ and "ACCELERATE_USE_CPU" in environ:
+        command = shlex.join(["accelerate", "launch", "--config_file", TWO_PROCESSES_CONFIG, *argv])
+        return (
+            "accelerate launch was asked for several processes, but 1 is training: without --multi_gpu (or a config "
+            "file with distributed_type: MULTI_GPU) accelerate starts a single process, on CPU too. For 2 processes "
+            f"run: {command} (set num_processes in the file for more; docs/hf.md, 'Several processes')"
+        )
+    requested = environ.get("WORLD_SIZE", "")
+    if requested.isdigit() and int(requested) > 1:
+        return (
+            f"the launcher started {requested} processes (WORLD_SIZE={requested}), but torch.distributed is not "
+            "initialised here: each process trains alone, on the whole data and with its own noise. With Lightning, "
+            f"train with DPDDPStrategy on {requested} devices (or num_nodes x devices = {requested})"
+        )
+    return None
