@@ -17,6 +17,7 @@ import numpy as np
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.events import GaussianEvent, Lap2Event, LaplaceEvent, PlrvEvent, PoissonSampledEvent
 from lightning_dp.accounting.moments import MomentsAccountant
+from lightning_dp.help_format import HelpFormatter
 
 
 def _time(name: str, event: object, steps: int, orders: np.ndarray) -> tuple[float, float, float]:
@@ -32,7 +33,7 @@ def _time(name: str, event: object, steps: int, orders: np.ndarray) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--num-params", type=float, default=1e8)
     parser.add_argument("--orders", type=int, default=1000)
     args = parser.parse_args()

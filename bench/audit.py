@@ -25,6 +25,7 @@ import torch
 
 from lightning_dp.audit import AuditConfig, one_run_epsilon_lower_bound, run_audit
 from lightning_dp.audit.one_run import default_guess_sets
+from lightning_dp.help_format import HelpFormatter
 
 START, END = "<!-- audit-table:start -->", "<!-- audit-table:end -->"
 
@@ -83,7 +84,7 @@ def ceiling(config: AuditConfig) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("docs/audit.md"))
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightning_dp.help_format import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 CLI = "from lightning_dp.cli import main; raise SystemExit(main())"
 GAUSS = "--noise gaussian --sample-rate 0.01 --steps 1000 --delta 1e-5 --max-grad-norm 1"
@@ -41,7 +43,7 @@ def cpu_seconds(code: str, argv: list[str]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs of each call (default: 5)")
     args = parser.parse_args()
     width = max(map(len, CALLS))

@@ -36,6 +36,8 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_dp.help_format import HelpFormatter
+
 ENGINES = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
 VARIANTS = (
     "non-private",
@@ -264,7 +266,7 @@ def measure_memory(variant: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=("gpt2", "big-head"), default="gpt2")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dp import PrivacyEngine
+from lightning_dp.help_format import HelpFormatter
 
 
 def build(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]:
@@ -60,7 +61,7 @@ def build(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Cal
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=["digits", "gpt2"], default="digits")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=64)

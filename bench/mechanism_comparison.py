@@ -19,6 +19,7 @@ import statistics
 from pathlib import Path
 
 from lightning_dp.demo import run_demo
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.mechanisms.calibration import mechanism_epsilon
 
@@ -42,7 +43,7 @@ def paper_epsilon(privacy: dict) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.5, 1.0, 3.0])
     parser.add_argument("--noises", nargs="+", default=["gaussian", "lap2", "plrv"])

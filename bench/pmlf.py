@@ -58,6 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.recipes.cifar import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
@@ -365,7 +366,7 @@ def check_momentum_support(methods: list[str]) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0])

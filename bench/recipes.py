@@ -25,6 +25,8 @@ from pathlib import Path
 
 from records import replace_between_markers
 
+from lightning_dp.help_format import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -174,7 +176,7 @@ def render(tasks: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), help="run this recipe's variants, then render")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--render", action="store_true", help="only render the docs from the recorded JSON files")

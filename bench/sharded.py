@@ -67,6 +67,8 @@ from typing import Any
 import torch
 from records import add_record_options, environment, finish, render_records
 
+from lightning_dp.help_format import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "sharded"
 START, END = "<!-- sharded:start -->", "<!-- sharded:end -->"
@@ -580,7 +582,7 @@ def render() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
     parser.add_argument("--world-size", type=int, default=2, help="processes (default 2; on CUDA one GPU each)")

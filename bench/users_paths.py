@@ -60,6 +60,8 @@ from typing import Any
 import torch
 from records import add_record_options, environment, finish, render_records
 
+from lightning_dp.help_format import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "users_paths"
 START, END = "<!-- users_paths:start -->", "<!-- users_paths:end -->"
@@ -545,7 +547,7 @@ def render() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--model", choices=tuple(PATHS), default="gpt2")
     parser.add_argument("--paths", nargs="+", choices=("lightning", "hf", "torch"), default=None,
                         help="paths to run (default: lightning hf for gpt2, lightning torch for digits)")  # fmt: skip

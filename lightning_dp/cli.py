@@ -73,7 +73,6 @@ def fit_main(argv: list[str]) -> int:
                 subclass_mode_model=True,
                 subclass_mode_data=True,
                 args=["fit", *argv],
-                save_config_kwargs={"overwrite": True},
                 parser_kwargs={"exit_on_error": False},
             )
         except ArgumentError as err:  # a bad config value: one line, as every subcommand

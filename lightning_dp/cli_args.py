@@ -11,11 +11,12 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from lightning_dp.console import ConsoleFormatter
+from lightning_dp.help_format import HelpFormatter
+from lightning_dp.lightning_noise import drop_lightning_noise
 from lightning_dp.naming import did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
@@ -44,22 +45,6 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
         return report(prog, err)
     except ImportError as err:
         return report(prog, err, code=1)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and appends each option's default (``(default: 3.0)``) to its help,
-    unless the default is ``None``/``False`` (an option off unless given) or the help already states it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            action.default is None
-            or action.default is False
-            or action.default == argparse.SUPPRESS
-            or "default" in text
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,6 +113,8 @@ def quiet_lightning() -> None:
     deprecation that Lightning's own pytree code triggers under recent torch. Only these commands call this; the
     Python API (the user's own Trainer and logging set-up) is untouched.
     """
+    import lightning.pytorch  # noqa: F401  (first: importing Lightning sets its loggers' levels and handlers)
+
     if not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(ConsoleFormatter("%(message)s"))
@@ -135,4 +122,4 @@ def quiet_lightning() -> None:
     logging.getLogger("lightning_dp").setLevel(logging.INFO)
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    drop_lightning_noise()

@@ -329,3 +329,26 @@ def test_mechanism_epsilon_needs_num_params_for_lap2() -> None:
     with pytest.raises(ValueError, match="num_params"):
         mechanism_epsilon(Lap2Mechanism(1.0, 1.0), sample_rate=0.01, steps=10, delta=1e-5)
     assert np.isfinite(mechanism_epsilon(GaussianMechanism(1.0, 1.0), sample_rate=0.01, steps=10, delta=1e-5))
+
+
+@pytest.mark.parametrize(("target_epsilon", "warned"), [(1e-3, True), (3.0, False)])
+def test_a_calibration_that_drowns_the_signal_says_so(target_epsilon, warned, caplog) -> None:
+    """sigma in the hundreds (epsilon 1e-3 over 100 steps at q = 0.05): a warning saying what to change; a usual
+    calibration stays silent."""
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        mechanism = calibrate(
+            "gaussian",
+            target_epsilon=target_epsilon,
+            target_delta=1e-5,
+            sample_rate=0.05,
+            steps=100,
+            max_grad_norm=1.0,
+            accountant="rdp",
+        )
+    messages = [r.getMessage() for r in caplog.records if "learn nothing useful" in r.getMessage()]
+    assert bool(messages) == warned == (mechanism.noise_multiplier > 50)
+    if warned:
+        assert (
+            "larger target epsilon" in messages[0]
+            and f"noise_multiplier={mechanism.noise_multiplier:.4g}" in messages[0]
+        )

@@ -41,6 +41,26 @@ def test_fit_with_shipped_config(config_path, tmp_path, capsys):
     assert "epsilon" in out
 
 
+def test_fit_saves_each_runs_config_in_its_own_folder_and_never_overwrites(tmp_path, capsys):
+    """Two runs of the same config in one root: each run's config.yaml lands in its own versioned log folder; a
+    config without a logger (one folder for every run) is refused on the second run rather than overwritten."""
+    config = yaml.safe_load(CONFIGS[0].read_text())
+    config["trainer"].update(max_steps=1, default_root_dir=str(tmp_path), enable_progress_bar=False)
+    path = tmp_path / "digits.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for _ in range(2):
+        assert main(["fit", "--config", str(path)]) == 0
+    saved = sorted(tmp_path.rglob("config.yaml"))
+    assert [p.parent.name for p in saved] == ["version_0", "version_1"]
+    assert yaml.safe_load(saved[1].read_text())["trainer"]["max_steps"] == 1
+    config["trainer"]["logger"] = False
+    path.write_text(yaml.safe_dump(config))
+    (tmp_path / "config.yaml").write_text("kept: true\n")
+    with pytest.raises(RuntimeError, match="Aborting to avoid overwriting"):
+        main(["fit", "--config", str(path)])
+    assert (tmp_path / "config.yaml").read_text() == "kept: true\n"
+
+
 def test_demo_reaches_target_accuracy():
     from lightning_dp.demo import run_demo
 

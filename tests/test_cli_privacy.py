@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +127,15 @@ def test_dispatch_from_console_entry(capsys: pytest.CaptureFixture[str]) -> None
     argv = ["epsilon", *GAUSS, "--max-grad-norm", "1", "--noise-multiplier", "1.1", "--accountant", "rdp", "--json"]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["accountant"] == "rdp"
+
+
+def test_calibrate_says_when_the_noise_drowns_the_signal() -> None:
+    """``calibrate --target-epsilon 1e-4`` (sigma in the hundreds of thousands) prints a warning on stderr, in a plain
+    process without logging set-up, beside the table on stdout."""
+    root = Path(__file__).resolve().parents[1]
+    argv = ["calibrate", "--noise", "gaussian", "--target-epsilon", "1e-4", "--delta", "1e-5"]
+    argv += ["--sample-rate", "0.05", "--steps", "100", "--accountant", "rdp"]
+    probe = f"import sys; from lightning_dp.cli import main; sys.exit(main({argv!r}))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "learn nothing useful" in done.stderr and "noise_multiplier" in done.stdout

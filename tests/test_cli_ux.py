@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import logging
 import os
 import subprocess
@@ -19,6 +21,7 @@ from lightning_dp import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.cli import main
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.lightning.callbacks import privacy_engine_of
 from lightning_dp.mechanisms.calibration import calibrate_result
 from lightning_dp.privacy_engine import PrivacyEngine
@@ -327,3 +330,63 @@ def test_fit_without_the_callback_still_prints_the_summary(tmp_path, capfd):
     finally:
         logging.getLogger("lightning_dp").removeHandler(handler)
     assert "Privacy summary: epsilon=" in capfd.readouterr().err
+
+
+def test_every_scripts_help_shows_the_defaults() -> None:
+    """Every ``argparse`` parser of the examples and benches uses the package's HelpFormatter, which appends each
+    option's default to its help (the ``lightning-dp`` commands use it through ``cli_args.Parser``)."""
+    root = Path(__file__).resolve().parents[1]
+    scripts = [*root.glob("bench/*.py"), *root.glob("lightning_dp/examples/*.py")]
+    parsers = 0
+    for script in scripts:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                parsers += 1
+                formatter = {k.arg: k.value for k in node.keywords}.get("formatter_class")
+                assert isinstance(formatter, ast.Name) and formatter.id == "HelpFormatter", script.name
+    assert parsers >= 10
+    parser = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    parser.add_argument("--seed", type=int, default=None, help="seed")
+    text = parser.format_help()
+    assert "optimizer steps (default: 100)" in text and "seed (default" not in text
+
+
+def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation() -> None:
+    """A plain script training with DPStrategy (no logging or warnings set-up): Lightning's own lines stay, its
+    cloud-logger advert and the ``_pytree`` deprecation torch raises for it do not."""
+    root = Path(__file__).resolve().parents[1]
+    script = (
+        "import lightning.pytorch as pl\n"
+        "from helpers import TinyRegressor\n"
+        "from lightning_dp import DPStrategy\n"
+        "trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1, accelerator='cpu',\n"
+        "                     logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "trainer.fit(TinyRegressor())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "GPU available" in output  # Lightning's own information is kept
+    assert "litlogger" not in output and "LeafSpec" not in output
+
+
+def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> None:
+    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: every epoch row is a line
+    of its own (never glued to progress-bar output), and stderr holds our lines without Lightning's device lines."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        command = [sys.executable, "-m", "lightning_dp.cli", "demo", "--epochs", "2"]
+        done = subprocess.run(command, cwd=tmp_path, env=env, stdout=stdout, stderr=stderr, timeout=300)
+    assert done.returncode == 0, err.read_text()
+    lines = out.read_text().splitlines()
+    assert lines[0].split() == ["epoch", "train_loss", "val_acc", "epsilon"]
+    rows = [line for line in lines if line.split() and line.split()[0] in ("0", "1")]
+    assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
+    assert lines[1:3] == rows  # the rows follow the header directly
+    log = err.read_text()
+    assert "DP training start-up" in log and "Privacy summary" in log
+    assert "GPU available" not in log and "litlogger" not in log

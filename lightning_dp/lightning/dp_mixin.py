@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.distributed import DistributedContext
+from lightning_dp.lightning_noise import drop_lightning_noise
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.privacy_queries import PrivacyQueries
@@ -82,6 +83,7 @@ class DPStrategyMixin(PrivacyQueries):
     def __init__(self, **kwargs: Any) -> None:
         config = pop_options(kwargs)
         super().__init__(**kwargs)
+        drop_lightning_noise()
         self.privacy_engine = PrivacyEngine(config)
         self._pending_loss: torch.Tensor | None = None
         self._pending_stand_in = False

@@ -18,6 +18,8 @@ literature review's advanced-composition formula (accountant ``"advanced"``).
 
 from __future__ import annotations
 
+import logging
+
 from lightning_dp.mechanisms.base import NoiseMechanism, mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.gaussian import PLD_MIN_NOISE_MULTIPLIER
 from lightning_dp.mechanisms.search_lap2 import Lap2Search, search_lap2
@@ -39,6 +41,8 @@ from lightning_dp.mechanisms.solver import (
     solve_monotone,
 )
 
+log = logging.getLogger("lightning_dp")
+
 __all__ = [
     "PLD_MIN_NOISE_MULTIPLIER",
     "RTOL",
@@ -57,6 +61,7 @@ __all__ = [
     "search_lap2",
     "search_plrv",
     "solve_monotone",
+    "warn_if_noise_drowns_the_signal",
 ]
 
 
@@ -160,4 +165,28 @@ def calibrate_result(
         accountant=name,
         num_params=num_params,
     )
-    return cls.calibrate(problem)
+    result = cls.calibrate(problem)
+    warn_if_noise_drowns_the_signal(result.mechanism, max_grad_norm)
+    return result
+
+
+#: Per-coordinate noise ``E|z|`` above this many clipping bounds gets a warning (about ``sigma = 50`` for Gaussian
+#: noise, where ``E|z| = sigma C sqrt(2 / pi)``).
+NOISE_TO_CLIP_WARNING = 40.0
+
+
+def warn_if_noise_drowns_the_signal(mechanism: NoiseMechanism, max_grad_norm: float) -> bool:
+    """Log a warning, and return True, when a calibrated mechanism's per-coordinate noise exceeds
+    :data:`NOISE_TO_CLIP_WARNING` clipping bounds: every coordinate of a step's clipped sum is then buried under noise
+    tens of times larger than one example's whole gradient, and training learns nothing useful."""
+    ratio = mechanism.expected_abs_noise() / max_grad_norm
+    if ratio <= NOISE_TO_CLIP_WARNING:
+        return False
+    log.warning(
+        "The calibrated noise is %.3g times the clipping bound per coordinate (%s): training will learn nothing "
+        "useful. Ask less of it: more data (a smaller sample rate at the same batch size), a larger batch with fewer "
+        "steps, or a larger target epsilon",
+        ratio,
+        ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in mechanism.describe().items()),
+    )
+    return True
