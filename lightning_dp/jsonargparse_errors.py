@@ -4,7 +4,7 @@ jsonargparse (under LightningCLI) reports a bad value nested in a class's ``init
 key "trainer.strategy":`` / ``Does not validate against any of the Union subtypes`` / one ``- ...`` bullet per type
 of the union / ``Problem with given class_path '...':`` / ``Option 'max_grad_nrom' is not accepted``, then the
 whole given value. Its exceptions keep only this text, so :func:`read_error` walks the tree: the keys along the way
-make the full path, the bullet of the type that applies (the class, not ``str``) the reason.
+make the full path, the first bullet of a type that applies (a class, not ``str``) the reason.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def _read(text: str, keys: list[str], class_path: str | None) -> ReadError:
         return _read(_body(match.group(2)), [*keys, "init_args"], match.group(1))
     if text.startswith(UNION) and (bullets := _bullets(text)):
         expected = [match.group(1) for bullet in bullets if (match := _EXPECTED.fullmatch(bullet))]
-        if len(expected) < len(bullets):  # the error of the type that applies (a class given by class_path)
-            chosen = [bullet for bullet in bullets if not _EXPECTED.fullmatch(bullet)][-1]
+        if len(expected) < len(bullets):  # the error of the first type that applies (jsonargparse tries it first)
+            chosen = next(bullet for bullet in bullets if not _EXPECTED.fullmatch(bullet))
             given = _GIVEN_CLASS.search(text)
             return _read(chosen, keys, class_path or (given.group(1) if given else None))
         value = _GIVEN_VALUE.search(text)

@@ -93,7 +93,7 @@ def test_fit_reports_the_flag_as_typed_and_a_combination_without_a_file(tmp_path
     assert code == 2 and line.startswith("lightning-dp fit: error: trainer.strategy.init_args: Give exactly one of")
 
 
-def test_fit_top_level_typo_and_type_are_one_line_too(tmp_path, capsys, monkeypatch):
+def test_fit_options_outside_the_strategy_are_one_line_too(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
     config["trainer"]["max_epoch"] = 3
@@ -103,6 +103,13 @@ def test_fit_top_level_typo_and_type_are_one_line_too(tmp_path, capsys, monkeypa
     code = run_main(["fit", "--config", fit_config(tmp_path), "--trainer.max_epochs=foo"])
     line = one_error_line(code, capsys.readouterr())
     assert line == "lightning-dp fit: error: --trainer.max_epochs: expected int or None, got foo"
+    callback = ["--trainer.callbacks+=lightning_dp.PrivacyBudget", "--trainer.callbacks.init_args.target_epsilonn=1"]
+    code = run_main(["fit", "--config", fit_config(tmp_path), *callback])
+    line = one_error_line(code, capsys.readouterr())
+    assert line == (
+        "lightning-dp fit: error: --trainer.callbacks.init_args.target_epsilonn: unknown option; did you mean "
+        "'target_epsilon'?"
+    )
 
 
 def test_fit_in_a_fresh_process_prints_only_the_line(tmp_path):
