@@ -57,8 +57,8 @@ def fit_main(argv: list[str]) -> int:
     """
     from jsonargparse import ArgumentError
     from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
 
+    from lightning_dp.cli_fit import FitCLI
     from lightning_dp.lightning.callbacks import PrivacyAccountantCallback, format_summary
 
     quiet_lightning()
@@ -67,7 +67,7 @@ def fit_main(argv: list[str]) -> int:
         # (they are the same arguments); only that message is ignored, and only here.
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
         try:
-            cli = LightningCLI(
+            cli = FitCLI(
                 LightningModule,
                 LightningDataModule,
                 subclass_mode_model=True,
@@ -75,7 +75,7 @@ def fit_main(argv: list[str]) -> int:
                 args=["fit", *argv],
                 parser_kwargs={"exit_on_error": False},
             )
-        except ArgumentError as err:  # a bad config value: one line, as every subcommand
+        except ArgumentError as err:  # a config error that names no option (those are ConfigError): one line
             raise ValueError(f"{err} (see lightning-dp fit --help)") from err
     trainer = cli.trainer
     engine = getattr(trainer.strategy, "privacy_engine", None)

@@ -10,7 +10,11 @@ takes one. The users' surfaces are derived from it rather than copied:
   (:data:`HF_NAMES`) and JSON text accepted where a dict is expected.
 
 A new option is one field here (type, default, documentation in ``metadata["doc"]``, a check in
-:meth:`PrivacyConfig.__post_init__` if needed); ``tests/test_config.py`` fails when a surface drifts from it.
+:meth:`PrivacyConfig.__post_init__` if needed, under :func:`~lightning_dp.config_errors.checking` when it is about
+that option alone); ``tests/test_config.py`` fails when a surface drifts from it.
+
+A ``ValueError`` about one option carries its name (:func:`~lightning_dp.config_errors.invalid_option`), so that a
+config file or command line reports the key at fault (:mod:`lightning_dp.config_errors`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_e
 from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import ENGINES
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
+from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
@@ -178,8 +183,10 @@ class PrivacyConfig:
     )
 
     def __post_init__(self) -> None:
-        validate_max_grad_norm(self.max_grad_norm)
-        validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
+        with checking("max_grad_norm"):
+            validate_max_grad_norm(self.max_grad_norm)
+        with checking("check_batch_independence_every"):
+            validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
         validate_momentum(self.momentum_length, self.momentum_beta)
         if self.secure_mode and self.seed is not None:
             raise ValueError(
@@ -187,11 +194,14 @@ class PrivacyConfig:
                 "apply: remove the seed, or set secure_mode=False for a reproducible experiment"
             )
         if self.target_epsilon is not None:
-            validate_epsilon(self.target_epsilon)
+            with checking("target_epsilon"):
+                validate_epsilon(self.target_epsilon)
         if self.target_delta is not None:
-            validate_delta(self.target_delta)
+            with checking("target_delta"):
+                validate_delta(self.target_delta)
         if self.sample_rate is not None:
-            validate_sample_rate(self.sample_rate)
+            with checking("sample_rate"):
+                validate_sample_rate(self.sample_rate)
         fixed_noise = [
             self.noise_multiplier is not None,
             bool(self.noise_params),
@@ -203,15 +213,20 @@ class PrivacyConfig:
                 "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
             )
         if not isinstance(self.noise, NoiseMechanism):
-            mechanism_class(self.noise)  # an unknown name fails here, listing the valid ones
+            with checking("noise"):
+                mechanism_class(self.noise)  # an unknown name fails here, listing the valid ones
         if self.accountant is not None and self.accountant not in ACCOUNTANTS:
-            raise ValueError(unknown_name("accountant", self.accountant, ACCOUNTANTS))
-        validate_sum_check(self.sum_check_every, self.bookkeeping)
+            with checking("accountant"):
+                raise ValueError(unknown_name("accountant", self.accountant, ACCOUNTANTS))
+        with checking("sum_check_every"):
+            validate_sum_check(self.sum_check_every, self.bookkeeping)
         engine = ENGINES.get(self.clipping)
         if engine is None:
-            raise ValueError(
-                f"clipping must be one of {tuple(ENGINES)}, got {self.clipping!r}{did_you_mean(self.clipping, ENGINES)}"
-            )
+            with checking("clipping"):
+                raise ValueError(
+                    f"clipping must be one of {tuple(ENGINES)}, got {self.clipping!r}"
+                    f"{did_you_mean(self.clipping, ENGINES)}"
+                )
         if engine.randomized and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
             raise ValueError(
                 f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
@@ -227,7 +242,8 @@ class PrivacyConfig:
             )
         if self.secure_mode:
             check_secure_mechanism(self.noise)
-        make_lowpass(self.lowpass)  # validates the preset name or coefficients
+        with checking("lowpass"):
+            make_lowpass(self.lowpass)  # validates the preset name or coefficients
 
     @property
     def noise_name(self) -> str:

@@ -6,13 +6,19 @@ import difflib
 from collections.abc import Iterable
 
 
+def closest(name: object, valid: Iterable[str]) -> str | None:
+    """The valid name closest to ``name`` (``difflib``, similarity >= 0.6, case-insensitive), or ``None``."""
+    close = difflib.get_close_matches(str(name).lower(), list(valid), n=1)
+    return close[0] if close else None
+
+
 def did_you_mean(name: object, valid: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the closest valid name (``difflib``, similarity >= 0.6), else ``""``.
+    """``" (did you mean 'x'?)"`` for the :func:`closest` valid name, else ``""``.
 
     Meant to follow the name in an error message, e.g. ``f"Unknown noise {name!r}{did_you_mean(name, names)}"``.
     """
-    close = difflib.get_close_matches(str(name).lower(), list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    close = closest(name, valid)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def unknown_name(kind: str, name: object, valid: Iterable[str]) -> str:

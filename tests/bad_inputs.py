@@ -4,16 +4,18 @@ writes ``docs/validation.md`` from the messages actually raised, so the table ca
 
 Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
 ``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``
-command line, and YAML configs of ``lightning-dp fit``.
+command line, YAML configs of ``lightning-dp fit``, and the HF recipes' YAML and flags.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
+import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,12 @@ class BadInput:
 
 
 class CommandLineError(Exception):
-    """A ``lightning-dp`` invocation that exited with a non-zero status; the message is its stderr."""
+    """A command (``lightning-dp``, a recipe script) that exited with a non-zero status; the message is its error
+    line, ``program`` the command."""
+
+    def __init__(self, message: str, program: str) -> None:
+        super().__init__(message)
+        self.program = program
 
 
 def failure(case: BadInput) -> tuple[str, str]:
@@ -56,7 +63,7 @@ def failure(case: BadInput) -> tuple[str, str]:
     try:
         case.run()
     except CommandLineError as error:
-        return str(error).strip(), "lightning-dp (exit status 2)"
+        return str(error).strip(), f"{error.program} (exit status 2)"
     except Exception as error:  # noqa: BLE001 - every rejection is reported, whatever its type
         frames = [f for f in traceback.extract_tb(error.__traceback__) if "/lightning_dp/" in f.filename]
         where = "(outside lightning_dp)"
@@ -187,40 +194,76 @@ def _gpt2_with(extra: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
     return make
 
 
+def _command(program: str, main: Callable[[], int]) -> None:
+    """Run a command's ``main``; raise :class:`CommandLineError` with its last error line if it fails."""
+    stderr = io.StringIO()
+    code: Any = 0
+    with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main()
+        except SystemExit as exit_:
+            code = exit_.code
+    if code:
+        lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
+        errors = [line for line in lines if "error" in line] or lines[:1]
+        raise CommandLineError(errors[-1], program)
+
+
 def _cli(*argv: str) -> Callable[[], None]:
     def run() -> None:
         from lightning_dp.cli import main
 
-        stderr = io.StringIO()
-        code: Any = 0
-        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                code = main(list(argv))
-            except SystemExit as exit_:
-                code = exit_.code
-        if code:
-            lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
-            errors = [line for line in lines if "error" in line] or lines[:1]
-            raise CommandLineError(errors[-1])
+        _command("lightning-dp", lambda: main(list(argv)))
 
     return run
+
+
+@contextlib.contextmanager
+def _in_temporary_folder() -> Iterator[Path]:
+    """Run in a new temporary folder, so that a config file there is named ``bad.yaml`` in the message."""
+    here = Path.cwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            yield Path(tmp)
+        finally:
+            os.chdir(here)
 
 
 GAUSS = ("--noise", "gaussian", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5")
 
 
-def _yaml(edit: Callable[[dict[str, Any]], None]) -> Callable[[], None]:
-    """``lightning-dp fit --config`` on configs/digits_cnn.yaml changed by ``edit`` (with 1 step)."""
+def _yaml(edit: Callable[[dict[str, Any]], None], *flags: str) -> Callable[[], None]:
+    """``lightning-dp fit --config bad.yaml FLAGS`` where bad.yaml is configs/digits_cnn.yaml changed by ``edit``
+    (with 1 step)."""
 
     def run() -> None:
         config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
         config["trainer"].update(max_steps=1, max_epochs=1, enable_progress_bar=False, enable_model_summary=False)
         config["trainer"]["callbacks"] = []
         edit(config)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "bad.yaml"
-            path.write_text(yaml.safe_dump(config))
-            _cli("fit", "--config", str(path), "--trainer.default_root_dir", tmp)()
+        with _in_temporary_folder() as tmp:
+            Path("bad.yaml").write_text(yaml.safe_dump(config))
+            _cli("fit", "--config", "bad.yaml", "--trainer.default_root_dir", str(tmp), *flags)()
+
+    return run
+
+
+def _recipe(changes: dict[str, Any], *flags: str) -> Callable[[], None]:
+    """``python recipes/glue.py --config bad.yaml FLAGS`` where bad.yaml is configs/glue_offline.yaml with
+    ``changes``."""
+
+    def run() -> None:
+        from lightning_dp.recipes import glue
+        from lightning_dp.recipes.run import script_main
+
+        config = {**yaml.safe_load((ROOT / "configs" / "glue_offline.yaml").read_text()), **changes}
+        argv = ["--config", "bad.yaml", *flags]
+        with _in_temporary_folder(), contextlib.ExitStack() as restore:
+            Path("bad.yaml").write_text(yaml.safe_dump(config))
+            restore.callback(setattr, sys, "argv", sys.argv)
+            sys.argv = ["recipes/glue.py", *argv]
+            _command("recipes/glue.py", lambda: script_main(lambda: glue.main(argv)))
 
     return run
 
@@ -538,12 +581,69 @@ CASES: list[BadInput] = [
         "YAML config",
         "strategy.init_args.check_batch_independence_every: 0",
         _yaml(_strategy_args(check_batch_independence_every=0)),
-        "check_batch_independence_every must be a positive whole number",
+        "trainer.strategy.init_args.check_batch_independence_every: must be a positive whole number",
     ),
     BadInput(
         "YAML config",
         "trainer.gradient_clip_val: 1.0",
         _yaml(_trainer_args(gradient_clip_val=1.0)),
         "gradient_clip_val",
+    ),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.max_grad_nrom: 2.0 (misspelt option)",
+        _yaml(_strategy_args(max_grad_nrom=2.0)),
+        r"^lightning-dp fit: error: bad.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean "
+        r"'max_grad_norm'\?$",
+    ),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.max_grad_norm: abc",
+        _yaml(_strategy_args(max_grad_norm="abc")),
+        r"bad.yaml: trainer.strategy.init_args.max_grad_norm: expected float, got abc$",
+    ),
+    BadInput(
+        "YAML config",
+        "strategy.init_args.clipping: gohst",
+        _yaml(_strategy_args(clipping="gohst")),
+        r"bad.yaml: trainer.strategy.init_args.clipping: must be one of .*got 'gohst' \(did you mean 'ghost'\?\)$",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp fit ... --trainer.strategy.init_args.max_grad_norm=-1",
+        _yaml(lambda config: None, "--trainer.strategy.init_args.max_grad_norm=-1"),
+        r"error: --trainer.strategy.init_args.max_grad_norm: must be a positive finite number, got -1.0$",
+    ),
+    # the HF recipes' YAML and flags (configs/glue_offline.yaml, edited)
+    BadInput(
+        "Recipe config",
+        "per_sample_max_grad_nrom: 2.0 (misspelt key)",
+        _recipe({"per_sample_max_grad_nrom": 2.0}),
+        r"^recipes/glue.py: error: bad.yaml: per_sample_max_grad_nrom: unknown option; did you mean "
+        r"'per_sample_max_grad_norm'\?$",
+    ),
+    BadInput(
+        "Recipe config",
+        "per_sample_max_grad_norm: -1.0",
+        _recipe({"per_sample_max_grad_norm": -1.0}),
+        r"bad.yaml: per_sample_max_grad_norm: must be a positive finite number, got -1.0$",
+    ),
+    BadInput(
+        "Recipe config",
+        "noise: gausian",
+        _recipe({"noise": "gausian"}),
+        r"bad.yaml: noise: Unknown noise 'gausian' \(did you mean 'gaussian'\?\)",
+    ),
+    BadInput(
+        "Recipe flags",
+        "--per_sample_max_grad_norm abc",
+        _recipe({}, "--per_sample_max_grad_norm", "abc"),
+        r"error: --per_sample_max_grad_norm: invalid float value: 'abc'$",
+    ),
+    BadInput(
+        "Recipe flags",
+        "--target_delta 2",
+        _recipe({}, "--target_delta", "2"),
+        r"error: --target_delta: delta must lie in \(0, 1\), got 2.0",
     ),
 ]

@@ -4,7 +4,7 @@
 parser's defaults and then parses the command line, so any field of the recipe's arguments,
 ``transformers.TrainingArguments`` or :class:`~lightning_dp.hf.PrivacyArguments` is settable in the file, and the
 command line overrides the file. The YAML is flat (one key per field, the field's own name), exactly the names of
-the command-line flags without ``--``; an unknown key fails before anything runs, with the closest known names.
+the command-line flags without ``--``; an unknown key fails before anything runs, with the closest known name.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from lightning_dp.naming import did_you_mean
+from lightning_dp.config import HF_NAMES
+from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
 
 
 def read_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -46,6 +48,11 @@ def parse_recipe_args(
 ) -> tuple[Any, ...]:
     """Parse ``--config FILE.yaml`` plus command-line overrides into one instance of each of ``dataclass_types``.
 
+    A bad option is one :class:`~lightning_dp.config_errors.ConfigError` line naming the file and key, or the flag,
+    that set it (``glue.yaml: per_sample_max_grad_nrom: unknown option; did you mean 'per_sample_max_grad_norm'?``):
+    an unknown key or flag, a value of the wrong type, an invalid privacy option
+    (:class:`~lightning_dp.hf.PrivacyArguments`, named as it is there).
+
     Args:
         dataclass_types: the dataclasses whose fields make the options (HfArgumentParser refuses a field name that
             two of them share).
@@ -57,24 +64,39 @@ def parse_recipe_args(
 
     Raises:
         FileNotFoundError: the config file does not exist.
-        ValueError: a key of the config file is not a field of any of the dataclasses, or a value is invalid.
-        SystemExit: an unknown or malformed command-line option (argparse's usual exit code 2).
+        ConfigError: an unknown key or flag, a value of the wrong type, or an invalid privacy option.
+        ValueError: another invalid value (a dataclass's own check), or a stray argument.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
-    parser = HfArgumentParser(tuple(dataclass_types), description=description)
+    parser = HfArgumentParser(tuple(dataclass_types), description=description, exit_on_error=False)
     parser.add_argument("--config", default=None, help="YAML file of field: value defaults (flags override it)")
+    fields = sorted({f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init})
     if known.config is not None:
         config = read_yaml_config(known.config)
-        fields = {f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(config) - fields)
-        if unknown:
-            hint = did_you_mean(unknown[0], sorted(fields))
-            raise ValueError(f"{known.config}: unknown key(s) {', '.join(unknown)}{hint}")
+        for key in config:
+            if key not in fields:
+                raise ConfigError(key, unknown_option(key, fields), argv)
         parser.set_defaults(**{key: None for key, value in config.items() if value is None})
         rest = [*config_as_flags(config), *rest]
-    *parsed, _ = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=False)
+    try:
+        *parsed, _, remaining = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    except argparse.ArgumentError as error:  # a value argparse cannot convert (of the flag, or of the file's key)
+        if error.argument_name is None:
+            raise ValueError(str(error)) from error
+        raise ConfigError(error.argument_name.split("/")[0].lstrip("-"), error.message, argv) from error
+    except ValueError as error:  # a dataclass's check: an invalid privacy option names its key
+        option = invalid_option(error)
+        if option is None:
+            raise
+        raise ConfigError(HF_NAMES.get(option, option), option_reason(option, error), argv) from error
+    flags = [arg.partition("=")[0] for arg in remaining if arg.startswith("--")]
+    if flags:
+        raise ConfigError(flags[0][2:], unknown_option(flags[0], [f"--{name}" for name in fields]), argv)
+    if remaining:
+        raise ValueError(f"unrecognized arguments: {' '.join(remaining)}")
     return tuple(parsed)
 
 

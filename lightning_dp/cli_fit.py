@@ -1,0 +1,120 @@
+"""The LightningCLI of ``lightning-dp fit``, whose config errors are one readable line.
+
+A bad option in the YAML or on the command line becomes a :class:`~lightning_dp.config_errors.ConfigError` naming the
+option's full path and the reason, e.g. ``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you
+mean 'max_grad_norm'?``:
+
+- jsonargparse's own errors (an unknown option, a value of the wrong type) are read back into their key and reason
+  (:mod:`lightning_dp.jsonargparse_errors`), with the closest accepted option for an unknown one;
+- the privacy options of a DP strategy are validated by :class:`~lightning_dp.config.PrivacyConfig` before the
+  classes are instantiated (where jsonargparse would bury the reason under the strategy's whole configuration); the
+  key is the option the error is about (:func:`~lightning_dp.config_errors.invalid_option`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jsonargparse import ArgumentError, ArgumentParser, Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_dp.config import OPTION_NAMES, PrivacyConfig
+from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
+from lightning_dp.jsonargparse_errors import UNION, ReadError, read_error
+from lightning_dp.lightning.dp_mixin import DPStrategyMixin
+
+#: where LightningCLI configures the strategy.
+STRATEGY = "trainer.strategy"
+
+
+class FitCLI(LightningCLI):
+    """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config_errors.ConfigError` (see the
+    module); jsonargparse errors that name no option are raised as they come (``ArgumentError``)."""
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse as LightningCLI does; keep the command line, to say whether a flag or which file set an option.
+
+        Raises:
+            ConfigError: an unknown option, or a value of the wrong type.
+        """
+        self.argv: list[str] = sys.argv[1:] if args is None else list(args) if isinstance(args, list) else []
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:
+            read = read_error(str(error))
+            if not read.key:
+                raise
+            raise ConfigError(read.key, _reason(read, error), self.argv) from error
+
+    def before_instantiate_classes(self) -> None:
+        """Check the privacy options (:func:`check_privacy_options`)."""
+        check_privacy_options(self.config[self.subcommand] if self.subcommand else self.config, self.argv)
+
+    def instantiate_classes(self) -> None:
+        """Instantiate as LightningCLI does.
+
+        Raises:
+            ValueError: a constructor's error, without jsonargparse's account of the union types and the whole
+                configuration of the class (prefixed by its class path).
+        """
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            if not str(error).startswith(UNION):
+                raise
+            read = read_error(str(error))
+            raise ValueError(f"{read.class_path}: {read.reason}" if read.class_path else read.reason) from error
+
+
+def check_privacy_options(config: Namespace, argv: Sequence[str] = ()) -> None:
+    """Validate the privacy options of a DP strategy given by class path at ``trainer.strategy`` of a parsed
+    LightningCLI ``config`` with the checks of :class:`~lightning_dp.config.PrivacyConfig`, before anything is
+    instantiated; ``argv`` (the command line) tells which flag or file set them.
+
+    Raises:
+        ConfigError: an invalid option (key ``trainer.strategy.init_args.OPTION``) or combination of options (key
+            ``trainer.strategy.init_args``).
+    """
+    strategy = config.get(STRATEGY)
+    if not isinstance(strategy, Namespace) or not isinstance(strategy.get("class_path"), str):
+        return
+    cls = _import(strategy.class_path)
+    if not (isinstance(cls, type) and issubclass(cls, DPStrategyMixin)):
+        return
+    init_args = strategy.get("init_args") or Namespace()
+    options = {name: init_args[name] for name in OPTION_NAMES if name in init_args}
+    if any(isinstance(value, Namespace) for value in options.values()):
+        return  # an option given as a class (a NoiseMechanism, a LowPassFilter): checked when the strategy is built
+    try:
+        PrivacyConfig(**options)
+    except ValueError as error:
+        option = invalid_option(error)
+        if option is None:  # about a combination of options, which may come from several places: no file named
+            raise ConfigError(f"{STRATEGY}.init_args", str(error)) from error
+        raise ConfigError(f"{STRATEGY}.init_args.{option}", option_reason(option, error), argv) from error
+
+
+def _reason(read: ReadError, error: ArgumentError) -> str:
+    """The reason of a jsonargparse error read back, with the closest accepted option for an unknown one: among the
+    arguments of its class, or among the options of the subcommand (carried by the error's cause)."""
+    if not read.unknown:
+        return read.reason
+    name = read.key.rpartition(".")[2]
+    if read.class_path is not None:  # an argument of a class: among the class's
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(_import(read.class_path))
+        keys, prefix = parser.get_defaults(skip_validation=True).keys(), ""
+    else:  # an option of the subcommand: among those next to it
+        subcommand_parser = getattr(error.__cause__, "subcommand_parser", None)
+        keys = subcommand_parser.get_defaults(skip_validation=True).keys() if subcommand_parser else []
+        prefix = read.key.removesuffix(name)
+    return unknown_option(name, {key.removeprefix(prefix).split(".")[0] for key in keys if key.startswith(prefix)})
+
+
+def _import(class_path: str) -> Any:
+    """The object at ``module.name``."""
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,104 @@
+"""The key and the reason of a jsonargparse error, read back from its message.
+
+jsonargparse (under LightningCLI) reports a bad value nested in a class's ``init_args`` as an indented tree: ``Parser
+key "trainer.strategy":`` / ``Does not validate against any of the Union subtypes`` / one ``- ...`` bullet per type
+of the union / ``Problem with given class_path '...':`` / ``Option 'max_grad_nrom' is not accepted``, then the
+whole given value. Its exceptions keep only this text, so :func:`read_error` walks the tree: the keys along the way
+make the full path, the first bullet of a type that applies (a class, not ``str``) the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+
+UNION = "Does not validate against any of the Union subtypes"
+
+_PARSER_KEY = re.compile(r'Parser key "([^"]+)":(.*)', re.DOTALL)
+_CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)':(.*)", re.DOTALL)
+_NOT_ACCEPTED = re.compile(r"Option '([^']+)' is not accepted.*", re.DOTALL)
+_DOES_NOT_ACCEPT = re.compile(r"(Subcommand|Group) '([^']+)' does not accept option '([^']+)'")
+_EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>(?:\. Got value: (.*))?", re.DOTALL)
+_GIVEN_VALUE = re.compile(r"^Given value: (.*)$", re.MULTILINE)
+_GIVEN_CLASS = re.compile(r"^Given value: Namespace\(class_path='([^']+)'", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class ReadError:
+    """What a jsonargparse error is about.
+
+    Attributes:
+        key: the full dotted path of the option (``trainer.strategy.init_args.max_grad_norm``); ``""`` when the
+            message names none (a class whose constructor failed).
+        reason: what is wrong, on one line.
+        class_path: the innermost class whose arguments hold the key (or whose constructor failed), if any.
+        unknown: the option does not exist (``reason`` is then ``"unknown option"``).
+    """
+
+    key: str
+    reason: str
+    class_path: str | None = None
+    unknown: bool = False
+
+
+def read_error(message: str) -> ReadError:
+    """Read the key and the reason out of a jsonargparse error ``message``; a message of another form is kept whole,
+    on one line, as the reason."""
+    return _read(message, [], None)
+
+
+def _read(text: str, keys: list[str], class_path: str | None) -> ReadError:
+    text = text.strip()
+    if match := _PARSER_KEY.fullmatch(text):
+        return _read(_body(match.group(2)), [*keys, match.group(1)], class_path)
+    if match := _CLASS_PATH.fullmatch(text):
+        return _read(_body(match.group(2)), [*keys, "init_args"], match.group(1))
+    if text.startswith(UNION) and (bullets := _bullets(text)):
+        expected = [match.group(1) for bullet in bullets if (match := _EXPECTED.fullmatch(bullet))]
+        if len(expected) < len(bullets):  # the error of the first type that applies (jsonargparse tries it first)
+            chosen = next(bullet for bullet in bullets if not _EXPECTED.fullmatch(bullet))
+            given = _GIVEN_CLASS.search(text)
+            return _read(chosen, keys, class_path or (given.group(1) if given else None))
+        value = _GIVEN_VALUE.search(text)
+        got = value.group(1) if value else "another type"
+        return ReadError(".".join(keys), f"expected {' or '.join(map(_type_name, expected))}, got {got}")
+    if match := _NOT_ACCEPTED.fullmatch(text):
+        return ReadError(".".join([*keys, match.group(1)]), "unknown option", class_path, unknown=True)
+    if match := _DOES_NOT_ACCEPT.fullmatch(text):  # a subcommand's key is the full path; a group's, below its name
+        prefix = [match.group(2)] if match.group(1) == "Group" else []
+        return ReadError(".".join([*keys, *prefix, match.group(3)]), "unknown option", class_path, unknown=True)
+    if (match := _EXPECTED.fullmatch(text)) and match.group(2) is not None:
+        return ReadError(".".join(keys), f"expected {_type_name(match.group(1))}, got {match.group(2)}", class_path)
+    return ReadError(".".join(keys), " ".join(text.split()), class_path)
+
+
+def _body(rest: str) -> str:
+    """The text under a ``Parser key "...":`` or ``Problem with given class_path '...':`` header: what follows the
+    colon on its line, then the indented lines below, dedented."""
+    first, _, below = rest.partition("\n")
+    return f"{first.strip()}\n{textwrap.dedent(below)}".strip()
+
+
+def _bullets(union: str) -> list[str]:
+    """The ``- ...`` items of a union error's ``Errors:`` section, each dedented and on as many lines as it had."""
+    lines = union.splitlines()
+    if "Errors:" not in lines:
+        return []
+    section = []
+    for line in lines[lines.index("Errors:") + 1 :]:
+        if line and not line[0].isspace():
+            break
+        section.append(line)
+    items: list[list[str]] = []
+    for line in textwrap.dedent("\n".join(section)).splitlines():
+        if line.startswith("- "):
+            items.append([line[2:]])
+        elif items:
+            items[-1].append(line[2:] if line.startswith("  ") else line)
+    return ["\n".join(item).strip() for item in items]
+
+
+def _type_name(name: str) -> str:
+    """``"float"`` for jsonargparse's ``<class 'float'>``, ``"None"`` for ``NoneType``."""
+    return "None" if name == "NoneType" else name.rsplit(".", 1)[-1]
