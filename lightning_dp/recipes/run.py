@@ -59,7 +59,8 @@ class RecipeArguments:
         lora_rank: rank of peft LoRA adapters (0: fine-tune the model's own trainable parameters).
         lora_target_modules: module names that get adapters (e.g. ``q_proj v_proj``).
         lora_layers: adapt only the top ``lora_layers`` transformer layers (``None``: all).
-        dp: train with DP (``DPTrainer``); ``false`` runs the same recipe through the plain ``Trainer``.
+        dp: train with DP (``DPTrainer``); ``false`` runs the same recipe through the plain ``Trainer``, as
+            ``disable_dp: true`` (the privacy arguments' switch) does.
         results_file: where the run's JSON summary is written (default ``OUTPUT_DIR/results.json``).
     """
 
@@ -206,7 +207,8 @@ def run_recipe(
     trainer_kwargs: dict[str, Any] | None = None,
     details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false),
+    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false or
+    ``privacy.disable_dp`` true),
     evaluate it with ``evaluate(trainer)``, and write and print the JSON summary on the main process.
 
     The summary holds the task metrics, the privacy summary (epsilon actually spent, delta, noise, accountant,
@@ -224,7 +226,8 @@ def run_recipe(
         data_collator=data_collator,
         **(trainer_kwargs or {}),
     )
-    trainer = DPTrainer(**common, privacy_args=privacy) if recipe.dp else Trainer(**common)
+    private = recipe.dp and not privacy.disable_dp
+    trainer = DPTrainer(**common, privacy_args=privacy) if private else Trainer(**common)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -234,7 +237,7 @@ def run_recipe(
     result = results_record(
         task=recipe.task,
         metrics=metrics,
-        privacy_engine=trainer.privacy_engine if recipe.dp else None,
+        privacy_engine=trainer.privacy_engine if private else None,
         model=model,
         train_size=len(train_dataset),
         eval_size=None if eval_dataset is None else len(eval_dataset),
@@ -248,7 +251,7 @@ def run_recipe(
         details=details,
         arguments={
             "recipe": asdict(recipe),
-            "privacy": asdict(privacy) if recipe.dp else None,
+            "privacy": asdict(privacy) if private else None,
             "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
         },
     )
