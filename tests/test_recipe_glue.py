@@ -72,6 +72,9 @@ def test_qnli_pairs_without_dp_in_process(tmp_path, switch):
     )  # fmt: skip
     assert result["privacy"] is None and result["dp"] is False and result["steps"] == 1
     assert set(result["metrics"]) == {"accuracy"}
+    environment = result["environment"]  # what small-run numbers depend on besides the command and seed
+    assert environment["threads"] == torch.get_num_threads() and environment["torch"] == torch.__version__
+    assert environment["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):

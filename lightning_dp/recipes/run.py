@@ -32,6 +32,7 @@ from lightning_dp.cli_args import guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.run_environment import run_environment
 from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
@@ -279,7 +280,8 @@ def results_record(
     """The summary every recipe writes (HF and Lightning alike; ``bench/recipes.py`` renders the docs from it):
     ``dp`` is whether a privacy engine trained the model, ``privacy`` its summary without ``num_params`` (``None``
     without DP or accountant), ``trainable_params`` counted on ``model``, times rounded to 0.1 s, the recipe's
-    ``details`` (which may override ``eval_size``), then ``arguments`` and the ``command`` line."""
+    ``details`` (which may override ``eval_size``), the ``environment`` (versions, threads, CPU kernels:
+    :func:`~lightning_dp.run_environment.run_environment`), then ``arguments`` and the ``command`` line."""
     privacy = None
     if privacy_engine is not None and privacy_engine.accountant is not None:
         privacy = {k: v for k, v in privacy_engine.summary().items() if k != "num_params"}
@@ -297,6 +299,7 @@ def results_record(
         "eval_seconds": round(eval_seconds, 1),
         "world_size": world_size,
         **(details or {}),
+        "environment": run_environment(next(model.parameters()).device),
         "arguments": arguments,
         "command": command_line(),
     }
