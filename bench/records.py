@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from lightning_dp.run_environment import run_environment
 
 
 def replace_between_markers(path: Path, text: str, start: str, end: str) -> None:
@@ -46,17 +45,9 @@ def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
 
 
 def environment(device: str) -> dict[str, Any]:
-    """What the numbers depend on: torch, the device's name, the load average (before the run; the caller adds
-    ``load_after``)."""
-    device_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            device_name = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    if device.startswith("cuda") and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name()
-    return {"torch": torch.__version__, "device_name": device_name, "load_before": os.getloadavg()[0]}
+    """What the numbers depend on (:func:`lightning_dp.run_environment.run_environment`: versions, threads, CPU
+    kernels, the device's name) and the load average before the run (the caller adds ``load_after``)."""
+    return {**run_environment(device), "load_before": os.getloadavg()[0]}
 
 
 def finish(

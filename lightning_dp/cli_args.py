@@ -109,9 +109,9 @@ def positive_float(value: str) -> float:
 
 def quiet_lightning() -> None:
     """Console output of the ``demo`` and ``fit`` commands: lightning_dp's INFO lines (defaults, calibration, privacy
-    summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines and adverts, nor the ``LeafSpec``
-    deprecation that Lightning's own pytree code triggers under recent torch. Only these commands call this; the
-    Python API (the user's own Trainer and logging set-up) is untouched.
+    summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines. Only these commands set this up;
+    in the Python API the user's logging set-up is untouched, except for the two Lightning messages every DP
+    strategy drops (its advert and the ``LeafSpec`` deprecation: :mod:`lightning_dp.lightning_noise`).
     """
     import lightning.pytorch  # noqa: F401  (first: importing Lightning sets its loggers' levels and handlers)
 

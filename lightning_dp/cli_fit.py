@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser, Namespace
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_dp.config import OPTION_NAMES, PrivacyConfig
 from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
@@ -30,9 +31,36 @@ from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 STRATEGY = "trainer.strategy"
 
 
+class KeepingSaveConfigCallback(SaveConfigCallback):
+    """Lightning's ``SaveConfigCallback`` (the run's config into its log folder, never overwritten), with the refusal
+    to overwrite an earlier run's ``config.yaml`` as one line that says what to change."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Save as Lightning does.
+
+        Raises:
+            ValueError: the log folder already holds a ``config.yaml`` (a config without a logger, run twice in one
+                ``default_root_dir``).
+        """
+        try:
+            super().setup(trainer, pl_module, stage)
+        except RuntimeError as error:
+            if "to NOT exist" not in str(error):
+                raise
+            folder = trainer.log_dir
+            raise ValueError(
+                f"{folder}/{self.config_filename} holds an earlier run's config, which this run would overwrite: give "
+                "it another --trainer.default_root_dir, or a logger (each run then gets its own version folder)"
+            ) from error
+
+
 class FitCLI(LightningCLI):
     """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config_errors.ConfigError` (see the
-    module); jsonargparse errors that name no option are raised as they come (``ArgumentError``)."""
+    module); jsonargparse errors that name no option are raised as they come (``ArgumentError``). The config is saved
+    by :class:`KeepingSaveConfigCallback`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, save_config_callback=KeepingSaveConfigCallback, **kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse as LightningCLI does; keep the command line, to say whether a flag or which file set an option.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
@@ -18,7 +19,8 @@ from types import ModuleType
 
 def when_imported(name: str, callback: Callable[[], None]) -> None:
     """Call ``callback()`` once the module ``name`` is imported: now if it already is, else right after its code has
-    run (the module complete, before the import statement that asked for it returns)."""
+    run (the module complete, before the import statement that asked for it returns). An exception from a deferred
+    ``callback`` becomes a warning: the import of ``name`` itself still succeeds."""
     if name in sys.modules:
         callback()
     else:
@@ -39,7 +41,9 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     ) -> ModuleSpec | None:
         if fullname != self.name:
             return None
-        others = (finder for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec"))
+        others = (  # never another hook (two hooks on one name, e.g. after a reload, would ask each other forever)
+            finder for finder in sys.meta_path if not isinstance(finder, _AfterImport) and hasattr(finder, "find_spec")
+        )
         spec = next((found for finder in others if (found := finder.find_spec(fullname, path, target))), None)
         if spec is None or spec.loader is None:
             return spec
@@ -49,7 +53,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-                self.callback()
+                try:
+                    self.callback()
+                except Exception as error:  # the user's import must not fail because of ours
+                    message = f"lightning_dp could not complete its set-up after importing {fullname}: {error!r}"
+                    warnings.warn(message, stacklevel=2)
 
         spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
         return spec

@@ -170,16 +170,14 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         """Raise unless these options work on an FSDP2-sharded model (docs/design.md section 8.1).
 
         Raises:
-            ValueError: per-sample momentum (``momentum_length > 1``), ``bookkeeping=False`` (a second backward) or
-                the low-pass filter (its state would be checkpointed as rank 0's shards only), not supported on
-                sharded models yet.
+            ValueError: per-sample momentum (``momentum_length > 1``) or ``bookkeeping=False`` (a second backward),
+                not supported on sharded models yet.
         """
         unsupported = [
             text
             for text, given in (
                 ("momentum_length > 1 (per-sample momentum)", self.momentum.enabled),
                 ("bookkeeping=False (a second backward)", not self.bookkeeping),
-                ("lowpass (the low-pass filter)", self.lowpass is not None),
             )
             if given
         ]

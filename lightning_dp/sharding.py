@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -55,6 +55,22 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this rank holds: a sharded tensor's local shard (sharing its storage, so in-place
     changes reach the ``DTensor``), any other tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a sharded tensor (a collective: every rank of its mesh must call it), any other tensor
+    itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (every rank holding the same full value, e.g. read from one checkpoint file) laid out as ``like``:
+    this rank's shard of it for a sharded ``like`` (no communication), else ``full`` itself; on ``like``'s device
+    and dtype either way."""
+    full = full.to(device=like.device, dtype=like.dtype)
+    if not isinstance(like, DTensor) or isinstance(full, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:

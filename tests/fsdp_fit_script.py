@@ -100,6 +100,8 @@ class StartParams(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.params = gathered(pl_module.model)
+        lowpass = trainer.strategy.privacy_engine.lowpass
+        self.lowpass = None if lowpass is None else lowpass.state_dict()  # gathered: a collective
 
 
 def fit(
@@ -136,6 +138,8 @@ def fit(
         "batch_sizes": module.batch_sizes,
         "strategy": type(trainer.strategy).__name__,
         "norm before setup": module.norm_before_setup,
+        "start lowpass": start.lowpass,
+        "lowpass": None if engine.lowpass is None else engine.lowpass.state_dict(),
     }
     print(f"[rank {trainer.global_rank}] {name}: batch sizes {module.batch_sizes}", flush=True)
     return trainer, module
@@ -195,5 +199,10 @@ if __name__ == "__main__":
     RESULT["one file"] = (args.out / "full.ckpt").is_file()
     fit("dp_fsdp", 3, "name")
     fit(DPModelParallelStrategy(**STRATEGY), 3, "layers only", shard_root=False)
+    lowpass = dict(STRATEGY, lowpass={"a": [-0.5], "b": [0.3, 0.2]})  # feedback and feed-forward history
+    checkpoint = ModelCheckpoint(dirpath=args.out / "ckpt_lowpass", every_n_train_steps=2, save_top_k=-1)
+    fit(DPModelParallelStrategy(**lowpass), 2, "lowpass part", callbacks=[checkpoint])
+    (saved,) = sorted((args.out / "ckpt_lowpass").iterdir())
+    fit(DPModelParallelStrategy(**lowpass), 3, "lowpass resumed", ckpt_path=str(saved))
     RESULT["rank"], RESULT["world_size"] = trainer.global_rank, trainer.world_size
     torch.save(RESULT, args.out / f"rank{trainer.global_rank}.pt")

@@ -15,6 +15,9 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   and unsharded (the stand-in batches must add exactly nothing);
 - ``"lora resumed"``: the ``"lora sharded"`` run resumed from its checkpoint at step 2;
 - ``"best"``: evaluation and a checkpoint at every step, ``load_best_model_at_end=True``;
+- ``"lowpass sharded"`` and ``"lowpass replicated"``: zero noise with a low-pass filter (DP-PMLF's), sharded and
+  unsharded; ``"lowpass resumed"``: the sharded one resumed from its checkpoint at step 2 (the filter's history,
+  gathered into the checkpoint, is taken back shard by shard);
 - ``"resumed"``: the ``"noisy"`` run resumed from its checkpoint at step 2 (model and optimizer shards, privacy
   state), on a fresh sharded model.
 
@@ -46,6 +49,8 @@ from lightning_dp.hf import PrivacyArguments
 
 N, BATCH, ACCUM, STEPS = 32, 4, 2, 3
 PROMPT = torch.tensor([[5, 17, 2, 31]])
+#: a low-pass filter with both a feedback (``a``) and a feed-forward history (``b`` beyond ``b_0``)
+LOWPASS = {"a": [-0.5], "b": [0.3, 0.2]}
 
 
 def lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -71,12 +76,15 @@ class Snapshot(TrainerCallback):
     begins (after a resume restored them); every rank runs the callbacks, so the gathers are collectives."""
 
     def __init__(self, trainer) -> None:
-        self.trainer, self.taken = trainer, {}
+        self.trainer, self.taken, self.lowpass = trainer, {}, {}
 
     def take(self, when: str, model: torch.nn.Module) -> None:
         optimizer = self.trainer._dp_optimizer.original_optimizer
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         self.taken[when] = (gathered(model), get_optimizer_state_dict(model, optimizer, options=options))
+        lowpass = self.trainer.privacy_engine.lowpass
+        if lowpass is not None:  # its state_dict gathers the sharded history (a collective)
+            self.lowpass[when] = lowpass.state_dict()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.take("begin", model)
@@ -93,9 +101,10 @@ def train(
     batch: int = BATCH,
     accum: int = ACCUM,
     resume: Path | None = None,
+    lowpass: dict | None = None,
     **args,
 ):
-    privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed")
+    privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed", lowpass=lowpass)
     arguments = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=STEPS)
     evaluation = {"eval_dataset": TokenDataset(n=8, seed=1)} if args.get("eval_strategy") else {}
     trainer = make_trainer(
@@ -123,6 +132,7 @@ def train(
         "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
         "stand-in batches": len(stand_ins),
         "snapshots": snapshot.taken,
+        "lowpass snapshots": snapshot.lowpass,
         "local bytes": {  # what this rank holds of the parameters and of the optimizer's state
             "parameters": sum(_bytes(p) for p in model.parameters()),
             "optimizer state": sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if v.ndim),
@@ -168,6 +178,11 @@ def main(out: Path) -> None:
     lora_checkpoint = out / "lora sharded" / "checkpoint-2"
     train("lora resumed", shard(lora(tiny_llama(torch.float64))), out, 0.0, resume=lora_checkpoint, **checkpoints)
     train("small batches", shard(tiny_llama(torch.float64)), out, noise=1.0, batch=1, accum=1)
+    train("lowpass sharded", shard(tiny_llama(torch.float64)), out, 0.0, lowpass=LOWPASS, **checkpoints)
+    train("lowpass replicated", tiny_llama(torch.float64), out, 0.0, lowpass=LOWPASS)
+    lowpass_checkpoint = out / "lowpass sharded" / "checkpoint-2"
+    resumed = shard(tiny_llama(torch.float64))
+    train("lowpass resumed", resumed, out, 0.0, resume=lowpass_checkpoint, lowpass=LOWPASS, **checkpoints)
     train("small sharded", shard(tiny_llama(torch.float64)), out, noise=0.0, batch=1, accum=2)
     train("small replicated", tiny_llama(torch.float64), out, noise=0.0, batch=1, accum=2)
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True)

@@ -56,8 +56,10 @@ def test_fit_saves_each_runs_config_in_its_own_folder_and_never_overwrites(tmp_p
     config["trainer"]["logger"] = False
     path.write_text(yaml.safe_dump(config))
     (tmp_path / "config.yaml").write_text("kept: true\n")
-    with pytest.raises(RuntimeError, match="Aborting to avoid overwriting"):
-        main(["fit", "--config", str(path)])
+    capsys.readouterr()
+    assert main(["fit", "--config", str(path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "holds an earlier run's config" in line and "--trainer.default_root_dir" in line
     assert (tmp_path / "config.yaml").read_text() == "kept: true\n"
 
 

@@ -30,6 +30,7 @@ pytest.importorskip("transformers")
 
 WORLD = 2
 FITS = ("a", "b", "part", "resumed", "part (one file)", "resumed (one file)", "name", "layers only")
+FITS += ("lowpass part", "lowpass resumed")
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +178,6 @@ def test_tensor_parallelism_is_refused(size):
     [
         (dict(momentum_length=2), "momentum_length > 1"),
         (dict(bookkeeping=False), "bookkeeping=False"),
-        (dict(lowpass="ema"), "lowpass"),
     ],
 )
 def test_what_sharded_models_do_not_support_yet_is_refused_at_construction(options, message):
@@ -215,3 +215,16 @@ def test_optimizer_state_is_collected_without_a_dp_step(wrapped):
     state = strategy.optimizer_state(optimizer if wrapped else sgd)
     assert recorded == [] and "param_groups" in state
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_the_lowpass_filters_history_resumes_from_the_sharded_checkpoint(ranks):
+    """A low-pass filter on a sharded model: the history at step 2 is saved gathered (full tensors, in the
+    checkpoint's privacy state), restored whole on every rank, and the resumed run takes its shards and trains on."""
+    for rank in ranks:
+        part, resumed = rank["lowpass part"], rank["lowpass resumed"]
+        saved, restored = part["lowpass"], resumed["start lowpass"]
+        assert saved["steps"] == restored["steps"] == 2 and len(saved["m"]) == len(saved["vbar"]) == 1
+        for key in ("m", "vbar"):
+            assert all(torch.equal(a, b) for a, b in zip(saved[key][0], restored[key][0], strict=True))
+        assert [tuple(t.shape) for t in saved["m"][0]] == [tuple(p.shape) for p in part["params"].values()]
+        assert resumed["steps"] == 3 and resumed["lowpass"]["steps"] == 3

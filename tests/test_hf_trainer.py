@@ -412,3 +412,30 @@ def test_stale_privacy_state_is_removed_before_a_checkpoint_folder_is_rewritten(
     assert last_complete_checkpoint(tmp_path, PRIVACY_STATE_NAME) == str(folder)
     callback.on_step_end(args, state, TrainerControl(should_save=True))
     assert last_complete_checkpoint(tmp_path, PRIVACY_STATE_NAME) is None
+
+
+def test_disable_dp_trains_exactly_as_the_plain_trainer_and_reports_infinite_epsilon(tmp_path, caplog) -> None:
+    """``PrivacyArguments(disable_dp=True)``, the dp-transformers switch: the same script trains as the plain
+    ``Trainer`` would (same parameters, bit for bit, TrainingArguments' own batch clipping included), logs
+    ``epsilon = inf`` where DP runs log epsilon, and says so once."""
+    args = dict(max_steps=3, max_grad_norm=1.0)
+    plain_model = tiny_gpt2()
+    transformers.Trainer(
+        model=plain_model, args=training_args(tmp_path / "plain", **args), train_dataset=TokenDataset()
+    ).train()
+    privacy = PrivacyArguments(target_epsilon=3.0, disable_dp=True)
+    model = tiny_gpt2()
+    trainer = make_trainer(model, tmp_path / "off", privacy=privacy, args=args)
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        trainer.train()
+    for (name, p), q in zip(model.named_parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert [row["epsilon"] for row in trainer.state.log_history if "loss" in row] == [math.inf] * 3
+    assert trainer.get_epsilon() == math.inf and trainer.args.max_grad_norm == 1.0
+    assert sum("WITHOUT differential privacy" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(RuntimeError, match="disable_dp"):
+        trainer.privacy_summary()
+    parsed = transformers.HfArgumentParser(PrivacyArguments).parse_args_into_dataclasses(
+        ["--target_epsilon", "3", "--disable_dp", "true"]
+    )[0]
+    assert parsed.disable_dp is True

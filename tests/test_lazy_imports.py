@@ -87,3 +87,29 @@ from transformers.pytorch_utils import Conv1D
 assert find_layer_family(Conv1D(3, 5)) is not None
 """
     assert "transformers" in imported_after(code)
+
+
+def test_the_strategies_register_after_a_reload_and_a_failing_setup_only_warns() -> None:
+    """``importlib.reload(lightning_dp)`` before Lightning is imported (IPython's autoreload does this) leaves two
+    import hooks on one name: Lightning still imports, once, with the strategies registered. A hook whose set-up
+    fails turns the failure into a warning; the user's import succeeds."""
+    code = "\n".join(
+        [
+            "import importlib, warnings",
+            "import lightning_dp",
+            "importlib.reload(lightning_dp)",
+            "import lightning.pytorch",
+            "from lightning.pytorch.strategies import StrategyRegistry",
+            "assert 'dp' in StrategyRegistry, 'not registered'",
+            "from lightning_dp.import_hooks import when_imported",
+            "def broken():",
+            "    raise RuntimeError('broken set-up')",
+            "when_imported('json.tool', broken)",
+            "with warnings.catch_warnings(record=True) as caught:",
+            "    warnings.simplefilter('always')",
+            "    import json.tool",
+            "assert any('broken set-up' in str(w.message) for w in caught), [str(w.message) for w in caught]",
+        ]
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -48,6 +48,7 @@ KEYS = {
     "train_seconds",
     "eval_seconds",
     "world_size",
+    "environment",
     "arguments",
     "command",
 }

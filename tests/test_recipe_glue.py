@@ -61,16 +61,20 @@ def test_smoke_docs_config_on_a_tiny_model(tmp_path):
     assert result["arguments"]["recipe"]["task"] == "sst2"
 
 
-def test_qnli_pairs_without_dp_in_process(tmp_path):
-    """Sentence pairs, the plain Trainer, the CLS head with the top layer trained (no LoRA)."""
+@pytest.mark.parametrize("switch", [["--dp", "false"], ["--disable_dp", "true"]], ids=["dp false", "disable_dp"])
+def test_qnli_pairs_without_dp_in_process(tmp_path, switch):
+    """Sentence pairs, the plain Trainer, the CLS head with the top layer trained (no LoRA); either switch."""
     result = glue.main(
         [*LOCAL, "--task", "qnli", "--tiny_model", "true", "--pooling", "cls",
-         "--lora_rank", "0", "--train_layers", "1", "--dp", "false", "--train_size", "16", "--eval_size", "8",
+         "--lora_rank", "0", "--train_layers", "1", *switch, "--train_size", "16", "--eval_size", "8",
          "--max_steps", "1", "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path),
          "--results_file", str(tmp_path / "r.json")]
     )  # fmt: skip
-    assert result["privacy"] is None and result["steps"] == 1
+    assert result["privacy"] is None and result["dp"] is False and result["steps"] == 1
     assert set(result["metrics"]) == {"accuracy"}
+    environment = result["environment"]  # what small-run numbers depend on besides the command and seed
+    assert environment["threads"] == torch.get_num_threads() and environment["torch"] == torch.__version__
+    assert environment["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_lora_on_query_value_trains_adapters_and_head_only(tmp_path):

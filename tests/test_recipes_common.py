@@ -190,6 +190,8 @@ def test_local_data_dir_is_a_root_or_the_dataset_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_DP_DATA", str(tmp_path))
     assert local_data_dir(None, "glue/sst2", files, "configs/x_hub.yaml") == folder
     assert local_data_dir(str(folder), "glue/sst2", files, "configs/x_hub.yaml") == folder  # the flag wins
+    with pytest.raises(LocalDataError, match="holds no local copy of glue/qnli"):  # another task's folder is not it
+        local_data_dir(str(folder), "glue/qnli", ("dev.tsv",), "configs/x_hub.yaml")
 
 
 def test_missing_local_data_says_what_to_set(tmp_path, monkeypatch):

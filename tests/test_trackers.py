@@ -161,7 +161,7 @@ def test_csv_logger_holds_epsilon_per_epoch_and_the_summary(lightning_run) -> No
     (hparams,) = folder.rglob("csv/**/hparams.yaml")
     params = yaml.safe_load(hparams.read_text())
     assert params["dp/noise"] == "gaussian" and params["dp/accountant"] == callback.summary["accountant"]
-    assert params["dp/epsilon"] == pytest.approx(callback.summary["epsilon"])
+    assert params["dp/delta"] == pytest.approx(callback.summary["delta"]) and "dp/epsilon" not in params
 
 
 def test_tensorboard_holds_epsilon_per_epoch_the_summary_and_the_curve(lightning_run) -> None:
@@ -269,3 +269,17 @@ def test_hf_wandb_offline_run_holds_epsilon_per_step_and_the_summary(hf_run) -> 
     assert logged == pytest.approx(_hf_epsilons(run), rel=1e-6)
     final = run["summary"]
     assert any(math.isclose(row.get("train/dp/epsilon", math.nan), final["epsilon"], rel_tol=1e-6) for row in history)
+
+
+def test_a_second_fit_logging_into_the_same_mlflow_run_works(tmp_path) -> None:
+    """MLflow refuses to change a logged parameter: only the run's fixed settings are parameters, so a second fit
+    (or a resume) logging into the same run does not fail."""
+    pytest.importorskip("mlflow")
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    logger = MLFlowLogger(experiment_name="refit", tracking_uri=(tmp_path / "mlruns").as_uri())
+    for _ in range(2):
+        callback = PrivacyAccountantCallback(plot=False)
+        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+        make_trainer(strategy, max_epochs=1, callbacks=[callback], logger=logger).fit(TinyRegressor())
+    assert callback.summary["steps"] == 8

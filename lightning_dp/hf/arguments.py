@@ -4,9 +4,9 @@ It is generated from :class:`~lightning_dp.config.PrivacyConfig`, field by field
 documentation), with two names that ``TrainingArguments`` already has renamed (``HfArgumentParser((TrainingArguments,
 PrivacyArguments))`` refuses duplicate flags; :data:`~lightning_dp.config.HF_NAMES`): the clipping bound is
 ``per_sample_max_grad_norm`` (the dp-transformers name) and the seed is ``dp_seed``. Where the configuration takes a
-dict, the command line may give its JSON text. One field is HF's own, ``per_example_reduction``. ``__post_init__``
-validates by building the :class:`~lightning_dp.config.PrivacyConfig` they describe, so a bad combination fails when
-the arguments are parsed, not at the first step.
+dict, the command line may give its JSON text. Two fields are HF's own, ``per_example_reduction`` and
+``disable_dp``. ``__post_init__`` validates by building the :class:`~lightning_dp.config.PrivacyConfig` they
+describe, so a bad combination fails when the arguments are parsed, not at the first step.
 """
 
 from __future__ import annotations
@@ -85,9 +85,17 @@ PrivacyArguments = make_dataclass(
             Literal["mean", "sum"],
             field(default="mean", metadata={"help": "Reduce an example's token losses by their mean or sum."}),
         ),
+        (
+            "disable_dp",
+            bool,
+            field(
+                default=False,
+                metadata={"help": "Train without DP (the plain Trainer's training; a non-private baseline)."},
+            ),
+        ),
     ],
     bases=(_PrivacyArgumentsBehaviour,),
-)  # positional order: PrivacyConfig's (the same as before up to dp_seed), then per_example_reduction
+)  # positional order: PrivacyConfig's (the same as before up to dp_seed), then per_example_reduction, disable_dp
 PrivacyArguments.__module__ = __name__
 PrivacyArguments.__doc__ = f"""Differential-privacy arguments of :class:`~lightning_dp.hf.DPTrainer`.
 
@@ -96,13 +104,17 @@ PrivacyArguments.__doc__ = f"""Differential-privacy arguments of :class:`~lightn
     a YAML file. The fields are those of :class:`~lightning_dp.config.PrivacyConfig` (``per_sample_max_grad_norm``
     and ``dp_seed`` for its ``max_grad_norm`` and ``seed``; ``per_sample_max_grad_norm`` is not
     ``TrainingArguments.max_grad_norm``, the clipping of the batch gradient, which DPTrainer switches off), plus
-    ``per_example_reduction``.
+    ``per_example_reduction`` and ``disable_dp``.
 
     Attributes:
 {option_docs(HF_NAMES, indent=8)}
         per_example_reduction: how an example's token losses become its one loss: ``"mean"`` over its non-ignored
             tokens (default: every example weighs the same whatever its length) or ``"sum"`` (long examples weigh
             more, and are clipped more often). Labels ``-100`` are ignored either way.
+        disable_dp: train without differential privacy (dp-transformers' name): ``DPTrainer`` then trains exactly as
+            the plain ``Trainer`` (its sampler, optimizer, loss and ``max_grad_norm``), logging ``epsilon = inf``,
+            so a non-private baseline is the same script with one flag. The other privacy arguments are still
+            validated, and ignored.
 
     Raises:
         ValueError: any invalid value or combination, with what to change (same rules as ``DPStrategy``).

@@ -93,7 +93,10 @@ class PrivacyStateCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if self.engine.accountant is None or not state.is_world_process_zero:
+        if self.engine.accountant is None:
+            return control
+        privacy_state = self.engine.state_dict()  # on every rank: on a sharded model it gathers the filter's state
+        if not state.is_world_process_zero:
             return control
         folder = self._folder(args, state)
         if not folder.is_dir():
@@ -101,7 +104,6 @@ class PrivacyStateCallback(TrainerCallback):
                 f"DPTrainer expected the checkpoint folder {folder} to hold the privacy state; checkpoints saved "
                 "elsewhere (hyperparameter search runs) are not supported"
             )
-        privacy_state = self.engine.state_dict()
         tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
         for key, tensor_state in tensor_states.items():
             atomic_save(tensor_state, folder / TENSOR_STATE_NAMES[key])

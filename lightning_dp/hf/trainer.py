@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,16 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None:
+        if training_args is not None and not privacy_args.disable_dp:
             _check_training_arguments(training_args, privacy_args)
         super().__init__(*args, **kwargs)
+        self.privacy_args = privacy_args
+        self.privacy_engine = privacy_args.make_engine()  # validates the privacy arguments, also with disable_dp
+        self._dp_optimizer: DPOptimizer | None = None
+        self._distributed: DistributedContext | None = None
+        self._log_filter: logging.Filter | None = None
+        if privacy_args.disable_dp:
+            return
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set by accelerate's config or environment
@@ -130,16 +138,26 @@ class DPTrainer(PrivacyQueries, Trainer):
                 "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
                 "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
             )
-        self.privacy_args = privacy_args
-        self.privacy_engine = privacy_args.make_engine()
         self._check_model_and_loss()
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
-        self._dp_optimizer: DPOptimizer | None = None
-        self._distributed: DistributedContext | None = None
-        self._log_filter: logging.Filter | None = None
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        """As :meth:`PrivacyQueries.get_epsilon <lightning_dp.privacy_queries.PrivacyQueries.get_epsilon>`; ``inf``
+        with ``disable_dp`` (no guarantee)."""
+        return math.inf if self.privacy_args.disable_dp else super().get_epsilon(delta)
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """As :meth:`PrivacyQueries.privacy_summary <lightning_dp.privacy_queries.PrivacyQueries.privacy_summary>`.
+
+        Raises:
+            RuntimeError: before training started, or with ``disable_dp`` (no privacy state).
+        """
+        if self.privacy_args.disable_dp:
+            raise RuntimeError("disable_dp=True: this run trains without differential privacy and has no privacy state")
+        return super().privacy_summary()
 
     @property
     def sample_rate(self) -> float | None:
@@ -194,6 +212,12 @@ class DPTrainer(PrivacyQueries, Trainer):
                 shards do not match); the sample rate differs from the checkpoint's.
             FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
+        if self.privacy_args.disable_dp:
+            log.warning(
+                "disable_dp=True: training WITHOUT differential privacy (the plain Trainer's training); no privacy "
+                "guarantee holds, and epsilon is reported as inf"
+            )
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         engine = self.privacy_engine
         if uses_fsdp(self.model):
             self._check_sharded_run()
@@ -319,6 +343,8 @@ class DPTrainer(PrivacyQueries, Trainer):
             ValueError: the training set changed size between calls; ``poisson_sampling=False`` on several processes.
             TypeError: an iterable dataset (Poisson sampling needs ``__len__``).
         """
+        if self.privacy_args.disable_dp:
+            return super().get_train_dataloader()
         return self.privacy_engine.training_loader(
             super().get_train_dataloader(),
             batch_size=self.args.per_device_train_batch_size,
@@ -335,6 +361,8 @@ class DPTrainer(PrivacyQueries, Trainer):
                 ranks that disagree on the dataset size, sample rate or noise.
         """
         optimizer = super().create_optimizer(model)
+        if self.privacy_args.disable_dp:
+            return optimizer
         if isinstance(optimizer, DPOptimizer) or isinstance(getattr(optimizer, "optimizer", None), DPOptimizer):
             return optimizer
         if self.sample_rate is None:
@@ -400,6 +428,8 @@ class DPTrainer(PrivacyQueries, Trainer):
             RuntimeError: a logical step of a number of micro-batches other than ``gradient_accumulation_steps``
                 (it would not be one Poisson sample).
         """
+        if self.privacy_args.disable_dp:
+            return super().training_step(model, inputs, num_items_in_batch)
         engine = self.privacy_engine
         engine.count_micro_batch()
         exhausted = engine.budget_exhausted()
@@ -438,7 +468,9 @@ class DPTrainer(PrivacyQueries, Trainer):
         added to the Trainer's end-of-training log (the one with ``train_runtime``), so every ``report_to`` tracker
         records them with the run's final metrics."""
         engine = self.privacy_engine
-        if engine.accountant is not None:
+        if self.privacy_args.disable_dp:
+            logs["epsilon"] = math.inf
+        elif engine.accountant is not None:
             logs["epsilon"] = engine.epsilon()
             if "train_runtime" in logs:
                 summary = engine.summary()

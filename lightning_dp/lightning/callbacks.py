@@ -24,10 +24,20 @@ def privacy_engine_of(trainer: pl.Trainer) -> PrivacyEngine:
     return engine
 
 
+#: Summary entries that change as training goes on: metrics only, never tracker parameters (MLflow refuses to change a
+#: logged parameter, e.g. when a second fit or a resume logs into the same run).
+PROGRESS_KEYS = ("epsilon", "steps")
+
+
 def tracker_params(summary: dict[str, Any]) -> dict[str, Any]:
-    """The privacy summary as experiment-tracker parameters: keys ``dp/<name>``, numbers and strings as they are,
-    anything else (e.g. the low-pass filter's description) as its ``str``."""
-    return {f"dp/{k}": v if isinstance(v, (int, float, str)) else str(v) for k, v in summary.items()}
+    """The run's fixed privacy settings as experiment-tracker parameters (keys ``dp/<name>``: noise and its
+    parameters, delta, sample rate, accountant, clipping...; not :data:`PROGRESS_KEYS`): numbers and strings as they
+    are, anything else (e.g. the low-pass filter's description) as its ``str``."""
+    return {
+        f"dp/{k}": v if isinstance(v, (int, float, str)) else str(v)
+        for k, v in summary.items()
+        if k not in PROGRESS_KEYS
+    }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -49,8 +59,8 @@ class PrivacyAccountantCallback(Callback):
     Attributes:
         history: ``[(epoch, steps, epsilon)]`` for every epoch.
         summary: the final report (epsilon, delta, noise parameters, steps, sample rate, accountant), set at the
-            end of training; also sent to every logger, its numbers as metrics and all of it as hyperparameters
-            (``dp/<name>``).
+            end of training; also sent to every logger, its numbers as metrics and its fixed settings (all but
+            epsilon and the step count) as hyperparameters (``dp/<name>``).
     """
 
     #: tag of the privacy-curve image in the loggers.

@@ -46,8 +46,8 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     the per-sample terms of a layer would be split across ranks), and ``data_parallel_size`` defaults to the number
     of processes.
 
-    Not on sharded models yet, refused at construction: per-sample momentum (``momentum_length > 1``), the low-pass
-    filter (``lowpass``) and ``bookkeeping=False`` (see docs/design.md section 8.1). The run-time checks run as on
+    Not on sharded models yet, refused at construction: per-sample momentum (``momentum_length > 1``) and
+    ``bookkeeping=False`` (see docs/design.md section 8.1). The run-time checks run as on
     one process; the batch-independence checks (first step, and every N steps with
     ``check_batch_independence_every``), whose extra passes gather weights, run in lockstep over the ranks (a rank
     with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
@@ -90,7 +90,7 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
 
     Raises:
         ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1;
-            ``momentum_length > 1``, ``lowpass`` or ``bookkeeping=False``; a dataset, sample rate or noise that
+            ``momentum_length > 1`` or ``bookkeeping=False``; a dataset, sample rate or noise that
             differs between ranks (``RuntimeError``, at the start of training).
     """
 

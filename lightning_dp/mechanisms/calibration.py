@@ -119,6 +119,7 @@ def calibrate_result(
     max_grad_norm: float,
     num_params: int | None = None,
     accountant: str | None = None,
+    warn: bool = True,
 ) -> CalibrationResult:
     """Calibrate the noise parameter of ``noise`` for a fixed clipping bound ``C = max_grad_norm``.
 
@@ -146,6 +147,8 @@ def calibrate_result(
         num_params: noised coordinates ``n``, required for ``laplace-advanced``, ``lap2``, ``plrv`` (every class with
             ``needs_num_params``).
         accountant: accountant name (see :func:`resolve_accountant` for the default).
+        warn: log :func:`warn_if_noise_drowns_the_signal`'s warning (off for a calibration that is only a starting
+            point, e.g. of the randomized-clipping one).
 
     Raises:
         ValueError: invalid arguments, an unsupported mechanism/accountant pair, or an unreachable target.
@@ -166,7 +169,8 @@ def calibrate_result(
         num_params=num_params,
     )
     result = cls.calibrate(problem)
-    warn_if_noise_drowns_the_signal(result.mechanism, max_grad_norm)
+    if warn:
+        warn_if_noise_drowns_the_signal(result.mechanism, max_grad_norm)
     return result
 
 

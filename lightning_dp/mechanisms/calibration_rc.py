@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lightning_dp.accounting import epsilon_for
 from lightning_dp.accounting.rc import randomized_clipping_step_event
-from lightning_dp.mechanisms.calibration import calibrate_result
+from lightning_dp.mechanisms.calibration import calibrate_result, warn_if_noise_drowns_the_signal
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 from lightning_dp.mechanisms.solver import CalibrationResult, _validate_target, solve_monotone
 
@@ -70,7 +70,7 @@ def calibrate_randomized_clipping(
     _validate_target(target_epsilon, target_delta, sample_rate, steps)
     schedule = {"target_delta": target_delta, "sample_rate": sample_rate, "steps": steps}
     deterministic = calibrate_result(
-        "gaussian", target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, accountant="pld", **schedule
+        "gaussian", target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, accountant="pld", warn=False, **schedule
     ).mechanism.noise_multiplier
 
     def epsilon_of(sigma: float) -> float:
@@ -81,4 +81,6 @@ def calibrate_randomized_clipping(
     sigma, epsilon = solve_monotone(
         epsilon_of, target_epsilon, initial=1.03 * deterministic, increasing=False, bounds=(1e-3, 1e4), growth=1.05
     )
-    return CalibrationResult(GaussianMechanism(sigma, max_grad_norm), epsilon, "rc")
+    mechanism = GaussianMechanism(sigma, max_grad_norm)
+    warn_if_noise_drowns_the_signal(mechanism, max_grad_norm)
+    return CalibrationResult(mechanism, epsilon, "rc")

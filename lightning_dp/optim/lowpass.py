@@ -29,6 +29,8 @@ import numpy as np
 import scipy.signal
 import torch
 
+from lightning_dp.sharding import gathered, shard_like
+
 #: Tolerance of constraint (3).
 CONSTRAINT_TOLERANCE = 1e-9
 #: ``|c_{m,t}|`` below this makes ``mhat_t = m_t / c_{m,t}`` numerically meaningless.
@@ -139,6 +141,7 @@ class LowPassFilter:
                 shared by two optimizers).
         """
         self._check_layout(grads)
+        self._lay_out_like(grads)
         m = [g.mul(self.b[0]) for g in grads]
         for b_r, past in zip(self.b[1:], self._vbar, strict=False):
             for m_i, v_i in zip(m, past, strict=True):
@@ -156,6 +159,12 @@ class LowPassFilter:
             g.copy_(m_i).div_(c_m)
         self.steps += 1
 
+    def _lay_out_like(self, grads: Sequence[torch.Tensor]) -> None:
+        """Give the restored history the gradients' layout: on a sharded model, each rank keeps its shard of the full
+        tensors a checkpoint holds (:func:`~lightning_dp.sharding.shard_like`)."""
+        self._m = [[shard_like(p, g) for p, g in zip(lag, grads, strict=True)] for lag in self._m]
+        self._vbar = [[shard_like(v, g) for v, g in zip(lag, grads, strict=True)] for lag in self._vbar]
+
     def _check_layout(self, grads: Sequence[torch.Tensor]) -> None:
         past = self._m[0] if self._m else self._vbar[0] if self._vbar else None
         if past is None:
@@ -169,13 +178,15 @@ class LowPassFilter:
 
     def state_dict(self) -> dict[str, Any]:
         """Coefficients, step count, past ``m``, past ``vbar`` (lists of tensors, most recent first) and past
-        ``c_m``. All are functions of released noisy gradients, so they may be checkpointed."""
+        ``c_m``. All are functions of released noisy gradients, so they may be checkpointed. On a sharded model the
+        tensors are gathered to their full values (a collective: every rank must call this), so that one file holds
+        them and any rank can take its shard back (:meth:`apply_` does, after :meth:`load_state_dict`)."""
         return {
             "a": list(self.a),
             "b": list(self.b),
             "steps": self.steps,
-            "m": [list(lag) for lag in self._m],
-            "vbar": [list(lag) for lag in self._vbar],
+            "m": [[gathered(t) for t in lag] for lag in self._m],
+            "vbar": [[gathered(t) for t in lag] for lag in self._vbar],
             "c_m": list(self._c_m),
         }
 

@@ -32,6 +32,7 @@ from lightning_dp.cli_args import guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.config import parse_recipe_args
+from lightning_dp.run_environment import run_environment
 from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
@@ -59,7 +60,8 @@ class RecipeArguments:
         lora_rank: rank of peft LoRA adapters (0: fine-tune the model's own trainable parameters).
         lora_target_modules: module names that get adapters (e.g. ``q_proj v_proj``).
         lora_layers: adapt only the top ``lora_layers`` transformer layers (``None``: all).
-        dp: train with DP (``DPTrainer``); ``false`` runs the same recipe through the plain ``Trainer``.
+        dp: train with DP (``DPTrainer``); ``false`` runs the same recipe through the plain ``Trainer``, as
+            ``disable_dp: true`` (the privacy arguments' switch) does.
         results_file: where the run's JSON summary is written (default ``OUTPUT_DIR/results.json``).
     """
 
@@ -206,7 +208,8 @@ def run_recipe(
     trainer_kwargs: dict[str, Any] | None = None,
     details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false),
+    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false or
+    ``privacy.disable_dp`` true),
     evaluate it with ``evaluate(trainer)``, and write and print the JSON summary on the main process.
 
     The summary holds the task metrics, the privacy summary (epsilon actually spent, delta, noise, accountant,
@@ -224,7 +227,8 @@ def run_recipe(
         data_collator=data_collator,
         **(trainer_kwargs or {}),
     )
-    trainer = DPTrainer(**common, privacy_args=privacy) if recipe.dp else Trainer(**common)
+    private = recipe.dp and not privacy.disable_dp
+    trainer = DPTrainer(**common, privacy_args=privacy) if private else Trainer(**common)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -234,7 +238,7 @@ def run_recipe(
     result = results_record(
         task=recipe.task,
         metrics=metrics,
-        privacy_engine=trainer.privacy_engine if recipe.dp else None,
+        privacy_engine=trainer.privacy_engine if private else None,
         model=model,
         train_size=len(train_dataset),
         eval_size=None if eval_dataset is None else len(eval_dataset),
@@ -248,7 +252,7 @@ def run_recipe(
         details=details,
         arguments={
             "recipe": asdict(recipe),
-            "privacy": asdict(privacy) if recipe.dp else None,
+            "privacy": asdict(privacy) if private else None,
             "training": {k: _jsonable(v) for k, v in training.to_dict().items()},
         },
     )
@@ -276,7 +280,8 @@ def results_record(
     """The summary every recipe writes (HF and Lightning alike; ``bench/recipes.py`` renders the docs from it):
     ``dp`` is whether a privacy engine trained the model, ``privacy`` its summary without ``num_params`` (``None``
     without DP or accountant), ``trainable_params`` counted on ``model``, times rounded to 0.1 s, the recipe's
-    ``details`` (which may override ``eval_size``), then ``arguments`` and the ``command`` line."""
+    ``details`` (which may override ``eval_size``), the ``environment`` (versions, threads, CPU kernels:
+    :func:`~lightning_dp.run_environment.run_environment`), then ``arguments`` and the ``command`` line."""
     privacy = None
     if privacy_engine is not None and privacy_engine.accountant is not None:
         privacy = {k: v for k, v in privacy_engine.summary().items() if k != "num_params"}
@@ -294,6 +299,7 @@ def results_record(
         "eval_seconds": round(eval_seconds, 1),
         "world_size": world_size,
         **(details or {}),
+        "environment": run_environment(next(model.parameters()).device),
         "arguments": arguments,
         "command": command_line(),
     }

@@ -67,7 +67,10 @@ def local_data_dir(
     if not given.is_dir():
         raise LocalDataError(f"{source} does not exist; {hint}")
     parts = Path(dataset).parts
-    for folder in (given.joinpath(*parts[i:]) for i in range(len(parts) + 1)):
+    candidates = [given.joinpath(*parts[i:]) for i in range(len(parts))]
+    if given.name == parts[-1]:  # the dataset's own folder, named as the dataset (not another task's folder)
+        candidates.append(given)
+    for folder in candidates:
         if all((folder / name).is_file() for name in files):
             return folder
     raise LocalDataError(
