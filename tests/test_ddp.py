@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import TinyRegressor, make_trainer
+from process_helpers import free_port
 from torch import nn
 
 from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyEngine
@@ -59,12 +59,6 @@ def _model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 
 def _per_sample_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y, reduction="none")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -127,7 +121,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ddp_spawn")
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
+
+from process_helpers import repository_files
 
 ROOT = Path(__file__).resolve().parents[1]
 SUFFIXES = {".py", ".md", ".yaml", ".toml"}
@@ -27,17 +28,8 @@ ISSUE_NUMBER = re.compile(r"\b[Ii]ssues?[ _-]?#?\d+")
 
 
 def _files() -> list[Path]:
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.splitlines()
-        paths = [ROOT / name for name in listed]
-    except (OSError, subprocess.CalledProcessError):
-        paths = []
+    paths = [ROOT / name for name in repository_files()]
+    if not paths:  # no git: walk the tree
         for folder, dirs, names in os.walk(ROOT):
             dirs[:] = [d for d in dirs if not (d.startswith(".") or d in SKIPPED_DIRS or d.endswith(".egg-info"))]
             paths += [Path(folder) / name for name in names]

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from process_helpers import free_port
 from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -114,12 +114,6 @@ def _dp_optimizer(optimizer, mechanism, expected_batch_size: float, *, seed: int
     return DPOptimizer(
         optimizer, mechanism=mechanism, expected_batch_size=expected_batch_size, randomness=randomness, **collectives
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -289,7 +283,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("fsdp_spawn")
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

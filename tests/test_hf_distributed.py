@@ -10,40 +10,22 @@ and steps; (c) ``q = per_device_train_batch_size * gradient_accumulation_steps *
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from hf_helpers import TokenDataset, make_trainer, tiny_gpt2
+from process_helpers import TWO_PROCESSES, accelerate_launch
 
 WORLD, BATCH, ACCUM, N = 2, 4, 2, 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """Run hf_ddp_script.py under ``accelerate launch`` and load what each rank wrote."""
     out = tmp_path_factory.mktemp("hf_ddp")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
-    config = root / "configs" / "accelerate" / "ddp_2_processes.yaml"  # the file users launch with
-    assert yaml.safe_load(config.read_text())["num_processes"] == WORLD
-    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
-    launch += ["--main_process_port", str(_free_port())]
-    script = [str(Path(__file__).with_name("hf_ddp_script.py")), str(out)]
-    done = subprocess.run([*launch, *script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert yaml.safe_load(TWO_PROCESSES.read_text())["num_processes"] == WORLD  # the file users launch with
+    accelerate_launch(Path(__file__).with_name("hf_ddp_script.py"), str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ from pathlib import Path
 import pytest
 from fault_helpers import STOP_WITHIN, job_end, wait_until
 from hf_fault_script import MAX_STEPS, checksum
+from process_helpers import free_port
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME
 
 SCRIPT = Path(__file__).with_name("hf_fault_script.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _command(out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
@@ -39,7 +33,7 @@ def _command(out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
         env.pop(name, None)
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    launch += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    launch += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
     return [*launch, str(SCRIPT), str(out), *args], env
 
 

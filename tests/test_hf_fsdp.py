@@ -15,14 +15,11 @@ engine, the noise on shards) are tested in tests/test_fsdp.py.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from process_helpers import accelerate_launch
 from torch.distributed.tensor import DTensor
 
 from lightning_dp.accounting.calibration_helpers import epsilon_for
@@ -33,26 +30,11 @@ pytest.importorskip("peft")
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    """Run hf_fsdp_script.py under ``accelerate launch`` (about 20 s on 2 cores); what each rank wrote."""
+    """Run hf_fsdp_script.py under ``accelerate launch`` (about 40 s on 2 cores); what each rank wrote."""
     out = tmp_path_factory.mktemp("hf_fsdp")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
-    config = root / "configs" / "accelerate" / "ddp_2_processes.yaml"
-    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
-    launch += ["--main_process_port", str(_free_port())]
-    script = [str(Path(__file__).with_name("hf_fsdp_script.py")), str(out)]
-    done = subprocess.run([*launch, *script], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    accelerate_launch(Path(__file__).with_name("hf_fsdp_script.py"), str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

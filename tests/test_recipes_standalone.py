@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from process_helpers import repository_files
 from recipe_helpers import ROOT
 
 #: Cheap recipe tests of the default suite that read the committed subsets (one of them runs a recipe script).
@@ -23,22 +24,6 @@ SELECTED = [
 ]
 #: Never copied when git cannot list the files.
 IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "runs", "build")
-
-
-def repository_files() -> list[str]:
-    """The repository's files as git lists them (tracked, and untracked but not ignored), relative to its root;
-    ``[]`` without git."""
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.splitlines()
-    except (OSError, subprocess.CalledProcessError):
-        return []
-    return [name for name in listed if (ROOT / name).is_file()]
 
 
 def copy_repository(target: Path) -> None:

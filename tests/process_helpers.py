@@ -1,0 +1,47 @@
+"""Helpers of the tests that start processes: the repository's file list, and a 2-process ``accelerate launch``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the accelerate config file users launch 2 processes with (gloo on a machine without GPUs).
+TWO_PROCESSES = ROOT / "configs" / "accelerate" / "ddp_2_processes.yaml"
+
+
+def repository_files() -> list[str]:
+    """The repository's files as git lists them (tracked, and untracked but not ignored), relative to its root;
+    ``[]`` without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [name for name in listed if (ROOT / name).is_file()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(script: Path, *args: str, config: Path = TWO_PROCESSES, timeout: float = 600) -> None:
+    """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` with this checkout first on ``PYTHONPATH`` and no
+    inherited process-group variables; a failing launch fails the test with the processes' output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
+    launch += ["--main_process_port", str(free_port()), str(script), *args]
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
