@@ -2,9 +2,10 @@
 
 The start-up block and the progress lines are INFO records; in a script that configures no logging, Python shows
 only warnings (its last-resort handler). As Lightning does for its own logger, :func:`show_info_lines` then gives
-the ``lightning_dp`` logger a handler on stderr; it writes only while the root logger has no handler, so a
-``logging.basicConfig`` made later takes over without printing any line twice. A user's own set-up (a handler on
-the root logger or on ``lightning_dp``, or a level set on ``lightning_dp``) is left as it is.
+the ``lightning_dp`` logger a handler on stderr and the INFO level; once the root logger has a handler (a
+``logging.basicConfig`` made later) both are handed back, so that set-up decides, with no line printed twice. A
+user's own set-up (a handler on the root logger or on ``lightning_dp``, or a level set on ``lightning_dp``) is
+left as it is.
 """
 
 from __future__ import annotations
@@ -20,22 +21,36 @@ class ConsoleFormatter(logging.Formatter):
         return message if record.levelno <= logging.INFO else f"{record.levelname.lower()}: {message}"
 
 
-class _UntilConfigured(logging.StreamHandler):
-    """A stderr handler that writes only while the root logger has no handler."""
+class _UntilConfigured(logging.Filter):
+    """Hands ``logger`` back once the root logger has a handler (a ``logging.basicConfig`` made later): removes the
+    stderr handler and this filter, resets the level it set, and lets the record through only if the level now
+    allows it (so ``basicConfig(level=logging.WARNING)`` hides the INFO lines, as for any other logger)."""
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def __init__(self, logger: logging.Logger, handler: logging.Handler, set_level: bool) -> None:
+        super().__init__()
+        self.logger, self.handler, self.set_level = logger, handler, set_level
+
+    def filter(self, record: logging.LogRecord) -> bool:
         if not logging.getLogger().handlers:
-            super().emit(record)
+            return True
+        self.logger.removeHandler(self.handler)
+        self.logger.removeFilter(self)
+        if self.set_level and self.logger.level == logging.INFO:
+            self.logger.setLevel(logging.NOTSET)
+        return record.levelno >= self.logger.getEffectiveLevel()
 
 
 def show_info_lines(logger: logging.Logger) -> None:
     """Make ``logger``'s INFO lines visible on stderr when no handler would show them: when neither ``logger`` nor
     an ancestor (the root logger included) has a handler, add one (formatted by :class:`ConsoleFormatter`) and, if
-    ``logger`` has no level of its own, set it to INFO. Does nothing otherwise, and nothing the second time."""
+    ``logger`` has no level of its own, set it to INFO. Once the root logger gets a handler, both are undone
+    (:class:`_UntilConfigured`). Does nothing otherwise, and nothing the second time."""
     if logger.hasHandlers():
         return
-    handler = _UntilConfigured()
+    handler = logging.StreamHandler()
     handler.setFormatter(ConsoleFormatter("%(message)s"))
     logger.addHandler(handler)
-    if logger.level == logging.NOTSET:
+    set_level = logger.level == logging.NOTSET
+    if set_level:
         logger.setLevel(logging.INFO)
+    logger.addFilter(_UntilConfigured(logger, handler, set_level))

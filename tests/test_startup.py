@@ -126,6 +126,13 @@ def test_console_handler_only_while_no_logging_is_set_up(monkeypatch, capsys) ->
     show_info_lines(logger)  # the second call adds nothing
     assert len(logger.handlers) == 1 and logger.level == logging.INFO
     logger.info("shown")
-    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # e.g. a later logging.basicConfig()
-    logger.info("left to the root's handler")
+    records: list[logging.LogRecord] = []
+    collector = logging.Handler()
+    collector.emit = records.append
+    monkeypatch.setattr(root, "handlers", [collector])  # e.g. a later logging.basicConfig(level=logging.WARNING)
+    monkeypatch.setattr(root, "level", logging.WARNING)
+    logger.info("hidden by the user's level")
+    logger.warning("left to the root's handler")
     assert capsys.readouterr().err == "shown\n"
+    assert [r.getMessage() for r in records] == ["left to the root's handler"]
+    assert logger.handlers == [] and logger.filters == [] and logger.level == logging.NOTSET  # handed back
