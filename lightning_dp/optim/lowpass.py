@@ -116,6 +116,7 @@ class LowPassFilter:
         self._m: list[list[torch.Tensor]] = []  # m_{t-1}, m_{t-2}, ... (at most na)
         self._vbar: list[list[torch.Tensor]] = []  # vbar_{t-1}, ... (at most nb)
         self._c_m: list[float] = []  # c_{m,t-1}, ... (at most na)
+        self._restored = False  # history read from a checkpoint, not yet laid out like the gradients
         self.steps = 0
 
     def _settling_steps(self, radius: float) -> int:
@@ -141,14 +142,16 @@ class LowPassFilter:
                 shared by two optimizers).
         """
         self._check_layout(grads)
-        self._lay_out_like(grads)
+        if self._restored:
+            self._lay_out_like(grads)
+            self._restored = False
         m = [g.mul(self.b[0]) for g in grads]
         for b_r, past in zip(self.b[1:], self._vbar, strict=False):
             for m_i, v_i in zip(m, past, strict=True):
-                m_i.add_(v_i.to(m_i), alpha=b_r)
+                m_i.add_(v_i, alpha=b_r)
         for a_r, past in zip(self.a, self._m, strict=False):
             for m_i, p_i in zip(m, past, strict=True):
-                m_i.add_(p_i.to(m_i), alpha=-a_r)
+                m_i.add_(p_i, alpha=-a_r)
         c_m = -sum(a_r * c for a_r, c in zip(self.a, self._c_m, strict=False)) + sum(self.b[: self.steps + 1])
         if len(self.b) > 1:
             self._vbar = [[g.detach().clone() for g in grads], *self._vbar][: len(self.b) - 1]
@@ -160,8 +163,9 @@ class LowPassFilter:
         self.steps += 1
 
     def _lay_out_like(self, grads: Sequence[torch.Tensor]) -> None:
-        """Give the restored history the gradients' layout: on a sharded model, each rank keeps its shard of the full
-        tensors a checkpoint holds (:func:`~lightning_dp.sharding.shard_like`)."""
+        """Give the restored history the gradients' layout (once, at the first step after :meth:`load_state_dict`):
+        their device and dtype, and on a sharded model this rank's shard of the full tensors a checkpoint holds
+        (:func:`~lightning_dp.sharding.shard_like`). The history the filter forms itself has that layout already."""
         self._m = [[shard_like(p, g) for p, g in zip(lag, grads, strict=True)] for lag in self._m]
         self._vbar = [[shard_like(v, g) for v, g in zip(lag, grads, strict=True)] for lag in self._vbar]
 
@@ -191,7 +195,7 @@ class LowPassFilter:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (tensors move to the gradients' device at the next step).
+        """Restore :meth:`state_dict` (the tensors take the gradients' device, dtype and sharding at the next step).
 
         Raises:
             ValueError: the saved coefficients differ from this filter's (resume with the same ``lowpass``), or the
@@ -214,6 +218,7 @@ class LowPassFilter:
         self._m = [list(lag) for lag in state["m"]]
         self._vbar = [list(lag) for lag in state["vbar"]]
         self._c_m = [float(c) for c in state["c_m"]]
+        self._restored = True
 
     def __repr__(self) -> str:
         return f"LowPassFilter(name={self.name!r}, a={list(self.a)}, b={list(self.b)})"
