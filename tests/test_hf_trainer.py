@@ -295,9 +295,12 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
         DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
 
 
-@pytest.mark.parametrize(("flag", "message"), [("is_fsdp_enabled", "FSDP from"), ("is_deepspeed_enabled", "DeepSpeed")])
+@pytest.mark.parametrize(
+    ("flag", "message"), [("is_fsdp_enabled", "FSDP plugin"), ("is_deepspeed_enabled", "DeepSpeed")]
+)
 def test_sharding_plugins_from_accelerates_config_fail_early(flag, message, tmp_path, monkeypatch) -> None:
-    """accelerate's FSDP or DeepSpeed plugin (set by its config file, e.g. on GPUs) is refused, naming fully_shard."""
+    """accelerate's DeepSpeed plugin, or an FSDP plugin set up outside DPTrainer (which takes the launcher's FSDP2
+    settings over itself: tests/test_hf_accelerate_fsdp.py), is refused, naming fully_shard."""
     create = transformers.Trainer.create_accelerator_and_postprocess
 
     def with_plugin(self):

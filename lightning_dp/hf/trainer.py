@@ -29,12 +29,14 @@ written next to each checkpoint (``on_save``); :class:`~lightning_dp.hf.callback
 through ``control.should_training_stop``.
 
 Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
-checkpointing, DeepSpeed and FSDP through ``TrainingArguments`` or accelerate's plugins (DPTrainer reduces the
-gradients itself), DataParallel (several GPUs in one process), ``torch_compile``, ``auto_find_batch_size``,
-``model_init``, ``compute_loss_func``.
+checkpointing, DeepSpeed, FSDP through ``TrainingArguments`` and FSDP plugins accelerate set up outside DPTrainer
+(DPTrainer reduces the gradients itself), DataParallel (several GPUs in one process), ``torch_compile``,
+``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
 
-Sharded models: a model the user shards with ``fully_shard`` (torch's FSDP2) before handing it to DPTrainer trains
-on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
+Sharded models: a model launched with accelerate's FSDP2 configuration is sharded by DPTrainer at construction
+(:mod:`lightning_dp.hf.accelerate_fsdp`; the Accelerator is built without those settings, see
+``create_accelerator_and_postprocess``). Such a model, or one the user shards with ``fully_shard`` (torch's FSDP2)
+before handing it to DPTrainer, trains on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
 reduce-scattered into the shards, noise once per shard coordinate, every rank running every step: an empty Poisson
 batch runs the engine's stand-in batch). ``save_model`` gathers the full weights (every rank calls it; rank 0
 writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's and the optimizer's shards
@@ -68,6 +70,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
@@ -75,6 +78,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
+from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
@@ -117,8 +121,13 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        #: accelerate's FSDP2 settings, taken over: the model is sharded here, the Accelerator built without them.
+        self._fsdp_settings = None if privacy_args.disable_dp else fsdp2_settings_from_launcher()
         if training_args is not None and not privacy_args.disable_dp:
             _check_training_arguments(training_args, privacy_args)
+        model = kwargs.get("model", args[0] if args else None)
+        if self._fsdp_settings is not None and model is not None and not uses_fsdp(model):
+            shard_as_configured(model, self._fsdp_settings, PartialState().device)
         super().__init__(*args, **kwargs)
         self.privacy_args = privacy_args
         self.privacy_engine = privacy_args.make_engine()  # validates the privacy arguments, also with disable_dp
@@ -129,9 +138,14 @@ class DPTrainer(PrivacyQueries, Trainer):
             return
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # set by accelerate's config or environment
-            wrapper = "FSDP" if self.is_fsdp_enabled else "a DeepSpeed config"
-            raise ValueError(f"DPTrainer does not support {wrapper} from accelerate: {_UNSUPPORTED[wrapper]}")
+        if self.is_deepspeed_enabled:  # set by accelerate's config or environment
+            reason = _UNSUPPORTED["a DeepSpeed config"]
+            raise ValueError(f"DPTrainer does not support DeepSpeed from accelerate: {reason}")
+        if self.is_fsdp_enabled:  # DPTrainer hid the launcher's FSDP settings: a plugin set up before it, elsewhere
+            raise ValueError(
+                "DPTrainer does not support an FSDP plugin accelerate set up before it (an Accelerator built earlier "
+                f"in this process, or one passed by hand): {_UNSUPPORTED['FSDP']}"
+            )
         if self.is_distributed_loading_by_transformers:
             raise ValueError(
                 "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
@@ -143,6 +157,15 @@ class DPTrainer(PrivacyQueries, Trainer):
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's; under accelerate's FSDP2 settings (the model already sharded by DPTrainer), the
+        Accelerator is built without them, so that it neither shards the model again nor reduces its gradients."""
+        if self._fsdp_settings is None:
+            super().create_accelerator_and_postprocess()
+            return
+        with hidden_from_accelerate():
+            super().create_accelerator_and_postprocess()
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """As :meth:`PrivacyQueries.get_epsilon <lightning_dp.privacy_queries.PrivacyQueries.get_epsilon>`; ``inf``
@@ -488,8 +511,9 @@ def _batch_size(inputs: dict[str, Any]) -> int | None:
 
 #: What the messages refusing other sharding set-ups say to do instead.
 _SHARDED_ROUTE = (
-    "to shard a model, apply torch's fully_shard (FSDP2) to its blocks and root before DPTrainer and launch as for "
-    "several processes (docs/hf.md, 'Sharded models')"
+    "to shard a model, launch with an FSDP2 accelerate config (fsdp_version: 2, as configs/accelerate/"
+    "fsdp2_2_processes.yaml) or apply torch's fully_shard to its blocks and root before DPTrainer (docs/hf.md, "
+    "'Sharded models')"
 )
 
 _UNSUPPORTED = {

@@ -1,0 +1,147 @@
+"""accelerate's FSDP2 configuration for ``DPTrainer``: ``accelerate launch --config_file
+configs/accelerate/fsdp2_2_processes.yaml train.py`` (``distributed_type: FSDP``, ``fsdp_version: 2``).
+
+``accelerate launch`` hands its FSDP settings to the script as environment variables (``ACCELERATE_USE_FSDP``,
+``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``, ...). Left to itself, the ``Accelerator`` the Trainer builds would
+shard the model with FSDP2's own gradient reduction, which averages the ranks' gradients inside the backward, before
+any per-sample clipping sum or noise could be formed (on a machine without GPUs it ignores the settings and runs
+plain data parallelism instead). ``DPTrainer`` therefore takes the settings over:
+
+1. :func:`fsdp2_settings_from_launcher` reads them with accelerate's own parser (``FullyShardedDataParallelPlugin``)
+   and refuses what it does not honour;
+2. :func:`shard_as_configured` applies ``fully_shard`` the way accelerate would (its wrap policy: the transformer
+   blocks named by ``fsdp_transformer_layer_cls_to_wrap`` or the model's ``_no_split_modules``, or a size-based
+   policy; then the root), after every rank has rank 0's weights;
+3. :func:`hidden_from_accelerate` hides ``ACCELERATE_USE_FSDP`` while the Trainer builds its ``Accelerator``.
+
+The model then trains exactly as one the user sharded with ``fully_shard`` before ``DPTrainer`` (docs/hf.md,
+"Sharded models"): the clipped sums are reduce-scattered into the shards and the noise drawn once per coordinate
+(docs/design.md section 8.1), on GPUs and on CPU alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+from lightning_dp.distributed import distributed_context
+
+#: The variable through which ``accelerate launch`` asks for FSDP.
+USE_FSDP_VARIABLE = "ACCELERATE_USE_FSDP"
+
+
+def fsdp2_settings_from_launcher() -> FullyShardedDataParallelPlugin | None:
+    """accelerate's FSDP settings of this process (``None`` when the launcher asked for none).
+
+    Returns:
+        the settings as accelerate's ``FullyShardedDataParallelPlugin`` reads them from the environment.
+
+    Raises:
+        ValueError: ``fsdp_version: 1`` (FSDP1's flat parameters hide the layers' weights from the clipping hooks), or
+            a setting DPTrainer does not honour: ``fsdp_offload_params`` (the gradients would live on the CPU),
+            ``fsdp_activation_checkpointing`` (recomputed activations bypass the clipping hooks), ignored modules.
+    """
+    if os.environ.get(USE_FSDP_VARIABLE, "false").lower() not in ("true", "1", "yes"):
+        return None
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            f"DPTrainer shards models with FSDP2 only; the accelerate config asks for fsdp_version: "
+            f"{plugin.fsdp_version}: set fsdp_version: 2 in its fsdp_config (configs/accelerate/fsdp2_2_processes.yaml)"
+        )
+    refused = {
+        "fsdp_offload_params: true (the gradients would live on the CPU)": isinstance(
+            plugin.cpu_offload, CPUOffloadPolicy
+        ),
+        "fsdp_activation_checkpointing: true (recomputed activations bypass the clipping hooks)": bool(
+            plugin.activation_checkpointing
+        ),
+        "fsdp_ignored_modules (their gradients would skip the sharded reduction)": plugin.ignored_modules is not None,
+    }
+    for setting, given in refused.items():
+        if given:
+            raise ValueError(
+                f"DPTrainer does not support {setting}: remove it from the accelerate config's fsdp_config"
+            )
+    return plugin
+
+
+@contextlib.contextmanager
+def hidden_from_accelerate() -> Iterator[None]:
+    """Within the block, the launcher's FSDP request is absent from the environment (an ``Accelerator`` built there
+    does not shard or reduce gradients itself); restored afterwards, for the next ``DPTrainer``."""
+    value = os.environ.pop(USE_FSDP_VARIABLE, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[USE_FSDP_VARIABLE] = value
+
+
+def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> None:
+    """Shard ``model`` in place with ``fully_shard`` as accelerate's FSDP2 preparation would, over all ranks.
+
+    First every rank takes rank 0's weights: parameters and buffers still on the ``meta`` device (under
+    ``fsdp_cpu_ram_efficient_loading`` some transformers versions load the weights on rank 0 only) are allocated on
+    ``device``, and rank 0's values broadcast to all (each rank briefly holds the whole model). Then ``fully_shard``
+    goes to every submodule the plugin's wrap policy selects, innermost first (accelerate's
+    ``fsdp2_prepare_auto_wrap_policy``), and to the root, with the plugin's ``reshard_after_forward``, on a one-
+    dimensional mesh of all ranks.
+
+    Args:
+        model: the unsharded model on ``device`` (or ``meta``), the same architecture on every rank.
+        plugin: the settings of :func:`fsdp2_settings_from_launcher`.
+        device: this rank's training device (``TrainingArguments.device``).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised (the script was not started by a launcher); the ranks'
+            models differ in their parameters' or buffers' names, shapes or dtypes.
+        ValueError: a layer class named by ``fsdp_transformer_layer_cls_to_wrap`` is not in the model (accelerate's).
+    """
+    context = distributed_context()
+    if context is None:
+        raise RuntimeError(
+            "accelerate's FSDP settings need several processes: start the script with accelerate launch --config_file"
+        )
+    _materialise_meta(model, device)
+    layout = [(name, tuple(t.shape), t.dtype) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    context.check_identical("model's parameters and buffers (names, shapes, dtypes)", layout)
+    context.broadcast_module(model)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    options = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward}
+    if policy is not None:
+        for module in reversed(list(model.modules())[1:]):
+            if policy(module):
+                fully_shard(module, **options)
+    fully_shard(model, **options)
+
+
+def _materialise_meta(model: nn.Module, device: torch.device) -> None:
+    """Replace every parameter and buffer on the ``meta`` device by an uninitialised one on ``device`` (tied
+    parameters stay tied: one replacement per tensor; a transformers model's ties that moving it to ``meta`` broke are
+    restored first with its ``tie_weights``, as accelerate does)."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    replacements: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_meta:
+                    continue
+                if id(tensor) not in replacements:
+                    empty = torch.empty_like(tensor, device=device)
+                    is_parameter = isinstance(tensor, nn.Parameter)
+                    replacements[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if is_parameter else empty
+                table[name] = replacements[id(tensor)]
