@@ -35,6 +35,7 @@ from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
 from lightning_dp.naming import did_you_mean, unknown_name
+from lightning_dp.optim.adaptive_clipping import sum_noise_multiplier, validate_adaptive_clipping
 from lightning_dp.optim.lowpass import LowPassFilter, make_lowpass
 from lightning_dp.optim.momentum import validate_momentum
 
@@ -173,6 +174,34 @@ class PrivacyConfig:
         "mitigations of :mod:`lightning_dp.mechanisms.secure` (docs/privacy.md); rejects a ``seed``.",
         "Noise from the OS CSPRNG with floating-point mitigations; no seed.",
     )
+    target_unclipped_quantile: float | None = _option(
+        None,
+        "adaptive clipping (Andrew et al. 2021, Algorithm 1): the fraction gamma in (0, 1) of examples to leave "
+        "unclipped; C starts at ``max_grad_norm`` and after each step moves geometrically towards the gamma quantile "
+        "of the per-sample norms, using a noisy count of unclipped examples (:mod:`lightning_dp.optim.adaptive_"
+        "clipping`). The count's release is accounted: the clipped sum's noise multiplier becomes ``(sigma^-2 - (2 "
+        "sigma_b)^-2)^(-1/2)`` so that a step costs one Gaussian step at ``noise_multiplier`` sigma. Gaussian noise "
+        "and exact engines only. ``None`` (default): C fixed.",
+        "Adaptive clipping: fraction of examples to leave unclipped (None: fixed C).",
+    )
+    clipbound_learning_rate: float = _option(
+        0.2,
+        "eta > 0 of adaptive clipping's update ``C <- C exp(-eta (unclipped fraction - gamma))`` (Andrew et al.'s "
+        "0.2).",
+        "Adaptive clipping: learning rate of the geometric update of C.",
+    )
+    min_clipbound: float | None = _option(
+        None, "adaptive clipping: lower clamp of C (``None``: none).", "Adaptive clipping: lower clamp of C."
+    )
+    max_clipbound: float | None = _option(
+        None, "adaptive clipping: upper clamp of C (``None``: none).", "Adaptive clipping: upper clamp of C."
+    )
+    unclipped_num_std: float | None = _option(
+        None,
+        "adaptive clipping: std sigma_b of the noise on the count of unclipped examples, in examples; must exceed "
+        "sigma / 2. Default: the expected batch size ``q N / 20`` (Andrew et al. 2021, Section 3).",
+        "Adaptive clipping: std of the unclipped count's noise (default q N / 20).",
+    )
     lowpass: str | dict[str, Any] | LowPassFilter | None = _option(
         None,
         "low-pass filter of the noisy gradient (Xu et al. 2026, Algorithm 1 lines 9-11; LP-DPSGD): ``None`` (off), "
@@ -244,11 +273,31 @@ class PrivacyConfig:
             check_secure_mechanism(self.noise)
         with checking("lowpass"):
             make_lowpass(self.lowpass)  # validates the preset name or coefficients
+        validate_adaptive_clipping(
+            self.target_unclipped_quantile,
+            self.clipbound_learning_rate,
+            self.min_clipbound,
+            self.max_clipbound,
+            self.unclipped_num_std,
+        )
+        if self.adaptive_clipping and (self.noise_name != "gaussian" or engine.randomized):
+            raise ValueError(
+                "adaptive clipping (target_unclipped_quantile) needs noise='gaussian' and an exact clipping engine "
+                f"(flat, ghost, fgc, mixed), got noise={self.noise_name!r}, clipping={self.clipping!r}"
+            )
+        if self.adaptive_clipping and self.noise_multiplier is not None and self.unclipped_num_std is not None:
+            with checking("unclipped_num_std"):
+                sum_noise_multiplier(self.noise_multiplier, self.unclipped_num_std)
 
     @property
     def noise_name(self) -> str:
         """The mechanism's registry name (of the instance when ``noise`` is one)."""
         return self.noise.name if isinstance(self.noise, NoiseMechanism) else self.noise
+
+    @property
+    def adaptive_clipping(self) -> bool:
+        """Whether the clipping bound adapts to a quantile of the per-sample norms (``target_unclipped_quantile``)."""
+        return self.target_unclipped_quantile is not None
 
     @property
     def randomized_clipping(self) -> bool:

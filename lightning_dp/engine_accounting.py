@@ -32,9 +32,11 @@ class EngineAccounting:
         return self.mechanism.step_event(self.sample_rate, self.num_params)
 
     def record_step(self) -> None:
-        """Record one completed logical step with the accountant."""
+        """Record one completed logical step with the accountant; under adaptive clipping, then move the bound."""
         assert self.accountant is not None
         self.accountant.compose(self.step_event())
+        if self.adaptive is not None:
+            self.move_clip_bound()
 
     @property
     def steps(self) -> int:
@@ -134,5 +136,6 @@ class EngineAccounting:
                 else {}
             ),
             **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
+            **({"adaptive_clipping": self.adaptive.describe()} if self.adaptive is not None else {}),
             **({"BROKEN_FOR_TESTING": self.broken_for_testing} if self.broken_for_testing else {}),
         }

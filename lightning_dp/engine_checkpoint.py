@@ -10,6 +10,7 @@ from typing import Any
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.mechanisms import make_mechanism
+from lightning_dp.optim.adaptive_clipping import restored_bound
 
 log = logging.getLogger("lightning_dp")
 
@@ -58,6 +59,7 @@ class EngineCheckpoint:
         momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
         noisy releases only). With a low-pass filter, also
         ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
+        With adaptive clipping, also ``"adaptive_clipping"``: the current bound (a function of released counts).
         """
         assert self.mechanism is not None and self.accountant is not None
         state = {
@@ -70,6 +72,8 @@ class EngineCheckpoint:
             state["momentum"] = self.momentum.state_dict()
         if self.lowpass is not None:
             state["lowpass"] = self.lowpass.state_dict()
+        if self.adaptive is not None:
+            state["adaptive_clipping"] = self.adaptive.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -135,6 +139,30 @@ class EngineCheckpoint:
         if self.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
             self.distributed.synchronize_randomness(self.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
+        self._load_adaptive_clipping_state(state.get("adaptive_clipping"))
+
+    def _load_adaptive_clipping_state(self, state: dict[str, Any] | None) -> None:
+        """Restore the adaptive clipping bound (at once when the run is prepared, else when it is).
+
+        Raises:
+            ValueError: one of the checkpoint and this run clips adaptively and the other does not; no bound.
+        """
+        if (state is not None) != self.config.adaptive_clipping:
+            raise ValueError(
+                "The checkpoint was trained with"
+                + (
+                    " adaptive clipping, this run clips at a fixed bound"
+                    if state is not None
+                    else " a fixed clipping bound, this run clips adaptively"
+                )
+                + ": resume with the same target_unclipped_quantile setting"
+            )
+        if state is None:
+            return
+        self._restored_clip_bound = restored_bound(state)
+        if self.adaptive is not None:  # restored after the run was prepared
+            self.adaptive.load_state_dict(state)
+            self._set_clip_bound(self.adaptive.bound)
 
     def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
         """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""

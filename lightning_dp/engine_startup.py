@@ -67,6 +67,17 @@ class EngineStartup:
             _row("accountant", self.accountant.name),
             _row("clipping", self.clipping),
         ]
+        if self.adaptive is not None:
+            adaptive = self.adaptive
+            lines.append(
+                _row(
+                    "adaptive clipping",
+                    f"C from {adaptive.bound:.4g} towards the {adaptive.target_unclipped_quantile:g} quantile of the "
+                    f"norms (learning rate {adaptive.clipbound_learning_rate:g}); count noise std "
+                    f"{adaptive.unclipped_num_std:.4g}, sum noise multiplier "
+                    f"{self.sum_mechanism.noise_multiplier:.4g}",
+                )
+            )
         defaults = self.defaults_applied or ["none"]
         lines.append(_row("defaults applied", defaults[0]))
         lines += [_row("", default) for default in defaults[1:]]

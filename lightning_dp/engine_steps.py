@@ -270,6 +270,8 @@ class EngineSteps:
             self.clipper.backward(per_sample_loss, weight=0.0)
             return per_sample_loss.new_zeros(0).detach()
         norms = self.clipper.backward(per_sample_loss, weight=self.momentum.current_weight)
+        if self.adaptive is not None:
+            self.adaptive.count(norms)
         if norms.numel():
             self.last_clip_fraction = float((norms > self.max_grad_norm).float().mean())
         return norms

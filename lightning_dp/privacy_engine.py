@@ -26,7 +26,10 @@ from lightning_dp.engine_startup import EngineStartup
 from lightning_dp.engine_steps import EngineSteps
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class
+from lightning_dp.mechanisms.gaussian import GaussianMechanism
+from lightning_dp.mechanisms.secure import secure_sample
 from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
+from lightning_dp.optim.adaptive_clipping import DEFAULT_COUNT_NOISE_FRACTION, AdaptiveClipping, sum_noise_multiplier
 from lightning_dp.optim.momentum import PerSampleMomentum
 from lightning_dp.sharding import uses_fsdp
 
@@ -123,6 +126,12 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         self._epsilon_cache: tuple[tuple[int, float, int], float] | None = None
         #: when set (by the ``PrivacyBudget`` callback), no step is taken that would push epsilon above it.
         self.epsilon_budget: float | None = None
+        #: the moving clipping bound with ``target_unclipped_quantile`` (created by ``prepare``), else ``None``.
+        self.adaptive: AdaptiveClipping | None = None
+        #: the mechanism that noises the clipped sum: :attr:`mechanism` itself, except under adaptive clipping (the
+        #: sum's share of the noise, at the current bound; ``mechanism`` is the one accounted for).
+        self.sum_mechanism: NoiseMechanism | None = None
+        self._restored_clip_bound: float | None = None
 
     # ----------------------------------------------------------------------------------------------- set-up
     @property
@@ -253,6 +262,59 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         if self.accountant is None:
             self.accountant = make_accountant(self.accountant_name or self._default_accountant())
         self._check_accountant_supports()
+        self.sum_mechanism = self._adaptive_clipping() if self.config.adaptive_clipping else self.mechanism
+
+    def _adaptive_clipping(self) -> NoiseMechanism:
+        """Set up :attr:`adaptive` (its bound restored from a checkpoint if one was loaded) and return the mechanism
+        of the clipped sum, ``GaussianMechanism(sigma_sum, C_t)`` (:mod:`lightning_dp.optim.adaptive_clipping`).
+
+        Raises:
+            ValueError: ``unclipped_num_std <= noise_multiplier / 2``.
+        """
+        assert self.mechanism is not None and self.sample_rate is not None and self.num_samples is not None
+        config = self.config
+        expected_batch_size = self.sample_rate * self.num_samples
+        count_std = config.unclipped_num_std
+        if count_std is None:
+            count_std = expected_batch_size * DEFAULT_COUNT_NOISE_FRACTION
+            self.defaults_applied.append(
+                f"unclipped_num_std = q N / 20 = {count_std:.4g} (adaptive clipping's count noise, Andrew et al.)"
+            )
+        sum_sigma = sum_noise_multiplier(self.mechanism.noise_multiplier, count_std)
+        self.adaptive = AdaptiveClipping(
+            initial_bound=self._restored_clip_bound or self.max_grad_norm,
+            target_unclipped_quantile=config.target_unclipped_quantile,
+            clipbound_learning_rate=config.clipbound_learning_rate,
+            unclipped_num_std=count_std,
+            expected_batch_size=expected_batch_size,
+            min_clipbound=config.min_clipbound,
+            max_clipbound=config.max_clipbound,
+        )
+        self._set_clip_bound(self.adaptive.bound)
+        return GaussianMechanism(sum_sigma, self.adaptive.bound)
+
+    def _set_clip_bound(self, bound: float) -> None:
+        """Clip at ``bound`` from the next micro-batch on, and noise the next sum for it."""
+        self.max_grad_norm = bound
+        if self.clipper is not None:
+            self.clipper.max_grad_norm = bound
+        if self.sum_mechanism is not None and self.sum_mechanism is not self.mechanism:
+            self.sum_mechanism.max_grad_norm = bound
+
+    def move_clip_bound(self) -> None:
+        """Adaptive clipping, after a step: release the step's centred count of unclipped examples (summed over
+        the ranks, noised once from the shared noise stream) and move the bound for the next step."""
+        assert self.adaptive is not None and self.clipper is not None
+        params = self.clipper.trainable_parameters
+        count = self.adaptive.count_tensor(params[0].device if params else torch.device("cpu"))
+        if self.distributed is not None:
+            self.distributed.reduce_clipped_sum([count])
+        count_noise = GaussianMechanism(self.adaptive.unclipped_num_std, 1.0)
+        generator = self.randomness.noise_generator(count.device)
+        noise = (
+            secure_sample(count_noise, count, generator) if self.secure_mode else count_noise.sample(count, generator)
+        )
+        self._set_clip_bound(self.adaptive.update(noise))
 
     def _default_accountant(self) -> str:
         """``"rc"`` for randomized clipping, else the mechanism's sound default."""
@@ -320,13 +382,13 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             any_rank: on several processes, the OR of flags over the ranks (``distributed_context().any_rank``),
                 which the finite check of sharded (FSDP2) gradient sums needs; ``None`` on one process.
         """
-        if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
+        if self.sum_mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
         if self.momentum.enabled:  # the iterate x_t is stored right before the update to x_{t+1}
             self._momentum_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.momentum.record()))
         return DPOptimizer(
             optimizer,
-            mechanism=self.mechanism,
+            mechanism=self.sum_mechanism,
             expected_batch_size=self.sample_rate * self.num_samples,
             randomness=self.randomness,
             on_step=self.record_step,

@@ -36,13 +36,13 @@ checkpointing, DeepSpeed, FSDP through ``TrainingArguments`` and FSDP plugins ac
 Sharded models: a model launched with accelerate's FSDP2 configuration is sharded by DPTrainer at construction
 (:mod:`lightning_dp.hf.accelerate_fsdp`; the Accelerator is built without those settings, see
 ``create_accelerator_and_postprocess``). Such a model, or one the user shards with ``fully_shard`` (torch's FSDP2)
-before handing it to DPTrainer, trains on several processes like an unsharded one, with the sharded engine of docs/design.md section 8.1 (clipped sums
-reduce-scattered into the shards, noise once per shard coordinate, every rank running every step: an empty Poisson
-batch runs the engine's stand-in batch). ``save_model`` gathers the full weights (every rank calls it; rank 0
-writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's and the optimizer's shards
-(``sharded_state``, ``torch.distributed.checkpoint``), from which ``resume_from_checkpoint`` restores them on the
-same number of processes. Not supported: models sharded by ``from_pretrained(distributed_config=...)``, and what
-``PrivacyEngine.check_shardable`` refuses.
+before handing it to DPTrainer, trains on several processes like an unsharded one, with the sharded engine of
+docs/design.md section 8.1 (clipped sums reduce-scattered into the shards, noise once per shard coordinate, every
+rank running every step: an empty Poisson batch runs the engine's stand-in batch). ``save_model`` gathers the full
+weights (every rank calls it; rank 0 writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's
+and the optimizer's shards (``sharded_state``, ``torch.distributed.checkpoint``), from which
+``resume_from_checkpoint`` restores them on the same number of processes. Not supported: models sharded by
+``from_pretrained(distributed_config=...)``, and what ``PrivacyEngine.check_shardable`` refuses.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
 :class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
@@ -495,6 +495,8 @@ class DPTrainer(PrivacyQueries, Trainer):
             logs["epsilon"] = math.inf
         elif engine.accountant is not None:
             logs["epsilon"] = engine.epsilon()
+            if engine.adaptive is not None:  # the bound the next step clips at (a released value)
+                logs["max_grad_norm"] = engine.max_grad_norm
             if "train_runtime" in logs:
                 summary = engine.summary()
                 logs.update({f"dp/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})

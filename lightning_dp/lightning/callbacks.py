@@ -47,7 +47,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 class PrivacyAccountantCallback(Callback):
     """Logs ``epsilon`` after every training epoch (to all loggers and the progress bar), a final summary, and a
-    privacy-curve image (epsilon against steps) to the loggers that take images.
+    privacy-curve image (epsilon against steps) to the loggers that take images; with adaptive clipping, also the
+    clipping bound ``max_grad_norm`` after every step (as Lightning logs step metrics, every ``log_every_n_steps``).
 
     Args:
         delta: delta to report epsilon at (default: the strategy's ``target_delta``).
@@ -83,13 +84,16 @@ class PrivacyAccountantCallback(Callback):
         # on_train_epoch_end hook has run: an epsilon logged in on_train_epoch_end alone reached the bar one epoch
         # late. So the bar's value is logged here, as a step metric, on each epoch's last batch (and every
         # log_every_n_steps steps); the epoch hook logs the same value to the loggers.
+        engine = privacy_engine_of(trainer)
+        if engine.adaptive is not None and trainer.loggers:  # the bound a step clipped at next (a released value)
+            pl_module.log("max_grad_norm", engine.max_grad_norm, logger=True, on_step=True, on_epoch=False)
         every = trainer.log_every_n_steps
         if (
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
             or trainer.should_stop
             or (every and trainer.global_step % every == 0)
         ):
-            epsilon = privacy_engine_of(trainer).epsilon(self.delta)
+            epsilon = engine.epsilon(self.delta)
             pl_module.log("epsilon", epsilon, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
