@@ -186,8 +186,8 @@ class PrivacyConfig:
     )
     clipbound_learning_rate: float = _option(
         0.2,
-        "eta > 0 of adaptive clipping's update ``C <- C exp(-eta (unclipped fraction - gamma))`` (Andrew et al.'s "
-        "0.2).",
+        "eta > 0 of adaptive clipping's update ``C <- C exp(-eta (unclipped fraction - gamma))`` (0.2, as in "
+        "Andrew et al. 2021's experiments).",
         "Adaptive clipping: learning rate of the geometric update of C.",
     )
     min_clipbound: float | None = _option(
@@ -199,7 +199,7 @@ class PrivacyConfig:
     unclipped_num_std: float | None = _option(
         None,
         "adaptive clipping: std sigma_b of the noise on the count of unclipped examples, in examples; must exceed "
-        "sigma / 2. Default: the expected batch size ``q N / 20`` (Andrew et al. 2021, Section 3).",
+        "sigma / 2. Default: the expected batch size ``q N / 20``, as in Andrew et al. 2021's experiments.",
         "Adaptive clipping: std of the unclipped count's noise (default q N / 20).",
     )
     lowpass: str | dict[str, Any] | LowPassFilter | None = _option(

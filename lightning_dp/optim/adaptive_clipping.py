@@ -19,8 +19,9 @@ mechanism whose sensitivity, in units of its noise, is ``sqrt(sigma_sum^-2 + (2 
 
 makes that ``1/sigma``: the step costs exactly what one Gaussian step at ``noise_multiplier = sigma`` costs, for the
 same Poisson sampling, so the accountant records the Gaussian event at ``sigma`` (and ``target_epsilon`` calibrates
-``sigma``). It needs ``sigma_b > sigma / 2``. Opacus's ``AdaClipDPOptimizer`` releases the raw count, whose
-sensitivity is 1, with the same formula; here the count is centred, as the theorem's proof requires.
+``sigma``). It needs ``sigma_b > sigma / 2``. Opacus 1.6's ``AdaClipDPOptimizer`` uses the same formula but
+releases the raw count, whose sensitivity is 1, and divides it by the realised batch size, which Poisson sampling
+keeps private; here the count is centred and divided by the expected size, as the theorem's argument requires.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 
 import torch
 
-#: Andrew et al. 2021, Section 3: ``sigma_b = expected batch size / 20`` (the estimated fraction then has std 0.05).
+#: ``sigma_b = expected batch size / 20``, the setting of Andrew et al. 2021's experiments (the estimated fraction then
+#: has std 0.05).
 DEFAULT_COUNT_NOISE_FRACTION = 1 / 20
 
 
@@ -47,8 +49,8 @@ def sum_noise_multiplier(noise_multiplier: float, unclipped_num_std: float) -> f
     if not unclipped_num_std > noise_multiplier / 2:
         raise ValueError(
             f"adaptive clipping needs unclipped_num_std > noise_multiplier / 2 = {noise_multiplier / 2:.4g}, got "
-            f"{unclipped_num_std:.4g}: raise unclipped_num_std (Andrew et al. use expected batch size / 20) or the "
-            "expected batch size"
+            f"{unclipped_num_std:.4g}: raise unclipped_num_std (Andrew et al. 2021 use the expected batch size / 20) "
+            "or the expected batch size"
         )
     return (noise_multiplier**-2 - (2 * unclipped_num_std) ** -2) ** -0.5
 
