@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
@@ -30,11 +31,20 @@ def run_demo(
     accountant: str | None = None,
     seed: int = 0,
     progress_bar: bool = True,
+    callbacks: Sequence[Any] = (),
+    **strategy_options: Any,
 ) -> dict[str, Any]:
     """Train ``DigitsCNN`` with DP and return the final metrics and privacy summary.
 
+    Args:
+        callbacks: further Lightning callbacks of the trainer.
+        strategy_options: further :class:`~lightning_dp.DPStrategy` options (e.g. ``target_unclipped_quantile``).
+
     Returns:
         ``{"test_acc", "epsilon", "delta", "seconds", "epochs": [per-epoch rows], "privacy": summary}``.
+
+    Raises:
+        ValueError: an invalid privacy option (as :class:`~lightning_dp.DPStrategy`).
     """
     import lightning.pytorch as pl
 
@@ -56,12 +66,13 @@ def run_demo(
         accountant=accountant,
         seed=seed,
         device="cpu",
+        **strategy_options,
     )
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         max_epochs=epochs,
-        callbacks=[privacy_callback, table],
+        callbacks=[privacy_callback, table, *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=progress_bar,

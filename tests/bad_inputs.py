@@ -329,6 +329,24 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "DPStrategy",
+        "target_unclipped_quantile=1.5",
+        _strategy(noise_multiplier=1.0, target_unclipped_quantile=1.5),
+        r"target_unclipped_quantile must be in \(0, 1\)",
+    ),
+    BadInput(
+        "DPStrategy",
+        "max_clipbound=3 without target_unclipped_quantile",
+        _strategy(noise_multiplier=1.0, max_clipbound=3.0),
+        "without target_unclipped_quantile",
+    ),
+    BadInput(
+        "DPStrategy",
+        "target_unclipped_quantile=0.5, noise='lap2'",
+        _strategy(noise="lap2", noise_params={"noise_scale": 1.0}, target_unclipped_quantile=0.5),
+        "needs noise='gaussian'",
+    ),
+    BadInput(
+        "DPStrategy",
         "clipping='hutch', noise='laplace'",
         _strategy(clipping="hutch", noise="laplace", noise_params={"noise_scale": 1.0}),
         "randomized-clipping",
@@ -379,6 +397,12 @@ CASES: list[BadInput] = [
         r"bookkeeping=False \(a second backward\) not supported on FSDP2-sharded models",
     ),
     # Lightning fit with DPStrategy: setup and first step
+    BadInput(
+        "Lightning fit",
+        "target_unclipped_quantile=0.5 with expected batch 8 (default unclipped_num_std 0.4)",
+        _fit(_tiny(), {"target_unclipped_quantile": 0.5}),
+        r"unclipped_num_std > noise_multiplier / 2",
+    ),
     BadInput(
         "Lightning fit",
         "nn.BatchNorm1d in the model",
