@@ -1,11 +1,15 @@
 """Run the recipes' documented variants and render their result tables into the docs.
 
     nice -n 15 python bench/recipes.py --task glue          # the five variants of one recipe, then render
+    nice -n 15 python bench/recipes.py --task glue --seeds 1 2   # the same with other seeds
     python bench/recipes.py --render                        # only re-render the docs from docs/recipes/*/*.json
 
 Each variant runs the recipe's docs configuration unchanged plus the variant's flags, through the same script users
 run (``python recipes/<task>.py --config configs/<name>_offline.yaml ...``), one process after another (each in its
-own process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``.
+own process, so no state is shared), and keeps the run's ``results.json`` as ``docs/recipes/<task>/<variant>.json``
+(seed 0, the configurations' own) or ``<variant>.seed<S>.json`` (seed S, given to the model's and the DP
+generators' seeds by flags). A variant recorded with several seeds is rendered as the mean and the sample standard
+deviation over them.
 The offline configurations read the full local copies of the data from the data root ``LIGHTNING_DP_DATA`` (set it
 first; docs/recipes.md, "Local data").
 Rendering puts one table per task between the ``<!-- results -->`` markers of ``docs/recipes/<task>.md`` and the
@@ -18,6 +22,7 @@ import argparse
 import importlib
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,25 +57,43 @@ def hf_variant_flags(variant: str, results_file: str) -> list[str]:
     return [*flags, "--dp", "true", "--noise", noise, "--target_epsilon", epsilon]
 
 
-def variant_command(task: str, variant: str, results_file: str, output_dir: str) -> list[str]:
-    """The command line that runs ``variant`` of ``task``'s docs configuration."""
+def seed_flags(task: str, variant: str, seed: int) -> list[str]:
+    """The flags that run ``variant`` of ``task`` with ``seed`` instead of the configuration's 0: the model's (and
+    data order's) seed and the DP generators' seed; none for seed 0."""
+    if seed == 0:
+        return []
+    if task == "cifar":
+        dp = [] if variant == "non-private" else [f"--trainer.strategy.init_args.seed={seed}"]
+        return [f"--seed_everything={seed}", *dp]
+    return ["--seed", str(seed), "--dp_seed", str(seed)]
+
+
+def results_name(variant: str, seed: int) -> str:
+    """The JSON file a run of ``variant`` with ``seed`` is kept in."""
+    return f"{variant}.json" if seed == 0 else f"{variant}.seed{seed}.json"
+
+
+def variant_command(task: str, variant: str, results_file: str, output_dir: str, seed: int = 0) -> list[str]:
+    """The command line that runs ``variant`` of ``task``'s docs configuration with ``seed``."""
     script, config, _ = TASKS[task]
     command = [sys.executable, script, "--config", config]
     if task == "cifar":
         cifar = importlib.import_module("lightning_dp.recipes.cifar")
-        return [*command, *cifar.variant_flags(variant, results_file)]
-    return [*command, *hf_variant_flags(variant, results_file), "--output_dir", output_dir]
+        return [*command, *cifar.variant_flags(variant, results_file), *seed_flags(task, variant, seed)]
+    flags = [*hf_variant_flags(variant, results_file), *seed_flags(task, variant, seed)]
+    return [*command, *flags, "--output_dir", output_dir]
 
 
-def run_task(task: str, variants: list[str]) -> None:
+def run_task(task: str, variants: list[str], seeds: list[int]) -> None:
     folder = DOCS / "recipes" / task
     folder.mkdir(parents=True, exist_ok=True)
-    for variant in variants:
-        results = folder / f"{variant}.json"
-        with tempfile.TemporaryDirectory() as output_dir:
-            command = variant_command(task, variant, str(results.relative_to(ROOT)), output_dir)
-            print("$", shlex.join(command), flush=True)
-            subprocess.run(command, cwd=ROOT, check=True)
+    for seed in seeds:
+        for variant in variants:
+            results = folder / results_name(variant, seed)
+            with tempfile.TemporaryDirectory() as output_dir:
+                command = variant_command(task, variant, str(results.relative_to(ROOT)), output_dir, seed)
+                print("$", shlex.join(command), flush=True)
+                subprocess.run(command, cwd=ROOT, check=True)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -84,10 +107,25 @@ def _noise_text(privacy: dict | None) -> str:
     return f"{privacy['noise']} ({inner})"
 
 
-def load_results(task: str) -> dict[str, dict]:
-    """``variant -> results.json`` of ``task`` for the variants that have run."""
+def load_results(task: str) -> dict[str, list[dict]]:
+    """``variant -> [results.json of each seed]`` of ``task`` (seed 0 first, then by seed) for the variants that
+    have run with seed 0."""
     folder = DOCS / "recipes" / task
-    return {v: json.loads((folder / f"{v}.json").read_text()) for v in VARIANTS if (folder / f"{v}.json").exists()}
+    results = {}
+    for variant in VARIANTS:
+        if (folder / f"{variant}.json").exists():
+            seeds = sorted(folder.glob(f"{variant}.seed*.json"), key=lambda path: int(path.stem.split(".seed")[1]))
+            results[variant] = [json.loads(path.read_text()) for path in [folder / f"{variant}.json", *seeds]]
+    return results
+
+
+def _spread(values: list[float | None], digits: int = 2) -> str:
+    """One value as it is; several as ``mean +- sample std (n)``."""
+    if any(value is None for value in values):
+        return "-"
+    if len(values) == 1:
+        return _fmt(values[0], digits)
+    return f"{statistics.mean(values):.{digits}f} +- {statistics.stdev(values):.{digits}f} ({len(values)})"
 
 
 def display_command(task: str, command: str) -> str:
@@ -107,29 +145,31 @@ def display_command(task: str, command: str) -> str:
     return shlex.join(["python", TASKS[task][0], *kept])
 
 
-def task_table(task: str, results: dict[str, dict]) -> str:
-    """The Markdown table (and commands) of one task's variants."""
+def task_table(task: str, results: dict[str, list[dict]]) -> str:
+    """The Markdown table (and commands) of one task's variants: each metric and time as one seed's value, or as
+    the mean and spread over the seeds recorded (the privacy columns are the same for every seed)."""
     if not results:
         return "(no runs recorded yet)"
-    keys = list(next(iter(results.values()))["metrics"])
+    keys = list(next(iter(results.values()))[0]["metrics"])
     head = ["variant", *keys, "epsilon spent", "delta", "noise", "clip C", "steps", "batch", "train s", "eval s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for variant, result in results.items():
+    for variant, runs in results.items():
+        result = runs[0]
         privacy = result.get("privacy")
         row = [
             variant,
-            *(_fmt(result["metrics"].get(k)) for k in keys),
+            *(_spread([run["metrics"].get(k) for run in runs]) for k in keys),
             _fmt(privacy and privacy["epsilon"], 3),
             "-" if privacy is None else f"{privacy['delta']:.3g}",
             _noise_text(privacy),
             "-" if privacy is None else f"{privacy['max_grad_norm']:g}",
             str(result["steps"]),
             str(result["expected_batch"]),
-            _fmt(result["train_seconds"], 0),
-            _fmt(result["eval_seconds"], 0),
+            _fmt(statistics.mean(run["train_seconds"] for run in runs), 0),
+            _fmt(statistics.mean(run["eval_seconds"] for run in runs), 0),
         ]
         lines.append("| " + " | ".join(row) + " |")
-    sizes = next(iter(results.values()))
+    sizes = next(iter(results.values()))[0]
     lines += [
         "",
         f"Training examples: {sizes['train_size']}; evaluation examples: {sizes['eval_size']}; trainable parameters: "
@@ -137,7 +177,7 @@ def task_table(task: str, results: dict[str, dict]) -> str:
         "repository root):",
         "",
         "```bash",
-        *(display_command(task, result["command"]) for result in results.values()),
+        *(display_command(task, run["command"]) for runs in results.values() for run in runs),
         "```",
     ]
     return "\n".join(lines)
@@ -155,12 +195,12 @@ def summary_table() -> str:
         metric = TASKS[task][2]
         cells = []
         for variant in VARIANTS:
-            result = results.get(variant)
-            if result is None:
+            runs = results.get(variant)
+            if runs is None:
                 cells.append("-")
                 continue
-            score = _fmt(result["metrics"][metric])
-            privacy = result.get("privacy")
+            score = _spread([run["metrics"][metric] for run in runs])
+            privacy = runs[0].get("privacy")
             cells.append(score if privacy is None else f"{score} (eps {privacy['epsilon']:.2f})")
         lines.append(f"| [{task}](recipes/{task}.md) | {metric} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -179,10 +219,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), help="run this recipe's variants, then render")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="run every variant with each seed")
     parser.add_argument("--render", action="store_true", help="only render the docs from the recorded JSON files")
     opts = parser.parse_args()
     if opts.task and not opts.render:
-        run_task(opts.task, opts.variants)
+        run_task(opts.task, opts.variants, opts.seeds)
     render([opts.task] if opts.task else list(TASKS))
 
 

@@ -282,9 +282,24 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
         "world_size": 1,
         "command": "python recipes/glue.py --config configs/glue_offline.yaml --output_dir /tmp/x --dp true",
     }
-    table = bench.task_table("glue", {"gaussian-eps3": result})
+    table = bench.task_table("glue", {"gaussian-eps3": [result]})
     assert "| gaussian-eps3 | 81.25 | 2.990 | 1e-05 | gaussian (noise_multiplier=1.5) | 1 | 10 | 64 | 12 | 1 |" in table
     assert "python recipes/glue.py --config configs/glue_offline.yaml --dp true" in table and "/tmp/x" not in table
+    seeds = [result, {**result, "metrics": {"accuracy": 78.25}, "train_seconds": 14.3}]
+    table = bench.task_table("glue", {"gaussian-eps3": seeds})  # mean +- sample std over the seeds, mean times
+    assert (
+        "| gaussian-eps3 | 79.75 +- 2.12 (2) | 2.990 | 1e-05 | gaussian (noise_multiplier=1.5) | 1 | 10 | 64 | 13 |"
+        in table
+    )
+    assert bench.seed_flags("glue", "gaussian-eps3", 2) == ["--seed", "2", "--dp_seed", "2"]
+    assert (
+        bench.seed_flags("cifar", "non-private", 1) == ["--seed_everything=1"]
+        and bench.seed_flags("glue", "x", 0) == []
+    )
+    assert (
+        bench.results_name("lap2-eps8", 0) == "lap2-eps8.json"
+        and bench.results_name("lap2-eps8", 1) == "lap2-eps8.seed1.json"
+    )
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
     bench.replace_between_markers(page, "new", bench.START, bench.END)
@@ -326,3 +341,22 @@ def test_split_rows_local_file_order_and_hub_splits(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="rows.jsonl.*configs/task_hub.yaml"):
         recipe.data_dir = str(tmp_path / "empty")
         split_rows(recipe, **spec, hub_splits=("a", "b"))
+
+
+def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatch):
+    """Every number of the recipes' result tables in the docs comes from the JSON files beside them: rendering them
+    again gives the committed text."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def marked(page):
+        text = page.read_text()
+        return text.split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n")
+
+    assert marked(ROOT / "docs" / "recipes.md") == bench.summary_table()
+    for task in bench.TASKS:
+        assert marked(ROOT / "docs" / "recipes" / f"{task}.md") == bench.task_table(task, bench.load_results(task)), (
+            task
+        )
