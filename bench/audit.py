@@ -90,9 +90,9 @@ def main() -> None:
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     lines = [
-        "| setting | noise | run | m | steps | reported eps | audited lower bound (95 %) | guesses (correct) | "
-        "ceiling | verdict | time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | noise | clipping | run | m | steps | reported eps | audited lower bound (95 %) | "
+        "guesses (correct) | ceiling | verdict | time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setting, config in configs():
         start = time.perf_counter()
@@ -102,7 +102,7 @@ def main() -> None:
         verdict = "**bound > reported**" if report.violated else "bound < reported"
         audit = report.audit
         lines.append(
-            f"| {setting} | {report.noise} | {run} | {audit.num_canaries} | {report.steps} | "
+            f"| {setting} | {report.noise} | {report.clipping} | {run} | {audit.num_canaries} | {report.steps} | "
             f"{report.reported_epsilon:.3f} | {audit.epsilon_lower_bound:.3f} | {audit.guesses} ({audit.correct}) | "
             f"{ceiling(config):.2f} | {verdict} | {seconds:.0f} |"
         )

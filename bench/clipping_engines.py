@@ -5,11 +5,12 @@ Models (built from a config, no download):
 - ``big-head``: tiny Llama, 2 layers, d=256, a 128256-token vocabulary (Llama 3's) with an untied output head.
 Per-sample mean token cross-entropy, SGD, Gaussian noise (sigma=1, C=1).
 
-Variants: ``non-private``; ``noise-only`` (drawing the Gaussian noise for every parameter, fp32, the cost DP adds
-on top of clipping); ``<engine>-bk`` (book-keeping: one backward, sum check every 100 batches) and ``<engine>-2bw``
-(second backward, sum check every batch) for ``flat, ghost, fgc, mixed, hutch, hutchpp``; ``opacus-flat``
-(``GradSampleModule``) and ``opacus-ghost`` (``GradSampleModuleFastGradientClipping``; its error is printed when
-it refuses the model).
+Variants: ``non-private``; ``noise-only`` (drawing the Gaussian noise for every parameter, fp32, the cost DP adds on top
+of clipping); ``default`` (every clipping option at its ``PrivacyConfig`` default, as ``DPStrategy()`` runs it:
+``clipping="auto"`` resolved for Gaussian noise, book-keeping and its sum check); ``<engine>-bk`` (book-keeping: one
+backward, sum check every 100 batches) and ``<engine>-2bw`` (second backward, sum check every batch) for ``flat, ghost,
+fgc, mixed, hutch, hutchpp``; ``opacus-flat`` (``GradSampleModule``) and ``opacus-ghost``
+(``GradSampleModuleFastGradientClipping``; its error is printed when it refuses the model).
 
 Time: all variants live in ONE process (one model copy each, identical weights) and run interleaved step by step,
 rotating the order every round, so that load changes on a shared machine hit all variants alike; the median over
@@ -42,6 +43,7 @@ ENGINES = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
 VARIANTS = (
     "non-private",
     "noise-only",
+    "default",
     *(f"{engine}-{mode}" for engine in ENGINES for mode in ("bk", "2bw")),
     "opacus-flat",
     "opacus-ghost",
@@ -115,15 +117,19 @@ def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Cal
     if variant.startswith("opacus"):
         return _opacus_step(variant, model, optimizer, per_sample_loss, tokens, positions, vocab)
     from lightning_dp.clipping import PerSampleClipper
+    from lightning_dp.config import PrivacyConfig
 
-    engine, mode = variant.rsplit("-", 1)
-    clipper = PerSampleClipper(
-        model,
-        clipping=engine,
-        max_grad_norm=1.0,
-        bookkeeping=mode == "bk",
-        generator_for=randomness.projection_generator,
-    )
+    if variant == "default":  # DPStrategy(noise_multiplier=1.0)'s clipper: the engine "auto" picks for Gaussian noise
+        config = PrivacyConfig(noise_multiplier=1.0)
+        options = {
+            "clipping": config.resolved_clipping()[0],
+            "bookkeeping": config.bookkeeping,
+            "sum_check_every": config.sum_check_every,
+        }
+    else:
+        engine, mode = variant.rsplit("-", 1)
+        options = {"clipping": engine, "bookkeeping": mode == "bk"}
+    clipper = PerSampleClipper(model, max_grad_norm=1.0, generator_for=randomness.projection_generator, **options)
     dp_optimizer = DPOptimizer(optimizer, mechanism=mechanism, expected_batch_size=batch, randomness=randomness)
 
     def step() -> None:

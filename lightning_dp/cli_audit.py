@@ -20,6 +20,7 @@ from lightning_dp.audit.runner import MODES
 from lightning_dp.audit.setups import INPUT_CANDIDATES, SETUPS
 from lightning_dp.cli_args import Parser, choice, metavar_of
 from lightning_dp.cli_privacy import _fmt, format_table, noises
+from lightning_dp.clipping import AUTO, ENGINES
 
 
 def _audit_body(args: argparse.Namespace) -> bool:
@@ -28,6 +29,7 @@ def _audit_body(args: argparse.Namespace) -> bool:
         setup=args.setup,
         mode=args.mode,
         noise=args.noise,
+        clipping=args.clipping,
         target_epsilon=args.target_epsilon,
         target_delta=args.delta,
         num_canaries=args.canaries,
@@ -74,6 +76,14 @@ def audit_main(argv: list[str]) -> int:
     )
     names = noises()
     parser.add_argument("--noise", default="gaussian", type=choice(names), metavar=metavar_of(names), help="noise")
+    engines = (AUTO, *ENGINES)
+    parser.add_argument(
+        "--clipping",
+        default=AUTO,
+        type=choice(engines),
+        metavar=metavar_of(engines),
+        help="per-sample clipping engine (default auto: mixed for l2 noise, flat for laplace)",
+    )
     parser.add_argument("--target-epsilon", type=float, required=True, help="epsilon the noise is calibrated for")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--canaries", type=int, default=1000, help="number of canaries m (default 1000)")

@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
-from lightning_dp.clipping import ENGINES
+from lightning_dp.clipping import AUTO, ENGINES, auto_engine
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
 from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
@@ -88,10 +88,14 @@ class PrivacyConfig:
         'Non-Gaussian mechanism parameters as JSON, e.g. {"noise_scale": 3.0}.',
     )
     clipping: str = _option(
-        "flat",
-        "per-sample clipping engine, ``'flat' | 'ghost' | 'fgc' | 'mixed' | 'hutch' | 'hutchpp'`` "
-        "(:mod:`lightning_dp.clipping`).",
-        "Per-sample clipping engine: flat, ghost, fgc, mixed, hutch, hutchpp.",
+        AUTO,
+        "per-sample clipping engine, ``'auto' | 'flat' | 'ghost' | 'fgc' | 'mixed' | 'hutch' | 'hutchpp'`` "
+        "(:mod:`lightning_dp.clipping`). ``'auto'`` (default) runs the fastest exact engine for the mechanism, "
+        "``'mixed'`` for an l2 mechanism and ``'flat'`` for ``noise='laplace'`` (l1), and the start-up block says "
+        "which and why; it never picks ``hutch`` / ``hutchpp``. The exact engines give the same clipped sum up to "
+        "float rounding and differ in cost only.",
+        "Per-sample clipping engine: auto (mixed for l2 mechanisms, flat for laplace), flat, ghost, fgc, mixed, "
+        "hutch, hutchpp.",
     )
     bookkeeping: bool = _option(
         True,
@@ -249,18 +253,17 @@ class PrivacyConfig:
                 raise ValueError(unknown_name("accountant", self.accountant, ACCOUNTANTS))
         with checking("sum_check_every"):
             validate_sum_check(self.sum_check_every, self.bookkeeping)
-        engine = ENGINES.get(self.clipping)
-        if engine is None:
+        if self.clipping != AUTO and self.clipping not in ENGINES:
+            choices = (AUTO, *ENGINES)
             with checking("clipping"):
                 raise ValueError(
-                    f"clipping must be one of {tuple(ENGINES)}, got {self.clipping!r}"
-                    f"{did_you_mean(self.clipping, ENGINES)}"
+                    f"clipping must be one of {choices}, got {self.clipping!r}{did_you_mean(self.clipping, choices)}"
                 )
-        if engine.randomized and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
+        if self.randomized_clipping and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
             raise ValueError(
                 f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
-                "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or an exact "
-                "engine (ghost, mixed, fgc, flat)"
+                "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or clipping='auto' "
+                "or an exact engine (ghost, mixed, fgc, flat)"
             )
         if self.noise_multiplier is not None and self.noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {self.noise!r} pass noise_params")
@@ -280,7 +283,7 @@ class PrivacyConfig:
             self.max_clipbound,
             self.unclipped_num_std,
         )
-        if self.adaptive_clipping and (self.noise_name != "gaussian" or engine.randomized):
+        if self.adaptive_clipping and (self.noise_name != "gaussian" or self.randomized_clipping):
             raise ValueError(
                 "adaptive clipping (target_unclipped_quantile) needs noise='gaussian' and an exact clipping engine "
                 f"(flat, ghost, fgc, mixed), got noise={self.noise_name!r}, clipping={self.clipping!r}"
@@ -301,8 +304,18 @@ class PrivacyConfig:
 
     @property
     def randomized_clipping(self) -> bool:
-        """Whether the clipping engine clips by a random norm estimate (it then needs the ``rc`` accountant)."""
-        return ENGINES[self.clipping].randomized
+        """Whether the clipping engine clips by a random norm estimate (it then needs the ``rc`` accountant);
+        ``'auto'`` never picks such an engine."""
+        return self.clipping != AUTO and ENGINES[self.clipping].randomized
+
+    def resolved_clipping(self) -> tuple[str, str | None]:
+        """``(engine, reason)``: the engine the run uses, and why when ``clipping='auto'`` picked it (``None`` when
+        the engine was named). ``'auto'`` resolves by the mechanism's clipping norm
+        (:func:`~lightning_dp.clipping.engine.auto_engine`): ``'mixed'`` for l2, ``'flat'`` for l1."""
+        if self.clipping != AUTO:
+            return self.clipping, None
+        mechanism = self.noise if isinstance(self.noise, NoiseMechanism) else mechanism_class(self.noise)
+        return auto_engine(mechanism.clip_norm)
 
 
 def option_docs(names: dict[str, str] | None = None, indent: int = 12) -> str:

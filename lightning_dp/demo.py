@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
-from lightning_dp.clipping import ENGINES
+from lightning_dp.clipping import AUTO, ENGINES
 from lightning_dp.mechanisms import MECHANISMS
 
 
@@ -26,7 +26,7 @@ def run_demo(
     batch_size: int = 128,
     max_grad_norm: float = 1.0,
     lr: float = 1.0,
-    clipping: str = "flat",
+    clipping: str = AUTO,
     noise: str = "gaussian",
     accountant: str | None = None,
     seed: int = 0,
@@ -105,12 +105,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=128, help="expected Poisson batch size")
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="SGD learning rate")
+    engines = (AUTO, *ENGINES)
     parser.add_argument(
         "--clipping",
-        type=choice(ENGINES),
-        metavar=metavar_of(ENGINES),
-        default="flat",
-        help="per-sample clipping engine",
+        type=choice(engines),
+        metavar=metavar_of(engines),
+        default=AUTO,
+        help="per-sample clipping engine (auto: mixed for l2 noise, flat for laplace)",
     )
     parser.add_argument(
         "--noise", type=choice(MECHANISMS), metavar=metavar_of(MECHANISMS), default="gaussian", help="noise mechanism"
@@ -147,5 +148,5 @@ def _run(args: argparse.Namespace) -> None:
         return
     print(
         f"test accuracy {result['test_acc']:.4f} at epsilon {result['epsilon']:.4f}, delta {result['delta']:.0e}"
-        f" ({result['privacy'].get('noise')}, {args.clipping} clipping, {result['seconds']:.1f} s)"
+        f" ({result['privacy'].get('noise')}, {result['privacy'].get('clipping')} clipping, {result['seconds']:.1f} s)"
     )

@@ -72,7 +72,12 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         #: delta of the reported epsilon: ``config.target_delta``, or its default once N is known (``prepare``).
         self.target_delta = config.target_delta
         self.noise = config.noise
-        self.clipping = config.clipping
+        #: the clipping engine's name: ``config.clipping``, or the engine ``'auto'`` resolved to (what every report
+        #: names: the start-up block, the summary, the trackers).
+        self.clipping, reason = config.resolved_clipping()
+        passes = "with book-keeping" if config.bookkeeping else "with a second backward"
+        #: with ``clipping='auto'``, the engine chosen and why, for :attr:`defaults_applied` (added by ``prepare``).
+        self._auto_clipping = None if reason is None else f"clipping = {self.clipping!r} {passes} (auto: {reason})"
         self.bookkeeping = config.bookkeeping
         self.sum_check_every = config.sum_check_every
         self.projection_dim = config.projection_dim
@@ -257,6 +262,8 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             self.defaults_applied.append(
                 f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})"
             )
+        if self._auto_clipping is not None and self._auto_clipping not in self.defaults_applied:
+            self.defaults_applied.append(self._auto_clipping)
         if self.mechanism is None:
             self.mechanism = self._calibrate(total_steps)
         if self.accountant is None:

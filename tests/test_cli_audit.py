@@ -23,13 +23,15 @@ def test_audit_prints_one_json_object_and_exits_0_when_the_bound_holds(capsys):
     assert code == 0
     assert result["num_canaries"] == 200 and result["confidence"] == 0.95 and result["steps"] == 20
     assert result["epsilon_lower_bound"] < result["reported_epsilon"] and not result["violated"]
+    assert result["clipping"] == "mixed"  # the engine the default clipping="auto" ran
 
 
 def test_audit_clipped_gradient_mode(capsys):
     argv = ["audit", "--mode", "clipped-gradient", "--target-epsilon", "2", "--canaries", "200", "--epochs", "2"]
-    code = main([*argv, "--canary-norm", "5", "--json"])
+    code = main([*argv, "--canary-norm", "5", "--clipping", "ghost", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["mode"] == "clipped-gradient" and result["num_canaries"] == 200
+    assert result["clipping"] == "ghost"
     assert main([*argv, "--canary-norm", "1"]) == 2
     assert "canary_norm must exceed 1" in capsys.readouterr().err
     assert main(["audit", "--setup", "digits", "--mode", "clipped-gradient", "--target-epsilon", "2"]) == 2

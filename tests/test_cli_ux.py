@@ -387,6 +387,8 @@ def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> 
     rows = [line for line in lines if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
     assert lines[1:3] == rows  # the rows follow the header directly
+    assert "(gaussian, mixed clipping, " in lines[-1]  # the engine the default clipping="auto" resolved to
     log = err.read_text()
     assert "DP training start-up" in log and "Privacy summary" in log
+    assert "clipping = 'mixed' with book-keeping (auto: the fastest exact engine for an l2 mechanism)" in log
     assert "GPU available" not in log and "litlogger" not in log

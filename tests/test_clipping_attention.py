@@ -77,7 +77,7 @@ def _causal(src: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("need_weights", [False, True])
-@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
 def test_attention_with_masks_matches_oracle(clipping: str, need_weights: bool) -> None:
     model = randomise(Attention(mode="cross", need_weights=need_weights))
     model.masks, model.per_sample = {"attn_mask": _causal(S)}, ("key_padding_mask",)
@@ -154,7 +154,7 @@ def test_unbatched_attention_rejected() -> None:
         model.attn(x, x, x)
 
 
-@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
 def test_transformer_encoder_layer(clipping: str) -> None:
     layer = nn.TransformerEncoderLayer(E, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
     model = randomise(nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(E, 2)))

@@ -1,5 +1,6 @@
 """Models people fine-tune, built from tiny configs (no weights): every trainable parameter is covered and per-sample
-norms and clipped sums match the torch.func oracle on a batch of 3 (flat and ghost engines, float64)."""
+norms and clipped sums match the torch.func oracle on a batch of 3 (flat, ghost and mixed, the engine of the default
+clipping="auto"; float64)."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _check_model(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn: Ca
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable), "every parameter gets a gradient"
 
 
-@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_model_matches_oracle(name: str, clipping: str) -> None:
     make, loss_fn = MODELS[name]
@@ -148,7 +149,7 @@ def _logits(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return forward(*inputs).flatten(1).sin().sum(1)
 
 
-@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
 def test_torchvision_vit_matches_oracle(clipping: str) -> None:
     model = _torchvision_vit()
     images = torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(0))

@@ -84,7 +84,7 @@ def test_trainer_strategy_dp_trains_digits_privately_at_epsilon_3(caplog):
     assert type(strategy) is DPStrategy and strategy.root_device == torch.device("cpu")
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=128))
     engine = strategy.privacy_engine
-    assert engine.target_epsilon == 3.0 and engine.max_grad_norm == 1.0 and engine.clipping == "flat"
+    assert engine.target_epsilon == 3.0 and engine.max_grad_norm == 1.0 and engine.clipping == "mixed"
     assert engine.steps == trainer.global_step > 0
     assert 0.0 < engine.epsilon() <= 3.0 + 1e-9 and callback.summary["epsilon"] == engine.epsilon()
     assert engine.mechanism.name == "gaussian" and engine.mechanism.noise_multiplier > 0.5  # calibrated noise
@@ -101,7 +101,7 @@ def test_budget_names_are_the_class_defaults_with_target_epsilon(epsilon):
     for attribute in ("target_epsilon", "target_delta", "max_grad_norm", "noise", "clipping", "accountant_name"):
         assert getattr(engine, attribute) == getattr(default, attribute)
     assert engine.target_epsilon == epsilon and engine.target_delta is None  # 1/N^1.1, logged at fit
-    assert (engine.max_grad_norm, engine.noise, engine.clipping) == (1.0, "gaussian", "flat")
+    assert (engine.max_grad_norm, engine.noise, engine.clipping) == (1.0, "gaussian", "mixed")  # auto, for l2
     again = make_trainer(f"dp_epsilon_{epsilon:g}").strategy.privacy_engine
     assert engine.randomness.base_seed != again.randomness.base_seed  # seed=None: OS entropy, as real runs should
 
@@ -154,7 +154,7 @@ def test_cli_trainer_strategy_by_name(tmp_path, caplog):
     path = _digits_config(tmp_path, "dp_epsilon_3")  # the YAML form: trainer.strategy: dp_epsilon_3
     assert main(["fit", "--config", str(path)]) == 0
     assert "gaussian (noise_multiplier=" in caplog.text and "calibrated for epsilon=3 over" in caplog.text
-    assert "Privacy summary: epsilon=2.9" in caplog.text and "clipping=flat" in caplog.text
+    assert "Privacy summary: epsilon=2.9" in caplog.text and "clipping=mixed" in caplog.text
 
 
 def test_cli_trainer_strategy_flag_dp_is_accepted(tmp_path, caplog):

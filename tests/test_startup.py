@@ -74,6 +74,7 @@ def check_rows(rows: dict[str, str], facts: dict, *, batch: int, micro_batches: 
     assert "calibrated for epsilon=3 over" in rows["noise"]
     assert float(rows["delta"]) == pytest.approx(facts["delta"], rel=1e-2)
     assert rows["accountant"] == facts["accountant"]
+    assert rows["clipping"] == "mixed"  # clipping="auto", resolved for Gaussian noise
     assert rows["defaults applied"].startswith(f"sample_rate = batch_size {batch} x accumulation {micro_batches}")
 
 
@@ -81,6 +82,7 @@ def test_dptrainer_prints_the_block_once_and_warns_about_the_missing_process() -
     facts, output = run_script("hf", SIMPLE_LAUNCHER_TWO)
     check_rows(startup_rows(output), facts, batch=4, micro_batches=2)
     assert "target_delta = 1/N^1.1" in output and "accountant = 'pld'" in output  # the other defaults
+    assert "clipping = 'mixed' with book-keeping (auto: the fastest exact engine for an l2 mechanism)" in output
     warnings = [line for line in output.splitlines() if line.startswith("warning: accelerate launch")]
     assert len(warnings) == 1 and f"--config_file {TWO_PROCESSES_CONFIG}" in warnings[0]
     assert "'epsilon'" in output  # the Trainer's log lines carry epsilon

@@ -120,9 +120,9 @@ def test_bf16_autocast_runs_with_finite_updates():
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-def _fit_with_checkpoints(tmp_path, max_epochs, ckpt_path=None):
+def _fit_with_checkpoints(tmp_path, max_epochs, ckpt_path=None, clipping="auto"):
     callback = PrivacyAccountantCallback()
-    strategy = DPStrategy(noise_multiplier=1.2, max_grad_norm=1.0, seed=3)
+    strategy = DPStrategy(noise_multiplier=1.2, max_grad_norm=1.0, seed=3, clipping=clipping)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
     trainer = make_trainer(strategy, max_epochs=max_epochs, callbacks=[callback, checkpoint], enable_checkpointing=True)
     trainer.fit(TinyRegressor(), ckpt_path=ckpt_path)
@@ -137,6 +137,20 @@ def test_resume_continues_the_epsilon_curve(tmp_path):
     assert checkpoint["lightning_dp"]["accountant"]["ledger"][0][1] == 2 * 8
     resumed, strategy = _fit_with_checkpoints(tmp_path / "resumed", 4, ckpt_path=ckpt)
     assert strategy.privacy_engine.steps == 4 * 8
+    assert [e for _, _, e in resumed.history] == pytest.approx([e for _, _, e in full.history])
+
+
+@pytest.mark.parametrize("saved_with", ["flat", "auto"])
+def test_a_checkpoint_of_any_exact_engine_resumes_under_auto(tmp_path, saved_with):
+    """The privacy state names no engine (every exact engine gives the same clipped sum, and a randomized one's
+    events are in the ledger), so a checkpoint written with clipping='flat' (the default before 'auto') or 'auto'
+    resumes under the default 'auto', resolved for this run, on the same epsilon curve."""
+    full, _ = _fit_with_checkpoints(tmp_path / "full", 3)
+    _fit_with_checkpoints(tmp_path / "part", 1, clipping=saved_with)
+    (ckpt,) = list((tmp_path / "part").iterdir())
+    resumed, strategy = _fit_with_checkpoints(tmp_path / "resumed", 3, ckpt_path=ckpt)
+    assert strategy.privacy_engine.clipping == "mixed" and resumed.summary["clipping"] == "mixed"
+    assert strategy.privacy_engine.steps == 3 * 8
     assert [e for _, _, e in resumed.history] == pytest.approx([e for _, _, e in full.history])
 
 

@@ -162,6 +162,7 @@ def test_csv_logger_holds_epsilon_per_epoch_and_the_summary(lightning_run) -> No
     params = yaml.safe_load(hparams.read_text())
     assert params["dp/noise"] == "gaussian" and params["dp/accountant"] == callback.summary["accountant"]
     assert params["dp/delta"] == pytest.approx(callback.summary["delta"]) and "dp/epsilon" not in params
+    assert params["dp/clipping"] == "mixed"  # the engine clipping="auto" (the default) resolved to
 
 
 def test_tensorboard_holds_epsilon_per_epoch_the_summary_and_the_curve(lightning_run) -> None:

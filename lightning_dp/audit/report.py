@@ -17,7 +17,9 @@ class AuditReport:
     Attributes:
         reported_epsilon: the accountant's epsilon at ``audit.delta`` after the run.
         audit: the one-run audit (bound, confidence, guesses).
-        noise: the mechanism's name; steps: optimizer steps taken; mode: ``"gradient"`` or ``"input"`` canaries.
+        noise: the mechanism's name; steps: optimizer steps taken; mode: ``"gradient"``, ``"clipped-gradient"`` or
+            ``"input"`` canaries.
+        clipping: the clipping engine that ran (the resolved one when the run asked for ``"auto"``).
     """
 
     reported_epsilon: float
@@ -25,6 +27,7 @@ class AuditReport:
     noise: str
     steps: int
     mode: str
+    clipping: str
 
     @property
     def violated(self) -> bool:
@@ -37,6 +40,7 @@ class AuditReport:
         return {
             "mode": self.mode,
             "noise": self.noise,
+            "clipping": self.clipping,
             "steps": self.steps,
             "reported_epsilon": self.reported_epsilon,
             **asdict(self.audit),
@@ -54,4 +58,4 @@ def report_for(
 ) -> AuditReport:
     """The one-run audit of ``scores`` at the run's ``target_delta``, next to the run's reported epsilon."""
     audit = audit_scores(scores, included, delta=engine.target_delta, confidence=confidence, guess_sets=guess_sets)
-    return AuditReport(engine.epsilon(), audit, engine.mechanism.name, engine.steps, mode)
+    return AuditReport(engine.epsilon(), audit, engine.mechanism.name, engine.steps, mode, engine.clipping)

@@ -35,6 +35,7 @@ class AuditConfig:
             gradient, of norm ``canary_norm * C``, the run's clipper clips: also catches clipping bugs; linear setup
             only) or ``"input"`` (candidate examples, scored by their loss decrease).
         noise: mechanism name; target_epsilon, target_delta: the budget the noise is calibrated for.
+        clipping: the clipping engine (default ``"auto"``, as ``DPStrategy``'s; the report names the one that ran).
         num_canaries: m; epochs: training epochs; batch_size: expected Poisson batch size; max_grad_norm: C.
         canary_norm: ``"clipped-gradient"`` canaries' input scale in units of C (their gradient's l2 norm is
             ``sqrt((canary_norm C)^2 + 1)``); must exceed 1 so that clipping acts (default 10).
@@ -54,6 +55,7 @@ class AuditConfig:
     setup: str = "linear"
     mode: str = "gradient"
     noise: str = "gaussian"
+    clipping: str = "auto"
     target_epsilon: float = 4.0
     target_delta: float = 1e-5
     num_canaries: int = 1000
@@ -134,6 +136,7 @@ def run_audit(config: AuditConfig, **trainer_kwargs: Any) -> AuditReport:
         target_epsilon=config.target_epsilon,
         target_delta=config.target_delta,
         noise=config.noise,
+        clipping=config.clipping,
         max_grad_norm=config.max_grad_norm,
         seed=config.seed,
     )

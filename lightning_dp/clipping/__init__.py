@@ -1,11 +1,13 @@
 """Per-sample gradient clipping through layer hooks (docs/design.md section 4).
 
 Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
-Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed). Layer
-families (one file each, registered by layer type): ``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``,
-``embedding``, ``norms``, ``positional``. Modules that use their parameters inside fused functions are swapped in
-place to equivalent classes calling hooked proxies (``swap``): ``attention`` (``nn.MultiheadAttention``),
-``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``positional`` (torchvision's ViT).
+Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed);
+``clipping="auto"``, the default of the privacy options, runs ``mixed`` for l2 and ``flat`` for l1 clipping
+(:func:`~lightning_dp.clipping.engine.auto_engine`). Layer families (one file each, registered by layer type):
+``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``, ``embedding``, ``norms``, ``positional``. Modules that use
+their parameters inside fused functions are swapped in place to equivalent classes calling hooked proxies (``swap``):
+``attention`` (``nn.MultiheadAttention``), ``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``positional`` (torchvision's
+ViT).
 """
 
 from lightning_dp.clipping import (  # noqa: F401 (registration)
@@ -26,7 +28,7 @@ from lightning_dp.clipping import (  # noqa: F401 (registration)
     recurrent,
 )
 from lightning_dp.clipping.clipper import PerSampleClipper
-from lightning_dp.clipping.engine import ENGINES, ClippingEngine, make_engine, register_engine
+from lightning_dp.clipping.engine import AUTO, ENGINES, ClippingEngine, auto_engine, make_engine, register_engine
 from lightning_dp.clipping.registry import (
     UnsupportedModuleError,
     find_layer_family,
@@ -35,10 +37,12 @@ from lightning_dp.clipping.registry import (
 )
 
 __all__ = [
+    "AUTO",
     "ENGINES",
     "ClippingEngine",
     "PerSampleClipper",
     "UnsupportedModuleError",
+    "auto_engine",
     "find_layer_family",
     "make_engine",
     "register_engine",

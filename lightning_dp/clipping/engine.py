@@ -109,6 +109,32 @@ def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
     return cls
 
 
+#: The ``clipping`` value that lets the library pick the engine (:func:`auto_engine`); not an engine itself.
+AUTO = "auto"
+
+
+def auto_engine(norm: int) -> tuple[str, str]:
+    """The engine ``clipping="auto"`` runs when per-sample gradients are clipped in the ``norm`` norm, and why.
+
+    Returns:
+        ``(name, reason)``: for l2 (``norm=2``) ``"mixed"``, which takes per parameter the cheaper of ghost norms and
+        materialised per-sample gradients, and with book-keeping reuses the materialised ones for the clipped sum:
+        the fastest exact engine, or within the measurement's noise of it, at every shape of docs/performance.md
+        (tiny GPT-2 at T = 128, 512, 2048; a 128k-token head); for l1 (``norm=1``, ``noise="laplace"``) ``"flat"``,
+        the only engine that supports it. Every exact engine gives the same clipped sum up to float rounding, so
+        the choice changes the cost only; a randomized engine (``hutch``, ``hutchpp``) is never picked, since its
+        norm estimate changes the accounting.
+
+    Raises:
+        ValueError: ``norm`` other than 1 or 2.
+    """
+    if norm == 2:
+        return "mixed", "the fastest exact engine for an l2 mechanism"
+    if norm == 1:
+        return "flat", "the only engine that clips in l1 norm, for an l1 mechanism"
+    raise ValueError(f"norm must be 1 or 2, got {norm!r}")
+
+
 def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngine:
     """Build the engine registered as ``name``.
 

@@ -5,7 +5,7 @@ Importing ``lightning_dp`` registers (when Lightning is imported, before or afte
 :mod:`lightning_dp.import_hooks`), for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
 ``DPModelParallelStrategy`` (``"dp_fsdp"``):
 
-- the base name: the class defaults (``max_grad_norm=1.0``, Gaussian noise, flat clipping, the mechanism's sound
+- the base name: the class defaults (``max_grad_norm=1.0``, Gaussian noise, ``clipping='auto'``, the mechanism's sound
   accountant, Poisson sampling, ``seed=None``) with ``target_epsilon=3`` (:data:`DEFAULT_EPSILON`, the library's
   demo budget), the noise calibrated for the run's planned steps and ``target_delta`` its default ``1/N^1.1``. Both
   are in the start-up block logged at fit (:mod:`lightning_dp.engine_startup`: "gaussian (noise_multiplier=...),
