@@ -109,7 +109,6 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         #: whether the clipper of a finished run dropped examples with a non-finite loss or gradient (set by
         #: :meth:`detach`; this process's examples only).
         self.dropped_nonfinite = False
-        self._momentum_hooks: list[Any] = []
         #: set only by the audit's test-only controls (:mod:`lightning_dp.audit.controls`): what was broken; the
         #: summary then says so, since its epsilon is false.
         self.broken_for_testing: str | None = None
@@ -194,9 +193,6 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             self.dropped_nonfinite |= self.clipper.dropped_nonfinite
             self.clipper.detach()
             self.clipper = None
-        for handle in self._momentum_hooks:
-            handle.remove()
-        self._momentum_hooks = []
         self.guard = None
         self.distributed = None  # the run is over: a later restore must not reach for its process group
 
@@ -322,14 +318,13 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         """
         if self.mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
-        if self.momentum.enabled:  # the iterate x_t is stored right before the update to x_{t+1}
-            self._momentum_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.momentum.record()))
         return DPOptimizer(
             optimizer,
             mechanism=self.mechanism,
             expected_batch_size=self.sample_rate * self.num_samples,
             randomness=self.randomness,
             on_step=self.record_step,
+            before_update=self.momentum.record,  # the iterate x_t, stored right before the update to x_{t+1}
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
             any_rank=any_rank,
