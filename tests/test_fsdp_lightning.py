@@ -173,18 +173,6 @@ def test_tensor_parallelism_is_refused(size):
         DPModelParallelStrategy(noise_multiplier=1.0, tensor_parallel_size=size)
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (dict(momentum_length=2), "momentum_length > 1"),
-        (dict(bookkeeping=False), "bookkeeping=False"),
-    ],
-)
-def test_what_sharded_models_do_not_support_yet_is_refused_at_construction(options, message):
-    with pytest.raises(ValueError, match=message):
-        DPModelParallelStrategy(noise_multiplier=1.0, **options)
-
-
 def test_defaults_data_parallel_over_every_process_with_the_independence_check():
     strategy = DPModelParallelStrategy(noise_multiplier=1.0, save_distributed_checkpoint=False)
     assert strategy.privacy_engine.config.check_batch_independence is True  # in lockstep over the ranks
