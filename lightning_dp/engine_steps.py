@@ -15,7 +15,7 @@ One run, whatever the trainer (docs/design.md section 2.2):
    sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
    optimizer step is exactly one Poisson sample. On an FSDP2-sharded model every rank must join every forward and
    backward (their collectives gather the weights), so a rank whose micro-batch is empty runs the step on
-   :meth:`EngineSteps.stand_in_batch` instead and clips it with ``stand_in=True``: it contributes exactly zero.
+   :meth:`EngineSteps.stand_in_batch` instead, with ``stand_in=True`` to both calls: it contributes exactly zero.
 
 The adapters (:mod:`lightning_dp.lightning`, :mod:`lightning_dp.hf`) translate hooks into these calls and never
 reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
@@ -189,6 +189,7 @@ class EngineSteps:
         *,
         replay: LossFunction | None = None,
         module: nn.Module,
+        stand_in: bool = False,
     ) -> torch.Tensor | None:
         """The per-sample losses ``[B]`` of one micro-batch, with the run's checks around the user's forward.
 
@@ -204,6 +205,8 @@ class EngineSteps:
             replay: the same, for the extra forwards (stored iterates, leave-half-out), e.g. with logging off;
                 default ``compute_loss``.
             module: the model (eval mode for the leave-half-out forwards).
+            stand_in: ``batch`` is :meth:`stand_in_batch` (then clipped with ``stand_in=True``): the forwards at the
+                stored iterates run with weight 0.
 
         Returns:
             The per-sample losses, or ``None`` when the user's step skipped the batch.
@@ -222,7 +225,7 @@ class EngineSteps:
             )
         guarded = self.guard.before_forward(batch, batch_size)
         if self.momentum.enabled:
-            self.add_past_iterates(lambda: replay(guarded))
+            self.add_past_iterates(lambda: replay(guarded), stand_in=stand_in)
         loss = compute_loss(guarded)
         if loss is None:
             if self.every_rank_runs_every_step:
@@ -248,7 +251,8 @@ class EngineSteps:
         """A one-example batch of the training data (this rank's first example, collated as the loader does, on
         the CPU), for a rank whose micro-batch is empty when :attr:`every_rank_runs_every_step`.
 
-        Its per-sample loss goes to :meth:`clip` with ``stand_in=True``, which adds exactly zero: the batch keeps
+        Run it through :meth:`per_sample_loss` and :meth:`clip` with ``stand_in=True``, which add exactly zero (the
+        forwards at per-sample momentum's iterates included): the batch keeps
         the ranks' collectives in step and carries nothing of the example (which one it is does not depend on the
         sampling).
 
@@ -264,8 +268,9 @@ class EngineSteps:
         """Add the clipped sum of this micro-batch (per-sample momentum included) into ``p.grad``; returns the
         per-sample norms ``[B]`` (see :meth:`~lightning_dp.clipping.PerSampleClipper.backward`).
 
-        With ``stand_in`` (the loss of :meth:`stand_in_batch`), the backward and its collectives run with weight 0:
-        the clipped sum gains exactly zero and no norm is returned (``[0]``)."""
+        With ``stand_in`` (the loss of :meth:`stand_in_batch`, from :meth:`per_sample_loss` with ``stand_in=True``),
+        the backward and its collectives run with weight 0: the clipped sum gains exactly zero and no norm is
+        returned (``[0]``)."""
         if stand_in:
             self.clipper.backward(per_sample_loss, weight=0.0)
             return per_sample_loss.new_zeros(0).detach()

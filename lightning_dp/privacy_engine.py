@@ -31,7 +31,6 @@ from lightning_dp.mechanisms.secure import secure_sample
 from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
 from lightning_dp.optim.adaptive_clipping import DEFAULT_COUNT_NOISE_FRACTION, AdaptiveClipping, sum_noise_multiplier
 from lightning_dp.optim.momentum import PerSampleMomentum
-from lightning_dp.sharding import uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
@@ -117,7 +116,6 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         #: whether the clipper of a finished run dropped examples with a non-finite loss or gradient (set by
         #: :meth:`detach`; this process's examples only).
         self.dropped_nonfinite = False
-        self._momentum_hooks: list[Any] = []
         #: set only by the audit's test-only controls (:mod:`lightning_dp.audit.controls`): what was broken; the
         #: summary then says so, since its epsilon is false.
         self.broken_for_testing: str | None = None
@@ -148,14 +146,12 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers).
 
         An FSDP2-sharded ``module`` (``fully_shard`` applied before this call) is clipped exactly, its clipped sums
-        reach each rank's shards (:mod:`lightning_dp.sharding`); what it does not support yet raises here.
+        reach each rank's shards and the per-sample momentum's iterates are kept as shards
+        (:mod:`lightning_dp.sharding`).
 
         Raises:
-            ValueError: unsupported layers (see :class:`PerSampleClipper`); on a sharded module, what
-                :meth:`check_shardable` refuses.
+            ValueError: unsupported layers (see :class:`PerSampleClipper`).
         """
-        if uses_fsdp(module):
-            self.check_shardable()
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
         self.clipper = PerSampleClipper(
             module,
@@ -180,27 +176,6 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
 
-    def check_shardable(self) -> None:
-        """Raise unless these options work on an FSDP2-sharded model (docs/design.md section 8.1).
-
-        Raises:
-            ValueError: per-sample momentum (``momentum_length > 1``) or ``bookkeeping=False`` (a second backward),
-                not supported on sharded models yet.
-        """
-        unsupported = [
-            text
-            for text, given in (
-                ("momentum_length > 1 (per-sample momentum)", self.momentum.enabled),
-                ("bookkeeping=False (a second backward)", not self.bookkeeping),
-            )
-            if given
-        ]
-        if unsupported:
-            raise ValueError(
-                f"{' and '.join(unsupported)} not supported on FSDP2-sharded models yet: remove it, or train an "
-                "unsharded model (DPDDPStrategy, or DPTrainer on several processes)"
-            )
-
     def detach(self) -> None:
         """Remove the clipping hooks; the module is exactly as before ``attach``. Whether the clipper dropped
         examples with a non-finite loss or gradient is kept in :attr:`dropped_nonfinite` (this process only)."""
@@ -208,24 +183,24 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             self.dropped_nonfinite |= self.clipper.dropped_nonfinite
             self.clipper.detach()
             self.clipper = None
-        for handle in self._momentum_hooks:
-            handle.remove()
-        self._momentum_hooks = []
         self.guard = None
         self.distributed = None  # the run is over: a later restore must not reach for its process group
 
-    def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None]) -> None:
+    def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None], *, stand_in: bool = False) -> None:
         """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms
         for the next ``clipper.backward(loss, weight=self.momentum.current_weight)`` (nothing when
         ``momentum_length = 1``).
 
         Call once per (micro-)batch BEFORE the current forward, with a ``compute_loss`` that re-runs the user's
-        forward and per-sample loss on that batch (``() -> [B]``, or ``None`` to skip the batch). See
-        :meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`.
+        forward and per-sample loss on that batch (``() -> [B]``, or ``None`` to skip the batch); with ``stand_in``
+        for a stand-in batch (weight 0). See :meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`.
+
+        Raises:
+            RuntimeError: before :meth:`attach`.
         """
         if self.clipper is None:
             raise RuntimeError("attach(module) must run before add_past_iterates()")
-        self.momentum.add_past_iterates(self.clipper, compute_loss)
+        self.momentum.add_past_iterates(self.clipper, compute_loss, stand_in=stand_in)
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
         """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant; the defaults it applies
@@ -391,14 +366,13 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         """
         if self.sum_mechanism is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
-        if self.momentum.enabled:  # the iterate x_t is stored right before the update to x_{t+1}
-            self._momentum_hooks.append(optimizer.register_step_pre_hook(lambda *_: self.momentum.record()))
         return DPOptimizer(
             optimizer,
             mechanism=self.sum_mechanism,
             expected_batch_size=self.sample_rate * self.num_samples,
             randomness=self.randomness,
             on_step=self.record_step,
+            before_update=self.momentum.record,  # the iterate x_t, stored right before the update to x_{t+1}
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
             any_rank=any_rank,

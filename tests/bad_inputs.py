@@ -384,18 +384,6 @@ CASES: list[BadInput] = [
         _model_parallel(noise_multiplier=1.0, tensor_parallel_size=2),
         "over tensor parallelism is not supported",
     ),
-    BadInput(
-        "DPModelParallelStrategy",
-        "momentum_length=2",
-        _model_parallel(noise_multiplier=1.0, momentum_length=2),
-        r"momentum_length > 1 \(per-sample momentum\) not supported on FSDP2-sharded models",
-    ),
-    BadInput(
-        "DPModelParallelStrategy",
-        "bookkeeping=False",
-        _model_parallel(noise_multiplier=1.0, bookkeeping=False),
-        r"bookkeeping=False \(a second backward\) not supported on FSDP2-sharded models",
-    ),
     # Lightning fit with DPStrategy: setup and first step
     BadInput(
         "Lightning fit",

@@ -10,7 +10,13 @@ own launcher. In one launch, every rank runs in turn:
   (the full state in one file, saved with ``trainer.save_checkpoint`` after the fit);
 - ``"name"``: ``Trainer(strategy="dp_fsdp")``, 3 steps (epsilon 3, calibrated noise);
 - ``"layers only"``: only the decoder layers sharded (the embedding and the final norm stay plain tensors, their
-  clipped sums all-reduced), and rank 1's final norm weight changed before the strategy's setup.
+  clipped sums all-reduced), and rank 1's final norm weight changed before the strategy's setup;
+- ``"lowpass part"`` and ``"lowpass resumed"``: a low-pass filter, 2 steps with a checkpoint, then resumed to 3;
+- ``"momentum sharded"`` and ``"momentum replicated"``: per-sample momentum (``momentum_length=3``) with the second
+  backward (``bookkeeping=False``), zero noise, a float64 model, an evaluation forward after every step; sharded
+  under DPModelParallelStrategy, unsharded under DPDDPStrategy on the same processes;
+- ``"momentum part"`` and ``"momentum resumed"``: the same options with noise, sharded, 2 steps with a checkpoint,
+  then resumed to 3.
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters (``p.full_tensor()``) at the end and when
 training starts (after a checkpoint is restored), the initial ones (before sharding), the engine's epsilon, steps,
@@ -33,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_dp import DPModelParallelStrategy, PrivacyAccountantCallback
+from lightning_dp import DPDDPStrategy, DPModelParallelStrategy, PrivacyAccountantCallback
 from lightning_dp.hf.losses import token_cross_entropy
 
 VOCAB, SEQ, EXAMPLES, BATCH = 1001, 8, 64, 16
@@ -57,30 +63,34 @@ def gathered(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class TinyLlama(pl.LightningModule):
-    """A float32 LlamaForCausalLM (tied embeddings), sharded on each decoder layer and on the root (with
-    ``shard_root=False`` on the decoder layers only, and rank 1 starts with another final norm weight: the strategy
-    copies rank 0's unsharded parameters)."""
+    """A LlamaForCausalLM (tied embeddings, float32 unless ``dtype`` says otherwise), sharded on each decoder layer
+    and on the root; with ``shard="layers"`` on the decoder layers only, and rank 1 starts with another final norm
+    weight (the strategy copies rank 0's unsharded parameters); with ``shard="none"`` not at all (DPDDPStrategy)."""
 
-    def __init__(self, shard_root: bool = True) -> None:
+    def __init__(self, shard: str = "layers and root", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.shard_root = shard_root
+        self.shard = shard
         torch.manual_seed(0)  # every rank builds the same initial model
-        self.model = LlamaForCausalLM(llama_config()).float()
+        self.model = LlamaForCausalLM(llama_config()).to(dtype)
         self.data = TensorDataset(torch.randint(0, VOCAB, (EXAMPLES, SEQ), generator=torch.Generator().manual_seed(1)))
         self.batch_sizes: list[int] = []
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        self.norm_before_setup = None
+        if self.shard == "none":
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
-        if self.shard_root:
+        if self.shard == "layers and root":
             fully_shard(self.model, mesh=mesh)
-        elif self.global_rank == 1:
+            return
+        if self.global_rank == 1:
             with torch.no_grad():
                 self.model.model.norm.weight.add_(1.0)
-        self.norm_before_setup = self.model.model.norm.weight.detach().clone() if not self.shard_root else None
+        self.norm_before_setup = self.model.model.norm.weight.detach().clone()
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -96,12 +106,28 @@ class TinyLlama(pl.LightningModule):
 
 
 class StartParams(Callback):
-    """The gathered parameters when training starts (after a checkpoint was restored)."""
+    """The gathered parameters, and the low-pass filter's and per-sample momentum's state, when training starts
+    (after a checkpoint was restored)."""
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.params = gathered(pl_module.model)
-        lowpass = trainer.strategy.privacy_engine.lowpass
-        self.lowpass = None if lowpass is None else lowpass.state_dict()  # gathered: a collective
+        self.lowpass, self.momentum = dp_states(trainer.strategy.privacy_engine)
+
+
+class Evaluate(Callback):
+    """A forward without gradients after every training step (every rank runs it; FSDP2 then keeps the root's weights
+    gathered until the next backward)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with torch.no_grad():
+            pl_module.model(input_ids=PROMPT)
+
+
+def dp_states(engine) -> tuple[dict | None, dict | None]:
+    """The low-pass filter's and per-sample momentum's state (gathered on a sharded model: a collective), None for
+    one the run does not use."""
+    lowpass = None if engine.lowpass is None else engine.lowpass.state_dict()
+    return lowpass, engine.momentum.state_dict() if engine.momentum.enabled else None
 
 
 def fit(
@@ -116,13 +142,14 @@ def fit(
         devices=2,
         max_steps=steps,
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[accountant, start, *callbacks],
     )
     trainer.fit(module, ckpt_path=ckpt_path)
     engine = trainer.strategy.privacy_engine
+    lowpass, momentum = dp_states(engine)
     RESULT[name] = {
         "params": gathered(module.model),
         "initial": initial,
@@ -139,7 +166,9 @@ def fit(
         "strategy": type(trainer.strategy).__name__,
         "norm before setup": module.norm_before_setup,
         "start lowpass": start.lowpass,
-        "lowpass": None if engine.lowpass is None else engine.lowpass.state_dict(),
+        "lowpass": lowpass,
+        "start momentum": start.momentum,
+        "momentum": momentum,
     }
     print(f"[rank {trainer.global_rank}] {name}: batch sizes {module.batch_sizes}", flush=True)
     return trainer, module
@@ -198,11 +227,19 @@ if __name__ == "__main__":
         ckpt_path=str(args.out / "full.ckpt"))  # fmt: skip
     RESULT["one file"] = (args.out / "full.ckpt").is_file()
     fit("dp_fsdp", 3, "name")
-    fit(DPModelParallelStrategy(**STRATEGY), 3, "layers only", shard_root=False)
+    fit(DPModelParallelStrategy(**STRATEGY), 3, "layers only", shard="layers")
     lowpass = dict(STRATEGY, lowpass={"a": [-0.5], "b": [0.3, 0.2]})  # feedback and feed-forward history
     checkpoint = ModelCheckpoint(dirpath=args.out / "ckpt_lowpass", every_n_train_steps=2, save_top_k=-1)
     fit(DPModelParallelStrategy(**lowpass), 2, "lowpass part", callbacks=[checkpoint])
     (saved,) = sorted((args.out / "ckpt_lowpass").iterdir())
     fit(DPModelParallelStrategy(**lowpass), 3, "lowpass resumed", ckpt_path=str(saved))
+    momentum = dict(STRATEGY, momentum_length=3, momentum_beta=0.8, bookkeeping=False)
+    exact = dict(momentum, noise_multiplier=0.0)
+    fit(DPModelParallelStrategy(**exact), 3, "momentum sharded", callbacks=[Evaluate()], dtype=torch.float64)
+    fit(DPDDPStrategy(**exact), 3, "momentum replicated", callbacks=[Evaluate()], dtype=torch.float64, shard="none")
+    checkpoint = ModelCheckpoint(dirpath=args.out / "ckpt_momentum", every_n_train_steps=2, save_top_k=-1)
+    fit(DPModelParallelStrategy(**momentum), 2, "momentum part", callbacks=[checkpoint])
+    (saved,) = sorted((args.out / "ckpt_momentum").iterdir())
+    fit(DPModelParallelStrategy(**momentum), 3, "momentum resumed", ckpt_path=str(saved))
     RESULT["rank"], RESULT["world_size"] = trainer.global_rank, trainer.world_size
     torch.save(RESULT, args.out / f"rank{trainer.global_rank}.pt")

@@ -19,10 +19,17 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   unsharded; ``"lowpass resumed"``: the sharded one resumed from its checkpoint at step 2 (the filter's history,
   gathered into the checkpoint, is taken back shard by shard);
 - ``"resumed"``: the ``"noisy"`` run resumed from its checkpoint at step 2 (model and optimizer shards, privacy
-  state), on a fresh sharded model.
+  state), on a fresh sharded model;
+- ``"momentum sharded"`` and ``"momentum replicated"``: zero noise with per-sample momentum (3 iterates), batch 1
+  (empty Poisson batches: the sharded run's stand-in batches are re-run at the stored iterates), an evaluation and a
+  checkpoint at every step, sharded and unsharded; ``"momentum resumed sharded"`` and ``"momentum resumed
+  replicated"``: each resumed from its checkpoint at step 2 (the iterates, gathered into the checkpoint, taken back
+  shard by shard);
+- ``"two-backward sharded"`` and ``"two-backward replicated"``: zero noise with the second backward
+  (``bookkeeping=False``), LoRA adapters, sharded and unsharded.
 
-Every run records the gathered parameters and optimizer state when it writes a checkpoint and when its training
-begins (after a resume restored them).
+Every run records the gathered parameters and optimizer state (and the low-pass filter's and per-sample momentum's
+state, when it has them) when it writes a checkpoint and when its training begins (after a resume restored them).
 
 Each rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters, the privacy state, epsilon, the sample
 rate and the logged epsilons; the logits of the saved model reloaded on rank 0 and of the sharded model.
@@ -76,15 +83,17 @@ class Snapshot(TrainerCallback):
     begins (after a resume restored them); every rank runs the callbacks, so the gathers are collectives."""
 
     def __init__(self, trainer) -> None:
-        self.trainer, self.taken, self.lowpass = trainer, {}, {}
+        self.trainer, self.taken, self.lowpass, self.momentum = trainer, {}, {}, {}
 
     def take(self, when: str, model: torch.nn.Module) -> None:
         optimizer = self.trainer._dp_optimizer.original_optimizer
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         self.taken[when] = (gathered(model), get_optimizer_state_dict(model, optimizer, options=options))
-        lowpass = self.trainer.privacy_engine.lowpass
-        if lowpass is not None:  # its state_dict gathers the sharded history (a collective)
-            self.lowpass[when] = lowpass.state_dict()
+        engine = self.trainer.privacy_engine  # the state_dicts below gather sharded tensors (collectives)
+        if engine.lowpass is not None:
+            self.lowpass[when] = engine.lowpass.state_dict()
+        if engine.momentum.enabled:
+            self.momentum[when] = engine.momentum.state_dict()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.take("begin", model)
@@ -101,10 +110,12 @@ def train(
     batch: int = BATCH,
     accum: int = ACCUM,
     resume: Path | None = None,
-    lowpass: dict | None = None,
+    privacy: dict | None = None,
     **args,
 ):
-    privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed", lowpass=lowpass)
+    """Train ``model`` with ``DPTrainer`` as run ``name`` (``privacy``: further privacy options, ``args``: further
+    training arguments) and record what the tests read in ``RESULT[name]``."""
+    privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed", **(privacy or {}))
     arguments = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=STEPS)
     evaluation = {"eval_dataset": TokenDataset(n=8, seed=1)} if args.get("eval_strategy") else {}
     trainer = make_trainer(
@@ -133,9 +144,11 @@ def train(
         "stand-in batches": len(stand_ins),
         "snapshots": snapshot.taken,
         "lowpass snapshots": snapshot.lowpass,
+        "momentum snapshots": snapshot.momentum,
         "local bytes": {  # what this rank holds of the parameters and of the optimizer's state
             "parameters": sum(_bytes(p) for p in model.parameters()),
             "optimizer state": sum(_bytes(v) for state in optimizer.state.values() for v in state.values() if v.ndim),
+            "momentum iterates": sum(_bytes(value) for iterate in engine.momentum.history for value in iterate),
         },
     }
     return trainer
@@ -178,11 +191,21 @@ def main(out: Path) -> None:
     lora_checkpoint = out / "lora sharded" / "checkpoint-2"
     train("lora resumed", shard(lora(tiny_llama(torch.float64))), out, 0.0, resume=lora_checkpoint, **checkpoints)
     train("small batches", shard(tiny_llama(torch.float64)), out, noise=1.0, batch=1, accum=1)
-    train("lowpass sharded", shard(tiny_llama(torch.float64)), out, 0.0, lowpass=LOWPASS, **checkpoints)
-    train("lowpass replicated", tiny_llama(torch.float64), out, 0.0, lowpass=LOWPASS)
+    lowpass = {"lowpass": LOWPASS}
+    train("lowpass sharded", shard(tiny_llama(torch.float64)), out, 0.0, privacy=lowpass, **checkpoints)
+    train("lowpass replicated", tiny_llama(torch.float64), out, 0.0, privacy=lowpass)
     lowpass_checkpoint = out / "lowpass sharded" / "checkpoint-2"
     resumed = shard(tiny_llama(torch.float64))
-    train("lowpass resumed", resumed, out, 0.0, resume=lowpass_checkpoint, lowpass=LOWPASS, **checkpoints)
+    train("lowpass resumed", resumed, out, 0.0, resume=lowpass_checkpoint, privacy=lowpass, **checkpoints)
+    momentum = {"momentum_length": 3, "momentum_beta": 0.8}
+    every_step = dict(batch=1, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1)
+    for how, sharding in (("sharded", shard), ("replicated", lambda model: model)):
+        train(f"momentum {how}", sharding(tiny_llama(torch.float64)), out, 0.0, privacy=momentum, **every_step)
+        checkpoint = out / f"momentum {how}" / "checkpoint-2"
+        model = sharding(tiny_llama(torch.float64))
+        train(f"momentum resumed {how}", model, out, 0.0, resume=checkpoint, privacy=momentum, **every_step)
+        model = sharding(lora(tiny_llama(torch.float64)))
+        train(f"two-backward {how}", model, out, 0.0, privacy={"bookkeeping": False})
     train("small sharded", shard(tiny_llama(torch.float64)), out, noise=0.0, batch=1, accum=2)
     train("small replicated", tiny_llama(torch.float64), out, noise=0.0, batch=1, accum=2)
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True)

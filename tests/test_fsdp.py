@@ -15,7 +15,13 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
 - a rank with an empty micro-batch joins the step on the engine's stand-in batch, which adds nothing;
 - the first-step checks run in lockstep (the rank with too few examples to check joins the passes) and mixing found
   on one rank makes every rank raise;
-- what is not supported yet (per-sample momentum, a second backward) fails early.
+- the second backward (``bookkeeping=False``) and per-sample momentum (alone, together, and on a LoRA model): with
+  zero noise, 3 steps through the engine equal single-process training on the union, with an evaluation forward
+  between the steps (FSDP2 then keeps the root gathered), an example whose loss is not finite on one rank (that
+  rank alone drops it; the two-backward path then forms the clipped sum by book-keeping on every rank) and an empty
+  micro-batch on one rank (its stand-in batch, re-run at the stored iterates, adds nothing); the iterates are
+  shards (half the bytes), gathered into the engine's state and taken back shard by shard;
+- what is not supported (modules the clipper swaps, an empty batch without the stand-in) fails early.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.hf.losses import token_cross_entropy
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness, distributed_context
-from lightning_dp.sharding import reshard_all
+from lightning_dp.sharding import gathered, local_part, reshard_all
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -91,9 +97,9 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return token_cross_entropy(model(input_ids=ids).logits, ids, "mean", shift=True)
 
 
-def _engine(clipping: str = "mixed", **options) -> PrivacyEngine:
+def _engine(clipping: str = "mixed", noise_multiplier: float = 1.0, **options) -> PrivacyEngine:
     options = {"check_batch_independence": False, **options}
-    return PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=1.0, clipping=clipping, **options)
+    return PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=noise_multiplier, clipping=clipping, **options)
 
 
 def _subtract_batch_mean(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> torch.Tensor | tuple:
@@ -101,6 +107,12 @@ def _subtract_batch_mean(module: nn.Module, args: tuple, output: torch.Tensor | 
     hidden = output[0] if isinstance(output, tuple) else output
     mixed = hidden - hidden.mean(0, keepdim=True)
     return (mixed, *output[1:]) if isinstance(output, tuple) else mixed
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """What this rank holds of ``tensor`` (its shard for a sharded one)."""
+    local = local_part(tensor)
+    return local.numel() * local.element_size()
 
 
 def _dp_optimizer(optimizer, mechanism, expected_batch_size: float, *, seed: int, context=None) -> DPOptimizer:
@@ -114,6 +126,57 @@ def _dp_optimizer(optimizer, mechanism, expected_batch_size: float, *, seed: int
     return DPOptimizer(
         optimizer, mechanism=mechanism, expected_batch_size=expected_batch_size, randomness=randomness, **collectives
     )
+
+
+#: the options of the engine runs through the two-backward path and per-sample momentum (zero noise, 3 steps), and
+#: whether the model has LoRA adapters.
+ENGINE_RUNS = {
+    "second backward": (dict(bookkeeping=False), False),
+    "momentum": (dict(momentum_length=3, momentum_beta=0.8), False),
+    "momentum, second backward, lora": (dict(momentum_length=2, bookkeeping=False), True),
+}
+ENGINE_STEPS = 3
+NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example
+EMPTY_STEP = 2  # rank 1's micro-batch is empty (it runs the stand-in batch, after 2 stored iterates exist)
+
+
+def _rows(step: int, rank: int, world: int) -> list[int]:
+    """The rows of ``_tokens(step)`` that ``rank`` of ``world`` trains on (``world = 1``: the union); at
+    ``EMPTY_STEP`` rank 1 of 2 has none."""
+    return [i for i in range(EXAMPLES) if i % world == rank and (step != EMPTY_STEP or i % WORLD == 0)]
+
+
+def _scaled_loss(model: nn.Module, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return _loss(model, ids) * scale
+
+
+def _engine_run(model: nn.Module, context, rank: int, world: int, **options) -> tuple[dict, PrivacyEngine]:
+    """``ENGINE_STEPS`` zero-noise SGD steps through the engine's run sequence as the adapters drive it (the
+    stand-in batch for an empty micro-batch of a sharded model), the loss of row ``NONFINITE_ROW`` infinite at
+    ``NONFINITE_STEP``, and an evaluation forward after each step; the gathered parameters, and the engine."""
+    engine = _engine(noise_multiplier=0.0, seed=3, **options)
+    engine.start_run(model, context)
+    batch_size = EXAMPLES // world  # q = 1: the expected batch q N = 8 on any number of processes
+    loader = DataLoader(TensorDataset(_tokens(5)), batch_size=batch_size)
+    engine.training_loader(loader, batch_size=batch_size, micro_batches=1)
+    (optimizer,) = engine.start_training(
+        [torch.optim.SGD(model.parameters(), lr=2.0, momentum=0.5)], total_steps=ENGINE_STEPS
+    )
+    for step in range(ENGINE_STEPS):
+        rows = torch.tensor(_rows(step, rank, world), dtype=torch.long)
+        ids = _tokens(step)[rows]
+        stand_in = len(ids) == 0 and engine.every_rank_runs_every_step
+        if stand_in:
+            (ids,), rows = engine.stand_in_batch(), torch.tensor([-1])
+        nonfinite = (rows == NONFINITE_ROW) & (step == NONFINITE_STEP)
+        step_loss = functools.partial(_scaled_loss, model, torch.where(nonfinite, math.inf, 1.0).double())
+        loss = engine.per_sample_loss(ids, len(ids), step_loss, module=model, stand_in=stand_in)
+        engine.clip(loss, stand_in=stand_in)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            model(input_ids=_tokens(9)[:2])  # an evaluation: FSDP2 keeps the root's weights gathered afterwards
+    return {name: gathered(p).detach().clone() for name, p in model.named_parameters()}, engine
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
@@ -268,13 +331,24 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             except ValueError as error:
                 result["buffer check"][case] = str(error)
             reshard_all(model)
-        # not supported yet: fails early, on every rank
-        model = _shard(_tiny_llama(), mesh)
-        for options in (dict(momentum_length=2), dict(bookkeeping=False)):
-            try:
-                _engine(**options).attach(model)
-            except ValueError as error:
-                result[("refused", next(iter(options)))] = str(error)
+        # the second backward and per-sample momentum
+        for name, (options, lora) in ENGINE_RUNS.items():
+            model = _shard(_tiny_llama(lora), mesh)
+            result[("engine run", name)], engine = _engine_run(model, context, rank, world, **options)
+            if engine.momentum.enabled:
+                iterates = list(engine.momentum.history)
+                result[("iterate bytes", name)] = sum(_local_bytes(value) for it in iterates for value in it)
+                result[("iterates", name)] = [[gathered(value) for value in it] for it in iterates]
+                state = engine.state_dict()  # gathered: every rank holds the full iterates
+                result[("iterates saved", name)] = [list(saved.values()) for saved in state["momentum"]["iterates"]]
+                restored = _engine(noise_multiplier=0.0, **options)
+                restored.attach(_shard(_tiny_llama(lora), mesh))
+                restored.load_state_dict(state)
+                result[("iterates restored", name)] = [
+                    [torch.equal(local_part(a), local_part(b)) for a, b in zip(before, after, strict=True)]
+                    for before, after in zip(iterates, restored.momentum.history, strict=True)
+                ]
+            engine.detach()
         torch.save(result, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -406,9 +480,38 @@ def test_the_buffer_check_tracks_frozen_shards_through_fsdp2s_swaps(ranks):
         assert "'inv_freq' of module 'model.rotary_emb'" in checks["buffer written"]
 
 
-def test_what_is_not_supported_yet_fails_early_on_every_rank(ranks):
+def test_what_is_not_supported_fails_early_on_every_rank(ranks):
     for result in ranks:
         assert "MultiheadAttention cannot be clipped on an FSDP2-sharded model" in result[("refused", "swap")]
         assert "an empty batch on an FSDP2-sharded model" in result[("refused", "empty")]
-        assert "momentum" in result[("refused", "momentum_length")]
-        assert "bookkeeping=False" in result[("refused", "bookkeeping")]
+
+
+@pytest.mark.parametrize("name", list(ENGINE_RUNS))
+def test_second_backward_and_momentum_equal_single_process_training_on_the_union(ranks, name):
+    options, lora = ENGINE_RUNS[name]
+    assert _rows(EMPTY_STEP, 1, WORLD) == [] and NONFINITE_ROW in _rows(NONFINITE_STEP, 1, WORLD)
+    expected, engine = _engine_run(_tiny_llama(lora), None, 0, 1, **options)
+    assert engine.dropped_nonfinite or engine.clipper.dropped_nonfinite  # the row was dropped here too
+    initial = dict(_tiny_llama(lora).named_parameters())
+    for result in ranks:
+        params = result[("engine run", name)]
+        assert params.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, rtol=0, atol=1e-12, msg=key)
+            if initial[key].requires_grad:
+                assert not torch.equal(value, initial[key].detach()), key
+
+
+@pytest.mark.parametrize("name", [name for name, (options, _) in ENGINE_RUNS.items() if "momentum_length" in options])
+def test_momentum_iterates_are_shards_gathered_into_the_state_and_restored_shard_by_shard(ranks, name):
+    options, lora = ENGINE_RUNS[name]
+    trainable = [p for p in _tiny_llama(lora).parameters() if p.requires_grad]
+    unsharded_bytes = (options["momentum_length"] - 1) * sum(p.numel() * p.element_size() for p in trainable)
+    for result in ranks:
+        assert result[("iterate bytes", name)] == pytest.approx(unsharded_bytes / WORLD, rel=0.02)
+        iterates, saved = result[("iterates", name)], result[("iterates saved", name)]
+        assert len(iterates) == options["momentum_length"] - 1
+        for full, written in zip(iterates, saved, strict=True):
+            assert all(type(t) is torch.Tensor and torch.equal(a, t) for a, t in zip(full, written, strict=True))
+        assert all(all(same) for same in result[("iterates restored", name)])
+    assert all(torch.equal(a, b) for a, b in zip(*(r[("iterates", name)][0] for r in ranks), strict=True))

@@ -7,9 +7,11 @@ trains a tiny float32 Llama (tied embeddings, sharded with ``fully_shard`` in ``
 ``PrivacyAccountantCallback``) is the single-process accountant's at the same q and steps; two runs with one seed
 give identical parameters; a sharded checkpoint (DCP folder, privacy state in ``meta.pt``), and a full one in one
 file, restore the weights and resume with the uninterrupted run's step count and epsilon; ``generate`` works on the
-gathered weights on rank 0 and on the sharded model; ``Trainer(strategy="dp_fsdp")`` trains at epsilon 3. The
-engine's own sharded numbers (norms, the clipped sum, the noise) are tested in tests/test_fsdp.py. Arguments that
-are not supported fail at construction.
+gathered weights on rank 0 and on the sharded model; ``Trainer(strategy="dp_fsdp")`` trains at epsilon 3; the
+low-pass filter's history resumes from a sharded checkpoint; per-sample momentum with the second backward, with
+zero noise, trains exactly as under DPDDPStrategy on the unsharded model, and its iterates resume from a sharded
+checkpoint (epsilon continues). The engine's own sharded numbers (norms, the clipped sum, the noise) are tested in
+tests/test_fsdp.py. Arguments that are not supported fail at construction.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ pytest.importorskip("transformers")
 
 WORLD = 2
 FITS = ("a", "b", "part", "resumed", "part (one file)", "resumed (one file)", "name", "layers only")
-FITS += ("lowpass part", "lowpass resumed")
+FITS += ("lowpass part", "lowpass resumed", "momentum sharded", "momentum replicated", "momentum part")
+FITS += ("momentum resumed",)
 
 
 @pytest.fixture(scope="module")
@@ -173,18 +176,6 @@ def test_tensor_parallelism_is_refused(size):
         DPModelParallelStrategy(noise_multiplier=1.0, tensor_parallel_size=size)
 
 
-@pytest.mark.parametrize(
-    ("options", "message"),
-    [
-        (dict(momentum_length=2), "momentum_length > 1"),
-        (dict(bookkeeping=False), "bookkeeping=False"),
-    ],
-)
-def test_what_sharded_models_do_not_support_yet_is_refused_at_construction(options, message):
-    with pytest.raises(ValueError, match=message):
-        DPModelParallelStrategy(noise_multiplier=1.0, **options)
-
-
 def test_defaults_data_parallel_over_every_process_with_the_independence_check():
     strategy = DPModelParallelStrategy(noise_multiplier=1.0, save_distributed_checkpoint=False)
     assert strategy.privacy_engine.config.check_batch_independence is True  # in lockstep over the ranks
@@ -228,3 +219,34 @@ def test_the_lowpass_filters_history_resumes_from_the_sharded_checkpoint(ranks):
             assert all(torch.equal(a, b) for a, b in zip(saved[key][0], restored[key][0], strict=True))
         assert [tuple(t.shape) for t in saved["m"][0]] == [tuple(p.shape) for p in part["params"].values()]
         assert resumed["steps"] == 3 and resumed["lowpass"]["steps"] == 3
+
+
+def test_zero_noise_momentum_with_a_second_backward_equals_unsharded_training(ranks):
+    """Per-sample momentum (3 iterates) and the second backward, with an evaluation forward after every step: the
+    sharded model under DPModelParallelStrategy trains as the unsharded one under DPDDPStrategy, to float64
+    round-off."""
+    sharded, replicated = (ranks[0][f"momentum {how}"] for how in ("sharded", "replicated"))
+    assert sharded["strategy"] == "DPModelParallelStrategy" and replicated["strategy"] == "DPDDPStrategy"
+    assert sharded["batch_sizes"] == replicated["batch_sizes"] and sharded["steps"] == replicated["steps"] == 3
+    assert sharded["params"].keys() == replicated["params"].keys()
+    for key, value in sharded["params"].items():
+        assert value.dtype == torch.float64
+        torch.testing.assert_close(value, replicated["params"][key], rtol=0, atol=1e-12, msg=key)
+        assert not torch.equal(value, sharded["initial"][key]), key
+    assert len(sharded["momentum"]["iterates"]) == 2
+
+
+def test_the_momentum_iterates_resume_from_the_sharded_checkpoint_and_epsilon_continues(ranks):
+    """The iterates at step 2 are saved gathered (full tensors, in the checkpoint's privacy state), restored on
+    every rank, and the resumed run takes its shards, re-runs its step at them and reaches the uninterrupted run's
+    epsilon."""
+    for rank in ranks:
+        part, resumed = rank["momentum part"], rank["momentum resumed"]
+        saved, restored = part["momentum"]["iterates"], resumed["start momentum"]["iterates"]
+        assert len(saved) == len(restored) == 2 and [k.removeprefix("model.") for k in saved[0]] == list(part["params"])
+        for before, after in zip(saved, restored, strict=True):
+            assert all(type(after[k]) is torch.Tensor and torch.equal(v, after[k]) for k, v in before.items())
+        assert (part["steps"], resumed["steps"]) == (2, 3)
+        sizes = resumed["batch_sizes"]  # one step: its batch at the current iterate and at the 2 restored ones
+        assert len(sizes) == 3 and len(set(sizes)) == 1
+        assert part["epsilon"] < resumed["epsilon"] == pytest.approx(rank["a"]["epsilon"], rel=1e-12)

@@ -9,8 +9,10 @@ batches, whose stand-in batch must add exactly nothing (float64 round-off); epsi
 accountant's at the global q and reaches the Trainer's logs; ``save_model`` writes the full weights, which reload
 with ``from_pretrained`` and give the sharded model's logits; ``generate`` runs on the sharded model on every rank;
 resuming from a checkpoint restores the model's and the optimizer's shards (also for LoRA) and continues epsilon;
-``load_best_model_at_end`` restores the best checkpoint's shards. The engine's sharded numbers (norms of every
-engine, the noise on shards) are tested in tests/test_fsdp.py.
+``load_best_model_at_end`` restores the best checkpoint's shards; per-sample momentum (with stand-in batches and an
+evaluation between steps, before and after a resume) and the second backward (on LoRA) train as unsharded, the
+momentum's iterates are shards (half the bytes) and resume from the checkpoint. The engine's sharded numbers (norms
+of every engine, the noise on shards) are tested in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 RUNS = ("noisy", "sharded", "replicated", "lora sharded", "lora replicated", "lora resumed", "small batches")
 RUNS += ("small sharded", "small replicated", "resumed", "best", "lowpass sharded", "lowpass replicated")
-RUNS += ("lowpass resumed",)
+RUNS += ("lowpass resumed", "momentum sharded", "momentum replicated", "momentum resumed sharded")
+RUNS += ("momentum resumed replicated", "two-backward sharded", "two-backward replicated")
 
 
 def test_ranks_agree_and_the_parameters_move(ranks) -> None:
@@ -62,16 +65,18 @@ def test_each_rank_holds_about_half_of_the_parameters_and_optimizer_state(ranks)
             assert sharded[what] == pytest.approx(replicated[what] / WORLD, rel=0.05), what
 
 
-@pytest.mark.parametrize("kind", ["", "lora ", "small ", "lowpass "])
+@pytest.mark.parametrize("kind", ["", "lora ", "small ", "lowpass ", "momentum ", "momentum resumed ", "two-backward "])
 def test_zero_noise_sharded_training_equals_unsharded_training(ranks, kind) -> None:
     sharded, replicated = ranks[0][f"{kind}sharded"]["params"], ranks[0][f"{kind}replicated"]["params"]
     assert sharded.keys() == replicated.keys()
     for name, value in sharded.items():
         torch.testing.assert_close(value, replicated[name], rtol=0, atol=1e-12, msg=name)
-    if kind == "lora ":  # the adapters trained (B starts at zero)
+    if kind in ("lora ", "two-backward "):  # the adapters trained (B starts at zero)
         assert any("lora_B" in name and value.abs().max() > 0 for name, value in sharded.items())
     if kind == "small ":  # batch 1: empty micro-batches ran the stand-in batch, which added exactly nothing
         assert sum(rank["small sharded"]["stand-in batches"] for rank in ranks) > 0
+    if kind.startswith("momentum"):  # the stand-in batches, re-run at the stored iterates, added nothing
+        assert sum(rank[f"{kind}sharded"]["stand-in batches"] for rank in ranks) > 0
         losses = [ranks[0][f"small {how}"]["logged losses"] for how in ("sharded", "replicated")]
         assert losses[0] == pytest.approx(losses[1], rel=1e-12)
 
@@ -145,3 +150,17 @@ def test_the_lowpass_filters_history_is_checkpointed_gathered_and_resumed(ranks)
         params = rank["lowpass sharded"]["params"]
         assert all(saved["m"][0][i].shape == p.shape for i, p in enumerate(params.values()))
         assert rank["lowpass resumed"]["steps"] == 3
+
+
+def test_momentum_iterates_are_shards_and_resume_from_the_checkpoint(ranks) -> None:
+    """Each rank holds about half of the stored iterates' bytes; the iterates at step 2 are written as full tensors
+    (gathered over the ranks), read back whole at the resume, and the resumed run takes each rank's shard of them."""
+    for rank in ranks:
+        held = {how: rank[f"momentum {how}"]["local bytes"]["momentum iterates"] for how in ("sharded", "replicated")}
+        assert held["replicated"] > 0 and held["sharded"] == pytest.approx(held["replicated"] / WORLD, rel=0.05)
+        saved = rank["momentum sharded"]["momentum snapshots"]["save 2"]["iterates"]
+        restored = rank["momentum resumed sharded"]["momentum snapshots"]["begin"]["iterates"]
+        assert len(saved) == len(restored) == 2 and list(saved[0]) == list(restored[0])
+        for before, after in zip(saved, restored, strict=True):
+            assert all(not isinstance(v, DTensor) and torch.equal(v, after[k]) for k, v in before.items())
+        assert rank["momentum resumed sharded"]["steps"] == 3

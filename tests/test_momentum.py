@@ -313,3 +313,23 @@ def test_stored_iterates_follow_the_model_to_another_dtype():
     model.double()
     momentum.bind(PerSampleClipper(model, max_grad_norm=1.0))
     assert all(value.dtype == torch.float64 for value in momentum.history[0])
+
+
+def test_iterates_are_stored_at_the_dp_updates_only():
+    """The iterate is stored right before each update the DPOptimizer takes; a step() of the user's optimizer alone
+    (torch's sharded state helpers run one at learning rate 0 to create a missing optimizer state, at checkpoint
+    saves and loads) stores nothing."""
+    model = nn.Linear(3, 1)
+    engine = PrivacyEngine(max_grad_norm=1.0, noise_multiplier=0.0, momentum_length=3, check_batch_independence=False)
+    engine.attach(model)
+    engine.prepare(num_samples=4, sample_rate=1.0, total_steps=2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = engine.wrap_optimizer(sgd)
+    before = [p.detach().clone() for p in model.parameters()]
+    sgd.step()  # as torch.distributed.checkpoint.state_dict's _init_optim_state does
+    assert len(engine.momentum.history) == 0
+    x = torch.randn(4, 3)
+    engine.clip(model(x).squeeze(1))
+    optimizer.step()
+    (stored,) = engine.momentum.history
+    assert all(torch.equal(a, b) for a, b in zip(stored, before, strict=True))

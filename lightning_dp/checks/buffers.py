@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.sharding import is_sharded, local_part
+from lightning_dp.sharding import is_sharded, local_part, reshard_all, uses_fsdp
 
 #: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by
 #: checksum (float64 sum and sum of squares), so a large frozen base (LoRA) is read in chunks, never copied whole.
@@ -44,6 +44,7 @@ class BufferWatch:
         self._before: dict[str, tuple[int, int, int]] = {}
         self._contents: dict[str, torch.Tensor] = {}
         self._sharded: dict[str, torch.Tensor] = {}
+        self._uses_fsdp = uses_fsdp(module)
 
     def _registered(self) -> dict[str, torch.Tensor]:
         """The buffers and frozen parameters the module holds now, by name."""
@@ -64,7 +65,14 @@ class BufferWatch:
     def start(self, *, contents: bool = False) -> None:
         """Record identities, version counters and storage addresses (call right before the training forward);
         with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents (of
-        this rank's shard for a sharded one)."""
+        this rank's shard for a sharded one).
+
+        A sharded module is resharded first (no communication), so that every sharded frozen parameter is recorded
+        as its ``DTensor``: after a forward that no backward followed (an evaluation), FSDP2 keeps the root's
+        gathered copies registered, and anything that reshards within the step (the re-runs at per-sample
+        momentum's iterates) would register the ``DTensor`` back in their place."""
+        if self._uses_fsdp:
+            reshard_all(self.module)
         self._sharded = {name: t for name, t in self._registered().items() if is_sharded(t)}
         self._before = self._state()
         self._contents = {name: _fingerprint(t) for name, t in self._watched().items()} if contents else {}

@@ -1,7 +1,8 @@
 """The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping (docs/design.md
 sections 4.4 and 9.2): what each group of captures keeps for it while the norms are taken, the masking of samples
-whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``. The mixin holds no state of its own: it reads the
-clipper's attributes (set by ``PerSampleClipper.__init__``).
+whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``; and :func:`add_to_grad`, how any clipped sum
+(also the second backward's) reaches ``p.grad``, on a sharded parameter its shard. The mixin holds no state of its
+own: it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture
                 if any(t.untyped_storage().data_ptr() not in captured for t in dense):
                     return True
     return False
+
+
+def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
+    """``param.grad += clipped`` (created when None), ``clipped`` being this rank's clipped sum of ``param``, full
+    size (``param``'s global shape), cast to ``param``'s dtype. For a sharded ``param`` the sum over all ranks goes
+    in, this rank's shard of it (:func:`~lightning_dp.sharding.sum_into_shard`, one reduce-scatter: a collective
+    that every rank issues for the same parameters in the same order)."""
+    clipped = clipped.to(param.dtype)
+    if is_sharded(param):
+        clipped = sum_into_shard(clipped, param)
+    if param.grad is None:
+        param.grad = clipped
+    else:
+        param.grad.add_(clipped)
 
 
 class ClippedSumMixin:
@@ -94,10 +109,4 @@ class ClippedSumMixin:
                 clipped = param_terms[0].batch_sum(factors)
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(factors)
-                clipped = clipped.to(param.dtype)
-                if is_sharded(param):  # the sum over all ranks, this rank's shard (one reduce-scatter)
-                    clipped = sum_into_shard(clipped, param)
-                if param.grad is None:
-                    param.grad = clipped
-                else:
-                    param.grad.add_(clipped)
+                add_to_grad(param, clipped)

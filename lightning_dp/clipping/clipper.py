@@ -11,7 +11,9 @@ factors ``c_i = min(1, C / (n_i + 1e-6))`` -> the clipped sum ``sum_i c_i grad(l
   hooked layer loses that gradient but cannot leak it; the per-sample sum check (:mod:`sum_check`) then runs on the
   first batch and every ``sum_check_every`` batches to catch such silent losses and wrong layer maths; or
 - by a second backward of ``sum_i c_i loss_i`` (``bookkeeping=False``): autograd writes EVERY use of a parameter
-  into ``p.grad``, so the sum check runs on every batch (a use outside the layer would otherwise leak).
+  into ``p.grad``, so the sum check runs on every batch (a use outside the layer would otherwise leak). On an
+  FSDP2-sharded model each gathered weight's gradient is summed into its shard as book-keeping's sums are
+  (:meth:`PerSampleClipper._second_backward`).
 
 Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers); book-keeping also
 keeps every hooked layer's output gradient until the clipped sum is formed, except for groups whose per-sample
@@ -37,13 +39,14 @@ momentum's past iterates).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from lightning_dp.clipping.clipped_sum import ClippedSumMixin
+from lightning_dp.clipping.clipped_sum import ClippedSumMixin, add_to_grad
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
@@ -51,7 +54,7 @@ from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
-from lightning_dp.sharding import reshard_all, uses_fsdp
+from lightning_dp.sharding import any_rank_of_mesh, is_sharded, reshard_all, uses_fsdp
 
 _EPS = 1e-6
 #: Default period (in clipped batches) of the sum check under book-keeping.
@@ -60,6 +63,13 @@ DEFAULT_SUM_CHECK_EVERY = 100
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
+
+
+def _into_shard(param: nn.Parameter, leaf: torch.Tensor) -> None:
+    """Move the gradient autograd accumulated in ``leaf`` (the unsharded copy of the sharded ``param`` that the
+    forward used) into ``param.grad``, summed over the ranks (:func:`add_to_grad`); ``leaf.grad`` is left None."""
+    gradient, leaf.grad = leaf.grad, None
+    add_to_grad(param, gradient)
 
 
 def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
@@ -151,15 +161,11 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: module holds at the moment (:mod:`lightning_dp.sharding`).
         self._sharded = uses_fsdp(module)
         if self._sharded:
-            if not bookkeeping:
-                raise ValueError(
-                    "bookkeeping=False (a second backward) is not supported on FSDP2-sharded models: keep "
-                    "bookkeeping=True, which forms the clipped sum from the captured terms and sums it into each "
-                    "rank's shard"
-                )
             # after a forward (evaluation, generation) FSDP2 may hold some modules' parameters gathered: the
             # clipper must know the registered shards, which the clipped sums go to
             reshard_all(module)
+        #: a sharded parameter (trainable or not) of the module, whose mesh the ranks agree over; None unsharded.
+        self._mesh_member = next((p for p in module.parameters() if is_sharded(p)), None)
         self._swaps = swap_modules(module)
         try:
             if self._sharded and self._swaps:
@@ -292,20 +298,49 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
                 if keep is not None:
                     factors = torch.where(keep, factors, 0)
-                    if not self.bookkeeping:  # a second backward would carry 0 * inf = NaN: book-keeping instead
-                        kept = [*(kept or []), captures]
+                second_backward = not self.bookkeeping and not self._any_rank_dropped(keep is not None)
+                if not self.bookkeeping and not second_backward:  # it would carry 0 * inf = NaN: book-keeping
+                    kept = [*(kept or []), captures]
                 if kept is not None:
                     self._add_clipped_sum(kept, batch, factors, keep)
-                if not self.bookkeeping and keep is None:
+                if second_backward:
                     scaled = factors.to(per_sample_loss.dtype) * per_sample_loss
-                    with self._hooks.suspended():
-                        torch.autograd.backward(
-                            (scaled if weight == 1.0 else scaled * weight).sum(), inputs=self._params
-                        )
+                    self._second_backward((scaled if weight == 1.0 else scaled * weight).sum(), captures)
         finally:
             self._hooks.clear()
             self.discard_past_iterates()
         return norms
+
+    def _any_rank_dropped(self, dropped: bool) -> bool:
+        """Whether this batch dropped a non-finite sample on this rank or, on a sharded model, on any rank of the
+        mesh (a collective): the second backward holds collectives (FSDP2 gathers the weights again, the sums are
+        reduce-scattered), so every rank must take it or form the clipped sum by book-keeping together."""
+        if self._mesh_member is None:
+            return dropped
+        return any_rank_of_mesh(dropped, self._mesh_member)
+
+    def _second_backward(self, scaled_loss: torch.Tensor, captures: list[Capture]) -> None:
+        """``p.grad += d scaled_loss / d p`` for every trainable parameter, by autograd on the retained graph
+        (hooks suspended), ``scaled_loss = weight * sum_i c_i loss_i``.
+
+        Autograd differentiates the tensors the forward used (:meth:`_forward_leaves`). A sharded parameter's are
+        the unsharded copies FSDP2 gathered: as autograd completes each one's gradient (every use summed), the
+        gradient is taken away from it, before FSDP2's own reduce-scatter could average it over the ranks, and
+        summed into the parameter's shard as book-keeping's sums are (:func:`add_to_grad`), so the shard receives
+        the sum over the ranks' examples and one full-size gradient is held at a time.
+        """
+        leaves = self._forward_leaves(captures)
+        handles = [
+            leaf.register_post_accumulate_grad_hook(functools.partial(_into_shard, param))
+            for param, leaf in leaves
+            if leaf is not param and is_sharded(param)
+        ]
+        try:
+            with self._hooks.suspended():
+                torch.autograd.backward(scaled_loss, inputs=[leaf for _, leaf in leaves])
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by

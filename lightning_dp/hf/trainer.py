@@ -41,8 +41,9 @@ docs/design.md section 8.1 (clipped sums reduce-scattered into the shards, noise
 rank running every step: an empty Poisson batch runs the engine's stand-in batch). ``save_model`` gathers the full
 weights (every rank calls it; rank 0 writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's
 and the optimizer's shards (``sharded_state``, ``torch.distributed.checkpoint``), from which
-``resume_from_checkpoint`` restores them on the same number of processes. Not supported: models sharded by
-``from_pretrained(distributed_config=...)``, and what ``PrivacyEngine.check_shardable`` refuses.
+``resume_from_checkpoint`` restores them on the same number of processes; per-sample momentum's iterates are kept
+as shards and gathered into the checkpoint's privacy state. Not supported: models sharded by
+``from_pretrained(distributed_config=...)``.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
 :class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
@@ -474,7 +475,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                     with self.compute_loss_context_manager():
                         return self.compute_per_example_loss(model, batch)
 
-                losses = engine.per_sample_loss(inputs, size, compute, module=model)
+                losses = engine.per_sample_loss(inputs, size, compute, module=model, stand_in=stand_in)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
             if engine.clip(losses, stand_in=stand_in).numel():

@@ -228,7 +228,9 @@ class DPStrategyMixin(PrivacyQueries):
             with _logging_dropped(self.lightning_module):
                 return self._per_sample_loss(*run(on))
 
-        loss = engine.per_sample_loss(batch, _batch_size(batch), current, replay=replay, module=self.lightning_module)
+        loss = engine.per_sample_loss(
+            batch, _batch_size(batch), current, replay=replay, module=self.lightning_module, stand_in=stand_in
+        )
         output = outputs[-1]
         if loss is None:
             return output

@@ -46,11 +46,12 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     the per-sample terms of a layer would be split across ranks), and ``data_parallel_size`` defaults to the number
     of processes.
 
-    Not on sharded models yet, refused at construction: per-sample momentum (``momentum_length > 1``) and
-    ``bookkeeping=False`` (see docs/design.md section 8.1). The run-time checks run as on
-    one process; the batch-independence checks (first step, and every N steps with
-    ``check_batch_independence_every``), whose extra passes gather weights, run in lockstep over the ranks (a rank
-    with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
+    Per-sample momentum (``momentum_length > 1``: the stored iterates are kept as shards, gathered into the
+    checkpoints), the low-pass filter and ``bookkeeping=False`` (the second backward's gradients summed into the
+    shards) work as on an unsharded model (docs/design.md section 8.1). The run-time checks run as on one process;
+    the batch-independence checks (first step, and every N steps with ``check_batch_independence_every``), whose
+    extra passes gather weights, run in lockstep over the ranks (a rank with an empty or one-example batch joins the
+    passes), and mixing found on one rank stops every rank.
 
     By name: ``Trainer(strategy="dp_fsdp", devices=2)`` is ``DPModelParallelStrategy(target_epsilon=3.0)`` with the
     other arguments at their defaults; ``"dp_fsdp_epsilon_3"`` and ``"dp_fsdp_epsilon_8"`` name the budget
@@ -89,9 +90,8 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
             ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
     Raises:
-        ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1;
-            ``momentum_length > 1`` or ``bookkeeping=False``; a dataset, sample rate or noise that
-            differs between ranks (``RuntimeError``, at the start of training).
+        ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1; a dataset, sample rate
+            or noise that differs between ranks (``RuntimeError``, at the start of training).
     """
 
     strategy_name = "dp_fsdp"
@@ -115,7 +115,6 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
             tensor_parallel_size=tensor_parallel_size,
             **kwargs,
         )
-        self.privacy_engine.check_shardable()  # at construction, not only when setup attaches to the model
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

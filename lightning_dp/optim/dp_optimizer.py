@@ -82,6 +82,9 @@ class DPOptimizer(Optimizer):
         expected_batch_size: ``q N`` (examples per logical step, in expectation); the noisy sum is divided by it.
         randomness: the run's dedicated generators (noise is drawn from its per-device noise generator).
         on_step: called after each completed step (records the step with the accountant).
+        before_update: called right before the wrapped optimizer updates the parameters, at each step that is taken
+            (per-sample momentum stores the iterate there); a ``step()`` of the wrapped optimizer alone never calls
+            it (torch's sharded state helpers run one, at learning rate 0, to create a missing optimizer state).
         should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
             list of ``p.grad``, e.g. :meth:`~lightning_dp.distributed.DistributedContext.reduce_clipped_sum`)
@@ -106,6 +109,7 @@ class DPOptimizer(Optimizer):
         expected_batch_size: float,
         randomness: DPRandomness,
         on_step: Callable[[], None] = lambda: None,
+        before_update: Callable[[], None] = lambda: None,
         should_skip: Callable[[], bool] = lambda: False,
         reduce_clipped_sum: Callable[[Sequence[torch.Tensor]], None] | None = None,
         any_rank: Callable[[Sequence[bool]], list[bool]] | None = None,
@@ -122,6 +126,7 @@ class DPOptimizer(Optimizer):
         self.expected_batch_size = float(expected_batch_size)
         self.randomness = randomness
         self.on_step = on_step
+        self.before_update = before_update
         self.should_skip = should_skip
         self.reduce_clipped_sum = reduce_clipped_sum
         self.any_rank = any_rank
@@ -208,7 +213,7 @@ class DPOptimizer(Optimizer):
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (which accumulates the clipped sum), privatise (unless the closure came through
-        :meth:`privatising` and already did), step the wrapped optimizer, record the step."""
+        :meth:`privatising` and already did), call ``before_update``, step the wrapped optimizer, record the step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -219,6 +224,7 @@ class DPOptimizer(Optimizer):
         if not self._privatised:
             self.privatise()
         self._privatised = False
+        self.before_update()
         self.original_optimizer.step()
         self.on_step()
         return loss

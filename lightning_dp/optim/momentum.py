@@ -10,8 +10,9 @@ and the current iterate weighs most (line 5); then ``clip(v_t(xi), C)`` (line 6)
 DP-SGD. Before ``k`` iterates exist, the ones that exist are used with the weights renormalised over them.
 
 How: :class:`PerSampleMomentum` keeps the last ``k - 1`` iterates of the TRAINABLE parameters (memory: ``k - 1``
-copies of the trainable parameters; frozen ones are never copied) and, for each batch, re-runs the user's forward and
-per-sample loss at each stored iterate (the stored values swapped into the parameters, then swapped back), handing
+copies of the trainable parameters, of this rank's shards on an FSDP2-sharded model; frozen ones are never copied)
+and, for each batch, re-runs the user's forward and per-sample loss at each stored iterate (the stored values
+exchanged with the parameters' values, then exchanged back: :meth:`PerSampleMomentum._exchange`), handing
 the per-sample loss with its weight to :meth:`~lightning_dp.clipping.PerSampleClipper.add_past_iterate`. The clipper
 treats the uses of a parameter at all iterates like the uses of a tied parameter, so every engine computes the norm
 of the weighted SUM ``||v_t(xi)||`` exactly, cross terms between iterates included (never a sum of per-iterate
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.sharding import gathered, is_sharded, local_part, reshard_all, shard_like
 
 
 def validate_momentum(momentum_length: int, momentum_beta: float) -> None:
@@ -97,6 +99,8 @@ class PerSampleMomentum:
         self.history: deque[list[torch.Tensor]] = deque(maxlen=momentum_length - 1)
         self._params: list[nn.Parameter] = []
         self._names: list[str] = []
+        #: the FSDP2-sharded module the parameters belong to (resharded around each re-run), None unsharded.
+        self._sharded_module: nn.Module | None = None
         self._pending: dict[str, Any] | None = None
         #: whether the current batch's past re-runs were abandoned (a step returned ``None``): then the current
         #: iterate alone is the example's quantity, with weight 1.
@@ -124,6 +128,7 @@ class PerSampleMomentum:
             iterate[:] = [value.to(device=p.device, dtype=p.dtype) for value, p in zip(iterate, params, strict=True)]
         self._params = params
         self._names = [names[p] for p in params]
+        self._sharded_module = clipper.module if clipper.sharded else None
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._restore(state)
@@ -145,22 +150,46 @@ class PerSampleMomentum:
 
     @contextmanager
     def _at(self, iterate: list[torch.Tensor]) -> Iterator[None]:
-        """Swap ``iterate`` into the trainable parameters (``.data``, no copy, no version bump) and back.
+        """Exchange the values of ``iterate`` and of the trainable parameters on entry, and back on exit.
 
-        The swap is safe because a re-run's graph is built and consumed (its output-gradient pass) inside the
+        The exchange is safe because a re-run's graph is built and consumed (its output-gradient pass) inside the
         context, and the current iterate's forward runs after it.
         """
-        with torch.no_grad():
-            for param, value in zip(self._params, iterate, strict=True):
-                param.data, value.data = value.data, param.data
+        self._exchange(iterate)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for param, value in zip(self._params, iterate, strict=True):
-                    param.data, value.data = value.data, param.data
+            self._exchange(iterate)
 
-    def add_past_iterates(self, clipper: PerSampleClipper, compute_loss: Callable[[], torch.Tensor | None]) -> None:
+    @torch.no_grad()
+    def _exchange(self, iterate: list[torch.Tensor]) -> None:
+        """Exchange the values of ``iterate`` and of the trainable parameters.
+
+        An unsharded parameter swaps storage with its stored value (``.data``: no copy, no version bump). A sharded
+        one (FSDP2, :mod:`lightning_dp.sharding`) exchanges values in place with its stored shard, one temporary
+        copy of the local shard at a time: FSDP2 gathers the weights from the shard's own storage, which a
+        ``.data`` swap would leave holding the old values. Every FSDP2 module is then resharded, so that the next
+        forward gathers the values now in the shards rather than reusing weights still gathered from the others
+        (the root keeps its weights gathered after a forward that no backward followed).
+        """
+        for param, value in zip(self._params, iterate, strict=True):
+            if is_sharded(param):
+                shard, stored = local_part(param), local_part(value)
+                held = shard.clone()
+                shard.copy_(stored)
+                stored.copy_(held)
+            else:
+                param.data, value.data = value.data, param.data
+        if self._sharded_module is not None:
+            reshard_all(self._sharded_module)
+
+    def add_past_iterates(
+        self,
+        clipper: PerSampleClipper,
+        compute_loss: Callable[[], torch.Tensor | None],
+        *,
+        stand_in: bool = False,
+    ) -> None:
         """Run ``compute_loss`` at each stored iterate and hand its per-sample loss and weight to ``clipper``.
 
         Call before the current iterate's forward; then ``clipper.backward(loss, weight=self.current_weight)``.
@@ -169,8 +198,11 @@ class PerSampleMomentum:
             clipper: the clipper the current batch is clipped with (hooks attached).
             compute_loss: ``() -> [B]`` per-sample loss of the CURRENT batch at whatever values the parameters hold
                 (the user's forward and loss); ``None`` skips the batch.
+            stand_in: the batch is a sharded run's stand-in batch
+                (:meth:`~lightning_dp.engine_steps.EngineSteps.stand_in_batch`), clipped with weight 0: the re-runs
+                still run (every rank joins their collectives), with weight 0, so they add exactly nothing too.
         """
-        weights = self.weights()
+        weights = [0.0] * (len(self.history) + 1) if stand_in else self.weights()
         devices = sorted({p.device.index or 0 for p in self._params if p.is_cuda})
         self._skipped = False
         if not self._rows_checked:
@@ -217,16 +249,24 @@ class PerSampleMomentum:
     def state_dict(self) -> dict[str, Any]:
         """``k``, ``beta`` and the stored iterates as ``[{parameter name: tensor}]``, newest first.
 
-        The iterates are functions of earlier noisy releases only, so they may be saved (post-processing).
+        The iterates are functions of earlier noisy releases only, so they may be saved (post-processing). On a
+        sharded model they are gathered to their full values (a collective: every rank must call this, and every
+        rank holds the ``k - 1`` full copies until the state is dropped), so that one file holds them and any rank
+        takes its shard back at the restore.
         """
         return {
             "momentum_length": self.momentum_length,
             "momentum_beta": self.momentum_beta,
-            "iterates": [dict(zip(self._names, iterate, strict=True)) for iterate in self.history],
+            "iterates": [
+                {name: gathered(value) for name, value in zip(self._names, iterate, strict=True)}
+                for iterate in self.history
+            ],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`).
+        """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`): each iterate takes its parameter's
+        device, dtype and, on a sharded model, layout (this rank's shard of the full value every rank read,
+        :func:`~lightning_dp.sharding.shard_like`: no communication).
 
         Raises:
             ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters
@@ -259,5 +299,5 @@ class PerSampleMomentum:
                         f"The checkpoint's per-sample momentum iterate of '{name}' has shape {tuple(value.shape)}, "
                         f"the parameter {tuple(param.shape)}"
                     )
-                iterate.append(value.detach().to(device=param.device, dtype=param.dtype).clone())
+                iterate.append(shard_like(value.detach(), param).clone())  # this rank's shard if sharded
             self.history.append(iterate)
