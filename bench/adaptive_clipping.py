@@ -51,7 +51,7 @@ def bound_recorder() -> Any:
             self.bounds: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.bounds.append(privacy_engine_of(trainer).max_grad_norm)
+            self.bounds.append(privacy_engine_of(trainer).current_max_grad_norm)
 
     return BoundRecorder()
 

@@ -288,6 +288,13 @@ class PrivacyConfig:
                 "adaptive clipping (target_unclipped_quantile) needs noise='gaussian' and an exact clipping engine "
                 f"(flat, ghost, fgc, mixed), got noise={self.noise_name!r}, clipping={self.clipping!r}"
             )
+        low, high = self.min_clipbound or 0.0, self.max_clipbound or float("inf")
+        if self.adaptive_clipping and not low <= self.max_grad_norm <= high:
+            with checking("max_grad_norm"):
+                raise ValueError(
+                    f"max_grad_norm={self.max_grad_norm} (the starting bound of adaptive clipping) lies outside "
+                    f"[min_clipbound, max_clipbound] = [{low}, {high}]"
+                )
         if self.adaptive_clipping and self.noise_multiplier is not None and self.unclipped_num_std is not None:
             with checking("unclipped_num_std"):
                 sum_noise_multiplier(self.noise_multiplier, self.unclipped_num_std)

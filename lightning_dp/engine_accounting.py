@@ -113,7 +113,9 @@ class EngineAccounting:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant."""
+        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant. Under adaptive
+        clipping ``max_grad_norm`` is the current bound, beside ``initial_max_grad_norm``, the clipped sum's
+        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma)."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -136,6 +138,15 @@ class EngineAccounting:
                 else {}
             ),
             **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
-            **({"adaptive_clipping": self.adaptive.describe()} if self.adaptive is not None else {}),
+            **(
+                {
+                    "max_grad_norm": self.current_max_grad_norm,
+                    "initial_max_grad_norm": self.max_grad_norm,
+                    "sum_noise_multiplier": self.sum_mechanism.noise_multiplier,
+                    "adaptive_clipping": self.adaptive.describe(),
+                }
+                if self.adaptive is not None
+                else {}
+            ),
             **({"BROKEN_FOR_TESTING": self.broken_for_testing} if self.broken_for_testing else {}),
         }

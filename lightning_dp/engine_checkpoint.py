@@ -92,6 +92,19 @@ class EngineCheckpoint:
                 checkpoint's lowpass coefficients differ from this run's.
         """
         check_privacy_state(state)
+        adaptive = state.get("adaptive_clipping")
+        if (adaptive is not None) != self.config.adaptive_clipping:
+            raise ValueError(
+                "The checkpoint was trained with"
+                + (
+                    " adaptive clipping, this run clips at a fixed bound"
+                    if adaptive is not None
+                    else " a fixed clipping bound, this run clips adaptively"
+                )
+                + ": resume with the same target_unclipped_quantile setting"
+            )
+        if adaptive is not None:
+            restored_bound(adaptive)  # a malformed bound fails before anything is replaced
         if "momentum" in state:
             self.momentum.load_state_dict(state["momentum"])
         elif self.momentum.enabled:
@@ -145,22 +158,13 @@ class EngineCheckpoint:
         """Restore the adaptive clipping bound (at once when the run is prepared, else when it is).
 
         Raises:
-            ValueError: one of the checkpoint and this run clips adaptively and the other does not; no bound.
+            ValueError: the bound is missing or not positive.
         """
-        if (state is not None) != self.config.adaptive_clipping:
-            raise ValueError(
-                "The checkpoint was trained with"
-                + (
-                    " adaptive clipping, this run clips at a fixed bound"
-                    if state is not None
-                    else " a fixed clipping bound, this run clips adaptively"
-                )
-                + ": resume with the same target_unclipped_quantile setting"
-            )
         if state is None:
             return
-        self._restored_clip_bound = restored_bound(state)
-        if self.adaptive is not None:  # restored after the run was prepared
+        if self.adaptive is None:  # taken up by prepare
+            self._restored_clip_bound = restored_bound(state)
+        else:  # restored after the run was prepared
             self.adaptive.load_state_dict(state)
             self._set_clip_bound(self.adaptive.bound)
 

@@ -71,6 +71,8 @@ class EngineSteps:
         self.attach(module)
         self.distributed = distributed
         self._micro_batches = 0
+        if self.adaptive is not None:  # a step cut off before its update must not add its count to the next one's
+            self.adaptive.discard_count()
         self.dropped_nonfinite = False  # reported per run (finish_run)
         if distributed is not None:
             distributed.synchronize_randomness(self.randomness)
@@ -171,7 +173,13 @@ class EngineSteps:
         if self.distributed is not None:
             self.distributed.check_identical(
                 "dataset size, sample rate and noise",
-                (self.num_samples, self.sample_rate, self.mechanism.name, self.mechanism.describe()),
+                (
+                    self.num_samples,
+                    self.sample_rate,
+                    self.mechanism.name,
+                    self.mechanism.describe(),
+                    self.adaptive.describe() if self.adaptive is not None else None,
+                ),
             )
             collectives = {
                 "reduce_clipped_sum": self.distributed.reduce_clipped_sum,
@@ -278,7 +286,7 @@ class EngineSteps:
         if self.adaptive is not None:
             self.adaptive.count(norms)
         if norms.numel():
-            self.last_clip_fraction = float((norms > self.max_grad_norm).float().mean())
+            self.last_clip_fraction = float((norms > self.current_max_grad_norm).float().mean())
         return norms
 
     def finish_run(self) -> None:

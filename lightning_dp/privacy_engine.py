@@ -67,6 +67,9 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         self.momentum = PerSampleMomentum(config.momentum_length, config.momentum_beta)
         self.randomized_clipping = config.randomized_clipping
         self.max_grad_norm = float(config.max_grad_norm)
+        #: the bound the next micro-batch is clipped at: ``max_grad_norm``, or under adaptive clipping the bound it
+        #: has moved to (a released value).
+        self.current_max_grad_norm = self.max_grad_norm
         self.target_epsilon = config.target_epsilon
         #: delta of the reported epsilon: ``config.target_delta``, or its default once N is known (``prepare``).
         self.target_delta = config.target_delta
@@ -156,7 +159,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         self.clipper = PerSampleClipper(
             module,
             clipping=self.clipping,
-            max_grad_norm=self.max_grad_norm,
+            max_grad_norm=self.current_max_grad_norm,
             norm=clip_norm,
             bookkeeping=self.bookkeeping,
             sum_check_every=self.sum_check_every,
@@ -259,12 +262,12 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         count_std = config.unclipped_num_std
         if count_std is None:
             count_std = expected_batch_size * DEFAULT_COUNT_NOISE_FRACTION
-            self.defaults_applied.append(
-                f"unclipped_num_std = q N / 20 = {count_std:.4g} (adaptive clipping's count noise, Andrew et al.)"
-            )
+            default = f"unclipped_num_std = q N / 20 = {count_std:.4g} (adaptive clipping's count noise, Andrew et al.)"
+            if default not in self.defaults_applied:
+                self.defaults_applied.append(default)
         sum_sigma = sum_noise_multiplier(self.mechanism.noise_multiplier, count_std)
         self.adaptive = AdaptiveClipping(
-            initial_bound=self._restored_clip_bound or self.max_grad_norm,
+            initial_bound=self._restored_clip_bound or self.current_max_grad_norm,
             target_unclipped_quantile=config.target_unclipped_quantile,
             clipbound_learning_rate=config.clipbound_learning_rate,
             unclipped_num_std=count_std,
@@ -272,12 +275,13 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             min_clipbound=config.min_clipbound,
             max_clipbound=config.max_clipbound,
         )
+        self._restored_clip_bound = None
         self._set_clip_bound(self.adaptive.bound)
         return GaussianMechanism(sum_sigma, self.adaptive.bound)
 
     def _set_clip_bound(self, bound: float) -> None:
         """Clip at ``bound`` from the next micro-batch on, and noise the next sum for it."""
-        self.max_grad_norm = bound
+        self.current_max_grad_norm = bound
         if self.clipper is not None:
             self.clipper.max_grad_norm = bound
         if self.sum_mechanism is not None and self.sum_mechanism is not self.mechanism:

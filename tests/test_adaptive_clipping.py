@@ -61,7 +61,7 @@ def _train(engine: PrivacyEngine, model: nn.Module, steps: int, batches, *, dist
         for x, y in batches(step):
             engine.clip(_loss(model, x, y))
         optimizer.step()
-        bounds.append(engine.max_grad_norm)
+        bounds.append(engine.current_max_grad_norm)
     return bounds
 
 
@@ -161,6 +161,64 @@ def test_calibration_for_a_target_epsilon_fixes_sigma_and_derives_sigma_sum() ->
     assert engine.sum_mechanism.noise_multiplier == pytest.approx(sum_noise_multiplier(sigma, 6.4))
 
 
+@pytest.mark.parametrize(
+    ("clipping", "bookkeeping"), [("flat", True), ("ghost", True), ("fgc", True), ("mixed", False)]
+)
+def test_every_exact_engine_moves_the_bound_as_mixed_does(clipping, bookkeeping) -> None:
+    """Exact engines give the same norms, so the same counts and, with the same seed, the same bounds."""
+    (x, y) = _data()
+    batches = lambda t: [(x[:16], y[:16]), (x[16:32], y[16:32])]  # noqa: E731 - two micro-batches per step
+    reference = _train(_engine(), _model(), 6, batches)
+    bounds = _train(_engine(clipping=clipping, bookkeeping=bookkeeping), _model(), 6, batches)
+    assert bounds == pytest.approx(reference, rel=1e-9) and len(set(bounds)) == 6
+
+
+def test_each_step_clips_and_is_noised_at_one_bound_moved_only_after_its_noise() -> None:
+    model, (x, y) = _model(), _data()
+    engine = _engine()
+    seen: list[tuple[str, float]] = []
+    _train(engine, model, 0, lambda t: [])  # set up: the clipper and the sum's mechanism exist
+    clipper, mechanism = engine.clipper, engine.sum_mechanism
+    backward, sample = clipper.backward, mechanism.sample
+    clipper.backward = lambda *a, **k: seen.append(("clip", clipper.max_grad_norm)) or backward(*a, **k)
+    mechanism.sample = lambda *a, **k: seen.append(("noise", mechanism.max_grad_norm)) or sample(*a, **k)
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    bounds = [engine.current_max_grad_norm]
+    for _ in range(4):
+        optimizer.zero_grad()
+        for part in (slice(0, 16), slice(16, 32)):
+            engine.clip(_loss(model, x[part], y[part]))
+        optimizer.step()
+        bounds.append(engine.current_max_grad_norm)
+    per_step = len(seen) // 4
+    for t in range(4):
+        step = seen[t * per_step : (t + 1) * per_step]
+        assert [kind for kind, _ in step][:2] == ["clip", "clip"] and {c for _, c in step} == {bounds[t]}, t
+    assert len(set(bounds)) == 5
+
+
+def test_a_count_left_by_an_interrupted_step_is_discarded_at_the_next_run() -> None:
+    model, (x, y) = _model(), _data()
+    engine = _engine()
+    _train(engine, model, 2, lambda t: [(x[:32], y[:32])])
+    engine.clip(_loss(model, x[:8], y[:8]))  # a step cut off before its optimizer step
+    assert engine.adaptive.centred_count is not None
+    engine.detach()
+    engine.start_run(model, None)
+    assert engine.adaptive.centred_count is None
+
+
+def test_the_summary_reports_the_current_bound_the_initial_one_and_the_sums_noise() -> None:
+    model, (x, y) = _model(), _data()
+    engine = _engine()
+    bounds = _train(engine, model, 3, lambda t: [(x[:32], y[:32])])
+    summary = engine.summary()
+    assert summary["max_grad_norm"] == bounds[-1] and summary["initial_max_grad_norm"] == 5.0
+    assert (
+        summary["noise_multiplier"] == 1.0 and summary["sum_noise_multiplier"] == engine.sum_mechanism.noise_multiplier
+    )
+
+
 # ------------------------------------------------------------------------------------------------- state
 def test_a_checkpoint_carries_the_bound_and_a_mismatch_is_refused() -> None:
     model, (x, y) = _model(), _data()
@@ -172,13 +230,16 @@ def test_a_checkpoint_carries_the_bound_and_a_mismatch_is_refused() -> None:
     resumed.load_state_dict(state)
     resumed.attach(_model())
     resumed.prepare(num_samples=64, sample_rate=0.5, total_steps=None)
-    assert resumed.max_grad_norm == resumed.clipper.max_grad_norm == resumed.sum_mechanism.max_grad_norm == bounds[-1]
+    assert resumed.current_max_grad_norm == resumed.clipper.max_grad_norm == bounds[-1]
+    assert resumed.sum_mechanism.max_grad_norm == bounds[-1] and resumed.max_grad_norm == 5.0
     with pytest.raises(ValueError, match="adaptive clipping, this run clips at a fixed bound"):
         PrivacyEngine(max_grad_norm=5.0, noise_multiplier=1.0, seed=3, clipping="mixed").load_state_dict(state)
     fixed = PrivacyEngine(max_grad_norm=5.0, noise_multiplier=1.0, seed=3, clipping="mixed")
     _train(fixed, _model(), 1, lambda t: [(x[:32], y[:32])])
     with pytest.raises(ValueError, match="a fixed clipping bound, this run clips adaptively"):
         _engine().load_state_dict(fixed.state_dict())
+    engine.load_state_dict(state)  # into the engine that moved its bound since: C_0 is what is compared
+    assert engine.current_max_grad_norm == bounds[-1]
 
 
 @pytest.mark.parametrize(
@@ -191,6 +252,7 @@ def test_a_checkpoint_carries_the_bound_and_a_mismatch_is_refused() -> None:
         (dict(max_clipbound=3.0), "without target_unclipped_quantile"),
         (dict(target_unclipped_quantile=0.5, noise="laplace", noise_params={"noise_scale": 1.0}), "gaussian"),
         (dict(target_unclipped_quantile=0.5, clipping="hutch"), "exact clipping engine"),
+        (dict(target_unclipped_quantile=0.5, min_clipbound=2.0), "lies outside"),
     ],
 )
 def test_bad_options_fail_early_naming_them(options, message) -> None:
@@ -216,10 +278,10 @@ def test_lightning_logs_the_bound_every_step(tmp_path) -> None:
     trainer = make_trainer(strategy, max_steps=4, logger=logger, log_every_n_steps=1, callbacks=callbacks)
     trainer.fit(TinyRegressor())
     metrics = (Path(logger.log_dir) / "metrics.csv").read_text().splitlines()
-    column = metrics[0].split(",").index("max_grad_norm")
+    column = metrics[0].split(",").index("dp/max_grad_norm")
     logged = [float(row.split(",")[column]) for row in metrics[1:] if row.split(",")[column]]
-    assert len(logged) == 4 and len(set(logged)) > 1
-    assert logged[-1] == pytest.approx(strategy.privacy_engine.max_grad_norm, rel=1e-6)  # logged as float32
+    assert len(logged) == 4 + 1 and len(set(logged)) > 1  # after each step, then the final summary's
+    assert logged[-1] == pytest.approx(strategy.privacy_engine.current_max_grad_norm, rel=1e-6)  # float32
 
 
 def test_hf_logs_the_bound_with_epsilon(tmp_path) -> None:
@@ -233,8 +295,8 @@ def test_hf_logs_the_bound_with_epsilon(tmp_path) -> None:
     recorder = LogRecorder()
     trainer.add_callback(recorder)
     trainer.train()
-    logged = [log["max_grad_norm"] for log in recorder.logs if "loss" in log]
-    assert len(logged) == 3 and logged[-1] == trainer.privacy_engine.max_grad_norm
+    logged = [log["dp/max_grad_norm"] for log in recorder.logs if "loss" in log]
+    assert len(logged) == 3 and logged[-1] == trainer.privacy_engine.current_max_grad_norm
 
 
 # ------------------------------------------------------------------------------------------------- 2 processes
@@ -262,3 +324,15 @@ def test_two_processes_equal_one_process_on_the_union(tmp_path) -> None:
         assert rank["bounds"] == pytest.approx(single, rel=1e-12) and len(set(single)) == 6
         for got, want in zip(rank["params"], model.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-12)
+
+
+def test_the_audits_refuse_a_run_whose_bound_moves(tmp_path) -> None:
+    from helpers import TinyRegressor, make_trainer
+
+    from lightning_dp import DPStrategy
+    from lightning_dp.audit.callback import GradientCanaryAudit
+
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, target_unclipped_quantile=0.5, unclipped_num_std=4.0)
+    trainer = make_trainer(strategy, max_steps=2, callbacks=[GradientCanaryAudit(4, seed=0)])
+    with pytest.raises(ValueError, match="adaptive clipping"):
+        trainer.fit(TinyRegressor())

@@ -21,6 +21,7 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
   rank alone drops it; the two-backward path then forms the clipped sum by book-keeping on every rank) and an empty
   micro-batch on one rank (its stand-in batch, re-run at the stored iterates, adds nothing); the iterates are
   shards (half the bytes), gathered into the engine's state and taken back shard by shard;
+- adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted);
 - what is not supported (modules the clipper swaps, an empty batch without the stand-in) fails early.
 """
 
@@ -134,6 +135,8 @@ ENGINE_RUNS = {
     "second backward": (dict(bookkeeping=False), False),
     "momentum": (dict(momentum_length=3, momentum_beta=0.8), False),
     "momentum, second backward, lora": (dict(momentum_length=2, bookkeeping=False), True),
+    # zero noise on the count too, so that the count's draw cannot differ by the stream's position
+    "adaptive clipping": (dict(target_unclipped_quantile=0.5, unclipped_num_std=0.0), False),
 }
 ENGINE_STEPS = 3
 NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example
@@ -492,6 +495,7 @@ def test_second_backward_and_momentum_equal_single_process_training_on_the_union
     assert _rows(EMPTY_STEP, 1, WORLD) == [] and NONFINITE_ROW in _rows(NONFINITE_STEP, 1, WORLD)
     expected, engine = _engine_run(_tiny_llama(lora), None, 0, 1, **options)
     assert engine.dropped_nonfinite or engine.clipper.dropped_nonfinite  # the row was dropped here too
+    assert engine.adaptive is None or engine.current_max_grad_norm != CLIP  # the bound moved
     initial = dict(_tiny_llama(lora).named_parameters())
     for result in ranks:
         params = result[("engine run", name)]

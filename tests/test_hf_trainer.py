@@ -442,3 +442,12 @@ def test_disable_dp_trains_exactly_as_the_plain_trainer_and_reports_infinite_eps
         ["--target_epsilon", "3", "--disable_dp", "true"]
     )[0]
     assert parsed.disable_dp is True
+
+
+def test_fp16_from_the_accelerate_config_fails_early(tmp_path, monkeypatch) -> None:
+    """``mixed_precision: fp16`` in an accelerate config reaches the Trainer through the environment, not fp16=True."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    args = training_args(tmp_path)
+    assert not args.fp16 and args.mixed_precision == "fp16"
+    with pytest.raises(ValueError, match="mixed_precision: fp16"):
+        DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))

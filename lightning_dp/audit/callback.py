@@ -203,13 +203,19 @@ def dp_optimizer_of(trainer: pl.Trainer, user: str) -> tuple[DPStrategyMixin, DP
 
     Raises:
         TypeError: the strategy is not a DP strategy.
-        ValueError: several processes, or not exactly one DP optimizer.
+        ValueError: several processes, not exactly one DP optimizer, or adaptive clipping (the audits and controls
+            assume one clipping bound for the whole run).
     """
     strategy = trainer.strategy
     if not isinstance(strategy, DPStrategyMixin):
         raise TypeError(f"{user} works on DPStrategy runs, the trainer uses {type(strategy).__name__}")
     if trainer.world_size > 1:
         raise ValueError(f"{user} runs on one process: use DPStrategy, not DPDDPStrategy")
+    if strategy.privacy_engine.config.adaptive_clipping:
+        raise ValueError(
+            f"{user} assumes one clipping bound for the whole run, and adaptive clipping (target_unclipped_quantile) "
+            "moves it: audit the run at a fixed max_grad_norm"
+        )
     optimizers = [opt for opt in strategy.optimizers if isinstance(opt, DPOptimizer)]
     if len(optimizers) != 1:
         raise ValueError(f"{user} needs exactly one DP optimizer, found {len(optimizers)}")

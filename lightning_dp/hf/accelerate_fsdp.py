@@ -9,9 +9,9 @@ plain data parallelism instead). ``DPTrainer`` therefore takes the settings over
 
 1. :func:`fsdp2_settings_from_launcher` reads them with accelerate's own parser (``FullyShardedDataParallelPlugin``)
    and refuses what it does not honour;
-2. :func:`shard_as_configured` applies ``fully_shard`` the way accelerate would (its wrap policy: the transformer
-   blocks named by ``fsdp_transformer_layer_cls_to_wrap`` or the model's ``_no_split_modules``, or a size-based
-   policy; then the root), after every rank has rank 0's weights;
+2. :func:`shard_as_configured` applies ``fully_shard`` by accelerate's wrap policy (the transformer blocks named by
+   ``fsdp_transformer_layer_cls_to_wrap`` or the model's ``_no_split_modules``, or a size-based policy; then the
+   root) and gives every rank its shard of rank 0's weights;
 3. :func:`hidden_from_accelerate` hides ``ACCELERATE_USE_FSDP`` while the Trainer builds its ``Accelerator``.
 
 The model then trains exactly as one the user sharded with ``fully_shard`` before ``DPTrainer`` (docs/hf.md,
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -88,17 +89,23 @@ def hidden_from_accelerate() -> Iterator[None]:
 
 
 def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> None:
-    """Shard ``model`` in place with ``fully_shard`` as accelerate's FSDP2 preparation would, over all ranks.
+    """Shard ``model`` in place with ``fully_shard`` over all ranks, by the plugin's wrap policy, and give every rank
+    its shard of rank 0's weights.
 
-    First every rank takes rank 0's weights: parameters and buffers still on the ``meta`` device (under
-    ``fsdp_cpu_ram_efficient_loading`` some transformers versions load the weights on rank 0 only) are allocated on
-    ``device``, and rank 0's values broadcast to all (each rank briefly holds the whole model). Then ``fully_shard``
-    goes to every submodule the plugin's wrap policy selects, innermost first (accelerate's
-    ``fsdp2_prepare_auto_wrap_policy``), and to the root, with the plugin's ``reshard_after_forward``, on a one-
-    dimensional mesh of all ranks.
+    ``fully_shard`` goes to every submodule the plugin's wrap policy selects (accelerate's
+    ``fsdp2_prepare_auto_wrap_policy``: the transformer blocks, or a size threshold), innermost first, then to the
+    root, with the plugin's ``reshard_after_forward``, on a one-dimensional mesh of all ranks of ``device``'s type;
+    FSDP2 moves each rank's shards to ``device``. Rank 0's full state dict is then distributed into the shards
+    (``set_model_state_dict`` with ``broadcast_from_rank0``, as accelerate loads a model under FSDP2) and its buffers
+    broadcast, so the ranks start identical whatever each one loaded: parameters still on the ``meta`` device (under
+    ``fsdp_cpu_ram_efficient_loading`` some transformers versions load the weights on rank 0 only) are first
+    allocated, uninitialised, in CPU memory. Each rank thus holds the whole model in CPU memory (as it loaded it)
+    until it is sharded, and only its shards on ``device``. Unlike accelerate's own preparation, no mixed-precision
+    policy is set (autocast, from the launcher's ``mixed_precision``, applies as without sharding) and accelerate's
+    ``parallelism_config`` (HSDP, tensor or context parallelism) is not read.
 
     Args:
-        model: the unsharded model on ``device`` (or ``meta``), the same architecture on every rank.
+        model: the unsharded model (on CPU, ``device`` or ``meta``), the same architecture on every rank.
         plugin: the settings of :func:`fsdp2_settings_from_launcher`.
         device: this rank's training device (``TrainingArguments.device``).
 
@@ -112,10 +119,10 @@ def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin
         raise RuntimeError(
             "accelerate's FSDP settings need several processes: start the script with accelerate launch --config_file"
         )
-    _materialise_meta(model, device)
+    _materialise_meta(model, torch.device("cpu"))
     layout = [(name, tuple(t.shape), t.dtype) for name, t in [*model.named_parameters(), *model.named_buffers()]]
     context.check_identical("model's parameters and buffers (names, shapes, dtypes)", layout)
-    context.broadcast_module(model)
+    full = model.state_dict() if context.is_main else {}
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     options = {"mesh": mesh, "reshard_after_forward": plugin.reshard_after_forward}
@@ -124,6 +131,8 @@ def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin
             if policy(module):
                 fully_shard(module, **options)
     fully_shard(model, **options)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    context.broadcast_module(model)  # the buffers (non-persistent ones too); the parameters are all shards now
 
 
 def _materialise_meta(model: nn.Module, device: torch.device) -> None:

@@ -122,16 +122,18 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        engine = privacy_args.make_engine()  # validates the privacy arguments, also with disable_dp
         #: accelerate's FSDP2 settings, taken over: the model is sharded here, the Accelerator built without them.
         self._fsdp_settings = None if privacy_args.disable_dp else fsdp2_settings_from_launcher()
         if training_args is not None and not privacy_args.disable_dp:
             _check_training_arguments(training_args, privacy_args)
         model = kwargs.get("model", args[0] if args else None)
         if self._fsdp_settings is not None and model is not None and not uses_fsdp(model):
-            shard_as_configured(model, self._fsdp_settings, PartialState().device)
+            device = training_args.device if training_args is not None else PartialState().device
+            shard_as_configured(model, self._fsdp_settings, device)
         super().__init__(*args, **kwargs)
         self.privacy_args = privacy_args
-        self.privacy_engine = privacy_args.make_engine()  # validates the privacy arguments, also with disable_dp
+        self.privacy_engine = engine
         self._dp_optimizer: DPOptimizer | None = None
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
@@ -497,7 +499,7 @@ class DPTrainer(PrivacyQueries, Trainer):
         elif engine.accountant is not None:
             logs["epsilon"] = engine.epsilon()
             if engine.adaptive is not None:  # the bound the next step clips at (a released value)
-                logs["max_grad_norm"] = engine.max_grad_norm
+                logs["dp/max_grad_norm"] = engine.current_max_grad_norm
             if "train_runtime" in logs:
                 summary = engine.summary()
                 logs.update({f"dp/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
@@ -520,7 +522,8 @@ _SHARDED_ROUTE = (
 )
 
 _UNSUPPORTED = {
-    "fp16=True": "its loss scaling would corrupt the per-sample norms; use bf16=True or float32",
+    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": "its loss scaling would corrupt the "
+    "per-sample norms; use bf16 or float32",
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
     "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
@@ -541,7 +544,8 @@ def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgu
     """
     checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
     active = {
-        "fp16=True": args.fp16,
+        "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
+        or getattr(args, "mixed_precision", None) == "fp16",
         "gradient_checkpointing=True": bool(checkpointing),
         "a DeepSpeed config": bool(args.deepspeed),
         "FSDP": bool(args.fsdp),

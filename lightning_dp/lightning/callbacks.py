@@ -48,7 +48,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 class PrivacyAccountantCallback(Callback):
     """Logs ``epsilon`` after every training epoch (to all loggers and the progress bar), a final summary, and a
     privacy-curve image (epsilon against steps) to the loggers that take images; with adaptive clipping, also the
-    clipping bound ``max_grad_norm`` after every step (as Lightning logs step metrics, every ``log_every_n_steps``).
+    clipping bound ``dp/max_grad_norm`` after every step (as Lightning logs step metrics, every ``log_every_n_steps``).
 
     Args:
         delta: delta to report epsilon at (default: the strategy's ``target_delta``).
@@ -85,8 +85,8 @@ class PrivacyAccountantCallback(Callback):
         # late. So the bar's value is logged here, as a step metric, on each epoch's last batch (and every
         # log_every_n_steps steps); the epoch hook logs the same value to the loggers.
         engine = privacy_engine_of(trainer)
-        if engine.adaptive is not None and trainer.loggers:  # the bound a step clipped at next (a released value)
-            pl_module.log("max_grad_norm", engine.max_grad_norm, logger=True, on_step=True, on_epoch=False)
+        if engine.adaptive is not None and trainer.loggers:  # the bound the next step clips at (a released value)
+            pl_module.log("dp/max_grad_norm", engine.current_max_grad_norm, logger=True, on_step=True, on_epoch=False)
         every = trainer.log_every_n_steps
         if (
             trainer.fit_loop.epoch_loop.batch_progress.is_last_batch

@@ -64,7 +64,8 @@ def validate_adaptive_clipping(
 ) -> None:
     """Raise ``ValueError`` (naming the option) unless the adaptive-clipping options are valid: the quantile in
     ``(0, 1)``, a positive learning rate, ``0 < min_clipbound < max_clipbound``, ``unclipped_num_std >= 0``; the
-    other options without a quantile are refused (they would be ignored)."""
+    clamps and ``unclipped_num_std`` given without a quantile are refused (they would be ignored; the learning rate
+    has a default, so it cannot tell)."""
     from lightning_dp.config_errors import checking
 
     if target_unclipped_quantile is None:
@@ -138,10 +139,15 @@ class AdaptiveClipping:
         self.centred_count: torch.Tensor | None = None
 
     def count(self, norms: torch.Tensor) -> None:
-        """Add a micro-batch's per-sample norms ``[B]`` (after clipping at :attr:`bound`) to this step's centred
-        count; a non-finite norm counts as clipped. No host sync."""
+        """Add a micro-batch's per-sample norms ``[B]`` (before clipping: those its clip factors at :attr:`bound` came
+        from) to this step's centred count; a non-finite norm counts as clipped. No host sync."""
         centred = (norms <= self.bound).sum(dtype=torch.float64) - 0.5 * norms.numel()
         self.centred_count = centred if self.centred_count is None else self.centred_count + centred
+
+    def discard_count(self) -> None:
+        """Forget the count of a step that ended without :meth:`update` (interrupted), so that the next step's
+        release counts only its own Poisson sample."""
+        self.centred_count = None
 
     def count_tensor(self, device: torch.device) -> torch.Tensor:
         """This step's centred count as a 0-dim float64 tensor on ``device`` (zeros when no example was seen on this
@@ -155,10 +161,21 @@ class AdaptiveClipping:
         ``C <- clamp(C exp(-eta (b~ - gamma)))``; the count restarts for the next step. Returns the new bound.
 
         On several processes the count must be the sum over the ranks (all-reduced) before this call, and ``noise``
-        the same draw on every rank."""
+        the same draw on every rank.
+
+        Raises:
+            FloatingPointError: the new bound is not a positive finite number (a learning rate or count noise so large
+                that one step multiplies C by more than ``e^700``); it is computed from released values only.
+        """
         count = self.centred_count if self.centred_count is not None else torch.zeros((), dtype=torch.float64)
         fraction = float(count.cpu() + noise.double().cpu()) / self.expected_batch_size + 0.5
-        bound = self.bound * math.exp(-self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile))
+        exponent = -self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile)
+        bound = self.bound * math.exp(exponent) if exponent < 700 else math.inf
+        if not 0 < bound < math.inf:
+            raise FloatingPointError(
+                f"adaptive clipping moved the bound from {self.bound:.4g} to {bound}: lower clipbound_learning_rate "
+                "or unclipped_num_std, or set min_clipbound / max_clipbound"
+            )
         if self.min_clipbound is not None:
             bound = max(bound, self.min_clipbound)
         if self.max_clipbound is not None:
