@@ -10,7 +10,7 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
   ranks' examples;
 - noise: on a sharded weight with a zero clipped sum, every coordinate gets one draw of the mechanism's law (KS test)
   and scale (Gaussian ``sigma * C``, Laplace ``b``), the two ranks' shards come from different streams, and nothing is
-  left without noise;
+  left without noise (Gaussian, Laplace, LAP2 and PLRV-O);
 - sharding is real: each rank holds about half of the parameters' bytes, and gradients arrive as shards;
 - a rank with an empty micro-batch joins the step on the engine's stand-in batch, which adds nothing;
 - the first-step checks run in lockstep (the rank with too few examples to check joins the passes) and mixing found
@@ -31,6 +31,7 @@ import functools
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,7 +59,12 @@ SEQ = 6
 EXAMPLES = 8  # per step, over both ranks
 EXACT_ENGINES = ("flat", "ghost", "fgc", "mixed")
 NOISE_ROWS, NOISE_COLS = 201, 300  # 60,300 coordinates, dim 0 split 101 / 100
-NOISE = {"gaussian": dict(noise_multiplier=1.3), "laplace": dict(noise_scale=0.4)}
+NOISE = {
+    "gaussian": dict(noise_multiplier=1.3),
+    "laplace": dict(noise_scale=0.4),
+    "lap2": dict(noise_scale=0.4),
+    "plrv": dict(gamma_shape=6.0, gamma_scale=0.4),
+}
 
 
 def _tiny_llama(lora: bool = False) -> nn.Module:
@@ -442,13 +448,18 @@ def test_every_coordinate_gets_one_draw_of_the_mechanism(ranks, name):
     flat = noise.flatten().numpy()
     if name == "gaussian":
         scale = NOISE["gaussian"]["noise_multiplier"] * CLIP
-        law = stats.norm(scale=scale)
+        law = stats.norm(scale=scale).cdf
         assert flat.std() == pytest.approx(scale, rel=0.03)  # one draw: neither sqrt(2) times it nor half
-    else:
-        scale = NOISE["laplace"]["noise_scale"]
-        law = stats.laplace(scale=scale)
+    elif name == "plrv":  # per coordinate Lap(1/u), u ~ Gamma(k, theta): compared with an independent numpy sample
+        k, theta = NOISE["plrv"]["gamma_shape"], NOISE["plrv"]["gamma_scale"]
+        numpy = np.random.default_rng(0)
+        law = numpy.laplace(scale=1.0 / numpy.gamma(k, theta, size=flat.size))
+        assert flat.std() == pytest.approx(math.sqrt(2.0 / (theta**2 * (k - 1) * (k - 2))), rel=0.05)
+    else:  # laplace and lap2: Lap(b) per coordinate
+        scale = NOISE[name]["noise_scale"]
+        law = stats.laplace(scale=scale).cdf
         assert flat.std() == pytest.approx(math.sqrt(2) * scale, rel=0.03)
-    assert stats.kstest(flat, law.cdf).pvalue > 1e-3
+    assert stats.kstest(flat, law).pvalue > 1e-3
     # the shards come from different streams: independent, not copies of each other
     first, second = noise[:100].flatten(), noise[rows : rows + 100].flatten()
     assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1].item()) < 0.05
