@@ -13,10 +13,12 @@ Two launches start fewer training processes than the user asked for, without an 
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 
-#: The repository's accelerate configuration for 2 processes on one machine (gloo on CPU, NCCL with GPUs).
+#: The repository's accelerate configuration for 2 processes on one machine (gloo on CPU, NCCL with GPUs), named in
+#: the warning when it exists (a run from the repository's root); otherwise the warning gives the flags.
 TWO_PROCESSES_CONFIG = "configs/accelerate/ddp_2_processes.yaml"
 
 
@@ -33,11 +35,16 @@ def process_count_warning(world_size: int, environ: Mapping[str, str], argv: Seq
     if world_size != 1:
         return None
     if "WORLD_SIZE" not in environ and "MASTER_ADDR" in environ and "ACCELERATE_USE_CPU" in environ:
-        command = shlex.join(["accelerate", "launch", "--config_file", TWO_PROCESSES_CONFIG, *argv])
+        if os.path.isfile(TWO_PROCESSES_CONFIG):  # run from the repository's root
+            launch = ["--config_file", TWO_PROCESSES_CONFIG]
+            more = "set num_processes in the file for more"
+        else:
+            launch, more = ["--multi_gpu", "--num_processes", "2"], "--num_processes N for N"
+        command = shlex.join(["accelerate", "launch", *launch, *argv])
         return (
             "accelerate launch was asked for several processes, but 1 is training: without --multi_gpu (or a config "
             "file with distributed_type: MULTI_GPU) accelerate starts a single process, on CPU too. For 2 processes "
-            f"run: {command} (set num_processes in the file for more; docs/hf.md, 'Several processes')"
+            f"run: {command} ({more}; lightning_dp's docs/hf.md, 'Several processes')"
         )
     requested = environ.get("WORLD_SIZE", "")
     if requested.isdigit() and int(requested) > 1:

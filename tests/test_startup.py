@@ -118,6 +118,12 @@ def test_process_count_warning(world_size: int, environ: dict[str, str], expecte
         assert command in warning
 
 
+def test_outside_the_repository_the_process_count_warning_gives_the_flags(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # a pip-installed user's folder: no configs/accelerate there
+    warning = process_count_warning(1, SIMPLE_LAUNCHER_TWO, ["train.py", "--lr", "0.1"])
+    assert "run: accelerate launch --multi_gpu --num_processes 2 train.py --lr 0.1 (" in warning
+
+
 def test_console_handler_only_while_no_logging_is_set_up(monkeypatch, capsys) -> None:
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [])
