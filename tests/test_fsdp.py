@@ -21,7 +21,8 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
   rank alone drops it; the two-backward path then forms the clipped sum by book-keeping on every rank) and an empty
   micro-batch on one rank (its stand-in batch, re-run at the stored iterates, adds nothing); the iterates are
   shards (half the bytes), gathered into the engine's state and taken back shard by shard;
-- adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted);
+- adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted); and both
+  clipped sums with every Linear an FSDP unit of its own;
 - what is not supported (modules the clipper swaps, an empty batch without the stand-in) fails early.
 """
 
@@ -87,9 +88,16 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, transformers.models.llama.modeling_llama.LlamaDecoderLayer)]
 
 
-def _shard(model: nn.Module, mesh) -> nn.Module:
+def _shard(model: nn.Module, mesh, leaves: bool = False) -> nn.Module:
+    """``fully_shard`` on each decoder layer and the root; with ``leaves``, first on each Linear of the decoder layers
+    too (layers that are FSDP units of their own, as a size-based wrap policy makes them)."""
     from torch.distributed.fsdp import fully_shard
 
+    if leaves:
+        for layer in _layers(model):
+            for module in layer.modules():
+                if isinstance(module, nn.Linear):
+                    fully_shard(module, mesh=mesh)
     for layer in _layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -143,6 +151,9 @@ ENGINE_RUNS = {
     "momentum, second backward, lora": (dict(momentum_length=2, bookkeeping=False), True),
     # zero noise on the count too, so that the count's draw cannot differ by the stream's position
     "adaptive clipping": (dict(target_unclipped_quantile=0.5, unclipped_num_std=0.0), False),
+    # every Linear an FSDP unit of its own (their hooks then run after FSDP2's, which reshards): both clipped sums
+    "leaf units": (dict(), False),
+    "second backward, leaf units": (dict(bookkeeping=False), False),
 }
 ENGINE_STEPS = 3
 NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example
@@ -342,7 +353,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             reshard_all(model)
         # the second backward and per-sample momentum
         for name, (options, lora) in ENGINE_RUNS.items():
-            model = _shard(_tiny_llama(lora), mesh)
+            model = _shard(_tiny_llama(lora), mesh, leaves="leaf units" in name)
             result[("engine run", name)], engine = _engine_run(model, context, rank, world, **options)
             if engine.momentum.enabled:
                 iterates = list(engine.momentum.history)

@@ -102,7 +102,11 @@ class CaptureHooks:
         self._handles: list[RemovableHandle] = []
         self.attached = True
         for name, (module, family) in modules.items():
-            self._handles.append(module.register_forward_hook(self._forward_hook(name, family), with_kwargs=True))
+            # prepend: before any forward hook already on the module. FSDP2's own (a layer that is its own FSDP unit)
+            # puts the sharded parameters back, and a user's hook may replace the output; the capture needs the
+            # weights the forward used and the layer's own output.
+            hook = self._forward_hook(name, family)
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
             if family.expand_batch:
                 self._handles.append(module.register_forward_pre_hook(self._expand_hook, with_kwargs=True))
 
