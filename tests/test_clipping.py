@@ -715,3 +715,13 @@ def test_view_output_that_is_not_a_reshape_is_copied() -> None:
     model = randomise(nn.Sequential(WideThenSliced(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)))
     assert model[0](rand(B, 6, 5))._base is not None
     check_against_oracle(model, (rand(B, 6, 5),), "ghost")
+
+
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
+@pytest.mark.parametrize("bookkeeping", [True, False])
+def test_a_forward_hook_that_replaces_a_layers_output(clipping: str, bookkeeping: bool) -> None:
+    """A user's forward hook (registered before the clipper) returning a new output: the per-sample gradients are
+    those of the layer's own output, taken before the hook (the clipper's hook runs first)."""
+    model = randomise(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)))
+    model[0].register_forward_hook(lambda module, args, output: 2.0 * output + 0.5)
+    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
