@@ -69,6 +69,13 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def gathered_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of ``tensor`` in CPU memory, for a checkpoint's state: a sharded tensor is gathered (a
+    collective) and moved at once, so that gathering many tensors one after another holds at most one full tensor on
+    the device beyond its shards."""
+    return gathered(tensor).detach().cpu()
+
+
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``full`` (every rank holding the same full value, e.g. read from one checkpoint file) laid out as ``like``:
     this rank's shard of it for a sharded ``like`` (no communication), else ``full`` itself; on ``like``'s device

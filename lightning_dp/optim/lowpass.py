@@ -29,7 +29,7 @@ import numpy as np
 import scipy.signal
 import torch
 
-from lightning_dp.sharding import gathered, shard_like
+from lightning_dp.sharding import gathered_on_cpu, shard_like
 
 #: Tolerance of constraint (3).
 CONSTRAINT_TOLERANCE = 1e-9
@@ -182,15 +182,16 @@ class LowPassFilter:
 
     def state_dict(self) -> dict[str, Any]:
         """Coefficients, step count, past ``m``, past ``vbar`` (lists of tensors, most recent first) and past
-        ``c_m``. All are functions of released noisy gradients, so they may be checkpointed. On a sharded model the
-        tensors are gathered to their full values (a collective: every rank must call this), so that one file holds
-        them and any rank can take its shard back (:meth:`apply_` does, after :meth:`load_state_dict`)."""
+        ``c_m``. All are functions of released noisy gradients, so they may be checkpointed. The tensors are returned
+        in CPU memory; on a sharded model they are gathered to their full values one at a time (a collective: every
+        rank must call this), so that one file holds them and any rank can take its shard back (:meth:`apply_` does,
+        after :meth:`load_state_dict`)."""
         return {
             "a": list(self.a),
             "b": list(self.b),
             "steps": self.steps,
-            "m": [[gathered(t) for t in lag] for lag in self._m],
-            "vbar": [[gathered(t) for t in lag] for lag in self._vbar],
+            "m": [[gathered_on_cpu(t) for t in lag] for lag in self._m],
+            "vbar": [[gathered_on_cpu(t) for t in lag] for lag in self._vbar],
             "c_m": list(self._c_m),
         }
 

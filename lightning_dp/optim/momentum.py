@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.sharding import gathered, is_sharded, local_part, reshard_all, shard_like
+from lightning_dp.sharding import gathered_on_cpu, is_sharded, local_part, reshard_all, shard_like
 
 
 def validate_momentum(momentum_length: int, momentum_beta: float) -> None:
@@ -250,15 +250,16 @@ class PerSampleMomentum:
         """``k``, ``beta`` and the stored iterates as ``[{parameter name: tensor}]``, newest first.
 
         The iterates are functions of earlier noisy releases only, so they may be saved (post-processing). On a
-        sharded model they are gathered to their full values (a collective: every rank must call this, and every
-        rank holds the ``k - 1`` full copies until the state is dropped), so that one file holds them and any rank
-        takes its shard back at the restore.
+        sharded model they are gathered to their full values one at a time into CPU memory (a collective: every rank
+        must call this, and every rank holds the ``k - 1`` full copies in CPU memory until the state is dropped; the
+        device never more than one full tensor beyond its shards), so that one file holds them and any rank takes
+        its shard back at the restore. The returned tensors are in CPU memory.
         """
         return {
             "momentum_length": self.momentum_length,
             "momentum_beta": self.momentum_beta,
             "iterates": [
-                {name: gathered(value) for name, value in zip(self._names, iterate, strict=True)}
+                {name: gathered_on_cpu(value) for name, value in zip(self._names, iterate, strict=True)}
                 for iterate in self.history
             ],
         }
