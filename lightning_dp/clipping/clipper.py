@@ -327,7 +327,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         the unsharded copies FSDP2 gathered: as autograd completes each one's gradient (every use summed), the
         gradient is taken away from it, before FSDP2's own reduce-scatter could average it over the ranks, and
         summed into the parameter's shard as book-keeping's sums are (:func:`add_to_grad`), so the shard receives
-        the sum over the ranks' examples and one full-size gradient is held at a time.
+        the sum over the ranks' examples (each full-size gradient is freed once its reduce-scatter completed, so a
+        few may be alive at once; not measured).
         """
         leaves = self._forward_leaves(captures)
         handles = [

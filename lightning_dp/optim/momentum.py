@@ -201,6 +201,10 @@ class PerSampleMomentum:
             stand_in: the batch is a sharded run's stand-in batch
                 (:meth:`~lightning_dp.engine_steps.EngineSteps.stand_in_batch`), clipped with weight 0: the re-runs
                 still run (every rank joins their collectives), with weight 0, so they add exactly nothing too.
+
+        Raises:
+            ValueError: on an FSDP2-sharded model, ``compute_loss`` returning ``None`` at a stored iterate (every rank
+                must run every re-run).
         """
         weights = [0.0] * (len(self.history) + 1) if stand_in else self.weights()
         devices = sorted({p.device.index or 0 for p in self._params if p.is_cuda})
@@ -212,6 +216,11 @@ class PerSampleMomentum:
                 loss = compute_loss()
                 if loss is None:
                     clipper.discard_past_iterates()
+                    if clipper.sharded:  # the other ranks would wait for this one in the next re-run's collectives
+                        raise ValueError(
+                            "training_step returned None at a stored iterate on an FSDP2-sharded model: every rank "
+                            "must run every re-run (their forwards gather the weights); return the per-sample loss"
+                        )
                     self._skipped = True
                     return
                 clipper.add_past_iterate(loss, weight)
