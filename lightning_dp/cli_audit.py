@@ -20,7 +20,7 @@ from lightning_dp.audit.runner import MODES
 from lightning_dp.audit.setups import INPUT_CANDIDATES, SETUPS
 from lightning_dp.cli_args import Parser, choice, metavar_of
 from lightning_dp.cli_privacy import _fmt, format_table, noises
-from lightning_dp.clipping import AUTO, ENGINES
+from lightning_dp.clipping import AUTO, clipping_choices
 
 
 def _audit_body(args: argparse.Namespace) -> bool:
@@ -76,7 +76,7 @@ def audit_main(argv: list[str]) -> int:
     )
     names = noises()
     parser.add_argument("--noise", default="gaussian", type=choice(names), metavar=metavar_of(names), help="noise")
-    engines = (AUTO, *ENGINES)
+    engines = clipping_choices()
     parser.add_argument(
         "--clipping",
         default=AUTO,

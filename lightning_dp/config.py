@@ -27,7 +27,7 @@ from typing import Any
 
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
-from lightning_dp.clipping import AUTO, ENGINES, auto_engine
+from lightning_dp.clipping import AUTO, ENGINES, auto_engine, clipping_choices
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
 from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
@@ -254,7 +254,7 @@ class PrivacyConfig:
         with checking("sum_check_every"):
             validate_sum_check(self.sum_check_every, self.bookkeeping)
         if self.clipping != AUTO and self.clipping not in ENGINES:
-            choices = (AUTO, *ENGINES)
+            choices = clipping_choices()
             with checking("clipping"):
                 raise ValueError(
                     f"clipping must be one of {choices}, got {self.clipping!r}{did_you_mean(self.clipping, choices)}"

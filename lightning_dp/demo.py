@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
-from lightning_dp.clipping import AUTO, ENGINES
+from lightning_dp.clipping import AUTO, clipping_choices
 from lightning_dp.mechanisms import MECHANISMS
 
 
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=128, help="expected Poisson batch size")
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="SGD learning rate")
-    engines = (AUTO, *ENGINES)
+    engines = clipping_choices()
     parser.add_argument(
         "--clipping",
         type=choice(engines),

@@ -28,7 +28,15 @@ from lightning_dp.clipping import (  # noqa: F401 (registration)
     recurrent,
 )
 from lightning_dp.clipping.clipper import PerSampleClipper
-from lightning_dp.clipping.engine import AUTO, ENGINES, ClippingEngine, auto_engine, make_engine, register_engine
+from lightning_dp.clipping.engine import (
+    AUTO,
+    ENGINES,
+    ClippingEngine,
+    auto_engine,
+    clipping_choices,
+    make_engine,
+    register_engine,
+)
 from lightning_dp.clipping.registry import (
     UnsupportedModuleError,
     find_layer_family,
@@ -43,6 +51,7 @@ __all__ = [
     "PerSampleClipper",
     "UnsupportedModuleError",
     "auto_engine",
+    "clipping_choices",
     "find_layer_family",
     "make_engine",
     "register_engine",

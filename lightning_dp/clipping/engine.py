@@ -113,6 +113,12 @@ def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
 AUTO = "auto"
 
 
+def clipping_choices() -> tuple[str, ...]:
+    """The values the ``clipping`` option takes: :data:`AUTO`, then every registered engine (read at call time, so
+    engines registered by extensions are included)."""
+    return (AUTO, *ENGINES)
+
+
 def auto_engine(norm: int) -> tuple[str, str]:
     """The engine ``clipping="auto"`` runs when per-sample gradients are clipped in the ``norm`` norm, and why.
 
