@@ -27,7 +27,7 @@ import peft
 import torch
 import transformers
 from accelerate import PartialState
-from hf_helpers import VOCAB, LogRecorder, TokenDataset, make_trainer
+from hf_helpers import LogRecorder, TokenDataset, make_trainer, tiny_llama
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -39,21 +39,7 @@ RESULT: dict = {}
 
 
 def save_tiny_llama(folder: Path) -> None:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    transformers.LlamaForCausalLM(config).to(torch.float64).save_pretrained(folder)
+    tiny_llama(torch.float64, layers=2).save_pretrained(folder)
 
 
 def load(folder: Path, lora: bool) -> torch.nn.Module:

@@ -22,13 +22,13 @@ def tiny_gpt2() -> transformers.GPT2LMHeadModel:
     return transformers.GPT2LMHeadModel(config)
 
 
-def tiny_llama(dtype: torch.dtype = torch.float32) -> transformers.LlamaForCausalLM:
+def tiny_llama(dtype: torch.dtype = torch.float32, layers: int = 1) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=24,
-        num_hidden_layers=1,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=16,
