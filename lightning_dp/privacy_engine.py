@@ -251,7 +251,8 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
 
     def _adaptive_clipping(self) -> NoiseMechanism:
         """Set up :attr:`adaptive` (its bound restored from a checkpoint if one was loaded) and return the mechanism
-        of the clipped sum, ``GaussianMechanism(sigma_sum, C_t)`` (:mod:`lightning_dp.optim.adaptive_clipping`).
+        of the clipped sum, ``GaussianMechanism(sigma_sum, C_t)`` (:mod:`lightning_dp.optim.adaptive_clipping`): one
+        object for the engine's life, which every optimizer it wrapped holds and :meth:`_set_clip_bound` updates.
 
         Raises:
             ValueError: ``unclipped_num_std <= noise_multiplier / 2``.
@@ -276,8 +277,13 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             max_clipbound=config.max_clipbound,
         )
         self._restored_clip_bound = None
+        if isinstance(self.sum_mechanism, GaussianMechanism) and self.sum_mechanism is not self.mechanism:
+            # prepared again (another fit): the optimizer wrapped before holds this object, so it is updated in place
+            self.sum_mechanism.noise_multiplier = sum_sigma
+        else:
+            self.sum_mechanism = GaussianMechanism(sum_sigma, self.adaptive.bound)
         self._set_clip_bound(self.adaptive.bound)
-        return GaussianMechanism(sum_sigma, self.adaptive.bound)
+        return self.sum_mechanism
 
     def _set_clip_bound(self, bound: float) -> None:
         """Clip at ``bound`` from the next micro-batch on, and noise the next sum for it."""

@@ -197,6 +197,16 @@ def test_each_step_clips_and_is_noised_at_one_bound_moved_only_after_its_noise()
     assert len(set(bounds)) == 5
 
 
+def test_prepared_again_the_sums_mechanism_is_the_one_the_first_optimizer_holds() -> None:
+    """A second fit prepares the engine again: an optimizer wrapped before must keep noising at the current bound."""
+    model, (x, y) = _model(), _data()
+    engine = _engine()
+    _train(engine, model, 2, lambda t: [(x[:32], y[:32])])
+    held = engine.sum_mechanism
+    engine.prepare(num_samples=64, sample_rate=0.5, total_steps=None)
+    assert engine.sum_mechanism is held and held.max_grad_norm == engine.current_max_grad_norm
+
+
 def test_a_count_left_by_an_interrupted_step_is_discarded_at_the_next_run() -> None:
     model, (x, y) = _model(), _data()
     engine = _engine()
