@@ -227,6 +227,10 @@ def test_the_summary_reports_the_current_bound_the_initial_one_and_the_sums_nois
     assert (
         summary["noise_multiplier"] == 1.0 and summary["sum_noise_multiplier"] == engine.sum_mechanism.noise_multiplier
     )
+    from lightning_dp.lightning.callbacks import tracker_params
+
+    params = tracker_params(summary)  # the trackers' parameters are fixed for the run (MLflow's cannot change)
+    assert "dp/max_grad_norm" not in params and params["dp/initial_max_grad_norm"] == 5.0
 
 
 # ------------------------------------------------------------------------------------------------- state

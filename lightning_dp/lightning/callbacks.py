@@ -31,13 +31,11 @@ PROGRESS_KEYS = ("epsilon", "steps")
 
 def tracker_params(summary: dict[str, Any]) -> dict[str, Any]:
     """The run's fixed privacy settings as experiment-tracker parameters (keys ``dp/<name>``: noise and its
-    parameters, delta, sample rate, accountant, clipping...; not :data:`PROGRESS_KEYS`): numbers and strings as they
-    are, anything else (e.g. the low-pass filter's description) as its ``str``."""
-    return {
-        f"dp/{k}": v if isinstance(v, (int, float, str)) else str(v)
-        for k, v in summary.items()
-        if k not in PROGRESS_KEYS
-    }
+    parameters, delta, sample rate, accountant, clipping...; not :data:`PROGRESS_KEYS`, nor under adaptive clipping
+    the moving ``max_grad_norm``): numbers and strings as they are, anything else (e.g. the low-pass filter's
+    description) as its ``str``."""
+    moving = (*PROGRESS_KEYS, "max_grad_norm") if "initial_max_grad_norm" in summary else PROGRESS_KEYS  # adaptive
+    return {f"dp/{k}": v if isinstance(v, (int, float, str)) else str(v) for k, v in summary.items() if k not in moving}
 
 
 def format_summary(summary: dict[str, Any]) -> str:

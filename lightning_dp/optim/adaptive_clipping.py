@@ -184,14 +184,13 @@ class AdaptiveClipping:
         return bound
 
     def describe(self) -> dict[str, float | None]:
-        """The options and the current bound, for summaries and the start-up block."""
+        """The options (fixed for the run; the current bound is :attr:`bound`), for summaries."""
         return {
             "target_unclipped_quantile": self.target_unclipped_quantile,
             "clipbound_learning_rate": self.clipbound_learning_rate,
             "unclipped_num_std": self.unclipped_num_std,
             "min_clipbound": self.min_clipbound,
             "max_clipbound": self.max_clipbound,
-            "current_max_grad_norm": self.bound,
         }
 
     def state_dict(self) -> dict[str, Any]:
