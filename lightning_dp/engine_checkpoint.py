@@ -89,7 +89,8 @@ class EngineCheckpoint:
                 relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
                 event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
                 momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
-                checkpoint's lowpass coefficients differ from this run's.
+                checkpoint's lowpass coefficients differ from this run's; one of the checkpoint and this run clips
+                adaptively and the other does not, or its adaptive bound is not a positive number.
         """
         check_privacy_state(state)
         adaptive = state.get("adaptive_clipping")

@@ -172,7 +172,7 @@ class EngineSteps:
         collectives: dict[str, Any] = {}
         if self.distributed is not None:
             self.distributed.check_identical(
-                "dataset size, sample rate and noise",
+                "dataset size, sample rate, noise and adaptive clipping",
                 (
                     self.num_samples,
                     self.sample_rate,
