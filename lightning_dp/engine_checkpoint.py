@@ -104,8 +104,7 @@ class EngineCheckpoint:
                 )
                 + ": resume with the same target_unclipped_quantile setting"
             )
-        if adaptive is not None:
-            restored_bound(adaptive)  # a malformed bound fails before anything is replaced
+        bound = None if adaptive is None else restored_bound(adaptive)  # malformed: fails before anything changes
         if "momentum" in state:
             self.momentum.load_state_dict(state["momentum"])
         elif self.momentum.enabled:
@@ -153,21 +152,18 @@ class EngineCheckpoint:
         if self.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
             self.distributed.synchronize_randomness(self.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
-        self._load_adaptive_clipping_state(state.get("adaptive_clipping"))
+        self._restore_clip_bound(bound)
 
-    def _load_adaptive_clipping_state(self, state: dict[str, Any] | None) -> None:
-        """Restore the adaptive clipping bound (at once when the run is prepared, else when it is).
-
-        Raises:
-            ValueError: the bound is missing or not positive.
-        """
-        if state is None:
+    def _restore_clip_bound(self, bound: float | None) -> None:
+        """Continue adaptive clipping from the checkpoint's ``bound`` (``None``: no adaptive state): at once when the
+        run is already prepared, else when :meth:`prepare` sets it up."""
+        if bound is None:
             return
-        if self.adaptive is None:  # taken up by prepare
-            self._restored_clip_bound = restored_bound(state)
+        if self.adaptive is None:
+            self._restored_clip_bound = bound
         else:  # restored after the run was prepared
-            self.adaptive.load_state_dict(state)
-            self._set_clip_bound(self.adaptive.bound)
+            self.adaptive.restore(bound)
+            self._set_clip_bound(bound)
 
     def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
         """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""

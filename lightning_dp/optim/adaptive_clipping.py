@@ -198,17 +198,15 @@ class AdaptiveClipping:
         are written between steps)."""
         return {"bound": self.bound}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
-
-        Raises:
-            ValueError: as :func:`restored_bound`.
-        """
-        self.bound, self.centred_count = restored_bound(state), None
+    def restore(self, bound: float) -> None:
+        """Continue from a checkpoint's bound (:func:`restored_bound` of a :meth:`state_dict`); no count in
+        progress."""
+        self.bound, self.centred_count = float(bound), None
 
 
 def restored_bound(state: Any) -> float:
-    """The bound in an :meth:`AdaptiveClipping.state_dict` read back from a checkpoint.
+    """The bound in an :meth:`AdaptiveClipping.state_dict` read back from a checkpoint (for
+    :meth:`AdaptiveClipping.restore`).
 
     Raises:
         ValueError: not a dict with a positive number under ``"bound"``.
