@@ -3,6 +3,7 @@
     nice -n 15 python bench/recipes.py --task glue          # the five variants of one recipe, then render
     nice -n 15 python bench/recipes.py --task glue --seeds 1 2   # the same with other seeds
     nice -n 15 python bench/recipes.py --task glue --variants untuned   # the pretrained model, no training step
+    nice -n 15 python bench/recipes.py --task cifar --variants gaussian-eps3 --seeds 0 1 2 --threads 1
     python bench/recipes.py --render                        # only re-render the docs from docs/recipes/*/*.json
 
 Each variant runs the recipe's docs configuration unchanged plus the variant's flags, through the same script users
@@ -19,6 +20,11 @@ Rendering puts one table per task between the ``<!-- results -->`` markers of ``
 summary table between those of ``docs/recipes.md``; the tables hold only what the JSON files say. A task whose runs
 recorded periodic evaluations (their ``history``) also gets ``docs/recipes/<task>/curves.png``: the evaluation metric
 and epsilon against the optimizer steps.
+
+``--threads N`` runs the variants with ``OMP_NUM_THREADS=N`` (torch's intra-op threads) and keeps them apart, as
+``<variant>.threads<N>.json`` / ``<variant>.threads<N>.seed<S>.json``: they are not part of the results tables but of
+the thread-count table between the ``<!-- threads -->`` markers of the task's page (where the page has them), which
+sets each seed's metric at N threads beside the same seed's recorded run (the machine's default thread count).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -40,6 +47,7 @@ from lightning_dp.help_format import HelpFormatter
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+THREADS_START, THREADS_END = "<!-- threads:start -->", "<!-- threads:end -->"
 
 #: task -> (script users run, docs configuration, metric of the summary table).
 TASKS = {
@@ -81,9 +89,10 @@ def seed_flags(task: str, variant: str, seed: int) -> list[str]:
     return ["--seed", str(seed), "--dp_seed", str(seed)]
 
 
-def results_name(variant: str, seed: int) -> str:
-    """The JSON file a run of ``variant`` with ``seed`` is kept in."""
-    return f"{variant}.json" if seed == 0 else f"{variant}.seed{seed}.json"
+def results_name(variant: str, seed: int, threads: int | None = None) -> str:
+    """The JSON file a run of ``variant`` with ``seed`` is kept in (with ``threads``: a run at that thread count)."""
+    stem = variant if threads is None else f"{variant}.threads{threads}"
+    return f"{stem}.json" if seed == 0 else f"{stem}.seed{seed}.json"
 
 
 def variant_command(task: str, variant: str, results_file: str, output_dir: str, seed: int = 0) -> list[str]:
@@ -99,16 +108,17 @@ def variant_command(task: str, variant: str, results_file: str, output_dir: str,
     return [*command, *flags, "--output_dir", output_dir]
 
 
-def run_task(task: str, variants: list[str], seeds: list[int]) -> None:
+def run_task(task: str, variants: list[str], seeds: list[int], threads: int | None = None) -> None:
     folder = DOCS / "recipes" / task
     folder.mkdir(parents=True, exist_ok=True)
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     for seed in seeds:
         for variant in variants:
-            results = folder / results_name(variant, seed)
+            results = folder / results_name(variant, seed, threads)
             with tempfile.TemporaryDirectory() as output_dir:
                 command = variant_command(task, variant, str(results.relative_to(ROOT)), output_dir, seed)
-                print("$", shlex.join(command), flush=True)
-                subprocess.run(command, cwd=ROOT, check=True)
+                print("$", "" if threads is None else f"OMP_NUM_THREADS={threads}", shlex.join(command), flush=True)
+                subprocess.run(command, cwd=ROOT, check=True, env=env)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -132,6 +142,16 @@ def load_results(task: str) -> dict[str, list[dict]]:
             seeds = sorted(folder.glob(f"{variant}.seed*.json"), key=lambda path: int(path.stem.split(".seed")[1]))
             results[variant] = [json.loads(path.read_text()) for path in [folder / f"{variant}.json", *seeds]]
     return results
+
+
+def load_thread_runs(task: str) -> dict[tuple[str, int], dict[int, dict]]:
+    """``(variant, threads) -> {seed: results.json}`` of ``task``'s runs made with ``--threads``."""
+    runs: dict[tuple[str, int], dict[int, dict]] = {}
+    for path in sorted((DOCS / "recipes" / task).glob("*.threads*.json")):
+        variant, rest = path.stem.split(".threads", 1)
+        threads, _, seed = rest.partition(".seed")
+        runs.setdefault((variant, int(threads)), {})[int(seed or 0)] = json.loads(path.read_text())
+    return runs
 
 
 def _spread(values: list[float | None], digits: int = 2) -> str:
@@ -196,6 +216,45 @@ def task_table(task: str, results: dict[str, list[dict]]) -> str:
         "```",
     ]
     return "\n".join(lines)
+
+
+def thread_table(task: str, thread_runs: dict[tuple[str, int], dict[int, dict]]) -> str:
+    """The Markdown table of ``task``'s runs at another thread count: per seed, the summary metric of the recorded
+    run of the same variant and seed (its thread count from its environment) and of the run at the other thread
+    count, and their difference."""
+    metric = TASKS[task][2]
+    lines = [
+        f"| variant | seed | {metric}, recorded run (threads) | {metric}, other thread count (threads) | difference |",
+        "|---|---|---|---|---|",
+    ]
+    differences, commands = [], []
+    for (variant, _), by_seed in sorted(thread_runs.items()):
+        for seed, run in sorted(by_seed.items()):
+            recorded = DOCS / "recipes" / task / results_name(variant, seed)
+            if not recorded.exists():
+                continue
+            base = json.loads(recorded.read_text())
+            difference = run["metrics"][metric] - base["metrics"][metric]
+            differences.append(abs(difference))
+            lines.append(
+                f"| {variant} | {seed} | {base['metrics'][metric]:.2f} ({base['environment']['threads']}) | "
+                f"{run['metrics'][metric]:.2f} ({run['environment']['threads']}) | {difference:+.2f} |"
+            )
+            commands.append(f"OMP_NUM_THREADS={run['environment']['threads']} {display_command(task, run['command'])}")
+    if not differences:
+        return "(no runs at another thread count recorded yet)"
+    return "\n".join(
+        [
+            *lines,
+            "",
+            f"Mean absolute difference: {statistics.mean(differences):.2f} points over {len(differences)} seeds.",
+            "Commands (from the repository root):",
+            "",
+            "```bash",
+            *commands,
+            "```",
+        ]
+    )
 
 
 def summary_table() -> str:
@@ -276,6 +335,10 @@ def render(tasks: list[str]) -> None:
         results = load_results(task)
         if page.exists():
             replace_between_markers(page, task_table(task, results), START, END)
+            if THREADS_START in page.read_text():
+                replace_between_markers(
+                    page, thread_table(task, results, load_thread_runs(task)), THREADS_START, THREADS_END
+                )
         write_curves(task, results)
     replace_between_markers(DOCS / "recipes.md", summary_table(), START, END)
 
@@ -285,10 +348,11 @@ def main() -> None:
     parser.add_argument("--task", choices=sorted(TASKS), help="run this recipe's variants, then render")
     parser.add_argument("--variants", nargs="+", choices=ALL_VARIANTS, default=list(VARIANTS), help="untuned: HF only")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="run every variant with each seed")
+    parser.add_argument("--threads", type=int, help="run with OMP_NUM_THREADS=N, kept apart for the thread-count table")
     parser.add_argument("--render", action="store_true", help="only render the docs from the recorded JSON files")
     opts = parser.parse_args()
     if opts.task and not opts.render:
-        run_task(opts.task, opts.variants, opts.seeds)
+        run_task(opts.task, opts.variants, opts.seeds, opts.threads)
     render([opts.task] if opts.task else list(TASKS))
 
 

@@ -6,6 +6,7 @@ result tables."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,10 +318,45 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
         bench.results_name("lap2-eps8", 0) == "lap2-eps8.json"
         and bench.results_name("lap2-eps8", 1) == "lap2-eps8.seed1.json"
     )
+    assert (
+        bench.results_name("lap2-eps8", 0, threads=1) == "lap2-eps8.threads1.json"
+        and bench.results_name("lap2-eps8", 2, threads=1) == "lap2-eps8.threads1.seed2.json"
+    )
     page = tmp_path / "p.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
     bench.replace_between_markers(page, "new", bench.START, bench.END)
     assert page.read_text() == f"intro\n{bench.START}\nnew\n{bench.END}\nend\n"
+
+
+def test_the_thread_table_sets_each_seed_beside_the_recorded_run(tmp_path, monkeypatch):
+    """Runs made with ``--threads`` are kept out of the results tables and compared seed by seed with the recorded
+    run of the same variant and seed."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DOCS", tmp_path)
+    folder = tmp_path / "recipes" / "cifar"
+    folder.mkdir(parents=True)
+    command = "python recipes/cifar.py --config configs/cifar10_offline.yaml --seed_everything=1"
+
+    def record(name: str, accuracy: float, threads: int) -> None:
+        run = {"metrics": {"accuracy": accuracy}, "environment": {"threads": threads}, "command": command}
+        (folder / name).write_text(json.dumps(run))
+
+    record("gaussian-eps3.json", 20.0, 2)
+    record("gaussian-eps3.seed1.json", 25.5, 2)
+    record("gaussian-eps3.threads1.json", 23.0, 1)
+    record("gaussian-eps3.threads1.seed1.json", 24.5, 1)
+    runs = bench.load_thread_runs("cifar")
+    assert sorted(runs) == [("gaussian-eps3", 1)] and sorted(runs["gaussian-eps3", 1]) == [0, 1]
+    assert list(bench.load_results("cifar")) == ["gaussian-eps3"]  # two seeds, the thread runs not among them
+    assert len(bench.load_results("cifar")["gaussian-eps3"]) == 2
+    table = bench.thread_table("cifar", runs)
+    assert "| gaussian-eps3 | 0 | 20.00 (2) | 23.00 (1) | +3.00 |" in table
+    assert "| gaussian-eps3 | 1 | 25.50 (2) | 24.50 (1) | -1.00 |" in table
+    assert "Mean absolute difference: 2.00 points over 2 seeds." in table
+    assert f"OMP_NUM_THREADS=1 {command}" in table
 
 
 class FakeSplit(list):
@@ -387,12 +423,16 @@ def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatc
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
 
-    def marked(page):
+    def marked(page, start=bench.START, end=bench.END):
         text = page.read_text()
-        return text.split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n")
+        return text.split(start, 1)[1].split(end, 1)[0].strip("\n")
 
     assert marked(ROOT / "docs" / "recipes.md") == bench.summary_table()
     for task in bench.TASKS:
         assert marked(ROOT / "docs" / "recipes" / f"{task}.md") == bench.task_table(task, bench.load_results(task)), (
             task
         )
+        page = ROOT / "docs" / "recipes" / f"{task}.md"
+        if bench.THREADS_START in page.read_text():
+            threads = marked(page, bench.THREADS_START, bench.THREADS_END)
+            assert threads == bench.thread_table(task, bench.load_thread_runs(task)), task
