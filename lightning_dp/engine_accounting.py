@@ -115,7 +115,9 @@ class EngineAccounting:
     def summary(self) -> dict[str, Any]:
         """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant. Under adaptive
         clipping ``max_grad_norm`` is the current bound, beside ``initial_max_grad_norm``, the clipped sum's
-        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma)."""
+        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma). With clipping
+        groups, ``max_grad_norm`` is the sensitivity ``sqrt(sum_g C_g^2)`` the noise is scaled to, and
+        ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -127,6 +129,7 @@ class EngineAccounting:
             "num_params": self.num_params,
             "accountant": self.accountant.name,
             "clipping": self.clipping,
+            **({"clipping_groups": self.clipping_groups.bounds_by_label()} if self.clipping_groups is not None else {}),
             **(
                 {"projection_dim": self.clipper.engine.projection_dim, "norm_dim": self.norm_dim}
                 if self.randomized_clipping and self.clipper is not None
