@@ -12,6 +12,16 @@ from lightning_dp.accounting import randomized_clipping_step_event
 log = logging.getLogger("lightning_dp")
 
 
+def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a :meth:`EngineAccounting.summary` as metrics: each number under its key, and with clipping
+    groups each group's bound under ``clipping_groups/<group>`` (the summary's ``max_grad_norm`` is then the
+    sensitivity ``sqrt(sum_g C_g^2)``)."""
+    metrics = {key: float(value) for key, value in summary.items() if isinstance(value, int | float)}
+    for label, bound in summary.get("clipping_groups", {}).items():
+        metrics[f"clipping_groups/{label}"] = float(bound)
+    return metrics
+
+
 class EngineAccounting:
     """Accounting methods of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it). The
     attributes it reads (``accountant``, ``mechanism``, ``sample_rate``, ``num_params``, ``target_delta``, ...) are

@@ -117,9 +117,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     per-sample norm is taken over all trainable parameters jointly; a parameter used several times (tied weights,
     a module called twice) contributes the norm of its summed gradient. With ``clipping_groups`` the norm is taken
     per group of parameters and each group clipped to its own bound (:mod:`~lightning_dp.clipping.groups`). The set
-    of trainable parameters is fixed
-    at construction: freezing or unfreezing a parameter afterwards (e.g. Lightning's ``BackboneFinetuning``) makes
-    the next :meth:`backward` raise.
+    of trainable parameters is fixed at construction: freezing or unfreezing a parameter afterwards (e.g.
+    Lightning's ``BackboneFinetuning``) makes the next :meth:`backward` raise.
 
     Args:
         module: the model; the first dimension of every hooked layer's input/output is the sample dimension.
@@ -340,6 +339,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         if not self._hooks.attached:
             raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
         self._check_trainable_set()
+        self.last_group_norms = None
         batch = self._batch_size(per_sample_loss)
         try:
             if self._past and batch != self._past_batch:
