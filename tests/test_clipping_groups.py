@@ -263,3 +263,37 @@ def test_the_clipper_refuses_what_groups_do_not_support(options, match) -> None:
     extra = {"generator_for": lambda device: torch.Generator()} if options.get("clipping") == "hutch" else {}
     with pytest.raises(ValueError, match=match):
         PerSampleClipper(_model(), **options, **extra)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("engine", ["ghost", "mixed"])
+def test_groups_of_a_swapped_attention_are_those_of_its_own_parameter_names(engine) -> None:
+    """nn.MultiheadAttention is swapped for proxies that register its parameters again: the groups are resolved on
+    the model's names before the swap (the packed in-projection in the attention's group, out_proj in its own)."""
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = randomise(Attend())
+    x = rand(4, 3, 6)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def one(p, xi):
+        return sin_loss(lambda z: functional_call(model, p, (z,)), (xi[None],)).sum()
+
+    grads = vmap(grad(one), in_dims=(None, 0))(params, x)
+    group_of = {"attn.in_proj_weight": 0, "attn.in_proj_bias": 0, "attn.out_proj.weight": 1, "attn.out_proj.bias": 1}
+    bounds = _bounds_that_clip_about_half(_group_norms(grads, group_of))
+    clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=bounds, clipping_groups="per_layer")
+    assert clipper.groups.labels == ("attn", "attn.out_proj")
+    clipper.backward(sin_loss(model, (x,)))
+    expected = _expected_sum(grads, group_of, bounds)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
+    clipper.detach()

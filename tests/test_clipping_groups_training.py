@@ -83,6 +83,22 @@ def test_summary_and_startup_block_show_the_bounds_and_the_sensitivity() -> None
     assert engine.summary()["clipping_groups"] == summary["clipping_groups"]  # kept after the run
 
 
+def test_a_checkpoint_resumes_at_the_same_sensitivity_only() -> None:
+    """The privacy state holds the mechanism, whose bound is the sensitivity: a run with groups of the same
+    sensitivity continues the ledger; a run whose sensitivity differs is refused."""
+    engine = _prepared(noise_multiplier=1.0, max_grad_norm=BOUNDS, clipping_groups="per_layer")
+    for _ in range(3):
+        engine.record_step()
+    state = engine.state_dict()
+    assert state["mechanism"]["max_grad_norm"] == pytest.approx(SENSITIVITY)
+    same = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=BOUNDS, clipping_groups="per_layer")
+    same.load_state_dict(state)
+    assert same.accountant.steps == 3
+    other = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=[0.6, 0.6], clipping_groups="per_layer")
+    with pytest.raises(ValueError, match="resume with the same clipping bound"):
+        other.load_state_dict(state)
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
