@@ -14,11 +14,12 @@ log = logging.getLogger("lightning_dp")
 
 def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The numbers of a :meth:`EngineAccounting.summary` as metrics: each number under its key, and with clipping
-    groups each group's bound under ``clipping_groups/<group>`` (the summary's ``max_grad_norm`` is then the
-    sensitivity ``sqrt(sum_g C_g^2)``)."""
+    groups each group's bound under ``clipping_groups/<index>``, the group's position (labels hold patterns such as
+    ``bert.*``, which trackers rewrite in metric names; the summary maps each label to its bound), the summary's
+    ``max_grad_norm`` then being the sensitivity ``sqrt(sum_g C_g^2)``."""
     metrics = {key: float(value) for key, value in summary.items() if isinstance(value, int | float)}
-    for label, bound in summary.get("clipping_groups", {}).items():
-        metrics[f"clipping_groups/{label}"] = float(bound)
+    for index, bound in enumerate(summary.get("clipping_groups", {}).values()):
+        metrics[f"clipping_groups/{index}"] = float(bound)
     return metrics
 
 

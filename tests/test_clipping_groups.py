@@ -297,3 +297,46 @@ def test_groups_of_a_swapped_attention_are_those_of_its_own_parameter_names(engi
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
     clipper.detach()
+
+
+def test_the_clipper_sees_both_names_of_a_tied_weight() -> None:
+    """The tied weight's second name (``head.weight``) counts: a group naming only it claims the embedding too."""
+    with pytest.raises(ValueError, match=r"'emb.weight' \(groups \[0, 1\]\)"):
+        PerSampleClipper(_model(), max_grad_norm=1.0, clipping_groups=[["emb.*", "conv.*", "norm.*"], ["head.*"]])
+
+
+def test_per_layer_counts_only_layers_with_trainable_parameters() -> None:
+    """A frozen layer is no group: a number ``C`` is split over the trainable layers only."""
+    model = _model()
+    model.conv.requires_grad_(False)
+    clipper = PerSampleClipper(model, max_grad_norm=3.0, clipping_groups="per_layer")
+    assert clipper.groups.labels == ("emb", "norm", "head") and clipper.groups.bounds == (pytest.approx(3**0.5),) * 3
+
+
+class _CancellingModel(nn.Module):
+    """Every token of a sample is the same row and the per-token weights sum to zero, so ``a``'s per-sample gradient
+    cancels to ~1e-5 while ``b``'s does not: the Gram products of the ghost norm round ``a``'s square below 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ((self.a(x) @ v) * w).sum(1) + self.b(x).sum((1, 2))
+
+
+@pytest.mark.parametrize("clipping_groups", [None, "per_layer"])
+@pytest.mark.parametrize("engine", ["ghost", "mixed"])
+def test_a_near_zero_group_rounded_below_zero_gives_a_finite_norm_and_gradient(engine, clipping_groups) -> None:
+    torch.manual_seed(0)
+    model = _CancellingModel()
+    x = torch.randn(8, 1, 64).expand(8, 16, 64).contiguous()
+    w = torch.randn(16)
+    w = w - w.mean()
+    clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=1.0, clipping_groups=clipping_groups)
+    norms = clipper.backward(model(x, w, torch.randn(64)))
+    assert norms.isfinite().all() and not clipper.dropped_nonfinite
+    assert all(p.grad.isfinite().all() for p in model.parameters())
+    if clipping_groups is not None:
+        assert clipper.last_group_norms.isfinite().all()

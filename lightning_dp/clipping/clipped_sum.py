@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.sharding import is_sharded, sum_into_shard
@@ -49,6 +50,7 @@ class ClippedSumMixin:
     bookkeeping: bool
     dropped_nonfinite: bool
     _group_of: dict[nn.Parameter, int]
+    groups: ClippingGroups | None
     _past_finite: torch.Tensor | None
 
     def _kept_for_sum(
@@ -108,7 +110,7 @@ class ClippedSumMixin:
             for param, param_terms in terms.items():
                 if keep is not None:
                     param_terms = [term.masked(keep) for term in param_terms]
-                param_factors = factors[self._group_of.get(param, 0)]
+                param_factors = factors[0 if self.groups is None else self._group_of[param]]
                 clipped = param_terms[0].batch_sum(param_factors)
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(param_factors)

@@ -363,6 +363,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             )
             totals, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept)
             del batch_grads
+            if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
+                totals = totals.clamp_min(0)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
@@ -459,7 +461,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return self._clip(per_sample_loss, accumulate=False)
 
     def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
-        """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``.
+        """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``; with
+        ``clipping_groups``, each group ``g``'s parameters get ``sum_i c_gi grad_g(loss_i)``, ``c_gi = min(1, C_g /
+        (n_gi + 1e-6))`` with ``n_gi`` the norm of sample ``i``'s gradient over the group's parameters.
 
         With past iterates added (:meth:`add_past_iterate`), ``grad(loss_i)`` is the per-sample momentum
         ``weight * grad(loss_i) + sum_past w * grad_past(loss_i)``, and ``n_i`` its norm.

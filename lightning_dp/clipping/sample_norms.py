@@ -214,7 +214,7 @@ class SampleNormsMixin:
                         grads[param] = grad
                 else:
                     contribution = self._engine.contribution(param_terms, self.norm, generator)
-                clip_group = self._group_of.get(param, 0)
+                clip_group = 0 if self.groups is None else self._group_of[param]
                 totals[clip_group] = totals[clip_group] + contribution.to(dtype)
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
