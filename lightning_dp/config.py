@@ -20,6 +20,7 @@ config file or command line reports the key at fault (:mod:`lightning_dp.config_
 from __future__ import annotations
 
 import inspect
+import math
 import textwrap
 import typing
 from dataclasses import dataclass, field, fields
@@ -29,6 +30,14 @@ from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_e
 from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import AUTO, ENGINES, auto_engine, clipping_choices
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
+from lightning_dp.clipping.groups import (
+    PER_LAYER,
+    check_grouped_clipping,
+    is_bound_list,
+    sensitivity,
+    validate_bounds,
+    validate_clipping_groups,
+)
 from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.mechanisms import NoiseMechanism
@@ -56,10 +65,12 @@ class PrivacyConfig:
         ValueError: any invalid value or combination, with what to change.
     """
 
-    max_grad_norm: float = _option(
+    max_grad_norm: float | list[float] = _option(
         1.0,
-        "per-sample clipping bound C > 0 (l2; l1 for ``noise='laplace'``), in the units of the gradient norm.",
-        "Per-sample clipping bound C > 0.",
+        "per-sample clipping bound C > 0 (l2; l1 for ``noise='laplace'``), in the units of the gradient norm. With "
+        "``clipping_groups``, one number (each of the G groups gets ``C / sqrt(G)``) or a list of one bound per "
+        "group; the sensitivity, which the noise is scaled to, is then ``sqrt(sum_g C_g^2)``.",
+        "Per-sample clipping bound C > 0; with clipping_groups, one bound per group (several values, or JSON list).",
     )
     target_epsilon: float | None = _option(
         None,
@@ -214,10 +225,26 @@ class PrivacyConfig:
         "is checkpointed.",
         'Low-pass filter of the noisy gradient: a preset name or JSON {"a": [...], "b": [...]}.',
     )
+    clipping_groups: str | list[list[str]] | None = _option(
+        None,
+        "group-wise clipping (He et al. 2022, Section 3; :mod:`lightning_dp.clipping.groups`): ``None`` (default) "
+        "clips each example's whole gradient to ``max_grad_norm``; ``'per_layer'`` makes one group per module "
+        "owning trainable parameters (``named_modules`` order), a list of groups of fnmatch patterns on parameter "
+        "names (``[['encoder.*'], ['classifier.*', 'pooler.*']]``) must put every trainable parameter in exactly "
+        "one group. Each group's part of an example's gradient is clipped to its own bound ``C_g`` "
+        "(``max_grad_norm``), the noise is scaled to ``sqrt(sum_g C_g^2)`` and the accounting is that of flat "
+        "clipping at that bound. l2 mechanisms, exact engines and book-keeping only; not with adaptive clipping.",
+        "Group-wise clipping: per_layer, or JSON list of groups of parameter-name patterns (None: flat clipping).",
+    )
 
     def __post_init__(self) -> None:
         with checking("max_grad_norm"):
-            validate_max_grad_norm(self.max_grad_norm)
+            if is_bound_list(self.max_grad_norm):
+                validate_bounds(self.max_grad_norm)
+            else:
+                validate_max_grad_norm(self.max_grad_norm)
+        with checking("clipping_groups"):
+            validate_clipping_groups(self.clipping_groups, self.max_grad_norm)
         with checking("check_batch_independence_every"):
             validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
         validate_momentum(self.momentum_length, self.momentum_beta)
@@ -256,9 +283,10 @@ class PrivacyConfig:
         if self.clipping != AUTO and self.clipping not in ENGINES:
             choices = clipping_choices()
             with checking("clipping"):
-                raise ValueError(
-                    f"clipping must be one of {choices}, got {self.clipping!r}{did_you_mean(self.clipping, choices)}"
-                )
+                hint = did_you_mean(self.clipping, choices)
+                if str(self.clipping).replace("-", "_").lower() == PER_LAYER:
+                    hint = f" (per-layer clipping is clipping_groups='{PER_LAYER}', with an exact engine)"
+                raise ValueError(f"clipping must be one of {choices}, got {self.clipping!r}{hint}")
         if self.randomized_clipping and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
             raise ValueError(
                 f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
@@ -267,10 +295,11 @@ class PrivacyConfig:
             )
         if self.noise_multiplier is not None and self.noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {self.noise!r} pass noise_params")
-        if isinstance(self.noise, NoiseMechanism) and self.noise.max_grad_norm != self.max_grad_norm:
+        if isinstance(self.noise, NoiseMechanism) and not self._carries_sensitivity(self.noise):
+            groups = f" (the sensitivity sqrt(sum C_g^2) = {self.sensitivity:.6g})" if self.clipping_groups else ""
             raise ValueError(
-                f"max_grad_norm={self.max_grad_norm} differs from the mechanism's {self.noise.max_grad_norm}; make "
-                "them equal"
+                f"max_grad_norm={self.max_grad_norm}{groups} differs from the mechanism's {self.noise.max_grad_norm}; "
+                "make them equal"
             )
         if self.secure_mode:
             check_secure_mechanism(self.noise)
@@ -283,6 +312,15 @@ class PrivacyConfig:
             self.max_clipbound,
             self.unclipped_num_std,
         )
+        if self.clipping_groups is not None:
+            with checking("clipping_groups"):
+                check_grouped_clipping(
+                    norm=self._clip_norm(),
+                    engine=self.clipping,
+                    randomized=self.randomized_clipping,
+                    bookkeeping=self.bookkeeping,
+                    adaptive=self.adaptive_clipping,
+                )
         if self.adaptive_clipping and (self.noise_name != "gaussian" or self.randomized_clipping):
             raise ValueError(
                 "adaptive clipping (target_unclipped_quantile) needs noise='gaussian' and an exact clipping engine "
@@ -305,6 +343,25 @@ class PrivacyConfig:
         return self.noise.name if isinstance(self.noise, NoiseMechanism) else self.noise
 
     @property
+    def sensitivity(self) -> float:
+        """The l2 (l1 for ``noise='laplace'``) sensitivity of a step's clipped sum, which the mechanism's
+        ``max_grad_norm`` is: ``max_grad_norm``, or ``sqrt(sum_g C_g^2)`` for a list of group bounds
+        (:func:`~lightning_dp.clipping.groups.sensitivity`; a number split over groups keeps its value)."""
+        return sensitivity(self.max_grad_norm)
+
+    def _carries_sensitivity(self, mechanism: NoiseMechanism) -> bool:
+        """Whether ``mechanism.max_grad_norm`` is :attr:`sensitivity`: equal to the bound, or for a list of group
+        bounds equal up to float rounding (the root of the sum of squares computed elsewhere)."""
+        if is_bound_list(self.max_grad_norm):
+            return math.isclose(mechanism.max_grad_norm, self.sensitivity, rel_tol=1e-12)
+        return mechanism.max_grad_norm == self.max_grad_norm
+
+    def _clip_norm(self) -> int:
+        """The mechanism's clipping norm (1 or 2)."""
+        mechanism = self.noise if isinstance(self.noise, NoiseMechanism) else mechanism_class(self.noise)
+        return mechanism.clip_norm
+
+    @property
     def adaptive_clipping(self) -> bool:
         """Whether the clipping bound adapts to a quantile of the per-sample norms (``target_unclipped_quantile``)."""
         return self.target_unclipped_quantile is not None
@@ -321,8 +378,7 @@ class PrivacyConfig:
         (:func:`~lightning_dp.clipping.engine.auto_engine`): ``'mixed'`` for l2, ``'flat'`` for l1."""
         if self.clipping != AUTO:
             return self.clipping, None
-        mechanism = self.noise if isinstance(self.noise, NoiseMechanism) else mechanism_class(self.noise)
-        return auto_engine(mechanism.clip_norm)
+        return auto_engine(self._clip_norm())
 
 
 def option_docs(names: dict[str, str] | None = None, indent: int = 12) -> str:

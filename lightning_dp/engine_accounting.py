@@ -12,6 +12,17 @@ from lightning_dp.accounting import randomized_clipping_step_event
 log = logging.getLogger("lightning_dp")
 
 
+def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a :meth:`EngineAccounting.summary` as metrics: each number under its key, and with clipping
+    groups each group's bound under ``clipping_groups/<index>``, the group's position (labels hold patterns such as
+    ``bert.*``, which trackers rewrite in metric names; the summary maps each label to its bound), the summary's
+    ``max_grad_norm`` then being the sensitivity ``sqrt(sum_g C_g^2)``."""
+    metrics = {key: float(value) for key, value in summary.items() if isinstance(value, int | float)}
+    for index, bound in enumerate(summary.get("clipping_groups", {}).values()):
+        metrics[f"clipping_groups/{index}"] = float(bound)
+    return metrics
+
+
 class EngineAccounting:
     """Accounting methods of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it). The
     attributes it reads (``accountant``, ``mechanism``, ``sample_rate``, ``num_params``, ``target_delta``, ...) are
@@ -115,7 +126,9 @@ class EngineAccounting:
     def summary(self) -> dict[str, Any]:
         """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant. Under adaptive
         clipping ``max_grad_norm`` is the current bound, beside ``initial_max_grad_norm``, the clipped sum's
-        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma)."""
+        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma). With clipping
+        groups, ``max_grad_norm`` is the sensitivity ``sqrt(sum_g C_g^2)`` the noise is scaled to, and
+        ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -127,6 +140,7 @@ class EngineAccounting:
             "num_params": self.num_params,
             "accountant": self.accountant.name,
             "clipping": self.clipping,
+            **({"clipping_groups": self.clipping_groups.bounds_by_label()} if self.clipping_groups is not None else {}),
             **(
                 {"projection_dim": self.clipper.engine.projection_dim, "norm_dim": self.norm_dim}
                 if self.randomized_clipping and self.clipper is not None

@@ -68,6 +68,8 @@ class EngineStartup:
             _row("accountant", self.accountant.name),
             _row("clipping", self.clipping),
         ]
+        if self.clipping_groups is not None:
+            lines.append(_row("clipping groups", self.clipping_groups.describe()))
         if self.adaptive is not None:
             adaptive = self.adaptive
             lines.append(

@@ -56,8 +56,8 @@ class EngineSteps:
     length_grouped = False
     #: the logical steps the run plans (``None``: unbounded), set by :meth:`start_training`.
     planned_steps: int | None = None
-    #: fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only: not
-    #: privatised, so never logged by the library).
+    #: fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (with clipping groups: one
+    #: of whose groups exceeded its bound; diagnostic only: not privatised, so never logged by the library).
     last_clip_fraction: float | None = None
     _loader_rate: float | None = None
     _micro_batches = 0
@@ -318,7 +318,7 @@ class EngineSteps:
         if self.adaptive is not None:
             self.adaptive.count(norms)
         if norms.numel():
-            self.last_clip_fraction = float((norms > self.current_max_grad_norm).float().mean())
+            self.last_clip_fraction = float(self.clipper.clipped_samples(norms).float().mean())
         return norms
 
     def finish_run(self) -> None:

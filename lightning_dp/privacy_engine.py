@@ -18,6 +18,7 @@ from torch import nn
 from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine_accounting import EngineAccounting
@@ -66,10 +67,15 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         self.config = config
         self.momentum = PerSampleMomentum(config.momentum_length, config.momentum_beta)
         self.randomized_clipping = config.randomized_clipping
-        self.max_grad_norm = float(config.max_grad_norm)
+        #: the sensitivity of a step's clipped sum, the mechanism's ``max_grad_norm``: the bound C, or with
+        #: ``clipping_groups`` and a list of bounds ``sqrt(sum_g C_g^2)`` (``config.max_grad_norm`` keeps the list).
+        self.max_grad_norm = config.sensitivity
         #: the bound the next micro-batch is clipped at: ``max_grad_norm``, or under adaptive clipping the bound it
         #: has moved to (a released value).
         self.current_max_grad_norm = self.max_grad_norm
+        #: the resolved clipping groups and their bounds (set by ``attach``; ``None``: flat clipping), kept after
+        #: ``detach`` for the summary.
+        self.clipping_groups: ClippingGroups | None = None
         self.target_epsilon = config.target_epsilon
         #: delta of the reported epsilon: ``config.target_delta``, or its default once N is known (``prepare``).
         self.target_delta = config.target_delta
@@ -100,7 +106,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             params = dict(config.noise_params or {})
             if config.noise_multiplier is not None:
                 params["noise_multiplier"] = config.noise_multiplier
-            self.mechanism = make_mechanism(config.noise, max_grad_norm=config.max_grad_norm, **params)
+            self.mechanism = make_mechanism(config.noise, max_grad_norm=self.max_grad_norm, **params)
         #: where the noise came from, for the start-up block: ``"given"``, ``"calibrated for ..."`` (``prepare``) or
         #: ``"restored from the checkpoint"`` (``load_state_dict``).
         self.noise_origin = "given" if self.mechanism is not None else None
@@ -156,16 +162,19 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             ValueError: unsupported layers (see :class:`PerSampleClipper`).
         """
         clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
+        grouped = self.config.clipping_groups is not None
         self.clipper = PerSampleClipper(
             module,
             clipping=self.clipping,
-            max_grad_norm=self.current_max_grad_norm,
+            max_grad_norm=self.config.max_grad_norm if grouped else self.current_max_grad_norm,
+            clipping_groups=self.config.clipping_groups,
             norm=clip_norm,
             bookkeeping=self.bookkeeping,
             sum_check_every=self.sum_check_every,
             projection_dim=self.projection_dim,
             generator_for=self.randomness.projection_generator,
         )
+        self.clipping_groups = self.clipper.groups
         self.momentum.bind(self.clipper)
         self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
         self.guard = TrainingGuard(

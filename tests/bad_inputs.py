@@ -306,7 +306,25 @@ CASES: list[BadInput] = [
         "DPStrategy",
         "clipping='per-layer'",
         _strategy(target_epsilon=1.0, clipping="per-layer"),
-        "clipping must be one of",
+        "clipping must be one of .*clipping_groups='per_layer'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "max_grad_norm=[0.5, 0.5] without clipping_groups",
+        _strategy(target_epsilon=1.0, max_grad_norm=[0.5, 0.5]),
+        "clipping_groups is not set",
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping_groups='per_layer', bookkeeping=False",
+        _strategy(target_epsilon=1.0, clipping_groups="per_layer", bookkeeping=False),
+        "clipping_groups needs bookkeeping=True",
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping_groups='per_layer', noise='laplace'",
+        _strategy(noise="laplace", noise_params={"noise_scale": 1.0}, clipping_groups="per_layer"),
+        "clipping_groups needs an l2 mechanism",
     ),
     BadInput("DPStrategy", "noise_multiplier=-1", _strategy(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
     BadInput(
@@ -390,6 +408,18 @@ CASES: list[BadInput] = [
         "target_unclipped_quantile=0.5 with expected batch 8 (default unclipped_num_std 0.4)",
         _fit(_tiny(), {"target_unclipped_quantile": 0.5}),
         r"unclipped_num_std > noise_multiplier / 2",
+    ),
+    BadInput(
+        "Lightning fit",
+        "clipping_groups='per_layer', max_grad_norm=[1, 1, 1] on two layers",
+        _fit(_tiny(), {"clipping_groups": "per_layer", "max_grad_norm": [1.0, 1.0, 1.0]}),
+        r"makes 2 groups on this model, in order \[0: net.0, 1: net.2\]",
+    ),
+    BadInput(
+        "Lightning fit",
+        "clipping_groups=[['net.0.*']] (net.2 in no group)",
+        _fit(_tiny(), {"clipping_groups": [["net.0.*"]]}),
+        r"matched by no group: 'net.2.weight', 'net.2.bias'",
     ),
     BadInput(
         "Lightning fit",
@@ -612,7 +642,7 @@ CASES: list[BadInput] = [
         "YAML config",
         "strategy.init_args.max_grad_norm: abc",
         _yaml(_strategy_args(max_grad_norm="abc")),
-        r"bad.yaml: trainer.strategy.init_args.max_grad_norm: expected float, got abc$",
+        r"bad.yaml: trainer.strategy.init_args.max_grad_norm: expected float or list, got abc$",
     ),
     BadInput(
         "YAML config",
@@ -650,7 +680,7 @@ CASES: list[BadInput] = [
         "Recipe flags",
         "--per_sample_max_grad_norm abc",
         _recipe({}, "--per_sample_max_grad_norm", "abc"),
-        r"error: --per_sample_max_grad_norm: invalid float value: 'abc'$",
+        r"error: --per_sample_max_grad_norm: must be a number, or one number per clipping group .*got 'abc'$",
     ),
     BadInput(
         "Recipe flags",

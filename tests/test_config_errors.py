@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the recipes call ``max_grad_norm`` ``per_sample_max_grad_norm``.
 MISTAKES = [
     ("unknown key", "max_grad_nrom", 2.0, "unknown option; did you mean 'max_grad_norm'?", None),
-    ("wrong type", "max_grad_norm", "abc", "expected float, got abc", "invalid float value: 'abc'"),
+    ("wrong type", "max_grad_norm", "abc", "expected float or list, got abc", "must be a number, or one number per"),
     ("out of range", "max_grad_norm", -1.0, "must be a positive finite number, got -1.0", None),
     ("out of range", "target_delta", 2.0, "delta must lie in (0, 1), got 2.0; a typical choice is below 1/N", None),
     ("misspelt choice", "noise", "gausian", "Unknown noise 'gausian' (did you mean 'gaussian'?); choose one of", None),

@@ -113,8 +113,8 @@ def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _engine(clipping: str = "mixed", noise_multiplier: float = 1.0, **options) -> PrivacyEngine:
-    options = {"check_batch_independence": False, **options}
-    return PrivacyEngine(max_grad_norm=CLIP, noise_multiplier=noise_multiplier, clipping=clipping, **options)
+    options = {"check_batch_independence": False, "max_grad_norm": CLIP, **options}
+    return PrivacyEngine(noise_multiplier=noise_multiplier, clipping=clipping, **options)
 
 
 def _subtract_batch_mean(module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> torch.Tensor | tuple:
@@ -154,6 +154,12 @@ ENGINE_RUNS = {
     # every Linear an FSDP unit of its own (their hooks then run after FSDP2's, which reshards): both clipped sums
     "leaf units": (dict(), False),
     "second backward, leaf units": (dict(bookkeeping=False), False),
+    # group-wise clipping: one bound per layer (CLIP split equally), and pattern groups with per-sample momentum
+    "clipping groups per layer": (dict(clipping_groups="per_layer"), False),
+    "clipping groups, momentum, lora": (
+        dict(clipping_groups=[["*lora_A*"], ["*lora_B*"]], max_grad_norm=[0.3 * CLIP, CLIP], momentum_length=2),
+        True,
+    ),
 }
 ENGINE_STEPS = 3
 NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example

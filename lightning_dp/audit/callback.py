@@ -203,8 +203,8 @@ def dp_optimizer_of(trainer: pl.Trainer, user: str) -> tuple[DPStrategyMixin, DP
 
     Raises:
         TypeError: the strategy is not a DP strategy.
-        ValueError: several processes, not exactly one DP optimizer, or adaptive clipping (the audits and controls
-            assume one clipping bound for the whole run).
+        ValueError: several processes, not exactly one DP optimizer, adaptive clipping or clipping groups (the
+            audits and controls assume one clipping bound for the whole gradient and run).
     """
     strategy = trainer.strategy
     if not isinstance(strategy, DPStrategyMixin):
@@ -215,6 +215,11 @@ def dp_optimizer_of(trainer: pl.Trainer, user: str) -> tuple[DPStrategyMixin, DP
         raise ValueError(
             f"{user} assumes one clipping bound for the whole run, and adaptive clipping (target_unclipped_quantile) "
             "moves it: audit the run at a fixed max_grad_norm"
+        )
+    if strategy.privacy_engine.config.clipping_groups is not None:
+        raise ValueError(
+            f"{user} assumes one clipping bound for the whole gradient, and clipping_groups clips each group to its "
+            "own: audit the run with clipping_groups=None"
         )
     optimizers = [opt for opt in strategy.optimizers if isinstance(opt, DPOptimizer)]
     if len(optimizers) != 1:

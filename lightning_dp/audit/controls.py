@@ -70,8 +70,10 @@ def scale_clipping_for_testing(clipper: PerSampleClipper, factor: float) -> None
         factor: > 1, e.g. 10 for a clipper that clips to 10 C.
 
     Raises:
-        ValueError: ``factor <= 1``.
+        ValueError: ``factor <= 1``; a clipper with clipping groups.
     """
     if not factor > 1.0:
         raise ValueError(f"factor must exceed 1 to clip too loosely, got {factor}")
+    if clipper.groups is not None:
+        raise ValueError("scale_clipping_for_testing scales one bound: the clipper clips by groups (clipping_groups)")
     clipper.max_grad_norm = float(clipper.max_grad_norm) * float(factor)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.sharding import is_sharded, sum_into_shard
@@ -48,6 +49,8 @@ class ClippedSumMixin:
 
     bookkeeping: bool
     dropped_nonfinite: bool
+    _group_of: dict[nn.Parameter, int]
+    groups: ClippingGroups | None
     _past_finite: torch.Tensor | None
 
     def _kept_for_sum(
@@ -97,16 +100,18 @@ class ClippedSumMixin:
         factors: torch.Tensor,
         keep: torch.Tensor | None,
     ) -> None:
-        """Book-keeping: ``p.grad += sum_u sum_i c_i term_ui`` per parameter, group by group (terms kept by
-        :meth:`_norms`, or formed again from a group of captures). With ``keep`` (``[B]`` bool, the samples whose
-        quantities are all finite), the terms of the other samples are zeroed first (their factor is 0 already, but
-        ``0 * inf`` is NaN)."""
+        """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group (terms kept by
+        :meth:`_norms`, or formed again from a group of captures), ``factors`` ``[G, B]`` and ``g`` the parameter's
+        clipping group (0 for flat clipping). With ``keep`` (``[B]`` bool, the samples whose quantities are all
+        finite), the terms of the other samples are zeroed first (their factor is 0 already, but ``0 * inf`` is
+        NaN)."""
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
                 if keep is not None:
                     param_terms = [term.masked(keep) for term in param_terms]
-                clipped = param_terms[0].batch_sum(factors)
+                param_factors = factors[0 if self.groups is None else self._group_of[param]]
+                clipped = param_terms[0].batch_sum(param_factors)
                 for term in param_terms[1:]:
-                    clipped = clipped + term.batch_sum(factors)
+                    clipped = clipped + term.batch_sum(param_factors)
                 add_to_grad(param, clipped)

@@ -24,6 +24,12 @@ Forward calls made with gradients enabled but never passed to :meth:`PerSampleCl
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
 is not supported.
 
+Group-wise clipping (``clipping_groups``; He et al. 2022, Section 3; :mod:`~lightning_dp.clipping.groups`): the
+engines' per-parameter contributions are summed per group instead of over all parameters, giving norms ``[G, B]``
+and factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]``; book-keeping scales each parameter's terms by its
+group's factors. The second backward scales each example's loss by ONE factor, which cannot express a factor per
+group, so groups need book-keeping.
+
 Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`): captures of the same
 batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with their weights, join the current
 iterate's as further uses of each parameter, so the engines take the exact norm of the weighted sum (cross terms
@@ -40,7 +46,7 @@ momentum's past iterates).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +54,15 @@ from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.clipped_sum import ClippedSumMixin, add_to_grad
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
+from lightning_dp.clipping.groups import (
+    Bounds,
+    ClippingGroups,
+    GroupsSpec,
+    check_grouped_clipping,
+    resolve_clipping_groups,
+    validate_bounds,
+    validate_clipping_groups,
+)
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
@@ -72,6 +87,13 @@ def _into_shard(param: nn.Parameter, leaf: torch.Tensor) -> None:
     add_to_grad(param, gradient)
 
 
+def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
+    """Clip factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]`` of the per-group norms ``norms`` ``[G, B]`` and
+    the bounds ``C_g`` (``G = 1``: flat clipping, Abadi et al. 2016, Algorithm 1; ``G > 1``: group-wise clipping,
+    He et al. 2022, Section 3)."""
+    return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
+
+
 def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
     """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches, or ``None`` with
     book-keeping (with a second backward a parameter used outside its layer would reach ``.grad`` unclipped)."""
@@ -93,15 +115,23 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     equivalent classes that keep the same parameter objects and ``state_dict`` (:mod:`~lightning_dp.clipping.swap`;
     undone by :meth:`detach`). Frozen parameters are ignored. The
     per-sample norm is taken over all trainable parameters jointly; a parameter used several times (tied weights,
-    a module called twice) contributes the norm of its summed gradient. The set of trainable parameters is fixed
-    at construction: freezing or unfreezing a parameter afterwards (e.g. Lightning's ``BackboneFinetuning``) makes
-    the next :meth:`backward` raise.
+    a module called twice) contributes the norm of its summed gradient. With ``clipping_groups`` the norm is taken
+    per group of parameters and each group clipped to its own bound (:mod:`~lightning_dp.clipping.groups`). The set
+    of trainable parameters is fixed at construction: freezing or unfreezing a parameter afterwards (e.g.
+    Lightning's ``BackboneFinetuning``) makes the next :meth:`backward` raise.
 
     Args:
         module: the model; the first dimension of every hooked layer's input/output is the sample dimension.
         clipping: engine name, one of :data:`~lightning_dp.clipping.engine.ENGINES` (``"flat" | "ghost" | "fgc" |
             "mixed" | "hutch" | "hutchpp"``).
-        max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm).
+        max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm); with ``clipping_groups``,
+            one number (split equally: ``C / sqrt(G)`` per group) or a list of one bound per group. The clipped
+            sum's l2 sensitivity is then ``sqrt(sum_g C_g^2)`` (:attr:`max_grad_norm` holds it).
+        clipping_groups: ``None`` (flat clipping over all trainable parameters), ``"per_layer"`` (one group per
+            module owning trainable parameters, in ``named_modules`` order) or a list of groups of ``fnmatch``
+            patterns on parameter names that puts every trainable parameter in exactly one group
+            (:func:`~lightning_dp.clipping.groups.resolve_clipping_groups`). l2 clipping, an exact engine and
+            book-keeping only.
         norm: 2 (l2 clipping, Gaussian and l2 mechanisms) or 1 (l1 clipping for the Laplace mechanism; ``flat``
             only).
         bookkeeping: form the clipped sum from the captured terms (one backward pass, default) instead of a second
@@ -119,8 +149,12 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
 
     Raises:
         ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``,
-            ``max_grad_norm <= 0``, ``sum_check_every < 1``, ``sum_check_every=None`` without book-keeping, a
-            randomized engine without ``generator_for``.
+            a bound that is not a positive finite number, ``sum_check_every < 1``, ``sum_check_every=None`` without
+            book-keeping, a randomized engine without ``generator_for``; with ``clipping_groups``: ``norm=1``, a
+            randomized engine, ``bookkeeping=False``, groups that do not cover every trainable parameter exactly
+            once, or a list of bounds of another length than the groups (see
+            :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`); a list ``max_grad_norm`` without
+            ``clipping_groups``.
         UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
             ``track_running_stats=True`` (InstanceNorm), or a trainable parameter not covered by a registered
             layer (see :mod:`lightning_dp.clipping.registry`).
@@ -131,26 +165,39 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         module: nn.Module,
         *,
         clipping: str = "flat",
-        max_grad_norm: float,
+        max_grad_norm: Bounds,
         norm: int = 2,
         bookkeeping: bool = True,
         sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
         projection_dim: int | None = None,
         generator_for: Callable[[torch.device], torch.Generator] | None = None,
+        clipping_groups: GroupsSpec = None,
     ) -> None:
         if norm not in (1, 2):
             raise ValueError(f"norm must be 1 or 2, got {norm!r}")
         self._engine: ClippingEngine = make_engine(clipping, projection_dim=projection_dim)
         if norm == 1 and not self._engine.supports_l1:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
-        if not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm!r}")
+        validate_bounds(max_grad_norm)
+        validate_clipping_groups(clipping_groups, max_grad_norm)
+        if clipping_groups is not None:
+            check_grouped_clipping(
+                norm=norm, engine=clipping, randomized=self._engine.randomized, bookkeeping=bookkeeping
+            )
         validate_sum_check(sum_check_every, bookkeeping)
         if self._engine.randomized and generator_for is None:
             raise ValueError(f"clipping={clipping!r} draws random projections: pass generator_for (the DP randomness)")
         self.module = module
         self.clipping = clipping
-        self.max_grad_norm = float(max_grad_norm)
+        #: the groups of group-wise clipping and their bounds (``None``: flat clipping), resolved below.
+        self.groups: ClippingGroups | None = None
+        #: the group of each trainable parameter (empty: flat clipping, every parameter in group 0).
+        self._group_of: dict[nn.Parameter, int] = {}
+        #: the clipping bound of flat clipping (adaptive clipping moves it between steps); with groups, the l2
+        #: sensitivity ``sqrt(sum_g C_g^2)`` of the clipped sum (read only: the groups' bounds clip).
+        self.max_grad_norm = float(max_grad_norm) if clipping_groups is None else 0.0
+        #: ``[G, B]`` the per-group norms of the last clipped batch with groups (``None`` without).
+        self.last_group_norms: torch.Tensor | None = None
         self.norm = norm
         self.bookkeeping = bookkeeping
         self.sum_check_every = sum_check_every
@@ -166,6 +213,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             reshard_all(module)
         #: a sharded parameter (trainable or not) of the module, whose mesh the ranks agree over; None unsharded.
         self._mesh_member = next((p for p in module.parameters() if is_sharded(p)), None)
+        if clipping_groups is not None:  # named before the swaps add their proxies' names
+            self._resolve_groups(module, clipping_groups, max_grad_norm)
         self._swaps = swap_modules(module)
         try:
             if self._sharded and self._swaps:
@@ -197,6 +246,35 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: whether a due sum check was postponed because its batch held a non-finite sample and has not run since
         #: (a check that never runs cannot catch a parameter used outside its layer); read at the end of a run.
         self.sum_check_postponed = False
+
+    def _resolve_groups(self, module: nn.Module, clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
+        """Set :attr:`groups`, :attr:`_group_of` and :attr:`max_grad_norm` (the sensitivity) from the module's
+        trainable parameters and all their names (a tied parameter has one per owner).
+
+        Raises:
+            ValueError: as :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`.
+        """
+        names: dict[nn.Parameter, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if param.requires_grad:
+                names.setdefault(param, []).append(name)
+        self.groups = resolve_clipping_groups(clipping_groups, max_grad_norm, list(names.values()))
+        self._group_of = dict(zip(names, self.groups.index, strict=True))
+        self.max_grad_norm = self.groups.sensitivity
+
+    def _group_bounds(self) -> tuple[float, ...]:
+        """``C_g`` per group: ``(max_grad_norm,)`` for flat clipping (read at every clip: adaptive clipping moves
+        it), else the groups' bounds."""
+        return (self.max_grad_norm,) if self.groups is None else self.groups.bounds
+
+    def clipped_samples(self, norms: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool, the samples of the last clipped batch whose gradient exceeded the bound: ``norms`` (as
+        :meth:`backward` returned them) above :attr:`max_grad_norm`, or with groups a group's norm above its bound
+        (a diagnostic, never privatised)."""
+        if self.groups is None or self.last_group_norms is None:
+            return norms > self.max_grad_norm
+        bounds = self.last_group_norms.new_tensor(self.groups.bounds)
+        return (self.last_group_norms > bounds[:, None]).any(0)
 
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -261,6 +339,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         if not self._hooks.attached:
             raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
         self._check_trainable_set()
+        self.last_group_norms = None
         batch = self._batch_size(per_sample_loss)
         try:
             if self._past and batch != self._past_batch:
@@ -282,9 +361,14 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
                 [] if accumulate and (self.bookkeeping or self._past) else None
             )
-            total, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept)
+            totals, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept)
             del batch_grads
-            norms = (total.sqrt() if self.norm == 2 else total).detach()
+            if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
+                totals = totals.clamp_min(0)
+            group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
+            # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
+            norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
+            self.last_group_norms = None if self.groups is None else group_norms
             keep = self._finite_samples(norms, per_sample_loss)
             if checker is not None and keep is None:
                 failures = checker.failures()
@@ -295,7 +379,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
                 self._checked_batches += 1
             if accumulate:
-                factors = (self.max_grad_norm / (norms + _EPS)).clamp(max=1.0)
+                factors = clip_factors(group_norms, self._group_bounds())  # [G, B]
                 if keep is not None:
                     factors = torch.where(keep, factors, 0)
                 second_backward = not self.bookkeeping and not self._any_rank_dropped(keep is not None)
@@ -303,8 +387,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                     kept = [*(kept or []), captures]
                 if kept is not None:
                     self._add_clipped_sum(kept, batch, factors, keep)
-                if second_backward:
-                    scaled = factors.to(per_sample_loss.dtype) * per_sample_loss
+                if second_backward:  # flat clipping only (one factor per sample): groups need book-keeping
+                    scaled = factors[0].to(per_sample_loss.dtype) * per_sample_loss
                     self._second_backward((scaled if weight == 1.0 else scaled * weight).sum(), captures)
         finally:
             self._hooks.clear()
@@ -377,7 +461,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return self._clip(per_sample_loss, accumulate=False)
 
     def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
-        """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``.
+        """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (n_i + 1e-6))``, into ``p.grad``; with
+        ``clipping_groups``, each group ``g``'s parameters get ``sum_i c_gi grad_g(loss_i)``, ``c_gi = min(1, C_g /
+        (n_gi + 1e-6))`` with ``n_gi`` the norm of sample ``i``'s gradient over the group's parameters.
 
         With past iterates added (:meth:`add_past_iterate`), ``grad(loss_i)`` is the per-sample momentum
         ``weight * grad(loss_i) + sum_past w * grad_past(loss_i)``, and ``n_i`` its norm.

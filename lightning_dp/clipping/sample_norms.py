@@ -3,7 +3,8 @@
 
 One backward pass to the captured layer outputs (with the parameter gradients when the sum check is due), the
 per-sample terms grouped by parameter, and the engine's norm contributions summed group by group over the groups of
-captures that share a parameter (of the current iterate and of the past ones). The mixin holds no state of its own:
+captures that share a parameter (of the current iterate and of the past ones), into one total per clipping group
+(one for flat clipping; :mod:`~lightning_dp.clipping.groups`). The mixin holds no state of its own:
 it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 """
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.engine import ClippingEngine
+from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
@@ -62,6 +64,12 @@ class SampleNormsMixin:
     _checked_batches: int
     _generator_for: Callable[[torch.device], torch.Generator] | None
     _past: list[Capture]
+    _group_of: dict[nn.Parameter, int]
+    groups: ClippingGroups | None
+
+    def _group_count(self) -> int:
+        """``G``, the number of clipping groups (1 for flat clipping)."""
+        return 1 if self.groups is None else len(self.groups.bounds)
 
     def _check_due(self) -> bool:
         """Whether this batch runs the sum check: always without book-keeping, else on the schedule."""
@@ -165,7 +173,8 @@ class SampleNormsMixin:
         check: bool,
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
     ) -> tuple[torch.Tensor, SumCheck | None]:
-        """Per-sample squared norms (l1 norms for ``norm=1``) ``[B]`` from the captures of the current iterate and
+        """Per-sample squared norms (l1 norms for ``norm=1``) per clipping group ``[G, B]`` (``G = 1`` for flat
+        clipping: over all trainable parameters) from the captures of the current iterate and
         of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
         parameter, and, when ``check``, the sum check fed with the current iterate's terms (its failures are read by
         the caller, who knows whether the batch had non-finite samples).
@@ -185,7 +194,7 @@ class SampleNormsMixin:
             checker = SumCheck(rtol)
         past = {id(c) for c in self._past}
         with_terms: set[int] = set()
-        total = torch.zeros(batch, dtype=dtype, device=per_sample_loss.device)
+        totals = [torch.zeros(batch, dtype=dtype, device=per_sample_loss.device) for _ in range(self._group_count())]
         for group in _shared_parameter_groups(captures + self._past, self._registered):
             then = [c for c in group if id(c) in past]
             now_terms = self._terms([c for c in group if id(c) not in past], batch)
@@ -205,9 +214,11 @@ class SampleNormsMixin:
                         grads[param] = grad
                 else:
                     contribution = self._engine.contribution(param_terms, self.norm, generator)
-                total = total + contribution.to(dtype)
+                clip_group = 0 if self.groups is None else self._group_of[param]
+                totals[clip_group] = totals[clip_group] + contribution.to(dtype)
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
+        total = torch.stack(totals)
         if checker is None:
             return total, None
         reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]

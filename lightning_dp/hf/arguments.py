@@ -17,17 +17,65 @@ from dataclasses import field, fields, make_dataclass
 from typing import Any, Literal
 
 from lightning_dp.config import HF_NAMES, PrivacyConfig, option_docs
+from lightning_dp.config_errors import checking
 from lightning_dp.privacy_engine import PrivacyEngine
 
 PER_EXAMPLE_REDUCTIONS = ("mean", "sum")
 
 #: options whose HF type differs from the configuration's: a mechanism instance cannot be parsed from the command
-#: line, and a dict may come as JSON text.
+#: line, and a dict or a list of groups may come as JSON text. ``HfArgumentParser`` parses a union holding ``str``
+#: and ``None`` as its second member's type: ``str`` here, converted by ``__post_init__``.
 _HF_TYPES: dict[str, Any] = {
     "noise": str,
     "noise_params": dict[str, Any] | str | None,
     "lowpass": dict[str, Any] | str | None,
+    "max_grad_norm": float | str | list[float] | None,
+    "clipping_groups": list[list[str]] | str | None,
 }
+#: extra ``argparse`` settings of an option's flag: the clipping bound takes several values (one per group).
+_HF_FLAGS: dict[str, dict[str, Any]] = {"max_grad_norm": {"nargs": "+"}}
+
+
+def _parse_bounds(value: Any) -> Any:
+    """``per_sample_max_grad_norm`` from the command line (a list of strings, ``nargs='+'``: one value is a number
+    or a JSON list, several values are one bound each) as a number or a list of numbers; any other value as is.
+
+    Raises:
+        ValueError: a value that is not a number (or a JSON list of numbers), marked as about ``max_grad_norm``
+            (:func:`~lightning_dp.config_errors.checking`).
+    """
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        return value
+    try:
+        if len(texts) == 1 and texts[0].lstrip().startswith("["):
+            return json.loads(texts[0])
+        numbers = [float(text) for text in texts]
+    except ValueError as error:
+        with checking("max_grad_norm"):
+            raise ValueError(
+                "per_sample_max_grad_norm must be a number, or one number per clipping group (several values or a "
+                f"JSON list such as '[0.5, 0.7]'), got {' '.join(texts)!r}"
+            ) from error
+    return numbers[0] if len(numbers) == 1 else numbers
+
+
+def _parse_groups(value: Any) -> Any:
+    """``clipping_groups`` given as JSON text (``'[["encoder.*"], ["classifier.*"]]'``) as a list; other values as
+    they are (``"per_layer"`` among them).
+
+    Raises:
+        ValueError: text that starts as a JSON list but is not one.
+    """
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            "clipping_groups must be 'per_layer' or a JSON list of groups of parameter-name patterns such as "
+            f'\'[["encoder.*"], ["classifier.*", "pooler.*"]]\', got {value!r}'
+        ) from error
 
 
 class _PrivacyArgumentsBehaviour:
@@ -51,6 +99,8 @@ class _PrivacyArgumentsBehaviour:
                     f'lowpass must be a preset name or a JSON object such as \'{{"a": [-0.9], "b": [0.1]}}\', got '
                     f"{self.lowpass!r}"
                 ) from error
+        self.per_sample_max_grad_norm = _parse_bounds(self.per_sample_max_grad_norm)
+        self.clipping_groups = _parse_groups(self.clipping_groups)
         if self.per_example_reduction not in PER_EXAMPLE_REDUCTIONS:
             raise ValueError(
                 f"per_example_reduction must be one of {PER_EXAMPLE_REDUCTIONS}, got {self.per_example_reduction!r}"
@@ -76,7 +126,7 @@ PrivacyArguments = make_dataclass(
             (
                 HF_NAMES.get(f.name, f.name),
                 _HF_TYPES.get(f.name, _HINTS[f.name]),
-                field(default=f.default, metadata={"help": f.metadata["help"]}),
+                field(default=f.default, metadata={"help": f.metadata["help"], **_HF_FLAGS.get(f.name, {})}),
             )
             for f in fields(PrivacyConfig)
         ),
@@ -104,7 +154,9 @@ PrivacyArguments.__doc__ = f"""Differential-privacy arguments of :class:`~lightn
     a YAML file. The fields are those of :class:`~lightning_dp.config.PrivacyConfig` (``per_sample_max_grad_norm``
     and ``dp_seed`` for its ``max_grad_norm`` and ``seed``; ``per_sample_max_grad_norm`` is not
     ``TrainingArguments.max_grad_norm``, the clipping of the batch gradient, which DPTrainer switches off), plus
-    ``per_example_reduction`` and ``disable_dp``.
+    ``per_example_reduction`` and ``disable_dp``. Group-wise clipping on the command line: ``--clipping_groups
+    per_layer`` or ``--clipping_groups '[["bert.*"], ["classifier.*"]]'`` (JSON), with one number or one per group
+    (``--per_sample_max_grad_norm 0.5 0.7``).
 
     Attributes:
 {option_docs(HF_NAMES, indent=8)}

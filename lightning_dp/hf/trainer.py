@@ -80,6 +80,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
+from lightning_dp.engine_accounting import summary_metrics
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
@@ -516,7 +517,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 logs["dp/max_grad_norm"] = engine.current_max_grad_norm
             if "train_runtime" in logs:
                 summary = engine.summary()
-                logs.update({f"dp/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float))})
+                logs.update({f"dp/{k}": v for k, v in summary_metrics(summary).items()})
         super().log(logs, start_time)
 
 

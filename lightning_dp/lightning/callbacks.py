@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.engine_accounting import summary_metrics
 from lightning_dp.plots import MISSING_MATPLOTLIB, epsilon_curve_figure, log_figure, matplotlib_available
 from lightning_dp.privacy_engine import PrivacyEngine
 
@@ -109,7 +110,7 @@ class PrivacyAccountantCallback(Callback):
         self.summary = engine.summary()
         if self.delta is not None:
             self.summary.update(epsilon=engine.epsilon(self.delta), delta=self.delta)
-        numeric = {f"dp/{k}": float(v) for k, v in self.summary.items() if isinstance(v, (int, float))}
+        numeric = {f"dp/{k}": v for k, v in summary_metrics(self.summary).items()}
         for logger in trainer.loggers:
             logger.log_metrics(numeric, step=trainer.global_step)
             logger.log_hyperparams(tracker_params(self.summary))

@@ -97,7 +97,8 @@ def parse_recipe_args(
         option = invalid_option(error)
         if option is None:
             raise
-        raise ConfigError(HF_NAMES.get(option, option), option_reason(option, error), argv) from error
+        name = HF_NAMES.get(option, option)  # a reason may name the option by its HF name
+        raise ConfigError(name, option_reason(option, error).removeprefix(f"{name} "), argv) from error
     flags = [arg.partition("=")[0] for arg in remaining if arg.startswith("--")]
     if flags:
         raise ConfigError(flags[0][2:], unknown_option(flags[0], [f"--{name}" for name in fields]), argv)
@@ -157,13 +158,15 @@ def unset_flags(args: list[str], optional: set[str]) -> tuple[list[str], list[st
 def config_as_flags(config: dict[str, Any]) -> list[str]:
     """The command-line flags that say what ``config`` says (``None`` values excepted), so that the file's values go
     through the same type conversion and checks as typed flags, and flags given later override them: booleans as
-    ``true``/``false``, lists as several values, mappings as JSON text."""
+    ``true``/``false``, lists as several values, mappings and lists of lists as JSON text."""
     flags: list[str] = []
     for key, value in config.items():
         if value is None:
             continue
         if isinstance(value, bool):
             flags += [f"--{key}", str(value).lower()]
+        elif isinstance(value, list | tuple) and any(isinstance(v, list | tuple | dict) for v in value):
+            flags += [f"--{key}", json.dumps(value)]  # nested (clipping_groups' groups of patterns): JSON text
         elif isinstance(value, list | tuple):
             flags += [f"--{key}", *(str(v) for v in value)]
         elif isinstance(value, dict):
