@@ -18,7 +18,9 @@ Overridden ``Trainer`` methods (all documented "subclass and override" points), 
 - ``create_optimizer``: fix delta, calibrate ``target_epsilon`` for the Trainer's planned steps (``state.max_steps``,
   from ``max_steps`` or the epochs), and wrap the optimizer in a ``DPOptimizer`` (noise once per logical step, then
   division by the expected batch size ``q N``, then the accountant records the step).
-- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`), per-sample clipping of each
+- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`; with
+  ``augmentation_multiplicity = K > 1`` on the batch's ``K`` copies made by DPTrainer and augmented by the user's
+  :meth:`DPTrainer.augment_copies`, each example's mean over its copies), per-sample clipping of each
   micro-batch into ``p.grad`` (instead of ``accelerator.backward``); on the last micro-batch of a logical step the
   noise is added right away, so the Trainer's ``grad_norm`` log and ``on_pre_optimizer_step`` callbacks only ever
   see the noisy gradient, never the noise-free clipped sum.
@@ -78,6 +80,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
+from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.engine_accounting import summary_metrics
@@ -104,7 +107,11 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
     LM, token and sequence classification heads (see :mod:`lightning_dp.hf.losses`); override
-    :meth:`compute_per_example_loss` for another head.
+    :meth:`compute_per_example_loss` for another head. With ``augmentation_multiplicity = K > 1`` (De et al. 2022,
+    Section 3.2) DPTrainer repeats every tensor of the collated batch ``K`` times in sample-major order
+    (:func:`lightning_dp.repeat_for_multiplicity`), hands the copies to :meth:`augment_copies` (which a subclass
+    must override: the augmentation is the user's) in train mode, and clips each example's mean loss over its
+    copies (:func:`lightning_dp.augmentation_mean`), so each example's averaged gradient is clipped once.
 
     Args:
         *args, **kwargs: the ``Trainer``'s arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
@@ -120,7 +127,8 @@ class DPTrainer(PrivacyQueries, Trainer):
         ValueError: an unsupported configuration (see the module docstring) or training argument
             (``TrainingArguments.max_grad_norm`` set to a value other than 0 or its default, which is switched off
             with a log line); a model whose head has no per-example loss; an unsupported trainable layer
-            (``UnsupportedModuleError``, a ``ValueError``).
+            (``UnsupportedModuleError``, a ``ValueError``); ``augmentation_multiplicity > 1`` without an
+            :meth:`augment_copies` of a subclass.
     """
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
@@ -159,6 +167,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
             )
         self._check_model_and_loss()
+        self._check_augmentation()
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
@@ -227,6 +236,18 @@ class DPTrainer(PrivacyQueries, Trainer):
             raise ValueError(
                 f"DPTrainer forms per-example losses from a 'labels' column, this model uses {self.label_names}: "
                 "override DPTrainer.compute_per_example_loss for it"
+            )
+
+    def _check_augmentation(self) -> None:
+        """Reject ``augmentation_multiplicity > 1`` when :meth:`augment_copies` is not overridden: ``K`` identical
+        copies average to the gradient of one, at ``K`` times the cost."""
+        copies = self.privacy_engine.config.augmentation_multiplicity
+        if copies > 1 and type(self).augment_copies is DPTrainer.augment_copies:
+            raise ValueError(
+                f"augmentation_multiplicity={copies}: DPTrainer makes {copies} copies of each example, and the copies "
+                "must be augmented, by your code: subclass DPTrainer and override augment_copies(inputs) (it receives "
+                "the collated batch with every tensor repeated, rows i*K .. i*K+K-1 example i's, and returns it "
+                "augmented row by row); or set augmentation_multiplicity=1"
             )
 
     # --------------------------------------------------------------------------------------------- training
@@ -455,6 +476,35 @@ class DPTrainer(PrivacyQueries, Trainer):
             label_smoothing=smoothing,
         )
 
+    def augment_copies(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Augment the copies of a batch, row by row (``augmentation_multiplicity = K > 1``; override: the default
+        returns ``inputs`` unchanged, which DPTrainer refuses for ``K > 1``).
+
+        Called on the training batch, on the device, with every tensor repeated ``K`` times in sample-major order
+        (``[B K, ...]``: rows ``i K .. i K + K - 1`` are example ``i``'s; labels included), only while the model is
+        in train mode (the leave-half-out check runs the step in eval mode and compares losses, which random copies
+        would change). Each row must be augmented from that row alone (its own randomness, from a generator of the
+        subclass: not from another example, not with statistics of the batch) and the rows kept in place.
+
+        Args:
+            inputs: the copies, ``{name: [B K, ...]}``.
+
+        Returns:
+            The augmented copies, the same keys and row count.
+        """
+        return inputs
+
+    def _per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """``[B]``: :meth:`compute_per_example_loss`, or with ``augmentation_multiplicity = K > 1`` each example's
+        mean over the losses of its ``K`` (augmented) copies (De et al. 2022, Section 3.2)."""
+        copies = self.privacy_engine.config.augmentation_multiplicity
+        if copies == 1:
+            return self.compute_per_example_loss(model, inputs)
+        rows = repeat_for_multiplicity(inputs, copies)
+        if model.training:
+            rows = self.augment_copies(rows)
+        return augmentation_mean(self.compute_per_example_loss(model, rows), copies)
+
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
@@ -490,7 +540,7 @@ class DPTrainer(PrivacyQueries, Trainer):
 
                 def compute(batch: dict[str, Any]) -> torch.Tensor:
                     with self.compute_loss_context_manager():
-                        return self.compute_per_example_loss(model, batch)
+                        return self._per_example_loss(model, batch)
 
                 losses = engine.per_sample_loss(inputs, size, compute, module=model, stand_in=stand_in)
                 if losses is None:
