@@ -29,12 +29,9 @@ from typing import Any, TypeVar
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_dp.clipping.multiplicity import validate_multiplicity
+
 Batch = TypeVar("Batch")
-
-
-def _check_multiplicity(multiplicity: int) -> None:
-    if isinstance(multiplicity, bool) or not isinstance(multiplicity, int) or multiplicity < 1:
-        raise ValueError(f"the augmentation multiplicity must be an integer >= 1, got {multiplicity!r}")
 
 
 def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
@@ -54,7 +51,7 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
     Raises:
         ValueError: ``multiplicity`` not an integer >= 1.
     """
-    _check_multiplicity(multiplicity)
+    validate_multiplicity(multiplicity)
     if multiplicity == 1:
         return batch
 
@@ -79,7 +76,7 @@ def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tenso
         ValueError: ``multiplicity`` not an integer >= 1; ``loss_rows`` not one-dimensional or of a length that is
             not a multiple of ``K``.
     """
-    _check_multiplicity(multiplicity)
+    validate_multiplicity(multiplicity)
     if not isinstance(loss_rows, torch.Tensor) or loss_rows.ndim != 1 or loss_rows.shape[0] % multiplicity:
         shape: Any = tuple(loss_rows.shape) if isinstance(loss_rows, torch.Tensor) else type(loss_rows).__name__
         raise ValueError(

@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
+from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.recipes.image_augmentation import augmentation_generator, random_crop_flip
 from lightning_dp.recipes.metrics import classification_metrics
 from lightning_dp.recipes.run import results_record, write_results
@@ -235,10 +236,7 @@ class CifarClassifier(pl.LightningModule):
         super().__init__()
         if lr <= 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"need lr > 0, momentum >= 0, weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
-        if isinstance(augmentation_multiplicity, bool) or not isinstance(augmentation_multiplicity, int):
-            raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
-        if augmentation_multiplicity < 1:
-            raise ValueError(f"augmentation_multiplicity must be an integer >= 1, got {augmentation_multiplicity!r}")
+        validate_multiplicity(augmentation_multiplicity)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.augmentation_multiplicity = augmentation_multiplicity
         self._augmentation_seed = 0
