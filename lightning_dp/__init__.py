@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_dp.import_hooks import when_imported
 
 if TYPE_CHECKING:
-    from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
+    from lightning_dp.augmentation import augment_each_example, augmentation_mean, repeat_for_multiplicity
     from lightning_dp.lightning import (
         DPDDPStrategy,
         DPModelParallelStrategy,
@@ -36,6 +36,7 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyEngine",
     "TrainingProgress",
+    "augment_each_example",
     "augmentation_mean",
     "repeat_for_multiplicity",
 ]
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "PrivacyBudget": "lightning_dp.lightning",
     "PrivacyEngine": "lightning_dp.privacy_engine",
     "TrainingProgress": "lightning_dp.lightning",
+    "augment_each_example": "lightning_dp.augmentation",
     "augmentation_mean": "lightning_dp.augmentation",
     "repeat_for_multiplicity": "lightning_dp.augmentation",
 }

@@ -20,10 +20,19 @@ independence, leave-half-out), FSDP2's stand-in batch and the loss-shape check a
 its examples. Why the augmentation is off in eval mode: the leave-half-out check (docs/design.md section 9.4) runs the
 step in eval mode on the whole batch and on half of it and compares the kept examples' losses; copies augmented from
 one random stream would differ between the two runs (the half batch draws fewer values) and be reported as mixing.
+
+Keep every row in place: rows ``i K .. i K + K - 1`` must stay example ``i``'s copies. An augmentation that moves rows
+across examples (a copy-major loop such as ``torch.cat([aug(x[k::K]) for k in range(K)])``) lands one example's copies
+in several examples' groups, and one example's sensitivity grows up to ``K C``. The checks cannot always see it: the
+leave-half-out check runs in eval mode, where the augmentation is skipped, and on integer inputs (token ids) the
+batch-independence check has no input gradient to look at, so a reordering done only in train mode on integer inputs
+passes them. :func:`augment_each_example` applies a function to each example's ``K`` copies and cannot move rows
+across examples: prefer it to a loop over the whole batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -49,16 +58,82 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
         returns ``batch`` itself.
 
     Raises:
-        ValueError: ``multiplicity`` not an integer >= 1.
+        ValueError: ``multiplicity`` not an integer >= 1; for ``K > 1``, tensors (of at least one dimension) whose
+            first dimensions differ (one of them is not ``B``, e.g. ``position_ids`` of shape ``[1, T]``).
     """
     validate_multiplicity(multiplicity)
     if multiplicity == 1:
         return batch
+    sizes = [t.shape[0] for t in _leaves(batch)]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"repeat_for_multiplicity: every tensor's first dimension must be the batch's examples, got first "
+            f"dimensions {sizes} (a tensor shared by the rows, e.g. position_ids of shape [1, T], would be repeated as "
+            f"if it were an example): expand it to [B, ...] first, or add it after the copies"
+        )
 
     def repeat(tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.ndim == 0 else tensor.repeat_interleave(multiplicity, dim=0)
 
     return apply_to_collection(batch, torch.Tensor, repeat)
+
+
+def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], Batch]) -> Batch:
+    """Apply ``fn`` to each example's ``multiplicity`` copies on their own, keeping every row in place.
+
+    Args:
+        rows: the copies, as :func:`repeat_for_multiplicity` returns them (a tensor ``[B K, ...]`` or any nesting of
+            tuples, lists, dicts and dataclasses holding such tensors; 0-dim tensors and non-tensors are passed
+            through to ``fn`` as they are).
+        multiplicity: ``K >= 1``.
+        fn: receives one example's copies, the same structure with every tensor ``[K, ...]`` (rows ``i K .. i K +
+            K - 1`` of ``rows``), and returns them augmented, the same structure, every tensor of ``K`` rows.
+
+    Returns:
+        ``rows`` with each example's slice replaced by ``fn``'s result (tensors concatenated back in sample-major
+        order, so rows ``i K .. i K + K - 1`` are always ``fn`` of example ``i``'s copies). One call of ``fn`` per
+        example: vectorise inside ``fn`` for speed, but ``fn`` sees no other example, so no row can move across
+        examples and no batch statistic can mix them.
+
+    Raises:
+        ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension is not a multiple of ``K``
+            or differs between tensors; ``fn`` returned a tensor without ``K`` rows, or a structure with a different
+            number of tensors.
+    """
+    validate_multiplicity(multiplicity)
+    leaves = _leaves(rows)
+    if not leaves:
+        return fn(rows)
+    total = leaves[0].shape[0]
+    if any(t.shape[0] != total for t in leaves) or total % multiplicity:
+        shapes = [tuple(t.shape) for t in leaves]
+        raise ValueError(
+            f"augment_each_example needs every tensor of [B*K, ...] rows with K={multiplicity}, got shapes {shapes}"
+        )
+    parts: list[list[torch.Tensor]] = []
+    template: Any = None
+    for start in range(0, total, multiplicity):
+        piece = apply_to_collection(
+            rows, torch.Tensor, lambda t, s=start: t if t.ndim == 0 else t[s : s + multiplicity]
+        )
+        result = fn(piece)
+        template = result if template is None else template
+        out = _leaves(result)
+        if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out):
+            raise ValueError(
+                f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows, "
+                f"got shapes {[tuple(t.shape) for t in out]}"
+            )
+        parts.append(out)
+    joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
+    return apply_to_collection(template, torch.Tensor, lambda t: t if t.ndim == 0 else next(joined))
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    """The tensors of at least one dimension in ``batch``, in ``apply_to_collection``'s order."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim else None)
+    return found
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

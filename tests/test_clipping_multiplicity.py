@@ -19,7 +19,7 @@ from test_clipping_groups import PER_LAYER, TiedModel, _expected_sum, _group_nor
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from lightning_dp import augmentation_mean, repeat_for_multiplicity
+from lightning_dp import augment_each_example, augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.multiplicity import fold_copies
@@ -340,3 +340,26 @@ def test_helpers() -> None:
         augmentation_mean(torch.ones(3), 2)
     with pytest.raises(ValueError, match="integer >= 1"):
         repeat_for_multiplicity(batch, 0)
+
+
+def test_augment_each_example_keeps_rows_in_place() -> None:
+    """fn sees one example's K copies at a time (never another example's rows); its output goes back in place."""
+    batch = {"x": torch.arange(4.0)[:, None].expand(4, 3).clone(), "y": torch.arange(4)}
+    rows = repeat_for_multiplicity(batch, 3)
+    seen = []
+
+    def fn(copies):
+        seen.append(copies["y"].clone())
+        return {"x": copies["x"] + torch.arange(3.0)[:, None], "y": copies["y"]}
+
+    out = augment_each_example(rows, 3, fn)
+    assert all(torch.equal(s, torch.full((3,), i)) for i, s in enumerate(seen))
+    assert torch.equal(out["y"], rows["y"])
+    torch.testing.assert_close(out["x"], rows["x"] + torch.arange(3.0).repeat(4)[:, None])
+    with pytest.raises(ValueError, match="every tensor of K=3 rows"):
+        augment_each_example(rows, 3, lambda c: {"x": c["x"][:1], "y": c["y"]})
+
+
+def test_repeat_for_multiplicity_refuses_a_tensor_not_of_the_batch() -> None:
+    with pytest.raises(ValueError, match=r"position_ids of shape \[1, T\]"):
+        repeat_for_multiplicity({"input_ids": torch.zeros(4, 5), "position_ids": torch.zeros(1, 5)}, 2)

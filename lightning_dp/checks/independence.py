@@ -232,7 +232,7 @@ def _raise_on_leak(
         scale = min(scale, largest / INDEPENDENCE_RTOL)
         if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
             j = int(torch.nonzero(~weighted)[int(outside.argmax())])
-            order = COPIES_HINT.format(k=copies) if copies > 1 and shape[0] != weighted.shape[0] else ""
+            order = COPIES_HINT.format(k=copies) if copies > 1 else ""
             raise BatchMixingError(
                 f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
                 f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + order + BATCH_MIXING_HINT

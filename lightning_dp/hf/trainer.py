@@ -70,6 +70,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,12 @@ class DPTrainer(PrivacyQueries, Trainer):
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         if privacy_args.disable_dp:
+            if engine.config.augmentation_multiplicity > 1:
+                log.warning(
+                    "disable_dp=True: augmentation_multiplicity=%d is ignored (Trainer's own training step, one row "
+                    "per example, no copies and no augment_copies call)",
+                    engine.config.augmentation_multiplicity,
+                )
             return
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
@@ -483,14 +490,33 @@ class DPTrainer(PrivacyQueries, Trainer):
         Called on the training batch, on the device, with every tensor repeated ``K`` times in sample-major order
         (``[B K, ...]``: rows ``i K .. i K + K - 1`` are example ``i``'s; labels included), only while the model is
         in train mode (the leave-half-out check runs the step in eval mode and compares losses, which random copies
-        would change). Each row must be augmented from that row alone (its own randomness, from a generator of the
-        subclass: not from another example, not with statistics of the batch) and the rows kept in place.
+        would change). Each row must be augmented from that row alone (not from another example, not with statistics
+        of the batch) and the rows kept in place: rows ``i K .. i K + K - 1`` stay example ``i``'s copies.
+        :func:`lightning_dp.augment_each_example` (``fn`` called on each example's ``[K, ...]`` slice) cannot move
+        rows across examples: use it rather than a loop over the whole batch (a copy-major loop such as
+        ``torch.cat([aug(x[k::K]) for k in range(K)])`` puts one example's copies in several examples' groups, up to
+        ``K C`` sensitivity).
+
+        Randomness: draw from torch's global RNG (``torch.rand``, ``torch.randint``... on the inputs' device), not
+        from a generator of the subclass. Per-sample momentum re-runs the step on the same micro-batch under
+        ``torch.random.fork_rng`` and compares the two runs, and the checks restore the global RNG around their extra
+        forwards; a generator of your own advances between the runs, so the copies differ and the run is refused.
+        The global RNG is seeded by the Trainer's ``seed``.
+
+        DPTrainer checks after the call that ``labels`` (when the batch has them) come back unchanged, equal to the
+        repeated labels row for row, and that no integer or boolean tensor has a row that is exactly another
+        example's original row in place of its own (a moved row); either raises ``ValueError``. The checks cannot see
+        every reordering (e.g. a batch whose examples share their labels, with rows moved and altered): keep the rows
+        in place.
 
         Args:
             inputs: the copies, ``{name: [B K, ...]}``.
 
         Returns:
             The augmented copies, the same keys and row count.
+
+        Raises:
+            ValueError: (raised by DPTrainer after the call) ``labels`` changed, or a row moved across examples.
         """
         return inputs
 
@@ -502,7 +528,9 @@ class DPTrainer(PrivacyQueries, Trainer):
             return self.compute_per_example_loss(model, inputs)
         rows = repeat_for_multiplicity(inputs, copies)
         if model.training:
-            rows = self.augment_copies(rows)
+            augmented = self.augment_copies(rows)
+            _check_rows_in_place(inputs, rows, augmented, copies)
+            rows = augmented
         return augmentation_mean(self.compute_per_example_loss(model, rows), copies)
 
     def training_step(
@@ -639,3 +667,48 @@ def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgu
             "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
             "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
         )
+
+
+def _check_rows_in_place(original: dict[str, Any], repeated: dict[str, Any], augmented: Any, copies: int) -> None:
+    """Refuse copies that :meth:`DPTrainer.augment_copies` moved across examples (docs/design.md section 4.8).
+
+    ``labels`` (when ``original`` has them) must come back equal to the repeated labels row for row; every other
+    integer or boolean tensor present before and after with the same shape must not hold, in a row of example ``i``,
+    another example's original row that differs from example ``i``'s own (a moved row). Float inputs are left to the
+    batch-independence check, which sees their gradients.
+    """
+    if not isinstance(augmented, Mapping):
+        raise ValueError(f"augment_copies must return the inputs' mapping of tensors, got {type(augmented).__name__}")
+    hint = (
+        f"augment_copies must keep each row in place: rows i*{copies} .. i*{copies}+{copies - 1} are example i's "
+        "copies, each augmented from that row alone (a loop over copy k of every example, torch.cat([aug(x[k::K]) "
+        "for k in range(K)]), puts one example's copies in several examples' groups: sensitivity up to K*C); use "
+        "lightning_dp.augment_each_example(rows, K, fn) to augment each example's copies on their own"
+    )
+    for key, before in repeated.items():
+        after = augmented.get(key)
+        if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.ndim == 0:
+            continue
+        if key == "labels":
+            if after.shape != before.shape or not torch.equal(after.to(before.device), before):
+                raise ValueError(f"{hint}; 'labels' came back changed or reordered: return them unchanged")
+            continue
+        if before.dtype.is_floating_point or before.is_complex() or after.shape != before.shape:
+            continue
+        after = after.to(before.device)
+        mine = original[key]
+        flat_after = after.reshape(after.shape[0], -1)
+        flat_mine = mine.reshape(mine.shape[0], -1).to(before.device)
+        changed = torch.nonzero((flat_after != before.reshape(before.shape[0], -1)).any(1)).flatten()
+        if changed.numel() == 0 or flat_mine.shape[0] < 2:
+            continue
+        # [changed, B]: which original examples each changed row equals exactly
+        same = (flat_after[changed].unsqueeze(1) == flat_mine.unsqueeze(0)).all(-1)
+        owner = changed // copies
+        moved = same.any(1) & ~same[torch.arange(changed.numel(), device=same.device), owner]
+        if bool(moved.any()):
+            row = int(changed[moved][0])
+            raise ValueError(
+                f"{hint}; row {row} of '{key}' (a copy of example {row // copies}) holds example "
+                f"{int(torch.nonzero(same[moved][0])[0])}'s row"
+            )
