@@ -26,8 +26,13 @@ across examples (a copy-major loop such as ``torch.cat([aug(x[k::K]) for k in ra
 in several examples' groups, and one example's sensitivity grows up to ``K C``. The checks cannot always see it: the
 leave-half-out check runs in eval mode, where the augmentation is skipped, and on integer inputs (token ids) the
 batch-independence check has no input gradient to look at, so a reordering done only in train mode on integer inputs
-passes them. :func:`augment_each_example` applies a function to each example's ``K`` copies and cannot move rows
-across examples: prefer it to a loop over the whole batch.
+passes them (``DPTrainer`` compares the rows ``augment_copies`` returns with the repeated batch and refuses moved labels
+or integer rows; the Lightning step is not compared). :func:`augment_each_example` applies a function to each example's
+``K`` copies and cannot move rows across examples: prefer it to a loop over the whole batch.
+
+Randomness: draw from torch's global RNG (per-sample momentum re-runs a step under ``torch.random.fork_rng`` and
+compares the runs, and the checks restore it), or from a generator seeded from the micro-batch's position, never from
+a generator of one's own that advances between the re-runs.
 """
 
 from __future__ import annotations

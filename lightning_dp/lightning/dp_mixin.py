@@ -69,7 +69,10 @@ class DPStrategyMixin(PrivacyQueries):
     ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample. With
     ``augmentation_multiplicity = K > 1`` the step makes and augments ``K`` copies of each of its ``B`` examples
     (:func:`lightning_dp.repeat_for_multiplicity`) and returns each example's mean over its copies, still ``[B]``
-    (:func:`lightning_dp.augmentation_mean`).
+    (:func:`lightning_dp.augmentation_mean`). The rows must stay in place (rows ``i K .. i K + K - 1`` example
+    ``i``'s): a reordering done only in train mode on integer inputs (token ids), inside the augmentation, is caught
+    by neither check (leave-half-out runs in eval mode, integer inputs have no gradient) and nothing in this path
+    compares the rows; augment with :func:`lightning_dp.augment_each_example`, which cannot move rows across examples.
 
     The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
     (the signature lists them); every other keyword argument goes to the Lightning strategy.
@@ -283,8 +286,10 @@ class DPStrategyMixin(PrivacyQueries):
             raise ValueError(
                 f"the training batch has {size} rows for {loss.shape[0]} per-sample losses: with "
                 f"augmentation_multiplicity={copies} the batch must hold the sampled examples once each (Poisson "
-                "sampling and the checks count its rows as examples); make the copies inside training_step "
-                f"(lightning_dp.repeat_for_multiplicity(batch, {copies})), not in the data loader or collate_fn"
+                "sampling and the checks count its rows as examples). Either the data loader or collate_fn made the "
+                "copies: make them inside training_step instead; or training_step called "
+                f"lightning_dp.augmentation_mean without making the copies first: call "
+                f"lightning_dp.repeat_for_multiplicity(batch, {copies}) before the forward"
             )
         raise ValueError(
             f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "

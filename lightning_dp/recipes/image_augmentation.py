@@ -42,7 +42,9 @@ def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: 
     Args:
         images: ``[N, C, H, W]`` floating point (any device); the result is differentiable with respect to it.
         generator: a CPU generator (the offsets and flips are drawn there, then moved to ``images``' device).
-        padding: pixels of reflect padding on each side (De et al.: 4); must be below ``H`` and ``W``.
+        padding: pixels of reflect padding on each side (De et al.: 4); must be below ``H`` and ``W``. Reflect
+            padding mirrors without the edge pixel (``F.pad(mode="reflect")``); jax_privacy pads symmetrically
+            (mirror including the edge pixel), so the padded borders differ by one pixel's shift.
 
     Returns:
         ``[N, C, H, W]``, a new tensor.
