@@ -44,6 +44,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
+from lightning_dp.data.batch_tensors import batch_tensors
 
 Batch = TypeVar("Batch")
 
@@ -69,7 +70,7 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
     validate_multiplicity(multiplicity)
     if multiplicity == 1:
         return batch
-    sizes = [t.shape[0] for t in _leaves(batch)]
+    sizes = [t.shape[0] for t in batch_tensors(batch, min_ndim=1)]
     if len(set(sizes)) > 1:
         raise ValueError(
             f"repeat_for_multiplicity: every tensor's first dimension must be the batch's examples, got first "
@@ -106,7 +107,7 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             number of tensors.
     """
     validate_multiplicity(multiplicity)
-    leaves = _leaves(rows)
+    leaves = batch_tensors(rows, min_ndim=1)
     if not leaves:
         return fn(rows)
     total = leaves[0].shape[0]
@@ -123,7 +124,7 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         )
         result = fn(piece)
         template = result if template is None else template
-        out = _leaves(result)
+        out = batch_tensors(result, min_ndim=1)
         if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out):
             raise ValueError(
                 f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows, "
@@ -132,13 +133,6 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         parts.append(out)
     joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
     return apply_to_collection(template, torch.Tensor, lambda t: t if t.ndim == 0 else next(joined))
-
-
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    """The tensors of at least one dimension in ``batch``, in ``apply_to_collection``'s order."""
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim else None)
-    return found
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.data.batch_tensors import batch_tensors
 
 log = logging.getLogger("lightning_dp")
 
@@ -317,7 +318,7 @@ def _leave_half_out(
         active = False
     if not active and not lockstep:
         return True, None
-    devices = sorted({t.device.index or 0 for t in _tensors(batch) if t.is_cuda})
+    devices = sorted({t.device.index or 0 for t in batch_tensors(batch) if t.is_cuda})
     training = module.training
     module.eval()
     try:
@@ -341,10 +342,3 @@ def _leave_half_out(
             "no_grad or detached); " + BATCH_MIXING_HINT
         )
     return bool(torch.isfinite(full).all() and torch.isfinite(part).all()), None
-
-
-def _tensors(batch: Any) -> list[torch.Tensor]:
-    """Every tensor in ``batch`` (any nesting of collections)."""
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, found.append)
-    return found

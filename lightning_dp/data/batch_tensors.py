@@ -1,0 +1,16 @@
+"""The tensors of a batch of any structure (tuples, lists, dicts, dataclasses of tensors)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+
+def batch_tensors(batch: Any, min_ndim: int = 0) -> list[torch.Tensor]:
+    """Every tensor of ``batch`` with at least ``min_ndim`` dimensions, in ``apply_to_collection``'s order (the order
+    in which ``apply_to_collection(batch, torch.Tensor, fn)`` visits them, so the list can be zipped back)."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim >= min_ndim else None)
+    return found
