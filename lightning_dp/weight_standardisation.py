@@ -14,10 +14,12 @@ WRN-16-4 with GroupNorm, with ``eps = 1e-4``, ``gain`` starting at one and the b
 Per-sample clipping handles :class:`WSConv2d` with its own layer family
 (:mod:`lightning_dp.clipping.weight_standardised_conv`): the per-sample gradients of ``weight`` and ``gain`` are
 those of the convolution with the standardised weight, pulled back through the standardisation, exactly, for every
-engine.
+exact engine.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -49,13 +51,13 @@ class WSConv2d(nn.Conv2d):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, padding_mode, device, dtype: as
             ``nn.Conv2d``.
         bias: as ``nn.Conv2d`` (default True, as De et al.).
-        eps: floor on ``N * var(w_r)`` (default 1e-4, De et al.'s).
+        eps: floor on ``N * var(w_r)`` (keyword only; default 1e-4, De et al.'s).
 
     Parameters: ``weight`` ``[C_out, C_in / groups, kH, kW]``, ``gain`` ``[C_out]`` (starts at 1) and ``bias``
     ``[C_out]``. Input ``[B, C_in, H, W]``, output ``[B, C_out, H', W']`` as ``nn.Conv2d``.
 
     Raises:
-        ValueError: ``eps <= 0``.
+        ValueError: ``eps`` not positive and finite.
     """
 
     def __init__(
@@ -69,17 +71,24 @@ class WSConv2d(nn.Conv2d):
         groups: int = 1,
         bias: bool = True,
         padding_mode: str = "zeros",
-        eps: float = DEFAULT_EPS,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        eps: float = DEFAULT_EPS,
     ) -> None:
-        if not eps > 0:
-            raise ValueError(f"eps must be positive (the floor on N * var of a weight row), got {eps}")
+        if not 0 < eps < math.inf:
+            raise ValueError(f"eps must be positive and finite (the floor on N * var of a weight row), got {eps}")
         super().__init__(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype
         )
         self.eps = eps
         self.gain = nn.Parameter(torch.ones(out_channels, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """``nn.Conv2d``'s initialisation of ``weight`` and ``bias``, and ``gain`` back to one."""
+        super().reset_parameters()
+        if hasattr(self, "gain"):  # nn.Conv2d.__init__ calls this before gain exists
+            nn.init.ones_(self.gain)
 
     def standardised_weight(self) -> torch.Tensor:
         """``w_hat`` of the shape of ``weight``: ``gain_r * (w_r - mean(w_r)) / sqrt(max(N var(w_r), eps))``."""
