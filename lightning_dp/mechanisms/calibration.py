@@ -94,7 +94,7 @@ def calibrate(
 ) -> NoiseMechanism:
     """A mechanism of kind ``noise`` with clipping bound ``max_grad_norm`` that meets ``(target_epsilon, delta)``.
 
-    The noise parameter is chosen so the accountant's epsilon after ``steps`` steps lies within 1 % below the
+    The noise parameter is chosen so the accountant's epsilon after ``steps`` steps lies within 0.1 % below the
     target (see :func:`calibrate_result`, which also returns that epsilon).
     """
     return calibrate_result(
