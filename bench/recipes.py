@@ -117,7 +117,8 @@ def run_task(task: str, variants: list[str], seeds: list[int], threads: int | No
             results = folder / results_name(variant, seed, threads)
             with tempfile.TemporaryDirectory() as output_dir:
                 command = variant_command(task, variant, str(results.relative_to(ROOT)), output_dir, seed)
-                print("$", "" if threads is None else f"OMP_NUM_THREADS={threads}", shlex.join(command), flush=True)
+                prefix = [] if threads is None else [f"OMP_NUM_THREADS={threads}"]
+                print("$", *prefix, shlex.join(command), flush=True)
                 subprocess.run(command, cwd=ROOT, check=True, env=env)
 
 
@@ -247,7 +248,7 @@ def thread_table(task: str, thread_runs: dict[tuple[str, int], dict[int, dict]])
         [
             *lines,
             "",
-            f"Mean absolute difference: {statistics.mean(differences):.2f} points over {len(differences)} seeds.",
+            f"Mean absolute difference: {statistics.mean(differences):.2f} points over {len(differences)} runs.",
             "Commands (from the repository root):",
             "",
             "```bash",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from lightning_dp.import_hooks import when_imported
 
 if TYPE_CHECKING:
+    from lightning_dp.augmentation import augment_each_example, augmentation_mean, repeat_for_multiplicity
     from lightning_dp.lightning import (
         DPDDPStrategy,
         DPModelParallelStrategy,
@@ -35,6 +36,9 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyEngine",
     "TrainingProgress",
+    "augment_each_example",
+    "augmentation_mean",
+    "repeat_for_multiplicity",
 ]
 __version__ = "0.1.0"
 
@@ -47,6 +51,9 @@ _EXPORTS: dict[str, str] = {
     "PrivacyBudget": "lightning_dp.lightning",
     "PrivacyEngine": "lightning_dp.privacy_engine",
     "TrainingProgress": "lightning_dp.lightning",
+    "augment_each_example": "lightning_dp.augmentation",
+    "augmentation_mean": "lightning_dp.augmentation",
+    "repeat_for_multiplicity": "lightning_dp.augmentation",
 }
 
 

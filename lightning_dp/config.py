@@ -38,6 +38,7 @@ from lightning_dp.clipping.groups import (
     validate_bounds,
     validate_clipping_groups,
 )
+from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.mechanisms import NoiseMechanism
@@ -236,6 +237,19 @@ class PrivacyConfig:
         "clipping at that bound. l2 mechanisms, exact engines and book-keeping only; not with adaptive clipping.",
         "Group-wise clipping: per_layer, or JSON list of groups of parameter-name patterns (None: flat clipping).",
     )
+    augmentation_multiplicity: int = _option(
+        1,
+        "augmentation multiplicity (De et al. 2022, Section 3.2; :mod:`lightning_dp.clipping.multiplicity`): ``K "
+        ">= 1`` augmented copies of each example, whose gradients are averaged BEFORE the example is clipped, so "
+        "one example's sensitivity stays ``C`` and the accounting is unchanged. With ``K > 1`` the training step "
+        "makes the copies of its batch of ``B`` examples in sample-major order (rows ``i K .. i K + K - 1`` are "
+        "example ``i``'s: :func:`lightning_dp.repeat_for_multiplicity`, then a per-row augmentation, only in train "
+        "mode), and returns each example's mean over its copies, shape ``[B]`` "
+        "(:func:`lightning_dp.augmentation_mean`); every hooked layer must see the ``B K`` rows. ``DPTrainer`` makes "
+        "the copies itself and augments them with its ``augment_copies`` method, which must be overridden. A step "
+        "costs about ``K`` times the forward and backward of ``K = 1``. 1 (default): no copies.",
+        "Augmented copies per example, averaged before clipping (De et al. 2022); 1: none.",
+    )
 
     def __post_init__(self) -> None:
         with checking("max_grad_norm"):
@@ -245,6 +259,8 @@ class PrivacyConfig:
                 validate_max_grad_norm(self.max_grad_norm)
         with checking("clipping_groups"):
             validate_clipping_groups(self.clipping_groups, self.max_grad_norm)
+        with checking("augmentation_multiplicity"):
+            validate_multiplicity(self.augmentation_multiplicity)
         with checking("check_batch_independence_every"):
             validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
         validate_momentum(self.momentum_length, self.momentum_beta)

@@ -128,7 +128,9 @@ class EngineAccounting:
         clipping ``max_grad_norm`` is the current bound, beside ``initial_max_grad_norm``, the clipped sum's
         ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma). With clipping
         groups, ``max_grad_norm`` is the sensitivity ``sqrt(sum_g C_g^2)`` the noise is scaled to, and
-        ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``."""
+        ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``. With
+        ``augmentation_multiplicity = K > 1``, ``augmentation_multiplicity`` is ``K`` (the accounting does not
+        change)."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -152,6 +154,11 @@ class EngineAccounting:
                 else {}
             ),
             **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
+            **(
+                {"augmentation_multiplicity": self.config.augmentation_multiplicity}
+                if self.config.augmentation_multiplicity > 1
+                else {}
+            ),
             **(
                 {
                     "max_grad_norm": self.current_max_grad_norm,

@@ -70,6 +70,13 @@ class EngineStartup:
         ]
         if self.clipping_groups is not None:
             lines.append(_row("clipping groups", self.clipping_groups.describe()))
+        copies = self.config.augmentation_multiplicity
+        if copies > 1:
+            lines.append(
+                _row(
+                    "augmentation", f"{copies} copies per example (augmentation multiplicity), averaged before clipping"
+                )
+            )
         if self.adaptive is not None:
             adaptive = self.adaptive
             lines.append(

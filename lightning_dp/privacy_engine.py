@@ -173,6 +173,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             sum_check_every=self.sum_check_every,
             projection_dim=self.projection_dim,
             generator_for=self.randomness.projection_generator,
+            augmentation_multiplicity=self.config.augmentation_multiplicity,
         )
         self.clipping_groups = self.clipper.groups
         self.momentum.bind(self.clipper)
@@ -183,6 +184,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             check_batch_independence=self.check_batch_independence,
             check_every=self.check_batch_independence_every,
             step=lambda: self.steps,
+            copies=self.config.augmentation_multiplicity,
         )
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)

@@ -395,6 +395,12 @@ CASES: list[BadInput] = [
         _strategy(noise_multiplier=1.0, check_batch_independence=False, check_batch_independence_every=10),
         "set check_batch_independence=True",
     ),
+    BadInput(
+        "DPStrategy",
+        "augmentation_multiplicity=0",
+        _strategy(noise_multiplier=1.0, augmentation_multiplicity=0),
+        "augmentation_multiplicity must be an integer >= 1",
+    ),
     # DPModelParallelStrategy (FSDP2-sharded models): what it does not support
     BadInput(
         "DPModelParallelStrategy",
@@ -403,6 +409,12 @@ CASES: list[BadInput] = [
         "over tensor parallelism is not supported",
     ),
     # Lightning fit with DPStrategy: setup and first step
+    BadInput(
+        "Lightning fit",
+        "augmentation_multiplicity=2 with a training_step that makes no copies",
+        _fit(_tiny(), {"augmentation_multiplicity": 2}),
+        r"with augmentation_multiplicity=2 every hooked layer must see the 2 copies of each example",
+    ),
     BadInput(
         "Lightning fit",
         "target_unclipped_quantile=0.5 with expected batch 8 (default unclipped_num_std 0.4)",

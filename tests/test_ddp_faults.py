@@ -23,6 +23,8 @@ from lightning_dp.accounting import make_accountant
 from lightning_dp.mechanisms import make_mechanism
 
 SCRIPT = Path(__file__).with_name("ddp_fault_script.py")
+#: what gloo writes when a peer process died mid-collective
+GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Check the logs of the remote worker")
 MAX_STEPS, EVERY, Q = 8, 3, 0.25
 
 
@@ -98,7 +100,10 @@ def test_sigkill_one_rank_mid_epoch_ends_the_job_then_resume(tmp_path, killed):
     print(f"job ended {seconds:.1f} s after SIGKILL of rank {killed}")
     assert seconds < STOP_WITHIN
     assert process.returncode != 0
-    assert "Connection closed by peer" in (tmp_path / "log.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()
+    # gloo names the dead peer's connection ("closed by peer"; under load the read may fail first and gloo's message
+    # then ends with "Check the logs of the remote worker ..."): either way the survivor raised a peer error
+    assert any(message in log for message in GLOO_PEER_LOST), log[-2000:]
     steps = [int(line.split()[0]) for line in _curve(tmp_path, 1 - killed)]
     assert steps == list(range(1, 8))  # step 8 never completed anywhere
     _check_resume(tmp_path, tmp_path / "ckpt" / "last.ckpt", 6)

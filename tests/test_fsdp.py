@@ -22,7 +22,8 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
   micro-batch on one rank (its stand-in batch, re-run at the stored iterates, adds nothing); the iterates are
   shards (half the bytes), gathered into the engine's state and taken back shard by shard;
 - adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted); and both
-  clipped sums with every Linear an FSDP unit of its own;
+  clipped sums with every Linear an FSDP unit of its own; augmentation multiplicity (2 copies per example, also with
+  the second backward and per-sample momentum: the stand-in batch's copies add nothing);
 - what is not supported (modules the clipper swaps, an empty batch without the stand-in) fails early.
 """
 
@@ -42,7 +43,7 @@ from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp import PrivacyEngine
+from lightning_dp import PrivacyEngine, augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checks import BatchMixingError
 from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.hf.losses import token_cross_entropy
@@ -160,6 +161,12 @@ ENGINE_RUNS = {
         dict(clipping_groups=[["*lora_A*"], ["*lora_B*"]], max_grad_norm=[0.3 * CLIP, CLIP], momentum_length=2),
         True,
     ),
+    # augmentation multiplicity: 2 copies of each sequence (the second rolled by one token), averaged before clipping
+    "augmentation multiplicity": (dict(augmentation_multiplicity=2), False),
+    "augmentation multiplicity, second backward, momentum": (
+        dict(augmentation_multiplicity=2, bookkeeping=False, momentum_length=2),
+        False,
+    ),
 }
 ENGINE_STEPS = 3
 NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example
@@ -172,8 +179,14 @@ def _rows(step: int, rank: int, world: int) -> list[int]:
     return [i for i in range(EXAMPLES) if i % world == rank and (step != EMPTY_STEP or i % WORLD == 0)]
 
 
-def _scaled_loss(model: nn.Module, scale: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return _loss(model, ids) * scale
+def _scaled_loss(model: nn.Module, scale: torch.Tensor, ids: torch.Tensor, copies: int = 1) -> torch.Tensor:
+    """The per-example loss times ``scale``; with ``copies > 1``, each example's mean over its copies, copy ``k``
+    rolled by ``k`` tokens (an "augmentation" of each row on its own)."""
+    if copies == 1:
+        return _loss(model, ids) * scale
+    rows = repeat_for_multiplicity(ids, copies)
+    rows = torch.stack([row.roll(index % copies) for index, row in enumerate(rows)])
+    return augmentation_mean(_loss(model, rows), copies) * scale
 
 
 def _engine_run(model: nn.Module, context, rank: int, world: int, **options) -> tuple[dict, PrivacyEngine]:
@@ -195,7 +208,8 @@ def _engine_run(model: nn.Module, context, rank: int, world: int, **options) -> 
         if stand_in:
             (ids,), rows = engine.stand_in_batch(), torch.tensor([-1])
         nonfinite = (rows == NONFINITE_ROW) & (step == NONFINITE_STEP)
-        step_loss = functools.partial(_scaled_loss, model, torch.where(nonfinite, math.inf, 1.0).double())
+        scale = torch.where(nonfinite, math.inf, 1.0).double()
+        step_loss = functools.partial(_scaled_loss, model, scale, copies=options.get("augmentation_multiplicity", 1))
         loss = engine.per_sample_loss(ids, len(ids), step_loss, module=model, stand_in=stand_in)
         engine.clip(loss, stand_in=stand_in)
         optimizer.step()

@@ -260,6 +260,9 @@ def test_hub_config_parses() -> None:
     assert cli.datamodule.hparams.data_source == "hub" and cli.datamodule.hparams.hub_dataset == "uoft-cs/cifar10"
     assert cli.datamodule.hparams.batch_size * cli.trainer.accumulate_grad_batches == 4096
     assert isinstance(cli.trainer.strategy, DPStrategy)
+    # De et al.'s augmentation multiplicity, the same K for the model's copies and the strategy's clipper
+    assert cli.model.augmentation_multiplicity == 16
+    assert cli.trainer.strategy.privacy_engine.config.augmentation_multiplicity == 16
 
 
 # ------------------------------------------------------------------------------------------------------- slow

@@ -355,7 +355,7 @@ def test_the_thread_table_sets_each_seed_beside_the_recorded_run(tmp_path, monke
     table = bench.thread_table("cifar", runs)
     assert "| gaussian-eps3 | 0 | 20.00 (2) | 23.00 (1) | +3.00 |" in table
     assert "| gaussian-eps3 | 1 | 25.50 (2) | 24.50 (1) | -1.00 |" in table
-    assert "Mean absolute difference: 2.00 points over 2 seeds." in table
+    assert "Mean absolute difference: 2.00 points over 2 runs." in table
     assert f"OMP_NUM_THREADS=1 {command}" in table
 
 

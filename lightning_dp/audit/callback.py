@@ -113,9 +113,9 @@ class ClippedGradientCanaryAudit(_CanaryAudit):
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy.
-        ValueError: several processes, not exactly one DP optimizer, or a layer that does not fit the canaries or
-            whose canaries clipping would not act on (see :meth:`ClippedGradientCanaries.install`), at the first
-            training batch.
+        ValueError: several processes, not exactly one DP optimizer, ``augmentation_multiplicity > 1``, or a layer
+            that does not fit the canaries or whose canaries clipping would not act on (see
+            :meth:`ClippedGradientCanaries.install`), at the first training batch.
     """
 
     mode = "clipped-gradient"
@@ -126,6 +126,13 @@ class ClippedGradientCanaryAudit(_CanaryAudit):
         self.layer = layer
 
     def _install(self, strategy: DPStrategyMixin, optimizer: DPOptimizer, pl_module: pl.LightningModule) -> None:
+        copies = strategy.privacy_engine.config.augmentation_multiplicity
+        if copies > 1:
+            raise ValueError(
+                f"{type(self).__name__} builds each canary's gradient from its one row, which augmented copies "
+                f"(augmentation_multiplicity={copies}) would change: audit the run with augmentation_multiplicity=1, "
+                "or use GradientCanaryAudit (canaries added after clipping)"
+            )
         layer = pl_module.get_submodule(self.layer)
         self.canaries.install(optimizer, layer, max_grad_norm=strategy.privacy_engine.max_grad_norm)
 

@@ -85,6 +85,8 @@ class TrainingGuard:
         check_every: ``N >= 1``: also on every N-th optimizer step (steps ``0, N, 2N, ...`` of ``step()``);
             ``None`` (default): the first step only. Needs ``check_batch_independence``.
         step: ``() -> int``, the number of optimizer steps taken so far (needed with ``check_every``).
+        copies: ``K``, the augmentation multiplicity: hooked layer outputs have ``B K`` rows, example ``i``'s in rows
+            ``i K .. i K + K - 1`` (see :func:`check_batch_independence`).
 
     Raises:
         ValueError: ``check_every`` not ``None`` or a positive int, or given without ``check_batch_independence`` or
@@ -99,6 +101,7 @@ class TrainingGuard:
         check_batch_independence: bool = True,
         check_every: int | None = None,
         step: Callable[[], int] | None = None,
+        copies: int = 1,
     ) -> None:
         validate_independence_every(check_every, check_batch_independence)
         if check_every is not None and step is None:
@@ -110,6 +113,7 @@ class TrainingGuard:
         self.leave_half_out_pending = check_batch_independence
         self.check_every = check_every
         self._step = step
+        self.copies = copies
         #: the last optimizer step whose checks were armed (each due step arms once, at its first forward).
         self._armed_step: int | None = None
         self._first_step = True
@@ -170,7 +174,7 @@ class TrainingGuard:
         targets = {**self._output_targets(), **{name: (leaf, leaf.shape) for name, leaf in self._leaves.items()}}
         self._leaves = {}
         with self._naming_the_step():
-            conclusive = check_batch_independence(per_sample_loss, targets)
+            conclusive = check_batch_independence(per_sample_loss, targets, self.copies)
         self.independence_pending = not conclusive  # a non-finite loss: check again on the next batch
 
     def _after_forward_in_step(self, per_sample_loss: torch.Tensor) -> None:
@@ -184,7 +188,7 @@ class TrainingGuard:
             return
         with self._naming_the_step():
             conclusive, error = check_batch_independence_in_step(
-                per_sample_loss, self._output_targets(), active=active, bits=bits
+                per_sample_loss, self._output_targets(), active=active, bits=bits, copies=self.copies
             )
             self._raise_if_any_rank(error, "batch-independence")
         if active:

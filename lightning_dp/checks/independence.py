@@ -13,7 +13,9 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Mixing of e
   Lightning's ``BatchGradientVerification`` (``lightning.pytorch.callbacks.batch_size_finder``'s sibling in
   ``pl_bolts``), made complete over pairs: for each bit b of the sample index, one vector-Jacobian product of
   ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
-  with ``2 ceil(log2 B)`` extra backward passes of the checked batch.
+  with ``2 ceil(log2 B)`` extra backward passes of the checked batch. With augmentation multiplicity ``K`` a layer
+  output of ``B K`` rows is example ``i``'s in rows ``i K .. i K + K - 1`` (:mod:`lightning_dp.clipping.
+  multiplicity`), and the check tests those rows together: so it also reports a copy-major order of the copies.
 
 - mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
   / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
@@ -56,6 +58,12 @@ BATCH_MIXING_HINT = (
     "in a non-trainable diagnostic), switch the check off with check_batch_independence=False"
 )
 
+#: Prefixed to the hint when a layer output of ``B K`` rows showed the dependence (augmentation multiplicity).
+COPIES_HINT = (
+    "with augmentation_multiplicity={k}, rows i*{k} .. i*{k}+{k}-1 of every layer must be example i's copies (make "
+    "them with x.repeat_interleave({k}, 0), not x.repeat({k}, ...), and average each example's own rows); otherwise "
+)
+
 
 class BatchMixingError(UnsupportedModuleError):
     """Example i's loss depends on example j's data (i != j): the per-sample sensitivity bound does not hold."""
@@ -80,9 +88,16 @@ def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tens
     return apply_to_collection(batch, torch.Tensor, as_leaf), leaves
 
 
+def _example_rows(shape: torch.Size, batch: int, copies: int) -> bool:
+    """Whether a target of ``shape`` has one row per example (``B``) or, with augmentation multiplicity, one per copy
+    (``B K``, sample-major: rows ``i K .. i K + K - 1`` are example ``i``'s)."""
+    return len(shape) > 0 and shape[0] in (batch, batch * copies)
+
+
 def check_batch_independence(
     per_sample_loss: torch.Tensor,
     targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]],
+    copies: int = 1,
 ) -> bool:
     """Fail when example i's loss has a nonzero gradient with respect to example j's part of a target, i != j.
 
@@ -92,7 +107,9 @@ def check_batch_independence(
     Args:
         per_sample_loss: ``[B]``, attached to the graph of the training forward.
         targets: ``{description: (edge or tensor, shape)}`` with the sample dimension first (hooked layer outputs,
-            float input leaves); targets whose first dimension is not ``B`` are skipped.
+            float input leaves); targets whose first dimension is neither ``B`` nor ``B K`` are skipped.
+        copies: ``K``, the augmentation multiplicity: a target of ``B K`` rows is example ``i``'s in rows
+            ``i K .. i K + K - 1`` (a copy-major order then shows as mixing).
 
     Raises:
         BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
@@ -105,7 +122,7 @@ def check_batch_independence(
         caller checks again on a later batch.
     """
     batch = per_sample_loss.shape[0]
-    targets = {name: t for name, t in targets.items() if len(t[1]) and t[1][0] == batch}
+    targets = {name: t for name, t in targets.items() if _example_rows(t[1], batch, copies)}
     if batch < 2:
         return True
     if not targets or not per_sample_loss.requires_grad:
@@ -120,7 +137,9 @@ def check_batch_independence(
             why,
         )
         return True
-    conclusive, error = _vector_jacobian_passes(per_sample_loss, targets, bits=math.ceil(math.log2(batch)), active=True)
+    conclusive, error = _vector_jacobian_passes(
+        per_sample_loss, targets, bits=math.ceil(math.log2(batch)), active=True, copies=copies
+    )
     if error is not None:
         raise error
     return conclusive
@@ -132,6 +151,7 @@ def _vector_jacobian_passes(
     *,
     bits: int,
     active: bool,
+    copies: int = 1,
 ) -> tuple[bool, BatchMixingError | None]:
     """``2 bits`` vector-Jacobian products of the per-sample loss to every target; with ``active``, the first leak
     into a target with ``B`` rows is returned (after all passes ran: the passes of a sharded model are collectives).
@@ -141,7 +161,7 @@ def _vector_jacobian_passes(
     batch = per_sample_loss.shape[0]
     names = list(targets)
     inputs = [targets[name][0] for name in names]
-    checked = [name for name in names if len(targets[name][1]) and targets[name][1][0] == batch]
+    checked = [name for name in names if _example_rows(targets[name][1], batch, copies)]
     index = torch.arange(batch, device=per_sample_loss.device)
     finite = torch.isfinite(per_sample_loss.detach())
     for bit in range(bits):
@@ -159,7 +179,8 @@ def _vector_jacobian_passes(
             if active and error is None:
                 by_name = dict(zip(names, grads, strict=True))
                 try:
-                    _raise_on_leak(checked, [by_name[n] for n in checked], [targets[n][1] for n in checked], weighted)
+                    grads_checked = [by_name[n] for n in checked]
+                    _raise_on_leak(checked, grads_checked, [targets[n][1] for n in checked], weighted, copies)
                 except BatchMixingError as leak:
                     error = leak
     return bool(finite.all()), error
@@ -171,6 +192,7 @@ def check_batch_independence_in_step(
     *,
     active: bool,
     bits: int,
+    copies: int = 1,
 ) -> tuple[bool, BatchMixingError | None]:
     """:func:`check_batch_independence` in lockstep with the other ranks, for a sharded (FSDP2) model, whose
     backward passes gather weights with collectives: every rank runs exactly ``2 bits`` passes (``bits`` agreed
@@ -181,7 +203,7 @@ def check_batch_independence_in_step(
     Returns:
         ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
     """
-    return _vector_jacobian_passes(per_sample_loss, targets, bits=bits, active=active)
+    return _vector_jacobian_passes(per_sample_loss, targets, bits=bits, active=active, copies=copies)
 
 
 def _raise_on_leak(
@@ -189,9 +211,11 @@ def _raise_on_leak(
     grads: Iterable[torch.Tensor | None],
     shapes: Iterable[torch.Size],
     weighted: torch.Tensor,
+    copies: int = 1,
 ) -> None:
-    """Raise when a row outside ``weighted`` (the examples whose losses were summed: chosen, with a finite loss) has
-    a gradient above the relative tolerance.
+    """Raise when an example outside ``weighted`` (the examples whose losses were summed: chosen, with a finite loss)
+    has a gradient above the relative tolerance in its rows (its one row, or its ``copies`` rows of a target of
+    ``B K`` rows, sample-major).
 
     A NaN entry counts as zero: an example with a non-finite loss, given weight 0, gets ``0 * inf = NaN`` on its own
     path, which is no dependence; so such an example neither fails the check (which would reveal that it was drawn)
@@ -201,15 +225,17 @@ def _raise_on_leak(
         if grad is None:
             continue
         largest = torch.finfo(torch.float32).max
-        rows = grad.reshape(shape).reshape(shape[0], -1).abs().float().nan_to_num(0.0, largest, largest).amax(dim=1)
+        by_example = grad.reshape(shape).reshape(weighted.shape[0], -1)  # [B K, ...] -> [B, K ...]: sample-major
+        rows = by_example.abs().float().nan_to_num(0.0, largest, largest).amax(dim=1)
         inside, outside = rows[weighted], rows[~weighted]
         scale = float(inside.max()) if inside.numel() else 0.0
         scale = min(scale, largest / INDEPENDENCE_RTOL)
         if outside.numel() and float(outside.max()) > INDEPENDENCE_RTOL * max(scale, 1e-30):
             j = int(torch.nonzero(~weighted)[int(outside.argmax())])
+            order = COPIES_HINT.format(k=copies) if copies > 1 else ""
             raise BatchMixingError(
                 f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
-                f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + BATCH_MIXING_HINT
+                f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + order + BATCH_MIXING_HINT
             )
 
 

@@ -36,6 +36,12 @@ iterate's as further uses of each parameter, so the engines take the exact norm 
 between iterates included) and the clipped sum adds them; they are kept until the next clip (memory: one set of
 captures per iterate).
 
+Augmentation multiplicity (``augmentation_multiplicity = K``; De et al. 2022, Section 3.2;
+:mod:`~lightning_dp.clipping.multiplicity`): the forward sees ``B K`` rows, the ``K`` augmented copies of each example
+in sample-major order, and the per-sample loss ``[B]`` reduces each example's copies; each capture's terms are folded
+into the ``B`` examples' terms, so an example's copies count like the uses of a tied parameter and its averaged
+gradient is clipped once (norm at most ``C`` whatever ``K``).
+
 Code layout: this module holds the clip sequence (:meth:`PerSampleClipper.backward`) and the public surface; the
 class's bases hold one job each: :mod:`~lightning_dp.clipping.sample_norms` (the backward pass to the captures, the
 per-sample norms and the sum check's wiring), :mod:`~lightning_dp.clipping.clipped_sum` (the clipped sum by
@@ -64,6 +70,7 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
+from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.swap import restore_modules, swap_modules
@@ -121,7 +128,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     Lightning's ``BackboneFinetuning``) makes the next :meth:`backward` raise.
 
     Args:
-        module: the model; the first dimension of every hooked layer's input/output is the sample dimension.
+        module: the model; the first dimension of every hooked layer's input/output is the sample dimension (with
+            ``augmentation_multiplicity = K``, the ``B K`` rows of the examples' copies, sample-major).
         clipping: engine name, one of :data:`~lightning_dp.clipping.engine.ENGINES` (``"flat" | "ghost" | "fgc" |
             "mixed" | "hutch" | "hutchpp"``).
         max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm); with ``clipping_groups``,
@@ -146,6 +154,10 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
         generator_for: ``device -> torch.Generator`` on that device, the source of the randomized engines'
             projections (the run's DP randomness, never the global RNG); required for ``hutch``/``hutchpp``.
+        augmentation_multiplicity: ``K >= 1``, the rows per example every hooked layer sees: rows ``i K .. i K + K -
+            1`` are example ``i``'s augmented copies, and the per-sample loss ``[B]`` reduces them (De et al. 2022,
+            Section 3.2; :mod:`~lightning_dp.clipping.multiplicity`). Every engine, book-keeping or not, groups,
+            per-sample momentum and sharded models. 1 (default): one row per example.
 
     Raises:
         ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``,
@@ -154,7 +166,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             randomized engine, ``bookkeeping=False``, groups that do not cover every trainable parameter exactly
             once, or a list of bounds of another length than the groups (see
             :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`); a list ``max_grad_norm`` without
-            ``clipping_groups``.
+            ``clipping_groups``; ``augmentation_multiplicity`` not an integer >= 1.
         UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
             ``track_running_stats=True`` (InstanceNorm), or a trainable parameter not covered by a registered
             layer (see :mod:`lightning_dp.clipping.registry`).
@@ -172,7 +184,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         projection_dim: int | None = None,
         generator_for: Callable[[torch.device], torch.Generator] | None = None,
         clipping_groups: GroupsSpec = None,
+        augmentation_multiplicity: int = 1,
     ) -> None:
+        validate_multiplicity(augmentation_multiplicity)
         if norm not in (1, 2):
             raise ValueError(f"norm must be 1 or 2, got {norm!r}")
         self._engine: ClippingEngine = make_engine(clipping, projection_dim=projection_dim)
@@ -200,6 +214,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self.last_group_norms: torch.Tensor | None = None
         self.norm = norm
         self.bookkeeping = bookkeeping
+        #: ``K``, the rows per example of every hooked layer (augmentation multiplicity; 1: one row per example).
+        self.augmentation_multiplicity = int(augmentation_multiplicity)
         self.sum_check_every = sum_check_every
         self._generator_for = generator_for
         self._checked_batches = 0
@@ -452,8 +468,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             squared norm), detached, ``[B]``, float32 (float64 for float64 parameters).
 
         Raises:
-            ValueError: ``per_sample_loss`` not of shape ``[B]``, not requiring grad, or a batch size different from
-                the one the hooks captured; or the set of trainable parameters changed since construction.
+            ValueError: ``per_sample_loss`` not of shape ``[B]``, not requiring grad, or a hooked layer that saw
+                another number of rows than ``B`` (``B K`` with ``augmentation_multiplicity = K``); or the set of
+                trainable parameters changed since construction.
             UnsupportedModuleError: a trainable parameter got a gradient outside its module's hooked forward, found
                 by the sum check (see the class docstring for when it runs).
             RuntimeError: after :meth:`detach`.

@@ -4,7 +4,8 @@
 One backward pass to the captured layer outputs (with the parameter gradients when the sum check is due), the
 per-sample terms grouped by parameter, and the engine's norm contributions summed group by group over the groups of
 captures that share a parameter (of the current iterate and of the past ones), into one total per clipping group
-(one for flat clipping; :mod:`~lightning_dp.clipping.groups`). The mixin holds no state of its own:
+(one for flat clipping; :mod:`~lightning_dp.clipping.groups`). With augmentation multiplicity each capture's rows are
+folded into their examples first (:mod:`~lightning_dp.clipping.multiplicity`). The mixin holds no state of its own:
 it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from lightning_dp.clipping.engine import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
+from lightning_dp.clipping.multiplicity import check_rows, fold_copies
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
 from lightning_dp.clipping.terms import Term
@@ -66,6 +68,7 @@ class SampleNormsMixin:
     _past: list[Capture]
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
+    augmentation_multiplicity: int
 
     def _group_count(self) -> int:
         """``G``, the number of clipping groups (1 for flat clipping)."""
@@ -145,7 +148,15 @@ class SampleNormsMixin:
         )
 
     def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
-        """Group the terms of all captures by parameter (one term per use)."""
+        """Group the terms of all captures by parameter (one term per use), each the term of the ``batch`` examples:
+        with augmentation multiplicity ``K``, a capture's ``B K`` rows folded into their examples
+        (:func:`~lightning_dp.clipping.multiplicity.fold_copies`).
+
+        Raises:
+            ValueError: a captured input modified in place after its layer ran; a capture without ``B K`` rows
+                (:func:`~lightning_dp.clipping.multiplicity.check_rows`).
+        """
+        copies = self.augmentation_multiplicity
         terms: dict[nn.Parameter, list[Term]] = {}
         with self._hooks.suspended():
             for capture in captures:
@@ -155,14 +166,9 @@ class SampleNormsMixin:
                         "per-sample gradients would be computed from the modified values; replace the in-place op "
                         "that follows it (e.g. x.mul_(s) -> x = x * s)"
                     )
-                if capture.output_grad.shape[0] != batch:
-                    raise ValueError(
-                        f"module '{capture.name}' saw a batch dimension of {capture.output_grad.shape[0]} but the "
-                        f"per-sample loss has {batch} samples; the first dimension of every layer input must be the "
-                        "sample dimension (expand broadcast inputs to the batch)"
-                    )
+                check_rows(capture.name, capture.output_grad.shape[0], batch, copies)
                 for name, term in capture.family.terms(capture.module, capture.activation, capture.output_grad).items():
-                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
+                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, copies))
         return terms
 
     def _norms(

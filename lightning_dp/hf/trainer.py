@@ -18,7 +18,9 @@ Overridden ``Trainer`` methods (all documented "subclass and override" points), 
 - ``create_optimizer``: fix delta, calibrate ``target_epsilon`` for the Trainer's planned steps (``state.max_steps``,
   from ``max_steps`` or the epochs), and wrap the optimizer in a ``DPOptimizer`` (noise once per logical step, then
   division by the expected batch size ``q N``, then the accountant records the step).
-- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`), per-sample clipping of each
+- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`; with
+  ``augmentation_multiplicity = K > 1`` on the batch's ``K`` copies made by DPTrainer and augmented by the user's
+  :meth:`DPTrainer.augment_copies`, each example's mean over its copies), per-sample clipping of each
   micro-batch into ``p.grad`` (instead of ``accelerator.backward``); on the last micro-batch of a logical step the
   noise is added right away, so the Trainer's ``grad_norm`` log and ``on_pre_optimizer_step`` callbacks only ever
   see the noisy gradient, never the noise-free clipped sum.
@@ -68,6 +70,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +81,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
+from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.engine_accounting import summary_metrics
@@ -104,7 +108,11 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
     LM, token and sequence classification heads (see :mod:`lightning_dp.hf.losses`); override
-    :meth:`compute_per_example_loss` for another head.
+    :meth:`compute_per_example_loss` for another head. With ``augmentation_multiplicity = K > 1`` (De et al. 2022,
+    Section 3.2) DPTrainer repeats every tensor of the collated batch ``K`` times in sample-major order
+    (:func:`lightning_dp.repeat_for_multiplicity`), hands the copies to :meth:`augment_copies` (which a subclass
+    must override: the augmentation is the user's) in train mode, and clips each example's mean loss over its
+    copies (:func:`lightning_dp.augmentation_mean`), so each example's averaged gradient is clipped once.
 
     Args:
         *args, **kwargs: the ``Trainer``'s arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
@@ -120,7 +128,8 @@ class DPTrainer(PrivacyQueries, Trainer):
         ValueError: an unsupported configuration (see the module docstring) or training argument
             (``TrainingArguments.max_grad_norm`` set to a value other than 0 or its default, which is switched off
             with a log line); a model whose head has no per-example loss; an unsupported trainable layer
-            (``UnsupportedModuleError``, a ``ValueError``).
+            (``UnsupportedModuleError``, a ``ValueError``); ``augmentation_multiplicity > 1`` without an
+            :meth:`augment_copies` of a subclass.
     """
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
@@ -141,6 +150,12 @@ class DPTrainer(PrivacyQueries, Trainer):
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         if privacy_args.disable_dp:
+            if engine.config.augmentation_multiplicity > 1:
+                log.warning(
+                    "disable_dp=True: augmentation_multiplicity=%d is ignored (Trainer's own training step, one row "
+                    "per example, no copies and no augment_copies call)",
+                    engine.config.augmentation_multiplicity,
+                )
             return
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
@@ -159,6 +174,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
             )
         self._check_model_and_loss()
+        self._check_augmentation()
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
@@ -227,6 +243,18 @@ class DPTrainer(PrivacyQueries, Trainer):
             raise ValueError(
                 f"DPTrainer forms per-example losses from a 'labels' column, this model uses {self.label_names}: "
                 "override DPTrainer.compute_per_example_loss for it"
+            )
+
+    def _check_augmentation(self) -> None:
+        """Reject ``augmentation_multiplicity > 1`` when :meth:`augment_copies` is not overridden: ``K`` identical
+        copies average to the gradient of one, at ``K`` times the cost."""
+        copies = self.privacy_engine.config.augmentation_multiplicity
+        if copies > 1 and type(self).augment_copies is DPTrainer.augment_copies:
+            raise ValueError(
+                f"augmentation_multiplicity={copies}: DPTrainer makes {copies} copies of each example, and the copies "
+                "must be augmented, by your code: subclass DPTrainer and override augment_copies(inputs) (it receives "
+                "the collated batch with every tensor repeated, rows i*K .. i*K+K-1 example i's, and returns it "
+                "augmented row by row); or set augmentation_multiplicity=1"
             )
 
     # --------------------------------------------------------------------------------------------- training
@@ -455,6 +483,56 @@ class DPTrainer(PrivacyQueries, Trainer):
             label_smoothing=smoothing,
         )
 
+    def augment_copies(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Augment the copies of a batch, row by row (``augmentation_multiplicity = K > 1``; override: the default
+        returns ``inputs`` unchanged, which DPTrainer refuses for ``K > 1``).
+
+        Called on the training batch, on the device, with every tensor repeated ``K`` times in sample-major order
+        (``[B K, ...]``: rows ``i K .. i K + K - 1`` are example ``i``'s; labels included), only while the model is
+        in train mode (the leave-half-out check runs the step in eval mode and compares losses, which random copies
+        would change). Each row must be augmented from that row alone (not from another example, not with statistics
+        of the batch) and the rows kept in place: rows ``i K .. i K + K - 1`` stay example ``i``'s copies.
+        :func:`lightning_dp.augment_each_example` (``fn`` called on each example's ``[K, ...]`` slice) cannot move
+        rows across examples: use it rather than a loop over the whole batch (a copy-major loop such as
+        ``torch.cat([aug(x[k::K]) for k in range(K)])`` puts one example's copies in several examples' groups, up to
+        ``K C`` sensitivity).
+
+        Randomness: draw from torch's global RNG (``torch.rand``, ``torch.randint``... on the inputs' device), not
+        from a generator of the subclass. Per-sample momentum re-runs the step on the same micro-batch under
+        ``torch.random.fork_rng`` and compares the two runs, and the checks restore the global RNG around their extra
+        forwards; a generator of your own advances between the runs, so the copies differ and the run is refused.
+        The global RNG is seeded by the Trainer's ``seed``.
+
+        DPTrainer checks after the call that ``labels`` (when the batch has them) come back unchanged, equal to the
+        repeated labels row for row, and that no integer or boolean tensor has a row that is exactly another
+        example's original row in place of its own (a moved row); either raises ``ValueError``. The checks cannot see
+        every reordering (e.g. a batch whose examples share their labels, with rows moved and altered): keep the rows
+        in place.
+
+        Args:
+            inputs: the copies, ``{name: [B K, ...]}``.
+
+        Returns:
+            The augmented copies, the same keys and row count.
+
+        Raises:
+            ValueError: (raised by DPTrainer after the call) ``labels`` changed, or a row moved across examples.
+        """
+        return inputs
+
+    def _per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """``[B]``: :meth:`compute_per_example_loss`, or with ``augmentation_multiplicity = K > 1`` each example's
+        mean over the losses of its ``K`` (augmented) copies (De et al. 2022, Section 3.2)."""
+        copies = self.privacy_engine.config.augmentation_multiplicity
+        if copies == 1:
+            return self.compute_per_example_loss(model, inputs)
+        rows = repeat_for_multiplicity(inputs, copies)
+        if model.training:
+            augmented = self.augment_copies(rows)
+            _check_rows_in_place(inputs, rows, augmented, copies)
+            rows = augmented
+        return augmentation_mean(self.compute_per_example_loss(model, rows), copies)
+
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
@@ -490,7 +568,7 @@ class DPTrainer(PrivacyQueries, Trainer):
 
                 def compute(batch: dict[str, Any]) -> torch.Tensor:
                     with self.compute_loss_context_manager():
-                        return self.compute_per_example_loss(model, batch)
+                        return self._per_example_loss(model, batch)
 
                 losses = engine.per_sample_loss(inputs, size, compute, module=model, stand_in=stand_in)
                 if losses is None:
@@ -589,3 +667,48 @@ def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgu
             "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
             "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
         )
+
+
+def _check_rows_in_place(original: dict[str, Any], repeated: dict[str, Any], augmented: Any, copies: int) -> None:
+    """Refuse copies that :meth:`DPTrainer.augment_copies` moved across examples (docs/design.md section 4.8).
+
+    ``labels`` (when ``original`` has them) must come back equal to the repeated labels row for row; every other
+    integer or boolean tensor present before and after with the same shape must not hold, in a row of example ``i``,
+    another example's original row that differs from example ``i``'s own (a moved row). Float inputs are left to the
+    batch-independence check, which sees their gradients.
+    """
+    if not isinstance(augmented, Mapping):
+        raise ValueError(f"augment_copies must return the inputs' mapping of tensors, got {type(augmented).__name__}")
+    hint = (
+        f"augment_copies must keep each row in place: rows i*{copies} .. i*{copies}+{copies - 1} are example i's "
+        "copies, each augmented from that row alone (a loop over copy k of every example, torch.cat([aug(x[k::K]) "
+        "for k in range(K)]), puts one example's copies in several examples' groups: sensitivity up to K*C); use "
+        "lightning_dp.augment_each_example(rows, K, fn) to augment each example's copies on their own"
+    )
+    for key, before in repeated.items():
+        after = augmented.get(key)
+        if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.ndim == 0:
+            continue
+        if key == "labels":
+            if after.shape != before.shape or not torch.equal(after.to(before.device), before):
+                raise ValueError(f"{hint}; 'labels' came back changed or reordered: return them unchanged")
+            continue
+        if before.dtype.is_floating_point or before.is_complex() or after.shape != before.shape:
+            continue
+        after = after.to(before.device)
+        mine = original[key]
+        flat_after = after.reshape(after.shape[0], -1)
+        flat_mine = mine.reshape(mine.shape[0], -1).to(before.device)
+        changed = torch.nonzero((flat_after != before.reshape(before.shape[0], -1)).any(1)).flatten()
+        if changed.numel() == 0 or flat_mine.shape[0] < 2:
+            continue
+        # [changed, B]: which original examples each changed row equals exactly
+        same = (flat_after[changed].unsqueeze(1) == flat_mine.unsqueeze(0)).all(-1)
+        owner = changed // copies
+        moved = same.any(1) & ~same[torch.arange(changed.numel(), device=same.device), owner]
+        if bool(moved.any()):
+            row = int(changed[moved][0])
+            raise ValueError(
+                f"{hint}; row {row} of '{key}' (a copy of example {row // copies}) holds example "
+                f"{int(torch.nonzero(same[moved][0])[0])}'s row"
+            )

@@ -66,7 +66,13 @@ class DPStrategyMixin(PrivacyQueries):
     accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
     The LightningModule's ``training_step`` must return the PER-SAMPLE loss, shape ``[B]`` (or a dict whose
-    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample.
+    ``"loss"`` is), e.g. ``F.cross_entropy(logits, y, reduction="none")``; token losses are reduced per sample. With
+    ``augmentation_multiplicity = K > 1`` the step makes and augments ``K`` copies of each of its ``B`` examples
+    (:func:`lightning_dp.repeat_for_multiplicity`) and returns each example's mean over its copies, still ``[B]``
+    (:func:`lightning_dp.augmentation_mean`). The rows must stay in place (rows ``i K .. i K + K - 1`` example
+    ``i``'s): a reordering done only in train mode on integer inputs (token ids), inside the augmentation, is caught
+    by neither check (leave-half-out runs in eval mode, integer inputs have no gradient) and nothing in this path
+    compares the rows; augment with :func:`lightning_dp.augment_each_example`, which cannot move rows across examples.
 
     The privacy options are the fields of :class:`~lightning_dp.config.PrivacyConfig`, given as keyword arguments
     (the signature lists them); every other keyword argument goes to the Lightning strategy.
@@ -256,16 +262,40 @@ class DPStrategyMixin(PrivacyQueries):
         self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
         return loss
 
-    @staticmethod
-    def _check_one_loss_per_example(batch: Any, loss: torch.Tensor) -> None:
+    def _check_one_loss_per_example(self, batch: Any, loss: torch.Tensor) -> None:
         """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
-        would give each example two clipped contributions (sensitivity 2C)."""
+        would give each example two clipped contributions (sensitivity 2C). With ``augmentation_multiplicity = K``
+        the batch still holds the ``B`` sampled examples (the step makes their copies, the model sees ``B K`` rows)
+        and the loss is ``[B]``.
+
+        Raises:
+            ValueError: another length, saying what to change (with ``K > 1``: a loss per copy, ``[B K]``, or a batch
+                whose copies the data loader made, ``B K`` rows).
+        """
         size = _batch_size(batch)
-        if size is not None and size != loss.shape[0]:  # None: the clipper still checks the layers' batch size
+        if size is None or size == loss.shape[0]:  # None: the clipper still checks the layers' rows
+            return
+        copies = self.privacy_engine.config.augmentation_multiplicity
+        if copies > 1 and loss.shape[0] == size * copies:
             raise ValueError(
-                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
-                "exactly one loss per example (average the losses of an example's augmented copies)"
+                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples, one per "
+                f"augmented copy (augmentation_multiplicity={copies}): return one loss per example, the mean over its "
+                f"copies, lightning_dp.augmentation_mean(loss, {copies})"
             )
+        if copies > 1 and size == loss.shape[0] * copies:
+            raise ValueError(
+                f"the training batch has {size} rows for {loss.shape[0]} per-sample losses: with "
+                f"augmentation_multiplicity={copies} the batch must hold the sampled examples once each (Poisson "
+                "sampling and the checks count its rows as examples). Either the data loader or collate_fn made the "
+                "copies: make them inside training_step instead; or training_step called "
+                f"lightning_dp.augmentation_mean without making the copies first: call "
+                f"lightning_dp.repeat_for_multiplicity(batch, {copies}) before the forward"
+            )
+        raise ValueError(
+            f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
+            "exactly one loss per example (average the losses of an example's augmented copies, "
+            "lightning_dp.augmentation_mean, with the privacy option augmentation_multiplicity)"
+        )
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""

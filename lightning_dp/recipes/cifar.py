@@ -7,9 +7,13 @@
   (``cifar10_train_5k_subset_from_jpg.npz``: 500 training images per class; ``cifar10_test_10k_from_jpg.npz``: the
   full test set; both decoded from JPEG re-encodings of real CIFAR-10 images). Both are shuffled once with
   ``split_seed`` and cut to ``train_size`` / ``eval_size``; pixels are standardised per channel with the public
-  CIFAR-10 mean and standard deviation (no statistic of the private data). No augmentation: De et al. 2022 average
-  16 augmented copies per example inside its clipped gradient ("augmentation multiplicity"), which the library's
-  per-sample clipping (one forward row per example) does not support, and single augmentations hurt DP-SGD there.
+  CIFAR-10 mean and standard deviation (no statistic of the private data).
+- Augmentation multiplicity (the models' ``augmentation_multiplicity`` K, with the same value as the DP strategy's
+  privacy option): De et al. 2022, Section 3.2, give each sampled example K copies, each randomly cropped (4-pixel
+  reflect padding) and flipped on its own (:mod:`lightning_dp.recipes.image_augmentation`), and clip the AVERAGE of
+  the copies' gradients once, so one example's sensitivity stays C; their CIFAR-10 runs use K = 16
+  (``configs/cifar10_hub.yaml``). K = 1 (default, ``configs/cifar10_offline.yaml``): no augmentation at all, the
+  recipe as before (single augmentations hurt DP-SGD in De et al.'s study).
 - Models: :class:`WideResNetClassifier`, the WRN-16-4 with GroupNorm of De et al. 2022 trained from scratch
   (:mod:`lightning_dp.recipes.wide_resnet`; depth and width are arguments), or :class:`ViTClassifier`, HF
   ``ViTForImageClassification`` fine-tuned from a Hub checkpoint (images resized to its input size), with ``tiny``
@@ -44,6 +48,9 @@ from lightning.pytorch.cli import SaveConfigCallback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
+from lightning_dp.clipping.multiplicity import validate_multiplicity
+from lightning_dp.recipes.image_augmentation import augmentation_generator, random_crop_flip
 from lightning_dp.recipes.metrics import classification_metrics
 from lightning_dp.recipes.run import results_record, write_results
 from lightning_dp.recipes.wide_resnet import WideResNet
@@ -196,27 +203,70 @@ class CifarDataModule(pl.LightningDataModule):
 
 # ---------------------------------------------------------------------------------------------------------- models
 class CifarClassifier(pl.LightningModule):
-    """Shared training logic: cross-entropy per example (shape ``[B]`` under a DP strategy, its mean otherwise) and
-    SGD. Subclasses set ``self.net`` (``[B, 3, H, W] -> [B, 10]`` logits) or override :meth:`forward`.
+    """Shared training logic: cross-entropy per example (shape ``[B]`` under a DP strategy, its mean otherwise),
+    augmentation multiplicity, and SGD. Subclasses set ``self.net`` (``[B, 3, H, W] -> [B, 10]`` logits) or override
+    :meth:`forward`.
+
+    With ``augmentation_multiplicity = K > 1`` the training step turns its ``B`` images into ``B K`` rows
+    (:func:`lightning_dp.repeat_for_multiplicity`, sample-major), crops and flips each row at random
+    (:func:`~lightning_dp.recipes.image_augmentation.random_crop_flip`; only in train mode, like dropout: the DP
+    strategy's leave-half-out check runs the step in eval mode and needs it deterministic) and returns each
+    example's mean cross-entropy over its copies (:func:`lightning_dp.augmentation_mean`; De et al. 2022, Section
+    3.2). The draws come from :func:`~lightning_dp.recipes.image_augmentation.augmentation_generator` seeded from the
+    run's seed (``torch.initial_seed()`` at the start of fit: ``seed_everything``'s) and the micro-batch's rank, epoch
+    and index, so a seeded run reproduces and a re-run of a micro-batch's step (per-sample momentum) sees the same
+    copies.
 
     Args:
         lr: SGD learning rate.
         momentum: SGD momentum (De et al. 2022: none).
         weight_decay: SGD weight decay (De et al. 2022: none).
+        augmentation_multiplicity: ``K >= 1`` augmented copies per example (De et al. 2022: 16); 1 (default): no
+            augmentation. Under a DP strategy it must equal the strategy's ``augmentation_multiplicity``.
+
+    Raises:
+        ValueError: ``lr <= 0``, a negative ``momentum`` or ``weight_decay``, ``augmentation_multiplicity`` not an
+            integer >= 1 (at construction); a DP strategy whose ``augmentation_multiplicity`` differs (at the start
+            of fit).
     """
 
-    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+    def __init__(
+        self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, augmentation_multiplicity: int = 1
+    ) -> None:
         super().__init__()
         if lr <= 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"need lr > 0, momentum >= 0, weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
+        validate_multiplicity(augmentation_multiplicity)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.augmentation_multiplicity = augmentation_multiplicity
+        self._augmentation_seed = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def on_fit_start(self) -> None:
+        """Fix the augmentation seed (the run's: ``torch.initial_seed()``) and check that a DP strategy makes as
+        many copies per example as the model."""
+        self._augmentation_seed = torch.initial_seed()
+        engine = getattr(self.trainer.strategy, "privacy_engine", None)
+        strategy_copies = 1 if engine is None else engine.config.augmentation_multiplicity
+        if engine is not None and strategy_copies != self.augmentation_multiplicity:
+            raise ValueError(
+                f"the model makes {self.augmentation_multiplicity} augmented copies per example but the DP strategy "
+                f"expects augmentation_multiplicity={strategy_copies}: set both to the same K "
+                "(model.init_args.augmentation_multiplicity and trainer.strategy.init_args.augmentation_multiplicity)"
+            )
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x), y, reduction="none")  # [B]: what per-sample clipping needs
+        copies = self.augmentation_multiplicity
+        if copies > 1:
+            x, y = repeat_for_multiplicity((x, y), copies)  # [B K, ...], rows i K .. i K + K - 1: example i's
+            if self.training:
+                position = (self.global_rank, self.current_epoch, batch_idx)
+                x = random_crop_flip(x, augmentation_generator(self._augmentation_seed, *position))
+        rows = F.cross_entropy(self(x), y, reduction="none")  # [B K]
+        loss = augmentation_mean(rows, copies)  # [B]: what per-sample clipping needs (rows itself for K = 1)
         dp = getattr(self.trainer.strategy, "privacy_engine", None) is not None
         return loss if dp else loss.mean()
 
@@ -247,6 +297,7 @@ class WideResNetClassifier(CifarClassifier):
         norm: ``"group"``, or ``"batch"`` for non-private comparisons (DP strategies reject BatchNorm).
         lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`; De et al. 2022 WRN-16-4: lr 2 to 4, no
             momentum, no weight decay).
+        augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`; De et al. 2022: 16).
     """
 
     def __init__(
@@ -258,8 +309,11 @@ class WideResNetClassifier(CifarClassifier):
         lr: float = 4.0,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        augmentation_multiplicity: int = 1,
     ) -> None:
-        super().__init__(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, augmentation_multiplicity=augmentation_multiplicity
+        )
         self.save_hyperparameters()
         self.net = WideResNet(depth=depth, width=width, num_classes=NUM_CLASSES, groups=groups, norm=norm)
 
@@ -277,6 +331,7 @@ class ViTClassifier(CifarClassifier):
         image_size: input size of the tiny ViT.
         patch_size: patch size of the tiny ViT.
         lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`).
+        augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`).
 
     Raises:
         ValueError: ``image_size`` not a positive multiple of ``patch_size`` (the tiny ViT cannot split it into
@@ -292,8 +347,11 @@ class ViTClassifier(CifarClassifier):
         lr: float = 0.5,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        augmentation_multiplicity: int = 1,
     ) -> None:
-        super().__init__(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(
+            lr=lr, momentum=momentum, weight_decay=weight_decay, augmentation_multiplicity=augmentation_multiplicity
+        )
         from transformers import ViTConfig, ViTForImageClassification
 
         self.save_hyperparameters()

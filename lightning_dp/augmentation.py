@@ -1,0 +1,168 @@
+"""The two helpers of a training step with augmentation multiplicity (De, Berrada, Hayes, Smith and Balle 2022,
+"Unlocking high-accuracy differentially private image classification through scale", Section 3.2): the copies of
+a batch, and each example's loss from its copies' losses (docs/design.md section 4.8).
+
+With the privacy option ``augmentation_multiplicity = K`` the training step receives the batch of ``B`` sampled
+examples as usual, makes ``K`` copies of each, augments every copy on its own, and returns one loss per example, the
+mean of its copies' losses::
+
+    x, y = repeat_for_multiplicity(batch, K)              # [B K, ...], rows i K .. i K + K - 1 are example i's
+    if self.training:                                      # like dropout: off in eval mode (see below)
+        x = augment(x)                                     # per row, e.g. random crop and flip
+    rows = F.cross_entropy(self(x), y, reduction="none")   # [B K]
+    return augmentation_mean(rows, K)                      # [B]
+
+The gradient of that mean is the average of the copies' gradients, which the clipper clips once per example
+(:mod:`lightning_dp.clipping.multiplicity`): one example's sensitivity stays ``C``, whatever ``K``.
+
+Why the copies are made inside the step and not by the data loader: the Poisson sampler, the checks (batch
+independence, leave-half-out), FSDP2's stand-in batch and the loss-shape check all read the batch's first dimension as
+its examples. Why the augmentation is off in eval mode: the leave-half-out check (docs/design.md section 9.4) runs the
+step in eval mode on the whole batch and on half of it and compares the kept examples' losses; copies augmented from
+one random stream would differ between the two runs (the half batch draws fewer values) and be reported as mixing.
+
+Keep every row in place: rows ``i K .. i K + K - 1`` must stay example ``i``'s copies. An augmentation that moves rows
+across examples (a copy-major loop such as ``torch.cat([aug(x[k::K]) for k in range(K)])``) lands one example's copies
+in several examples' groups, and one example's sensitivity grows up to ``K C``. The checks cannot always see it: the
+leave-half-out check runs in eval mode, where the augmentation is skipped, and on integer inputs (token ids) the
+batch-independence check has no input gradient to look at, so a reordering done only in train mode on integer inputs
+passes them (``DPTrainer`` compares the rows ``augment_copies`` returns with the repeated batch and refuses moved labels
+or integer rows; the Lightning step is not compared). :func:`augment_each_example` applies a function to each example's
+``K`` copies and cannot move rows across examples: prefer it to a loop over the whole batch.
+
+Randomness: draw from torch's global RNG (per-sample momentum re-runs a step under ``torch.random.fork_rng`` and
+compares the runs, and the checks restore it), or from a generator seeded from the micro-batch's position, never from
+a generator of one's own that advances between the re-runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_dp.clipping.multiplicity import validate_multiplicity
+
+Batch = TypeVar("Batch")
+
+
+def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
+    """``multiplicity`` copies of every example of ``batch``, in sample-major order.
+
+    Args:
+        batch: a tensor ``[B, ...]`` or any nesting of tuples, lists, dicts (``BatchEncoding`` included) and
+            dataclasses holding tensors, their first dimension the examples.
+        multiplicity: ``K >= 1``.
+
+    Returns:
+        The same structure with every tensor of at least one dimension repeated along its first dimension as
+        ``tensor.repeat_interleave(K, 0)`` does: ``[B K, ...]``, rows ``i K .. i K + K - 1`` copies of row ``i``
+        (a new tensor, differentiable). Scalars (0-dim tensors) and non-tensors are left as they are; ``K = 1``
+        returns ``batch`` itself.
+
+    Raises:
+        ValueError: ``multiplicity`` not an integer >= 1; for ``K > 1``, tensors (of at least one dimension) whose
+            first dimensions differ (one of them is not ``B``, e.g. ``position_ids`` of shape ``[1, T]``).
+    """
+    validate_multiplicity(multiplicity)
+    if multiplicity == 1:
+        return batch
+    sizes = [t.shape[0] for t in _leaves(batch)]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"repeat_for_multiplicity: every tensor's first dimension must be the batch's examples, got first "
+            f"dimensions {sizes} (a tensor shared by the rows, e.g. position_ids of shape [1, T], would be repeated as "
+            f"if it were an example): expand it to [B, ...] first, or add it after the copies"
+        )
+
+    def repeat(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.ndim == 0 else tensor.repeat_interleave(multiplicity, dim=0)
+
+    return apply_to_collection(batch, torch.Tensor, repeat)
+
+
+def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], Batch]) -> Batch:
+    """Apply ``fn`` to each example's ``multiplicity`` copies on their own, keeping every row in place.
+
+    Args:
+        rows: the copies, as :func:`repeat_for_multiplicity` returns them (a tensor ``[B K, ...]`` or any nesting of
+            tuples, lists, dicts and dataclasses holding such tensors; 0-dim tensors and non-tensors are passed
+            through to ``fn`` as they are).
+        multiplicity: ``K >= 1``.
+        fn: receives one example's copies, the same structure with every tensor ``[K, ...]`` (rows ``i K .. i K +
+            K - 1`` of ``rows``), and returns them augmented, the same structure, every tensor of ``K`` rows.
+
+    Returns:
+        ``rows`` with each example's slice replaced by ``fn``'s result (tensors concatenated back in sample-major
+        order, so rows ``i K .. i K + K - 1`` are always ``fn`` of example ``i``'s copies). One call of ``fn`` per
+        example: vectorise inside ``fn`` for speed, but ``fn`` sees no other example, so no row can move across
+        examples and no batch statistic can mix them.
+
+    Raises:
+        ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension is not a multiple of ``K``
+            or differs between tensors; ``fn`` returned a tensor without ``K`` rows, or a structure with a different
+            number of tensors.
+    """
+    validate_multiplicity(multiplicity)
+    leaves = _leaves(rows)
+    if not leaves:
+        return fn(rows)
+    total = leaves[0].shape[0]
+    if any(t.shape[0] != total for t in leaves) or total % multiplicity:
+        shapes = [tuple(t.shape) for t in leaves]
+        raise ValueError(
+            f"augment_each_example needs every tensor of [B*K, ...] rows with K={multiplicity}, got shapes {shapes}"
+        )
+    parts: list[list[torch.Tensor]] = []
+    template: Any = None
+    for start in range(0, total, multiplicity):
+        piece = apply_to_collection(
+            rows, torch.Tensor, lambda t, s=start: t if t.ndim == 0 else t[s : s + multiplicity]
+        )
+        result = fn(piece)
+        template = result if template is None else template
+        out = _leaves(result)
+        if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out):
+            raise ValueError(
+                f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows, "
+                f"got shapes {[tuple(t.shape) for t in out]}"
+            )
+        parts.append(out)
+    joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
+    return apply_to_collection(template, torch.Tensor, lambda t: t if t.ndim == 0 else next(joined))
+
+
+def _leaves(batch: Any) -> list[torch.Tensor]:
+    """The tensors of at least one dimension in ``batch``, in ``apply_to_collection``'s order."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim else None)
+    return found
+
+
+def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:
+    """Each example's loss: the mean of its ``multiplicity`` copies' losses (De et al. 2022, Section 3.2).
+
+    Args:
+        loss_rows: ``[B K]``, one loss per row of the forward, in sample-major order (rows ``i K .. i K + K - 1``
+            are example ``i``'s, as :func:`repeat_for_multiplicity` makes them).
+        multiplicity: ``K >= 1``.
+
+    Returns:
+        ``[B]``, ``loss_i = (1/K) sum_k loss_rows[i K + k]`` (differentiable; ``loss_rows`` itself for ``K = 1``).
+
+    Raises:
+        ValueError: ``multiplicity`` not an integer >= 1; ``loss_rows`` not one-dimensional or of a length that is
+            not a multiple of ``K``.
+    """
+    validate_multiplicity(multiplicity)
+    if not isinstance(loss_rows, torch.Tensor) or loss_rows.ndim != 1 or loss_rows.shape[0] % multiplicity:
+        shape: Any = tuple(loss_rows.shape) if isinstance(loss_rows, torch.Tensor) else type(loss_rows).__name__
+        raise ValueError(
+            f"augmentation_mean needs one loss per row of the forward, shape [B*K] with K={multiplicity}, got {shape}: "
+            "reduce token losses per row first (reduction='none', then a mean over each row's tokens)"
+        )
+    if multiplicity == 1:
+        return loss_rows
+    return loss_rows.reshape(-1, multiplicity).mean(1)
