@@ -337,9 +337,7 @@ def render(tasks: list[str]) -> None:
         if page.exists():
             replace_between_markers(page, task_table(task, results), START, END)
             if THREADS_START in page.read_text():
-                replace_between_markers(
-                    page, thread_table(task, results, load_thread_runs(task)), THREADS_START, THREADS_END
-                )
+                replace_between_markers(page, thread_table(task, load_thread_runs(task)), THREADS_START, THREADS_END)
         write_curves(task, results)
     replace_between_markers(DOCS / "recipes.md", summary_table(), START, END)
 

@@ -22,7 +22,7 @@ def test_lightning_quickstart_prints_the_page_s_epsilon_and_logs_the_curve(tmp_p
 
     main(["--logdir", str(tmp_path)])
     lines = _privacy_lines(capsys.readouterr().out)
-    assert lines == ["epsilon = 2.985 at the run's delta, 3.463 at 1e-6"] and lines[0] in USAGE
+    assert lines == ["epsilon = 2.998 at the run's delta, 3.479 at 1e-6"] and lines[0] in USAGE
     (version,) = (tmp_path / "digits").glob("version_*")
     run = EventAccumulator(str(version), size_guidance={"images": 0}).Reload()
     epsilons = [(e.step, round(e.value, 3)) for e in run.Scalars("epsilon")]
@@ -36,4 +36,4 @@ def test_hf_quickstart_prints_the_page_s_epsilon(tmp_path, capsys) -> None:
 
     main(["--output-dir", str(tmp_path)])
     lines = _privacy_lines(capsys.readouterr().out)
-    assert lines == ["epsilon = 2.975 at the run's delta, 3.459 at 1e-6"] and lines[0] in USAGE
+    assert lines == ["epsilon = 2.998 at the run's delta, 3.486 at 1e-6"] and lines[0] in USAGE

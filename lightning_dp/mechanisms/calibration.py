@@ -1,7 +1,7 @@
 """Noise calibration for a target (epsilon, delta), through the registry of mechanisms.
 
 - :func:`calibrate` / :func:`calibrate_result`: fixed clipping bound ``C``; find the noise parameter whose accountant
-  epsilon after ``steps`` Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 1 %``). The
+  epsilon after ``steps`` Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 0.1 %``). The
   mechanism is looked up by name and calibrates itself (``NoiseMechanism.calibrate``): by default one monotone root
   finding over its ``calibrated_parameter`` with the shared :func:`solve_monotone` (module
   :mod:`lightning_dp.mechanisms.solver`), or the mechanism's own search. No mechanism is named here, so a newly
@@ -94,7 +94,7 @@ def calibrate(
 ) -> NoiseMechanism:
     """A mechanism of kind ``noise`` with clipping bound ``max_grad_norm`` that meets ``(target_epsilon, delta)``.
 
-    The noise parameter is chosen so the accountant's epsilon after ``steps`` steps lies within 1 % below the
+    The noise parameter is chosen so the accountant's epsilon after ``steps`` steps lies within 0.1 % below the
     target (see :func:`calibrate_result`, which also returns that epsilon).
     """
     return calibrate_result(

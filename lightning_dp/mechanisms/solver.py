@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from lightning_dp.mechanisms.base import NoiseMechanism
 
 #: Relative tolerance of every calibration: the achieved epsilon lies in ``[(1 - RTOL) target, target]``.
-RTOL = 0.01
+RTOL = 0.001
 
 
 def mechanism_epsilon(
@@ -105,7 +105,7 @@ def solve_monotone(
     ``log(epsilon / target)`` over ``log x``. Every evaluated point on the safe side (``epsilon <= target``) is
     remembered, the search stops at the first one inside the window, and if the root finder ends without one
     (a step-like accountant, or a jump to ``inf``/``nan`` at a moment-generating-function pole) plain bisection
-    between the tightest safe and unsafe points runs until they agree to a relative ``1e-3`` in ``x``. The returned
+    between the tightest safe and unsafe points runs until they agree to a relative ``rtol / 4`` in ``x``. The returned
     point is always on the safe side.
 
     Args:
@@ -125,6 +125,7 @@ def solve_monotone(
         ValueError: no ``x`` within ``bounds`` reaches the target (the message gives the closest epsilon).
     """
     lo_bound, hi_bound = bounds
+    xtol = rtol / 4  # in log x: lands in the window wherever |d log epsilon / d log x| <= 4 near the target
     sign = 1.0 if increasing else -1.0  # safe points lie at smaller sign * log(x)
     cache: dict[float, float] = {}
 
@@ -167,13 +168,13 @@ def solve_monotone(
                     f"{closest:g}. Loosen the target (larger epsilon or delta, fewer steps, smaller sample rate)."
                 )
         safe_t, unsafe_t = bracket()
-        while math.isinf(cache[unsafe_t]) and abs(unsafe_t - safe_t) > 1e-3:  # no interpolation through inf
+        while math.isinf(cache[unsafe_t]) and abs(unsafe_t - safe_t) > xtol:  # no interpolation through inf
             evaluate(0.5 * (safe_t + unsafe_t))
             safe_t, unsafe_t = bracket()
-        if abs(unsafe_t - safe_t) > 1e-3:
-            optimize.brentq(signed, min(safe_t, unsafe_t), max(safe_t, unsafe_t), xtol=1e-3, maxiter=100)
+        if abs(unsafe_t - safe_t) > xtol:
+            optimize.brentq(signed, min(safe_t, unsafe_t), max(safe_t, unsafe_t), xtol=xtol, maxiter=100)
             safe_t, unsafe_t = bracket()
-        while abs(unsafe_t - safe_t) > 1e-3:
+        while abs(unsafe_t - safe_t) > xtol:
             evaluate(0.5 * (safe_t + unsafe_t))
             safe_t, unsafe_t = bracket()
     except _WithinTolerance:
