@@ -48,7 +48,7 @@ class Capture:
             except under FSDP2, where a sharded module's call uses the unsharded parameters that autograd sees
             (:mod:`lightning_dp.sharding`).
         parameter_values: for a family that reads parameter values (``LayerFamily.reads_parameters``), detached
-            copies of ``leaves`` taken when the call ran; None otherwise.
+            copies of those parameters (of ``leaves``) taken when the call ran; None otherwise.
     """
 
     name: str
@@ -66,6 +66,7 @@ class Capture:
         """Drop the captured activation and output gradient, once the clipper holds what it needs of them (the
         per-sample gradients that book-keeping keeps instead); the capture is not used again."""
         self.activation = self.output_grad = None  # type: ignore[assignment]
+        self.parameter_values = None
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -151,7 +152,7 @@ class CaptureHooks:
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
             leaves = dict(module.named_parameters(recurse=False))
-            values = {k: v.detach().clone() for k, v in leaves.items()} if family.reads_parameters else None
+            values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             self.captures.append(
                 Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves, values)
             )

@@ -2,9 +2,9 @@
 
 A layer family is a function ``(layer, activation, output_grad) -> {param name: Term}``; ``activation`` is the
 layer's first input as captured in the forward pass and ``output_grad`` the gradient of ``sum_i loss_i`` w.r.t.
-the layer output, both with the sample dimension first. A family whose terms depend on the parameters' values (not
-only on the captured tensors) is registered with ``reads_parameters=True`` and gets a fourth argument, the values the
-call used. Supporting a new layer is one new file that calls
+the layer output, both with the sample dimension first. A family whose terms depend on parameters' values (not only
+on the captured tensors) names them in ``reads_parameters`` and gets a fourth argument, their values as the call used
+them. Supporting a new layer is one new file that calls
 :func:`register_layer` (or :func:`register_layer_rule`), plus its test.
 """
 
@@ -34,15 +34,16 @@ class LayerFamily:
             forward pass before the layer runs (broadcast ``position_ids`` of shape ``[1, T]``), so that the
             output gradient keeps one row per sample.
         check: ``layer -> error message or None``, for configurations of a supported type that mix samples.
-        reads_parameters: if True, ``terms`` takes a fourth argument, ``{param name: value}``: the values of the
-            layer's parameters as the call used them, copied when the call ran (the layer's parameters may have
-            changed by the time the terms are built: per-sample momentum's past iterates, FSDP2's resharding).
+        reads_parameters: names of the layer's parameters whose values ``terms`` reads; when not empty, ``terms``
+            takes a fourth argument, ``{name: value}``, the values the call used, copied when the call ran (the
+            layer's parameters may have changed by the time the terms are built: per-sample momentum's past
+            iterates, FSDP2's resharding).
     """
 
     terms: LayerTermsFn
     expand_batch: bool = False
     check: Callable[[nn.Module], str | None] | None = None
-    reads_parameters: bool = False
+    reads_parameters: tuple[str, ...] = ()
 
 
 _BY_TYPE: dict[type[nn.Module], LayerFamily] = {}
@@ -53,7 +54,7 @@ def register_layer(
     *types: type[nn.Module],
     expand_batch: bool = False,
     check: Callable[[nn.Module], str | None] | None = None,
-    reads_parameters: bool = False,
+    reads_parameters: tuple[str, ...] = (),
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for the given layer types (see :class:`LayerFamily`)."""
 

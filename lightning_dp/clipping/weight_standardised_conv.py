@@ -41,7 +41,7 @@ def _check(layer: WSConv2d) -> str | None:
     return None
 
 
-@register_layer(WSConv2d, check=_check, reads_parameters=True)
+@register_layer(WSConv2d, check=_check, reads_parameters=("weight", "gain"))
 def weight_standardised_conv_terms(
     layer: WSConv2d, activation: torch.Tensor, output_grad: torch.Tensor, values: dict[str, torch.Tensor]
 ) -> dict[str, Term]:
@@ -62,16 +62,19 @@ def weight_standardised_conv_terms(
         weight = values["weight"].to(dtype)
         centred, inverse = standardisation_scale(weight, layer.eps)
         directions = centred * inverse[:, None]  # u_r, [C_out, N]
-        plain = unfolded_weight_term(grads, patches, layer.groups, weight.shape).materialise()
-        plain = plain.reshape(batch, layer.out_channels, -1)  # v_ir, [B, C_out, N]
-        projections = torch.einsum("brn,rn->br", plain, directions)  # p_ir, [B, C_out]
+        grad = unfolded_weight_term(grads, patches, layer.groups, weight.shape).materialise()
+        grad = grad.reshape(batch, layer.out_channels, -1)  # v_ir, [B, C_out, N]; pulled back in place below
+        projections = torch.einsum("brn,rn->br", grad, directions)  # p_ir, [B, C_out]
         if trainable(layer, "gain"):
             terms["gain"] = Materialised(projections)
         if layer.weight.requires_grad:
             scale = values["gain"].to(dtype) * inverse  # gain_r a_r
             unfloored = (centred.pow(2).sum(1) >= layer.eps).to(dtype)  # d_r
-            pulled = plain - plain.mean(2, keepdim=True) - (projections * unfloored)[:, :, None] * directions
-            terms["weight"] = Materialised((scale[:, None] * pulled).reshape(batch, *weight.shape))
+            grad.sub_(grad.mean(2, keepdim=True))
+            for row in range(batch):  # one [C_out, N] temporary at a time (B rows may be B K augmented copies)
+                grad[row].sub_(directions * (projections[row] * unfloored)[:, None])
+            grad.mul_(scale[:, None])
+            terms["weight"] = Materialised(grad.reshape(batch, *weight.shape))
     if trainable(layer, "bias"):
         terms["bias"] = Materialised(grads.sum(2))
     return terms
