@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         TrainingProgress,
     )
     from lightning_dp.privacy_engine import PrivacyEngine
+    from lightning_dp.weight_standardisation import WSConv2d
 
 __all__ = [
     "DPDDPStrategy",
@@ -36,6 +37,7 @@ __all__ = [
     "PrivacyBudget",
     "PrivacyEngine",
     "TrainingProgress",
+    "WSConv2d",
     "augment_each_example",
     "augmentation_mean",
     "repeat_for_multiplicity",
@@ -51,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "PrivacyBudget": "lightning_dp.lightning",
     "PrivacyEngine": "lightning_dp.privacy_engine",
     "TrainingProgress": "lightning_dp.lightning",
+    "WSConv2d": "lightning_dp.weight_standardisation",
     "augment_each_example": "lightning_dp.augmentation",
     "augmentation_mean": "lightning_dp.augmentation",
     "repeat_for_multiplicity": "lightning_dp.augmentation",

@@ -43,7 +43,7 @@ from scipy import stats
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp import PrivacyEngine, augmentation_mean, repeat_for_multiplicity
+from lightning_dp import PrivacyEngine, WSConv2d, augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checks import BatchMixingError
 from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.hf.losses import token_cross_entropy
@@ -83,6 +83,20 @@ def _tiny_llama(lora: bool = False) -> nn.Module:
             if isinstance(module, nn.Linear) and module.weight.requires_grad:
                 nn.init.normal_(module.weight, std=0.2)
     return model
+
+
+def _ws_convnet() -> nn.Module:
+    """Two weight-standardised convolutions (a layer family that reads the parameter values the call used)."""
+    torch.manual_seed(0)
+    return nn.Sequential(WSConv2d(3, 4, 3), nn.Tanh(), WSConv2d(4, 2, 3, groups=2), nn.Flatten()).double()
+
+
+def _ws_loss(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    return model(images).sin().sum(1)
+
+
+def _images(rank: int) -> torch.Tensor:
+    return torch.randn(3, 3, 6, 6, generator=torch.Generator().manual_seed(50 + rank), dtype=torch.float64)
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -238,6 +252,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 result[("grad is shard", clipping, lora)] = all(
                     type(p.grad).__name__ == "DTensor" for p in clipper.trainable_parameters
                 )
+        # weight-standardised convolutions, each its own FSDP unit: the family reads the unsharded weights the call used
+        from torch.distributed.fsdp import fully_shard
+
+        for clipping in EXACT_ENGINES:
+            model = _ws_convnet()
+            for unit in (model[0], model[2], model):
+                fully_shard(unit, mesh=mesh)
+            clipper = _engine(clipping).attach(model)
+            result[("ws norms", clipping)] = clipper.backward(_ws_loss(model, _images(rank)))
         # sharding is real: local bytes of the parameters
         model = _shard(_tiny_llama(), mesh)
         result["local bytes"] = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
@@ -421,6 +444,23 @@ def test_norms_on_each_rank_equal_the_single_process_oracle(ranks, clipping, lor
         torch.testing.assert_close(result[("norms", clipping, lora)].double(), oracle, rtol=1e-9, atol=1e-12)
         assert result[("grad is shard", clipping, lora)]
     assert (oracle > CLIP).all()  # the clip factors are below 1: the update test below exercises them
+
+
+@pytest.mark.parametrize("clipping", EXACT_ENGINES)
+def test_weight_standardised_convolutions_of_their_own_fsdp_units(ranks, clipping):
+    """``WSConv2d``'s per-sample gradients depend on the weight's values: sharded, they are the unsharded weights
+    the forward used (copied by the hook), so the norms equal the single-process oracle's."""
+    model = _ws_convnet()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for rank, result in enumerate(ranks):
+        images = _images(rank)
+        oracle = torch.stack(
+            [
+                torch.sqrt(sum((g**2).sum() for g in torch.autograd.grad(_ws_loss(model, x[None])[0], params)))
+                for x in images
+            ]
+        )
+        torch.testing.assert_close(result[("ws norms", clipping)].double(), oracle, rtol=1e-9, atol=1e-12)
 
 
 def test_zero_noise_update_equals_single_process_training_on_the_union(ranks):

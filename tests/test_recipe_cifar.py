@@ -231,6 +231,19 @@ def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
     assert math.isfinite(result["privacy"]["epsilon"])
 
 
+def test_weight_standardised_wide_resnet_trains_under_dp(tmp_path: Path) -> None:
+    """``--model.init_args.weight_standardisation=true`` (the hub config's, De et al.'s WSConv2D): every convolution
+    standardised, trained under DPStrategy with its ``gain`` parameters clipped and noised like the rest."""
+    flags = [*tiny_flags(tmp_path), "--model.init_args.weight_standardisation=true"]
+    assert main(["--config", str(CONFIG), *flags]) == 0
+    result = read_results(tmp_path)
+    assert result["arguments"]["model"]["init_args"]["weight_standardisation"] is True
+    plain = WideResNet(depth=10, width=1)
+    gains = sum(m.out_channels for m in plain.modules() if isinstance(m, nn.Conv2d))
+    assert result["trainable_params"] == sum(p.numel() for p in plain.parameters()) + gains
+    assert math.isfinite(result["privacy"]["epsilon"])
+
+
 def test_ema_of_the_hub_config_runs_under_dp(tmp_path: Path) -> None:
     """The hub config's EMAWeightAveraging (De et al.'s parameter averaging) trains under DPStrategy; the results
     are those of the averaged weights, evaluated after the callback copies them into the model."""
@@ -263,6 +276,11 @@ def test_hub_config_parses() -> None:
     # De et al.'s augmentation multiplicity, the same K for the model's copies and the strategy's clipper
     assert cli.model.augmentation_multiplicity == 16
     assert cli.trainer.strategy.privacy_engine.config.augmentation_multiplicity == 16
+    # and their scaled weight standardisation on every convolution
+    from lightning_dp import WSConv2d
+
+    convolutions = [m for m in cli.model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert cli.model.hparams.weight_standardisation and all(isinstance(m, WSConv2d) for m in convolutions)
 
 
 # ------------------------------------------------------------------------------------------------------- slow

@@ -4,7 +4,8 @@ Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix no
 Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed);
 ``clipping="auto"``, the default of the privacy options, runs ``mixed`` for l2 and ``flat`` for l1 clipping
 (:func:`~lightning_dp.clipping.engine.auto_engine`). Layer families (one file each, registered by layer type):
-``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``, ``embedding``, ``norms``, ``positional``. Modules that use
+``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``, ``embedding``, ``norms``, ``positional``,
+``weight_standardised_conv`` (:class:`~lightning_dp.weight_standardisation.WSConv2d`). Modules that use
 their parameters inside fused functions are swapped in place to equivalent classes calling hooked proxies (``swap``):
 ``attention`` (``nn.MultiheadAttention``), ``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``positional`` (torchvision's
 ViT).
@@ -26,6 +27,7 @@ from lightning_dp.clipping import (  # noqa: F401 (registration)
     norms,
     positional,
     recurrent,
+    weight_standardised_conv,
 )
 from lightning_dp.clipping.clipper import PerSampleClipper
 from lightning_dp.clipping.engine import (

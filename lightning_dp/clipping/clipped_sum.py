@@ -18,7 +18,8 @@ from lightning_dp.sharding import is_sharded, sum_into_shard
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
     """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
-    of the captured activations and output gradients. Materialised terms count as small (vector-sized parameters)."""
+    of the captured activations and output gradients. Materialised terms are not counted: most are of vector-sized
+    parameters (a weight-standardised convolution's weight term is an exception, docs/design.md section 4.2)."""
     captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad)}
     for param_terms in terms.values():
         for term in param_terms:

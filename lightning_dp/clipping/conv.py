@@ -20,7 +20,9 @@ from lightning_dp.clipping.registry import register_layer
 from lightning_dp.clipping.terms import Factored, Materialised, Term, compute_dtype, trainable
 
 
-def _patches(layer: nn.Conv1d | nn.Conv2d | nn.Conv3d, activation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def conv_patches(
+    layer: nn.Conv1d | nn.Conv2d | nn.Conv3d, activation: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Unfolded input ``[B, C_in * prod(kernel), L]`` with ``L`` the number of output positions."""
     mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
     x = F.pad(activation.to(dtype), layer._reversed_padding_repeated_twice, mode=mode)
@@ -84,7 +86,7 @@ def conv_terms(
     grads = output_grad.reshape(batch, layer.out_channels, -1).to(dtype)  # [B, C_out, L]
     terms: dict[str, Term] = {}
     if layer.weight.requires_grad:
-        patches = _patches(layer, activation, dtype)  # [B, C_in * k, L]
+        patches = conv_patches(layer, activation, dtype)  # [B, C_in * k, L]
         terms["weight"] = unfolded_weight_term(grads, patches, layer.groups, layer.weight.shape)
     if trainable(layer, "bias"):
         terms["bias"] = Materialised(grads.sum(2))

@@ -47,6 +47,8 @@ class Capture:
         leaves: the module's own parameters as the call used them, by attribute name: the registered parameters,
             except under FSDP2, where a sharded module's call uses the unsharded parameters that autograd sees
             (:mod:`lightning_dp.sharding`).
+        parameter_values: for a family that reads parameter values (``LayerFamily.reads_parameters``), detached
+            copies of those parameters (of ``leaves``) taken when the call ran; None otherwise.
     """
 
     name: str
@@ -57,12 +59,14 @@ class Capture:
     edge: GradientEdge
     output_shape: torch.Size
     leaves: dict[str, torch.Tensor]
+    parameter_values: dict[str, torch.Tensor] | None = None
     output_grad: torch.Tensor | None = None
 
     def release(self) -> None:
         """Drop the captured activation and output gradient, once the clipper holds what it needs of them (the
         per-sample gradients that book-keeping keeps instead); the capture is not used again."""
         self.activation = self.output_grad = None  # type: ignore[assignment]
+        self.parameter_values = None
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -148,7 +152,10 @@ class CaptureHooks:
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
             leaves = dict(module.named_parameters(recurse=False))
-            self.captures.append(Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves))
+            values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
+            self.captures.append(
+                Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves, values)
+            )
             self._batch_hint = output.shape[0] if output.ndim else 0
             return replaced
 

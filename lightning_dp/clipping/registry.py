@@ -2,7 +2,9 @@
 
 A layer family is a function ``(layer, activation, output_grad) -> {param name: Term}``; ``activation`` is the
 layer's first input as captured in the forward pass and ``output_grad`` the gradient of ``sum_i loss_i`` w.r.t.
-the layer output, both with the sample dimension first. Supporting a new layer is one new file that calls
+the layer output, both with the sample dimension first. A family whose terms depend on parameters' values (not only
+on the captured tensors) names them in ``reads_parameters`` and gets a fourth argument, their values as the call used
+them. Supporting a new layer is one new file that calls
 :func:`register_layer` (or :func:`register_layer_rule`), plus its test.
 """
 
@@ -11,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_dp.clipping.terms import Term
 
-LayerTermsFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, Term]]
+LayerTermsFn = Callable[..., dict[str, Term]]
 
 
 class UnsupportedModuleError(ValueError):
@@ -33,11 +34,16 @@ class LayerFamily:
             forward pass before the layer runs (broadcast ``position_ids`` of shape ``[1, T]``), so that the
             output gradient keeps one row per sample.
         check: ``layer -> error message or None``, for configurations of a supported type that mix samples.
+        reads_parameters: names of the layer's parameters whose values ``terms`` reads; when not empty, ``terms``
+            takes a fourth argument, ``{name: value}``, the values the call used, copied when the call ran (the
+            layer's parameters may have changed by the time the terms are built: per-sample momentum's past
+            iterates, FSDP2's resharding).
     """
 
     terms: LayerTermsFn
     expand_batch: bool = False
     check: Callable[[nn.Module], str | None] | None = None
+    reads_parameters: tuple[str, ...] = ()
 
 
 _BY_TYPE: dict[type[nn.Module], LayerFamily] = {}
@@ -48,12 +54,13 @@ def register_layer(
     *types: type[nn.Module],
     expand_batch: bool = False,
     check: Callable[[nn.Module], str | None] | None = None,
+    reads_parameters: tuple[str, ...] = (),
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for the given layer types (see :class:`LayerFamily`)."""
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
         for layer_type in types:
-            _BY_TYPE[layer_type] = LayerFamily(fn, expand_batch, check)
+            _BY_TYPE[layer_type] = LayerFamily(fn, expand_batch, check, reads_parameters)
         return fn
 
     return decorate

@@ -167,7 +167,9 @@ class SampleNormsMixin:
                         "that follows it (e.g. x.mul_(s) -> x = x * s)"
                     )
                 check_rows(capture.name, capture.output_grad.shape[0], batch, copies)
-                for name, term in capture.family.terms(capture.module, capture.activation, capture.output_grad).items():
+                extra = () if capture.parameter_values is None else (capture.parameter_values,)
+                layer_terms = capture.family.terms(capture.module, capture.activation, capture.output_grad, *extra)
+                for name, term in layer_terms.items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, copies))
         return terms
 

@@ -298,6 +298,8 @@ class WideResNetClassifier(CifarClassifier):
         lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`; De et al. 2022 WRN-16-4: lr 2 to 4, no
             momentum, no weight decay).
         augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`; De et al. 2022: 16).
+        weight_standardisation: every convolution with scaled weight standardisation
+            (:class:`~lightning_dp.weight_standardisation.WSConv2d`), as De et al. 2022; default False.
     """
 
     def __init__(
@@ -310,12 +312,20 @@ class WideResNetClassifier(CifarClassifier):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         augmentation_multiplicity: int = 1,
+        weight_standardisation: bool = False,
     ) -> None:
         super().__init__(
             lr=lr, momentum=momentum, weight_decay=weight_decay, augmentation_multiplicity=augmentation_multiplicity
         )
         self.save_hyperparameters()
-        self.net = WideResNet(depth=depth, width=width, num_classes=NUM_CLASSES, groups=groups, norm=norm)
+        self.net = WideResNet(
+            depth=depth,
+            width=width,
+            num_classes=NUM_CLASSES,
+            groups=groups,
+            norm=norm,
+            weight_standardisation=weight_standardisation,
+        )
 
 
 class ViTClassifier(CifarClassifier):

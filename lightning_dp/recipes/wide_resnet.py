@@ -8,15 +8,17 @@ convolution preceded by ``ReLU -> GroupNorm(16 groups)`` (in that order), a ``Re
 shortcut on the first block of each stage and the identity on the others, then ``ReLU -> GroupNorm``, global average
 pooling and a linear classifier. Weights are drawn with variance ``1 / fan_in``, biases start at zero.
 
-One difference from that code: its convolutions use scaled weight standardisation (``WSConv2D``); here they are
-plain ``nn.Conv2d``, because the library's per-sample clipping has no layer family for a weight computed from the
-parameter in the forward pass.
+Its convolutions use scaled weight standardisation (``WSConv2D``): here ``weight_standardisation=True`` makes every
+convolution a :class:`~lightning_dp.weight_standardisation.WSConv2d` (same formula, ``eps = 1e-4``, a ``gain`` per
+output channel starting at one); the default keeps plain ``nn.Conv2d``.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from lightning_dp.weight_standardisation import WSConv2d
 
 #: Normalisations a ``WideResNet`` can use: ``"group"`` (De et al.) and ``"batch"`` (non-private comparisons only;
 #: the library's per-sample clipping rejects BatchNorm, which mixes the examples of a batch).
@@ -29,27 +31,33 @@ def _norm(kind: str, channels: int, groups: int) -> nn.Module:
     return nn.BatchNorm2d(channels)
 
 
+def _conv(standardised: bool, in_ch: int, out_ch: int, kernel: int, stride: int) -> nn.Conv2d:
+    conv = WSConv2d if standardised else nn.Conv2d
+    return conv(in_ch, out_ch, kernel, stride=stride, padding=kernel // 2)
+
+
 class _PreActConv(nn.Sequential):
     """``ReLU -> norm -> conv``: the unit every convolution of the network sits in (De et al.'s released order)."""
 
-    def __init__(self, norm: str, groups: int, in_ch: int, out_ch: int, kernel: int, stride: int) -> None:
-        super().__init__(
-            nn.ReLU(),
-            _norm(norm, in_ch, groups),
-            nn.Conv2d(in_ch, out_ch, kernel, stride=stride, padding=kernel // 2),
-        )
+    def __init__(
+        self, norm: str, groups: int, standardised: bool, in_ch: int, out_ch: int, kernel: int, stride: int
+    ) -> None:
+        super().__init__(nn.ReLU(), _norm(norm, in_ch, groups), _conv(standardised, in_ch, out_ch, kernel, stride))
 
 
 class _Block(nn.Module):
     """A residual block: two ``_PreActConv`` 3x3 units plus the shortcut (a ``_PreActConv`` 1x1 unit on the first
     block of a stage, the identity otherwise)."""
 
-    def __init__(self, norm: str, groups: int, in_ch: int, out_ch: int, stride: int, first: bool) -> None:
+    def __init__(
+        self, norm: str, groups: int, standardised: bool, in_ch: int, out_ch: int, stride: int, first: bool
+    ) -> None:
         super().__init__()
+        unit = (norm, groups, standardised)
         self.residual = nn.Sequential(
-            _PreActConv(norm, groups, in_ch, out_ch, 3, stride), _PreActConv(norm, groups, out_ch, out_ch, 3, 1)
+            _PreActConv(*unit, in_ch, out_ch, 3, stride), _PreActConv(*unit, out_ch, out_ch, 3, 1)
         )
-        self.shortcut = _PreActConv(norm, groups, in_ch, out_ch, 1, stride) if first else nn.Identity()
+        self.shortcut = _PreActConv(*unit, in_ch, out_ch, 1, stride) if first else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.residual(x) + self.shortcut(x)
@@ -65,13 +73,23 @@ class WideResNet(nn.Module):
         num_classes: outputs of the linear classifier.
         groups: GroupNorm groups (De et al.: 16); must divide 16 (the stem's channels) and every stage's width.
         norm: ``"group"`` (default) or ``"batch"`` (see :data:`NORMS`).
+        weight_standardisation: every convolution (stem, blocks, shortcuts) a
+            :class:`~lightning_dp.weight_standardisation.WSConv2d`, as De et al.'s (default False: ``nn.Conv2d``).
 
     Raises:
         ValueError: ``depth`` not of the form ``6 n + 4`` with ``n >= 1``, ``width < 1``, ``num_classes < 2``,
             ``groups`` not dividing the channel counts, or an unknown ``norm``.
     """
 
-    def __init__(self, depth: int = 16, width: int = 4, num_classes: int = 10, groups: int = 16, norm: str = "group"):
+    def __init__(
+        self,
+        depth: int = 16,
+        width: int = 4,
+        num_classes: int = 10,
+        groups: int = 16,
+        norm: str = "group",
+        weight_standardisation: bool = False,
+    ):
         super().__init__()
         if depth < 10 or (depth - 4) % 6:
             raise ValueError(f"depth must be 6n + 4 with n >= 1 (10, 16, 22, 28, 40, ...), got {depth}")
@@ -82,13 +100,14 @@ class WideResNet(nn.Module):
         if norm == "group" and (groups < 1 or 16 % groups):
             raise ValueError(f"groups must divide 16 (the stem's channels, and so every stage's), got {groups}")
         blocks = (depth - 4) // 6
-        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.stem = _conv(weight_standardisation, 3, 16, 3, 1)
         stages: list[nn.Module] = []
         in_ch = 16
         for multiple, stride in ((16, 1), (32, 2), (64, 2)):
             out_ch = multiple * width
             for i in range(blocks):
-                stages.append(_Block(norm, groups, in_ch, out_ch, stride if i == 0 else 1, first=i == 0))
+                stride_i = stride if i == 0 else 1
+                stages.append(_Block(norm, groups, weight_standardisation, in_ch, out_ch, stride_i, first=i == 0))
                 in_ch = out_ch
         self.stages = nn.Sequential(*stages)
         self.head = nn.Sequential(

@@ -1,0 +1,80 @@
+"""Per-sample gradient terms for :class:`~lightning_dp.weight_standardisation.WSConv2d` (scaled weight
+standardisation, Brock et al. 2021, Section 4; De et al. 2022's convolutions).
+
+The layer convolves with ``w_hat_r = gain_r * a_r * c_r`` per output channel ``r``, where ``c_r = w_r - mean(w_r)``
+(``N`` values) and ``a_r = 1 / sqrt(max(|c_r|^2, eps))``. Sample ``i``'s gradient with respect to ``w_hat_r`` is
+the plain convolution's, ``v_ir = sum_t G_i[r, t] P_i[:, t]`` (output gradients ``G_i``, unfolded patches ``P_i``,
+:mod:`~lightning_dp.clipping.conv`). Pulled back through the standardisation, with ``u_r = a_r c_r`` (orthogonal to
+the all-ones vector; of unit norm when ``|c_r|^2 >= eps``) and ``p_ir = u_r . v_ir``:
+
+- ``gain``: ``grad_ir = p_ir``;
+- ``weight``: ``grad_ir = gain_r a_r (v_ir - mean(v_ir) - d_r p_ir u_r)``, with ``d_r = 1`` when
+  ``|c_r|^2 >= eps`` and 0 when the floor is active (the Jacobian of ``c / |c|`` is ``(I - u u^T) / |c|``, that of
+  the centring ``I - 1 1^T / N``).
+
+The weight's term is materialised (``[B, *weight.shape]``), for any ``groups``: a factored form exists (``C_out``
+rows added to the convolution's factors) but its right factor is larger than the gradient itself, and a ghost norm
+taken from it subtracts squared quantities, which float32 rounding can take to zero for a gradient nearly parallel
+to the weight row. The family reads the weight and gain the call used (``reads_parameters``: copies taken in the
+forward), so past iterates of per-sample momentum and FSDP2-sharded layers are pulled back through their own
+standardisation. Exact for every exact engine; tested against ``torch.func`` per-sample gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_dp.clipping.conv import conv_patches, unfolded_weight_term
+from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+from lightning_dp.weight_standardisation import WSConv2d, standardisation_scale
+
+
+def _check(layer: WSConv2d) -> str | None:
+    """A subclass that standardises its weight another way is not this family's."""
+    if type(layer).standardised_weight is not WSConv2d.standardised_weight:
+        return (
+            f"{type(layer).__name__} overrides WSConv2d.standardised_weight, whose per-sample gradients the "
+            "WSConv2d layer family would compute with the parent's formula; register a layer family for it "
+            "(lightning_dp.clipping.register_layer)"
+        )
+    return None
+
+
+@register_layer(WSConv2d, check=_check, reads_parameters=("weight", "gain"))
+def weight_standardised_conv_terms(
+    layer: WSConv2d, activation: torch.Tensor, output_grad: torch.Tensor, values: dict[str, torch.Tensor]
+) -> dict[str, Term]:
+    """Terms for ``weight`` ``[C_out, C_in / groups, kH, kW]``, ``gain`` ``[C_out]`` and ``bias`` ``[C_out]``.
+
+    Args:
+        layer: the convolution (any stride, padding, dilation, groups, ``padding_mode``).
+        activation: its input ``[B, C_in, H, W]``.
+        output_grad: gradient w.r.t. its output ``[B, C_out, H', W']``.
+        values: ``weight`` and ``gain`` as the call used them.
+    """
+    dtype = compute_dtype(layer.weight)
+    batch = output_grad.shape[0]
+    grads = output_grad.reshape(batch, layer.out_channels, -1).to(dtype)  # [B, C_out, L]
+    terms: dict[str, Term] = {}
+    if layer.weight.requires_grad or trainable(layer, "gain"):
+        patches = conv_patches(layer, activation, dtype)  # [B, groups * N, L]
+        weight = values["weight"].to(dtype)
+        centred, inverse = standardisation_scale(weight, layer.eps)
+        directions = centred * inverse[:, None]  # u_r, [C_out, N]
+        grad = unfolded_weight_term(grads, patches, layer.groups, weight.shape).materialise()
+        grad = grad.reshape(batch, layer.out_channels, -1)  # v_ir, [B, C_out, N]; pulled back in place below
+        projections = torch.einsum("brn,rn->br", grad, directions)  # p_ir, [B, C_out]
+        if trainable(layer, "gain"):
+            terms["gain"] = Materialised(projections)
+        if layer.weight.requires_grad:
+            scale = values["gain"].to(dtype) * inverse  # gain_r a_r
+            unfloored = (centred.pow(2).sum(1) >= layer.eps).to(dtype)  # d_r
+            grad.sub_(grad.mean(2, keepdim=True))
+            for row in range(batch):  # one [C_out, N] temporary at a time (B rows may be B K augmented copies)
+                grad[row].sub_(directions * (projections[row] * unfloored)[:, None])
+            grad.mul_(scale[:, None])
+            terms["weight"] = Materialised(grad.reshape(batch, *weight.shape))
+    if trainable(layer, "bias"):
+        terms["bias"] = Materialised(grads.sum(2))
+    return terms
