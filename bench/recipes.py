@@ -54,10 +54,14 @@ TASKS = {
     "glue": ("recipes/glue.py", "configs/glue_offline.yaml", "accuracy"),
     "sst2_full": ("recipes/glue.py", "configs/glue_sst2_full_offline.yaml", "accuracy"),
     "e2e_dart": ("recipes/e2e_dart.py", "configs/e2e_dart_offline.yaml", "bleu"),
+    "e2e_full": ("recipes/e2e_dart.py", "configs/e2e_full_offline.yaml", "bleu"),
     "billsum": ("recipes/billsum.py", "configs/billsum_offline.yaml", "rougeL"),
     "hotpotqa": ("recipes/hotpotqa.py", "configs/hotpotqa_offline.yaml", "f1"),
     "cifar": ("recipes/cifar.py", "configs/cifar10_offline.yaml", "accuracy"),
 }
+#: The periodic evaluation a task's curves show where it is not ``eval_<metric>``: the generation recipes evaluate
+#: their loss during training (a decoding per evaluation would cost far more) and decode only at the end.
+CURVE_KEYS = {"e2e_full": ("eval_loss", "loss on the evaluation split")}
 NOISE_PARAMETERS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale")
 VARIANTS = ("non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8")
 #: The baseline of the HF recipes: the pretrained model evaluated without any training step (not run by default;
@@ -293,10 +297,11 @@ def history_curves(runs: list[dict], key: str) -> list[tuple[list[int], list[flo
 
 
 def write_curves(task: str, results: dict[str, list[dict]]) -> Path | None:
-    """``docs/recipes/<task>/curves.png``: the evaluation metric (``eval_<metric>`` of the periodic evaluations) and
-    epsilon against the optimizer steps, one line per variant and seed, with the majority-class score as a dotted
-    line when the runs record it; ``None`` (nothing written) when no run recorded periodic evaluations."""
-    metric = f"eval_{TASKS[task][2]}"
+    """``docs/recipes/<task>/curves.png``: the evaluation metric (``eval_<metric>`` of the periodic evaluations, or
+    the task's :data:`CURVE_KEYS` entry) and epsilon against the optimizer steps, one line per variant and seed, with
+    the majority-class score as a dotted line when the runs record it; ``None`` (nothing written) when no run
+    recorded periodic evaluations."""
+    metric, label = CURVE_KEYS.get(task, (f"eval_{TASKS[task][2]}", f"{TASKS[task][2]} on the evaluation split (%)"))
     if not any(history_curves(runs, metric) for runs in results.values()):
         return None
     import matplotlib
@@ -315,7 +320,7 @@ def write_curves(task: str, results: dict[str, list[dict]]) -> Path | None:
     majority = next(iter(results.values()))[0].get("majority_class_accuracy")
     if majority is not None:
         score.axhline(majority, color="grey", linestyle=":", label="majority class")
-    score.set(xlabel="optimizer step", ylabel=f"{TASKS[task][2]} on the evaluation split (%)")
+    score.set(xlabel="optimizer step", ylabel=label)
     privacy.set(xlabel="optimizer step", ylabel="epsilon spent", ylim=(0, None))
     for axes in (score, privacy):
         axes.grid(True, alpha=0.3)

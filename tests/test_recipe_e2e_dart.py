@@ -18,6 +18,7 @@ from lightning_dp.recipes import e2e_dart, generation, metrics
 from lightning_dp.recipes.config import parse_recipe_args
 
 DOCS_CONFIG = ROOT / "configs" / "e2e_dart_offline.yaml"
+FULL_CONFIG = ROOT / "configs" / "e2e_full_offline.yaml"
 HUB_CONFIG = ROOT / "configs" / "e2e_dart_hub.yaml"
 GENERATION_KEYS = {"bleu", "rouge1", "rouge2", "rougeL"}
 FULL_FILES = [f"{task}/{name}" for task, names in e2e_dart.LOCAL_FILES.items() for name in names]
@@ -171,6 +172,28 @@ def test_hub_splits_are_read_from_the_datasets_library(monkeypatch: pytest.Monke
     train, evaluation = e2e_dart.read_hub(e2e_dart.E2EDartArguments(task="dart", data_source="hub"))
     assert train == evaluation == [("S : p : O", ["S P O.", "O of S."])]
     assert calls == [("tuetschek/e2e_nlg", "refs/convert/parquet"), ("Yale-LILY/dart", "refs/convert/parquet")]
+
+
+def test_full_config_records_the_evaluation_loss_curve_on_a_tiny_model(tmp_path: Path) -> None:
+    """configs/e2e_full_offline.yaml (the learning-curve run of docs/recipes/e2e_full.md), cut to a tiny model and 4
+    steps: the evaluation loss on the evaluation tables' first references is in the history before the first step
+    and every ``eval_steps``, next to epsilon, and the decoding still scores at the end."""
+    results = tmp_path / "results.json"
+    done = run_script(
+        "--config", str(FULL_CONFIG), "--data_dir", str(TEST_DATA), "--tiny_model", "true", "--train_size", "32",
+        "--eval_size", "4", "--max_steps", "4", "--eval_steps", "2", "--logging_steps", "2", "--lora_layers", "1",
+        "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_new_tokens", "4",
+        "--output_dir", str(tmp_path), "--results_file", str(results),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(results.read_text())
+    assert result["dp"] is True and result["steps"] == 4 and result["expected_batch"] == 8
+    assert 0 < result["privacy"]["epsilon"] <= 8.0 + 1e-6
+    losses = {row["step"]: row["eval_loss"] for row in result["history"] if "eval_loss" in row}
+    assert sorted(losses) == [0, 2, 4] and all(math.isfinite(v) and v > 0 for v in losses.values())
+    epsilons = [row["epsilon"] for row in result["history"] if "epsilon" in row and "loss" in row]
+    assert len(epsilons) == 2 and 0 < epsilons[0] < epsilons[1]
+    assert GENERATION_KEYS <= set(result["metrics"]) and result["eval_tables"] == 4
 
 
 def test_both_configs_parse_into_the_dataclasses() -> None:

@@ -191,7 +191,12 @@ def run_generation_recipe(
     cut by :class:`~lightning_dp.tasks.prompt_target.PromptTargetDataset`, padded by
     :func:`~lightning_dp.tasks.prompt_target.causal_lm_collator`), then decode ``evaluation`` and score it
     (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
-    samples) go to the results file."""
+    samples) go to the results file.
+
+    ``evaluation``, tokenised the same way (its first reference as the target), is also the Trainer's
+    ``eval_dataset``: with ``eval_strategy: steps`` the run records the evaluation loss (``eval_loss``, the mean
+    per-example loss on the references' tokens) every ``eval_steps`` in its ``history``, a learning curve that costs
+    one forward pass per evaluation example instead of a decoding."""
     details = {
         "eval_size": len(evaluation),
         "max_length": recipe.max_length,
@@ -204,6 +209,7 @@ def run_generation_recipe(
         privacy,
         model=model,
         train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
+        eval_dataset=PromptTargetDataset(evaluation, tokenizer, recipe.max_length, recipe.max_target_length),
         data_collator=causal_lm_collator(tokenizer),
         evaluate=generation_evaluator(recipe, tokenizer, evaluation, score, details, postprocess),
         details=details,
