@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, environment, finish, render_records
-
-from lightning_dp.help_format import HelpFormatter
+from demo_variants import comparison_main, run_variants, variant_rows, variant_table
+from records import render_records
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "adaptive_clipping"
@@ -57,75 +55,18 @@ def bound_recorder() -> Any:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_dp.demo import run_demo
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning_dp").setLevel(logging.WARNING)
-    runs = []
-    for seed in args.seeds:
-        for variant, options in VARIANTS.items():
-            recorder = bound_recorder()
-            result = run_demo(
-                target_epsilon=args.target_epsilon,
-                epochs=args.epochs,
-                seed=seed,
-                progress_bar=False,
-                callbacks=[recorder],
-                **options,
-            )
-            runs.append(
-                {
-                    "variant": variant,
-                    "seed": seed,
-                    "test_acc": result["test_acc"],
-                    "epsilon": result["epsilon"],
-                    "noise_multiplier": result["privacy"]["noise_multiplier"],
-                    "bounds": recorder.bounds,
-                }
-            )
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "bounds"}), flush=True)
-    return {"runs": runs}
+    return run_variants(
+        args, VARIANTS, lambda _, callbacks: {"bounds": callbacks[0].bounds}, lambda: [bound_recorder()]
+    )
 
 
 def rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per variant: accuracy mean and std over the seeds, final bound (mean), epsilon."""
-    out = []
-    for variant in dict.fromkeys(run["variant"] for run in record["runs"]):
-        runs = [run for run in record["runs"] if run["variant"] == variant]
-        accuracies = [run["test_acc"] for run in runs]
-        out.append(
-            {
-                "variant": variant,
-                "test_acc": statistics.mean(accuracies),
-                "test_acc_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
-                "final_bound": statistics.mean(run["bounds"][-1] for run in runs),
-                "epsilon": runs[0]["epsilon"],
-                "noise_multiplier": runs[0]["noise_multiplier"],
-                "seeds": len(runs),
-            }
-        )
-    return out
+    return variant_rows(record, lambda runs: {"final_bound": statistics.mean(run["bounds"][-1] for run in runs)})
 
 
 def markdown(record: dict[str, Any]) -> str:
-    env = record["environment"]
-    lines = [
-        f"**Digits CNN, {record['args']['epochs']} epochs, target epsilon {record['args']['target_epsilon']:g}** "
-        f"(seeds {record['args']['seeds']}; torch {env['torch']}, {env['threads']} threads)",
-        "",
-        "```bash",
-        record["command"],
-        "```",
-        "",
-        "| variant | test accuracy (mean +- std) | bound at the end | epsilon | noise multiplier |",
-        "|---|---|---|---|---|",
-    ]
-    for row in rows(record):
-        lines.append(
-            f"| {row['variant']} | {100 * row['test_acc']:.1f} +- {100 * row['test_acc_std']:.1f} | "
-            f"{row['final_bound']:.3g} | {row['epsilon']:.3f} | {row['noise_multiplier']:.4g} |"
-        )
-    return "\n".join(lines)
+    return variant_table(record, rows(record), "bound at the end", lambda row: f"{row['final_bound']:.3g}")
 
 
 def write_figure(record: dict[str, Any]) -> None:
@@ -157,30 +98,8 @@ def render() -> None:
         write_figure(json.loads(records[-1].read_text(encoding="utf-8")))
 
 
-def report_lines(record: dict[str, Any]) -> list[str]:
-    return [json.dumps(row) for row in rows(record)]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--target-epsilon", type=float, default=3.0)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    add_record_options(parser, RECORDS)
-    args = parser.parse_args()
-    if args.render:
-        render()
-        return
-    env = environment("cpu")
-    finish(
-        args,
-        run(args),
-        env,
-        script="bench/adaptive_clipping.py",
-        records=RECORDS,
-        render=render,
-        report_lines=report_lines,
-    )
+    comparison_main(__doc__, "bench/adaptive_clipping.py", RECORDS, run, render, rows)
 
 
 if __name__ == "__main__":
