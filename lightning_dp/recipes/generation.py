@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers.trainer_utils import IntervalStrategy
 
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes.run import RecipeArguments, check_max_length, run_recipe
@@ -193,10 +194,12 @@ def run_generation_recipe(
     (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
     samples) go to the results file.
 
-    ``evaluation``, tokenised the same way (its first reference as the target), is also the Trainer's
-    ``eval_dataset``: with ``eval_strategy: steps`` the run records the evaluation loss (``eval_loss``, the mean
-    per-example loss on the references' tokens) every ``eval_steps`` in its ``history``, a learning curve that costs
-    one forward pass per evaluation example instead of a decoding."""
+    When the Trainer evaluates during training (``eval_strategy`` other than ``no``, or ``eval_on_start``),
+    ``evaluation``, tokenised the same way (its first reference as the target), is also its ``eval_dataset``: the run
+    records the evaluation loss (``eval_loss``, the mean per-example loss on the references' tokens) in its
+    ``history``, a learning curve that costs one forward pass per evaluation example instead of a decoding. Otherwise
+    no evaluation loss is computed and the evaluation examples are not tokenised for it."""
+    periodic = training.eval_strategy != IntervalStrategy.NO or training.eval_on_start
     details = {
         "eval_size": len(evaluation),
         "max_length": recipe.max_length,
@@ -209,7 +212,11 @@ def run_generation_recipe(
         privacy,
         model=model,
         train_dataset=PromptTargetDataset(train, tokenizer, recipe.max_length, recipe.max_target_length),
-        eval_dataset=PromptTargetDataset(evaluation, tokenizer, recipe.max_length, recipe.max_target_length),
+        eval_dataset=(
+            PromptTargetDataset(evaluation, tokenizer, recipe.max_length, recipe.max_target_length)
+            if periodic
+            else None
+        ),
         data_collator=causal_lm_collator(tokenizer),
         evaluate=generation_evaluator(recipe, tokenizer, evaluation, score, details, postprocess),
         details=details,
