@@ -23,6 +23,7 @@ import inspect
 import math
 import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -41,6 +42,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.config_errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
+from lightning_dp.data.users import validate_user_options
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
@@ -250,6 +252,30 @@ class PrivacyConfig:
         "costs about ``K`` times the forward and backward of ``K = 1``. 1 (default): no copies.",
         "Augmented copies per example, averaged before clipping (De et al. 2022); 1: none.",
     )
+    privacy_unit: str = _option(
+        "example",
+        "what one unit of privacy is (:mod:`lightning_dp.data.users`): ``'example'`` (default), or ``'user'``: the "
+        "training set is regrouped by ``user_key``, Poisson sampling includes each user with rate ``q`` (the batch "
+        "size counts users), each sampled user's rows contribute one clipped quantity, the clipped mean of their "
+        "examples' gradients, and epsilon is about adding or removing one user with all their examples (``N`` = "
+        "the number of users; the default delta is ``1 / N^1.1`` of users). The training step is unchanged: it "
+        "receives the sampled users' rows ``[U K, ...]`` and returns one loss per row.",
+        "Unit of privacy: example (default) or user (Poisson sampling and clipping per user, see user_key).",
+    )
+    user_key: str | Callable[[Any], Any] | None = _option(
+        None,
+        "with ``privacy_unit='user'``: the column (key of each example) holding its user, or a function ``example "
+        "-> user`` (Python API). A string column is removed from the examples before collation.",
+        "With privacy_unit=user: the column holding each example's user.",
+    )
+    examples_per_user: int | None = _option(
+        None,
+        "with ``privacy_unit='user'``: ``K``, the rows a sampled user brings to a step: all their examples when "
+        "they have ``K`` or fewer (padded with weight-0 copies), a fresh random subset of ``K`` otherwise. ``None`` "
+        "(default): every example of every user, ``K`` = the largest user's count (a skewed set then computes "
+        "mostly padding: cap it). A step's forward sees about ``U K`` rows for ``U`` sampled users.",
+        "With privacy_unit=user: rows per sampled user (cap); None: all of each user's examples.",
+    )
 
     def __post_init__(self) -> None:
         with checking("max_grad_norm"):
@@ -261,6 +287,12 @@ class PrivacyConfig:
             validate_clipping_groups(self.clipping_groups, self.max_grad_norm)
         with checking("augmentation_multiplicity"):
             validate_multiplicity(self.augmentation_multiplicity)
+        with checking("privacy_unit"):
+            validate_user_options(self.privacy_unit, self.user_key, self.examples_per_user)
+            if self.privacy_unit == "user" and not self.poisson_sampling:
+                raise ValueError(
+                    "privacy_unit='user' samples users (Poisson sampling over users): keep poisson_sampling=True"
+                )
         with checking("check_batch_independence_every"):
             validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
         validate_momentum(self.momentum_length, self.momentum_beta)

@@ -130,7 +130,8 @@ class EngineAccounting:
         groups, ``max_grad_norm`` is the sensitivity ``sqrt(sum_g C_g^2)`` the noise is scaled to, and
         ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``. With
         ``augmentation_multiplicity = K > 1``, ``augmentation_multiplicity`` is ``K`` (the accounting does not
-        change)."""
+        change). With ``privacy_unit="user"``, ``privacy_unit``, ``num_users`` (the ``N`` of the accounting) and
+        ``examples_per_user`` (rows per sampled user); ``sample_rate`` is then the users'."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -157,6 +158,19 @@ class EngineAccounting:
             **(
                 {"augmentation_multiplicity": self.config.augmentation_multiplicity}
                 if self.config.augmentation_multiplicity > 1
+                else {}
+            ),
+            **(
+                {
+                    "privacy_unit": "user",
+                    "num_users": self.num_samples,
+                    "examples_per_user": (
+                        self._user_data.examples_per_user
+                        if self._user_data is not None
+                        else self.config.examples_per_user
+                    ),
+                }
+                if self.config.privacy_unit == "user"
                 else {}
             ),
             **(

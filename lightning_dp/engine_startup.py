@@ -61,7 +61,7 @@ class EngineStartup:
             _row("gradient accumulation", f"{micro_batches} micro-batch(es) per step{grouping}"),
             _row("global expected batch", f"q N = {self.sample_rate * self.num_samples:.6g}"),
             _row("q (sample rate)", f"{self.sample_rate:.6g}"),
-            _row("N (training examples)", self.num_samples),
+            _row("N (users)" if self.config.privacy_unit == "user" else "N (training examples)", self.num_samples),
             _row("planned steps", steps),
             _row("noise", f"{self.mechanism.name} ({noise}), {self.noise_origin}"),
             _row("delta", f"{self.target_delta:.3g}"),
@@ -77,6 +77,8 @@ class EngineStartup:
                     "augmentation", f"{copies} copies per example (augmentation multiplicity), averaged before clipping"
                 )
             )
+        if self.config.privacy_unit == "user":
+            lines.append(_row("privacy unit", self.describe_users()))
         if self.adaptive is not None:
             adaptive = self.adaptive
             lines.append(

@@ -24,14 +24,16 @@ reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
 
@@ -62,6 +64,7 @@ class EngineSteps:
     _loader_rate: float | None = None
     _micro_batches = 0
     _stand_in_source: tuple[Callable[[list[Any]], Any], Any, int] | None = None
+    _user_data: UserDataset | None = None
 
     # -------------------------------------------------------------------------------------------- per run
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
@@ -88,6 +91,7 @@ class EngineSteps:
         batch_size: int | None,
         micro_batches: int,
         lengths: Sequence[int] | torch.Tensor | None = None,
+        user_ids: Sequence[Hashable] | None = None,
     ) -> DataLoader:
         """The training loader the run uses: ``loader``'s dataset, collator and workers, drawing Poisson batches of
         this rank's shard at the global rate q (default ``batch_size * micro_batches * W / N``), or ``loader``
@@ -100,6 +104,12 @@ class EngineSteps:
             micro_batches: micro-batches per optimizer step (gradient accumulation).
             lengths: ``[N]`` the examples' lengths, to split each Poisson batch into micro-batches of similar
                 lengths (:class:`~lightning_dp.data.PoissonBatchSampler`); ``None`` (default) keeps the data order.
+            user_ids: with ``privacy_unit="user"``, ``[N]`` the user of each example of ``loader``'s dataset (for a
+                trainer whose loader has lost the ``user_key`` column); ``None`` (default): read from the dataset.
+
+        With ``privacy_unit="user"`` the loader's dataset is regrouped by user (one item per user, N = the number of
+        users, q per user; :mod:`lightning_dp.data.users`) and its batches are
+        :class:`~lightning_dp.data.users.UserBatch` (the loader's collator applied to the sampled users' rows).
 
         Raises:
             TypeError: not a torch ``DataLoader`` over a map-style dataset.
@@ -109,7 +119,13 @@ class EngineSteps:
         """
         if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
             raise TypeError("DP training needs a torch DataLoader over a map-style dataset (with __len__)")
-        num_samples = len(loader.dataset)
+        dataset, collate_fn = loader.dataset, loader.collate_fn
+        if self.config.privacy_unit == "user":
+            dataset, collate_fn = self._users(dataset, user_ids), UserCollate(loader.collate_fn or default_collate)
+            if lengths is not None:
+                log.warning("privacy_unit='user': the Poisson batches of users are not grouped by length")
+                lengths = None
+        num_samples = len(dataset)
         rank, world_size = (self.distributed.rank, self.distributed.world_size) if self.distributed else (0, 1)
         sample_rate = self.config.sample_rate
         if sample_rate is None:
@@ -132,10 +148,13 @@ class EngineSteps:
         self.num_samples, self._loader_rate = num_samples, sample_rate
         self.loader_batches = (batch_size, micro_batches)
         self.length_grouped = lengths is not None and self.config.poisson_sampling
-        self._stand_in_source = (loader.collate_fn, loader.dataset, rank)
+        self._stand_in_source = (collate_fn, dataset, rank)
         if self.config.poisson_sampling:
             return poisson_dataloader(
                 loader,
+                dataset=dataset,
+                collate_fn=collate_fn,
+                wrap_sampler=UserDraws if self.config.privacy_unit == "user" else None,
                 sample_rate=sample_rate,
                 micro_batches=micro_batches,
                 generator=self.randomness.sampling,
@@ -160,6 +179,55 @@ class EngineSteps:
                 "keep poisson_sampling=True"
             )
         return loader
+
+    def _users(self, dataset: Any, user_ids: Sequence[Hashable] | None) -> UserDataset:
+        """The training set regrouped by user (``privacy_unit="user"``; :mod:`lightning_dp.data.users`), built once
+        per dataset; the clipper and the checks then treat each user's ``K`` rows as one unit.
+
+        Raises:
+            ValueError: an example without the ``user_key`` column; ``user_ids`` of another length than the data.
+        """
+        if self._user_data is not None and self._user_data.dataset is dataset:
+            return self._user_data
+        key = self.config.user_key
+        ids = list(user_ids) if user_ids is not None else read_user_ids(dataset, key)
+        users = UserDataset(
+            dataset,
+            ids,
+            self.config.examples_per_user,
+            seed=self.randomness.base_seed,
+            drop_key=key if isinstance(key, str) else None,
+        )
+        used = users.counts.clamp(max=users.examples_per_user)
+        padding = 1 - float(used.sum()) / (len(users) * users.examples_per_user)
+        if padding > 0.5:
+            log.warning(
+                "privacy_unit='user': %.0f%% of the rows a step computes are padding (every sampled user brings "
+                "examples_per_user=%d rows, the median user has %d examples); a smaller examples_per_user costs less "
+                "(it caps the examples a user contributes per step, not the guarantee)",
+                100 * padding,
+                users.examples_per_user,
+                int(users.counts.median()),
+            )
+        self._user_data = users
+        self.set_rows_per_unit(self.config.augmentation_multiplicity * users.examples_per_user)
+        return users
+
+    def describe_users(self) -> str:
+        """One line on the user-level set-up (``privacy_unit="user"``, once the training loader regrouped the data):
+        the key, the users and their examples, the rows per sampled user."""
+        users = self._user_data
+        if users is None:
+            return "user (the training loader is not built yet)"
+        key = self.config.user_key
+        source = f"column {key!r}" if isinstance(key, str) else "user_key function"
+        counts, k = users.counts, users.examples_per_user
+        rows = "all of their examples" if k >= int(counts.max()) else f"at most {k} (a random {k} of a larger user's)"
+        return (
+            f"user ({source}): {len(users)} users of {int(counts.sum())} examples, {int(counts.min())} to "
+            f"{int(counts.max())} each (median {int(counts.median())}); a sampled user brings {rows} as {k} rows, "
+            "one clipped mean per user"
+        )
 
     @property
     def loader_sample_rate(self) -> float | None:
@@ -239,8 +307,10 @@ class EngineSteps:
         independence, then the leave-half-out forward on the batch as given.
 
         Args:
-            batch: the micro-batch as the trainer gives it.
-            batch_size: its number of examples (``None`` when it cannot be read).
+            batch: the micro-batch as the trainer gives it (with ``privacy_unit="user"``, a
+                :class:`~lightning_dp.data.users.UserBatch`: ``compute_loss`` and ``replay`` then run on its rows
+                ``[U K, ...]``, return one loss per row, and each user's loss is the weighted mean of their rows').
+            batch_size: its number of examples (users with ``privacy_unit="user"``; ``None`` when it cannot be read).
             compute_loss: ``batch -> [B]`` per-sample loss of the user's step (``None``: the step skips the batch).
             replay: the same, for the extra forwards (stored iterates, leave-half-out), e.g. with logging off;
                 default ``compute_loss``.
@@ -257,6 +327,8 @@ class EngineSteps:
                 ``None`` (every rank must run every step).
         """
         replay = replay or compute_loss
+        if self.config.privacy_unit == "user":
+            compute_loss, replay = _per_user(compute_loss), _per_user(replay)
         if batch_size is None and self.every_rank_runs_every_step:
             raise ValueError(
                 "the batch size cannot be read from the training batch, which an FSDP2-sharded model needs (a rank "
@@ -366,3 +438,15 @@ class EngineSteps:
                 f"An optimizer step after {counted} micro-batches, expected {micro_batches}: a logical step must be "
                 "exactly one Poisson sample"
             )
+
+
+def _per_user(compute_loss: LossFunction) -> LossFunction:
+    """``compute_loss`` on a user batch: the step runs on its rows ``[U K, ...]`` and each user's loss is the mean of
+    their rows' (:func:`~lightning_dp.data.users.user_losses`), ``[U]``."""
+
+    def users_loss(batch: Any) -> torch.Tensor | None:
+        rows, weights = flatten_users(batch)
+        loss = compute_loss(rows)
+        return None if loss is None else user_losses(loss, weights)
+
+    return users_loss

@@ -122,6 +122,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             )
         self.accountant: Accountant | None = None
         self.clipper: PerSampleClipper | None = None
+        self._rows_per_unit: int | None = None
         #: whether the clipper of a finished run dropped examples with a non-finite loss or gradient (set by
         #: :meth:`detach`; this process's examples only).
         self.dropped_nonfinite = False
@@ -173,7 +174,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             sum_check_every=self.sum_check_every,
             projection_dim=self.projection_dim,
             generator_for=self.randomness.projection_generator,
-            augmentation_multiplicity=self.config.augmentation_multiplicity,
+            augmentation_multiplicity=self.rows_per_unit,
         )
         self.clipping_groups = self.clipper.groups
         self.momentum.bind(self.clipper)
@@ -184,11 +185,27 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             check_batch_independence=self.check_batch_independence,
             check_every=self.check_batch_independence_every,
             step=lambda: self.steps,
-            copies=self.config.augmentation_multiplicity,
+            copies=self.rows_per_unit,
         )
         if self.randomized_clipping:
             self.norm_dim = norm_dim(self.clipper.trainable_parameters)
         return self.clipper
+
+    @property
+    def rows_per_unit(self) -> int:
+        """The rows of the forward that one clipped unit owns: the ``augmentation_multiplicity`` copies of an
+        example, times, with ``privacy_unit="user"``, the ``examples_per_user`` rows of a user (known once the
+        training loader regrouped the data)."""
+        return self._rows_per_unit or self.config.augmentation_multiplicity
+
+    def set_rows_per_unit(self, rows: int) -> None:
+        """Make the clipper and the checks fold ``rows`` consecutive rows of every hooked layer into one unit (a
+        user's rows; :mod:`lightning_dp.clipping.multiplicity`), now and when attached later."""
+        self._rows_per_unit = int(rows)
+        if self.clipper is not None:
+            self.clipper.augmentation_multiplicity = self._rows_per_unit
+        if self.guard is not None:
+            self.guard.copies = self._rows_per_unit
 
     def detach(self) -> None:
         """Remove the clipping hooks; the module is exactly as before ``attach``. Whether the clipper dropped

@@ -1,8 +1,10 @@
 """Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
-[--independence-every N] [--seed S] [--poison]`` trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
+[--independence-every N] [--seed S] [--poison] [--users]``
+trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
-ran."""
+ran. ``--users``: user-level privacy, the user a function of the example (:func:`example_user`), 2 users per
+rank and micro-batch in expectation."""
 
 import argparse
 from pathlib import Path
@@ -14,6 +16,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
 from lightning_dp.checks import guard
 
+
+def example_user(example: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """One of 10 users, a function of the example's first input."""
+    return int(abs(float(example[0][0])) * 1000) % 10
+
+
+#: the privacy options of ``--users`` (tests/test_ddp.py trains the same on one process).
+USER_OPTIONS = {"privacy_unit": "user", "user_key": example_user, "examples_per_user": 4}
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -22,14 +33,17 @@ if __name__ == "__main__":
     parser.add_argument("--independence-every", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--poison", action="store_true", help="example 3 of the data is NaN; seed 0, q = 0.5")
+    parser.add_argument("--users", action="store_true", help="privacy_unit='user' (USER_OPTIONS), batch 2 users")
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
-    module = TinyRegressor(batch_size=8)
+    module = TinyRegressor(batch_size=2 if args.users else 8)
     if args.poison:
         module.data.tensors[0][3] = float("nan")
     initial = [p.detach().clone() for p in module.parameters()]
     poison = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=args.seed)
+    if args.users:
+        poison.update(USER_OPTIONS)
     strategy = DPDDPStrategy(
         noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **poison
     )

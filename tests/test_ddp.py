@@ -216,6 +216,24 @@ def test_lightning_ddp_epsilon_equals_single_process(lightning_ranks):
     assert lightning_ranks[0]["summary"]["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
 
 
+def test_lightning_ddp_user_level_equals_single_process_accounting(tmp_path):
+    """privacy_unit='user' on two processes: every rank regroups the same users and samples its shard of them; the
+    ranks stay identical and the accounting is the single process's, over users (q = 2 x 2 / 10 users)."""
+    from ddp_fit_script import USER_OPTIONS
+
+    a, b = _fit_on_two_processes(tmp_path, "--users", "--seed", "0")
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+    assert any(not torch.equal(p, start) for p, start in zip(a["params"], a["initial"], strict=True))
+    assert a["num_samples"] == 10 and a["sample_rate"] == pytest.approx(2 * WORLD / 10)
+    single = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=0, **USER_OPTIONS)
+    torch.manual_seed(0)
+    make_trainer(single, max_steps=6).fit(TinyRegressor(batch_size=2 * WORLD))
+    engine = single.privacy_engine
+    assert (engine.num_samples, engine.sample_rate) == (a["num_samples"], pytest.approx(a["sample_rate"]))
+    assert a["epsilon"] == b["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
+    assert a["summary"]["num_users"] == 10
+
+
 @pytest.mark.slow
 def test_lightning_ddp_resume_continues_the_epsilon_curve(tmp_path):
     first = _fit_on_two_processes(tmp_path, "--max-epochs", "1")

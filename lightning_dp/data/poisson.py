@@ -159,14 +159,20 @@ def poisson_dataloader(
     rank: int = 0,
     world_size: int = 1,
     lengths: Sequence[int] | torch.Tensor | None = None,
+    dataset: Dataset | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    wrap_sampler: Callable[[PoissonBatchSampler], Sampler] | None = None,
 ) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate, workers) drawing Poisson batches (``rank``'s shard of
     ``world_size``; micro-batches grouped by ``lengths`` when given; see :class:`PoissonBatchSampler`).
+    ``dataset`` and ``collate_fn``, when given, replace the loader's (e.g. the data regrouped by user);
+    ``wrap_sampler`` wraps the Poisson batch sampler (e.g. :class:`~lightning_dp.data.users.UserDraws`).
 
     Raises:
         TypeError: the loader's dataset has no ``__len__`` (iterable datasets cannot be Poisson-sampled).
     """
-    dataset = loader.dataset
+    dataset = loader.dataset if dataset is None else dataset
+    collate_fn = loader.collate_fn if collate_fn is None else collate_fn
     if not hasattr(dataset, "__len__"):
         raise TypeError("Poisson sampling needs a map-style dataset with __len__; got an iterable dataset")
     sampler = PoissonBatchSampler(
@@ -181,8 +187,8 @@ def poisson_dataloader(
     )
     return DataLoader(
         dataset,
-        batch_sampler=sampler,
-        collate_fn=EmptyBatchCollate(loader.collate_fn, dataset),
+        batch_sampler=sampler if wrap_sampler is None else wrap_sampler(sampler),
+        collate_fn=EmptyBatchCollate(collate_fn, dataset),
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         worker_init_fn=loader.worker_init_fn,

@@ -31,6 +31,7 @@ _HF_TYPES: dict[str, Any] = {
     "lowpass": dict[str, Any] | str | None,
     "max_grad_norm": float | str | list[float] | None,
     "clipping_groups": list[list[str]] | str | None,
+    "user_key": str | None,
 }
 #: extra ``argparse`` settings of an option's flag: the clipping bound takes several values (one per group).
 _HF_FLAGS: dict[str, dict[str, Any]] = {"max_grad_norm": {"nargs": "+"}}

@@ -83,6 +83,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
 from lightning_dp.checkpoints import last_complete_checkpoint
+from lightning_dp.data.users import read_user_ids
 from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.engine_accounting import summary_metrics
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
@@ -410,11 +411,16 @@ class DPTrainer(PrivacyQueries, Trainer):
             # the dataset as given (the loader's has lost the columns the model does not take, the length one too)
             processing_class = self.processing_class if hasattr(self, "processing_class") else self.tokenizer
             lengths = poisson_batch_lengths(self.args, self.train_dataset, processing_class)
+        config = self.privacy_engine.config
+        user_ids = None
+        if config.privacy_unit == "user":  # read from the dataset as given: the loader's lost the columns the model
+            user_ids = read_user_ids(self.train_dataset, config.user_key)  # does not take, the user column among them
         return self.privacy_engine.training_loader(
             loader,
             batch_size=self.args.per_device_train_batch_size,
             micro_batches=self.args.gradient_accumulation_steps,
             lengths=lengths,
+            user_ids=user_ids,
         )
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

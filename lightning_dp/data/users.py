@@ -1,0 +1,296 @@
+"""User-level privacy: the unit of privacy is a person (a user, an author), not one example (docs/privacy.md,
+"User-level privacy"; McMahan, Ramage, Talwar and Zhang 2018, Section 2, whose DP-FedAvg clips one bounded update
+per sampled user).
+
+With ``privacy_unit="user"`` the training data is regrouped by user before Poisson sampling:
+
+- :class:`UserDataset` has one item per user. Poisson sampling then includes each USER independently with rate
+  ``q`` (``N`` = the number of users, ``q = batch_size / N``: the batch size counts users), and the accountant runs at
+  that ``q`` and ``N``: epsilon is about adding or removing one user with all of their examples.
+- Each sampled user brings ``K`` rows (``examples_per_user``): all of their examples when they have ``K`` or fewer,
+  padded to ``K`` rows with copies of their own examples at weight 0; a fresh random subset of ``K`` of them (from a
+  generator seeded by the run's seed, the user and the draw count, :class:`UserDraws`) when they have more. Which of
+  a user's examples are used does not matter to the guarantee: whatever they are, the user's whole contribution is
+  clipped once.
+- :class:`UserCollate` collates the ``U K`` examples of a batch of ``U`` users with the loader's own collator (so a
+  padding collator pads the whole batch alike) and returns :class:`UserBatch`: ``{"rows": <the collated batch, every
+  tensor of U K rows reshaped to [U, K, ...]>, "weights": [U, K]}``.
+- The engine hands the user's training step the rows flattened to ``[U K, ...]`` (:func:`flatten_users`): the step is
+  unchanged and returns one loss per row, ``[U K]``; :func:`user_losses` makes user ``u``'s loss
+  ``L_u = sum_k w_uk loss_uk``, the MEAN of their used examples' losses (``w_uk = 1 / n_u`` for their ``n_u`` real
+  rows, 0 for padding).
+
+The clipped quantity is then ``clip_C(grad L_u)``: the clipped MEAN of the user's per-example gradients. The clipper
+sees the ``K`` rows of a user as one unit (:mod:`lightning_dp.clipping.multiplicity` folds them, cross terms between
+a user's examples included, exactly as for the uses of a tied parameter), so the norm is that of the user's whole
+gradient and one user moves the step's clipped sum by at most ``C`` however many examples they have. The mean, not
+the sum: a user with 50 examples and one with 1 then weigh the same before clipping, the mean's norm is on the scale
+of one example's gradient (so a ``max_grad_norm`` chosen for example-level training carries over), while the sum of a
+prolific user's gradients would exceed ``C`` nearly always and be scaled down to it anyway.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import Dataset, Sampler
+
+#: the values of the ``privacy_unit`` option.
+PRIVACY_UNITS = ("example", "user")
+
+UserKey = str | Callable[[Any], Hashable]
+
+
+def validate_user_options(privacy_unit: object, user_key: object, examples_per_user: object) -> None:
+    """Check the user-level options together.
+
+    Raises:
+        ValueError: ``privacy_unit`` not one of :data:`PRIVACY_UNITS`; ``"user"`` without ``user_key`` (a column
+            name or a function of an example); ``user_key`` or ``examples_per_user`` with ``privacy_unit="example"``;
+            ``examples_per_user`` neither ``None`` nor an integer ``>= 1``.
+    """
+    if privacy_unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+    integer = isinstance(examples_per_user, numbers.Integral) and not isinstance(examples_per_user, bool)
+    if examples_per_user is not None and not (integer and examples_per_user >= 1):
+        raise ValueError(
+            "examples_per_user must be an integer >= 1 (the cap on a sampled user's examples per step) or None (all "
+            f"of them), got {examples_per_user!r}"
+        )
+    if privacy_unit == "user":
+        if user_key is None or not (isinstance(user_key, str) or callable(user_key)):
+            raise ValueError(
+                "privacy_unit='user' needs user_key: the name of the column (key of each example) holding the user, "
+                f"or a function example -> user; got {user_key!r}"
+            )
+    elif user_key is not None or examples_per_user is not None:
+        raise ValueError(
+            "user_key and examples_per_user apply to user-level privacy only: set privacy_unit='user', or remove them"
+        )
+
+
+def read_user_ids(dataset: Any, user_key: UserKey) -> list[Hashable]:
+    """The user of every example of ``dataset``, in index order.
+
+    Args:
+        dataset: a map-style dataset (``len`` and ``[i]``); a HF ``datasets.Dataset`` whose columns include
+            ``user_key`` is read as one column.
+        user_key: a column name (the key of a mapping example) or a function ``example -> user`` (any hashable).
+
+    Returns:
+        ``N`` user ids (plain Python values: tensors are turned into numbers).
+
+    Raises:
+        ValueError: an empty dataset; an example that is not a mapping holding ``user_key``.
+    """
+    if len(dataset) == 0:
+        raise ValueError("user-level privacy needs a non-empty training set")
+    if isinstance(user_key, str) and user_key in (getattr(dataset, "column_names", None) or ()):
+        ids = list(dataset[user_key])
+    else:
+        ids = []
+        for index in range(len(dataset)):
+            example = dataset[index]
+            if callable(user_key):
+                ids.append(user_key(example))
+            elif isinstance(example, Mapping) and user_key in example:
+                ids.append(example[user_key])
+            else:
+                kind = f"keys {sorted(example)}" if isinstance(example, Mapping) else type(example).__name__
+                raise ValueError(
+                    f"user_key={user_key!r}: example {index} has no such column ({kind}); give the column holding "
+                    "each example's user, or a function example -> user"
+                )
+    return [value.item() if isinstance(value, torch.Tensor) else value for value in ids]
+
+
+@dataclass
+class UserExamples:
+    """One sampled user's rows: ``K`` examples (real ones first, then padding) and their loss weights ``[K]``
+    (``1 / n`` for the ``n`` real rows, 0 for padding)."""
+
+    examples: list[Any]
+    weights: list[float]
+
+
+class UserDataset(Dataset):
+    """A dataset with one item per user (see the module docstring).
+
+    Args:
+        dataset: the example-level map-style dataset.
+        user_ids: ``[N]`` the user of every example (:func:`read_user_ids`).
+        examples_per_user: ``K``, the rows each sampled user brings; ``None``: the largest user's count (every
+            user's examples, all of them; costly with a skewed distribution, where most rows are padding).
+        seed: seeds the random subsets of users with more than ``K`` examples.
+        drop_key: a key removed from mapping examples before collation (the user column, which a collator may not
+            handle), or ``None``.
+
+    Users are in order of first appearance; each user's examples in dataset order.
+
+    Raises:
+        ValueError: ``user_ids`` not of ``len(dataset)`` entries; an empty dataset; ``examples_per_user < 1``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        user_ids: Sequence[Hashable],
+        examples_per_user: int | None = None,
+        *,
+        seed: int = 0,
+        drop_key: str | None = None,
+    ) -> None:
+        if len(user_ids) != len(dataset) or len(dataset) == 0:
+            raise ValueError(f"need one user id per example, got {len(user_ids)} ids for {len(dataset)} examples")
+        validate_user_options("user", "given", examples_per_user)
+        members: dict[Hashable, list[int]] = {}
+        for index, user in enumerate(user_ids):
+            members.setdefault(user, []).append(index)
+        self.dataset = dataset
+        #: the users, in order of first appearance (item ``u`` is ``users[u]``).
+        self.users = list(members)
+        self.members = [torch.tensor(indices) for indices in members.values()]
+        #: ``[U]`` each user's number of examples.
+        self.counts = torch.tensor([len(indices) for indices in members.values()])
+        self.examples_per_user = int(examples_per_user or int(self.counts.max()))
+        self.seed = int(seed)
+        self.drop_key = drop_key
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: int | tuple[int, int]) -> UserExamples:
+        """User ``index``'s rows, or with ``index = (user, draw)`` that user's ``draw``-th draw (:class:`UserDraws`
+        numbers them in the loader's main process); a plain index is draw 0."""
+        user, draw = index if isinstance(index, tuple) else (index, 0)
+        indices = self.members[user]
+        k = self.examples_per_user
+        if len(indices) > k:
+            generator = torch.Generator().manual_seed(hash((self.seed, user, draw)) & (2**63 - 1))
+            indices = indices[torch.randperm(len(indices), generator=generator)[:k]]
+        real = len(indices)
+        padded = torch.cat([indices, indices.repeat(k)[: k - real]]) if real < k else indices
+        examples = [self._example(int(i)) for i in padded]
+        return UserExamples(examples, [1.0 / real] * real + [0.0] * (k - real))
+
+    def _example(self, index: int) -> Any:
+        example = self.dataset[index]
+        if self.drop_key is not None and isinstance(example, Mapping) and self.drop_key in example:
+            example = {key: value for key, value in example.items() if key != self.drop_key}
+        return example
+
+
+class UserDraws(Sampler[list[tuple[int, int]]]):
+    """Number each user's draws: wraps a batch sampler of user indices and yields ``(user, draw)`` pairs, ``draw``
+    counting the user's earlier draws. It runs in the loader's main process (loader workers only see the pairs), so
+    each sampled user with more than ``K`` examples gets a fresh subset at every draw, across epochs and workers.
+
+    Args:
+        batch_sampler: yields lists of user indices (e.g. :class:`~lightning_dp.data.PoissonBatchSampler`).
+    """
+
+    def __init__(self, batch_sampler: Sampler[list[int]]) -> None:
+        self.batch_sampler = batch_sampler
+        self._draws: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        for users in self.batch_sampler:
+            batch = []
+            for user in users:
+                draw = self._draws.get(user, 0)
+                self._draws[user] = draw + 1
+                batch.append((user, draw))
+            yield batch
+
+
+class UserBatch(dict):
+    """A collated batch of ``U`` users: ``{"rows": <collated examples, tensors [U, K, ...]>, "weights": [U, K]}``.
+
+    A dict (so trainers move it to the device and read its batch size, ``U``, from its first tensor)."""
+
+
+class UserCollate:
+    """Collate :class:`UserExamples` into a :class:`UserBatch` with the loader's own ``collate_fn`` (picklable).
+
+    Args:
+        collate_fn: the example-level collator (e.g. torch's ``default_collate`` or a HF data collator).
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, users: Sequence[UserExamples]) -> UserBatch:
+        count, k = len(users), len(users[0].examples)
+        rows = self.collate_fn([example for user in users for example in user.examples])
+
+        def by_user(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.ndim == 0 or tensor.shape[0] != count * k:
+                return tensor
+            return tensor.reshape(count, k, *tensor.shape[1:])
+
+        weights = torch.tensor([user.weights for user in users], dtype=torch.float64)  # cast to the loss's dtype
+        return UserBatch(rows=apply_to_collection(rows, torch.Tensor, by_user), weights=weights)
+
+
+def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
+    """The rows of a user batch as the training step expects them, and their weights.
+
+    Args:
+        batch: a :class:`UserBatch` (or a mapping with its keys, e.g. after a trainer rebuilt it as a plain dict):
+            tensors ``[U, K, ...]`` under ``"rows"``, ``"weights"`` ``[U, K]``.
+
+    Returns:
+        ``(rows, weights)``: the collated structure with every ``[U, K, ...]`` tensor reshaped to ``[U K, ...]``
+        (user ``u``'s rows ``u K .. u K + K - 1``), and ``weights`` ``[U, K]``.
+
+    Raises:
+        ValueError: ``batch`` is not a user batch (a loader other than the engine's under ``privacy_unit="user"``).
+    """
+    if not isinstance(batch, Mapping) or set(batch) != {"rows", "weights"}:
+        raise ValueError(
+            "privacy_unit='user' expects the batches of the DP training loader (one UserBatch of {'rows', 'weights'} "
+            f"per step), got {type(batch).__name__}: train with the loader the strategy or DPTrainer builds"
+        )
+    weights = batch["weights"]
+    count, k = weights.shape
+
+    def flat(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim < 2 or tuple(tensor.shape[:2]) != (count, k):
+            return tensor
+        return tensor.reshape(count * k, *tensor.shape[2:])
+
+    return apply_to_collection(batch["rows"], torch.Tensor, flat), weights
+
+
+def user_losses(row_losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each user's loss, the weighted mean of their rows' losses: ``L_u = sum_k w_uk loss_uk``.
+
+    Args:
+        row_losses: ``[U K]``, one loss per row of the flattened batch (user-major).
+        weights: ``[U, K]`` (``1 / n_u`` for a user's ``n_u`` real rows, 0 for padding rows, whose losses are left
+            out even when not finite).
+
+    Returns:
+        ``[U]`` (differentiable).
+
+    Raises:
+        ValueError: ``row_losses`` not of shape ``[U K]``.
+    """
+    count, k = weights.shape
+    if not isinstance(row_losses, torch.Tensor) or tuple(row_losses.shape) != (count * k,):
+        shape = tuple(row_losses.shape) if isinstance(row_losses, torch.Tensor) else type(row_losses).__name__
+        raise ValueError(
+            f"with privacy_unit='user' the training step must return one loss per row of its batch, shape "
+            f"[{count * k}] ({count} users x {k} rows each), got {shape}"
+        )
+    rows = row_losses.reshape(count, k)
+    weights = weights.to(rows.device, rows.dtype)
+    return torch.where(weights > 0, rows * weights, torch.zeros_like(rows)).sum(1)
