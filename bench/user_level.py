@@ -245,7 +245,8 @@ def markdown(record: dict[str, Any]) -> str:
     lines += ["", f"Utility: {first['users']} training users, {first['examples']} examples (median "
               f"{first['median_user']} per user, largest {first['largest_user']}), epsilon {args['epsilon']:g}; "
               "test accuracy on 500 unseen users.", "",
-              "| privacy unit | test accuracy (%) | epsilon | delta | epsilon for the largest user | steps (seed 0) "
+              "| privacy unit | test accuracy (%) | epsilon | delta | group privacy for the largest user: epsilon "
+              "(its delta exceeds 1 at example level) | steps (seed 0) "
               "| noise multiplier (seed 0) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for unit in UNITS:
         runs = [r for r in record["utility"] if r["unit"] == unit]

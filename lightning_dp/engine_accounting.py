@@ -131,7 +131,8 @@ class EngineAccounting:
         ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``. With
         ``augmentation_multiplicity = K > 1``, ``augmentation_multiplicity`` is ``K`` (the accounting does not
         change). With ``privacy_unit="user"``, ``privacy_unit``, ``num_users`` (the ``N`` of the accounting) and
-        ``examples_per_user`` (rows per sampled user); ``sample_rate`` is then the users'."""
+        ``examples_per_user`` (the option: the cap, or ``"all"``; never a statistic of the data, which the guarantee
+        does not cover); ``sample_rate`` is then the users'."""
         assert self.mechanism is not None and self.accountant is not None
         return {
             "epsilon": self.epsilon(),
@@ -164,11 +165,7 @@ class EngineAccounting:
                 {
                     "privacy_unit": "user",
                     "num_users": self.num_samples,
-                    "examples_per_user": (
-                        self._user_data.examples_per_user
-                        if self._user_data is not None
-                        else self.config.examples_per_user
-                    ),
+                    "examples_per_user": self.config.examples_per_user or "all",  # the option, no data statistic
                 }
                 if self.config.privacy_unit == "user"
                 else {}

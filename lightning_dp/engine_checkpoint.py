@@ -74,6 +74,8 @@ class EngineCheckpoint:
             state["lowpass"] = self.lowpass.state_dict()
         if self.adaptive is not None:
             state["adaptive_clipping"] = self.adaptive.state_dict()
+        if self.config.privacy_unit == "user":
+            state["privacy_unit"] = {"unit": "user", "user_key": _key_name(self.config.user_key)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -90,9 +92,11 @@ class EngineCheckpoint:
                 event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
                 momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
                 checkpoint's lowpass coefficients differ from this run's; one of the checkpoint and this run clips
-                adaptively and the other does not, or its adaptive bound is not a positive number.
+                adaptively and the other does not, or its adaptive bound is not a positive number; the checkpoint's
+                steps were taken at example level and this run is user-level, or with another ``user_key``.
         """
         check_privacy_state(state)
+        self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")
         if (adaptive is not None) != self.config.adaptive_clipping:
             raise ValueError(
@@ -149,10 +153,35 @@ class EngineCheckpoint:
             self.accountant.compose(event, count)
         self._restored_sample_rate = state["sample_rate"]
         self.randomness.restart(self.accountant.steps)
+        if self._user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
+            self._user_data.seed = self.randomness.stream_seed("user subsets")
         if self.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
             self.distributed.synchronize_randomness(self.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
         self._restore_clip_bound(bound)
+
+    def _check_privacy_unit(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a resume whose ledger was spent on another unit: example-level steps give users no user-level
+        guarantee, and steps grouped by another key protected other groups. (A user-level checkpoint resumed at
+        example level is allowed: user-level DP implies example-level DP with the same parameters.)
+
+        Raises:
+            ValueError: the checkpoint is example-level and this run user-level, or their ``user_key`` differ.
+        """
+        if self.config.privacy_unit != "user":
+            return
+        if saved is None:
+            raise ValueError(
+                "The checkpoint's steps were taken with privacy_unit='example': their epsilon does not hold for "
+                "users, so a user-level run cannot continue its ledger. Start a new user-level run (without the "
+                "checkpoint's privacy state), or resume with privacy_unit='example'"
+            )
+        key = _key_name(self.config.user_key)
+        if saved.get("user_key") != key:
+            raise ValueError(
+                f"The checkpoint grouped users by {saved.get('user_key')!r}, this run by {key!r}: its epsilon is "
+                "about other groups of examples; resume with the same user_key"
+            )
 
     def _restore_clip_bound(self, bound: float | None) -> None:
         """Continue adaptive clipping from the checkpoint's ``bound`` (``None``: no adaptive state): at once when the
@@ -173,3 +202,10 @@ class EngineCheckpoint:
             log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
         elif state is not None:
             log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")
+
+
+def _key_name(user_key: Any) -> str:
+    """How a checkpoint names the user key: the column, or the function's qualified name."""
+    if isinstance(user_key, str):
+        return user_key
+    return f"function {getattr(user_key, '__module__', '?')}.{getattr(user_key, '__qualname__', repr(user_key))}"

@@ -195,39 +195,30 @@ class EngineSteps:
             dataset,
             ids,
             self.config.examples_per_user,
-            seed=self.randomness.base_seed,
+            seed=self.randomness.stream_seed("user subsets"),
             drop_key=key if isinstance(key, str) else None,
         )
         used = users.counts.clamp(max=users.examples_per_user)
         padding = 1 - float(used.sum()) / (len(users) * users.examples_per_user)
-        if padding > 0.5:
+        if padding > 0.5:  # local advice only: no count of the data in the message
             log.warning(
-                "privacy_unit='user': %.0f%% of the rows a step computes are padding (every sampled user brings "
-                "examples_per_user=%d rows, the median user has %d examples); a smaller examples_per_user costs less "
-                "(it caps the examples a user contributes per step, not the guarantee)",
-                100 * padding,
-                users.examples_per_user,
-                int(users.counts.median()),
+                "privacy_unit='user': most of the rows a step computes are padding (each sampled user brings "
+                "examples_per_user rows, most users have fewer examples); a smaller examples_per_user costs less (it "
+                "caps the examples a user contributes per step, not the guarantee)"
             )
         self._user_data = users
         self.set_rows_per_unit(self.config.augmentation_multiplicity * users.examples_per_user)
         return users
 
     def describe_users(self) -> str:
-        """One line on the user-level set-up (``privacy_unit="user"``, once the training loader regrouped the data):
-        the key, the users and their examples, the rows per sampled user."""
-        users = self._user_data
-        if users is None:
-            return "user (the training loader is not built yet)"
+        """One line on the user-level set-up (``privacy_unit="user"``): the key and the rows per sampled user. It
+        names the options only: the numbers of examples per user are statistics of the data that the guarantee does
+        not cover, so they are never logged (``N``, the number of users, is in the block as ``N`` always is)."""
         key = self.config.user_key
         source = f"column {key!r}" if isinstance(key, str) else "user_key function"
-        counts, k = users.counts, users.examples_per_user
-        rows = "all of their examples" if k >= int(counts.max()) else f"at most {k} (a random {k} of a larger user's)"
-        return (
-            f"user ({source}): {len(users)} users of {int(counts.sum())} examples, {int(counts.min())} to "
-            f"{int(counts.max())} each (median {int(counts.median())}); a sampled user brings {rows} as {k} rows, "
-            "one clipped mean per user"
-        )
+        cap = self.config.examples_per_user
+        rows = "all of their examples" if cap is None else f"at most {cap} of their examples (a random {cap} of more)"
+        return f"user ({source}): a sampled user brings {rows}, one clipped mean per user"
 
     @property
     def loader_sample_rate(self) -> float | None:

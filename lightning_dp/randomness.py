@@ -62,6 +62,11 @@ class DPRandomness:
         """The base seed (64 bits) every stream is derived from; never checkpointed."""
         return self._base
 
+    def stream_seed(self, purpose: str) -> int:
+        """A seed for a data-processing stream of this run (e.g. the subsets of users' examples), re-derived like the
+        others when the run is resumed (:meth:`restart`); never the noise's."""
+        return derive_seed(self._base, purpose, self._restart)
+
     def _seed_sampling(self) -> None:
         rank_keys = ("rank", self._rank) if self._rank else ()
         self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart, *rank_keys))

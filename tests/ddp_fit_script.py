@@ -41,11 +41,11 @@ if __name__ == "__main__":
     if args.poison:
         module.data.tensors[0][3] = float("nan")
     initial = [p.detach().clone() for p in module.parameters()]
-    poison = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=args.seed)
+    options = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=args.seed)
     if args.users:
-        poison.update(USER_OPTIONS)
+        options.update(USER_OPTIONS)
     strategy = DPDDPStrategy(
-        noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **poison
+        noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **options
     )
 
     def recording(kind, check):

@@ -112,7 +112,7 @@ def test_dp_trainer_samples_clips_and_accounts_users(tmp_path, caplog, monkeypat
     assert engine.rows_per_unit == 3  # the clipper folded each user's 3 rows into one unit
     for phrase in ("could not run", "could not be read", "checks nothing", "is NOT checked"):
         assert phrase not in caplog.text
-    assert "N (users)" in caplog.text and "user (column 'user'): 12 users of 30 examples" in caplog.text
+    assert "N (users)" in caplog.text and "user (column 'user'): a sampled user brings at most 3" in caplog.text
 
 
 def test_one_example_per_user_trains_exactly_as_example_level(tmp_path) -> None:

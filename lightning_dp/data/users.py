@@ -31,6 +31,7 @@ prolific user's gradients would exceed ``C`` nearly always and be scaled down to
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ def read_user_ids(dataset: Any, user_key: UserKey) -> list[Hashable]:
         ``N`` user ids (plain Python values: tensors are turned into numbers).
 
     Raises:
-        ValueError: an empty dataset; an example that is not a mapping holding ``user_key``.
+        ValueError: an empty dataset; an example that is not a mapping holding ``user_key``; an id that is ``None``,
+            NaN, a tensor of several elements or unhashable.
     """
     if len(dataset) == 0:
         raise ValueError("user-level privacy needs a non-empty training set")
@@ -106,7 +108,30 @@ def read_user_ids(dataset: Any, user_key: UserKey) -> list[Hashable]:
                     f"user_key={user_key!r}: example {index} has no such column ({kind}); give the column holding "
                     "each example's user, or a function example -> user"
                 )
-    return [value.item() if isinstance(value, torch.Tensor) else value for value in ids]
+    return [_user_id(value, index) for index, value in enumerate(ids)]
+
+
+def _user_id(value: Any, index: int) -> Hashable:
+    """A plain, hashable id for example ``index``'s user.
+
+    Raises:
+        ValueError: ``None``, NaN (two NaN ids never compare equal, so one person would become many users), a
+            tensor of more than one element, or an unhashable value.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"example {index}'s user id is a tensor of shape {tuple(value.shape)}: give one value")
+        value = value.item()
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(
+            f"example {index} has no user id ({value!r}): every example needs its user (NaN ids would each be a "
+            "different user, so one person could contribute several times); fill or drop such examples"
+        )
+    try:
+        hash(value)
+    except TypeError as error:
+        raise ValueError(f"example {index}'s user id {value!r} is not hashable: give a number or a string") from error
+    return value
 
 
 @dataclass
@@ -147,7 +172,7 @@ class UserDataset(Dataset):
     ) -> None:
         if len(user_ids) != len(dataset) or len(dataset) == 0:
             raise ValueError(f"need one user id per example, got {len(user_ids)} ids for {len(dataset)} examples")
-        validate_user_options("user", "given", examples_per_user)
+        validate_user_options("user", "user_ids", examples_per_user)  # only the cap is checked here
         members: dict[Hashable, list[int]] = {}
         for index, user in enumerate(user_ids):
             members.setdefault(user, []).append(index)
@@ -236,7 +261,7 @@ class UserCollate:
                 return tensor
             return tensor.reshape(count, k, *tensor.shape[1:])
 
-        weights = torch.tensor([user.weights for user in users], dtype=torch.float64)  # cast to the loss's dtype
+        weights = torch.tensor([user.weights for user in users], dtype=torch.float32)
         return UserBatch(rows=apply_to_collection(rows, torch.Tensor, by_user), weights=weights)
 
 
@@ -276,7 +301,7 @@ def user_losses(row_losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     Args:
         row_losses: ``[U K]``, one loss per row of the flattened batch (user-major).
         weights: ``[U, K]`` (``1 / n_u`` for a user's ``n_u`` real rows, 0 for padding rows, whose losses are left
-            out even when not finite).
+            out even when not finite); the mean is formed in ``row_losses``' dtype from the real rows.
 
     Returns:
         ``[U]`` (differentiable).
@@ -292,5 +317,6 @@ def user_losses(row_losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
             f"[{count * k}] ({count} users x {k} rows each), got {shape}"
         )
     rows = row_losses.reshape(count, k)
-    weights = weights.to(rows.device, rows.dtype)
-    return torch.where(weights > 0, rows * weights, torch.zeros_like(rows)).sum(1)
+    real = (weights > 0).to(rows.device)  # the mean in the loss's dtype (the weights are float32 1 / n_u)
+    total = torch.where(real, rows, torch.zeros_like(rows)).sum(1)
+    return total / real.sum(1).clamp(min=1).to(rows.dtype)

@@ -275,6 +275,12 @@ class DPStrategyMixin(PrivacyQueries):
         size = _batch_size(batch)
         if size is None or size == loss.shape[0]:  # None: the clipper still checks the layers' rows
             return
+        if self.privacy_engine.config.privacy_unit == "user":
+            raise ValueError(
+                f"training_step returned {loss.shape[0]} losses for a batch of {size} rows: with privacy_unit='user' "
+                "return one loss per row of the batch (the sampled users' examples); the strategy averages each "
+                "user's rows into the user's loss"
+            )
         copies = self.privacy_engine.config.augmentation_multiplicity
         if copies > 1 and loss.shape[0] == size * copies:
             raise ValueError(
