@@ -157,6 +157,8 @@ class DPTrainer(PrivacyQueries, Trainer):
                     "per example, no copies and no augment_copies call)",
                     engine.config.augmentation_multiplicity,
                 )
+            if engine.config.privacy_unit == "user":
+                log.warning("disable_dp=True: privacy_unit='user' is ignored (the Trainer's own batches of examples)")
             return
         if training_args is None:
             _check_training_arguments(self.args, privacy_args)
