@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, environment, finish, render_records
+from records import add_record_options, render_records_and_figure, run_or_render
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -287,24 +287,16 @@ def write_figure(record: dict[str, Any], path: Path) -> None:
 
 
 def render() -> None:
-    render_records(RECORDS, markdown, PAGE, START, END)
-    records = sorted(RECORDS.glob("*.json"))
-    if records:
-        write_figure(json.loads(records[-1].read_text(encoding="utf-8")), FIGURE)
+    render_records_and_figure(RECORDS, markdown, PAGE, START, END, write_figure, FIGURE)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.render:
-        render()
-        return
-    finish(
-        args,
-        run(args),
-        environment("cpu"),
+    run_or_render(
+        parse_args(argv),
+        run,
+        render,
         script=SCRIPT,
         records=RECORDS,
-        render=render,
         report_lines=lambda record: [json.dumps(row) for row in rows(record)] + ["", markdown(record)],
     )
 

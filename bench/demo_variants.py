@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, environment, finish
+from records import add_record_options, run_or_render
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -124,16 +124,11 @@ def comparison_main(
     parser = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     add_demo_options(parser)
     add_record_options(parser, records)
-    args = parser.parse_args()
-    if args.render:
-        render()
-        return
-    finish(
-        args,
-        run(args),
-        environment("cpu"),
+    run_or_render(
+        parser.parse_args(),
+        run,
+        render,
         script=script,
         records=records,
-        render=render,
         report_lines=lambda record: [json.dumps(row) for row in rows(record)],
     )

@@ -36,6 +36,41 @@ def render_records(records: Path, markdown: Callable[[dict[str, Any]], str], pag
     replace_between_markers(page, "\n\n".join(rendered) or "(no run recorded yet)", start, end)
 
 
+def render_records_and_figure(
+    records: Path,
+    markdown: Callable[[dict[str, Any]], str],
+    page: Path,
+    start: str,
+    end: str,
+    figure: Callable[[dict[str, Any], Path], None],
+    figure_path: Path,
+) -> None:
+    """:func:`render_records`, then draw ``figure`` of the last record (in file-name order) into ``figure_path``."""
+    render_records(records, markdown, page, start, end)
+    latest = sorted(records.glob("*.json"))
+    if latest:
+        figure(json.loads(latest[-1].read_text(encoding="utf-8")), figure_path)
+
+
+def run_or_render(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    render: Callable[[], None],
+    *,
+    script: str,
+    records: Path,
+    report_lines: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """A bench's command line after parsing: ``--render`` only re-renders; otherwise run, then :func:`finish` (with
+    the CPU environment)."""
+    if args.render:
+        render()
+        return
+    finish(
+        args, run(args), environment("cpu"), script=script, records=records, render=render, report_lines=report_lines
+    )
+
+
 def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
     """``--json``, ``--record NAME`` (write ``records/NAME.json`` and re-render the docs) and ``--render``."""
     parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")

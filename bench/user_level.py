@@ -33,7 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from records import add_record_options, environment, finish, render_records
+from records import add_record_options, render_records_and_figure, run_or_render
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -286,10 +286,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
 
 
 def render() -> None:
-    render_records(RECORDS, markdown, PAGE, START, END)
-    records = sorted(RECORDS.glob("*.json"))
-    if records:
-        plot(json.loads(records[-1].read_text(encoding="utf-8")), PAGE.with_suffix(".png"))
+    render_records_and_figure(RECORDS, markdown, PAGE, START, END, plot, PAGE.with_suffix(".png"))
 
 
 def main() -> None:
@@ -307,17 +304,12 @@ def main() -> None:
     parser.add_argument("--examples-per-user", type=int, default=8, help="rows per sampled user (cap)")
     parser.add_argument("--lr", type=float, default=2.0)
     add_record_options(parser, RECORDS)
-    args = parser.parse_args()
-    if args.render:
-        render()
-        return
-    finish(
-        args,
-        run(args),
-        environment("cpu"),
+    run_or_render(
+        parser.parse_args(),
+        run,
+        render,
         script="bench/user_level.py",
         records=RECORDS,
-        render=render,
         report_lines=lambda record: [json.dumps(row) for row in record["audit"] + record["utility"]],
     )
 
