@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from demo_variants import comparison_main, run_variants, variant_rows, variant_table
-from records import render_records
+from records import render_records_and_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "group_clipping"
@@ -57,8 +57,30 @@ def bounds_text(bounds: dict[str, float] | None) -> str:
     return ", ".join(f"{label}: {value:.3g}" for label, value in bounds.items())
 
 
+def plot(record: dict[str, Any], path: Path) -> None:
+    """Test accuracy per variant: one dot per seed, a bar at the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.5, 3.5))
+    for position, variant in enumerate(VARIANTS):
+        accuracies = [100 * run["test_acc"] for run in record["runs"] if run["variant"] == variant]
+        color = "C1" if "per_layer" in variant else "C0"
+        axis.scatter([position] * len(accuracies), accuracies, color=color, zorder=3)
+        axis.hlines(sum(accuracies) / len(accuracies), position - 0.25, position + 0.25, color=color)
+    axis.set_xticks(range(len(VARIANTS)), list(VARIANTS))
+    axis.set_ylabel("test accuracy (%)")
+    axis.set_title("digits CNN, same sensitivity C: flat against per-layer clipping", fontsize=10)
+    axis.grid(True, axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def render() -> None:
-    render_records(RECORDS, markdown, PAGE, START, END)
+    render_records_and_figure(RECORDS, markdown, PAGE, START, END, plot, PAGE.with_suffix(".png"))
 
 
 def main() -> None:
