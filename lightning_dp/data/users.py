@@ -247,6 +247,10 @@ class UserCollate:
 
     Args:
         collate_fn: the example-level collator (e.g. torch's ``default_collate`` or a HF data collator).
+
+    Every collated tensor whose first dimension is ``U K`` is taken as the rows and reshaped to ``[U, K, ...]``;
+    others (0-dim, or shared by the rows) are kept as they are. A collator must therefore not add a tensor of ``U K``
+    first entries that is not one entry per row.
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
