@@ -15,6 +15,12 @@ from typing import Any
 from lightning_dp.run_environment import run_environment
 
 
+def plural(count: Any, noun: str) -> str:
+    """``count`` and ``noun``, the noun with an ``s`` unless the count is 1: ``"1 thread"``, ``"2 threads"``,
+    ``"? threads"`` (for a count a record lacks)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def replace_between_markers(path: Path, text: str, start: str, end: str) -> None:
     """Put ``text`` between the marker lines ``start`` and ``end`` of ``path``, keeping the rest of the file.
 

@@ -33,7 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from records import add_record_options, render_records_and_figure, run_or_render
+from records import add_record_options, plural, render_records_and_figure, run_or_render
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -223,37 +223,47 @@ def _spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{mean:.{digits}f} +- {std:.{digits}f}"
 
 
+def _range(runs: list[dict[str, Any]], key: str, spec: str = "g") -> str:
+    """``runs``' values of ``key``, one per seed: the one value (``format(value, spec)``) when every seed shows the
+    same, else ``smallest to largest``."""
+    values = [run[key] for run in runs]
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low} to {high}"
+
+
 def markdown(record: dict[str, Any]) -> str:
-    """The two tables of a record: the audit's bound for users and the utility, per privacy unit."""
-    args = record["args"]
-    seeds = len(args["seeds"])
-    lines = [f"Command ({seeds} seeds; {record['environment'].get('threads', '?')} threads):", "", "```bash",
-             record["command"], "```", "",
+    """The two tables of a record: the audit's bound for users and the utility, per privacy unit; a value each seed
+    has its own of (the training set's size, steps, noise multiplier, delta) is given as its range over the seeds."""
+    args, utility = record["args"], record["utility"]
+    seeds = plural(len(args["seeds"]), "seed")
+    threads = plural(record["environment"].get("threads", "?"), "thread")
+    lines = [f"Command ({seeds}; {threads}):", "", "```bash", record["command"], "```", "",
+             "`a +- b`: the mean and standard deviation over the seeds; `a to b`: the smallest and the largest value "
+             "over the seeds (each seed draws its own canaries, training set and samples).", "",
              f"Audit: 200 canary users of {args['canary_examples']} examples each, epsilon "
              f"{args['audit_epsilon']:g} in the run's unit, delta 1e-5, 95% confidence.", "",
              "| privacy unit | reported epsilon | audit's lower bound on epsilon for users | bound > reported "
-             "| steps (seed 0) | noise multiplier (seed 0) |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "| steps | noise multiplier |", "|---|---|---|---|---|---|"]  # fmt: skip
     for unit in UNITS:
         runs = [r for r in record["audit"] if r["unit"] == unit]
         exceeded = sum(r["user_bound"] > r["reported_epsilon"] for r in runs)
         lines.append(
             f"| {unit} | {_spread([r['reported_epsilon'] for r in runs], digits=3)} | "
-            f"{_spread([r['user_bound'] for r in runs])} | {exceeded} of {len(runs)} | {runs[0]['steps']} | "
-            f"{runs[0]['noise_multiplier']:.4g} |"
+            f"{_spread([r['user_bound'] for r in runs])} | {exceeded} of {len(runs)} | {_range(runs, 'steps')} | "
+            f"{_range(runs, 'noise_multiplier', '.4g')} |"
         )
-    first = record["utility"][0]
-    lines += ["", f"Utility: {first['users']} training users, {first['examples']} examples (median "
-              f"{first['median_user']} per user, largest {first['largest_user']}), epsilon {args['epsilon']:g}; "
-              "test accuracy on 500 unseen users.", "",
+    lines += ["", f"Utility: {_range(utility, 'users')} training users with {_range(utility, 'examples')} examples "
+              f"(median {_range(utility, 'median_user')} per user, largest {_range(utility, 'largest_user')}), "
+              f"epsilon {args['epsilon']:g}; test accuracy on 500 unseen users.", "",
               "| privacy unit | test accuracy (%) | epsilon | delta | group privacy for the largest user: epsilon "
-              "(its delta exceeds 1 at example level) | steps (seed 0) "
-              "| noise multiplier (seed 0) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+              "(its delta exceeds 1 at example level) | steps | noise multiplier |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for unit in UNITS:
-        runs = [r for r in record["utility"] if r["unit"] == unit]
+        runs = [r for r in utility if r["unit"] == unit]
         lines.append(
-            f"| {unit} | {_spread([r['test_acc'] for r in runs], 100, 1)} | {runs[0]['epsilon']:.3f} | "
-            f"{runs[0]['delta']:.2g} | {runs[0]['largest_user_epsilon']:.3g} | {runs[0]['steps']} | "
-            f"{runs[0]['noise_multiplier']:.4g} |"
+            f"| {unit} | {_spread([r['test_acc'] for r in runs], 100, 1)} | {_range(runs, 'epsilon', '.3f')} | "
+            f"{_range(runs, 'delta', '.2g')} | {_range(runs, 'largest_user_epsilon', '.3g')} | "
+            f"{_range(runs, 'steps')} | {_range(runs, 'noise_multiplier', '.4g')} |"
         )
     return "\n".join(lines)
 

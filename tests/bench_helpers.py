@@ -1,4 +1,5 @@
-"""Loading a bench script as a module and rendering a record into a scratch docs page (for the rendering tests)."""
+"""Loading a bench script as a module, rendering a record into a scratch docs page, and reading a docs page against
+the rendering of its committed records (for the rendering tests)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,3 +33,15 @@ def render_into_scratch_page(bench: ModuleType, monkeypatch, tmp_path: Path, rec
     monkeypatch.setattr(bench, "RECORDS", records)
     bench.render()
     return page.read_text()
+
+
+def page_and_rendering(bench: ModuleType, command: str) -> tuple[str, str]:
+    """The section of ``bench.PAGE`` between the script's markers, and ``bench.markdown`` of every committed record in
+    ``bench.RECORDS`` joined as ``records.render_records`` joins them: equal when the page is the rendering of the
+    records. Fails the test, naming ``command`` (the one that records a run), when ``bench.RECORDS`` holds none."""
+    records = sorted(bench.RECORDS.glob("*.json"))
+    if not records:
+        pytest.fail(f"{bench.RECORDS.relative_to(ROOT)}/ holds no record: run {command}")
+    section = bench.PAGE.read_text(encoding="utf-8").split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n")
+    rendered = "\n\n".join(bench.markdown(json.loads(path.read_text(encoding="utf-8"))) for path in records)
+    return section, rendered

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-import pytest
-from bench_helpers import ROOT, load_bench
+from bench_helpers import load_bench, page_and_rendering
 
 
 def record(runs: list[dict]) -> dict:
@@ -36,10 +33,7 @@ def test_rows_average_the_seeds_and_name_the_group_bounds(monkeypatch) -> None:
 
 
 def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
-    bench = load_bench(monkeypatch, "group_clipping")
-    records = sorted(bench.RECORDS.glob("*.json"))
-    if not records:
-        pytest.fail("docs/bench/group_clipping/ holds no record: run python bench/group_clipping.py --record digits")
-    page = (ROOT / "docs" / "group_clipping.md").read_text()
-    rendered = "\n\n".join(bench.markdown(json.loads(path.read_text())) for path in records)
-    assert page.split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n") == rendered
+    page, rendered = page_and_rendering(
+        load_bench(monkeypatch, "group_clipping"), "python bench/group_clipping.py --record digits"
+    )
+    assert page == rendered

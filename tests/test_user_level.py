@@ -4,6 +4,7 @@ into one clipped unit, the clipped MEAN of their examples' gradients.
 - the clipped sum of every exact engine (book-keeping and second backward) against a torch.func oracle (per-example
   gradients, averaged per user, clipped, summed) on an MLP and an embedding model, and a Lightning step's update
   against the same oracle divided by ``q N`` (users);
+- adaptive clipping counts the sampled users left unclipped, against an expected batch of ``q N`` users;
 - a prolific user with large losses moves the clipped sum by at most C;
 - Poisson sampling includes each user independently with rate q, and a collated batch carries all of a sampled
   user's rows;
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 
@@ -290,6 +292,41 @@ def test_a_lightning_step_updates_by_the_oracle_over_q_n_users(engine: str) -> N
     for (name, before), after in zip(start.named_parameters(), module.net.parameters(), strict=True):
         update = after.detach().double() - before.detach()
         torch.testing.assert_close(update, -expected[name] / 3.0, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_adaptive_clipping_counts_the_unclipped_users() -> None:
+    """Adaptive clipping with privacy_unit='user' (no noise on the sum or the count, one step): the count's expected
+    batch is ``q N`` in USERS (3 of 6 users, not q x 12 examples), and the bound moves by the centred fraction of
+    the sampled users whose clipped unit, the mean of their examples' gradients, was not clipped:
+    ``C_1 = C_0 exp(-eta ((u - U / 2) / (q N) + 1/2 - gamma))`` for ``u`` unclipped of ``U`` sampled users."""
+    data = Examples(USER_OF, "dense", dtype=torch.float32, seed=1)
+    module = UserClassifier(data, batch_size=3)
+    start = copy.deepcopy(module.net).double()
+    grads = _example_grads(start, _dense_loss, data.x.double(), data.y)
+    everyone = [[i for i, u in enumerate(data.users) if u == user] for user in dict.fromkeys(data.users)]
+    norms, _ = _user_oracle(grads, everyone, 1.0)
+    ordered = norms.sort().values
+    initial = float(ordered[2] + ordered[3]) / 2  # 3 of the 6 users unclipped, none near the bound
+    eta, gamma = 1.0, 0.5
+    strategy = _user_strategy(
+        noise_multiplier=0.0,
+        max_grad_norm=initial,
+        examples_per_user=K,
+        seed=2,
+        target_unclipped_quantile=gamma,
+        clipbound_learning_rate=eta,
+        unclipped_num_std=0.0,
+    )
+    make_trainer(strategy, max_steps=1).fit(module)
+    engine = strategy.privacy_engine
+    assert engine.num_samples == 6 and engine.adaptive.expected_batch_size == pytest.approx(3.0)
+    (seen,) = module.seen
+    sampled = {data.users[i] for i in seen.tolist()}
+    users = list(dict.fromkeys(data.users))
+    unclipped = sum(float(norms[users.index(user)]) <= initial for user in sampled)
+    assert 2 <= len(sampled) < 6 and 0 < unclipped < len(sampled)  # a proper sample of users, some clipped
+    fraction = (unclipped - len(sampled) / 2) / 3.0 + 0.5
+    assert engine.adaptive.bound == pytest.approx(initial * math.exp(-eta * (fraction - gamma)), rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------------------ sampling

@@ -1,0 +1,56 @@
+"""bench/adaptive_clipping.py renders docs/adaptive_clipping.md (and its figure) only from its recorded JSON (no
+training is run here)."""
+
+from __future__ import annotations
+
+import json
+
+from bench_helpers import load_bench, page_and_rendering
+
+
+def record(runs: list[dict]) -> dict:
+    return {
+        "command": "python bench/adaptive_clipping.py --seeds 0 1",
+        "args": {"epochs": 15, "target_epsilon": 3.0, "seeds": [0, 1]},
+        "environment": {"torch": "2.13.0+cpu", "threads": 2},
+        "runs": runs,
+    }
+
+
+def run(variant: str, seed: int, acc: float, bounds: list[float]) -> dict:
+    return {"variant": variant, "seed": seed, "test_acc": acc, "epsilon": 2.998, "noise_multiplier": 1.971,
+            "bounds": bounds}  # fmt: skip
+
+
+RUNS = [run("fixed C=1", 0, 0.90, [1.0, 1.0]), run("adaptive from C=10", 0, 0.20, [12.0, 50.0]),
+        run("fixed C=1", 1, 0.92, [1.0, 1.0]), run("adaptive from C=10", 1, 0.10, [11.0, 60.0])]  # fmt: skip
+
+
+def test_rows_average_the_seeds_and_the_bound_at_the_end(monkeypatch) -> None:
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    text = bench.markdown(record(RUNS))
+    assert "| fixed C=1 | 91.0 +- 1.4 | 1 | 2.998 | 1.971 |" in text
+    assert "| adaptive from C=10 | 15.0 +- 7.1 | 55 | 2.998 | 1.971 |" in text  # final bounds 50 and 60
+    assert text.index("| fixed C=1 |") < text.index("| adaptive from C=10 |")  # the variants in order of first run
+    assert "python bench/adaptive_clipping.py --seeds 0 1" in text
+
+
+def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "digits.json").write_text(json.dumps(record(RUNS)))
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{bench.START}\n(no run recorded yet)\n{bench.END}\nend\n")
+    for name, value in (("RECORDS", records), ("PAGE", page), ("FIGURE", tmp_path / "figure.png")):
+        monkeypatch.setattr(bench, name, value)
+    bench.render()
+    assert page.read_text() == f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nend\n"
+    assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
+    page, rendered = page_and_rendering(
+        load_bench(monkeypatch, "adaptive_clipping"), "python bench/adaptive_clipping.py --record digits"
+    )
+    assert page == rendered
