@@ -1,16 +1,17 @@
 """Run by tests/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
-[--independence-every N] [--seed S] [--poison] [--users]``
+[--independence-every N] [--seed S] [--poison] [--users] [--adaptive]``
 trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
-ran. ``--users``: user-level privacy, the user a function of the example (:func:`example_user`), 2 users per
-rank and micro-batch in expectation."""
+ran and the bound each step clipped at (:class:`ClipBoundRecorder`). ``--users``: user-level privacy, the user a
+function of the example (:func:`example_user`), 2 users per rank and micro-batch in expectation. ``--adaptive``:
+adaptive clipping (:data:`ADAPTIVE_OPTIONS`)."""
 
 import argparse
 from pathlib import Path
 
 import torch
-from helpers import TinyRegressor, make_trainer
+from helpers import ClipBoundRecorder, TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
@@ -24,6 +25,10 @@ def example_user(example: tuple[torch.Tensor, torch.Tensor]) -> int:
 
 #: the privacy options of ``--users`` (tests/test_ddp.py trains the same on one process).
 USER_OPTIONS = {"privacy_unit": "user", "user_key": example_user, "examples_per_user": 4}
+#: the privacy options of ``--adaptive``: seeded, and q = 1, so that every step's Poisson sample is the whole data set
+#: on any number of processes (tests/test_ddp.py trains the same on one process and compares the bounds).
+ADAPTIVE_OPTIONS = {"seed": 0, "sample_rate": 1.0, "target_unclipped_quantile": 0.5}
+
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -34,6 +39,7 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--poison", action="store_true", help="example 3 of the data is NaN; seed 0, q = 0.5")
     parser.add_argument("--users", action="store_true", help="privacy_unit='user' (USER_OPTIONS), batch 2 users")
+    parser.add_argument("--adaptive", action="store_true", help="adaptive clipping (ADAPTIVE_OPTIONS)")
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
@@ -44,6 +50,8 @@ if __name__ == "__main__":
     options = dict(seed=0, sample_rate=0.5) if args.poison else dict(seed=args.seed)
     if args.users:
         options.update(USER_OPTIONS)
+    if args.adaptive:
+        options.update(ADAPTIVE_OPTIONS)
     strategy = DPDDPStrategy(
         noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **options
     )
@@ -57,7 +65,8 @@ if __name__ == "__main__":
 
     guard.check_batch_independence = recording("gradient", guard.check_batch_independence)
     guard.check_leave_half_out = recording("leave_half_out", guard.check_leave_half_out)
-    callbacks = [PrivacyAccountantCallback()]
+    recorder = ClipBoundRecorder()
+    callbacks = [PrivacyAccountantCallback(), recorder]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
     else:
@@ -83,6 +92,8 @@ if __name__ == "__main__":
             "summary": callbacks[0].summary,
             "dropped_nonfinite": engine.dropped_nonfinite,
             "checked_steps": checked,
+            "bounds": recorder.bounds,
+            "final_bound": engine.current_max_grad_norm,
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )

@@ -119,3 +119,17 @@ def parameter_fingerprint(module: nn.Module) -> dict:
         digest.update(values.numpy().tobytes())
         sums[key] = float(values.double().sum())
     return {"sha256": digest.hexdigest(), "sums": sums}
+
+
+class ClipBoundRecorder(pl.Callback):
+    """Records, as each training batch starts, the bound the clipper clips it at (:attr:`bounds`) and the bound the
+    clipped sum's noise is scaled to (:attr:`noised_at`); one entry per optimizer step without accumulation."""
+
+    def __init__(self) -> None:
+        self.bounds: list[float] = []
+        self.noised_at: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        engine = trainer.strategy.privacy_engine
+        self.bounds.append(engine.clipper.max_grad_norm)
+        self.noised_at.append(engine.sum_mechanism.max_grad_norm)

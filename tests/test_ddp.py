@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TinyRegressor, make_trainer
+from helpers import ClipBoundRecorder, TinyRegressor, make_trainer
 from process_helpers import free_port
 from torch import nn
 
@@ -232,6 +232,27 @@ def test_lightning_ddp_user_level_equals_single_process_accounting(tmp_path):
     assert (engine.num_samples, engine.sample_rate) == (a["num_samples"], pytest.approx(a["sample_rate"]))
     assert a["epsilon"] == b["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
     assert a["summary"]["num_users"] == 10
+
+
+def test_lightning_ddp_adaptive_clipping_equals_single_process(tmp_path):
+    """Adaptive clipping on two processes: the ranks' counts of unclipped examples are summed and noised once, so
+    with the same seed every step clips at the single process's bound and the parameters follow it (q = 1: each
+    step's sample is all 64 examples, split between the ranks)."""
+    from ddp_fit_script import ADAPTIVE_OPTIONS
+
+    ranks = _fit_on_two_processes(tmp_path, "--adaptive")
+    single = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, **ADAPTIVE_OPTIONS)
+    recorder = ClipBoundRecorder()
+    torch.manual_seed(0)
+    module = TinyRegressor(batch_size=8 * WORLD)
+    make_trainer(single, max_steps=6, callbacks=[recorder]).fit(module)
+    bounds = [*recorder.bounds, single.privacy_engine.current_max_grad_norm]
+    assert len(bounds) == 7 and bounds[0] == 0.5 and len(set(bounds)) == 7  # the bound moved at every step
+    for rank in ranks:
+        assert [*rank["bounds"], rank["final_bound"]] == pytest.approx(bounds, rel=1e-12)
+        assert rank["steps"] == 6 and rank["epsilon"] == pytest.approx(single.privacy_engine.epsilon(), rel=1e-12)
+        for got, want in zip(rank["params"], module.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach())  # float32: the all-reduce only reorders the sum
 
 
 @pytest.mark.slow
