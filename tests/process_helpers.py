@@ -35,13 +35,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(script: Path, *args: str, config: Path = TWO_PROCESSES, timeout: float = 600) -> None:
-    """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` with this checkout first on ``PYTHONPATH`` and no
-    inherited process-group variables; a failing launch fails the test with the processes' output."""
+def accelerate_launch(
+    script: Path | str, *args: str, config: Path | str = TWO_PROCESSES, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` (from ``cwd``, so that relative paths read as a
+    user's command does) with this checkout first on ``PYTHONPATH``, on a free port and without inherited
+    process-group variables; a failing launch fails the test with the processes' output. Returns the finished
+    launch, its stdout and stderr combined in ``stdout``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
     launch += ["--main_process_port", str(free_port()), str(script), *args]
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run(
+        launch, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout[-6000:]
+    return done

@@ -18,7 +18,14 @@ from lightning_dp.hf import PrivacyArguments
 from lightning_dp.recipes import billsum, e2e_dart, generation, glue, hotpotqa, metrics
 from lightning_dp.recipes.config import config_as_flags, parse_recipe_args
 from lightning_dp.recipes.generation import generate_texts
-from lightning_dp.recipes.run import RecipeArguments, check_max_length, parse_recipe, script_main, split_in_file_order
+from lightning_dp.recipes.run import (
+    RecipeArguments,
+    accelerate_launch_command,
+    check_max_length,
+    parse_recipe,
+    script_main,
+    split_in_file_order,
+)
 from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
 from lightning_dp.tasks.prompt_target import IGNORE_INDEX, PromptTarget, PromptTargetDataset, prompt_ids
 
@@ -436,3 +443,19 @@ def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatc
         if bench.THREADS_START in page.read_text():
             threads = marked(page, bench.THREADS_START, bench.THREADS_END)
             assert threads == bench.thread_table(task, bench.load_thread_runs(task)), task
+
+
+def test_a_run_started_by_accelerate_launch_records_the_launchers_command(tmp_path):
+    """The parent's command line names ``accelerate launch``: the recorded command is the launcher's, as typed
+    (console script or ``python -m``); any other parent gives None (the process's own command is recorded)."""
+    cmdline = tmp_path / "cmdline"
+    typed = ["launch", "--config_file", "configs/accelerate/ddp_2_processes.yaml", "recipes/glue.py", "--seed", "1"]
+    for launcher in (
+        ["/usr/bin/python3", "/usr/local/bin/accelerate"],
+        ["python", "-m", "accelerate.commands.accelerate_cli"],
+    ):
+        cmdline.write_bytes("\0".join([*launcher, *typed]).encode() + b"\0")
+        assert accelerate_launch_command(cmdline) == ["accelerate", *typed]
+    cmdline.write_bytes(b"python\0recipes/glue.py\0--seed\0001\0")
+    assert accelerate_launch_command(cmdline) is None
+    assert accelerate_launch_command(tmp_path / "absent") is None

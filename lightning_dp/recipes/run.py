@@ -319,10 +319,34 @@ def write_results(result: dict[str, Any], path: Path) -> None:
 
 def command_line() -> str:
     """The command that runs this process, as typed from the working directory: ``python path/to/script.py ARGS``
-    for a script, the program's name and arguments for a console script (``lightning-dp fit ...``)."""
+    for a script, the program's name and arguments for a console script (``lightning-dp fit ...``), and the
+    launcher's own command (``accelerate launch --config_file FILE script.py ARGS``) for a process that
+    ``accelerate launch`` started (:func:`accelerate_launch_command`): re-running it starts as many processes."""
+    launched = accelerate_launch_command()
+    if launched is not None:
+        return shlex.join(launched)
     program = sys.argv[0]
     head = ["python", os.path.relpath(program)] if program.endswith(".py") else [Path(program).name]
     return shlex.join([*head, *sys.argv[1:]])
+
+
+def accelerate_launch_command(parent_cmdline: Path | None = None) -> list[str] | None:
+    """``["accelerate", "launch", *its arguments]`` when this process was started by ``accelerate launch`` (its
+    arguments as typed: config file, process count, the script and the script's arguments), read from the parent
+    process's command line (``/proc/<ppid>/cmdline``: accelerate starts one process itself and several through
+    torch's launcher running inside it, so the parent is the launcher in both cases); ``None`` for any other parent
+    or where ``/proc`` is absent (not Linux). ``parent_cmdline``: another file to read (tests)."""
+    path = parent_cmdline or Path(f"/proc/{os.getppid()}/cmdline")
+    try:
+        words = path.read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    words = [word for word in words if word]
+    for index, word in enumerate(words[:-1]):
+        launcher = Path(word).name in ("accelerate", "accelerate_cli") or word == "accelerate.commands.accelerate_cli"
+        if launcher and words[index + 1] == "launch":
+            return ["accelerate", "launch", *words[index + 2 :]]
+    return None
 
 
 def _jsonable(value: Any) -> Any:
