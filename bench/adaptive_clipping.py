@@ -89,6 +89,7 @@ def write_figure(record: dict[str, Any]) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(FIGURE, dpi=120)
+    plt.close(fig)
 
 
 def render() -> None:

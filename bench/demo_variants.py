@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, run_or_render
+from records import add_record_options, plural, run_or_render
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -94,7 +94,7 @@ def variant_table(
     env, args = record["environment"], record["args"]
     lines = [
         f"**Digits CNN, {args['epochs']} epochs, target epsilon {args['target_epsilon']:g}** "
-        f"(seeds {args['seeds']}; torch {env['torch']}, {env['threads']} threads)",
+        f"(seeds {args['seeds']}; torch {env['torch']}, {plural(env['threads'], 'thread')})",
         "",
         "```bash",
         record["command"],

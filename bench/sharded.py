@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from records import add_record_options, environment, finish, render_records
+from records import add_record_options, environment, finish, plural, render_records
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -541,7 +541,7 @@ def markdown(record: dict[str, Any]) -> str:
     """One recorded run as the docs show it: the set-up, the command and the table."""
     args, env = record["args"], record["environment"]
     timed_by = "cpu" if args["device"] == "cpu" else "wall"
-    threads = f", {args['threads']} intra-op thread{'s' if args['threads'] > 1 else ''}" if timed_by == "cpu" else ""
+    threads = f", {plural(args['threads'], 'intra-op thread')}" if timed_by == "cpu" else ""
     lines = [
         f"**T={args['seq_len']}, B={args['batch_size']} per rank x {args['world_size']} ranks** ({env['device_name']}, "
         f"torch {env['torch']}{threads}, load average {env['load_before']:.2f} before / {env['load_after']:.2f} "

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from records import add_record_options, environment, finish, render_records
+from records import add_record_options, environment, finish, plural, render_records
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -503,7 +503,7 @@ def markdown(record: dict[str, Any]) -> str:
     size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
     lines = [
         f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}, torch {env['torch']}, "
-        f"{args['threads']} intra-op thread{'s' if args['threads'] > 1 else ''}, "
+        f"{plural(args['threads'], 'intra-op thread')}, "
         f"load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
         f"ratios of {timed_by} time)",
         "",

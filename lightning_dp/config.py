@@ -216,8 +216,9 @@ class PrivacyConfig:
     )
     unclipped_num_std: float | None = _option(
         None,
-        "adaptive clipping: std sigma_b of the noise on the count of unclipped examples, in examples; must exceed "
-        "sigma / 2. Default: the expected batch size ``q N / 20``, as in Andrew et al. 2021's experiments.",
+        "adaptive clipping: std sigma_b of the noise on the count of unclipped examples, in examples (in users under "
+        "``privacy_unit='user'``); must exceed sigma / 2. Default: the expected batch size ``q N / 20``, as in Andrew "
+        "et al. 2021's experiments.",
         "Adaptive clipping: std of the unclipped count's noise (default q N / 20).",
     )
     lowpass: str | dict[str, Any] | LowPassFilter | None = _option(
