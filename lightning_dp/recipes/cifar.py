@@ -13,7 +13,8 @@
   reflect padding) and flipped on its own (:mod:`lightning_dp.recipes.image_augmentation`), and clip the AVERAGE of
   the copies' gradients once, so one example's sensitivity stays C; their CIFAR-10 runs use K = 16
   (``configs/cifar10_hub.yaml``). K = 1 (default, ``configs/cifar10_offline.yaml``): no augmentation at all, the
-  recipe as before (single augmentations hurt DP-SGD in De et al.'s study).
+  recipe as before (single augmentations hurt DP-SGD in De et al.'s study); the models' ``augment: true`` makes it
+  one cropped and flipped copy per example (De et al.'s and jax_privacy's K = 1).
 - Models: :class:`WideResNetClassifier`, the WRN-16-4 with GroupNorm of De et al. 2022 trained from scratch
   (:mod:`lightning_dp.recipes.wide_resnet`; depth and width are arguments), or :class:`ViTClassifier`, HF
   ``ViTForImageClassification`` fine-tuned from a Hub checkpoint (images resized to its input size), with ``tiny``
@@ -212,33 +213,52 @@ class CifarClassifier(pl.LightningModule):
     (:func:`~lightning_dp.recipes.image_augmentation.random_crop_flip`; only in train mode, like dropout: the DP
     strategy's leave-half-out check runs the step in eval mode and needs it deterministic) and returns each
     example's mean cross-entropy over its copies (:func:`lightning_dp.augmentation_mean`; De et al. 2022, Section
-    3.2). The draws come from :func:`~lightning_dp.recipes.image_augmentation.augmentation_generator` seeded from the
-    run's seed (``torch.initial_seed()`` at the start of fit: ``seed_everything``'s) and the micro-batch's rank, epoch
-    and index, so a seeded run reproduces and a re-run of a micro-batch's step (per-sample momentum) sees the same
-    copies.
+    3.2). With ``K = 1`` and ``augment=True`` each example's one row is cropped and flipped the same way (still one
+    row per example: the clipping and the sensitivity are those of ``K = 1`` without augmentation). The draws come
+    from :func:`~lightning_dp.recipes.image_augmentation.augmentation_generator` seeded from the run's seed
+    (``torch.initial_seed()`` at the start of fit: ``seed_everything``'s) and the micro-batch's rank, epoch and index,
+    so a seeded run reproduces and a re-run of a micro-batch's step (per-sample momentum) sees the same copies.
 
     Args:
         lr: SGD learning rate.
         momentum: SGD momentum (De et al. 2022: none).
         weight_decay: SGD weight decay (De et al. 2022: none).
-        augmentation_multiplicity: ``K >= 1`` augmented copies per example (De et al. 2022: 16); 1 (default): no
-            augmentation. Under a DP strategy it must equal the strategy's ``augmentation_multiplicity``.
+        augmentation_multiplicity: ``K >= 1`` copies per example (De et al. 2022: 16); 1 (default): one row per
+            example. Under a DP strategy it must equal the strategy's ``augmentation_multiplicity``.
+        augment: crop and flip the training rows. ``None`` (default): iff ``K > 1`` (``K = 1`` is then the
+            un-augmented recipe, bit for bit as before the option); ``True``: also at ``K = 1``, one augmented copy
+            per example (De et al. 2022's and jax_privacy's ``K = 1``); ``False``: never, refused with ``K > 1`` (``K``
+            identical copies average to the gradient of one, at ``K`` times the cost).
 
     Raises:
         ValueError: ``lr <= 0``, a negative ``momentum`` or ``weight_decay``, ``augmentation_multiplicity`` not an
-            integer >= 1 (at construction); a DP strategy whose ``augmentation_multiplicity`` differs (at the start
-            of fit).
+            integer >= 1, ``augment=False`` with ``augmentation_multiplicity > 1`` (at construction); a DP strategy
+            whose ``augmentation_multiplicity`` differs (at the start of fit).
     """
 
     def __init__(
-        self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0, augmentation_multiplicity: int = 1
+        self,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        augmentation_multiplicity: int = 1,
+        augment: bool | None = None,
     ) -> None:
         super().__init__()
         if lr <= 0 or momentum < 0 or weight_decay < 0:
             raise ValueError(f"need lr > 0, momentum >= 0, weight_decay >= 0, got {lr}, {momentum}, {weight_decay}")
         validate_multiplicity(augmentation_multiplicity)
+        if augment is False and augmentation_multiplicity > 1:
+            raise ValueError(
+                f"augment=False with augmentation_multiplicity={augmentation_multiplicity}: the "
+                f"{augmentation_multiplicity} copies of an example would be identical (the gradient of one copy at "
+                f"{augmentation_multiplicity} times the cost); set augmentation_multiplicity to 1, or augment to "
+                "true or null"
+            )
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.augmentation_multiplicity = augmentation_multiplicity
+        #: Whether the training rows are cropped and flipped (``augment`` resolved: ``None`` -> ``K > 1``).
+        self.augments = augmentation_multiplicity > 1 if augment is None else augment
         self._augmentation_seed = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,9 +282,9 @@ class CifarClassifier(pl.LightningModule):
         copies = self.augmentation_multiplicity
         if copies > 1:
             x, y = repeat_for_multiplicity((x, y), copies)  # [B K, ...], rows i K .. i K + K - 1: example i's
-            if self.training:
-                position = (self.global_rank, self.current_epoch, batch_idx)
-                x = random_crop_flip(x, augmentation_generator(self._augmentation_seed, *position))
+        if self.augments and self.training:
+            position = (self.global_rank, self.current_epoch, batch_idx)
+            x = random_crop_flip(x, augmentation_generator(self._augmentation_seed, *position))
         rows = F.cross_entropy(self(x), y, reduction="none")  # [B K]
         loss = augmentation_mean(rows, copies)  # [B]: what per-sample clipping needs (rows itself for K = 1)
         dp = getattr(self.trainer.strategy, "privacy_engine", None) is not None
@@ -298,6 +318,8 @@ class WideResNetClassifier(CifarClassifier):
         lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`; De et al. 2022 WRN-16-4: lr 2 to 4, no
             momentum, no weight decay).
         augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`; De et al. 2022: 16).
+        augment: crop and flip the training rows (see :class:`CifarClassifier`; ``None``: iff
+            ``augmentation_multiplicity > 1``; ``True`` at ``K = 1``: one augmented copy per example).
         weight_standardisation: every convolution with scaled weight standardisation
             (:class:`~lightning_dp.weight_standardisation.WSConv2d`), as De et al. 2022; default False.
     """
@@ -313,9 +335,14 @@ class WideResNetClassifier(CifarClassifier):
         weight_decay: float = 0.0,
         augmentation_multiplicity: int = 1,
         weight_standardisation: bool = False,
+        augment: bool | None = None,
     ) -> None:
         super().__init__(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, augmentation_multiplicity=augmentation_multiplicity
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            augmentation_multiplicity=augmentation_multiplicity,
+            augment=augment,
         )
         self.save_hyperparameters()
         self.net = WideResNet(
@@ -342,6 +369,8 @@ class ViTClassifier(CifarClassifier):
         patch_size: patch size of the tiny ViT.
         lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`).
         augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`).
+        augment: crop and flip the training rows (see :class:`CifarClassifier`; ``None``: iff
+            ``augmentation_multiplicity > 1``).
 
     Raises:
         ValueError: ``image_size`` not a positive multiple of ``patch_size`` (the tiny ViT cannot split it into
@@ -358,9 +387,14 @@ class ViTClassifier(CifarClassifier):
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         augmentation_multiplicity: int = 1,
+        augment: bool | None = None,
     ) -> None:
         super().__init__(
-            lr=lr, momentum=momentum, weight_decay=weight_decay, augmentation_multiplicity=augmentation_multiplicity
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            augmentation_multiplicity=augmentation_multiplicity,
+            augment=augment,
         )
         from transformers import ViTConfig, ViTForImageClassification
 
