@@ -321,3 +321,13 @@ def test_docs_config(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
     assert result["metrics"]["accuracy"] > 15.0  # chance is 10%
+
+
+def test_help_names_the_data_flag_and_variable(capsys: pytest.CaptureFixture) -> None:
+    """LightningCLI's help lists ``--data.init_args.data_dir``; the recipe's own ``--help`` names ``--data_dir`` and
+    ``LIGHTNING_DP_DATA`` first."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("recipes/cifar.py:") and "--data_dir ROOT" in out and "LIGHTNING_DP_DATA" in out

@@ -533,9 +533,23 @@ def cli_arguments(argv: Sequence[str]) -> list[str]:
     return converted
 
 
+#: Printed before LightningCLI's help by ``recipes/cifar.py --help``: the recipe's own flag and variable, which
+#: LightningCLI's help does not show.
+RECIPE_HELP = (
+    "recipes/cifar.py: lightning-dp fit (the same LightningCLI) with the recipes' data flag:\n"
+    "  --data_dir ROOT   the data root holding cifar10/, or that folder itself (default: $LIGHTNING_DP_DATA);\n"
+    "                    LightningCLI's --data.init_args.data_dir ROOT\n"
+    "lightning-dp fit's options follow.\n"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``recipes/cifar.py``: ``lightning-dp fit`` (the same LightningCLI, the same one-line errors) on ``argv``
-    (default ``sys.argv[1:]``) with ``--data_dir`` accepted (:func:`cli_arguments`); returns the exit code."""
+    (default ``sys.argv[1:]``) with ``--data_dir`` accepted (:func:`cli_arguments`; ``--help`` names it first,
+    :data:`RECIPE_HELP`); returns the exit code."""
     from lightning_dp.cli import main as cli_main
 
-    return cli_main(["fit", *cli_arguments(sys.argv[1:] if argv is None else argv)])
+    args = cli_arguments(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(RECIPE_HELP)
+    return cli_main(["fit", *args])
