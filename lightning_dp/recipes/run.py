@@ -330,22 +330,34 @@ def command_line() -> str:
     return shlex.join([*head, *sys.argv[1:]])
 
 
+#: How ``accelerate launch`` is started: its console script ``accelerate`` (or ``python -m
+#: accelerate.commands.accelerate_cli``) followed by the word ``launch``, or the ``accelerate-launch`` console script
+#: (or ``python -m accelerate.commands.launch``) on its own.
+_ACCELERATE_CLI = ("accelerate", "accelerate.commands.accelerate_cli")
+_ACCELERATE_LAUNCH = ("accelerate-launch", "accelerate.commands.launch")
+
+
 def accelerate_launch_command(parent_cmdline: Path | None = None) -> list[str] | None:
     """``["accelerate", "launch", *its arguments]`` when this process was started by ``accelerate launch`` (its
     arguments as typed: config file, process count, the script and the script's arguments), read from the parent
     process's command line (``/proc/<ppid>/cmdline``: accelerate starts one process itself and several through
-    torch's launcher running inside it, so the parent is the launcher in both cases); ``None`` for any other parent
-    or where ``/proc`` is absent (not Linux). ``parent_cmdline``: another file to read (tests)."""
+    torch's launcher running inside it, so the parent is the launcher in both cases). The launcher is recognised in
+    the forms of :data:`_ACCELERATE_CLI` and :data:`_ACCELERATE_LAUNCH` (a path ending in those names, or the module
+    given to ``python -m``). ``None`` for any other parent (a shell, ``torchrun`` started directly, a notebook) or
+    where ``/proc`` is absent (not Linux). Re-running the command starts as many processes when the process count
+    was typed (``--config_file``, ``--num_processes``); otherwise the re-run reads the user's default accelerate
+    configuration, as the original did. ``parent_cmdline``: another file to read (tests)."""
     path = parent_cmdline or Path(f"/proc/{os.getppid()}/cmdline")
     try:
-        words = path.read_bytes().decode(errors="replace").split("\0")
+        words = [word for word in path.read_bytes().decode(errors="replace").split("\0") if word]
     except OSError:
         return None
-    words = [word for word in words if word]
-    for index, word in enumerate(words[:-1]):
-        launcher = Path(word).name in ("accelerate", "accelerate_cli") or word == "accelerate.commands.accelerate_cli"
-        if launcher and words[index + 1] == "launch":
+    for index, word in enumerate(words):
+        name = Path(word).name if "/" in word else word
+        if name in _ACCELERATE_CLI and words[index + 1 : index + 2] == ["launch"]:
             return ["accelerate", "launch", *words[index + 2 :]]
+        if name in _ACCELERATE_LAUNCH:
+            return ["accelerate", "launch", *words[index + 1 :]]
     return None
 
 
