@@ -38,7 +38,9 @@ against ``K``, raw and averaged, each seed's run and the means) from the last re
 ``--missing`` with ``--record NAME`` completes an existing record instead of replacing it: it runs only the
 ``(K, augmentation, seed)`` runs of the command that the record lacks, refuses a record of another setup (steps,
 batch, epsilon, EMA, test images), of another environment (versions, threads, CPU kernels: they change a run as a
-seed does) or holding runs the command would not make, and merges the new runs in the command's order. The record then
+seed does) or holding runs the command would not make, stops at the first new run whose privacy quantities (noise
+multiplier, epsilon, sample rate, steps: the same for every run of a record) differ from the recorded runs' (the
+record was made by other code or data), and merges the new runs in the command's order. The record then
 states the command without ``--missing``, which makes every run of it, and lists the completions (their command,
 runs and environment) under ``additions``. Each run seeds all it draws from (``seed_everything``, the strategy's
 ``seed``), so its numbers do not depend on the runs made before it in the process.
@@ -57,7 +59,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, environment, render_records_and_figure, run_or_render
+from records import (
+    add_record_options,
+    environment,
+    plural,
+    render_records_and_figure,
+    reproducing_argv,
+    run_or_render,
+)
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -73,6 +82,11 @@ DEPTH, WIDTH, GROUPS, LR, MAX_GRAD_NORM, DELTA, CLIPPING = 10, 1, 16, 2.0, 1.0, 
 SETUP = ("steps", "batch_size", "target_epsilon", "ema_decay", "ema_start", "eval_size")
 #: The environment entries a completed record must share with the process: what a run's numbers depend on.
 SAME_ENVIRONMENT = ("python", "torch", "numpy", "threads", "cpu_capability", "device_name")
+#: The entries of a run that every run of a record shares (one calibration and accounting for all): a new run of a
+#: completion (``--missing``) must equal the recorded runs' in each, else the code or the data differ.
+SAME_PRIVACY = ("noise_multiplier", "epsilon", "sample_rate", "steps")
+#: What :func:`differing` reports for an entry an older record lacks (no value of an argument or environment entry).
+ABSENT = "(not recorded)"
 #: The figure draws the un-augmented runs at ``K`` times this, apart from the augmented ones at the same ``K``.
 PLAIN_SHIFT = 0.88
 
@@ -226,8 +240,9 @@ def run_one(args: argparse.Namespace, k: int, augment: bool, seed: int) -> dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every run of the command (:func:`planned`), or with ``--missing`` those the record lacks, merged into it
-    (:func:`completed`); each run is printed as one JSON line as it ends."""
+    """Every run of the command (:func:`planned`), or with ``--missing`` those the record lacks, each checked against
+    the recorded runs as it ends (:func:`check_privacy`) and merged into the record (:func:`completed`); each run is
+    printed as one JSON line as it ends."""
     import warnings
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -241,10 +256,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if (k, augment, seed) not in done:
             runs.append(run_one(args, k, augment, seed))
             print(json.dumps(runs[-1]), flush=True)
+            if record is not None:
+                check_privacy(args, record, runs[-1])
     return {"runs": runs} if record is None else completed(args, record, runs, env)
 
 
 # -------------------------------------------------------------------------------------------------- completion
+def differing(recorded: dict[str, Any], current: dict[str, Any], keys: tuple[str, ...]) -> dict[str, tuple[Any, Any]]:
+    """The ``keys`` whose value in ``recorded`` (:data:`ABSENT` where an older record lacks the entry) is not that in
+    ``current``, each with ``(recorded value, current value)``."""
+    pairs = {key: (recorded.get(key, ABSENT), current[key]) for key in keys}
+    return {key: pair for key, pair in pairs.items() if key not in recorded or pair[0] != pair[1]}
+
+
 def recorded(args: argparse.Namespace) -> dict[str, Any]:
     """The record ``--missing`` completes, checked against the command and the process (:data:`SETUP`,
     :data:`SAME_ENVIRONMENT`, every recorded run one the command makes).
@@ -256,28 +280,33 @@ def recorded(args: argparse.Namespace) -> dict[str, Any]:
     if not path.is_file():
         raise SystemExit(f"--missing: {path.relative_to(ROOT)} does not exist; make it without --missing")
     record = json.loads(path.read_text(encoding="utf-8"))
-    setup = {key: (record["args"][key], vars(args)[key]) for key in SETUP if record["args"][key] != vars(args)[key]}
-    env = environment("cpu")
-    differing = {key: (record["environment"][key], env[key]) for key in SAME_ENVIRONMENT}
-    differing = {key: values for key, values in differing.items() if values[0] != values[1]}
+    setup = differing(record.get("args", {}), vars(args), SETUP)
+    env = differing(record.get("environment", {}), environment("cpu"), SAME_ENVIRONMENT)
     extra = [(run["k"], augmented(run), run["seed"]) for run in record["runs"]]
     extra = [run for run in extra if run not in planned(args)]
-    for problem, found in (("another setup", setup), ("another environment", differing), ("other runs", extra)):
+    for problem, found in (("another setup", setup), ("another environment", env), ("other runs", extra)):
         if found:
             raise SystemExit(f"--missing: {path.relative_to(ROOT)} holds {problem} than this command: {found}")
     return record
 
 
-def reproducing_argv(argv: list[str]) -> list[str]:
-    """``argv`` without ``--missing``, ``--json`` and ``--record NAME`` (or ``--record=NAME``): the arguments of the
-    command that makes every run of a completed record."""
-    kept: list[str] = []
-    for arg in argv:
-        if kept[-1:] == ["--record"]:  # arg is NAME: drop both
-            kept.pop()
-        elif arg not in ("--missing", "--json") and not arg.startswith("--record="):
-            kept.append(arg)
-    return kept
+def check_privacy(args: argparse.Namespace, record: dict[str, Any], run: dict[str, Any]) -> None:
+    """Refuse a new ``run`` of a completion whose :data:`SAME_PRIVACY` entries are not exactly the recorded runs'.
+    The setup, the environment and the accountant's inputs being the same (:func:`recorded`), they differ only when
+    the code or the data do: the record cannot take the run.
+
+    Raises:
+        SystemExit: an entry differs (the entries, the recorded values and the run's in the message).
+    """
+    recorded_values = {key: sorted({old[key] for old in record["runs"] if key in old}) for key in SAME_PRIVACY}
+    found = {key: (values, run[key]) for key, values in recorded_values.items() if values and values != [run[key]]}
+    if found:
+        path = (RECORDS / f"{args.record}.json").relative_to(ROOT)
+        raise SystemExit(
+            f"--missing: the new run {(run['k'], run['augment'], run['seed'])} differs from the runs of {path} in "
+            f"{found} (recorded, new): the record was made by other code or data; re-run the whole record without "
+            "--missing"
+        )
 
 
 def completed(
@@ -295,7 +324,7 @@ def completed(
         "environment": {**env, "load_after": os.getloadavg()[0]},
     }
     return {
-        "command": shlex.join(["python", SCRIPT, *reproducing_argv(sys.argv[1:])]),
+        "command": shlex.join(["python", SCRIPT, *reproducing_argv(sys.argv[1:], drop=("--missing",))]),
         "args": {**vars(args), "missing": False},
         "environment": record["environment"],
         "additions": [*record.get("additions", []), *([addition] if runs else [])],
@@ -368,7 +397,7 @@ def markdown(record: dict[str, Any]) -> str:
     lines = [
         f"**WRN-10-1, {args['steps']} steps of expected batch {args['batch_size']}, target epsilon "
         f"{args['target_epsilon']:g}, EMA decay {args['ema_decay']:g} from step {args['ema_start']}** "
-        f"(seeds {args['seeds']}; test images: {eval_size}; torch {env['torch']}, {env['threads']} threads)",
+        f"(seeds {args['seeds']}; test images: {eval_size}; torch {env['torch']}, {plural(env['threads'], 'thread')})",
         "",
         "```bash",
         record["command"],

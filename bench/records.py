@@ -91,6 +91,18 @@ def environment(device: str) -> dict[str, Any]:
     return {**run_environment(device), "load_before": os.getloadavg()[0]}
 
 
+def reproducing_argv(argv: list[str], drop: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` without ``--json``, ``--record NAME`` (or ``--record=NAME``) and the flags in ``drop``: the arguments
+    of the command a record states, the one that reproduces its runs."""
+    kept: list[str] = []
+    for arg in argv:
+        if kept[-1:] == ["--record"]:  # arg is NAME: drop both
+            kept.pop()
+        elif arg not in ("--json", *drop) and not arg.startswith("--record="):
+            kept.append(arg)
+    return kept
+
+
 def finish(
     args: argparse.Namespace,
     out: dict[str, Any],
@@ -101,14 +113,15 @@ def finish(
     render: Callable[[], None],
     report_lines: Callable[[dict[str, Any]], list[str]],
 ) -> None:
-    """Complete the record of a run (the command that reproduces it, without ``--json`` and ``--record NAME``; the
-    arguments; the environment, with ``load_after``), write it with ``--record`` and re-render, then print it."""
+    """Complete the record of a run (the command that reproduces it, :func:`reproducing_argv`; the arguments; the
+    environment, with ``load_after``), write it with ``--record`` and re-render, then print it."""
     env["load_after"] = os.getloadavg()[0]
-    argv = [a for a in sys.argv[1:] if a != "--json"]
-    if args.record:
-        at = argv.index("--record") if "--record" in argv else None
-        argv = argv[:at] + argv[at + 2 :] if at is not None else [a for a in argv if not a.startswith("--record=")]
-    record = {"command": shlex.join(["python", script, *argv]), "args": vars(args), "environment": env, **out}
+    record = {
+        "command": shlex.join(["python", script, *reproducing_argv(sys.argv[1:])]),
+        "args": vars(args),
+        "environment": env,
+        **out,
+    }
     if args.record:
         records.mkdir(parents=True, exist_ok=True)
         (records / f"{args.record}.json").write_text(json.dumps(record, indent=1), encoding="utf-8")

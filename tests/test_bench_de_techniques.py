@@ -130,6 +130,18 @@ def test_missing_runs_only_what_the_record_lacks_and_merges_it(monkeypatch, tmp_
         ({"args": {**record([])["args"], "steps": 20}}, [], r"another setup than this command: {'steps': \(20, 40\)}"),
         ({"environment": {**ENVIRONMENT, "threads": 1}}, [], "another environment than this command"),
         ({}, ["--ks", "1"], r"other runs than this command: \[\(4, True, 0\)"),
+        # an older record lacking an entry: refused as another setup or environment (not a KeyError), even where the
+        # command's value is None (the default --eval-size)
+        (
+            {"args": {key: value for key, value in record([])["args"].items() if key != "eval_size"}},
+            [],
+            r"another setup than this command: {'eval_size': \('\(not recorded\)', None\)}",
+        ),
+        (
+            {"environment": {key: value for key, value in ENVIRONMENT.items() if key != "cpu_capability"}},
+            [],
+            r"another environment than this command: {'cpu_capability': \('\(not recorded\)', 'AVX512'\)}",
+        ),
     ],
 )
 def test_missing_refuses_a_record_it_cannot_complete(monkeypatch, tmp_path, change, extra, message) -> None:
@@ -140,11 +152,33 @@ def test_missing_refuses_a_record_it_cannot_complete(monkeypatch, tmp_path, chan
     assert called == []
 
 
-def test_reproducing_argv_drops_the_completion_flags(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("entry", "value"), [("noise_multiplier", 0.8124), ("epsilon", 3.0), ("sample_rate", 0.0512), ("steps", 39)]
+)
+def test_missing_refuses_a_new_run_of_other_privacy_quantities(monkeypatch, tmp_path, entry, value) -> None:
+    """Same setup and environment, but the first new run's noise multiplier, epsilon, sample rate or steps is not
+    exactly the recorded runs' (other code or data): refused at that run, the record left as it was."""
     bench = load_bench(monkeypatch, "de_techniques")
+    called = _stub_runs(monkeypatch, bench, tmp_path, record(RUNS))
+    stubbed = bench.run_one
+    monkeypatch.setattr(bench, "run_one", lambda *arguments: {**stubbed(*arguments), entry: value})
+    before = (tmp_path / "records" / "cpu.json").read_text()
+    with pytest.raises(SystemExit, match="other code or data; re-run the whole record without --missing") as refusal:
+        bench.main(["--seeds", "0", "1", "--ks", "1", "4", "--missing", "--record", "cpu"])
+    assert f"{entry!r}: ([{RUNS[0][entry]!r}], {value!r})" in str(refusal.value)
+    assert called == [(1, True, 0)] and (tmp_path / "records" / "cpu.json").read_text() == before
+
+
+def test_reproducing_argv_drops_the_record_flags(monkeypatch) -> None:
+    """``records.reproducing_argv``, shared by ``records.finish`` and the completion: ``--json``, ``--record NAME``
+    and ``--record=NAME`` always dropped, ``--missing`` only when asked."""
+    load_bench(monkeypatch, "de_techniques")  # bench/ on the path
+    import records
+
     argv = ["--seeds", "0", "--missing", "--record", "cpu", "--json", "--steps", "2"]
-    assert bench.reproducing_argv(argv) == ["--seeds", "0", "--steps", "2"]
-    assert bench.reproducing_argv(["--record=cpu", "--missing"]) == []
+    assert records.reproducing_argv(argv) == ["--seeds", "0", "--missing", "--steps", "2"]
+    assert records.reproducing_argv(argv, drop=("--missing",)) == ["--seeds", "0", "--steps", "2"]
+    assert records.reproducing_argv(["--record=cpu", "--missing"], drop=("--missing",)) == []
 
 
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
