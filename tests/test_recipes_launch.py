@@ -30,7 +30,11 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("config_file", ["ddp_2_processes.yaml", "fsdp2_2_processes.yaml"])
+#: FSDP2's launch is slow-marked: the default suite keeps the DDP launch, and FSDP2 sharding under accelerate is
+#: covered by tests/test_hf_accelerate_fsdp.py (about 30 s saved).
+@pytest.mark.parametrize(
+    "config_file", ["ddp_2_processes.yaml", pytest.param("fsdp2_2_processes.yaml", marks=pytest.mark.slow)]
+)
 def test_glue_recipe_on_two_processes_as_the_docs_launch_it(tmp_path: Path, config_file: str) -> None:
     """One launch per config file: exit 0, world size 2 in the results and (once) in the start-up block."""
     assert yaml.safe_load((ROOT / "configs" / "accelerate" / config_file).read_text())["num_processes"] == WORLD
