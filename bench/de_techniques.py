@@ -248,8 +248,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_dp").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    record = recorded(args) if args.missing else None
     env = environment("cpu")
+    record = recorded(args, env) if args.missing else None
     done = {(run["k"], augmented(run), run["seed"]) for run in record["runs"]} if record else set()
     runs = []
     for k, augment, seed in planned(args):
@@ -269,9 +269,9 @@ def differing(recorded: dict[str, Any], current: dict[str, Any], keys: tuple[str
     return {key: pair for key, pair in pairs.items() if key not in recorded or pair[0] != pair[1]}
 
 
-def recorded(args: argparse.Namespace) -> dict[str, Any]:
-    """The record ``--missing`` completes, checked against the command and the process (:data:`SETUP`,
-    :data:`SAME_ENVIRONMENT`, every recorded run one the command makes).
+def recorded(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
+    """The record ``--missing`` completes, checked against the command and the process's environment ``env``
+    (:data:`SETUP`, :data:`SAME_ENVIRONMENT`, every recorded run one the command makes).
 
     Raises:
         SystemExit: no such record, or one the command cannot complete (the reason in the message).
@@ -281,10 +281,15 @@ def recorded(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--missing: {path.relative_to(ROOT)} does not exist; make it without --missing")
     record = json.loads(path.read_text(encoding="utf-8"))
     setup = differing(record.get("args", {}), vars(args), SETUP)
-    env = differing(record.get("environment", {}), environment("cpu"), SAME_ENVIRONMENT)
+    environment_differs = differing(record.get("environment", {}), env, SAME_ENVIRONMENT)
+    order = planned(args)
     extra = [(run["k"], augmented(run), run["seed"]) for run in record["runs"]]
-    extra = [run for run in extra if run not in planned(args)]
-    for problem, found in (("another setup", setup), ("another environment", env), ("other runs", extra)):
+    extra = [run for run in extra if run not in order]
+    for problem, found in (
+        ("another setup", setup),
+        ("another environment", environment_differs),
+        ("other runs", extra),
+    ):
         if found:
             raise SystemExit(f"--missing: {path.relative_to(ROOT)} holds {problem} than this command: {found}")
     return record

@@ -35,6 +35,21 @@ def render_into_scratch_page(bench: ModuleType, monkeypatch, tmp_path: Path, rec
     return page.read_text()
 
 
+def render_page_and_figure(bench: ModuleType, monkeypatch, tmp_path: Path, name: str, record: dict) -> str:
+    """Render ``record`` (kept as ``NAME.json``) with the script's ``render()`` into a scratch page holding "(no run
+    recorded yet)" between its markers and a scratch ``figure.png`` (the script's ``RECORDS``, ``PAGE`` and
+    ``FIGURE`` patched); the page."""
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / f"{name}.json").write_text(json.dumps(record))
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{bench.START}\n(no run recorded yet)\n{bench.END}\nend\n")
+    for attribute, value in (("RECORDS", records), ("PAGE", page), ("FIGURE", tmp_path / "figure.png")):
+        monkeypatch.setattr(bench, attribute, value)
+    bench.render()
+    return page.read_text()
+
+
 def page_and_rendering(bench: ModuleType, command: str) -> tuple[str, str]:
     """The section of ``bench.PAGE`` between the script's markers, and ``bench.markdown`` of every committed record in
     ``bench.RECORDS`` joined as ``records.render_records`` joins them: equal when the page is the rendering of the

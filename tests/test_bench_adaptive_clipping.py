@@ -3,9 +3,7 @@ training is run here)."""
 
 from __future__ import annotations
 
-import json
-
-from bench_helpers import load_bench, page_and_rendering
+from bench_helpers import load_bench, page_and_rendering, render_page_and_figure
 
 
 def record(runs: list[dict]) -> dict:
@@ -37,15 +35,8 @@ def test_rows_average_the_seeds_and_the_bound_at_the_end(monkeypatch) -> None:
 
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
     bench = load_bench(monkeypatch, "adaptive_clipping")
-    records = tmp_path / "records"
-    records.mkdir()
-    (records / "digits.json").write_text(json.dumps(record(RUNS)))
-    page = tmp_path / "page.md"
-    page.write_text(f"intro\n{bench.START}\n(no run recorded yet)\n{bench.END}\nend\n")
-    for name, value in (("RECORDS", records), ("PAGE", page), ("FIGURE", tmp_path / "figure.png")):
-        monkeypatch.setattr(bench, name, value)
-    bench.render()
-    assert page.read_text() == f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nend\n"
+    text = render_page_and_figure(bench, monkeypatch, tmp_path, "digits", record(RUNS))
+    assert text == f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nend\n"
     assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from bench_helpers import load_bench, page_and_rendering
+from bench_helpers import load_bench, page_and_rendering, render_page_and_figure
 
 ENVIRONMENT = {"python": "3.11.7", "torch": "2.13.0+cpu", "numpy": "2.4.6", "threads": 2, "cpu_capability": "AVX512",
                "device_name": "AMD EPYC", "platform": "Linux", "cpu_count": 2, "load_before": 2.5}  # fmt: skip
@@ -183,15 +183,7 @@ def test_reproducing_argv_drops_the_record_flags(monkeypatch) -> None:
 
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
     bench = load_bench(monkeypatch, "de_techniques")
-    records = tmp_path / "records"
-    records.mkdir()
-    (records / "cpu.json").write_text(json.dumps(record(RUNS)))
-    page = tmp_path / "page.md"
-    page.write_text(f"intro\n{bench.START}\n(no run recorded yet)\n{bench.END}\nend\n")
-    for name, value in (("RECORDS", records), ("PAGE", page), ("FIGURE", tmp_path / "figure.png")):
-        monkeypatch.setattr(bench, name, value)
-    bench.render()
-    text = page.read_text()
+    text = render_page_and_figure(bench, monkeypatch, tmp_path, "cpu", record(RUNS))
     assert text == f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nend\n"
     assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
 
