@@ -353,7 +353,7 @@ def accelerate_launch_command(parent_cmdline: Path | None = None) -> list[str] |
     except OSError:
         return None
     for index, word in enumerate(words):
-        name = Path(word).name if "/" in word else word
+        name = Path(word).name  # a path's last part; a module name (no slash) as it is
         if name in _ACCELERATE_CLI and words[index + 1 : index + 2] == ["launch"]:
             return ["accelerate", "launch", *words[index + 2 :]]
         if name in _ACCELERATE_LAUNCH:
