@@ -62,6 +62,7 @@ from typing import Any
 from records import (
     add_record_options,
     environment,
+    mean_std,
     plural,
     render_records_and_figure,
     reproducing_argv,
@@ -338,11 +339,6 @@ def completed(
 
 
 # ------------------------------------------------------------------------------------------------------ render
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """The mean and the sample standard deviation (0 for one value)."""
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
-
 def rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per variant ``(K, augment)`` (in the order of the first runs): the raw and averaged accuracies' and
     their per-run differences' mean and standard deviation over the seeds, the first run's epsilon and noise

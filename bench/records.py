@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,19 @@ def plural(count: Any, noun: str) -> str:
     """``count`` and ``noun``, the noun with an ``s`` unless the count is 1: ``"1 thread"``, ``"2 threads"``,
     ``"? threads"`` (for a count a record lacks)."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (n - 1; 0 for one value)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def value_range(runs: list[dict[str, Any]], key: str, spec: str = "g") -> str:
+    """``runs``' values of ``key``, one per run: the one value (``format(value, spec)``) when every run shows the
+    same, else ``smallest to largest``."""
+    values = [run[key] for run in runs]
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low} to {high}"
 
 
 def replace_between_markers(path: Path, text: str, start: str, end: str) -> None:

