@@ -193,7 +193,7 @@ class TiedLM(nn.Module):
         self.out.weight = self.emb.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1]).unsqueeze(0)  # broadcast [1, T]
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # broadcast [1, T]
         h = self.emb(ids) + self.pos(positions)
         return self.out(torch.tanh(self.mix(h)))
 

@@ -133,6 +133,13 @@ def test_dp_strategy_without_device_takes_the_trainers():
     assert fixed.root_device == torch.device("cpu")
 
 
+def test_dp_strategy_on_cuda_without_an_index_takes_the_current_device(monkeypatch):
+    """Lightning's CUDA accelerator selects the device by its index and refuses ``cuda`` alone."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert DPStrategy(noise_multiplier=1.0, device="cuda").root_device == torch.device("cuda", 1)
+    assert DPStrategy(noise_multiplier=1.0, device=torch.device("cuda", 0)).root_device == torch.device("cuda", 0)
+
+
 # ------------------------------------------------------------------------------------------- LightningCLI
 def _digits_config(tmp_path: Path, strategy: object) -> Path:
     config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())

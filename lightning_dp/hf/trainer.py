@@ -170,7 +170,8 @@ class DPTrainer(PrivacyQueries, Trainer):
                 "DPTrainer does not support an FSDP plugin accelerate set up before it (an Accelerator built earlier "
                 f"in this process, or one passed by hand): {_UNSUPPORTED['FSDP']}"
             )
-        if self.is_distributed_loading_by_transformers:
+        # transformers releases without from_pretrained(distributed_config=...) (5.17, for one) set no such attribute
+        if getattr(self, "is_distributed_loading_by_transformers", False):
             raise ValueError(
                 "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
                 "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "

@@ -23,6 +23,15 @@ def _default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _indexed(device: str | torch.device) -> torch.device:
+    """``device`` with an index: ``"cuda"`` is the current CUDA device (Lightning's CUDA accelerator selects the
+    device by its index and refuses one without)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     """Differentially private training on one device: Poisson sampling, per-sample clipping, noise, accounting.
 
@@ -36,8 +45,9 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     fails: give ``target_epsilon`` or ``noise_multiplier``. See :mod:`lightning_dp.lightning.registry`.
 
     Args:
-        device: the device to train on; default: the one device the Trainer selects (``accelerator``,
-            ``devices=1``), or ``cuda:0`` if available, else CPU, when the strategy is used outside a Trainer.
+        device: the device to train on (``"cuda"`` without an index: the current CUDA device); default: the one
+            device the Trainer selects (``accelerator``, ``devices=1``), or ``cuda:0`` if available, else CPU, when
+            the strategy is used outside a Trainer.
         kwargs: the privacy options, the fields of :class:`~lightning_dp.config.PrivacyConfig` (documented there
             and in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and those of Lightning's
             ``SingleDeviceStrategy``.
@@ -52,7 +62,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
 
     def __init__(self, *, device: str | torch.device | None = None, **kwargs: Any) -> None:
         self._device_given = device is not None
-        super().__init__(device=device if device is not None else _default_device(), **kwargs)
+        super().__init__(device=_indexed(device) if device is not None else _default_device(), **kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
