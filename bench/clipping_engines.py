@@ -22,22 +22,31 @@ that step.
 Memory: each variant runs alone in a fresh process (spawn); on CUDA ``torch.cuda.max_memory_allocated`` minus the
 memory after the model and data are built, on CPU the peak resident set (VmHWM) minus the resident set then.
 
-Usage: ``python bench/clipping_engines.py --model gpt2 --seq-len 128 --batch-size 8 [--device cuda] [--json]``
+Usage: ``python bench/clipping_engines.py --model gpt2 --seq-len 128 --batch-size 8 [--device cuda] [--json]``;
+``--record NAME`` also writes the run to ``docs/bench/clipping_engines/NAME.json`` and re-renders the section of
+docs/performance.md between the ``clipping_engines`` markers from all records; ``--render`` only re-renders.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+from records import add_record_options, environment, finish, plural, render_records
 
 from lightning_dp.help_format import HelpFormatter
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "docs" / "bench" / "clipping_engines"
+PAGE = ROOT / "docs" / "performance.md"
+START, END = "<!-- clipping_engines:start -->", "<!-- clipping_engines:end -->"
 
 ENGINES = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
 VARIANTS = (
@@ -271,23 +280,64 @@ def measure_memory(variant: str, args: argparse.Namespace) -> dict:
     return queue.get()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--model", choices=("gpt2", "big-head"), default="gpt2")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--max-step-seconds", type=float, default=60.0)
-    parser.add_argument("--no-memory", action="store_true", help="skip the per-process memory measurement")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    if "non-private" not in args.variants:
-        args.variants.insert(0, "non-private")
-    torch.set_num_threads(args.threads)
+def report_lines(record: dict[str, Any]) -> list[str]:
+    """The plain-text report of one run (``record``: the JSON this script writes)."""
+    args = record["args"]
+    timed_by = "cpu_seconds" if args["device"] == "cpu" else "seconds"
+    lines = [
+        f"model={args['model']} T={args['seq_len']} B={args['batch_size']} device={args['device']} "
+        f"threads={args['threads']} steps={args['steps']}; time ratio from {timed_by.replace('_', ' ')}",
+        f"{'variant':<14} {'wall s':>8} {'cpu s':>8} {'x non-priv':>10} {'peak MiB':>9} {'x non-priv':>10}",
+    ]
+    for variant in record["order"]:
+        row = record["results"][variant]
+        if "seconds" not in row:
+            lines.append(f"{variant:<14} {row.get('error', '')}")
+            continue
+        memory = f"{row['peak_bytes'] / 2**20:>9.1f} {row['memory_ratio']:>10.2f}" if "memory_ratio" in row else "-"
+        lines.append(
+            f"{variant:<14} {row['seconds']:>8.3f} {row['cpu_seconds']:>8.3f} {row['time_ratio']:>10.2f} {memory}"
+        )
+    return lines
+
+
+def markdown(record: dict[str, Any]) -> str:
+    """One recorded run as the docs show it: the set-up, the command and the table of times and memory."""
+    args, env = record["args"], record["environment"]
+    timed_by = "cpu_seconds" if args["device"] == "cpu" else "seconds"
+    threads = f", {plural(args['threads'], 'intra-op thread')}" if args["device"] == "cpu" else ""
+    lines = [
+        f"**{args['model']}, T={args['seq_len']}, B={args['batch_size']}** ({env['device_name']}, torch "
+        f"{env['torch']}{threads}; median of {args['steps']} interleaved steps after {args['warmup']} left out; "
+        f"time ratios of {'cpu' if timed_by == 'cpu_seconds' else 'wall'} time)",
+        "",
+        "```bash",
+        record["command"],
+        "```",
+        "",
+        "| variant | wall ms | cpu ms | x non-private | peak extra MiB | x non-private |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant in record["order"]:
+        row = record["results"][variant]
+        if "seconds" not in row:
+            lines.append(f"| {variant} | {row.get('error', '')} | | | | |")
+            continue
+        memory = f"{row['peak_bytes'] / 2**20:.1f} | {row['memory_ratio']:.2f}" if "memory_ratio" in row else "- | -"
+        lines.append(
+            f"| {variant} | {row['seconds'] * 1e3:.4g} | {row['cpu_seconds'] * 1e3:.4g} | {row['time_ratio']:.2f} "
+            f"| {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def render() -> None:
+    """Re-render docs/performance.md's recorded engine runs from the JSON records in docs/bench/clipping_engines/."""
+    render_records(RECORDS, markdown, PAGE, START, END)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every variant interleaved, then (unless ``--no-memory``) each variant's memory in its own process."""
     results = time_interleaved(args)
     for variant in args.variants:
         row = results.setdefault(variant, {"error": "no result"})
@@ -300,21 +350,34 @@ def main() -> None:
             row["time_ratio"] = row[timed_by] / base[timed_by]
         if "peak_bytes" in row and "peak_bytes" in base:
             row["memory_ratio"] = row["peak_bytes"] / max(base["peak_bytes"], 1)
-    if args.json:
-        print(json.dumps({"args": vars(args), "results": results}))
+    return {"order": list(args.variants), "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--model", choices=("gpt2", "big-head"), default="gpt2")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--max-step-seconds", type=float, default=60.0)
+    parser.add_argument("--no-memory", action="store_true", help="skip the per-process memory measurement")
+    add_record_options(parser, RECORDS.relative_to(ROOT))
+    args = parser.parse_args()
+    if args.render:
+        render()
         return
-    print(
-        f"model={args.model} T={args.seq_len} B={args.batch_size} device={args.device} threads={args.threads} "
-        f"steps={args.steps}; time ratio from {timed_by.replace('_', ' ')}"
+    if "non-private" not in args.variants:
+        args.variants.insert(0, "non-private")
+    torch.set_num_threads(args.threads)
+    env = environment(args.device)
+    out = run(args)
+    finish(
+        args, out, env, script="bench/clipping_engines.py", records=RECORDS, render=render, report_lines=report_lines
     )
-    print(f"{'variant':<14} {'wall s':>8} {'cpu s':>8} {'x non-priv':>10} {'peak MiB':>9} {'x non-priv':>10}")
-    for variant in args.variants:
-        row = results[variant]
-        if "seconds" not in row:
-            print(f"{variant:<14} {row.get('error', '')}")
-            continue
-        memory = f"{row['peak_bytes'] / 2**20:>9.1f} {row['memory_ratio']:>10.2f}" if "memory_ratio" in row else "-"
-        print(f"{variant:<14} {row['seconds']:>8.3f} {row['cpu_seconds']:>8.3f} {row['time_ratio']:>10.2f} {memory}")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from lightning_dp.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "sharded"
+PAGE = ROOT / "docs" / "performance.md"
 START, END = "<!-- sharded:start -->", "<!-- sharded:end -->"
 
 ENGINES = ("flat", "ghost", "fgc", "mixed")
@@ -578,7 +579,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def render() -> None:
     """Re-render docs/performance.md's sharded section from the JSON records in docs/bench/sharded/."""
-    render_records(RECORDS, markdown, ROOT / "docs" / "performance.md", START, END)
+    render_records(RECORDS, markdown, PAGE, START, END)
 
 
 def main() -> None:

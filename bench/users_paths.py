@@ -64,6 +64,7 @@ from lightning_dp.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "users_paths"
+PAGE = ROOT / "docs" / "performance.md"
 START, END = "<!-- users_paths:start -->", "<!-- users_paths:end -->"
 
 PATHS = {"gpt2": ("lightning", "hf"), "digits": ("lightning", "torch")}
@@ -143,15 +144,11 @@ def patch_engine(clocks: Clocks) -> Callable[[], None]:
     }
     per_sample_loss, step = PrivacyEngine.per_sample_loss, DPOptimizer.step
 
-    def timed_per_sample_loss(self, batch, batch_size, compute_loss, *, replay=None, module):
+    def timed_per_sample_loss(self, batch, batch_size, compute_loss, *, replay=None, **options):
         replay = replay or compute_loss
+        timed_compute_loss = clocks.timed("user forward", compute_loss)
         return per_sample_loss(
-            self,
-            batch,
-            batch_size,
-            clocks.timed("user forward", compute_loss),
-            replay=clocks.timed("check forwards", replay),
-            module=module,
+            self, batch, batch_size, timed_compute_loss, replay=clocks.timed("check forwards", replay), **options
         )
 
     def step_with_timed_optimizer(self, closure=None):
@@ -543,7 +540,7 @@ def markdown(record: dict[str, Any]) -> str:
 
 def render() -> None:
     """Re-render docs/performance.md's users'-path section from the JSON records in docs/bench/users_paths/."""
-    render_records(RECORDS, markdown, ROOT / "docs" / "performance.md", START, END)
+    render_records(RECORDS, markdown, PAGE, START, END)
 
 
 def main() -> None:

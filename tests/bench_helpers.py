@@ -29,7 +29,7 @@ def render_into_scratch_page(bench: ModuleType, monkeypatch, tmp_path: Path, rec
     (records / "a.json").write_text(json.dumps(record))
     page = tmp_path / "docs" / "performance.md"
     page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nend\n")
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "PAGE", page)
     monkeypatch.setattr(bench, "RECORDS", records)
     bench.render()
     return page.read_text()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench_helpers import load_bench, render_into_scratch_page
+from bench_helpers import load_bench, page_and_rendering, render_into_scratch_page
 
 MIB = 2**20
 
@@ -61,3 +61,8 @@ def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
     assert text.startswith(f"intro\n{bench.START}\n**T=128, B=4 per rank x 2 ranks**")
     assert text.endswith(f"{bench.END}\nend\n")
     assert "old" not in text
+
+
+def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
+    page, rendered = page_and_rendering(load_bench(monkeypatch, "sharded"), "python bench/sharded.py --record cpu_t128")
+    assert page == rendered

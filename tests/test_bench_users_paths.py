@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench_helpers import load_bench, render_into_scratch_page
+from bench_helpers import load_bench, page_and_rendering, render_into_scratch_page
 
 
 def record() -> dict:
@@ -44,3 +44,25 @@ def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
     text = render_into_scratch_page(bench, monkeypatch, tmp_path, record())
     assert text.startswith(f"intro\n{bench.START}\n**gpt2, T=128, B=8**") and text.endswith(f"{bench.END}\nend\n")
     assert "old" not in text
+
+
+def test_breakdown_drives_the_engine_as_the_strategy_calls_it(monkeypatch):
+    """The breakdown's timing wrappers replace engine methods: they must take every argument the strategy passes
+    (a short digits run, one round of two steps; only the parts are checked, no timing)."""
+    import argparse
+
+    bench = load_bench(monkeypatch, "users_paths")
+    args = argparse.Namespace(
+        model="digits", paths=["lightning"], clipping=["flat"], rounds=1, steps_per_round=2, skip_first=1,
+        batch_size=128, seq_len=128, device="cpu", threads=1, no_breakdown=False,
+    )  # fmt: skip
+    out = bench.run(args)
+    parts = out["breakdown"]["lightning-dp-flat"]
+    assert set(bench.PARTS) <= set(parts) and parts["step"] > 0 and parts["examples"] == 128
+
+
+def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
+    page, rendered = page_and_rendering(
+        load_bench(monkeypatch, "users_paths"), "python bench/users_paths.py --model digits --record digits"
+    )
+    assert page == rendered
