@@ -36,12 +36,17 @@ def free_port() -> int:
 
 
 def accelerate_launch(
-    script: Path | str, *args: str, config: Path | str = TWO_PROCESSES, timeout: float = 600, cwd: Path | None = None
+    script: Path | str,
+    *args: str,
+    config: Path | str = TWO_PROCESSES,
+    timeout: float = 600,
+    cwd: Path | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
     """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` (from ``cwd``, so that relative paths read as a
     user's command does) with this checkout first on ``PYTHONPATH``, on a free port and without inherited
-    process-group variables; a failing launch fails the test with the processes' output. Returns the finished
-    launch, its stdout and stderr combined in ``stdout``."""
+    process-group variables; with ``check``, a failing launch fails the test with the processes' output. Returns the
+    finished launch, its stdout and stderr combined in ``stdout``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
@@ -50,5 +55,5 @@ def accelerate_launch(
     done = subprocess.run(
         launch, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
     )
-    assert done.returncode == 0, done.stdout[-6000:]
+    assert done.returncode == 0 or not check, done.stdout[-6000:]
     return done

@@ -265,6 +265,17 @@ def test_script_without_local_data_is_one_error_line(recipe, tmp_path, capsys, m
     assert captured.out == ""
 
 
+def test_missing_local_data_is_said_once_per_machine(tmp_path, capsys, monkeypatch):
+    """Under a launcher of several processes (``LOCAL_RANK`` set) only a machine's first process prints the line;
+    every process exits with status 2."""
+    monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
+    monkeypatch.setattr("sys.argv", [str(ROOT / "recipes" / "glue.py")])
+    for local_rank, lines in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert script_main(lambda: local_data_dir(tmp_path / "absent", "glue/sst2", ["train.tsv"])) == 2
+        assert len(capsys.readouterr().err.splitlines()) == lines, local_rank
+
+
 def test_single_file_copies_split_in_file_order():
     assert split_in_file_order(list(range(10))) == ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9])
     assert split_in_file_order(list(range(5))) == ([0, 1, 2, 3], [4])

@@ -56,3 +56,15 @@ def test_glue_recipe_on_two_processes_as_the_docs_launch_it(tmp_path: Path, conf
     assert block[1] == f"  world size              {WORLD} process(es)", block[:3]
     epsilon = result["privacy"]["epsilon"]
     assert math.isfinite(epsilon) and epsilon > 0
+
+
+def test_missing_data_on_two_processes_is_said_once(tmp_path: Path) -> None:
+    """Both processes look in the same missing folder: the first says so in one line, the other exits silently
+    (torch's launcher then adds its own failure report, which no process can silence)."""
+    done = accelerate_launch(
+        "recipes/glue.py", "--config", "configs/glue_offline.yaml", "--data_dir", str(tmp_path / "absent"), *TINY,
+        "--output_dir", str(tmp_path), config="configs/accelerate/ddp_2_processes.yaml", timeout=300, cwd=ROOT,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert done.stdout.count("recipes/glue.py: error: data folder") == 1, done.stdout[-6000:]

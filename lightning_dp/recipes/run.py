@@ -28,12 +28,12 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import PretrainedConfig, Trainer, TrainingArguments, set_seed
 
-from lightning_dp.cli_args import guarded
+from lightning_dp.cli_args import USAGE_ERROR, guarded
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.config import parse_recipe_args
 from lightning_dp.run_environment import run_environment
-from lightning_dp.tasks.local_data import local_data_dir
+from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
 log = logging.getLogger("lightning_dp")
@@ -185,11 +185,20 @@ def script_main(main: Callable[[], object]) -> int:
     """Run a recipe's ``main()`` as its script (``recipes/<task>.py``) and return the exit status: 0, or 2 after
     one ``PROG: error: ...`` line on stderr for bad input (a ``ValueError``: a bad value, missing local data), or 1
     for a missing optional package (an ``ImportError``), as ``lightning-dp`` does (no traceback unless
-    ``LIGHTNING_DP_TRACEBACK=1``)."""
+    ``LIGHTNING_DP_TRACEBACK=1``).
+
+    Missing local data under a launcher of several processes (``accelerate launch``, ``torchrun``: ``LOCAL_RANK``
+    set) is said once per machine, by its first process: every process of a machine looks in the same folders and
+    fails alike, so the others exit with the same status without repeating the line."""
     program = os.path.relpath(sys.argv[0]) if sys.argv[0] else "recipe"
 
     def run() -> int:
-        main()
+        try:
+            main()
+        except LocalDataError:
+            if int(os.environ.get("LOCAL_RANK") or 0) > 0:
+                return USAGE_ERROR
+            raise
         return 0
 
     return guarded(program, run)
