@@ -312,11 +312,24 @@ def test_sharding_plugins_from_accelerates_config_fail_early(flag, message, tmp_
         make_trainer(tiny_gpt2(), tmp_path)
 
 
-def test_a_model_sharded_by_from_pretrained_distributed_config_fails_early(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "attribute",
+    [
+        "_is_distributed_loading_by_transformers",  # what from_pretrained(distributed_config=...) sets where named
+        "_device_mesh",  # what every release that shards at load time sets (4.x tp_plan, 5.17 distributed_config)
+    ],
+)
+def test_a_model_sharded_by_from_pretrained_fails_early(attribute, tmp_path) -> None:
+    """The model itself tells, through a PEFT wrapper too (the Trainer's attribute of that name exists only in the
+    releases that name it)."""
     model = tiny_gpt2()
-    model._is_distributed_loading_by_transformers = True  # what from_pretrained(distributed_config=...) sets
+    setattr(model, attribute, True if attribute.startswith("_is") else object())
     with pytest.raises(ValueError, match="distributed_config.*fully_shard"):
         make_trainer(model, tmp_path)
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    with pytest.raises(ValueError, match="distributed_config.*fully_shard"):
+        make_trainer(wrapped, tmp_path)
 
 
 def test_default_trainer_clipping_is_switched_off_with_a_log_line(tmp_path, caplog) -> None:

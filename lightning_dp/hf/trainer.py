@@ -170,12 +170,11 @@ class DPTrainer(PrivacyQueries, Trainer):
                 "DPTrainer does not support an FSDP plugin accelerate set up before it (an Accelerator built earlier "
                 f"in this process, or one passed by hand): {_UNSUPPORTED['FSDP']}"
             )
-        # transformers releases without from_pretrained(distributed_config=...) (5.17, for one) set no such attribute
-        if getattr(self, "is_distributed_loading_by_transformers", False):
+        if _sharded_by_from_pretrained(self.model):
             raise ValueError(
-                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=...): the Trainer "
-                "would average replicated gradients before the noise; load it unsharded and apply fully_shard to its "
-                "blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
+                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=... or tp_plan=...): "
+                "the Trainer would average replicated gradients before the noise; load it unsharded and apply "
+                "fully_shard to its blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
             )
         self._check_model_and_loss()
         self._check_augmentation()
@@ -635,6 +634,17 @@ _UNSUPPORTED = {
     "per_device_train_batch_size",
     "several GPUs in one process (DataParallel)": "use one process per GPU",
 }
+
+
+def _sharded_by_from_pretrained(model: nn.Module) -> bool:
+    """Whether transformers' ``from_pretrained`` sharded ``model`` over the processes as it loaded it
+    (``distributed_config=...``, or tensor parallelism by ``tp_plan``): the releases that name it set
+    ``is_distributed_loading_by_transformers``, and every release that shards at load time (4.x with ``tp_plan``,
+    5.x with ``distributed_config``) sets the model's ``_device_mesh`` (``None`` otherwise). A PEFT model passes both
+    on from the model it wraps."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False)) or (
+        getattr(model, "_device_mesh", None) is not None
+    )
 
 
 def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
