@@ -280,10 +280,15 @@ def measure_memory(variant: str, args: argparse.Namespace) -> dict:
     return queue.get()
 
 
+def _timed_by(device: str) -> str:
+    """The time the ratios compare: the process's CPU time on CPU (robust to other jobs), wall time on CUDA."""
+    return "cpu_seconds" if device == "cpu" else "seconds"
+
+
 def report_lines(record: dict[str, Any]) -> list[str]:
     """The plain-text report of one run (``record``: the JSON this script writes)."""
     args = record["args"]
-    timed_by = "cpu_seconds" if args["device"] == "cpu" else "seconds"
+    timed_by = _timed_by(args["device"])
     lines = [
         f"model={args['model']} T={args['seq_len']} B={args['batch_size']} device={args['device']} "
         f"threads={args['threads']} steps={args['steps']}; time ratio from {timed_by.replace('_', ' ')}",
@@ -304,7 +309,7 @@ def report_lines(record: dict[str, Any]) -> list[str]:
 def markdown(record: dict[str, Any]) -> str:
     """One recorded run as the docs show it: the set-up, the command and the table of times and memory."""
     args, env = record["args"], record["environment"]
-    timed_by = "cpu_seconds" if args["device"] == "cpu" else "seconds"
+    timed_by = _timed_by(args["device"])
     threads = f", {plural(args['threads'], 'intra-op thread')}" if args["device"] == "cpu" else ""
     lines = [
         f"**{args['model']}, T={args['seq_len']}, B={args['batch_size']}** ({env['device_name']}, torch "
@@ -344,7 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_memory and "error" not in row:
             row.update(measure_memory(variant, args))
     base = results["non-private"]
-    timed_by = "cpu_seconds" if args.device == "cpu" else "seconds"
+    timed_by = _timed_by(args.device)
     for row in results.values():
         if "seconds" in row:
             row["time_ratio"] = row[timed_by] / base[timed_by]

@@ -33,6 +33,16 @@ def derive_seed(base: int, *keys: int | str) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index: an accelerator named without one (``"cuda"``) is the current CUDA device, or index
+    0 of another type; the CPU stays ``cpu``. One device has one name, so that a generator or a Lightning accelerator
+    keyed or selected by it is the same for ``"cuda"`` and ``"cuda:0"``."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        return torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
+    return device
+
+
 class DPRandomness:
     """Noise and sampling generators derived from one seed.
 
@@ -111,9 +121,7 @@ class DPRandomness:
     def _device_generator(
         self, purpose: str, device: torch.device | str, shard: tuple[int, ...] = ()
     ) -> torch.Generator:
-        device = torch.device(device)
-        if device.type != "cpu" and device.index is None:
-            device = torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
+        device = indexed_device(device)
         key = (purpose, device, shard)
         if self.secure:
             generator = self._generators.setdefault(key, torch.Generator(device=device))

@@ -1,10 +1,10 @@
 """The training paths on every device this machine has: CPU always, CUDA where available (skipped otherwise).
 
 What runs differently on a GPU: the model, the per-sample norms and the clipped sums live on the device, the noise
-is drawn there from a generator on that device (a CPU generator for a CUDA tensor raises), autocast runs in bf16,
-the secure sampler's CSPRNG output is moved there. Each test runs the same check on each device, so a CPU run of
-this file also shows the check is sound; ``tests/test_clipping.py`` and ``tests/test_clipping_randomized.py`` hold
-the per-engine CUDA checks against the torch.func oracle.
+is drawn there from a generator on that device, autocast runs in bf16, and in secure mode a generator on the device
+is reseeded from the OS CSPRNG for every draw. Each test runs the same check on each device, so a CPU run of this
+file also shows the check is sound; ``tests/test_clipping.py`` and ``tests/test_clipping_randomized.py`` hold the
+per-engine CUDA checks against the torch.func oracle.
 """
 
 from __future__ import annotations
@@ -18,11 +18,14 @@ from test_clipping import oracle_grads, oracle_norms, sin_loss
 from test_nonfinite import CoshModule
 from torch import nn
 
+import lightning_dp.optim.dp_optimizer as dp_optimizer
 from lightning_dp import DPStrategy
 from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.engine import ENGINES
+from lightning_dp.randomness import DPRandomness
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-ENGINES = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
+EXACT_ENGINES = tuple(name for name, engine in ENGINES.items() if not engine.randomized)
 #: Parameters of each mechanism for the noise tests (absolute scales; the Gaussian's is sigma * C).
 NOISES = {
     "gaussian": {"noise_multiplier": 1.3},
@@ -54,16 +57,33 @@ def _fit(module: pl.LightningModule, strategy: DPStrategy, device: str, **kwargs
     return recorder
 
 
-def _zero_gradient_update(device: str, seed: int, noise: str, **params) -> torch.Tensor:
-    """One step of lr 1 on a zero-gradient layer: the update is the noise divided by q N (100,000 coordinates)."""
-    module = ZeroGradModule()
-    recorder = _fit(module, DPStrategy(max_grad_norm=0.7, noise=noise, seed=seed, **params), device, max_steps=1)
-    assert recorder.devices == {device}
+def _record_noise_generators(monkeypatch) -> list[str]:
+    """The device type of every noise generator the run asks for, in order (a spy on ``DPRandomness``)."""
+    devices: list[str] = []
+    noise_generator = DPRandomness.noise_generator
+
+    def recorded(self, device, *args, **kwargs):
+        generator = noise_generator(self, device, *args, **kwargs)
+        devices.append(generator.device.type)
+        return generator
+
+    monkeypatch.setattr(DPRandomness, "noise_generator", recorded)
+    return devices
+
+
+def _zero_gradient_update(device: str, seed: int, noise: str, monkeypatch, **params) -> torch.Tensor:
+    """One step of lr 1 on a zero-gradient layer: the update is the noise divided by q N (100,000 coordinates),
+    drawn from generators on the device."""
+    with monkeypatch.context() as patch:
+        generators = _record_noise_generators(patch)
+        module = ZeroGradModule()
+        recorder = _fit(module, DPStrategy(max_grad_norm=0.7, noise=noise, seed=seed, **params), device, max_steps=1)
+    assert recorder.devices == {device} and generators and set(generators) == {device}
     return module.layer.weight.detach().cpu().flatten()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("clipping", ENGINES)
+@pytest.mark.parametrize("clipping", list(ENGINES))
 def test_noise_free_dp_training_equals_plain_training(device: str, clipping: str) -> None:
     """Without noise and with a bound no gradient reaches, every engine's clipped sum is the plain gradient: six
     steps of DP training on the device end where plain training on it ends."""
@@ -80,32 +100,44 @@ def test_noise_free_dp_training_equals_plain_training(device: str, clipping: str
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("noise", NOISES)
-def test_noise_drawn_on_the_device_has_the_cpu_law(device: str, noise: str) -> None:
-    """The update's 100,000 coordinates on the device and on the CPU (another seed) come from one law (two-sample
-    Kolmogorov-Smirnov), and the same seed on the same device gives the same noise."""
+def test_noise_drawn_on_the_device_has_the_cpu_law(device: str, noise: str, monkeypatch) -> None:
+    """The update's 100,000 coordinates, drawn by generators on the device, and those drawn on the CPU (another
+    seed) come from one law (two-sample Kolmogorov-Smirnov; the CPU laws are tested against their closed forms in
+    tests/test_mechanisms_laplace_family.py), and the same seed on the same device gives the same noise."""
     params = NOISES[noise]
-    on_device = _zero_gradient_update(device, 1, noise, **params)
+    on_device = _zero_gradient_update(device, 1, noise, monkeypatch, **params)
     assert torch.isfinite(on_device).all() and on_device.std() > 0
-    on_cpu = _zero_gradient_update("cpu", 2, noise, **params)
+    on_cpu = _zero_gradient_update("cpu", 2, noise, monkeypatch, **params)
     assert stats.ks_2samp(on_device.double().numpy(), on_cpu.double().numpy()).pvalue > 1e-3
-    assert torch.equal(on_device, _zero_gradient_update(device, 1, noise, **params))
+    assert torch.equal(on_device, _zero_gradient_update(device, 1, noise, monkeypatch, **params))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gaussian_noise_scale_on_the_device(device: str) -> None:
+def test_gaussian_noise_scale_on_the_device(device: str, monkeypatch) -> None:
     """sigma C / (q N) per coordinate, q N the expected batch (100 examples, batch 10)."""
-    update = _zero_gradient_update(device, 5, "gaussian", noise_multiplier=1.3)
+    update = _zero_gradient_update(device, 5, "gaussian", monkeypatch, noise_multiplier=1.3)
     assert update.std().item() == pytest.approx(1.3 * 0.7 / (0.1 * 100), rel=0.02)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_secure_mode_trains_on_the_device(device: str) -> None:
-    """OS-CSPRNG noise moved to the device: finite, and two runs differ (no seed can replay it)."""
+def test_secure_mode_trains_on_the_device(device: str, monkeypatch) -> None:
+    """The hardened sampler draws every coordinate's noise on the device, from a generator there reseeded by the OS
+    CSPRNG: finite, and two runs differ (no seed can replay it)."""
+    sampled_on: list[tuple[str, str]] = []
+    secure_sample = dp_optimizer.secure_sample
+
+    def recorded(mechanism, like, generator):
+        sampled_on.append((like.device.type, generator.device.type))
+        return secure_sample(mechanism, like, generator)
+
+    monkeypatch.setattr(dp_optimizer, "secure_sample", recorded)
     updates = []
     for _ in range(2):
         module = ZeroGradModule()
-        _fit(module, DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, secure_mode=True), device, max_steps=1)
+        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, secure_mode=True)
+        assert _fit(module, strategy, device, max_steps=1).devices == {device}
         updates.append(module.layer.weight.detach().cpu())
+    assert sampled_on and set(sampled_on) == {(device, device)}
     assert all(torch.isfinite(u).all() for u in updates) and not torch.equal(*updates)
 
 
@@ -121,21 +153,26 @@ def test_nonfinite_example_is_dropped_on_the_device(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("clipping", ENGINES[:4])
-def test_bf16_autocast_norms_are_float32(device: str, clipping: str) -> None:
+@pytest.mark.parametrize("clipping", EXACT_ENGINES)
+def test_bf16_autocast_norms_and_sums_are_float32(device: str, clipping: str) -> None:
     """Under bf16 autocast on the device the norms and the clipped sums are float32 and match the float32 oracle
     within bf16's precision."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3)).to(device)
     x = torch.randn(4, 6, 5, device=device)
-    expected = oracle_norms(oracle_grads(model, (x,)))
+    grads = oracle_grads(model, (x,))
+    expected = oracle_norms(grads)
+    factors = (1.0 / (expected + 1e-6)).clamp(max=1.0)
     clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
     with torch.autocast(device, dtype=torch.bfloat16):
         loss = sin_loss(model, (x,))
     norms = clipper.backward(loss)
     assert norms.dtype == torch.float32 and norms.device.type == device
     torch.testing.assert_close(norms, expected, rtol=5e-2, atol=0.0)
-    assert all(p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all() for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        clipped_sum = torch.einsum("b,b...->...", factors, grads[name])
+        assert (p.grad - clipped_sum).norm() <= 0.05 * clipped_sum.norm(), name  # about 0.6 % at most on a CPU
 
 
 @pytest.mark.parametrize("device", DEVICES)

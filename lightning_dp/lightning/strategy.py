@@ -17,19 +17,11 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
+from lightning_dp.randomness import indexed_device
 
 
 def _default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _indexed(device: str | torch.device) -> torch.device:
-    """``device`` with an index: ``"cuda"`` is the current CUDA device (Lightning's CUDA accelerator selects the
-    device by its index and refuses one without)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
@@ -62,7 +54,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
 
     def __init__(self, *, device: str | torch.device | None = None, **kwargs: Any) -> None:
         self._device_given = device is not None
-        super().__init__(device=_indexed(device) if device is not None else _default_device(), **kwargs)
+        super().__init__(device=indexed_device(device) if device is not None else _default_device(), **kwargs)
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
