@@ -6,12 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, plural, run_or_render
+from records import add_record_options, mean_std, plural, run_or_render
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -71,12 +70,12 @@ def variant_rows(
     out = []
     for variant in dict.fromkeys(run["variant"] for run in record["runs"]):
         runs = [run for run in record["runs"] if run["variant"] == variant]
-        accuracies = [run["test_acc"] for run in runs]
+        test_acc, test_acc_std = mean_std([run["test_acc"] for run in runs])
         out.append(
             {
                 "variant": variant,
-                "test_acc": statistics.mean(accuracies),
-                "test_acc_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                "test_acc": test_acc,
+                "test_acc_std": test_acc_std,
                 "epsilon": runs[0]["epsilon"],
                 "noise_multiplier": runs[0]["noise_multiplier"],
                 "seeds": len(runs),

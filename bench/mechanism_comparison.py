@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 from pathlib import Path
+
+from records import mean_std
 
 from lightning_dp.demo import run_demo
 from lightning_dp.help_format import HelpFormatter
@@ -68,11 +69,12 @@ def main() -> None:
                 )
                 accuracies.append(result["test_acc"])
             privacy = result["privacy"]  # identical across seeds: calibration does not depend on the seed
+            test_acc, test_acc_std = mean_std(accuracies)
             row = {
                 "noise": noise,
                 "target_epsilon": target,
-                "test_acc": statistics.mean(accuracies),
-                "test_acc_std": statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0,
+                "test_acc": test_acc,
+                "test_acc_std": test_acc_std,
                 "epsilon": privacy["epsilon"],
                 "accountant": privacy["accountant"],
                 "paper_epsilon": paper_epsilon(privacy),

@@ -54,6 +54,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 import torch.nn.functional as F
+from records import mean_std
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -237,6 +238,7 @@ def aggregate(runs: list[dict], peaks: dict[tuple[str, str], float]) -> list[dic
         mine = [r for r in runs if (r["task"], r["method"], r["target_epsilon"]) == (task, method, epsilon)]
         base = [r for r in runs if (r["task"], r["method"], r["target_epsilon"]) == (task, "dpsgd", epsilon)]
         accs = [r["test_acc"] for r in mine]
+        test_acc, test_acc_std = mean_std(accs)
         seconds = statistics.mean(r["seconds"] for r in mine)
         cpu = statistics.mean(r["cpu_seconds"] for r in mine)
         rows.append(
@@ -245,8 +247,8 @@ def aggregate(runs: list[dict], peaks: dict[tuple[str, str], float]) -> list[dic
                 "method": method,
                 "target_epsilon": epsilon,
                 "epsilon": mine[0]["epsilon"],
-                "test_acc": statistics.mean(accs),
-                "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "test_acc": test_acc,
+                "test_acc_std": test_acc_std,
                 "seeds": len(accs),
                 "seconds": seconds,
                 "cpu_seconds": cpu,

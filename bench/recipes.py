@@ -40,7 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from records import replace_between_markers
+from records import mean_std, replace_between_markers
 
 from lightning_dp.help_format import HelpFormatter
 
@@ -165,7 +165,8 @@ def _spread(values: list[float | None], digits: int = 2) -> str:
         return "-"
     if len(values) == 1:
         return _fmt(values[0], digits)
-    return f"{statistics.mean(values):.{digits}f} +- {statistics.stdev(values):.{digits}f} ({len(values)})"
+    mean, std = mean_std(values)
+    return f"{mean:.{digits}f} +- {std:.{digits}f} ({len(values)})"
 
 
 def display_command(task: str, command: str) -> str:
