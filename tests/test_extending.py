@@ -107,7 +107,9 @@ def toy_mechanism() -> Iterator[type[ToyMechanism]]:
     try:
         yield ToyMechanism
     finally:
-        del MECHANISMS[ToyMechanism.name], ACCOUNTANTS[ToyZcdpAccountant.name], _EVENT_TYPES[ToyEvent.__name__]
+        MECHANISMS.unregister(ToyMechanism.name)
+        ACCOUNTANTS.unregister(ToyZcdpAccountant.name)
+        _EVENT_TYPES.unregister(ToyEvent.__name__)
 
 
 def test_toy_mechanism_trains_through_dp_strategy(toy_mechanism: type[ToyMechanism]) -> None:
@@ -190,7 +192,8 @@ def toy_engines() -> Iterator[None]:
     try:
         yield
     finally:
-        del ENGINES[ToyFlatEngine.name], ENGINES[ToyHutchEngine.name]
+        ENGINES.unregister(ToyFlatEngine.name)
+        ENGINES.unregister(ToyHutchEngine.name)
 
 
 def _fit_regressor(**options: object) -> tuple[list[torch.Tensor], DPStrategy]:
@@ -291,7 +294,7 @@ def scale_layer() -> Iterator[type[Scale]]:
     try:
         yield Scale
     finally:
-        del _BY_TYPE[Scale]
+        _BY_TYPE.unregister(Scale)
 
 
 class ScaledRegressor(TinyRegressor):

@@ -59,7 +59,7 @@ def toy() -> Iterator[type[ToyMechanism]]:
     try:
         yield ToyMechanism
     finally:
-        del MECHANISMS[ToyMechanism.name]
+        MECHANISMS.unregister(ToyMechanism.name)
 
 
 def test_calibrate_a_registered_toy_through_the_generic_path(toy: type[ToyMechanism]) -> None:

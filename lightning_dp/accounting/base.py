@@ -10,18 +10,33 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar, overload
 
 from lightning_dp.accounting.events import event_from_dict, event_to_dict
 from lightning_dp.naming import unknown_name
+from lightning_dp.registration import Registry, class_decorator
 
-ACCOUNTANTS: dict[str, type[Accountant]] = {}
+#: The accountants by ``name`` (read it as a dict; add with :func:`register_accountant`, remove with ``unregister``).
+ACCOUNTANTS: Registry[str, type[Accountant]] = Registry("accountant")
+
+_A = TypeVar("_A", bound="type[Accountant]")
 
 
-def register_accountant(cls: type[Accountant]) -> type[Accountant]:
-    """Class decorator: make an accountant constructible by its ``name`` (for configs and the CLI)."""
-    ACCOUNTANTS[cls.name] = cls
-    return cls
+@overload
+def register_accountant(cls: _A, /, *, override: bool = False) -> _A: ...
+@overload
+def register_accountant(cls: None = None, /, *, override: bool = False) -> Callable[[_A], _A]: ...
+def register_accountant(cls: _A | None = None, /, *, override: bool = False) -> _A | Callable[[_A], _A]:
+    """Class decorator: make an accountant constructible by its ``name`` (for configs and the CLI). Use it bare
+    (``@register_accountant``), or as ``@register_accountant(override=True)`` / ``register_accountant(cls,
+    override=True)`` to replace the accountant registered under that name (logged as a warning). Registering the same
+    class again does nothing.
+
+    Raises:
+        ValueError: another class is registered under ``cls.name`` and ``override`` is False.
+    """
+    return class_decorator(cls, lambda cls: ACCOUNTANTS.register(cls.name, cls, override=override))
 
 
 def make_accountant(name: str) -> Accountant:

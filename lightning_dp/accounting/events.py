@@ -10,15 +10,30 @@ Every event class is a frozen dataclass registered under a type name, so ``event
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
 
-_EVENT_TYPES: dict[str, type] = {}
+from lightning_dp.registration import Registry, class_decorator
+
+#: The event classes by class name (add with :func:`register_event`, remove with ``unregister``).
+_EVENT_TYPES: Registry[str, type] = Registry("privacy event", alternative="rename the class")
+
+_E = TypeVar("_E", bound=type)
 
 
-def register_event(cls: type) -> type:
-    """Class decorator: register a frozen dataclass event under its class name for (de)serialisation."""
-    _EVENT_TYPES[cls.__name__] = cls
-    return cls
+@overload
+def register_event(cls: _E, /, *, override: bool = False) -> _E: ...
+@overload
+def register_event(cls: None = None, /, *, override: bool = False) -> Callable[[_E], _E]: ...
+def register_event(cls: _E | None = None, /, *, override: bool = False) -> _E | Callable[[_E], _E]:
+    """Class decorator: register a frozen dataclass event under its class name for (de)serialisation. Use it bare
+    (``@register_event``), or as ``@register_event(override=True)`` / ``register_event(cls, override=True)`` to
+    replace the class registered under that name (logged as a warning). Registering the same class again does nothing.
+
+    Raises:
+        ValueError: another class is registered under ``cls.__name__`` and ``override`` is False.
+    """
+    return class_decorator(cls, lambda cls: _EVENT_TYPES.register(cls.__name__, cls, override=override))
 
 
 @register_event

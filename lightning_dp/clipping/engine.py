@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Callable
+from typing import ClassVar, TypeVar, overload
 
 import torch
 
 from lightning_dp.clipping.terms import Materialised, Term, materialise_sum, term_elements
 from lightning_dp.naming import did_you_mean
+from lightning_dp.registration import Registry, class_decorator
 
 #: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
 DEFAULT_PROJECTION_DIM = 32
@@ -89,15 +91,30 @@ def gradient_fits(terms: list[Term]) -> bool:
     return size <= sum(term_elements(term) for term in terms)
 
 
-ENGINES: dict[str, type[ClippingEngine]] = {}
+#: The engines by ``name`` (read it as a dict; add with :func:`register_engine`, remove with ``unregister``).
+ENGINES: Registry[str, type[ClippingEngine]] = Registry("clipping engine")
+
+_E = TypeVar("_E", bound=type[ClippingEngine])
 
 
-def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
-    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``.
+@overload
+def register_engine(cls: _E, /, *, override: bool = False) -> _E: ...
+@overload
+def register_engine(cls: None = None, /, *, override: bool = False) -> Callable[[_E], _E]: ...
+def register_engine(cls: _E | None = None, /, *, override: bool = False) -> _E | Callable[[_E], _E]:
+    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``. Use it bare (``@register_engine``),
+    or as ``@register_engine(override=True)`` / ``register_engine(cls, override=True)`` to replace the engine
+    registered under that name (logged as a warning). Registering the same class again does nothing.
 
     Raises:
-        ValueError: a randomized engine whose ``estimator`` is not one the ``rc`` accountant bounds.
+        ValueError: a randomized engine whose ``estimator`` is not one the ``rc`` accountant bounds; another class
+            registered under ``cls.name`` and ``override`` False.
     """
+    return class_decorator(cls, lambda cls: ENGINES.register(cls.name, _checked(cls), override=override))
+
+
+def _checked(cls: type[ClippingEngine]) -> type[ClippingEngine]:
+    """``cls``, after checking that a randomized engine names an estimator the ``rc`` accountant bounds."""
     from lightning_dp.accounting.rc_envelope import ESTIMATORS
 
     if cls.randomized and cls.estimator not in ESTIMATORS:
@@ -105,7 +122,6 @@ def register_engine(cls: type[ClippingEngine]) -> type[ClippingEngine]:
             f"randomized engine {cls.name!r} must set estimator to one of {ESTIMATORS} (the law of its norm estimate "
             f"that the rc accountant bounds), got {cls.estimator!r}"
         )
-    ENGINES[cls.name] = cls
     return cls
 
 

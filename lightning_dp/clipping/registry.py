@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_dp.clipping.terms import Term
+from lightning_dp.registration import Registry, qualified_name
 
 LayerTermsFn = Callable[..., dict[str, Term]]
 
@@ -46,8 +47,19 @@ class LayerFamily:
     reads_parameters: tuple[str, ...] = ()
 
 
-_BY_TYPE: dict[type[nn.Module], LayerFamily] = {}
-_BY_RULE: list[tuple[Callable[[nn.Module], bool], LayerFamily]] = []
+def _describe_family(family: LayerFamily) -> str:
+    return qualified_name(family.terms)
+
+
+#: The layer families by exact layer type (add with :func:`register_layer`, remove with ``unregister``).
+_BY_TYPE: Registry[type[nn.Module], LayerFamily] = Registry(
+    "layer type", describe=_describe_family, alternative="register it for a subclass instead"
+)
+#: The rules and their families, in registration order, keyed by the rule's :func:`qualified_name` (add with
+#: :func:`register_layer_rule`, remove with ``unregister``).
+_BY_RULE: Registry[str, tuple[Callable[[nn.Module], bool], LayerFamily]] = Registry(
+    "layer rule", describe=lambda entry: _describe_family(entry[1]), alternative="give the rule another name"
+)
 
 
 def register_layer(
@@ -55,25 +67,42 @@ def register_layer(
     expand_batch: bool = False,
     check: Callable[[nn.Module], str | None] | None = None,
     reads_parameters: tuple[str, ...] = (),
+    override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
-    """Decorator registering a layer-terms function for the given layer types (see :class:`LayerFamily`)."""
+    """Decorator registering a layer-terms function for the given layer types (see :class:`LayerFamily`).
+
+    Registering the same family again for a type does nothing; replacing another family needs ``override=True``
+    (logged as a warning). Nothing is registered unless every type can be.
+
+    Raises:
+        ValueError: a type already has another family and ``override`` is False.
+    """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        for layer_type in types:
-            _BY_TYPE[layer_type] = LayerFamily(fn, expand_batch, check, reads_parameters)
+        family = LayerFamily(fn, expand_batch, check, reads_parameters)
+        _BY_TYPE.register_many(dict.fromkeys(types, family), override=override)
         return fn
 
     return decorate
 
 
 def register_layer_rule(
-    rule: Callable[[nn.Module], bool], *, check: Callable[[nn.Module], str | None] | None = None
+    rule: Callable[[nn.Module], bool],
+    *,
+    check: Callable[[nn.Module], str | None] | None = None,
+    override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for every module for which ``rule(module)`` is True
-    (``check`` as in :class:`LayerFamily`)."""
+    (``check`` as in :class:`LayerFamily`). Rules are keyed by ``rule``'s qualified name: registering the same rule
+    and family again does nothing; replacing another needs ``override=True`` (logged as a warning; the rule keeps its
+    place in the lookup order).
+
+    Raises:
+        ValueError: a rule of that qualified name is registered with another family and ``override`` is False.
+    """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        _BY_RULE.append((rule, LayerFamily(fn, check=check)))
+        _BY_RULE.register(qualified_name(rule), (rule, LayerFamily(fn, check=check)), override=override)
         return fn
 
     return decorate
@@ -91,7 +120,7 @@ def find_layer_family(module: nn.Module) -> LayerFamily | None:
     for base in module_type.__mro__[1:]:
         if base in _BY_TYPE and module_type.forward is base.forward:
             return _BY_TYPE[base]
-    for rule, family in _BY_RULE:
+    for rule, family in _BY_RULE.values():
         if rule(module):
             return family
     return None

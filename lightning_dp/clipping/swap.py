@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.registration import Registry
 
 
 class Proxy(nn.Module):
@@ -69,22 +70,33 @@ class SwappedModule(nn.Module):
         raise NotImplementedError
 
 
-_SWAPS: dict[type[nn.Module] | str, type[SwappedModule]] = {}
+#: The swaps by original type or qualified class name (add with :func:`register_swap`, remove with ``unregister``).
+_SWAPS: Registry[type[nn.Module] | str, type[SwappedModule]] = Registry(
+    "module swap", alternative="register it for a subclass instead"
+)
 _DYNAMIC: dict[tuple[type[SwappedModule], type[nn.Module]], type[nn.Module]] = {}
 
 
-def register_swap(original: type[nn.Module] | str) -> Callable[[type[SwappedModule]], type[SwappedModule]]:
+def register_swap(
+    original: type[nn.Module] | str, *, override: bool = False
+) -> Callable[[type[SwappedModule]], type[SwappedModule]]:
     """Class decorator registering a swap for modules of exactly the type ``original``.
 
     ``original`` is either a class, which the decorated class must subclass, or the qualified name of a class of
     an optional dependency (``"torchvision.models.vision_transformer.Encoder"``; nothing is imported): the decorated
-    class is then a mixin, combined with the module's class when a module of that name is swapped.
+    class is then a mixin, combined with the module's class when a module of that name is swapped. Registering the
+    same class again does nothing; replacing another swap of ``original`` needs ``override=True`` (logged as a
+    warning).
+
+    Raises:
+        TypeError: ``original`` is a class and the decorated class does not subclass it.
+        ValueError: another swap is registered for ``original`` and ``override`` is False.
     """
 
     def decorate(cls: type[SwappedModule]) -> type[SwappedModule]:
         if isinstance(original, type) and not issubclass(cls, original):
             raise TypeError(f"{cls.__name__} must subclass {original.__name__}")
-        _SWAPS[original] = cls
+        _SWAPS.register(original, cls, override=override)
         return cls
 
     return decorate

@@ -14,21 +14,35 @@ from __future__ import annotations
 import inspect
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult, calibrate_parameter
 from lightning_dp.naming import unknown_name
+from lightning_dp.registration import Registry, class_decorator
 
 if TYPE_CHECKING:
     import torch
 
-MECHANISMS: dict[str, type[NoiseMechanism]] = {}
+#: The mechanisms by ``name`` (read it as a dict; add with :func:`register_mechanism`, remove with ``unregister``).
+MECHANISMS: Registry[str, type[NoiseMechanism]] = Registry("mechanism")
+
+_M = TypeVar("_M", bound="type[NoiseMechanism]")
 
 
-def register_mechanism(cls: type[NoiseMechanism]) -> type[NoiseMechanism]:
-    """Class decorator: make a mechanism constructible by its ``name``."""
-    MECHANISMS[cls.name] = cls
-    return cls
+@overload
+def register_mechanism(cls: _M, /, *, override: bool = False) -> _M: ...
+@overload
+def register_mechanism(cls: None = None, /, *, override: bool = False) -> Callable[[_M], _M]: ...
+def register_mechanism(cls: _M | None = None, /, *, override: bool = False) -> _M | Callable[[_M], _M]:
+    """Class decorator: make a mechanism constructible by its ``name``. Use it bare (``@register_mechanism``), or as
+    ``@register_mechanism(override=True)`` / ``register_mechanism(cls, override=True)`` to replace the mechanism
+    registered under that name (logged as a warning). Registering the same class again does nothing.
+
+    Raises:
+        ValueError: another class is registered under ``cls.name`` and ``override`` is False.
+    """
+    return class_decorator(cls, lambda cls: MECHANISMS.register(cls.name, cls, override=override))
 
 
 def mechanism_class(name: str) -> type[NoiseMechanism]:

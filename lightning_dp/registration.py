@@ -1,0 +1,104 @@
+"""The registry type behind every extension point (mechanisms, accountants, events, clipping engines, layer families,
+module swaps): a dict that refuses to replace an entry unless asked to (docs/design.md section 10).
+
+Imports nothing beyond the standard library, so the registries of mechanisms and accountants load without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger("lightning_dp")
+
+K = TypeVar("K")
+V = TypeVar("V")
+C = TypeVar("C")
+
+
+def qualified_name(obj: Any) -> str:
+    """``module.qualname`` of a class or function (``lightning_dp.mechanisms.gaussian.GaussianMechanism``); the
+    ``repr`` of anything else."""
+    name = getattr(obj, "__qualname__", None)
+    return f"{obj.__module__}.{name}" if isinstance(name, str) else repr(obj)
+
+
+class Registry(dict[K, V], Generic[K, V]):
+    """Named entries of one kind, read as a plain dict and written through :meth:`register` / :meth:`unregister`.
+
+    Args:
+        kind: what an entry is, for messages (``"mechanism"``, ``"layer type"``).
+        describe: the text naming an entry's value in messages (default :func:`qualified_name`).
+        alternative: the way out, other than ``override=True``, that a refusal suggests.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        describe: Callable[[V], str] = qualified_name,
+        alternative: str = "choose another name",
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        self.describe = describe
+        self.alternative = alternative
+
+    def label(self, key: K) -> str:
+        """``key`` as messages quote it: a class by its qualified name, anything else by its ``repr``."""
+        return repr(qualified_name(key)) if isinstance(key, type) else repr(key)
+
+    def register(self, key: K, value: V, *, override: bool = False) -> None:
+        """Add ``value`` under ``key``. Registering an equal value again under the same key (the same class, e.g. a
+        module imported twice) does nothing; replacing another value needs ``override=True`` and logs one warning
+        naming the old and the new value.
+
+        Raises:
+            ValueError: ``key`` holds another value and ``override`` is False.
+        """
+        self.register_many({key: value}, override=override)
+
+    def register_many(self, entries: Mapping[K, V], *, override: bool = False) -> None:
+        """:meth:`register` each of ``entries``, all or none: nothing is added when one of them is refused.
+
+        Raises:
+            ValueError: a key holds another value and ``override`` is False (the message names the first).
+        """
+        new = {key: value for key, value in entries.items() if key not in self or not _same(self[key], value)}
+        replaced = [key for key in new if key in self]
+        if replaced and not override:
+            key = replaced[0]
+            raise ValueError(
+                f"{self.kind} {self.label(key)} is already registered ({self.describe(self[key])}); "
+                f"pass override=True to replace it, or {self.alternative}"
+            )
+        for key in replaced:
+            old, value = self.describe(self[key]), self.describe(new[key])
+            log.warning("%s %s: %s replaced by %s (override=True)", self.kind, self.label(key), old, value)
+        self.update(new)
+
+    def unregister(self, key: K) -> V:
+        """Remove the entry under ``key`` and return its value (for tests and plugins that undo their registration).
+
+        Raises:
+            KeyError: nothing is registered under ``key``.
+        """
+        if key not in self:
+            raise KeyError(f"{self.kind} {self.label(key)} is not registered")
+        return self.pop(key)
+
+
+def _same(old: object, new: object) -> bool:
+    return old is new or old == new
+
+
+def class_decorator(cls: C | None, register: Callable[[C], object]) -> C | Callable[[C], C]:
+    """``register(cls)`` and ``cls`` when ``cls`` is given (``@register_x`` or ``register_x(cls)``); else the
+    decorator that does so (``@register_x(override=True)``). Errors are those of ``register``."""
+
+    def decorate(cls: C) -> C:
+        register(cls)
+        return cls
+
+    return decorate if cls is None else decorate(cls)
