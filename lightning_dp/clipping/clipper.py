@@ -148,7 +148,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             autograd gradient on the first non-empty batch and then every ``sum_check_every`` batches; ``None``
             turns the check off. The check costs one parameter-gradient computation in the backward pass plus one
             batch-summed gradient per parameter and one host sync. Tolerance: relative ``1e-3`` in float32/64,
-            ``5e-2`` under reduced precision, plus an absolute floor (see :class:`~.sum_check.SumCheck`). A check
+            ``5e-2`` under reduced precision, plus an absolute floor and a rounding allowance proportional to the
+            magnitudes summed (see :class:`~.sum_check.SumCheck`). A check
             cannot see an outside use whose per-sample contributions cancel over the batch. The two-backward path
             checks every batch, whatever this argument (``None`` is rejected there).
         projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).

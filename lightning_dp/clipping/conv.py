@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Factored, Materialised, Term, compute_dtype, trainable
+from lightning_dp.clipping.terms import (
+    Factored,
+    Materialised,
+    Term,
+    compute_dtype,
+    reduced,
+    rounding_scales_wanted,
+    trainable,
+)
 
 
 def conv_patches(
@@ -67,7 +75,8 @@ def unfolded_weight_term(rows: torch.Tensor, patches: torch.Tensor, groups: int,
         rows.reshape(batch, groups, rows.shape[1] // groups, -1),
         patches.reshape(batch, groups, patches.shape[1] // groups, -1),
     )
-    return Materialised(grad.reshape(batch, *shape))
+    rounding = rows.norm() * patches.norm() if rounding_scales_wanted() else None  # bounds every group's block
+    return Materialised(grad.reshape(batch, *shape), rounding)
 
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -89,5 +98,5 @@ def conv_terms(
         patches = conv_patches(layer, activation, dtype)  # [B, C_in * k, L]
         terms["weight"] = unfolded_weight_term(grads, patches, layer.groups, layer.weight.shape)
     if trainable(layer, "bias"):
-        terms["bias"] = Materialised(grads.sum(2))
+        terms["bias"] = reduced(grads, (2,))
     return terms

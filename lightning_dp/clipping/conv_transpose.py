@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_dp.clipping.conv import unfold, unfolded_weight_term
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+from lightning_dp.clipping.terms import Term, compute_dtype, reduced, trainable
 
 ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d
 
@@ -47,5 +47,5 @@ def conv_transpose_terms(layer: ConvTranspose, activation: torch.Tensor, output_
         inputs = activation.reshape(batch, layer.in_channels, -1).to(dtype)  # [B, C_in, L]
         terms["weight"] = unfolded_weight_term(inputs, patches, layer.groups, layer.weight.shape)
     if trainable(layer, "bias"):
-        terms["bias"] = Materialised(grads.reshape(batch, layer.out_channels, -1).sum(2))
+        terms["bias"] = reduced(grads.reshape(batch, layer.out_channels, -1), (2,))
     return terms

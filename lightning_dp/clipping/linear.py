@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Factored, Materialised, Term, as_sequence, compute_dtype, trainable
+from lightning_dp.clipping.terms import Factored, Term, as_sequence, compute_dtype, reduced, trainable
 
 
 def affine_terms(
@@ -33,7 +33,7 @@ def affine_terms(
         left, right = (inputs, grads) if transposed_weight else (grads, inputs)
         terms["weight"] = Factored(left, right, layer.weight.shape)
     if trainable(layer, "bias"):
-        terms["bias"] = Materialised(grads.sum(1))
+        terms["bias"] = reduced(grads, (1,))
     return terms
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numbers
 
-from lightning_dp.clipping.terms import Factored, Materialised, Term
+from lightning_dp.clipping.terms import Factored, Materialised, Term, rounding_scales_wanted
 
 
 def validate_multiplicity(augmentation_multiplicity: object) -> None:
@@ -99,7 +99,8 @@ def fold_copies(term: Term, copies: int) -> Term:
         return term
     if isinstance(term, Materialised):
         grad = term.grad
-        return Materialised(grad.reshape(grad.shape[0] // copies, copies, *grad.shape[1:]).sum(1))
+        rounding = term.rounding_scale() if rounding_scales_wanted() else None  # every copy's products added up
+        return Materialised(grad.reshape(grad.shape[0] // copies, copies, *grad.shape[1:]).sum(1), rounding)
     batch = term.right.shape[0] // copies
     left = term.left.reshape(batch, -1, *term.left.shape[2:])
     return Factored(left, term.right.reshape(batch, -1, term.right.shape[-1]), term.shape)

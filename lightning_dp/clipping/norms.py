@@ -21,23 +21,19 @@ from torch import nn
 from torch.func import functional_call
 
 from lightning_dp.clipping.registry import register_layer, register_layer_rule
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+from lightning_dp.clipping.terms import Term, compute_dtype, reduced, trainable
 
 
 def _affine_terms(
     layer: nn.Module, xhat: torch.Tensor, output_grad: torch.Tensor, reduce_dims: tuple[int, ...]
 ) -> dict[str, Term]:
     """Materialised terms ``sum_{reduce_dims} G * xhat`` for ``weight`` and ``sum_{reduce_dims} G`` for ``bias``."""
-
-    def reduce(t: torch.Tensor) -> torch.Tensor:
-        return t.sum(reduce_dims) if reduce_dims else t
-
     grads = output_grad.to(xhat.dtype)
     terms: dict[str, Term] = {}
     if trainable(layer, "weight"):
-        terms["weight"] = Materialised(reduce(grads * xhat))
+        terms["weight"] = reduced(grads * xhat, reduce_dims)
     if trainable(layer, "bias"):
-        terms["bias"] = Materialised(reduce(grads))
+        terms["bias"] = reduced(grads, reduce_dims)
     return terms
 
 

@@ -11,6 +11,7 @@ it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,7 +23,7 @@ from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.multiplicity import check_rows, fold_copies
 from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
-from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.terms import Term, rounding_scales
 
 
 def _shared_parameter_groups(
@@ -198,14 +199,15 @@ class SampleNormsMixin:
         dtype = self._norm_dtype
         checker = None
         if check:
-            rtol = VERIFY_RTOL_REDUCED if reduced_precision(per_sample_loss, self._params, captures) else VERIFY_RTOL
-            checker = SumCheck(rtol)
+            reduced = reduced_precision(per_sample_loss, self._params, captures)
+            checker = SumCheck(VERIFY_RTOL_REDUCED if reduced else VERIFY_RTOL, reduced=reduced)
         past = {id(c) for c in self._past}
         with_terms: set[int] = set()
         totals = [torch.zeros(batch, dtype=dtype, device=per_sample_loss.device) for _ in range(self._group_count())]
         for group in _shared_parameter_groups(captures + self._past, self._registered):
             then = [c for c in group if id(c) in past]
-            now_terms = self._terms([c for c in group if id(c) not in past], batch)
+            with rounding_scales() if check else contextlib.nullcontext():
+                now_terms = self._terms([c for c in group if id(c) not in past], batch)
             past_terms = self._terms(then, batch)
             terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
             grads: dict[nn.Parameter, torch.Tensor] = {}

@@ -17,6 +17,11 @@ from lightning_dp.clipping.terms import Term
 VERIFY_RTOL = 1e-3
 #: Relative tolerance under reduced-precision arithmetic (fp16/bf16 autocast or parameters, TF32 on CUDA).
 VERIFY_RTOL_REDUCED = 5e-2
+#: Rounding allowance in float32/float64 arithmetic, in units of the dtype's machine epsilon, per unit of rounding
+#: scale (:meth:`SumCheck.add`).
+ROUNDING_EPSILONS = 128
+#: Rounding allowance per unit of rounding scale under reduced precision (about 5 bfloat16 unit roundoffs).
+ROUNDING_RTOL_REDUCED = 1e-2
 _REDUCED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -44,30 +49,45 @@ def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter],
 class SumCheck:
     """Per-step check that each parameter's per-sample gradients sum to its autograd gradient (see ``verify``).
 
-    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k))``, with
-    ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
-    backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters. The
-    absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly zero in exact arithmetic (a
-    conv bias before ``GroupNorm(C, C)``) from failing on rounding noise, while the mismatch tolerated over all
-    parameters together stays below ``2 * rtol * G``. Norms stay on the device; :meth:`failures` syncs once.
+    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k)) + r * S_p``,
+    with ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
+    backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters, ``S_p``
+    the sum over ``p``'s terms of their rounding scales (an upper bound on ``|| sum |products| ||_F`` over the
+    products both sums add up: :meth:`~.terms.Materialised.rounding_scale`, :meth:`~.terms.Factored.rounding_scale`)
+    and ``r`` the rounding allowance (``128`` machine epsilons of the terms' dtype, :data:`ROUNDING_RTOL_REDUCED`
+    under reduced precision). The absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly
+    zero in exact arithmetic (a conv bias before ``GroupNorm(C, C)``) from failing on rounding noise; ``r * S_p`` keeps
+    a sum that cancels (examples or tokens whose products cancel, a gradient along a standardised weight row) from
+    failing on the rounding of the magnitudes that cancelled, whatever the values of one example. Norms stay on the
+    device; :meth:`failures` syncs once.
+
+    Args:
+        rtol: the relative tolerance (:data:`VERIFY_RTOL` or :data:`VERIFY_RTOL_REDUCED`).
+        reduced: whether the step ran in reduced precision (:func:`reduced_precision`), which sets ``r``.
     """
 
-    def __init__(self, rtol: float) -> None:
+    def __init__(self, rtol: float, *, reduced: bool = False) -> None:
         self.rtol = rtol
+        self.reduced = reduced
         self.params: list[nn.Parameter] = []
         self.diffs: list[torch.Tensor] = []
         self.scales: list[torch.Tensor] = []
+        self.rounding: list[torch.Tensor] = []
 
     def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
-        """Record the mismatch of one parameter (one batch sum of its terms, ``[*param.shape]``, freed here)."""
+        """Record the mismatch of one parameter (one batch sum of its terms, ``[*param.shape]``, freed here) and its
+        rounding allowance."""
         ours = terms[0].batch_sum()
         for term in terms[1:]:
             ours = ours + term.batch_sum()
         reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
         device = self.diffs[0].device if self.diffs else ours.device
+        allowance = ROUNDING_RTOL_REDUCED if self.reduced else ROUNDING_EPSILONS * torch.finfo(ours.dtype).eps
+        rounding = sum(term.rounding_scale().to(device, torch.float32) for term in terms)
         self.params.append(param)
         self.diffs.append((ours - reference).norm().float().to(device))
         self.scales.append(torch.maximum(ours.norm(), reference.norm()).float().to(device))
+        self.rounding.append(allowance * rounding)
 
     def failures(self) -> list[tuple[nn.Parameter, float, float]]:
         """``(param, mismatch, tolerance)`` for each failing parameter (one host sync)."""
@@ -75,7 +95,7 @@ class SumCheck:
             return []
         diffs, scales = torch.stack(self.diffs), torch.stack(self.scales)
         floor = scales.square().sum().sqrt() / len(self.params) ** 0.5
-        tolerance = self.rtol * (scales + floor)
+        tolerance = self.rtol * (scales + floor) + torch.stack(self.rounding)
         bad = diffs > tolerance
         if not bool(bad.any()):
             return []

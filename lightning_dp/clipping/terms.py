@@ -9,11 +9,34 @@ language models can be strong differentially private learners", Section 4, ghost
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+#: whether layer families attach rounding scales to their materialised terms (only while a sum check is due).
+_ROUNDING_SCALES: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_dp_rounding_scales", default=False)
+
+
+@contextlib.contextmanager
+def rounding_scales() -> Iterator[None]:
+    """Within this context, layer families give each materialised term that adds products up within a sample its
+    rounding scale (:attr:`Materialised.rounding`), which the sum check's tolerance needs; outside it they skip that
+    work."""
+    token = _ROUNDING_SCALES.set(True)
+    try:
+        yield
+    finally:
+        _ROUNDING_SCALES.reset(token)
+
+
+def rounding_scales_wanted() -> bool:
+    """Whether the caller is inside :func:`rounding_scales`."""
+    return _ROUNDING_SCALES.get()
 
 
 @dataclass(frozen=True)
@@ -22,9 +45,14 @@ class Materialised:
 
     Attributes:
         grad: ``[B, *param.shape]`` in the compute dtype (see :func:`compute_dtype`).
+        rounding: scalar, an upper bound on ``|| sum_i sum_k |x_ik| ||_F`` over the products ``x_ik`` (each of
+            ``param``'s shape) that the family added up to form ``grad_i`` (and that autograd adds up to form the batch
+            gradient), given by families that reduce within a sample inside :func:`rounding_scales`; ``None``: the
+            entries of ``grad`` themselves (:meth:`rounding_scale`).
     """
 
     grad: torch.Tensor
+    rounding: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -42,6 +70,11 @@ class Materialised:
         """The term with every sample outside ``keep`` (``[B]`` bool) set to zero (a new tensor; non-finite
         values of dropped samples included, which a multiplication by zero would turn into NaN)."""
         return Materialised(torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0))
+
+    def rounding_scale(self) -> torch.Tensor:
+        """Scalar: the magnitude that float rounding of this term's batch sum is proportional to, ``rounding`` when the
+        family gave it, else ``|| sum_i |grad_i| ||_F`` (the sum check's tolerance, :mod:`.sum_check`)."""
+        return self.grad.abs().sum(0).norm() if self.rounding is None else self.rounding
 
     def add_to(self, total: torch.Tensor) -> None:
         """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
@@ -77,6 +110,16 @@ class Factored:
     @property
     def dtype(self) -> torch.dtype:
         return self.right.dtype
+
+    def rounding_scale(self) -> torch.Tensor:
+        """Scalar: an upper bound on ``|| |L|^T |R| ||_F`` over the ``B T`` rows, the magnitude that float rounding of
+        the batch sum ``L^T R`` is proportional to (the sum check's tolerance, :mod:`.sum_check`): the exact value for
+        token ids (an index-add of ``|R|``), else ``||L||_F ||R||_F``."""
+        if self.is_index:
+            cols = self.right.shape[-1]
+            absolute = self.right.abs().reshape(-1, cols)
+            return absolute.new_zeros(self.shape[0], cols).index_add_(0, self.left.reshape(-1), absolute).norm()
+        return self.left.norm() * self.right.norm()
 
     @property
     def is_index(self) -> bool:
@@ -137,6 +180,16 @@ class Factored:
 
 
 Term = Materialised | Factored
+
+
+def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
+    """The materialised term ``sum_{dims} values`` (``values`` ``[B, ...]``, ``dims`` not containing 0; empty: no
+    reduction), inside :func:`rounding_scales` with the rounding scale ``|| sum_{0, dims} |values| ||_F`` of the
+    products it adds up."""
+    grad = values.sum(dims) if dims else values
+    if not rounding_scales_wanted():
+        return Materialised(grad)
+    return Materialised(grad, values.abs().sum((0, *dims)).norm())
 
 
 def term_elements(term: Term) -> int:

@@ -26,7 +26,7 @@ import torch
 
 from lightning_dp.clipping.conv import conv_patches, unfolded_weight_term
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, rounding_scales_wanted, trainable
 from lightning_dp.weight_standardisation import WSConv2d, standardisation_scale
 
 
@@ -65,8 +65,13 @@ def weight_standardised_conv_terms(
         grad = unfolded_weight_term(grads, patches, layer.groups, weight.shape).materialise()
         grad = grad.reshape(batch, layer.out_channels, -1)  # v_ir, [B, C_out, N]; pulled back in place below
         projections = torch.einsum("brn,rn->br", grad, directions)  # p_ir, [B, C_out]
+        rows = (
+            None  # rounding scales of v_r, || sum_i |v_ir| || <= ||G_r||_F ||P||_F; the pull-back scales by gain_r a_r
+        )
+        if rounding_scales_wanted():
+            rows = grads.transpose(0, 1).reshape(layer.out_channels, -1).norm(dim=1) * patches.norm()
         if trainable(layer, "gain"):
-            terms["gain"] = Materialised(projections)
+            terms["gain"] = Materialised(projections, None if rows is None else rows.norm())
         if layer.weight.requires_grad:
             scale = values["gain"].to(dtype) * inverse  # gain_r a_r
             unfloored = (centred.pow(2).sum(1) >= layer.eps).to(dtype)  # d_r
@@ -74,7 +79,9 @@ def weight_standardised_conv_terms(
             for row in range(batch):  # one [C_out, N] temporary at a time (B rows may be B K augmented copies)
                 grad[row].sub_(directions * (projections[row] * unfloored)[:, None])
             grad.mul_(scale[:, None])
-            terms["weight"] = Materialised(grad.reshape(batch, *weight.shape))
+            terms["weight"] = Materialised(
+                grad.reshape(batch, *weight.shape), None if rows is None else (scale * rows).norm()
+            )
     if trainable(layer, "bias"):
-        terms["bias"] = Materialised(grads.sum(2))
+        terms["bias"] = reduced(grads, (2,))
     return terms
