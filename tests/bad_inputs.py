@@ -4,7 +4,8 @@ writes ``docs/validation.md`` from the messages actually raised, so the table ca
 
 Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
 ``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``
-command line, YAML configs of ``lightning-dp fit``, and the HF recipes' YAML and flags.
+command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and flags, and the extension registries
+(``register_mechanism``, ``register_engine``, ``register_layer``: a registration that would replace an entry).
 """
 
 from __future__ import annotations
@@ -280,6 +281,71 @@ def _trainer_args(**kwargs: Any) -> Callable[[dict[str, Any]], None]:
         config["trainer"].update(kwargs)
 
     return edit
+
+
+def _refused_registration(registry: Callable[[], Any], register: Callable[[], Any]) -> Callable[[], None]:
+    """``register()``, a registration that must be refused, checking that it left ``registry()`` exactly as it was
+    (same keys, same values, same order). One that changed it is undone, and the case fails with an
+    ``AssertionError`` (outside ``lightning_dp``), whether or not it raised."""
+
+    def run() -> None:
+        entries = registry()
+        saved = list(entries.items())
+        try:
+            register()
+        finally:
+            if [(key, id(value)) for key, value in entries.items()] != [(key, id(value)) for key, value in saved]:
+                entries.clear()
+                entries.update(saved)
+                raise AssertionError(f"the refused registration changed the {entries.kind} registry")
+
+    return run
+
+
+def _mechanisms() -> Any:
+    from lightning_dp.mechanisms import MECHANISMS
+
+    return MECHANISMS
+
+
+def _register_mechanism_named_gaussian() -> None:
+    from lightning_dp.mechanisms import NoiseMechanism, register_mechanism
+
+    class PluginGaussian(NoiseMechanism):
+        name = "gaussian"
+
+    register_mechanism(PluginGaussian)
+
+
+def _engines() -> Any:
+    from lightning_dp.clipping import ENGINES
+
+    return ENGINES
+
+
+def _register_engine_named_ghost() -> None:
+    from lightning_dp.clipping import ClippingEngine, register_engine
+
+    class PluginGhost(ClippingEngine):
+        name = "ghost"
+
+    register_engine(PluginGhost)
+
+
+def _layer_types() -> Any:
+    import lightning_dp.clipping  # noqa: F401 - registers the built-in layer families
+    from lightning_dp.clipping.registry import _BY_TYPE
+
+    return _BY_TYPE
+
+
+def _register_layer_for_linear() -> None:
+    from lightning_dp.clipping import register_layer
+
+    def plugin_linear_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Any]:
+        return {}
+
+    register_layer(nn.Linear)(plugin_linear_terms)
 
 
 # ---------------------------------------------------------------------------------------------------- cases
@@ -699,5 +765,28 @@ CASES: list[BadInput] = [
         "--target_delta 2",
         _recipe({}, "--target_delta", "2"),
         r"error: --target_delta: delta must lie in \(0, 1\), got 2.0",
+    ),
+    # extension registries: a registration that would replace an entry is refused, and adds nothing
+    BadInput(
+        "Extension registry",
+        "register_mechanism(PluginGaussian), a class with name = 'gaussian' (no override=True)",
+        _refused_registration(_mechanisms, _register_mechanism_named_gaussian),
+        r"^ValueError: mechanism 'gaussian' is already registered \(lightning_dp\.mechanisms\.gaussian\."
+        r"GaussianMechanism\); pass override=True to replace it, or choose another name$",
+    ),
+    BadInput(
+        "Extension registry",
+        "register_engine(PluginGhost), a class with name = 'ghost' (no override=True)",
+        _refused_registration(_engines, _register_engine_named_ghost),
+        r"^ValueError: clipping engine 'ghost' is already registered \(lightning_dp\.clipping\.ghost\.GhostEngine\); "
+        r"pass override=True to replace it, or choose another name$",
+    ),
+    BadInput(
+        "Extension registry",
+        "register_layer(nn.Linear)(plugin_linear_terms) (no override=True)",
+        _refused_registration(_layer_types, _register_layer_for_linear),
+        r"^ValueError: layer type 'torch\.nn\.modules\.linear\.Linear' is already registered "
+        r"\(lightning_dp\.clipping\.linear\.linear_terms\); pass override=True to replace it, or register it for a "
+        r"subclass instead$",
     ),
 ]
