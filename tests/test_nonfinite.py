@@ -134,7 +134,8 @@ def test_finite_loss_with_overflowing_norm_is_dropped() -> None:
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     norms = clipper.backward(model(x).squeeze(1))
     assert math.isinf(norms[1]) and clipper.dropped_nonfinite
-    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.0, 0.0]]))
+    # the kept sample (norm 1 = C) is clipped at C over its norm's float32 rounding bound (docs/design.md 4.10)
+    torch.testing.assert_close(model.weight.grad, torch.tensor([[1.0, 0.0]]), rtol=1e-4, atol=0)
 
 
 @BOOKKEEPING

@@ -291,7 +291,9 @@ def test_a_lightning_step_updates_by_the_oracle_over_q_n_users(engine: str) -> N
     _, expected = _user_oracle(grads, members, 0.3)
     for (name, before), after in zip(start.named_parameters(), module.net.parameters(), strict=True):
         update = after.detach().double() - before.detach()
-        torch.testing.assert_close(update, -expected[name] / 3.0, rtol=1e-5, atol=1e-6, msg=name)
+        # float32 clip factors are C over the rounding bound of the norm (docs/design.md section 4.10), a relative
+        # 1e-4 or less below the oracle's C / n here
+        torch.testing.assert_close(update, -expected[name] / 3.0, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_adaptive_clipping_counts_the_unclipped_users() -> None:

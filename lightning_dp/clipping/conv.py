@@ -22,8 +22,8 @@ from lightning_dp.clipping.terms import (
     Materialised,
     Term,
     compute_dtype,
+    product_scales,
     reduced,
-    rounding_scales_wanted,
     trainable,
 )
 
@@ -75,8 +75,8 @@ def unfolded_weight_term(rows: torch.Tensor, patches: torch.Tensor, groups: int,
         rows.reshape(batch, groups, rows.shape[1] // groups, -1),
         patches.reshape(batch, groups, patches.shape[1] // groups, -1),
     )
-    rounding = rows.norm() * patches.norm() if rounding_scales_wanted() else None  # bounds every group's block
-    return Materialised(grad.reshape(batch, *shape), rounding)
+    scales = product_scales(rows.transpose(1, 2), patches.transpose(1, 2))  # bounds every group's block
+    return Materialised(grad.reshape(batch, *shape), scales)
 
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)

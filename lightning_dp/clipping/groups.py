@@ -1,12 +1,12 @@
 """Group-wise clipping: the trainable parameters split into groups, each example's gradient clipped per group.
 
 He, Li, Yu, Zhang, Kulkarni, Lee, Backurs, Yu and Bian 2022, "Exploring the limits of differentially private deep
-learning with group-wise clipping", Section 3 (per-layer and per-group clipping; Opacus's ``clipping="per_layer"``
-clips each parameter tensor on its own, which is one pattern group per parameter name here). Example ``i``'s gradient
-restricted to group ``g``, of norm ``n_gi``, is scaled by ``c_gi = min(1, C_g / (n_gi + 1e-6))``, so its whole clipped
-gradient has l2 norm at most ``sqrt(sum_g C_g^2)``: that is the sensitivity of the clipped sum under add/remove
-adjacency, and the noise and the accountant are those of flat clipping at ``C = sqrt(sum_g C_g^2)`` (docs/design.md
-section 4.7).
+learning with group-wise clipping", Section 3 (per-layer and per-group clipping; Opacus's ``clipping="per_layer"`` clips
+each parameter tensor on its own, which is one pattern group per parameter name here). Example ``i``'s gradient
+restricted to group ``g``, of norm ``n_gi``, is scaled by ``c_gi = min(1, C_g / (nu_gi + 1e-6))`` (``nu_gi >= n_gi``
+with its rounding bound, docs/design.md section 4.10), so its whole clipped gradient has l2 norm at most ``sqrt(sum_g
+C_g^2)``: that is the sensitivity of the clipped sum under add/remove adjacency, and the noise and the accountant are
+those of flat clipping at ``C = sqrt(sum_g C_g^2)`` (docs/design.md section 4.7).
 
 The option, ``clipping_groups``, next to ``max_grad_norm``:
 

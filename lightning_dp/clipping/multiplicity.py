@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import numbers
 
-from lightning_dp.clipping.terms import Factored, Materialised, Term, rounding_scales_wanted
+import torch
+
+from lightning_dp.clipping.terms import Factored, Materialised, Term
 
 
 def validate_multiplicity(augmentation_multiplicity: object) -> None:
@@ -99,8 +101,8 @@ def fold_copies(term: Term, copies: int) -> Term:
         return term
     if isinstance(term, Materialised):
         grad = term.grad
-        rounding = term.rounding_scale() if rounding_scales_wanted() else None  # every copy's products added up
-        return Materialised(grad.reshape(grad.shape[0] // copies, copies, *grad.shape[1:]).sum(1), rounding)
+        scales = torch.stack([term.rounding_scales(norm).reshape(-1, copies).sum(1) for norm in (1, 2)])
+        return Materialised(grad.reshape(grad.shape[0] // copies, copies, *grad.shape[1:]).sum(1), scales)
     batch = term.right.shape[0] // copies
     left = term.left.reshape(batch, -1, *term.left.shape[2:])
     return Factored(left, term.right.reshape(batch, -1, term.right.shape[-1]), term.shape)

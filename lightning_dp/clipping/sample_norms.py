@@ -11,7 +11,6 @@ it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,8 +21,8 @@ from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.multiplicity import check_rows, fold_copies
 from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck, reduced_precision
-from lightning_dp.clipping.terms import Term, rounding_scales
+from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
+from lightning_dp.clipping.terms import Term
 
 
 def _shared_parameter_groups(
@@ -181,12 +180,19 @@ class SampleNormsMixin:
         batch_grads: dict[nn.Parameter, torch.Tensor | None],
         check: bool,
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
-    ) -> tuple[torch.Tensor, SumCheck | None]:
+        reduced: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, SumCheck | None]:
         """Per-sample squared norms (l1 norms for ``norm=1``) per clipping group ``[G, B]`` (``G = 1`` for flat
         clipping: over all trainable parameters) from the captures of the current iterate and
         of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
-        parameter, and, when ``check``, the sum check fed with the current iterate's terms (its failures are read by
-        the caller, who knows whether the batch had non-finite samples).
+        parameter; their rounding scales ``[G, B]`` (for ``norm=2`` the sum over the group's parameters of the
+        squared scale ``s_ip``, for ``norm=1`` of ``s_ip``, where ``s_ip`` sums the rounding scales of parameter
+        ``p``'s terms: :func:`~lightning_dp.clipping.clipper.rounded_norm_bound`); and, when ``check``, the sum check
+        fed with the current iterate's terms (its failures are read by the caller, who knows whether the batch had
+        non-finite samples).
+
+        ``reduced`` (with ``check``): the backward ran in reduced precision (:func:`~.sum_check.reduced_precision`),
+        which loosens the check's tolerance.
 
         With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
         book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
@@ -198,16 +204,15 @@ class SampleNormsMixin:
         batch = per_sample_loss.shape[0]
         dtype = self._norm_dtype
         checker = None
-        if check:
-            reduced = reduced_precision(per_sample_loss, self._params, captures)
+        if check:  # ``reduced``: whether the backward ran in reduced precision (decided before the norms, which don't)
             checker = SumCheck(VERIFY_RTOL_REDUCED if reduced else VERIFY_RTOL, reduced=reduced)
         past = {id(c) for c in self._past}
         with_terms: set[int] = set()
         totals = [torch.zeros(batch, dtype=dtype, device=per_sample_loss.device) for _ in range(self._group_count())]
+        scales = [torch.zeros_like(total) for total in totals]
         for group in _shared_parameter_groups(captures + self._past, self._registered):
             then = [c for c in group if id(c) in past]
-            with rounding_scales() if check else contextlib.nullcontext():
-                now_terms = self._terms([c for c in group if id(c) not in past], batch)
+            now_terms = self._terms([c for c in group if id(c) not in past], batch)
             past_terms = self._terms(then, batch)
             terms = {p: now_terms.get(p, []) + past_terms.get(p, []) for p in {**now_terms, **past_terms}}
             grads: dict[nn.Parameter, torch.Tensor] = {}
@@ -226,11 +231,13 @@ class SampleNormsMixin:
                     contribution = self._engine.contribution(param_terms, self.norm, generator)
                 clip_group = 0 if self.groups is None else self._group_of[param]
                 totals[clip_group] = totals[clip_group] + contribution.to(dtype)
+                scale = sum(term.rounding_scales(self.norm).to(dtype) for term in param_terms)
+                scales[clip_group] = scales[clip_group] + (scale.square() if self.norm == 2 else scale)
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
-        total = torch.stack(totals)
+        total, scale = torch.stack(totals), torch.stack(scales)
         if checker is None:
-            return total, None
+            return total, scale, None
         reached = [p for p, g in batch_grads.items() if g is not None and id(p) not in with_terms]
         if reached:
             raise UnsupportedModuleError(
@@ -238,4 +245,4 @@ class SampleNormsMixin:
                 "family produced no per-sample gradient for them (e.g. an extra parameter of a subclass of a "
                 "supported layer, used outside its forward); freeze them or use supported layers"
             )
-        return total, checker
+        return total, scale, checker

@@ -52,8 +52,8 @@ class SumCheck:
     Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k)) + r * S_p``,
     with ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
     backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters, ``S_p``
-    the sum over ``p``'s terms of their rounding scales (an upper bound on ``|| sum |products| ||_F`` over the
-    products both sums add up: :meth:`~.terms.Materialised.rounding_scale`, :meth:`~.terms.Factored.rounding_scale`)
+    the sum over ``p``'s terms and the samples of their rounding scales (an upper bound on ``|| sum |products| ||_F``
+    over the products both sums add up: :meth:`~.terms.Materialised.rounding_scales`)
     and ``r`` the rounding allowance (``128`` machine epsilons of the terms' dtype, :data:`ROUNDING_RTOL_REDUCED`
     under reduced precision). The absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly
     zero in exact arithmetic (a conv bias before ``GroupNorm(C, C)``) from failing on rounding noise; ``r * S_p`` keeps
@@ -83,7 +83,7 @@ class SumCheck:
         reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
         device = self.diffs[0].device if self.diffs else ours.device
         allowance = ROUNDING_RTOL_REDUCED if self.reduced else ROUNDING_EPSILONS * torch.finfo(ours.dtype).eps
-        rounding = sum(term.rounding_scale().to(device, torch.float32) for term in terms)
+        rounding = sum(term.rounding_scales(2).sum().to(device, torch.float32) for term in terms)
         self.params.append(param)
         self.diffs.append((ours - reference).norm().float().to(device))
         self.scales.append(torch.maximum(ours.norm(), reference.norm()).float().to(device))

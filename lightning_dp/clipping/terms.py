@@ -9,34 +9,12 @@ language models can be strong differentially private learners", Section 4, ghost
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-#: whether layer families attach rounding scales to their materialised terms (only while a sum check is due).
-_ROUNDING_SCALES: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_dp_rounding_scales", default=False)
-
-
-@contextlib.contextmanager
-def rounding_scales() -> Iterator[None]:
-    """Within this context, layer families give each materialised term that adds products up within a sample its
-    rounding scale (:attr:`Materialised.rounding`), which the sum check's tolerance needs; outside it they skip that
-    work."""
-    token = _ROUNDING_SCALES.set(True)
-    try:
-        yield
-    finally:
-        _ROUNDING_SCALES.reset(token)
-
-
-def rounding_scales_wanted() -> bool:
-    """Whether the caller is inside :func:`rounding_scales`."""
-    return _ROUNDING_SCALES.get()
 
 
 @dataclass(frozen=True)
@@ -45,10 +23,9 @@ class Materialised:
 
     Attributes:
         grad: ``[B, *param.shape]`` in the compute dtype (see :func:`compute_dtype`).
-        rounding: scalar, an upper bound on ``|| sum_i sum_k |x_ik| ||_F`` over the products ``x_ik`` (each of
-            ``param``'s shape) that the family added up to form ``grad_i`` (and that autograd adds up to form the batch
-            gradient), given by families that reduce within a sample inside :func:`rounding_scales`; ``None``: the
-            entries of ``grad`` themselves (:meth:`rounding_scale`).
+        rounding: ``[2, B]``, each sample's rounding scales in l1 (row 0) and l2 (row 1) norm (:meth:`rounding_scales`)
+            when the family added products up to form ``grad_i`` (:func:`sample_scales`); ``None``: ``grad_i`` is
+            formed without cancellation, its scales are its own norms.
     """
 
     grad: torch.Tensor
@@ -69,12 +46,17 @@ class Materialised:
     def masked(self, keep: torch.Tensor) -> Materialised:
         """The term with every sample outside ``keep`` (``[B]`` bool) set to zero (a new tensor; non-finite
         values of dropped samples included, which a multiplication by zero would turn into NaN)."""
-        return Materialised(torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0))
+        grad = torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0)
+        return Materialised(grad, None if self.rounding is None else torch.where(keep, self.rounding, 0))
 
-    def rounding_scale(self) -> torch.Tensor:
-        """Scalar: the magnitude that float rounding of this term's batch sum is proportional to, ``rounding`` when the
-        family gave it, else ``|| sum_i |grad_i| ||_F`` (the sum check's tolerance, :mod:`.sum_check`)."""
-        return self.grad.abs().sum(0).norm() if self.rounding is None else self.rounding
+    def rounding_scales(self, norm: int) -> torch.Tensor:
+        """``[B]``: each sample's rounding scale in l1 (``norm=1``) or l2 norm, an upper bound on the norm of
+        ``sum_k |x_ik|`` over the products ``x_ik`` (each of ``param``'s shape) added up to form ``grad_i``; the
+        float rounding of ``grad_i``, of its norm and of any sum it enters is proportional to it (docs/design.md
+        section 4.10)."""
+        if self.rounding is None:
+            return torch.linalg.vector_norm(self.grad.flatten(1), ord=norm, dim=1)
+        return self.rounding[0 if norm == 1 else 1]
 
     def add_to(self, total: torch.Tensor) -> None:
         """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
@@ -111,15 +93,15 @@ class Factored:
     def dtype(self) -> torch.dtype:
         return self.right.dtype
 
-    def rounding_scale(self) -> torch.Tensor:
-        """Scalar: an upper bound on ``|| |L|^T |R| ||_F`` over the ``B T`` rows, the magnitude that float rounding of
-        the batch sum ``L^T R`` is proportional to (the sum check's tolerance, :mod:`.sum_check`): the exact value for
-        token ids (an index-add of ``|R|``), else ``||L||_F ||R||_F``."""
+    def rounding_scales(self, norm: int) -> torch.Tensor:
+        """``[B]``: each sample's rounding scale, an upper bound on the l1 (``norm=1``) or l2 norm of ``|L_i|^T |R_i|``
+        (see :meth:`Materialised.rounding_scales`): ``sum_t ||l_t||_1 ||r_t||_1`` (exact) or ``||L_i||_F ||R_i||_F``;
+        a token id's one-hot row has norm 1 (l2: ``sqrt(T) ||R_i||_F``)."""
         if self.is_index:
-            cols = self.right.shape[-1]
-            absolute = self.right.abs().reshape(-1, cols)
-            return absolute.new_zeros(self.shape[0], cols).index_add_(0, self.left.reshape(-1), absolute).norm()
-        return self.left.norm() * self.right.norm()
+            if norm == 1:
+                return torch.linalg.vector_norm(self.right, 1, dim=(1, 2))
+            return torch.linalg.vector_norm(self.right, dim=(1, 2)) * math.sqrt(self.right.shape[1])
+        return product_scale(self.left, self.right, norm)
 
     @property
     def is_index(self) -> bool:
@@ -182,14 +164,34 @@ class Factored:
 Term = Materialised | Factored
 
 
+def sample_scales(absolute: torch.Tensor) -> torch.Tensor:
+    """``[2, B]``: the l1 and l2 norms of each sample's row of ``absolute`` ``[B, ...]`` (the rounding scales of
+    :class:`Materialised` from an entrywise bound)."""
+    flat = absolute.flatten(1)
+    return torch.stack([flat.sum(1), flat.norm(dim=1)])
+
+
+def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.Tensor:
+    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``, any strides): for
+    ``norm=1`` the l1 norm of ``|L_i|^T |R_i|``, ``sum_t ||l_t||_1 ||r_t||_1``; for ``norm=2`` the bound
+    ``||L_i||_F ||R_i||_F`` on its l2 norm."""
+    vector_norm = torch.linalg.vector_norm
+    if norm == 1:
+        return (vector_norm(left, 1, dim=-1) * vector_norm(right, 1, dim=-1)).sum(1)
+    return vector_norm(left, dim=(1, 2)) * vector_norm(right, dim=(1, 2))
+
+
+def product_scales(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``[2, B]``: :func:`product_scale` in l1 (row 0) and l2 (row 1), the rounding of a :class:`Materialised`."""
+    return torch.stack([product_scale(left, right, 1), product_scale(left, right, 2)])
+
+
 def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
     """The materialised term ``sum_{dims} values`` (``values`` ``[B, ...]``, ``dims`` not containing 0; empty: no
-    reduction), inside :func:`rounding_scales` with the rounding scale ``|| sum_{0, dims} |values| ||_F`` of the
-    products it adds up."""
-    grad = values.sum(dims) if dims else values
-    if not rounding_scales_wanted():
-        return Materialised(grad)
-    return Materialised(grad, values.abs().sum((0, *dims)).norm())
+    reduction), with the rounding scales of ``sum_{dims} |values|``."""
+    if not dims:
+        return Materialised(values)
+    return Materialised(values.sum(dims), sample_scales(torch.linalg.vector_norm(values, 1, dim=dims)))
 
 
 def term_elements(term: Term) -> int:

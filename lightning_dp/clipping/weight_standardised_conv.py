@@ -22,11 +22,13 @@ standardisation. Exact for every exact engine; tested against ``torch.func`` per
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lightning_dp.clipping.conv import conv_patches, unfolded_weight_term
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, rounding_scales_wanted, trainable
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, trainable
 from lightning_dp.weight_standardisation import WSConv2d, standardisation_scale
 
 
@@ -65,13 +67,10 @@ def weight_standardised_conv_terms(
         grad = unfolded_weight_term(grads, patches, layer.groups, weight.shape).materialise()
         grad = grad.reshape(batch, layer.out_channels, -1)  # v_ir, [B, C_out, N]; pulled back in place below
         projections = torch.einsum("brn,rn->br", grad, directions)  # p_ir, [B, C_out]
-        rows = (
-            None  # rounding scales of v_r, || sum_i |v_ir| || <= ||G_r||_F ||P||_F; the pull-back scales by gain_r a_r
-        )
-        if rounding_scales_wanted():
-            rows = grads.transpose(0, 1).reshape(layer.out_channels, -1).norm(dim=1) * patches.norm()
-        if trainable(layer, "gain"):
-            terms["gain"] = Materialised(projections, None if rows is None else rows.norm())
+        # rounding scale of v_ir: ||sum_t |G_ir[t]| |P_i[:, t]| || <= ||G_ir|| ||P_i||_F (all groups' patches)
+        rows = grads.norm(dim=2) * patches.flatten(1).norm(dim=1)[:, None]  # [B, C_out]
+        if trainable(layer, "gain"):  # |u_r| = 1: the projection's products are bounded by those of v_ir
+            terms["gain"] = Materialised(projections, torch.stack([rows.sum(1), rows.norm(dim=1)]))
         if layer.weight.requires_grad:
             scale = values["gain"].to(dtype) * inverse  # gain_r a_r
             unfloored = (centred.pow(2).sum(1) >= layer.eps).to(dtype)  # d_r
@@ -79,9 +78,10 @@ def weight_standardised_conv_terms(
             for row in range(batch):  # one [C_out, N] temporary at a time (B rows may be B K augmented copies)
                 grad[row].sub_(directions * (projections[row] * unfloored)[:, None])
             grad.mul_(scale[:, None])
-            terms["weight"] = Materialised(
-                grad.reshape(batch, *weight.shape), None if rows is None else (scale * rows).norm()
-            )
+            # the pull-back adds |v| (its mean and its projection on u_r are each at most |v| in l2), scaled
+            l2 = 3 * (scale.abs() * rows).norm(dim=1)
+            scales = torch.stack([l2 * math.sqrt(weight.numel()), l2])  # l1 <= sqrt(numel) l2
+            terms["weight"] = Materialised(grad.reshape(batch, *weight.shape), scales)
     if trainable(layer, "bias"):
         terms["bias"] = reduced(grads, (2,))
     return terms

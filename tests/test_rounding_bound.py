@@ -1,0 +1,148 @@
+"""The clip factor's rounding bound (docs/design.md section 4.10): each term's per-sample rounding scales bound the
+norms of the summed absolute products that form its gradient, ``rounded_norm_bound`` turns them into an upper bound
+on the norm of what the clipped sum adds, and an example made of large cancelling parts then moves the release by at
+most ``C`` with every exact engine (the broad grid is ``tests/test_fuzz_crafted.py``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.clipper import SECOND_BACKWARD_WARNING, rounded_norm_bound
+from lightning_dp.clipping.terms import Factored, Materialised, reduced
+
+B, T, P, Q = 3, 5, 4, 6
+
+
+def _absolute_products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``|L_i|^T |R_i|`` per sample, ``[B, P, Q]``."""
+    return torch.bmm(left.abs().transpose(1, 2), right.abs())
+
+
+@pytest.mark.parametrize("norm", [1, 2])
+def test_factored_scales_bound_the_absolute_products(norm: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(B, T, P, generator=gen), torch.randn(B, T, Q, generator=gen)
+    exact = torch.linalg.vector_norm(_absolute_products(left, right).flatten(1), ord=norm, dim=1)
+    scales = Factored(left, right, torch.Size([P, Q])).rounding_scales(norm)
+    assert (scales >= exact * (1 - 1e-6)).all()
+    if norm == 1:  # exact in l1
+        torch.testing.assert_close(scales, exact)
+
+
+@pytest.mark.parametrize("norm", [1, 2])
+def test_token_id_scales_bound_the_scatter_of_absolute_rows(norm: int) -> None:
+    ids = torch.tensor([[0, 2, 0, 0, 1], [3, 3, 3, 3, 3], [1, 2, 3, 0, 1]])
+    right = torch.randn(B, T, Q, generator=torch.Generator().manual_seed(1))
+    one_hot = nn.functional.one_hot(ids, P).float()
+    exact = torch.linalg.vector_norm(_absolute_products(one_hot, right).flatten(1), ord=norm, dim=1)
+    scales = Factored(ids, right, torch.Size([P, Q])).rounding_scales(norm)
+    assert (scales >= exact * (1 - 1e-6)).all()
+
+
+def test_reduced_terms_carry_the_scales_of_what_they_add_up() -> None:
+    values = torch.randn(B, T, Q, generator=torch.Generator().manual_seed(2))
+    values[:, 1] = -values[:, 0]  # two positions that cancel
+    term = reduced(values, (1,))
+    torch.testing.assert_close(term.grad, values.sum(1))
+    for norm in (1, 2):
+        expected = torch.linalg.vector_norm(values.abs().sum(1), ord=norm, dim=1)
+        torch.testing.assert_close(term.rounding_scales(norm), expected)
+        assert (term.rounding_scales(norm) > torch.linalg.vector_norm(term.grad, ord=norm, dim=1)).all()
+    plain = Materialised(values.sum(1))
+    torch.testing.assert_close(plain.rounding_scales(2), plain.grad.norm(dim=1))
+
+
+def test_rounded_norm_bound_formula_and_non_finite_scales() -> None:
+    eps = torch.finfo(torch.float32).eps
+    r = 128 * eps
+    totals = torch.tensor([[4.0, 0.0, 1.0, 1.0]])
+    scales = torch.tensor([[9.0, 1e6, math.inf, math.nan]])
+    l2 = rounded_norm_bound(totals, scales, 2, eps)
+    torch.testing.assert_close(l2[0, :2], torch.tensor([math.sqrt(4 + 9 * r) + 3 * r, math.sqrt(1e6 * r) + 1e3 * r]))
+    assert math.isinf(l2[0, 2]) and math.isinf(l2[0, 3])  # a NaN bound becomes inf: factor 0, never NaN
+    l1 = rounded_norm_bound(totals, scales, 1, eps)
+    torch.testing.assert_close(l1[0, :2], torch.tensor([4 + 18 * r, 2e6 * r]))
+
+
+@pytest.mark.parametrize("bookkeeping", [True, False], ids=["bk", "2bw"])
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
+@pytest.mark.parametrize("magnitude", [1e4, 1e8])
+def test_cancelling_tokens_move_the_float32_release_by_at_most_c(
+    magnitude: float, clipping: str, bookkeeping: bool
+) -> None:
+    """Two tokens ``m (u + rho e_1)`` and ``m (u + rho e_2)`` with output gradients ``v`` and ``-v`` (``rho = 1e2 /
+    m``): the true gradient is ``O(100)``, each token's ``O(m)``. Ghost norms subtract squares of order ``m^2`` and
+    reported a norm near 0 for it, and every engine's sum rounds it otherwise than its norm; the release moved by up
+    to 1e7 ``C``. With the rounding bound it moves by at most ``C``."""
+    gen = torch.Generator().manual_seed(3)
+    layer = nn.Linear(P, Q, bias=False)
+    ordinary = torch.randn(4, 2, P, generator=gen)
+    u, rho = torch.randn(P, generator=gen), 1e2 / magnitude
+    crafted = magnitude * torch.stack([u + rho * torch.eye(P)[0], u + rho * torch.eye(P)[1]])
+    direction = torch.randn(Q, generator=gen)
+    token_weights = torch.ones(5, 2)
+    token_weights[4, 1] = -1.0  # the crafted example's tokens get output gradients v and -v
+    sums = []
+    for x in (ordinary, torch.cat([ordinary, crafted[None]])):
+        model = copy.deepcopy(layer)
+        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=bookkeeping)
+        loss = ((model(x) * direction).sum(-1) * token_weights[: x.shape[0]]).sum(1)  # linear in the output
+        clipper.backward(loss)
+        sums.append(model.weight.grad.double())
+    assert float((sums[1] - sums[0]).norm()) <= 1.0 + 1e-4
+
+
+def test_a_second_backward_is_announced_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The second backward recomputes the output gradients the norms were taken from (docs/privacy.md): building a
+    clipper with ``bookkeeping=False`` says so once, book-keeping says nothing."""
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        PerSampleClipper(nn.Linear(P, Q), max_grad_norm=1.0)
+        assert not caplog.records
+        PerSampleClipper(nn.Linear(P, Q), max_grad_norm=1.0, bookkeeping=False)
+    assert [r.getMessage() for r in caplog.records] == [SECOND_BACKWARD_WARNING]
+
+
+def _alternating_tokens(magnitude: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Four ordinary sequences and one crafted (last): ``T = 8`` tokens ``m (u + q e_t)`` with output weights of
+    alternating sign ``(-1)^t (v + q f_t)``, ``q = 100 / m``: each token's gradient is ``O(m)``, their sum ``O(100)``
+    (inputs ``[T, 16]``, weights ``[T, 3]``, float64 values)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    inputs, weights = [draw(8, 16) for _ in range(4)], [draw(8, 3) for _ in range(4)]
+    q, signs = 100 / magnitude, torch.tensor([(-1.0) ** t for t in range(8)], dtype=torch.float64)
+    weights.append(signs[:, None] * (draw(3) + q * draw(8, 3)))
+    inputs.append(magnitude * (draw(16).expand(8, 16) + q * draw(8, 16)))
+    return inputs, weights
+
+
+def test_autocast_around_the_backward_does_not_lower_the_precision_of_the_norms() -> None:
+    """The clipper's own arithmetic (terms, norms, book-keeping's sums) runs with autocast off and float32 matmuls
+    at full precision, so the rounding bound's float32 epsilons hold when the caller runs the backward under bf16
+    autocast: ghost norms of alternating tokens of magnitude 1e4 moved the release by 2 ``C`` before."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+
+    def release(inputs: list[torch.Tensor], weights: list[torch.Tensor], bound: float) -> torch.Tensor:
+        model = copy.deepcopy(base)
+        clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=bound, sum_check_every=None)
+        x, w = torch.stack(inputs).float(), torch.stack(weights).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            clipper.backward((w * model(x).float()).flatten(1).sum(1))
+        assert torch.get_float32_matmul_precision() == "highest"
+        return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+    for seed in range(5):
+        inputs, weights = _alternating_tokens(1e4, seed)
+        bound = 1.0
+        moved = release(inputs, weights, bound) - release(inputs[:4], weights[:4], bound)
+        assert float(moved.norm()) <= bound * (1 + 1e-4), seed
