@@ -1,6 +1,8 @@
 """Run by tests/test_golden.py: ``python golden_ddp_script.py OUT_FILE`` trains the digits CNN with DPDDPStrategy on
 2 CPU processes (gloo, Lightning's own launcher starts rank 1), with fixed seeds and one thread per process; rank 0
-writes epsilon, the calibrated noise and the parameter fingerprint of each rank to ``OUT_FILE`` (JSON)."""
+writes epsilon, the calibrated noise, the parameter fingerprint, the intra-op thread count and the ATen CPU capability
+of each rank to ``OUT_FILE`` (JSON), and each rank's trained state_dict (float32, key order) as a list in rank order
+to ``OUT_FILE`` with the suffix ``.pt`` (torch.save)."""
 
 import json
 import os
@@ -54,9 +56,12 @@ if __name__ == "__main__":
         "noise_multiplier": engine.mechanism.noise_multiplier,
         "steps": engine.steps,
         "sample_rate": engine.sample_rate,
-        "fingerprint": parameter_fingerprint(model),
+        "intra_op_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "fingerprint": parameter_fingerprint(model, values=True),
     }
     ranks = [None] * trainer.world_size
     dist.all_gather_object(ranks, mine)
     if trainer.global_rank == 0:
+        torch.save([rank["fingerprint"].pop("values") for rank in ranks], out.with_suffix(".pt"))
         out.write_text(json.dumps({"world_size": trainer.world_size, "ranks": ranks}, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -108,17 +109,22 @@ def make_trainer(strategy, **kwargs) -> pl.Trainer:
     return pl.Trainer(strategy=strategy, **defaults)
 
 
-def parameter_fingerprint(module: nn.Module) -> dict:
-    """``sha256`` over the state_dict in key order (each key, then its tensor's float32 bytes), plus each tensor's
-    float64 sum: the hash compares bit-exactly, the sums show which tensors moved and by how much."""
+def parameter_fingerprint(module: nn.Module | Mapping[str, torch.Tensor], values: bool = False) -> dict:
+    """``sha256`` over the state_dict (of a module, or a state_dict itself) in key order (each key, then its tensor's
+    float32 bytes), plus each tensor's float64 sum: the hash compares bit-exactly, the sums show which tensors moved
+    and by how much. ``values=True`` adds ``values``: the hashed float32 CPU tensors themselves (copies), so a caller
+    can store them and compare within a tolerance; the hash of stored values recomputes with this function."""
+    state = module.state_dict() if isinstance(module, nn.Module) else module
     digest = hashlib.sha256()
-    sums = {}
-    for key, tensor in module.state_dict().items():
-        values = tensor.detach().to("cpu", torch.float32).contiguous()
+    sums, copies = {}, {}
+    for key, tensor in state.items():
+        tensor = tensor.detach().to("cpu", torch.float32).contiguous()
         digest.update(key.encode())
-        digest.update(values.numpy().tobytes())
-        sums[key] = float(values.double().sum())
-    return {"sha256": digest.hexdigest(), "sums": sums}
+        digest.update(tensor.numpy().tobytes())
+        sums[key] = float(tensor.double().sum())
+        if values:
+            copies[key] = tensor.clone()
+    return {"sha256": digest.hexdigest(), "sums": sums, **({"values": copies} if values else {})}
 
 
 class ClipBoundRecorder(pl.Callback):
