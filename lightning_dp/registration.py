@@ -25,7 +25,8 @@ def qualified_name(obj: Any) -> str:
 
 
 class Registry(dict[K, V], Generic[K, V]):
-    """Named entries of one kind, read as a plain dict and written through :meth:`register` / :meth:`unregister`.
+    """Named entries of one kind, read as a plain dict and written only through :meth:`register` / :meth:`unregister`
+    (the dict's own writing methods raise ``TypeError``).
 
     Args:
         kind: what an entry is, for messages (``"mechanism"``, ``"layer type"``).
@@ -76,7 +77,7 @@ class Registry(dict[K, V], Generic[K, V]):
         for key in replaced:
             old, value = self.describe(self[key]), self.describe(new[key])
             log.warning("%s %s: %s replaced by %s (override=True)", self.kind, self.label(key), old, value)
-        self.update(new)
+        dict.update(self, new)
 
     def unregister(self, key: K) -> V:
         """Remove the entry under ``key`` and return its value (for tests and plugins that undo their registration).
@@ -86,7 +87,15 @@ class Registry(dict[K, V], Generic[K, V]):
         """
         if key not in self:
             raise KeyError(f"{self.kind} {self.label(key)} is not registered")
-        return self.pop(key)
+        return dict.pop(self, key)
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError(
+            f"the {self.kind} registry is read-only as a dict: add or replace entries with its register function "
+            "(override=True to replace one), remove them with unregister"
+        )
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _refuse  # type: ignore[assignment]
 
 
 def _same(old: object, new: object) -> bool:

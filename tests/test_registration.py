@@ -45,8 +45,8 @@ def restore_registries() -> Iterator[None]:
         yield
     finally:
         for registry, entries in zip(REGISTRIES, saved, strict=True):
-            registry.clear()
-            registry.update(entries)
+            dict.clear(registry)  # the registry's own writing methods refuse: restore through dict's
+            dict.update(registry, entries)
 
 
 # ============================================================================== one toy pair per registry
@@ -388,3 +388,24 @@ def test_the_shipped_entries_are_in_place() -> None:
     """The fixture put back what the overrides above replaced (file order runs this last)."""
     assert MECHANISMS["gaussian"] is GaussianMechanism and _EVENT_TYPES["GaussianEvent"] is GaussianEvent
     assert _BY_TYPE[nn.Linear].terms is linear_terms and "toy-registration" not in MECHANISMS
+
+
+@pytest.mark.parametrize("registry", REGISTRIES, ids=lambda registry: registry.kind)
+def test_the_dict_interface_cannot_write(registry: Registry[Any, Any]) -> None:
+    """``ENGINES["flat"] = X`` and the dict's other writing methods would replace an entry without a word: they
+    raise, and the registry is unchanged."""
+    before = list(registry.items())
+    key = next(iter(registry))
+    writes = [
+        lambda: registry.__setitem__(key, object()),
+        lambda: registry.__delitem__(key),
+        lambda: registry.update({key: object()}),
+        lambda: registry.setdefault(object(), object()),
+        lambda: registry.pop(key),
+        lambda: registry.popitem(),
+        lambda: registry.clear(),
+    ]
+    for write in writes:
+        with pytest.raises(TypeError, match="read-only as a dict"):
+            write()
+    assert list(registry.items()) == before
