@@ -146,3 +146,65 @@ def test_autocast_around_the_backward_does_not_lower_the_precision_of_the_norms(
         bound = 1.0
         moved = release(inputs, weights, bound) - release(inputs[:4], weights[:4], bound)
         assert float(moved.norm()) <= bound * (1 + 1e-4), seed
+
+
+def _cancelling_pair(magnitude: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows ``m (u + q a)``, ``m (u + q b)`` with output weights ``v + q c`` and ``-(v + q d)``, ``q = 100 / m``
+    (inputs ``[2, 16]``, weights ``[2, 3]``, float64): each row's gradient is ``O(m)``, their sum ``O(100)``."""
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, u, v = 100 / magnitude, draw(16), draw(3)
+    x = magnitude * torch.stack([u + q * draw(16), u + q * draw(16)])
+    return x, torch.stack([v + q * draw(3), -(v + q * draw(3))])
+
+
+def _release(base: nn.Module, x: torch.Tensor, w: torch.Tensor, engine: str, options: dict, past=None) -> torch.Tensor:
+    """The clipped sum (C = 1) of the loss ``sum (w * model(x))`` per example, flattened over the parameters."""
+    copies = options.get("augmentation_multiplicity", 1)
+    model = copy.deepcopy(base)
+    clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=1.0, **options)
+    if past is not None:
+        past_x, past_w, past_weight = past
+        clipper.add_past_iterate((past_w.float() * model(past_x.float())).flatten(1).sum(1), past_weight)
+    clipper.backward((w.float() * model(x.float())).flatten(1).sum(1).reshape(-1, copies).sum(1))
+    return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    ("setting", "engine"),
+    [(s, e) for s in ("multiplicity", "groups", "past_iterate") for e in ("flat", "ghost", "fgc", "mixed")]
+    + [("l1", "flat")],
+)
+def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(setting: str, engine: str) -> None:
+    """The rounding scales add up over augmented copies, clipping groups and past iterates, and have an l1 form: the
+    crafted example's cancelling parts are its two augmented copies, two tokens under per-layer groups, its current
+    and past iterate, or two tokens under l1 clipping (flat only); float32, magnitudes 1e4 and 1e8."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+    for magnitude in (1e4, 1e8):
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            x, w = _cancelling_pair(magnitude, gen)
+            if setting == "multiplicity":  # 3 ordinary examples of 2 copies each, one row per copy
+                xs = torch.randn(6, 1, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(6, 1, 3, generator=gen, dtype=torch.float64)
+                options = {"augmentation_multiplicity": 2}
+                without = _release(base, xs, ws, engine, options)
+                with_ = _release(base, torch.cat([xs, x[:, None]]), torch.cat([ws, w[:, None]]), engine, options)
+            elif setting == "past_iterate":  # the current row is x[0], the past iterate's x[1]
+                xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
+                without = _release(base, xs[:, :1], ws[:, :1], engine, {}, past=(xs[:, 1:], ws[:, 1:], 0.7))
+                current = (torch.cat([xs[:, :1], x[None, :1]]), torch.cat([ws[:, :1], w[None, :1]]))
+                past = (torch.cat([xs[:, 1:], x[None, 1:]]), torch.cat([ws[:, 1:], w[None, 1:]]), 0.7)
+                with_ = _release(base, *current, engine, {}, past=past)
+            else:  # two cancelling tokens of one example
+                xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
+                options = {"clipping_groups": "per_layer"} if setting == "groups" else {"norm": 1}
+                without = _release(base, xs, ws, engine, options)
+                with_ = _release(base, torch.cat([xs, x[None]]), torch.cat([ws, w[None]]), engine, options)
+            moved = float(torch.linalg.vector_norm(with_ - without, ord=1 if setting == "l1" else 2))
+            assert moved <= 1.0 + 1e-4, (magnitude, seed, moved)
