@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.clipper import SECOND_BACKWARD_WARNING, rounded_norm_bound
+from lightning_dp.clipping.clipper import SECOND_BACKWARD_WARNING
+from lightning_dp.clipping.rounding import rounded_norm_bound
 from lightning_dp.clipping.terms import Factored, Materialised, reduced
 
 B, T, P, Q = 3, 5, 4, 6

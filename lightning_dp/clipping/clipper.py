@@ -2,8 +2,8 @@
 
 Data flow: per-sample loss ``[B]`` -> ONE backward pass that computes only the output gradients of the hooked layers
 (no parameter gradient) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip
-factors ``c_i = min(1, C / (nu_i + 1e-6))``, ``nu_i >= n_i`` the norm's bound with rounding (:func:`rounded_norm_bound`)
--> the clipped sum ``sum_i c_i grad(loss_i)`` added into ``p.grad``
+factors ``c_i = min(1, C / (nu_i + 1e-6))``, ``nu_i >= n_i`` the norm's bound with rounding
+(:func:`~.rounding.rounded_norm_bound`) -> the clipped sum ``sum_i c_i grad(loss_i)`` added into ``p.grad``
 (Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1), either
 
 - by book-keeping (default): ``sum_i c_i A_i^T G_i`` formed from the same activations and output gradients, without
@@ -52,11 +52,9 @@ momentum's past iterates).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,8 +74,9 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
+from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
-from lightning_dp.clipping.sum_check import ROUNDING_EPSILONS, reduced_precision
+from lightning_dp.clipping.sum_check import reduced_precision
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
@@ -113,43 +112,6 @@ def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
     the bounds ``C_g`` (``G = 1``: flat clipping, Abadi et al. 2016, Algorithm 1; ``G > 1``: group-wise clipping,
     He et al. 2022, Section 3)."""
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
-
-
-@contextlib.contextmanager
-def full_precision(device: torch.device) -> Iterator[None]:
-    """The per-sample arithmetic (terms, norms, book-keeping's sums) in the terms' own dtype: autocast off on
-    ``device`` and float32 matmuls at ``"highest"`` precision (no TF32), restored afterwards. The rounding bound of
-    the clip factors (:func:`rounded_norm_bound`) counts float32 or float64 epsilons, which reduced-precision
-    arithmetic would exceed."""
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.autocast(device.type, enabled=False):
-            yield
-    finally:
-        torch.set_float32_matmul_precision(precision)
-
-
-def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, epsilon: float) -> torch.Tensor:
-    """``nu_gi`` ``[G, B]``: an upper bound on the norm of what the clipped sum adds for sample ``i`` in group ``g``
-    before its factor, from the computed norm and the rounding scale ``s`` (docs/design.md section 4.10).
-
-    With ``r = 128 epsilon``: for ``norm=2``, ``nu = sqrt(n^2 + r s^2) + r s`` (``n^2`` = ``totals``, computed by any
-    engine, Gram products included, to within ``r s^2``; the clipped sum's own rounding of the sample's gradient
-    within ``r s``); for ``norm=1``, ``nu = n + 2 r s``. Clipping at ``min(1, C / nu)`` then bounds each sample's
-    contribution by ``C`` in floating point too, also for a gradient made of large parts that cancel. A non-finite
-    bound is ``inf`` (factor 0).
-
-    Args:
-        totals: ``[G, B]``, squared l2 norms (``norm=2``, not negative) or l1 norms.
-        scales: ``[G, B]``, the squared rounding scales (``norm=2``) or the scales (``norm=1``) from
-            :meth:`~lightning_dp.clipping.sample_norms.SampleNormsMixin._norms`.
-        norm: 2 or 1.
-        epsilon: the machine epsilon of the per-sample arithmetic (float32's unless every parameter is float64).
-    """
-    r = ROUNDING_EPSILONS * epsilon
-    bound = (totals + r * scales).sqrt() + r * scales.sqrt() if norm == 2 else totals + 2 * r * scales
-    return torch.nan_to_num(bound, nan=math.inf, posinf=math.inf)
 
 
 def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
@@ -544,7 +506,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
 
     def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
         """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (nu_i + 1e-6))``, into ``p.grad``, with
-        ``nu_i`` the norm ``n_i`` raised by its rounding bound (:func:`rounded_norm_bound`); with
+        ``nu_i`` the norm ``n_i`` raised by its rounding bound (:func:`~.rounding.rounded_norm_bound`); with
         ``clipping_groups``, each group ``g``'s parameters get ``sum_i c_gi grad_g(loss_i)``, ``c_gi = min(1, C_g /
         (n_gi + 1e-6))`` with ``n_gi`` the norm of sample ``i``'s gradient over the group's parameters.
 

@@ -187,7 +187,7 @@ class SampleNormsMixin:
         of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
         parameter; their rounding scales ``[G, B]`` (for ``norm=2`` the sum over the group's parameters of the
         squared scale ``s_ip``, for ``norm=1`` of ``s_ip``, where ``s_ip`` sums the rounding scales of parameter
-        ``p``'s terms: :func:`~lightning_dp.clipping.clipper.rounded_norm_bound`); and, when ``check``, the sum check
+        ``p``'s terms: :func:`~lightning_dp.clipping.rounding.rounded_norm_bound`); and, when ``check``, the sum check
         fed with the current iterate's terms (its failures are read by the caller, who knows whether the batch had
         non-finite samples).
 

@@ -11,15 +11,13 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.hooks import Capture
+from lightning_dp.clipping.rounding import ROUNDING_EPSILONS
 from lightning_dp.clipping.terms import Term
 
 #: Relative tolerance of the sum check in float32/float64 arithmetic.
 VERIFY_RTOL = 1e-3
 #: Relative tolerance under reduced-precision arithmetic (fp16/bf16 autocast or parameters, TF32 on CUDA).
 VERIFY_RTOL_REDUCED = 5e-2
-#: Rounding allowance in float32/float64 arithmetic, in units of the dtype's machine epsilon, per unit of rounding
-#: scale (:meth:`SumCheck.add`).
-ROUNDING_EPSILONS = 128
 #: Rounding allowance per unit of rounding scale under reduced precision (about 5 bfloat16 unit roundoffs).
 ROUNDING_RTOL_REDUCED = 1e-2
 _REDUCED_DTYPES = (torch.float16, torch.bfloat16)

@@ -28,7 +28,7 @@ import torch
 
 from lightning_dp.clipping.conv import conv_patches, unfolded_weight_term
 from lightning_dp.clipping.registry import register_layer
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, trainable
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, sample_scales, trainable
 from lightning_dp.weight_standardisation import WSConv2d, standardisation_scale
 
 
@@ -70,7 +70,7 @@ def weight_standardised_conv_terms(
         # rounding scale of v_ir: ||sum_t |G_ir[t]| |P_i[:, t]| || <= ||G_ir|| ||P_i||_F (all groups' patches)
         rows = grads.norm(dim=2) * patches.flatten(1).norm(dim=1)[:, None]  # [B, C_out]
         if trainable(layer, "gain"):  # |u_r| = 1: the projection's products are bounded by those of v_ir
-            terms["gain"] = Materialised(projections, torch.stack([rows.sum(1), rows.norm(dim=1)]))
+            terms["gain"] = Materialised(projections, sample_scales(rows))
         if layer.weight.requires_grad:
             scale = values["gain"].to(dtype) * inverse  # gain_r a_r
             unfloored = (centred.pow(2).sum(1) >= layer.eps).to(dtype)  # d_r
