@@ -386,19 +386,22 @@ class EngineSteps:
 
     def finish_run(self) -> None:
         """At the normal end of training (never on an error path: on several processes it is a collective): one
-        warning when any process dropped examples with a non-finite loss or gradient, and one when a due sum check
-        was postponed by such examples and never ran again (docs/privacy.md, "Non-finite losses and gradients").
+        warning when any process dropped examples with a non-finite loss or gradient, one when a due sum check was
+        postponed by such examples and never ran again (docs/privacy.md, "Non-finite losses and gradients"), and one
+        when a batch-independence or leave-half-out check ran inconclusively and no later batch concluded it
+        (docs/privacy.md, "Run-time checks").
 
-        The two flags are OR-ed over the ranks, and rank 0 logs; no count is kept or released.
+        The three flags are OR-ed over the ranks, and rank 0 logs; no count is kept or released.
         """
         clipper = self.clipper
         flags = [
             self.dropped_nonfinite or (clipper is not None and clipper.dropped_nonfinite),
             clipper is not None and clipper.sum_check_postponed,
+            self.guard is not None and self.guard.unresolved,
         ]
         if self.distributed is not None:
             flags = self.distributed.any_rank(flags)
-        dropped, postponed = flags
+        dropped, postponed, unresolved = flags
         if dropped:
             log.warning(
                 "Some examples had a non-finite loss or gradient and were left out of the clipped sum on the steps "
@@ -408,9 +411,16 @@ class EngineSteps:
         if postponed:
             log.warning(
                 "The per-sample sum check was due on a batch with non-finite examples and did not run after it: a "
-                "parameter used outside its layer would not have been seen (with book-keeping it loses that "
-                "gradient; it never leaks). Remove the examples whose loss is not finite, or run with bookkeeping="
-                "False, which checks every batch"
+                "parameter used outside its layer would not have been seen (it loses that gradient; it never "
+                "leaks). Remove the examples whose loss is not finite"
+            )
+        if unresolved:
+            log.warning(
+                "A batch-independence or leave-half-out check was inconclusive on its last batch (a non-finite loss, "
+                "or a leave-half-out difference on only some examples, which the rounding of one example's own loss "
+                "can cause) and did not conclude before the end: mixing of examples was not ruled out for the steps "
+                "after the last conclusive check. This message is about the private data and is not covered by the "
+                "privacy guarantee: keep it out of published logs"
             )
 
     def count_micro_batch(self) -> None:

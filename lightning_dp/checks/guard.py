@@ -125,6 +125,15 @@ class TrainingGuard:
         #: in lockstep, whether the ranks agreed that none of them has a check pending (then no collective runs
         #: until a due step arms the checks again on every rank).
         self._nobody_pending = not check_batch_independence
+        #: per check, whether its last run on this process was inconclusive (a non-finite loss; for leave-half-out
+        #: also a difference on only some examples) and no later run concluded: reported at the end of the run.
+        self._inconclusive = {"batch-independence": False, "leave-half-out": False}
+
+    @property
+    def unresolved(self) -> bool:
+        """Whether a check ran inconclusively on this process and had not concluded by now (a statement about the
+        private data: it depends on which examples were drawn; see docs/privacy.md, "Run-time checks")."""
+        return any(self._inconclusive.values())
 
     def _arm_if_due(self) -> None:
         """Make both independence checks pending at the first forward of a step that is a multiple of
@@ -176,6 +185,7 @@ class TrainingGuard:
         with self._naming_the_step():
             conclusive = check_batch_independence(per_sample_loss, targets, self.copies)
         self.independence_pending = not conclusive  # a non-finite loss: check again on the next batch
+        self._inconclusive["batch-independence"] = not conclusive
 
     def _after_forward_in_step(self, per_sample_loss: torch.Tensor) -> None:
         """:meth:`after_forward`'s gradient check in lockstep with the other ranks (class docstring)."""
@@ -193,6 +203,7 @@ class TrainingGuard:
             self._raise_if_any_rank(error, "batch-independence")
         if active:
             self.independence_pending = not conclusive
+            self._inconclusive["batch-independence"] = not conclusive
 
     def _raise_if_any_rank(self, error: BatchMixingError | None, check: str) -> None:
         """Raise ``error``, or, when another rank found mixing, a :class:`BatchMixingError` saying so (every rank
@@ -207,8 +218,9 @@ class TrainingGuard:
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
     ) -> None:
         """Run :func:`check_leave_half_out` while pending, on the first batch with two examples or more of the first
-        step (and of every due step with ``check_every``); call after :meth:`after_forward`, with the batch as the
-        user's step received it.
+        step (and of every due step with ``check_every``), and again on each next batch while it is inconclusive (a
+        non-finite loss, or a difference on only some of the examples); call after :meth:`after_forward`, with the
+        batch as the user's step received it.
 
         Raises:
             BatchMixingError: as :func:`check_leave_half_out`.
@@ -220,7 +232,8 @@ class TrainingGuard:
             return
         with self._naming_the_step():
             conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
-        self.leave_half_out_pending = not conclusive
+        self.leave_half_out_pending = not conclusive  # a partial difference or a non-finite loss: check again
+        self._inconclusive["leave-half-out"] = not conclusive
 
     def _leave_half_out_in_step(
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
@@ -239,6 +252,7 @@ class TrainingGuard:
                 self._raise_if_any_rank(error, "leave-half-out")
             if active:
                 self.leave_half_out_pending = not conclusive
+                self._inconclusive["leave-half-out"] = not conclusive
         pending = self.lockstep([int(self.independence_pending), int(self.leave_half_out_pending)])
         self._nobody_pending = not any(pending)
 
