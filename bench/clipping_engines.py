@@ -8,9 +8,9 @@ Per-sample mean token cross-entropy, SGD, Gaussian noise (sigma=1, C=1).
 Variants: ``non-private``; ``noise-only`` (drawing the Gaussian noise for every parameter, fp32, the cost DP adds on top
 of clipping); ``default`` (every clipping option at its ``PrivacyConfig`` default, as ``DPStrategy()`` runs it:
 ``clipping="auto"`` resolved for Gaussian noise, book-keeping and its sum check); ``<engine>-bk`` (book-keeping: one
-backward, sum check every 100 batches) and ``<engine>-2bw`` (second backward, sum check every batch) for ``flat, ghost,
-fgc, mixed, hutch, hutchpp``; ``opacus-flat`` (``GradSampleModule``) and ``opacus-ghost``
-(``GradSampleModuleFastGradientClipping``; its error is printed when it refuses the model).
+backward, sum check every 100 batches) for ``flat, ghost, fgc, mixed, hutch, hutchpp``; ``opacus-flat``
+(``GradSampleModule``) and ``opacus-ghost`` (``GradSampleModuleFastGradientClipping``; its error is printed when it
+refuses the model).
 
 Time: all variants live in ONE process (one model copy each, identical weights) and run interleaved step by step,
 rotating the order every round, so that load changes on a shared machine hit all variants alike; the median over
@@ -53,7 +53,7 @@ VARIANTS = (
     "non-private",
     "noise-only",
     "default",
-    *(f"{engine}-{mode}" for engine in ENGINES for mode in ("bk", "2bw")),
+    *(f"{engine}-bk" for engine in ENGINES),
     "opacus-flat",
     "opacus-ghost",
 )
@@ -130,14 +130,9 @@ def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Cal
 
     if variant == "default":  # DPStrategy(noise_multiplier=1.0)'s clipper: the engine "auto" picks for Gaussian noise
         config = PrivacyConfig(noise_multiplier=1.0)
-        options = {
-            "clipping": config.resolved_clipping()[0],
-            "bookkeeping": config.bookkeeping,
-            "sum_check_every": config.sum_check_every,
-        }
+        options = {"clipping": config.resolved_clipping()[0], "sum_check_every": config.sum_check_every}
     else:
-        engine, mode = variant.rsplit("-", 1)
-        options = {"clipping": engine, "bookkeeping": mode == "bk"}
+        options = {"clipping": variant.removesuffix("-bk")}
     clipper = PerSampleClipper(model, max_grad_norm=1.0, generator_for=randomness.projection_generator, **options)
     dp_optimizer = DPOptimizer(optimizer, mechanism=mechanism, expected_batch_size=batch, randomness=randomness)
 

@@ -111,16 +111,9 @@ class PrivacyConfig:
         "Per-sample clipping engine: auto (mixed for l2 mechanisms, flat for laplace), flat, ghost, fgc, mixed, "
         "hutch, hutchpp.",
     )
-    bookkeeping: bool = _option(
-        True,
-        "form the clipped sum from the captured layer terms in one backward pass (default) instead of a second "
-        "backward (see :class:`~lightning_dp.clipping.PerSampleClipper`).",
-        "One backward pass (book-keeping) instead of a second backward.",
-    )
     sum_check_every: int | None = _option(
         DEFAULT_SUM_CHECK_EVERY,
-        "period in batches of the per-sample sum check under book-keeping (``None``: off; the two-backward path "
-        "checks every batch).",
+        "period in batches of the per-sample sum check (``None``: off).",
         "Batches between per-sample sum checks (None: off).",
     )
     projection_dim: int | None = _option(
@@ -237,7 +230,7 @@ class PrivacyConfig:
         "names (``[['encoder.*'], ['classifier.*', 'pooler.*']]``) must put every trainable parameter in exactly "
         "one group. Each group's part of an example's gradient is clipped to its own bound ``C_g`` "
         "(``max_grad_norm``), the noise is scaled to ``sqrt(sum_g C_g^2)`` and the accounting is that of flat "
-        "clipping at that bound. l2 mechanisms, exact engines and book-keeping only; not with adaptive clipping.",
+        "clipping at that bound. l2 mechanisms and exact engines only; not with adaptive clipping.",
         "Group-wise clipping: per_layer, or JSON list of groups of parameter-name patterns (None: flat clipping).",
     )
     augmentation_multiplicity: int = _option(
@@ -328,7 +321,7 @@ class PrivacyConfig:
             with checking("accountant"):
                 raise ValueError(unknown_name("accountant", self.accountant, ACCOUNTANTS))
         with checking("sum_check_every"):
-            validate_sum_check(self.sum_check_every, self.bookkeeping)
+            validate_sum_check(self.sum_check_every)
         if self.clipping != AUTO and self.clipping not in ENGINES:
             choices = clipping_choices()
             with checking("clipping"):
@@ -367,7 +360,6 @@ class PrivacyConfig:
                     norm=self._clip_norm(),
                     engine=self.clipping,
                     randomized=self.randomized_clipping,
-                    bookkeeping=self.bookkeeping,
                     adaptive=self.adaptive_clipping,
                 )
         if self.adaptive_clipping and (self.noise_name != "gaussian" or self.randomized_clipping):

@@ -83,10 +83,10 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
         #: the clipping engine's name: ``config.clipping``, or the engine ``'auto'`` resolved to (what every report
         #: names: the start-up block, the summary, the trackers).
         self.clipping, reason = config.resolved_clipping()
-        passes = "with book-keeping" if config.bookkeeping else "with a second backward"
         #: with ``clipping='auto'``, the engine chosen and why, for :attr:`defaults_applied` (added by ``prepare``).
-        self._auto_clipping = None if reason is None else f"clipping = {self.clipping!r} {passes} (auto: {reason})"
-        self.bookkeeping = config.bookkeeping
+        self._auto_clipping = (
+            None if reason is None else f"clipping = {self.clipping!r} with book-keeping (auto: {reason})"
+        )
         self.sum_check_every = config.sum_check_every
         self.projection_dim = config.projection_dim
         self.accountant_name = config.accountant
@@ -170,7 +170,6 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             max_grad_norm=self.config.max_grad_norm if grouped else self.current_max_grad_norm,
             clipping_groups=self.config.clipping_groups,
             norm=clip_norm,
-            bookkeeping=self.bookkeeping,
             sum_check_every=self.sum_check_every,
             projection_dim=self.projection_dim,
             generator_for=self.randomness.projection_generator,

@@ -7,16 +7,14 @@ a sharded module's forward and backward FSDP2 swaps in the unsharded parameter (
 autograd sees), so layer hooks see the whole weight and the per-sample terms and norms are those of one process.
 What differs from replicated (DDP) training:
 
-- the clipped sum each rank forms from its examples is full-size (by book-keeping, or the gradient of the gathered
-  weight in a second backward); :func:`sum_into_shard` sums it over the ranks and keeps this rank's shard (one
-  reduce-scatter), so the gradient reaches the optimizer sharded, as FSDP2's own;
+- the clipped sum each rank forms from its examples by book-keeping is full-size; :func:`sum_into_shard` sums it over
+  the ranks and keeps this rank's shard (one reduce-scatter), so the gradient reaches the optimizer sharded, as
+  FSDP2's own;
 - noise is drawn per shard: each coordinate is owned by exactly one shard, whose owner draws its noise once from the
   shard's own stream (:func:`shard_key`; ranks holding replicas of one shard draw the same values);
 - state kept per parameter (per-sample momentum's iterates, the low-pass filter's history) is kept as shards, and
   goes into checkpoints :func:`gathered` to full values, from which each rank takes its shard back
-  (:func:`shard_like`);
-- every forward and backward is a collective, so where ranks could take different paths they agree first
-  (:func:`any_rank_of_mesh`).
+  (:func:`shard_like`).
 """
 
 from __future__ import annotations
@@ -101,17 +99,6 @@ def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:
     mesh = param.device_mesh
     pending = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, run_check=False)
     return pending.redistribute(mesh, param.placements)
-
-
-def any_rank_of_mesh(flag: bool, sharded: DTensor) -> bool:
-    """Whether ``flag`` is True on any rank of ``sharded``'s device mesh (one MAX all-reduce of one integer).
-
-    A collective: every rank of the mesh must call it, e.g. to make every rank take the same path when the path
-    decides which collectives run next.
-    """
-    mesh = sharded.device_mesh
-    local = torch.tensor([int(flag)], device=sharded.device)
-    return bool(DTensor.from_local(local, mesh, [Partial("max")] * mesh.ndim, run_check=False).full_tensor().item())
 
 
 def shard_key(tensor: DTensor) -> tuple[int, ...]:

@@ -382,12 +382,6 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "DPStrategy",
-        "clipping_groups='per_layer', bookkeeping=False",
-        _strategy(target_epsilon=1.0, clipping_groups="per_layer", bookkeeping=False),
-        "clipping_groups needs bookkeeping=True",
-    ),
-    BadInput(
-        "DPStrategy",
         "clipping_groups='per_layer', noise='laplace'",
         _strategy(noise="laplace", noise_params={"noise_scale": 1.0}, clipping_groups="per_layer"),
         "clipping_groups needs an l2 mechanism",
@@ -437,12 +431,6 @@ CASES: list[BadInput] = [
     ),
     BadInput("DPStrategy", "sample_rate=1.5", _strategy(noise_multiplier=1.0, sample_rate=1.5), "sample_rate"),
     BadInput("DPStrategy", "sum_check_every=0", _strategy(noise_multiplier=1.0, sum_check_every=0), "sum_check_every"),
-    BadInput(
-        "DPStrategy",
-        "sum_check_every=None, bookkeeping=False",
-        _strategy(noise_multiplier=1.0, sum_check_every=None, bookkeeping=False),
-        "needs bookkeeping=True",
-    ),
     BadInput(
         "DPStrategy",
         "secure_mode=True, seed=0",

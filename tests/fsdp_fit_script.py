@@ -12,9 +12,9 @@ own launcher. In one launch, every rank runs in turn:
 - ``"layers only"``: only the decoder layers sharded (the embedding and the final norm stay plain tensors, their
   clipped sums all-reduced), and rank 1's final norm weight changed before the strategy's setup;
 - ``"lowpass part"`` and ``"lowpass resumed"``: a low-pass filter, 2 steps with a checkpoint, then resumed to 3;
-- ``"momentum sharded"`` and ``"momentum replicated"``: per-sample momentum (``momentum_length=3``) with the second
-  backward (``bookkeeping=False``), zero noise, a float64 model, an evaluation forward after every step; sharded
-  under DPModelParallelStrategy, unsharded under DPDDPStrategy on the same processes;
+- ``"momentum sharded"`` and ``"momentum replicated"``: per-sample momentum (``momentum_length=3``), zero noise, a
+  float64 model, an evaluation forward after every step; sharded under DPModelParallelStrategy, unsharded under
+  DPDDPStrategy on the same processes;
 - ``"momentum part"`` and ``"momentum resumed"``: the same options with noise, sharded, 2 steps with a checkpoint,
   then resumed to 3.
 
@@ -233,7 +233,7 @@ if __name__ == "__main__":
     fit(DPModelParallelStrategy(**lowpass), 2, "lowpass part", callbacks=[checkpoint])
     (saved,) = sorted((args.out / "ckpt_lowpass").iterdir())
     fit(DPModelParallelStrategy(**lowpass), 3, "lowpass resumed", ckpt_path=str(saved))
-    momentum = dict(STRATEGY, momentum_length=3, momentum_beta=0.8, bookkeeping=False)
+    momentum = dict(STRATEGY, momentum_length=3, momentum_beta=0.8)
     exact = dict(momentum, noise_multiplier=0.0)
     fit(DPModelParallelStrategy(**exact), 3, "momentum sharded", callbacks=[Evaluate()], dtype=torch.float64)
     fit(DPDDPStrategy(**exact), 3, "momentum replicated", callbacks=[Evaluate()], dtype=torch.float64, shard="none")

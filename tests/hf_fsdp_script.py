@@ -24,9 +24,7 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   (empty Poisson batches: the sharded run's stand-in batches are re-run at the stored iterates), an evaluation and a
   checkpoint at every step, sharded and unsharded; ``"momentum resumed sharded"`` and ``"momentum resumed
   replicated"``: each resumed from its checkpoint at step 2 (the iterates, gathered into the checkpoint, taken back
-  shard by shard);
-- ``"two-backward sharded"`` and ``"two-backward replicated"``: zero noise with the second backward
-  (``bookkeeping=False``), LoRA adapters, sharded and unsharded.
+  shard by shard).
 
 Every run records the gathered parameters and optimizer state (and the low-pass filter's and per-sample momentum's
 state, when it has them) when it writes a checkpoint and when its training begins (after a resume restored them).
@@ -204,8 +202,6 @@ def main(out: Path) -> None:
         checkpoint = out / f"momentum {how}" / "checkpoint-2"
         model = sharding(tiny_llama(torch.float64))
         train(f"momentum resumed {how}", model, out, 0.0, resume=checkpoint, privacy=momentum, **every_step)
-        model = sharding(lora(tiny_llama(torch.float64)))
-        train(f"two-backward {how}", model, out, 0.0, privacy={"bookkeeping": False})
     train("small sharded", shard(tiny_llama(torch.float64)), out, noise=0.0, batch=1, accum=2)
     train("small replicated", tiny_llama(torch.float64), out, noise=0.0, batch=1, accum=2)
     best = dict(eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1, load_best_model_at_end=True)

@@ -1,5 +1,4 @@
-"""Per-sample clipping (exact engines, with book-keeping and with two backwards) against a torch.func per-sample
-gradient oracle, in float64."""
+"""Per-sample clipping (exact engines, book-keeping) against a torch.func per-sample gradient oracle, in float64."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from lightning_dp.clipping.hooks import Capture
 
 ENGINES = ("flat", "ghost", "fgc", "mixed")
 RTOL = 1e-4
-BOOKKEEPING = pytest.mark.parametrize("bookkeeping", [True, False], ids=["bk", "2bw"])
 
 Forward = Callable[..., torch.Tensor]
 LossFn = Callable[[Forward, tuple[torch.Tensor, ...]], torch.Tensor]
@@ -56,7 +54,6 @@ def check_against_oracle(
     loss_fn: LossFn = sin_loss,
     norm: int = 2,
     atol: float = 1e-10,
-    bookkeeping: bool = True,
     oracle: Callable[[nn.Module, tuple[torch.Tensor, ...], LossFn], dict[str, torch.Tensor]] | None = None,
 ) -> PerSampleClipper:
     """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle
@@ -65,9 +62,7 @@ def check_against_oracle(
     ref_norms = oracle_norms(grads, norm)
     max_grad_norm = ref_norms.median().item()
     factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)
-    clipper = PerSampleClipper(
-        model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm, bookkeeping=bookkeeping, sum_check_every=1
-    )
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm, sum_check_every=1)
 
     norms = clipper.per_sample_norms(loss_fn(model, inputs))
     torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=1e-10)
@@ -151,24 +146,22 @@ LAYER_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]
 }
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
 @pytest.mark.parametrize("case", sorted(LAYER_CASES))
-def test_layer_matches_oracle(case: str, clipping: str, bookkeeping: bool) -> None:
+def test_layer_matches_oracle(case: str, clipping: str) -> None:
     make_layer, make_input = LAYER_CASES[case]
-    check_against_oracle(randomise(make_layer()), (make_input(),), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(randomise(make_layer()), (make_input(),), clipping)
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_mlp_with_inplace_activation(clipping: str, bookkeeping: bool) -> None:
+def test_mlp_with_inplace_activation(clipping: str) -> None:
     model = randomise(nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 3), nn.Tanh()))
-    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(model, (rand(B, 6, 5),), clipping)
     # in place on a 3-D Linear output (a view of the 2-D matmul result)
     model = randomise(
         nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
     )
-    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(model, (rand(B, 6, 5),), clipping)
 
 
 @pytest.mark.parametrize("clipping", ENGINES)
@@ -209,12 +202,11 @@ class CalledTwice(nn.Module):
         return self.conv(self.conv(h.transpose(1, 2)).tanh())
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tied_embedding_and_output_weight(clipping: str, bookkeeping: bool) -> None:
+def test_tied_embedding_and_output_weight(clipping: str) -> None:
     model = randomise(TiedLM())
     assert model.out.weight is model.emb.weight
-    check_against_oracle(model, (IDS,), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(model, (IDS,), clipping)
 
 
 @pytest.mark.parametrize("clipping", ["flat", "mixed"])
@@ -236,10 +228,9 @@ def test_bookkeeping_reuses_materialised_gradients(clipping: str, monkeypatch) -
     assert {"emb", "out", "mix"} <= set(released)
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_module_called_twice(clipping: str, bookkeeping: bool) -> None:
-    check_against_oracle(randomise(CalledTwice()), (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
+def test_module_called_twice(clipping: str) -> None:
+    check_against_oracle(randomise(CalledTwice()), (rand(B, 6, 5),), clipping)
 
 
 def lm_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -251,9 +242,8 @@ def lm_loss(forward: Forward, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tiny_gpt2_matches_oracle(clipping: str, bookkeeping: bool) -> None:
+def test_tiny_gpt2_matches_oracle(clipping: str) -> None:
     transformers = pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
@@ -266,13 +256,12 @@ def test_tiny_gpt2_matches_oracle(clipping: str, bookkeeping: bool) -> None:
     assert isinstance(model.transformer.h[0].attn.c_attn, Conv1D)
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.transformer.wte.weight
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
-    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, bookkeeping=bookkeeping)
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_tiny_llama_matches_oracle(clipping: str, bookkeeping: bool) -> None:
+def test_tiny_llama_matches_oracle(clipping: str) -> None:
     """nn.Linear projections, HF LlamaRMSNorm (scale-only rule), rotary positions, tied embeddings."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -289,7 +278,7 @@ def test_tiny_llama_matches_oracle(clipping: str, bookkeeping: bool) -> None:
     model = randomise(transformers.LlamaForCausalLM(config), seed=3)
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     # LlamaRMSNorm normalises in float32 even for a float64 model: absolute tolerance at float32 level.
-    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, atol=1e-5, bookkeeping=bookkeeping)
+    check_against_oracle(model, (ids,), clipping, loss_fn=lm_loss, atol=1e-5)
 
 
 def test_gpt2_generate_and_save_pretrained_with_hooks(tmp_path) -> None:
@@ -330,13 +319,12 @@ def test_cuda_tied_lm(clipping: str) -> None:
     check_against_oracle(model, (IDS.cuda(),), clipping)
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_gradient_accumulation_sums(clipping: str, bookkeeping: bool) -> None:
+def test_gradient_accumulation_sums(clipping: str) -> None:
     model = randomise(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)))
     x1, x2 = rand(B, 5, seed=1), rand(3, 5, seed=2)
     grads = [oracle_grads(model, (x,)) for x in (x1, x2)]
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.5, bookkeeping=bookkeeping)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.5)
     clipper.backward(sin_loss(model, (x1,)))
     clipper.backward(sin_loss(model, (x2,)))
     for name, p in model.named_parameters():
@@ -360,9 +348,8 @@ def test_empty_batch(clipping: str) -> None:
     clipper.backward(sin_loss(model, (rand(B, 5),)))  # the next batch still works
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_small_cnn(clipping: str, bookkeeping: bool) -> None:
+def test_small_cnn(clipping: str) -> None:
     model = nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1),
         nn.GroupNorm(2, 4),
@@ -371,14 +358,13 @@ def test_small_cnn(clipping: str, bookkeeping: bool) -> None:
         nn.Flatten(),
         nn.Linear(4 * 3 * 3, 3),
     )
-    check_against_oracle(randomise(model), (rand(B, 3, 8, 8),), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(randomise(model), (rand(B, 3, 8, 8),), clipping)
 
 
-@BOOKKEEPING
-def test_l1_clipping_flat(bookkeeping: bool) -> None:
+def test_l1_clipping_flat() -> None:
     model = randomise(nn.Sequential(nn.Conv1d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6, 3)))
-    check_against_oracle(model, (rand(B, 3, 8),), "flat", norm=1, bookkeeping=bookkeeping)
-    check_against_oracle(randomise(TiedLM()), (IDS,), "flat", norm=1, bookkeeping=bookkeeping)
+    check_against_oracle(model, (rand(B, 3, 8),), "flat", norm=1)
+    check_against_oracle(randomise(TiedLM()), (IDS,), "flat", norm=1)
 
 
 def test_detach_restores_module() -> None:
@@ -474,11 +460,10 @@ class FunctionalReuse(nn.Module):
         return self.lin(x) + F.linear(x.flip(-1), self.lin.weight)
 
 
-@BOOKKEEPING
 @pytest.mark.parametrize("clipping", ENGINES)
-def test_hooked_parameter_also_used_functionally_rejected(clipping: str, bookkeeping: bool) -> None:
+def test_hooked_parameter_also_used_functionally_rejected(clipping: str) -> None:
     model = FunctionalReuse()
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=bookkeeping)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
     with pytest.raises(UnsupportedModuleError, match=r"'lin\.weight'.*outside the forward"):
         clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
 
@@ -557,11 +542,12 @@ class L2Penalised(nn.Module):
 
 @pytest.mark.parametrize("clipping", ENGINES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outside_use_checked_on_every_batch_without_bookkeeping(clipping: str, dtype: torch.dtype) -> None:
-    """Two backwards: an L2 penalty that is zero on the first batches and non-zero later raises at that batch."""
+def test_outside_use_checked_on_every_batch(clipping: str, dtype: torch.dtype) -> None:
+    """``sum_check_every=1``: an L2 penalty that is zero on the first batches and non-zero later raises at that batch,
+    before anything is written."""
     torch.manual_seed(0)
     model = L2Penalised().to(dtype)
-    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=False)
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, sum_check_every=1)
     x = torch.randn(B, 5, dtype=dtype)
     for _ in range(2):
         clipper.backward(model.loss(x, lam=0.0))
@@ -573,8 +559,6 @@ def test_outside_use_checked_on_every_batch_without_bookkeeping(clipping: str, d
     # A small penalty (lam=1e-3) is still caught in float32/64.
     with pytest.raises(UnsupportedModuleError, match=r"'net\.0\.weight'"):
         clipper.backward(model.loss(x, lam=1e-3))
-    with pytest.raises(ValueError, match="needs bookkeeping=True"):
-        PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=False, sum_check_every=None)
 
 
 @pytest.mark.parametrize("clipping", ENGINES)
@@ -623,12 +607,11 @@ def test_extra_parameter_of_supported_subclass_rejected() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x) * self.lin.gain
 
-    for bookkeeping in (True, False):
-        model = Model()
-        clipper = PerSampleClipper(model, max_grad_norm=1.0, bookkeeping=bookkeeping)
-        with pytest.raises(UnsupportedModuleError, match=r"'lin\.gain'.*no per-sample gradient"):
-            clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
-        assert all(p.grad is None for p in model.parameters())
+    model = Model()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"'lin\.gain'.*no per-sample gradient"):
+        clipper.backward(sin_loss(model, (torch.randn(B, 5),)))
+    assert all(p.grad is None for p in model.parameters())
     # Unchecked book-keeping: the gain gets no gradient (zeros, then noise), never an unclipped one.
     model = Model()
     PerSampleClipper(model, max_grad_norm=1.0, sum_check_every=None).backward(sin_loss(model, (torch.randn(B, 5),)))
@@ -718,10 +701,9 @@ def test_view_output_that_is_not_a_reshape_is_copied() -> None:
 
 
 @pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
-@pytest.mark.parametrize("bookkeeping", [True, False])
-def test_a_forward_hook_that_replaces_a_layers_output(clipping: str, bookkeeping: bool) -> None:
+def test_a_forward_hook_that_replaces_a_layers_output(clipping: str) -> None:
     """A user's forward hook (registered before the clipper) returning a new output: the per-sample gradients are
     those of the layer's own output, taken before the hook (the clipper's hook runs first)."""
     model = randomise(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)))
     model[0].register_forward_hook(lambda module, args, output: 2.0 * output + 0.5)
-    check_against_oracle(model, (rand(B, 6, 5),), clipping, bookkeeping=bookkeeping)
+    check_against_oracle(model, (rand(B, 6, 5),), clipping)

@@ -1,6 +1,6 @@
 """``clipping="auto"``, the default engine: resolved once by the mechanism's clipping norm (``mixed`` for l2,
 ``flat`` for l1), named with its reason in the start-up block, reported by its resolved name, and training exactly
-as ``flat`` does wherever ``flat`` trains (every layer family, per-sample momentum, a second backward, l1 noise)."""
+as ``flat`` does wherever ``flat`` trains (every layer family, per-sample momentum, l1 noise)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,6 @@ def test_the_start_up_block_summary_and_trackers_name_the_resolved_engine() -> N
     assert engine.defaults_applied.count(L2_REASON) == 1
     engine.record_step()
     assert engine.summary()["clipping"] == "mixed" and tracker_params(engine.summary())["dp/clipping"] == "mixed"
-    second = _prepared(bookkeeping=False, sum_check_every=1)
-    assert "clipping = 'mixed' with a second backward (auto: " in second.startup_lines()[-1]
 
 
 class EveryFamily(pl.LightningModule):
@@ -115,7 +113,6 @@ SETUPS = {
     "lap2": (NOISE["lap2"], "mixed"),
     "laplace (l1)": (NOISE["laplace"], "flat"),
     "per-sample momentum": ({"noise_multiplier": 1.0, "momentum_length": 2}, "mixed"),
-    "second backward": ({"noise_multiplier": 1.0, "bookkeeping": False}, "mixed"),
 }
 
 

@@ -255,7 +255,6 @@ def test_the_clipper_names_the_layers_when_the_bounds_do_not_fit() -> None:
         (dict(max_grad_norm=[1.0], clipping_groups=[["a"], ["b"]]), "1 bounds but clipping_groups has 2 groups"),
         (dict(clipping_groups="per_layer", norm=1), "l2 mechanism"),
         (dict(clipping_groups="per_layer", clipping="hutch"), "exact clipping engine"),
-        (dict(clipping_groups="per_layer", bookkeeping=False), "needs bookkeeping=True"),
     ],
 )
 def test_the_clipper_refuses_what_groups_do_not_support(options, match) -> None:

@@ -107,7 +107,6 @@ def test_a_checkpoint_resumes_at_the_same_sensitivity_only() -> None:
         (dict(clipping_groups="layers", noise_multiplier=1.0), "must be 'per_layer'"),
         (dict(noise="laplace", noise_params={"noise_scale": 1.0}, clipping_groups="per_layer"), "l2 mechanism"),
         (dict(clipping="hutch", clipping_groups="per_layer", noise_multiplier=1.0), "exact clipping engine"),
-        (dict(bookkeeping=False, clipping_groups="per_layer", noise_multiplier=1.0), "bookkeeping=True"),
         (dict(target_unclipped_quantile=0.5, clipping_groups="per_layer", noise_multiplier=1.0), "adaptive clipping"),
         (dict(max_grad_norm=[1.0], clipping_groups=[["a*"], ["b*"]], noise_multiplier=1.0), "1 bounds but"),
     ],

@@ -85,12 +85,6 @@ def test_recurrent_matches_oracle(case: str, clipping: str) -> None:
 
 
 @pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
-def test_recurrent_two_backwards_matches_oracle(clipping: str) -> None:
-    model = randomise(Recurrent(CASES["lstm_2layer_bidir"]()))
-    check_against_oracle(model, _inputs(model.rnn), clipping, bookkeeping=False, oracle=loop_oracle)
-
-
-@pytest.mark.parametrize("clipping", ["flat", "ghost", "mixed"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_recurrent_packed_with_initial_state_matches_oracle(case: str, clipping: str) -> None:
     model = randomise(Recurrent(CASES[case](), packed=True, initial=True))

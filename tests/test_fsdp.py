@@ -15,15 +15,14 @@ sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
 - a rank with an empty micro-batch joins the step on the engine's stand-in batch, which adds nothing;
 - the first-step checks run in lockstep (the rank with too few examples to check joins the passes) and mixing found
   on one rank makes every rank raise;
-- the second backward (``bookkeeping=False``) and per-sample momentum (alone, together, and on a LoRA model): with
-  zero noise, 3 steps through the engine equal single-process training on the union, with an evaluation forward
-  between the steps (FSDP2 then keeps the root gathered), an example whose loss is not finite on one rank (that
-  rank alone drops it; the two-backward path then forms the clipped sum by book-keeping on every rank) and an empty
-  micro-batch on one rank (its stand-in batch, re-run at the stored iterates, adds nothing); the iterates are
-  shards (half the bytes), gathered into the engine's state and taken back shard by shard;
-- adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted); and both
-  clipped sums with every Linear an FSDP unit of its own; augmentation multiplicity (2 copies per example, also with
-  the second backward and per-sample momentum: the stand-in batch's copies add nothing);
+- per-sample momentum (alone and on a LoRA model): with zero noise, 3 steps through the engine equal single-process
+  training on the union, with an evaluation forward between the steps (FSDP2 then keeps the root gathered), an
+  example whose loss is not finite on one rank (that rank alone drops it) and an empty micro-batch on one rank (its
+  stand-in batch, re-run at the stored iterates, adds nothing); the iterates are shards (half the bytes), gathered
+  into the engine's state and taken back shard by shard;
+- adaptive clipping: the same comparison (the ranks' counts summed, the stand-in batch not counted); and the clipped
+  sum with every Linear an FSDP unit of its own; augmentation multiplicity (2 copies per example, also with
+  per-sample momentum: the stand-in batch's copies add nothing);
 - what is not supported (modules the clipper swaps, an empty batch without the stand-in) fails early.
 """
 
@@ -158,17 +157,14 @@ def _dp_optimizer(optimizer, mechanism, expected_batch_size: float, *, seed: int
     )
 
 
-#: the options of the engine runs through the two-backward path and per-sample momentum (zero noise, 3 steps), and
-#: whether the model has LoRA adapters.
+#: the options of the engine runs (zero noise, 3 steps), and whether the model has LoRA adapters.
 ENGINE_RUNS = {
-    "second backward": (dict(bookkeeping=False), False),
     "momentum": (dict(momentum_length=3, momentum_beta=0.8), False),
-    "momentum, second backward, lora": (dict(momentum_length=2, bookkeeping=False), True),
+    "momentum, lora": (dict(momentum_length=2), True),
     # zero noise on the count too, so that the count's draw cannot differ by the stream's position
     "adaptive clipping": (dict(target_unclipped_quantile=0.5, unclipped_num_std=0.0), False),
-    # every Linear an FSDP unit of its own (their hooks then run after FSDP2's, which reshards): both clipped sums
+    # every Linear an FSDP unit of its own (their hooks then run after FSDP2's, which reshards)
     "leaf units": (dict(), False),
-    "second backward, leaf units": (dict(bookkeeping=False), False),
     # group-wise clipping: one bound per layer (CLIP split equally), and pattern groups with per-sample momentum
     "clipping groups per layer": (dict(clipping_groups="per_layer"), False),
     "clipping groups, momentum, lora": (
@@ -177,10 +173,7 @@ ENGINE_RUNS = {
     ),
     # augmentation multiplicity: 2 copies of each sequence (the second rolled by one token), averaged before clipping
     "augmentation multiplicity": (dict(augmentation_multiplicity=2), False),
-    "augmentation multiplicity, second backward, momentum": (
-        dict(augmentation_multiplicity=2, bookkeeping=False, momentum_length=2),
-        False,
-    ),
+    "augmentation multiplicity, momentum": (dict(augmentation_multiplicity=2, momentum_length=2), False),
 }
 ENGINE_STEPS = 3
 NONFINITE_STEP, NONFINITE_ROW = 1, 3  # row 3 of the union: rank 1's second example
@@ -394,7 +387,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             except ValueError as error:
                 result["buffer check"][case] = str(error)
             reshard_all(model)
-        # the second backward and per-sample momentum
+        # the engine runs: per-sample momentum, adaptive clipping, groups, augmentation multiplicity
         for name, (options, lora) in ENGINE_RUNS.items():
             model = _shard(_tiny_llama(lora), mesh, leaves="leaf units" in name)
             result[("engine run", name)], engine = _engine_run(model, context, rank, world, **options)
@@ -572,7 +565,7 @@ def test_what_is_not_supported_fails_early_on_every_rank(ranks):
 
 
 @pytest.mark.parametrize("name", list(ENGINE_RUNS))
-def test_second_backward_and_momentum_equal_single_process_training_on_the_union(ranks, name):
+def test_engine_runs_equal_single_process_training_on_the_union(ranks, name):
     options, lora = ENGINE_RUNS[name]
     assert _rows(EMPTY_STEP, 1, WORLD) == [] and NONFINITE_ROW in _rows(NONFINITE_STEP, 1, WORLD)
     expected, engine = _engine_run(_tiny_llama(lora), None, 0, 1, **options)

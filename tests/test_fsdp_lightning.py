@@ -7,11 +7,11 @@ trains a tiny float32 Llama (tied embeddings, sharded with ``fully_shard`` in ``
 ``PrivacyAccountantCallback``) is the single-process accountant's at the same q and steps; two runs with one seed
 give identical parameters; a sharded checkpoint (DCP folder, privacy state in ``meta.pt``), and a full one in one
 file, restore the weights and resume with the uninterrupted run's step count and epsilon; ``generate`` works on the
-gathered weights on rank 0 and on the sharded model; ``Trainer(strategy="dp_fsdp")`` trains at epsilon 3; the
-low-pass filter's history resumes from a sharded checkpoint; per-sample momentum with the second backward, with
-zero noise, trains exactly as under DPDDPStrategy on the unsharded model, and its iterates resume from a sharded
-checkpoint (epsilon continues). The engine's own sharded numbers (norms, the clipped sum, the noise) are tested in
-tests/test_fsdp.py. Arguments that are not supported fail at construction.
+gathered weights on rank 0 and on the sharded model; ``Trainer(strategy="dp_fsdp")`` trains at epsilon 3; the low-pass
+filter's history resumes from a sharded checkpoint; per-sample momentum, with zero noise, trains exactly as under
+DPDDPStrategy on the unsharded model, and its iterates resume from a sharded checkpoint (epsilon continues). The
+engine's own sharded numbers (norms, the clipped sum, the noise) are tested in tests/test_fsdp.py. Arguments that are
+not supported fail at construction.
 """
 
 from __future__ import annotations
@@ -221,10 +221,9 @@ def test_the_lowpass_filters_history_resumes_from_the_sharded_checkpoint(ranks):
         assert resumed["steps"] == 3 and resumed["lowpass"]["steps"] == 3
 
 
-def test_zero_noise_momentum_with_a_second_backward_equals_unsharded_training(ranks):
-    """Per-sample momentum (3 iterates) and the second backward, with an evaluation forward after every step: the
-    sharded model under DPModelParallelStrategy trains as the unsharded one under DPDDPStrategy, to float64
-    round-off."""
+def test_zero_noise_momentum_equals_unsharded_training(ranks):
+    """Per-sample momentum (3 iterates), with an evaluation forward after every step: the sharded model under
+    DPModelParallelStrategy trains as the unsharded one under DPDDPStrategy, to float64 round-off."""
     sharded, replicated = (ranks[0][f"momentum {how}"] for how in ("sharded", "replicated"))
     assert sharded["strategy"] == "DPModelParallelStrategy" and replicated["strategy"] == "DPDDPStrategy"
     assert sharded["batch_sizes"] == replicated["batch_sizes"] and sharded["steps"] == replicated["steps"] == 3

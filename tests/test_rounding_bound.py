@@ -6,7 +6,6 @@ most ``C`` with every exact engine (the broad grid is ``tests/test_fuzz_crafted.
 from __future__ import annotations
 
 import copy
-import logging
 import math
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.clipper import SECOND_BACKWARD_WARNING
 from lightning_dp.clipping.rounding import rounded_norm_bound
 from lightning_dp.clipping.terms import Factored, Materialised, reduced
 
@@ -72,12 +70,9 @@ def test_rounded_norm_bound_formula_and_non_finite_scales() -> None:
     torch.testing.assert_close(l1[0, :2], torch.tensor([4 + 18 * r, 2e6 * r]))
 
 
-@pytest.mark.parametrize("bookkeeping", [True, False], ids=["bk", "2bw"])
 @pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
 @pytest.mark.parametrize("magnitude", [1e4, 1e8])
-def test_cancelling_tokens_move_the_float32_release_by_at_most_c(
-    magnitude: float, clipping: str, bookkeeping: bool
-) -> None:
+def test_cancelling_tokens_move_the_float32_release_by_at_most_c(magnitude: float, clipping: str) -> None:
     """Two tokens ``m (u + rho e_1)`` and ``m (u + rho e_2)`` with output gradients ``v`` and ``-v`` (``rho = 1e2 /
     m``): the true gradient is ``O(100)``, each token's ``O(m)``. Ghost norms subtract squares of order ``m^2`` and
     reported a norm near 0 for it, and every engine's sum rounds it otherwise than its norm; the release moved by up
@@ -93,21 +88,11 @@ def test_cancelling_tokens_move_the_float32_release_by_at_most_c(
     sums = []
     for x in (ordinary, torch.cat([ordinary, crafted[None]])):
         model = copy.deepcopy(layer)
-        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, bookkeeping=bookkeeping)
+        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
         loss = ((model(x) * direction).sum(-1) * token_weights[: x.shape[0]]).sum(1)  # linear in the output
         clipper.backward(loss)
         sums.append(model.weight.grad.double())
     assert float((sums[1] - sums[0]).norm()) <= 1.0 + 1e-4
-
-
-def test_a_second_backward_is_announced_once(caplog: pytest.LogCaptureFixture) -> None:
-    """The second backward recomputes the output gradients the norms were taken from (docs/privacy.md): building a
-    clipper with ``bookkeeping=False`` says so once, book-keeping says nothing."""
-    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
-        PerSampleClipper(nn.Linear(P, Q), max_grad_norm=1.0)
-        assert not caplog.records
-        PerSampleClipper(nn.Linear(P, Q), max_grad_norm=1.0, bookkeeping=False)
-    assert [r.getMessage() for r in caplog.records] == [SECOND_BACKWARD_WARNING]
 
 
 def _alternating_tokens(magnitude: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

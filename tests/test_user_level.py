@@ -1,9 +1,9 @@
 """User-level privacy (``privacy_unit="user"``, :mod:`lightning_dp.data.users`): each sampled user's rows are folded
 into one clipped unit, the clipped MEAN of their examples' gradients.
 
-- the clipped sum of every exact engine (book-keeping and second backward) against a torch.func oracle (per-example
-  gradients, averaged per user, clipped, summed) on an MLP and an embedding model, and a Lightning step's update
-  against the same oracle divided by ``q N`` (users);
+- the clipped sum of every exact engine against a torch.func oracle (per-example gradients, averaged per user,
+  clipped, summed) on an MLP and an embedding model, and a Lightning step's update against the same oracle divided by
+  ``q N`` (users);
 - adaptive clipping counts the sampled users left unclipped, against an expected batch of ``q N`` users;
 - a prolific user with large losses moves the clipped sum by at most C;
 - Poisson sampling includes each user independently with rate q, and a collated batch carries all of a sampled
@@ -153,14 +153,13 @@ def _user_batch(data: Dataset, k: int | None, users: list[int] | None = None) ->
     return regrouped, UserCollate(default_collate)([regrouped[u] for u in chosen])
 
 
-def _clipped_user_sum(model, loss, key, batch, engine, bound, bookkeeping=True):
+def _clipped_user_sum(model, loss, key, batch, engine, bound):
     rows, weights = flatten_users(batch)
     model.zero_grad(set_to_none=True)
     clipper = PerSampleClipper(
         model,
         clipping=engine,
         max_grad_norm=bound,
-        bookkeeping=bookkeeping,
         sum_check_every=1,
         augmentation_multiplicity=weights.shape[1],
     )
@@ -172,10 +171,9 @@ def _clipped_user_sum(model, loss, key, batch, engine, bound, bookkeeping=True):
 
 
 # ------------------------------------------------------------------------------------------------ oracles
-@pytest.mark.parametrize("bookkeeping", [True, False], ids=["bookkeeping", "second_backward"])
 @pytest.mark.parametrize("engine", EXACT)
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_clipped_sum_of_user_means_matches_oracle(name: str, engine: str, bookkeeping: bool) -> None:
+def test_clipped_sum_of_user_means_matches_oracle(name: str, engine: str) -> None:
     _, kind, loss, key = MODELS[name]
     data = Examples(USER_OF, kind)
     model = _model(name)
@@ -185,7 +183,7 @@ def test_clipped_sum_of_user_means_matches_oracle(name: str, engine: str, bookke
     norms_expected, _ = _user_oracle(_example_grads(model, loss, data.x, data.y), members, 1.0)
     bound = float(norms_expected.median())  # about half of the users clipped
     norms_expected, expected = _user_oracle(_example_grads(model, loss, data.x, data.y), members, bound)
-    norms, grads = _clipped_user_sum(model, loss, key, batch, engine, bound, bookkeeping)
+    norms, grads = _clipped_user_sum(model, loss, key, batch, engine, bound)
     torch.testing.assert_close(norms, norms_expected, rtol=1e-9, atol=1e-12)  # the mean is formed in float64
     assert 0 < int((norms > bound).sum()) < len(members)
     for param_name, value in grads.items():
@@ -623,8 +621,7 @@ def test_good_user_options_are_accepted() -> None:
 
 
 # ------------------------------------------------------------------------------- augmentation multiplicity
-@pytest.mark.parametrize("bookkeeping", [True, False], ids=["bookkeeping", "second_backward"])
-def test_identical_copies_over_users_train_exactly_as_one_copy(bookkeeping: bool) -> None:
+def test_identical_copies_over_users_train_exactly_as_one_copy() -> None:
     """A user's K rows each repeated twice (no augmentation): the clipped unit is the user's 2 K rows, its mean
     gradient the same, so the same Poisson samples, subsets and noise give the parameters of one copy."""
     users = [u for u in range(8) for _ in range(1 + u % 4)]  # 1 to 4 examples: random subsets of 3 for some
@@ -632,7 +629,7 @@ def test_identical_copies_over_users_train_exactly_as_one_copy(bookkeeping: bool
     states, seen = [], []
     for copies in (1, 2):
         module = UserClassifier(data, batch_size=4, copies=copies, lr=0.5)
-        strategy = _user_strategy(examples_per_user=3, augmentation_multiplicity=copies, bookkeeping=bookkeeping)
+        strategy = _user_strategy(examples_per_user=3, augmentation_multiplicity=copies)
         make_trainer(strategy, max_steps=3).fit(module)
         assert strategy.privacy_engine.rows_per_unit == 3 * copies
         states.append(module.state_dict())

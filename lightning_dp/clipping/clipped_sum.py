@@ -1,8 +1,8 @@
 """The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping (docs/design.md
 sections 4.4 and 9.2): what each group of captures keeps for it while the norms are taken, the masking of samples
-whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``; and :func:`add_to_grad`, how any clipped sum
-(also the second backward's) reaches ``p.grad``, on a sharded parameter its shard. The mixin holds no state of its
-own: it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
+whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``; and :func:`add_to_grad`, how the clipped sum
+reaches ``p.grad``, on a sharded parameter its shard. The mixin holds no state of its own: it reads the clipper's
+attributes (set by ``PerSampleClipper.__init__``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ class ClippedSumMixin:
     """Book-keeping of the clipped sum and masking of non-finite samples for
     :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (a base class of it, not used alone)."""
 
-    bookkeeping: bool
     dropped_nonfinite: bool
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
@@ -57,17 +56,13 @@ class ClippedSumMixin:
     def _kept_for_sum(
         self,
         terms: dict[nn.Parameter, list[Term]],
-        past_terms: dict[nn.Parameter, list[Term]],
         group: list[Capture],
-        then: list[Capture],
         grads: dict[nn.Parameter, torch.Tensor],
     ) -> dict[nn.Parameter, list[Term]] | list[Capture]:
-        """What the clipped sum of one group needs: its terms when they are views of the captures (nothing new held),
-        else the captures, whose terms are then formed again; with book-keeping all of the group's terms, else the
-        past iterates'. Per-sample gradients the engine formed (``grads``, book-keeping only) replace their
-        parameter's terms; when they replace every term, the group's captured tensors are released."""
-        if not self.bookkeeping:
-            return then if _allocates_memory(past_terms, then) else past_terms
+        """What the clipped sum of one group needs: its terms (of the current and the past iterates) when they are
+        views of the captures (nothing new held), else the captures, whose terms are then formed again. Per-sample
+        gradients the engine formed (``grads``) replace their parameter's terms; when they replace every term, the
+        group's captured tensors are released."""
         rest = {param: param_terms for param, param_terms in terms.items() if param not in grads}
         if _allocates_memory(rest, group):
             return group

@@ -4,23 +4,19 @@ Data flow: per-sample loss ``[B]`` -> ONE backward pass that computes only the o
 (no parameter gradient) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip
 factors ``c_i = min(1, C / (nu_i + 1e-6))``, ``nu_i >= n_i`` the norm's bound with rounding
 (:func:`~.rounding.rounded_norm_bound`) -> the clipped sum ``sum_i c_i grad(loss_i)`` added into ``p.grad``
-(Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1), either
+(Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1) by book-keeping: ``sum_i c_i A_i^T G_i``
+formed from the same activations and output gradients the norms were taken from, in the one backward pass (Bu et al.
+2023, "Differentially private optimization on large model at small cost", Section 3, book-keeping). ``p.grad``
+receives only terms whose norms were counted, so a parameter also used outside its hooked layer loses that gradient
+but cannot leak it; the per-sample sum check (:mod:`sum_check`) runs on the first batch and every
+``sum_check_every`` batches to catch such silent losses and wrong layer maths. On an FSDP2-sharded model each clipped
+sum is summed into its parameter's shard (:func:`~.clipped_sum.add_to_grad`).
 
-- by book-keeping (default): ``sum_i c_i A_i^T G_i`` formed from the same activations and output gradients, without
-  a second backward (Bu et al. 2023, "Differentially private optimization on large model at small cost", Section 3,
-  book-keeping). ``p.grad`` receives only terms whose norms were counted, so a parameter also used outside its
-  hooked layer loses that gradient but cannot leak it; the per-sample sum check (:mod:`sum_check`) then runs on the
-  first batch and every ``sum_check_every`` batches to catch such silent losses and wrong layer maths; or
-- by a second backward of ``sum_i c_i loss_i`` (``bookkeeping=False``): autograd writes EVERY use of a parameter
-  into ``p.grad``, so the sum check runs on every batch (a use outside the layer would otherwise leak). On an
-  FSDP2-sharded model each gathered weight's gradient is summed into its shard as book-keeping's sums are
-  (:meth:`PerSampleClipper._second_backward`).
-
-Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers); book-keeping also
-keeps every hooked layer's output gradient until the clipped sum is formed, except for groups whose per-sample
-gradients the engine formed and kept instead (:meth:`ClippingEngine.contribution_and_gradient`: their captures are
-released once the norms are taken). Terms are formed per group of captures
-sharing a parameter and freed before the next group (twice with book-keeping: for the norms, then for the sums).
+Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers) and every hooked
+layer's output gradient until the clipped sum is formed, except for groups whose per-sample gradients the engine
+formed and kept instead (:meth:`ClippingEngine.contribution_and_gradient`: their captures are released once the
+norms are taken). Terms are formed per group of captures sharing a parameter and freed before the next group (twice:
+for the norms, then for the sums).
 Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
 next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
 is not supported.
@@ -28,8 +24,7 @@ is not supported.
 Group-wise clipping (``clipping_groups``; He et al. 2022, Section 3; :mod:`~lightning_dp.clipping.groups`): the
 engines' per-parameter contributions are summed per group instead of over all parameters, giving norms ``[G, B]``
 and factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]``; book-keeping scales each parameter's terms by its
-group's factors. The second backward scales each example's loss by ONE factor, which cannot express a factor per
-group, so groups need book-keeping.
+group's factors.
 
 Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`): captures of the same
 batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with their weights, join the current
@@ -52,15 +47,13 @@ momentum's past iterates).
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from lightning_dp.clipping.clipped_sum import ClippedSumMixin, add_to_grad
+from lightning_dp.clipping.clipped_sum import ClippedSumMixin
 from lightning_dp.clipping.engine import ClippingEngine, make_engine
 from lightning_dp.clipping.groups import (
     Bounds,
@@ -80,31 +73,15 @@ from lightning_dp.clipping.sum_check import reduced_precision
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
-from lightning_dp.sharding import any_rank_of_mesh, is_sharded, reshard_all, uses_fsdp
-
-log = logging.getLogger("lightning_dp")
+from lightning_dp.sharding import reshard_all, uses_fsdp
 
 _EPS = 1e-6
-#: Logged once per clipper built with ``bookkeeping=False``.
-SECOND_BACKWARD_WARNING = (
-    "bookkeeping=False: the clipped sum comes from a second backward, which recomputes the output gradients that the "
-    "per-sample norms were taken from; through an ill-conditioned layer (a saturated attention softmax) one crafted "
-    "example can then contribute more than max_grad_norm (docs/privacy.md, 'Rounding and the sensitivity'); "
-    "book-keeping (the default) cannot"
-)
-#: Default period (in clipped batches) of the sum check under book-keeping.
+#: Default period (in clipped batches) of the sum check.
 DEFAULT_SUM_CHECK_EVERY = 100
 
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
-
-
-def _into_shard(param: nn.Parameter, leaf: torch.Tensor) -> None:
-    """Move the gradient autograd accumulated in ``leaf`` (the unsharded copy of the sharded ``param`` that the
-    forward used) into ``param.grad``, summed over the ranks (:func:`add_to_grad`); ``leaf.grad`` is left None."""
-    gradient, leaf.grad = leaf.grad, None
-    add_to_grad(param, gradient)
 
 
 def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
@@ -114,16 +91,10 @@ def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
 
 
-def validate_sum_check(sum_check_every: int | None, bookkeeping: bool) -> None:
-    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches, or ``None`` with
-    book-keeping (with a second backward a parameter used outside its layer would reach ``.grad`` unclipped)."""
+def validate_sum_check(sum_check_every: int | None) -> None:
+    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches or ``None`` (no check)."""
     if sum_check_every is not None and sum_check_every < 1:
         raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
-    if sum_check_every is None and not bookkeeping:
-        raise ValueError(
-            "sum_check_every=None (no sum check) needs bookkeeping=True: with a second backward a parameter used "
-            "outside its layer would reach .grad unclipped, so that path checks every batch"
-        )
 
 
 class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
@@ -151,34 +122,29 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         clipping_groups: ``None`` (flat clipping over all trainable parameters), ``"per_layer"`` (one group per
             module owning trainable parameters, in ``named_modules`` order) or a list of groups of ``fnmatch``
             patterns on parameter names that puts every trainable parameter in exactly one group
-            (:func:`~lightning_dp.clipping.groups.resolve_clipping_groups`). l2 clipping, an exact engine and
-            book-keeping only.
+            (:func:`~lightning_dp.clipping.groups.resolve_clipping_groups`). l2 clipping and an exact engine only.
         norm: 2 (l2 clipping, Gaussian and l2 mechanisms) or 1 (l1 clipping for the Laplace mechanism; ``flat``
             only).
-        bookkeeping: form the clipped sum from the captured terms (one backward pass, default) instead of a second
-            backward (see the module docstring).
-        sum_check_every: with book-keeping, check that each trainable parameter's per-sample gradients sum to its
-            autograd gradient on the first non-empty batch and then every ``sum_check_every`` batches; ``None``
-            turns the check off. The check costs one parameter-gradient computation in the backward pass plus one
-            batch-summed gradient per parameter and one host sync. Tolerance: relative ``1e-3`` in float32/64,
-            ``5e-2`` under reduced precision, plus an absolute floor and a rounding allowance proportional to the
-            magnitudes summed (see :class:`~.sum_check.SumCheck`). A check
-            cannot see an outside use whose per-sample contributions cancel over the batch. The two-backward path
-            checks every batch, whatever this argument (``None`` is rejected there).
+        sum_check_every: check that each trainable parameter's per-sample gradients sum to its autograd gradient on
+            the first non-empty batch and then every ``sum_check_every`` batches; ``None`` turns the check off. The
+            check costs one parameter-gradient computation in the backward pass plus one batch-summed gradient per
+            parameter and one host sync. Tolerance: relative ``1e-3`` in float32/64, ``5e-2`` under reduced
+            precision, plus an absolute floor and a rounding allowance proportional to the magnitudes summed (see
+            :class:`~.sum_check.SumCheck`). A check cannot see an outside use whose per-sample contributions cancel
+            over the batch.
         projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
         generator_for: ``device -> torch.Generator`` on that device, the source of the randomized engines'
             projections (the run's DP randomness, never the global RNG); required for ``hutch``/``hutchpp``.
         augmentation_multiplicity: ``K >= 1``, the rows per example every hooked layer sees: rows ``i K .. i K + K -
             1`` are example ``i``'s augmented copies, and the per-sample loss ``[B]`` reduces them (De et al. 2022,
-            Section 3.2; :mod:`~lightning_dp.clipping.multiplicity`). Every engine, book-keeping or not, groups,
-            per-sample momentum and sharded models. 1 (default): one row per example.
+            Section 3.2; :mod:`~lightning_dp.clipping.multiplicity`). Every engine, groups, per-sample momentum and
+            sharded models. 1 (default): one row per example.
 
     Raises:
         ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``,
-            a bound that is not a positive finite number, ``sum_check_every < 1``, ``sum_check_every=None`` without
-            book-keeping, a randomized engine without ``generator_for``; with ``clipping_groups``: ``norm=1``, a
-            randomized engine, ``bookkeeping=False``, groups that do not cover every trainable parameter exactly
-            once, or a list of bounds of another length than the groups (see
+            a bound that is not a positive finite number, ``sum_check_every < 1``, a randomized engine without
+            ``generator_for``; with ``clipping_groups``: ``norm=1``, a randomized engine, groups that do not cover
+            every trainable parameter exactly once, or a list of bounds of another length than the groups (see
             :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`); a list ``max_grad_norm`` without
             ``clipping_groups``; ``augmentation_multiplicity`` not an integer >= 1.
         UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
@@ -193,7 +159,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         clipping: str = "flat",
         max_grad_norm: Bounds,
         norm: int = 2,
-        bookkeeping: bool = True,
         sum_check_every: int | None = DEFAULT_SUM_CHECK_EVERY,
         projection_dim: int | None = None,
         generator_for: Callable[[torch.device], torch.Generator] | None = None,
@@ -209,12 +174,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         validate_bounds(max_grad_norm)
         validate_clipping_groups(clipping_groups, max_grad_norm)
         if clipping_groups is not None:
-            check_grouped_clipping(
-                norm=norm, engine=clipping, randomized=self._engine.randomized, bookkeeping=bookkeeping
-            )
-        validate_sum_check(sum_check_every, bookkeeping)
-        if not bookkeeping:
-            log.warning(SECOND_BACKWARD_WARNING)
+            check_grouped_clipping(norm=norm, engine=clipping, randomized=self._engine.randomized)
+        validate_sum_check(sum_check_every)
         if self._engine.randomized and generator_for is None:
             raise ValueError(f"clipping={clipping!r} draws random projections: pass generator_for (the DP randomness)")
         self.module = module
@@ -229,7 +190,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: ``[G, B]`` the per-group norms of the last clipped batch with groups (``None`` without).
         self.last_group_norms: torch.Tensor | None = None
         self.norm = norm
-        self.bookkeeping = bookkeeping
         #: ``K``, the rows per example of every hooked layer (augmentation multiplicity; 1: one row per example).
         self.augmentation_multiplicity = int(augmentation_multiplicity)
         self.sum_check_every = sum_check_every
@@ -243,8 +203,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             # after a forward (evaluation, generation) FSDP2 may hold some modules' parameters gathered: the
             # clipper must know the registered shards, which the clipped sums go to
             reshard_all(module)
-        #: a sharded parameter (trainable or not) of the module, whose mesh the ranks agree over; None unsharded.
-        self._mesh_member = next((p for p in module.parameters() if is_sharded(p)), None)
         if clipping_groups is not None:  # named before the swaps add their proxies' names
             self._resolve_groups(module, clipping_groups, max_grad_norm)
         self._swaps = swap_modules(module)
@@ -394,12 +352,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                     )
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             check = self._check_due()
-            captures, batch_grads = self._backward_pass(
-                per_sample_loss, param_grads=check, weight=weight, retain_graph=not self.bookkeeping
-            )
-            kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = (
-                [] if accumulate and (self.bookkeeping or self._past) else None
-            )
+            captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
+            kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
@@ -424,51 +378,12 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 factors = clip_factors(bound, self._group_bounds())  # [G, B]
                 if keep is not None:
                     factors = torch.where(keep, factors, 0)
-                second_backward = not self.bookkeeping and not self._any_rank_dropped(keep is not None)
-                if not self.bookkeeping and not second_backward:  # it would carry 0 * inf = NaN: book-keeping
-                    kept = [*(kept or []), captures]
-                if kept is not None:
-                    with full_precision(per_sample_loss.device):
-                        self._add_clipped_sum(kept, batch, factors, keep)
-                if second_backward:  # flat clipping only (one factor per sample): groups need book-keeping
-                    scaled = factors[0].to(per_sample_loss.dtype) * per_sample_loss
-                    self._second_backward((scaled if weight == 1.0 else scaled * weight).sum(), captures)
+                with full_precision(per_sample_loss.device):
+                    self._add_clipped_sum(kept, batch, factors, keep)
         finally:
             self._hooks.clear()
             self.discard_past_iterates()
         return norms
-
-    def _any_rank_dropped(self, dropped: bool) -> bool:
-        """Whether this batch dropped a non-finite sample on this rank or, on a sharded model, on any rank of the
-        mesh (a collective): the second backward holds collectives (FSDP2 gathers the weights again, the sums are
-        reduce-scattered), so every rank must take it or form the clipped sum by book-keeping together."""
-        if self._mesh_member is None:
-            return dropped
-        return any_rank_of_mesh(dropped, self._mesh_member)
-
-    def _second_backward(self, scaled_loss: torch.Tensor, captures: list[Capture]) -> None:
-        """``p.grad += d scaled_loss / d p`` for every trainable parameter, by autograd on the retained graph
-        (hooks suspended), ``scaled_loss = weight * sum_i c_i loss_i``.
-
-        Autograd differentiates the tensors the forward used (:meth:`_forward_leaves`). A sharded parameter's are
-        the unsharded copies FSDP2 gathered: as autograd completes each one's gradient (every use summed), the
-        gradient is taken away from it, before FSDP2's own reduce-scatter could average it over the ranks, and
-        summed into the parameter's shard as book-keeping's sums are (:func:`add_to_grad`), so the shard receives
-        the sum over the ranks' examples (each full-size gradient is freed once its reduce-scatter completed, so a
-        few may be alive at once; not measured).
-        """
-        leaves = self._forward_leaves(captures)
-        handles = [
-            leaf.register_post_accumulate_grad_hook(functools.partial(_into_shard, param))
-            for param, leaf in leaves
-            if leaf is not param and is_sharded(param)
-        ]
-        try:
-            with self._hooks.suspended():
-                torch.autograd.backward(scaled_loss, inputs=[leaf for _, leaf in leaves])
-        finally:
-            for handle in handles:
-                handle.remove()
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
@@ -484,8 +399,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.
 
-        Consumes the activations captured in the forward pass that produced ``per_sample_loss`` (and, with
-        book-keeping, its autograd graph).
+        Consumes the activations captured in the forward pass that produced ``per_sample_loss`` (and its autograd
+        graph).
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample.
@@ -521,9 +436,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Non-finite samples: a sample whose loss (at any iterate) or norm is not finite (an input that overflows)
         contributes nothing: its factor is 0 and its terms are zeroed before the sum (``0 * inf`` would be NaN, and
         a NaN update exactly when the sample is drawn would reveal its membership). Nothing is raised for it, which
-        would reveal the same; :attr:`dropped_nonfinite` records that it happened. Without book-keeping, such a
-        batch's clipped sum is formed by book-keeping (a second backward would carry the NaN), and the sum check,
-        blind on such a batch, is due again on the next one.
+        would reveal the same; :attr:`dropped_nonfinite` records that it happened. The sum check, blind on such a
+        batch, is due again on the next one.
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample, from the forward pass the hooks captured.

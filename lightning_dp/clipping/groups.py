@@ -260,22 +260,18 @@ def resolve_clipping_groups(
     return ClippingGroups(spec=spec, labels=tuple(labels), bounds=tuple(bounds), index=tuple(index))
 
 
-def check_grouped_clipping(
-    *, norm: int, engine: str, randomized: bool, bookkeeping: bool, adaptive: bool = False
-) -> None:
+def check_grouped_clipping(*, norm: int, engine: str, randomized: bool, adaptive: bool = False) -> None:
     """Refuse the settings group-wise clipping does not support (called when ``clipping_groups`` is set).
 
     Args:
         norm: the clipping norm of the mechanism (1 or 2).
         engine: the clipping engine's name; ``randomized``: whether it estimates norms randomly.
-        bookkeeping: whether the clipped sum is formed by book-keeping (else a second backward).
         adaptive: whether the bound adapts (``target_unclipped_quantile``).
 
     Raises:
         ValueError: ``norm=1`` (the l1 sensitivity would be ``sum_g C_g``; not implemented); a randomized engine (the
-            ``rc`` accountant bounds one random scale of the whole clipped gradient, not one per group); no
-            book-keeping (the second backward scales each example's loss by one factor, so it cannot apply one per
-            group); adaptive clipping (it moves one bound).
+            ``rc`` accountant bounds one random scale of the whole clipped gradient, not one per group); adaptive
+            clipping (it moves one bound).
     """
     if norm == 1:
         raise ValueError(
@@ -288,11 +284,6 @@ def check_grouped_clipping(
             f"clipping_groups needs an exact clipping engine (auto, flat, ghost, fgc, mixed), got clipping={engine!r}: "
             "its norms are random estimates, and the rc accountant bounds one random scale of the whole clipped "
             "gradient, not one per group"
-        )
-    if not bookkeeping:
-        raise ValueError(
-            "clipping_groups needs bookkeeping=True: the second backward scales each example's loss by one factor, "
-            "which cannot apply a different factor to each group's gradient"
         )
     if adaptive:
         raise ValueError(

@@ -19,8 +19,7 @@ Each engine then sees, per example, the terms of the gradient of ``loss_i`` itse
 terms between copies included, exactly as it sees the uses of a tied parameter (section 4.5): the norms, the clip
 factors ``c_i``, book-keeping's clipped sum, the sum check and the masking of non-finite examples are unchanged, and
 example ``i``'s clipped contribution ``c_i grad(loss_i)`` has norm at most ``C`` whatever ``K``: the sensitivity,
-the noise and the accounting are those of ``K = 1``. The second backward of ``sum_i c_i loss_i`` is right as it is
-(``loss_i`` is the reduction over the copies). The randomized engines estimate the norm of the same per-example
+the noise and the accounting are those of ``K = 1``. The randomized engines estimate the norm of the same per-example
 matrix ``grad(loss_i)``, so the ``rc`` accountant's bound (which holds for any matrix) is unchanged.
 
 The row ORDER matters: folding groups rows ``i K .. i K + K - 1``. A copy-major batch (``x.repeat(K, 1, ...)``)

@@ -31,8 +31,8 @@ class PastIteratesMixin:
         Call right after the forward at that iterate, while the parameters still hold its values (its graph is
         consumed here: one output-gradient pass, no parameter gradient). The next clip then takes the norm of, and
         sums, ``weight_now * grad_i(now) + sum_past weight * grad_i(past)`` per sample, exactly (each engine treats
-        a parameter's uses at all iterates as the uses of a tied parameter). The terms are always summed by
-        book-keeping (the past graphs are gone), whatever ``bookkeeping``. See :mod:`lightning_dp.optim.momentum`.
+        a parameter's uses at all iterates as the uses of a tied parameter). The terms are summed by book-keeping,
+        as the current iterate's are (the past graphs are gone). See :mod:`lightning_dp.optim.momentum`.
 
         Args:
             per_sample_loss: ``[B]``, the batch's per-sample loss at the past iterate.

@@ -56,7 +56,6 @@ class SampleNormsMixin:
 
     module: nn.Module
     norm: int
-    bookkeeping: bool
     sum_check_every: int | None
     _engine: ClippingEngine
     _hooks: CaptureHooks
@@ -75,20 +74,17 @@ class SampleNormsMixin:
         return 1 if self.groups is None else len(self.groups.bounds)
 
     def _check_due(self) -> bool:
-        """Whether this batch runs the sum check: always without book-keeping, else on the schedule."""
-        if not self.bookkeeping:
-            return True
+        """Whether this batch runs the sum check: on the first batch and every ``sum_check_every`` batches."""
         return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
 
     def _backward_pass(
-        self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0, retain_graph: bool = False
+        self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0
     ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
         """ONE backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's
         ``output_grad`` (every per-sample term is linear in it, so the terms come out scaled by ``weight``).
 
         With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
-        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is kept
-        with ``retain_graph`` (the two-backward path).
+        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is freed.
 
         Raises:
             UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
@@ -101,7 +97,7 @@ class SampleNormsMixin:
         inputs = [c.edge for c in captures] + [leaf for _, leaf in leaves]
         total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
         with self._hooks.suspended():
-            grads = torch.autograd.grad(total, inputs, retain_graph=retain_graph, allow_unused=True)
+            grads = torch.autograd.grad(total, inputs, allow_unused=True)
         for capture, grad in zip(captures, grads[: len(captures)], strict=True):
             capture.output_grad = None if grad is None else grad.view(capture.output_shape)
         reached = [c for c in captures if c.output_grad is not None]
@@ -142,7 +138,7 @@ class SampleNormsMixin:
         return UnsupportedModuleError(
             f"the per-sample gradients of parameter(s) {details} do not sum to their batch gradient: each is also "
             "used outside the forward of its module (e.g. functionally, as F.linear(x, module.weight), or in an L2 "
-            "penalty added to the loss), and that use would reach .grad unclipped (or, with book-keeping, be lost); "
+            "penalty added to the loss), and the gradient of that use would be lost (it never reaches .grad); "
             "route every use through the module, or freeze the parameter (requires_grad=False); for weight "
             "regularisation use the optimizer's weight_decay instead of a penalty term in the loss"
         )
@@ -194,9 +190,9 @@ class SampleNormsMixin:
         ``reduced`` (with ``check``): the backward ran in reduced precision (:func:`~.sum_check.reduced_precision`),
         which loosens the check's tolerance.
 
-        With ``kept``, each group's terms that the clipped sum forms by book-keeping (all of them with
-        book-keeping, else the past iterates') are appended to it when they are views of the captures (nothing new
-        held), else the captures themselves, whose terms are then formed again.
+        With ``kept``, each group's terms, from which the clipped sum is formed by book-keeping, are appended to it
+        when they are views of the captures (nothing new held), else the captures themselves, whose terms are then
+        formed again.
 
         Raises:
             UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms.
@@ -223,7 +219,7 @@ class SampleNormsMixin:
                 generator = None
                 if self._engine.randomized:
                     generator = self._generator_for(param_terms[0].device)
-                if kept is not None and self.bookkeeping:
+                if kept is not None:
                     contribution, grad = self._engine.contribution_and_gradient(param_terms, self.norm, generator)
                     if grad is not None:
                         grads[param] = grad
@@ -234,7 +230,7 @@ class SampleNormsMixin:
                 scale = sum(term.rounding_scales(self.norm).to(dtype) for term in param_terms)
                 scales[clip_group] = scales[clip_group] + (scale.square() if self.norm == 2 else scale)
             if kept is not None:
-                kept.append(self._kept_for_sum(terms, past_terms, group, then, grads))
+                kept.append(self._kept_for_sum(terms, group, grads))
         total, scale = torch.stack(totals), torch.stack(scales)
         if checker is None:
             return total, scale, None

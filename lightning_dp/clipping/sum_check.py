@@ -1,8 +1,8 @@
 """The per-sample sum check: each parameter's per-sample gradients must sum to its autograd gradient.
 
 It catches a parameter used outside its hooked layer (functional reuse, an L2 penalty in the loss) and wrong layer
-maths. With the two-backward path such a use would reach ``p.grad`` unclipped, so the check runs on every batch; with
-book-keeping it can only lose gradient, and the check runs on a schedule (docs/design.md section 4.4).
+maths. The clipped sum is formed by book-keeping, so such a use can only lose gradient (it never reaches ``p.grad``),
+and the check runs on a schedule (docs/design.md section 4.4).
 """
 
 from __future__ import annotations

@@ -47,11 +47,10 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
     of processes.
 
     Per-sample momentum (``momentum_length > 1``: the stored iterates are kept as shards, gathered into the
-    checkpoints), the low-pass filter and ``bookkeeping=False`` (the second backward's gradients summed into the
-    shards) work as on an unsharded model (docs/design.md section 8.1). The run-time checks run as on one process;
-    the batch-independence checks (first step, and every N steps with ``check_batch_independence_every``), whose
-    extra passes gather weights, run in lockstep over the ranks (a rank with an empty or one-example batch joins the
-    passes), and mixing found on one rank stops every rank.
+    checkpoints) and the low-pass filter work as on an unsharded model (docs/design.md section 8.1). The run-time
+    checks run as on one process; the batch-independence checks (first step, and every N steps with
+    ``check_batch_independence_every``), whose extra passes gather weights, run in lockstep over the ranks (a rank
+    with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
 
     By name: ``Trainer(strategy="dp_fsdp", devices=2)`` is ``DPModelParallelStrategy(target_epsilon=3.0)`` with the
     other arguments at their defaults; ``"dp_fsdp_epsilon_3"`` and ``"dp_fsdp_epsilon_8"`` name the budget
