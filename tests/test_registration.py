@@ -374,6 +374,34 @@ def test_an_overridden_rule_keeps_its_place_in_the_lookup_order() -> None:
     assert family is not None and family.terms is toy_terms
 
 
+class ToySwapTarget(nn.Module):
+    """A module class to swap, registered by class and by qualified name in the tests below."""
+
+
+class ToySwappedTarget(ToySwapTarget, SwappedModule):
+    pass
+
+
+@pytest.mark.parametrize("first_by_name", [True, False], ids=["name-then-class", "class-then-name"])
+def test_a_swap_keyed_the_other_way_is_refused_without_override(
+    first_by_name: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A swap for a class and one for its qualified name would both match the same modules (the class's winning
+    silently): the second is refused, and with ``override=True`` it replaces the first, which is unregistered."""
+    name = qualified_name(ToySwapTarget)
+    first, second = (name, ToySwapTarget) if first_by_name else (ToySwapTarget, name)
+    swaps = {name: ToySwapped, ToySwapTarget: ToySwappedTarget}
+    register_swap(first)(swaps[first])
+    with pytest.raises(ValueError, match="is already registered for the same class .*pass override=True"):
+        register_swap(second)(swaps[second])
+    assert second not in _SWAPS
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        register_swap(second, override=True)(swaps[second])
+    assert first not in _SWAPS and _SWAPS[second] is swaps[second]
+    (warning,) = warnings_of(caplog)
+    assert qualified_name(swaps[first]) in warning and qualified_name(swaps[second]) in warning
+
+
 def test_a_randomized_engine_without_estimator_is_still_refused() -> None:
     class NoEstimator(ClippingEngine):
         name = "toy-no-estimator"

@@ -19,6 +19,7 @@ breaks optimizers built before and renames ``state_dict`` keys; the in-place swa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,9 @@ from typing import Any
 from torch import nn
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.registration import Registry
+from lightning_dp.registration import Registry, qualified_name
+
+log = logging.getLogger("lightning_dp")
 
 
 class Proxy(nn.Module):
@@ -86,20 +89,45 @@ def register_swap(
     an optional dependency (``"torchvision.models.vision_transformer.Encoder"``; nothing is imported): the decorated
     class is then a mixin, combined with the module's class when a module of that name is swapped. Registering the
     same class again does nothing; replacing another swap of ``original`` needs ``override=True`` (logged as a
-    warning).
+    warning), also when that swap is keyed the other way (by the class where ``original`` is its name, or by the
+    name where it is the class): the replaced one is then unregistered, so the new one is the one used.
 
     Raises:
         TypeError: ``original`` is a class and the decorated class does not subclass it.
-        ValueError: another swap is registered for ``original`` and ``override`` is False.
+        ValueError: another swap is registered for ``original`` (by class or by name) and ``override`` is False.
     """
 
     def decorate(cls: type[SwappedModule]) -> type[SwappedModule]:
         if isinstance(original, type) and not issubclass(cls, original):
             raise TypeError(f"{cls.__name__} must subclass {original.__name__}")
+        aliases = [key for key in _aliases(original) if _SWAPS[key] is not cls]
+        if aliases and not override:
+            raise ValueError(
+                f"module swap {_SWAPS.label(aliases[0])} is already registered for the same class "
+                f"({qualified_name(_SWAPS[aliases[0]])}); pass override=True to replace it, or register it for a "
+                "subclass instead"
+            )
         _SWAPS.register(original, cls, override=override)
+        for key in aliases:
+            log.warning(
+                "module swap %s: %s replaced by %s under %s (override=True)",
+                _SWAPS.label(key),
+                qualified_name(_SWAPS.unregister(key)),
+                qualified_name(cls),
+                _SWAPS.label(original),
+            )
         return cls
 
     return decorate
+
+
+def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:
+    """The keys of :data:`_SWAPS` other than ``original`` that name the same class: its qualified name for a class,
+    the registered classes of that qualified name for a name."""
+    if isinstance(original, type):
+        name = qualified_name(original)
+        return [name] if name in _SWAPS else []
+    return [key for key in _SWAPS if isinstance(key, type) and qualified_name(key) == original]
 
 
 def _swapped_class(module: nn.Module) -> type[nn.Module] | None:
@@ -108,7 +136,7 @@ def _swapped_class(module: nn.Module) -> type[nn.Module] | None:
     cls = _SWAPS.get(module_type)
     if cls is not None:
         return cls
-    mixin = _SWAPS.get(f"{module_type.__module__}.{module_type.__qualname__}")
+    mixin = _SWAPS.get(qualified_name(module_type))
     if mixin is None:
         return None
     key = (mixin, module_type)
