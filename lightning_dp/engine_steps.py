@@ -416,11 +416,10 @@ class EngineSteps:
             )
         if unresolved:
             log.warning(
-                "A batch-independence or leave-half-out check was inconclusive on its last batch (a non-finite loss, "
-                "or a leave-half-out difference on only some examples, which the rounding of one example's own loss "
-                "can cause) and did not conclude before the end: mixing of examples was not ruled out for the steps "
-                "after the last conclusive check. This message is about the private data and is not covered by the "
-                "privacy guarantee: keep it out of published logs"
+                "A batch-independence or leave-half-out check was inconclusive on its last batch (a non-finite loss) "
+                "and did not conclude before the end: mixing of examples was not ruled out for the steps after the "
+                "last conclusive check. This message is about the private data and is not covered by the privacy "
+                "guarantee: keep it out of published logs"
             )
 
     def count_micro_batch(self) -> None:

@@ -125,8 +125,8 @@ class TrainingGuard:
         #: in lockstep, whether the ranks agreed that none of them has a check pending (then no collective runs
         #: until a due step arms the checks again on every rank).
         self._nobody_pending = not check_batch_independence
-        #: per check, whether its last run on this process was inconclusive (a non-finite loss; for leave-half-out
-        #: also a difference on only some examples) and no later run concluded: reported at the end of the run.
+        #: per check, whether its last run on this process was inconclusive (a non-finite loss) and no later run
+        #: concluded: reported at the end of the run.
         self._inconclusive = {"batch-independence": False, "leave-half-out": False}
 
     @property
@@ -219,8 +219,7 @@ class TrainingGuard:
     ) -> None:
         """Run :func:`check_leave_half_out` while pending, on the first batch with two examples or more of the first
         step (and of every due step with ``check_every``), and again on each next batch while it is inconclusive (a
-        non-finite loss, or a difference on only some of the examples); call after :meth:`after_forward`, with the
-        batch as the user's step received it.
+        non-finite loss); call after :meth:`after_forward`, with the batch as the user's step received it.
 
         Raises:
             BatchMixingError: as :func:`check_leave_half_out`.
@@ -232,7 +231,7 @@ class TrainingGuard:
             return
         with self._naming_the_step():
             conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
-        self.leave_half_out_pending = not conclusive  # a partial difference or a non-finite loss: check again
+        self.leave_half_out_pending = not conclusive  # a non-finite loss: check again on the next batch
         self._inconclusive["leave-half-out"] = not conclusive
 
     def _leave_half_out_in_step(

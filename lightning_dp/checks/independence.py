@@ -19,20 +19,21 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Mixing of e
 
 - mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
   / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
-  gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch: with the model in
-  eval mode, under ``no_grad`` and the same torch RNG state, the per-sample losses of the even-indexed examples must
-  be the same whether the odd-indexed ones are in the batch or not (two extra forwards per checked step). It fails
-  only when every compared example's loss changed (:func:`compare_halves`): matrix kernels whose rounding depends
-  on the batch size can change the loss of an example whose own loss cancels, and such an example must not be able
-  to make the check fail by being drawn; a partial difference leaves the check pending for a later batch.
+  gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch (five extra
+  forwards, in eval mode, under ``no_grad`` and from the same torch RNG state): a same-shape forward with the
+  odd-indexed examples replaced by copies of the even-indexed ones must leave the even-indexed losses bit for bit
+  unchanged, and the two halves of the batch run alone must not change most losses by more than 10%. Neither part
+  can fail because of one example's values: the first is exact for a per-example model (same shapes, same kernels),
+  the second needs a majority (docs/privacy.md, "Run-time checks").
 
 What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
-hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that
-only happens on batches that are not checked (a schedule or a data-dependent branch that starts after the first
-step, when only the first step is checked; any mixing on the steps between two periodic checks), mixing that only
-happens in train mode (for the leave-half-out forward), and gradients that cancel exactly within a tested set. When
-it cannot run at all (no target with ``B`` rows, a loss without gradient) or cannot check the float inputs (batch
-size unknown), it logs a warning.
+hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that the
+leave-half-out forwards do not change (a detached batch mean when the odd-indexed examples' sum equals the even-indexed
+ones'), a count dependence below 10%, mixing that only happens on batches that are not checked (a schedule or a
+data-dependent branch that starts after the first step, when only the first step is checked; any mixing on the steps
+between two periodic checks), mixing that only happens in train mode (for the leave-half-out forward), and gradients
+that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows, a loss without gradient)
+or cannot check the float inputs (batch size unknown), it logs a warning.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ log = logging.getLogger("lightning_dp")
 
 #: relative tolerance of the independence check: gradients across examples must vanish up to rounding.
 INDEPENDENCE_RTOL = 1e-6
-#: tolerances of the leave-half-out check: an example's loss with and without the odd-indexed examples.
-LEAVE_HALF_OUT_RTOL = 1e-4
+#: the leave-half-out check's count test: a loss below this magnitude is not compared (a rescaling leaves zero at
+#: zero), and a compared loss changed when it moved by more than this fraction of its magnitude.
 LEAVE_HALF_OUT_ATOL = 1e-6
+LEAVE_HALF_OUT_CHANGE = 0.1
 
 BATCH_MIXING_HINT = (
     "an operation mixes examples of the batch (e.g. h - h.mean(0), hand-written batch statistics, attention or "
@@ -249,28 +251,39 @@ def _raise_on_leak(
 def check_leave_half_out(
     compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
 ) -> bool:
-    """Fail when removing the odd-indexed examples changes the per-sample loss of an even-indexed one.
+    """Fail when an example's loss depends on the other examples' values or number without a gradient path.
 
     The forward-only complement of :func:`check_batch_independence`: it sees mixing without a gradient path (a loss
-    normalised by the batch's token count, statistics under ``no_grad``). Both forwards run with ``module`` in eval
-    mode (no dropout), under ``no_grad`` (the hooks record nothing) and from the same torch RNG state; the batch is
-    cut to the even rows in every tensor whose first dimension is ``batch_size``.
+    normalised by the batch's token count, statistics under ``no_grad`` or detached). Five forwards of the user's
+    step, each with ``module`` in eval mode (no dropout), under ``no_grad`` (the hooks record nothing) and from the
+    same torch RNG state, on batches made by taking rows of every tensor whose first dimension is ``batch_size``:
+
+    - the batch, twice: whether the eval forward reproduces its own bits (nondeterministic kernels do not);
+    - the batch with each odd-indexed example replaced by a copy of the even-indexed one before it (the same shape,
+      so the same kernels): every even-indexed example's loss must be bit for bit the same as with the batch
+      (:func:`_values_test`). A per-example model gives identical bits whatever the values, so this part cannot fail
+      because of one example;
+    - the even-indexed and the odd-indexed examples alone: a loss divided by a batch-wide count (examples, tokens)
+      changes for most examples; a strict majority of the compared examples changing by more than
+      ``LEAVE_HALF_OUT_CHANGE`` of their magnitude fails (:func:`_count_test`). The rounding of kernels that block by
+      the batch size moves a loss by far less, except an example whose own loss cancels, and such examples must be
+      half of the batch to make this part fail.
 
     Args:
         compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: skipped).
         batch: the training batch (before any guard transformation).
         batch_size: ``B``.
-        module: the model (put in eval mode for the two forwards, then restored).
+        module: the model (put in eval mode for the forwards, then restored).
 
     Returns:
-        Whether the check was conclusive (:func:`compare_halves`): False when a loss of either forward is not
-        finite, when only some of the compared examples' losses changed (the rounding of one example's own loss can
-        do that) or when fewer than two were compared and one changed; the caller checks again later.
+        Whether the check was conclusive: False when a loss of any forward is not finite (NaN is compared as equal to
+        NaN, which mixing that turns every loss into NaN would pass), so the caller checks again later.
 
     Raises:
-        BatchMixingError: every compared example's loss changed (two or more compared), naming one of them.
+        BatchMixingError: naming an example whose loss changed, and which part of the check saw it.
 
-    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
+    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows, and a warning (and checks only the
+    counts) when the eval forward does not reproduce its own bits.
     """
     if batch_size < 2:
         return True
@@ -284,13 +297,17 @@ def check_leave_half_out_in_step(
     compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
 ) -> tuple[bool, BatchMixingError | None]:
     """:func:`check_leave_half_out` in lockstep with the other ranks, for a sharded (FSDP2) model, whose forwards
-    gather weights with collectives: every rank runs the two forwards; a rank that does not check this batch
-    (``active`` False) runs its batch twice and compares nothing.
+    gather weights with collectives: every rank runs the five forwards; a rank that does not check this batch
+    (``active`` False) runs its batch five times and compares nothing.
 
     Returns:
         ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
     """
     return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2, lockstep=True)
+
+
+#: Forwards of one leave-half-out check (:func:`check_leave_half_out`).
+LEAVE_HALF_OUT_FORWARDS = 5
 
 
 def _leave_half_out(
@@ -302,19 +319,25 @@ def _leave_half_out(
     active: bool,
     lockstep: bool,
 ) -> tuple[bool, BatchMixingError | None]:
-    """The two forwards of :func:`check_leave_half_out` (inactive: the batch twice, only in ``lockstep``, where the
-    other ranks' forwards need this rank's) and, active, the comparison."""
-    keep = torch.arange(0, batch_size, 2)
-    cut = []
+    """The forwards of :func:`check_leave_half_out` (inactive: the batch five times, only in ``lockstep``, where the
+    other ranks' forwards need this rank's) and, active, the two tests."""
+    index = torch.arange(batch_size)
+    even, odd = index[0::2], index[1::2]
+    paired = index.clone()
+    paired[1::2] = even[: len(odd)]
+    found: list[torch.Tensor] = []
 
-    def even_rows(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.ndim == 0 or tensor.shape[0] != batch_size:
-            return tensor
-        cut.append(tensor)
-        return tensor[keep.to(tensor.device)]
+    def rows(selection: torch.Tensor) -> Any:
+        def select(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.ndim == 0 or tensor.shape[0] != batch_size:
+                return tensor
+            found.append(tensor)
+            return tensor[selection.to(tensor.device)]
 
-    half = apply_to_collection(batch, torch.Tensor, even_rows) if active else batch
-    if active and not cut:
+        return apply_to_collection(batch, torch.Tensor, select)
+
+    batches = [batch, batch, rows(paired), rows(even), rows(odd)] if active else [batch] * LEAVE_HALF_OUT_FORWARDS
+    if active and not found:
         log.warning(
             "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
             "dimension), so mixing of examples without a gradient path is NOT checked",
@@ -330,48 +353,66 @@ def _leave_half_out(
     module.eval()
     try:
         losses = []
-        for data in (batch, half):
+        for data in batches:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 losses.append(compute_loss(data))
     finally:
         module.train(training)
-    full, part = losses
-    if not active or full is None or part is None:
+    if not active or any(loss is None for loss in losses):
         return True, None
-    return compare_halves(full[keep.to(full.device)], part, keep)
+    full, again, swapped, half_even, half_odd = (loss.detach() for loss in losses)  # type: ignore[union-attr]
+    halves = torch.empty_like(full)
+    halves[even.to(full.device)], halves[odd.to(full.device)] = half_even, half_odd
+    error = _values_test(full, again, swapped, even.to(full.device)) or _count_test(full, halves)
+    finite = all(bool(torch.isfinite(loss).all()) for loss in (full, swapped, halves))
+    return finite, error
 
 
-def compare_halves(kept: torch.Tensor, part: torch.Tensor, index: torch.Tensor) -> tuple[bool, BatchMixingError | None]:
-    """The decision of :func:`check_leave_half_out` from the kept examples' losses with the whole batch (``kept``)
-    and without the odd-indexed examples (``part``), both ``[ceil(B/2)]``; ``index`` ``[ceil(B/2)]`` holds their
-    positions in the batch.
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal, or both NaN."""
+    return (a == b) | (a.isnan() & b.isnan())
 
-    An example is *compared* when both its losses are finite and one exceeds ``LEAVE_HALF_OUT_ATOL`` (a zero loss
-    stays zero under any rescaling), and *differs* when they are not close (``LEAVE_HALF_OUT_RTOL``,
-    ``LEAVE_HALF_OUT_ATOL``). Mixing without a gradient path (a batch-wide count or statistic) changes every
-    compared example's loss; rounding that depends on the batch size changes only the losses of examples whose own
-    loss cancels. So the check fails only when EVERY compared example differs and at least two are compared: no
-    example can make it fail by its own values (docs/privacy.md, "Run-time checks").
 
-    Returns:
-        ``(conclusive, error)``: ``error`` when every compared example (two or more) differs; otherwise ``None``,
-        conclusive when no example differs and every loss is finite (a partial difference, or too few examples
-        compared, is inconclusive: the caller checks again on a later batch).
-    """
-    finite = torch.isfinite(kept) & torch.isfinite(part)
-    compared = finite & (torch.maximum(kept.abs(), part.abs()) > LEAVE_HALF_OUT_ATOL)
-    close = torch.isclose(kept, part, rtol=LEAVE_HALF_OUT_RTOL, atol=LEAVE_HALF_OUT_ATOL)
-    differs = compared & ~close
-    count, different = int(compared.sum()), int(differs.sum())
-    if different == 0:
-        return bool(finite.all()), None
-    if different < count or count < 2:
-        return False, None
+def _values_test(
+    full: torch.Tensor, again: torch.Tensor, swapped: torch.Tensor, even: torch.Tensor
+) -> BatchMixingError | None:
+    """The same-shape part of :func:`check_leave_half_out`: ``full`` and ``again`` ``[B]``, the losses of the batch
+    twice; ``swapped`` ``[B]``, with each odd-indexed example replaced by a copy of the even-indexed one before it;
+    ``even`` the even indices. An error when the forward reproduces its bits and an even-indexed loss differs."""
+    if not bool(_same_bits(full, again).all()):
+        log.warning(
+            "leave-half-out check: the eval forward of the same batch gave different bits twice (nondeterministic "
+            "kernels), so its same-shape comparison was skipped; only the examples' count is checked"
+        )
+        return None
+    differs = ~_same_bits(full[even], swapped[even])
+    if not bool(differs.any()):
+        return None
     first = int(torch.nonzero(differs)[0])
-    return True, BatchMixingError(
-        f"leave-half-out check: without the odd-indexed examples the loss of every kept example changed ({count} "
-        f"compared; example {int(index[first])}: {float(kept[first]):.6g} with the whole batch, "
-        f"{float(part[first]):.6g} without them), so it depends on other examples (e.g. a loss divided by the "
-        "batch's total token count: use a per-example mean; batch statistics computed under no_grad or detached); "
-        + BATCH_MIXING_HINT
+    return BatchMixingError(
+        f"leave-half-out check: replacing the odd-indexed examples by copies of the even-indexed ones changed the "
+        f"loss of example {int(even[first])} ({float(full[even][first]):.6g} -> {float(swapped[even][first]):.6g}), "
+        "so it depends on other examples' values (e.g. batch statistics computed under no_grad or detached, or a "
+        "loss divided by the batch's total token count: use a per-example mean); " + BATCH_MIXING_HINT
+    )
+
+
+def _count_test(full: torch.Tensor, halves: torch.Tensor) -> BatchMixingError | None:
+    """The removal part of :func:`check_leave_half_out`: ``full`` ``[B]`` the losses with the whole batch, ``halves``
+    ``[B]`` each example's loss in its half (the even- or the odd-indexed examples alone). An example is compared
+    when both losses are finite and one exceeds ``LEAVE_HALF_OUT_ATOL``, and changed when they differ by more than
+    ``LEAVE_HALF_OUT_CHANGE`` of the larger; an error when a strict majority of two or more compared changed."""
+    finite = torch.isfinite(full) & torch.isfinite(halves)
+    larger = torch.maximum(full.abs(), halves.abs())
+    compared = finite & (larger > LEAVE_HALF_OUT_ATOL)
+    changed = compared & ((full - halves).abs() > LEAVE_HALF_OUT_CHANGE * larger)
+    count, moved = int(compared.sum()), int(changed.sum())
+    if count < 2 or 2 * moved <= count:
+        return None
+    first = int(torch.nonzero(changed)[0])
+    return BatchMixingError(
+        f"leave-half-out check: with half of the batch removed the losses of {moved} of {count} examples changed by "
+        f"more than {LEAVE_HALF_OUT_CHANGE:.0%} (example {first}: {float(full[first]):.6g} with the whole batch, "
+        f"{float(halves[first]):.6g} in its half), so they depend on how many examples there are (e.g. a loss divided "
+        "by the batch's total token count or size: use a per-example mean); " + BATCH_MIXING_HINT
     )
