@@ -22,7 +22,7 @@ from jsonargparse import ArgumentError, ArgumentParser, Namespace
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from lightning_dp.config import OPTION_NAMES, PrivacyConfig
+from lightning_dp.config import OPTION_NAMES, REMOVED_OPTIONS, PrivacyConfig
 from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
 from lightning_dp.jsonargparse_errors import UNION, ReadError, read_error
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
@@ -131,6 +131,8 @@ def _reason(read: ReadError, error: ArgumentError) -> str:
     if not read.unknown:
         return read.reason
     name = read.key.rpartition(".")[2]
+    if name in REMOVED_OPTIONS:
+        return f"option {REMOVED_OPTIONS[name]}"
     if read.class_path is not None:  # an argument of a class: among the class's
         parser = ArgumentParser(exit_on_error=False)
         parser.add_class_arguments(_import(read.class_path))

@@ -437,6 +437,17 @@ def option_docs(names: dict[str, str] | None = None, indent: int = 12) -> str:
 
 #: the option names, in declaration order.
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PrivacyConfig))
+#: Options that were removed, and what to do instead (a saved config may still name them).
+REMOVED_OPTIONS: dict[str, str] = {
+    "bookkeeping": "removed (the clipped sum is always formed by book-keeping, docs/design.md section 4.4): delete it",
+}
+
+
+def refuse_removed_options(names: typing.Iterable[str]) -> None:
+    """Raise ``ValueError`` naming the first of ``names`` that is a removed option and what to do instead."""
+    for name in names:
+        if name in REMOVED_OPTIONS:
+            raise ValueError(f"option {name!r} was {REMOVED_OPTIONS[name]}")
 
 
 def pop_options(kwargs: dict[str, Any]) -> PrivacyConfig:
@@ -444,8 +455,9 @@ def pop_options(kwargs: dict[str, Any]) -> PrivacyConfig:
     and return the :class:`PrivacyConfig` they make.
 
     Raises:
-        ValueError: as :class:`PrivacyConfig`.
+        ValueError: as :class:`PrivacyConfig`, or a removed option (:data:`REMOVED_OPTIONS`).
     """
+    refuse_removed_options(kwargs)
     return PrivacyConfig(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
 
 

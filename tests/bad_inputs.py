@@ -432,6 +432,9 @@ CASES: list[BadInput] = [
     BadInput("DPStrategy", "sample_rate=1.5", _strategy(noise_multiplier=1.0, sample_rate=1.5), "sample_rate"),
     BadInput("DPStrategy", "sum_check_every=0", _strategy(noise_multiplier=1.0, sum_check_every=0), "sum_check_every"),
     BadInput(
+        "DPStrategy", "bookkeeping=True", _strategy(noise_multiplier=1.0, bookkeeping=True), "bookkeeping.*removed"
+    ),
+    BadInput(
         "DPStrategy",
         "secure_mode=True, seed=0",
         _strategy(noise_multiplier=1.0, seed=0, secure_mode=True),

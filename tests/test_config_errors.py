@@ -18,6 +18,7 @@ from lightning_dp.cli_fit import check_privacy_options
 from lightning_dp.config import PrivacyConfig
 from lightning_dp.config_errors import ConfigError, checking, invalid_option, locate, option_reason, unknown_option
 from lightning_dp.jsonargparse_errors import read_error
+from lightning_dp.lightning import DPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +70,19 @@ def test_fit_yaml_names_the_file_the_key_and_the_reason(
     code = run_main(["fit", "--config", fit_config(tmp_path, **{option: value})])
     line = one_error_line(code, capsys.readouterr())
     assert line.startswith(f"lightning-dp fit: error: bad.yaml: trainer.strategy.init_args.{option}: {reason}")
+
+
+def test_fit_yaml_with_a_removed_option_says_to_delete_it(tmp_path, capsys, monkeypatch):
+    """A config saved before an option was removed (LightningCLI writes every default) fails on that key alone."""
+    monkeypatch.chdir(tmp_path)
+    code = run_main(["fit", "--config", fit_config(tmp_path, bookkeeping=True)])
+    line = one_error_line(code, capsys.readouterr())
+    assert line.startswith(
+        "lightning-dp fit: error: bad.yaml: trainer.strategy.init_args.bookkeeping: option removed (the clipped sum is "
+        "always formed by book-keeping"
+    )
+    with pytest.raises(ValueError, match=r"^option 'bookkeeping' was removed \(the clipped sum .*: delete it$"):
+        DPStrategy(noise_multiplier=1.0, bookkeeping=True)
 
 
 @pytest.mark.parametrize(("mistake", "option", "value", "reason", "hf_reason"), MISTAKES, ids=IDS)
