@@ -6,6 +6,7 @@ most ``C`` with every exact engine (the broad grid is ``tests/test_fuzz_crafted.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.rounding import rounded_norm_bound
+from lightning_dp.clipping.rounding import HALF_PRECISION_WARNING, rounded_norm_bound
 from lightning_dp.clipping.terms import Factored, Materialised, reduced
 
 B, T, P, Q = 3, 5, 4, 6
@@ -194,3 +195,13 @@ def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(
                 with_ = _release(base, torch.cat([xs, x[None]]), torch.cat([ws, w[None]]), engine, options)
             moved = float(torch.linalg.vector_norm(with_ - without, ord=1 if setting == "l1" else 2))
             assert moved <= 1.0 + 1e-4, (magnitude, seed, moved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_half_precision_trainable_parameters_are_warned_about(dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """Their .grad rounds the batch's clipped sum, which the rounding bound does not cover: one warning at attach."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1).to(dtype))
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+    warnings = [r.getMessage() for r in caplog.records if "rounded to that dtype" in r.getMessage()]
+    assert warnings == ([] if dtype == torch.float32 else [HALF_PRECISION_WARNING % dtype])

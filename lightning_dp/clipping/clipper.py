@@ -67,7 +67,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
-from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound
+from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.sum_check import reduced_precision
 from lightning_dp.clipping.swap import restore_modules, swap_modules
@@ -219,6 +219,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             raise
         self._names = {p: name for name, p in module.named_parameters() if p.requires_grad}
         self._params = list(self._names)
+        warn_if_half_precision(self._params)
         self._all_names = frozenset(
             name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
         )

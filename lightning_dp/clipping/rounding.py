@@ -1,14 +1,18 @@
 """Rounding in the per-sample arithmetic (docs/design.md section 4.10): the allowance both the clip factors and the
 sum check count in machine epsilons, the bound on what the clipped sum adds for a sample, rounding included, and the
-full precision that allowance assumes."""
+full precision that allowance assumes, and the warning for 16-bit parameters, which that full precision cannot
+cover (their .grad is rounded)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
+
+log = logging.getLogger("lightning_dp")
 
 #: Rounding allowance in float32/float64 arithmetic, in units of the dtype's machine epsilon, per unit of rounding
 #: scale (the clip factors' bound and :meth:`~.sum_check.SumCheck.add`).
@@ -50,3 +54,19 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
     r = ROUNDING_EPSILONS * epsilon
     bound = (totals + r * scales).sqrt() + r * scales.sqrt() if norm == 2 else totals + 2 * r * scales
     return torch.nan_to_num(bound, nan=math.inf, posinf=math.inf)
+
+
+#: Logged once per clipper whose trainable parameters are in a 16-bit dtype (``%s``: the dtypes).
+HALF_PRECISION_WARNING = (
+    "trainable parameters in %s: the clipped sum is formed in float32 but rounded to that dtype when it is added "
+    "to .grad, a rounding of each coordinate (relative 2^-8 in bfloat16) of a sum over the whole batch, so adding an "
+    "example can move the released sum by more than max_grad_norm; the reported epsilon assumes exact sums. Train "
+    "float32 parameters (bf16-mixed autocast keeps them) when the guarantee must hold exactly"
+)
+
+
+def warn_if_half_precision(params: Iterable[torch.Tensor]) -> None:
+    """Log :data:`HALF_PRECISION_WARNING` when any of ``params`` is bfloat16 or float16 (docs/privacy.md)."""
+    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if half:
+        log.warning(HALF_PRECISION_WARNING, ", ".join(half))

@@ -110,15 +110,20 @@ def register_swap(
         _SWAPS.register(original, cls, override=override)
         for key in aliases:
             log.warning(
-                "module swap %s: %s replaced by %s under %s (override=True)",
+                "module swap %s (registered by %s): %s replaced by %s, registered by %s (override=True)",
                 _SWAPS.label(key),
+                _key_kind(key),
                 qualified_name(_SWAPS.unregister(key)),
                 qualified_name(cls),
-                _SWAPS.label(original),
+                _key_kind(original),
             )
         return cls
 
     return decorate
+
+
+def _key_kind(key: type[nn.Module] | str) -> str:
+    return "class" if isinstance(key, type) else "qualified name"
 
 
 def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:

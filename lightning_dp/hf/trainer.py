@@ -681,11 +681,6 @@ def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgu
             privacy_args.per_sample_max_grad_norm,
         )
         args.max_grad_norm = 0.0
-    if args.bf16:
-        log.warning(
-            "bf16=True: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
-            "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping"
-        )
 
 
 def _check_rows_in_place(original: dict[str, Any], repeated: dict[str, Any], augmented: Any, copies: int) -> None:

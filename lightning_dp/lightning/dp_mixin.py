@@ -131,12 +131,6 @@ class DPStrategyMixin(PrivacyQueries):
                 f"precision={precision!r} is not supported by {type(self).__name__} (its loss scaling would corrupt "
                 "the per-sample norms); use precision='bf16-mixed' or '32-true'"
             )
-        if "bf16" in precision:
-            log.warning(
-                "precision=%r: the clipped sum is formed in bf16, so a clipped example's contribution can exceed "
-                "max_grad_norm by bf16 rounding (~0.4%%); the reported epsilon assumes exact clipping",
-                precision,
-            )
         if trainer.gradient_clip_val:
             raise ValueError(
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
