@@ -1,5 +1,5 @@
 """Cost of one batch-independence check: a DP-SGD step with the check (the gradient check and the leave-half-out
-forward, as on a step armed by ``check_batch_independence_every``) against the same step without it.
+forwards, as on a step armed by ``check_batch_independence_every``) against the same step without it.
 
 Models (no download):
 - ``digits``: the demo's ``DigitsCNN`` (two 3x3 convolutions, GroupNorm, a linear head; ~10k parameters), float
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_dp import PrivacyEngine
+from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS
 from lightning_dp.help_format import HelpFormatter
 
 
@@ -102,7 +103,7 @@ def main() -> None:
         f"{args.model} B={size} clipping={args.clipping} threads={args.threads}: step without check "
         f"{cpu[False] * 1e3:.1f} ms CPU ({wall[False] * 1e3:.1f} ms wall), with check {cpu[True] * 1e3:.1f} ms CPU "
         f"({wall[True] * 1e3:.1f} ms wall): a checked step costs {cpu[True] / cpu[False]:.2f}x "
-        f"({passes} vector-Jacobian products + 2 forwards)"
+        f"({passes} vector-Jacobian products + {LEAVE_HALF_OUT_FORWARDS} forwards)"
     )
 
 

@@ -174,8 +174,8 @@ class PrivacyConfig:
         "``N >= 1``: repeat that check every N optimizer steps (steps ``0, N, 2N, ...``; with gradient "
         "accumulation on the step's first micro-batch with two examples or more), to catch mixing that starts "
         "after the first step (a schedule, a data-dependent branch); ``None`` (default): the first step only. Each "
-        "checked step costs ``2 ceil(log2 B)`` extra backward passes and two extra forwards (measured: 3.6x to "
-        "4.7x the time of an unchecked step, docs/privacy.md) and leaves the update unchanged; mixing on unchecked "
+        "checked step costs ``2 ceil(log2 B)`` extra backward passes and six extra forwards (see docs/privacy.md for "
+        "measured ratios to an unchecked step) and leaves the update unchanged; mixing on unchecked "
         "steps is not seen. Needs ``check_batch_independence=True``.",
         "Repeat the batch-independence check every N optimizer steps (None: first step only).",
     )

@@ -8,12 +8,8 @@ import torch
 from torch import nn
 
 from lightning_dp.checks.guard import TrainingGuard
-from lightning_dp.checks.independence import (
-    LEAVE_HALF_OUT_FORWARDS,
-    BatchMixingError,
-    check_batch_independence,
-    input_leaves,
-)
+from lightning_dp.checks.independence import BatchMixingError, check_batch_independence, input_leaves
+from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.lightning import DPStrategy
 from tests.helpers import ClassifierWith, TinyRegressor, make_trainer

@@ -10,7 +10,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from lightning_dp import DPStrategy, PrivacyEngine
-from lightning_dp.checks.independence import LEAVE_HALF_OUT_FORWARDS
+from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.optim.momentum import PerSampleMomentum, momentum_weights

@@ -4,19 +4,16 @@ Per-sample clipping bounds each example's influence on the GRADIENT. What escape
 
 - state written during the forward without noise (a buffer or frozen parameter updated from the data):
   :mod:`~lightning_dp.checks.buffers` (:class:`BufferWatch`);
-- operations that mix examples, with or without a gradient path: :mod:`~lightning_dp.checks.independence`
-  (:func:`check_batch_independence`, :func:`check_leave_half_out`);
+- operations that mix examples: with a gradient path :mod:`~lightning_dp.checks.independence`
+  (:func:`check_batch_independence`), without one :mod:`~lightning_dp.checks.leave_half_out`
+  (:func:`check_leave_half_out`);
 - :mod:`~lightning_dp.checks.guard` (:class:`TrainingGuard`) runs them around each training forward of a run.
 """
 
 from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.checks.guard import TrainingGuard, validate_independence_every
-from lightning_dp.checks.independence import (
-    BatchMixingError,
-    check_batch_independence,
-    check_leave_half_out,
-    input_leaves,
-)
+from lightning_dp.checks.independence import BatchMixingError, check_batch_independence, input_leaves
+from lightning_dp.checks.leave_half_out import check_leave_half_out
 
 __all__ = [
     "BatchMixingError",

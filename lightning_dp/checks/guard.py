@@ -19,10 +19,9 @@ from lightning_dp.checks.independence import (
     BatchMixingError,
     check_batch_independence,
     check_batch_independence_in_step,
-    check_leave_half_out,
-    check_leave_half_out_in_step,
     input_leaves,
 )
+from lightning_dp.checks.leave_half_out import check_leave_half_out, check_leave_half_out_in_step
 
 log = logging.getLogger("lightning_dp")
 

@@ -19,46 +19,35 @@ Per-sample clipping bounds each example's influence on the GRADIENT. Mixing of e
 
 - mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
   / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
-  gradients, so :func:`check_leave_half_out` adds a forward-only test on the same first batch (five extra
-  forwards, in eval mode, under ``no_grad`` and from the same torch RNG state): a same-shape forward with the
-  odd-indexed examples replaced by copies of the even-indexed ones must leave the even-indexed losses bit for bit
-  unchanged, and the two halves of the batch run alone must not change most losses by more than 10%. Neither part
-  can fail because of one example's values: the first is exact for a per-example model (same shapes, same kernels),
-  the second needs a majority (docs/privacy.md, "Run-time checks").
+  gradients: :mod:`~lightning_dp.checks.leave_half_out` checks it with forwards on the same batch.
 
 What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
-hooked layer that the leave-half-out split does not change (e.g. sorting token ids across the batch), mixing that the
-leave-half-out forwards do not change (a detached batch mean when the odd-indexed examples' sum equals the even-indexed
-ones'), a count dependence below 10%, mixing that only happens on batches that are not checked (a schedule or a
-data-dependent branch that starts after the first step, when only the first step is checked; any mixing on the steps
-between two periodic checks), mixing that only happens in train mode (for the leave-half-out forward), and gradients
-that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows, a loss without gradient)
-or cannot check the float inputs (batch size unknown), it logs a warning.
+hooked layer that the leave-half-out variants do not change (e.g. sorting token ids across the batch), mixing that the
+leave-half-out forwards do not change (a detached batch mean when the replaced examples' sum equals that of their
+copies), a count dependence other than a division by an additive count, mixing that only happens on batches that are not
+checked (a schedule or a data-dependent branch that starts after the first step, when only the first step is checked;
+any mixing on the steps between two periodic checks), mixing that only happens in train mode (for the leave-half-out
+forwards), and gradients that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows,
+a loss without gradient) or cannot check the float inputs (batch size unknown), it logs a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.data.batch_tensors import batch_tensors
 
 log = logging.getLogger("lightning_dp")
 
 #: relative tolerance of the independence check: gradients across examples must vanish up to rounding.
 INDEPENDENCE_RTOL = 1e-6
-#: the leave-half-out check's count test: a loss below this magnitude is not compared (a rescaling leaves zero at
-#: zero), and a compared loss changed when it moved by more than this fraction of its magnitude.
-LEAVE_HALF_OUT_ATOL = 1e-6
-LEAVE_HALF_OUT_CHANGE = 0.1
 
 BATCH_MIXING_HINT = (
     "an operation mixes examples of the batch (e.g. h - h.mean(0), hand-written batch statistics, attention or "
@@ -246,173 +235,3 @@ def _raise_on_leak(
                 f"batch-independence check: the losses of other examples have a nonzero gradient with respect to "
                 f"example {j}'s {name} (largest |gradient| {float(outside.max()):.3g}); " + order + BATCH_MIXING_HINT
             )
-
-
-def check_leave_half_out(
-    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
-) -> bool:
-    """Fail when an example's loss depends on the other examples' values or number without a gradient path.
-
-    The forward-only complement of :func:`check_batch_independence`: it sees mixing without a gradient path (a loss
-    normalised by the batch's token count, statistics under ``no_grad`` or detached). Five forwards of the user's
-    step, each with ``module`` in eval mode (no dropout), under ``no_grad`` (the hooks record nothing) and from the
-    same torch RNG state, on batches made by taking rows of every tensor whose first dimension is ``batch_size``:
-
-    - the batch, twice: whether the eval forward reproduces its own bits (nondeterministic kernels do not);
-    - the batch with each odd-indexed example replaced by a copy of the even-indexed one before it (the same shape,
-      so the same kernels): every even-indexed example's loss must be bit for bit the same as with the batch
-      (:func:`_values_test`). A per-example model gives identical bits whatever the values, so this part cannot fail
-      because of one example;
-    - the even-indexed and the odd-indexed examples alone: a loss divided by a batch-wide count (examples, tokens)
-      changes for most examples; a strict majority of the compared examples changing by more than
-      ``LEAVE_HALF_OUT_CHANGE`` of their magnitude fails (:func:`_count_test`). The rounding of kernels that block by
-      the batch size moves a loss by far less, except an example whose own loss cancels, and such examples must be
-      half of the batch to make this part fail.
-
-    Args:
-        compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: skipped).
-        batch: the training batch (before any guard transformation).
-        batch_size: ``B``.
-        module: the model (put in eval mode for the forwards, then restored).
-
-    Returns:
-        Whether the check was conclusive: False when a loss of any forward is not finite (NaN is compared as equal to
-        NaN, which mixing that turns every loss into NaN would pass), so the caller checks again later.
-
-    Raises:
-        BatchMixingError: naming an example whose loss changed, and which part of the check saw it.
-
-    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows, and a warning (and checks only the
-    counts) when the eval forward does not reproduce its own bits.
-    """
-    if batch_size < 2:
-        return True
-    conclusive, error = _leave_half_out(compute_loss, batch, batch_size, module, active=True, lockstep=False)
-    if error is not None:
-        raise error
-    return conclusive
-
-
-def check_leave_half_out_in_step(
-    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
-) -> tuple[bool, BatchMixingError | None]:
-    """:func:`check_leave_half_out` in lockstep with the other ranks, for a sharded (FSDP2) model, whose forwards
-    gather weights with collectives: every rank runs the five forwards; a rank that does not check this batch
-    (``active`` False) runs its batch five times and compares nothing.
-
-    Returns:
-        ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
-    """
-    return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2, lockstep=True)
-
-
-#: Forwards of one leave-half-out check (:func:`check_leave_half_out`).
-LEAVE_HALF_OUT_FORWARDS = 5
-
-
-def _leave_half_out(
-    compute_loss: Callable[[Any], torch.Tensor | None],
-    batch: Any,
-    batch_size: int,
-    module: nn.Module,
-    *,
-    active: bool,
-    lockstep: bool,
-) -> tuple[bool, BatchMixingError | None]:
-    """The forwards of :func:`check_leave_half_out` (inactive: the batch five times, only in ``lockstep``, where the
-    other ranks' forwards need this rank's) and, active, the two tests."""
-    index = torch.arange(batch_size)
-    even, odd = index[0::2], index[1::2]
-    paired = index.clone()
-    paired[1::2] = even[: len(odd)]
-    found: list[torch.Tensor] = []
-
-    def rows(selection: torch.Tensor) -> Any:
-        def select(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.ndim == 0 or tensor.shape[0] != batch_size:
-                return tensor
-            found.append(tensor)
-            return tensor[selection.to(tensor.device)]
-
-        return apply_to_collection(batch, torch.Tensor, select)
-
-    batches = [batch, batch, rows(paired), rows(even), rows(odd)] if active else [batch] * LEAVE_HALF_OUT_FORWARDS
-    if active and not found:
-        log.warning(
-            "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
-            "dimension), so mixing of examples without a gradient path is NOT checked",
-            batch_size,
-        )
-        if not lockstep:
-            return True, None
-        active = False
-    if not active and not lockstep:
-        return True, None
-    devices = sorted({t.device.index or 0 for t in batch_tensors(batch) if t.is_cuda})
-    training = module.training
-    module.eval()
-    try:
-        losses = []
-        for data in batches:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                losses.append(compute_loss(data))
-    finally:
-        module.train(training)
-    if not active or any(loss is None for loss in losses):
-        return True, None
-    full, again, swapped, half_even, half_odd = (loss.detach() for loss in losses)  # type: ignore[union-attr]
-    halves = torch.empty_like(full)
-    halves[even.to(full.device)], halves[odd.to(full.device)] = half_even, half_odd
-    error = _values_test(full, again, swapped, even.to(full.device)) or _count_test(full, halves)
-    finite = all(bool(torch.isfinite(loss).all()) for loss in (full, swapped, halves))
-    return finite, error
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: equal, or both NaN."""
-    return (a == b) | (a.isnan() & b.isnan())
-
-
-def _values_test(
-    full: torch.Tensor, again: torch.Tensor, swapped: torch.Tensor, even: torch.Tensor
-) -> BatchMixingError | None:
-    """The same-shape part of :func:`check_leave_half_out`: ``full`` and ``again`` ``[B]``, the losses of the batch
-    twice; ``swapped`` ``[B]``, with each odd-indexed example replaced by a copy of the even-indexed one before it;
-    ``even`` the even indices. An error when the forward reproduces its bits and an even-indexed loss differs."""
-    if not bool(_same_bits(full, again).all()):
-        log.warning(
-            "leave-half-out check: the eval forward of the same batch gave different bits twice (nondeterministic "
-            "kernels), so its same-shape comparison was skipped; only the examples' count is checked"
-        )
-        return None
-    differs = ~_same_bits(full[even], swapped[even])
-    if not bool(differs.any()):
-        return None
-    first = int(torch.nonzero(differs)[0])
-    return BatchMixingError(
-        f"leave-half-out check: replacing the odd-indexed examples by copies of the even-indexed ones changed the "
-        f"loss of example {int(even[first])} ({float(full[even][first]):.6g} -> {float(swapped[even][first]):.6g}), "
-        "so it depends on other examples' values (e.g. batch statistics computed under no_grad or detached, or a "
-        "loss divided by the batch's total token count: use a per-example mean); " + BATCH_MIXING_HINT
-    )
-
-
-def _count_test(full: torch.Tensor, halves: torch.Tensor) -> BatchMixingError | None:
-    """The removal part of :func:`check_leave_half_out`: ``full`` ``[B]`` the losses with the whole batch, ``halves``
-    ``[B]`` each example's loss in its half (the even- or the odd-indexed examples alone). An example is compared
-    when both losses are finite and one exceeds ``LEAVE_HALF_OUT_ATOL``, and changed when they differ by more than
-    ``LEAVE_HALF_OUT_CHANGE`` of the larger; an error when a strict majority of two or more compared changed."""
-    finite = torch.isfinite(full) & torch.isfinite(halves)
-    larger = torch.maximum(full.abs(), halves.abs())
-    compared = finite & (larger > LEAVE_HALF_OUT_ATOL)
-    changed = compared & ((full - halves).abs() > LEAVE_HALF_OUT_CHANGE * larger)
-    count, moved = int(compared.sum()), int(changed.sum())
-    if count < 2 or 2 * moved <= count:
-        return None
-    first = int(torch.nonzero(changed)[0])
-    return BatchMixingError(
-        f"leave-half-out check: with half of the batch removed the losses of {moved} of {count} examples changed by "
-        f"more than {LEAVE_HALF_OUT_CHANGE:.0%} (example {first}: {float(full[first]):.6g} with the whole batch, "
-        f"{float(halves[first]):.6g} in its half), so they depend on how many examples there are (e.g. a loss divided "
-        "by the batch's total token count or size: use a per-example mean); " + BATCH_MIXING_HINT
-    )

@@ -1,0 +1,268 @@
+"""The leave-half-out check: mixing of examples that has no gradient path (docs/design.md section 9.4), one of the
+run-time checks of :mod:`lightning_dp.checks`.
+
+A per-sample loss divided by the batch's total token count, ``h - h.mean(0).detach()`` or statistics computed under
+``no_grad`` make example i's loss depend on example j's data without a gradient path, so the gradient check of
+:mod:`~lightning_dp.checks.independence` cannot see them. :func:`check_leave_half_out` runs the user's step forward
+only, six times, on batches made from the checked one, and compares the losses in two ways that no example can make
+fail on a per-example model (docs/privacy.md, "Run-time checks"):
+
+- the **values test** compares bit for bit at the same shapes: the batch, then the batch with each odd-indexed
+  example replaced by a copy of its even-indexed neighbour (the even-indexed losses must not change) and the
+  mirror image (the odd-indexed losses must not change). Every forward runs with deterministic algorithms and its
+  torch calls and their shapes are recorded: when a variant's calls or shapes differ from the batch's (a model that
+  derives shapes from values: packed sequences, unpadding), or the batch run twice gives other bits, the bits are
+  not comparable and this test is skipped on that batch, silently (whether it is skipped depends on the data; a
+  warning would say so);
+- the **count test** runs the even- and the odd-indexed examples alone. A loss divided by an additive batch-wide count
+  ``N`` (examples, tokens) grows in each half by one common factor, ``r_even = N / N_even`` and ``r_odd = N / N_odd``,
+  with ``1 / r_even + 1 / r_odd = 1``; a per-example model gives ``r = 1`` up to rounding. The test fails when a
+  strict majority of each half's compared examples share their half's factor (within 1%) and the two factors satisfy
+  that relation (within 1%), which rounding does not produce and which examples can fake only by being a majority of
+  both halves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_dp.checks.independence import BATCH_MIXING_HINT, BatchMixingError
+from lightning_dp.data.batch_tensors import batch_tensors
+
+log = logging.getLogger("lightning_dp")
+
+#: Forwards of one check: the batch twice, the two same-shape variants, the two halves.
+LEAVE_HALF_OUT_FORWARDS = 6
+#: Relative tolerance of the count test's common factor and of the relation between the halves' factors.
+COUNT_RTOL = 0.01
+
+_MIXING_REASON = (
+    "so it depends on other examples (e.g. a loss divided by the batch's total token count: use a per-example mean; "
+    "batch statistics computed under no_grad or detached); "
+)
+
+
+def check_leave_half_out(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
+) -> bool:
+    """Fail when an example's loss depends on the other examples' values or number without a gradient path (the
+    values and count tests of the module docstring).
+
+    Every forward runs with ``module`` in eval mode (no dropout), under ``no_grad`` (the hooks record nothing), with
+    deterministic algorithms, from the same torch RNG state, on rows of every tensor of ``batch`` whose first
+    dimension is ``batch_size``.
+
+    Args:
+        compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: nothing to check).
+        batch: the training batch (before any guard transformation).
+        batch_size: ``B``.
+        module: the model (put in eval mode for the forwards, then restored).
+
+    Returns:
+        Whether the check was conclusive: False when a loss is not finite or ``None``, or when a half has no finite
+        nonzero loss; the caller checks again on a later batch. (A values test skipped because the bits are not
+        comparable does not make it inconclusive: on a model whose shapes follow the values that would be every
+        batch.)
+
+    Raises:
+        BatchMixingError: naming the test that failed (and, for the values test, an example whose loss changed).
+
+    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
+    """
+    if batch_size < 2:
+        return True
+    conclusive, error = _leave_half_out(compute_loss, batch, batch_size, module, active=True, lockstep=False)
+    if error is not None:
+        raise error
+    return conclusive
+
+
+def check_leave_half_out_in_step(
+    compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module, *, active: bool
+) -> tuple[bool, BatchMixingError | None]:
+    """:func:`check_leave_half_out` in lockstep with the other ranks, for a sharded (FSDP2) model, whose forwards
+    gather weights with collectives: every rank runs the six forwards; a rank that does not check this batch
+    (``active`` False) runs its batch six times and compares nothing.
+
+    Returns:
+        ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
+    """
+    return _leave_half_out(compute_loss, batch, batch_size, module, active=active and batch_size >= 2, lockstep=True)
+
+
+class _CallShapes(TorchFunctionMode):
+    """Records every torch call made under it with the shapes of its tensor arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, Any]] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.calls.append((getattr(func, "__qualname__", repr(func)), _shapes((args, kwargs))))
+        return func(*args, **kwargs)
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (list, tuple)):
+        return tuple(_shapes(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((key, _shapes(item)) for key, item in value.items())
+    return None
+
+
+@contextmanager
+def _deterministic() -> Iterator[None]:
+    """Deterministic algorithms (warn only) for the forwards, the caller's setting restored afterwards."""
+    enabled, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+def _leave_half_out(
+    compute_loss: Callable[[Any], torch.Tensor | None],
+    batch: Any,
+    batch_size: int,
+    module: nn.Module,
+    *,
+    active: bool,
+    lockstep: bool,
+) -> tuple[bool, BatchMixingError | None]:
+    """The forwards of :func:`check_leave_half_out` (inactive: the batch six times, only in ``lockstep``, where the
+    other ranks' forwards need this rank's) and, active, the two tests."""
+    index = torch.arange(batch_size)
+    even, odd = index[0::2], index[1::2]
+    odd_as_even, even_as_odd = index.clone(), index.clone()
+    odd_as_even[odd] = even[: len(odd)]  # each odd row a copy of the even row before it
+    even_as_odd[even[: len(odd)]] = odd  # each even row with a partner a copy of the odd row after it
+    found = False
+
+    def rows(selection: torch.Tensor) -> Any:
+        def select(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal found
+            if tensor.ndim == 0 or tensor.shape[0] != batch_size:
+                return tensor
+            found = True
+            return tensor[selection.to(tensor.device)]
+
+        return apply_to_collection(batch, torch.Tensor, select)
+
+    variants = [batch, batch, rows(odd_as_even), rows(even_as_odd), rows(even), rows(odd)] if active else []
+    if active and not found:
+        log.warning(
+            "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
+            "dimension), so mixing of examples without a gradient path is NOT checked",
+            batch_size,
+        )
+        if not lockstep:
+            return True, None
+        active = False
+    if not active and not lockstep:
+        return True, None
+    losses, calls = _forwards(compute_loss, variants if active else [batch] * LEAVE_HALF_OUT_FORWARDS, module, batch)
+    if not active:
+        return True, None
+    if any(loss is None for loss in losses):
+        return False, None
+    full, again, odd_replaced, even_replaced, half_even, half_odd = (loss.detach() for loss in losses)  # type: ignore[union-attr]
+    halves = torch.empty_like(full)
+    halves[even.to(full.device)], halves[odd.to(full.device)] = half_even, half_odd
+    error = None
+    if calls[1] == calls[0] == calls[2] == calls[3] and bool(_same_bits(full, again).all()):
+        error = _values_test(full, odd_replaced, even, "odd", "even") or _values_test(
+            full, even_replaced, odd, "even", "odd"
+        )
+    counted, count_error = _count_test(full, halves, even.to(full.device), odd.to(full.device))
+    finite = all(bool(torch.isfinite(loss).all()) for loss in (full, again, odd_replaced, even_replaced, halves))
+    return finite and counted, error or count_error
+
+
+def _forwards(
+    compute_loss: Callable[[Any], torch.Tensor | None], batches: list[Any], module: nn.Module, batch: Any
+) -> tuple[list[torch.Tensor | None], list[list[tuple[str, Any]]]]:
+    """The losses of ``batches``, each in eval mode under ``no_grad``, deterministic algorithms and the same RNG
+    state, and the calls each made (recorded for the first four, the same-shape ones)."""
+    devices = sorted({t.device.index or 0 for t in batch_tensors(batch) if t.is_cuda})
+    training = module.training
+    module.eval()
+    losses, calls = [], []
+    try:
+        with _deterministic():
+            for number, data in enumerate(batches):
+                recorder = _CallShapes()
+                with torch.random.fork_rng(devices=devices), torch.no_grad():
+                    if number < 4:
+                        with recorder:
+                            losses.append(compute_loss(data))
+                    else:
+                        losses.append(compute_loss(data))
+                calls.append(recorder.calls)
+    finally:
+        module.train(training)
+    return losses, calls
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: equal, or both NaN."""
+    return (a == b) | (a.isnan() & b.isnan())
+
+
+def _values_test(
+    full: torch.Tensor, variant: torch.Tensor, kept: torch.Tensor, replaced: str, compared: str
+) -> BatchMixingError | None:
+    """An error when a loss of the ``kept`` indices differs, bit for bit, between ``full`` and ``variant`` (the batch
+    with the ``replaced`` examples copies of their neighbours), both ``[B]``."""
+    kept = kept.to(full.device)
+    differs = ~_same_bits(full[kept], variant[kept])
+    if not bool(differs.any()):
+        return None
+    example = int(kept[int(torch.nonzero(differs)[0])])
+    return BatchMixingError(
+        f"leave-half-out check: replacing the {replaced}-indexed examples by copies of their neighbours changed the "
+        f"loss of example {example}, one of the {compared}-indexed ones, at the same shapes, "
+        + _MIXING_REASON
+        + BATCH_MIXING_HINT
+    )
+
+
+def _count_test(
+    full: torch.Tensor, halves: torch.Tensor, even: torch.Tensor, odd: torch.Tensor
+) -> tuple[bool, BatchMixingError | None]:
+    """The count test of the module docstring: ``full`` ``[B]`` the losses with the whole batch, ``halves`` ``[B]``
+    each example's loss in its half. Returns ``(conclusive, error)``: not conclusive when a half has no compared
+    example (both losses finite and nonzero: a rescaling leaves zero at zero)."""
+    compared = torch.isfinite(full) & torch.isfinite(halves) & (full != 0) & (halves != 0)
+    factors = []
+    for half in (even, odd):
+        ratios = (halves[half] / full[half])[compared[half]]
+        if ratios.numel() == 0:
+            return False, None
+        factor = ratios.median()  # the lower median: a strict majority must reach it from both sides
+        sharing = ((ratios - factor).abs() <= COUNT_RTOL * factor.abs()).sum()
+        if 2 * int(sharing) <= ratios.numel():
+            return True, None
+        factors.append(float(factor))
+    if abs(1 / factors[0] + 1 / factors[1] - 1) > COUNT_RTOL:
+        return True, None
+    return True, BatchMixingError(
+        "leave-half-out check: run alone, the even- and the odd-indexed examples' losses each grew by one common "
+        "factor, and the two factors' reciprocals add up to 1 (a division by a count over the batch), "
+        + _MIXING_REASON
+        + BATCH_MIXING_HINT
+    )
