@@ -131,7 +131,7 @@ def _reason(read: ReadError, error: ArgumentError) -> str:
     if not read.unknown:
         return read.reason
     name = read.key.rpartition(".")[2]
-    if name in REMOVED_OPTIONS:
+    if name in REMOVED_OPTIONS and read.key.startswith(f"{STRATEGY}."):
         return f"option {REMOVED_OPTIONS[name]}"
     if read.class_path is not None:  # an argument of a class: among the class's
         parser = ArgumentParser(exit_on_error=False)

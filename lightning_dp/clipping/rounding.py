@@ -58,10 +58,10 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
 
 #: Logged once per clipper whose trainable parameters are in a 16-bit dtype (``%s``: the dtypes).
 HALF_PRECISION_WARNING = (
-    "trainable parameters in %s: the clipped sum is formed in float32 but rounded to that dtype when it is added "
-    "to .grad, a rounding of each coordinate (relative 2^-8 in bfloat16) of a sum over the whole batch, so adding an "
-    "example can move the released sum by more than max_grad_norm; the reported epsilon assumes exact sums. Train "
-    "float32 parameters (bf16-mixed autocast keeps them) when the guarantee must hold exactly"
+    "trainable parameters in %s: the clipped sum is formed in float32, but it and the noise are rounded to that "
+    "dtype in .grad (relative 2^-8 per coordinate in bfloat16): the rounding of the whole batch's sum can move the "
+    "release by more than max_grad_norm and the noise is quantised, so the reported epsilon does not hold exactly "
+    "(secure_mode's noise neither). Train float32 parameters (bf16-mixed autocast keeps them) when it must"
 )
 
 
