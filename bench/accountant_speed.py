@@ -17,7 +17,7 @@ import numpy as np
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.events import GaussianEvent, Lap2Event, LaplaceEvent, PlrvEvent, PoissonSampledEvent
 from lightning_dp.accounting.moments import MomentsAccountant
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 
 def _time(name: str, event: object, steps: int, orders: np.ndarray) -> tuple[float, float, float]:

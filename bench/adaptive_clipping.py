@@ -4,7 +4,7 @@
     python bench/adaptive_clipping.py --record digits       # the runs, then render docs/adaptive_clipping.md
     python bench/adaptive_clipping.py --render              # only re-render from docs/bench/adaptive_clipping/*.json
 
-Each variant trains the demo's CNN (``lightning_dp.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
+Each variant trains the demo's CNN (``lightning_dp.cli.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
 calibrated for the same epsilon, SGD at learning rate 1) once per seed: fixed bounds ``C`` of 0.1, 1 (the demo's
 default) and 10, and adaptive clipping (``target_unclipped_quantile`` 0.5, the other options at their defaults)
 started from 0.1 and from 10. Reported per variant: the test accuracy (mean and standard deviation over the seeds),

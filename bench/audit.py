@@ -25,7 +25,7 @@ import torch
 
 from lightning_dp.audit import AuditConfig, one_run_epsilon_lower_bound, run_audit
 from lightning_dp.audit.one_run import default_guess_sets
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 START, END = "<!-- audit-table:start -->", "<!-- audit-table:end -->"
 

@@ -2,7 +2,7 @@
 
 Usage: ``python bench/cli_startup.py [--repeats 5]``. Each call runs ``--repeats`` times; the table shows the
 fastest and the median run (on a shared machine the fastest is the one least disturbed by the neighbours) next to
-the target, with ``import torch`` as the yardstick. The calls go through ``lightning_dp.cli.main`` as the
+the target, with ``import torch`` as the yardstick. The calls go through ``lightning_dp.cli.main:main`` as the
 ``lightning-dp`` console script does, without its launcher. ``tests/test_lazy_imports.py`` checks the imports that
 keep these low.
 """
@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = "from lightning_dp.cli import main; raise SystemExit(main())"
+CLI = "from lightning_dp.cli.main import main; raise SystemExit(main())"
 GAUSS = "--noise gaussian --sample-rate 0.01 --steps 1000 --delta 1e-5 --max-grad-norm 1"
 #: label -> (Python code, its arguments, target CPU seconds or None).
 CALLS: dict[str, tuple[str, list[str], float | None]] = {

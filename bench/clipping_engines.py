@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from records import add_record_options, environment, finish, plural, render_records
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "clipping_engines"

@@ -69,7 +69,7 @@ from records import (
     run_or_render,
 )
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "de_techniques"

@@ -12,7 +12,7 @@ from typing import Any
 
 from records import add_record_options, mean_std, plural, run_or_render
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 
 def add_demo_options(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +28,10 @@ def run_variants(
     measure: Callable[[dict[str, Any], list[Any]], dict[str, Any]],
     callbacks: Callable[[], list[Any]] = list,
 ) -> dict[str, Any]:
-    """Train the demo (``lightning_dp.demo.run_demo``) once per seed and variant (``variants``: name -> the demo's
+    """Train the demo (``lightning_dp.cli.demo.run_demo``) once per seed and variant (``variants``: name -> the demo's
     options), with fresh ``callbacks()`` each time; each run keeps its test accuracy, epsilon, noise multiplier and
     ``measure(result, callbacks)``'s entries, and is printed as one JSON line (list values left out)."""
-    from lightning_dp.demo import run_demo
+    from lightning_dp.cli.demo import run_demo
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_dp").setLevel(logging.WARNING)

@@ -4,7 +4,7 @@
     python bench/group_clipping.py --record digits       # the runs, then render docs/group_clipping.md
     python bench/group_clipping.py --render              # only re-render from docs/bench/group_clipping/*.json
 
-Each variant trains the demo's CNN (``lightning_dp.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
+Each variant trains the demo's CNN (``lightning_dp.cli.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
 calibrated for the same epsilon, SGD at learning rate 1) once per seed, with flat clipping at ``C`` or with
 ``clipping_groups="per_layer"`` at the same ``C`` split evenly over the ``G`` layers (``C / sqrt(G)`` each, He et al.
 2022, Section 3), for ``C`` of 0.1 and 1: every variant has sensitivity ``C`` and so the same noise and epsilon.

@@ -7,9 +7,9 @@ Models (no download):
 - ``gpt2``: GPT-2, 2 layers, d=256, 4 heads, the GPT-2 vocabulary (50257; ``lm_head`` tied to ``wte``), random token
   ids, per-example mean token cross-entropy (integer inputs: the hooked layer outputs are checked).
 
-One model, one :class:`~lightning_dp.privacy_engine.PrivacyEngine` (Gaussian noise, sigma=1, C=1, SGD): each round
-takes one step without the check and one with it (the guard's two checks armed exactly as a due step arms them), in
-alternating order, on the same fixed batch of ``B`` examples; the median CPU time (``time.process_time``, one
+One model, one :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (Gaussian noise, sigma=1, C=1, SGD): each
+round takes one step without the check and one with it (the guard's two checks armed exactly as a due step arms them),
+in alternating order, on the same fixed batch of ``B`` examples; the median CPU time (``time.process_time``, one
 intra-op thread, so other jobs on a shared machine hardly move it) over ``--rounds`` rounds is reported, with the
 wall time beside it.
 
@@ -31,7 +31,7 @@ from torch import nn
 
 from lightning_dp import PrivacyEngine
 from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 
 def build(name: str, batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from records import mean_std
 
-from lightning_dp.demo import run_demo
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.cli.demo import run_demo
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.mechanisms.calibration import mechanism_epsilon
+from lightning_dp.utils.help_format import HelpFormatter
 
 PAPER_ACCOUNTANT = {"lap2": "lap2-paper", "plrv": "plrv-paper"}
 MECHANISM_KEYS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale", "max_grad_norm")

@@ -30,9 +30,9 @@ import torch
 from records import add_record_options, render_records, run_or_render
 from transformers import DataCollatorWithPadding
 
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.recipes import glue, run
 from lightning_dp.tasks import pretrained
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "per_sample_norms"

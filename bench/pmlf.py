@@ -59,11 +59,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.recipes.cifar import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.tasks.local_data import local_data_dir
+from lightning_dp.utils.help_format import HelpFormatter
 
 METHODS = ("dpsgd", "lp-dpsgd", "momentum", "dp-pmlf")
 FILTERED = {"lp-dpsgd", "dp-pmlf"}

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from records import mean_std, replace_between_markers
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning_dp.run_environment import run_environment
+from lightning_dp.runtime.environment import run_environment
 
 
 def plural(count: Any, noun: str) -> str:
@@ -100,7 +100,7 @@ def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
 
 
 def environment(device: str) -> dict[str, Any]:
-    """What the numbers depend on (:func:`lightning_dp.run_environment.run_environment`: versions, threads, CPU
+    """What the numbers depend on (:func:`lightning_dp.runtime.environment.run_environment`: versions, threads, CPU
     kernels, the device's name) and the load average before the run (the caller adds ``load_after``)."""
     return {**run_environment(device), "load_before": os.getloadavg()[0]}
 

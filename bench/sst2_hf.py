@@ -31,7 +31,7 @@ from typing import Any
 
 from records import mean_std, plural, replace_between_markers, value_range
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "sst2_hf"

@@ -40,7 +40,7 @@ from lightning_dp import DPStrategy
 from lightning_dp.audit.inputs import InputCanaries
 from lightning_dp.audit.report import report_for
 from lightning_dp.audit.setups import make_setup
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "user_level"

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from records import add_record_options, environment, finish, plural, render_records
 
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "users_paths"
@@ -133,8 +133,8 @@ PARTS = ("user forward", "check forwards", "per_sample_loss rest", "clip (backwa
 
 def patch_engine(clocks: Clocks) -> Callable[[], None]:
     """Wrap the engine's parts with ``clocks.timed``; returns the function that undoes it."""
+    from lightning_dp.engine.privacy_engine import PrivacyEngine
     from lightning_dp.optim import DPOptimizer
-    from lightning_dp.privacy_engine import PrivacyEngine
 
     originals = {
         (PrivacyEngine, "per_sample_loss"): PrivacyEngine.per_sample_loss,

@@ -14,10 +14,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from lightning_dp.import_hooks import when_imported
+from lightning_dp.utils.import_hooks import when_imported
 
 if TYPE_CHECKING:
     from lightning_dp.augmentation import augment_each_example, augmentation_mean, repeat_for_multiplicity
+    from lightning_dp.engine.privacy_engine import PrivacyEngine
     from lightning_dp.lightning import (
         DPDDPStrategy,
         DPModelParallelStrategy,
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
         PrivacyBudget,
         TrainingProgress,
     )
-    from lightning_dp.privacy_engine import PrivacyEngine
     from lightning_dp.weight_standardisation import WSConv2d
 
 __all__ = [
@@ -51,7 +51,7 @@ _EXPORTS: dict[str, str] = {
     "DPStrategy": "lightning_dp.lightning",
     "PrivacyAccountantCallback": "lightning_dp.lightning",
     "PrivacyBudget": "lightning_dp.lightning",
-    "PrivacyEngine": "lightning_dp.privacy_engine",
+    "PrivacyEngine": "lightning_dp.engine.privacy_engine",
     "TrainingProgress": "lightning_dp.lightning",
     "WSConv2d": "lightning_dp.weight_standardisation",
     "augment_each_example": "lightning_dp.augmentation",

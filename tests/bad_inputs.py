@@ -212,7 +212,7 @@ def _command(program: str, main: Callable[[], int]) -> None:
 
 def _cli(*argv: str) -> Callable[[], None]:
     def run() -> None:
-        from lightning_dp.cli import main
+        from lightning_dp.cli.main import main
 
         _command("lightning-dp", lambda: main(list(argv)))
 

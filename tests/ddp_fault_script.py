@@ -22,7 +22,8 @@ import torch
 from helpers import TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_dp import DPDDPStrategy, checkpoints
+from lightning_dp import DPDDPStrategy
+from lightning_dp.runtime import checkpoints
 
 MAX_STEPS = 8
 EVERY = 3

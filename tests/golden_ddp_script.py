@@ -15,7 +15,7 @@ import torch.distributed as dist
 from helpers import parameter_fingerprint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
-from lightning_dp.cli_args import quiet_lightning
+from lightning_dp.cli.args import quiet_lightning
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM, TrainerCallback
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from lightning_dp.distributed import distributed_context
 from lightning_dp.hf import PrivacyArguments
+from lightning_dp.runtime.distributed import distributed_context
 
 N, BATCH, ACCUM, STEPS = 32, 4, 2, 3
 PROMPT = torch.tensor([[5, 17, 2, 31]])

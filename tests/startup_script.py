@@ -12,7 +12,7 @@ import json
 import sys
 import tempfile
 
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 
 def train_hf(out: str) -> PrivacyEngine:

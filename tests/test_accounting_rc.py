@@ -31,7 +31,7 @@ from lightning_dp.accounting.rc_envelope import (
     vertex_uniform_crossing,
     x_plus,
 )
-from lightning_dp.cli_privacy import calibrate_main, epsilon_main
+from lightning_dp.cli.privacy import calibrate_main, epsilon_main
 from lightning_dp.mechanisms.calibration import calibrate_result
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
 

@@ -24,8 +24,8 @@ from torch import nn
 
 from lightning_dp import PrivacyEngine
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.distributed import distributed_context
 from lightning_dp.optim.adaptive_clipping import AdaptiveClipping, sum_noise_multiplier
+from lightning_dp.runtime.distributed import distributed_context
 
 WORLD = 2
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_dp.cli import main
+from lightning_dp.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,7 @@ def test_fit_saves_each_runs_config_in_its_own_folder_and_never_overwrites(tmp_p
 
 
 def test_demo_reaches_target_accuracy():
-    from lightning_dp.demo import run_demo
+    from lightning_dp.cli.demo import run_demo
 
     result = run_demo(progress_bar=False)
     assert result["epsilon"] <= 3.0 + 1e-9

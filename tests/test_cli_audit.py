@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lightning_dp.cli import main, usage
+from lightning_dp.cli.main import main, usage
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dp.accounting import ACCOUNTANTS
-from lightning_dp.cli_privacy import calibrate_main, epsilon_main, format_table
+from lightning_dp.cli.privacy import calibrate_main, epsilon_main, format_table
 
 GAUSS = ["--noise", "gaussian", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5"]
 
@@ -133,7 +133,7 @@ def test_calibrate_laplace_readable(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_dispatch_from_console_entry(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_dp.cli import main
+    from lightning_dp.cli.main import main
 
     argv = ["epsilon", *GAUSS, "--max-grad-norm", "1", "--noise-multiplier", "1.1", "--accountant", "rdp", "--json"]
     assert main(argv) == 0
@@ -146,7 +146,7 @@ def test_calibrate_says_when_the_noise_drowns_the_signal() -> None:
     root = Path(__file__).resolve().parents[1]
     argv = ["calibrate", "--noise", "gaussian", "--target-epsilon", "1e-4", "--delta", "1e-5"]
     argv += ["--sample-rate", "0.05", "--steps", "100", "--accountant", "rdp"]
-    probe = f"import sys; from lightning_dp.cli import main; sys.exit(main({argv!r}))"
+    probe = f"import sys; from lightning_dp.cli.main import main; sys.exit(main({argv!r}))"
     done = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "learn nothing useful" in done.stderr and "noise_multiplier" in done.stdout

@@ -20,11 +20,11 @@ from lightning.pytorch.loggers import Logger
 from lightning_dp import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
-from lightning_dp.cli import main
-from lightning_dp.help_format import HelpFormatter
+from lightning_dp.cli.main import main
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.lightning.callbacks import privacy_engine_of
 from lightning_dp.mechanisms.calibration import calibrate_result
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -282,7 +282,7 @@ def test_tensorboard_logger_gets_a_figure(monkeypatch):
     pytest.importorskip("matplotlib")
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_dp.plots import epsilon_curve_figure, log_figure
+    from lightning_dp.utils.plots import epsilon_curve_figure, log_figure
 
     figures = []
 
@@ -334,7 +334,7 @@ def test_fit_without_the_callback_still_prints_the_summary(tmp_path, capfd):
 
 def test_every_scripts_help_shows_the_defaults() -> None:
     """Every ``argparse`` parser of the examples and benches uses the package's HelpFormatter, which appends each
-    option's default to its help (the ``lightning-dp`` commands use it through ``cli_args.Parser``)."""
+    option's default to its help (the ``lightning-dp`` commands use it through ``lightning_dp.cli.args.Parser``)."""
     root = Path(__file__).resolve().parents[1]
     scripts = [*root.glob("bench/*.py"), *root.glob("lightning_dp/examples/*.py")]
     parsers = 0

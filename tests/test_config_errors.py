@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_dp.cli import main
-from lightning_dp.cli_fit import check_privacy_options
+from lightning_dp.cli.fit import check_privacy_options
+from lightning_dp.cli.jsonargparse_errors import read_error
+from lightning_dp.cli.main import main
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.config_errors import ConfigError, checking, invalid_option, locate, option_reason, unknown_option
-from lightning_dp.jsonargparse_errors import read_error
+from lightning_dp.config.errors import ConfigError, checking, invalid_option, locate, option_reason, unknown_option
 from lightning_dp.lightning import DPStrategy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@ mid-epoch, one rank raising inside a step, rank 0 killed while it rewrites ``las
 end within seconds (not the 30-minute collective timeout), the checkpoint on disk must be the one from before the
 fault, and resuming from it must continue the ledger exactly (ledger == an uninterrupted run's ledger at every step
 count, parameters at resume == the checkpoint's, no step counted twice or lost). Plus the atomic writers of
-:mod:`lightning_dp.checkpoints` on their own."""
+:mod:`lightning_dp.runtime.checkpoints` on their own."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import pytest
 import torch
 from fault_helpers import STOP_WITHIN, job_end, wait_until
 
-from lightning_dp import checkpoints
 from lightning_dp.accounting import make_accountant
 from lightning_dp.mechanisms import make_mechanism
+from lightning_dp.runtime import checkpoints
 
 SCRIPT = Path(__file__).with_name("ddp_fault_script.py")
 #: what gloo writes when a peer process died mid-collective

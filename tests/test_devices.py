@@ -22,7 +22,7 @@ import lightning_dp.optim.dp_optimizer as dp_optimizer
 from lightning_dp import DPStrategy
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.engine import ENGINES
-from lightning_dp.randomness import DPRandomness
+from lightning_dp.runtime.randomness import DPRandomness
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EXACT_ENGINES = tuple(name for name, engine in ENGINES.items() if not engine.randomized)

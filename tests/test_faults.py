@@ -161,8 +161,8 @@ def test_damaged_privacy_state_never_resets_the_ledger(killed_run, tmp_path, edi
     ],
 )
 def test_hf_damaged_privacy_state_fails_clearly(tmp_path, text, message):
+    from lightning_dp.engine.privacy_engine import PrivacyEngine
     from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, load_privacy_state
-    from lightning_dp.privacy_engine import PrivacyEngine
 
     (tmp_path / PRIVACY_STATE_NAME).write_text(text)
     engine = PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.0)

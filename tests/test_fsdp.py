@@ -1,5 +1,5 @@
-"""The engine on FSDP2-sharded models (lightning_dp/sharding.py, docs/design.md section 8.1), 2 CPU processes over
-gloo, started with ``torch.multiprocessing.spawn``.
+"""The engine on FSDP2-sharded models (lightning_dp/runtime/sharding.py, docs/design.md section 8.1), 2 CPU processes
+over gloo, started with ``torch.multiprocessing.spawn``.
 
 A tiny Llama (float64, tied embeddings, a 1001-token vocabulary so that dim 0 of the embedding splits 501 / 500) is
 sharded with ``fully_shard`` on each decoder layer and on the root. Checked:
@@ -48,7 +48,7 @@ from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.hf.losses import token_cross_entropy
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness, distributed_context
-from lightning_dp.sharding import gathered, local_part, reshard_all
+from lightning_dp.runtime.sharding import gathered, local_part, reshard_all
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

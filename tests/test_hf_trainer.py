@@ -430,8 +430,8 @@ def test_stale_privacy_state_is_removed_before_a_checkpoint_folder_is_rewritten(
     goes first, so a kill mid-write cannot leave new files under an old marker that resuming would trust."""
     from transformers import TrainerControl, TrainerState
 
-    from lightning_dp.checkpoints import last_complete_checkpoint
     from lightning_dp.hf.callbacks import PrivacyStateCallback
+    from lightning_dp.runtime.checkpoints import last_complete_checkpoint
 
     folder = tmp_path / "checkpoint-4"
     folder.mkdir()

@@ -41,7 +41,7 @@ def imported_after(code: str) -> list[str]:
 
 
 def cli(*argv: str) -> str:
-    return f"from lightning_dp.cli import main; main({list(argv)!r})"
+    return f"from lightning_dp.cli.main import main; main({list(argv)!r})"
 
 
 GAUSS = ["--noise", "gaussian", "--sample-rate", "0.01", "--steps", "1000", "--delta", "1e-5", "--max-grad-norm", "1"]
@@ -101,7 +101,7 @@ def test_the_strategies_register_after_a_reload_and_a_failing_setup_only_warns()
             "import lightning.pytorch",
             "from lightning.pytorch.strategies import StrategyRegistry",
             "assert 'dp' in StrategyRegistry, 'not registered'",
-            "from lightning_dp.import_hooks import when_imported",
+            "from lightning_dp.utils.import_hooks import when_imported",
             "def broken():",
             "    raise RuntimeError('broken set-up')",
             "when_imported('json.tool', broken)",

@@ -14,8 +14,8 @@ from helpers import TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_dp import DPStrategy
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.optim import LOWPASS_PRESETS, LowPassFilter, make_lowpass
-from lightning_dp.privacy_engine import PrivacyEngine
 
 STEPS = 40
 

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
-from lightning_dp.cli_privacy import calibrate_main, epsilon_main, noises
+from lightning_dp.cli.privacy import calibrate_main, epsilon_main, noises
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, calibrate, calibrate_result, register_mechanism
 from lightning_dp.mechanisms.calibration import RTOL, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.secure import check_secure_mechanism
-from lightning_dp.privacy_engine import PrivacyEngine
 
 #: the toy's event is that of a Gaussian mechanism with multiplier SCALE * toy_multiplier.
 SCALE = 2.0

@@ -96,7 +96,7 @@ def test_script_smoke(tmp_path: Path) -> None:
 
 def test_lightning_dp_fit_runs_the_same(tmp_path: Path) -> None:
     """``lightning-dp fit`` with the same config and flags gives the same run as the recipe's ``main``."""
-    from lightning_dp.cli import main as cli_main
+    from lightning_dp.cli.main import main as cli_main
 
     runs = []
     for name, entry in (("fit", lambda a: cli_main(["fit", *a])), ("recipe", main)):

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from process_helpers import ROOT, accelerate_launch
 
-from lightning_dp.engine_startup import HEADER
+from lightning_dp.engine.startup import HEADER
 
 WORLD = 2
 #: The tiny run of test_recipe_glue.py::test_smoke_docs_config_on_a_tiny_model (``--accountant rdp``: the docs

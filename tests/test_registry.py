@@ -16,7 +16,7 @@ from helpers import make_trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
 
 from lightning_dp import DPDDPStrategy, DPModelParallelStrategy, DPStrategy, PrivacyAccountantCallback
-from lightning_dp.cli import main
+from lightning_dp.cli.main import main
 from lightning_dp.lightning.registry import DEFAULT_EPSILON, REGISTERED_EPSILONS
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dp.console import show_info_lines
-from lightning_dp.engine_startup import HEADER
-from lightning_dp.launch_check import TWO_PROCESSES_CONFIG, process_count_warning
+from lightning_dp.engine.startup import HEADER
+from lightning_dp.runtime.console import show_info_lines
+from lightning_dp.runtime.launch_check import TWO_PROCESSES_CONFIG, process_count_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What accelerate's simple launcher sets in its one child for ``accelerate launch --num_processes 2`` (no

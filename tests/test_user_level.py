@@ -44,8 +44,8 @@ from lightning_dp.data.users import (
     read_user_ids,
     user_losses,
 )
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.hf import PrivacyArguments
-from lightning_dp.privacy_engine import PrivacyEngine
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop", "ignore::UserWarning", "ignore::FutureWarning"

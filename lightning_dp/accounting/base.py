@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar, overload
 
 from lightning_dp.accounting.events import event_from_dict, event_to_dict
-from lightning_dp.naming import unknown_name
 from lightning_dp.registration import Registry, class_decorator
+from lightning_dp.utils.naming import unknown_name
 
 #: The accountants by ``name`` (read it as a dict; add with :func:`register_accountant`, remove with ``unregister``).
 ACCOUNTANTS: Registry[str, type[Accountant]] = Registry("accountant")

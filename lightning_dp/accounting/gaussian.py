@@ -49,7 +49,7 @@ def quiet_rdp_convergence() -> Iterator[None]:
 
     absl's ``logging.warning`` also runs ``logging.basicConfig()`` when the root logger has no handler, before any
     filter: the handlers it adds to the root logger during the block are removed again, so that a script which set
-    up no logging stays so (and :mod:`lightning_dp.console` still shows the library's INFO lines).
+    up no logging stays so (and :mod:`lightning_dp.runtime.console` still shows the library's INFO lines).
     """
     absl_logger, quiet = logging.getLogger("absl"), _RdpConvergenceFilter()
     root, before = logging.getLogger(), set(logging.getLogger().handlers)

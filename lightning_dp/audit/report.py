@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lightning_dp.audit.one_run import OneRunAudit, audit_scores
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 
 @dataclass(frozen=True)

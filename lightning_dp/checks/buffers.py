@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.registry import UnsupportedModuleError
-from lightning_dp.sharding import is_sharded, local_part, reshard_all, uses_fsdp
+from lightning_dp.runtime.sharding import is_sharded, local_part, reshard_all, uses_fsdp
 
 #: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by
 #: checksum (float64 sum and sum of squares), so a large frozen base (LoRA) is read in chunks, never copied whole.

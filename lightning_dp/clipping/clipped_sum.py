@@ -13,7 +13,7 @@ from torch import nn
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
-from lightning_dp.sharding import is_sharded, sum_into_shard
+from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
@@ -33,7 +33,7 @@ def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture
 def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
     """``param.grad += clipped`` (created when None), ``clipped`` being this rank's clipped sum of ``param``, full
     size (``param``'s global shape), cast to ``param``'s dtype. For a sharded ``param`` the sum over all ranks goes
-    in, this rank's shard of it (:func:`~lightning_dp.sharding.sum_into_shard`, one reduce-scatter: a collective
+    in, this rank's shard of it (:func:`~lightning_dp.runtime.sharding.sum_into_shard`, one reduce-scatter: a collective
     that every rank issues for the same parameters in the same order)."""
     clipped = clipped.to(param.dtype)
     if is_sharded(param):

@@ -73,7 +73,7 @@ from lightning_dp.clipping.sum_check import reduced_precision
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import hooked_modules
-from lightning_dp.sharding import reshard_all, uses_fsdp
+from lightning_dp.runtime.sharding import reshard_all, uses_fsdp
 
 _EPS = 1e-6
 #: Default period (in clipped batches) of the sum check.
@@ -197,7 +197,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._checked_batches = 0
         #: FSDP2 swaps each sharded module's registered parameters (DTensor shards) for unsharded ones around its
         #: forward and backward, so parameters are identified by (module, attribute), never by the object a
-        #: module holds at the moment (:mod:`lightning_dp.sharding`).
+        #: module holds at the moment (:mod:`lightning_dp.runtime.sharding`).
         self._sharded = uses_fsdp(module)
         if self._sharded:
             # after a forward (evaluation, generation) FSDP2 may hold some modules' parameters gathered: the

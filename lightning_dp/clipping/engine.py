@@ -15,8 +15,8 @@ from typing import ClassVar, TypeVar, overload
 import torch
 
 from lightning_dp.clipping.terms import Materialised, Term, materialise_sum, term_elements
-from lightning_dp.naming import did_you_mean
 from lightning_dp.registration import Registry, class_decorator
+from lightning_dp.utils.naming import did_you_mean
 
 #: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
 DEFAULT_PROJECTION_DIM = 32

@@ -32,7 +32,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_dp.naming import did_you_mean
+from lightning_dp.utils.naming import did_you_mean
 
 #: ``clipping_groups`` value for one group per module owning trainable parameters.
 PER_LAYER = "per_layer"

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_dp.clipping.linear import affine_terms
 from lightning_dp.clipping.registry import register_layer
 from lightning_dp.clipping.terms import Term
-from lightning_dp.import_hooks import when_imported
+from lightning_dp.utils.import_hooks import when_imported
 
 
 def conv1d_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:

@@ -46,7 +46,7 @@ class Capture:
             sets it (and None for calls whose output does not influence the loss).
         leaves: the module's own parameters as the call used them, by attribute name: the registered parameters,
             except under FSDP2, where a sharded module's call uses the unsharded parameters that autograd sees
-            (:mod:`lightning_dp.sharding`).
+            (:mod:`lightning_dp.runtime.sharding`).
         parameter_values: for a family that reads parameter values (``LayerFamily.reads_parameters``), detached
             copies of those parameters (of ``leaves``) taken when the call ran; None otherwise.
     """

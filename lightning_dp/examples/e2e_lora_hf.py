@@ -37,11 +37,11 @@ import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, TrainingArguments
 
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE, add_lora, load_causal_lm, load_tokenizer
 from lightning_dp.tasks.prompt_target import PromptTarget, PromptTargetDataset, causal_lm_collator
+from lightning_dp.utils.help_format import HelpFormatter
 
 #: The E2E files read, under ``e2e`` of the data root.
 DATA_FILES = ("devset.csv", "testset_w_refs.csv")

@@ -26,8 +26,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.utils.help_format import HelpFormatter
 
 GOOD = ("great", "wonderful", "excellent", "moving", "delightful", "superb", "charming", "brilliant")
 BAD = ("awful", "boring", "dreadful", "dull", "terrible", "clumsy", "tedious", "painful")

@@ -22,8 +22,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback, TrainingProgress
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.tasks.digits import DigitsDataModule
+from lightning_dp.utils.help_format import HelpFormatter
 
 
 class Classifier(pl.LightningModule):

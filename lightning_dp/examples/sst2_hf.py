@@ -24,7 +24,7 @@ magnitude less CPU. Without it every step runs the whole encoder (with its dropo
 Trainer; ``--dp-seed`` seeds the DP noise and Poisson sampling. Without ``--dp-seed`` they come from OS entropy, as a
 real run needs them (a published seed lets anyone replay the noise and void the guarantee); with both, the same
 command on the same environment gives the same run (docs/hf.md's table). The printed JSON ends with that environment
-(:func:`~lightning_dp.run_environment.run_environment`: versions, threads, CPU kernels).
+(:func:`~lightning_dp.runtime.environment.run_environment`: versions, threads, CPU kernels).
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from transformers import (
     set_seed,
 )
 
-from lightning_dp.help_format import HelpFormatter
 from lightning_dp.hf import DPTrainer, PrivacyArguments
-from lightning_dp.run_environment import run_environment
+from lightning_dp.runtime.environment import run_environment
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 from lightning_dp.tasks.local_data import local_data_dir
+from lightning_dp.utils.help_format import HelpFormatter
 
 #: How the recorded command runs this script (also run as ``python lightning_dp/examples/sst2_hf.py``, it is the same).
 MODULE = "lightning_dp.examples.sst2_hf"

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-from lightning_dp.distributed import distributed_context
+from lightning_dp.runtime.distributed import distributed_context
 
 #: The variable through which ``accelerate launch`` asks for FSDP.
 USE_FSDP_VARIABLE = "ACCELERATE_USE_FSDP"

@@ -17,8 +17,8 @@ from dataclasses import field, fields, make_dataclass
 from typing import Any, Literal
 
 from lightning_dp.config import HF_NAMES, PrivacyConfig, option_docs
-from lightning_dp.config_errors import checking
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.config.errors import checking
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 PER_EXAMPLE_REDUCTIONS = ("mean", "sum")
 
@@ -43,7 +43,7 @@ def _parse_bounds(value: Any) -> Any:
 
     Raises:
         ValueError: a value that is not a number (or a JSON list of numbers), marked as about ``max_grad_norm``
-            (:func:`~lightning_dp.config_errors.checking`).
+            (:func:`~lightning_dp.config.errors.checking`).
     """
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):

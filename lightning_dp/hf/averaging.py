@@ -37,9 +37,9 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lightning_dp.checkpoints import atomic_save
 from lightning_dp.hf.callbacks import checkpoint_folder, load_checkpoint_tensors, written_checkpoint_folder
-from lightning_dp.sharding import uses_fsdp
+from lightning_dp.runtime.checkpoints import atomic_save
+from lightning_dp.runtime.sharding import uses_fsdp
 
 #: File holding the averaging state in each Trainer checkpoint folder: ``parameter_names``, ``averaged_model_state``
 #: (the ``AveragedModel``'s state dict: its tensors and ``n_averaged``), ``model_files_hold_average`` (when True,

@@ -15,8 +15,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lightning_dp.accounting.base import validate_epsilon
-from lightning_dp.checkpoints import atomic_save, atomic_write_bytes
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.runtime.checkpoints import atomic_save, atomic_write_bytes
 
 log = logging.getLogger("lightning_dp")
 
@@ -102,7 +102,7 @@ class PrivacyStateCallback(TrainerCallback):
     """Writes the engine's privacy state next to every checkpoint the Trainer saves (``on_save``).
 
     The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
-    sample rate; never a seed or generator state (see :mod:`lightning_dp.randomness`). The low-pass filter's
+    sample rate; never a seed or generator state (see :mod:`lightning_dp.runtime.randomness`). The low-pass filter's
     state and the per-sample momentum's iterates (tensors) go to the files :data:`TENSOR_STATE_NAMES` beside it.
 
     Args:
@@ -135,7 +135,8 @@ class PrivacyStateCallback(TrainerCallback):
         tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
         for key, tensor_state in tensor_states.items():
             atomic_save(tensor_state, folder / TENSOR_STATE_NAMES[key])
-        # last and atomic: its presence marks the folder complete (lightning_dp.checkpoints.last_complete_checkpoint)
+        # last and atomic: its presence marks the folder complete
+        # (lightning_dp.runtime.checkpoints.last_complete_checkpoint)
         atomic_write_bytes(folder / PRIVACY_STATE_NAME, json.dumps(privacy_state, indent=1).encode())
         return control
 

@@ -1,10 +1,10 @@
 """``DPTrainer``: differentially private training with the HuggingFace ``Trainer``, over the same ``PrivacyEngine``.
 
 A thin adapter like :class:`~lightning_dp.lightning.DPStrategy`: Poisson sampling, per-sample clipping, noise and
-accounting all live in :class:`~lightning_dp.privacy_engine.PrivacyEngine`, :class:`~lightning_dp.optim.DPOptimizer`
-and :mod:`lightning_dp.data`; this module only connects them to the Trainer. The model is never wrapped: clipping
-hooks are attached in place for the duration of :meth:`DPTrainer.train` and removed afterwards, so
-``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
+accounting all live in :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`,
+:class:`~lightning_dp.optim.DPOptimizer` and :mod:`lightning_dp.data`; this module only connects them to the Trainer.
+The model is never wrapped: clipping hooks are attached in place for the duration of :meth:`DPTrainer.train` and removed
+afterwards, so ``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
 
 Overridden ``Trainer`` methods (all documented "subclass and override" points), and why:
 
@@ -49,8 +49,8 @@ as shards and gathered into the checkpoint's privacy state. Not supported: model
 ``from_pretrained(distributed_config=...)``.
 
 Several processes (``accelerate launch``, ``torchrun``): the same recipe as
-:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.distributed` (docs/design.md
-section 8). Rank and world size come from :func:`~lightning_dp.distributed.distributed_context` (the initialised
+:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.runtime.distributed` (docs/design.md
+section 8). Rank and world size come from :func:`~lightning_dp.runtime.distributed.distributed_context` (the initialised
 ``torch.distributed`` group), not from accelerate's state or ``TrainingArguments.world_size``, which depend on how
 accelerate is configured and launched (tested: on CPU, ``accelerate launch --multi_gpu --num_processes 2`` with
 ``use_cpu=True``; ``--cpu --num_processes 2`` starts a single process). In ``train`` every
@@ -82,18 +82,24 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
-from lightning_dp.checkpoints import last_complete_checkpoint
 from lightning_dp.data.users import read_user_ids
-from lightning_dp.distributed import DistributedContext, distributed_context
-from lightning_dp.engine_accounting import summary_metrics
+from lightning_dp.engine.accounting import summary_metrics
+from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
 from lightning_dp.hf.sampling import poisson_batch_lengths
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.privacy_queries import PrivacyQueries
-from lightning_dp.sharding import full_state_dict, load_sharded_model, load_sharded_optimizer, save_sharded, uses_fsdp
+from lightning_dp.runtime.checkpoints import last_complete_checkpoint
+from lightning_dp.runtime.distributed import DistributedContext, distributed_context
+from lightning_dp.runtime.sharding import (
+    full_state_dict,
+    load_sharded_model,
+    load_sharded_optimizer,
+    save_sharded,
+    uses_fsdp,
+)
 
 log = logging.getLogger("lightning_dp")
 
@@ -120,8 +126,8 @@ class DPTrainer(PrivacyQueries, Trainer):
         privacy_args: the privacy configuration.
 
     Attributes:
-        privacy_engine: the run's :class:`~lightning_dp.privacy_engine.PrivacyEngine` (``privacy_engine.epsilon()``,
-            ``privacy_engine.summary()`` after training).
+        privacy_engine: the run's :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`
+            (``privacy_engine.epsilon()``, ``privacy_engine.summary()`` after training).
         last_clip_fraction: fraction of the last micro-batch's examples whose gradient norm exceeded
             ``max_grad_norm`` (diagnostic only: not privatised, so not logged).
 
@@ -193,12 +199,12 @@ class DPTrainer(PrivacyQueries, Trainer):
             super().create_accelerator_and_postprocess()
 
     def get_epsilon(self, delta: float | None = None) -> float:
-        """As :meth:`PrivacyQueries.get_epsilon <lightning_dp.privacy_queries.PrivacyQueries.get_epsilon>`; ``inf``
+        """As :meth:`PrivacyQueries.get_epsilon <lightning_dp.engine.queries.PrivacyQueries.get_epsilon>`; ``inf``
         with ``disable_dp`` (no guarantee)."""
         return math.inf if self.privacy_args.disable_dp else super().get_epsilon(delta)
 
     def privacy_summary(self) -> dict[str, Any]:
-        """As :meth:`PrivacyQueries.privacy_summary <lightning_dp.privacy_queries.PrivacyQueries.privacy_summary>`.
+        """As :meth:`PrivacyQueries.privacy_summary <lightning_dp.engine.queries.PrivacyQueries.privacy_summary>`.
 
         Raises:
             RuntimeError: before training started, or with ``disable_dp`` (no privacy state).
@@ -397,7 +403,7 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
-        shard at the global rate q (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.training_loader`). With
+        shard at the global rate q (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.training_loader`). With
         ``train_sampling_strategy="group_by_length"`` each Poisson batch is split into micro-batches of similar
         lengths; other strategies than ``"random"`` are ignored with a warning (:mod:`lightning_dp.hf.sampling`).
 
@@ -427,7 +433,7 @@ class DPTrainer(PrivacyQueries, Trainer):
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, wrapped in a ``DPOptimizer`` once the engine is prepared for the planned steps
-        (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.start_training`: on several processes the ranks must
+        (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.start_training`: on several processes the ranks must
         agree on N, q and the noise, and the clipped sums are SUM all-reduced before the noise).
 
         Raises:

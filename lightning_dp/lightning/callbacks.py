@@ -10,9 +10,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_dp.accounting.base import validate_epsilon
-from lightning_dp.engine_accounting import summary_metrics
-from lightning_dp.plots import MISSING_MATPLOTLIB, epsilon_curve_figure, log_figure, matplotlib_available
-from lightning_dp.privacy_engine import PrivacyEngine
+from lightning_dp.engine.accounting import summary_metrics
+from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.utils.plots import MISSING_MATPLOTLIB, epsilon_curve_figure, log_figure, matplotlib_available
 
 log = logging.getLogger("lightning_dp")
 

@@ -4,7 +4,7 @@
 with the same privacy guarantee as one process with the global sample rate (docs/design.md section 8): each rank
 Poisson-samples its shard of the data and clips its own examples, the clipped SUMS are all-reduced, noise is drawn
 once (the same draw on every rank) and divided by the global expected batch size ``q N``, so every rank takes the
-same step and the parameters stay bit-identical. The collectives are in :mod:`lightning_dp.distributed`, the
+same step and the parameters stay bit-identical. The collectives are in :mod:`lightning_dp.runtime.distributed`, the
 DP hooks in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin` (shared with ``DPStrategy``).
 
 Why the module is NOT wrapped in ``DistributedDataParallel``: DDP's purpose is to all-reduce (average) ``p.grad``
@@ -27,9 +27,9 @@ from typing import Any
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
+from lightning_dp.runtime.distributed import DistributedContext, distributed_context
 
 _DDP_ONLY = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 

@@ -4,10 +4,10 @@
 Lightning's strategies own devices and processes; this mixin adds, through the strategy hooks Lightning documents
 (``setup``, ``process_dataloader``, ``on_train_start``, ``training_step``, ``optimizer_step``, ``backward``,
 ``save_checkpoint``/``load_checkpoint``, ``teardown``), the calls into
-:class:`~lightning_dp.privacy_engine.PrivacyEngine` where the DP logic itself lives: Poisson sampling, per-sample
+:class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` where the DP logic itself lives: Poisson sampling, per-sample
 clipping, noise and accounting. It is listed before the Lightning strategy in the bases, so each hook does its DP
 part and calls the strategy's own with ``super()``. On several processes it uses the collectives of
-:mod:`lightning_dp.distributed` (the concrete strategy says whether there are several, in
+:mod:`lightning_dp.runtime.distributed` (the concrete strategy says whether there are several, in
 :meth:`DPStrategyMixin._distributed_context`).
 """
 
@@ -26,13 +26,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_dp.checkpoints import save_lightning_checkpoint
 from lightning_dp.config import option_docs, option_parameters, pop_options
-from lightning_dp.distributed import DistributedContext
-from lightning_dp.lightning_noise import drop_lightning_noise
+from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.privacy_engine import PrivacyEngine
-from lightning_dp.privacy_queries import PrivacyQueries
+from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
+from lightning_dp.runtime.distributed import DistributedContext
+from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
 
 log = logging.getLogger("lightning_dp")
 
@@ -145,7 +145,7 @@ class DPStrategyMixin(PrivacyQueries):
             self.privacy_engine.start_run(self.lightning_module, self._distributed)
 
     def process_dataloader(self, dataloader: object) -> object:
-        """The training loader of the run (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.training_loader`:
+        """The training loader of the run (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.training_loader`:
         Poisson sampling of this rank's shard at the global rate q); other stages are untouched."""
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING:
@@ -159,7 +159,7 @@ class DPStrategyMixin(PrivacyQueries):
 
     def on_train_start(self) -> None:
         """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers
-        (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.start_training`; on several processes the ranks must
+        (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.start_training`; on several processes the ranks must
         agree on N, q and the noise, and the clipped sums are SUM all-reduced).
 
         Raises:
@@ -325,7 +325,7 @@ class DPStrategyMixin(PrivacyQueries):
 
     def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
         """Write ``checkpoint`` as the Lightning strategy does, atomically for a local file written by rank 0
-        (:func:`~lightning_dp.checkpoints.save_lightning_checkpoint`); a strategy with its own format (sharded
+        (:func:`~lightning_dp.runtime.checkpoints.save_lightning_checkpoint`); a strategy with its own format (sharded
         checkpoints) overrides this."""
         save_lightning_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)  # atomic
 
@@ -335,7 +335,7 @@ class DPStrategyMixin(PrivacyQueries):
         Raises:
             ValueError: the file cannot be read (truncated or corrupted), a checkpoint of a run that took steps has
                 no privacy state (resuming would restart epsilon at 0), or the privacy state is malformed or does
-                not match this run (see :meth:`~lightning_dp.privacy_engine.PrivacyEngine.load_state_dict`).
+                not match this run (see :meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.load_state_dict`).
         """
         try:
             checkpoint = super().load_checkpoint(
@@ -365,7 +365,7 @@ class DPStrategyMixin(PrivacyQueries):
         return checkpoint
 
     def on_train_end(self) -> None:
-        """The engine's end-of-run report (:meth:`~lightning_dp.privacy_engine.PrivacyEngine.finish_run`), at the
+        """The engine's end-of-run report (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.finish_run`), at the
         normal end of training only."""
         self.privacy_engine.finish_run()
         super().on_train_end()

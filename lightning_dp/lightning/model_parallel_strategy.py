@@ -7,7 +7,7 @@ Poisson-samples its shard of the data at the global rate q, the clipper sums the
 the ranks into each rank's parameter shard (one reduce-scatter per parameter and micro-batch), each shard gets the
 noise once from its own stream, and the optimizer steps on the shards. The DP hooks are those of
 :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`; the engine does the sharded parts
-(:mod:`lightning_dp.sharding`). Everything else of Lightning's ``ModelParallelStrategy`` is kept: the launcher,
+(:mod:`lightning_dp.runtime.sharding`). Everything else of Lightning's ``ModelParallelStrategy`` is kept: the launcher,
 process group, device mesh, sharded (DCP) or full checkpoints.
 """
 
@@ -20,9 +20,9 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_dp.config import option_parameters
-from lightning_dp.distributed import DistributedContext, distributed_context
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
+from lightning_dp.runtime.distributed import DistributedContext, distributed_context
 
 
 class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):

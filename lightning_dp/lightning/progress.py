@@ -12,15 +12,15 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_dp.console import show_info_lines
+from lightning_dp.runtime.console import show_info_lines
 
 log = logging.getLogger("lightning_dp")
 
 
 class TrainingProgress(Callback):
     """Logs ``step 10/40: loss 2.1034, epsilon 1.52 (31 s)`` on the ``lightning_dp`` logger (INFO, rank 0 only on
-    several processes; shown on stderr in a script without logging set-up, see :mod:`lightning_dp.console`) every
-    ``Trainer(log_every_n_steps=...)`` optimizer steps and at the last one.
+    several processes; shown on stderr in a script without logging set-up, see :mod:`lightning_dp.runtime.console`)
+    every ``Trainer(log_every_n_steps=...)`` optimizer steps and at the last one.
 
     ``loss`` is the mean of the training step's (mean) losses over the micro-batches since the previous line, on
     this process; ``epsilon`` is spent so far at the strategy's ``target_delta`` (left out without a DP strategy);

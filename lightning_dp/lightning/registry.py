@@ -2,13 +2,13 @@
 ``Trainer(strategy="dp")``, ``lightning-dp fit --trainer.strategy dp``.
 
 Importing ``lightning_dp`` registers (when Lightning is imported, before or after it:
-:mod:`lightning_dp.import_hooks`), for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
+:mod:`lightning_dp.utils.import_hooks`), for ``DPStrategy`` (base name ``"dp"``), ``DPDDPStrategy`` (``"dp_ddp"``) and
 ``DPModelParallelStrategy`` (``"dp_fsdp"``):
 
 - the base name: the class defaults (``max_grad_norm=1.0``, Gaussian noise, ``clipping='auto'``, the mechanism's sound
   accountant, Poisson sampling, ``seed=None``) with ``target_epsilon=3`` (:data:`DEFAULT_EPSILON`, the library's
   demo budget), the noise calibrated for the run's planned steps and ``target_delta`` its default ``1/N^1.1``. Both
-  are in the start-up block logged at fit (:mod:`lightning_dp.engine_startup`: "gaussian (noise_multiplier=...),
+  are in the start-up block logged at fit (:mod:`lightning_dp.engine.startup`: "gaussian (noise_multiplier=...),
   calibrated for epsilon=3 over ... steps" and the default delta among the defaults applied);
 - ``"<base>_epsilon_3"`` and ``"<base>_epsilon_8"``: the same with ``target_epsilon`` 3 or 8 (the budgets the
   recipes report, docs/recipes.md), so the budget is in the name the user writes; ``"<base>_epsilon_3"`` is the

@@ -2,7 +2,7 @@
 
 The DP hooks live in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin` (shared with
 :class:`~lightning_dp.lightning.ddp_strategy.DPDDPStrategy`, the multi-process variant) and the DP logic itself in
-:class:`~lightning_dp.privacy_engine.PrivacyEngine`; this file only binds them to Lightning's
+:class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`; this file only binds them to Lightning's
 ``SingleDeviceStrategy`` and refuses a Trainer that asks for several devices or nodes, which this strategy would
 otherwise silently ignore (training on one).
 """
@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
-from lightning_dp.randomness import indexed_device
+from lightning_dp.runtime.randomness import indexed_device
 
 
 def _default_device() -> torch.device:

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from lightning_dp.mechanisms.solver import CalibrationProblem, CalibrationResult, calibrate_parameter
-from lightning_dp.naming import unknown_name
 from lightning_dp.registration import Registry, class_decorator
+from lightning_dp.utils.naming import unknown_name
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +145,7 @@ class NoiseMechanism(ABC):
         """Noise of ``like``'s shape, dtype and device, drawn from ``generator`` (on that device).
 
         The coordinates must be i.i.d. draws of the mechanism's one-coordinate law, whatever the shape: a sharded
-        gradient is noised shard by shard (:mod:`lightning_dp.sharding`), each shard from its own stream."""
+        gradient is noised shard by shard (:mod:`lightning_dp.runtime.sharding`), each shard from its own stream."""
 
     def secure_sample(self, like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The noise of :meth:`sample` (same law) drawn with the hardened samplers of

@@ -66,7 +66,7 @@ def validate_adaptive_clipping(
     ``(0, 1)``, a positive learning rate, ``0 < min_clipbound < max_clipbound``, ``unclipped_num_std >= 0``; the
     clamps and ``unclipped_num_std`` given without a quantile are refused (they would be ignored; the learning rate
     has a default, so it cannot tell)."""
-    from lightning_dp.config_errors import checking
+    from lightning_dp.config.errors import checking
 
     if target_unclipped_quantile is None:
         given = [

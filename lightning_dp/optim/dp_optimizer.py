@@ -6,9 +6,9 @@ batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's 
 ``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of
 :mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
 it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
-sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.distributed`), so the noise is
-added once, to the global sum. Sharded gradients (FSDP2 ``DTensor`` shards, :mod:`lightning_dp.sharding`) already hold
-the sum over the ranks of their shard; each rank noises its own shard, from that shard's noise stream.
+sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.runtime.distributed`), so the noise is
+added once, to the global sum. Sharded gradients (FSDP2 ``DTensor`` shards, :mod:`lightning_dp.runtime.sharding`)
+already hold the sum over the ranks of their shard; each rank noises its own shard, from that shard's noise stream.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch.optim import Optimizer
 
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
-from lightning_dp.randomness import DPRandomness
-from lightning_dp.sharding import is_sharded, local_part, shard_key
+from lightning_dp.runtime.randomness import DPRandomness
+from lightning_dp.runtime.sharding import is_sharded, local_part, shard_key
 
 
 def _finite_extremes(tensor: torch.Tensor) -> torch.Tensor:
@@ -45,8 +45,8 @@ def check_finite_clipped_sum(
 
     Args:
         params: the trainable parameters, each with its clipped sum in ``.grad``.
-        any_rank: OR of flags over the ranks (:meth:`~lightning_dp.distributed.DistributedContext.any_rank`): with
-            sharded gradients each rank sees only its shards, so the ranks agree before raising (all raise).
+        any_rank: OR of flags over the ranks (:meth:`~lightning_dp.runtime.distributed.DistributedContext.any_rank`):
+            with sharded gradients each rank sees only its shards, so the ranks agree before raising (all raise).
 
     Raises:
         FloatingPointError: naming the first parameters (position among the trainable ones, and shape) at fault.
@@ -87,7 +87,7 @@ class DPOptimizer(Optimizer):
             it (torch's sharded state helpers run one, at learning rate 0, to create a missing optimizer state).
         should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
         reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
-            list of ``p.grad``, e.g. :meth:`~lightning_dp.distributed.DistributedContext.reduce_clipped_sum`)
+            list of ``p.grad``, e.g. :meth:`~lightning_dp.runtime.distributed.DistributedContext.reduce_clipped_sum`)
             before the noise is added; ``None`` on one process.
         any_rank: on several processes, the OR of flags over the ranks (for the finite check of sharded sums);
             ``None`` on one process.

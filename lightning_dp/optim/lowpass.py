@@ -29,7 +29,7 @@ import numpy as np
 import scipy.signal
 import torch
 
-from lightning_dp.sharding import gathered_on_cpu, shard_like
+from lightning_dp.runtime.sharding import gathered_on_cpu, shard_like
 
 #: Tolerance of constraint (3).
 CONSTRAINT_TOLERANCE = 1e-9
@@ -165,7 +165,8 @@ class LowPassFilter:
     def _lay_out_like(self, grads: Sequence[torch.Tensor]) -> None:
         """Give the restored history the gradients' layout (once, at the first step after :meth:`load_state_dict`):
         their device and dtype, and on a sharded model this rank's shard of the full tensors a checkpoint holds
-        (:func:`~lightning_dp.sharding.shard_like`). The history the filter forms itself has that layout already."""
+        (:func:`~lightning_dp.runtime.sharding.shard_like`). The history the filter forms itself has that layout
+        already."""
         self._m = [[shard_like(p, g) for p, g in zip(lag, grads, strict=True)] for lag in self._m]
         self._vbar = [[shard_like(v, g) for v, g in zip(lag, grads, strict=True)] for lag in self._vbar]
 

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.sharding import gathered_on_cpu, is_sharded, local_part, reshard_all, shard_like
+from lightning_dp.runtime.sharding import gathered_on_cpu, is_sharded, local_part, reshard_all, shard_like
 
 
 def validate_momentum(momentum_length: int, momentum_beta: float) -> None:
@@ -166,7 +166,7 @@ class PerSampleMomentum:
         """Exchange the values of ``iterate`` and of the trainable parameters.
 
         An unsharded parameter swaps storage with its stored value (``.data``: no copy, no version bump). A sharded
-        one (FSDP2, :mod:`lightning_dp.sharding`) exchanges values in place with its stored shard, one temporary
+        one (FSDP2, :mod:`lightning_dp.runtime.sharding`) exchanges values in place with its stored shard, one temporary
         copy of the local shard at a time: FSDP2 gathers the weights from the shard's own storage, which a
         ``.data`` swap would leave holding the old values. Every FSDP2 module is then resharded, so that the next
         forward gathers the values now in the shards rather than reusing weights still gathered from the others
@@ -199,7 +199,7 @@ class PerSampleMomentum:
             compute_loss: ``() -> [B]`` per-sample loss of the CURRENT batch at whatever values the parameters hold
                 (the user's forward and loss); ``None`` skips the batch.
             stand_in: the batch is a sharded run's stand-in batch
-                (:meth:`~lightning_dp.engine_steps.EngineSteps.stand_in_batch`), clipped with weight 0: the re-runs
+                (:meth:`~lightning_dp.engine.steps.EngineSteps.stand_in_batch`), clipped with weight 0: the re-runs
                 still run (every rank joins their collectives), with weight 0, so they add exactly nothing too.
 
         Raises:
@@ -276,7 +276,7 @@ class PerSampleMomentum:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`): each iterate takes its parameter's
         device, dtype and, on a sharded model, layout (this rank's shard of the full value every rank read,
-        :func:`~lightning_dp.sharding.shard_like`: no communication).
+        :func:`~lightning_dp.runtime.sharding.shard_like`: no communication).
 
         Raises:
             ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters

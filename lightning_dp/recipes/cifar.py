@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     """``recipes/cifar.py``: ``lightning-dp fit`` (the same LightningCLI, the same one-line errors) on ``argv``
     (default ``sys.argv[1:]``) with ``--data_dir`` accepted (:func:`cli_arguments`; ``--help`` names it first,
     :data:`RECIPE_HELP`); returns the exit code."""
-    from lightning_dp.cli import main as cli_main
+    from lightning_dp.cli.main import main as cli_main
 
     args = cli_arguments(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:

@@ -24,7 +24,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from lightning_dp.config import HF_NAMES
-from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
+from lightning_dp.config.errors import ConfigError, invalid_option, option_reason, unknown_option
 
 
 def read_yaml_config(path: str | Path) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def parse_recipe_args(
 ) -> tuple[Any, ...]:
     """Parse ``--config FILE.yaml`` plus command-line overrides into one instance of each of ``dataclass_types``.
 
-    A bad option is one :class:`~lightning_dp.config_errors.ConfigError` line naming the file and key, or the flag,
+    A bad option is one :class:`~lightning_dp.config.errors.ConfigError` line naming the file and key, or the flag,
     that set it (``glue.yaml: per_sample_max_grad_nrom: unknown option; did you mean 'per_sample_max_grad_norm'?``):
     an unknown key or flag, a value of the wrong type, an invalid privacy option
     (:class:`~lightning_dp.hf.PrivacyArguments`, named as it is there).

@@ -62,11 +62,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from lightning_dp.naming import did_you_mean
 from lightning_dp.recipes import generation, metrics
 from lightning_dp.recipes.run import parse_recipe
 from lightning_dp.tasks.local_data import local_data_dir, require_file
 from lightning_dp.tasks.prompt_target import PromptTarget
+from lightning_dp.utils.naming import did_you_mean
 
 TASKS = ("e2e", "dart")
 #: The Hub datasets (their current ids; ``e2e_nlg`` and ``dart`` redirect to them).

@@ -28,11 +28,11 @@ from torch import nn
 from torch.utils.data import Dataset
 from transformers import PretrainedConfig, Trainer, TrainingArguments, set_seed
 
-from lightning_dp.cli_args import USAGE_ERROR, guarded
+from lightning_dp.cli.args import USAGE_ERROR, guarded
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.hf import DPTrainer, PrivacyArguments
-from lightning_dp.privacy_engine import PrivacyEngine
 from lightning_dp.recipes.config import parse_recipe_args
-from lightning_dp.run_environment import run_environment
+from lightning_dp.runtime.environment import run_environment
 from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
 from lightning_dp.tasks.pretrained import DEFAULT_CACHE
 
@@ -292,7 +292,7 @@ def results_record(
     ``dp`` is whether a privacy engine trained the model, ``privacy`` its summary without ``num_params`` (``None``
     without DP or accountant), ``trainable_params`` counted on ``model``, times rounded to 0.1 s, the recipe's
     ``details`` (which may override ``eval_size``), the ``environment`` (versions, threads, CPU kernels:
-    :func:`~lightning_dp.run_environment.run_environment`), the ``history`` when given (the log rows of an HF run:
+    :func:`~lightning_dp.runtime.environment.run_environment`), the ``history`` when given (the log rows of an HF run:
     ``step`` with ``loss`` and ``epsilon``, or with ``eval_loss`` and the evaluation metrics; the Trainer's
     ``state.log_history``), then ``arguments`` and the ``command`` line."""
     privacy = None

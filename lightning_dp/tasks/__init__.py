@@ -1,10 +1,10 @@
 """Models and data shared by the demo, the examples, the recipes, the audit and the benches; imports nothing from
-``examples/``, ``recipes/``, ``audit/``, ``demo`` or ``cli*``.
+``examples/``, ``recipes/``, ``audit/`` or ``cli/``.
 
 Layering: library core < tasks < entry points (demo, examples, recipes, audit setups, CLI, bench). The core (the
 engine, clipping, mechanisms, accounting, the Lightning and HF integrations) imports neither tasks nor entry points;
 entry points import tasks, never each other, except through the command line (``lightning-dp demo`` / ``audit``
-load the demo and the audit setups, the demo shares ``cli_args``, the CIFAR recipe runs ``lightning-dp fit``).
+load the demo and the audit setups, the demo is a ``cli`` module, the CIFAR recipe runs ``lightning-dp fit``).
 ``tests/test_layering.py`` checks it.
 
 - :mod:`~lightning_dp.tasks.digits`: the demo's small CNN on scikit-learn's digits (offline).

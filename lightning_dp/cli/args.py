@@ -14,10 +14,10 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from lightning_dp.console import ConsoleFormatter
-from lightning_dp.help_format import HelpFormatter
-from lightning_dp.lightning_noise import drop_lightning_noise
-from lightning_dp.naming import did_you_mean
+from lightning_dp.runtime.console import ConsoleFormatter
+from lightning_dp.utils.help_format import HelpFormatter
+from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
+from lightning_dp.utils.naming import did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
 USAGE_ERROR = 2
@@ -111,7 +111,7 @@ def quiet_lightning() -> None:
     """Console output of the ``demo`` and ``fit`` commands: lightning_dp's INFO lines (defaults, calibration, privacy
     summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines. Only these commands set this up;
     in the Python API the user's logging set-up is untouched, except for the two Lightning messages every DP
-    strategy drops (its advert and the ``LeafSpec`` deprecation: :mod:`lightning_dp.lightning_noise`).
+    strategy drops (its advert and the ``LeafSpec`` deprecation: :mod:`lightning_dp.utils.lightning_log_filter`).
     """
     import lightning.pytorch  # noqa: F401  (first: importing Lightning sets its loggers' levels and handlers)
 

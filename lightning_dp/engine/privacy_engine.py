@@ -21,10 +21,10 @@ from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
-from lightning_dp.engine_accounting import EngineAccounting
-from lightning_dp.engine_checkpoint import EngineCheckpoint
-from lightning_dp.engine_startup import EngineStartup
-from lightning_dp.engine_steps import EngineSteps
+from lightning_dp.engine.accounting import EngineAccounting
+from lightning_dp.engine.checkpoint import EngineCheckpoint
+from lightning_dp.engine.startup import EngineStartup
+from lightning_dp.engine.steps import EngineSteps
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
@@ -157,7 +157,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
 
         An FSDP2-sharded ``module`` (``fully_shard`` applied before this call) is clipped exactly, its clipped sums
         reach each rank's shards and the per-sample momentum's iterates are kept as shards
-        (:mod:`lightning_dp.sharding`).
+        (:mod:`lightning_dp.runtime.sharding`).
 
         Raises:
             ValueError: unsupported layers (see :class:`PerSampleClipper`).
@@ -397,7 +397,7 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             optimizer: the user's optimizer.
             reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums (e.g.
                 ``distributed_context().reduce_clipped_sum``); ``None`` on one process. See
-                :mod:`lightning_dp.distributed` for what else a multi-process run needs.
+                :mod:`lightning_dp.runtime.distributed` for what else a multi-process run needs.
             any_rank: on several processes, the OR of flags over the ranks (``distributed_context().any_rank``),
                 which the finite check of sharded (FSDP2) gradient sums needs; ``None`` on one process.
         """

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_dp.privacy_engine import PrivacyEngine
+    from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 
 class PrivacyQueries:

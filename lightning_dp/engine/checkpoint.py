@@ -1,6 +1,6 @@
-"""The checkpoint state of :class:`~lightning_dp.privacy_engine.PrivacyEngine`: what a resumed run needs to continue
-the same epsilon curve (ledger, mechanism, delta, sample rate, per-sample momentum and low-pass state), never a seed
-or a generator state (docs/design.md section 2.3)."""
+"""The checkpoint state of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: what a resumed run needs to
+continue the same epsilon curve (ledger, mechanism, delta, sample rate, per-sample momentum and low-pass state), never a
+seed or a generator state (docs/design.md section 2.3)."""
 
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ def check_privacy_state(state: Any) -> None:
 
 
 class EngineCheckpoint:
-    """Checkpoint methods of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it)."""
+    """Checkpoint methods of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
 
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.randomness`. With per-sample
+        Deliberately no seed and no generator state: see :mod:`lightning_dp.runtime.randomness`. With per-sample
         momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
         noisy releases only). With a low-pass filter, also
         ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).

@@ -18,8 +18,8 @@ import logging
 from lightning_dp.audit import AuditConfig, run_audit
 from lightning_dp.audit.runner import MODES
 from lightning_dp.audit.setups import INPUT_CANDIDATES, SETUPS
-from lightning_dp.cli_args import Parser, choice, metavar_of
-from lightning_dp.cli_privacy import _fmt, format_table, noises
+from lightning_dp.cli.args import Parser, choice, metavar_of
+from lightning_dp.cli.privacy import _fmt, format_table, noises
 from lightning_dp.clipping import AUTO, clipping_choices
 
 

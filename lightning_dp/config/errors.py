@@ -3,7 +3,7 @@
 ``FILE: KEY: REASON``, or ``--FLAG: REASON`` when the value came from a flag, e.g. ``fit.yaml:
 trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean 'max_grad_norm'?``: the key's full path, what
 is wrong, and the closest valid name where one exists. The surfaces that read config files and flags (``lightning-dp
-fit``, the recipes) raise :class:`ConfigError`, a ``ValueError``, which :func:`lightning_dp.cli_args.guarded` prints as
+fit``, the recipes) raise :class:`ConfigError`, a ``ValueError``, which :func:`lightning_dp.cli.args.guarded` prints as
 one ``error:`` line with exit status 2.
 
 The reasons come from where the options are validated (:class:`~lightning_dp.config.PrivacyConfig` for the privacy
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lightning_dp.naming import closest
+from lightning_dp.utils.naming import closest
 
 #: the attribute of a ``ValueError`` naming the option it is about (see :func:`checking`).
 _OPTION_ATTRIBUTE = "lightning_dp_option"
@@ -57,7 +57,7 @@ class ConfigError(ValueError):
 
 def unknown_option(name: str, valid: Iterable[str]) -> str:
     """The reason for an unknown option ``name``: ``"unknown option; did you mean 'x'?"``, the suggestion only where
-    a valid name is close (:func:`~lightning_dp.naming.closest`)."""
+    a valid name is close (:func:`~lightning_dp.utils.naming.closest`)."""
     close = closest(name, valid)
     return "unknown option" + (f"; did you mean {close!r}?" if close else "")
 

@@ -6,7 +6,7 @@ checkpoint that contained the seed or generator states would let anyone re-creat
 composition, and subtract the noise. A resumed run instead calls :meth:`DPRandomness.restart` with the number of
 steps already taken, so it never replays noise of the first run (with ``seed=None`` it draws fresh OS entropy).
 
-On several processes (:mod:`lightning_dp.distributed`) every rank adopts rank 0's base seed with
+On several processes (:mod:`lightning_dp.runtime.distributed`) every rank adopts rank 0's base seed with
 :meth:`DPRandomness.share`: the noise streams are then identical on all ranks (noise is drawn once per step, the
 same draw everywhere), while each rank's Poisson-sampling stream is derived with its rank, so the ranks' shards are
 sampled independently. Rank 0 keeps the single-process streams.
@@ -107,9 +107,9 @@ class DPRandomness:
 
         Args:
             device: where the noise is drawn.
-            shard: for a sharded parameter, which shard this rank holds (:func:`lightning_dp.sharding.shard_key`):
-                each shard has its own stream, the same on the ranks holding replicas of it; ``()`` (replicated
-                parameters): the stream shared by all ranks.
+            shard: for a sharded parameter, which shard this rank holds
+                (:func:`lightning_dp.runtime.sharding.shard_key`): each shard has its own stream, the same on the ranks
+                holding replicas of it; ``()`` (replicated parameters): the stream shared by all ranks.
         """
         return self._device_generator("noise", device, shard)
 

@@ -1,4 +1,4 @@
-"""The accounting side of :class:`~lightning_dp.privacy_engine.PrivacyEngine`: the event of one step, the ledger,
+"""The accounting side of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: the event of one step, the ledger,
 epsilon, the budget and the run's summary (docs/design.md section 3.5)."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
 
 
 class EngineAccounting:
-    """Accounting methods of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it). The
+    """Accounting methods of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it). The
     attributes it reads (``accountant``, ``mechanism``, ``sample_rate``, ``num_params``, ``target_delta``, ...) are
     the engine's."""
 

@@ -1,14 +1,14 @@
 """The LightningCLI of ``lightning-dp fit``, whose config errors are one readable line.
 
-A bad option in the YAML or on the command line becomes a :class:`~lightning_dp.config_errors.ConfigError` naming the
+A bad option in the YAML or on the command line becomes a :class:`~lightning_dp.config.errors.ConfigError` naming the
 option's full path and the reason, e.g. ``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you
 mean 'max_grad_norm'?``:
 
 - jsonargparse's own errors (an unknown option, a value of the wrong type) are read back into their key and reason
-  (:mod:`lightning_dp.jsonargparse_errors`), with the closest accepted option for an unknown one;
+  (:mod:`lightning_dp.cli.jsonargparse_errors`), with the closest accepted option for an unknown one;
 - the privacy options of a DP strategy are validated by :class:`~lightning_dp.config.PrivacyConfig` before the
   classes are instantiated (where jsonargparse would bury the reason under the strategy's whole configuration); the
-  key is the option the error is about (:func:`~lightning_dp.config_errors.invalid_option`).
+  key is the option the error is about (:func:`~lightning_dp.config.errors.invalid_option`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from jsonargparse import ArgumentError, ArgumentParser, Namespace
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
+from lightning_dp.cli.jsonargparse_errors import UNION, ReadError, read_error
 from lightning_dp.config import OPTION_NAMES, REMOVED_OPTIONS, PrivacyConfig
-from lightning_dp.config_errors import ConfigError, invalid_option, option_reason, unknown_option
-from lightning_dp.jsonargparse_errors import UNION, ReadError, read_error
+from lightning_dp.config.errors import ConfigError, invalid_option, option_reason, unknown_option
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 
 #: where LightningCLI configures the strategy.
@@ -55,7 +55,7 @@ class KeepingSaveConfigCallback(SaveConfigCallback):
 
 
 class FitCLI(LightningCLI):
-    """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config_errors.ConfigError` (see the
+    """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config.errors.ConfigError` (see the
     module); jsonargparse errors that name no option are raised as they come (``ArgumentError``). The config is saved
     by :class:`KeepingSaveConfigCallback`."""
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
-from lightning_dp.cli_args import Parser, choice, metavar_of, positive_int
+from lightning_dp.cli.args import Parser, choice, metavar_of, positive_int
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import calibrate_result, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
@@ -255,7 +255,7 @@ def _plot(
     points: int = PLOT_POINTS,
 ) -> None:
     """Write epsilon against steps (``points`` points up to ``--steps``) for each accountant to ``--plot``."""
-    from lightning_dp.plots import save_epsilon_curves
+    from lightning_dp.utils.plots import save_epsilon_curves
 
     grid = sorted({max(1, round(args.steps * i / points)) for i in range(1, points + 1)})
     labelled = {

@@ -1,12 +1,14 @@
-"""The start-up block of :class:`~lightning_dp.privacy_engine.PrivacyEngine`: what a run is about to do, printed once
-when training starts (:meth:`~lightning_dp.engine_steps.EngineSteps.start_training`), by every trainer adapter alike.
+"""The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: what a run is about to do, printed
+once when training starts (:meth:`~lightning_dp.engine.steps.EngineSteps.start_training`), by every trainer adapter
+alike.
 
 It names the processes and batches (world size, per-device batch, gradient accumulation, the global expected batch
 ``q N``), the sampling (q, N), the planned steps, the noise (and whether it was given, calibrated or restored), delta,
 the accountant and every default applied that affects the guarantee. It goes to the ``lightning_dp`` logger at INFO,
-which only rank 0 keeps on several processes (:meth:`~lightning_dp.distributed.DistributedContext.
-log_on_rank_zero_only`), and which shows on stderr in a script that set up no logging (:mod:`lightning_dp.console`).
-A launch that started fewer processes than asked for adds a warning (:mod:`lightning_dp.launch_check`).
+which only rank 0 keeps on several processes (:meth:`~lightning_dp.runtime.distributed.DistributedContext.
+log_on_rank_zero_only`), and which shows on stderr in a script that set up no logging
+(:mod:`lightning_dp.runtime.console`). A launch that started fewer processes than asked for adds a warning
+(:mod:`lightning_dp.runtime.launch_check`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import logging
 import os
 import sys
 
-from lightning_dp.console import show_info_lines
-from lightning_dp.launch_check import process_count_warning
+from lightning_dp.runtime.console import show_info_lines
+from lightning_dp.runtime.launch_check import process_count_warning
 
 log = logging.getLogger("lightning_dp")
 
@@ -29,7 +31,7 @@ def _row(label: str, value: object) -> str:
 
 
 class EngineStartup:
-    """The start-up block of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it). The
+    """The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it). The
     attributes it reads (``distributed``, ``loader_batches``, ``sample_rate``, ``num_samples``, ``planned_steps``,
     ``mechanism``, ``noise_origin``, ``target_delta``, ``accountant``, ``defaults_applied``, ...) are the engine's."""
 
@@ -42,7 +44,8 @@ class EngineStartup:
         """The start-up block, one string per line: :data:`HEADER`, then one ``label value`` row per fact.
 
         Raises:
-            RuntimeError: before :meth:`~lightning_dp.privacy_engine.PrivacyEngine.prepare` (no noise, q or N yet).
+            RuntimeError: before :meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.prepare` (no noise, q or
+                N yet).
         """
         if self.mechanism is None or self.accountant is None or self.sample_rate is None or self.num_samples is None:
             raise RuntimeError("prepare() (or start_training()) must run before startup_lines()")
@@ -97,8 +100,9 @@ class EngineStartup:
 
     def log_startup(self) -> None:
         """Log :meth:`startup_lines` as one INFO record of the ``lightning_dp`` logger (shown on stderr when no
-        logging is set up, :func:`~lightning_dp.console.show_info_lines`), then a warning when the launcher asked for
-        more processes than are training (:func:`~lightning_dp.launch_check.process_count_warning`)."""
+        logging is set up, :func:`~lightning_dp.runtime.console.show_info_lines`), then a warning when the launcher
+        asked for more processes than are training
+        (:func:`~lightning_dp.runtime.launch_check.process_count_warning`)."""
         show_info_lines(log)
         log.info("\n".join(self.startup_lines()))
         warning = process_count_warning(self._world_size, os.environ, sys.argv)

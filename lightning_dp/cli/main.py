@@ -1,6 +1,6 @@
 """The ``lightning-dp`` command: ``demo``, ``fit`` (LightningCLI), ``epsilon``, ``calibrate`` and ``audit``.
 
-Every subcommand runs under :func:`lightning_dp.cli_args.guarded`: bad input is one ``error:`` line on stderr with
+Every subcommand runs under :func:`lightning_dp.cli.args.guarded`: bad input is one ``error:`` line on stderr with
 exit code 2, never a traceback. A new subcommand is one entry in :data:`COMMANDS`.
 """
 
@@ -13,8 +13,8 @@ import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
-from lightning_dp.cli_args import USAGE_ERROR, guarded, quiet_lightning, report
-from lightning_dp.naming import did_you_mean
+from lightning_dp.cli.args import USAGE_ERROR, guarded, quiet_lightning, report
+from lightning_dp.utils.naming import did_you_mean
 
 log = logging.getLogger("lightning_dp")
 
@@ -32,13 +32,13 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "demo": Command(
-        "lightning_dp.demo:main", "DP-SGD on scikit-learn digits with a small CNN (offline, ~1 min on CPU)"
+        "lightning_dp.cli.demo:main", "DP-SGD on scikit-learn digits with a small CNN (offline, ~1 min on CPU)"
     ),
-    "fit": Command("lightning_dp.cli:fit_main", "LightningCLI: lightning-dp fit --config configs/digits_cnn.yaml"),
-    "epsilon": Command("lightning_dp.cli_privacy:epsilon_main", "epsilon of a noise mechanism after T steps (--plot)"),
-    "calibrate": Command("lightning_dp.cli_privacy:calibrate_main", "noise parameters for a target epsilon"),
+    "fit": Command("lightning_dp.cli.main:fit_main", "LightningCLI: lightning-dp fit --config configs/digits_cnn.yaml"),
+    "epsilon": Command("lightning_dp.cli.privacy:epsilon_main", "epsilon of a noise mechanism after T steps (--plot)"),
+    "calibrate": Command("lightning_dp.cli.privacy:calibrate_main", "noise parameters for a target epsilon"),
     "audit": Command(
-        "lightning_dp.cli_audit:audit_main", "empirical epsilon lower bound of a training run (canaries, one run)"
+        "lightning_dp.cli.audit:audit_main", "empirical epsilon lower bound of a training run (canaries, one run)"
     ),
 }
 
@@ -58,7 +58,7 @@ def fit_main(argv: list[str]) -> int:
     from jsonargparse import ArgumentError
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    from lightning_dp.cli_fit import FitCLI
+    from lightning_dp.cli.fit import FitCLI
     from lightning_dp.lightning.callbacks import PrivacyAccountantCallback, format_summary
 
     quiet_lightning()

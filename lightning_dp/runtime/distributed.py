@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_dp.randomness import DPRandomness
-from lightning_dp.sharding import is_sharded
+from lightning_dp.runtime.randomness import DPRandomness
+from lightning_dp.runtime.sharding import is_sharded
 
 log = logging.getLogger("lightning_dp")
 
@@ -78,7 +78,8 @@ class DistributedContext:
         Args:
             tensors: the clipped gradient sums ``p.grad`` of one logical step, any shapes, the same list (order,
                 shapes, dtypes) on every rank. Sharded ones (FSDP2 ``DTensor``) are left as they are: the clipper
-                summed them over the ranks into each rank's shard (:func:`lightning_dp.sharding.sum_into_shard`).
+                summed them over the ranks into each rank's shard
+                (:func:`lightning_dp.runtime.sharding.sum_into_shard`).
         """
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for tensor in tensors:

@@ -10,11 +10,11 @@ takes one. The users' surfaces are derived from it rather than copied:
   (:data:`HF_NAMES`) and JSON text accepted where a dict is expected.
 
 A new option is one field here (type, default, documentation in ``metadata["doc"]``, a check in
-:meth:`PrivacyConfig.__post_init__` if needed, under :func:`~lightning_dp.config_errors.checking` when it is about
+:meth:`PrivacyConfig.__post_init__` if needed, under :func:`~lightning_dp.config.errors.checking` when it is about
 that option alone); ``tests/test_config.py`` fails when a surface drifts from it.
 
-A ``ValueError`` about one option carries its name (:func:`~lightning_dp.config_errors.invalid_option`), so that a
-config file or command line reports the key at fault (:mod:`lightning_dp.config_errors`).
+A ``ValueError`` about one option carries its name (:func:`~lightning_dp.config.errors.invalid_option`), so that a
+config file or command line reports the key at fault (:mod:`lightning_dp.config.errors`).
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.multiplicity import validate_multiplicity
-from lightning_dp.config_errors import checking
+from lightning_dp.config.errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.data.users import validate_user_options
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
-from lightning_dp.naming import did_you_mean, unknown_name
 from lightning_dp.optim.adaptive_clipping import sum_noise_multiplier, validate_adaptive_clipping
 from lightning_dp.optim.lowpass import LowPassFilter, make_lowpass
 from lightning_dp.optim.momentum import validate_momentum
+from lightning_dp.utils.naming import did_you_mean, unknown_name
 
 #: option name -> its name on the HF surface (``TrainingArguments`` already has ``max_grad_norm`` and ``seed``).
 HF_NAMES = {"max_grad_norm": "per_sample_max_grad_norm", "seed": "dp_seed"}
@@ -144,7 +144,7 @@ class PrivacyConfig:
     seed: int | None = _option(
         None,
         "seed of the dedicated noise, sampling and projection generators; ``None`` uses OS entropy (recommended "
-        "for real runs). Never written to checkpoints (:mod:`lightning_dp.randomness`).",
+        "for real runs). Never written to checkpoints (:mod:`lightning_dp.runtime.randomness`).",
         "Seed of the DP noise and sampling generators.",
     )
     momentum_length: int = _option(

@@ -9,7 +9,7 @@ One run, whatever the trainer (docs/design.md section 2.2):
    the trainer's own batches with a warning on one process; an error on several).
 3. :meth:`EngineSteps.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
    accountant, the ranks' agreement, the optimizers wrapped so that each step is privatised and recorded, and the
-   start-up block on the ``lightning_dp`` logger (:mod:`lightning_dp.engine_startup`).
+   start-up block on the ``lightning_dp`` logger (:mod:`lightning_dp.engine.startup`).
 4. Per micro-batch, :meth:`EngineSteps.per_sample_loss` (the guard around the user's forward, the forwards at the
    stored iterates of per-sample momentum, the batch-independence checks) and :meth:`EngineSteps.clip` (the clipped
    sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
@@ -34,8 +34,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
-from lightning_dp.distributed import DistributedContext
 from lightning_dp.optim import DPOptimizer
+from lightning_dp.runtime.distributed import DistributedContext
 
 log = logging.getLogger("lightning_dp")
 
@@ -43,8 +43,8 @@ LossFunction = Callable[[Any], torch.Tensor | None]
 
 
 class EngineSteps:
-    """The run sequence of :class:`~lightning_dp.privacy_engine.PrivacyEngine` (a base class of it; see the module
-    docstring). The attributes it reads (``config``, ``clipper``, ``guard``, ``momentum``, ``randomness``,
+    """The run sequence of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it; see the
+    module docstring). The attributes it reads (``config``, ``clipper``, ``guard``, ``momentum``, ``randomness``,
     ``mechanism``, ``defaults_applied``) are the engine's."""
 
     #: the process group of a multi-process run, set by :meth:`start_run` (``None`` on one process).
@@ -230,7 +230,7 @@ class EngineSteps:
     ) -> list[DPOptimizer]:
         """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant; on several
         processes check that every rank agrees on N, q and the noise; log the start-up block
-        (:meth:`~lightning_dp.engine_startup.EngineStartup.log_startup`); return the optimizers wrapped so that each
+        (:meth:`~lightning_dp.engine.startup.EngineStartup.log_startup`); return the optimizers wrapped so that each
         step adds the noise once to the (all-reduced) clipped sum and is recorded.
 
         Raises:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
-from lightning_dp.cli_args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
+from lightning_dp.cli.args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
 from lightning_dp.clipping import AUTO, clipping_choices
 from lightning_dp.mechanisms import MECHANISMS
 

@@ -1,0 +1,22 @@
+"""The privacy options of a run, defined, documented and validated once (``privacy_config``), and the one-line
+report of a bad option in a config file or on the command line (``errors``)."""
+
+from lightning_dp.config.privacy_config import (
+    HF_NAMES,
+    OPTION_NAMES,
+    REMOVED_OPTIONS,
+    PrivacyConfig,
+    option_docs,
+    option_parameters,
+    pop_options,
+)
+
+__all__ = [
+    "HF_NAMES",
+    "OPTION_NAMES",
+    "REMOVED_OPTIONS",
+    "PrivacyConfig",
+    "option_docs",
+    "option_parameters",
+    "pop_options",
+]

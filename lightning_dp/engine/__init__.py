@@ -1,0 +1,15 @@
+"""The privacy engine and the glue the trainer adapters share (docs/design.md section 2.2).
+
+- ``privacy_engine``: :class:`PrivacyEngine`, the framework-agnostic DP state of one run (set-up, calibration);
+  it is built from the mixins below.
+- ``steps``: the run sequence every adapter drives (start of the run, the training loader's sampling, start of
+  training, per micro-batch the per-sample loss with its checks and the clip, the end-of-run report).
+- ``accounting``: the event of one step, the ledger, epsilon, the budget and the run's summary.
+- ``checkpoint``: the privacy state a resumed run needs (never a seed or a generator state).
+- ``startup``: the start-up block logged once when training starts.
+- ``queries``: the calls users make to read the privacy spent, the same on the Lightning strategies and ``DPTrainer``.
+"""
+
+from lightning_dp.engine.privacy_engine import PrivacyEngine
+
+__all__ = ["PrivacyEngine"]
