@@ -140,3 +140,100 @@ def test_imports_inside_functions_and_relative_imports_are_seen():
     )  # recipes(.glue), examples(.sst2_hf), audit.setups
     assert violations("lightning_dp.cli.audit", {"lightning_dp.audit.setups"}) == []
     assert violations("lightning_dp.engine.privacy_engine", {"lightning_dp.tasks.digits"}) != []
+
+
+# ------------------------------------------------------------------------------------------------ import cycles
+def _under_type_checking(tree: ast.AST) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports for annotations only, never executed)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            inside.update(id(sub) for statement in node.body for sub in ast.walk(statement))
+    return inside
+
+
+def runtime_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``source`` imports when it runs (at module level or in a function, not under
+    ``TYPE_CHECKING``): ``from X import Y`` counts as ``X.Y`` when that is a module, else as ``X``."""
+    tree = ast.parse(source)
+    skipped = _under_type_checking(tree)
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            origin = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                name = f"{origin}.{alias.name}"
+                found.add(name if name in known else origin)
+    return (found & known) - {module}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_inside_the_package():
+    """Modules import one another one way (imports for annotations under ``TYPE_CHECKING`` aside)."""
+    known = {module_name(path) for path in MODULES}
+    graph = {
+        module_name(path): runtime_imports(
+            path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py", known
+        )
+        for path in MODULES
+    }
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
+    known = {"p.a", "p.b", "p.c"}
+    annotations_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import p.a\n"
+    graph = {
+        "p.a": runtime_imports("from p.b import thing\n", "p.a", False, known),
+        "p.b": runtime_imports("def f():\n    from p import a\n", "p.b", False, known),
+        "p.c": runtime_imports(annotations_only, "p.c", False, known),
+    }
+    assert graph == {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": set()}
+    assert import_cycles(graph) == [["p.a", "p.b"]]

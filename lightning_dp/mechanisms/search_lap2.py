@@ -7,9 +7,9 @@ finder :func:`~lightning_dp.mechanisms.solver.solve_monotone`.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from lightning_dp.mechanisms.base import validate_max_grad_norm
-from lightning_dp.mechanisms.lap2 import Lap2Mechanism
+from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.solver import (
     _require_num_params,
     _validate_target,
@@ -17,6 +17,15 @@ from lightning_dp.mechanisms.solver import (
     mechanism_epsilon,
     solve_monotone,
 )
+
+if TYPE_CHECKING:
+    from lightning_dp.mechanisms.lap2 import Lap2Mechanism
+
+
+def _lap2(*args: float) -> Lap2Mechanism:
+    """The ``lap2`` mechanism with these constructor arguments, looked up in the registry (this module is the
+    mechanism's search, imported by it: a module-level import of its class would be a cycle)."""
+    return mechanism_class("lap2")(*args)  # type: ignore[call-arg, return-value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +53,7 @@ class Lap2Search:
 
     def mechanism(self) -> Lap2Mechanism:
         """The ``lap2`` mechanism with ``(b*, C*)``."""
-        return Lap2Mechanism(self.noise_scale, self.max_grad_norm)
+        return _lap2(self.noise_scale, self.max_grad_norm)
 
 
 def search_lap2(
@@ -86,7 +95,7 @@ def search_lap2(
 
     def epsilon_at(clip: float, scale: float) -> float:
         return mechanism_epsilon(
-            Lap2Mechanism(scale, clip),
+            _lap2(scale, clip),
             sample_rate=sample_rate,
             steps=steps,
             delta=target_delta,

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 from scipy import optimize, special
 
-from lightning_dp.mechanisms.base import validate_max_grad_norm
-from lightning_dp.mechanisms.plrv import PlrvMechanism
+from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.solver import (
     _require_num_params,
     _validate_target,
@@ -21,6 +21,15 @@ from lightning_dp.mechanisms.solver import (
     mechanism_epsilon,
     solve_monotone,
 )
+
+if TYPE_CHECKING:
+    from lightning_dp.mechanisms.plrv import PlrvMechanism
+
+
+def _plrv(*args: float) -> PlrvMechanism:
+    """The ``plrv`` mechanism with these constructor arguments, looked up in the registry (this module is the
+    mechanism's search, imported by it: a module-level import of its class would be a cycle)."""
+    return mechanism_class("plrv")(*args)  # type: ignore[call-arg, return-value]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +69,7 @@ class PlrvSearch:
 
     def mechanism(self) -> PlrvMechanism:
         """The ``plrv`` mechanism with ``(k*, theta*, C*)``."""
-        return PlrvMechanism(self.gamma_shape, self.gamma_scale, self.max_grad_norm)
+        return _plrv(self.gamma_shape, self.gamma_scale, self.max_grad_norm)
 
 
 def gamma_scale_lower_bound(gamma_shape: float, *, gamma_cdf_tol: float, max_distortion: float) -> float:
@@ -174,7 +183,7 @@ def search_plrv(
 
     def epsilon_at(k: float, theta: float, clip: float) -> float:
         return mechanism_epsilon(
-            PlrvMechanism(k, theta, clip),
+            _plrv(k, theta, clip),
             sample_rate=sample_rate,
             steps=steps,
             delta=target_delta,
