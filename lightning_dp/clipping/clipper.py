@@ -69,10 +69,10 @@ from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
-from lightning_dp.clipping.sum_check import reduced_precision
+from lightning_dp.clipping.sum_check import reduced_precision, validate_sum_check
 from lightning_dp.clipping.swap import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
-from lightning_dp.clipping.validation import hooked_modules
+from lightning_dp.clipping.validation import check_trainable_set, hooked_modules
 from lightning_dp.runtime.sharding import reshard_all, uses_fsdp
 
 _EPS = 1e-6
@@ -89,12 +89,6 @@ def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
     the bounds ``C_g`` (``G = 1``: flat clipping, Abadi et al. 2016, Algorithm 1; ``G > 1``: group-wise clipping,
     He et al. 2022, Section 3)."""
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
-
-
-def validate_sum_check(sum_check_every: int | None) -> None:
-    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches or ``None`` (no check)."""
-    if sum_check_every is not None and sum_check_every < 1:
-        raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")
 
 
 class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
@@ -295,14 +289,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return self._engine
 
     def _check_trainable_set(self) -> None:
-        """Raise if the parameters with ``requires_grad`` differ from those at construction (one pass over them).
-
-        A parameter frozen since would make the backward fail; one unfrozen (or added) since would get no clipped
-        gradient, only noise, and is not hooked.
-
-        Raises:
-            ValueError: naming the parameters whose status changed.
-        """
+        """Raise ``ValueError`` if the parameters with ``requires_grad`` differ from those at construction
+        (:func:`~.validation.check_trainable_set`)."""
         if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded), tied ones too: compare every name
             current = {
                 name: name for name, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad
@@ -311,20 +299,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         else:
             current = {id(p): name for name, p in self.module.named_parameters() if p.requires_grad}
             known = {id(p): self._names[p] for p in self._params}
-        if current.keys() == known.keys():
-            return
-        frozen = [f"'{name}'" for key, name in known.items() if key not in current]
-        unfrozen = [f"'{name}'" for key, name in current.items() if key not in known]
-        changes = []
-        if frozen:
-            changes.append(f"no longer trainable (frozen or removed): {', '.join(frozen)}")
-        if unfrozen:
-            changes.append(f"newly trainable (unfrozen or added): {', '.join(unfrozen)}")
-        raise ValueError(
-            f"the set of trainable parameters changed after the PerSampleClipper was created; {'; '.join(changes)}. "
-            "DP training needs the trainable set fixed before fit: freeze/unfreeze parameters before creating the "
-            "trainer (not in a callback such as BackboneFinetuning), or create a new clipper after the change"
-        )
+        check_trainable_set(current, known)
 
     def _batch_size(self, per_sample_loss: torch.Tensor) -> int:
         if not isinstance(per_sample_loss, torch.Tensor) or per_sample_loss.ndim != 1:

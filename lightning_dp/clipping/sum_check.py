@@ -104,3 +104,9 @@ class SumCheck:
             )
             if is_bad
         ]
+
+
+def validate_sum_check(sum_check_every: int | None) -> None:
+    """Raise ``ValueError`` unless ``sum_check_every`` is a positive number of batches or ``None`` (no check)."""
+    if sum_check_every is not None and sum_check_every < 1:
+        raise ValueError(f"sum_check_every must be a positive number of batches or None, got {sum_check_every}")

@@ -76,3 +76,28 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
             raise UnsupportedModuleError(f"module '{where}' ({type(sub).__name__}): {problem}")
         hooked[path] = (sub, family)
     return hooked
+
+
+def check_trainable_set(current: dict[object, str], known: dict[object, str]) -> None:
+    """Raise when the trainable parameters differ from those at the clipper's construction: ``current`` and ``known``
+    map a key (a parameter's ``id``, or its name on an FSDP2-sharded model, whose parameter objects change) to the
+    parameter's name, now and then. A parameter frozen since would make the backward fail; one unfrozen (or added)
+    since would get no clipped gradient, only noise, and is not hooked.
+
+    Raises:
+        ValueError: naming the parameters whose status changed.
+    """
+    if current.keys() == known.keys():
+        return
+    frozen = [f"'{name}'" for key, name in known.items() if key not in current]
+    unfrozen = [f"'{name}'" for key, name in current.items() if key not in known]
+    changes = []
+    if frozen:
+        changes.append(f"no longer trainable (frozen or removed): {', '.join(frozen)}")
+    if unfrozen:
+        changes.append(f"newly trainable (unfrozen or added): {', '.join(unfrozen)}")
+    raise ValueError(
+        f"the set of trainable parameters changed after the PerSampleClipper was created; {'; '.join(changes)}. "
+        "DP training needs the trainable set fixed before fit: freeze/unfreeze parameters before creating the "
+        "trainer (not in a callback such as BackboneFinetuning), or create a new clipper after the change"
+    )

@@ -19,18 +19,15 @@ config file or command line reports the key at fault (:mod:`lightning_dp.config.
 
 from __future__ import annotations
 
-import inspect
 import math
-import textwrap
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import AUTO, ENGINES, auto_engine, clipping_choices
-from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY, validate_sum_check
+from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.groups import (
     PER_LAYER,
     check_grouped_clipping,
@@ -40,6 +37,7 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.multiplicity import validate_multiplicity
+from lightning_dp.clipping.sum_check import validate_sum_check
 from lightning_dp.config.errors import checking
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.data.users import validate_user_options
@@ -420,52 +418,3 @@ class PrivacyConfig:
         if self.clipping != AUTO:
             return self.clipping, None
         return auto_engine(self._clip_norm())
-
-
-def option_docs(names: dict[str, str] | None = None, indent: int = 12) -> str:
-    """The ``Args:`` entries of every option (Google style, each entry indented by ``indent`` spaces and its
-    continuation lines by 4 more), the option names renamed by ``names`` (e.g. :data:`HF_NAMES`)."""
-    names = names or {}
-    lines = []
-    for f in fields(PrivacyConfig):
-        entry = f"{names.get(f.name, f.name)}: {f.metadata['doc']}"
-        lines.extend(
-            textwrap.wrap(entry, 120 - indent, initial_indent=" " * indent, subsequent_indent=" " * (indent + 4))
-        )
-    return "\n".join(lines)
-
-
-#: the option names, in declaration order.
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(PrivacyConfig))
-#: Options that were removed, and what to do instead (a saved config may still name them).
-REMOVED_OPTIONS: dict[str, str] = {
-    "bookkeeping": "removed (the clipped sum is always formed by book-keeping, docs/design.md section 4.4): delete it",
-}
-
-
-def refuse_removed_options(names: typing.Iterable[str]) -> None:
-    """Raise ``ValueError`` naming the first of ``names`` that is a removed option and what to do instead."""
-    for name in names:
-        if name in REMOVED_OPTIONS:
-            raise ValueError(f"option {name!r} was {REMOVED_OPTIONS[name]}")
-
-
-def pop_options(kwargs: dict[str, Any]) -> PrivacyConfig:
-    """Remove the option names from ``kwargs`` (in place; the rest are, e.g., a Lightning strategy's own arguments)
-    and return the :class:`PrivacyConfig` they make.
-
-    Raises:
-        ValueError: as :class:`PrivacyConfig`, or a removed option (:data:`REMOVED_OPTIONS`).
-    """
-    refuse_removed_options(kwargs)
-    return PrivacyConfig(**{name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs})
-
-
-def option_parameters() -> list[inspect.Parameter]:
-    """Keyword-only :class:`inspect.Parameter` of every option (name, default, annotation), for the signatures of
-    the strategies that take the options as keyword arguments."""
-    hints = typing.get_type_hints(PrivacyConfig)
-    return [
-        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
-        for f in fields(PrivacyConfig)
-    ]

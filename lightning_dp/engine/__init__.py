@@ -3,7 +3,9 @@
 - ``privacy_engine``: :class:`PrivacyEngine`, the framework-agnostic DP state of one run (set-up, calibration);
   it is built from the mixins below.
 - ``steps``: the run sequence every adapter drives (start of the run, the training loader's sampling, start of
-  training, per micro-batch the per-sample loss with its checks and the clip, the end-of-run report).
+  training, per micro-batch the per-sample loss with its checks and the clip, the end-of-run flags).
+- ``end_of_run``: the end-of-run warnings about the private data (dropped examples, postponed or inconclusive
+  checks).
 - ``accounting``: the event of one step, the ledger, epsilon, the budget and the run's summary.
 - ``checkpoint``: the privacy state a resumed run needs (never a seed or a generator state).
 - ``startup``: the start-up block logged once when training starts.

@@ -34,6 +34,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
+from lightning_dp.engine.end_of_run import log_end_of_run
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.distributed import DistributedContext
 
@@ -401,26 +402,7 @@ class EngineSteps:
         ]
         if self.distributed is not None:
             flags = self.distributed.any_rank(flags)
-        dropped, postponed, unresolved = flags
-        if dropped:
-            log.warning(
-                "Some examples had a non-finite loss or gradient and were left out of the clipped sum on the steps "
-                "that sampled them (no count is kept). This message is about the private data and is not covered "
-                "by the privacy guarantee: keep it, like the training loss, out of published logs"
-            )
-        if postponed:
-            log.warning(
-                "The per-sample sum check was due on a batch with non-finite examples and did not run after it: a "
-                "parameter used outside its layer would not have been seen (it loses that gradient; it never "
-                "leaks). Remove the examples whose loss is not finite"
-            )
-        if unresolved:
-            log.warning(
-                "A batch-independence or leave-half-out check was inconclusive on its last batch (a non-finite loss) "
-                "and did not conclude before the end: mixing of examples was not ruled out for the steps after the "
-                "last conclusive check. This message is about the private data and is not covered by the privacy "
-                "guarantee: keep it out of published logs"
-            )
+        log_end_of_run(*flags)
 
     def count_micro_batch(self) -> None:
         """Count one micro-batch of the current logical step."""
