@@ -1,7 +1,7 @@
 """The leave-half-out check cannot fail because of one example's values or because one example changes the batch
-size (docs/privacy.md, "Run-time checks"), and still catches mixing without a gradient path: a same-shape forward
-with the odd-indexed examples replaced must leave the even-indexed losses bit for bit unchanged, and the halves run
-alone must not change most losses by more than 10%."""
+size (docs/privacy.md, "Run-time checks"), and still catches mixing without a gradient path: same-shape variants
+(odd-indexed examples replaced by their even neighbours, and the mirror image) must leave the kept losses bit for bit
+unchanged, and the halves run alone must not show the signature of a division by a count over the batch."""
 
 from __future__ import annotations
 
@@ -117,8 +117,13 @@ def test_a_real_mlp_with_cancelling_residuals_passes_at_every_batch_size() -> No
 @pytest.mark.parametrize("loss", [divided_by_batch_size, divided_by_token_count, detached_centered, gated_statistic])
 @pytest.mark.parametrize("crafted_rows, zero_rows", [((), ()), ((2,), (4,)), ((0, 1), (2, 5))])
 def test_mixing_still_raises_with_crafted_and_zero_loss_examples_in_the_batch(loss, crafted_rows, zero_rows) -> None:
+    """The values test sees every case; a count alone (a loss divided by the batch size) with zero or crafted losses
+    making up half of a half is inconclusive on that batch, and raises on one without them."""
     x = batch(crafted_rows, zero_rows=zero_rows)
-    with pytest.raises(BatchMixingError, match=r"leave-half-out check: .*depends? on"):
+    if loss is divided_by_batch_size and crafted_rows:
+        assert check_leave_half_out(loss, x, 8, nn.Identity()) is False
+        x = batch()
+    with pytest.raises(BatchMixingError, match=r"leave-half-out check: .*(depends? on|count over the batch)"):
         check_leave_half_out(loss, x, 8, nn.Identity())
 
 
@@ -249,3 +254,63 @@ def test_a_run_whose_check_never_concludes_says_so_once_at_the_end(caplog) -> No
     module = _fit(rows, caplog)
     assert module.modes.count(False) == 3 * LEAVE_HALF_OUT_FORWARDS
     assert sum("did not conclude" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_one_crafted_example_alone_in_its_half_cannot_fake_a_count() -> None:
+    """A loss whose value explodes in a half of one (an exponential rate, a crafted input): its factor is huge, the
+    other half's is 1, and 1/huge + 1/1 is about 1; the factors must both be above 1, so it is no count."""
+
+    def exploding(x: torch.Tensor) -> torch.Tensor:
+        value = per_example(x)
+        return torch.where(value.abs() > 1e7, value, 1.0 + 0.0 * value) * (1e9 if x.shape[0] == 1 else 1.0)
+
+    for size in (2, 3):
+        x = batch(size=size)
+        x[1] = 1e8
+        assert check_leave_half_out(exploding, x, size, nn.Identity()) is True
+
+
+def test_zero_losses_count_against_a_count_signature() -> None:
+    """A majority of each half must share the factor, zero losses included: two crafted examples (one per half)
+    among zero-loss rows are not a majority, so no raise; the batch is inconclusive (checked again later)."""
+
+    def doubled_when_alone(x: torch.Tensor) -> torch.Tensor:
+        crafted = x[:, 0] > 1e7
+        return torch.where(crafted, torch.full_like(x[:, 0], 2.0 if x.shape[0] < 8 else 1.0), torch.zeros_like(x[:, 0]))
+
+    x = batch((0, 1), size=8)
+    assert check_leave_half_out(doubled_when_alone, x, 8, nn.Identity()) is False
+
+
+def test_a_non_contiguous_batch_is_compared_as_fresh_copies() -> None:
+    """A batch tensor that is a view (here transposed) runs other kernels than contiguous row copies; every forward
+    gets copies with the same layout, so a per-example model passes."""
+    layer = nn.Linear(32, 1)
+    x = torch.randn(32, 8).t()  # [8, 32], not contiguous
+    x[3] = 1e8 * torch.sign(torch.randn(32))
+    assert not x.is_contiguous()
+    assert check_leave_half_out(lambda data: layer(data).squeeze(-1), x, 8, layer) is True
+
+
+def test_each_submodule_keeps_its_own_train_or_eval_mode() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5), nn.Linear(3, 1))
+    model.train()
+    model[1].eval()  # a frozen part the user put in eval mode
+    check_leave_half_out(lambda data: model(data).squeeze(-1), batch(), 8, model)
+    assert [m.training for m in model] == [True, False, True] and model.training
+
+
+def test_each_variant_is_gated_on_its_own_calls() -> None:
+    """A branch that one variant takes and the other does not (HF's shortcut for an all-ones mask): the variant
+    whose calls match still compares, so mixing in such a model is caught."""
+
+    def shortcut_then_mixing(x: torch.Tensor) -> torch.Tensor:
+        if bool((x[1::2, 0] > 0).all()):  # a branch on the odd rows' values
+            x = x * 1.0
+        return ordered_sum(x - x.mean(0).detach())
+
+    x = batch()
+    x[1::2, 0] = 1.0  # the batch takes the branch; the odd-replaced variant (odd rows = even rows) does not
+    x[0::2, 0] = -1.0
+    with pytest.raises(BatchMixingError, match="even-indexed examples by copies"):
+        check_leave_half_out(shortcut_then_mixing, x, 8, nn.Identity())
