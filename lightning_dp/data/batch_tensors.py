@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,3 +15,12 @@ def batch_tensors(batch: Any, min_ndim: int = 0) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim >= min_ndim else None)
     return found
+
+
+def leading_rows(batch: Mapping[str, Any]) -> int | None:
+    """Rows of the first tensor with at least one dimension among the values of ``batch`` (a HF batch, ``{name:
+    tensor}``), in their order, not looking inside nested values; ``None`` when there is none."""
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.ndim:
+            return value.shape[0]
+    return None

@@ -10,7 +10,8 @@ no labelled token has loss 0 (and a zero gradient).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -139,3 +140,49 @@ def sequence_classification_loss(
     if problem_type == "multi_label_classification":
         return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
     raise ValueError(f"Unknown config.problem_type {problem_type!r}")
+
+
+def head_per_example_loss(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    head: HeadKind | None,
+    reduction: Literal["mean", "sum"],
+    *,
+    label_smoothing: float = 0.0,
+    config: Any = None,
+) -> torch.Tensor:
+    """The forward of ``model`` on ``inputs`` and its per-example losses for ``head`` (the body of
+    ``DPTrainer.compute_per_example_loss``).
+
+    The labels are taken out of the inputs (so the model does not also compute its batch loss), except for a
+    seq2seq model that builds its decoder inputs from them.
+
+    Args:
+        model: the (training) model.
+        inputs: the batch on the device, with ``labels``.
+        head: the model's head (:func:`head_kind`); ``None`` (a ``compute_per_example_loss`` of a subclass calling
+            this one) scores every label position as is.
+        reduction: ``"mean"`` or ``"sum"`` over each example's labelled tokens.
+        label_smoothing: as ``TrainingArguments.label_smoothing_factor`` (cross-entropy heads).
+        config: the model's config, whose ``problem_type`` (read after the forward) picks a sequence classifier's loss.
+
+    Returns:
+        ``[B]`` per-example losses, attached to the graph.
+
+    Raises:
+        ValueError: the batch has no ``labels``.
+    """
+    if "labels" not in inputs:
+        raise ValueError("DPTrainer needs 'labels' in every training batch to form per-example losses")
+    if head == "seq2seq_lm" and "decoder_input_ids" not in inputs:
+        labels = inputs["labels"]
+        logits = model(**inputs).logits
+    else:
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+    if head == "sequence_classification":
+        return sequence_classification_loss(
+            logits, labels, problem_type=getattr(config, "problem_type", None), label_smoothing=label_smoothing
+        )
+    return token_cross_entropy(logits, labels, reduction, shift=head == "causal_lm", label_smoothing=label_smoothing)

@@ -6,7 +6,8 @@ accounting all live in :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine
 The model is never wrapped: clipping hooks are attached in place for the duration of :meth:`DPTrainer.train` and removed
 afterwards, so ``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
 
-Overridden ``Trainer`` methods (all documented "subclass and override" points), and why:
+Overridden ``Trainer`` methods (all documented "subclass and override" points; the private ones that save and load
+a sharded model's checkpoints are listed in :mod:`lightning_dp.hf.sharded_checkpoints`), and why:
 
 - ``train``: attach the clipping hooks (removed when training ends) and, with ``resume_from_checkpoint``, restore
   the privacy state saved in the checkpoint, so epsilon continues instead of restarting at 0.
@@ -42,27 +43,25 @@ Sharded models: a model launched with accelerate's FSDP2 configuration is sharde
 before handing it to DPTrainer, trains on several processes like an unsharded one, with the sharded engine of
 docs/design.md section 8.1 (clipped sums reduce-scattered into the shards, noise once per shard coordinate, every
 rank running every step: an empty Poisson batch runs the engine's stand-in batch). ``save_model`` gathers the full
-weights (every rank calls it; rank 0 writes a folder ``from_pretrained`` loads); a checkpoint also holds the model's
-and the optimizer's shards (``sharded_state``, ``torch.distributed.checkpoint``), from which
-``resume_from_checkpoint`` restores them on the same number of processes; per-sample momentum's iterates are kept
-as shards and gathered into the checkpoint's privacy state. Not supported: models sharded by
-``from_pretrained(distributed_config=...)``.
+weights, and a checkpoint also holds the model's and the optimizer's shards, from which ``resume_from_checkpoint``
+restores them (:class:`~lightning_dp.hf.sharded_checkpoints.ShardedCheckpoints`, a base class of DPTrainer);
+per-sample momentum's iterates are kept as shards and gathered into the checkpoint's privacy state. Not supported:
+models sharded by ``from_pretrained(distributed_config=...)``.
 
-Several processes (``accelerate launch``, ``torchrun``): the same recipe as
-:class:`~lightning_dp.DPDDPStrategy`, with the collectives of :mod:`lightning_dp.runtime.distributed` (docs/design.md
-section 8). Rank and world size come from :func:`~lightning_dp.runtime.distributed.distributed_context` (the initialised
-``torch.distributed`` group), not from accelerate's state or ``TrainingArguments.world_size``, which depend on how
-accelerate is configured and launched (tested: on CPU, ``accelerate launch --multi_gpu --num_processes 2`` with
-``use_cpu=True``; ``--cpu --num_processes 2`` starts a single process). In ``train`` every
-rank adopts rank 0's base seed (after any checkpoint restore, before the first batch: identical noise, distinct
-sampling streams) and rank 0's parameters; ``get_train_dataloader`` Poisson-samples this rank's shard of the GLOBAL
-dataset at the global rate ``q`` (the loader is not passed through ``accelerator.prepare``, which would re-shard it);
-``create_optimizer`` checks that the ranks agree on ``N``, ``q`` and the noise, and gives the ``DPOptimizer`` the
-SUM all-reduce of the clipped sums, so noise is drawn once per step and the parameters stay bit-identical. Only rank
-0 logs through the ``lightning_dp`` logger. The model is never wrapped in ``DistributedDataParallel`` (its all-reduce
-on every backward would average the un-noised per-rank gradients): ``train`` makes the Trainer's accelerator prepare
-the model with ``evaluation_mode=True``, accelerate's switch that places the model (and applies autocast) without
-the DDP/FSDP wrapping, and the one SUM all-reduce happens in the ``DPOptimizer`` before the noise.
+Several processes (``accelerate launch``, ``torchrun``): the same recipe as :class:`~lightning_dp.DPDDPStrategy`, with
+the collectives of :mod:`lightning_dp.runtime.distributed` (docs/design.md section 8). Rank and world size come from
+:func:`~lightning_dp.runtime.distributed.distributed_context` (the initialised ``torch.distributed`` group), not from
+accelerate's state or ``TrainingArguments.world_size``, which depend on how accelerate is configured and launched (how
+it was tested: docs/hf.md, "Several processes"). In ``train`` every rank adopts rank 0's base seed (after any checkpoint
+restore, before the first batch: identical noise, distinct sampling streams) and rank 0's parameters;
+``get_train_dataloader`` Poisson-samples this rank's shard of the GLOBAL dataset at the global rate ``q`` (the loader is
+not passed through ``accelerator.prepare``, which would re-shard it); ``create_optimizer`` checks that the ranks agree
+on ``N``, ``q`` and the noise, and gives the ``DPOptimizer`` the SUM all-reduce of the clipped sums, so noise is drawn
+once per step and the parameters stay bit-identical. Only rank 0 logs through the ``lightning_dp`` logger. The model is
+never wrapped in ``DistributedDataParallel`` (its all-reduce on every backward would average the un-noised per-rank
+gradients): ``train`` makes the Trainer's accelerator prepare the model with ``evaluation_mode=True``, accelerate's
+switch that places the model (and applies autocast) without the DDP/FSDP wrapping, and the one SUM all-reduce happens in
+the ``DPOptimizer`` before the noise.
 """
 
 from __future__ import annotations
@@ -70,47 +69,42 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import PartialState
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME
+from transformers import Trainer
+from typing_extensions import override
 
-from lightning_dp.augmentation import augmentation_mean, repeat_for_multiplicity
+from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
 from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
+from lightning_dp.hf.augmentation_copies import check_augmentation, mean_loss_over_copies
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
-from lightning_dp.hf.losses import head_kind, sequence_classification_loss, token_cross_entropy
+from lightning_dp.hf.losses import head_per_example_loss
 from lightning_dp.hf.sampling import poisson_batch_lengths
+from lightning_dp.hf.sharded_checkpoints import ShardedCheckpoints
+from lightning_dp.hf.trainer_checks import (
+    check_accelerator_and_model,
+    check_model_and_loss,
+    check_sharded_run,
+    check_training_arguments,
+    warn_ignored_without_dp,
+)
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import last_complete_checkpoint
 from lightning_dp.runtime.distributed import DistributedContext, distributed_context
-from lightning_dp.runtime.sharding import (
-    full_state_dict,
-    load_sharded_model,
-    load_sharded_optimizer,
-    save_sharded,
-    uses_fsdp,
-)
+from lightning_dp.runtime.sharding import uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
-#: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
-SHARDED_STATE_NAME = "sharded_state"
 
-#: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
-_HF_DEFAULT_MAX_GRAD_NORM = 1.0
-
-
-class DPTrainer(PrivacyQueries, Trainer):
+class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
     Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
@@ -145,7 +139,7 @@ class DPTrainer(PrivacyQueries, Trainer):
         #: accelerate's FSDP2 settings, taken over: the model is sharded here, the Accelerator built without them.
         self._fsdp_settings = None if privacy_args.disable_dp else fsdp2_settings_from_launcher()
         if training_args is not None and not privacy_args.disable_dp:
-            _check_training_arguments(training_args, privacy_args)
+            check_training_arguments(training_args, privacy_args)
         model = kwargs.get("model", args[0] if args else None)
         if self._fsdp_settings is not None and model is not None and not uses_fsdp(model):
             device = training_args.device if training_args is not None else PartialState().device
@@ -157,38 +151,23 @@ class DPTrainer(PrivacyQueries, Trainer):
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         if privacy_args.disable_dp:
-            if engine.config.augmentation_multiplicity > 1:
-                log.warning(
-                    "disable_dp=True: augmentation_multiplicity=%d is ignored (Trainer's own training step, one row "
-                    "per example, no copies and no augment_copies call)",
-                    engine.config.augmentation_multiplicity,
-                )
-            if engine.config.privacy_unit == "user":
-                log.warning("disable_dp=True: privacy_unit='user' is ignored (the Trainer's own batches of examples)")
+            warn_ignored_without_dp(engine.config)
             return
         if training_args is None:
-            _check_training_arguments(self.args, privacy_args)
-        if self.is_deepspeed_enabled:  # set by accelerate's config or environment
-            reason = _UNSUPPORTED["a DeepSpeed config"]
-            raise ValueError(f"DPTrainer does not support DeepSpeed from accelerate: {reason}")
-        if self.is_fsdp_enabled:  # DPTrainer hid the launcher's FSDP settings: a plugin set up before it, elsewhere
-            raise ValueError(
-                "DPTrainer does not support an FSDP plugin accelerate set up before it (an Accelerator built earlier "
-                f"in this process, or one passed by hand): {_UNSUPPORTED['FSDP']}"
-            )
-        if _sharded_by_from_pretrained(self.model):
-            raise ValueError(
-                "DPTrainer does not train a model sharded by from_pretrained(distributed_config=... or tp_plan=...): "
-                "the Trainer would average replicated gradients before the noise; load it unsharded and apply "
-                "fully_shard to its blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
-            )
-        self._check_model_and_loss()
-        self._check_augmentation()
+            check_training_arguments(self.args, privacy_args)
+        check_accelerator_and_model(
+            self.model, deepspeed_enabled=self.is_deepspeed_enabled, fsdp_enabled=self.is_fsdp_enabled
+        )
+        custom = type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
+        self._head = check_model_and_loss(self.model, self.model_init, self.compute_loss_func, self.label_names, custom)
+        augment = type(self).augment_copies is not DPTrainer.augment_copies
+        check_augmentation(engine.config.augmentation_multiplicity, augment)
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
 
+    @override
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's; under accelerate's FSDP2 settings (the model already sharded by DPTrainer), the
         Accelerator is built without them, so that it neither shards the model again nor reduces its gradients."""
@@ -228,54 +207,18 @@ class DPTrainer(PrivacyQueries, Trainer):
         """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
         return self.privacy_engine.last_clip_fraction
 
-    # ------------------------------------------------------------------------------------------ configuration
-    def _custom_per_example_loss(self) -> bool:
-        return type(self).compute_per_example_loss is not DPTrainer.compute_per_example_loss
-
-    def _check_model_and_loss(self) -> None:
-        """Reject a model or loss set-up that cannot give one loss per example, saying what to change."""
-        if self.model_init is not None:
-            raise ValueError(
-                "DPTrainer does not support model_init: the model must exist before training to attach per-sample "
-                "clipping; pass model="
-            )
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "DPTrainer does not support compute_loss_func (it returns one loss per batch): override "
-                "DPTrainer.compute_per_example_loss to return one loss per example"
-            )
-        if self._custom_per_example_loss():
-            self._head = None
-            return
-        self._head = head_kind(self.model)
-        if list(self.label_names) != ["labels"]:
-            raise ValueError(
-                f"DPTrainer forms per-example losses from a 'labels' column, this model uses {self.label_names}: "
-                "override DPTrainer.compute_per_example_loss for it"
-            )
-
-    def _check_augmentation(self) -> None:
-        """Reject ``augmentation_multiplicity > 1`` when :meth:`augment_copies` is not overridden: ``K`` identical
-        copies average to the gradient of one, at ``K`` times the cost."""
-        copies = self.privacy_engine.config.augmentation_multiplicity
-        if copies > 1 and type(self).augment_copies is DPTrainer.augment_copies:
-            raise ValueError(
-                f"augmentation_multiplicity={copies}: DPTrainer makes {copies} copies of each example, and the copies "
-                "must be augmented, by your code: subclass DPTrainer and override augment_copies(inputs) (it receives "
-                "the collated batch with every tensor repeated, rows i*K .. i*K+K-1 example i's, and returns it "
-                "augmented row by row); or set augmentation_multiplicity=1"
-            )
-
     # --------------------------------------------------------------------------------------------- training
+    @override
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """``Trainer.train`` with the clipping hooks attached and, on resume, the checkpoint's privacy state restored.
 
         On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
 
         Raises:
-            ValueError: on a sharded model, what :meth:`_check_sharded_run` refuses; the checkpoint has no privacy
-                state or one that does not match this run's privacy arguments (or, sharded, its model and optimizer
-                shards do not match); the sample rate differs from the checkpoint's.
+            ValueError: on a sharded model, what :func:`~lightning_dp.hf.trainer_checks.check_sharded_run`
+                refuses; the checkpoint has no privacy state or one that does not match this run's privacy arguments
+                (or, sharded, its model and optimizer shards do not match); the sample rate differs from the
+                checkpoint's.
             FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
         if self.privacy_args.disable_dp:
@@ -286,7 +229,7 @@ class DPTrainer(PrivacyQueries, Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         engine = self.privacy_engine
         if uses_fsdp(self.model):
-            self._check_sharded_run()
+            check_sharded_run(self.args)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:
@@ -313,94 +256,7 @@ class DPTrainer(PrivacyQueries, Trainer):
         finally:
             engine.detach()
 
-    def _check_sharded_run(self) -> None:
-        """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
-
-        Raises:
-            ValueError: ``save_on_each_node`` (only rank 0 receives the gathered weights, so other nodes would write
-                folders without them).
-        """
-        if self.args.save_on_each_node and self.args.save_strategy != "no":
-            raise ValueError(
-                "save_on_each_node=True on an FSDP2-sharded model: only rank 0 receives the gathered weights and the "
-                "shards' index, so other nodes' checkpoints would be incomplete; set save_on_each_node=False and "
-                "write checkpoints to a filesystem every node reads"
-            )
-
-    def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
-        """``Trainer._save``; on an FSDP2-sharded model, with the full weights gathered first (a collective: every
-        rank calls ``save_model``, rank 0 writes), so that the folder loads with ``from_pretrained``."""
-        if state_dict is None and uses_fsdp(self.model):
-            state_dict = full_state_dict(self.model)
-        super()._save(output_dir, state_dict)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The Trainer's; on an FSDP2-sharded model, the model's and the optimizer's shards go to
-        ``output_dir/sharded_state`` (``torch.distributed.checkpoint``: every rank writes its own) and rank 0 writes
-        the scheduler, as the Trainer does."""
-        if not uses_fsdp(self.model):
-            return super()._save_optimizer_and_scheduler(output_dir)
-        save_sharded(Path(output_dir) / SHARDED_STATE_NAME, self.model, self._user_optimizer())
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``.
-
-        Raises:
-            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
-            ValueError: its shards are not this model's (another model, other adapters).
-        """
-        if not uses_fsdp(self.model):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_sharded_model(self._sharded_state(resume_from_checkpoint), self.model)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The Trainer's; on an FSDP2-sharded model, each rank loads its optimizer shards from ``sharded_state``,
-        and the scheduler is read as the Trainer reads it.
-
-        Raises:
-            FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
-            ValueError: its shards are not this optimizer's.
-        """
-        if checkpoint is None or not uses_fsdp(self.model):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded_optimizer(self._sharded_state(checkpoint), self.model, self._user_optimizer())
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
-
-    def _load_best_model(self) -> None:
-        """The Trainer's (``load_best_model_at_end``); on an FSDP2-sharded model, each rank loads its shards from
-        the best checkpoint's ``sharded_state``.
-
-        Raises:
-            FileNotFoundError: the best checkpoint has no ``sharded_state`` (``save_only_model=True``).
-        """
-        if not uses_fsdp(self.model):
-            return super()._load_best_model()
-        best = self.state.best_model_checkpoint
-        log.info("Loading the best model from %s (score: %s)", best, self.state.best_metric)
-        load_sharded_model(self._sharded_state(best), self.model)
-
-    @staticmethod
-    def _sharded_state(checkpoint: str) -> Path:
-        """The checkpoint's folder of model and optimizer shards.
-
-        Raises:
-            FileNotFoundError: there is none (the checkpoint was written with ``save_only_model=True``).
-        """
-        folder = Path(checkpoint) / SHARDED_STATE_NAME
-        if not folder.is_dir():
-            raise FileNotFoundError(
-                f"{checkpoint} has no {SHARDED_STATE_NAME} folder: a sharded run resumes from a checkpoint written "
-                "by a sharded DPTrainer run with save_only_model=False"
-            )
-        return folder
-
-    def _user_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer the DPOptimizer wraps (torch's sharded state helpers may call ``step()`` on it)."""
-        assert self._dp_optimizer is not None
-        return self._dp_optimizer.original_optimizer
-
+    @override
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
         shard at the global rate q (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.training_loader`). With
@@ -431,6 +287,7 @@ class DPTrainer(PrivacyQueries, Trainer):
             user_ids=user_ids,
         )
 
+    @override
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The Trainer's optimizer, wrapped in a ``DPOptimizer`` once the engine is prepared for the planned steps
         (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.start_training`: on several processes the ranks must
@@ -475,27 +332,9 @@ class DPTrainer(PrivacyQueries, Trainer):
         Raises:
             ValueError: the batch has no ``labels``.
         """
-        if "labels" not in inputs:
-            raise ValueError("DPTrainer needs 'labels' in every training batch to form per-example losses")
-        if self._head == "seq2seq_lm" and "decoder_input_ids" not in inputs:
-            labels = inputs["labels"]
-            logits = model(**inputs).logits
-        else:
-            inputs = dict(inputs)
-            labels = inputs.pop("labels")
-            logits = model(**inputs).logits
-        smoothing = self.args.label_smoothing_factor
-        if self._head == "sequence_classification":
-            return sequence_classification_loss(
-                logits, labels, problem_type=getattr(self.model.config, "problem_type", None), label_smoothing=smoothing
-            )
-        return token_cross_entropy(
-            logits,
-            labels,
-            self.privacy_args.per_example_reduction,
-            shift=self._head == "causal_lm",
-            label_smoothing=smoothing,
-        )
+        reduction, smoothing = self.privacy_args.per_example_reduction, self.args.label_smoothing_factor
+        config = getattr(self.model, "config", None)  # a sequence classifier's problem_type, read after the forward
+        return head_per_example_loss(model, inputs, self._head, reduction, label_smoothing=smoothing, config=config)
 
     def augment_copies(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """Augment the copies of a batch, row by row (``augmentation_multiplicity = K > 1``; override: the default
@@ -540,13 +379,9 @@ class DPTrainer(PrivacyQueries, Trainer):
         copies = self.privacy_engine.config.augmentation_multiplicity
         if copies == 1:
             return self.compute_per_example_loss(model, inputs)
-        rows = repeat_for_multiplicity(inputs, copies)
-        if model.training:
-            augmented = self.augment_copies(rows)
-            _check_rows_in_place(inputs, rows, augmented, copies)
-            rows = augmented
-        return augmentation_mean(self.compute_per_example_loss(model, rows), copies)
+        return mean_loss_over_copies(model, inputs, copies, self.compute_per_example_loss, self.augment_copies)
 
+    @override
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
@@ -571,7 +406,7 @@ class DPTrainer(PrivacyQueries, Trainer):
             self.control.should_training_stop = True
         else:
             model.train()
-            size = _batch_size(inputs)
+            size = leading_rows(inputs)
             stand_in = size == 0 and engine.every_rank_runs_every_step
             if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
                 inputs, size = engine.stand_in_batch(), 1
@@ -595,6 +430,7 @@ class DPTrainer(PrivacyQueries, Trainer):
                 self._dp_optimizer.privatise()
         return loss / self.args.gradient_accumulation_steps
 
+    @override
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started, and
         the numbers of the privacy summary (``dp/epsilon``, ``dp/delta``, ``dp/noise_multiplier``, ``dp/steps``...)
@@ -611,124 +447,3 @@ class DPTrainer(PrivacyQueries, Trainer):
                 summary = engine.summary()
                 logs.update({f"dp/{k}": v for k, v in summary_metrics(summary).items()})
         super().log(logs, start_time)
-
-
-def _batch_size(inputs: dict[str, Any]) -> int | None:
-    """Rows of the first tensor in the batch (None when there is none)."""
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.ndim:
-            return value.shape[0]
-    return None
-
-
-#: What the messages refusing other sharding set-ups say to do instead.
-_SHARDED_ROUTE = (
-    "to shard a model, launch with an FSDP2 accelerate config (fsdp_version: 2, as configs/accelerate/"
-    "fsdp2_2_processes.yaml) or apply torch's fully_shard to its blocks and root before DPTrainer (docs/hf.md, "
-    "'Sharded models')"
-)
-
-_UNSUPPORTED = {
-    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": "its loss scaling would corrupt the "
-    "per-sample norms; use bf16 or float32",
-    "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
-    "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
-    "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
-    "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
-    "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
-    "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
-    "per_device_train_batch_size",
-    "several GPUs in one process (DataParallel)": "use one process per GPU",
-}
-
-
-def _sharded_by_from_pretrained(model: nn.Module) -> bool:
-    """Whether transformers' ``from_pretrained`` sharded ``model`` over the processes as it loaded it
-    (``distributed_config=...``, or tensor parallelism by ``tp_plan``): the releases that name it set
-    ``is_distributed_loading_by_transformers``, and every release that shards at load time (4.x with ``tp_plan``,
-    5.x with ``distributed_config``) sets the model's ``_device_mesh`` (``None`` otherwise). A PEFT model passes both
-    on from the model it wraps."""
-    return bool(getattr(model, "is_distributed_loading_by_transformers", False)) or (
-        getattr(model, "_device_mesh", None) is not None
-    )
-
-
-def _check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
-    """Reject training arguments DP training does not support, saying what to change; switch off the Trainer's
-    default batch clipping (``max_grad_norm=1.0``) with a log line.
-
-    Raises:
-        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
-    """
-    checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
-    active = {
-        "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
-        or getattr(args, "mixed_precision", None) == "fp16",
-        "gradient_checkpointing=True": bool(checkpointing),
-        "a DeepSpeed config": bool(args.deepspeed),
-        "FSDP": bool(args.fsdp),
-        "torch_compile=True": args.torch_compile,
-        "auto_find_batch_size=True": args.auto_find_batch_size,
-        "several GPUs in one process (DataParallel)": args.n_gpu > 1,
-    }
-    for name, is_set in active.items():
-        if is_set:
-            raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
-    if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
-        raise ValueError(
-            f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it to 0 "
-            "and give the per-sample clipping bound as PrivacyArguments(per_sample_max_grad_norm=...)"
-        )
-    if args.max_grad_norm:
-        log.warning(
-            "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
-            "DPTrainer clips each example's gradient at PrivacyArguments.per_sample_max_grad_norm=%s instead",
-            args.max_grad_norm,
-            privacy_args.per_sample_max_grad_norm,
-        )
-        args.max_grad_norm = 0.0
-
-
-def _check_rows_in_place(original: dict[str, Any], repeated: dict[str, Any], augmented: Any, copies: int) -> None:
-    """Refuse copies that :meth:`DPTrainer.augment_copies` moved across examples (docs/design.md section 4.8).
-
-    ``labels`` (when ``original`` has them) must come back equal to the repeated labels row for row; every other
-    integer or boolean tensor present before and after with the same shape must not hold, in a row of example ``i``,
-    another example's original row that differs from example ``i``'s own (a moved row). Float inputs are left to the
-    batch-independence check, which sees their gradients.
-    """
-    if not isinstance(augmented, Mapping):
-        raise ValueError(f"augment_copies must return the inputs' mapping of tensors, got {type(augmented).__name__}")
-    hint = (
-        f"augment_copies must keep each row in place: rows i*{copies} .. i*{copies}+{copies - 1} are example i's "
-        "copies, each augmented from that row alone (a loop over copy k of every example, torch.cat([aug(x[k::K]) "
-        "for k in range(K)]), puts one example's copies in several examples' groups: sensitivity up to K*C); use "
-        "lightning_dp.augment_each_example(rows, K, fn) to augment each example's copies on their own"
-    )
-    for key, before in repeated.items():
-        after = augmented.get(key)
-        if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.ndim == 0:
-            continue
-        if key == "labels":
-            if after.shape != before.shape or not torch.equal(after.to(before.device), before):
-                raise ValueError(f"{hint}; 'labels' came back changed or reordered: return them unchanged")
-            continue
-        if before.dtype.is_floating_point or before.is_complex() or after.shape != before.shape:
-            continue
-        after = after.to(before.device)
-        mine = original[key]
-        flat_after = after.reshape(after.shape[0], -1)
-        flat_mine = mine.reshape(mine.shape[0], -1).to(before.device)
-        changed = torch.nonzero((flat_after != before.reshape(before.shape[0], -1)).any(1)).flatten()
-        if changed.numel() == 0 or flat_mine.shape[0] < 2:
-            continue
-        # [changed, B]: which original examples each changed row equals exactly
-        same = (flat_after[changed].unsqueeze(1) == flat_mine.unsqueeze(0)).all(-1)
-        owner = changed // copies
-        moved = same.any(1) & ~same[torch.arange(changed.numel(), device=same.device), owner]
-        if bool(moved.any()):
-            row = int(changed[moved][0])
-            raise ValueError(
-                f"{hint}; row {row} of '{key}' (a copy of example {row // copies}) holds example "
-                f"{int(torch.nonzero(same[moved][0])[0])}'s row"
-            )

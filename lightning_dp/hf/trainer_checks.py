@@ -1,0 +1,189 @@
+"""What :class:`~lightning_dp.hf.DPTrainer` refuses at construction (and, on a sharded model, at ``train``), each
+refusal saying what to change, and what it switches off or ignores with a warning.
+
+Plain functions taking what they read; :mod:`lightning_dp.hf.trainer` calls them in ``DPTrainer.__init__`` (and
+:func:`check_sharded_run` in ``DPTrainer.train``). What is not supported, and why, is summed up in the module
+docstring of :mod:`lightning_dp.hf.trainer` and in docs/hf.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from transformers import TrainingArguments
+
+from lightning_dp.config import PrivacyConfig
+from lightning_dp.hf.arguments import PrivacyArguments
+from lightning_dp.hf.losses import head_kind
+
+log = logging.getLogger("lightning_dp")
+
+#: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
+_HF_DEFAULT_MAX_GRAD_NORM = 1.0
+
+#: What the messages refusing other sharding set-ups say to do instead.
+_SHARDED_ROUTE = (
+    "to shard a model, launch with an FSDP2 accelerate config (fsdp_version: 2, as configs/accelerate/"
+    "fsdp2_2_processes.yaml) or apply torch's fully_shard to its blocks and root before DPTrainer (docs/hf.md, "
+    "'Sharded models')"
+)
+
+_UNSUPPORTED = {
+    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": "its loss scaling would corrupt the "
+    "per-sample norms; use bf16 or float32",
+    "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
+    "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
+    "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
+    "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
+    "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
+    "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
+    "per_device_train_batch_size",
+    "several GPUs in one process (DataParallel)": "use one process per GPU",
+}
+
+
+def warn_ignored_without_dp(config: PrivacyConfig) -> None:
+    """With ``disable_dp=True`` (the plain Trainer's training), warn about the options that are then ignored."""
+    if config.augmentation_multiplicity > 1:
+        log.warning(
+            "disable_dp=True: augmentation_multiplicity=%d is ignored (Trainer's own training step, one row "
+            "per example, no copies and no augment_copies call)",
+            config.augmentation_multiplicity,
+        )
+    if config.privacy_unit == "user":
+        log.warning("disable_dp=True: privacy_unit='user' is ignored (the Trainer's own batches of examples)")
+
+
+def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
+    """Reject training arguments DP training does not support, saying what to change; switch off the Trainer's
+    default batch clipping (``max_grad_norm=1.0``) with a log line.
+
+    Raises:
+        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
+    """
+    checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
+    active = {
+        "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
+        or getattr(args, "mixed_precision", None) == "fp16",
+        "gradient_checkpointing=True": bool(checkpointing),
+        "a DeepSpeed config": bool(args.deepspeed),
+        "FSDP": bool(args.fsdp),
+        "torch_compile=True": args.torch_compile,
+        "auto_find_batch_size=True": args.auto_find_batch_size,
+        "several GPUs in one process (DataParallel)": args.n_gpu > 1,
+    }
+    for name, is_set in active.items():
+        if is_set:
+            raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
+    if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
+        raise ValueError(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it to 0 "
+            "and give the per-sample clipping bound as PrivacyArguments(per_sample_max_grad_norm=...)"
+        )
+    if args.max_grad_norm:
+        log.warning(
+            "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
+            "DPTrainer clips each example's gradient at PrivacyArguments.per_sample_max_grad_norm=%s instead",
+            args.max_grad_norm,
+            privacy_args.per_sample_max_grad_norm,
+        )
+        args.max_grad_norm = 0.0
+
+
+def check_accelerator_and_model(model: nn.Module, *, deepspeed_enabled: bool, fsdp_enabled: bool) -> None:
+    """Reject what accelerate or transformers set up outside DPTrainer: DeepSpeed, an FSDP plugin (DPTrainer hid the
+    launcher's FSDP settings, so one left is a plugin set up before it, elsewhere), a model sharded by
+    ``from_pretrained`` (:func:`sharded_by_from_pretrained`).
+
+    Args:
+        model: the Trainer's model.
+        deepspeed_enabled: ``Trainer.is_deepspeed_enabled`` (set by accelerate's config or environment).
+        fsdp_enabled: ``Trainer.is_fsdp_enabled``.
+
+    Raises:
+        ValueError: any of them, saying what to do instead.
+    """
+    if deepspeed_enabled:
+        reason = _UNSUPPORTED["a DeepSpeed config"]
+        raise ValueError(f"DPTrainer does not support DeepSpeed from accelerate: {reason}")
+    if fsdp_enabled:
+        raise ValueError(
+            "DPTrainer does not support an FSDP plugin accelerate set up before it (an Accelerator built earlier "
+            f"in this process, or one passed by hand): {_UNSUPPORTED['FSDP']}"
+        )
+    if sharded_by_from_pretrained(model):
+        raise ValueError(
+            "DPTrainer does not train a model sharded by from_pretrained(distributed_config=... or tp_plan=...): "
+            "the Trainer would average replicated gradients before the noise; load it unsharded and apply "
+            "fully_shard to its blocks and root before DPTrainer (docs/hf.md, 'Sharded models')"
+        )
+
+
+def sharded_by_from_pretrained(model: nn.Module) -> bool:
+    """Whether transformers' ``from_pretrained`` sharded ``model`` over the processes as it loaded it
+    (``distributed_config=...``, or tensor parallelism by ``tp_plan``): the releases that name it set
+    ``is_distributed_loading_by_transformers``, and every release that shards at load time (4.x with ``tp_plan``,
+    5.x with ``distributed_config``) sets the model's ``_device_mesh`` (``None`` otherwise). A PEFT model passes both
+    on from the model it wraps."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False)) or (
+        getattr(model, "_device_mesh", None) is not None
+    )
+
+
+def check_model_and_loss(
+    model: nn.Module, model_init: Any, compute_loss_func: Any, label_names: Sequence[str], custom_loss: bool
+) -> str | None:
+    """Reject a model or loss set-up that cannot give one loss per example, saying what to change.
+
+    Args:
+        model: the Trainer's model.
+        model_init: ``Trainer.model_init``.
+        compute_loss_func: ``Trainer.compute_loss_func``.
+        label_names: ``Trainer.label_names``.
+        custom_loss: whether a subclass overrides ``DPTrainer.compute_per_example_loss``.
+
+    Returns:
+        The model's head (:func:`~lightning_dp.hf.losses.head_kind`) for the built-in per-example losses; ``None``
+        with a ``compute_per_example_loss`` of a subclass.
+
+    Raises:
+        ValueError: ``model_init``, ``compute_loss_func``, a head without a built-in per-example loss, label names
+            other than ``['labels']`` (the last two only without a ``compute_per_example_loss`` of a subclass).
+    """
+    if model_init is not None:
+        raise ValueError(
+            "DPTrainer does not support model_init: the model must exist before training to attach per-sample "
+            "clipping; pass model="
+        )
+    if compute_loss_func is not None:
+        raise ValueError(
+            "DPTrainer does not support compute_loss_func (it returns one loss per batch): override "
+            "DPTrainer.compute_per_example_loss to return one loss per example"
+        )
+    if custom_loss:
+        return None
+    head = head_kind(model)
+    if list(label_names) != ["labels"]:
+        raise ValueError(
+            f"DPTrainer forms per-example losses from a 'labels' column, this model uses {label_names}: "
+            "override DPTrainer.compute_per_example_loss for it"
+        )
+    return head
+
+
+def check_sharded_run(args: TrainingArguments) -> None:
+    """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
+
+    Raises:
+        ValueError: ``save_on_each_node`` (only rank 0 receives the gathered weights, so other nodes would write
+            folders without them).
+    """
+    if args.save_on_each_node and args.save_strategy != "no":
+        raise ValueError(
+            "save_on_each_node=True on an FSDP2-sharded model: only rank 0 receives the gathered weights and the "
+            "shards' index, so other nodes' checkpoints would be incomplete; set save_on_each_node=False and "
+            "write checkpoints to a filesystem every node reads"
+        )
