@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
-from lightning_dp.recipes.cifar import TEST_FILE, TRAIN_FILE, standardise
+from lightning_dp.recipes.cifar_data import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 from lightning_dp.tasks.local_data import local_data_dir
 from lightning_dp.utils.help_format import HelpFormatter
@@ -110,7 +110,7 @@ class CifarGroupNormCNN(pl.LightningModule):
 
 def load_cifar(path: Path) -> TensorDataset:
     """An npz of the CIFAR-10 folder (``x`` uint8 ``[N, 32, 32, 3]``, ``y`` int64) as a dataset of standardised
-    ``[N, 3, 32, 32]`` images (the CIFAR-10 recipe's :func:`~lightning_dp.recipes.cifar.standardise`)."""
+    ``[N, 3, 32, 32]`` images (the CIFAR-10 recipe's :func:`~lightning_dp.recipes.cifar_data.standardise`)."""
     with np.load(path) as data:
         return TensorDataset(standardise(data["x"]), torch.from_numpy(data["y"]).long())
 

@@ -18,8 +18,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.recipes.cifar import (
-    TEST_FILE,
-    TRAIN_FILE,
     VARIANTS,
     CifarClassifier,
     CifarDataModule,
@@ -27,9 +25,9 @@ from lightning_dp.recipes.cifar import (
     WideResNetClassifier,
     cli_arguments,
     main,
-    standardise,
     variant_flags,
 )
+from lightning_dp.recipes.cifar_data import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.recipes.wide_resnet import WideResNet
 
 CONFIG = ROOT / "configs" / "cifar10_offline.yaml"
