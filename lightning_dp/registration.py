@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
+
+from lightning_dp.utils.naming import unknown_name
 
 log = logging.getLogger("lightning_dp")
 
@@ -24,12 +26,17 @@ def qualified_name(obj: Any) -> str:
     return f"{obj.__module__}.{name}" if isinstance(name, str) else repr(obj)
 
 
+_MISSING: Any = object()
+
+
 class Registry(dict[K, V], Generic[K, V]):
-    """Named entries of one kind, read as a plain dict and written only through :meth:`register` / :meth:`unregister`
-    (the dict's own writing methods raise ``TypeError``).
+    """Named entries of one kind, read as a dict (:meth:`get` raises for an unknown key) and written only through
+    :meth:`register` / :meth:`remove` (the dict's own writing methods raise ``TypeError``).
 
     Args:
         kind: what an entry is, for messages (``"mechanism"``, ``"layer type"``).
+        option: the option an entry's name is given to, for the message of an unknown name (default ``kind``):
+            ``"noise"`` for the mechanisms gives ``Unknown noise 'gausian' (did you mean 'gaussian'?); ...``.
         describe: the text naming an entry's value in messages (default :func:`qualified_name`).
         alternative: the way out, other than ``override=True``, that a refusal suggests.
     """
@@ -38,13 +45,34 @@ class Registry(dict[K, V], Generic[K, V]):
         self,
         kind: str,
         *,
+        option: str | None = None,
         describe: Callable[[V], str] = qualified_name,
         alternative: str = "choose another name",
     ) -> None:
         super().__init__()
         self.kind = kind
+        self.option = kind if option is None else option
         self.describe = describe
         self.alternative = alternative
+
+    def get(self, key: K, default: V = _MISSING) -> V:  # type: ignore[override]
+        """The value under ``key``; ``default`` when it is given and nothing is registered under ``key``.
+
+        Raises:
+            ValueError: nothing is registered under ``key`` and no ``default`` is given; the message suggests the
+                closest name and lists the registered ones (``Unknown noise 'gausian' (did you mean 'gaussian'?);
+                choose one of [...]``).
+        """
+        if key in self:
+            return self[key]
+        if default is _MISSING:
+            raise ValueError(unknown_name(self.option, key, self.names()))
+        return cast(V, default)
+
+    def names(self) -> list[str]:
+        """The registered keys as messages and help texts show them, sorted: a name as it is, a class by its
+        qualified name."""
+        return sorted(qualified_name(key) if isinstance(key, type) else str(key) for key in self)
 
     def label(self, key: K) -> str:
         """``key`` as messages quote it: a class by its qualified name, anything else by its ``repr``."""
@@ -79,7 +107,7 @@ class Registry(dict[K, V], Generic[K, V]):
             log.warning("%s %s: %s replaced by %s (override=True)", self.kind, self.label(key), old, value)
         dict.update(self, new)
 
-    def unregister(self, key: K) -> V:
+    def remove(self, key: K) -> V:
         """Remove the entry under ``key`` and return its value (for tests and plugins that undo their registration).
 
         Raises:
@@ -92,7 +120,7 @@ class Registry(dict[K, V], Generic[K, V]):
     def _refuse(self, *args: object, **kwargs: object) -> None:
         raise TypeError(
             f"the {self.kind} registry is read-only as a dict: add or replace entries with its register function "
-            "(override=True to replace one), remove them with unregister"
+            "(override=True to replace one), remove them with remove"
         )
 
     __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _refuse  # type: ignore[assignment]

@@ -107,9 +107,9 @@ def toy_mechanism() -> Iterator[type[ToyMechanism]]:
     try:
         yield ToyMechanism
     finally:
-        MECHANISMS.unregister(ToyMechanism.name)
-        ACCOUNTANTS.unregister(ToyZcdpAccountant.name)
-        _EVENT_TYPES.unregister(ToyEvent.__name__)
+        MECHANISMS.remove(ToyMechanism.name)
+        ACCOUNTANTS.remove(ToyZcdpAccountant.name)
+        _EVENT_TYPES.remove(ToyEvent.__name__)
 
 
 def test_toy_mechanism_trains_through_dp_strategy(toy_mechanism: type[ToyMechanism]) -> None:
@@ -192,8 +192,8 @@ def toy_engines() -> Iterator[None]:
     try:
         yield
     finally:
-        ENGINES.unregister(ToyFlatEngine.name)
-        ENGINES.unregister(ToyHutchEngine.name)
+        ENGINES.remove(ToyFlatEngine.name)
+        ENGINES.remove(ToyHutchEngine.name)
 
 
 def _fit_regressor(**options: object) -> tuple[list[torch.Tensor], DPStrategy]:
@@ -293,7 +293,7 @@ def scale_layer() -> Iterator[type[Scale]]:
     try:
         yield Scale
     finally:
-        _BY_TYPE.unregister(Scale)
+        _BY_TYPE.remove(Scale)
 
 
 class ScaledRegressor(TinyRegressor):

@@ -59,7 +59,7 @@ def toy() -> Iterator[type[ToyMechanism]]:
     try:
         yield ToyMechanism
     finally:
-        MECHANISMS.unregister(ToyMechanism.name)
+        MECHANISMS.remove(ToyMechanism.name)
 
 
 def test_calibrate_a_registered_toy_through_the_generic_path(toy: type[ToyMechanism]) -> None:

@@ -1,6 +1,6 @@
 """Every registry refuses to replace an entry silently (docs/design.md section 10): re-registering a name, layer type,
 rule or swap that is taken raises ``ValueError`` unless ``override=True``, which replaces it and logs one warning
-naming both; the same entry again is a no-op; ``unregister`` removes an entry. Each test leaves the registries exactly
+naming both; the same entry again is a no-op; ``remove`` removes an entry. Each test leaves the registries exactly
 as it found them (the ``restore_registries`` fixture)."""
 
 from __future__ import annotations
@@ -291,13 +291,13 @@ def test_the_same_entry_again_is_a_no_op(case: Case, caplog: pytest.LogCaptureFi
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_unregister_removes_and_registering_again_works(case: Case) -> None:
+def test_remove_removes_and_registering_again_works(case: Case) -> None:
     before = list(case.registry)
     case.register(case.first, override=False)
-    removed = case.registry.unregister(case.key)
+    removed = case.registry.remove(case.key)
     assert case.stored(removed) is case.first and list(case.registry) == before
     with pytest.raises(KeyError, match="is not registered"):
-        case.registry.unregister(case.key)
+        case.registry.remove(case.key)
     case.register(case.second, override=False)  # the key is free again
     assert case.stored(case.registry[case.key]) is case.second
 
@@ -305,6 +305,35 @@ def test_unregister_removes_and_registering_again_works(case: Case) -> None:
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_the_registry_reads_as_a_plain_dict(case: Case) -> None:
     assert isinstance(case.registry, dict) and case.builtin_key in case.registry
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_get_returns_the_entry_or_default_and_names_lists_every_key(case: Case) -> None:
+    assert case.registry.get(case.builtin_key) is case.registry[case.builtin_key]
+    missing = "no-such-entry-registered"
+    assert case.registry.get(missing, None) is None  # type: ignore[arg-type]
+    names = case.registry.names()
+    assert names == sorted(names) and len(names) == len(case.registry)
+    label = qualified_name(case.builtin_key) if isinstance(case.builtin_key, type) else str(case.builtin_key)
+    assert label in names
+
+
+@pytest.mark.parametrize(
+    ("registry", "misspelt", "message"),
+    [
+        (MECHANISMS, "gausian", "Unknown noise 'gausian' (did you mean 'gaussian'?); choose one of ["),
+        (ACCOUNTANTS, "rpd", "Unknown accountant 'rpd' (did you mean 'rdp'?); choose one of ["),
+        (ENGINES, "ghots", "Unknown clipping 'ghots' (did you mean 'ghost'?); choose one of ["),
+        (_EVENT_TYPES, "GausianEvent", "Unknown privacy event 'GausianEvent' (did you mean 'GaussianEvent'?)"),
+    ],
+)
+def test_get_of_an_unknown_name_suggests_the_closest_and_lists_all(
+    registry: Registry[Any, Any], misspelt: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        registry.get(misspelt)
+    assert str(caught.value).startswith(message), caught.value
+    assert all(repr(name) in str(caught.value) for name in registry.names())
 
 
 # ============================================================================== specifics

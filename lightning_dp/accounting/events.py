@@ -15,7 +15,7 @@ from typing import Any, TypeVar, overload
 
 from lightning_dp.registration import Registry, class_decorator
 
-#: The event classes by class name (add with :func:`register_event`, remove with ``unregister``).
+#: The event classes by class name (add with :func:`register_event`, remove with ``remove``).
 _EVENT_TYPES: Registry[str, type] = Registry("privacy event", alternative="rename the class")
 
 _E = TypeVar("_E", bound=type)
@@ -121,8 +121,8 @@ def event_to_dict(event: Any) -> dict[str, Any]:
 
 
 def event_from_dict(data: dict[str, Any]) -> Any:
-    """Inverse of :func:`event_to_dict`. Raises ``KeyError`` for an unknown event type."""
+    """Inverse of :func:`event_to_dict`. Raises ``ValueError`` for an unknown event type."""
     data = dict(data)
-    cls = _EVENT_TYPES[data.pop("type")]
+    cls = _EVENT_TYPES.get(data.pop("type"))
     kwargs = {k: event_from_dict(v) if isinstance(v, dict) and "type" in v else v for k, v in data.items()}
     return cls(**kwargs)

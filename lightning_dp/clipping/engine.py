@@ -16,7 +16,6 @@ import torch
 
 from lightning_dp.clipping.terms import Materialised, Term, materialise_sum, term_elements
 from lightning_dp.registration import Registry, class_decorator
-from lightning_dp.utils.naming import did_you_mean
 
 #: Default number of projection columns ``k`` of the randomized engines (seed DP-SGD-RC, Algorithm 2).
 DEFAULT_PROJECTION_DIM = 32
@@ -91,8 +90,8 @@ def gradient_fits(terms: list[Term]) -> bool:
     return size <= sum(term_elements(term) for term in terms)
 
 
-#: The engines by ``name`` (read it as a dict; add with :func:`register_engine`, remove with ``unregister``).
-ENGINES: Registry[str, type[ClippingEngine]] = Registry("clipping engine")
+#: The engines by ``name`` (read it as a dict; add with :func:`register_engine`, remove with ``remove``).
+ENGINES: Registry[str, type[ClippingEngine]] = Registry("clipping engine", option="clipping")
 
 _E = TypeVar("_E", bound=type[ClippingEngine])
 
@@ -168,9 +167,7 @@ def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngi
     Raises:
         ValueError: unknown name, ``projection_dim < 1``, or ``projection_dim`` given for a deterministic engine.
     """
-    if name not in ENGINES:
-        raise ValueError(f"clipping must be one of {tuple(ENGINES)}, got {name!r}{did_you_mean(name, ENGINES)}")
-    cls = ENGINES[name]
+    cls = ENGINES.get(name)
     if not cls.randomized:
         if projection_dim is not None:
             randomized = ", ".join(n for n, engine in ENGINES.items() if engine.randomized)

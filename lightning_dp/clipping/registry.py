@@ -51,12 +51,12 @@ def _describe_family(family: LayerFamily) -> str:
     return qualified_name(family.terms)
 
 
-#: The layer families by exact layer type (add with :func:`register_layer`, remove with ``unregister``).
+#: The layer families by exact layer type (add with :func:`register_layer`, remove with ``remove``).
 _BY_TYPE: Registry[type[nn.Module], LayerFamily] = Registry(
     "layer type", describe=_describe_family, alternative="register it for a subclass instead"
 )
 #: The rules and their families, in registration order, keyed by the rule's :func:`qualified_name` (add with
-#: :func:`register_layer_rule`, remove with ``unregister``).
+#: :func:`register_layer_rule`, remove with ``remove``).
 _BY_RULE: Registry[str, tuple[Callable[[nn.Module], bool], LayerFamily]] = Registry(
     "layer rule", describe=lambda entry: _describe_family(entry[1]), alternative="give the rule another name"
 )

@@ -73,7 +73,7 @@ class SwappedModule(nn.Module):
         raise NotImplementedError
 
 
-#: The swaps by original type or qualified class name (add with :func:`register_swap`, remove with ``unregister``).
+#: The swaps by original type or qualified class name (add with :func:`register_swap`, remove with ``remove``).
 _SWAPS: Registry[type[nn.Module] | str, type[SwappedModule]] = Registry(
     "module swap", alternative="register it for a subclass instead"
 )
@@ -90,7 +90,7 @@ def register_swap(
     class is then a mixin, combined with the module's class when a module of that name is swapped. Registering the
     same class again does nothing; replacing another swap of ``original`` needs ``override=True`` (logged as a
     warning), also when that swap is keyed the other way (by the class where ``original`` is its name, or by the
-    name where it is the class): the replaced one is then unregistered, so the new one is the one used.
+    name where it is the class): the replaced one is then removed, so the new one is the one used.
 
     Raises:
         TypeError: ``original`` is a class and the decorated class does not subclass it.
@@ -113,7 +113,7 @@ def register_swap(
                 "module swap %s (registered by %s): %s replaced by %s, registered by %s (override=True)",
                 _SWAPS.label(key),
                 _key_kind(key),
-                qualified_name(_SWAPS.unregister(key)),
+                qualified_name(_SWAPS.remove(key)),
                 qualified_name(cls),
                 _key_kind(original),
             )
@@ -138,10 +138,10 @@ def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:
 def _swapped_class(module: nn.Module) -> type[nn.Module] | None:
     """The swapped class for ``module``'s exact type, or None."""
     module_type = type(module)
-    cls = _SWAPS.get(module_type)
+    cls = _SWAPS.get(module_type, None)
     if cls is not None:
         return cls
-    mixin = _SWAPS.get(qualified_name(module_type))
+    mixin = _SWAPS.get(qualified_name(module_type), None)
     if mixin is None:
         return None
     key = (mixin, module_type)

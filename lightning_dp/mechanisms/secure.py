@@ -92,7 +92,7 @@ def check_secure_mechanism(mechanism: NoiseMechanism | str) -> None:
     """Raise ``ValueError`` unless ``secure_mode`` has a sampler for ``mechanism`` (an instance or a name): its class
     says so with ``supports_secure``."""
     if isinstance(mechanism, str):
-        name, cls = mechanism, MECHANISMS.get(mechanism)
+        name, cls = mechanism, MECHANISMS.get(mechanism, None)
     else:
         name, cls = mechanism.name, type(mechanism)
     if cls is None or not cls.supports_secure:
