@@ -97,7 +97,7 @@ def test_dp_trainer_samples_clips_and_accounts_users(tmp_path, caplog, monkeypat
     assert summary["delta"] == pytest.approx(1 / 12**1.1)
     assert 0 < summary["epsilon"] < float("inf")
     assert "user" in trainer.train_dataset.column_names  # the training set as given is left alone
-    regrouped = engine._user_data
+    regrouped = engine.state.user_data
     assert isinstance(regrouped, UserDataset) and regrouped.users == list(range(100, 112))
     assert regrouped.counts.tolist() == [1 + u % 4 for u in range(12)]
     after = trainable_snapshot(model)

@@ -324,7 +324,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 if self._sharded:  # the other ranks would wait in the collectives of this backward
                     raise ValueError(
                         "an empty batch on an FSDP2-sharded model: every rank must run every step's forward and "
-                        "backward; run the step on EngineSteps.stand_in_batch() and clip it with stand_in=True"
+                        "backward; run the step on PrivacyEngine.stand_in_batch() and clip it with stand_in=True"
                     )
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             check = self._check_due()

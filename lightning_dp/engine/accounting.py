@@ -8,12 +8,14 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import randomized_clipping_step_event
+from lightning_dp.engine.run_state import RunState
+from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
 log = logging.getLogger("lightning_dp")
 
 
 def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a :meth:`EngineAccounting.summary` as metrics: each number under its key, and with clipping
+    """The numbers of a :meth:`PrivacyLedger.summary` as metrics: each number under its key, and with clipping
     groups each group's bound under ``clipping_groups/<index>``, the group's position (labels hold patterns such as
     ``bert.*``, which trackers rewrite in metric names; the summary maps each label to its bound), the summary's
     ``max_grad_norm`` then being the sensitivity ``sqrt(sum_g C_g^2)``."""
@@ -23,48 +25,56 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-class EngineAccounting:
-    """Accounting methods of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it). The
-    attributes it reads (``accountant``, ``mechanism``, ``sample_rate``, ``num_params``, ``target_delta``, ...) are
-    the engine's."""
+class PrivacyLedger:
+    """The accounting of one run: the event of a step, the steps recorded with the accountant, epsilon, the budget
+    and the summary, all read from the run's :class:`~lightning_dp.engine.run_state.RunState`."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+        self._epsilon_cache: tuple[tuple[int, float, int], float] | None = None
+        self._max_steps_cache: tuple[float, int] | None = None
 
     def step_event(self) -> Any:
         """The privacy event of one logical step."""
-        assert self.mechanism is not None and self.sample_rate is not None and self.num_params is not None
-        if self.randomized_clipping:
-            assert self.clipper is not None and self.norm_dim is not None
+        state = self.state
+        assert state.mechanism is not None and state.sample_rate is not None and state.num_params is not None
+        if state.config.randomized_clipping:
+            engine = state.clipper.engine if state.clipper is not None else None
+            assert isinstance(state.mechanism, GaussianMechanism) and engine is not None and engine.estimator
+            assert state.norm_dim is not None
             return randomized_clipping_step_event(
-                self.mechanism.noise_multiplier,
-                self.sample_rate,
-                self.clipper.engine.projection_dim,
-                self.norm_dim,
-                self.clipper.engine.estimator,
+                state.mechanism.noise_multiplier,
+                state.sample_rate,
+                engine.projection_dim,
+                state.norm_dim,
+                engine.estimator,
             )
-        return self.mechanism.step_event(self.sample_rate, self.num_params)
+        return state.mechanism.step_event(state.sample_rate, state.num_params)
 
     def record_step(self) -> None:
-        """Record one completed logical step with the accountant; under adaptive clipping, then move the bound."""
-        assert self.accountant is not None
-        self.accountant.compose(self.step_event())
-        if self.adaptive is not None:
-            self.move_clip_bound()
+        """Record one completed logical step with the accountant."""
+        state = self.state
+        assert state.accountant is not None
+        state.accountant.compose(self.step_event())
 
     @property
     def steps(self) -> int:
         """Logical steps taken (and accounted) so far."""
-        return self.accountant.steps if self.accountant is not None else 0
+        return self.state.steps
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default ``target_delta``); ``inf`` when no noise is added."""
-        if self.accountant is None or self.steps == 0:
+        state = self.state
+        if state.accountant is None or self.steps == 0:
             return 0.0
-        assert self.mechanism is not None
-        if self.mechanism.is_noiseless:
+        assert state.mechanism is not None
+        if state.mechanism.is_noiseless:
             return math.inf
-        delta = delta if delta is not None else self.target_delta
-        key = (self.steps, delta, len(self.accountant.ledger))
+        delta = delta if delta is not None else state.target_delta
+        assert delta is not None  # set by prepare, which ran before the first step
+        key = (self.steps, delta, len(state.accountant.ledger))
         if self._epsilon_cache is None or self._epsilon_cache[0] != key:
-            self._epsilon_cache = (key, self.accountant.get_epsilon(delta))
+            self._epsilon_cache = (key, state.accountant.get_epsilon(delta))
         return self._epsilon_cache[1]
 
     def max_steps_within(self, epsilon_budget: float) -> int:
@@ -72,14 +82,16 @@ class EngineAccounting:
 
         Counts the steps already taken plus further steps of the current event; found by doubling and bisection.
         """
+        state = self.state
         if self._max_steps_cache and self._max_steps_cache[0] == epsilon_budget:
             return self._max_steps_cache[1]
-        assert self.accountant is not None and self.mechanism is not None
-        if self.mechanism.is_noiseless:
+        accountant, delta = state.accountant, state.target_delta
+        assert accountant is not None and state.mechanism is not None and delta is not None
+        if state.mechanism.is_noiseless:
             return self.steps if self.steps == 0 else 0
 
         def eps_after(extra: int) -> float:
-            return self.accountant.copy().compose(self.step_event(), extra).get_epsilon(self.target_delta)
+            return accountant.copy().compose(self.step_event(), extra).get_epsilon(delta)
 
         if eps_after(0) > epsilon_budget:
             result = self.steps
@@ -96,9 +108,10 @@ class EngineAccounting:
 
     def budget_exhausted(self) -> bool:
         """True when an ``epsilon_budget`` is set and one more step would exceed it."""
-        if self.epsilon_budget is None or self.accountant is None:
+        state = self.state
+        if state.epsilon_budget is None or state.accountant is None:
             return False
-        return self.steps >= self.max_steps_within(self.epsilon_budget)
+        return self.steps >= self.max_steps_within(state.epsilon_budget)
 
     def set_epsilon_budget(self, target_epsilon: float | None, *, configured_in: str) -> None:
         """Enforce ``target_epsilon`` (default: this engine's ``target_epsilon``) as the budget of
@@ -107,20 +120,22 @@ class EngineAccounting:
         Raises:
             ValueError: neither is set (``configured_in`` names where the user could set it).
         """
-        budget = target_epsilon if target_epsilon is not None else self.target_epsilon
+        state = self.state
+        budget = target_epsilon if target_epsilon is not None else state.config.target_epsilon
         if budget is None:
             raise ValueError(f"PrivacyBudget needs target_epsilon (here or in {configured_in})")
-        self.epsilon_budget = budget
+        state.epsilon_budget = budget
 
     def log_budget_stop(self) -> None:
         """Warn that training stops because one more step would exceed the budget."""
+        state = self.state
         log.warning(
             "Privacy budget reached: epsilon=%.4g after %d steps; one more step would exceed the budget "
             "epsilon=%.4g (delta=%.3g). Stopping training.",
             self.epsilon(),
             self.steps,
-            self.epsilon_budget,
-            self.target_delta,
+            state.epsilon_budget,
+            state.target_delta,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -133,52 +148,57 @@ class EngineAccounting:
         change). With ``privacy_unit="user"``, ``privacy_unit``, ``num_users`` (the ``N`` of the accounting) and
         ``examples_per_user`` (the option: the cap, or ``"all"``; never a statistic of the data, which the guarantee
         does not cover); ``sample_rate`` is then the users'."""
-        assert self.mechanism is not None and self.accountant is not None
+        state = self.state
+        assert state.mechanism is not None and state.accountant is not None
         return {
             "epsilon": self.epsilon(),
-            "delta": self.target_delta,
-            "noise": self.mechanism.name,
-            **self.mechanism.describe(),
+            "delta": state.target_delta,
+            "noise": state.mechanism.name,
+            **state.mechanism.describe(),
             "steps": self.steps,
-            "sample_rate": self.sample_rate,
-            "num_params": self.num_params,
-            "accountant": self.accountant.name,
-            "clipping": self.clipping,
-            **({"clipping_groups": self.clipping_groups.bounds_by_label()} if self.clipping_groups is not None else {}),
+            "sample_rate": state.sample_rate,
+            "num_params": state.num_params,
+            "accountant": state.accountant.name,
+            "clipping": state.clipping,
             **(
-                {"projection_dim": self.clipper.engine.projection_dim, "norm_dim": self.norm_dim}
-                if self.randomized_clipping and self.clipper is not None
+                {"clipping_groups": state.clipping_groups.bounds_by_label()}
+                if state.clipping_groups is not None
                 else {}
             ),
             **(
-                {"momentum_length": self.momentum.momentum_length, "momentum_beta": self.momentum.momentum_beta}
-                if self.momentum.enabled
+                {"projection_dim": state.clipper.engine.projection_dim, "norm_dim": state.norm_dim}
+                if state.config.randomized_clipping and state.clipper is not None
                 else {}
             ),
-            **({"lowpass": self.lowpass.describe()} if self.lowpass is not None else {}),
             **(
-                {"augmentation_multiplicity": self.config.augmentation_multiplicity}
-                if self.config.augmentation_multiplicity > 1
+                {"momentum_length": state.momentum.momentum_length, "momentum_beta": state.momentum.momentum_beta}
+                if state.momentum.enabled
+                else {}
+            ),
+            **({"lowpass": state.lowpass.describe()} if state.lowpass is not None else {}),
+            **(
+                {"augmentation_multiplicity": state.config.augmentation_multiplicity}
+                if state.config.augmentation_multiplicity > 1
                 else {}
             ),
             **(
                 {
                     "privacy_unit": "user",
-                    "num_users": self.num_samples,
-                    "examples_per_user": self.config.examples_per_user or "all",  # the option, no data statistic
+                    "num_users": state.num_samples,
+                    "examples_per_user": state.config.examples_per_user or "all",  # the option, no data statistic
                 }
-                if self.config.privacy_unit == "user"
+                if state.config.privacy_unit == "user"
                 else {}
             ),
             **(
                 {
-                    "max_grad_norm": self.current_max_grad_norm,
-                    "initial_max_grad_norm": self.max_grad_norm,
-                    "sum_noise_multiplier": self.sum_mechanism.noise_multiplier,
-                    "adaptive_clipping": self.adaptive.describe(),
+                    "max_grad_norm": state.current_max_grad_norm,
+                    "initial_max_grad_norm": state.max_grad_norm,
+                    "sum_noise_multiplier": state.sum_noise_multiplier,
+                    "adaptive_clipping": state.adaptive.describe(),
                 }
-                if self.adaptive is not None
+                if state.adaptive is not None
                 else {}
             ),
-            **({"BROKEN_FOR_TESTING": self.broken_for_testing} if self.broken_for_testing else {}),
+            **({"BROKEN_FOR_TESTING": state.broken_for_testing} if state.broken_for_testing else {}),
         }

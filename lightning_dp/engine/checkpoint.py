@@ -9,6 +9,8 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import make_accountant
+from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim.adaptive_clipping import restored_bound
 
@@ -49,8 +51,13 @@ def check_privacy_state(state: Any) -> None:
         raise ValueError(f"{_CORRUPT_STATE}: {problem}")
 
 
-class EngineCheckpoint:
-    """Checkpoint methods of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it)."""
+class CheckpointState:
+    """Saves and restores the privacy state of a run, its :class:`~lightning_dp.engine.run_state.RunState` (an
+    adaptive bound through the run's :class:`~lightning_dp.engine.clip_bound.ClipBound`)."""
+
+    def __init__(self, run: RunState, clip_bound: ClipBound) -> None:
+        self.run = run
+        self.clip_bound = clip_bound
 
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
@@ -61,21 +68,22 @@ class EngineCheckpoint:
         ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
         With adaptive clipping, also ``"adaptive_clipping"``: the current bound (a function of released counts).
         """
-        assert self.mechanism is not None and self.accountant is not None
+        run = self.run
+        assert run.mechanism is not None and run.accountant is not None
         state = {
-            "accountant": self.accountant.state_dict(),
-            "mechanism": {"name": self.mechanism.name, **self.mechanism.describe()},
-            "target_delta": self.target_delta,
-            "sample_rate": self.sample_rate,
+            "accountant": run.accountant.state_dict(),
+            "mechanism": {"name": run.mechanism.name, **run.mechanism.describe()},
+            "target_delta": run.target_delta,
+            "sample_rate": run.sample_rate,
         }
-        if self.momentum.enabled:
-            state["momentum"] = self.momentum.state_dict()
-        if self.lowpass is not None:
-            state["lowpass"] = self.lowpass.state_dict()
-        if self.adaptive is not None:
-            state["adaptive_clipping"] = self.adaptive.state_dict()
-        if self.config.privacy_unit == "user":
-            state["privacy_unit"] = {"unit": "user", "user_key": _key_name(self.config.user_key)}
+        if run.momentum.enabled:
+            state["momentum"] = run.momentum.state_dict()
+        if run.lowpass is not None:
+            state["lowpass"] = run.lowpass.state_dict()
+        if run.adaptive is not None:
+            state["adaptive_clipping"] = run.adaptive.state_dict()
+        if run.config.privacy_unit == "user":
+            state["privacy_unit"] = {"unit": "user", "user_key": _key_name(run.config.user_key)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -95,10 +103,11 @@ class EngineCheckpoint:
                 adaptively and the other does not, or its adaptive bound is not a positive number; the checkpoint's
                 steps were taken at example level and this run is user-level, or with another ``user_key``.
         """
+        run = self.run
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")
-        if (adaptive is not None) != self.config.adaptive_clipping:
+        if (adaptive is not None) != run.config.adaptive_clipping:
             raise ValueError(
                 "The checkpoint was trained with"
                 + (
@@ -110,55 +119,59 @@ class EngineCheckpoint:
             )
         bound = None if adaptive is None else restored_bound(adaptive)  # malformed: fails before anything changes
         if "momentum" in state:
-            self.momentum.load_state_dict(state["momentum"])
-        elif self.momentum.enabled:
+            run.momentum.load_state_dict(state["momentum"])
+        elif run.momentum.enabled:
             raise ValueError(
                 f"The checkpoint was trained without per-sample momentum, this run uses momentum_length="
-                f"{self.momentum.momentum_length}: resume with the same per-sample momentum"
+                f"{run.momentum.momentum_length}: resume with the same per-sample momentum"
             )
         params = dict(state["mechanism"])
         name = params.pop("name")
-        if name != self.noise_name:
-            raise ValueError(f"The checkpoint was trained with noise={name!r}, this run asks for {self.noise_name!r}")
-        if params.get("max_grad_norm") != self.max_grad_norm:
+        if name != run.config.noise_name:
+            raise ValueError(
+                f"The checkpoint was trained with noise={name!r}, this run asks for {run.config.noise_name!r}"
+            )
+        if params.get("max_grad_norm") != run.max_grad_norm:
             raise ValueError(
                 f"The checkpoint was trained with max_grad_norm={params.get('max_grad_norm')}, this run uses "
-                f"{self.max_grad_norm}; resume with the same clipping bound"
+                f"{run.max_grad_norm}; resume with the same clipping bound"
             )
         restored = make_mechanism(name, **params)
-        if self.mechanism is not None and self.mechanism.describe() != restored.describe():
+        if run.mechanism is not None and run.mechanism.describe() != restored.describe():
             raise ValueError(
-                f"The checkpoint's noise {restored.describe()} differs from this run's {self.mechanism.describe()}; "
+                f"The checkpoint's noise {restored.describe()} differs from this run's {run.mechanism.describe()}; "
                 "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
             )
-        self.mechanism = restored
-        self.noise_origin = "restored from the checkpoint"
+        run.mechanism = restored
+        run.noise_origin = "restored from the checkpoint"
         saved_delta = state["target_delta"]
-        if self.target_delta is None:
-            self.target_delta = saved_delta
-        elif not math.isclose(self.target_delta, saved_delta):
+        if run.target_delta is None:
+            run.target_delta = saved_delta
+        elif not math.isclose(run.target_delta, saved_delta):
             log.warning(
                 "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
                 "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
                 saved_delta,
-                self.target_delta,
+                run.target_delta,
             )
         saved = make_accountant(state["accountant"]["name"])
         try:
             saved.load_state_dict(state["accountant"])
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
-        self.accountant = make_accountant(self.accountant_name or ("rc" if self.randomized_clipping else saved.name))
+        run.accountant = make_accountant(
+            run.config.accountant or ("rc" if run.config.randomized_clipping else saved.name)
+        )
         for event, count in saved.ledger:
-            self.accountant.compose(event, count)
-        self._restored_sample_rate = state["sample_rate"]
-        self.randomness.restart(self.accountant.steps)
-        if self._user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
-            self._user_data.seed = self.randomness.stream_seed("user subsets")
-        if self.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
-            self.distributed.synchronize_randomness(self.randomness)  # share rank 0's fresh seed again
+            run.accountant.compose(event, count)
+        run.restored_sample_rate = state["sample_rate"]
+        run.randomness.restart(run.steps)
+        if run.user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
+            run.user_data.seed = run.randomness.stream_seed("user subsets")
+        if run.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
+            run.distributed.synchronize_randomness(run.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
-        self._restore_clip_bound(bound)
+        self.clip_bound.restore(bound)
 
     def _check_privacy_unit(self, saved: dict[str, Any] | None) -> None:
         """Refuse a resume whose ledger was spent on another unit: example-level steps give users no user-level
@@ -168,7 +181,8 @@ class EngineCheckpoint:
         Raises:
             ValueError: the checkpoint is example-level and this run user-level, or their ``user_key`` differ.
         """
-        if self.config.privacy_unit != "user":
+        run = self.run
+        if run.config.privacy_unit != "user":
             return
         if saved is None:
             raise ValueError(
@@ -176,30 +190,20 @@ class EngineCheckpoint:
                 "users, so a user-level run cannot continue its ledger. Start a new user-level run (without the "
                 "checkpoint's privacy state), or resume with privacy_unit='example'"
             )
-        key = _key_name(self.config.user_key)
+        key = _key_name(run.config.user_key)
         if saved.get("user_key") != key:
             raise ValueError(
                 f"The checkpoint grouped users by {saved.get('user_key')!r}, this run by {key!r}: its epsilon is "
                 "about other groups of examples; resume with the same user_key"
             )
 
-    def _restore_clip_bound(self, bound: float | None) -> None:
-        """Continue adaptive clipping from the checkpoint's ``bound`` (``None``: no adaptive state): at once when the
-        run is already prepared, else when :meth:`prepare` sets it up."""
-        if bound is None:
-            return
-        if self.adaptive is None:
-            self._restored_clip_bound = bound
-        else:  # restored after the run was prepared
-            self.adaptive.restore(bound)
-            self._set_clip_bound(bound)
-
     def _load_lowpass_state(self, state: dict[str, Any] | None) -> None:
         """Restore the filter's state; a filter missing on either side starts fresh or is dropped, with a warning."""
-        if self.lowpass is not None and state is not None:
-            self.lowpass.load_state_dict(state)
-        elif self.lowpass is not None:
-            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", self.steps)
+        run = self.run
+        if run.lowpass is not None and state is not None:
+            run.lowpass.load_state_dict(state)
+        elif run.lowpass is not None:
+            log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", run.steps)
         elif state is not None:
             log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")
 

@@ -1,47 +1,68 @@
 """PrivacyEngine: the framework-agnostic DP state of one training run.
 
-It owns the noise mechanism (calibrated for a target epsilon when asked), the per-sample clipper attached to the
-model, the dedicated noise and sampling generators, and the accountant's ledger. The Lightning strategy (and the
-HF integration) only call it; nothing here knows about a trainer.
+It owns the run's state (:class:`~lightning_dp.engine.run_state.RunState`: the noise mechanism, the per-sample
+clipper attached to the model, the dedicated generators, the accountant's ledger) and the parts that act on it, each
+a small class that receives the state: the clipping hooks (``attachment``), the noise set-up (``noise_setup``), the
+ledger (``ledger``), the clipping bound (``clip_bound``), the checkpoint state (``checkpoint``), the start-up block
+(``startup``) and the run sequence the trainer adapters drive (``run``). The Lightning strategies and the HF
+integration only call the engine; nothing here knows about a trainer.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import Accountant, make_accountant
+from lightning_dp.accounting import Accountant
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.groups import ClippingGroups
-from lightning_dp.clipping.hutch import norm_dim
 from lightning_dp.config import PrivacyConfig, option_docs
-from lightning_dp.engine.accounting import EngineAccounting
-from lightning_dp.engine.checkpoint import EngineCheckpoint
-from lightning_dp.engine.startup import EngineStartup
-from lightning_dp.engine.steps import EngineSteps
-from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
-from lightning_dp.mechanisms.base import mechanism_class
-from lightning_dp.mechanisms.gaussian import GaussianMechanism
-from lightning_dp.mechanisms.secure import secure_sample
+from lightning_dp.engine.accounting import PrivacyLedger
+from lightning_dp.engine.attachment import ClippingAttachment
+from lightning_dp.engine.checkpoint import CheckpointState
+from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
+from lightning_dp.engine.run_state import RunState
+from lightning_dp.engine.startup import StartupBlock, describe_users
+from lightning_dp.engine.steps import LossFunction, RunSequence
+from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness, make_lowpass
-from lightning_dp.optim.adaptive_clipping import DEFAULT_COUNT_NOISE_FRACTION, AdaptiveClipping, sum_noise_multiplier
+from lightning_dp.optim.adaptive_clipping import AdaptiveClipping
+from lightning_dp.optim.lowpass import LowPassFilter
 from lightning_dp.optim.momentum import PerSampleMomentum
+from lightning_dp.runtime.distributed import DistributedContext
+
+__all__ = ["PrivacyEngine", "default_delta"]
 
 log = logging.getLogger("lightning_dp")
 
-
-def default_delta(num_samples: int) -> float:
-    """``1 / N^1.1`` (docs/design.md section 3.1): below ``1/N`` by a margin that grows with N."""
-    return 1.0 / num_samples**1.1
+T = TypeVar("T")
 
 
-class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStartup):
+class _State(Generic[T]):
+    """An attribute of :class:`PrivacyEngine` that is the field of the same name of its :class:`RunState`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> _State[T]: ...
+    @overload
+    def __get__(self, engine: PrivacyEngine, owner: type) -> T: ...
+    def __get__(self, engine: PrivacyEngine | None, owner: type) -> T | _State[T]:
+        return self if engine is None else getattr(engine.state, self.name)
+
+    def __set__(self, engine: PrivacyEngine, value: T) -> None:
+        setattr(engine.state, self.name, value)
+
+
+class PrivacyEngine:
     """Configuration and state of differentially private training.
 
     Exactly one of ``target_epsilon`` (the noise is calibrated for the planned number of steps) and
@@ -59,330 +80,158 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
             to change; both ``config`` and keyword options.
     """
 
+    # The run's state, read (and set) as attributes of the engine; see RunState for each.
+    config = _State[PrivacyConfig]()
+    momentum = _State[PerSampleMomentum]()
+    randomness = _State[DPRandomness]()
+    max_grad_norm = _State[float]()
+    current_max_grad_norm = _State[float]()
+    clipping = _State[str]()
+    lowpass = _State[LowPassFilter | None]()
+    mechanism = _State[NoiseMechanism | None]()
+    sum_mechanism = _State[NoiseMechanism | None]()
+    noise_origin = _State[str | None]()
+    target_delta = _State[float | None]()
+    defaults_applied = _State[list[str]]()
+    accountant = _State[Accountant | None]()
+    clipper = _State[PerSampleClipper | None]()
+    guard = _State[TrainingGuard | None]()
+    clipping_groups = _State[ClippingGroups | None]()
+    dropped_nonfinite = _State[bool]()
+    broken_for_testing = _State[str | None]()
+    norm_dim = _State[int | None]()
+    sample_rate = _State[float | None]()
+    num_samples = _State[int | None]()
+    num_params = _State[int | None]()
+    epsilon_budget = _State[float | None]()
+    adaptive = _State[AdaptiveClipping | None]()
+    distributed = _State[DistributedContext | None]()
+    loader_batches = _State[tuple[int | None, int] | None]()
+    length_grouped = _State[bool]()
+    planned_steps = _State[int | None]()
+    last_clip_fraction = _State[float | None]()
+
     def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:
         if config is None:
             config = PrivacyConfig(**options)
         elif options:
             raise ValueError(f"give either a PrivacyConfig or its options as keywords, not both ({sorted(options)})")
-        self.config = config
-        self.momentum = PerSampleMomentum(config.momentum_length, config.momentum_beta)
-        self.randomized_clipping = config.randomized_clipping
-        #: the sensitivity of a step's clipped sum, the mechanism's ``max_grad_norm``: the bound C, or with
-        #: ``clipping_groups`` and a list of bounds ``sqrt(sum_g C_g^2)`` (``config.max_grad_norm`` keeps the list).
-        self.max_grad_norm = config.sensitivity
-        #: the bound the next micro-batch is clipped at: ``max_grad_norm``, or under adaptive clipping the bound it
-        #: has moved to (a released value).
-        self.current_max_grad_norm = self.max_grad_norm
-        #: the resolved clipping groups and their bounds (set by ``attach``; ``None``: flat clipping), kept after
-        #: ``detach`` for the summary.
-        self.clipping_groups: ClippingGroups | None = None
-        self.target_epsilon = config.target_epsilon
-        #: delta of the reported epsilon: ``config.target_delta``, or its default once N is known (``prepare``).
-        self.target_delta = config.target_delta
-        self.noise = config.noise
-        #: the clipping engine's name: ``config.clipping``, or the engine ``'auto'`` resolved to (what every report
-        #: names: the start-up block, the summary, the trackers).
-        self.clipping, reason = config.resolved_clipping()
-        #: with ``clipping='auto'``, the engine chosen and why, for :attr:`defaults_applied` (added by ``prepare``).
-        self._auto_clipping = (
-            None if reason is None else f"clipping = {self.clipping!r} with book-keeping (auto: {reason})"
+        clipping, reason = config.resolved_clipping()
+        self.state = state = RunState(
+            config=config,
+            momentum=PerSampleMomentum(config.momentum_length, config.momentum_beta),
+            randomness=DPRandomness(config.seed, secure=bool(config.secure_mode)),
+            max_grad_norm=config.sensitivity,
+            current_max_grad_norm=config.sensitivity,
+            clipping=clipping,
+            auto_clipping=None if reason is None else f"clipping = {clipping!r} with book-keeping (auto: {reason})",
+            lowpass=make_lowpass(config.lowpass),
+            target_delta=config.target_delta,
         )
-        self.sum_check_every = config.sum_check_every
-        self.projection_dim = config.projection_dim
-        self.accountant_name = config.accountant
-        self.check_batch_independence = bool(config.check_batch_independence)
-        self.check_batch_independence_every = config.check_batch_independence_every
-        self.secure_mode = bool(config.secure_mode)
-        self.randomness = DPRandomness(config.seed, secure=self.secure_mode)
-        #: checks around each training forward (buffers, batch independence), created by ``attach``.
-        self.guard: TrainingGuard | None = None
-        #: the low-pass filter applied to every noisy step, or ``None``.
-        self.lowpass = make_lowpass(config.lowpass)
-        #: fixed noise is built (and validated) here; with ``target_epsilon`` it is calibrated in ``prepare``.
-        self.mechanism: NoiseMechanism | None = None
+        # fixed noise is built (and validated) here; with target_epsilon it is calibrated by prepare
         if isinstance(config.noise, NoiseMechanism):
-            self.mechanism = config.noise
+            state.mechanism = config.noise
         elif config.target_epsilon is None:
             params = dict(config.noise_params or {})
             if config.noise_multiplier is not None:
                 params["noise_multiplier"] = config.noise_multiplier
-            self.mechanism = make_mechanism(config.noise, max_grad_norm=self.max_grad_norm, **params)
-        #: where the noise came from, for the start-up block: ``"given"``, ``"calibrated for ..."`` (``prepare``) or
-        #: ``"restored from the checkpoint"`` (``load_state_dict``).
-        self.noise_origin = "given" if self.mechanism is not None else None
-        #: the defaults that affect the guarantee, one phrase each (``training_loader``, ``prepare``), shown by the
-        #: start-up block.
-        self.defaults_applied: list[str] = []
-        if self.mechanism is not None and self.mechanism.is_noiseless:
+            state.mechanism = make_mechanism(config.noise, max_grad_norm=state.max_grad_norm, **params)
+        state.noise_origin = "given" if state.mechanism is not None else None
+        if state.mechanism is not None and state.mechanism.is_noiseless:
             log.warning(
                 "%s adds no noise (%s): no finite epsilon holds, the run is NOT differentially private and reports "
                 "epsilon = inf",
-                self.mechanism.name,
-                self.mechanism.describe(),
+                state.mechanism.name,
+                state.mechanism.describe(),
             )
-        self.accountant: Accountant | None = None
-        self.clipper: PerSampleClipper | None = None
-        self._rows_per_unit: int | None = None
-        #: whether the clipper of a finished run dropped examples with a non-finite loss or gradient (set by
-        #: :meth:`detach`; this process's examples only).
-        self.dropped_nonfinite = False
-        #: set only by the audit's test-only controls (:mod:`lightning_dp.audit.controls`): what was broken; the
-        #: summary then says so, since its epsilon is false.
-        self.broken_for_testing: str | None = None
-        #: ``d`` of the randomized-clipping event (set by ``attach`` for hutch/hutchpp).
-        self.norm_dim: int | None = None
-        self.sample_rate: float | None = None
-        self.num_samples: int | None = None
-        self.num_params: int | None = None
-        self._max_steps_cache: tuple[float, int] | None = None
-        self._restored_sample_rate: float | None = None
-        self._epsilon_cache: tuple[tuple[int, float, int], float] | None = None
-        #: when set (by the ``PrivacyBudget`` callback), no step is taken that would push epsilon above it.
-        self.epsilon_budget: float | None = None
-        #: the moving clipping bound with ``target_unclipped_quantile`` (created by ``prepare``), else ``None``.
-        self.adaptive: AdaptiveClipping | None = None
-        #: the mechanism that noises the clipped sum: :attr:`mechanism` itself, except under adaptive clipping (the
-        #: sum's share of the noise, at the current bound; ``mechanism`` is the one accounted for).
-        self.sum_mechanism: NoiseMechanism | None = None
-        self._restored_clip_bound: float | None = None
+        self.ledger = PrivacyLedger(state)
+        self.clip_bound = ClipBound(state)
+        self.attachment = ClippingAttachment(state)
+        self.noise_setup = NoiseSetup(state, self.ledger, self.clip_bound)
+        self.checkpoint = CheckpointState(state, self.clip_bound)
+        self.startup = StartupBlock(state)
+        self.run = RunSequence(state, self.attachment, self.noise_setup, self.startup, self.wrap_optimizer)
 
-    # ----------------------------------------------------------------------------------------------- set-up
+    # ----------------------------------------------------------------------------------------------- options
     @property
     def noise_name(self) -> str:
         """The mechanism's registry name."""
         return self.config.noise_name
 
+    @property
+    def noise(self) -> str | NoiseMechanism:
+        """The ``noise`` option: a registry name or a ready mechanism."""
+        return self.config.noise
+
+    @property
+    def target_epsilon(self) -> float | None:
+        """The ``target_epsilon`` option."""
+        return self.config.target_epsilon
+
+    @property
+    def accountant_name(self) -> str | None:
+        """The ``accountant`` option (``None``: the mechanism's sound default)."""
+        return self.config.accountant
+
+    @property
+    def randomized_clipping(self) -> bool:
+        """Whether the clipping engine clips by a random norm estimate (hutch, hutchpp)."""
+        return self.config.randomized_clipping
+
+    @property
+    def secure_mode(self) -> bool:
+        """The ``secure_mode`` option."""
+        return bool(self.config.secure_mode)
+
+    @property
+    def sum_check_every(self) -> int | None:
+        """The ``sum_check_every`` option."""
+        return self.config.sum_check_every
+
+    @property
+    def projection_dim(self) -> int | None:
+        """The ``projection_dim`` option."""
+        return self.config.projection_dim
+
+    @property
+    def check_batch_independence(self) -> bool:
+        """The ``check_batch_independence`` option."""
+        return bool(self.config.check_batch_independence)
+
+    @property
+    def check_batch_independence_every(self) -> int | None:
+        """The ``check_batch_independence_every`` option."""
+        return self.config.check_batch_independence_every
+
+    # ------------------------------------------------------------------------------------ set-up and noise
     def attach(self, module: nn.Module) -> PerSampleClipper:
-        """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers).
-
-        An FSDP2-sharded ``module`` (``fully_shard`` applied before this call) is clipped exactly, its clipped sums
-        reach each rank's shards and the per-sample momentum's iterates are kept as shards
-        (:mod:`lightning_dp.runtime.sharding`).
-
-        Raises:
-            ValueError: unsupported layers (see :class:`PerSampleClipper`).
-        """
-        clip_norm = (self.mechanism or mechanism_class(self.noise_name)).clip_norm
-        grouped = self.config.clipping_groups is not None
-        self.clipper = PerSampleClipper(
-            module,
-            clipping=self.clipping,
-            max_grad_norm=self.config.max_grad_norm if grouped else self.current_max_grad_norm,
-            clipping_groups=self.config.clipping_groups,
-            norm=clip_norm,
-            sum_check_every=self.sum_check_every,
-            projection_dim=self.projection_dim,
-            generator_for=self.randomness.projection_generator,
-            augmentation_multiplicity=self.rows_per_unit,
-        )
-        self.clipping_groups = self.clipper.groups
-        self.momentum.bind(self.clipper)
-        self.num_params = sum(p.numel() for p in self.clipper.trainable_parameters)
-        self.guard = TrainingGuard(
-            module,
-            self.clipper.output_targets,
-            check_batch_independence=self.check_batch_independence,
-            check_every=self.check_batch_independence_every,
-            step=lambda: self.steps,
-            copies=self.rows_per_unit,
-        )
-        if self.randomized_clipping:
-            self.norm_dim = norm_dim(self.clipper.trainable_parameters)
-        return self.clipper
+        """See :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`."""
+        return self.attachment.attach(module)
 
     @property
     def rows_per_unit(self) -> int:
-        """The rows of the forward that one clipped unit owns: the ``augmentation_multiplicity`` copies of an
-        example, times, with ``privacy_unit="user"``, the ``examples_per_user`` rows of a user (known once the
-        training loader regrouped the data)."""
-        return self._rows_per_unit or self.config.augmentation_multiplicity
+        """See :attr:`~lightning_dp.engine.run_state.RunState.rows_per_unit`."""
+        return self.state.rows_per_unit
 
     def set_rows_per_unit(self, rows: int) -> None:
-        """Make the clipper and the checks fold ``rows`` consecutive rows of every hooked layer into one unit (a
-        user's rows; :mod:`lightning_dp.clipping.multiplicity`), now and when attached later."""
-        self._rows_per_unit = int(rows)
-        if self.clipper is not None:
-            self.clipper.augmentation_multiplicity = self._rows_per_unit
-        if self.guard is not None:
-            self.guard.copies = self._rows_per_unit
+        """See :meth:`~lightning_dp.engine.attachment.ClippingAttachment.set_rows_per_unit`."""
+        self.attachment.set_rows_per_unit(rows)
 
     def detach(self) -> None:
-        """Remove the clipping hooks; the module is exactly as before ``attach``. Whether the clipper dropped
-        examples with a non-finite loss or gradient is kept in :attr:`dropped_nonfinite` (this process only)."""
-        if self.clipper is not None:
-            self.dropped_nonfinite |= self.clipper.dropped_nonfinite
-            self.clipper.detach()
-            self.clipper = None
-        self.guard = None
-        self.distributed = None  # the run is over: a later restore must not reach for its process group
+        """See :meth:`~lightning_dp.engine.attachment.ClippingAttachment.detach`."""
+        self.attachment.detach()
 
     def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None], *, stand_in: bool = False) -> None:
-        """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms
-        for the next ``clipper.backward(loss, weight=self.momentum.current_weight)`` (nothing when
-        ``momentum_length = 1``).
-
-        Call once per (micro-)batch BEFORE the current forward, with a ``compute_loss`` that re-runs the user's
-        forward and per-sample loss on that batch (``() -> [B]``, or ``None`` to skip the batch); with ``stand_in``
-        for a stand-in batch (weight 0). See :meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`.
-
-        Raises:
-            RuntimeError: before :meth:`attach`.
-        """
-        if self.clipper is None:
-            raise RuntimeError("attach(module) must run before add_past_iterates()")
-        self.momentum.add_past_iterates(self.clipper, compute_loss, stand_in=stand_in)
+        """See :meth:`~lightning_dp.engine.attachment.ClippingAttachment.add_past_iterates`."""
+        self.attachment.add_past_iterates(compute_loss, stand_in=stand_in)
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
-        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant; the defaults it applies
-        join :attr:`defaults_applied` (shown by :meth:`startup_lines`).
-
-        Args:
-            num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
-            sample_rate: Poisson rate q of one logical step.
-            total_steps: planned logical steps of the whole run (needed only to calibrate for ``target_epsilon``;
-                ``None`` when unbounded).
-
-        Raises:
-            ValueError: calibration needed but ``total_steps`` is None; the sample rate differs from a restored
-                checkpoint's.
-        """
-        if self.num_params is None:
-            raise RuntimeError("attach(module) must run before prepare()")
-        if self._restored_sample_rate is not None and not math.isclose(self._restored_sample_rate, sample_rate):
-            raise ValueError(
-                f"The checkpoint was trained with sample_rate={self._restored_sample_rate}, this run uses "
-                f"{sample_rate}; resume with the same data and batch size"
-            )
-        self.num_samples, self.sample_rate = int(num_samples), float(sample_rate)
-        if self.target_delta is None:
-            self.target_delta = default_delta(num_samples)
-            self.defaults_applied.append(f"target_delta = 1/N^1.1 = {self.target_delta:.3g} for N = {num_samples}")
-        if self.target_delta >= 1.0 / num_samples:
-            log.warning(
-                "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
-                self.target_delta,
-                1.0 / num_samples,
-            )
-        if self.accountant is None and self.accountant_name is None:
-            self.defaults_applied.append(
-                f"accountant = {self._default_accountant()!r} (the sound default for {self.noise_name})"
-            )
-        if self._auto_clipping is not None and self._auto_clipping not in self.defaults_applied:
-            self.defaults_applied.append(self._auto_clipping)
-        if self.mechanism is None:
-            self.mechanism = self._calibrate(total_steps)
-        if self.accountant is None:
-            self.accountant = make_accountant(self.accountant_name or self._default_accountant())
-        self._check_accountant_supports()
-        self.sum_mechanism = self._adaptive_clipping() if self.config.adaptive_clipping else self.mechanism
-
-    def _adaptive_clipping(self) -> NoiseMechanism:
-        """Set up :attr:`adaptive` (its bound restored from a checkpoint if one was loaded) and return the mechanism
-        of the clipped sum, ``GaussianMechanism(sigma_sum, C_t)`` (:mod:`lightning_dp.optim.adaptive_clipping`): one
-        object for the engine's life, which every optimizer it wrapped holds and :meth:`_set_clip_bound` updates.
-
-        Raises:
-            ValueError: ``unclipped_num_std <= noise_multiplier / 2``.
-        """
-        assert self.mechanism is not None and self.sample_rate is not None and self.num_samples is not None
-        config = self.config
-        expected_batch_size = self.sample_rate * self.num_samples
-        count_std = config.unclipped_num_std
-        if count_std is None:
-            count_std = expected_batch_size * DEFAULT_COUNT_NOISE_FRACTION
-            default = f"unclipped_num_std = q N / 20 = {count_std:.4g} (adaptive clipping's count noise, Andrew et al.)"
-            if default not in self.defaults_applied:
-                self.defaults_applied.append(default)
-        sum_sigma = sum_noise_multiplier(self.mechanism.noise_multiplier, count_std)
-        self.adaptive = AdaptiveClipping(
-            initial_bound=self._restored_clip_bound or self.current_max_grad_norm,
-            target_unclipped_quantile=config.target_unclipped_quantile,
-            clipbound_learning_rate=config.clipbound_learning_rate,
-            unclipped_num_std=count_std,
-            expected_batch_size=expected_batch_size,
-            min_clipbound=config.min_clipbound,
-            max_clipbound=config.max_clipbound,
-        )
-        self._restored_clip_bound = None
-        if isinstance(self.sum_mechanism, GaussianMechanism) and self.sum_mechanism is not self.mechanism:
-            # prepared again (another fit): the optimizer wrapped before holds this object, so it is updated in place
-            self.sum_mechanism.noise_multiplier = sum_sigma
-        else:
-            self.sum_mechanism = GaussianMechanism(sum_sigma, self.adaptive.bound)
-        self._set_clip_bound(self.adaptive.bound)
-        return self.sum_mechanism
-
-    def _set_clip_bound(self, bound: float) -> None:
-        """Clip at ``bound`` from the next micro-batch on, and noise the next sum for it."""
-        self.current_max_grad_norm = bound
-        if self.clipper is not None:
-            self.clipper.max_grad_norm = bound
-        if self.sum_mechanism is not None and self.sum_mechanism is not self.mechanism:
-            self.sum_mechanism.max_grad_norm = bound
+        """See :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`."""
+        self.noise_setup.prepare(num_samples=num_samples, sample_rate=sample_rate, total_steps=total_steps)
 
     def move_clip_bound(self) -> None:
-        """Adaptive clipping, after a step: release the step's centred count of unclipped examples (summed over
-        the ranks, noised once from the shared noise stream) and move the bound for the next step."""
-        assert self.adaptive is not None and self.clipper is not None
-        params = self.clipper.trainable_parameters
-        count = self.adaptive.count_tensor(params[0].device if params else torch.device("cpu"))
-        if self.distributed is not None:
-            self.distributed.reduce_clipped_sum([count])
-        count_noise = GaussianMechanism(self.adaptive.unclipped_num_std, 1.0)
-        generator = self.randomness.noise_generator(count.device)
-        noise = (
-            secure_sample(count_noise, count, generator) if self.secure_mode else count_noise.sample(count, generator)
-        )
-        self._set_clip_bound(self.adaptive.update(noise))
-
-    def _default_accountant(self) -> str:
-        """``"rc"`` for randomized clipping, else the mechanism's sound default."""
-        mechanism = self.mechanism or mechanism_class(self.noise_name)
-        return "rc" if self.randomized_clipping else mechanism.default_accountant
-
-    def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
-        """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
-        from lightning_dp.mechanisms.calibration import calibrate
-
-        if total_steps is None:
-            raise ValueError(
-                "target_epsilon needs a finite number of steps to calibrate the noise for: set max_epochs or "
-                "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
-            )
-        if self.randomized_clipping:
-            assert self.clipper is not None and self.norm_dim is not None
-            mechanism = calibrate_randomized_clipping(
-                target_epsilon=self.target_epsilon,
-                target_delta=self.target_delta,
-                sample_rate=self.sample_rate,
-                steps=total_steps,
-                projection_dim=self.clipper.engine.projection_dim,
-                norm_dim=self.norm_dim,
-                estimator=self.clipper.engine.estimator,
-                max_grad_norm=self.max_grad_norm,
-            ).mechanism
-        else:
-            mechanism = calibrate(
-                self.noise_name,
-                target_epsilon=self.target_epsilon,
-                target_delta=self.target_delta,
-                sample_rate=self.sample_rate,
-                steps=total_steps,
-                max_grad_norm=self.max_grad_norm,
-                num_params=self.num_params,
-                accountant=self.accountant_name,
-            )
-        self.noise_origin = f"calibrated for epsilon={self.target_epsilon:.4g} over {total_steps} steps"
-        return mechanism
-
-    def _check_accountant_supports(self) -> None:
-        assert self.accountant is not None and self.mechanism is not None
-        event = self.step_event()
-        if not self.accountant.supports(event):
-            raise ValueError(
-                f"Accountant {self.accountant.name!r} cannot account for {self.mechanism.name!r} noise; "
-                f"use accountant={self._default_accountant()!r}"
-            )
+        """See :meth:`~lightning_dp.engine.clip_bound.ClipBound.move`."""
+        self.clip_bound.move()
 
     def wrap_optimizer(
         self,
@@ -400,22 +249,157 @@ class PrivacyEngine(EngineSteps, EngineAccounting, EngineCheckpoint, EngineStart
                 :mod:`lightning_dp.runtime.distributed` for what else a multi-process run needs.
             any_rank: on several processes, the OR of flags over the ranks (``distributed_context().any_rank``),
                 which the finite check of sharded (FSDP2) gradient sums needs; ``None`` on one process.
+
+        Raises:
+            RuntimeError: before :meth:`prepare`.
         """
-        if self.sum_mechanism is None or self.sample_rate is None or self.num_samples is None:
+        state = self.state
+        if state.sum_mechanism is None or state.sample_rate is None or state.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
         return DPOptimizer(
             optimizer,
-            mechanism=self.sum_mechanism,
-            expected_batch_size=self.sample_rate * self.num_samples,
-            randomness=self.randomness,
+            mechanism=state.sum_mechanism,
+            expected_batch_size=state.sample_rate * state.num_samples,
+            randomness=state.randomness,
             on_step=self.record_step,
-            before_update=self.momentum.record,  # the iterate x_t, stored right before the update to x_{t+1}
+            before_update=state.momentum.record,  # the iterate x_t, stored right before the update to x_{t+1}
             should_skip=self.budget_exhausted,
             reduce_clipped_sum=reduce_clipped_sum,
             any_rank=any_rank,
             secure_mode=self.secure_mode,
-            postprocess=self.lowpass.apply_ if self.lowpass is not None else None,
+            postprocess=state.lowpass.apply_ if state.lowpass is not None else None,
         )
 
+    # ---------------------------------------------------------------------------------------- run sequence
+    def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_run`."""
+        self.run.start_run(module, distributed)
 
-PrivacyEngine.__doc__ = PrivacyEngine.__doc__.replace(" " * 12 + "{options}", option_docs(indent=12))
+    def training_loader(
+        self,
+        loader: DataLoader,
+        *,
+        batch_size: int | None,
+        micro_batches: int,
+        lengths: Sequence[int] | torch.Tensor | None = None,
+        user_ids: Sequence[Hashable] | None = None,
+    ) -> DataLoader:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.training_loader`."""
+        return self.run.training_loader(
+            loader, batch_size=batch_size, micro_batches=micro_batches, lengths=lengths, user_ids=user_ids
+        )
+
+    @property
+    def loader_sample_rate(self) -> float | None:
+        """The sample rate fixed by :meth:`training_loader` (``None`` before it ran)."""
+        return self.state.loader_rate
+
+    def describe_users(self) -> str:
+        """See :func:`~lightning_dp.engine.startup.describe_users`."""
+        return describe_users(self.config)
+
+    def start_training(
+        self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
+    ) -> list[DPOptimizer]:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`."""
+        return self.run.start_training(optimizers, total_steps=total_steps)
+
+    def per_sample_loss(
+        self,
+        batch: Any,
+        batch_size: int | None,
+        compute_loss: LossFunction,
+        *,
+        replay: LossFunction | None = None,
+        module: nn.Module,
+        stand_in: bool = False,
+    ) -> torch.Tensor | None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.per_sample_loss`."""
+        return self.run.per_sample_loss(
+            batch, batch_size, compute_loss, replay=replay, module=module, stand_in=stand_in
+        )
+
+    @property
+    def every_rank_runs_every_step(self) -> bool:
+        """See :attr:`~lightning_dp.engine.steps.RunSequence.every_rank_runs_every_step`."""
+        return self.run.every_rank_runs_every_step
+
+    def stand_in_batch(self) -> Any:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`."""
+        return self.run.stand_in_batch()
+
+    def clip(self, per_sample_loss: torch.Tensor, *, stand_in: bool = False) -> torch.Tensor:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.clip`."""
+        return self.run.clip(per_sample_loss, stand_in=stand_in)
+
+    def count_micro_batch(self) -> None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.count_micro_batch`."""
+        self.run.count_micro_batch()
+
+    def end_logical_step(self, micro_batches: int) -> None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.end_logical_step`."""
+        self.run.end_logical_step(micro_batches)
+
+    def finish_run(self) -> None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.finish_run`."""
+        self.run.finish_run()
+
+    # ------------------------------------------------------------------------------------------ accounting
+    def step_event(self) -> Any:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.step_event`."""
+        return self.ledger.step_event()
+
+    def record_step(self) -> None:
+        """Record one completed logical step with the accountant; under adaptive clipping, then move the bound."""
+        self.ledger.record_step()
+        if self.state.adaptive is not None:
+            self.clip_bound.move()
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken (and accounted) so far."""
+        return self.state.steps
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.epsilon`."""
+        return self.ledger.epsilon(delta)
+
+    def max_steps_within(self, epsilon_budget: float) -> int:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.max_steps_within`."""
+        return self.ledger.max_steps_within(epsilon_budget)
+
+    def budget_exhausted(self) -> bool:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.budget_exhausted`."""
+        return self.ledger.budget_exhausted()
+
+    def set_epsilon_budget(self, target_epsilon: float | None, *, configured_in: str) -> None:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.set_epsilon_budget`."""
+        self.ledger.set_epsilon_budget(target_epsilon, configured_in=configured_in)
+
+    def log_budget_stop(self) -> None:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.log_budget_stop`."""
+        self.ledger.log_budget_stop()
+
+    def summary(self) -> dict[str, Any]:
+        """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.summary`."""
+        return self.ledger.summary()
+
+    # ---------------------------------------------------------------------------- checkpoint and start-up
+    def state_dict(self) -> dict[str, Any]:
+        """See :meth:`~lightning_dp.engine.checkpoint.CheckpointState.state_dict`."""
+        return self.checkpoint.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """See :meth:`~lightning_dp.engine.checkpoint.CheckpointState.load_state_dict`."""
+        self.checkpoint.load_state_dict(state)
+
+    def startup_lines(self) -> list[str]:
+        """See :meth:`~lightning_dp.engine.startup.StartupBlock.startup_lines`."""
+        return self.startup.startup_lines()
+
+    def log_startup(self) -> None:
+        """See :meth:`~lightning_dp.engine.startup.StartupBlock.log_startup`."""
+        self.startup.log_startup()
+
+
+PrivacyEngine.__doc__ = (PrivacyEngine.__doc__ or "").replace(" " * 12 + "{options}", option_docs(indent=12))

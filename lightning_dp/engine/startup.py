@@ -17,6 +17,8 @@ import logging
 import os
 import sys
 
+from lightning_dp.config import PrivacyConfig
+from lightning_dp.engine.run_state import RunState
 from lightning_dp.runtime.console import show_info_lines
 from lightning_dp.runtime.launch_check import process_count_warning
 
@@ -30,15 +32,27 @@ def _row(label: str, value: object) -> str:
     return f"  {label:<24}{value}"
 
 
-class EngineStartup:
-    """The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it). The
-    attributes it reads (``distributed``, ``loader_batches``, ``sample_rate``, ``num_samples``, ``planned_steps``,
-    ``mechanism``, ``noise_origin``, ``target_delta``, ``accountant``, ``defaults_applied``, ...) are the engine's."""
+def describe_users(config: PrivacyConfig) -> str:
+    """One line on the user-level set-up (``privacy_unit="user"``): the key and the rows per sampled user. It names
+    the options only: the numbers of examples per user are statistics of the data that the guarantee does not cover,
+    so they are never logged (``N``, the number of users, is in the block as ``N`` always is)."""
+    key = config.user_key
+    source = f"column {key!r}" if isinstance(key, str) else "user_key function"
+    cap = config.examples_per_user
+    rows = "all of their examples" if cap is None else f"at most {cap} of their examples (a random {cap} of more)"
+    return f"user ({source}): a sampled user brings {rows}, one clipped mean per user"
+
+
+class StartupBlock:
+    """The start-up block of a run, read from its :class:`~lightning_dp.engine.run_state.RunState`."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
 
     @property
     def _world_size(self) -> int:
         """Processes training together (1 without a process group)."""
-        return self.distributed.world_size if self.distributed is not None else 1
+        return self.state.distributed.world_size if self.state.distributed is not None else 1
 
     def startup_lines(self) -> list[str]:
         """The start-up block, one string per line: :data:`HEADER`, then one ``label value`` row per fact.
@@ -47,53 +61,59 @@ class EngineStartup:
             RuntimeError: before :meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.prepare` (no noise, q or
                 N yet).
         """
-        if self.mechanism is None or self.accountant is None or self.sample_rate is None or self.num_samples is None:
+        state = self.state
+        if (
+            state.mechanism is None
+            or state.accountant is None
+            or state.sample_rate is None
+            or state.num_samples is None
+        ):
             raise RuntimeError("prepare() (or start_training()) must run before startup_lines()")
-        batch_size, micro_batches = self.loader_batches or (None, 1)
-        sampling = "expected size: Poisson sampling" if self.config.poisson_sampling else "your sampler's batches"
+        batch_size, micro_batches = state.loader_batches or (None, 1)
+        sampling = "expected size: Poisson sampling" if state.config.poisson_sampling else "your sampler's batches"
         per_device = f"{batch_size} ({sampling})" if batch_size else "not read from the training loader"
-        grouping = ", grouped by length" if self.length_grouped else ""
-        steps = "unbounded (no max_steps or epochs)" if self.planned_steps is None else str(self.planned_steps)
-        if self.steps:
-            steps += f", {self.steps} taken before this run (restored from the checkpoint)"
-        noise = ", ".join(f"{k}={v:.4g}" for k, v in self.mechanism.describe().items())
+        grouping = ", grouped by length" if state.length_grouped else ""
+        steps = "unbounded (no max_steps or epochs)" if state.planned_steps is None else str(state.planned_steps)
+        if state.steps:
+            steps += f", {state.steps} taken before this run (restored from the checkpoint)"
+        noise = ", ".join(f"{k}={v:.4g}" for k, v in state.mechanism.describe().items())
         lines = [
             HEADER,
             _row("world size", f"{self._world_size} process(es)"),
             _row("per-device batch", per_device),
             _row("gradient accumulation", f"{micro_batches} micro-batch(es) per step{grouping}"),
-            _row("global expected batch", f"q N = {self.sample_rate * self.num_samples:.6g}"),
-            _row("q (sample rate)", f"{self.sample_rate:.6g}"),
-            _row("N (users)" if self.config.privacy_unit == "user" else "N (training examples)", self.num_samples),
+            _row("global expected batch", f"q N = {state.sample_rate * state.num_samples:.6g}"),
+            _row("q (sample rate)", f"{state.sample_rate:.6g}"),
+            _row("N (users)" if state.config.privacy_unit == "user" else "N (training examples)", state.num_samples),
             _row("planned steps", steps),
-            _row("noise", f"{self.mechanism.name} ({noise}), {self.noise_origin}"),
-            _row("delta", f"{self.target_delta:.3g}"),
-            _row("accountant", self.accountant.name),
-            _row("clipping", self.clipping),
+            _row("noise", f"{state.mechanism.name} ({noise}), {state.noise_origin}"),
+            _row("delta", f"{state.target_delta:.3g}"),
+            _row("accountant", state.accountant.name),
+            _row("clipping", state.clipping),
         ]
-        if self.clipping_groups is not None:
-            lines.append(_row("clipping groups", self.clipping_groups.describe()))
-        copies = self.config.augmentation_multiplicity
+        if state.clipping_groups is not None:
+            lines.append(_row("clipping groups", state.clipping_groups.describe()))
+        copies = state.config.augmentation_multiplicity
         if copies > 1:
             lines.append(
                 _row(
                     "augmentation", f"{copies} copies per example (augmentation multiplicity), averaged before clipping"
                 )
             )
-        if self.config.privacy_unit == "user":
-            lines.append(_row("privacy unit", self.describe_users()))
-        if self.adaptive is not None:
-            adaptive = self.adaptive
+        if state.config.privacy_unit == "user":
+            lines.append(_row("privacy unit", describe_users(state.config)))
+        if state.adaptive is not None:
+            adaptive = state.adaptive
             lines.append(
                 _row(
                     "adaptive clipping",
                     f"C from {adaptive.bound:.4g} towards the {adaptive.target_unclipped_quantile:g} quantile of the "
                     f"norms (learning rate {adaptive.clipbound_learning_rate:g}); count noise std "
                     f"{adaptive.unclipped_num_std:.4g}, sum noise multiplier "
-                    f"{self.sum_mechanism.noise_multiplier:.4g}",
+                    f"{state.sum_noise_multiplier:.4g}",
                 )
             )
-        defaults = self.defaults_applied or ["none"]
+        defaults = state.defaults_applied or ["none"]
         lines.append(_row("defaults applied", defaults[0]))
         lines += [_row("", default) for default in defaults[1:]]
         return lines

@@ -2,20 +2,20 @@
 
 One run, whatever the trainer (docs/design.md section 2.2):
 
-1. :meth:`EngineSteps.start_run` (the trainer's set-up): attach the clipping hooks; on several processes, share the
+1. :meth:`RunSequence.start_run` (the trainer's set-up): attach the clipping hooks; on several processes, share the
    base seed of rank 0 (identical noise, distinct sampling shards).
-2. :meth:`EngineSteps.training_loader` (each training loader the trainer builds): the sample rate, the check that
+2. :meth:`RunSequence.training_loader` (each training loader the trainer builds): the sample rate, the check that
    the data did not change, and the sampling policy (Poisson sampling of this rank's shard at the global rate, or
    the trainer's own batches with a warning on one process; an error on several).
-3. :meth:`EngineSteps.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
+3. :meth:`RunSequence.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
    accountant, the ranks' agreement, the optimizers wrapped so that each step is privatised and recorded, and the
    start-up block on the ``lightning_dp`` logger (:mod:`lightning_dp.engine.startup`).
-4. Per micro-batch, :meth:`EngineSteps.per_sample_loss` (the guard around the user's forward, the forwards at the
-   stored iterates of per-sample momentum, the batch-independence checks) and :meth:`EngineSteps.clip` (the clipped
-   sum into ``p.grad``); :meth:`EngineSteps.count_micro_batch` / :meth:`EngineSteps.end_logical_step` check that an
+4. Per micro-batch, :meth:`RunSequence.per_sample_loss` (the guard around the user's forward, the forwards at the
+   stored iterates of per-sample momentum, the batch-independence checks) and :meth:`RunSequence.clip` (the clipped
+   sum into ``p.grad``); :meth:`RunSequence.count_micro_batch` / :meth:`RunSequence.end_logical_step` check that an
    optimizer step is exactly one Poisson sample. On an FSDP2-sharded model every rank must join every forward and
    backward (their collectives gather the weights), so a rank whose micro-batch is empty runs the step on
-   :meth:`EngineSteps.stand_in_batch` instead, with ``stand_in=True`` to both calls: it contributes exactly zero.
+   :meth:`RunSequence.stand_in_batch` instead, with ``stand_in=True`` to both calls: it contributes exactly zero.
 
 The adapters (:mod:`lightning_dp.lightning`, :mod:`lightning_dp.hf`) translate hooks into these calls and never
 reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
@@ -32,9 +32,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.checks.guard import TrainingGuard
+from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
+from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
+from lightning_dp.engine.noise_setup import NoiseSetup
+from lightning_dp.engine.run_state import RunState
+from lightning_dp.engine.startup import StartupBlock
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.distributed import DistributedContext
 
@@ -43,47 +49,56 @@ log = logging.getLogger("lightning_dp")
 LossFunction = Callable[[Any], torch.Tensor | None]
 
 
-class EngineSteps:
-    """The run sequence of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` (a base class of it; see the
-    module docstring). The attributes it reads (``config``, ``clipper``, ``guard``, ``momentum``, ``randomness``,
-    ``mechanism``, ``defaults_applied``) are the engine's."""
+class RunSequence:
+    """The run sequence (see the module docstring) over the run's :class:`~lightning_dp.engine.run_state.RunState`,
+    calling the parts it sequences: the clipping hooks, the noise set-up, the start-up block, and ``wrap_optimizer``
+    (the engine's, which ties an optimizer to the ledger)."""
 
-    #: the process group of a multi-process run, set by :meth:`start_run` (``None`` on one process).
-    distributed: DistributedContext | None = None
-    #: Poisson rate q and dataset size N of the run, set by :meth:`training_loader`.
-    sample_rate: float | None = None
-    num_samples: int | None = None
-    #: the per-process batch size (``None`` when unknown) and micro-batches per step of the training loader.
-    loader_batches: tuple[int | None, int] | None = None
-    #: whether each Poisson batch is split into micro-batches of similar lengths (set by :meth:`training_loader`).
-    length_grouped = False
-    #: the logical steps the run plans (``None``: unbounded), set by :meth:`start_training`.
-    planned_steps: int | None = None
-    #: fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (with clipping groups: one
-    #: of whose groups exceeded its bound; diagnostic only: not privatised, so never logged by the library).
-    last_clip_fraction: float | None = None
-    _loader_rate: float | None = None
-    _micro_batches = 0
-    _stand_in_source: tuple[Callable[[list[Any]], Any], Any, int] | None = None
-    _user_data: UserDataset | None = None
+    def __init__(
+        self,
+        state: RunState,
+        attachment: ClippingAttachment,
+        noise_setup: NoiseSetup,
+        startup: StartupBlock,
+        wrap_optimizer: Callable[..., DPOptimizer],
+    ) -> None:
+        self.state = state
+        self.attachment = attachment
+        self.noise_setup = noise_setup
+        self.startup = startup
+        self.wrap_optimizer = wrap_optimizer
+
+    @property
+    def _clipper(self) -> PerSampleClipper:
+        if self.state.clipper is None:
+            raise RuntimeError("start_run(module, ...) must run first: no clipping hooks are attached")
+        return self.state.clipper
+
+    @property
+    def _guard(self) -> TrainingGuard:
+        if self.state.guard is None:
+            raise RuntimeError("start_run(module, ...) must run first: no training checks are attached")
+        return self.state.guard
 
     # -------------------------------------------------------------------------------------------- per run
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
         """Attach the clipping hooks to ``module``; on several processes, adopt rank 0's base seed.
 
         Raises:
-            UnsupportedModuleError: unsupported layers (see :meth:`attach`).
+            UnsupportedModuleError: unsupported layers (see
+                :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`).
         """
-        self.attach(module)
-        self.distributed = distributed
-        self._micro_batches = 0
-        if self.adaptive is not None:  # a step cut off before its update must not add its count to the next one's
-            self.adaptive.discard_count()
-        self.dropped_nonfinite = False  # reported per run (finish_run)
+        state = self.state
+        self.attachment.attach(module)
+        state.distributed = distributed
+        state.micro_batches = 0
+        if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's
+            state.adaptive.discard_count()
+        state.dropped_nonfinite = False  # reported per run (finish_run)
         if distributed is not None:
-            distributed.synchronize_randomness(self.randomness)
-            if self.clipper.sharded:  # the checks' extra passes are collectives there: all ranks run them together
-                self.guard.lockstep = distributed.max_over_ranks
+            distributed.synchronize_randomness(state.randomness)
+            if self._clipper.sharded:  # the checks' extra passes are collectives there: all ranks run them together
+                self._guard.lockstep = distributed.max_over_ranks
 
     def training_loader(
         self,
@@ -118,47 +133,48 @@ class EngineSteps:
                 ``poisson_sampling=False`` on several processes, or with an epoch that is not a whole number of
                 optimizer steps.
         """
+        state = self.state
         if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
             raise TypeError("DP training needs a torch DataLoader over a map-style dataset (with __len__)")
         dataset, collate_fn = loader.dataset, loader.collate_fn
-        if self.config.privacy_unit == "user":
+        if state.config.privacy_unit == "user":
             dataset, collate_fn = self._users(dataset, user_ids), UserCollate(loader.collate_fn or default_collate)
             if lengths is not None:
                 log.warning("privacy_unit='user': the Poisson batches of users are not grouped by length")
                 lengths = None
         num_samples = len(dataset)
-        rank, world_size = (self.distributed.rank, self.distributed.world_size) if self.distributed else (0, 1)
-        sample_rate = self.config.sample_rate
+        rank, world_size = (state.distributed.rank, state.distributed.world_size) if state.distributed else (0, 1)
+        sample_rate = state.config.sample_rate
         if sample_rate is None:
             if not batch_size:
                 raise ValueError("Cannot infer the expected batch size: pass the privacy option sample_rate=...")
             sample_rate = expected_batch_sample_rate(
                 num_samples=num_samples, batch_size=batch_size, micro_batches=micro_batches, world_size=world_size
             )
-            if self._loader_rate is None:  # the first training loader of the run
-                self.defaults_applied.append(
+            if state.loader_rate is None:  # the first training loader of the run
+                state.defaults_applied.append(
                     f"sample_rate = batch_size {batch_size} x accumulation {micro_batches} x {world_size} "
                     f"process(es) / N {num_samples} = {sample_rate:.4g} (Poisson sampling)"
                 )
-        if self._loader_rate is not None and (num_samples, sample_rate) != (self.num_samples, self._loader_rate):
+        if state.loader_rate is not None and (num_samples, sample_rate) != (state.num_samples, state.loader_rate):
             raise ValueError(
-                f"The training data changed during the run (N {self.num_samples} -> {num_samples}, q "
-                f"{self._loader_rate} -> {sample_rate}): reloading data of another size is not supported under DP, "
+                f"The training data changed during the run (N {state.num_samples} -> {num_samples}, q "
+                f"{state.loader_rate} -> {sample_rate}): reloading data of another size is not supported under DP, "
                 "the accountant and the noise scale assume one dataset"
             )
-        self.num_samples, self._loader_rate = num_samples, sample_rate
-        self.loader_batches = (batch_size, micro_batches)
-        self.length_grouped = lengths is not None and self.config.poisson_sampling
-        self._stand_in_source = (collate_fn, dataset, rank)
-        if self.config.poisson_sampling:
+        state.num_samples, state.loader_rate = num_samples, sample_rate
+        state.loader_batches = (batch_size, micro_batches)
+        state.length_grouped = lengths is not None and state.config.poisson_sampling
+        state.stand_in_source = (collate_fn, dataset, rank)
+        if state.config.poisson_sampling:
             return poisson_dataloader(
                 loader,
                 dataset=dataset,
                 collate_fn=collate_fn,
-                wrap_sampler=UserDraws if self.config.privacy_unit == "user" else None,
+                wrap_sampler=UserDraws if state.config.privacy_unit == "user" else None,
                 sample_rate=sample_rate,
                 micro_batches=micro_batches,
-                generator=self.randomness.sampling,
+                generator=state.randomness.sampling,
                 rank=rank,
                 world_size=world_size,
                 lengths=lengths,
@@ -188,15 +204,17 @@ class EngineSteps:
         Raises:
             ValueError: an example without the ``user_key`` column; ``user_ids`` of another length than the data.
         """
-        if self._user_data is not None and self._user_data.dataset is dataset:
-            return self._user_data
-        key = self.config.user_key
+        state = self.state
+        if state.user_data is not None and state.user_data.dataset is dataset:
+            return state.user_data
+        key = state.config.user_key
+        assert key is not None  # privacy_unit="user" requires it (PrivacyConfig)
         ids = list(user_ids) if user_ids is not None else read_user_ids(dataset, key)
         users = UserDataset(
             dataset,
             ids,
-            self.config.examples_per_user,
-            seed=self.randomness.stream_seed("user subsets"),
+            state.config.examples_per_user,
+            seed=state.randomness.stream_seed("user subsets"),
             drop_key=key if isinstance(key, str) else None,
         )
         used = users.counts.clamp(max=users.examples_per_user)
@@ -207,69 +225,58 @@ class EngineSteps:
                 "examples_per_user rows, most users have fewer examples); a smaller examples_per_user costs less (it "
                 "caps the examples a user contributes per step, not the guarantee)"
             )
-        self._user_data = users
-        self.set_rows_per_unit(self.config.augmentation_multiplicity * users.examples_per_user)
+        state.user_data = users
+        self.attachment.set_rows_per_unit(state.config.augmentation_multiplicity * users.examples_per_user)
         return users
-
-    def describe_users(self) -> str:
-        """One line on the user-level set-up (``privacy_unit="user"``): the key and the rows per sampled user. It
-        names the options only: the numbers of examples per user are statistics of the data that the guarantee does
-        not cover, so they are never logged (``N``, the number of users, is in the block as ``N`` always is)."""
-        key = self.config.user_key
-        source = f"column {key!r}" if isinstance(key, str) else "user_key function"
-        cap = self.config.examples_per_user
-        rows = "all of their examples" if cap is None else f"at most {cap} of their examples (a random {cap} of more)"
-        return f"user ({source}): a sampled user brings {rows}, one clipped mean per user"
-
-    @property
-    def loader_sample_rate(self) -> float | None:
-        """The sample rate fixed by :meth:`training_loader` (``None`` before it ran)."""
-        return self._loader_rate
 
     def start_training(
         self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
     ) -> list[DPOptimizer]:
         """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant; on several
         processes check that every rank agrees on N, q and the noise; log the start-up block
-        (:meth:`~lightning_dp.engine.startup.EngineStartup.log_startup`); return the optimizers wrapped so that each
+        (:meth:`~lightning_dp.engine.startup.StartupBlock.log_startup`); return the optimizers wrapped so that each
         step adds the noise once to the (all-reduced) clipped sum and is recorded.
 
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
-            ValueError: as :meth:`prepare`; an optimizer updates tensors that are not parameters of the clipped
-                model (their gradients would be noised but never clipped).
+            ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`; an optimizer updates tensors
+                that are not parameters of the clipped model (their gradients would be noised but never clipped).
         """
-        if self.num_samples is None or self._loader_rate is None:
+        state = self.state
+        if state.num_samples is None or state.loader_rate is None:
             raise RuntimeError("the training loader must be built (training_loader) before training starts")
         for optimizer in optimizers:
             if not isinstance(optimizer, DPOptimizer):
                 self._check_optimizer_holds_model_parameters(optimizer)
-        self.planned_steps = total_steps
-        self.prepare(num_samples=self.num_samples, sample_rate=self._loader_rate, total_steps=total_steps)
+        state.planned_steps = total_steps
+        self.noise_setup.prepare(num_samples=state.num_samples, sample_rate=state.loader_rate, total_steps=total_steps)
+        mechanism = state.mechanism
+        assert mechanism is not None  # fixed by prepare
         collectives: dict[str, Any] = {}
-        if self.distributed is not None:
-            self.distributed.check_identical(
+        if state.distributed is not None:
+            state.distributed.check_identical(
                 "dataset size, sample rate, noise and adaptive clipping",
                 (
-                    self.num_samples,
-                    self.sample_rate,
-                    self.mechanism.name,
-                    self.mechanism.describe(),
-                    self.adaptive.describe() if self.adaptive is not None else None,
+                    state.num_samples,
+                    state.sample_rate,
+                    mechanism.name,
+                    mechanism.describe(),
+                    state.adaptive.describe() if state.adaptive is not None else None,
                 ),
             )
             collectives = {
-                "reduce_clipped_sum": self.distributed.reduce_clipped_sum,
-                "any_rank": self.distributed.any_rank,
+                "reduce_clipped_sum": state.distributed.reduce_clipped_sum,
+                "any_rank": state.distributed.any_rank,
             }
-        self.log_startup()
+        self.startup.log_startup()
         return [opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, **collectives) for opt in optimizers]
 
     def _check_optimizer_holds_model_parameters(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise unless every tensor ``optimizer`` updates is a parameter of the model the clipper is attached to."""
-        if self.clipper is None:
+        state = self.state
+        if state.clipper is None:
             return
-        parameters = {id(p) for p in self.clipper.module.parameters()}
+        parameters = {id(p) for p in state.clipper.module.parameters()}
         foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters)
         if foreign:
             raise ValueError(
@@ -318,8 +325,9 @@ class EngineSteps:
             ValueError: on an FSDP2-sharded model, a batch whose size cannot be read, or a step that returns
                 ``None`` (every rank must run every step).
         """
+        state = self.state
         replay = replay or compute_loss
-        if self.config.privacy_unit == "user":
+        if state.config.privacy_unit == "user":
             compute_loss, replay = _per_user(compute_loss), _per_user(replay)
         if batch_size is None and self.every_rank_runs_every_step:
             raise ValueError(
@@ -327,9 +335,9 @@ class EngineSteps:
                 "with an empty batch must run the step on a stand-in batch, or the other ranks would wait for it): "
                 "return tensors with the examples along their first dimension from the training loader"
             )
-        guarded = self.guard.before_forward(batch, batch_size)
-        if self.momentum.enabled:
-            self.add_past_iterates(lambda: replay(guarded), stand_in=stand_in)
+        guarded = self._guard.before_forward(batch, batch_size)
+        if state.momentum.enabled:
+            self.attachment.add_past_iterates(lambda: replay(guarded), stand_in=stand_in)
         loss = compute_loss(guarded)
         if loss is None:
             if self.every_rank_runs_every_step:
@@ -337,19 +345,20 @@ class EngineSteps:
                     "training_step returned None on an FSDP2-sharded model: every rank must run every step's "
                     "backward (the others would wait for this rank in the collectives); return the per-sample loss"
                 )
-            self.clipper.discard_past_iterates()
+            self._clipper.discard_past_iterates()
             return None
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"the per-sample loss must be a tensor of shape [B], got {type(loss).__name__}")
-        self.guard.after_forward(loss)
-        self.guard.leave_half_out(replay, batch, len(loss), module)
+        self._guard.after_forward(loss)
+        self._guard.leave_half_out(replay, batch, len(loss), module)
         return loss
 
     @property
     def every_rank_runs_every_step(self) -> bool:
         """Whether a rank must run the forward and backward even on an empty micro-batch: on an FSDP2-sharded model
         (its collectives gather the weights around each module); run :meth:`stand_in_batch` instead."""
-        return self.clipper is not None and self.clipper.sharded
+        state = self.state
+        return state.clipper is not None and state.clipper.sharded
 
     def stand_in_batch(self) -> Any:
         """A one-example batch of the training data (this rank's first example, collated as the loader does, on
@@ -363,9 +372,10 @@ class EngineSteps:
         Raises:
             RuntimeError: before :meth:`training_loader`.
         """
-        if self._stand_in_source is None:
+        state = self.state
+        if state.stand_in_source is None:
             raise RuntimeError("the training loader must be built (training_loader) before a stand-in batch")
-        collate, dataset, rank = self._stand_in_source
+        collate, dataset, rank = state.stand_in_source
         return collate([dataset[rank % len(dataset)]])
 
     def clip(self, per_sample_loss: torch.Tensor, *, stand_in: bool = False) -> torch.Tensor:
@@ -375,14 +385,15 @@ class EngineSteps:
         With ``stand_in`` (the loss of :meth:`stand_in_batch`, from :meth:`per_sample_loss` with ``stand_in=True``),
         the backward and its collectives run with weight 0: the clipped sum gains exactly zero and no norm is
         returned (``[0]``)."""
+        state = self.state
         if stand_in:
-            self.clipper.backward(per_sample_loss, weight=0.0)
+            self._clipper.backward(per_sample_loss, weight=0.0)
             return per_sample_loss.new_zeros(0).detach()
-        norms = self.clipper.backward(per_sample_loss, weight=self.momentum.current_weight)
-        if self.adaptive is not None:
-            self.adaptive.count(norms)
+        norms = self._clipper.backward(per_sample_loss, weight=state.momentum.current_weight)
+        if state.adaptive is not None:
+            state.adaptive.count(norms)
         if norms.numel():
-            self.last_clip_fraction = float(self.clipper.clipped_samples(norms).float().mean())
+            state.last_clip_fraction = float(self._clipper.clipped_samples(norms).float().mean())
         return norms
 
     def finish_run(self) -> None:
@@ -394,19 +405,20 @@ class EngineSteps:
 
         The three flags are OR-ed over the ranks, and rank 0 logs; no count is kept or released.
         """
-        clipper = self.clipper
+        state = self.state
+        clipper = state.clipper
         flags = [
-            self.dropped_nonfinite or (clipper is not None and clipper.dropped_nonfinite),
+            state.dropped_nonfinite or (clipper is not None and clipper.dropped_nonfinite),
             clipper is not None and clipper.sum_check_postponed,
-            self.guard is not None and self.guard.unresolved,
+            state.guard is not None and state.guard.unresolved,
         ]
-        if self.distributed is not None:
-            flags = self.distributed.any_rank(flags)
+        if state.distributed is not None:
+            flags = state.distributed.any_rank(flags)
         log_end_of_run(*flags)
 
     def count_micro_batch(self) -> None:
         """Count one micro-batch of the current logical step."""
-        self._micro_batches += 1
+        self.state.micro_batches += 1
 
     def end_logical_step(self, micro_batches: int) -> None:
         """Check, at an optimizer step, that exactly ``micro_batches`` micro-batches were counted since the last one.
@@ -414,7 +426,8 @@ class EngineSteps:
         Raises:
             RuntimeError: another count: the optimizer step would not use exactly one Poisson sample.
         """
-        counted, self._micro_batches = self._micro_batches, 0
+        state = self.state
+        counted, state.micro_batches = state.micro_batches, 0
         if counted != micro_batches:
             raise RuntimeError(
                 f"An optimizer step after {counted} micro-batches, expected {micro_batches}: a logical step must be "

@@ -199,7 +199,7 @@ class PerSampleMomentum:
             compute_loss: ``() -> [B]`` per-sample loss of the CURRENT batch at whatever values the parameters hold
                 (the user's forward and loss); ``None`` skips the batch.
             stand_in: the batch is a sharded run's stand-in batch
-                (:meth:`~lightning_dp.engine.steps.EngineSteps.stand_in_batch`), clipped with weight 0: the re-runs
+                (:meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`), clipped with weight 0: the re-runs
                 still run (every rank joins their collectives), with weight 0, so they add exactly nothing too.
 
         Raises:

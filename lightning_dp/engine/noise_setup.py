@@ -1,0 +1,130 @@
+"""Fixing a run's privacy parameters once its data is known: delta, the noise (calibrated for ``target_epsilon`` when
+asked) and the accountant."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from lightning_dp.accounting import make_accountant
+from lightning_dp.engine.accounting import PrivacyLedger
+from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.run_state import RunState
+from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
+from lightning_dp.mechanisms.base import mechanism_class
+
+log = logging.getLogger("lightning_dp")
+
+
+def default_delta(num_samples: int) -> float:
+    """``1 / N^1.1`` (docs/design.md section 3.1): below ``1/N`` by a margin that grows with N."""
+    return 1.0 / num_samples**1.1
+
+
+class NoiseSetup:
+    """Fixes delta, the mechanism and the accountant in the run's :class:`~lightning_dp.engine.run_state.RunState`;
+    checks the accountant with the step event of its :class:`~lightning_dp.engine.accounting.PrivacyLedger`."""
+
+    def __init__(self, state: RunState, ledger: PrivacyLedger, clip_bound: ClipBound) -> None:
+        self.state = state
+        self.ledger = ledger
+        self.clip_bound = clip_bound
+
+    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
+        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant; the defaults it applies
+        join ``state.defaults_applied`` (shown by the start-up block).
+
+        Args:
+            num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
+            sample_rate: Poisson rate q of one logical step.
+            total_steps: planned logical steps of the whole run (needed only to calibrate for ``target_epsilon``;
+                ``None`` when unbounded).
+
+        Raises:
+            RuntimeError: before the clipping hooks are attached.
+            ValueError: calibration needed but ``total_steps`` is None; the sample rate differs from a restored
+                checkpoint's.
+        """
+        state, config = self.state, self.state.config
+        if state.num_params is None:
+            raise RuntimeError("attach(module) must run before prepare()")
+        if state.restored_sample_rate is not None and not math.isclose(state.restored_sample_rate, sample_rate):
+            raise ValueError(
+                f"The checkpoint was trained with sample_rate={state.restored_sample_rate}, this run uses "
+                f"{sample_rate}; resume with the same data and batch size"
+            )
+        state.num_samples, state.sample_rate = int(num_samples), float(sample_rate)
+        if state.target_delta is None:
+            state.target_delta = default_delta(num_samples)
+            state.defaults_applied.append(f"target_delta = 1/N^1.1 = {state.target_delta:.3g} for N = {num_samples}")
+        if state.target_delta >= 1.0 / num_samples:
+            log.warning(
+                "target_delta = %.3g is not below 1/N = %.3g: such a delta allows releasing a whole example",
+                state.target_delta,
+                1.0 / num_samples,
+            )
+        if state.accountant is None and config.accountant is None:
+            state.defaults_applied.append(
+                f"accountant = {self.default_accountant()!r} (the sound default for {config.noise_name})"
+            )
+        if state.auto_clipping is not None and state.auto_clipping not in state.defaults_applied:
+            state.defaults_applied.append(state.auto_clipping)
+        if state.mechanism is None:
+            state.mechanism = self._calibrate(total_steps)
+        if state.accountant is None:
+            state.accountant = make_accountant(config.accountant or self.default_accountant())
+        self._check_accountant_supports()
+        state.sum_mechanism = self.clip_bound.setup_adaptive() if config.adaptive_clipping else state.mechanism
+
+    def default_accountant(self) -> str:
+        """``"rc"`` for randomized clipping, else the mechanism's sound default."""
+        mechanism = self.state.mechanism or mechanism_class(self.state.config.noise_name)
+        return "rc" if self.state.config.randomized_clipping else mechanism.default_accountant
+
+    def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
+        """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
+        from lightning_dp.mechanisms.calibration import calibrate
+
+        state, config = self.state, self.state.config
+        if total_steps is None:
+            raise ValueError(
+                "target_epsilon needs a finite number of steps to calibrate the noise for: set max_epochs or "
+                "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
+            )
+        assert config.target_epsilon is not None and state.target_delta is not None and state.sample_rate is not None
+        if config.randomized_clipping:
+            assert state.clipper is not None and state.norm_dim is not None
+            engine = state.clipper.engine
+            assert engine.estimator is not None
+            mechanism = calibrate_randomized_clipping(
+                target_epsilon=config.target_epsilon,
+                target_delta=state.target_delta,
+                sample_rate=state.sample_rate,
+                steps=total_steps,
+                projection_dim=engine.projection_dim,
+                norm_dim=state.norm_dim,
+                estimator=engine.estimator,
+                max_grad_norm=state.max_grad_norm,
+            ).mechanism
+        else:
+            mechanism = calibrate(
+                config.noise_name,
+                target_epsilon=config.target_epsilon,
+                target_delta=state.target_delta,
+                sample_rate=state.sample_rate,
+                steps=total_steps,
+                max_grad_norm=state.max_grad_norm,
+                num_params=state.num_params,
+                accountant=config.accountant,
+            )
+        state.noise_origin = f"calibrated for epsilon={config.target_epsilon:.4g} over {total_steps} steps"
+        return mechanism
+
+    def _check_accountant_supports(self) -> None:
+        state = self.state
+        assert state.accountant is not None and state.mechanism is not None
+        if not state.accountant.supports(self.ledger.step_event()):
+            raise ValueError(
+                f"Accountant {state.accountant.name!r} cannot account for {state.mechanism.name!r} noise; "
+                f"use accountant={self.default_accountant()!r}"
+            )
