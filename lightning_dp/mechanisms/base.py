@@ -181,7 +181,9 @@ class NoiseMechanism(ABC):
     @classmethod
     def from_parameter(cls, value: float, *, max_grad_norm: float) -> NoiseMechanism:
         """The mechanism with ``calibrated_parameter = value`` and clipping bound ``max_grad_norm``."""
-        return cls(**{cls.calibrated_parameter: value, "max_grad_norm": max_grad_norm})
+        parameter = cls.calibrated_parameter
+        assert parameter is not None, f"{cls.__name__} has no calibrated_parameter"
+        return cls(**{parameter: value, "max_grad_norm": max_grad_norm})
 
     @classmethod
     def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:

@@ -9,6 +9,8 @@ whose ``noise_multiplier`` meets the target under ``rc``. The search reuses the 
 
 from __future__ import annotations
 
+from typing import cast
+
 from lightning_dp.accounting import epsilon_for
 from lightning_dp.accounting.rc import randomized_clipping_step_event
 from lightning_dp.mechanisms.calibration import calibrate_result, warn_if_noise_drowns_the_signal
@@ -68,14 +70,27 @@ def calibrate_randomized_clipping(
         ValueError: invalid arguments, or no sigma in ``[1e-3, 1e4]`` reaches the target.
     """
     _validate_target(target_epsilon, target_delta, sample_rate, steps)
-    schedule = {"target_delta": target_delta, "sample_rate": sample_rate, "steps": steps}
-    deterministic = calibrate_result(
-        "gaussian", target_epsilon=target_epsilon, max_grad_norm=max_grad_norm, accountant="pld", warn=False, **schedule
-    ).mechanism.noise_multiplier
+    pld = calibrate_result(
+        "gaussian",
+        target_epsilon=target_epsilon,
+        max_grad_norm=max_grad_norm,
+        accountant="pld",
+        warn=False,
+        target_delta=target_delta,
+        sample_rate=sample_rate,
+        steps=steps,
+    ).mechanism
+    deterministic = cast(GaussianMechanism, pld).noise_multiplier
 
     def epsilon_of(sigma: float) -> float:
         return randomized_clipping_epsilon(
-            sigma, projection_dim=projection_dim, norm_dim=norm_dim, estimator=estimator, **schedule
+            sigma,
+            target_delta=target_delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            projection_dim=projection_dim,
+            norm_dim=norm_dim,
+            estimator=estimator,
         )
 
     sigma, epsilon = solve_monotone(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.mechanisms.base import NoiseMechanism, register_mechanism
@@ -63,7 +63,8 @@ class GaussianMechanism(NoiseMechanism):
         a clear error below :data:`PLD_MIN_NOISE_MULTIPLIER`."""
         if problem.accountant == "rdp":
             return super().calibration_start(problem)
-        sigma = cls.calibrate(dataclasses.replace(problem, accountant="rdp")).mechanism.noise_multiplier
+        warm = cls.calibrate(dataclasses.replace(problem, accountant="rdp")).mechanism
+        sigma = cast(GaussianMechanism, warm).noise_multiplier
         if problem.accountant == "pld" and sigma < PLD_MIN_NOISE_MULTIPLIER:
             raise ValueError(
                 f"target_epsilon={problem.target_epsilon:g} needs a noise multiplier of about "

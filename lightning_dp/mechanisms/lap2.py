@@ -8,6 +8,8 @@ Both depend on ``(C, b)`` only through ``C / b`` (eq. III.8 uses ``x_i / b`` wit
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from lightning_dp.accounting.events import Lap2Event, PoissonSampledEvent
 from lightning_dp.mechanisms.base import register_mechanism
 from lightning_dp.mechanisms.laplace import IidLaplaceNoise
@@ -31,7 +33,7 @@ class Lap2Mechanism(IidLaplaceNoise):
     default_accountant = "lap2"
     needs_num_params = True
     comparison_accountants = ("lap2-paper",)
-    clip_search = "LAP2 Alg. 1"
+    clip_search: ClassVar[str | None] = "LAP2 Alg. 1"  # LaplaceAdvancedMechanism sets None
     scale_hint = "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it."
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:

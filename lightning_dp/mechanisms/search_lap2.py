@@ -7,7 +7,7 @@ finder :func:`~lightning_dp.mechanisms.solver.solve_monotone`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.solver import (
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def _lap2(*args: float) -> Lap2Mechanism:
     """The ``lap2`` mechanism with these constructor arguments, looked up in the registry (this module is the
     mechanism's search, imported by it: a module-level import of its class would be a cycle)."""
-    return mechanism_class("lap2")(*args)  # type: ignore[call-arg, return-value]
+    return cast("Lap2Mechanism", mechanism_class("lap2")(*args))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ def search_lap2(
     target_delta: float,
     sample_rate: float,
     steps: int,
-    num_params: int,
+    num_params: int | None,
     accountant: str = "lap2",
     *,
     max_clip: float = 1.0,

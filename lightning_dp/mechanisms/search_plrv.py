@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 from scipy import optimize, special
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def _plrv(*args: float) -> PlrvMechanism:
     """The ``plrv`` mechanism with these constructor arguments, looked up in the registry (this module is the
     mechanism's search, imported by it: a module-level import of its class would be a cycle)."""
-    return mechanism_class("plrv")(*args)  # type: ignore[call-arg, return-value]
+    return cast("PlrvMechanism", mechanism_class("plrv")(*args))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def search_plrv(
     target_delta: float,
     sample_rate: float,
     steps: int,
-    num_params: int,
+    num_params: int | None,
     accountant: str = "plrv",
     *,
     clip_range: tuple[float, float] = (0.1, 1.0),
