@@ -294,7 +294,9 @@ class RandomizedClippingAccountant(Accountant):
         total: PrivacyLossDistribution | None = None
         negligible = NEGLIGIBLE_SHARE * delta / max(self.steps, 1)
         for event, count in self.ledger:
-            sigma, q, k = _step_key(event)
+            key = _step_key(event)
+            assert key is not None, "compose admits only supported events"
+            sigma, q, k = key
             if q == 0.0:
                 continue
             if sigma == 0:

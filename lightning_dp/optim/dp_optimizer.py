@@ -25,6 +25,14 @@ from lightning_dp.runtime.randomness import DPRandomness
 from lightning_dp.runtime.sharding import is_sharded, local_part, shard_key
 
 
+def _clipped_sum(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p.grad``, where the clipped sum of a trainable parameter is (:meth:`DPOptimizer.privatise` fills a missing
+    one with zeros first)."""
+    grad = p.grad
+    assert grad is not None, "a trainable parameter has no clipped sum in .grad"
+    return grad
+
+
 def _finite_extremes(tensor: torch.Tensor) -> torch.Tensor:
     """0-dim bool: every entry of ``tensor`` is finite (True for an empty tensor)."""
     if tensor.numel() == 0:
@@ -53,11 +61,11 @@ def check_finite_clipped_sum(
     """
     if not params:
         return
-    device = local_part(params[0].grad).device
+    device = local_part(_clipped_sum(params[0])).device
     # min and max propagate NaN and hold any inf: one pass without a boolean copy of each gradient (isfinite on
     # the 14.5M parameters of a small GPT-2 costs as much as drawing their noise).
-    finite = torch.stack([_finite_extremes(local_part(p.grad)).to(device) for p in params])
-    if any_rank is not None and any(is_sharded(p.grad) for p in params):
+    finite = torch.stack([_finite_extremes(local_part(_clipped_sum(p))).to(device) for p in params])
+    if any_rank is not None and any(is_sharded(_clipped_sum(p)) for p in params):
         finite = ~torch.tensor(any_rank((~finite).tolist()), device=device)
     if bool(finite.all()):
         return
@@ -140,7 +148,7 @@ class DPOptimizer(Optimizer):
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
 
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.original_optimizer.param_groups
 
     @param_groups.setter
@@ -194,13 +202,14 @@ class DPOptimizer(Optimizer):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if self.reduce_clipped_sum is not None:
-            self.reduce_clipped_sum([p.grad for p in params])
+            self.reduce_clipped_sum([_clipped_sum(p) for p in params])
         for hook in self.clipped_sum_hooks:
             hook(params)
         check_finite_clipped_sum(params, self.any_rank)
         for p in params:
-            grad = local_part(p.grad)  # a sharded gradient: this rank's shard, noised from that shard's stream
-            shard = shard_key(p.grad) if is_sharded(p.grad) else ()
+            clipped_sum = _clipped_sum(p)
+            grad = local_part(clipped_sum)  # a sharded gradient: this rank's shard, noised from that shard's stream
+            shard = shard_key(clipped_sum) if is_sharded(clipped_sum) else ()
             generator = self.randomness.noise_generator(grad.device, shard)
             if self.secure_mode:
                 grad.add_(secure_sample(self.mechanism, grad, generator))
@@ -209,7 +218,7 @@ class DPOptimizer(Optimizer):
             grad.div_(self.expected_batch_size)
         self._privatised = True  # only now: after a failure above, the next step privatises again
         if self.postprocess is not None:
-            self.postprocess([p.grad for p in params])
+            self.postprocess([_clipped_sum(p) for p in params])
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``closure`` (which accumulates the clipped sum), privatise (unless the closure came through

@@ -48,7 +48,7 @@ def _fsync_folder(folder: Path) -> None:
             os.close(fd)
 
 
-def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def _atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -111,7 +111,7 @@ def last_complete_checkpoint(output_dir: str | os.PathLike[str], marker: str) ->
         for child in folder.iterdir()
         if (match := _CHECKPOINT_FOLDER.match(child.name)) and child.is_dir()
     )
-    skipped = []
+    skipped: list[Path] = []
     for _, child in reversed(found):
         if (child / marker).is_file():
             if skipped:

@@ -137,7 +137,7 @@ class DPRandomness:
                     )
                 index = 0
             generator = torch.Generator(device=device)
-            shard_keys = ("shard", *shard) if shard else ()
+            shard_keys: tuple[int | str, ...] = ("shard", *shard) if shard else ()
             generator.manual_seed(derive_seed(self._base, purpose, device.type, index, self._restart, *shard_keys))
             self._generators[key] = generator
         return self._generators[key]

@@ -20,7 +20,7 @@ What differs from replicated (DDP) training:
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a ``DTensor`` (a sharded parameter or gradient)."""
     return isinstance(tensor, DTensor)
 
@@ -121,7 +121,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
     A collective: every rank must call it (each sends its shards). Plain tensors come back as they are.
     """
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast("dict[str, torch.Tensor]", state)  # a model's state: parameters and buffers, all tensors
 
 
 def save_sharded(folder: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
