@@ -25,6 +25,9 @@ from lightning_dp.checks.leave_half_out import check_leave_half_out, check_leave
 
 log = logging.getLogger("lightning_dp")
 
+#: ``values -> each one's maximum over the ranks`` (:attr:`TrainingGuard.lockstep`).
+Lockstep = Callable[[list[int]], list[int]]
+
 
 def validate_independence_every(every: int | None, check_batch_independence: bool) -> None:
     """Raise ``ValueError`` unless ``every`` (``check_batch_independence_every``) is ``None`` or a positive whole
@@ -120,7 +123,7 @@ class TrainingGuard:
         self._leaves: dict[str, torch.Tensor] = {}
         #: ``values -> each one's maximum over the ranks``, set by the engine for a sharded model on several
         #: processes: the checks then run in lockstep (class docstring); ``None``: each rank checks on its own.
-        self.lockstep: Callable[[list[int]], list[int]] | None = None
+        self.lockstep: Lockstep | None = None
         #: in lockstep, whether the ranks agreed that none of them has a check pending (then no collective runs
         #: until a due step arms the checks again on every rank).
         self._nobody_pending = not check_batch_independence
@@ -139,6 +142,7 @@ class TrainingGuard:
         ``check_every``."""
         if self.check_every is None:
             return
+        assert self._step is not None, "__init__ requires step with check_every"
         step = self._step()
         if step % self.check_every == 0 and step != self._armed_step:
             self._armed_step = step
@@ -175,7 +179,7 @@ class TrainingGuard:
         self.buffers.check()
         self._first_step = False
         if self.lockstep is not None:
-            self._after_forward_in_step(per_sample_loss)
+            self._after_forward_in_step(per_sample_loss, self.lockstep)
             return
         if not self.independence_pending or per_sample_loss.ndim != 1 or per_sample_loss.shape[0] < 2:
             return
@@ -186,28 +190,28 @@ class TrainingGuard:
         self.independence_pending = not conclusive  # a non-finite loss: check again on the next batch
         self._inconclusive["batch-independence"] = not conclusive
 
-    def _after_forward_in_step(self, per_sample_loss: torch.Tensor) -> None:
+    def _after_forward_in_step(self, per_sample_loss: torch.Tensor, lockstep: Lockstep) -> None:
         """:meth:`after_forward`'s gradient check in lockstep with the other ranks (class docstring)."""
         if self._nobody_pending:
             return
         batch = per_sample_loss.shape[0] if per_sample_loss.ndim == 1 else 0
         active = self.independence_pending and batch >= 2
-        (bits,) = self.lockstep([math.ceil(math.log2(batch)) if active else 0])
+        (bits,) = lockstep([math.ceil(math.log2(batch)) if active else 0])
         if bits == 0:
             return
         with self._naming_the_step():
             conclusive, error = check_batch_independence_in_step(
                 per_sample_loss, self._output_targets(), active=active, bits=bits, copies=self.copies
             )
-            self._raise_if_any_rank(error, "batch-independence")
+            self._raise_if_any_rank(error, "batch-independence", lockstep)
         if active:
             self.independence_pending = not conclusive
             self._inconclusive["batch-independence"] = not conclusive
 
-    def _raise_if_any_rank(self, error: BatchMixingError | None, check: str) -> None:
+    def _raise_if_any_rank(self, error: BatchMixingError | None, check: str, lockstep: Lockstep) -> None:
         """Raise ``error``, or, when another rank found mixing, a :class:`BatchMixingError` saying so (every rank
         raises together)."""
-        (found,) = self.lockstep([int(error is not None)])
+        (found,) = lockstep([int(error is not None)])
         if error is not None:
             raise error
         if found:
@@ -224,7 +228,7 @@ class TrainingGuard:
             BatchMixingError: as :func:`check_leave_half_out`.
         """
         if self.lockstep is not None:
-            self._leave_half_out_in_step(compute_loss, batch, batch_size, module)
+            self._leave_half_out_in_step(compute_loss, batch, batch_size, module, self.lockstep)
             return
         if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
             return
@@ -234,24 +238,29 @@ class TrainingGuard:
         self._inconclusive["leave-half-out"] = not conclusive
 
     def _leave_half_out_in_step(
-        self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
+        self,
+        compute_loss: Callable[[Any], torch.Tensor | None],
+        batch: Any,
+        batch_size: int | None,
+        module: nn.Module,
+        lockstep: Lockstep,
     ) -> None:
         """:meth:`leave_half_out` in lockstep with the other ranks (class docstring), then the ranks' agreement on
         whether any check is still pending (when none is, the lockstep stops until a due step arms the checks)."""
         if self._nobody_pending:
             return
         active = self.leave_half_out_pending and batch_size is not None and batch_size >= 2
-        (run,) = self.lockstep([int(active)])
+        (run,) = lockstep([int(active)])
         if run:
             with self._naming_the_step():
                 conclusive, error = check_leave_half_out_in_step(
                     compute_loss, batch, batch_size or 0, module, active=active
                 )
-                self._raise_if_any_rank(error, "leave-half-out")
+                self._raise_if_any_rank(error, "leave-half-out", lockstep)
             if active:
                 self.leave_half_out_pending = not conclusive
                 self._inconclusive["leave-half-out"] = not conclusive
-        pending = self.lockstep([int(self.independence_pending), int(self.leave_half_out_pending)])
+        pending = lockstep([int(self.independence_pending), int(self.leave_half_out_pending)])
         self._nobody_pending = not any(pending)
 
     @contextmanager
@@ -262,6 +271,7 @@ class TrainingGuard:
             yield
         except BatchMixingError as error:
             if self.check_every is not None and error.args and isinstance(error.args[0], str):
+                assert self._step is not None, "__init__ requires step with check_every"
                 step = self._step()
                 error.args = (error.args[0].replace(" check: ", f" check after {step} optimizer steps: ", 1),)
             raise

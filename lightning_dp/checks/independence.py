@@ -169,7 +169,7 @@ def _vector_jacobian_passes(
             with torch.enable_grad():
                 grads = torch.autograd.grad(
                     per_sample_loss,
-                    inputs,
+                    inputs,  # type: ignore[arg-type]  # a mix of tensors and edges: torch accepts it, its stub does not
                     grad_outputs=weighted.to(per_sample_loss.dtype),
                     retain_graph=True,
                     allow_unused=True,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
@@ -274,7 +274,7 @@ class PrivacyConfig:
             if is_bound_list(self.max_grad_norm):
                 validate_bounds(self.max_grad_norm)
             else:
-                validate_max_grad_norm(self.max_grad_norm)
+                validate_max_grad_norm(cast(float, self.max_grad_norm))  # not a list: one bound
         with checking("clipping_groups"):
             validate_clipping_groups(self.clipping_groups, self.max_grad_norm)
         with checking("augmentation_multiplicity"):
@@ -366,7 +366,8 @@ class PrivacyConfig:
                 f"(flat, ghost, fgc, mixed), got noise={self.noise_name!r}, clipping={self.clipping!r}"
             )
         low, high = self.min_clipbound or 0.0, self.max_clipbound or float("inf")
-        if self.adaptive_clipping and not low <= self.max_grad_norm <= high:
+        # one bound here: a list needs clipping_groups (validate_clipping_groups), which adaptive clipping refuses
+        if self.adaptive_clipping and not low <= cast(float, self.max_grad_norm) <= high:
             with checking("max_grad_norm"):
                 raise ValueError(
                     f"max_grad_norm={self.max_grad_norm} (the starting bound of adaptive clipping) lies outside "

@@ -35,7 +35,7 @@ import math
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -58,7 +58,7 @@ def validate_user_options(privacy_unit: object, user_key: object, examples_per_u
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
     integer = isinstance(examples_per_user, numbers.Integral) and not isinstance(examples_per_user, bool)
-    if examples_per_user is not None and not (integer and examples_per_user >= 1):
+    if examples_per_user is not None and not (integer and cast(int, examples_per_user) >= 1):  # an Integral
         raise ValueError(
             "examples_per_user must be an integer >= 1 (the cap on a sampled user's examples per step) or None (all "
             f"of them), got {examples_per_user!r}"
