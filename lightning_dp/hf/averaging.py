@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from typing_extensions import override
 
 from lightning_dp.hf.callbacks import checkpoint_folder, load_checkpoint_tensors, written_checkpoint_folder
 from lightning_dp.runtime.checkpoints import atomic_save
@@ -132,6 +133,7 @@ class ParameterAveraging(TrainerCallback):
             self._exchange(model)
 
     # ----------------------------------------------------------------------------------------------- events
+    @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -171,12 +173,14 @@ class ParameterAveraging(TrainerCallback):
             self._hold_average(model)
         return control
 
+    @override
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         self._hold_training_weights(kwargs["model"])
         return control
 
+    @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -191,6 +195,7 @@ class ParameterAveraging(TrainerCallback):
             self._hold_average(model)
         return control
 
+    @override
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -198,6 +203,7 @@ class ParameterAveraging(TrainerCallback):
             self._hold_average(kwargs["model"])
         return control
 
+    @override
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -218,6 +224,7 @@ class ParameterAveraging(TrainerCallback):
         atomic_save(averaging_state, folder / AVERAGING_STATE_NAME)
         return control
 
+    @override
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:

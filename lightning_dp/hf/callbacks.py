@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from typing_extensions import override
 
-from lightning_dp.accounting.base import validate_epsilon
+from lightning_dp.engine.adapter import EpsilonBudget
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.runtime.checkpoints import atomic_save, atomic_write_bytes
 
@@ -112,6 +113,7 @@ class PrivacyStateCallback(TrainerCallback):
     def __init__(self, engine: PrivacyEngine) -> None:
         self.engine = engine
 
+    @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -123,6 +125,7 @@ class PrivacyStateCallback(TrainerCallback):
             marker.unlink(missing_ok=True)
         return control
 
+    @override
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -141,12 +144,13 @@ class PrivacyStateCallback(TrainerCallback):
         return control
 
 
-class PrivacyBudget(TrainerCallback):
+class PrivacyBudget(EpsilonBudget, TrainerCallback):
     """Stops training before an optimizer step would push epsilon above the budget, with a message saying so.
 
     Add it to ``DPTrainer(callbacks=[PrivacyBudget(3.0)])``, typically with fixed noise (``noise_multiplier``). A step
     that would exceed the budget is never taken: the trainer skips its forward, backward and noise and sets
-    ``control.should_training_stop``. The same semantics as :class:`lightning_dp.lightning.PrivacyBudget`.
+    ``control.should_training_stop``. The same semantics as :class:`lightning_dp.lightning.PrivacyBudget` (the logic
+    of :class:`~lightning_dp.engine.adapter.EpsilonBudget`, which both share).
 
     Args:
         target_epsilon: the budget (default: ``PrivacyArguments.target_epsilon``).
@@ -156,34 +160,30 @@ class PrivacyBudget(TrainerCallback):
     """
 
     def __init__(self, target_epsilon: float | None = None) -> None:
-        if target_epsilon is not None:
-            validate_epsilon(target_epsilon)
-        self.target_epsilon = target_epsilon
+        super().__init__(target_epsilon)
         self.engine: PrivacyEngine | None = None
-        self.stopped_at_step: int | None = None
 
     def bind(self, engine: PrivacyEngine) -> None:
         """Set the engine whose budget this callback enforces (``DPTrainer.train`` calls it)."""
-        engine.set_epsilon_budget(self.target_epsilon, configured_in="PrivacyArguments")
-        self.engine, self.stopped_at_step = engine, None
+        self.start_budget(engine, configured_in="PrivacyArguments")
+        self.engine = engine
 
     def _stop_if_exhausted(self, control: TrainerControl) -> TrainerControl:
         engine = self.engine
         if engine is None:
             raise RuntimeError("PrivacyBudget works with DPTrainer only")
-        if engine.budget_exhausted():
+        if self.budget_spent(engine):
             control.should_training_stop = True
-            if self.stopped_at_step is None:
-                self.stopped_at_step = engine.steps
-                engine.log_budget_stop()
         return control
 
+    @override
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         # A resumed run may start with the budget already spent.
         return self._stop_if_exhausted(control)
 
+    @override
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:

@@ -7,18 +7,13 @@ from which ``resume_from_checkpoint`` (and ``load_best_model_at_end``) restores 
 (docs/design.md section 8.1). On an unsharded model every method is the Trainer's.
 
 This goes through overrides of PRIVATE ``transformers.Trainer`` methods, not documented "subclass and override"
-points, so a transformers release may rename them or change their signatures or when they are called:
-
-- ``_save(output_dir=None, state_dict=None)``
-- ``_save_optimizer_and_scheduler(output_dir)``
-- ``_load_from_checkpoint(resume_from_checkpoint, model=None)``
-- ``_load_optimizer_and_scheduler(checkpoint)``
-- ``_load_best_model()``
-
-The tests run against transformers 5.24.0 (pyproject.toml allows ``transformers>=4.40``; 4.40.0's ``Trainer`` has
-these five methods with the same parameters). Each is marked ``@override``, so a type checker reports one the
-installed ``Trainer`` no longer has; ``tests/test_hf_fsdp.py`` and ``tests/test_hf_accelerate_fsdp.py`` exercise
-them on 2 processes.
+points, so a transformers release may rename them or change their signatures or when they are called. They are listed
+in one place, :data:`PRIVATE_TRAINER_OVERRIDES` (the only private ``Trainer`` methods ``DPTrainer`` and this mixin
+override), with the transformers releases they are tested against, :data:`TRANSFORMERS_TESTED`. Each is marked
+``@override``, so a type checker reports one the installed ``Trainer`` no longer has;
+``tests/adapters/test_conformance.py`` checks that each still exists on the installed ``Trainer`` with the
+parameters overridden here and that no other private one is overridden, and ``tests/test_hf_fsdp.py`` and
+``tests/test_hf_accelerate_fsdp.py`` exercise them on 2 processes.
 """
 
 from __future__ import annotations
@@ -43,6 +38,22 @@ from lightning_dp.runtime.sharding import (
 )
 
 log = logging.getLogger("lightning_dp")
+
+#: The private ``transformers.Trainer`` methods overridden by ``DPTrainer`` (all of them here, in
+#: :class:`ShardedCheckpoints`), with their parameters: ``_save(output_dir=None, state_dict=None)``,
+#: ``_save_optimizer_and_scheduler(output_dir)``, ``_load_from_checkpoint(resume_from_checkpoint, model=None)``,
+#: ``_load_optimizer_and_scheduler(checkpoint)``, ``_load_best_model()``.
+PRIVATE_TRAINER_OVERRIDES: tuple[str, ...] = (
+    "_save",
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_best_model",
+)
+#: The transformers releases :data:`PRIVATE_TRAINER_OVERRIDES` are tested against: pyproject.toml's floor
+#: (``transformers>=4.40``; 4.40.0's ``Trainer`` has these five methods with the same parameters) up to the release
+#: the test suite runs on (5.24.0).
+TRANSFORMERS_TESTED: tuple[str, str] = ("4.40.0", "5.24.0")
 
 #: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
 SHARDED_STATE_NAME = "sharded_state"

@@ -7,7 +7,8 @@ The model is never wrapped: clipping hooks are attached in place for the duratio
 afterwards, so ``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
 
 Overridden ``Trainer`` methods (all documented "subclass and override" points; the private ones that save and load
-a sharded model's checkpoints are listed in :mod:`lightning_dp.hf.sharded_checkpoints`), and why:
+a sharded model's checkpoints are listed, with the transformers releases they are tested against, in
+:data:`lightning_dp.hf.sharded_checkpoints.PRIVATE_TRAINER_OVERRIDES`), and why:
 
 - ``train``: attach the clipping hooks (removed when training ends) and, with ``resume_from_checkpoint``, restore
   the privacy state saved in the checkpoint, so epsilon continues instead of restarting at 0.
@@ -81,7 +82,7 @@ from typing_extensions import override
 from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
-from lightning_dp.engine.queries import PrivacyQueries
+from lightning_dp.engine.adapter import AdapterQueries, micro_batch, rank_zero_logging
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.augmentation_copies import check_augmentation, mean_loss_over_copies
@@ -104,7 +105,7 @@ from lightning_dp.runtime.sharding import uses_fsdp
 log = logging.getLogger("lightning_dp")
 
 
-class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
+class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
     Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
@@ -177,11 +178,13 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         with hidden_from_accelerate():
             super().create_accelerator_and_postprocess()
 
+    @override
     def get_epsilon(self, delta: float | None = None) -> float:
         """As :meth:`PrivacyQueries.get_epsilon <lightning_dp.engine.queries.PrivacyQueries.get_epsilon>`; ``inf``
         with ``disable_dp`` (no guarantee)."""
         return math.inf if self.privacy_args.disable_dp else super().get_epsilon(delta)
 
+    @override
     def privacy_summary(self) -> dict[str, Any]:
         """As :meth:`PrivacyQueries.privacy_summary <lightning_dp.engine.queries.PrivacyQueries.privacy_summary>`.
 
@@ -192,20 +195,10 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             raise RuntimeError("disable_dp=True: this run trains without differential privacy and has no privacy state")
         return super().privacy_summary()
 
-    @property
-    def sample_rate(self) -> float | None:
-        """The run's Poisson rate q (known once the training loader is built)."""
-        return self.privacy_engine.loader_sample_rate
-
-    @property
-    def num_samples(self) -> int | None:
-        """The training set's size N (known once the training loader is built)."""
-        return self.privacy_engine.num_samples
-
-    @property
-    def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
-        return self.privacy_engine.last_clip_fraction
+    def read_batch_size(self, batch: dict[str, Any]) -> int | None:
+        """The rows of the batch's first tensor (:func:`~lightning_dp.data.batch_tensors.leading_rows`; ``None``
+        without one); the :class:`~lightning_dp.engine.adapter.TrainerAdapter` method."""
+        return leading_rows(batch)
 
     # --------------------------------------------------------------------------------------------- training
     @override
@@ -237,9 +230,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         if resume_from_checkpoint:
             load_privacy_state(engine, resume_from_checkpoint)
         self._distributed = distributed_context()
+        self._log_filter = rank_zero_logging(self._distributed, self._log_filter)  # kept after train()
         if self._distributed is not None:
-            if self._log_filter is None:
-                self._log_filter = self._distributed.log_on_rank_zero_only()
             self._distributed.broadcast_module(self.model)
         # Never DistributedDataParallel: accelerate's switch that skips the DDP/FSDP wrapping (module docstring).
         accelerator = self.accelerator
@@ -406,10 +398,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             self.control.should_training_stop = True
         else:
             model.train()
-            size = leading_rows(inputs)
-            stand_in = size == 0 and engine.every_rank_runs_every_step
-            if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
-                inputs, size = engine.stand_in_batch(), 1
+            # a sharded model's rank with an empty batch joins the step's collectives on a stand-in batch that adds zero
+            inputs, size, stand_in = micro_batch(self, inputs)
             inputs = self._prepare_inputs(inputs)
             if size == 0:
                 losses = torch.zeros(0, device=self.args.device)

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from lightning_dp.config import PrivacyConfig
+from lightning_dp.engine.adapter import LOSS_SCALING_REASON, framework_clipping
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.losses import head_kind
 
@@ -32,8 +33,9 @@ _SHARDED_ROUTE = (
 )
 
 _UNSUPPORTED = {
-    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": "its loss scaling would corrupt the "
-    "per-sample norms; use bf16 or float32",
+    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": (
+        f"{LOSS_SCALING_REASON}; use bf16 or float32"
+    ),
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
     "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
@@ -78,12 +80,13 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
     for name, is_set in active.items():
         if is_set:
             raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
-    if args.max_grad_norm and args.max_grad_norm != _HF_DEFAULT_MAX_GRAD_NORM:
+    clipping = framework_clipping(args.max_grad_norm, framework_default=_HF_DEFAULT_MAX_GRAD_NORM)
+    if clipping == "refuse":
         raise ValueError(
             f"TrainingArguments.max_grad_norm={args.max_grad_norm} would clip the noisy gradient again: set it to 0 "
             "and give the per-sample clipping bound as PrivacyArguments(per_sample_max_grad_norm=...)"
         )
-    if args.max_grad_norm:
+    if clipping == "switch off":
         log.warning(
             "TrainingArguments.max_grad_norm=%s (the Trainer's default batch clipping) is switched off (set to 0): "
             "DPTrainer clips each example's gradient at PrivacyArguments.per_sample_max_grad_norm=%s instead",

@@ -8,9 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-from lightning_dp.accounting.base import validate_epsilon
 from lightning_dp.engine.accounting import summary_metrics
+from lightning_dp.engine.adapter import EpsilonBudget
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.utils.plots import MISSING_MATPLOTLIB, epsilon_curve_figure, log_figure, matplotlib_available
 
@@ -72,10 +73,12 @@ class PrivacyAccountantCallback(Callback):
         self.history: list[tuple[int, int, float]] = []
         self.summary: dict[str, Any] | None = None
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.plot and not matplotlib_available():
             raise ImportError(f"PrivacyAccountantCallback(plot=True): {MISSING_MATPLOTLIB}")
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -95,6 +98,7 @@ class PrivacyAccountantCallback(Callback):
             epsilon = engine.epsilon(self.delta)
             pl_module.log("epsilon", epsilon, prog_bar=True, logger=False, on_step=True, on_epoch=False)
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)
         epsilon = engine.epsilon(self.delta)
@@ -103,6 +107,7 @@ class PrivacyAccountantCallback(Callback):
             # identical on every rank (same ledger); sync_dist only states so to Lightning on several processes
             pl_module.log("epsilon", epsilon, logger=True, on_step=False, on_epoch=True, sync_dist=True)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = privacy_engine_of(trainer)
         if engine.accountant is None:
@@ -135,15 +140,18 @@ class PrivacyAccountantCallback(Callback):
         for logger in trainer.loggers:
             log_figure(logger, self.plot_tag, figure, trainer.global_step)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [tuple(row) for row in state_dict["history"]]
 
 
-class PrivacyBudget(Callback):
-    """Stops training before a step would push epsilon above the budget, with a message saying so.
+class PrivacyBudget(EpsilonBudget, Callback):
+    """Stops training before a step would push epsilon above the budget, with a message saying so (the logic of
+    :class:`~lightning_dp.engine.adapter.EpsilonBudget`, shared with :class:`lightning_dp.hf.PrivacyBudget`).
 
     Args:
         target_epsilon: the budget (default: the strategy's ``target_epsilon``).
@@ -152,29 +160,22 @@ class PrivacyBudget(Callback):
         ValueError: non-positive budget, or none given and the strategy has no ``target_epsilon``.
     """
 
-    def __init__(self, target_epsilon: float | None = None) -> None:
-        if target_epsilon is not None:
-            validate_epsilon(target_epsilon)
-        self.target_epsilon = target_epsilon
-        self.stopped_at_step: int | None = None
-
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        privacy_engine_of(trainer).set_epsilon_budget(self.target_epsilon, configured_in="DPStrategy")
-        self.stopped_at_step = None
+        self.start_budget(privacy_engine_of(trainer), configured_in="DPStrategy")
 
     def _stop_if_exhausted(self, trainer: pl.Trainer) -> None:
-        engine = privacy_engine_of(trainer)
-        if engine.budget_exhausted() and self.stopped_at_step is None:
-            self.stopped_at_step = engine.steps
-            engine.log_budget_stop()
+        if self.budget_spent(privacy_engine_of(trainer)):
             trainer.should_stop = True
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Checked after each completed batch, so Lightning's step counter never advances for a skipped step.
         self._stop_if_exhausted(trainer)
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed run may start with the budget already spent.
         self._stop_if_exhausted(trainer)
@@ -207,9 +208,11 @@ class EpochTable(Callback):
         else:
             print(text)
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._losses = []
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -217,6 +220,7 @@ class EpochTable(Callback):
         if loss is not None and loss.numel():
             self._losses.append(float(loss))
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         train_loss = sum(self._losses) / max(len(self._losses), 1)
         val = trainer.callback_metrics.get(self.val_metric)

@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
@@ -76,15 +77,18 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             )
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"dp_ddp"`` (epsilon 3), ``"dp_ddp_epsilon_3"`` and ``"dp_ddp_epsilon_8"`` (and not the
         ``"ddp*"`` names ``DDPStrategy.register_strategies`` would register for this class)."""
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 
+    @override
     def _distributed_context(self) -> DistributedContext | None:
         """The default process group Lightning's ``setup_environment`` initialised."""
         return distributed_context()
 
+    @override
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped and start every rank from rank 0's parameters and buffers."""
         assert self.model is not None

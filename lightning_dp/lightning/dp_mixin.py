@@ -18,17 +18,25 @@ import logging
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from lightning_dp.config import option_docs, option_parameters, pop_options
+from lightning_dp.engine.adapter import (
+    LOSS_SCALING_REASON,
+    AdapterQueries,
+    framework_clipping,
+    micro_batch,
+    rank_zero_logging,
+    stop_rank_zero_logging,
+)
 from lightning_dp.engine.privacy_engine import PrivacyEngine
-from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
 from lightning_dp.runtime.distributed import DistributedContext
@@ -38,13 +46,13 @@ log = logging.getLogger("lightning_dp")
 
 _UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
 
-
-def _batch_size(batch: Any) -> int | None:
-    """Lightning's reading of the batch size (``None`` when no tensor gives it)."""
-    try:
-        return extract_batch_size(batch)
-    except (MisconfigurationException, RecursionError):
-        return None
+# Type checkers see a Lightning strategy as the base (the hooks below override its own, marked @override, and call it
+# through super()); at run time the mixin's base is a plain class, and the concrete strategy puts the Lightning
+# strategy after the mixin in its bases.
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy as _StrategyBase
+else:
+    _StrategyBase = object
 
 
 @contextmanager
@@ -61,7 +69,7 @@ def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
         del module.log, module.log_dict
 
 
-class DPStrategyMixin(PrivacyQueries):
+class DPStrategyMixin(AdapterQueries, _StrategyBase):
     """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
     accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
@@ -97,25 +105,24 @@ class DPStrategyMixin(PrivacyQueries):
         self._log_filter: logging.Filter | None = None
 
     @property
-    def sample_rate(self) -> float | None:
-        """The run's Poisson rate q (known once the training loader is built)."""
-        return self.privacy_engine.loader_sample_rate
-
-    @property
     def poisson_sampling(self) -> bool:
         """Whether the training loader Poisson-samples (the ``poisson_sampling`` option)."""
         return self.privacy_engine.config.poisson_sampling
 
-    @property
-    def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
-        return self.privacy_engine.last_clip_fraction
+    def read_batch_size(self, batch: Any) -> int | None:
+        """Lightning's reading of the batch size (``None`` when no tensor gives it); the
+        :class:`~lightning_dp.engine.adapter.TrainerAdapter` method."""
+        try:
+            return extract_batch_size(batch)
+        except (MisconfigurationException, RecursionError):
+            return None
 
     def _distributed_context(self) -> DistributedContext | None:
         """The process group the DP collectives run over; ``None`` (one process) unless a strategy says otherwise."""
         return None
 
     # ------------------------------------------------------------------------------------------------ setup
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place.
 
@@ -123,15 +130,14 @@ class DPStrategyMixin(PrivacyQueries):
         shards) and only rank 0 keeps logging.
         """
         self._distributed = self._distributed_context()
-        if self._distributed is not None and self._log_filter is None:
-            self._log_filter = self._distributed.log_on_rank_zero_only()
+        self._log_filter = rank_zero_logging(self._distributed, self._log_filter)
         precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
         if precision in _UNSUPPORTED_PRECISION or getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(
-                f"precision={precision!r} is not supported by {type(self).__name__} (its loss scaling would corrupt "
-                "the per-sample norms); use precision='bf16-mixed' or '32-true'"
+                f"precision={precision!r} is not supported by {type(self).__name__} ({LOSS_SCALING_REASON}); use "
+                "precision='bf16-mixed' or '32-true'"
             )
-        if trainer.gradient_clip_val:
+        if framework_clipping(trainer.gradient_clip_val) != "none":  # no framework default to switch off
             raise ValueError(
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
                 f"{type(self).__name__}(max_grad_norm=...)"
@@ -144,6 +150,7 @@ class DPStrategyMixin(PrivacyQueries):
                 )
             self.privacy_engine.start_run(self.lightning_module, self._distributed)
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader of the run (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.training_loader`:
         Poisson sampling of this rank's shard at the global rate q); other stages are untouched."""
@@ -157,6 +164,7 @@ class DPStrategyMixin(PrivacyQueries):
             dataloader, batch_size=batch_size, micro_batches=trainer.accumulate_grad_batches
         )
 
+    @override
     def on_train_start(self) -> None:
         """Fix delta, calibrate the noise for the planned steps, build the accountant, wrap the optimizers
         (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.start_training`; on several processes the ranks must
@@ -195,6 +203,7 @@ class DPStrategyMixin(PrivacyQueries):
             )
 
     # ------------------------------------------------------------------------------------------- the step
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the user's step through the engine's per-sample loss sequence (guard, per-sample momentum,
         independence checks), keep its per-sample loss for clipping, hand Lightning its mean for logging.
@@ -205,10 +214,8 @@ class DPStrategyMixin(PrivacyQueries):
         engine = self.privacy_engine
         if engine.budget_exhausted():
             return None
-        batch = args[0] if args else kwargs.get("batch")
-        stand_in = _batch_size(batch) == 0 and engine.every_rank_runs_every_step
-        if stand_in:  # a sharded model: this rank joins the step's collectives on a batch that adds zero
-            batch = self.batch_to_device(engine.stand_in_batch())
+        # a sharded model's rank with an empty batch joins the step's collectives on a stand-in batch that adds zero
+        batch, size, stand_in = micro_batch(self, args[0] if args else kwargs.get("batch"), self.batch_to_device)
         step = super().training_step
         outputs: list[Any] = []
 
@@ -229,7 +236,7 @@ class DPStrategyMixin(PrivacyQueries):
                 return self._per_sample_loss(*run(on))
 
         loss = engine.per_sample_loss(
-            batch, _batch_size(batch), current, replay=replay, module=self.lightning_module, stand_in=stand_in
+            batch, size, current, replay=replay, module=self.lightning_module, stand_in=stand_in
         )
         output = outputs[-1]
         if loss is None:
@@ -266,7 +273,7 @@ class DPStrategyMixin(PrivacyQueries):
             ValueError: another length, saying what to change (with ``K > 1``: a loss per copy, ``[B K]``, or a batch
                 whose copies the data loader made, ``B K`` rows).
         """
-        size = _batch_size(batch)
+        size = self.read_batch_size(batch)
         if size is None or size == loss.shape[0]:  # None: the clipper still checks the layers' rows
             return
         if self.privacy_engine.config.privacy_unit == "user":
@@ -297,12 +304,14 @@ class DPStrategyMixin(PrivacyQueries):
             "lightning_dp.augmentation_mean, with the privacy option augmentation_multiplicity)"
         )
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""
         if isinstance(optimizer, DPOptimizer):
             closure = optimizer.privatising(closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""
         if self._pending_loss is None:
@@ -316,6 +325,7 @@ class DPStrategyMixin(PrivacyQueries):
         return closure_loss
 
     # ---------------------------------------------------------------------------------------- checkpoints
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Add the privacy state (ledger, mechanism, lowpass filter state; never generators) under
         ``checkpoint["lightning_dp"]``."""
@@ -329,6 +339,7 @@ class DPStrategyMixin(PrivacyQueries):
         checkpoints) overrides this."""
         save_lightning_checkpoint(self, checkpoint, filepath, storage_options, super().save_checkpoint)  # atomic
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
 
@@ -364,19 +375,20 @@ class DPStrategyMixin(PrivacyQueries):
             )
         return checkpoint
 
+    @override
     def on_train_end(self) -> None:
         """The engine's end-of-run report (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.finish_run`), at the
         normal end of training only."""
         self.privacy_engine.finish_run()
         super().on_train_end()
 
+    @override
     def teardown(self) -> None:
         """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
         self.privacy_engine.detach()
         self.optimizers = [getattr(opt, "original_optimizer", opt) for opt in self.optimizers]
-        if self._log_filter is not None:
-            log.removeFilter(self._log_filter)
-            self._log_filter = None
+        stop_rank_zero_logging(self._log_filter)
+        self._log_filter = None
         super().teardown()
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
 
 from lightning_dp.config import option_parameters
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
@@ -116,15 +117,18 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         )
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"dp_fsdp"`` (epsilon 3), ``"dp_fsdp_epsilon_3"`` and ``"dp_fsdp_epsilon_8"``."""
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 
+    @override
     def _distributed_context(self) -> DistributedContext | None:
         """The default process group Lightning's ``setup_environment`` initialised (the data-parallel group, as the
         tensor-parallel size is 1)."""
         return distributed_context()
 
+    @override
     def setup_environment(self) -> None:
         """As ``ModelParallelStrategy``, with ``data_parallel_size="auto"`` meaning every process (Lightning's own
         ``"auto"`` is the number of nodes, with the rest for tensor parallelism)."""
@@ -132,6 +136,7 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
             self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
 
+    @override
     def model_to_device(self) -> None:
         """Move the module (``ModelParallelStrategy.setup`` calls this after materialising it), then copy rank 0's
         parameters and buffers that are not sharded to every rank: their clipped sums are all-reduced like
@@ -143,6 +148,7 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
             assert self.model is not None
             context.broadcast_module(self.model)
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The wrapped optimizer's state, as ``ModelParallelStrategy`` collects it. Collected from the user's
         optimizer, never the ``DPOptimizer`` around it: torch's ``get_optimizer_state_dict`` runs ``step()`` on
@@ -151,6 +157,7 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
         return super().optimizer_state(getattr(optimizer, "original_optimizer", optimizer))
 
+    @override
     def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
         """``ModelParallelStrategy.save_checkpoint``: a folder of shards (DCP) with ``meta.pt``, or one full file
         (``save_distributed_checkpoint=False``); the privacy state is in ``checkpoint`` already."""

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from lightning_dp.runtime.console import show_info_lines
 
@@ -37,11 +38,13 @@ class TrainingProgress(Callback):
         self._start = 0.0
         self._planned = math.inf
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._losses, self._last_step, self._start = [], trainer.global_step, time.perf_counter()
         self._planned = trainer.estimated_stepping_batches
         show_info_lines(log)
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

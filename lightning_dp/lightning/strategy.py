@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
 
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
@@ -57,6 +58,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         super().__init__(device=indexed_device(device) if device is not None else _default_device(), **kwargs)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"dp"`` (epsilon 3) and ``"dp_epsilon_3"``, ``"dp_epsilon_8"`` (see the class docstring)."""
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
