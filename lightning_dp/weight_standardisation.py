@@ -12,7 +12,7 @@ scale. De et al. 2022 (Section 3 and their released WRN configuration) standardi
 WRN-16-4 with GroupNorm, with ``eps = 1e-4``, ``gain`` starting at one and the bias always on.
 
 Per-sample clipping handles :class:`WSConv2d` with its own layer family
-(:mod:`lightning_dp.clipping.weight_standardised_conv`): the per-sample gradients of ``weight`` and ``gain`` are
+(:mod:`lightning_dp.clipping.layers.weight_standardised_conv`): the per-sample gradients of ``weight`` and ``gain`` are
 those of the convolution with the standardised weight, pulled back through the standardisation, exactly, for every
 exact engine.
 """

@@ -334,7 +334,7 @@ def _register_engine_named_ghost() -> None:
 
 def _layer_types() -> Any:
     import lightning_dp.clipping  # noqa: F401 - registers the built-in layer families
-    from lightning_dp.clipping.registry import _BY_TYPE
+    from lightning_dp.clipping.layers.registry import _BY_TYPE
 
     return _BY_TYPE
 

@@ -692,7 +692,7 @@ class WideThenSliced(nn.Linear):
 
 def test_view_output_that_is_not_a_reshape_is_copied() -> None:
     from lightning_dp.clipping import register_layer
-    from lightning_dp.clipping.linear import linear_terms
+    from lightning_dp.clipping.layers.linear import linear_terms
 
     register_layer(WideThenSliced)(linear_terms)
     model = randomise(nn.Sequential(WideThenSliced(5, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)))

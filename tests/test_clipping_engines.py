@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_dp.clipping import ENGINES, make_engine
-from lightning_dp.clipping.engine import materialised_contribution
-from lightning_dp.clipping.mixed import chunked_squared_norm, ghost_cost, materialise_cost
+from lightning_dp.clipping.engines.base import materialised_contribution
+from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
 from lightning_dp.clipping.terms import Factored, Materialised, materialise_sum
 
 

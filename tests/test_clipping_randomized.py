@@ -140,7 +140,7 @@ def test_hutchpp_error_an_order_of_magnitude_below_hutch() -> None:
 
 
 def test_norm_dim_is_the_largest_smaller_side() -> None:
-    from lightning_dp.clipping.hutch import norm_dim
+    from lightning_dp.clipping.engines.hutch import norm_dim
 
     model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 32), nn.LayerNorm(32), nn.Conv1d(32, 12, 3))
     assert norm_dim(list(model.parameters())) == 12  # conv weight [12, 32 * 3]; embedding 8, linear 8, vectors 1

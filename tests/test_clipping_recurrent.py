@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.recurrent import DPGRU, DPLSTM, DPRNN
+from lightning_dp.clipping.swaps.recurrent import DPGRU, DPLSTM, DPRNN
 from tests.test_clipping import ENGINES, LossFn, check_against_oracle, rand, randomise, sin_loss
 
 B, T, D_IN, H = 3, 5, 4, 5

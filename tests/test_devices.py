@@ -21,7 +21,7 @@ from torch import nn
 import lightning_dp.optim.dp_optimizer as dp_optimizer
 from lightning_dp import DPStrategy
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.engine import ENGINES
+from lightning_dp.clipping.engines.base import ENGINES
 from lightning_dp.runtime.randomness import DPRandomness
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -25,10 +25,10 @@ from lightning_dp import DPStrategy
 from lightning_dp.accounting import ACCOUNTANTS, Accountant, make_accountant, register_accountant, register_event
 from lightning_dp.accounting.events import _EVENT_TYPES
 from lightning_dp.clipping import ENGINES, ClippingEngine, UnsupportedModuleError, register_engine, register_layer
-from lightning_dp.clipping.engine import gradient_contribution
-from lightning_dp.clipping.hutch import RandomizedEngine
-from lightning_dp.clipping.projection import GradientOperator
-from lightning_dp.clipping.registry import _BY_TYPE
+from lightning_dp.clipping.engines.base import gradient_contribution
+from lightning_dp.clipping.engines.hutch import RandomizedEngine
+from lightning_dp.clipping.engines.projection import GradientOperator
+from lightning_dp.clipping.layers.registry import _BY_TYPE
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, materialise_sum
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, calibrate_result, register_mechanism

@@ -52,7 +52,7 @@ from torch import nn
 
 from lightning_dp import WSConv2d
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.positional import SharedPositionAdd, SharedTokenPrepend
+from lightning_dp.clipping.layers.positional import SharedPositionAdd, SharedTokenPrepend
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 

@@ -81,7 +81,7 @@ def test_hf_conv1d_is_supported_when_transformers_comes_after_the_clipping_engin
     """The ``Conv1D`` layer family registers once ``transformers`` is imported, not with the engines."""
     code = """
 import lightning_dp.clipping
-from lightning_dp.clipping.registry import find_layer_family
+from lightning_dp.clipping.layers.registry import find_layer_family
 assert "transformers" not in sys.modules
 from transformers.pytorch_utils import Conv1D
 assert find_layer_family(Conv1D(3, 5)) is not None

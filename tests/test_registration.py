@@ -18,10 +18,10 @@ from torch import nn
 from lightning_dp.accounting import ACCOUNTANTS, Accountant, register_accountant, register_event
 from lightning_dp.accounting.events import _EVENT_TYPES, GaussianEvent
 from lightning_dp.clipping import ENGINES, ClippingEngine, register_engine, register_layer, register_layer_rule
-from lightning_dp.clipping.linear import linear_terms
-from lightning_dp.clipping.norms import is_scale_only_rms_norm
-from lightning_dp.clipping.registry import _BY_RULE, _BY_TYPE, find_layer_family
-from lightning_dp.clipping.swap import _SWAPS, SwappedModule, register_swap
+from lightning_dp.clipping.layers.linear import linear_terms
+from lightning_dp.clipping.layers.norms import is_scale_only_rms_norm
+from lightning_dp.clipping.layers.registry import _BY_RULE, _BY_TYPE, find_layer_family
+from lightning_dp.clipping.swaps.base import _SWAPS, SwappedModule, register_swap
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism, register_mechanism
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 from lightning_dp.registration import Registry, qualified_name

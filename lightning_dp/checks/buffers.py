@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.runtime.sharding import is_sharded, local_part, reshard_all, uses_fsdp
 
 #: watched tensors up to this many elements are cloned and compared exactly on the content check; larger ones by

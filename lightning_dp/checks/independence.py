@@ -42,7 +42,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.autograd.graph import GradientEdge
 
-from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 
 log = logging.getLogger("lightning_dp")
 

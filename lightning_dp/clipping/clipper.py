@@ -54,7 +54,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.clipped_sum import ClippedSumMixin
-from lightning_dp.clipping.engine import ClippingEngine, make_engine
+from lightning_dp.clipping.engines.base import ClippingEngine, make_engine
 from lightning_dp.clipping.groups import (
     Bounds,
     ClippingGroups,
@@ -70,7 +70,7 @@ from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.sum_check import reduced_precision, validate_sum_check
-from lightning_dp.clipping.swap import restore_modules, swap_modules
+from lightning_dp.clipping.swaps.base import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import check_trainable_set, hooked_modules
 from lightning_dp.runtime.sharding import reshard_all, uses_fsdp
@@ -97,8 +97,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     Hooks are attached in place (no wrapping; ``state_dict`` keys, HF ``generate()``/``save_pretrained`` and
     Lightning checkpoints are unaffected); :meth:`detach` removes them. Modules that use their parameters outside
     any hookable call (``nn.MultiheadAttention``, ``nn.LSTM``/``GRU``/``RNN``) are first swapped in place to
-    equivalent classes that keep the same parameter objects and ``state_dict`` (:mod:`~lightning_dp.clipping.swap`;
-    undone by :meth:`detach`). Frozen parameters are ignored. The
+    equivalent classes that keep the same parameter objects and ``state_dict``
+    (:mod:`~lightning_dp.clipping.swaps.base`; undone by :meth:`detach`). Frozen parameters are ignored. The
     per-sample norm is taken over all trainable parameters jointly; a parameter used several times (tied weights,
     a module called twice) contributes the norm of its summed gradient. With ``clipping_groups`` the norm is taken
     per group of parameters and each group clipped to its own bound (:mod:`~lightning_dp.clipping.groups`). The set
@@ -108,7 +108,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     Args:
         module: the model; the first dimension of every hooked layer's input/output is the sample dimension (with
             ``augmentation_multiplicity = K``, the ``B K`` rows of the examples' copies, sample-major).
-        clipping: engine name, one of :data:`~lightning_dp.clipping.engine.ENGINES` (``"flat" | "ghost" | "fgc" |
+        clipping: engine name, one of :data:`~lightning_dp.clipping.engines.base.ENGINES` (``"flat" | "ghost" | "fgc" |
             "mixed" | "hutch" | "hutchpp"``).
         max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm); with ``clipping_groups``,
             one number (split equally: ``C / sqrt(G)`` per group) or a list of one bound per group. The clipped
@@ -143,7 +143,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             ``clipping_groups``; ``augmentation_multiplicity`` not an integer >= 1.
         UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
             ``track_running_stats=True`` (InstanceNorm), or a trainable parameter not covered by a registered
-            layer (see :mod:`lightning_dp.clipping.registry`).
+            layer (see :mod:`lightning_dp.clipping.layers.registry`).
     """
 
     def __init__(

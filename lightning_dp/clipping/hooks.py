@@ -27,7 +27,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.registry import LayerFamily
+from lightning_dp.clipping.layers.registry import LayerFamily
 
 
 @dataclass

@@ -16,11 +16,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_dp.clipping.engine import ClippingEngine
+from lightning_dp.clipping.engines.base import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
+from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import check_rows, fold_copies
-from lightning_dp.clipping.registry import UnsupportedModuleError
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
 

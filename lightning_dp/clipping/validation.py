@@ -5,7 +5,7 @@ through unnoised buffers (docs/design.md sections 4.6 and 9.1); an embedding wit
 looked-up rows of its weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal
 which tokens were in training batches, whether the embedding is trainable or frozen; every trainable parameter must
 belong to a registered layer family (directly, or through a proxy child of a swapped module,
-:mod:`~lightning_dp.clipping.swap`).
+:mod:`~lightning_dp.clipping.swaps.base`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
-from lightning_dp.clipping.registry import LayerFamily, UnsupportedModuleError, find_layer_family
-from lightning_dp.clipping.swap import SwappedModule
+from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+from lightning_dp.clipping.swaps.base import SwappedModule
 
 
 def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool:
     """Whether each parameter ``names`` of ``module`` is also registered in a descendant with a layer family (the
-    proxy children of a swapped module, :mod:`~lightning_dp.clipping.swap`), whose hooks then see its uses."""
+    proxy children of a swapped module, :mod:`~lightning_dp.clipping.swaps.base`), whose hooks then see its uses."""
     covered = {
         id(p)
         for sub in module.modules()
@@ -63,7 +63,7 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
             continue
         family = find_layer_family(sub)
         if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
-            continue  # its parameters are used through its proxy children (see swap.py)
+            continue  # its parameters are used through its proxy children (see swaps/base.py)
         if family is None:
             names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
             raise UnsupportedModuleError(

@@ -415,7 +415,7 @@ class PrivacyConfig:
     def resolved_clipping(self) -> tuple[str, str | None]:
         """``(engine, reason)``: the engine the run uses, and why when ``clipping='auto'`` picked it (``None`` when
         the engine was named). ``'auto'`` resolves by the mechanism's clipping norm
-        (:func:`~lightning_dp.clipping.engine.auto_engine`): ``'mixed'`` for l2, ``'flat'`` for l1."""
+        (:func:`~lightning_dp.clipping.engines.base.auto_engine`): ``'mixed'`` for l2, ``'flat'`` for l1."""
         if self.clipping != AUTO:
             return self.clipping, None
         return auto_engine(self._clip_norm())

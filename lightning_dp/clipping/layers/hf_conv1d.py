@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dp.clipping.linear import affine_terms
-from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.layers.linear import affine_terms
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import Term
 from lightning_dp.utils.import_hooks import when_imported
 

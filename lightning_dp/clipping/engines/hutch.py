@@ -20,8 +20,8 @@ from abc import abstractmethod
 
 import torch
 
-from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
-from lightning_dp.clipping.projection import GradientOperator
+from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.engines.projection import GradientOperator
 from lightning_dp.clipping.terms import Factored, Term
 
 

@@ -4,8 +4,8 @@ standardisation, Brock et al. 2021, Section 4; De et al. 2022's convolutions).
 The layer convolves with ``w_hat_r = gain_r * a_r * c_r`` per output channel ``r``, where ``c_r = w_r - mean(w_r)``
 (``N`` values) and ``a_r = 1 / sqrt(max(|c_r|^2, eps))``. Sample ``i``'s gradient with respect to ``w_hat_r`` is
 the plain convolution's, ``v_ir = sum_t G_i[r, t] P_i[:, t]`` (output gradients ``G_i``, unfolded patches ``P_i``,
-:mod:`~lightning_dp.clipping.conv`). Pulled back through the standardisation, with ``u_r = a_r c_r`` (orthogonal to
-the all-ones vector; of unit norm when ``|c_r|^2 >= eps``) and ``p_ir = u_r . v_ir``:
+:mod:`~lightning_dp.clipping.layers.conv`). Pulled back through the standardisation, with ``u_r = a_r c_r``
+(orthogonal to the all-ones vector; of unit norm when ``|c_r|^2 >= eps``) and ``p_ir = u_r . v_ir``:
 
 - ``gain``: ``grad_ir = p_ir``;
 - ``weight``: ``grad_ir = gain_r a_r (v_ir - mean(v_ir) - d_r p_ir u_r)``, with ``d_r = 1`` when
@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from lightning_dp.clipping.conv import conv_patches, unfolded_weight_term
-from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.layers.conv import conv_patches, unfolded_weight_term
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, reduced, sample_scales, trainable
 from lightning_dp.weight_standardisation import WSConv2d, standardisation_scale
 

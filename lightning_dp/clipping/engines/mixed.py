@@ -22,8 +22,8 @@ Under book-keeping a materialised per-sample gradient that holds no more element
 sum_u T_u (P + Q)``, which the work rule implies up to a factor of about two) is formed whole and kept for the
 clipped sum, ``sum_i c_i g_i``, in place of the factors: the clipped sum then costs ``B P Q`` instead of the
 ``B T P Q`` of ``sum_i c_i L_i^T R_i``. The factors are freed when every parameter of their group is kept so
-(:meth:`~lightning_dp.clipping.engine.ClippingEngine.contribution_and_gradient`); forming the whole gradient and its
-squares takes up to twice its size for a moment. For a 50257-wide output head at ``T = 512`` this removes a quarter
+(:meth:`~lightning_dp.clipping.engines.base.ClippingEngine.contribution_and_gradient`); forming the whole gradient and
+its squares takes up to twice its size for a moment. For a 50257-wide output head at ``T = 512`` this removes a quarter
 of the step's work at the same peak memory (docs/performance.md).
 """
 
@@ -33,14 +33,14 @@ import math
 
 import torch
 
-from lightning_dp.clipping.engine import (
+from lightning_dp.clipping.engines.base import (
     ClippingEngine,
     gradient_fits,
     materialised_contribution,
     materialised_contribution_and_gradient,
     register_engine,
 )
-from lightning_dp.clipping.ghost import gram_squared_norm
+from lightning_dp.clipping.engines.ghost import gram_squared_norm
 from lightning_dp.clipping.terms import Factored, Term
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import (
     Factored,
     Materialised,

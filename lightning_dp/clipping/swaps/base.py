@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dp.clipping.registry import UnsupportedModuleError
+from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.registration import Registry, qualified_name
 
 log = logging.getLogger("lightning_dp")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dp.clipping.engine import (
+from lightning_dp.clipping.engines.base import (
     ClippingEngine,
     materialised_contribution,
     materialised_contribution_and_gradient,

@@ -1,11 +1,12 @@
-"""``nn.MultiheadAttention`` through hooked linear layers: an in-place, weight-preserving swap (see :mod:`swap`).
+"""``nn.MultiheadAttention`` through hooked linear layers: an in-place, weight-preserving swap (see
+:mod:`~lightning_dp.clipping.swaps.base`).
 
 ``nn.MultiheadAttention`` uses its packed ``in_proj_weight`` ``[3E, E]``, ``in_proj_bias`` ``[3E]`` and
 ``out_proj.weight`` inside ``F.multi_head_attention_forward``, so no hook sees them. The swapped class computes the
 same function (Vaswani et al. 2017, "Attention is all you need", Section 3.2; the masking, dropout and
 ``need_weights`` semantics of ``F.multi_head_attention_forward``) with the projections as hooked layer calls:
 
-- ``dp_in_proj``, a :class:`~lightning_dp.clipping.swap.SharedLinear` over ``in_proj_weight``/``in_proj_bias``,
+- ``dp_in_proj``, a :class:`~lightning_dp.clipping.swaps.base.SharedLinear` over ``in_proj_weight``/``in_proj_bias``,
   called once on the query for self-attention (``query is key is value``), which is the packed projection of the
   original; for cross-attention it is called on each distinct input and the rows of the other projections are
   dropped (their output gradient is zero, so the per-sample gradients are exact, at up to 3x the projection cost);
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.clipping.swap import SharedLinear, SwappedModule, register_swap
+from lightning_dp.clipping.swaps.base import SharedLinear, SwappedModule, register_swap
 
 
 @register_swap(nn.MultiheadAttention)

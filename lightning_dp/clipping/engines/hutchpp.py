@@ -11,16 +11,16 @@ which is unbiased (the tail is Hutchinson's estimate of ``tr((I - Q Q^T) M^T M (
 captures the top of the spectrum exactly, so its error is far below Hutchinson's for gradients with a decaying
 spectrum. The seed writes the sketch as ``A^T (G S)`` (the range of ``M`` itself); we use ``M^T M S``, the range
 of the trace argument, which is Meyer et al.'s construction. Memory ``B (T + m + n) k`` per parameter (the basis
-is per sample); materialised terms are exact as in :mod:`~lightning_dp.clipping.hutch`.
+is per sample); materialised terms are exact as in :mod:`~lightning_dp.clipping.engines.hutch`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_dp.clipping.engine import register_engine
-from lightning_dp.clipping.hutch import RandomizedEngine
-from lightning_dp.clipping.projection import GradientOperator
+from lightning_dp.clipping.engines.base import register_engine
+from lightning_dp.clipping.engines.hutch import RandomizedEngine
+from lightning_dp.clipping.engines.projection import GradientOperator
 
 
 @register_engine

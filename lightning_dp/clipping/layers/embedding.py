@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import Factored, Term, compute_dtype
 
 

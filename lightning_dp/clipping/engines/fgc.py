@@ -5,15 +5,15 @@ One parameter (one layer) at a time: its per-sample gradients are materialised, 
 before the next parameter, so peak extra memory is ``B * numel`` of the largest parameter. For a linear map applied
 once per sample (``T = 1``) the per-sample gradient is the outer product ``g_i a_i^T`` and its squared norm is
 ``||g_i||^2 ||a_i||^2`` (Lee & Kifer, Section 4), computed without forming it (the ``1 x 1`` Gram case of
-:func:`~lightning_dp.clipping.ghost.gram_squared_norm`). Exact; l2 only.
+:func:`~lightning_dp.clipping.engines.ghost.gram_squared_norm`). Exact; l2 only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
-from lightning_dp.clipping.ghost import gram_squared_norm
+from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.engines.ghost import gram_squared_norm
 from lightning_dp.clipping.terms import Factored, Term
 
 

@@ -1,10 +1,10 @@
 """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` through hooked linear layers: in-place, weight-preserving swaps (see
-:mod:`~lightning_dp.clipping.swap`).
+:mod:`~lightning_dp.clipping.swaps.base`).
 
 The fused recurrent kernels use all weights functionally, so no hook sees them. The swapped classes unroll the
 recurrence in Python with the cell equations of the PyTorch documentation (Elman RNN with tanh/ReLU; LSTM,
 Hochreiter & Schmidhuber 1997, with ``proj_size``; GRU, Cho et al. 2014), each weight used through a
-:class:`~lightning_dp.clipping.swap.SharedLinear` proxy that registers the module's own parameter objects (kept in
+:class:`~lightning_dp.clipping.swaps.base.SharedLinear` proxy that registers the module's own parameter objects (kept in
 one ``dp_proxies`` container, e.g. ``dp_proxies["ih_l0_reverse"]``):
 
 - ``ih_l{k}{_reverse}`` (``weight_ih``/``bias_ih``): called ONCE per layer and direction on the whole sequence
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from lightning_dp.clipping.swap import SharedLinear, SwappedModule, register_swap
+from lightning_dp.clipping.swaps.base import SharedLinear, SwappedModule, register_swap
 
 Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 

@@ -8,7 +8,7 @@ INPUT position; positions added by ``output_padding`` beyond the un-padded outpu
 them) and inputs ``X_i``
 (``L x C_in``), and ``grad W_i = X_i^T P_i`` for ``W`` of shape ``[C_in, C_out / groups, *kernel]``
 (docs/design.md section 4.2). ``groups > 1`` is materialised per group as for
-:mod:`~lightning_dp.clipping.conv`; ``grad b_i = sum_l G_i[:, l]``.
+:mod:`~lightning_dp.clipping.layers.conv`; ``grad b_i = sum_l G_i[:, l]``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.clipping.conv import unfold, unfolded_weight_term
-from lightning_dp.clipping.registry import register_layer
+from lightning_dp.clipping.layers.conv import unfold, unfolded_weight_term
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import Term, compute_dtype, reduced, trainable
 
 ConvTranspose = nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d

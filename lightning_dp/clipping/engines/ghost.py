@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dp.clipping.engine import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
 from lightning_dp.clipping.terms import Factored, Term
 
 

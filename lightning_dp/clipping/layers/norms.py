@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from lightning_dp.clipping.registry import register_layer, register_layer_rule
+from lightning_dp.clipping.layers.registry import register_layer, register_layer_rule
 from lightning_dp.clipping.terms import Term, compute_dtype, reduced, trainable
 
 

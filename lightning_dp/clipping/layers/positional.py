@@ -7,7 +7,7 @@ output gradient ``G_i`` (Dosovitskiy et al. 2021, "An image is worth 16x16 words
 materialised.
 
 - torchvision ``VisionTransformer`` (``class_token``) and its ``Encoder`` (``pos_embedding``) use these parameters
-  inline, so they are swapped in place (:mod:`~lightning_dp.clipping.swap`, matched by class name; torchvision is
+  inline, so they are swapped in place (:mod:`~lightning_dp.clipping.swaps.base`, matched by class name; torchvision is
   not imported) to classes calling :class:`SharedTokenPrepend` / :class:`SharedPositionAdd` proxies.
 - HF ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``) is covered by a rule on its output, which is
   ``dropout(cat(cls, patches) + position_embeddings)``: exact when that dropout is inactive (``hidden_dropout_prob
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dp.clipping.registry import register_layer, register_layer_rule
-from lightning_dp.clipping.swap import Proxy, SwappedModule, register_swap
+from lightning_dp.clipping.layers.registry import register_layer, register_layer_rule
+from lightning_dp.clipping.swaps.base import Proxy, SwappedModule, register_swap
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
 
 
