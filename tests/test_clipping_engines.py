@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dp.clipping import ENGINES, make_engine
+from lightning_dp.clipping import ENGINES, make_clipping_engine
 from lightning_dp.clipping.engines.base import materialised_contribution
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
 from lightning_dp.clipping.terms import Factored, Materialised, materialise_sum
@@ -65,14 +65,16 @@ def test_fgc_rank_one_case_matches_materialised() -> None:
         torch.randn(4, 1, 5, generator=gen, dtype=torch.float64),
         torch.Size((6, 5)),
     )
-    torch.testing.assert_close(make_engine("fgc").contribution([term], 2), materialised_contribution([term], 2))
+    torch.testing.assert_close(
+        make_clipping_engine("fgc").contribution([term], 2), materialised_contribution([term], 2)
+    )
 
 
 def test_registry_lists_every_engine() -> None:
     assert set(ENGINES) == {"flat", "ghost", "fgc", "mixed", "hutch", "hutchpp"}
     assert [name for name, cls in ENGINES.items() if cls.randomized] == ["hutch", "hutchpp"]
     with pytest.raises(ValueError, match="Unknown clipping"):
-        make_engine("nope")
+        make_clipping_engine("nope")
 
 
 def test_materialise_sum_writes_no_term_and_promotes_dtype() -> None:

@@ -26,7 +26,7 @@ from lightning_dp.clipping.engines.base import (
     ClippingEngine,
     auto_engine,
     clipping_choices,
-    make_engine,
+    make_clipping_engine,
     register_engine,
 )
 from lightning_dp.clipping.layers.registry import (
@@ -45,7 +45,7 @@ __all__ = [
     "auto_engine",
     "clipping_choices",
     "find_layer_family",
-    "make_engine",
+    "make_clipping_engine",
     "register_engine",
     "register_layer",
     "register_layer_rule",

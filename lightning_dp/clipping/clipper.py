@@ -54,7 +54,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.clipped_sum import ClippedSumMixin
-from lightning_dp.clipping.engines.base import ClippingEngine, make_engine
+from lightning_dp.clipping.engines.base import ClippingEngine, make_clipping_engine
 from lightning_dp.clipping.groups import (
     Bounds,
     ClippingGroups,
@@ -162,7 +162,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         validate_multiplicity(augmentation_multiplicity)
         if norm not in (1, 2):
             raise ValueError(f"norm must be 1 or 2, got {norm!r}")
-        self._engine: ClippingEngine = make_engine(clipping, projection_dim=projection_dim)
+        self._engine: ClippingEngine = make_clipping_engine(clipping, projection_dim=projection_dim)
         if norm == 1 and not self._engine.supports_l1:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
         validate_bounds(max_grad_norm)

@@ -156,7 +156,7 @@ def auto_engine(norm: int) -> tuple[str, str]:
     raise ValueError(f"norm must be 1 or 2, got {norm!r}")
 
 
-def make_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngine:
+def make_clipping_engine(name: str, *, projection_dim: int | None = None) -> ClippingEngine:
     """Build the engine registered as ``name``.
 
     Args:
