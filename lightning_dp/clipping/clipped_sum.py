@@ -7,6 +7,9 @@ attributes (set by ``PerSampleClipper.__init__``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
@@ -15,12 +18,15 @@ from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
     """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
     of the captured activations and output gradients. Materialised terms are not counted: most are of vector-sized
     parameters (a weight-standardised convolution's weight term is an exception, docs/design.md section 4.2)."""
-    captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad)}
+    captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad) if t is not None}
     for param_terms in terms.values():
         for term in param_terms:
             if isinstance(term, Factored):
@@ -37,7 +43,7 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
     that every rank issues for the same parameters in the same order)."""
     clipped = clipped.to(param.dtype)
     if is_sharded(param):
-        clipped = sum_into_shard(clipped, param)
+        clipped = sum_into_shard(clipped, cast("DTensor", param))
     if param.grad is None:
         param.grad = clipped
     else:
@@ -52,6 +58,8 @@ class ClippedSumMixin:
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
     _past_finite: torch.Tensor | None
+    # a method of SampleNormsMixin, another base of PerSampleClipper
+    _terms: Callable[[list[Capture], int], dict[nn.Parameter, list[Term]]]
 
     def _kept_for_sum(
         self,

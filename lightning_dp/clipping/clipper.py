@@ -61,6 +61,7 @@ from lightning_dp.clipping.groups import (
     GroupsSpec,
     check_grouped_clipping,
     resolve_clipping_groups,
+    single_bound,
     validate_bounds,
     validate_clipping_groups,
 )
@@ -180,7 +181,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._group_of: dict[nn.Parameter, int] = {}
         #: the clipping bound of flat clipping (adaptive clipping moves it between steps); with groups, the l2
         #: sensitivity ``sqrt(sum_g C_g^2)`` of the clipped sum (read only: the groups' bounds clip).
-        self.max_grad_norm = float(max_grad_norm) if clipping_groups is None else 0.0
+        self.max_grad_norm = single_bound(max_grad_norm) if clipping_groups is None else 0.0
         #: ``[G, B]`` the per-group norms of the last clipped batch with groups (``None`` without).
         self.last_group_norms: torch.Tensor | None = None
         self.norm = norm
@@ -291,6 +292,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     def _check_trainable_set(self) -> None:
         """Raise ``ValueError`` if the parameters with ``requires_grad`` differ from those at construction
         (:func:`~.validation.check_trainable_set`)."""
+        current: dict[object, str]
+        known: dict[object, str]
         if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded), tied ones too: compare every name
             current = {
                 name: name for name, p in self.module.named_parameters(remove_duplicate=False) if p.requires_grad
@@ -349,7 +352,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 self.sum_check_postponed = keep is not None
             if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
                 self._checked_batches += 1
-            if accumulate:
+            if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
                 factors = clip_factors(bound, self._group_bounds())  # [G, B]
                 if keep is not None:

@@ -31,6 +31,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeGuard, cast
 
 from lightning_dp.utils.naming import did_you_mean
 
@@ -43,9 +44,14 @@ GroupsSpec = str | Sequence[Sequence[str]] | None
 Bounds = float | Sequence[float]
 
 
-def is_bound_list(max_grad_norm: object) -> bool:
+def is_bound_list(max_grad_norm: object) -> TypeGuard[Sequence[Any]]:
     """Whether ``max_grad_norm`` is a list (any sequence but a string) of bounds, one per group."""
     return isinstance(max_grad_norm, Sequence) and not isinstance(max_grad_norm, str)
+
+
+def single_bound(max_grad_norm: Bounds) -> float:
+    """The bound of a ``max_grad_norm`` that is one number (not a list: :func:`is_bound_list`), as a float."""
+    return float(cast(float, max_grad_norm))
 
 
 def _bound_list(max_grad_norm: Bounds) -> list[float] | None:
@@ -79,7 +85,8 @@ def validate_bounds(max_grad_norm: Bounds) -> None:
 
 
 def _positive_finite(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < value < math.inf
+    # numbers.Real declares no comparison with int for the type checker; every Real compares with numbers
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 < cast(float, value) < math.inf
 
 
 def validate_clipping_groups(clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
@@ -132,7 +139,7 @@ def sensitivity(max_grad_norm: Bounds) -> float:
     (He et al. 2022, Section 3). A number split over ``G`` groups keeps ``C``: ``sqrt(G (C / sqrt(G))^2) = C``."""
     bounds = _bound_list(max_grad_norm)
     if bounds is None:
-        return float(max_grad_norm)
+        return single_bound(max_grad_norm)
     return math.sqrt(math.fsum(bound * bound for bound in bounds))
 
 
@@ -249,7 +256,7 @@ def resolve_clipping_groups(
             )
     bounds = _bound_list(max_grad_norm)
     if bounds is None:
-        bounds = [float(max_grad_norm) / math.sqrt(len(labels))] * len(labels)
+        bounds = [single_bound(max_grad_norm) / math.sqrt(len(labels))] * len(labels)
     elif len(bounds) != len(labels):
         listing = ", ".join(f"{g}: {label}" for g, label in enumerate(labels))
         raise ValueError(

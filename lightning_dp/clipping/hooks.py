@@ -75,10 +75,11 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return next(iter(kwargs.values()), None)
 
 
-def _is_reshape_of_base(output: torch.Tensor) -> bool:
-    """Whether ``output`` is a view holding all of its contiguous base in the same order (a pure reshape)."""
+def _reshaped_base(output: torch.Tensor) -> torch.Tensor | None:
+    """``output``'s base when ``output`` is a view holding all of its contiguous base in the same order (a pure
+    reshape), else None."""
     base = output._base
-    return (
+    is_reshape = (
         base is not None
         and base.requires_grad
         and base.grad_fn is not None
@@ -87,6 +88,7 @@ def _is_reshape_of_base(output: torch.Tensor) -> bool:
         and output.numel() == base.numel()
         and output.storage_offset() == base.storage_offset()
     )
+    return base if is_reshape else None
 
 
 class CaptureHooks:
@@ -143,15 +145,16 @@ class CaptureHooks:
             if not self._recording() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             replaced = None
-            if _is_reshape_of_base(output):
-                edge = get_gradient_edge(output._base)
+            base = _reshaped_base(output)
+            if base is not None:
+                edge = get_gradient_edge(base)
             else:
                 if output._base is not None:
                     # Another kind of view would leave the graph if modified in place; a copy owns its storage
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
-            leaves = dict(module.named_parameters(recurse=False))
+            leaves: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             self.captures.append(
                 Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves, values)

@@ -5,7 +5,10 @@ past iterates, with their weights, kept until the next clip, and whether each sa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch import nn
 
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 
@@ -15,6 +18,9 @@ class PastIteratesMixin:
     :class:`~lightning_dp.clipping.clipper.PerSampleClipper`, not used alone)."""
 
     _hooks: CaptureHooks
+    # methods of the other bases of PerSampleClipper
+    _batch_size: Callable[[torch.Tensor], int]
+    _backward_pass: Callable[..., tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]]
 
     def _init_past_iterates(self) -> None:
         """No past iterate (called once by ``PerSampleClipper.__init__``)."""

@@ -12,6 +12,7 @@ it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -68,6 +69,16 @@ class SampleNormsMixin:
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
     augmentation_multiplicity: int
+    # of PerSampleClipper and its other base ClippedSumMixin
+    _kept_for_sum: Callable[
+        [dict[nn.Parameter, list[Term]], list[Capture], dict[nn.Parameter, torch.Tensor]],
+        dict[nn.Parameter, list[Term]] | list[Capture],
+    ]
+
+    if TYPE_CHECKING:
+
+        @property
+        def _norm_dtype(self) -> torch.dtype: ...  # PerSampleClipper's
 
     def _group_count(self) -> int:
         """``G``, the number of clipping groups (1 for flat clipping)."""
@@ -97,7 +108,8 @@ class SampleNormsMixin:
         inputs = [c.edge for c in captures] + [leaf for _, leaf in leaves]
         total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
         with self._hooks.suspended():
-            grads = torch.autograd.grad(total, inputs, allow_unused=True)
+            # edges and tensors mixed: torch.autograd.grad takes them, its annotation wants one kind
+            grads = torch.autograd.grad(total, inputs, allow_unused=True)  # type: ignore[arg-type]
         for capture, grad in zip(captures, grads[: len(captures)], strict=True):
             capture.output_grad = None if grad is None else grad.view(capture.output_shape)
         reached = [c for c in captures if c.output_grad is not None]
@@ -106,11 +118,12 @@ class SampleNormsMixin:
         batch_grads: dict[nn.Parameter, torch.Tensor | None] = dict.fromkeys(self._params)
         for (param, _), grad in zip(leaves, grads[len(captures) :], strict=True):
             if grad is not None:
-                batch_grads[param] = grad if batch_grads[param] is None else batch_grads[param] + grad
+                previous = batch_grads[param]
+                batch_grads[param] = grad if previous is None else previous + grad
         captures = reached
         captured = {id(self._registered[key]) for c in captures for key in _keys(c) if key in self._registered}
-        for param, grad in batch_grads.items():
-            if grad is not None and id(param) not in captured:
+        for param, param_grad in batch_grads.items():
+            if param_grad is not None and id(param) not in captured:
                 raise UnsupportedModuleError(
                     f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
                     "is used outside its module's forward (e.g. functionally by a parent module, as "
@@ -162,9 +175,11 @@ class SampleNormsMixin:
                         "per-sample gradients would be computed from the modified values; replace the in-place op "
                         "that follows it (e.g. x.mul_(s) -> x = x * s)"
                     )
-                check_rows(capture.name, capture.output_grad.shape[0], batch, copies)
+                output_grad = capture.output_grad
+                assert output_grad is not None  # only captures the backward pass reached are passed here
+                check_rows(capture.name, output_grad.shape[0], batch, copies)
                 extra = () if capture.parameter_values is None else (capture.parameter_values,)
-                layer_terms = capture.family.terms(capture.module, capture.activation, capture.output_grad, *extra)
+                layer_terms = capture.family.terms(capture.module, capture.activation, output_grad, *extra)
                 for name, term in layer_terms.items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, copies))
         return terms
@@ -218,6 +233,7 @@ class SampleNormsMixin:
                     checker.add(param, now_terms[param], batch_grads.pop(param, None))
                 generator = None
                 if self._engine.randomized:
+                    assert self._generator_for is not None  # required with a randomized engine (the constructor)
                     generator = self._generator_for(param_terms[0].device)
                 if kept is not None:
                     contribution, grad = self._engine.contribution_and_gradient(param_terms, self.norm, generator)
@@ -227,7 +243,8 @@ class SampleNormsMixin:
                     contribution = self._engine.contribution(param_terms, self.norm, generator)
                 clip_group = 0 if self.groups is None else self._group_of[param]
                 totals[clip_group] = totals[clip_group] + contribution.to(dtype)
-                scale = sum(term.rounding_scales(self.norm).to(dtype) for term in param_terms)
+                # a tensor: ``param_terms`` is not empty (one per use)
+                scale = cast(torch.Tensor, sum(term.rounding_scales(self.norm).to(dtype) for term in param_terms))
                 scales[clip_group] = scales[clip_group] + (scale.square() if self.norm == 2 else scale)
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, group, grads))

@@ -7,6 +7,8 @@ and the check runs on a schedule (docs/design.md section 4.4).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -34,7 +36,10 @@ def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter],
         return True
     if any(p.dtype in _REDUCED_DTYPES for p in params):
         return True
-    if any(c.activation.dtype in _REDUCED_DTYPES or c.output_grad.dtype in _REDUCED_DTYPES for c in captures):
+    if any(
+        c.activation.dtype in _REDUCED_DTYPES or (c.output_grad is not None and c.output_grad.dtype in _REDUCED_DTYPES)
+        for c in captures
+    ):
         return True
     if any(p.is_cuda and p.dtype == torch.float32 for p in params):
         if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
@@ -81,7 +86,8 @@ class SumCheck:
         reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
         device = self.diffs[0].device if self.diffs else ours.device
         allowance = ROUNDING_RTOL_REDUCED if self.reduced else ROUNDING_EPSILONS * torch.finfo(ours.dtype).eps
-        rounding = sum(term.rounding_scales(2).sum().to(device, torch.float32) for term in terms)
+        # a tensor: ``terms`` is not empty (one per use of the parameter)
+        rounding = cast(torch.Tensor, sum(term.rounding_scales(2).sum().to(device, torch.float32) for term in terms))
         self.params.append(param)
         self.diffs.append((ours - reference).norm().float().to(device))
         self.scales.append(torch.maximum(ours.norm(), reference.norm()).float().to(device))

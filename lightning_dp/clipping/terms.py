@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -201,7 +203,7 @@ def term_elements(term: Term) -> int:
     return term.grad.numel()
 
 
-def materialise_sum(terms: list[Term]) -> torch.Tensor:
+def materialise_sum(terms: Sequence[Term]) -> torch.Tensor:
     """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]`` in the terms' promoted
     dtype. A single term is returned as it materialises (no copy; callers do not write into it); several are summed
     in one new buffer, the first factored term's product (or a copy of a materialised term), into which the other
@@ -218,7 +220,12 @@ def materialise_sum(terms: list[Term]) -> torch.Tensor:
     return total
 
 
-def compute_dtype(param: nn.Parameter) -> torch.dtype:
+def all_factored(terms: Sequence[Term]) -> TypeGuard[Sequence[Factored]]:
+    """Whether every term is :class:`Factored` (the ghost and randomized norms need the factors)."""
+    return all(isinstance(term, Factored) for term in terms)
+
+
+def compute_dtype(param: torch.Tensor) -> torch.dtype:
     """Dtype for per-sample norm arithmetic: float64 for float64 parameters, else float32 (safe under autocast)."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
@@ -226,6 +233,12 @@ def compute_dtype(param: nn.Parameter) -> torch.dtype:
 def as_sequence(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reshape ``[B, *lead, d]`` to ``[B, T, d]`` with ``T = prod(lead)`` (``T = 1`` for ``[B, d]``), cast to dtype."""
     return x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype)
+
+
+def tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """``layer``'s tensor attribute ``name`` (a parameter, as a layer family reads it; under FSDP2 the unsharded
+    tensor the module holds during its call), typed as the tensor it is (``nn.Module.__getattr__`` is untyped)."""
+    return cast(torch.Tensor, getattr(layer, name))
 
 
 def trainable(layer: nn.Module, name: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar, overload
 
 import torch
@@ -65,7 +65,7 @@ class ClippingEngine(ABC):
         return self.contribution(terms, norm, generator), None
 
 
-def materialised_contribution(terms: list[Term], norm: int) -> torch.Tensor:
+def materialised_contribution(terms: Sequence[Term], norm: int) -> torch.Tensor:
     """Exact contribution from the materialised per-sample gradient (memory ``B * param.numel()``)."""
     return gradient_contribution(materialise_sum(terms), norm)
 
@@ -76,14 +76,16 @@ def gradient_contribution(grad: torch.Tensor, norm: int) -> torch.Tensor:
     return flat.abs().sum(1) if norm == 1 else flat.square().sum(1)
 
 
-def materialised_contribution_and_gradient(terms: list[Term], norm: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def materialised_contribution_and_gradient(
+    terms: Sequence[Term], norm: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`materialised_contribution` and, when it is no larger than the terms (see
     :meth:`ClippingEngine.contribution_and_gradient`), the per-sample gradient it was computed from."""
     grad = materialise_sum(terms)
     return gradient_contribution(grad, norm), grad if gradient_fits(terms) else None
 
 
-def gradient_fits(terms: list[Term]) -> bool:
+def gradient_fits(terms: Sequence[Term]) -> bool:
     """Whether the per-sample gradient ``[B, *param.shape]`` of ``terms`` holds no more elements than the terms."""
     first = terms[0]
     size = first.grad.numel() if isinstance(first, Materialised) else first.right.shape[0] * math.prod(first.shape)

@@ -14,7 +14,7 @@ import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
 from lightning_dp.clipping.engines.ghost import gram_squared_norm
-from lightning_dp.clipping.terms import Factored, Term
+from lightning_dp.clipping.terms import Term, all_factored
 
 
 @register_engine
@@ -25,6 +25,6 @@ class FgcEngine(ClippingEngine):
 
     def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Per-sample squared l2 norm of the parameter's gradient summed over its uses: ``[B]``."""
-        if all(isinstance(term, Factored) and term.right.shape[1] == 1 for term in terms):
+        if all_factored(terms) and all(term.right.shape[1] == 1 for term in terms):
             return gram_squared_norm(terms)
         return materialised_contribution(terms, norm)

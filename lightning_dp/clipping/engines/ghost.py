@@ -14,10 +14,12 @@ over uses (exact; these parameters are small). l2 only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
-from lightning_dp.clipping.terms import Factored, Term
+from lightning_dp.clipping.terms import Factored, Term, all_factored
 
 
 def left_gram(u: Factored, v: Factored) -> torch.Tensor:
@@ -36,7 +38,7 @@ def left_gram(u: Factored, v: Factored) -> torch.Tensor:
 MERGE_ROWS = 256
 
 
-def merge_uses(terms: list[Factored]) -> list[Factored]:
+def merge_uses(terms: Sequence[Factored]) -> list[Factored]:
     """Concatenate consecutive uses of the same kind (dense or ids) along the sequence, up to ``max(MERGE_ROWS,
     longest use)`` rows per merged use: exact, since ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``.
 
@@ -63,7 +65,7 @@ def merge_uses(terms: list[Factored]) -> list[Factored]:
     ]
 
 
-def gram_squared_norm(terms: list[Factored]) -> torch.Tensor:
+def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
     """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (after
     :func:`merge_uses`)."""
     terms = merge_uses(terms)
@@ -85,6 +87,6 @@ class GhostEngine(ClippingEngine):
 
     def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Per-sample squared l2 norm of the parameter's gradient summed over its uses: ``[B]``."""
-        if all(isinstance(term, Factored) for term in terms):
+        if all_factored(terms):
             return gram_squared_norm(terms)
         return materialised_contribution(terms, norm)

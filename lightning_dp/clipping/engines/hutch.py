@@ -22,7 +22,7 @@ import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
 from lightning_dp.clipping.engines.projection import GradientOperator
-from lightning_dp.clipping.terms import Factored, Term
+from lightning_dp.clipping.terms import Term, all_factored
 
 
 def norm_dim(params: list[torch.nn.Parameter]) -> int:
@@ -55,7 +55,7 @@ class RandomizedEngine(ClippingEngine):
         Raises:
             ValueError: no ``generator``.
         """
-        if not all(isinstance(term, Factored) for term in terms):
+        if not all_factored(terms):
             return materialised_contribution(terms, norm)
         if generator is None:
             raise ValueError(f"clipping={self.name!r} needs a generator for its random projections")

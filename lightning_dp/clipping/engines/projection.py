@@ -9,6 +9,8 @@ Section 4: project the larger dimension). Token-id factors (embeddings) are appl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lightning_dp.clipping.terms import Factored
@@ -42,7 +44,7 @@ class GradientOperator:
         cols: ``n``, the larger side, projected by the randomized engines.
     """
 
-    def __init__(self, terms: list[Factored]) -> None:
+    def __init__(self, terms: Sequence[Factored]) -> None:
         self.terms = terms
         p = terms[0].shape[0]
         q = terms[0].right.shape[-1]
@@ -57,25 +59,29 @@ class GradientOperator:
 
     def times(self, x: torch.Tensor) -> torch.Tensor:
         """``M_i x``: ``[B, m, k]`` for ``x`` of shape ``[n, k]`` (one matrix for all samples) or ``[B, n, k]``."""
-        total = None
-        for term in self.terms:
-            if self.left_is_larger:  # M = grad^T = R^T L
-                part = torch.bmm(term.right.transpose(1, 2), _left_times(term, x))
-            else:  # M = grad = L^T R
-                part = _left_transposed_times(term, torch.matmul(term.right, x))
-            total = part if total is None else total + part
+        total = self._term_times(self.terms[0], x)
+        for term in self.terms[1:]:
+            total = total + self._term_times(term, x)
         return total
+
+    def _term_times(self, term: Factored, x: torch.Tensor) -> torch.Tensor:
+        """One use's part of :meth:`times`."""
+        if self.left_is_larger:  # M = grad^T = R^T L
+            return torch.bmm(term.right.transpose(1, 2), _left_times(term, x))
+        return _left_transposed_times(term, torch.matmul(term.right, x))  # M = grad = L^T R
 
     def transposed_times(self, y: torch.Tensor) -> torch.Tensor:
         """``M_i^T y_i``: ``[B, n, k]`` for ``y`` of shape ``[B, m, k]``."""
-        total = None
-        for term in self.terms:
-            if self.left_is_larger:  # M^T = grad = L^T R
-                part = _left_transposed_times(term, torch.bmm(term.right, y))
-            else:  # M^T = grad^T = R^T L
-                part = torch.bmm(term.right.transpose(1, 2), _left_times(term, y))
-            total = part if total is None else total + part
+        total = self._term_transposed_times(self.terms[0], y)
+        for term in self.terms[1:]:
+            total = total + self._term_transposed_times(term, y)
         return total
+
+    def _term_transposed_times(self, term: Factored, y: torch.Tensor) -> torch.Tensor:
+        """One use's part of :meth:`transposed_times`."""
+        if self.left_is_larger:  # M^T = grad = L^T R
+            return _left_transposed_times(term, torch.bmm(term.right, y))
+        return torch.bmm(term.right.transpose(1, 2), _left_times(term, y))  # M^T = grad^T = R^T L
 
     def gaussian(self, k: int, generator: torch.Generator) -> torch.Tensor:
         """A fresh ``n x k`` matrix with i.i.d. ``N(0, 1/k)`` entries from ``generator`` (seed Algorithm 2, line 4)."""

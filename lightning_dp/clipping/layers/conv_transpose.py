@@ -13,6 +13,8 @@ them) and inputs ``X_i``
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +40,8 @@ def conv_transpose_terms(layer: ConvTranspose, activation: torch.Tensor, output_
     grads = output_grad.to(dtype)
     terms: dict[str, Term] = {}
     if layer.weight.requires_grad:
-        padded = F.pad(grads, [p for p in reversed(layer.padding) for _ in range(2)])
+        padding = cast(tuple[int, ...], layer.padding)  # transposed convolutions take no string padding
+        padded = F.pad(grads, [p for p in reversed(padding) for _ in range(2)])
         for dim, (n, k, d, s) in enumerate(
             zip(activation.shape[2:], layer.kernel_size, layer.dilation, layer.stride, strict=True), start=2
         ):  # crop the output_padding positions that lie beyond the un-padded full output

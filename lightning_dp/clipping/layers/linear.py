@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_dp.clipping.layers.registry import register_layer
-from lightning_dp.clipping.terms import Factored, Term, as_sequence, compute_dtype, reduced, trainable
+from lightning_dp.clipping.terms import Factored, Term, as_sequence, compute_dtype, reduced, tensor, trainable
 
 
 def affine_terms(
@@ -25,13 +25,14 @@ def affine_terms(
         activation: its input ``[B, *lead, d_in]``.
         output_grad: gradient w.r.t. its output ``[B, *lead, d_out]``.
     """
-    dtype = compute_dtype(layer.weight)
+    weight = tensor(layer, "weight")
+    dtype = compute_dtype(weight)
     grads = as_sequence(output_grad, dtype)
     terms: dict[str, Term] = {}
-    if layer.weight.requires_grad:
+    if weight.requires_grad:
         inputs = as_sequence(activation, dtype)
         left, right = (inputs, grads) if transposed_weight else (grads, inputs)
-        terms["weight"] = Factored(left, right, layer.weight.shape)
+        terms["weight"] = Factored(left, right, weight.shape)
     if trainable(layer, "bias"):
         terms["bias"] = reduced(grads, (1,))
     return terms

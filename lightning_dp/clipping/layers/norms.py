@@ -15,13 +15,15 @@ dims, and the output must be affine in ``weight`` (``xhat * w`` as in Llama, or 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 from lightning_dp.clipping.layers.registry import register_layer, register_layer_rule
-from lightning_dp.clipping.terms import Term, compute_dtype, reduced, trainable
+from lightning_dp.clipping.terms import Term, compute_dtype, reduced, tensor, trainable
 
 
 def _affine_terms(
@@ -90,8 +92,9 @@ def is_scale_only_rms_norm(module: nn.Module) -> bool:
 @register_layer_rule(is_scale_only_rms_norm)
 def scale_only_norm_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
     """Term for ``weight`` of a third-party RMS norm, with ``xhat = f(x; w=1) - f(x; w=0)``."""
-    weight = layer.weight
-    like = {"dtype": weight.dtype, "device": activation.device}  # plain tensors even for a sharded weight
+    weight = tensor(layer, "weight")
+    # plain tensors even for a sharded weight
+    like: dict[str, Any] = {"dtype": weight.dtype, "device": activation.device}
     with torch.no_grad():
         ones = functional_call(layer, {"weight": torch.ones(weight.shape, **like)}, (activation,))
         zeros = functional_call(layer, {"weight": torch.zeros(weight.shape, **like)}, (activation,))

@@ -16,12 +16,15 @@ materialised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import torch
 from torch import nn
 
 from lightning_dp.clipping.layers.registry import register_layer, register_layer_rule
 from lightning_dp.clipping.swaps.base import Proxy, SwappedModule, register_swap
-from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, trainable
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, tensor, trainable
 
 
 class SharedPositionAdd(Proxy):
@@ -47,7 +50,7 @@ class SharedTokenPrepend(Proxy):
         return torch.cat([self.weight.expand(x.shape[0], -1, -1), x], dim=1)
 
 
-def _broadcast_grad(param: nn.Parameter, grads: torch.Tensor, what: str) -> Materialised:
+def _broadcast_grad(param: torch.Tensor, grads: torch.Tensor, what: str) -> Materialised:
     """``grad_i = G_i`` reshaped to ``param`` ``[1, *shape]`` (``G`` ``[B, *shape]``)."""
     if tuple(grads.shape[1:]) != tuple(param.shape[1:]):
         raise ValueError(
@@ -83,6 +86,13 @@ def token_prepend_terms(
 class DPTorchvisionEncoder(SwappedModule):
     """torchvision ``Encoder`` with ``input + pos_embedding`` through a :class:`SharedPositionAdd` proxy."""
 
+    # torchvision's Encoder's (this class is mixed into it), and the proxy
+    pos_embedding: nn.Parameter
+    dropout: nn.Module
+    layers: nn.Module
+    ln: nn.Module
+    dp_pos_embedding: SharedPositionAdd
+
     def add_proxies(self) -> list[str]:
         self.add_module("dp_pos_embedding", SharedPositionAdd(self.pos_embedding))
         return ["dp_pos_embedding"]
@@ -97,6 +107,13 @@ class DPTorchvisionEncoder(SwappedModule):
 @register_swap("torchvision.models.vision_transformer.VisionTransformer")
 class DPTorchvisionViT(SwappedModule):
     """torchvision ``VisionTransformer`` with the class token prepended through a :class:`SharedTokenPrepend`."""
+
+    # torchvision's VisionTransformer's (this class is mixed into it), and the proxy
+    class_token: nn.Parameter
+    encoder: nn.Module
+    heads: nn.Module
+    _process_input: Callable[[torch.Tensor], torch.Tensor]
+    dp_class_token: SharedTokenPrepend
 
     def add_proxies(self) -> list[str]:
         self.add_module("dp_class_token", SharedTokenPrepend(self.class_token))
@@ -113,9 +130,10 @@ def _is_hf_vit_embeddings(module: nn.Module) -> bool:
 
 
 def _check_hf_vit_embeddings(layer: nn.Module) -> str | None:
-    if layer.dropout.p > 0:
+    dropout = cast(nn.Dropout, layer.dropout)
+    if dropout.p > 0:
         return (
-            f"its dropout (p={layer.dropout.p}) follows the position embedding, so that embedding's per-sample "
+            f"its dropout (p={dropout.p}) follows the position embedding, so that embedding's per-sample "
             "gradient cannot be recovered; set hidden_dropout_prob=0.0 (the ViT default)"
         )
     if trainable(layer, "mask_token"):
@@ -128,9 +146,11 @@ def hf_vit_embeddings_terms(layer: nn.Module, activation: torch.Tensor, output_g
     from the output gradient ``[B, 1 + N, D]`` of HF ``ViTEmbeddings``."""
     terms: dict[str, Term] = {}
     if trainable(layer, "cls_token"):
-        terms["cls_token"] = _broadcast_grad(layer.cls_token, output_grad[:, : layer.cls_token.shape[1]], "cls_token")
+        cls_token = tensor(layer, "cls_token")
+        terms["cls_token"] = _broadcast_grad(cls_token, output_grad[:, : cls_token.shape[1]], "cls_token")
     if trainable(layer, "position_embeddings"):
-        terms["position_embeddings"] = _broadcast_grad(layer.position_embeddings, output_grad, "position_embeddings")
+        position = tensor(layer, "position_embeddings")
+        terms["position_embeddings"] = _broadcast_grad(position, output_grad, "position_embeddings")
     return terms
 
 

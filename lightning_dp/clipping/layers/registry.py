@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from torch import nn
 
@@ -19,6 +20,8 @@ from lightning_dp.clipping.terms import Term
 from lightning_dp.registration import Registry, qualified_name
 
 LayerTermsFn = Callable[..., dict[str, Term]]
+#: ``layer -> error message or None``; called with a module of the family's types (or matched by its rule).
+LayerCheck = Callable[[Any], str | None]
 
 
 class UnsupportedModuleError(ValueError):
@@ -43,7 +46,7 @@ class LayerFamily:
 
     terms: LayerTermsFn
     expand_batch: bool = False
-    check: Callable[[nn.Module], str | None] | None = None
+    check: LayerCheck | None = None
     reads_parameters: tuple[str, ...] = ()
 
 
@@ -65,7 +68,7 @@ _BY_RULE: Registry[str, tuple[Callable[[nn.Module], bool], LayerFamily]] = Regis
 def register_layer(
     *types: type[nn.Module],
     expand_batch: bool = False,
-    check: Callable[[nn.Module], str | None] | None = None,
+    check: LayerCheck | None = None,
     reads_parameters: tuple[str, ...] = (),
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
@@ -89,7 +92,7 @@ def register_layer(
 def register_layer_rule(
     rule: Callable[[nn.Module], bool],
     *,
-    check: Callable[[nn.Module], str | None] | None = None,
+    check: LayerCheck | None = None,
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for every module for which ``rule(module)`` is True
@@ -118,7 +121,7 @@ def find_layer_family(module: nn.Module) -> LayerFamily | None:
     if module_type in _BY_TYPE:
         return _BY_TYPE[module_type]
     for base in module_type.__mro__[1:]:
-        if base in _BY_TYPE and module_type.forward is base.forward:
+        if base in _BY_TYPE and module_type.forward is cast(type[nn.Module], base).forward:  # keys are module types
             return _BY_TYPE[base]
     for rule, family in _BY_RULE.values():
         if rule(module):

@@ -33,6 +33,8 @@ from lightning_dp.clipping.swaps.base import SharedLinear, SwappedModule, regist
 class DPMultiheadAttention(nn.MultiheadAttention, SwappedModule):
     """``nn.MultiheadAttention`` with its projections as hooked layer calls; see the module docstring."""
 
+    dp_in_proj: SharedLinear  # added by add_proxies
+
     @classmethod
     def swap_problem(cls, module: nn.Module) -> str | None:
         """Reject the configurations listed in the module docstring."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -51,7 +51,7 @@ class SharedLinear(Proxy, nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = weight
-        self.bias = bias
+        self.bias = bias  # type: ignore[assignment]  # None: no bias, as in nn.Linear(bias=False)
 
 
 class SwappedModule(nn.Module):
@@ -77,7 +77,7 @@ class SwappedModule(nn.Module):
 _SWAPS: Registry[type[nn.Module] | str, type[SwappedModule]] = Registry(
     "module swap", alternative="register it for a subclass instead"
 )
-_DYNAMIC: dict[tuple[type[SwappedModule], type[nn.Module]], type[nn.Module]] = {}
+_DYNAMIC: dict[tuple[type[SwappedModule], type[nn.Module]], type[SwappedModule]] = {}
 
 
 def register_swap(
@@ -135,18 +135,19 @@ def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:
     return [key for key in _SWAPS if isinstance(key, type) and qualified_name(key) == original]
 
 
-def _swapped_class(module: nn.Module) -> type[nn.Module] | None:
+def _swapped_class(module: nn.Module) -> type[SwappedModule] | None:
     """The swapped class for ``module``'s exact type, or None."""
     module_type = type(module)
-    cls = _SWAPS.get(module_type, None)
-    if cls is not None:
-        return cls
-    mixin = _SWAPS.get(qualified_name(module_type), None)
-    if mixin is None:
+    if module_type in _SWAPS:
+        return _SWAPS[module_type]
+    name = qualified_name(module_type)
+    if name not in _SWAPS:
         return None
+    mixin = _SWAPS[name]
     key = (mixin, module_type)
     if key not in _DYNAMIC:
-        _DYNAMIC[key] = type(f"DP{module_type.__name__}", (mixin, module_type), {"__module__": mixin.__module__})
+        namespace = {"__module__": mixin.__module__}
+        _DYNAMIC[key] = cast(type[SwappedModule], type(f"DP{module_type.__name__}", (mixin, module_type), namespace))
     return _DYNAMIC[key]
 
 

@@ -22,6 +22,8 @@ each recurrent weight.
 
 from __future__ import annotations
 
+from typing import Any, cast, overload
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,14 @@ Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 class _DPRecurrent(SwappedModule):
     """Shared unrolled forward of the swapped recurrent classes; subclasses define :meth:`cell`."""
+
+    # set by the recurrent module this class is mixed into (nn.RNNBase), and by add_proxies
+    num_layers: int
+    bidirectional: bool
+    hidden_size: int
+    batch_first: bool
+    dropout: float
+    dp_proxies: nn.ModuleDict
 
     def add_proxies(self) -> list[str]:
         """Add the ``dp_proxies`` container of :class:`SharedLinear` proxies (see the module docstring)."""
@@ -48,8 +58,9 @@ class _DPRecurrent(SwappedModule):
         self.add_module("dp_proxies", proxies)
         return ["dp_proxies"]
 
-    def cell(self, gates_x: torch.Tensor, state: Hidden, proxies: dict[str, nn.Module]) -> Hidden:
-        """One step: input gates ``[B, G * H]`` (``ih`` applied) and the previous state -> the new state."""
+    def cell(self, gates_x: torch.Tensor, state: Any, proxies: dict[str, nn.Module]) -> Any:
+        """One step: input gates ``[B, G * H]`` (``ih`` applied) and the previous state -> the new state (the state
+        is a :data:`Hidden`: ``h`` for RNN and GRU, ``(h, c)`` for LSTM, as each subclass's ``cell`` declares)."""
         raise NotImplementedError
 
     def _initial_state(self, hx: Hidden | None, batch: int, like: torch.Tensor) -> list[Hidden]:
@@ -84,7 +95,14 @@ class _DPRecurrent(SwappedModule):
             out[t] = h if keep is None else h * keep
         return torch.stack(out, dim=1), state
 
-    def forward(self, input: torch.Tensor | PackedSequence, hx: Hidden | None = None) -> tuple[object, Hidden]:
+    # the state's type depends on the subclass (h or (h, c)), as in the originals' own overloads
+    @overload
+    def forward(self, input: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]: ...
+    @overload
+    def forward(self, input: PackedSequence, hx: Any = None) -> tuple[PackedSequence, Any]: ...
+    def forward(
+        self, input: torch.Tensor | PackedSequence, hx: Hidden | None = None
+    ) -> tuple[torch.Tensor | PackedSequence, Hidden]:
         """As the original ``forward`` (batched or packed input).
 
         Raises:
@@ -124,20 +142,22 @@ class _DPRecurrent(SwappedModule):
             if order is not None:
                 x, lengths = x.index_select(0, order), lengths[order.cpu()]
             packed = pack_padded_sequence(x, lengths, batch_first=True)
-            output: object = PackedSequence(
+            output: torch.Tensor | PackedSequence = PackedSequence(
                 packed.data, packed.batch_sizes, input.sorted_indices, input.unsorted_indices
             )
         else:
             output = x if self.batch_first else x.transpose(0, 1)
         if isinstance(self, nn.LSTM):
             return output, (torch.stack([s[0] for s in finals]), torch.stack([s[1] for s in finals]))
-        return output, torch.stack(finals)
+        return output, torch.stack(cast(list[torch.Tensor], finals))  # RNN, GRU: each final state is h
 
 
 def _where(keep: torch.Tensor, new: Hidden, old: Hidden) -> Hidden:
+    """Per sample, ``new`` where ``keep`` else ``old`` (both ``h``, or both ``(h, c)``: one form throughout a scan)."""
     if isinstance(new, tuple):
-        return tuple(torch.where(keep, n, o) for n, o in zip(new, old, strict=True))
-    return torch.where(keep, new, old)
+        h, c = cast(tuple[torch.Tensor, torch.Tensor], old)
+        return torch.where(keep, new[0], h), torch.where(keep, new[1], c)
+    return torch.where(keep, new, cast(torch.Tensor, old))
 
 
 @register_swap(nn.RNN)
