@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, overload
 
 from lightning_dp.utils.naming import unknown_name
 
@@ -17,6 +17,7 @@ log = logging.getLogger("lightning_dp")
 K = TypeVar("K")
 V = TypeVar("V")
 C = TypeVar("C")
+D = TypeVar("D")
 
 
 def qualified_name(obj: Any) -> str:
@@ -55,7 +56,11 @@ class Registry(dict[K, V], Generic[K, V]):
         self.describe = describe
         self.alternative = alternative
 
-    def get(self, key: K, default: V = _MISSING) -> V:  # type: ignore[override]
+    @overload  # type: ignore[override]  # dict.get returns None for a missing key; this one raises
+    def get(self, key: K) -> V: ...
+    @overload
+    def get(self, key: K, default: D) -> V | D: ...
+    def get(self, key: K, default: Any = _MISSING) -> Any:
         """The value under ``key``; ``default`` when it is given and nothing is registered under ``key``.
 
         Raises:
@@ -67,7 +72,7 @@ class Registry(dict[K, V], Generic[K, V]):
             return self[key]
         if default is _MISSING:
             raise ValueError(unknown_name(self.option, key, self.names()))
-        return cast(V, default)
+        return default
 
     def names(self) -> list[str]:
         """The registered keys as messages and help texts show them, sorted: a name as it is, a class by its

@@ -37,7 +37,7 @@ def test_auto_is_the_default_and_resolves_by_the_clipping_norm(noise: str) -> No
     assert config.resolved_clipping()[0] == expected and not config.randomized_clipping
     assert PrivacyEngine(config).clipping == expected
     assert DPStrategy(**NOISE[noise]).privacy_engine.clipping == expected
-    assert PrivacyArguments(**NOISE[noise]).make_engine().clipping == expected
+    assert PrivacyArguments(**NOISE[noise]).make_privacy_engine().clipping == expected
 
 
 def test_a_mechanism_instance_resolves_by_its_own_clipping_norm() -> None:

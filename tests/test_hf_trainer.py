@@ -63,7 +63,7 @@ def test_privacy_arguments_parse_from_cli_json_and_yaml(tmp_path) -> None:
     (tmp_path / "p.yaml").write_text(yaml)
     (from_yaml,) = HfArgumentParser(PrivacyArguments).parse_yaml_file(tmp_path / "p.yaml")
     assert from_yaml.noise_params == {"noise_scale": 2.0}
-    assert from_yaml.make_engine().mechanism.describe() == from_json.make_engine().mechanism.describe()
+    assert from_yaml.make_privacy_engine().mechanism.describe() == from_json.make_privacy_engine().mechanism.describe()
 
 
 @pytest.mark.parametrize(
@@ -438,7 +438,7 @@ def test_stale_privacy_state_is_removed_before_a_checkpoint_folder_is_rewritten(
     (folder / PRIVACY_STATE_NAME).write_text("{}")
     state = TrainerState(global_step=4, is_world_process_zero=True)
     args = training_args(tmp_path)
-    callback = PrivacyStateCallback(PrivacyArguments(noise_multiplier=1.0).make_engine())
+    callback = PrivacyStateCallback(PrivacyArguments(noise_multiplier=1.0).make_privacy_engine())
     callback.on_step_end(args, state, TrainerControl(should_save=False))
     assert last_complete_checkpoint(tmp_path, PRIVACY_STATE_NAME) == str(folder)
     callback.on_step_end(args, state, TrainerControl(should_save=True))

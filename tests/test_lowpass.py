@@ -267,11 +267,11 @@ def test_hf_privacy_arguments_parse_lowpass_from_the_command_line():
     base = ["--noise_multiplier", "1.0"]
     (as_json,) = parser.parse_args_into_dataclasses([*base, "--lowpass", '{"a": [-0.9], "b": [0.05, 0.05]}'])
     assert as_json.lowpass == {"a": [-0.9], "b": [0.05, 0.05]}
-    assert as_json.make_engine().lowpass.describe()["b"] == [0.05, 0.05]
+    assert as_json.make_privacy_engine().lowpass.describe()["b"] == [0.05, 0.05]
     (as_name,) = parser.parse_args_into_dataclasses([*base, "--lowpass", "ema"])
-    assert as_name.make_engine().lowpass.name == "ema"
+    assert as_name.make_privacy_engine().lowpass.name == "ema"
     (off,) = parser.parse_args_into_dataclasses(base)
-    assert off.lowpass is None and off.make_engine().lowpass is None
+    assert off.lowpass is None and off.make_privacy_engine().lowpass is None
     with pytest.raises(ValueError, match="JSON object"):
         PrivacyArguments(noise_multiplier=1.0, lowpass='{"a": [-0.9], ')
     with pytest.raises(ValueError, match="constraint"):

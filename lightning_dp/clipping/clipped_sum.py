@@ -8,7 +8,7 @@ attributes (set by ``PerSampleClipper.__init__``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
+    pass
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
@@ -43,7 +43,7 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
     that every rank issues for the same parameters in the same order)."""
     clipped = clipped.to(param.dtype)
     if is_sharded(param):
-        clipped = sum_into_shard(clipped, cast("DTensor", param))
+        clipped = sum_into_shard(clipped, param)
     if param.grad is None:
         param.grad = clipped
     else:

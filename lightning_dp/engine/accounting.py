@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import randomized_clipping_step_event
+from lightning_dp.clipping.engines.hutch import RandomizedEngine
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
@@ -40,7 +41,8 @@ class PrivacyLedger:
         assert state.mechanism is not None and state.sample_rate is not None and state.num_params is not None
         if state.config.randomized_clipping:
             engine = state.clipper.engine if state.clipper is not None else None
-            assert isinstance(state.mechanism, GaussianMechanism) and engine is not None and engine.estimator
+            assert isinstance(state.mechanism, GaussianMechanism) and isinstance(engine, RandomizedEngine)
+            assert engine.estimator is not None
             assert state.norm_dim is not None
             return randomized_clipping_step_event(
                 state.mechanism.noise_multiplier,
@@ -150,6 +152,7 @@ class PrivacyLedger:
         does not cover); ``sample_rate`` is then the users'."""
         state = self.state
         assert state.mechanism is not None and state.accountant is not None
+        engine = state.clipper.engine if state.clipper is not None else None
         return {
             "epsilon": self.epsilon(),
             "delta": state.target_delta,
@@ -166,8 +169,8 @@ class PrivacyLedger:
                 else {}
             ),
             **(
-                {"projection_dim": state.clipper.engine.projection_dim, "norm_dim": state.norm_dim}
-                if state.config.randomized_clipping and state.clipper is not None
+                {"projection_dim": engine.projection_dim, "norm_dim": state.norm_dim}
+                if state.config.randomized_clipping and isinstance(engine, RandomizedEngine)
                 else {}
             ),
             **(

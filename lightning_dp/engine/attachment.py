@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.hutch import norm_dim
+from lightning_dp.clipping.engines.hutch import norm_dim
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms.base import mechanism_class
 

@@ -7,6 +7,7 @@ import logging
 import math
 
 from lightning_dp.accounting import make_accountant
+from lightning_dp.clipping.engines.hutch import RandomizedEngine
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.run_state import RunState
@@ -95,7 +96,7 @@ class NoiseSetup:
         if config.randomized_clipping:
             assert state.clipper is not None and state.norm_dim is not None
             engine = state.clipper.engine
-            assert engine.estimator is not None
+            assert isinstance(engine, RandomizedEngine) and engine.estimator is not None
             mechanism = calibrate_randomized_clipping(
                 target_epsilon=config.target_epsilon,
                 target_delta=state.target_delta,

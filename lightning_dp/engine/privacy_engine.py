@@ -21,7 +21,6 @@ from torch.utils.data import DataLoader
 from lightning_dp.accounting import Accountant
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.engines.hutch import norm_dim
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine.accounting import PrivacyLedger

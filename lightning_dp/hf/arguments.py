@@ -112,7 +112,7 @@ class _PrivacyArgumentsBehaviour:
         """The :class:`~lightning_dp.config.PrivacyConfig` these arguments describe. Raises ``ValueError`` as it."""
         return PrivacyConfig(**{name: getattr(self, HF_NAMES.get(name, name)) for name in _OPTION_NAMES})
 
-    def make_engine(self) -> PrivacyEngine:
+    def make_privacy_engine(self) -> PrivacyEngine:
         """A fresh :class:`PrivacyEngine` for these arguments. Raises ``ValueError`` as :meth:`to_config`."""
         return PrivacyEngine(self.to_config())
 

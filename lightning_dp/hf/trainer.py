@@ -136,7 +136,7 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        engine = privacy_args.make_engine()  # validates the privacy arguments, also with disable_dp
+        engine = privacy_args.make_privacy_engine()  # validates the privacy arguments, also with disable_dp
         #: accelerate's FSDP2 settings, taken over: the model is sharded here, the Accelerator built without them.
         self._fsdp_settings = None if privacy_args.disable_dp else fsdp2_settings_from_launcher()
         if training_args is not None and not privacy_args.disable_dp:
