@@ -13,6 +13,8 @@
 - ``accounting``: the event of one step, the ledger, epsilon, the budget and the run's summary.
 - ``checkpoint``: the privacy state a resumed run needs (never a seed or a generator state).
 - ``startup``: the start-up block logged once when training starts.
+- ``adapter``: :class:`~lightning_dp.engine.adapter.TrainerAdapter`, the contract every trainer adapter implements,
+  and the glue the adapters share (batch size and stand-in batch, framework clipping, rank-0 logging, the budget).
 - ``queries``: the calls users make to read the privacy spent, the same on the Lightning strategies and ``DPTrainer``.
 """
 

@@ -104,9 +104,9 @@ def micro_batch(
     """The micro-batch a training step runs on: ``(batch, size, stand_in)``.
 
     ``size`` is :meth:`TrainerAdapter.read_batch_size` of the batch. On an FSDP2-sharded model
-    (:attr:`~lightning_dp.engine.steps.EngineSteps.every_rank_runs_every_step`) a rank whose Poisson micro-batch is
+    (:attr:`~lightning_dp.engine.steps.RunSequence.every_rank_runs_every_step`) a rank whose Poisson micro-batch is
     empty must still join the step's collectives: the batch is then the engine's
-    :meth:`~lightning_dp.engine.steps.EngineSteps.stand_in_batch` (moved by ``to_device`` when given), which adds
+    :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch` (moved by ``to_device`` when given), which adds
     exactly zero when run through ``per_sample_loss`` and ``clip`` with ``stand_in=True``.
     """
     engine = adapter.privacy_engine

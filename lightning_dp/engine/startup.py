@@ -1,5 +1,5 @@
 """The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: what a run is about to do, printed
-once when training starts (:meth:`~lightning_dp.engine.steps.EngineSteps.start_training`), by every trainer adapter
+once when training starts (:meth:`~lightning_dp.engine.steps.RunSequence.start_training`), by every trainer adapter
 alike.
 
 It names the processes and batches (world size, per-device batch, gradient accumulation, the global expected batch
