@@ -8,7 +8,6 @@ attributes (set by ``PerSampleClipper.__init__``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,9 +16,6 @@ from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
-
-if TYPE_CHECKING:
-    pass
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:

@@ -8,9 +8,7 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import randomized_clipping_step_event
-from lightning_dp.clipping.engines.hutch import RandomizedEngine
 from lightning_dp.engine.run_state import RunState
-from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
 log = logging.getLogger("lightning_dp")
 
@@ -39,19 +37,23 @@ class PrivacyLedger:
         """The privacy event of one logical step."""
         state = self.state
         assert state.mechanism is not None and state.sample_rate is not None and state.num_params is not None
-        if state.config.randomized_clipping:
-            engine = state.clipper.engine if state.clipper is not None else None
-            assert isinstance(state.mechanism, GaussianMechanism) and isinstance(engine, RandomizedEngine)
-            assert engine.estimator is not None
-            assert state.norm_dim is not None
+        if state.randomized_clipping:
+            assert state.clipper is not None and state.norm_dim is not None
+            engine = state.clipper.engine
+            assert engine.estimator is not None  # register_engine refuses a randomized engine without one
             return randomized_clipping_step_event(
-                state.mechanism.noise_multiplier,
+                state.noise_multiplier,
                 state.sample_rate,
                 engine.projection_dim,
                 state.norm_dim,
                 engine.estimator,
             )
         return state.mechanism.step_event(state.sample_rate, state.num_params)
+
+    def clear_caches(self) -> None:
+        """Forget the cached epsilon and step budget (after the ledger was replaced, e.g. by a restore)."""
+        self._epsilon_cache = None
+        self._max_steps_cache = None
 
     def record_step(self) -> None:
         """Record one completed logical step with the accountant."""
@@ -170,7 +172,7 @@ class PrivacyLedger:
             ),
             **(
                 {"projection_dim": engine.projection_dim, "norm_dim": state.norm_dim}
-                if state.config.randomized_clipping and isinstance(engine, RandomizedEngine)
+                if state.randomized_clipping and engine is not None
                 else {}
             ),
             **(

@@ -58,7 +58,7 @@ class ClippingAttachment:
             step=lambda: state.steps,
             copies=state.rows_per_unit,
         )
-        if config.randomized_clipping:
+        if state.randomized_clipping:
             state.norm_dim = norm_dim(clipper.trainable_parameters)
         return clipper
 

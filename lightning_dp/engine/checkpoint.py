@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import make_accountant
+from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import make_mechanism
@@ -53,11 +54,13 @@ def check_privacy_state(state: Any) -> None:
 
 class CheckpointState:
     """Saves and restores the privacy state of a run, its :class:`~lightning_dp.engine.run_state.RunState` (an
-    adaptive bound through the run's :class:`~lightning_dp.engine.clip_bound.ClipBound`)."""
+    adaptive bound through the run's :class:`~lightning_dp.engine.clip_bound.ClipBound`; the ledger's caches are
+    cleared once the ledger is replaced)."""
 
-    def __init__(self, run: RunState, clip_bound: ClipBound) -> None:
+    def __init__(self, run: RunState, clip_bound: ClipBound, ledger: PrivacyLedger) -> None:
         self.run = run
         self.clip_bound = clip_bound
+        self.ledger = ledger
 
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
@@ -159,11 +162,10 @@ class CheckpointState:
             saved.load_state_dict(state["accountant"])
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
-        run.accountant = make_accountant(
-            run.config.accountant or ("rc" if run.config.randomized_clipping else saved.name)
-        )
+        run.accountant = make_accountant(run.config.accountant or ("rc" if run.randomized_clipping else saved.name))
         for event, count in saved.ledger:
             run.accountant.compose(event, count)
+        self.ledger.clear_caches()  # its epsilon and step budget were those of the replaced ledger
         run.restored_sample_rate = state["sample_rate"]
         run.randomness.restart(run.steps)
         if run.user_data is not None:  # regrouped before the restore: its subsets restart with the other streams

@@ -30,7 +30,7 @@ class ClipBound:
         """
         state = self.state
         config = state.config
-        assert isinstance(state.mechanism, GaussianMechanism) and config.target_unclipped_quantile is not None
+        assert config.target_unclipped_quantile is not None  # adaptive clipping is on
         assert state.sample_rate is not None and state.num_samples is not None
         expected_batch_size = state.sample_rate * state.num_samples
         count_std = config.unclipped_num_std
@@ -39,7 +39,7 @@ class ClipBound:
             default = f"unclipped_num_std = q N / 20 = {count_std:.4g} (adaptive clipping's count noise, Andrew et al.)"
             if default not in state.defaults_applied:
                 state.defaults_applied.append(default)
-        sum_sigma = sum_noise_multiplier(state.mechanism.noise_multiplier, count_std)
+        sum_sigma = sum_noise_multiplier(state.noise_multiplier, count_std)
         state.adaptive = AdaptiveClipping(
             initial_bound=state.restored_clip_bound or state.current_max_grad_norm,
             target_unclipped_quantile=config.target_unclipped_quantile,

@@ -7,7 +7,6 @@ import logging
 import math
 
 from lightning_dp.accounting import make_accountant
-from lightning_dp.clipping.engines.hutch import RandomizedEngine
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.run_state import RunState
@@ -80,7 +79,7 @@ class NoiseSetup:
     def default_accountant(self) -> str:
         """``"rc"`` for randomized clipping, else the mechanism's sound default."""
         mechanism = self.state.mechanism or mechanism_class(self.state.config.noise_name)
-        return "rc" if self.state.config.randomized_clipping else mechanism.default_accountant
+        return "rc" if self.state.randomized_clipping else mechanism.default_accountant
 
     def _calibrate(self, total_steps: int | None) -> NoiseMechanism:
         """The mechanism calibrated for ``target_epsilon`` over ``total_steps`` steps."""
@@ -93,10 +92,10 @@ class NoiseSetup:
                 "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
             )
         assert config.target_epsilon is not None and state.target_delta is not None and state.sample_rate is not None
-        if config.randomized_clipping:
+        if state.randomized_clipping:
             assert state.clipper is not None and state.norm_dim is not None
             engine = state.clipper.engine
-            assert isinstance(engine, RandomizedEngine) and engine.estimator is not None
+            assert engine.estimator is not None  # register_engine refuses a randomized engine without one
             mechanism = calibrate_randomized_clipping(
                 target_epsilon=config.target_epsilon,
                 target_delta=state.target_delta,

@@ -124,6 +124,7 @@ class PrivacyEngine:
             max_grad_norm=config.sensitivity,
             current_max_grad_norm=config.sensitivity,
             clipping=clipping,
+            randomized_clipping=config.randomized_clipping,
             auto_clipping=None if reason is None else f"clipping = {clipping!r} with book-keeping (auto: {reason})",
             lowpass=make_lowpass(config.lowpass),
             target_delta=config.target_delta,
@@ -148,7 +149,7 @@ class PrivacyEngine:
         self.clip_bound = ClipBound(state)
         self.attachment = ClippingAttachment(state)
         self.noise_setup = NoiseSetup(state, self.ledger, self.clip_bound)
-        self.checkpoint = CheckpointState(state, self.clip_bound)
+        self.checkpoint = CheckpointState(state, self.clip_bound, self.ledger)
         self.startup = StartupBlock(state)
         self.run = RunSequence(state, self.attachment, self.noise_setup, self.startup, self.wrap_optimizer)
 
@@ -176,7 +177,7 @@ class PrivacyEngine:
     @property
     def randomized_clipping(self) -> bool:
         """Whether the clipping engine clips by a random norm estimate (hutch, hutchpp)."""
-        return self.config.randomized_clipping
+        return self.state.randomized_clipping
 
     @property
     def secure_mode(self) -> bool:

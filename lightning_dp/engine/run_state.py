@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-from lightning_dp.mechanisms.gaussian import GaussianMechanism
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from lightning_dp.accounting import Accountant
@@ -23,6 +21,14 @@ if TYPE_CHECKING:
     from lightning_dp.optim.momentum import PerSampleMomentum
     from lightning_dp.runtime.distributed import DistributedContext
     from lightning_dp.runtime.randomness import DPRandomness
+
+
+@runtime_checkable
+class GaussianNoise(Protocol):
+    """A mechanism that adds Gaussian noise of std ``noise_multiplier * max_grad_norm`` (by its attributes, as
+    randomized and adaptive clipping read it, whatever its class)."""
+
+    noise_multiplier: float
 
 
 @dataclass(eq=False)
@@ -44,6 +50,8 @@ class RunState:
     current_max_grad_norm: float
     #: the clipping engine's name: ``config.clipping``, or the engine ``'auto'`` resolved to.
     clipping: str
+    #: whether that engine clips by a random norm estimate (accounted by ``rc``), fixed when the engine is built.
+    randomized_clipping: bool
     #: with ``clipping='auto'``, the engine chosen and why, one phrase for :attr:`defaults_applied`.
     auto_clipping: str | None
     #: the low-pass filter applied to every noisy step, or ``None``.
@@ -119,12 +127,24 @@ class RunState:
         return self.unit_rows or self.config.augmentation_multiplicity
 
     @property
+    def noise_multiplier(self) -> float:
+        """``sigma`` of the step's Gaussian noise, for the runs that require ``noise="gaussian"`` (randomized and
+        adaptive clipping): the ``noise_multiplier`` of the mechanism registered, or given, under that name.
+
+        Raises:
+            RuntimeError: no mechanism yet, or one without a ``noise_multiplier``.
+        """
+        if not isinstance(self.mechanism, GaussianNoise):
+            raise RuntimeError("the run's noise has no noise_multiplier (randomized and adaptive clipping need one)")
+        return self.mechanism.noise_multiplier
+
+    @property
     def sum_noise_multiplier(self) -> float:
         """Under adaptive clipping, the noise multiplier of the clipped sum (its Gaussian share of the noise).
 
         Raises:
             RuntimeError: before adaptive clipping is set up.
         """
-        if not isinstance(self.sum_mechanism, GaussianMechanism) or self.sum_mechanism is self.mechanism:
+        if not isinstance(self.sum_mechanism, GaussianNoise) or self.sum_mechanism is self.mechanism:
             raise RuntimeError("the clipped sum has its own noise only under adaptive clipping, once prepared")
         return self.sum_mechanism.noise_multiplier

@@ -33,12 +33,15 @@ class ClippingEngine(ABC):
             :data:`~lightning_dp.accounting.rc_envelope.ESTIMATORS` (``"hutch"``: Hutchinson's, ``"hutchpp"``:
             Hutch++); recorded in the privacy event in place of the engine's name, so a new engine with one of
             these laws is accounted without naming it anywhere else. ``None`` for an exact engine.
+        projection_dim: for a randomized engine, ``k``, the number of random projection columns (its constructor
+            receives it); absent on an exact engine.
     """
 
     name: ClassVar[str]
     supports_l1: ClassVar[bool] = False
     randomized: ClassVar[bool] = False
     estimator: ClassVar[str | None] = None
+    projection_dim: int
 
     @abstractmethod
     def contribution(self, terms: list[Term], norm: int, generator: torch.Generator | None = None) -> torch.Tensor:
