@@ -1,22 +1,11 @@
 """accelerate's FSDP2 configuration for ``DPTrainer``: ``accelerate launch --config_file
 configs/accelerate/fsdp2_2_processes.yaml train.py`` (``distributed_type: FSDP``, ``fsdp_version: 2``).
 
-``accelerate launch`` hands its FSDP settings to the script as environment variables (``ACCELERATE_USE_FSDP``,
-``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``, ...). Left to itself, the ``Accelerator`` the Trainer builds would
-shard the model with FSDP2's own gradient reduction, which averages the ranks' gradients inside the backward, before
-any per-sample clipping sum or noise could be formed (on a machine without GPUs it ignores the settings and runs
-plain data parallelism instead). ``DPTrainer`` therefore takes the settings over:
-
-1. :func:`fsdp2_settings_from_launcher` reads them with accelerate's own parser (``FullyShardedDataParallelPlugin``)
-   and refuses what it does not honour;
-2. :func:`shard_as_configured` applies ``fully_shard`` by accelerate's wrap policy (the transformer blocks named by
-   ``fsdp_transformer_layer_cls_to_wrap`` or the model's ``_no_split_modules``, or a size-based policy; then the
-   root) and gives every rank its shard of rank 0's weights;
-3. :func:`hidden_from_accelerate` hides ``ACCELERATE_USE_FSDP`` while the Trainer builds its ``Accelerator``.
-
-The model then trains exactly as one the user sharded with ``fully_shard`` before ``DPTrainer`` (docs/hf.md,
-"Sharded models"): the clipped sums are reduce-scattered into the shards and the noise drawn once per coordinate
-(docs/design.md section 8.1), on GPUs and on CPU alike.
+``DPTrainer`` takes the launcher's FSDP settings over (left to the Trainer's ``Accelerator``, FSDP2 would average the
+gradients before any clipped sum exists): :func:`fsdp2_settings_from_launcher` reads and checks them,
+:func:`shard_as_configured` shards the model by accelerate's wrap policy, :func:`hidden_from_accelerate` hides
+``ACCELERATE_USE_FSDP`` while the ``Accelerator`` is built. The model then trains as a user-sharded one
+(docs/design.md section 8.1; docs/hf.md, "Sharded models").
 """
 
 from __future__ import annotations
@@ -89,20 +78,14 @@ def hidden_from_accelerate() -> Iterator[None]:
 
 
 def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin, device: torch.device) -> None:
-    """Shard ``model`` in place with ``fully_shard`` over all ranks, by the plugin's wrap policy, and give every rank
-    its shard of rank 0's weights.
+    """Shard ``model`` in place with ``fully_shard`` by the plugin's wrap policy, and give every rank its shard of rank
+    0's weights.
 
-    ``fully_shard`` goes to every submodule the plugin's wrap policy selects (accelerate's
-    ``fsdp2_prepare_auto_wrap_policy``: the transformer blocks, or a size threshold), innermost first, then to the
-    root, with the plugin's ``reshard_after_forward``, on a one-dimensional mesh of all ranks of ``device``'s type;
-    FSDP2 moves each rank's shards to ``device``. Rank 0's full state dict is then distributed into the shards
-    (``set_model_state_dict`` with ``broadcast_from_rank0``, as accelerate loads a model under FSDP2) and its buffers
-    broadcast, so the ranks start identical whatever each one loaded: parameters still on the ``meta`` device (under
-    ``fsdp_cpu_ram_efficient_loading`` some transformers versions load the weights on rank 0 only) are first
-    allocated, uninitialised, in CPU memory. Each rank thus holds the whole model in CPU memory (as it loaded it)
-    until it is sharded, and only its shards on ``device``. Unlike accelerate's own preparation, no mixed-precision
-    policy is set (autocast, from the launcher's ``mixed_precision``, applies as without sharding) and accelerate's
-    ``parallelism_config`` (HSDP, tensor or context parallelism) is not read.
+    Blocks selected by accelerate's ``fsdp2_prepare_auto_wrap_policy`` innermost first, then the root, with the plugin's
+    ``reshard_after_forward``, on a one-dimensional mesh of all ranks; rank 0's state dict is broadcast into the shards
+    and its buffers broadcast. Each rank holds the whole model in CPU memory until it is sharded. No mixed-precision
+    policy is set and ``parallelism_config`` (HSDP, tensor or context parallelism) is not read. Details:
+    docs/design.md section 12.1.
 
     Args:
         model: the unsharded model (on CPU, ``device`` or ``meta``), the same architecture on every rank.
@@ -110,9 +93,9 @@ def shard_as_configured(model: nn.Module, plugin: FullyShardedDataParallelPlugin
         device: this rank's training device (``TrainingArguments.device``).
 
     Raises:
-        RuntimeError: ``torch.distributed`` is not initialised (the script was not started by a launcher); the ranks'
-            models differ in their parameters' or buffers' names, shapes or dtypes.
-        ValueError: a layer class named by ``fsdp_transformer_layer_cls_to_wrap`` is not in the model (accelerate's).
+        RuntimeError: ``torch.distributed`` is not initialised; the ranks' models differ in their parameters' or
+            buffers' names, shapes or dtypes.
+        ValueError: a layer class named by ``fsdp_transformer_layer_cls_to_wrap`` is not in the model.
     """
     context = distributed_context()
     if context is None:

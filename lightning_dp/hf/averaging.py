@@ -1,25 +1,10 @@
 """Parameter averaging for the HuggingFace ``Trainer``: an exponential moving average (EMA) of the trainable weights.
 
-De et al. 2022, "Unlocking high-accuracy differentially private image classification through scale", section 3
-(parameter averaging): evaluating an EMA of the DP-SGD iterates instead of the last iterate. The iterates are the
-released, noised ones, so their average is post-processing: it costs no privacy and the accountant is unchanged.
-Lightning users have it already: Lightning's own ``EMAWeightAveraging`` works with ``DPStrategy``.
-
-Which weights the model holds, in a run with :class:`ParameterAveraging` (the rule: it trains on the iterate, is
-evaluated and checkpointed with the average, and ends with the average):
-
-- Training steps (forward, backward, noise, optimizer step) always run on the training iterate.
-- After each optimizer step (``on_step_end``) the average is updated; when that step (or the epoch's end) also
-  evaluates or saves (``control.should_evaluate`` / ``control.should_save``, set by the Trainer's flow callback,
-  which runs before any callback of the user), the average is exchanged into the model until the next step begins
-  (``on_step_begin``). So the Trainer's periodic evaluation (every dataset of a dict of eval datasets,
-  ``load_best_model_at_end``'s metric, ``eval_on_start``) sees the average, and each checkpoint's model files hold
-  the average (``from_pretrained("checkpoint-N")`` gives the averaged model).
-- Each checkpoint also gets :data:`AVERAGING_STATE_NAME`: the tensors that are not in its model files (the training
-  iterate when those hold the average, else the average), the number of averaged steps and which of the two is
-  which, so that ``resume_from_checkpoint`` continues the training iterate and the average exactly.
-- At the end of training the average is copied into the model (``copy_average_at_end``), as Lightning's
-  ``EMAWeightAveraging`` does, so ``save_model`` / ``save_pretrained`` write it.
+De et al. 2022, "Unlocking high-accuracy differentially private image classification through scale", section 3.
+The averaged iterates are the released ones, so the average is post-processing: the accountant is unchanged. The rule:
+train on the iterate; evaluate and checkpoint with the average (a checkpoint's model files hold it, and
+:data:`AVERAGING_STATE_NAME` holds the other tensors, so a resume continues both exactly); end with the average.
+When exactly the weights are exchanged: docs/design.md section 12.1. (Lightning: use its ``EMAWeightAveraging``.)
 """
 
 from __future__ import annotations
@@ -52,34 +37,24 @@ AVERAGING_STATE_NAME = "lightning_dp_averaging.pt"
 class ParameterAveraging(TrainerCallback):
     """An exponential moving average of the trainable parameters, for ``DPTrainer`` and the plain ``Trainer``.
 
-    After optimizer step ``t`` (one logical step: all gradient-accumulation micro-batches), with ``W_t`` the
-    trainable parameters, the average is ``A_1 = W_1`` and ``A_t = decay * A_{t-1} + (1 - decay) * W_t``
-    (:func:`torch.optim.swa_utils.get_ema_multi_avg_fn` in an :class:`~torch.optim.swa_utils.AveragedModel`). A step
-    the optimizer did not take (``DPTrainer``'s budget guard, an fp16 overflow) is not averaged. Each averaged tensor
-    has its parameter's shape, dtype and device: in bf16 a ``decay`` close to 1 loses small updates to rounding, so
-    keep trainable parameters in float32 (``bf16=True`` autocasts float32 parameters).
-
-    Only parameters with ``requires_grad`` are averaged (with PEFT/LoRA, the adapters): frozen weights are not
-    copied. Buffers (e.g. BatchNorm running statistics) are not averaged: the model keeps its own, as
-    ``AveragedModel(use_buffers=False)`` does (``torch.optim.swa_utils.update_bn`` recomputes BatchNorm's).
-
-    Add it to ``DPTrainer(callbacks=[ParameterAveraging(0.999)])``; see the module docstring for which weights the
-    model holds when. A callback listed after it sees the average in ``on_step_end`` at steps that evaluate or save.
-    Outside the Trainer's schedule (``trainer.evaluate()`` or ``predict`` during or after a run with
-    ``copy_average_at_end=False``) use :meth:`averaged_weights`.
+    After optimizer step ``t`` (one logical step), ``A_1 = W_1`` and ``A_t = decay * A_{t-1} + (1 - decay) * W_t``
+    (:func:`torch.optim.swa_utils.get_ema_multi_avg_fn`); a step the optimizer did not take is not averaged. Only
+    parameters with ``requires_grad`` are averaged (buffers are not: the model keeps its own); each average has its
+    parameter's dtype, so keep trainable parameters in float32 (in bf16 a ``decay`` close to 1 loses small updates).
+    Use ``DPTrainer(callbacks=[ParameterAveraging(0.999)])``; outside the Trainer's schedule use
+    :meth:`averaged_weights`.
 
     Not supported: models sharded across processes (FSDP, DeepSpeed); resuming from a checkpoint outside
-    ``args.output_dir`` (the callback finds it as ``output_dir/checkpoint-STEP``, as ``resume_from_checkpoint=True``
-    does).
+    ``args.output_dir``.
 
     Args:
         decay: weight of the previous average per optimizer step, in (0, 1) (dimensionless); the average spans
-            about ``1 / (1 - decay)`` steps, so a decay close to 1 suits long runs only.
+            about ``1 / (1 - decay)`` steps.
         copy_average_at_end: at the end of training copy the average into the model (so ``save_model`` writes it);
             ``False`` leaves the last training iterate there.
 
     Attributes:
-        parameter_names: the averaged parameters' names (``model.named_parameters()``), set when training begins.
+        parameter_names: the averaged parameters' names, set when training begins.
         averaged_model: the :class:`~torch.optim.swa_utils.AveragedModel`, whose ``module`` is an
             ``nn.ParameterList`` in ``parameter_names`` order (``None`` before training).
 
@@ -110,13 +85,12 @@ class ParameterAveraging(TrainerCallback):
     def averaged_weights(self, model: nn.Module) -> Iterator[nn.Module]:
         """Within the block ``model`` holds the averaged weights; its own come back afterwards, also on an error.
 
-        ``with averaging.averaged_weights(trainer.model): trainer.evaluate()``. The exchange copies one tensor at a
-        time (no second copy of the model) and is exact. ``model`` is the trained model or one with the same
-        trainable parameter names and shapes (found by name).
+        ``with averaging.averaged_weights(trainer.model): trainer.evaluate()``. Exact, one tensor at a time; ``model``
+        is the trained model or one with the same trainable parameter names and shapes.
 
         Raises:
-            RuntimeError: before training began (no average yet); the model already holds the average (inside
-                another ``averaged_weights`` block, or between a step that evaluates or saves and the next step).
+            RuntimeError: before training began; the model already holds the average (nested block, or between a step
+                that evaluates or saves and the next step).
             ValueError: ``model`` lacks some averaged parameter.
         """
         if self.averaged_model is None:

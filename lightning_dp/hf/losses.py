@@ -1,11 +1,8 @@
 """Per-example losses ``[B]`` for the standard HF heads, from the model's logits and the batch's labels.
 
-DP-SGD clips each example's gradient (Abadi et al. 2016, Algorithm 1), so it needs one loss per example, whereas HF
-models return one loss per batch. The head decides how: a causal LM predicts token ``t + 1`` from position ``t``
-(labels shifted by one), a seq2seq decoder and a token classifier score every label position as is, a sequence
-classifier has one label (or one label vector) per example. Token losses of an example are reduced by their
-``"mean"`` over the example's non-ignored tokens (labels ``-100`` are ignored) or their ``"sum"``; an example with
-no labelled token has loss 0 (and a zero gradient).
+A causal LM's labels are shifted by one; seq2seq and token classifiers score every label position; a sequence
+classifier has one label (vector) per example. Token losses are reduced by ``"mean"`` over the example's labelled
+tokens (labels ``-100`` ignored) or ``"sum"``; an example with no labelled token has loss 0.
 """
 
 from __future__ import annotations
@@ -154,17 +151,13 @@ def head_per_example_loss(
     """The forward of ``model`` on ``inputs`` and its per-example losses for ``head`` (the body of
     ``DPTrainer.compute_per_example_loss``).
 
-    The labels are taken out of the inputs (so the model does not also compute its batch loss), except for a
-    seq2seq model that builds its decoder inputs from them.
-
     Args:
         model: the (training) model.
         inputs: the batch on the device, with ``labels``.
-        head: the model's head (:func:`head_kind`); ``None`` (a ``compute_per_example_loss`` of a subclass calling
-            this one) scores every label position as is.
+        head: the model's head (:func:`head_kind`); ``None`` scores every label position as is.
         reduction: ``"mean"`` or ``"sum"`` over each example's labelled tokens.
         label_smoothing: as ``TrainingArguments.label_smoothing_factor`` (cross-entropy heads).
-        config: the model's config, whose ``problem_type`` (read after the forward) picks a sequence classifier's loss.
+        config: the model's config, whose ``problem_type`` picks a sequence classifier's loss.
 
     Returns:
         ``[B]`` per-example losses, attached to the graph.

@@ -1,19 +1,9 @@
-"""How ``DPTrainer`` honours the Trainer's training sampling strategy under Poisson sampling.
+"""How ``DPTrainer`` honours ``TrainingArguments.train_sampling_strategy`` under Poisson sampling.
 
-Under DP the Trainer's sampler is replaced by Poisson sampling (the sampling the accountant assumes), so of
-``TrainingArguments.train_sampling_strategy`` only what Poisson sampling can keep is kept:
-
-- ``"random"`` (the default): Poisson sampling is random sampling.
-- ``"group_by_length"``: each Poisson batch is split into micro-batches of similar lengths (longest first), so a
-  collator that pads per batch pads little; the batches are still Poisson samples, and the step's clipped sum is the
-  same (:class:`~lightning_dp.data.PoissonBatchSampler`). HF's own grouping across batches (mega-batches of 50
-  batches, sorted) would make the batches depend on each other, which the accountant does not allow. It applies only
-  with ``gradient_accumulation_steps > 1``: a logical batch of one micro-batch is padded to its longest example in
-  any order, so there it is left out (no lengths are computed).
-- ``"sequential"`` and ``"batch_rebalance"`` fix which examples share a batch, which Poisson sampling does not; they
-  are ignored with a warning.
-
-transformers releases before ``train_sampling_strategy`` have ``group_by_length: bool``, read the same way.
+``"random"`` (default): Poisson sampling. ``"group_by_length"``: each Poisson batch is split into micro-batches of
+similar lengths (only with ``gradient_accumulation_steps > 1``); HF's grouping across batches is not used, since it
+makes batches depend on each other. ``"sequential"`` and ``"batch_rebalance"``: ignored with a warning. Older
+transformers' ``group_by_length: bool`` is read the same way.
 """
 
 from __future__ import annotations
@@ -42,22 +32,20 @@ def poisson_batch_lengths(
 ) -> list[int] | None:
     """The examples' lengths that group each Poisson batch's micro-batches, or ``None`` (keep the data order).
 
-    Lengths are found as the Trainer finds them for its ``LengthGroupedSampler``: the ``length_column_name`` column
-    of a ``datasets.Dataset`` when it has one, else the length of each example's first model input
-    (``processing_class.model_input_names[0]``, ``input_ids`` without one).
+    Found as for the Trainer's ``LengthGroupedSampler``: the ``length_column_name`` column, else the length of each
+    example's first model input.
 
     Args:
         args: the Trainer's arguments.
-        dataset: the training set as given to the Trainer (with its length column, which the Trainer's loader
-            drops with the other columns the model does not take).
+        dataset: the training set as given to the Trainer (with its length column).
         processing_class: the Trainer's tokenizer or processor, or ``None``.
 
     Returns:
         ``[N]`` lengths with ``"group_by_length"`` and ``gradient_accumulation_steps > 1``, else ``None``.
 
     Raises:
-        ValueError: ``"group_by_length"`` on a dataset whose examples are not mappings holding the model input
-            (transformers' message), and with no length column.
+        ValueError: ``"group_by_length"`` on a dataset whose examples are not mappings holding the model input, and
+            with no length column.
     """
     strategy = sampling_strategy(args)
     if strategy == "random":

@@ -1,68 +1,22 @@
 """``DPTrainer``: differentially private training with the HuggingFace ``Trainer``, over the same ``PrivacyEngine``.
 
-A thin adapter like :class:`~lightning_dp.lightning.DPStrategy`: Poisson sampling, per-sample clipping, noise and
-accounting all live in :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`,
-:class:`~lightning_dp.optim.DPOptimizer` and :mod:`lightning_dp.data`; this module only connects them to the Trainer.
-The model is never wrapped: clipping hooks are attached in place for the duration of :meth:`DPTrainer.train` and removed
-afterwards, so ``model.generate``, ``model.save_pretrained`` and ``PeftModel.save_pretrained`` work unchanged.
+A thin adapter like :class:`~lightning_dp.lightning.DPStrategy`: sampling, clipping, noise and accounting live in
+:class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`, :class:`~lightning_dp.optim.DPOptimizer` and
+:mod:`lightning_dp.data`. The model is never wrapped: clipping hooks are attached in place during
+:meth:`DPTrainer.train` only, so ``generate`` and ``save_pretrained`` work unchanged. Which ``Trainer`` methods are
+overridden and why: docs/design.md section 12.1; the private ones for sharded checkpoints are listed in
+:data:`lightning_dp.hf.sharded_checkpoints.PRIVATE_TRAINER_OVERRIDES`.
 
-Overridden ``Trainer`` methods (all documented "subclass and override" points; the private ones that save and load
-a sharded model's checkpoints are listed, with the transformers releases they are tested against, in
-:data:`lightning_dp.hf.sharded_checkpoints.PRIVATE_TRAINER_OVERRIDES`), and why:
+One logical step is ``gradient_accumulation_steps`` micro-batches forming ONE Poisson sample of rate ``q =
+per_device_train_batch_size * gradient_accumulation_steps * world_size / N``; ``epsilon`` (at ``target_delta``) is
+added to every log. Privacy state is saved beside each checkpoint (:mod:`lightning_dp.hf.callbacks`).
 
-- ``train``: attach the clipping hooks (removed when training ends) and, with ``resume_from_checkpoint``, restore
-  the privacy state saved in the checkpoint, so epsilon continues instead of restarting at 0.
-- ``get_train_dataloader``: replace the sampler by Poisson sampling with ``q = per_device_train_batch_size *
-  gradient_accumulation_steps * world_size / N`` (Trainer's collator kept; empty batches collate to zero rows). Each
-  logical step is ``gradient_accumulation_steps`` micro-batches that together are ONE Poisson sample, so HF's
-  accumulation loop performs exactly one optimizer step per Poisson sample (split by length with
-  ``train_sampling_strategy="group_by_length"``, :mod:`lightning_dp.hf.sampling`).
-- ``create_optimizer``: fix delta, calibrate ``target_epsilon`` for the Trainer's planned steps (``state.max_steps``,
-  from ``max_steps`` or the epochs), and wrap the optimizer in a ``DPOptimizer`` (noise once per logical step, then
-  division by the expected batch size ``q N``, then the accountant records the step).
-- ``training_step``: per-example losses (:meth:`DPTrainer.compute_per_example_loss`; with
-  ``augmentation_multiplicity = K > 1`` on the batch's ``K`` copies made by DPTrainer and augmented by the user's
-  :meth:`DPTrainer.augment_copies`, each example's mean over its copies), per-sample clipping of each
-  micro-batch into ``p.grad`` (instead of ``accelerator.backward``); on the last micro-batch of a logical step the
-  noise is added right away, so the Trainer's ``grad_norm`` log and ``on_pre_optimizer_step`` callbacks only ever
-  see the noisy gradient, never the noise-free clipped sum.
-- ``log``: add ``epsilon`` (spent so far, at ``target_delta``) to every log, so it reaches the progress bar,
-  ``trainer.state.log_history`` and every ``report_to`` logger.
-
-Reporting and checkpoints go through TrainerCallbacks (:mod:`lightning_dp.hf.callbacks`): the privacy state is
-written next to each checkpoint (``on_save``); :class:`~lightning_dp.hf.callbacks.PrivacyBudget` stops training
-through ``control.should_training_stop``.
-
-Not supported (rejected at construction with what to change): fp16 (loss scaling), gradient/activation
-checkpointing, DeepSpeed, FSDP through ``TrainingArguments`` and FSDP plugins accelerate set up outside DPTrainer
-(DPTrainer reduces the gradients itself), DataParallel (several GPUs in one process), ``torch_compile``,
-``auto_find_batch_size``, ``model_init``, ``compute_loss_func``.
-
-Sharded models: a model launched with accelerate's FSDP2 configuration is sharded by DPTrainer at construction
-(:mod:`lightning_dp.hf.accelerate_fsdp`; the Accelerator is built without those settings, see
-``create_accelerator_and_postprocess``). Such a model, or one the user shards with ``fully_shard`` (torch's FSDP2)
-before handing it to DPTrainer, trains on several processes like an unsharded one, with the sharded engine of
-docs/design.md section 8.1 (clipped sums reduce-scattered into the shards, noise once per shard coordinate, every
-rank running every step: an empty Poisson batch runs the engine's stand-in batch). ``save_model`` gathers the full
-weights, and a checkpoint also holds the model's and the optimizer's shards, from which ``resume_from_checkpoint``
-restores them (:class:`~lightning_dp.hf.sharded_checkpoints.ShardedCheckpoints`, a base class of DPTrainer);
-per-sample momentum's iterates are kept as shards and gathered into the checkpoint's privacy state. Not supported:
-models sharded by ``from_pretrained(distributed_config=...)``.
-
-Several processes (``accelerate launch``, ``torchrun``): the same recipe as :class:`~lightning_dp.DPDDPStrategy`, with
-the collectives of :mod:`lightning_dp.runtime.distributed` (docs/design.md section 8). Rank and world size come from
-:func:`~lightning_dp.runtime.distributed.distributed_context` (the initialised ``torch.distributed`` group), not from
-accelerate's state or ``TrainingArguments.world_size``, which depend on how accelerate is configured and launched (how
-it was tested: docs/hf.md, "Several processes"). In ``train`` every rank adopts rank 0's base seed (after any checkpoint
-restore, before the first batch: identical noise, distinct sampling streams) and rank 0's parameters;
-``get_train_dataloader`` Poisson-samples this rank's shard of the GLOBAL dataset at the global rate ``q`` (the loader is
-not passed through ``accelerator.prepare``, which would re-shard it); ``create_optimizer`` checks that the ranks agree
-on ``N``, ``q`` and the noise, and gives the ``DPOptimizer`` the SUM all-reduce of the clipped sums, so noise is drawn
-once per step and the parameters stay bit-identical. Only rank 0 logs through the ``lightning_dp`` logger. The model is
-never wrapped in ``DistributedDataParallel`` (its all-reduce on every backward would average the un-noised per-rank
-gradients): ``train`` makes the Trainer's accelerator prepare the model with ``evaluation_mode=True``, accelerate's
-switch that places the model (and applies autocast) without the DDP/FSDP wrapping, and the one SUM all-reduce happens in
-the ``DPOptimizer`` before the noise.
+Not supported (rejected at construction): fp16 (loss scaling), gradient/activation checkpointing, DeepSpeed, FSDP
+through ``TrainingArguments`` or accelerate plugins set up outside DPTrainer, DataParallel, ``torch_compile``,
+``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, models sharded by
+``from_pretrained(distributed_config=...)``. FSDP2 models (``fully_shard`` by the user, or accelerate's FSDP2
+configuration, :mod:`lightning_dp.hf.accelerate_fsdp`) are supported: docs/design.md section 8.1. Several processes
+(``accelerate launch``, ``torchrun``): docs/design.md section 8 and section 12.1.
 """
 
 from __future__ import annotations
@@ -108,30 +62,26 @@ log = logging.getLogger("lightning_dp")
 class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
-    Takes every ``Trainer`` argument, plus ``privacy_args``. Per-example losses are formed for causal LM, seq2seq
-    LM, token and sequence classification heads (see :mod:`lightning_dp.hf.losses`); override
-    :meth:`compute_per_example_loss` for another head. With ``augmentation_multiplicity = K > 1`` (De et al. 2022,
-    Section 3.2) DPTrainer repeats every tensor of the collated batch ``K`` times in sample-major order
-    (:func:`lightning_dp.repeat_for_multiplicity`), hands the copies to :meth:`augment_copies` (which a subclass
-    must override: the augmentation is the user's) in train mode, and clips each example's mean loss over its
-    copies (:func:`lightning_dp.augmentation_mean`), so each example's averaged gradient is clipped once.
+    Per-example losses are formed for causal LM, seq2seq LM, token and sequence classification heads
+    (:mod:`lightning_dp.hf.losses`); override :meth:`compute_per_example_loss` for another head. With
+    ``augmentation_multiplicity = K > 1`` (De et al. 2022, Section 3.2) the batch is repeated ``K`` times, augmented by
+    :meth:`augment_copies` (a subclass must override it), and each example's mean loss over its copies is clipped once
+    (docs/design.md section 4.8).
 
     Args:
         *args, **kwargs: the ``Trainer``'s arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
         privacy_args: the privacy configuration.
 
     Attributes:
-        privacy_engine: the run's :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`
-            (``privacy_engine.epsilon()``, ``privacy_engine.summary()`` after training).
+        privacy_engine: the run's :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`.
         last_clip_fraction: fraction of the last micro-batch's examples whose gradient norm exceeded
             ``max_grad_norm`` (diagnostic only: not privatised, so not logged).
 
     Raises:
-        ValueError: an unsupported configuration (see the module docstring) or training argument
-            (``TrainingArguments.max_grad_norm`` set to a value other than 0 or its default, which is switched off
-            with a log line); a model whose head has no per-example loss; an unsupported trainable layer
-            (``UnsupportedModuleError``, a ``ValueError``); ``augmentation_multiplicity > 1`` without an
-            :meth:`augment_copies` of a subclass.
+        ValueError: an unsupported configuration (module docstring) or ``TrainingArguments.max_grad_norm`` other than
+            0 or its default; a head without per-example loss; an unsupported trainable layer
+            (``UnsupportedModuleError``); ``augmentation_multiplicity > 1`` without an overridden
+            :meth:`augment_copies`.
     """
 
     def __init__(self, *args: Any, privacy_args: PrivacyArguments, **kwargs: Any) -> None:
@@ -205,13 +155,10 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any) -> Any:
         """``Trainer.train`` with the clipping hooks attached and, on resume, the checkpoint's privacy state restored.
 
-        On several processes, every rank then adopts rank 0's base seed and parameters (see the module docstring).
-
         Raises:
-            ValueError: on a sharded model, what :func:`~lightning_dp.hf.trainer_checks.check_sharded_run`
-                refuses; the checkpoint has no privacy state or one that does not match this run's privacy arguments
-                (or, sharded, its model and optimizer shards do not match); the sample rate differs from the
-                checkpoint's.
+            ValueError: on a sharded model, what :func:`~lightning_dp.hf.trainer_checks.check_sharded_run` refuses; a
+                checkpoint without privacy state, or one (or, sharded, whose shards) not matching this run; a sample
+                rate different from the checkpoint's.
             FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
         if self.privacy_args.disable_dp:
@@ -250,10 +197,10 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
 
     @override
     def get_train_dataloader(self) -> DataLoader:
-        """The Trainer's training loader (same dataset, collator and workers) drawing Poisson batches of this rank's
-        shard at the global rate q (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.training_loader`). With
-        ``train_sampling_strategy="group_by_length"`` each Poisson batch is split into micro-batches of similar
-        lengths; other strategies than ``"random"`` are ignored with a warning (:mod:`lightning_dp.hf.sampling`).
+        """The Trainer's loader drawing Poisson batches of this rank's shard at the global rate q.
+
+        ``train_sampling_strategy="group_by_length"`` splits each Poisson batch into micro-batches of similar lengths;
+        strategies other than ``"random"`` are ignored with a warning (:mod:`lightning_dp.hf.sampling`).
 
         Raises:
             ValueError: the training set changed size between calls; ``poisson_sampling=False`` on several processes.
@@ -281,16 +228,12 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
 
     @override
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """The Trainer's optimizer, wrapped in a ``DPOptimizer`` once the engine is prepared for the planned steps
-        (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.start_training`: on several processes the ranks must
-        agree on N, q and the noise, and the clipped sums are SUM all-reduced before the noise).
+        """The Trainer's optimizer wrapped in a ``DPOptimizer`` once the engine is prepared for the planned steps.
 
         Raises:
-            RuntimeError: called outside :meth:`train` (the sample rate and the planned steps are not known yet);
-                ranks that disagree on the dataset size, sample rate or noise.
-            ValueError: an optimizer given through ``optimizers=(optimizer, scheduler)`` updates tensors that are not
-                the model's parameters (their gradients would never be clipped; or the model was sharded at
-                construction, which replaced the parameters it holds): the engine's check in ``start_training``.
+            RuntimeError: called outside :meth:`train`; ranks that disagree on the dataset size, sample rate or noise.
+            ValueError: an optimizer from ``optimizers=(optimizer, scheduler)`` updates tensors that are not the model's
+                parameters (their gradients would never be clipped).
         """
         optimizer = super().create_optimizer(model)
         if self.privacy_args.disable_dp:
@@ -309,10 +252,8 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
     def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """One loss per example, ``[B]``, for the model's head (override for other heads).
 
-        The labels are taken out of the inputs (so the model does not also compute its batch loss), except for a
-        seq2seq model that builds its decoder inputs from them. Token losses are reduced per example by
-        ``PrivacyArguments.per_example_reduction``; ``TrainingArguments.label_smoothing_factor`` applies to
-        cross-entropy heads.
+        Token losses are reduced per example by ``PrivacyArguments.per_example_reduction``;
+        ``TrainingArguments.label_smoothing_factor`` applies to cross-entropy heads.
 
         Args:
             model: the (training) model.
@@ -329,30 +270,14 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
         return head_per_example_loss(model, inputs, self._head, reduction, label_smoothing=smoothing, config=config)
 
     def augment_copies(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Augment the copies of a batch, row by row (``augmentation_multiplicity = K > 1``; override: the default
-        returns ``inputs`` unchanged, which DPTrainer refuses for ``K > 1``).
+        """Augment the copies of a batch, row by row (override when ``augmentation_multiplicity = K > 1``).
 
-        Called on the training batch, on the device, with every tensor repeated ``K`` times in sample-major order
-        (``[B K, ...]``: rows ``i K .. i K + K - 1`` are example ``i``'s; labels included), only while the model is
-        in train mode (the leave-half-out check runs the step in eval mode and compares losses, which random copies
-        would change). Each row must be augmented from that row alone (not from another example, not with statistics
-        of the batch) and the rows kept in place: rows ``i K .. i K + K - 1`` stay example ``i``'s copies.
-        :func:`lightning_dp.augment_each_example` (``fn`` called on each example's ``[K, ...]`` slice) cannot move
-        rows across examples: use it rather than a loop over the whole batch (a copy-major loop such as
-        ``torch.cat([aug(x[k::K]) for k in range(K)])`` puts one example's copies in several examples' groups, up to
-        ``K C`` sensitivity).
-
-        Randomness: draw from torch's global RNG (``torch.rand``, ``torch.randint``... on the inputs' device), not
-        from a generator of the subclass. Per-sample momentum re-runs the step on the same micro-batch under
-        ``torch.random.fork_rng`` and compares the two runs, and the checks restore the global RNG around their extra
-        forwards; a generator of your own advances between the runs, so the copies differ and the run is refused.
-        The global RNG is seeded by the Trainer's ``seed``.
-
-        DPTrainer checks after the call that ``labels`` (when the batch has them) come back unchanged, equal to the
-        repeated labels row for row, and that no integer or boolean tensor has a row that is exactly another
-        example's original row in place of its own (a moved row); either raises ``ValueError``. The checks cannot see
-        every reordering (e.g. a batch whose examples share their labels, with rows moved and altered): keep the rows
-        in place.
+        Called in train mode on the batch repeated ``K`` times in sample-major order (``[B K, ...]``: rows ``i K .. i K
+        + K - 1`` are example ``i``'s, labels included). Each row must be augmented from that row alone (no other
+        example, no batch statistics) and stay in place; :func:`lightning_dp.augment_each_example` does so. Draw
+        randomness from torch's global RNG only (seeded by the Trainer's ``seed``): a generator of your own makes the
+        re-runs of per-sample momentum and the checks differ, and the run is refused. Why, and what the row checks
+        cannot see: docs/design.md section 4.8.
 
         Args:
             inputs: the copies, ``{name: [B K, ...]}``.
@@ -377,16 +302,13 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
     ) -> torch.Tensor:
-        """Forward, per-example losses, per-sample clipping of this micro-batch into ``p.grad``; on the last
-        micro-batch of a logical step, the noise (once per step).
+        """Forward, per-example losses, clipping into ``p.grad``; noise once, on a logical step's last micro-batch.
 
-        Returns the micro-batch's mean loss divided by ``gradient_accumulation_steps`` (for the Trainer's loss log;
-        0 for an empty Poisson batch). ``num_items_in_batch`` is ignored: the step's gradient is divided by the
-        expected batch size ``q N`` instead (docs/design.md section 3.2).
+        Returns the micro-batch's mean loss divided by ``gradient_accumulation_steps`` (0 for an empty Poisson batch).
+        ``num_items_in_batch`` is ignored: the gradient is divided by ``q N`` (docs/design.md section 3.2).
 
         Raises:
-            RuntimeError: a logical step of a number of micro-batches other than ``gradient_accumulation_steps``
-                (it would not be one Poisson sample).
+            RuntimeError: a logical step of a number of micro-batches other than ``gradient_accumulation_steps``.
         """
         if self.privacy_args.disable_dp:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -422,10 +344,9 @@ class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
 
     @override
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """``Trainer.log`` with ``epsilon`` (spent so far, at ``target_delta``) added once training has started, and
-        the numbers of the privacy summary (``dp/epsilon``, ``dp/delta``, ``dp/noise_multiplier``, ``dp/steps``...)
-        added to the Trainer's end-of-training log (the one with ``train_runtime``), so every ``report_to`` tracker
-        records them with the run's final metrics."""
+        """``Trainer.log`` with ``epsilon`` added once training has started, and the privacy summary (``dp/epsilon``,
+        ``dp/delta``, ``dp/noise_multiplier``, ``dp/steps``...) added to the end-of-training log.
+        """
         engine = self.privacy_engine
         if self.privacy_args.disable_dp:
             logs["epsilon"] = math.inf
