@@ -1,14 +1,8 @@
 """DPModelParallelStrategy: DP-SGD on an FSDP2-sharded model (``fully_shard``) with Lightning's ModelParallelStrategy.
 
-``Trainer(strategy=DPModelParallelStrategy(noise_multiplier=1.0), devices=W)`` trains a model that the
-LightningModule shards in ``configure_model`` with ``fully_shard(..., mesh=self.device_mesh["data_parallel"])``,
-with the guarantee of one process at the global sample rate (docs/design.md sections 8 and 8.1): each rank
-Poisson-samples its shard of the data at the global rate q, the clipper sums the clipped per-sample gradients over
-the ranks into each rank's parameter shard (one reduce-scatter per parameter and micro-batch), each shard gets the
-noise once from its own stream, and the optimizer steps on the shards. The DP hooks are those of
-:class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`; the engine does the sharded parts
-(:mod:`lightning_dp.runtime.sharding`). Everything else of Lightning's ``ModelParallelStrategy`` is kept: the launcher,
-process group, device mesh, sharded (DCP) or full checkpoints.
+The guarantee is that of one process at the global sample rate (docs/design.md sections 8 and 8.1); the DP hooks are
+those of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`, the sharded parts are in
+:mod:`lightning_dp.runtime.sharding`.
 """
 
 from __future__ import annotations
@@ -27,71 +21,31 @@ from lightning_dp.runtime.distributed import DistributedContext, distributed_con
 
 
 class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
-    """Differentially private training of an FSDP2-sharded model: global Poisson sampling over the ranks' shards of
-    the data, per-sample clipping on each rank, the clipped sums summed into the parameter shards, noise once per
-    coordinate.
+    """Differentially private training of an FSDP2-sharded model (data parallelism only).
 
-    The LightningModule shards its model in ``configure_model`` (required by ``ModelParallelStrategy``), e.g.
-    ``fully_shard(layer, mesh=self.device_mesh["data_parallel"])`` for each block, then on the root, and its
-    ``training_step`` returns the PER-SAMPLE loss ``[B]`` as with :class:`~lightning_dp.DPStrategy`. ``batch_size``
-    of the training loader is per process; the default sample rate is ``batch_size * accumulate_grad_batches * W /
-    N`` for W processes, and the epsilon is the single-process one for that rate. Every rank must start from the
-    same initial model: seed the model's initialisation (e.g. ``torch.manual_seed`` before building it, or
-    ``seed_everything``). The sharded parameters are one tensor across the ranks (each coordinate is held by one
-    rank, so there is nothing to compare), and the parameters and buffers that are not sharded are copied from
-    rank 0 at setup (as ``DPDDPStrategy`` does); a ``DTensor`` cannot be broadcast, so a sharded model whose ranks
-    were initialised differently trains, consistently, on a mixture of the ranks' initial shards (under HSDP, where
-    ranks hold replicas, such replicas would start, and stay, different).
+    The LightningModule shards its model in ``configure_model`` (e.g. ``fully_shard(layer,
+    mesh=self.device_mesh["data_parallel"])`` per block, then the root), and its ``training_step`` returns the
+    PER-SAMPLE loss ``[B]``. ``batch_size`` is per process; the default sample rate is ``batch_size *
+    accumulate_grad_batches * W / N``. Every rank must start from the same initial model (seed its initialisation):
+    unsharded parameters and buffers are copied from rank 0, but a ``DTensor`` cannot be broadcast. Per-sample momentum,
+    the low-pass filter and the run-time checks work as unsharded (docs/design.md section 8.1). By name: ``"dp_fsdp"``
+    (``target_epsilon=3.0``), ``"dp_fsdp_epsilon_3"``, ``"dp_fsdp_epsilon_8"`` (:mod:`lightning_dp.lightning.registry`).
 
-    Only data parallelism: ``tensor_parallel_size`` must be 1 (DP over tensor-parallel layers is not supported:
-    the per-sample terms of a layer would be split across ranks), and ``data_parallel_size`` defaults to the number
-    of processes.
-
-    Per-sample momentum (``momentum_length > 1``: the stored iterates are kept as shards, gathered into the
-    checkpoints) and the low-pass filter work as on an unsharded model (docs/design.md section 8.1). The run-time
-    checks run as on one process; the batch-independence checks (first step, and every N steps with
-    ``check_batch_independence_every``), whose extra passes gather weights, run in lockstep over the ranks (a rank
-    with an empty or one-example batch joins the passes), and mixing found on one rank stops every rank.
-
-    By name: ``Trainer(strategy="dp_fsdp", devices=2)`` is ``DPModelParallelStrategy(target_epsilon=3.0)`` with the
-    other arguments at their defaults; ``"dp_fsdp_epsilon_3"`` and ``"dp_fsdp_epsilon_8"`` name the budget
-    explicitly (:mod:`lightning_dp.lightning.registry`).
-
-    Checkpoints are Lightning's ``ModelParallelStrategy`` ones with the privacy state added: a folder per
-    checkpoint (``torch.distributed.checkpoint``, each rank writes its shards; ``meta.pt`` holds the non-tensor
-    entries, the privacy state ``checkpoint["lightning_dp"]`` among them), or with
-    ``save_distributed_checkpoint=False`` one file with the full state written by rank 0. ``ckpt_path=`` resumes
-    either, continuing the privacy ledger (epsilon and the step count). Unlike the single-file checkpoints of
-    ``DPStrategy``/``DPDDPStrategy``, a sharded checkpoint is not written atomically: a process killed while
-    writing it leaves a folder that may not load (``meta.pt`` is written last); keep more than one checkpoint
-    (``ModelCheckpoint(save_top_k=...)``).
-
-    Using the model after training (e.g. ``generate``), two ways that work with FSDP2:
-
-    - gather the full weights, a collective on every rank, and load them into an unsharded model on one rank::
-
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = get_model_state_dict(module.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if trainer.global_rank == 0:  # only rank 0 receives the tensors
-            plain = LlamaForCausalLM(config)
-            plain.load_state_dict(full)
-            plain.generate(...)
-
-    - or call ``module.model.generate(..., synced_gpus=True)`` on the sharded model on EVERY rank: each forward
-      gathers the weights, so a rank that stopped early would leave the others waiting; HF's ``synced_gpus`` keeps
-      every rank running forwards until all are done (or generate the same number of new tokens everywhere,
-      ``min_new_tokens == max_new_tokens``).
+    Checkpoints are ``ModelParallelStrategy``'s with the privacy state added (``checkpoint["lightning_dp"]``);
+    ``ckpt_path=`` resumes the ledger. A sharded (folder) checkpoint is NOT written atomically: keep more than one
+    (``ModelCheckpoint(save_top_k=...)``). Using the model after training (gathering the weights, ``generate`` with
+    ``synced_gpus=True``): docs/design.md section 12.2.
 
     Args:
         data_parallel_size: the number of processes that shard the model; default (``"auto"``): all of them.
-        tensor_parallel_size: must be 1.
-        kwargs: the other privacy options, the fields of :class:`~lightning_dp.config.PrivacyConfig` (documented
-            there and in :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and those of Lightning's
-            ``ModelParallelStrategy`` (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
+        tensor_parallel_size: must be 1 (per-sample terms of a tensor-parallel layer would be split across ranks).
+        kwargs: the privacy options (:class:`~lightning_dp.config.PrivacyConfig`, listed in
+            :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`) and ``ModelParallelStrategy``'s
+            (``save_distributed_checkpoint``, ``process_group_backend``, ``timeout``).
 
     Raises:
-        ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1; a dataset, sample rate
-            or noise that differs between ranks (``RuntimeError``, at the start of training).
+        ValueError: the arguments of ``DPStrategy``; ``tensor_parallel_size`` other than 1.
+        RuntimeError: at the start of training, a dataset, sample rate or noise that differs between ranks.
     """
 
     strategy_name = "dp_fsdp"
