@@ -1,30 +1,17 @@
 """Composition-theorem accountants: ``basic`` (pure DP, sequential composition) and ``advanced``.
 
-``basic`` (literature review sections 3.3 and 7.1; Dwork & Roth 2014, Thm 3.16). One ``LaplaceEvent`` step
-(l1 clip ``C``, scale ``b``) is ``C/b``-DP (Dwork et al. 2006); a ``Lap2Event`` step (l2 clip, ``n`` coordinates)
-is ``sqrt(n) C / b``-DP because ``||v||_1 <= sqrt(n) ||v||_2``. Poisson sampling with rate ``q`` amplifies
-``eps`` to ``log(1 + q (e^eps - 1))`` for add/remove neighbours (Li, Qardaji & Su 2012; Balle, Barthe & Gaboardi
-2018, "Privacy amplification by subsampling", Thm 8). Epsilons add up; delta is 0.
+``basic`` (Dwork & Roth 2014, Thm 3.16): a ``LaplaceEvent`` step is ``C/b``-DP, a ``Lap2Event`` step over ``n``
+coordinates ``sqrt(n) C / b``-DP; Poisson sampling amplifies ``eps`` to ``log(1 + q (e^eps - 1))`` (Balle, Barthe &
+Gaboardi 2018, Thm 8); epsilons add, delta is 0.
 
-``advanced`` (literature review sections 4.3-4.4 and 7.2): ``k`` steps, each ``(eps_i, delta_0)``-DP, compose to
-``(sqrt(2 ln(1/delta')) sum eps_i^2) + sum eps_i (e^{eps_i} - 1), k delta_0 + delta')`` (Dwork, Rothblum & Vadhan
-2010; Dwork & Roth 2014 Thm 3.20; the heterogeneous form follows from the same Azuma argument and is implied by
-Kairouz, Oh & Viswanath 2015 Thm 3.5). The split is the review's: ``delta' = delta/2``, ``delta_0 = delta/(2k)``.
-The reported epsilon is the smaller of that and basic composition ``sum eps_i`` (both hold at the same delta).
+``advanced`` (Dwork, Rothblum & Vadhan 2010; Dwork & Roth 2014, Thm 3.20; Kairouz, Oh & Viswanath 2015, Thm 3.5):
+``k`` steps, each ``(eps_i, delta_0)``-DP, compose to ``(sqrt(2 ln(1/delta') sum eps_i^2) + sum eps_i (e^{eps_i} -
+1), k delta_0 + delta')`` with ``delta' = delta/2``, ``delta_0 = delta/(2k)``; the reported epsilon is the smaller of
+that and ``sum eps_i``. A ``Lap2Event`` step's epsilon at ``delta_0`` is the Hoeffding bound
 
-Per-step epsilon of the l2 Laplace mechanism (``Lap2Event``) at ``delta_0`` -- the review applies the GAUSSIAN
-formula ``eps_0 = (C/b) sqrt(2 ln(1.25/delta_0))`` to Laplace noise. We do not rely on it. Sound replacement
-(proof in docs/accountants.md): the privacy loss ``L = sum_i (|o_i - v_i| - |o_i|)/b`` of the shifted pair
-(``||v||_2 <= C``) is a sum of independent terms in ``[-|v_i|/b, |v_i|/b]`` with mean
-``sum_i (|v_i|/b + e^{-|v_i|/b} - 1) <= C^2/(2b^2)``; Hoeffding gives ``P[L > eps] <= delta_0`` for
+    eps_0 = min(C^2/(2 b^2) + (C/b) sqrt(2 ln(1/delta_0)), sqrt(n) C/b)
 
-    eps_0 = C^2/(2 b^2) + (C/b) sqrt(2 ln(1/delta_0)),
-
-and ``P[L > eps] <= delta_0`` implies ``(eps, delta_0)``-DP (both directions: the pair is symmetric). We use
-``min(eps_0, sqrt(n) C/b)``. The review's ``eps_0`` is never smaller than ours when its value is at most
-``2 ln 1.25 = 0.446``, so its per-step claim is valid in that range (e.g. its worked example, 0.01564); it can fail
-beyond (the Gaussian formula itself needs ``eps < 1``). :func:`advanced_laplace_noise_scale` therefore returns
-``max(review scale, sound scale)``, which equals the review's number in its example.
+(proof, and why not the Gaussian formula the literature review applies: docs/accountants.md section 4.1).
 """
 
 from __future__ import annotations
@@ -83,7 +70,7 @@ def advanced_composition_epsilon(eps0: float, steps: int, delta_prime: float) ->
 def basic_laplace_noise_scale(
     target_epsilon: float, steps: int, max_grad_norm: float, sample_rate: float = 1.0
 ) -> tuple[float, float]:
-    """Laplace scale for ``steps`` pure-DP steps under basic composition (literature review 3.3).
+    """Laplace scale for ``steps`` pure-DP steps under basic composition.
 
     Args:
         target_epsilon: total epsilon (> 0).
@@ -93,8 +80,8 @@ def basic_laplace_noise_scale(
             (``eps_base = log(1 + (e^{eps/k} - 1)/q)``).
 
     Returns:
-        ``(eps_step, scale)``: the (amplified) per-step epsilon ``eps/k`` and ``b = C / eps_base``.
-        Example (review 3.3): ``eps=3, k=1220, C=3`` gives ``scale = 1220``.
+        ``(eps_step, scale)``: the (amplified) per-step epsilon ``eps/k`` and ``b = C / eps_base``
+        (``eps=3, k=1220, C=3`` gives ``scale = 1220``).
 
     Raises:
         ValueError: non-positive epsilon/clip, ``steps < 1`` or ``q`` outside ``(0, 1]``.
@@ -112,13 +99,11 @@ def basic_laplace_noise_scale(
 def advanced_laplace_noise_scale(
     target_epsilon: float, delta: float, steps: int, max_grad_norm: float, sample_rate: float = 1.0
 ) -> tuple[float, float, float]:
-    """Laplace scale for the ``laplace-advanced`` mechanism (literature review 4.4).
+    """Laplace scale for the ``laplace-advanced`` mechanism.
 
-    Solves ``eps0 sqrt(2k ln(1/delta')) + k eps0 (e^eps0 - 1) = target_epsilon`` with ``delta' = delta/2``,
-    ``delta0 = delta/(2k)``; the scale is the review's ``(C/eps0) sqrt(2 ln(1.25/delta0))`` or, where that is not
-    a valid per-step bound for Laplace noise, the larger scale at which :func:`lap2_step_epsilon` equals
-    ``eps0`` (module docstring). With ``sample_rate q < 1``, ``(eps0, delta0)`` is the amplified per-step budget
-    and the base mechanism gets ``(log(1 + (e^eps0 - 1)/q), delta0/q)``.
+    Solves ``eps0 sqrt(2k ln(1/delta')) + k eps0 (e^eps0 - 1) = target_epsilon``; the scale is the larger of the
+    literature review's ``(C/eps0) sqrt(2 ln(1.25/delta0))`` and the one at which :func:`lap2_step_epsilon` equals
+    ``eps0``. With ``q < 1`` the base mechanism gets ``(log(1 + (e^eps0 - 1)/q), delta0/q)``.
 
     Args:
         target_epsilon: total epsilon (> 0).
@@ -128,8 +113,8 @@ def advanced_laplace_noise_scale(
         sample_rate: Poisson rate in ``(0, 1]``.
 
     Returns:
-        ``(eps0, delta0, scale)``. Example (review 4.4): ``eps=3, delta=1e-5, k=1220, C=3`` gives
-        ``eps0 = 0.01564``, ``delta0 = 4.098e-9``, ``scale = 1198.9``.
+        ``(eps0, delta0, scale)`` (``eps=3, delta=1e-5, k=1220, C=3`` gives ``eps0 = 0.01564``, ``delta0 =
+        4.098e-9``, ``scale = 1198.9``).
 
     Raises:
         ValueError: invalid epsilon, delta, steps, clip or sample rate.
@@ -214,9 +199,7 @@ class BasicCompositionAccountant(Accountant):
 class AdvancedCompositionAccountant(Accountant):
     """Advanced composition (``advanced``) of ``Lap2Event`` / ``LaplaceEvent`` steps, optionally Poisson-sampled.
 
-    ``delta' = delta/2`` and every step gets ``delta/(2k)`` (``k`` = total steps); a Poisson-sampled step's base
-    mechanism gets ``delta/(2kq)`` and its epsilon is amplified. Sound (module docstring); the sound ``lap2``
-    moments accountant is usually much tighter for the same noise.
+    A Poisson-sampled step's base mechanism gets ``delta/(2kq)`` and its epsilon is amplified (module docstring).
     """
 
     name = "advanced"

@@ -1,19 +1,9 @@
 """Shared machinery of the moments (MAF / Renyi) accountants of the Laplace family.
 
-Conventions (LAP2 seed, eq. II.8-II.10): the *moments accountant function* (MAF) at integer order
-``lambda >= 1`` is ``alpha(lambda) = log E_{o ~ mu}[(mu(o) / mu'(o))^lambda]``, i.e. ``lambda`` times the Renyi
-divergence of order ``lambda + 1``. MAFs add up under (adaptive) composition (eq. II.8).
-
-- :func:`log_binomial_weights`: the Poisson-subsampling weights ``w_eta = binom(lambda+1, eta) (1-q)^(lambda+1-eta)
-  q^eta`` (LAP2 Thm III.2, eq. III.4), as a matrix over all orders at once.
-- :func:`subsampled_log_moments`: the add-direction MAF ``log sum_eta w_eta M_eta`` fed with (bounds on) the log
-  base moments ``log M_eta``; for symmetric base pairs it bounds the remove direction too (docs/accountants.md,
-  Lemma 1 -- a generalisation of Mironov, Talwar & Zhang 2019, Thm 5, from the Gaussian to any symmetric pair).
-- :func:`epsilon_from_log_moments`: the MAF -> (epsilon, delta) conversion of Balle et al. 2020 (AISTATS,
-  "Hypothesis testing interpretations and Renyi DP", Thm 21), quoted in the LAP2 seed right after eq. II.10:
-  ``eps = min_lambda alpha(lambda)/lambda + log(lambda/(lambda+1)) - (log(delta) + log(lambda+1))/lambda``.
-
-Everything is computed in log space (``scipy.special.gammaln``, ``logsumexp``) and vectorised over orders.
+The MAF at integer order ``lambda >= 1`` is ``alpha(lambda) = log E_{o ~ mu}[(mu(o) / mu'(o))^lambda]`` (Mohammady
+et al. 2026, LAP2, eq. II.8-II.10); MAFs add under composition. Subsampling weights: LAP2 Thm III.2, eq. III.4; the
+remove direction: docs/accountants.md section 4.5, Lemma 1; conversion to epsilon: Balle et al. 2020, Thm 21. All in
+log space, vectorised over orders.
 """
 
 from __future__ import annotations
@@ -101,16 +91,13 @@ def subsampled_log_moments(orders: np.ndarray, q: float, log_base_moments: np.nd
     Args:
         orders: integer MAF orders ``lambda``, shape ``(L,)`` (sorted, unique).
         q: sample rate in ``[0, 1]``.
-        log_base_moments: shape ``(max(orders) + 2,)``; entry ``eta`` is an upper bound on
-            ``log E_P[(Q/P)^eta]`` over all neighbouring base pairs ``(P, Q)`` (``P``: without the example,
-            ``Q``: with it). Entries 0 and 1 must be 0. ``+inf`` marks an order where no finite bound exists.
+        log_base_moments: shape ``(max(orders) + 2,)``; entry ``eta`` is an upper bound on ``log E_P[(Q/P)^eta]``
+            over all neighbouring base pairs (``P`` without the example, ``Q`` with it). Entries 0 and 1 must be 0;
+            ``+inf`` marks an order without finite bound.
 
     Returns:
-        Shape ``(L,)``: ``log sum_eta w_eta M_eta`` = an upper bound on the add-direction MAF
-        ``log E_P[((1-q) + q Q/P)^(lambda+1)]`` (exact when ``M_eta`` is exact). For base pairs that are symmetric
-        (an involution maps ``P`` to ``Q`` and ``Q`` to ``P``, e.g. any noise with a coordinate-wise even density)
-        it also bounds the remove direction ``log E_P[((1-q) + q Q/P)^(-lambda)]`` -- Lemma 1 in
-        docs/accountants.md.
+        Shape ``(L,)``: ``log sum_eta w_eta M_eta``, an upper bound on the add-direction MAF; for symmetric base pairs
+        (e.g. coordinate-wise even noise densities) also on the remove direction (docs/accountants.md, Lemma 1).
     """
     log_w = log_binomial_weights(orders, q)
     log_m = np.asarray(log_base_moments, dtype=np.float64)[: log_w.shape[1]]

@@ -1,32 +1,19 @@
 """Accountants for Gamma-PLRV noise on an l2-clipped sum (``PlrvEvent``): ``plrv`` (sound) and ``plrv-paper``.
 
-Noise model (``PlrvEvent``; PLRV-O Def. 4.10 / Alg. 3): every coordinate draws its own inverse scale
-``u ~ Gamma(k, theta)`` (shape ``k``, scale ``theta``) and then ``Lap(0, 1/u)``; coordinates are independent.
-For one coordinate with clipped value ``x`` the moment ``E_{P}[(Q/P)^eta]`` of the mixture pair is at most
-(joint convexity of ``(a, b) -> a^eta b^(1-eta)``, PLRV-O Thm 4.8 / eq. 20)
+Noise model (Yang et al. 2025, PLRV-O Def. 4.10 / Alg. 3): every coordinate draws its own inverse scale ``u ~
+Gamma(k, theta)`` and then ``Lap(0, 1/u)``, independently. One coordinate's moment at clipped value ``x`` is at
+most (PLRV-O Thm 4.8 / eq. 20)
 
-    G(x, eta) = E_u[F_u(x, eta)] = eta/(2eta-1) M_u((eta-1)x) + (eta-1)/(2eta-1) M_u(-eta x),
-    M_u(t) = (1 - t theta)^(-k)   (Gamma MGF, finite only for t < 1/theta).
+    G(x, eta) = eta/(2eta-1) M_u((eta-1)x) + (eta-1)/(2eta-1) M_u(-eta x),    M_u(t) = (1 - t theta)^(-k),
 
-So an order ``lambda`` needs ``lambda * x * theta < 1``; with ``x <= C`` an order with ``lambda C theta >= 1`` is
-EXCLUDED (its MAF is ``+inf``, never clipped).
+finite only for ``t < 1/theta``: an order with ``lambda C theta >= 1`` is EXCLUDED (MAF ``+inf``, never clipped).
 
 ``plrv`` (default, sound; docs/design.md section 6.4): the worst base moment over the l2 ball is bounded by
-``exp(n * hhat_eta(C^2/n))`` where ``hhat_eta`` is a concave majorant of ``h_eta(s) = log G(sqrt(s), eta)`` on
-``[0, C^2]``. ``h_eta`` need not be concave (near the MGF pole it is not), so :func:`plrv_majorant` certifies an
-upper bound that holds BETWEEN grid points: ``log G`` is convex in ``x`` (a mixture of log-convex functions is
-log-convex), so on ``[x_j, x_{j+1}]`` it lies below its chord; the chord as a function of ``s = x^2`` is
-``h_j + mu (sqrt(s) - x_j)`` with ``mu >= 0`` (``G`` is increasing), concave in ``s``, and therefore lies below
-both of its end tangents (a "tent"); the concave hull of the tent vertices is a concave majorant of ``h``. Then the
-add-direction MAF ``log sum_eta w_eta M_eta`` is reported; it also bounds the remove direction because the base
-pair is symmetric (the noise density is even in every coordinate; docs/accountants.md, Lemma 1). ``q = 1``: the
-base MAF.
-
-``plrv-paper``: PLRV-O Thm 4.9 (eq. 19) / Alg. 2 via the fast majorization sum. NOT a valid bound for the
-subsampled mechanism (docs/design.md section 6.3); logs a warning.
-
-If a mechanism instead shares ONE ``u`` across all coordinates (the density written in eq. 18), the moments do not
-factorise over coordinates and neither accountant applies.
+``exp(n * hhat_eta(C^2/n))``, ``hhat_eta`` a certified concave majorant of ``h_eta(s) = log G(sqrt(s), eta)`` on
+``[0, C^2]`` (:func:`plrv_majorant`; construction: docs/accountants.md section 4.3); the add-direction MAF also
+bounds the remove direction (docs/accountants.md section 4.5, Lemma 1). ``plrv-paper``: PLRV-O Thm 4.9 (eq. 19) /
+Alg. 2, NOT a valid bound for the subsampled mechanism (docs/design.md section 6.3); logs a warning. A mechanism
+sharing ONE ``u`` across coordinates (the density of eq. 18) is covered by neither.
 """
 
 from __future__ import annotations
@@ -60,10 +47,7 @@ _ROUNDING_SLACK = 1e-15
 def plrv_log_moment(x: np.ndarray, eta: np.ndarray, k: float, theta: float) -> np.ndarray:
     """``log G(x, eta)`` of PLRV-O eq. 20 for Gamma(k, theta) inverse scales (broadcast ``x`` with ``eta``).
 
-    Cancellation-free: with ``A = (eta-1) theta``, ``B = eta theta``, ``a1 = -k log(1 - A x)``,
-    ``a2 = -k log(1 + B x)``, the linear terms cancel exactly and
-    ``G - 1 = b1 (r1 + E(a1)) + b2 (r2 + E(a2))`` with ``r1 = a1 - kAx >= 0``, ``r2 = a2 + kBx >= 0``,
-    ``E(a) = e^a - 1 - a >= 0``, ``b1 = eta/(2eta-1)``, ``b2 = (eta-1)/(2eta-1)``.
+    Computed without cancellation (the linear terms of ``G - 1`` cancel exactly).
 
     Returns nats; ``+inf`` where ``(eta - 1) theta x >= 1`` (beyond the MGF pole); 0 for ``eta <= 1``.
     """
@@ -144,13 +128,8 @@ def _tent_points(x: np.ndarray, log_g: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _apex_polyline(sigma: np.ndarray, v: np.ndarray, P: int, s_star: float) -> tuple[np.ndarray, np.ndarray]:
-    """Fast path: ``psi`` = the polyline through the tent crossings and ``(x_P^2, h(x_P^2))``, extended linearly
-    to ``s = 0``, lifted by ``d0 = max(0, h(x_1^2) - psi(0))``.
-
-    Where ``psi`` is concave (non-increasing, non-negative slopes) and every grid vertex lies on or below it,
-    ``psi + d0`` is a concave, non-decreasing majorant of all tent vertices and of ``h`` on ``[0, x_1^2]`` (there
-    ``h <= h(x_1^2)``), hence of ``h``; its value at ``s_star`` is a valid ``hhat(s_star)``. Rows failing the
-    check are flagged for :func:`_best_affine`.
+    """Fast path: the polyline through the tent crossings and ``(x_P^2, h(x_P^2))``, extended to ``s = 0`` and lifted by
+    ``max(0, h(x_1^2) - psi(0))``; a valid ``hhat(s_star)`` where it is certified concave and above every vertex.
 
     Args:
         sigma, v: tent vertices from :func:`_tent_points`, shape ``(E, 2P)``.
@@ -158,7 +137,7 @@ def _apex_polyline(sigma: np.ndarray, v: np.ndarray, P: int, s_star: float) -> t
         s_star: evaluation point ``C^2 / n``.
 
     Returns:
-        ``(value, certified)``, each shape ``(E,)``; ``value`` is meaningful where ``certified``.
+        ``(value, certified)``, each shape ``(E,)``; rows not certified go to :func:`_best_affine`.
     """
     vert_s, vert_v = sigma[:, 1 : P + 1], v[:, 1 : P + 1]
     poly_s = np.concatenate([sigma[:, P + 1 :], vert_s[:, -1:]], axis=1)
@@ -209,13 +188,8 @@ def _best_affine(sigma: np.ndarray, v: np.ndarray, s_star: float) -> np.ndarray:
 def plrv_majorant(C: float, n: int, k: float, theta: float, eta_max: int) -> np.ndarray:
     """Certified ``n * hhat_eta(C^2 / n) >= max_{||g||_2 <= C} sum_i log G(|g_i|, eta)`` for ``eta = 0..eta_max``.
 
-    Method (module docstring): tent vertices on a geometric :func:`_grid` (ratio 1.05; each tent over-estimates
-    ``h`` by at most ~``(r-1)^2/2 = 0.12 %`` relative where ``h`` is near-linear);
-    where the polyline through the tent crossings is certified concave and above all vertices
-    (:func:`_apex_polyline`) its value at ``s* = C^2/n`` is used; otherwise the tent vertices of a fine grid
-    (ratio 1.01) and the best affine majorant over slopes ``>= 0`` (:func:`_best_affine`, = their concave hull at
-    ``s*``).
-    A slack of ``n * 1e-15`` covers rounding.
+    Tent vertices on a geometric grid (ratio 1.05), the certified polyline (:func:`_apex_polyline`) where it applies,
+    else a fine grid (ratio 1.01) and the best affine majorant (:func:`_best_affine`); slack ``n * 1e-15``.
 
     Returns:
         Shape ``(eta_max + 1,)``, nats; ``+inf`` for ``eta`` with ``(eta - 1) C theta >= 1`` (no finite MGF).

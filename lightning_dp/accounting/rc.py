@@ -1,32 +1,16 @@
-"""The ``rc`` accountant: DP-SGD with randomized clipping (seed ``dpsgd-rc``, Sec. 5.2, Algorithm 5).
+"""The ``rc`` accountant: DP-SGD with randomized clipping (Ullah et al. 2026, DP-SGD-RC, Sec. 5.2, Algorithm 5).
 
-One step releases the Gaussian mechanism whose sensitivity is ``C a`` with a random scale ``a = 1 / sqrt(Y)``
-(seed Thm 5.1; ``Y`` from :mod:`lightning_dp.accounting.rc_envelope`), and the analysis lets the adversary see
-``a`` (the pair ``(a, N(a / sigma, 1))`` vs ``(a, N(0, 1))``, seed Lemma B.2 / B.3). For such a revealed mixture
-the hockey-stick divergence is linear in the mixture:
+One step is the Gaussian mechanism with sensitivity ``C a``, a random scale ``a = 1 / sqrt(Y)`` revealed to the
+adversary (Thm 5.1, Lemma B.2 / B.3; ``Y`` from :mod:`lightning_dp.accounting.rc_envelope`). The hockey-stick
+divergence is linear in the mixture:
 
     delta_step(eps) = sum_m w_m delta_gauss(eps; mu = a_m / sigma, q)  +  w_inf delta_gauss(eps; mu = inf, q),
 
-where ``delta_gauss`` is the Poisson-subsampled Gaussian curve (closed form below) and ``(a_m, w_m, w_inf)`` the
-pessimistic discretisation of :func:`~lightning_dp.accounting.rc_envelope.scale_atoms` (mass of each ``y``-cell at
-its smallest ``y``, the far tail at ``a = inf``). This is Algorithm 5 lines 4-11 (the mixture of single-step
-Gaussian kernels over ``a``) with the cell representative moved from the midpoint to the pessimistic end. Hutch
-and Hutch++ share one bound on ``Y`` (:func:`~lightning_dp.accounting.rc_envelope.envelope_cdf_bound`), valid for
-every ``d``; ``norm_dim`` is recorded in the event but does not change the epsilon.
-
-Both neighbouring directions of add/remove-one (docs/design.md section 3.1) are bounded, each with its own curve:
-REMOVE (``mu_upper = (1 - q) N(0, 1) + q N(mu, 1)``, ``mu_lower = N(0, 1)``) and ADD (the reverse pair); the
-reported epsilon is the larger of the two, as ``dp_accounting`` does for the Gaussian.
-
-Reused from ``dp_accounting`` (Google): ``pld.pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap`` turns the
-exact ``delta_step`` on the loss grid ``eps = i h`` (``h = 1e-4``) into a pessimistic discrete PLD (Doroshenko et
-al. 2022, "Connect the Dots", Alg. 1: its hockey-stick curve upper-bounds the true one at every epsilon; mass
-beyond the grid goes to the infinity atom, mass below the grid is moved up); ``PrivacyLossDistribution`` composes
-the steps (``self_compose``: FFT convolution with pessimistic tail truncation 1e-15) and gives the smallest
-epsilon for delta (``get_epsilon_for_delta``, exact for a discrete PLD, so no root finder is needed there).
-Our own code: the envelope, the discretisation of ``a``, the vectorised closed-form ``delta_gauss`` (checked
-against ``dp_accounting``'s ``GaussianPrivacyLoss`` in the tests) and the upper bounds that let each component be
-evaluated on its own loss range only (:func:`mixture_delta`). Soundness argument: docs/accountants.md, 4.6.
+with ``(a_m, w_m, w_inf)`` from :func:`~lightning_dp.accounting.rc_envelope.scale_atoms` (Algorithm 5 lines 4-11,
+each cell at its pessimistic end). Both directions of add/remove-one are bounded, the larger epsilon reported.
+``dp_accounting``'s pessimistic connect-the-dots PMF (Doroshenko et al. 2022, Alg. 1; loss grid ``h = 1e-4``) and
+``PrivacyLossDistribution`` compose the steps. ``norm_dim`` is recorded but does not change the epsilon. Soundness:
+docs/accountants.md section 4.6.
 """
 
 from __future__ import annotations
@@ -151,12 +135,9 @@ def mixture_delta(
 ) -> np.ndarray:
     """Upper bound on ``sum_m w_m delta(eps; mu_m) + inf_mass delta(eps; inf)`` on the sorted ``grid`` ``[n]``.
 
-    Each component is evaluated exactly on its own :func:`_loss_range` ``[lo_m, hi_m]`` only (noise within ``t_m``
-    standard deviations, ``t_m`` in ``[2, 7]`` with ``w_m q Phibar(t_m) <= negligible_delta / M``); outside it the
-    bounds ``delta_m(eps) <= delta_m(hi_m)`` (eps > hi_m; the curve is non-increasing) and
-    ``delta_m(eps) <= 1 - e^eps + r_m``, ``r_m = delta_m(lo_m) - (1 - e^lo_m)`` (eps < lo_m; from
-    ``delta(eps) = 1 - e^eps + int_{L < eps} (e^eps dQ - dP)``, whose last term only grows with eps) keep the
-    sum an upper bound. Cost ``O(sum_m |range_m|)`` instead of ``O(M n)``.
+    Each component is evaluated exactly on its own :func:`_loss_range` only and bounded outside it (monotone above,
+    ``1 - e^eps + r_m`` below), at cost ``O(sum_m |range_m|)`` instead of ``O(M n)``; derivation:
+    docs/accountants.md section 4.6.
     """
     h_lo, h_hi = float(grid[0]), float(grid[-1])
     n = grid.size
@@ -192,15 +173,11 @@ def step_pld(
     negligible_delta: float = 1e-18,
     value_discretization_interval: float = VALUE_DISCRETIZATION_INTERVAL,
 ) -> PrivacyLossDistribution:
-    """Pessimistic PLD (both directions) of one Poisson-subsampled randomized-clipping Gaussian step.
+    """Pessimistic PLD (both directions) of one Poisson-subsampled randomized-clipping Gaussian step (cached).
 
-    ``negligible_delta`` is the per-step delta the far tails may add to the infinity atom: scales beyond the
-    ``min(1e-8, negligible_delta / q)`` quantile count as ``a = inf``, and the loss grid ends where the mixture's
-    remaining ``delta`` is below ``negligible_delta``.
-
-    ``projection_dim=None`` means deterministic clipping (``a = 1``), i.e. the plain subsampled Gaussian; Hutch and
-    Hutch++ share the scale bound of :func:`~lightning_dp.accounting.rc_envelope.envelope_cdf_bound` discretised by
-    :func:`~lightning_dp.accounting.rc_envelope.scale_atoms`. Cached: calibration evaluates the same step repeatedly.
+    ``negligible_delta``: the per-step delta the far tails may add to the infinity atom (scales beyond the
+    ``min(1e-8, negligible_delta / q)`` quantile count as ``a = inf``). ``projection_dim=None``: deterministic clipping
+    (``a = 1``), the plain subsampled Gaussian.
     """
     if projection_dim is None:
         scales, weights, inf_mass = np.ones(1), np.ones(1), 0.0
@@ -227,12 +204,9 @@ def mixture_step_pld(
         noise_multiplier: sigma > 0. sample_rate: q in ``(0, 1]``.
         scales: finite scales ``a_m > 0``, shape ``[M]`` (sensitivity ``a_m C``). weights: their probabilities
             ``[M]``. infinite_mass: probability of ``a = inf`` (weights + infinite_mass = 1).
-        negligible_delta: the remove-direction grid ends where the finite components' ``delta`` drops below it.
-        value_discretization_interval: loss-grid spacing ``h``.
-
-    The remove-direction grid runs from the smallest loss to where the mixture's ``delta`` falls below
-    ``negligible_delta`` (the rest becomes the infinity atom), the add-direction grid is its mirror image; at most
-    ``MAX_GRID_POINTS`` points (the far side is cut pessimistically).
+        negligible_delta: the remove-direction grid ends where the finite components' ``delta`` drops below it (the
+            rest becomes the infinity atom; the add-direction grid is its mirror image).
+        value_discretization_interval: loss-grid spacing ``h``; at most ``MAX_GRID_POINTS`` points.
     """
     sigma, q, h, inf_mass = noise_multiplier, sample_rate, value_discretization_interval, infinite_mass
     weights = np.asarray(weights, dtype=float)
@@ -279,10 +253,9 @@ def _step_key(event: Any) -> tuple[float, float, int | None] | None:
 class RandomizedClippingAccountant(Accountant):
     """PRV/PLD accountant of DP-SGD with randomized clipping (Hutch / Hutch++ norms), add/remove-one, both directions.
 
-    Accepts ``RandomizedClippingGaussianEvent`` and ``GaussianEvent`` (exact clipping, ``a = 1``), alone or inside
-    ``PoissonSampledEvent``. Each ledger entry's step PLD is self-composed (FFT) and the entries composed; epsilon is
-    the smallest value whose hockey-stick divergence is at most delta in both directions. Returns ``inf`` for a
-    zero noise multiplier, or when the pessimistic infinity atom alone exceeds delta.
+    Accepts ``RandomizedClippingGaussianEvent`` and ``GaussianEvent`` (``a = 1``), alone or inside
+    ``PoissonSampledEvent``. Returns ``inf`` for a zero noise multiplier, or when the pessimistic infinity atom alone
+    exceeds delta.
     """
 
     name = "rc"

@@ -1,34 +1,14 @@
-"""Envelope CDF of the randomized-clipping scale ``Y`` (seed ``dpsgd-rc``: Thm 5.1, Prop. 5.2, B.1, B.6, B.8).
+"""Envelope CDF of the randomized-clipping scale ``Y`` (Ullah et al. 2026, DP-SGD-RC: Thm 5.1, Prop. 5.2, B.1, B.6,
+B.8, B.24; Algorithms 3 and 4).
 
-With Hutchinson's estimator on ``k`` projection columns, the estimated squared norm of the differing example's
-gradient is ``||g||^2 X(lambda)`` with ``X(lambda) = sum_i lambda_i X_i``, ``X_i ~ chi^2(k) / k`` i.i.d.,
-``lambda`` in the simplex of dimension ``d - 1`` (the normalised eigenvalues of ``O_0``; seed Sec. 5.1). Its
-sensitivity is at most ``C / sqrt(X(lambda))``. The accountant needs a data-independent ``Y`` with
-``F(x; Y) >= sup_lambda F(x; X(lambda))`` for every ``x`` (``Y <=_st X(lambda)``; then seed Lemma A.5 / B.3
-bounds the trade-off curve by the randomized-scale Gaussian with ``a = 1 / sqrt(Y)``).
-
-What this module computes (``x`` is the value of the normalised norm estimate):
-
-- :func:`vertex_cdf` ``F(x; chi^2(k)/k)`` (``lambda = e``) and :func:`uniform_cdf` ``F(x; chi^2(kd)/(kd))``
-  (``lambda = u``), the exact branches. The supremum equals the vertex CDF for ``x <= 1`` (Thm 5.1 / B.9,
-  ``x_- = 1``; Algorithm 4 line 6 -- the printed Thm 5.1 has the two branches swapped) and the uniform one above
-  ``x_+`` (Algorithm 4 line 8).
-- :func:`two_point_cdf` and :func:`middle_region_sup`: the Szekely-Bakirov family
-  ``S(i, j, lambda) = lambda chi^2(ik)/(ik) + (1 - lambda) chi^2(jk)/(jk)`` and its supremum over
-  ``1 <= i + j <= d`` and a ``lambda`` grid (Algorithm 4's MIDDLEREGIONCDF, brute force ``O(d^2 n_lambda)``).
-- :func:`x_plus`: bisection for ``x_+`` (Algorithm 3, with the test corrected to "does some member of the family
-  still beat the uniform CDF at ``x``", single crossing, seed Thm B.4); :func:`vertex_uniform_crossing`, a lower
-  bound on ``x_+`` for any ``d`` (the point where ``F(x; X(u))`` overtakes ``F(x; X(e))``).
-- :func:`envelope_cdf_bound`: the CDF bound the ``rc`` accountant uses. Hutch++: Prop. B.24 exactly
-  (``F = F(x; chi^2(k)/k)`` below 1, ``1`` from 1 on). Hutch: the same function. It is an upper bound on the Hutch
-  envelope for EVERY ``d`` (equal below 1 by ``x_- = 1``; a CDF is at most 1), so it needs no ``x_+``; it is tight
-  as ``d`` grows (seed Fig. 1 right, Table 4: Hutch and Hutch++ get the same sigma at ``k = 32``). Why not the
-  paper's ``x_+ = 1 + 2/(dk)``: at ``k = 32, d = 2048`` the vertex CDF at ``1 + 2/(dk)`` is 0.5333 while the
-  uniform CDF is 0.5029, so the uniform law is not the envelope there (measured; see docs/accountants.md).
-
-Since ``sup`` over the simplex of dimension ``d - 1`` is also a sup over every larger simplex (pad with zeros),
-the true envelope is non-decreasing in ``d``: the widest layer (``d = max_l min(p_l, d_l)``) is the conservative
-choice. The bound used here does not depend on ``d`` at all.
+With Hutchinson's estimator on ``k`` projection columns the estimated squared norm is ``||g||^2 X(lambda)``,
+``X(lambda) = sum_i lambda_i X_i``, ``X_i ~ chi^2(k) / k`` i.i.d., ``lambda`` in the simplex of dimension ``d - 1``
+(Sec. 5.1). The accountant needs a data-independent ``Y`` with ``F(x; Y) >= sup_lambda F(x; X(lambda))`` for every
+``x`` (Lemma A.5 / B.3: sensitivity scale ``a = 1 / sqrt(Y)``). :func:`envelope_cdf_bound`, the bound ``rc`` uses,
+is ``F(x; chi^2(k)/k)`` below 1 and ``1`` from 1 on (Prop. B.24), an upper bound on the envelope for every ``d``.
+:func:`vertex_cdf`, :func:`uniform_cdf`, :func:`two_point_cdf`, :func:`middle_region_sup`, :func:`x_plus` and
+:func:`vertex_uniform_crossing` reproduce the paper's brute-force branches for small ``d``. Why not the paper's ``x_+
+= 1 + 2/(dk)``, and the corrections to Thm 5.1 and Algorithm 3: docs/accountants.md sections 2 (``rc``), 3 and 4.6.
 """
 
 from __future__ import annotations
@@ -78,12 +58,10 @@ def uniform_cdf(x: np.ndarray | float, k: int, d: int) -> np.ndarray:
 
 
 def two_point_cdf(x: float, k: int, i: int, j: int, lam: np.ndarray | float) -> np.ndarray:
-    """``F(x; lam chi^2(ik)/(ik) + (1 - lam) chi^2(jk)/(jk))`` (seed Prop. 5.2 / B.1), vectorised over ``lam``.
+    """``F(x; lam chi^2(ik)/(ik) + (1 - lam) chi^2(jk)/(jk))`` (Prop. 5.2 / B.1), vectorised over ``lam``.
 
-    Conditioning on ``U = chi^2(ik)`` and substituting ``U = F_U^{-1}(p)`` gives
-    ``int_0^{F_U(x ik / lam)} F_W(jk (x - lam U(p)/(ik)) / (1 - lam)) dp`` with a smooth, bounded integrand,
-    integrated by 256-point Gauss-Legendre (absolute error below 1e-6 against adaptive ``scipy.integrate.quad``
-    in ``u`` at ``k = 32``, 1e-15 at the seed's B.1 point).
+    Integrated by 256-point Gauss-Legendre after conditioning on ``chi^2(ik)`` (absolute error below 1e-6 at ``k =
+    32``).
 
     Args:
         x: point (> 0).
@@ -112,8 +90,7 @@ def two_point_cdf(x: float, k: int, i: int, j: int, lam: np.ndarray | float) -> 
 def middle_region_sup(x: float, k: int, d: int, n_lambda: int = 101) -> tuple[float, int, int, float]:
     """Algorithm 4's MIDDLEREGIONCDF: ``max F(x; S(i, j, lam))`` over ``1 <= i + j <= d`` and a ``lam`` grid.
 
-    A brute-force lower estimate of the envelope (grid maximum; refined by a bounded scalar search around the best
-    grid point). Cost ``O(d^2 n_lambda)`` quadratures: meant for small ``d`` (tests, Fig. 8-9 style checks).
+    A brute-force lower estimate of the envelope, ``O(d^2 n_lambda)`` quadratures: small ``d`` only.
 
     Returns:
         ``(F, i, j, lam)`` at the best point found (``j = 0`` means the single group ``chi^2(ik)/(ik)``).
@@ -144,12 +121,7 @@ def middle_region_sup(x: float, k: int, d: int, n_lambda: int = 101) -> tuple[fl
 
 
 def x_plus(k: int, d: int, tol: float = 1e-4, n_lambda: int = 41) -> float:
-    """``x_+`` of Prop. 5.2 by bisection on ``[1, 2]`` (Algorithm 3, brute force; small ``d`` only).
-
-    The seed's Algorithm 3 compares ``F(x; X(u))`` with 0.5; the test used here is the defining one: ``x < x_+``
-    iff some member of the Szekely-Bakirov family has a CDF above the uniform one at ``x`` (by more than 1e-5,
-    above the quadrature error),
-    which is monotone in ``x`` by the single-crossing property (seed Thm B.4).
+    """``x_+`` of Prop. 5.2 by bisection on ``[1, 2]`` (Algorithm 3 with the corrected test, Thm B.4; small ``d`` only).
 
     Returns:
         The upper end of the final bracket (width ``<= tol``).
@@ -198,14 +170,9 @@ def scale_atoms(
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Pessimistic discretisation of the sensitivity scale ``a = 1 / sqrt(Y)``, ``Y = min(chi^2(k)/k, 1)``.
 
-    ``(0, 1]`` is cut at ``y_0 < y_1 < ... < y_M = 1`` with ``y_0 = max(F^{-1}(tail_mass), max_scale^-2)``:
-    geometric with ratio ``coarse_ratio`` up to ``F^{-1}(coarse_mass)`` and ``fine_ratio`` above it (coarser if
-    that would take more than ``max_cells`` cells, as for ``k <= 8`` whose lower tail is heavy). The mass
-    ``F(y_m) - F(y_{m-1})`` of each cell is put at its LEFT end ``y_{m-1}`` (the largest ``a`` in the cell), the atom
-    ``P(Y = 1) = 1 - F(1; chi^2(k)/k)`` at ``a = 1``, and the mass ``F(y_0)`` at ``a = inf``. The discrete ``A`` so
-    built is coupled with the true one so that ``A >= a`` always, hence it is a valid scale for the accountant
-    (seed Lemma A.5 / B.3); for ``k >= 16``, ``a`` is overstated by at most ``sqrt(fine_ratio) - 1`` (0.2 %) on all
-    but ``coarse_mass`` of the probability.
+    Each cell's mass is put at its largest ``a``, the atom ``P(Y = 1)`` at ``a = 1`` and the lower tail at ``a = inf``,
+    so the discrete scale dominates the true one (valid for the accountant, Lemma A.5 / B.3; construction and error:
+    docs/accountants.md section 4.6).
 
     Returns:
         ``(scales [M+1], weights [M+1], infinite_mass)``: finite scales ``a >= 1`` with their probabilities, and
