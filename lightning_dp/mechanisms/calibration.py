@@ -1,19 +1,10 @@
 """Noise calibration for a target (epsilon, delta), through the registry of mechanisms.
 
-- :func:`calibrate` / :func:`calibrate_result`: fixed clipping bound ``C``; find the noise parameter whose accountant
-  epsilon after ``steps`` Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 0.1 %``). The
-  mechanism is looked up by name and calibrates itself (``NoiseMechanism.calibrate``): by default one monotone root
-  finding over its ``calibrated_parameter`` with the shared :func:`solve_monotone` (module
-  :mod:`lightning_dp.mechanisms.solver`), or the mechanism's own search. No mechanism is named here, so a newly
-  registered mechanism is calibrated the same way.
-- :func:`search_lap2`: LAP2 seed, Alg. 1 -- the largest ``C`` with its smallest feasible Laplace scale ``b``
-  (module :mod:`lightning_dp.mechanisms.search_lap2`, re-exported here).
-- :func:`search_plrv`: PLRV-O seed, Alg. 1 -- maximise ``C (k - 1) theta`` subject to constraints c0-c4
-  (module :mod:`lightning_dp.mechanisms.search_plrv`, re-exported here).
-
-The accountants are looked up by name (``make_accountant``); the mechanism class's ``calibration_accountant`` (else
-its ``default_accountant``) is used when none is given: ``laplace-advanced``'s calibration is, by definition, the
-literature review's advanced-composition formula (accountant ``"advanced"``).
+:func:`calibrate` / :func:`calibrate_result` find, at fixed ``C``, the noise parameter whose accountant epsilon after
+``steps`` Poisson-subsampled steps lies in ``[(1 - rtol) target, target]`` (``rtol = 0.1 %``); each mechanism
+calibrates itself (``NoiseMechanism.calibrate``), so a newly registered one is calibrated the same way.
+:func:`search_lap2` (Mohammady et al. 2026, Alg. 1) and :func:`search_plrv` (Yang et al. 2025, Alg. 1) also search
+the clipping bound (re-exported here).
 """
 
 from __future__ import annotations
@@ -66,11 +57,8 @@ __all__ = [
 
 
 def resolve_accountant(noise: str, accountant: str | None = None) -> str:
-    """The accountant a calibration of ``noise`` targets: ``accountant`` if given, else the mechanism class's
-    ``calibration_accountant``, else its ``default_accountant``.
-
-    ``laplace-advanced`` defaults to ``"advanced"`` here (its noise scale is defined by the literature review's
-    advanced composition, section 4.4), while its training-time default stays the sound ``"lap2"``.
+    """The accountant a calibration of ``noise`` targets: ``accountant``, else the class's ``calibration_accountant``,
+    else its ``default_accountant`` (``laplace-advanced``: ``"advanced"`` here, the sound ``"lap2"`` in training).
 
     Raises:
         ValueError: unknown mechanism name.
@@ -123,32 +111,21 @@ def calibrate_result(
 ) -> CalibrationResult:
     """Calibrate the noise parameter of ``noise`` for a fixed clipping bound ``C = max_grad_norm``.
 
-    Per mechanism (each class's ``calibrate``):
-
-    - ``gaussian``: noise multiplier ``sigma`` (root finding on the accountant, default ``"pld"``).
-    - ``laplace``: scale ``b``; closed form of literature review 3.3 (``b = C T / eps`` for ``q = 1``; with the
-      subsampling amplification inverted otherwise, ``basic_laplace_noise_scale``), checked and refined on the
-      accountant (default ``"basic"``).
-    - ``laplace-advanced``: with the default ``"advanced"`` accountant, the literature review 4.4 scale
-      (``advanced_laplace_noise_scale``, which also guards the review's per-step formula where it is not valid for
-      Laplace noise); with any other accountant (e.g. the sound ``"lap2"``), root finding on it.
-    - ``lap2``: scale ``b`` at fixed ``C`` (LAP2 Alg. 1 inner loop; default ``"lap2"``).
-    - ``plrv``: ``(k, theta)`` maximising ``(k - 1) theta`` under c1-c4 at fixed ``C`` (:func:`search_plrv` with
-      ``clip_range=(C, C)``; default ``"plrv"``).
+    Per mechanism (default accountant): ``gaussian`` sigma (``"pld"``); ``laplace`` scale ``b`` from the closed form of
+    basic composition, refined on the accountant (``"basic"``); ``laplace-advanced`` the advanced-composition scale
+    (``"advanced"``), else root finding; ``lap2`` scale ``b`` (``"lap2"``, LAP2 Alg. 1 inner loop); ``plrv`` ``(k,
+    theta)`` by :func:`search_plrv` with ``clip_range=(C, C)`` (``"plrv"``).
 
     Args:
-        noise: a registered mechanism name (``gaussian``, ``laplace``, ``laplace-advanced``, ``lap2``, ``plrv``, or
-            one registered since).
+        noise: a registered mechanism name.
         target_epsilon: target epsilon ``> 0``.
         target_delta: target delta in ``[0, 1)`` (``0`` only for pure-DP accounting).
         sample_rate: Poisson sampling rate ``q`` in ``(0, 1]``.
         steps: number of steps ``T``.
         max_grad_norm: clipping bound ``C`` (l1 for ``laplace``, l2 otherwise).
-        num_params: noised coordinates ``n``, required for ``laplace-advanced``, ``lap2``, ``plrv`` (every class with
-            ``needs_num_params``).
-        accountant: accountant name (see :func:`resolve_accountant` for the default).
-        warn: log :func:`warn_if_noise_drowns_the_signal`'s warning (off for a calibration that is only a starting
-            point, e.g. of the randomized-clipping one).
+        num_params: noised coordinates ``n``, required by every class with ``needs_num_params``.
+        accountant: accountant name (default: :func:`resolve_accountant`).
+        warn: log :func:`warn_if_noise_drowns_the_signal`'s warning.
 
     Raises:
         ValueError: invalid arguments, an unsupported mechanism/accountant pair, or an unreachable target.

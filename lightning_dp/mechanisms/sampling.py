@@ -1,15 +1,8 @@
 """Generator-driven noise samplers (Gaussian, Laplace, Gamma), on the device and dtype of a reference tensor.
 
-The torch side of the mechanisms: a mechanism imports this module (and :mod:`~lightning_dp.mechanisms.secure`) in
-``sample`` / ``secure_sample`` only, so the registry and the accounting load without torch.
-
-Every draw comes from the ``torch.Generator`` passed in (never from torch's global RNG), so DP noise is
-reproducible from the DP seed and independent of model/data randomness. The generator must live on the
-tensor's device (``torch.Generator(device=x.device)``).
-
-Half-precision tensors (``float16`` / ``bfloat16``) are sampled in ``float32`` and cast at the end, because
-16-bit gradients should not get coarsely quantised noise, and the logarithms and the Gamma rejection test lose too
-much precision in 16 bits.
+Imported by mechanisms only in ``sample`` / ``secure_sample``, so the registry and accounting load without torch.
+Every draw comes from the ``torch.Generator`` passed in (never the global RNG), which must live on the tensor's
+device. 16-bit tensors are sampled in float32 and cast (docs/design.md section 12.3).
 """
 
 from __future__ import annotations
@@ -37,15 +30,13 @@ def sample_gaussian(like: torch.Tensor, std: float, generator: torch.Generator) 
 
 
 def sample_laplace(like: torch.Tensor, scale: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """I.i.d. ``Lap(0, scale)`` noise shaped like ``like`` (same dtype and device).
-
-    Drawn as the difference of two independent ``Exp(1)`` variables times ``scale`` (a standard identity:
-    ``E1 - E2 ~ Lap(0, 1)``), which avoids the ``log(0)`` edge of the inverse-CDF method.
+    """I.i.d. ``Lap(0, scale)`` noise shaped like ``like`` (same dtype and device), as ``scale (E1 - E2)``, ``E ~
+    Exp(1)``.
 
     Args:
         like: reference tensor of any shape ``[*]``.
-        scale: the Laplace scale ``b > 0`` (density ``exp(-|z|/b) / 2b``), either a float or a tensor
-            broadcastable to ``like`` (per-coordinate scales, as in PLRV-O).
+        scale: the Laplace scale ``b > 0`` (density ``exp(-|z|/b) / 2b``), a float or a tensor broadcastable to
+            ``like`` (per-coordinate scales, as in PLRV-O).
         generator: the DP generator, on ``like.device``.
 
     Returns:
@@ -67,14 +58,8 @@ def sample_gamma(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """I.i.d. ``Gamma(shape, scale)`` variables (mean ``shape * scale``) from generator-driven normals/uniforms.
-
-    torch has no generator-aware Gamma sampler, so this implements Marsaglia & Tsang, "A simple method for
-    generating gamma variables" (ACM TOMS 26(3), 2000), vectorised: with ``d = a - 1/3``, ``c = 1/sqrt(9d)``,
-    draw ``x ~ N(0, 1)``, ``v = (1 + c x)^3`` and ``U ~ U(0, 1)``; accept ``d v`` when ``v > 0`` and
-    ``log U < x^2/2 + d - d v + d log v``. Rejected entries are redrawn in further rounds (acceptance is above
-    95 % for every shape, so a few rounds suffice). For ``shape < 1`` the boost of the same paper is used:
-    ``Gamma(a) = Gamma(a + 1) * U^(1/a)``.
+    """I.i.d. ``Gamma(shape, scale)`` variables (mean ``shape * scale``) by Marsaglia & Tsang 2000 (ACM TOMS 26(3)),
+    vectorised, from generator-driven normals and uniforms.
 
     Args:
         shape: Gamma shape ``a > 0``.

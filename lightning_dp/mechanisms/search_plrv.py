@@ -85,16 +85,11 @@ def gamma_scale_lower_bound(gamma_shape: float, *, gamma_cdf_tol: float, max_dis
 
 
 def corollary_d2_shape_bounds(max_grad_norm: float, gamma_scale: float, max_order: int) -> tuple[float, float] | None:
-    """PLRV-O Corollary D.2: the closed-form interval of ``k`` for given ``(C, theta, lambda_max)``.
+    """PLRV-O Corollary D.2: the closed-form interval of ``k`` for given ``(C, theta, lambda_max)`` (diagnostic only).
 
-    For every order ``eta = 2 .. lambda_max + 1`` the corollary gives the roots
-    ``k_{1,2} = (4 log(1 - C theta (eta - 1)) -+ sqrt(Delta)) / (2 C^2 theta^2 (eta - eta^2))`` with
-    ``Delta = 16 log^2(1 - C theta (eta - 1)) + 11.09375 C^2 theta^2 (eta - eta^2)``, valid for
-    ``theta < 1 / (C (lambda_max + 1))``; ``k`` must lie between the roots (taken in increasing order, since the
-    denominator is negative) for every ``eta``. The corollary relaxes a Gaussian-comparison criterion, and for the
-    paper's own Table 2 configurations ``Delta < 0`` at ``eta = 2, 3`` (empty intersection), so the search uses the
-    Appendix D.2 ``theta`` bounds (:func:`gamma_scale_lower_bound`, the MGF cap) as constraints and reports these
-    ``k`` bounds as a diagnostic.
+    ``k`` must lie between the roots ``k_{1,2}`` of the corollary for every order ``eta = 2 .. lambda_max + 1``, valid
+    for ``theta < 1 / (C (lambda_max + 1))``. The intersection is empty for the paper's own Table 2 configurations, so
+    :func:`search_plrv` does not use it as a constraint (docs/design.md section 12.3).
 
     Returns:
         ``(k_lo, k_hi)``, or ``None`` when the intersection over orders is empty or ``theta`` violates the MGF cap.
@@ -129,29 +124,17 @@ def search_plrv(
     max_order: int | None = None,
     shape_range: tuple[float, float] = (1.001, 1e6),
 ) -> PlrvSearch:
-    """PLRV-O Alg. 1: maximise ``J = C (k - 1) theta`` subject to c0-c4.
-
-    Constraints (Sec. 5.1, Appendix D.2):
+    """PLRV-O Alg. 1 (Yang et al. 2025, Sec. 5.1, Appendix D.2): maximise ``J = C (k - 1) theta`` subject to c0-c4.
 
     - c0: ``C_min <= C <= C_max`` (``clip_range``);
-    - c1: ``GammaCDF(0.1; k, theta) <= gamma_cdf_tol`` (the paper's "approximately 0": scales ``b = 1/u > 10``
-      are rare);
-    - c2: ``epsilon(k, theta, C) <= target`` under ``accountant`` (Alg. 2 / the sound variant);
+    - c1: ``GammaCDF(0.1; k, theta) <= gamma_cdf_tol``;
+    - c2: ``epsilon(k, theta, C) <= target`` under ``accountant``;
     - c3: ``k > 1`` (``shape_range``);
-    - c4: ``E|z| = 1 / ((k-1) theta) <= max_distortion`` (the paper's ``theta >= 0.1/(k-1)``);
-    - MGF validity: ``(lambda_max + 1) C theta < 1``; by default ``lambda_max = ceil(log(1/delta) / eps)``, the
-      smallest order whose conversion term ``log(1/delta)/lambda`` can fit under the target.
+    - c4: ``E|z| = 1 / ((k-1) theta) <= max_distortion``;
+    - MGF validity: ``(lambda_max + 1) C theta < 1``; default ``lambda_max = ceil(log(1/delta) / eps)``.
 
-    Solution: the accountant depends on ``(C, theta)`` only through ``C theta`` (Thm 4.8: the Gamma MGF is
-    evaluated at ``(eta-1) C`` and ``-eta C``), and so does ``J = (k - 1) (C theta)``; only c1/c4 depend on
-    ``theta`` alone. So for each ``k`` the largest feasible ``phi = C theta`` is found by root finding at
-    ``C = C_max`` (c2 and the MGF cap), ``J(k) = (k-1) phi(k)`` is maximised over ``log(k-1)`` with
-    ``scipy.optimize.minimize_scalar`` (bounded, after a coarse grid over the shapes not excluded in closed form by
-    the Appendix D.2 bounds ``max{theta_min(k), 0.1/(k-1)} <= theta <= phi_cap / C_min``), and ``C*`` is the
-    largest clip in ``clip_range`` for which ``theta = phi / C`` satisfies c1 and c4 (ties in ``J`` go to the
-    larger clip, as in LAP2 Alg. 1). The result is re-checked with the accountant at ``(k*, theta*, C*)``.
-    ``J(k)`` is often flat for large ``k`` (``k -> inf`` is the LAP2 limit ``u = k theta``); there any returned
-    ``k`` is one of many optima equivalent within the 1 % calibration window.
+    The result is re-checked with the accountant at ``(k*, theta*, C*)``; for large ``k``, ``J`` is often flat and the
+    returned ``k`` one of many equivalent optima. How the search reduces to one dimension: docs/design.md section 12.3.
 
     Args:
         target_epsilon, target_delta, sample_rate, steps: the privacy target and training schedule.
@@ -160,7 +143,7 @@ def search_plrv(
         clip_range: ``(C_min, C_max)`` of c0; use ``(C, C)`` for a fixed clip.
         gamma_cdf_tol: the c1 tolerance.
         max_distortion: the c4 cap on ``E|z|``.
-        max_order: ``lambda_max`` of the MGF constraint (see above for the default).
+        max_order: ``lambda_max`` of the MGF constraint.
         shape_range: the ``k`` interval searched (``k > 1``).
 
     Raises:

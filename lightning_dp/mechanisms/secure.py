@@ -1,30 +1,15 @@
-"""Noise samplers of ``secure_mode``: mitigations of floating-point attacks on textbook samplers.
+"""Noise samplers of ``secure_mode``: mitigations of floating-point attacks on textbook samplers (Mironov 2012, CCS;
+Jin et al. 2022, arXiv:2112.05307).
 
-Mironov (2012), "On significance of the least significant bits for differential privacy" (CCS), shows that the
-textbook Laplace sampler ``-b sign(u) log(1 - 2|u|)`` in floating point cannot produce every float near the true
-value, and which floats it can produce depends on the true value, so the released ``f(D) + noise`` can identify
-``D``. Jin et al. (2022, arXiv:2112.05307) give the corresponding attack on Gaussian samplers, Opacus included.
+Holohan & Braghin (2021), "Secure random sampling in differential privacy" (ESORICS, arXiv:2107.10138), Section 5:
+each sample is built from several independent draws, with exactly the law the accountants assume:
 
-The mitigation used here is that of Holohan & Braghin (2021), "Secure random sampling in differential privacy"
-(ESORICS 2021, arXiv:2107.10138), Section 5: build each sample from several independent draws so that a given output
-float has astronomically many preimages, which makes the attacker's search over the generator's outputs
-infeasible (for a sum of ``2n`` draws the search grows as ``2^(p(2n-1))`` with ``p = 53`` mantissa bits):
+- Gaussian ``N(0, s^2)``: ``(X_1 + X_2 + X_3 + X_4) / 2``, ``X_k ~ N(0, s^2)`` (as Opacus's ``secure_mode``);
+- Laplace ``Lap(0, b)``: ``b (log(U_1) cos(pi U_2) + log(U_3) cos(pi U_4))``, ``U_k ~ U(0, 1]`` (as diffprivlib);
+- PLRV-O: the Gamma inverse scale as usual, then the Laplace sampler above.
 
-- Gaussian ``N(0, s^2)``: ``(X_1 + X_2 + X_3 + X_4) / 2`` with ``X_k ~ N(0, s^2)`` i.i.d. (``n = 2``), as Opacus's
-  ``_generate_noise(secure_mode=True)``; the sum has exactly the law ``N(0, s^2)``.
-- Laplace ``Lap(0, b)``: ``b (log(U_1) cos(pi U_2) + log(U_3) cos(pi U_4))`` with ``U_k ~ U(0, 1]`` i.i.d. (the
-  sampler of Holohan & Braghin, also diffprivlib's). Exact law: ``-log U ~ Exp(1)`` and ``cos(pi U)`` has the arcsine
-  law, and ``E[exp(i t E cos(pi U))] = (1/pi) int_0^pi d(phi) / (1 - i t cos phi) = (1 + t^2)^(-1/2)``, so the sum
-  of two independent terms has characteristic function ``1 / (1 + t^2)``, that of ``Lap(0, 1)``.
-- PLRV-O: the Gamma-distributed inverse scale as usual, then the Laplace sampler above.
-
-Each mechanism draws its own hardened noise (``NoiseMechanism.secure_sample``, with ``supports_secure = True``) from
-the primitive samplers here; :func:`secure_sample` and :func:`check_secure_mechanism` read the mechanism class.
-
-Both samplers have, in exact arithmetic, the law the accountants assume, so the accounting is unchanged. They are a
-mitigation, not a proof: see docs/privacy.md for what is and is not covered (the snapping mechanism of Mironov 2012,
-which does come with a floating-point proof, is NOT implemented, because it changes the output distribution
-(rounding to a grid, clamping) and the accountants here do not account for it).
+A mitigation, not a proof: what is and is not covered, and why the snapping mechanism is not implemented:
+docs/privacy.md and docs/design.md section 12.3.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The generic calibration machinery: the privacy target, the result type and the one monotone root finder.
-
-- :class:`CalibrationProblem`: a privacy target ``(epsilon, delta)``, a training schedule ``(q, T)``, the clipping
-  bound, the number of noised coordinates and the accountant; :meth:`CalibrationProblem.epsilon_of` is the epsilon of
-  a candidate mechanism (the ``make_fresh_accountant`` / ``make_event_from_param`` pair of dp-accounting's
-  ``calibrate_dp_mechanism``, with the event coming from the mechanism itself).
-- :func:`solve_monotone`: scipy ``brentq`` in log-parameter space, keeping the best point on the safe side; it serves
-  every mechanism (through :meth:`NoiseMechanism.calibrate <lightning_dp.mechanisms.base.NoiseMechanism.calibrate>`)
-  and the LAP2 / PLRV-O searches.
+"""The generic calibration machinery: the privacy target (:class:`CalibrationProblem`), the result type and the one
+monotone root finder (:func:`solve_monotone`, serving every mechanism and the LAP2 / PLRV-O searches), after
+dp-accounting's ``calibrate_dp_mechanism``.
 """
 
 from __future__ import annotations
@@ -101,12 +95,9 @@ def solve_monotone(
 ) -> tuple[float, float]:
     """Find ``x > 0`` with ``(1 - rtol) target <= epsilon_of(x) <= target`` for an epsilon monotone in ``x``.
 
-    The bracket is grown geometrically (factor ``growth``) from ``initial``; ``scipy.optimize.brentq`` then runs on
-    ``log(epsilon / target)`` over ``log x``. Every evaluated point on the safe side (``epsilon <= target``) is
-    remembered, the search stops at the first one inside the window, and if the root finder ends without one
-    (a step-like accountant, or a jump to ``inf``/``nan`` at a moment-generating-function pole) plain bisection
-    between the tightest safe and unsafe points runs until they agree to a relative ``rtol / 4`` in ``x``. The returned
-    point is always on the safe side.
+    Geometric bracketing from ``initial``, ``scipy.optimize.brentq`` on ``log(epsilon / target)`` over ``log x``, and
+    bisection between the tightest safe and unsafe points when the root finder ends outside the window (step-like
+    accountants, MGF poles). The returned point is always on the safe side (``epsilon <= target``).
 
     Args:
         epsilon_of: ``x -> epsilon`` (may return ``inf`` for parameters with no finite guarantee).
@@ -115,8 +106,8 @@ def solve_monotone(
         increasing: True if epsilon increases with ``x`` (PLRV-O ``theta``), False if it decreases (noise scales).
         rtol: relative width of the window below ``target``.
         bounds: the range ``x`` is searched in; if even the bound on the unsafe side meets the target, that bound
-            is returned (e.g. a parameter cap such as the PLRV-O MGF constraint).
-        growth: factor by which the bracket grows per step (use a small one, e.g. 1.25, with a good ``initial``).
+            is returned (e.g. the PLRV-O MGF cap).
+        growth: factor by which the bracket grows per step.
 
     Returns:
         ``(x, epsilon_of(x))``.
@@ -251,10 +242,8 @@ class CalibrationProblem:
 def calibrate_parameter(mechanism_class: type[NoiseMechanism], problem: CalibrationProblem) -> CalibrationResult:
     """Calibrate the one parameter ``mechanism_class.calibrated_parameter`` at fixed ``C`` for ``problem``.
 
-    The generic path of every mechanism (dp-accounting's ``calibrate_dp_mechanism``): the class says how a value
-    becomes a mechanism (``from_parameter``), where the search starts (``calibration_start``), in which direction
-    epsilon moves (``epsilon_increases``) and the range searched (``parameter_bounds``); :func:`solve_monotone`
-    finds the value whose epsilon lies in ``[(1 - RTOL) target, target]``.
+    The class supplies ``from_parameter``, ``calibration_start``, ``epsilon_increases`` and ``parameter_bounds``;
+    :func:`solve_monotone` finds the value whose epsilon lies in ``[(1 - RTOL) target, target]``.
 
     Raises:
         ValueError: an unreachable target (see :func:`solve_monotone`).
