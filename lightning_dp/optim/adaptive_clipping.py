@@ -1,27 +1,14 @@
 """Adaptive clipping: the clipping bound C follows a private quantile of the per-sample norms (Andrew, Thakkar, McMahan
 and Ramaswamy 2021, "Differentially Private Learning with Adaptive Clipping", Algorithm 1 and Theorem 1).
 
-Each logical step ``t`` clips at ``C_t`` and, besides the noisy clipped sum, releases a noisy count of the examples
-that were NOT clipped, centred so that one example moves it by exactly 1/2:
+Each logical step clips at ``C_t`` and also releases the centred noisy count of unclipped examples
 
-    ``b~_t = (sum_i (1[n_i <= C_t] - 1/2) + N(0, sigma_b^2)) / (q N) + 1/2``
+    ``b~_t = (sum_i (1[n_i <= C_t] - 1/2) + N(0, sigma_b^2)) / (q N) + 1/2``,
 
-(``n_i`` the per-sample norms of the step's Poisson sample, ``q N`` its expected size: the realised size is private,
-which is why the count is centred rather than released raw). Then ``C_{t+1} = C_t exp(-eta (b~_t - gamma))``, clamped
-to ``[min_clipbound, max_clipbound]``: geometric steps towards the ``gamma`` quantile (``target_unclipped_quantile``,
-``eta`` the ``clipbound_learning_rate``). ``C_{t+1}`` is a function of released values only.
-
-Privacy (Theorem 1): adding or removing one example moves the clipped sum by at most ``C_t`` in l2 and the centred
-count by exactly 1/2, so the pair (sum with noise std ``sigma_sum C_t``, count with std ``sigma_b``) is one Gaussian
-mechanism whose sensitivity, in units of its noise, is ``sqrt(sigma_sum^-2 + (2 sigma_b)^-2)``. Choosing
-
-    ``sigma_sum = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)``
-
-makes that ``1/sigma``: the step costs exactly what one Gaussian step at ``noise_multiplier = sigma`` costs, for the
-same Poisson sampling, so the accountant records the Gaussian event at ``sigma`` (and ``target_epsilon`` calibrates
-``sigma``). It needs ``sigma_b > sigma / 2``. Opacus 1.6's ``AdaClipDPOptimizer`` uses the same formula but
-releases the raw count, whose sensitivity is 1, and divides it by the realised batch size, which Poisson sampling
-keeps private; here the count is centred and divided by the expected size, as the theorem's argument requires.
+then ``C_{t+1} = C_t exp(-eta (b~_t - gamma))``, clamped to ``[min_clipbound, max_clipbound]``. The sum's noise
+std is ``sigma_sum C_t`` with ``sigma_sum = (sigma^-2 - (2 sigma_b)^-2)^(-1/2)`` (needs ``sigma_b > sigma / 2``), so
+the step costs one Gaussian step at ``noise_multiplier = sigma`` and the accountant records that event. The
+argument, and how it differs from Opacus's ``AdaClipDPOptimizer``: docs/adaptive_clipping.md.
 """
 
 from __future__ import annotations
@@ -157,15 +144,13 @@ class AdaptiveClipping:
         return self.centred_count
 
     def update(self, noise: torch.Tensor) -> float:
-        """Release the count with ``noise`` (a draw of ``N(0, sigma_b^2)``, 0-dim) and move the bound:
-        ``C <- clamp(C exp(-eta (b~ - gamma)))``; the count restarts for the next step. Returns the new bound.
+        """Release the count with ``noise`` (a draw of ``N(0, sigma_b^2)``, 0-dim), move the bound and return it.
 
-        On several processes the count must be the sum over the ranks (all-reduced) before this call, and ``noise``
-        the same draw on every rank.
+        On several processes the count must first be all-reduced over the ranks and ``noise`` be the same draw
+        everywhere.
 
         Raises:
-            FloatingPointError: the new bound is not a positive finite number (a learning rate or count noise so large
-                that one step multiplies C by more than ``e^700``); it is computed from released values only.
+            FloatingPointError: the new bound is not a positive finite number (computed from released values only).
         """
         count = self.centred_count if self.centred_count is not None else torch.zeros((), dtype=torch.float64)
         fraction = float(count.cpu() + noise.double().cpu()) / self.expected_batch_size + 0.5

@@ -1,14 +1,9 @@
 """DPOptimizer: privatise the clipped gradient sum once per logical step, then step the user's optimizer.
 
-Order of one step (docs/design.md section 2.2): the closure (forward, per-sample clipping, clipped sum accumulated in
-``p.grad``) -> noise from the mechanism, drawn once from a dedicated generator -> division by the EXPECTED
-batch size ``q N`` (the realised size would leak it) -> the wrapped optimizer's ``step()`` without closure ->
-``on_step`` (the accountant records the step). An optional ``postprocess`` (e.g. the low-pass filter of
-:mod:`lightning_dp.optim.lowpass`) transforms the noisy, rescaled gradients in place right before the wrapped step:
-it only reads released values, so it is post-processing and costs no privacy. On several processes the clipped
-sums are first all-reduced with ``reduce_clipped_sum`` (see :mod:`lightning_dp.runtime.distributed`), so the noise is
-added once, to the global sum. Sharded gradients (FSDP2 ``DTensor`` shards, :mod:`lightning_dp.runtime.sharding`)
-already hold the sum over the ranks of their shard; each rank noises its own shard, from that shard's noise stream.
+One step (docs/design.md section 2.2): closure (clipped sum in ``p.grad``) -> SUM all-reduce over ranks (several
+processes) -> noise, drawn once from a dedicated generator -> division by the EXPECTED batch size ``q N`` ->
+optional ``postprocess`` (post-processing, e.g. :mod:`lightning_dp.optim.lowpass`) -> the wrapped ``step()`` ->
+``on_step`` (the accountant records it). Sharded gradients (FSDP2) are noised per shard, from that shard's stream.
 """
 
 from __future__ import annotations
@@ -46,15 +41,12 @@ def check_finite_clipped_sum(
 ) -> None:
     """Raise before any noise is added when a clipped sum ``p.grad`` holds a non-finite value (one host sync).
 
-    The per-sample clipper drops examples whose loss or gradient is not finite (their contribution is zero), so a
-    non-finite sum here comes from a gradient written outside the per-sample clipping: a second ``backward`` of a
-    loss that is not per sample, a hook or callback writing ``p.grad``, a gradient canary. Adding noise to it would
-    release a NaN or inf whose presence depends on the data; stopping releases nothing.
+    Such a sum comes from a gradient written outside the per-sample clipping (a second ``backward``, a hook, a canary);
+    releasing it noised would leak whether it occurred (docs/design.md section 9.2).
 
     Args:
         params: the trainable parameters, each with its clipped sum in ``.grad``.
-        any_rank: OR of flags over the ranks (:meth:`~lightning_dp.runtime.distributed.DistributedContext.any_rank`):
-            with sharded gradients each rank sees only its shards, so the ranks agree before raising (all raise).
+        any_rank: OR of flags over the ranks (sharded gradients: the ranks agree before raising, all raise).
 
     Raises:
         FloatingPointError: naming the first parameters (position among the trainable ones, and shape) at fault.
@@ -81,29 +73,25 @@ def check_finite_clipped_sum(
 class DPOptimizer(Optimizer):
     """Wraps an optimizer so each ``step`` adds noise to the clipped gradient sum and rescales it.
 
-    ``param_groups``, ``state`` and ``defaults`` are shared with the wrapped optimizer, so learning-rate
-    schedulers built on the original keep working, and ``state_dict`` is the original's.
+    ``param_groups``, ``state`` and ``defaults`` are shared with the wrapped optimizer (schedulers keep working), and
+    ``state_dict`` is the original's.
 
     Args:
         optimizer: the user's optimizer.
         mechanism: the noise mechanism (adds noise to the SUM of clipped per-sample gradients).
         expected_batch_size: ``q N`` (examples per logical step, in expectation); the noisy sum is divided by it.
-        randomness: the run's dedicated generators (noise is drawn from its per-device noise generator).
+        randomness: the run's dedicated generators (noise from its per-device noise generator).
         on_step: called after each completed step (records the step with the accountant).
-        before_update: called right before the wrapped optimizer updates the parameters, at each step that is taken
-            (per-sample momentum stores the iterate there); a ``step()`` of the wrapped optimizer alone never calls
-            it (torch's sharded state helpers run one, at learning rate 0, to create a missing optimizer state).
-        should_skip: called before privatising; when it returns True the step is skipped entirely (budget guard).
-        reduce_clipped_sum: on several processes, sums the ranks' clipped sums in place (a SUM all-reduce over the
-            list of ``p.grad``, e.g. :meth:`~lightning_dp.runtime.distributed.DistributedContext.reduce_clipped_sum`)
-            before the noise is added; ``None`` on one process.
-        any_rank: on several processes, the OR of flags over the ranks (for the finite check of sharded sums);
+        before_update: called right before the wrapped optimizer updates the parameters, at each step taken (not by a
+            ``step()`` of the wrapped optimizer alone).
+        should_skip: called before privatising; True skips the step entirely (budget guard).
+        reduce_clipped_sum: several processes: SUM all-reduce of the list of ``p.grad`` in place, before the noise;
             ``None`` on one process.
-        secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample` (same law, samplers
-            hardened against floating-point attacks); pair it with ``DPRandomness(secure=True)``.
-        postprocess: called with the list of noisy, rescaled ``p.grad`` (one per trainable parameter) once per
-            logical step, after the division by ``q N`` and before the wrapped optimizer's step; it replaces them in
-            place (e.g. :meth:`~lightning_dp.optim.lowpass.LowPassFilter.apply_`). ``None``: no post-processing.
+        any_rank: several processes: the OR of flags over the ranks; ``None`` on one process.
+        secure_mode: draw the noise with :func:`~lightning_dp.mechanisms.secure.secure_sample`; pair it with
+            ``DPRandomness(secure=True)``.
+        postprocess: called with the noisy, rescaled ``p.grad`` list once per logical step, before the wrapped step;
+            replaces them in place. ``None``: no post-processing.
 
     Raises:
         ValueError: non-positive ``expected_batch_size``.
@@ -187,15 +175,11 @@ class DPOptimizer(Optimizer):
     def privatise(self) -> None:
         """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
 
-        With ``reduce_clipped_sum``, ``p.grad`` is first replaced by the sum over all ranks; then the
-        ``clipped_sum_hooks`` run; then the sums must be finite (:func:`check_finite_clipped_sum`); with
-        ``postprocess``, the noisy, rescaled result is post-processed in place (on several processes the noisy
-        gradient is identical on every rank, so a deterministic post-processing such as the low-pass filter stays
-        identical too).
+        Order: ``reduce_clipped_sum``, the ``clipped_sum_hooks``, :func:`check_finite_clipped_sum`, noise and division,
+        ``postprocess``.
 
         Raises:
-            FloatingPointError: a clipped sum is not finite; nothing is noised or stepped (on several processes every
-                rank raises, since the sums are reduced first).
+            FloatingPointError: a clipped sum is not finite; nothing is noised or stepped (every rank raises).
         """
         params = self.params
         for p in params:

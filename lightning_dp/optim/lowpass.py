@@ -1,22 +1,14 @@
-"""Low-pass filter of the noisy gradient with bias correction (DP-PMLF seed, Algorithm 1 lines 9-11).
+"""Low-pass filter of the noisy gradient with bias correction (Xu et al. 2026, DP-PMLF, Algorithm 1 lines 9-11).
 
-Xu et al., "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering" (AAAI 2026) filter the released noisy
-average ``vbar_t`` of each step with a linear IIR filter, in the sign convention of their line 9::
+The released noisy average ``vbar_t`` of each step is filtered, in the sign convention of line 9::
 
     m_t     = - sum_{r=1..na} a_r m_{t-r}     + sum_{r=0..nb} b_r vbar_{t-r}          (line 9)
     c_{m,t} = - sum_{r=1..na} a_r c_{m,t-r}   + sum_{r=0..nb} b_r c_{b,t-r},  c_b = 1 (line 10)
     mhat_t  = m_t / c_{m,t}                                                           (line 11)
 
-with every term of index ``< 0`` zero (``m``, ``vbar``, ``c_m`` and ``c_b`` start at rest), so ``c_{m,t}`` is the
-filter's response to a unit step and ``mhat_t`` equals ``vbar`` from the first step when ``vbar`` is constant.
-The transfer function is ``H(z) = (sum_r b_r z^-r) / (1 + sum_r a_r z^-r)``; this is exactly the convention of
-``scipy.signal.lfilter(b, [1, *a], x)``. Constraint (3), ``-sum a + sum b = 1``, is ``H(1) = 1`` (unit gain at zero
-frequency: the filter keeps the gradient's mean). LP-DPSGD (Zhang et al. 2024a, "DOPPLER: Differentially Private
-Optimizers with Low-pass Filter for Privacy Noise Reduction", NeurIPS) is the same filter applied to plain DP-SGD.
-
-The filter only reads released noisy values, so it is post-processing (seed Lemma 1, Theorem 2): it costs no
-privacy and changes no accountant, whatever the mechanism or clipping engine. Memory: ``na + nb`` copies of the
-trainable parameters' gradients (the past ``m`` and the past ``vbar``).
+with every term of index ``< 0`` zero; this is ``scipy.signal.lfilter(b, [1, *a], x)``. Constraint (3), ``-sum a +
+sum b = 1``, is unit gain at zero frequency. With momentum off it is LP-DPSGD (Zhang et al. 2024). Post-processing:
+no privacy cost (docs/design.md section 7). Memory: ``na + nb`` copies of the trainable parameters' gradients.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
-"""Per-sample momentum over past iterates (seed "Enhancing DPSGD via Per-Sample Momentum and Low-Pass Filtering",
-DP-PMLF, Algorithm 1 lines 1, 5 and 6).
+"""Per-sample momentum over past iterates (Xu et al. 2026, DP-PMLF, Algorithm 1 lines 1, 5 and 6).
 
-For each example ``xi`` of the current batch the clipped quantity is not its gradient but its momentum
+For each example ``xi`` of the batch the clipped quantity is its momentum
 
     v_t(xi) = sum_{i=t-k+1..t} beta^{t-i} / c_beta * grad f_xi(x_i),    c_beta = sum_{i=t-k+1..t} beta^{t-i},
 
-the gradients of the SAME example at the ``k`` most recent iterates ``x_i``, weighted so that the weights sum to one
-and the current iterate weighs most (line 5); then ``clip(v_t(xi), C)`` (line 6) and the noise once on the sum, as in
-DP-SGD. Before ``k`` iterates exist, the ones that exist are used with the weights renormalised over them.
-
-How: :class:`PerSampleMomentum` keeps the last ``k - 1`` iterates of the TRAINABLE parameters (memory: ``k - 1``
-copies of the trainable parameters, of this rank's shards on an FSDP2-sharded model; frozen ones are never copied)
-and, for each batch, re-runs the user's forward and per-sample loss at each stored iterate (the stored values
-exchanged with the parameters' values, then exchanged back: :meth:`PerSampleMomentum._exchange`), handing
-the per-sample loss with its weight to :meth:`~lightning_dp.clipping.PerSampleClipper.add_past_iterate`. The clipper
-treats the uses of a parameter at all iterates like the uses of a tied parameter, so every engine computes the norm
-of the weighted SUM ``||v_t(xi)||`` exactly, cross terms between iterates included (never a sum of per-iterate
-norms), and book-keeping forms ``sum_xi c_xi v_t(xi)``. Compute: ``k`` forward and output-gradient passes per batch;
-extra memory while clipping: the hooked layers' activations and output gradients of every iterate. The norm costs
-what a parameter used ``k`` times costs: linear in ``k`` for ``flat``/``fgc`` (measured on CPU, a 2-conv CNN at
-batch 64 on 32x32 inputs: x2.6 per step at ``k = 2``, x4.4 at ``k = 4``), but quadratic for ``ghost``, whose Gram
-blocks pair every two iterates (``(k T)^2`` per layer: x2.5 and x8.6 there); ``mixed`` counts those pairs in its
-per-layer choice. The randomized engines (``hutch``, ``hutchpp``) estimate ``||v_t(xi)||^2`` like any per-sample
-gradient, so the ``rc`` accountant's bound holds unchanged.
-
-Randomness inside the forward (dropout): each past re-run starts from the global RNG state the current forward
-starts from, and that state is restored afterwards (``torch.random.fork_rng``): every iterate sees the same dropout
-masks as the current forward, whose draws are exactly those it would make without momentum.
-
-Rows: row ``r`` of every re-run must be the same example (the momentum of row ``r`` sums row ``r``'s gradients), so
-the step must not reorder or pair rows with randomness outside torch's global RNG; two runs of the step on the first
-batch are compared to catch that (:meth:`PerSampleMomentum._check_rows`), a parameter-dependent row order is not.
-
-Privacy: each example contributes its own clipped momentum, of norm at most ``C``, once per step, so the sensitivity
-of the noisy sum is ``C`` as in DP-SGD; the stored iterates are functions of earlier noisy releases (post-
-processing), so the accountant is unchanged (the paper's Theorem 2) and the iterates may be checkpointed.
+over the ``k`` most recent iterates (weights renormalised over those that exist yet), then ``clip(v_t(xi), C)`` and
+the noise once on the sum. Memory: ``k - 1`` copies of the trainable parameters (this rank's shards when sharded);
+compute: ``k`` forward and output-gradient passes per batch. Row ``r`` of every re-run must be the same example:
+the step may not reorder rows with randomness outside torch's global RNG. How it works, costs and the privacy
+argument (accountant unchanged, Theorem 2): docs/design.md section 7 and section 12.4.
 """
 
 from __future__ import annotations
@@ -163,15 +137,7 @@ class PerSampleMomentum:
 
     @torch.no_grad()
     def _exchange(self, iterate: list[torch.Tensor]) -> None:
-        """Exchange the values of ``iterate`` and of the trainable parameters.
-
-        An unsharded parameter swaps storage with its stored value (``.data``: no copy, no version bump). A sharded
-        one (FSDP2, :mod:`lightning_dp.runtime.sharding`) exchanges values in place with its stored shard, one temporary
-        copy of the local shard at a time: FSDP2 gathers the weights from the shard's own storage, which a
-        ``.data`` swap would leave holding the old values. Every FSDP2 module is then resharded, so that the next
-        forward gathers the values now in the shards rather than reusing weights still gathered from the others
-        (the root keeps its weights gathered after a forward that no backward followed).
-        """
+        """Exchange the values of ``iterate`` and of the trainable parameters (sharded in place, then resharded)."""
         for param, value in zip(self._params, iterate, strict=True):
             if is_sharded(param):
                 shard, stored = local_part(param), local_part(value)
@@ -196,15 +162,13 @@ class PerSampleMomentum:
 
         Args:
             clipper: the clipper the current batch is clipped with (hooks attached).
-            compute_loss: ``() -> [B]`` per-sample loss of the CURRENT batch at whatever values the parameters hold
-                (the user's forward and loss); ``None`` skips the batch.
-            stand_in: the batch is a sharded run's stand-in batch
-                (:meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`), clipped with weight 0: the re-runs
-                still run (every rank joins their collectives), with weight 0, so they add exactly nothing too.
+            compute_loss: ``() -> [B]`` per-sample loss of the CURRENT batch at whatever values the parameters hold;
+                ``None`` skips the batch.
+            stand_in: the batch is a sharded run's stand-in batch, clipped with weight 0 (the re-runs still run, every
+                rank joins their collectives).
 
         Raises:
-            ValueError: on an FSDP2-sharded model, ``compute_loss`` returning ``None`` at a stored iterate (every rank
-                must run every re-run).
+            ValueError: on an FSDP2-sharded model, ``compute_loss`` returning ``None`` at a stored iterate.
         """
         weights = [0.0] * (len(self.history) + 1) if stand_in else self.weights()
         devices = sorted({p.device.index or 0 for p in self._params if p.is_cuda})
@@ -226,14 +190,10 @@ class PerSampleMomentum:
                 clipper.add_past_iterate(loss, weight)
 
     def _check_rows(self, compute_loss: Callable[[], torch.Tensor | None], devices: list[int]) -> None:
-        """Once per run: two runs of ``compute_loss`` at the same parameters and torch RNG state must give the same
-        per-sample losses row by row.
+        """Once per run: two runs of ``compute_loss`` at the same parameters and RNG state must agree row by row.
 
-        The momentum of row ``r`` sums row ``r``'s gradients over the iterates, so every run of the step on a batch
-        must put the same example in the same row; a step that shuffles or pairs rows with another random source
-        (numpy, ``random``, its own ``torch.Generator``) would mix examples' gradients across iterates and raise
-        the sensitivity above ``C``. This catches such a step on the first batch (no gradient, hooks not recording);
-        a row order that depends on the parameters themselves (e.g. sorting by loss) it cannot see.
+        Catches a step that shuffles or pairs rows with another random source (numpy, ``random``, its own generator); a
+        row order that depends on the parameters (e.g. sorting by loss) it cannot see.
 
         Raises:
             ValueError: the two runs differ.
@@ -256,13 +216,10 @@ class PerSampleMomentum:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """``k``, ``beta`` and the stored iterates as ``[{parameter name: tensor}]``, newest first.
+        """``k``, ``beta`` and the stored iterates as ``[{parameter name: tensor}]``, newest first, in CPU memory.
 
-        The iterates are functions of earlier noisy releases only, so they may be saved (post-processing). On a
-        sharded model they are gathered to their full values one at a time into CPU memory (a collective: every rank
-        must call this, and every rank holds the ``k - 1`` full copies in CPU memory until the state is dropped; the
-        device never more than one full tensor beyond its shards), so that one file holds them and any rank takes
-        its shard back at the restore. The returned tensors are in CPU memory.
+        On a sharded model a collective (every rank must call it): the iterates are gathered to full values, one at a
+        time, and every rank holds the ``k - 1`` full copies in CPU memory until the state is dropped.
         """
         return {
             "momentum_length": self.momentum_length,
@@ -274,13 +231,12 @@ class PerSampleMomentum:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`): each iterate takes its parameter's
-        device, dtype and, on a sharded model, layout (this rank's shard of the full value every rank read,
-        :func:`~lightning_dp.runtime.sharding.shard_like`: no communication).
+        """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`) to each parameter's device, dtype and shard
+        layout.
 
         Raises:
-            ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters
-                differ from the trainable ones.
+            ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters differ
+                from the trainable ones.
         """
         saved = (state["momentum_length"], state["momentum_beta"])
         if saved != (self.momentum_length, self.momentum_beta):
