@@ -1,19 +1,10 @@
 """Poisson sampling: each example joins each logical batch independently with probability ``sample_rate``.
 
-This is the sampling the accountants assume (docs/design.md section 3.2; Abadi et al. 2016; Mironov et al. 2019).
-Batch sizes vary and may be zero. A logical batch may be split into ``micro_batches`` physical chunks for
-gradient accumulation: the chunks of one logical step together are ONE Poisson sample (as Opacus's
-``BatchMemoryManager`` does), so noise is added once per logical step. Given the examples' lengths, each logical
-batch is sorted longest first before it is split, so each micro-batch holds examples of similar length and a
-collator that pads per batch pads little (HF's ``train_sampling_strategy="group_by_length"``). The order inside a
-logical batch changes neither which examples it holds nor the step's sum of clipped per-example gradients (up to
-floating-point summation order), so it changes nothing the accountant assumes.
-
-On ``W`` processes each rank samples only its own shard, the indices ``rank, rank + W, rank + 2W, ...``, with the
-same rate ``q`` and the same number of steps. The shards partition the dataset, so every example belongs to exactly
-one rank, which includes it independently with probability ``q`` (ranks use independent sampling streams): the
-union of the ranks' batches is one global Poisson sample of rate ``q`` with expected size ``q N``, the sample the
-accountant assumes (argument in docs/privacy.md, "Several processes").
+The sampling the accountants assume (Abadi et al. 2016; Mironov et al. 2019; docs/design.md section 3.2). Batch
+sizes vary and may be zero. The ``micro_batches`` chunks of one logical step together are ONE Poisson sample; given
+lengths, each logical batch is sorted longest first before splitting (order does not change the sample). On ``W``
+processes rank ``r`` samples its shard ``r, r + W, ...`` at the global rate ``q``: the union is one global Poisson
+sample (docs/design.md section 8).
 """
 
 from __future__ import annotations
@@ -62,13 +53,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
         sample_rate: inclusion probability q in (0, 1] (global: the same on every rank).
         num_steps: logical steps per epoch (default :func:`steps_per_epoch`, ``ceil(1 / q)``).
         micro_batches: physical chunks each logical batch is split into (gradient accumulation).
-        generator: the sampling generator (CPU). Use a dedicated one; it is never the global RNG. On several
-            processes, each rank's must be independent of the others' (``DPRandomness.share`` does that).
-        rank: this process's rank; it samples the shard ``range(rank, N, world_size)`` (dataset indices).
+        generator: a dedicated CPU sampling generator, never the global RNG; on several processes independent per rank
+            (``DPRandomness.share``).
+        rank: this process's rank; it samples the shard ``range(rank, N, world_size)``.
         world_size: number of processes W sharing the dataset; 1 (default) samples all of it.
-        lengths: ``[N]`` the examples' lengths (tokens), or ``None`` (default): then each logical batch keeps the
-            dataset's order. Given, each logical batch is sorted by decreasing length (ties in dataset order) before
-            it is split, so the micro-batches group similar lengths.
+        lengths: ``[N]`` the examples' lengths (tokens): each logical batch is sorted by decreasing length (ties in
+            dataset order) before it is split; ``None`` (default): dataset order.
 
     Raises:
         ValueError: non-positive ``num_samples``, ``sample_rate`` outside (0, 1], non-positive counts, ``rank``

@@ -1,32 +1,12 @@
-"""User-level privacy: the unit of privacy is a person (a user, an author), not one example (docs/privacy.md,
-"User-level privacy"; McMahan, Ramage, Talwar and Zhang 2018, Section 2, whose DP-FedAvg clips one bounded update
-per sampled user).
+"""User-level privacy: the unit of privacy is a person, not one example (McMahan, Ramage, Talwar and Zhang 2018,
+Section 2; docs/privacy.md, "User-level privacy"; how and why: docs/design.md section 4.9).
 
-With ``privacy_unit="user"`` the training data is regrouped by user before Poisson sampling:
-
-- :class:`UserDataset` has one item per user. Poisson sampling then includes each USER independently with rate
-  ``q`` (``N`` = the number of users, ``q = batch_size / N``: the batch size counts users), and the accountant runs at
-  that ``q`` and ``N``: epsilon is about adding or removing one user with all of their examples.
-- Each sampled user brings ``K`` rows (``examples_per_user``): all of their examples when they have ``K`` or fewer,
-  padded to ``K`` rows with copies of their own examples at weight 0; a fresh random subset of ``K`` of them (from a
-  generator seeded by the run's seed, the user and the draw count, :class:`UserDraws`) when they have more. Which of
-  a user's examples are used does not matter to the guarantee: whatever they are, the user's whole contribution is
-  clipped once.
-- :class:`UserCollate` collates the ``U K`` examples of a batch of ``U`` users with the loader's own collator (so a
-  padding collator pads the whole batch alike) and returns :class:`UserBatch`: ``{"rows": <the collated batch, every
-  tensor of U K rows reshaped to [U, K, ...]>, "weights": [U, K]}``.
-- The engine hands the user's training step the rows flattened to ``[U K, ...]`` (:func:`flatten_users`): the step is
-  unchanged and returns one loss per row, ``[U K]``; :func:`user_losses` makes user ``u``'s loss
-  ``L_u = sum_k w_uk loss_uk``, the MEAN of their used examples' losses (``w_uk = 1 / n_u`` for their ``n_u`` real
-  rows, 0 for padding).
-
-The clipped quantity is then ``clip_C(grad L_u)``: the clipped MEAN of the user's per-example gradients. The clipper
-sees the ``K`` rows of a user as one unit (:mod:`lightning_dp.clipping.multiplicity` folds them, cross terms between
-a user's examples included, exactly as for the uses of a tied parameter), so the norm is that of the user's whole
-gradient and one user moves the step's clipped sum by at most ``C`` however many examples they have. The mean, not
-the sum: a user with 50 examples and one with 1 then weigh the same before clipping, the mean's norm is on the scale
-of one example's gradient (so a ``max_grad_norm`` chosen for example-level training carries over), while the sum of a
-prolific user's gradients would exceed ``C`` nearly always and be scaled down to it anyway.
+With ``privacy_unit="user"`` the data is regrouped by user before Poisson sampling: :class:`UserDataset` has one
+item per user (``N`` users, ``q = batch_size / N``: the batch size counts users); each sampled user brings ``K =
+examples_per_user`` rows (padded at weight 0, or a fresh random ``K``-subset); :class:`UserCollate` returns
+:class:`UserBatch` ``{"rows": [U, K, ...], "weights": [U, K]}``; the step sees the rows flattened to ``[U K, ...]``
+(:func:`flatten_users`) and returns ``[U K]``; :func:`user_losses` gives user ``u``'s loss, the mean over their real
+rows, whose gradient is clipped once.
 """
 
 from __future__ import annotations
@@ -144,18 +124,14 @@ class UserExamples:
 
 
 class UserDataset(Dataset):
-    """A dataset with one item per user (see the module docstring).
+    """A dataset with one item per user (module docstring); users in order of first appearance.
 
     Args:
         dataset: the example-level map-style dataset.
         user_ids: ``[N]`` the user of every example (:func:`read_user_ids`).
-        examples_per_user: ``K``, the rows each sampled user brings; ``None``: the largest user's count (every
-            user's examples, all of them; costly with a skewed distribution, where most rows are padding).
+        examples_per_user: ``K``, the rows each sampled user brings; ``None``: the largest user's count.
         seed: seeds the random subsets of users with more than ``K`` examples.
-        drop_key: a key removed from mapping examples before collation (the user column, which a collator may not
-            handle), or ``None``.
-
-    Users are in order of first appearance; each user's examples in dataset order.
+        drop_key: a key removed from mapping examples before collation (the user column), or ``None``.
 
     Raises:
         ValueError: ``user_ids`` not of ``len(dataset)`` entries; an empty dataset; ``examples_per_user < 1``.
@@ -211,9 +187,9 @@ class UserDataset(Dataset):
 
 
 class UserDraws(Sampler[list[tuple[int, int]]]):
-    """Number each user's draws: wraps a batch sampler of user indices and yields ``(user, draw)`` pairs, ``draw``
-    counting the user's earlier draws. It runs in the loader's main process (loader workers only see the pairs), so
-    each sampled user with more than ``K`` examples gets a fresh subset at every draw, across epochs and workers.
+    """Wrap a batch sampler of user indices to yield ``(user, draw)`` pairs, ``draw`` counting the user's earlier draws.
+
+    Runs in the loader's main process, so each draw of a user gets a fresh subset across epochs and workers.
 
     Args:
         batch_sampler: yields lists of user indices (e.g. :class:`~lightning_dp.data.PoissonBatchSampler`).
@@ -245,12 +221,11 @@ class UserBatch(dict):
 class UserCollate:
     """Collate :class:`UserExamples` into a :class:`UserBatch` with the loader's own ``collate_fn`` (picklable).
 
-    Args:
-        collate_fn: the example-level collator (e.g. torch's ``default_collate`` or a HF data collator).
+    Every collated tensor whose first dimension is ``U K`` is reshaped to ``[U, K, ...]``, others kept: a collator must
+    not add a tensor of ``U K`` first entries that is not one entry per row.
 
-    Every collated tensor whose first dimension is ``U K`` is taken as the rows and reshaped to ``[U, K, ...]``;
-    others (0-dim, or shared by the rows) are kept as they are. A collator must therefore not add a tensor of ``U K``
-    first entries that is not one entry per row.
+    Args:
+        collate_fn: the example-level collator (e.g. ``default_collate`` or a HF data collator).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
@@ -273,12 +248,11 @@ def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
     """The rows of a user batch as the training step expects them, and their weights.
 
     Args:
-        batch: a :class:`UserBatch` (or a mapping with its keys, e.g. after a trainer rebuilt it as a plain dict):
-            tensors ``[U, K, ...]`` under ``"rows"``, ``"weights"`` ``[U, K]``.
+        batch: a :class:`UserBatch` (or a mapping with its keys): ``"rows"`` ``[U, K, ...]``, ``"weights"`` ``[U, K]``.
 
     Returns:
-        ``(rows, weights)``: the collated structure with every ``[U, K, ...]`` tensor reshaped to ``[U K, ...]``
-        (user ``u``'s rows ``u K .. u K + K - 1``), and ``weights`` ``[U, K]``.
+        ``(rows, weights)``: every ``[U, K, ...]`` tensor reshaped to ``[U K, ...]`` (user ``u``'s rows ``u K .. u K +
+        K - 1``), and ``weights`` ``[U, K]``.
 
     Raises:
         ValueError: ``batch`` is not a user batch (a loader other than the engine's under ``privacy_unit="user"``).
@@ -300,12 +274,12 @@ def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
 
 
 def user_losses(row_losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Each user's loss, the weighted mean of their rows' losses: ``L_u = sum_k w_uk loss_uk``.
+    """Each user's loss, ``L_u = sum_k w_uk loss_uk``, the mean over their real rows (padding left out even if not
+    finite).
 
     Args:
         row_losses: ``[U K]``, one loss per row of the flattened batch (user-major).
-        weights: ``[U, K]`` (``1 / n_u`` for a user's ``n_u`` real rows, 0 for padding rows, whose losses are left
-            out even when not finite); the mean is formed in ``row_losses``' dtype from the real rows.
+        weights: ``[U, K]`` (``1 / n_u`` per real row, 0 for padding).
 
     Returns:
         ``[U]`` (differentiable).
