@@ -98,14 +98,13 @@ class GradientCanaryAudit(_CanaryAudit):
 
 
 class ClippedGradientCanaryAudit(_CanaryAudit):
-    """Score canary EXAMPLES that the run's clipper clips (:mod:`lightning_dp.audit.clipped`) and bound the run's
-    epsilon from below (Steinke, Nasr & Jagielski 2023, Algorithm 1). Unlike :class:`GradientCanaryAudit`, whose
-    canaries are added after clipping, this audit also catches a clipping bug.
+    """Score canary EXAMPLES that the run's clipper clips (:mod:`lightning_dp.audit.clipped`) and bound epsilon from
+    below.
 
-    The run must train on ``canaries.training_set(data)`` and its module must give a canary row the loss
-    ``logit_k`` of the audited ``Linear`` layer fed with the row itself
-    (:func:`~lightning_dp.audit.clipped.per_sample_loss_with_canaries`), as
-    :class:`~lightning_dp.audit.setups.LinearClassifier` does. One process only (``DPStrategy``).
+    Steinke, Nasr & Jagielski 2023, Algorithm 1; unlike :class:`GradientCanaryAudit` it also catches a clipping bug. The
+    run must train on ``canaries.training_set(data)`` and give a canary row the loss ``logit_k`` of the audited layer
+    (:func:`~lightning_dp.audit.clipped.per_sample_loss_with_canaries`, as
+    :class:`~lightning_dp.audit.setups.LinearClassifier` does). One process only (``DPStrategy``).
 
     Args:
         canaries: the canaries (their inclusion is fixed; pass the same object's ``training_set`` to the trainer).
@@ -113,9 +112,9 @@ class ClippedGradientCanaryAudit(_CanaryAudit):
 
     Raises:
         TypeError: the trainer's strategy is not a DP strategy.
-        ValueError: several processes, not exactly one DP optimizer, ``augmentation_multiplicity > 1``, or a layer
-            that does not fit the canaries or whose canaries clipping would not act on (see
-            :meth:`ClippedGradientCanaries.install`), at the first training batch.
+        ValueError: at the first training batch: several processes, not exactly one DP optimizer,
+            ``augmentation_multiplicity > 1``, or a layer that does not fit the canaries or whose canaries clipping
+            would not act on.
     """
 
     mode = "clipped-gradient"

@@ -1,22 +1,11 @@
 """Gradient canaries that are CLIPPED like any example (white-box; Nasr et al. 2023, "Tight auditing of
-differentially private machine learning", Section 4, gradient canaries; scored as in Steinke, Nasr & Jagielski
-2023, Algorithm 1).
+differentially private machine learning", Section 4; scored as in Steinke, Nasr & Jagielski 2023, Algorithm 1).
 
-The Dirac canaries of :mod:`lightning_dp.audit.gradient` are added to the clipped sum after clipping, so an audit
-with them tests the noise and the accounting but never the clipping: a clipper that clips to 10 C passes it.
-The canaries here are training EXAMPLES. Canary ``i`` is the input row ``x_i = s e_{j_i}`` (``s`` the input scale,
-``j_i`` an input feature the data never uses) with the label ``-1 - k_i``, which the model maps to the per-sample
-loss ``logit_{k_i}(x_i) = s W[k_i, j_i] + b[k_i]`` of a ``Linear`` layer fed with ``x_i`` (see
-:func:`per_sample_loss_with_canaries`). That loss is linear in the parameters, so its gradient is fixed:
-``s e_{(k_i, j_i)}`` on the weight and ``e_{k_i}`` on the bias, of l2 norm ``sqrt(s^2 + 1) > s``. The canaries
-join the training set with probability 1/2 each (:meth:`ClippedGradientCanaries.training_set`), so they count in
-``N``, the run's own Poisson sampler draws them, and the run's own :class:`~lightning_dp.clipping.PerSampleClipper`
-computes their norm and clip factor in the same backward as the real examples'. With ``s > C`` clipping must act:
-a sampled canary adds ``C s / sqrt(s^2 + 1)`` to its weight coordinate, and a clipper that clips to ``10 C`` adds up
-to ten times that. The score of canary ``i`` is ``sum_t g_t[k_i, j_i]``, the released (noisy, rescaled) gradient's
-inner product with the canary direction, summed over steps (minus the SGD update's). Distinct canaries have
-distinct ``(k, j)`` coordinates; the real examples never move the weights of unused features, so only the noise
-and the canaries do.
+Canary ``i`` is a training example: input ``x_i = s e_{j_i}`` (``j_i`` a feature the data never uses), label ``-1 -
+k_i``, per-sample loss ``logit_{k_i}(x_i)`` of an audited ``Linear`` layer (:func:`per_sample_loss_with_canaries`),
+so its gradient has l2 norm ``sqrt(s^2 + 1) > C`` and the run's own sampler and clipper must act on it. Its score is
+the released gradient's coordinate ``(k_i, j_i)`` summed over steps. Unlike the Dirac canaries of
+:mod:`lightning_dp.audit.gradient`, they also catch a clipping bug (docs/audit.md).
 """
 
 from __future__ import annotations
@@ -64,17 +53,14 @@ def per_sample_loss_with_canaries(logits: torch.Tensor, labels: torch.Tensor) ->
 
 class ClippedGradientCanaries:
     """``m`` canary examples whose per-sample gradient (norm ``sqrt(s^2 + 1)``) the run's clipper clips, and their
-    scores on the released gradients.
+    scores.
 
     Args:
         num_canaries: m >= 1, at most ``len(features) * classes``.
-        features: 1-d integer tensor of input features the real data never uses (each canary's input is
-            ``input_scale`` times one of them).
-        width: number of input features of the audited ``Linear`` layer (its ``in_features``).
+        features: 1-d integer tensor of input features the real data never uses.
+        width: ``in_features`` of the audited ``Linear`` layer.
         classes: its ``out_features``.
-        input_scale: ``s > 0``; the canary gradient's l2 norm is ``sqrt(s^2 + 1)``. Choose ``s`` between 2 C and
-            10 C: above C so that clipping must act, large enough that a clipper clipping too loosely lets through
-            more than C (at ``s = 10 C``, a clipper that clips to ``10 C`` lets through ten times as much).
+        input_scale: ``s > 0``; choose it between 2 C and 10 C (above C so that clipping must act).
         seed: seed of the audit's own generator (inclusion, canary coordinates); ``None``: OS entropy.
 
     Attributes:

@@ -1,18 +1,9 @@
 """The epsilon lower bound of a one-run audit (Steinke, Nasr & Jagielski 2023, "Privacy auditing with one (1)
-training run", NeurIPS 2023, arXiv:2305.08846).
+training run", NeurIPS 2023, arXiv:2305.08846, Algorithm 1 and Appendix D).
 
-Setting (their Algorithm 1): ``m`` canaries are each included in the training input independently with probability
-1/2 (``S_i = +1`` in, ``-1`` out); after ONE training run the auditor scores every canary, guesses ``+1`` for the
-``k_+`` highest scores, ``-1`` for the ``k_-`` lowest, and abstains on the rest. With ``r = k_+ + k_-`` guesses of
-which ``v`` are correct:
-
-- pure epsilon-DP (their main theorem for pure DP): ``P[v correct] <= P[Binomial(r, e^eps / (1 + e^eps)) >= v]``;
-- (epsilon, delta)-DP (their theorem for approximate DP): with ``f(v) = P[Binomial(r, e^eps / (1 + e^eps)) >= v]``,
-  ``P[W >= v] <= f(v) + 2 m delta max_{1 <= i <= v} (f(v - i) - f(v)) / i``.
-
-That right-hand side is the p-value of the null hypothesis "the training run is (epsilon, delta)-DP"; the audit's
-lower bound at confidence ``1 - beta`` is the largest epsilon whose p-value is still below ``beta`` (the computation
-of their Appendix D, here with binomial tails from scipy and a bracketing root finder instead of bisection).
+``m`` canaries are each included with probability 1/2; after one run the auditor guesses IN for the ``k_+`` highest
+scores and OUT for the ``k_-`` lowest; ``v`` of the ``r = k_+ + k_-`` guesses are correct. The bound at confidence
+``1 - beta`` is the largest epsilon whose p-value (:func:`one_run_p_value`) is below ``beta``.
 """
 
 from __future__ import annotations
@@ -44,8 +35,8 @@ def _validate_confidence(confidence: float) -> None:
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Probability of at least ``v`` correct guesses out of ``r`` if the run were (epsilon, delta)-DP.
 
-    Steinke et al. 2023, main theorems for pure DP (``delta = 0``) and approximate DP (``delta > 0``; the maximum
-    over ``i`` of ``(f(v - i) - f(v)) / i`` is taken over all ``1 <= i <= v``, as in their Appendix D).
+    Steinke et al. 2023, main theorems for pure DP (``delta = 0``): ``P[Binomial(r, e^eps / (1 + e^eps)) >= v]``, and
+    approximate DP: ``f(v) + 2 m delta max_{1 <= i <= v} (f(v - i) - f(v)) / i`` with ``f`` that tail (Appendix D).
 
     Args:
         m: number of canaries (each included with probability 1/2).
@@ -75,12 +66,10 @@ def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> flo
 
 
 def one_run_epsilon_lower_bound(m: int, r: int, v: int, *, delta: float, confidence: float = 0.95) -> float:
-    """The largest epsilon the one-run audit rejects at ``confidence``: with probability at least ``confidence``
-    over the canaries' inclusion, an (epsilon, delta)-DP run does not produce a bound above its epsilon.
+    """The largest epsilon the one-run audit rejects at ``confidence``.
 
-    ``sup {eps >= 0 : one_run_p_value(m, r, v, eps, delta) < 1 - confidence}`` (Steinke et al. 2023,
-    approximate-DP theorem; Appendix D). The p-value increases in epsilon, so the root is bracketed by doubling
-    and found with Brent's method to 1e-6.
+    ``sup {eps >= 0 : one_run_p_value(m, r, v, eps, delta) < 1 - confidence}`` (Steinke et al. 2023, Appendix D),
+    found to 1e-6.
 
     Args:
         m: canaries; r: guesses; v: correct guesses (``0 <= v <= r <= m``).
@@ -134,9 +123,8 @@ class OneRunAudit:
 
 
 def count_correct_guesses(scores: np.ndarray, included: np.ndarray, k_plus: int, k_minus: int) -> int:
-    """Correct guesses when the ``k_plus`` highest scores are guessed IN and the ``k_minus`` lowest OUT.
-
-    Ties are broken by a stable sort (canary order), which does not depend on ``included``.
+    """Correct guesses when the ``k_plus`` highest scores are guessed IN and the ``k_minus`` lowest OUT (ties: canary
+    order).
 
     Args:
         scores: ``[m]`` canary scores (higher means more likely included).
@@ -170,10 +158,10 @@ def audit_scores(
     confidence: float = 0.95,
     guess_sets: Sequence[tuple[int, int]] | None = None,
 ) -> OneRunAudit:
-    """Steinke et al. 2023, Algorithm 1's last steps: guess, count, and bound epsilon.
+    """Guess, count and bound epsilon (Steinke et al. 2023, Algorithm 1's last steps).
 
-    Choosing the guess set after seeing the scores would invalidate the confidence, so every set in ``guess_sets``
-    is evaluated at confidence ``1 - beta / len(guess_sets)`` (Bonferroni) and the largest bound is reported.
+    Every set in ``guess_sets`` is evaluated at confidence ``1 - beta / len(guess_sets)`` (Bonferroni) and the largest
+    bound is reported, so the result holds at ``confidence``.
 
     Args:
         scores: ``[m]`` canary scores (higher: more likely included).
