@@ -48,35 +48,17 @@ def validate_independence_every(every: int | None, check_batch_independence: boo
 
 
 class TrainingGuard:
-    """The checks of :mod:`lightning_dp.checks` around each training forward of one run: buffers and frozen
-    parameters on every step (contents on the first step and while independence is pending), batch independence
-    (gradients, then the leave-half-out forward) on the first step with at least two examples (when
-    ``check_batch_independence``) and, with ``check_every = N``, again on every optimizer step whose number is a
-    multiple of N.
+    """The checks of :mod:`lightning_dp.checks` around each training forward of one run.
 
-    Which steps are checked: the count of optimizer steps taken so far (``step()``, the accountant's count, the same
-    on every process of a multi-process run) decides, never the local batch: at the first forward of a step whose
-    number is a multiple of N, both checks become pending, exactly as at the start of a run, and they run on the
-    first micro-batch of that step with at least two examples (the first micro-batch when ``accumulate_grad_batches``
-    / ``gradient_accumulation_steps`` > 1, unless it has fewer than two examples; then the next one, possibly in a
-    later step). So every rank arms the same steps; the checks themselves are local, as the first-step check is (no
-    collective: each rank checks its own examples and a rank whose examples mix raises there), so they add no
-    synchronisation point. With per-sample momentum the checks see the current iterate's forward (the forwards at
-    the stored iterates of the same batch run the same code at older parameters). A check never writes ``.grad``,
-    never draws from the noise or sampling generators and restores the torch RNG state around its forwards, so it
-    does not change the update.
+    Buffers and frozen parameters on every step; batch independence (gradients, then leave-half-out) on the first step
+    with at least two examples and, with ``check_every = N``, on every optimizer step whose number (the accountant's
+    count, the same on every rank) is a multiple of N. The checks are local to each rank, never write ``.grad``, never
+    draw from the noise or sampling generators and restore the torch RNG, so they do not change the update. On an
+    FSDP2-sharded model on several processes (:attr:`lockstep`) they run in lockstep. Which micro-batch is checked, and
+    the lockstep protocol: docs/design.md sections 9.2, 9.4 and 12.5.
 
-    Usage by an integration: ``batch = guard.before_forward(batch, batch_size)``, the user's forward and per-sample
-    loss, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
-
-    On an FSDP2-sharded model on several processes (:attr:`lockstep` set), the checks' extra backward passes and
-    forwards gather weights with collectives, so every rank runs them together: while any rank may have a check
-    pending, the ranks agree (small all-reduces) on whether any rank checks this micro-batch and on the number of
-    passes, ranks that do not check run the same passes with zero weights (or their own batch twice), a rank that
-    finds mixing makes every rank raise, and at the end of the micro-batch the ranks agree whether any check is still
-    pending; once none is, no collective runs until a due step (``check_every``) arms the checks on every rank.
-    Float inputs are not made gradient leaves there (the ranks' passes must reach the same tensors): the gradient
-    check covers the hooked layers' outputs, the leave-half-out forward covers the rest.
+    Usage: ``batch = guard.before_forward(batch, batch_size)``, the forward and per-sample loss, then
+    ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
 
     Args:
         module: the model.
@@ -84,11 +66,10 @@ class TrainingGuard:
             (:meth:`~lightning_dp.clipping.PerSampleClipper.output_targets`).
         check_batch_independence: run :func:`check_batch_independence` and :func:`check_leave_half_out` on the first
             step.
-        check_every: ``N >= 1``: also on every N-th optimizer step (steps ``0, N, 2N, ...`` of ``step()``);
-            ``None`` (default): the first step only. Needs ``check_batch_independence``.
+        check_every: ``N >= 1``: also on every N-th optimizer step (steps ``0, N, 2N, ...``); ``None`` (default): the
+            first step only. Needs ``check_batch_independence``.
         step: ``() -> int``, the number of optimizer steps taken so far (needed with ``check_every``).
-        copies: ``K``, the augmentation multiplicity: hooked layer outputs have ``B K`` rows, example ``i``'s in rows
-            ``i K .. i K + K - 1`` (see :func:`check_batch_independence`).
+        copies: ``K``, the augmentation multiplicity (hooked layer outputs of ``B K`` rows, sample-major).
 
     Raises:
         ValueError: ``check_every`` not ``None`` or a positive int, or given without ``check_batch_independence`` or

@@ -1,34 +1,12 @@
-"""Batch independence: example i's loss must not depend on example j's data (docs/design.md section 9.4); one of
-the run-time checks of :mod:`lightning_dp.checks`.
+"""Batch independence: example i's loss must not depend on example j's data; one of the run-time checks of
+:mod:`lightning_dp.checks`.
 
-Per-sample clipping bounds each example's influence on the GRADIENT. Mixing of examples escapes it:
-
-- operations that mix examples without parameters (``h - h.mean(0)``, batch statistics computed by hand): example
-  i's loss then depends on example j's data, so removing j changes every clipped contribution and the sensitivity
-  of the clipped sum is no longer ``C``. :func:`check_batch_independence` tests, on the first step (and, with
-  ``check_batch_independence_every=N``, on every N-th optimizer step: see
-  :class:`~lightning_dp.checks.guard.TrainingGuard`), that the gradient of example i's loss with respect to example
-  j's input (float inputs) and to every hooked layer's output for example j (which covers integer inputs through the
-  embedding outputs) is zero for i != j. This is the idea of
-  Lightning's ``BatchGradientVerification`` (``lightning.pytorch.callbacks.batch_size_finder``'s sibling in
-  ``pl_bolts``), made complete over pairs: for each bit b of the sample index, one vector-Jacobian product of
-  ``sum_{i: bit_b(i)=1} loss_i`` and one of its complement; any i != j differ in some bit, so every pair is tested,
-  with ``2 ceil(log2 B)`` extra backward passes of the checked batch. With augmentation multiplicity ``K`` a layer
-  output of ``B K`` rows is example ``i``'s in rows ``i K .. i K + K - 1`` (:mod:`lightning_dp.clipping.
-  multiplicity`), and the check tests those rows together: so it also reports a copy-major order of the copies.
-
-- mixing without a gradient path (a per-sample loss divided by the batch's total token count, ``(tok * mask).sum(1)
-  / mask.sum()``; ``h - h.mean(0).detach()``; statistics computed under ``torch.no_grad``) is invisible to
-  gradients: :mod:`~lightning_dp.checks.leave_half_out` checks it with forwards on the same batch.
-
-What the independence checks cannot see (documented in docs/privacy.md): mixing of integer inputs before the first
-hooked layer that the leave-half-out variants do not change (e.g. sorting token ids across the batch), mixing that the
-leave-half-out forwards do not change (a detached batch mean when the replaced examples' sum equals that of their
-copies), a count dependence other than a division by an additive count, mixing that only happens on batches that are not
-checked (a schedule or a data-dependent branch that starts after the first step, when only the first step is checked;
-any mixing on the steps between two periodic checks), mixing that only happens in train mode (for the leave-half-out
-forwards), and gradients that cancel exactly within a tested set. When it cannot run at all (no target with ``B`` rows,
-a loss without gradient) or cannot check the float inputs (batch size unknown), it logs a warning.
+:func:`check_batch_independence` tests that the gradient of example i's loss with respect to example j's float input
+and hooked layer outputs is zero for i != j, with ``2 ceil(log2 B)`` extra backward passes (one pair of
+vector-Jacobian products per bit of the example index); mixing without a gradient path is the job of
+:mod:`~lightning_dp.checks.leave_half_out`. The construction, and what the checks cannot see (mixing only on
+unchecked batches or in train mode, mixing the leave-half-out variants do not change, gradients that cancel
+exactly): docs/design.md section 9.4 and docs/privacy.md, "Run-time checks".
 """
 
 from __future__ import annotations
@@ -100,7 +78,7 @@ def check_batch_independence(
     """Fail when example i's loss has a nonzero gradient with respect to example j's part of a target, i != j.
 
     Runs ``2 ceil(log2 B)`` vector-Jacobian products of the per-sample loss (graph retained, nothing written to
-    ``.grad``); see the module docstring for the construction and what it cannot see.
+    ``.grad``). Logs a warning, and checks nothing, when no target has ``B`` rows or the loss has no gradient.
 
     Args:
         per_sample_loss: ``[B]``, attached to the graph of the training forward.
@@ -109,15 +87,12 @@ def check_batch_independence(
         copies: ``K``, the augmentation multiplicity: a target of ``B K`` rows is example ``i``'s in rows
             ``i K .. i K + K - 1`` (a copy-major order then shows as mixing).
 
+    Returns:
+        Whether the check was conclusive: False when a per-sample loss is not finite (the caller checks again on a
+        later batch).
+
     Raises:
         BatchMixingError: naming a pair (i, j) and the first target where the dependence shows.
-
-    Logs a warning (and checks nothing) when no target has ``B`` rows or the loss has no gradient.
-
-    Returns:
-        Whether the check was conclusive: False when a per-sample loss is not finite (such an example neither fails
-        the check nor hides the others' mixing, but mixing that makes every loss non-finite cannot be seen), so the
-        caller checks again on a later batch.
     """
     batch = per_sample_loss.shape[0]
     targets = {name: t for name, t in targets.items() if _example_rows(t[1], batch, copies)}
@@ -192,11 +167,10 @@ def check_batch_independence_in_step(
     bits: int,
     copies: int = 1,
 ) -> tuple[bool, BatchMixingError | None]:
-    """:func:`check_batch_independence` in lockstep with the other ranks, for a sharded (FSDP2) model, whose
-    backward passes gather weights with collectives: every rank runs exactly ``2 bits`` passes (``bits`` agreed
-    over the ranks: the largest ``ceil(log2 B)`` of the ranks that check) to the same targets (all hooked layer
-    outputs of the forward, whatever their size); a rank that does not check this batch (``active`` False: not
-    pending, or fewer than two examples) passes zero weights.
+    """:func:`check_batch_independence` in lockstep with the other ranks, for a sharded (FSDP2) model.
+
+    Every rank runs the same number of passes (the largest ``ceil(log2 B)`` over the ranks) to all hooked layer
+    outputs; a rank with ``active`` False (not pending, or fewer than two examples) passes zero weights.
 
     Returns:
         ``(conclusive, error)``: the error is returned, not raised, so the ranks can agree before raising.
@@ -211,14 +185,12 @@ def _raise_on_leak(
     weighted: torch.Tensor,
     copies: int = 1,
 ) -> None:
-    """Raise when an example outside ``weighted`` (the examples whose losses were summed: chosen, with a finite loss)
-    has a gradient above the relative tolerance in its rows (its one row, or its ``copies`` rows of a target of
-    ``B K`` rows, sample-major).
+    """Raise when an example outside ``weighted`` has a gradient above the relative tolerance in its rows.
 
-    A NaN entry counts as zero: an example with a non-finite loss, given weight 0, gets ``0 * inf = NaN`` on its own
-    path, which is no dependence; so such an example neither fails the check (which would reveal that it was drawn)
-    nor, through an infinite scale, hides the others' leaks. An infinite entry outside is a dependence (a weight-0
-    path gives NaN, never inf) and counts as the largest float."""
+    A NaN entry counts as zero (an example with a non-finite loss, given weight 0, gets ``0 * inf``: neither failing
+    the check, which would reveal that it was drawn, nor hiding others' leaks); an infinite entry counts as the
+    largest float.
+    """
     for name, grad, shape in zip(names, grads, shapes, strict=True):
         if grad is None:
             continue

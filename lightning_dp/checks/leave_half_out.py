@@ -1,24 +1,12 @@
-"""The leave-half-out check: mixing of examples that has no gradient path (docs/design.md section 9.4), one of the
-run-time checks of :mod:`lightning_dp.checks`.
+"""The leave-half-out check: mixing of examples that has no gradient path, one of the run-time checks of
+:mod:`lightning_dp.checks`.
 
-A per-sample loss divided by the batch's total token count, ``h - h.mean(0).detach()`` or statistics computed under
-``no_grad`` make example i's loss depend on example j's data without a gradient path, so the gradient check of
-:mod:`~lightning_dp.checks.independence` cannot see them. :func:`check_leave_half_out` runs the user's step forward
-only, six times, on fresh row copies of the checked batch, and compares the losses in two ways (docs/privacy.md,
-"Run-time checks"):
-
-- the **values test** compares bit for bit at the same shapes: the batch (run twice), the batch with each
-  odd-indexed example replaced by a copy of its even-indexed neighbour (the even-indexed losses must not change) and
-  the mirror image (the odd-indexed losses must not change). Every forward runs with deterministic algorithms, and
-  its torch calls with their shapes and dtypes are recorded; a variant is compared only where it made the calls of
-  the batch's second run, the two runs gave the same bits, and no operation without a deterministic implementation
-  ran. There a per-example model gives identical bits whatever the values; elsewhere (shapes or branches that
-  follow the values: packed sequences, unpadding, a mask shortcut) that variant is skipped, silently;
-- the **count test** runs the even- and the odd-indexed examples alone. A loss divided by an additive count over the
-  batch ``N`` (examples, tokens) grows in each half by one common factor above 1, ``N / N_even`` and ``N / N_odd``,
-  whose reciprocals add up to 1; a per-example model gives factors near 1. The test fails when, in each half, a
-  strict majority of all its examples share a factor of at least 1.01 within 1%, and the two factors satisfy the
-  relation within 1%. Rounding does not produce that; crafted examples can, but only as a majority of both halves.
+:func:`check_leave_half_out` runs the user's step forward only, six times, on fresh row copies of the batch: the
+values test (the batch twice, and each half replaced by copies of its neighbours: the kept losses must not change,
+bit for bit, where the runs are comparable) and the count test (each half alone: the signature of a loss divided by
+an additive count over the batch). It catches a loss divided by the batch's token count, ``h -
+h.mean(0).detach()``, statistics under ``no_grad``. The tests and what they cannot see: docs/design.md section 9.4
+and docs/privacy.md, "Run-time checks".
 """
 
 from __future__ import annotations
@@ -53,12 +41,11 @@ _MIXING_REASON = (
 def check_leave_half_out(
     compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int, module: nn.Module
 ) -> bool:
-    """Fail when an example's loss depends on the other examples' values or number without a gradient path (the
-    values and count tests of the module docstring).
+    """Fail when an example's loss depends on the other examples' values or number without a gradient path.
 
-    Every forward runs with ``module`` in eval mode (no dropout), under ``no_grad`` (the hooks record nothing), with
-    deterministic algorithms, from the same torch RNG state, on rows of every tensor of ``batch`` whose first
-    dimension is ``batch_size``.
+    Every forward runs in eval mode, under ``no_grad``, with deterministic algorithms, from the same torch RNG state,
+    on rows of every tensor of ``batch`` whose first dimension is ``batch_size``. Logs a warning, and checks nothing,
+    when no tensor of the batch has ``B`` rows.
 
     Args:
         compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: nothing to check).
@@ -68,14 +55,10 @@ def check_leave_half_out(
 
     Returns:
         Whether the check was conclusive: False when a loss is not finite or ``None``, or when a half has no finite
-        nonzero loss; the caller checks again on a later batch. (A values test skipped because the bits are not
-        comparable does not make it inconclusive: on a model whose shapes follow the values that would be every
-        batch.)
+        nonzero loss (the caller checks again later). A values test skipped as not comparable stays conclusive.
 
     Raises:
         BatchMixingError: naming the test that failed (and, for the values test, an example whose loss changed).
-
-    Logs a warning (and checks nothing) when no tensor of the batch has ``B`` rows.
     """
     if batch_size < 2:
         return True
