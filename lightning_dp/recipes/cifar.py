@@ -1,35 +1,9 @@
 """CIFAR-10 recipe through Lightning: the classifiers and the callback writing ``results.json``; the data module is in
 :mod:`~lightning_dp.recipes.cifar_data` (and importable from here, where the configs name it).
 
-- Task: 10-class image classification of 32x32 RGB images (CIFAR-10, Krizhevsky 2009).
-- Data: ``data_source: hub`` loads ``uoft-cs/cifar10`` with ``datasets.load_dataset`` (50,000 training, 10,000 test
-  images); ``data_source: local`` reads the offline copies in ``cifar10/`` under the data root (``--data_dir`` or
-  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`) in place
-  (``cifar10_train_5k_subset_from_jpg.npz``: 500 training images per class; ``cifar10_test_10k_from_jpg.npz``: the
-  full test set; both decoded from JPEG re-encodings of real CIFAR-10 images). Both are shuffled once with
-  ``split_seed`` and cut to ``train_size`` / ``eval_size``; pixels are standardised per channel with the public
-  CIFAR-10 mean and standard deviation (no statistic of the private data).
-- Augmentation multiplicity (the models' ``augmentation_multiplicity`` K, with the same value as the DP strategy's
-  privacy option): De et al. 2022, Section 3.2, give each sampled example K copies, each randomly cropped (4-pixel
-  reflect padding) and flipped on its own (:mod:`lightning_dp.recipes.image_augmentation`), and clip the AVERAGE of
-  the copies' gradients once, so one example's sensitivity stays C; their CIFAR-10 runs use K = 16
-  (``configs/cifar10_hub.yaml``). K = 1 (default, ``configs/cifar10_offline.yaml``): no augmentation at all, the
-  recipe as before (single augmentations hurt DP-SGD in De et al.'s study); the models' ``augment: true`` makes it
-  one cropped and flipped copy per example (De et al.'s and jax_privacy's K = 1).
-- Models: :class:`WideResNetClassifier`, the WRN-16-4 with GroupNorm of De et al. 2022 trained from scratch
-  (:mod:`lightning_dp.recipes.wide_resnet`; depth and width are arguments), or :class:`ViTClassifier`, HF
-  ``ViTForImageClassification`` fine-tuned from a Hub checkpoint (images resized to its input size), with ``tiny``
-  a random ViT of a small config (offline: no ViT weights are packaged).
-- Metric: test accuracy in percent (``torchmetrics``, through
-  :func:`lightning_dp.recipes.metrics.classification_metrics`), computed at the end of fit by
-  :class:`RecipeResults`, which writes the same summary keys as the HF recipes'
-  :func:`lightning_dp.recipes.run.run_recipe`.
-- Commands (the same LightningCLI as ``lightning-dp fit``)::
-
-    python recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir ROOT
-    accelerate launch recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir ROOT
-    lightning-dp fit --config configs/cifar10_offline.yaml --data.data_dir ROOT
-    lightning-dp fit --config configs/cifar10_hub.yaml      # full WRN-16-4 on the Hub data (GPU)
+10-class classification of 32x32 RGB images (Krizhevsky 2009) with :class:`WideResNetClassifier` (WRN-16-4 with
+GroupNorm, De et al. 2022) or :class:`ViTClassifier`, optional augmentation multiplicity (De et al. 2022, Section
+3.2); metric: test accuracy in percent. Data, configurations, commands and results: docs/recipes/cifar.md.
 """
 
 from __future__ import annotations
@@ -76,31 +50,23 @@ NON_PRIVATE_MOMENTUM = 0.9
 
 
 class CifarClassifier(pl.LightningModule):
-    """Shared training logic: cross-entropy per example (shape ``[B]`` under a DP strategy, its mean otherwise),
-    augmentation multiplicity, and SGD. Subclasses set ``self.net`` (``[B, 3, H, W] -> [B, 10]`` logits) or override
-    :meth:`forward`.
+    """Shared training logic: cross-entropy per example, augmentation multiplicity, and SGD.
 
-    With ``augmentation_multiplicity = K > 1`` the training step turns its ``B`` images into ``B K`` rows
-    (:func:`lightning_dp.repeat_for_multiplicity`, sample-major), crops and flips each row at random
-    (:func:`~lightning_dp.recipes.image_augmentation.random_crop_flip`; only in train mode, like dropout: the DP
-    strategy's leave-half-out check runs the step in eval mode and needs it deterministic) and returns each
-    example's mean cross-entropy over its copies (:func:`lightning_dp.augmentation_mean`; De et al. 2022, Section
-    3.2). With ``K = 1`` and ``augment=True`` each example's one row is cropped and flipped the same way (still one
-    row per example: the clipping and the sensitivity are those of ``K = 1`` without augmentation). The draws come
-    from :func:`~lightning_dp.recipes.image_augmentation.augmentation_generator` seeded from the run's seed
-    (``torch.initial_seed()`` at the start of fit: ``seed_everything``'s) and the micro-batch's rank, epoch and index,
-    so a seeded run reproduces and a re-run of a micro-batch's step (per-sample momentum) sees the same copies.
+    Subclasses set ``self.net`` (``[B, 3, H, W] -> [B, 10]`` logits) or override :meth:`forward`. The training step
+    returns the per-example loss ``[B]`` under a DP strategy (its mean otherwise); with ``K > 1`` it crops and flips
+    each of the ``B K`` rows in train mode only and returns each example's mean over its copies
+    (:func:`lightning_dp.augmentation_mean`). The draws come from
+    :func:`~lightning_dp.recipes.image_augmentation.augmentation_generator` (the run's seed and the micro-batch's rank,
+    epoch and index), so re-runs of a step see the same copies.
 
     Args:
         lr: SGD learning rate.
         momentum: SGD momentum (De et al. 2022: none).
         weight_decay: SGD weight decay (De et al. 2022: none).
-        augmentation_multiplicity: ``K >= 1`` copies per example (De et al. 2022: 16); 1 (default): one row per
-            example. Under a DP strategy it must equal the strategy's ``augmentation_multiplicity``.
-        augment: crop and flip the training rows. ``None`` (default): iff ``K > 1`` (``K = 1`` is then the
-            un-augmented recipe, bit for bit as before the option); ``True``: also at ``K = 1``, one augmented copy
-            per example (De et al. 2022's and jax_privacy's ``K = 1``); ``False``: never, refused with ``K > 1`` (``K``
-            identical copies average to the gradient of one, at ``K`` times the cost).
+        augmentation_multiplicity: ``K >= 1`` copies per example (De et al. 2022: 16); under a DP strategy it must
+            equal the strategy's ``augmentation_multiplicity``.
+        augment: crop and flip the training rows. ``None`` (default): iff ``K > 1``; ``True``: also at ``K = 1``
+            (one augmented copy per example); ``False``: never, refused with ``K > 1``.
 
     Raises:
         ValueError: ``lr <= 0``, a negative ``momentum`` or ``weight_decay``, ``augmentation_multiplicity`` not an
@@ -179,21 +145,17 @@ class CifarClassifier(pl.LightningModule):
 
 
 class WideResNetClassifier(CifarClassifier):
-    """WRN-``depth``-``width`` with GroupNorm trained from scratch (De et al. 2022; see
-    :class:`~lightning_dp.recipes.wide_resnet.WideResNet` for the layout and ``Raises``).
+    """WRN-``depth``-``width`` with GroupNorm trained from scratch (De et al. 2022; layout and ``Raises``:
+    :class:`~lightning_dp.recipes.wide_resnet.WideResNet`).
 
     Args:
         depth: ``6 n + 4`` (16 for WRN-16-4).
         width: channel multiplier (4 for WRN-16-4).
         groups: GroupNorm groups (16).
         norm: ``"group"``, or ``"batch"`` for non-private comparisons (DP strategies reject BatchNorm).
-        lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`; De et al. 2022 WRN-16-4: lr 2 to 4, no
-            momentum, no weight decay).
-        augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`; De et al. 2022: 16).
-        augment: crop and flip the training rows (see :class:`CifarClassifier`; ``None``: iff
-            ``augmentation_multiplicity > 1``; ``True`` at ``K = 1``: one augmented copy per example).
+        lr, momentum, weight_decay, augmentation_multiplicity, augment: as :class:`CifarClassifier`.
         weight_standardisation: every convolution with scaled weight standardisation
-            (:class:`~lightning_dp.weight_standardisation.WSConv2d`), as De et al. 2022; default False.
+            (:class:`~lightning_dp.weight_standardisation.WSConv2d`); default False.
     """
 
     def __init__(
@@ -228,25 +190,19 @@ class WideResNetClassifier(CifarClassifier):
 
 
 class ViTClassifier(CifarClassifier):
-    """HF ``ViTForImageClassification`` with a 10-class head: fine-tuned from ``model_name_or_path``, or, with
-    ``tiny``, a random ViT of a small config (``image_size`` 32, ``patch_size`` 4, the shared tiny sizes of
-    :data:`lightning_dp.tasks.pretrained.TINY_SIZES`; offline and smoke tests). Input ``[B, 3, 32, 32]`` images are
-    resized (bilinear) to the model's ``image_size``. Dropout is off (the library's per-sample terms of ViT's
-    embeddings are exact only then).
+    """HF ``ViTForImageClassification`` with a 10-class head, fine-tuned from ``model_name_or_path`` or, with ``tiny``,
+    a random small ViT. Inputs ``[B, 3, 32, 32]`` are resized (bilinear) to the model's ``image_size``; dropout is off
+    (the per-sample terms of ViT's embeddings are exact only then).
 
     Args:
         model_name_or_path: a Hub id or folder of a ViT checkpoint (ignored with ``tiny``).
         tiny: build the random tiny ViT instead.
         image_size: input size of the tiny ViT.
         patch_size: patch size of the tiny ViT.
-        lr, momentum, weight_decay: SGD (see :class:`CifarClassifier`).
-        augmentation_multiplicity: augmented copies per example (see :class:`CifarClassifier`).
-        augment: crop and flip the training rows (see :class:`CifarClassifier`; ``None``: iff
-            ``augmentation_multiplicity > 1``).
+        lr, momentum, weight_decay, augmentation_multiplicity, augment: as :class:`CifarClassifier`.
 
     Raises:
-        ValueError: ``image_size`` not a positive multiple of ``patch_size`` (the tiny ViT cannot split it into
-            patches).
+        ValueError: ``image_size`` not a positive multiple of ``patch_size``.
     """
 
     def __init__(
@@ -297,13 +253,10 @@ class ViTClassifier(CifarClassifier):
 
 # ------------------------------------------------------------------------------------------------------- results
 class RecipeResults(Callback):
-    """At the end of fit: the test accuracy of the trained model and the run's summary written to ``path`` as JSON,
-    with the keys of :func:`lightning_dp.recipes.run.run_recipe` (``task``, ``dp``, ``metrics``, ``privacy`` (the
-    privacy engine's summary without ``num_params``, ``null`` without DP), ``train_size``, ``eval_size``, ``steps``,
-    ``expected_batch``, ``trainable_params``, ``train_seconds``, ``eval_seconds``, ``world_size``, ``arguments`` (the
-    resolved LightningCLI config, else the model's and data's hyper-parameters), ``command``).
+    """At the end of fit: the test accuracy and the run's summary written to ``path`` as JSON.
 
-    The model's ``accuracy(loader)`` is evaluated on the data module's ``test_dataloader()`` on the main process.
+    The keys are those of :func:`lightning_dp.recipes.run.run_recipe` (``arguments``: the resolved LightningCLI config);
+    the accuracy is evaluated on the data module's ``test_dataloader()`` on the main process.
 
     Args:
         path: the JSON file to write (parent folders are created).

@@ -1,12 +1,8 @@
 """One config system for every HF recipe: ``HfArgumentParser`` over the recipe's dataclasses, with a YAML file.
 
-``recipe.py --config configs/task.yaml --learning_rate 1e-3 --target_epsilon 8`` reads the YAML's keys as the
-parser's defaults and then parses the command line, so any field of the recipe's arguments,
-``transformers.TrainingArguments`` or :class:`~lightning_dp.hf.PrivacyArguments` is settable in the file, and the
-command line overrides the file. The YAML is flat (one key per field, the field's own name), exactly the names of
-the command-line flags without ``--``; an unknown key fails before anything runs, with the closest known name. A
-field whose type admits ``None`` is unset from the command line with ``--FIELD null``, as ``FIELD: null`` unsets it in
-the file (``none`` stays a value: ``--report_to none``).
+``recipe.py --config configs/task.yaml --learning_rate 1e-3`` reads the YAML's keys (flat, the flags' names without
+``--``) as defaults, then the command line overrides them; an unknown key fails with the closest known name. ``--FIELD
+null`` (or ``FIELD: null``) unsets an optional field.
 """
 
 from __future__ import annotations
@@ -130,12 +126,8 @@ def optional_fields(dataclass_types: Sequence[type]) -> set[str]:
 def unset_flags(args: list[str], optional: set[str]) -> tuple[list[str], list[str]]:
     """Split ``--FIELD null`` (or ``--FIELD=null``) of the ``optional`` fields out of ``args``.
 
-    A flag cannot otherwise give ``None`` (HfArgumentParser converts the value to the field's type), so a
-    configuration's ``target_epsilon: 3`` or ``train_layers: 0`` could not be unset from the command line.
-
     Returns:
-        ``args`` without those flags, and the fields they unset (a value of the same field given by another flag,
-        before or after, wins over the unset).
+        ``args`` without those flags, and the fields they unset (a value of the same field given by another flag wins).
     """
     kept: list[str] = []
     unset: list[str] = []

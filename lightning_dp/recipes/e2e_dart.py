@@ -1,51 +1,13 @@
 """E2E / DART table-to-text generation with a causal LM: the generation task of Li et al. 2022 ("Large language
-models can be strong differentially private learners", section 3 and appendix; their code: private-transformers,
-``examples/table2text``).
+models can be strong differentially private learners", section 3 and appendix).
 
-Task: ``task: e2e`` (E2E NLG, Novikova et al. 2017: restaurant meaning representations) or ``task: dart`` (DART, Nan
-et al. 2021: open-domain RDF triple sets).
-
-Data:
-- local (``data_source: local``, read in place from ``e2e/`` or ``dart/`` under the data root, ``--data_dir`` or
-  ``LIGHTNING_DP_DATA``, see :func:`~lightning_dp.tasks.local_data.local_data_dir`): the copies have no training
-  split, so E2E trains on the rows of ``devset.csv`` and evaluates on ``testset_w_refs.csv``; DART trains on
-  ``dart-v1.1.1-full-dev.json`` and evaluates on ``dart-v1.1.1-full-test.from_xml.json`` (:data:`LOCAL_FILES`).
-- Hub (``data_source: hub``, ``datasets.load_dataset``): ``tuetschek/e2e_nlg`` (formerly ``e2e_nlg``) and
-  ``Yale-LILY/dart`` (formerly ``dart``), ``train`` and ``test`` splits. Both are script datasets, which
-  ``datasets`` 4+ no longer runs, so the default ``dataset_revision`` is the Hub's parquet conversion
-  ``refs/convert/parquet``.
-
-A training example is one (table, reference) pair (``train_size``: the first N pairs); an evaluation example is one
-table with ALL its references (E2E test rows grouped by meaning representation in order of first appearance; a DART
-test entry with all its annotations; ``eval_size``: the first N tables).
-
-Formatting (Li et al. 2022, taken over from prefix-tuning, Li & Liang 2021): the table is linearised as
-``key : value | key : value`` (E2E; ``eatType`` is written ``Type``, ``priceRange`` ``price``, ``familyFriendly``
-``family friendly``) or ``subject : predicate : object | ...`` (DART, predicates lower-cased); the model reads
-``" " + table + separator`` and is trained to continue with ``" " + reference`` and the end-of-sequence token, the
-loss on the reference and EOS tokens only (mean over them per example). Li et al.'s separator is the tokenizer's
-BOS token (GPT-2's ``<|endoftext|>``), written here ``separator: " {bos}"``; any other text may be set.
-
-Decoding (Li et al. 2022, ``decoding_utils.py``): beam search with 5 beams and up to 100 new tokens
-(``num_beams``, ``max_new_tokens``); their evaluation files hold one line per example (they forbid newline tokens),
-so the hypothesis here is the generated text up to its first newline.
-
-Model: ``AutoModelForCausalLM`` from ``model_name_or_path`` (``gpt2`` and larger GPT-2s in Li et al.; offline the
-packaged SmolLM2-135M-Instruct), fully fine-tuned (``lora_rank: 0``) or with peft LoRA adapters
-(:func:`~lightning_dp.tasks.pretrained.add_lora`).
-
-Metric: corpus BLEU (sacrebleu), ROUGE-1/2/L and METEOR against all references of each table
-(:func:`~lightning_dp.recipes.metrics.generation_metrics`), in percent.
-
-Truncation rule (:mod:`~lightning_dp.tasks.prompt_target`): the reference is cut to ``max_target_length`` tokens,
-then the linearised table is cut from its end so that table + separator + reference + EOS fit in ``max_length``
-tokens; at evaluation the table is cut so that ``max_new_tokens`` more fit. (Li et al. instead drop training
-examples longer than ``max_seq_len``: 100 tokens for E2E, 120 for DART.)
-
-Commands::
-
-    python recipes/e2e_dart.py --config configs/e2e_dart_offline.yaml --data_dir ROOT   # offline, CPU
-    accelerate launch recipes/e2e_dart.py --config configs/e2e_dart_hub.yaml             # GPT-2 on the Hub data
+``task: e2e`` (Novikova et al. 2017) or ``task: dart`` (Nan et al. 2021); ``data_source: local`` (``e2e/``, ``dart/``
+under the data root, :data:`LOCAL_FILES`) or ``hub`` (``tuetschek/e2e_nlg``, ``Yale-LILY/dart`` at
+``refs/convert/parquet``). A training example is one (table, reference) pair, an evaluation example one table with all
+its references. The linearised table is followed by ``separator`` and the model is trained on ``" " + reference`` and
+EOS (the loss on those tokens only); truncation: :mod:`~lightning_dp.tasks.prompt_target`. Decoding: beam search (5
+beams, up to 100 new tokens), the hypothesis cut at its first newline. Metric: BLEU, ROUGE-1/2/L, METEOR in percent.
+Formatting details, data files, commands and results: docs/recipes/e2e_dart.md.
 """
 
 from __future__ import annotations
@@ -85,8 +47,7 @@ _MR_ITEM = re.compile(r"\s*([^\[\],][^\[\]]*?)\s*\[([^\]]*)\]\s*(?:,|$)")
 
 @dataclass
 class E2EDartArguments(generation.CausalLMArguments):
-    """The E2E/DART recipe's arguments (see the module docstring; the common ones are
-    :class:`~lightning_dp.recipes.generation.CausalLMArguments`, here with Li et al.'s decoding defaults).
+    """The E2E/DART recipe's arguments (common ones: :class:`~lightning_dp.recipes.generation.CausalLMArguments`).
 
     Attributes:
         separator: text between the table and the reference; ``{bos}`` stands for the tokenizer's BOS token

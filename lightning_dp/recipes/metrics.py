@@ -1,17 +1,9 @@
 """The recipes' task metrics, computed by the libraries the field reports them with; nothing here re-implements one.
 
-- classification: accuracy and binary F1 (``torchmetrics``);
-- generation: corpus BLEU (``sacrebleu``, several references per example), ROUGE-1/2/L F-measure (``rouge-score``,
-  Porter stemming, best reference per example), METEOR (``nltk``, mean over examples);
-- extractive/abstractive QA: exact match and F1 with the official SQuAD answer normalisation (``torchmetrics``'
-  ``squad``, which is the SQuAD v1.1 evaluation script's code).
-
-These are the metric implementations that HF ``evaluate``'s ``sacrebleu``, ``rouge``, ``meteor`` and ``squad``
-modules wrap; ``evaluate.load`` itself fetches its module scripts from the Hub at run time, which an offline machine
-cannot, so the recipes call the libraries directly. All scores are in percent (0-100).
-
-METEOR's synonym stage needs the WordNet corpus (``python -m nltk.downloader wordnet``). Without it METEOR is
-computed with exact and stem matches only and reported under the key ``meteor_no_synonyms``, never as ``meteor``.
+Classification: accuracy and binary F1 (``torchmetrics``); generation: corpus BLEU (``sacrebleu``), ROUGE-1/2/L
+F-measure (``rouge-score``, Porter stemming), METEOR (``nltk``); QA: SQuAD exact match and F1 (``torchmetrics``).
+All in percent (0-100). Without the WordNet corpus METEOR is reported as ``meteor_no_synonyms``, never as
+``meteor``. Why not HF ``evaluate``: docs/recipes.md.
 """
 
 from __future__ import annotations

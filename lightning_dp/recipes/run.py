@@ -165,11 +165,10 @@ def check_max_length(config: PretrainedConfig, max_length: int) -> None:
 def parse_recipe(
     recipe_type: type[RecipeArguments], argv: Sequence[str] | None, description: str | None = None
 ) -> tuple[Any, TrainingArguments, PrivacyArguments]:
-    """Parse ``--config FILE.yaml`` and flags into ``(recipe_type, TrainingArguments, PrivacyArguments)``
-    (:func:`~lightning_dp.recipes.config.parse_recipe_args`), then seed Python's ``random``, numpy and torch with
-    ``training.seed`` (``transformers.set_seed``) before the recipe builds anything random (a new classifier head,
-    LoRA adapters, a tiny model), so that the same command with the same seed gives the same run (the Trainer seeds
-    again from ``seed`` when it is built, after the model; the DP noise has its own ``dp_seed``).
+    """Parse ``--config FILE.yaml`` and flags into ``(recipe_type, TrainingArguments, PrivacyArguments)``, then seed.
+
+    Python's ``random``, numpy and torch are seeded with ``training.seed`` before the recipe builds anything random (the
+    DP noise has its own ``dp_seed``).
 
     Raises:
         FileNotFoundError, ValueError, SystemExit: as :func:`~lightning_dp.recipes.config.parse_recipe_args`.
@@ -182,14 +181,11 @@ def parse_recipe(
 
 
 def script_main(main: Callable[[], object]) -> int:
-    """Run a recipe's ``main()`` as its script (``recipes/<task>.py``) and return the exit status: 0, or 2 after
-    one ``PROG: error: ...`` line on stderr for bad input (a ``ValueError``: a bad value, missing local data), or 1
-    for a missing optional package (an ``ImportError``), as ``lightning-dp`` does (no traceback unless
-    ``LIGHTNING_DP_TRACEBACK=1``).
+    """Run a recipe's ``main()`` as its script and return the exit status, as ``lightning-dp`` does.
 
-    Missing local data under a launcher of several processes (``accelerate launch``, ``torchrun``: ``LOCAL_RANK``
-    set) is said once per machine, by its first process: every process of a machine looks in the same folders and
-    fails alike, so the others exit with the same status without repeating the line."""
+    0; 2 after one ``PROG: error: ...`` line for a ``ValueError`` (said once per machine under a launcher); 1 for a
+    missing optional package. No traceback unless ``LIGHTNING_DP_TRACEBACK=1``.
+    """
     program = os.path.relpath(sys.argv[0]) if sys.argv[0] else "recipe"
 
     def run() -> int:
@@ -217,13 +213,10 @@ def run_recipe(
     trainer_kwargs: dict[str, Any] | None = None,
     details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``model`` (``DPTrainer`` with ``privacy``, or the plain ``Trainer`` when ``recipe.dp`` is false or
-    ``privacy.disable_dp`` true),
-    evaluate it with ``evaluate(trainer)``, and write and print the JSON summary on the main process.
+    """Train ``model`` (``DPTrainer``, or the plain ``Trainer`` without DP), evaluate it, and write the JSON summary.
 
-    The summary holds the task metrics, the privacy summary (epsilon actually spent, delta, noise, accountant,
-    steps, sample rate; ``null`` without DP), the training and evaluation sizes, the trainable parameter count, the
-    wall time of training and of evaluation in seconds, the full arguments and the command line that ran it.
+    The summary holds the task metrics, the privacy summary (``null`` without DP), the sizes, the trainable parameter
+    count, the training and evaluation wall times in seconds, the arguments and the command line.
 
     Returns:
         The summary dict (on every process).
@@ -347,15 +340,12 @@ _ACCELERATE_LAUNCH = ("accelerate-launch", "accelerate.commands.launch")
 
 
 def accelerate_launch_command(parent_cmdline: Path | None = None) -> list[str] | None:
-    """``["accelerate", "launch", *its arguments]`` when this process was started by ``accelerate launch`` (its
-    arguments as typed: config file, process count, the script and the script's arguments), read from the parent
-    process's command line (``/proc/<ppid>/cmdline``: accelerate starts one process itself and several through
-    torch's launcher running inside it, so the parent is the launcher in both cases). The launcher is recognised in
-    the forms of :data:`_ACCELERATE_CLI` and :data:`_ACCELERATE_LAUNCH` (a path ending in those names, or the module
-    given to ``python -m``). ``None`` for any other parent (a shell, ``torchrun`` started directly, a notebook) or
-    where ``/proc`` is absent (not Linux). Re-running the command starts as many processes when the process count
-    was typed (``--config_file``, ``--num_processes``); otherwise the re-run reads the user's default accelerate
-    configuration, as the original did. ``parent_cmdline``: another file to read (tests)."""
+    """``["accelerate", "launch", *its arguments]`` when this process was started by ``accelerate launch``, else
+    ``None``.
+
+    Read from the parent process's command line (``/proc/<ppid>/cmdline``; ``None`` where absent, or for any other
+    parent). ``parent_cmdline``: another file to read (tests).
+    """
     path = parent_cmdline or Path(f"/proc/{os.getppid()}/cmdline")
     try:
         words = [word for word in path.read_bytes().decode(errors="replace").split("\0") if word]
