@@ -1,38 +1,20 @@
 """The two helpers of a training step with augmentation multiplicity (De, Berrada, Hayes, Smith and Balle 2022,
-"Unlocking high-accuracy differentially private image classification through scale", Section 3.2): the copies of
-a batch, and each example's loss from its copies' losses (docs/design.md section 4.8).
+"Unlocking high-accuracy differentially private image classification through scale", Section 3.2).
 
-With the privacy option ``augmentation_multiplicity = K`` the training step receives the batch of ``B`` sampled
-examples as usual, makes ``K`` copies of each, augments every copy on its own, and returns one loss per example, the
-mean of its copies' losses::
+With ``augmentation_multiplicity = K`` the step receives the ``B`` sampled examples, copies, augments and returns one
+loss per example, the mean of its copies' losses::
 
     x, y = repeat_for_multiplicity(batch, K)              # [B K, ...], rows i K .. i K + K - 1 are example i's
-    if self.training:                                      # like dropout: off in eval mode (see below)
+    if self.training:                                      # like dropout: off in eval mode
         x = augment(x)                                     # per row, e.g. random crop and flip
     rows = F.cross_entropy(self(x), y, reduction="none")   # [B K]
     return augmentation_mean(rows, K)                      # [B]
 
-The gradient of that mean is the average of the copies' gradients, which the clipper clips once per example
-(:mod:`lightning_dp.clipping.multiplicity`): one example's sensitivity stays ``C``, whatever ``K``.
-
-Why the copies are made inside the step and not by the data loader: the Poisson sampler, the checks (batch
-independence, leave-half-out), FSDP2's stand-in batch and the loss-shape check all read the batch's first dimension as
-its examples. Why the augmentation is off in eval mode: the leave-half-out check (docs/design.md section 9.4) runs the
-step in eval mode on the whole batch and on half of it and compares the kept examples' losses; copies augmented from
-one random stream would differ between the two runs (the half batch draws fewer values) and be reported as mixing.
-
-Keep every row in place: rows ``i K .. i K + K - 1`` must stay example ``i``'s copies. An augmentation that moves rows
-across examples (a copy-major loop such as ``torch.cat([aug(x[k::K]) for k in range(K)])``) lands one example's copies
-in several examples' groups, and one example's sensitivity grows up to ``K C``. The checks cannot always see it: the
-leave-half-out check runs in eval mode, where the augmentation is skipped, and on integer inputs (token ids) the
-batch-independence check has no input gradient to look at, so a reordering done only in train mode on integer inputs
-passes them (``DPTrainer`` compares the rows ``augment_copies`` returns with the repeated batch and refuses moved labels
-or integer rows; the Lightning step is not compared). :func:`augment_each_example` applies a function to each example's
-``K`` copies and cannot move rows across examples: prefer it to a loop over the whole batch.
-
-Randomness: draw from torch's global RNG (per-sample momentum re-runs a step under ``torch.random.fork_rng`` and
-compares the runs, and the checks restore it), or from a generator seeded from the micro-batch's position, never from
-a generator of one's own that advances between the re-runs.
+One example's sensitivity stays ``C`` whatever ``K``, provided every row stays in place (rows ``i K .. i K + K - 1``
+are example ``i``'s copies; a copy-major loop such as ``torch.cat([aug(x[k::K]) for k in range(K)])`` breaks this,
+up to ``K C``, and the checks cannot always see it; :func:`augment_each_example` cannot move rows). Draw randomness
+from torch's global RNG or a generator seeded from the micro-batch's position, never from one that advances between
+re-runs. Why each rule, and what the checks see: docs/design.md section 4.8.
 """
 
 from __future__ import annotations
@@ -88,23 +70,18 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
     """Apply ``fn`` to each example's ``multiplicity`` copies on their own, keeping every row in place.
 
     Args:
-        rows: the copies, as :func:`repeat_for_multiplicity` returns them (a tensor ``[B K, ...]`` or any nesting of
-            tuples, lists, dicts and dataclasses holding such tensors; 0-dim tensors and non-tensors are passed
-            through to ``fn`` as they are).
+        rows: the copies, as :func:`repeat_for_multiplicity` returns them (``[B K, ...]`` or a nesting of tuples,
+            lists, dicts and dataclasses of such tensors; 0-dim tensors and non-tensors pass through to ``fn``).
         multiplicity: ``K >= 1``.
-        fn: receives one example's copies, the same structure with every tensor ``[K, ...]`` (rows ``i K .. i K +
-            K - 1`` of ``rows``), and returns them augmented, the same structure, every tensor of ``K`` rows.
+        fn: receives one example's copies (every tensor ``[K, ...]``) and returns them augmented, the same structure,
+            every tensor of ``K`` rows. Called once per example: vectorise inside ``fn``.
 
     Returns:
-        ``rows`` with each example's slice replaced by ``fn``'s result (tensors concatenated back in sample-major
-        order, so rows ``i K .. i K + K - 1`` are always ``fn`` of example ``i``'s copies). One call of ``fn`` per
-        example: vectorise inside ``fn`` for speed, but ``fn`` sees no other example, so no row can move across
-        examples and no batch statistic can mix them.
+        ``rows`` with each example's slice replaced by ``fn``'s result, in sample-major order.
 
     Raises:
         ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension is not a multiple of ``K``
-            or differs between tensors; ``fn`` returned a tensor without ``K`` rows, or a structure with a different
-            number of tensors.
+            or differs between tensors; ``fn`` returned a tensor without ``K`` rows, or a different number of tensors.
     """
     validate_multiplicity(multiplicity)
     leaves = batch_tensors(rows, min_ndim=1)
