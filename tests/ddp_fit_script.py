@@ -4,31 +4,18 @@ trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
 ran and the bound each step clipped at (:class:`ClipBoundRecorder`). ``--users``: user-level privacy, the user a
-function of the example (:func:`example_user`), 2 users per rank and micro-batch in expectation. ``--adaptive``:
-adaptive clipping (:data:`ADAPTIVE_OPTIONS`)."""
+function of the example (``helpers.example_user``), 2 users per rank and micro-batch in expectation. ``--adaptive``:
+adaptive clipping (``helpers.ADAPTIVE_OPTIONS``)."""
 
 import argparse
 from pathlib import Path
 
 import torch
-from helpers import ClipBoundRecorder, TinyRegressor, make_trainer
+from helpers import ADAPTIVE_OPTIONS, USER_OPTIONS, ClipBoundRecorder, TinyRegressor, make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dp import DPDDPStrategy, PrivacyAccountantCallback
 from lightning_dp.checks import guard
-
-
-def example_user(example: tuple[torch.Tensor, torch.Tensor]) -> int:
-    """One of 10 users, a function of the example's first input."""
-    return int(abs(float(example[0][0])) * 1000) % 10
-
-
-#: the privacy options of ``--users`` (tests/test_ddp.py trains the same on one process).
-USER_OPTIONS = {"privacy_unit": "user", "user_key": example_user, "examples_per_user": 4}
-#: the privacy options of ``--adaptive``: seeded, and q = 1, so that every step's Poisson sample is the whole data set
-#: on any number of processes (tests/test_ddp.py trains the same on one process and compares the bounds).
-ADAPTIVE_OPTIONS = {"seed": 0, "sample_rate": 1.0, "target_unclipped_quantile": 0.5}
-
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -139,3 +139,39 @@ class ClipBoundRecorder(pl.Callback):
         engine = trainer.strategy.privacy_engine
         self.bounds.append(engine.clipper.max_grad_norm)
         self.noised_at.append(engine.sum_mechanism.max_grad_norm)
+
+
+class CoshModule(pl.LightningModule):
+    """The reproduction as a training run: ``nn.Linear(3, 2)``, loss ``cosh(out).sum(-1)``, example 3 set to 1e3
+    (its float32 loss is inf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(3, 2)
+        x = torch.randn(50, 3)
+        x[3] = 1e3
+        self.data = TensorDataset(x)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return torch.cosh(self.layer(x)).sum(-1)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=10)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+# ---------------------------------------------------- the options of scripts/ddp_fit_script.py (--users, --adaptive)
+def example_user(example: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """One of 10 users, a function of the example's first input."""
+    return int(abs(float(example[0][0])) * 1000) % 10
+
+
+#: the privacy options of ``--users`` (tests/test_ddp.py trains the same on one process).
+USER_OPTIONS = {"privacy_unit": "user", "user_key": example_user, "examples_per_user": 4}
+#: the privacy options of ``--adaptive``: seeded, and q = 1, so that every step's Poisson sample is the whole data set
+#: on any number of processes (tests/test_ddp.py trains the same on one process and compares the bounds).
+ADAPTIVE_OPTIONS = {"seed": 0, "sample_rate": 1.0, "target_unclipped_quantile": 0.5}

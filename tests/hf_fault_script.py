@@ -1,7 +1,7 @@
 """Run by tests/test_hf_faults.py under ``accelerate launch --multi_gpu --num_processes 2``:
 ``hf_fault_script.py OUT [--resume] [--wait-at K --wait-rank R] [--raise-at K --raise-rank R] [--stall-save-at K]``.
 
-DPTrainer trains a tiny GPT-2 (N = 32, per-device batch 4 on 2 ranks: q = 1/4) for MAX_STEPS steps, saving
+DPTrainer trains a tiny GPT-2 (N = 32, per-device batch 4 on 2 ranks: q = 1/4) for FAULT_MAX_STEPS steps, saving
 ``OUT/trainer/checkpoint-STEP`` every 2 steps. Every rank writes its pid to ``OUT/pid{r}``, the checksum of its
 parameters when training starts (after a resume loaded the checkpoint) to ``OUT/start{r}.json``, appends
 ``global_step ledger_steps epsilon`` to ``OUT/curve{r}.txt`` after every step and writes ``OUT/rank{r}.json`` at the
@@ -15,7 +15,6 @@ and writes ``OUT/writing``. ``--resume`` resumes with ``resume_from_checkpoint=T
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -23,20 +22,10 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from hf_helpers import TokenDataset, make_trainer, tiny_gpt2
+from hf_helpers import FAULT_MAX_STEPS, TokenDataset, checksum, make_trainer, tiny_gpt2
 from transformers import TrainerCallback
 
 from lightning_dp.optim import distributed_context
-
-MAX_STEPS = 6
-
-
-def checksum(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _append(path: Path, line: str) -> None:
@@ -94,7 +83,7 @@ def main() -> None:
     (args.out / f"pid{context.rank}").write_text(str(os.getpid()))
     model = tiny_gpt2()
     faults = Faults(args, context.rank, model)
-    overrides = dict(max_steps=MAX_STEPS, save_strategy="steps", save_steps=2, logging_steps=100)
+    overrides = dict(max_steps=FAULT_MAX_STEPS, save_strategy="steps", save_steps=2, logging_steps=100)
     trainer = make_trainer(model, args.out / "trainer", TokenDataset(n=32), args=overrides, callbacks=[faults])
     faults.trainer = trainer
     trainer.train(resume_from_checkpoint=True if args.resume else None)

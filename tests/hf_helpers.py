@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -135,3 +136,24 @@ class LogRecorder(TrainerCallback):
 
 def trainable_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def lora_llama(dtype: torch.dtype = torch.float32):
+    """:func:`tiny_llama` with LoRA adapters (r = 4) on ``q_proj`` and ``v_proj`` (a ``peft.PeftModel``)."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(tiny_llama(dtype), config)
+
+
+#: the steps of a run of ``scripts/hf_fault_script.py``.
+FAULT_MAX_STEPS = 6
+
+
+def checksum(model: torch.nn.Module) -> str:
+    """sha256 of the parameters (names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

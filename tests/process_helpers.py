@@ -1,4 +1,5 @@
-"""Helpers of the tests that start processes: the repository's file list, and a 2-process ``accelerate launch``."""
+"""Helpers of the tests that start processes: the repository's file list, a 2-process ``accelerate launch``, and a
+2-process Lightning run of ``ddp_fit_script.py``."""
 
 from __future__ import annotations
 
@@ -57,3 +58,21 @@ def accelerate_launch(
     )
     assert done.returncode == 0 or not check, done.stdout[-6000:]
     return done
+
+
+def fit_on_two_processes(out: Path, *args: str) -> list[dict]:
+    """Run ``ddp_fit_script.py OUT ARGS`` (Lightning launches the second rank; this checkout first on ``PYTHONPATH``)
+    and load what each rank wrote."""
+    import torch
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MASTER_PORT", None)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("ddp_fit_script.py")), str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

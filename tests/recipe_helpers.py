@@ -61,3 +61,49 @@ def assert_dp_result(result: dict, metric_keys: set[str], target_epsilon: float)
     assert all(math.isfinite(v) for v in result["metrics"].values())
     epsilon = result["privacy"]["epsilon"]
     assert math.isfinite(epsilon) and 0 < epsilon <= target_epsilon * (1 + 1e-6)
+
+
+# ------------------------------------------------------------------- the CIFAR-10 recipe's tiny runs (Lightning CLI)
+#: the CIFAR-10 recipe's offline configuration (the one its tests run, on the test subset).
+CIFAR_CONFIG = ROOT / "configs" / "cifar10_offline.yaml"
+#: the keys of the CIFAR-10 recipe's ``results.json``.
+CIFAR_RESULT_KEYS = {
+    "task",
+    "dp",
+    "metrics",
+    "privacy",
+    "train_size",
+    "eval_size",
+    "steps",
+    "expected_batch",
+    "trainable_params",
+    "train_seconds",
+    "eval_seconds",
+    "world_size",
+    "environment",
+    "arguments",
+    "command",
+}
+
+
+def cifar_tiny_flags(tmp_path: Path, data_flag: str = "--data.init_args.data_dir") -> list[str]:
+    """A few steps on a few images of the test subset (given by ``data_flag``): the docs config's model family at
+    its smallest."""
+    return [
+        f"{data_flag}={TEST_DATA}",
+        "--data.init_args.train_size=64",
+        "--data.init_args.eval_size=40",
+        "--data.init_args.batch_size=16",
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks.init_args.path={tmp_path / 'results.json'}",
+    ]
+
+
+def read_cifar_results(tmp_path: Path) -> dict:
+    """``results.json`` of a :func:`cifar_tiny_flags` run, checked for its keys, accuracy range and sizes."""
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result) == CIFAR_RESULT_KEYS
+    assert 0.0 <= result["metrics"]["accuracy"] <= 100.0
+    assert result["train_size"] == 64 and result["eval_size"] == 40 and result["steps"] == 2
+    return result

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
+from clipping_helpers import ENGINES, check_against_oracle, rand, randomise
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.clipping.swaps.attention import DPMultiheadAttention
-from tests.test_clipping import ENGINES, check_against_oracle, rand, randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 

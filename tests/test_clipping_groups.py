@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from test_clipping import rand, randomise, sin_loss
+from clipping_helpers import PER_LAYER, VOCAB, TiedModel, expected_sum, group_norms, rand, randomise, sin_loss
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -19,27 +19,9 @@ from lightning_dp.clipping.groups import resolve_clipping_groups, sensitivity
 from lightning_dp.optim.momentum import PerSampleMomentum, momentum_weights
 
 ENGINES = ("flat", "ghost", "fgc", "mixed")
-VOCAB, DIM, SEQ, BATCH = 7, 5, 4, 6
+SEQ, BATCH = 4, 6
 
 
-class TiedModel(nn.Module):
-    """Embedding -> Conv1d -> LayerNorm -> Linear head whose weight is the embedding's (one parameter, two names)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.conv = nn.Conv1d(DIM, DIM, 3, padding=1)
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB)
-        self.head.weight = self.emb.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.conv(self.emb(ids).transpose(1, 2)).transpose(1, 2).tanh()
-        return self.head(self.norm(h))
-
-
-#: the group of each parameter (``named_parameters()`` names) under each spec, written out by hand.
-PER_LAYER = {"emb.weight": 0, "conv.weight": 1, "conv.bias": 1, "norm.weight": 2, "norm.bias": 2, "head.bias": 3}
 PATTERNS = [["emb.*", "head.*"], ["conv.*"], ["norm.*"]]
 BY_PATTERNS = {"emb.weight": 0, "head.bias": 0, "conv.weight": 1, "conv.bias": 1, "norm.weight": 2, "norm.bias": 2}
 
@@ -68,23 +50,6 @@ def _oracle(model: nn.Module, params: dict[str, torch.Tensor], ids, targets) -> 
     return vmap(grad(one), in_dims=(None, 0, 0))(params, ids, targets)
 
 
-def _group_norms(grads: dict[str, torch.Tensor], group_of: dict[str, int]) -> torch.Tensor:
-    """``[G, B]`` the norm of each group's part of each per-sample gradient."""
-    count = 1 + max(group_of.values())
-    return torch.stack(
-        [torch.cat([g.flatten(1) for n, g in grads.items() if group_of[n] == k], 1).norm(dim=1) for k in range(count)]
-    )
-
-
-def _expected_sum(grads, group_of, bounds, keep=None) -> dict[str, torch.Tensor]:
-    """``sum_i c_gi g_i`` per parameter, ``c_gi = min(1, C_g / (n_gi + 1e-6))`` (zero for a sample not kept)."""
-    norms = _group_norms(grads, group_of)
-    factors = torch.stack([(bound / (n + 1e-6)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
-    if keep is not None:
-        factors = factors * keep
-    return {n: torch.einsum("b,b...->...", factors[group_of[n]], g.nan_to_num()) for n, g in grads.items()}
-
-
 def _bounds_that_clip_about_half(norms: torch.Tensor) -> list[float]:
     return [float(n.median()) for n in norms]
 
@@ -100,7 +65,7 @@ def test_group_clipped_sum_matches_oracle(engine, spec, group_of, list_bounds) -
     parameter, clipped in the group of its first owner (per_layer) or of the group matching its names."""
     model, (ids, targets) = _model(), _batch()
     grads = _oracle(model, {n: p.detach() for n, p in model.named_parameters()}, ids, targets)
-    norms = _group_norms(grads, group_of)
+    norms = group_norms(grads, group_of)
     groups = len(norms)
     if list_bounds:
         bounds = _bounds_that_clip_about_half(norms)
@@ -120,7 +85,7 @@ def test_group_clipped_sum_matches_oracle(engine, spec, group_of, list_bounds) -
     assert all(p.grad is None for p in model.parameters())
 
     clipper.backward(_loss(model, ids, targets))
-    expected = _expected_sum(grads, group_of, bounds)
+    expected = expected_sum(grads, group_of, bounds)
     clipped = (clipper.last_group_norms > torch.tensor(bounds, dtype=torch.float64)[:, None]).any(0)
     assert 0 < int(clipped.sum()) and torch.equal(clipper.clipped_samples(returned), clipped)
     for name, param in model.named_parameters():
@@ -155,7 +120,7 @@ def test_group_clipped_per_sample_momentum_matches_oracle(engine) -> None:
     weights = momentum_weights(2, 0.7)
     per_iterate = [_oracle(model, state, ids, targets) for state in reversed(states)]  # newest first
     grads = {n: sum(w * g[n] for w, g in zip(weights, per_iterate, strict=True)) for n in params}
-    bounds = _bounds_that_clip_about_half(_group_norms(grads, PER_LAYER))
+    bounds = _bounds_that_clip_about_half(group_norms(grads, PER_LAYER))
     clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=bounds, clipping_groups="per_layer")
     momentum = PerSampleMomentum(3, 0.7)
     momentum.bind(clipper)
@@ -167,7 +132,7 @@ def test_group_clipped_per_sample_momentum_matches_oracle(engine) -> None:
     current = states[-1]
     momentum.add_past_iterates(clipper, lambda: _loss(model, ids, targets))
     clipper.backward(_loss(model, ids, targets), weight=momentum.current_weight)
-    expected = _expected_sum(grads, PER_LAYER, bounds)
+    expected = expected_sum(grads, PER_LAYER, bounds)
     for name, param in params.items():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
         assert torch.equal(param.detach(), current[name])
@@ -187,11 +152,11 @@ def test_a_non_finite_sample_is_dropped_and_the_others_clipped_per_group(engine)
     group_of = {"0.weight": 0, "0.bias": 0, "2.weight": 1, "2.bias": 1}
     keep = torch.tensor([True, True, False, True, True, True])
     finite = {n: g[keep] for n, g in grads.items()}
-    bounds = _bounds_that_clip_about_half(_group_norms(finite, group_of))
+    bounds = _bounds_that_clip_about_half(group_norms(finite, group_of))
     clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=bounds, clipping_groups="per_layer")
     norms = clipper.backward(sin_loss(model, (x,)))
     assert not math.isfinite(norms[2]) and clipper.dropped_nonfinite
-    expected = _expected_sum(finite, group_of, bounds)
+    expected = expected_sum(finite, group_of, bounds)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
 
@@ -288,11 +253,11 @@ def test_groups_of_a_swapped_attention_are_those_of_its_own_parameter_names(engi
 
     grads = vmap(grad(one), in_dims=(None, 0))(params, x)
     group_of = {"attn.in_proj_weight": 0, "attn.in_proj_bias": 0, "attn.out_proj.weight": 1, "attn.out_proj.bias": 1}
-    bounds = _bounds_that_clip_about_half(_group_norms(grads, group_of))
+    bounds = _bounds_that_clip_about_half(group_norms(grads, group_of))
     clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=bounds, clipping_groups="per_layer")
     assert clipper.groups.labels == ("attn", "attn.out_proj")
     clipper.backward(sin_loss(model, (x,)))
-    expected = _expected_sum(grads, group_of, bounds)
+    expected = expected_sum(grads, group_of, bounds)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name], rtol=1e-9, atol=1e-12, msg=name)
     clipper.detach()

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from clipping_helpers import ENGINES, check_against_oracle, rand, randomise
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
-from tests.test_clipping import ENGINES, check_against_oracle, rand, randomise
 
 B = 3
 

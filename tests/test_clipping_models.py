@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from clipping_helpers import Forward, LossFn, check_against_oracle, lm_loss, randomise
 from torch import nn
 from torch.func import functional_call, grad
-
-from tests.test_clipping import Forward, LossFn, check_against_oracle, lm_loss, randomise
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
 

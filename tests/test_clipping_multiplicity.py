@@ -14,8 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from test_clipping import randomise
-from test_clipping_groups import PER_LAYER, TiedModel, _expected_sum, _group_norms
+from clipping_helpers import PER_LAYER, TiedModel, expected_sum, group_norms, randomise
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -123,11 +122,11 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _clipped(grads: dict[str, torch.Tensor], bound: float) -> dict[str, torch.Tensor]:
-    return _expected_sum(grads, dict.fromkeys(grads, 0), [bound])
+    return expected_sum(grads, dict.fromkeys(grads, 0), [bound])
 
 
 def _norms(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    return _group_norms(grads, dict.fromkeys(grads, 0))[0]
+    return group_norms(grads, dict.fromkeys(grads, 0))[0]
 
 
 @pytest.mark.parametrize("engine", EXACT)
@@ -212,13 +211,13 @@ def test_multiplicity_one_is_the_clipper_of_before_bit_for_bit(engine: str) -> N
 def test_clipping_groups_clip_each_group_of_the_averaged_gradient(engine: str) -> None:
     model, x, y, loss = _setup("tied_embedding")
     grads = _oracle(model, _params(model), x, y, loss)
-    bounds = [float(n.median()) for n in _group_norms(grads, PER_LAYER)]
+    bounds = [float(n.median()) for n in group_norms(grads, PER_LAYER)]
     clipper = PerSampleClipper(
         model, clipping=engine, max_grad_norm=bounds, clipping_groups="per_layer", augmentation_multiplicity=K
     )
     clipper.backward(_example_losses(model, x, y, loss))
-    torch.testing.assert_close(clipper.last_group_norms, _group_norms(grads, PER_LAYER), rtol=1e-9, atol=1e-12)
-    expected = _expected_sum(grads, PER_LAYER, bounds)
+    torch.testing.assert_close(clipper.last_group_norms, group_norms(grads, PER_LAYER), rtol=1e-9, atol=1e-12)
+    expected = expected_sum(grads, PER_LAYER, bounds)
     for param_name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[param_name], rtol=1e-9, atol=1e-12, msg=param_name)
 
@@ -263,7 +262,7 @@ def test_a_non_finite_copy_drops_its_example_only(engine: str) -> None:
     clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=bound, augmentation_multiplicity=K)
     norms = clipper.backward(_example_losses(model, x, y, loss))
     assert not math.isfinite(norms[2]) and clipper.dropped_nonfinite and bool(finite_rows.sum() == (B - 1) * K)
-    expected = _expected_sum(grads, dict.fromkeys(grads, 0), [bound], keep=keep)
+    expected = expected_sum(grads, dict.fromkeys(grads, 0), [bound], keep=keep)
     for param_name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[param_name], rtol=1e-9, atol=1e-12, msg=param_name)
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from clipping_helpers import IDS, TiedLM, oracle_grads, oracle_norms, rand, randomise, sin_loss
 from sklearn.datasets import load_digits
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.optim import DPRandomness
-from tests.test_clipping import IDS, TiedLM, oracle_grads, oracle_norms, rand, randomise, sin_loss
 
 RANDOMIZED = ("hutch", "hutchpp")
 

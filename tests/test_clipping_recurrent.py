@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from clipping_helpers import ENGINES, LossFn, check_against_oracle, rand, randomise, sin_loss
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.swaps.recurrent import DPGRU, DPLSTM, DPRNN
-from tests.test_clipping import ENGINES, LossFn, check_against_oracle, rand, randomise, sin_loss
 
 B, T, D_IN, H = 3, 5, 4, 5
 LENGTHS = torch.tensor([5, 2, 4])

@@ -11,9 +11,6 @@ sharded Poisson sampler and the argument checks.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import ClipBoundRecorder, TinyRegressor, make_trainer
-from process_helpers import free_port
+from process_helpers import fit_on_two_processes, free_port
 from torch import nn
 
 from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyEngine
@@ -163,25 +160,9 @@ def test_noise_is_one_draw_identical_on_every_rank(spawned, name):
 
 
 # ------------------------------------------------------------------------------------------- Lightning
-def _fit_on_two_processes(out: Path, *args: str) -> list[dict]:
-    """Run ddp_fit_script.py (Lightning launches the second rank) and load what each rank wrote."""
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_fit_script.py")), str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def lightning_ranks(tmp_path_factory) -> list[dict]:
-    return _fit_on_two_processes(tmp_path_factory.mktemp("ddp_lightning"))
+    return fit_on_two_processes(tmp_path_factory.mktemp("ddp_lightning"))
 
 
 def test_lightning_ddp_trains_two_identical_ranks(lightning_ranks):
@@ -198,7 +179,7 @@ def test_lightning_ddp_trains_two_identical_ranks(lightning_ranks):
 def test_lightning_ddp_periodic_independence_check_runs_on_the_same_steps_on_every_rank(tmp_path):
     """Every rank arms the same optimizer steps (the step count, not its local batch, decides) and checks its own
     examples there, without a collective; the ranks stay bit-identical."""
-    a, b = _fit_on_two_processes(tmp_path, "--independence-every", "2", "--seed", "0")  # seeded: no batch below 2
+    a, b = fit_on_two_processes(tmp_path, "--independence-every", "2", "--seed", "0")  # seeded: no batch below 2
     expected = {"gradient": [0, 2, 4], "leave_half_out": [0, 2, 4]}
     assert a["checked_steps"] == b["checked_steps"] == expected
     assert a["steps"] == b["steps"] == 6
@@ -219,9 +200,9 @@ def test_lightning_ddp_epsilon_equals_single_process(lightning_ranks):
 def test_lightning_ddp_user_level_equals_single_process_accounting(tmp_path):
     """privacy_unit='user' on two processes: every rank regroups the same users and samples its shard of them; the
     ranks stay identical and the accounting is the single process's, over users (q = 2 x 2 / 10 users)."""
-    from ddp_fit_script import USER_OPTIONS
+    from helpers import USER_OPTIONS
 
-    a, b = _fit_on_two_processes(tmp_path, "--users", "--seed", "0")
+    a, b = fit_on_two_processes(tmp_path, "--users", "--seed", "0")
     assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
     assert any(not torch.equal(p, start) for p, start in zip(a["params"], a["initial"], strict=True))
     assert a["num_samples"] == 10 and a["sample_rate"] == pytest.approx(2 * WORLD / 10)
@@ -238,9 +219,9 @@ def test_lightning_ddp_adaptive_clipping_equals_single_process(tmp_path):
     """Adaptive clipping on two processes: the ranks' counts of unclipped examples are summed and noised once, so
     with the same seed every step clips at the single process's bound and the parameters follow it (q = 1: each
     step's sample is all 64 examples, split between the ranks)."""
-    from ddp_fit_script import ADAPTIVE_OPTIONS
+    from helpers import ADAPTIVE_OPTIONS
 
-    ranks = _fit_on_two_processes(tmp_path, "--adaptive")
+    ranks = fit_on_two_processes(tmp_path, "--adaptive")
     single = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, **ADAPTIVE_OPTIONS)
     recorder = ClipBoundRecorder()
     torch.manual_seed(0)
@@ -257,9 +238,9 @@ def test_lightning_ddp_adaptive_clipping_equals_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_lightning_ddp_resume_continues_the_epsilon_curve(tmp_path):
-    first = _fit_on_two_processes(tmp_path, "--max-epochs", "1")
+    first = fit_on_two_processes(tmp_path, "--max-epochs", "1")
     (ckpt,) = (tmp_path / "ckpt").iterdir()
-    resumed = _fit_on_two_processes(tmp_path, "--max-epochs", "2", "--resume", str(ckpt))
+    resumed = fit_on_two_processes(tmp_path, "--max-epochs", "2", "--resume", str(ckpt))
     steps_per_epoch = math.ceil(64 / (8 * WORLD))
     assert first[0]["steps"] == steps_per_epoch and [r["steps"] for r in resumed] == [2 * steps_per_epoch] * 2
     assert resumed[0]["epsilon"] == resumed[1]["epsilon"] > first[0]["epsilon"]

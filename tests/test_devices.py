@@ -12,10 +12,9 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import TinyRegressor, ZeroGradModule, make_trainer
+from clipping_helpers import oracle_grads, oracle_norms, sin_loss
+from helpers import CoshModule, TinyRegressor, ZeroGradModule, make_trainer
 from scipy import stats
-from test_clipping import oracle_grads, oracle_norms, sin_loss
-from test_nonfinite import CoshModule
 from torch import nn
 
 import lightning_dp.optim.dp_optimizer as dp_optimizer

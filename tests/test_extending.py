@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from clipping_helpers import ENGINES as CLIPPING_ENGINES
+from clipping_helpers import check_against_oracle, lm_loss, rand, randomise
 from helpers import TinyRegressor, make_trainer
 from hf_helpers import make_trainer as make_hf_trainer
 from hf_helpers import tiny_gpt2, trainable_snapshot
@@ -33,8 +35,6 @@ from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, mater
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, calibrate_result, register_mechanism
 from lightning_dp.mechanisms.calibration import RTOL
-from tests.test_clipping import ENGINES as CLIPPING_ENGINES
-from tests.test_clipping import check_against_oracle, lm_loss, rand, randomise
 
 DELTA = 1e-3
 

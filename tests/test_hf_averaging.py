@@ -272,7 +272,7 @@ def test_bad_decay_fails_at_construction(decay, error) -> None:
 
 def test_lora_averages_only_the_adapters(tmp_path) -> None:
     pytest.importorskip("peft")
-    from test_hf_peft import lora_llama
+    from hf_helpers import lora_llama
 
     decay, model = 0.5, lora_llama()
     frozen = {name: p for name, p in model.named_parameters() if not p.requires_grad}

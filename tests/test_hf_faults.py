@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import STOP_WITHIN, job_end, wait_until
-from hf_fault_script import MAX_STEPS, checksum
+from hf_helpers import FAULT_MAX_STEPS, checksum
 from process_helpers import free_port
 
 from lightning_dp.accounting import make_accountant
@@ -79,11 +79,11 @@ def _check_resume(out: Path, first_steps: int) -> None:
         assert (start["global_step"], start["steps"]) == (first_steps, first_steps)
         assert start["params"] == expected_start  # parameters at resume == the checkpoint's, on every rank
         end = json.loads((out / f"rank{rank}.json").read_text())
-        assert end["global_step"] == end["steps"] == MAX_STEPS
-        assert end["state"]["accountant"] == _ledger_epsilon(saved, MAX_STEPS)[0]
+        assert end["global_step"] == end["steps"] == FAULT_MAX_STEPS
+        assert end["state"]["accountant"] == _ledger_epsilon(saved, FAULT_MAX_STEPS)[0]
         ends.append(end["params"])
         resumed = [line.split() for line in _curve(out, rank)]
-        assert [int(step) for step, _, _ in resumed] == list(range(first_steps + 1, MAX_STEPS + 1))
+        assert [int(step) for step, _, _ in resumed] == list(range(first_steps + 1, FAULT_MAX_STEPS + 1))
         for step, ledger_steps, epsilon in resumed:
             assert int(ledger_steps) == int(step)
             assert float(epsilon) == pytest.approx(_ledger_epsilon(saved, int(step))[1], rel=1e-9)

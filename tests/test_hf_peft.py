@@ -8,18 +8,13 @@ import pytest
 peft = pytest.importorskip("peft")
 
 import torch  # noqa: E402
-from hf_helpers import TokenDataset, make_trainer, tiny_llama, trainable_snapshot  # noqa: E402
-from test_clipping import oracle_grads, oracle_norms  # noqa: E402
+from clipping_helpers import oracle_grads, oracle_norms  # noqa: E402
+from hf_helpers import TokenDataset, lora_llama, make_trainer, tiny_llama, trainable_snapshot  # noqa: E402
 
 from lightning_dp.clipping import PerSampleClipper  # noqa: E402
 from lightning_dp.hf.losses import token_cross_entropy  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-
-
-def lora_llama(dtype: torch.dtype = torch.float32) -> peft.PeftModel:
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    return peft.get_peft_model(tiny_llama(dtype), config)
 
 
 def test_lora_adapters_move_frozen_weights_do_not(tmp_path) -> None:

@@ -15,7 +15,9 @@ import math
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import make_trainer
+from clipping_helpers import FunctionalReuse, TiedLM, randomise
+from helpers import CoshModule, make_trainer
+from process_helpers import fit_on_two_processes
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,8 +27,6 @@ from lightning_dp.checks.leave_half_out import check_leave_half_out
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
-from tests.test_clipping import FunctionalReuse, TiedLM, randomise
-from tests.test_ddp import _fit_on_two_processes
 
 ENGINES = ("flat", "ghost", "fgc", "mixed", "hutch", "hutchpp")
 POISONED = 2
@@ -151,29 +151,6 @@ def test_sum_check_is_postponed_past_a_nonfinite_batch() -> None:
 
 
 # ----------------------------------------------------------------------------------------- whole runs
-class CoshModule(pl.LightningModule):
-    """The reproduction as a training run: ``nn.Linear(3, 2)``, loss ``cosh(out).sum(-1)``, example 3 set to 1e3
-    (its float32 loss is inf)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layer = nn.Linear(3, 2)
-        x = torch.randn(50, 3)
-        x[3] = 1e3
-        self.data = TensorDataset(x)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        return torch.cosh(self.layer(x)).sum(-1)
-
-    def train_dataloader(self):
-        return DataLoader(self.data, batch_size=10)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
 def test_strategy_run_stays_finite_and_reports_once(caplog) -> None:
     """sigma = 1, q = 0.2: the run samples the overflowing example, stays finite, and says so once at the end."""
     module = CoshModule()
@@ -187,7 +164,7 @@ def test_strategy_run_stays_finite_and_reports_once(caplog) -> None:
 
 def test_two_processes_stay_finite_and_identical(tmp_path) -> None:
     """DPDDPStrategy on 2 processes, example 3 NaN, q = 0.5 over 6 steps: the rank that draws it drops it."""
-    ranks = _fit_on_two_processes(tmp_path, "--poison")
+    ranks = fit_on_two_processes(tmp_path, "--poison")
     assert any(rank["dropped_nonfinite"] for rank in ranks)
     for p, q, start in zip(ranks[0]["params"], ranks[1]["params"], ranks[0]["initial"], strict=True):
         assert torch.isfinite(p).all() and torch.equal(p, q) and not torch.equal(p, start)

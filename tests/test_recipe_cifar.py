@@ -13,7 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from recipe_helpers import FULL_DATA, ROOT, TEST_DATA, needs_full_data, script_env
+from recipe_helpers import (
+    CIFAR_CONFIG,
+    CIFAR_RESULT_KEYS,
+    FULL_DATA,
+    ROOT,
+    TEST_DATA,
+    cifar_tiny_flags,
+    needs_full_data,
+    read_cifar_results,
+    script_env,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,60 +40,20 @@ from lightning_dp.recipes.cifar import (
 from lightning_dp.recipes.cifar_data import TEST_FILE, TRAIN_FILE, standardise
 from lightning_dp.recipes.wide_resnet import WideResNet
 
-CONFIG = ROOT / "configs" / "cifar10_offline.yaml"
 HUB_CONFIG = ROOT / "configs" / "cifar10_hub.yaml"
 FULL_FILES = (f"cifar10/{TRAIN_FILE}", f"cifar10/{TEST_FILE}")
-KEYS = {
-    "task",
-    "dp",
-    "metrics",
-    "privacy",
-    "train_size",
-    "eval_size",
-    "steps",
-    "expected_batch",
-    "trainable_params",
-    "train_seconds",
-    "eval_seconds",
-    "world_size",
-    "environment",
-    "arguments",
-    "command",
-}
-
-
-def tiny_flags(tmp_path: Path, data_flag: str = "--data.init_args.data_dir") -> list[str]:
-    """A few steps on a few images of the test subset (given by ``data_flag``): the docs config's model family at
-    its smallest."""
-    return [
-        f"{data_flag}={TEST_DATA}",
-        "--data.init_args.train_size=64",
-        "--data.init_args.eval_size=40",
-        "--data.init_args.batch_size=16",
-        "--trainer.max_steps=2",
-        f"--trainer.default_root_dir={tmp_path}",
-        f"--trainer.callbacks.init_args.path={tmp_path / 'results.json'}",
-    ]
-
-
-def read_results(tmp_path: Path) -> dict:
-    result = json.loads((tmp_path / "results.json").read_text())
-    assert set(result) == KEYS
-    assert 0.0 <= result["metrics"]["accuracy"] <= 100.0
-    assert result["train_size"] == 64 and result["eval_size"] == 40 and result["steps"] == 2
-    return result
 
 
 # ------------------------------------------------------------------------------------------------- entry points
 def test_script_smoke(tmp_path: Path) -> None:
     """``python recipes/cifar.py --config configs/cifar10_offline.yaml --data_dir=ROOT``: DP by default, a finite
     epsilon within budget; the start-up block once, and a progress line at the last step."""
-    flags = tiny_flags(tmp_path, data_flag="--data_dir")
-    command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CONFIG), *flags]
+    flags = cifar_tiny_flags(tmp_path, data_flag="--data_dir")
+    command = [sys.executable, str(ROOT / "recipes" / "cifar.py"), "--config", str(CIFAR_CONFIG), *flags]
     done = subprocess.run(command, cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("DP training start-up:") == 1 and "step 2/2: loss " in done.stderr, done.stderr
-    result = read_results(tmp_path)
+    result = read_cifar_results(tmp_path)
     assert result["dp"] is True and result["expected_batch"] == 16 and result["world_size"] == 1
     privacy = result["privacy"]
     assert privacy["noise"] == "gaussian" and "num_params" not in privacy
@@ -99,8 +69,8 @@ def test_lightning_dp_fit_runs_the_same(tmp_path: Path) -> None:
     runs = []
     for name, entry in (("fit", lambda a: cli_main(["fit", *a])), ("recipe", main)):
         out = tmp_path / name
-        assert entry(["--config", str(CONFIG), *tiny_flags(out)]) == 0
-        runs.append(read_results(out))
+        assert entry(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(out)]) == 0
+        runs.append(read_cifar_results(out))
     fit, recipe = runs
     assert fit["metrics"] == recipe["metrics"]
     assert fit["privacy"] == recipe["privacy"]
@@ -123,8 +93,8 @@ def test_same_seed_same_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     results = []
     for name in ("first", "second"):
         torch.rand(7)  # whatever ran before: the recipe must not depend on it
-        assert main(["--config", str(CONFIG), *tiny_flags(tmp_path / name)]) == 0
-        results.append(read_results(tmp_path / name))
+        assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path / name)]) == 0
+        results.append(read_cifar_results(tmp_path / name))
     assert results[0]["metrics"] == results[1]["metrics"] and results[0]["privacy"] == results[1]["privacy"]
     first, second = (dict(model.named_parameters()) for model in models)
     assert first.keys() == second.keys()
@@ -136,9 +106,9 @@ def test_same_seed_same_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_variant_flags(tmp_path: Path, variant: str) -> None:
     """The flags of bench/recipes.py's documented runs: no DP at all, or the named mechanism and budget."""
     flags = variant_flags(variant, str(tmp_path / "variant.json"))
-    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *flags]) == 0
+    assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path), *flags]) == 0
     result = json.loads((tmp_path / "variant.json").read_text())
-    assert set(result) == KEYS
+    assert set(result) == CIFAR_RESULT_KEYS
     if variant == "non-private":
         assert result["dp"] is False and result["privacy"] is None
     else:
@@ -171,7 +141,7 @@ def test_accuracy_on_hand_made_predictions() -> None:
 
 # --------------------------------------------------------------------------------------------------- bad input
 def test_unknown_data_source_is_one_error_line(capsys: pytest.CaptureFixture) -> None:
-    assert main(["--config", str(CONFIG), "--data.init_args.data_source=ftp"]) == 2
+    assert main(["--config", str(CIFAR_CONFIG), "--data.init_args.data_source=ftp"]) == 2
     assert "data_source must be 'local' or 'hub', got 'ftp'" in capsys.readouterr().err
 
 
@@ -186,7 +156,7 @@ def test_missing_local_data(tmp_path: Path) -> None:
 def test_missing_local_data_is_one_error_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.delenv("LIGHTNING_DP_DATA", raising=False)
     flags = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}"]
-    assert main(["--config", str(CONFIG), *flags]) == 2
+    assert main(["--config", str(CIFAR_CONFIG), *flags]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("lightning-dp fit: error: no local data for cifar10: ")
     assert "--data_dir ROOT" in line and "LIGHTNING_DP_DATA=ROOT" in line and "configs/cifar10_hub.yaml" in line
@@ -233,7 +203,7 @@ def test_wide_resnet_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_batchnorm_is_rejected_under_dp(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), "--model.init_args.norm=batch"]) == 2
+    assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path), "--model.init_args.norm=batch"]) == 2
     assert "mixes samples through batch statistics" in capsys.readouterr().err
 
 
@@ -249,8 +219,8 @@ def test_wide_resnet_16_4_shape_and_size() -> None:
 
 def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
     vit = ["--model=lightning_dp.recipes.cifar.ViTClassifier", "--model.init_args.tiny=true"]
-    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *vit]) == 0
-    result = read_results(tmp_path)
+    assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path), *vit]) == 0
+    result = read_cifar_results(tmp_path)
     assert result["arguments"]["model"]["class_path"].endswith("ViTClassifier")
     assert math.isfinite(result["privacy"]["epsilon"])
 
@@ -258,9 +228,9 @@ def test_vit_option_runs_on_a_tiny_config(tmp_path: Path) -> None:
 def test_weight_standardised_wide_resnet_trains_under_dp(tmp_path: Path) -> None:
     """``--model.init_args.weight_standardisation=true`` (the hub config's, De et al.'s WSConv2D): every convolution
     standardised, trained under DPStrategy with its ``gain`` parameters clipped and noised like the rest."""
-    flags = [*tiny_flags(tmp_path), "--model.init_args.weight_standardisation=true"]
-    assert main(["--config", str(CONFIG), *flags]) == 0
-    result = read_results(tmp_path)
+    flags = [*cifar_tiny_flags(tmp_path), "--model.init_args.weight_standardisation=true"]
+    assert main(["--config", str(CIFAR_CONFIG), *flags]) == 0
+    result = read_cifar_results(tmp_path)
     assert result["arguments"]["model"]["init_args"]["weight_standardisation"] is True
     plain = WideResNet(depth=10, width=1)
     gains = sum(m.out_channels for m in plain.modules() if isinstance(m, nn.Conv2d))
@@ -272,8 +242,8 @@ def test_ema_of_the_hub_config_runs_under_dp(tmp_path: Path) -> None:
     """The hub config's EMAWeightAveraging (De et al.'s parameter averaging) trains under DPStrategy; the results
     are those of the averaged weights, evaluated after the callback copies them into the model."""
     ema = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.decay=0.5"]
-    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *ema]) == 0
-    assert math.isfinite(read_results(tmp_path)["privacy"]["epsilon"])
+    assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path), *ema]) == 0
+    assert math.isfinite(read_cifar_results(tmp_path)["privacy"]["epsilon"])
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
@@ -315,7 +285,7 @@ def test_docs_config(tmp_path: Path) -> None:
     chance accuracy."""
     flags = [f"--data_dir={FULL_DATA}", f"--trainer.default_root_dir={tmp_path}"]
     flags.append(f"--trainer.callbacks.init_args.path={tmp_path / 'r.json'}")
-    assert main(["--config", str(CONFIG), *flags]) == 0
+    assert main(["--config", str(CIFAR_CONFIG), *flags]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
     assert result["metrics"]["accuracy"] > 15.0  # chance is 10%

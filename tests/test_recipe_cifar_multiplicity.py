@@ -11,8 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from recipe_helpers import TEST_DATA
-from test_recipe_cifar import CONFIG, read_results, tiny_flags
+from recipe_helpers import CIFAR_CONFIG, TEST_DATA, cifar_tiny_flags, read_cifar_results
 
 from lightning_dp import DPStrategy
 from lightning_dp.recipes.cifar import CifarDataModule, WideResNetClassifier, main
@@ -29,8 +28,8 @@ def test_two_copies_per_example_run_and_reproduce(tmp_path: Path) -> None:
     run with the same seeds gives the same numbers (the copies' crops and flips come from seeded generators)."""
     results = []
     for name in ("first", "second"):
-        assert main(["--config", str(CONFIG), *tiny_flags(tmp_path / name), *TWO_COPIES]) == 0
-        results.append(read_results(tmp_path / name))
+        assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path / name), *TWO_COPIES]) == 0
+        results.append(read_cifar_results(tmp_path / name))
     first, second = results
     assert first["privacy"]["augmentation_multiplicity"] == 2 and 0 < first["privacy"]["epsilon"] <= 3.0 + 1e-6
     assert first["arguments"]["model"]["init_args"]["augmentation_multiplicity"] == 2
@@ -38,8 +37,8 @@ def test_two_copies_per_example_run_and_reproduce(tmp_path: Path) -> None:
 
 
 def test_model_and_strategy_disagreeing_on_k_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    flags = [*tiny_flags(tmp_path), "--model.init_args.augmentation_multiplicity=2"]
-    assert main(["--config", str(CONFIG), *flags]) != 0
+    flags = [*cifar_tiny_flags(tmp_path), "--model.init_args.augmentation_multiplicity=2"]
+    assert main(["--config", str(CIFAR_CONFIG), *flags]) != 0
     assert "the model makes 2 augmented copies per example but the DP strategy expects" in capsys.readouterr().err
 
 
@@ -49,8 +48,8 @@ def test_k_one_is_the_recipe_of_before(tmp_path: Path) -> None:
     of a 3-step run against the commit before it)."""
     results = []
     for name, extra in (("default", []), ("explicit", ["--model.init_args.augmentation_multiplicity=1"])):
-        assert main(["--config", str(CONFIG), *tiny_flags(tmp_path / name), *extra]) == 0
-        results.append(read_results(tmp_path / name))
+        assert main(["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path / name), *extra]) == 0
+        results.append(read_cifar_results(tmp_path / name))
     assert results[0]["metrics"] == results[1]["metrics"] and results[0]["privacy"] == results[1]["privacy"]
     assert "augmentation_multiplicity" not in results[0]["privacy"]
 
@@ -111,7 +110,12 @@ def test_augment_false_with_copies_is_refused(tmp_path: Path, capsys: pytest.Cap
         WideResNetClassifier(depth=10, width=1, augmentation_multiplicity=4, augment=False)
     assert not WideResNetClassifier(depth=10, width=1, augment=False).augments
     assert WideResNetClassifier(depth=10, width=1, augmentation_multiplicity=2).augments  # None: iff K > 1
-    assert main(["--config", str(CONFIG), *tiny_flags(tmp_path), *TWO_COPIES, "--model.init_args.augment=false"]) != 0
+    assert (
+        main(
+            ["--config", str(CIFAR_CONFIG), *cifar_tiny_flags(tmp_path), *TWO_COPIES, "--model.init_args.augment=false"]
+        )
+        != 0
+    )
     assert "augment=False with augmentation_multiplicity=2" in capsys.readouterr().err
 
 

@@ -8,12 +8,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-
-from lightning_dp import WSConv2d
-from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
-from lightning_dp.recipes.wide_resnet import WideResNet
-from tests.test_clipping import (
+from clipping_helpers import (
     ENGINES,
     check_against_oracle,
     oracle_grads,
@@ -22,6 +17,11 @@ from tests.test_clipping import (
     randomise,
     sin_loss,
 )
+from torch import nn
+
+from lightning_dp import WSConv2d
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+from lightning_dp.recipes.wide_resnet import WideResNet
 
 B = 3
 
