@@ -3,8 +3,8 @@
 Usage: ``python bench/cli_startup.py [--repeats 5]``. Each call runs ``--repeats`` times; the table shows the
 fastest and the median run (on a shared machine the fastest is the one least disturbed by the neighbours) next to
 the target, with ``import torch`` as the yardstick. The calls go through ``lightning_dp.cli.main:main`` as the
-``lightning-dp`` console script does, without its launcher. ``tests/test_lazy_imports.py`` checks the imports that
-keep these low.
+``lightning-dp`` console script does, without its launcher. ``tests/structure/test_lazy_imports.py`` checks the imports
+that keep these low.
 """
 
 from __future__ import annotations

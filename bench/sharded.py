@@ -101,7 +101,7 @@ def build_model(seq_len: int, device: torch.device) -> torch.nn.Module:
 
 
 def shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """``fully_shard`` on each decoder layer, then on the root (as tests/test_fsdp.py)."""
+    """``fully_shard`` on each decoder layer, then on the root (as tests/engine/test_fsdp.py)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:

@@ -1,6 +1,6 @@
 """Registry of rejected inputs: each case builds one bad configuration and names the message it must
-fail with. ``tests/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases and
-writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
+fail with. ``tests/config/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases
+and writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
 
 Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
 ``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``

@@ -170,8 +170,8 @@ def example_user(example: tuple[torch.Tensor, torch.Tensor]) -> int:
     return int(abs(float(example[0][0])) * 1000) % 10
 
 
-#: the privacy options of ``--users`` (tests/test_ddp.py trains the same on one process).
+#: the privacy options of ``--users`` (tests/engine/test_ddp.py trains the same on one process).
 USER_OPTIONS = {"privacy_unit": "user", "user_key": example_user, "examples_per_user": 4}
 #: the privacy options of ``--adaptive``: seeded, and q = 1, so that every step's Poisson sample is the whole data set
-#: on any number of processes (tests/test_ddp.py trains the same on one process and compares the bounds).
+#: on any number of processes (tests/engine/test_ddp.py trains the same on one process and compares the bounds).
 ADAPTIVE_OPTIONS = {"seed": 0, "sample_rate": 1.0, "target_unclipped_quantile": 0.5}

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the scripts the tests launch in subprocesses (each puts ``tests/`` on ``sys.path`` for the shared helpers).
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 #: the accelerate config file users launch 2 processes with (gloo on a machine without GPUs).
 TWO_PROCESSES = ROOT / "configs" / "accelerate" / "ddp_2_processes.yaml"
 
@@ -68,7 +70,7 @@ def fit_on_two_processes(out: Path, *args: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("MASTER_PORT", None)
     done = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_fit_script.py")), str(out), *args],
+        [sys.executable, str(SCRIPTS / "ddp_fit_script.py"), str(out), *args],
         env=env,
         capture_output=True,
         text=True,

@@ -19,7 +19,7 @@ which is an UPPER bound of ``S`` (so using it never under-reports the paper's ep
 - The integral is evaluated with composite Gauss-Legendre in ``z = log t`` (the integrand ``t f(t)`` is smooth and
   nearly constant there), accurate to ~3e-7 relative (measured against 30-node panels of width 0.5); the
   integral is inflated by ``QUADRATURE_SAFETY = 1 + 1e-6`` to cover it. Tested against the direct loop
-  (tests/test_accounting_lap2.py).
+  (tests/accounting/test_accounting_lap2.py).
 """
 
 from __future__ import annotations

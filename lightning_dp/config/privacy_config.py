@@ -11,7 +11,7 @@ takes one. The users' surfaces are derived from it rather than copied:
 
 A new option is one field here (type, default, documentation in ``metadata["doc"]``, a check in
 :meth:`PrivacyConfig.__post_init__` if needed, under :func:`~lightning_dp.config.errors.checking` when it is about
-that option alone); ``tests/test_config.py`` fails when a surface drifts from it.
+that option alone); ``tests/config/test_config.py`` fails when a surface drifts from it.
 
 A ``ValueError`` about one option carries its name (:func:`~lightning_dp.config.errors.invalid_option`), so that a
 config file or command line reports the key at fault (:mod:`lightning_dp.config.errors`).

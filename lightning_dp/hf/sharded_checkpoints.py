@@ -12,8 +12,8 @@ in one place, :data:`PRIVATE_TRAINER_OVERRIDES` (the only private ``Trainer`` me
 override), with the transformers releases they are tested against, :data:`TRANSFORMERS_TESTED`. Each is marked
 ``@override``, so a type checker reports one the installed ``Trainer`` no longer has;
 ``tests/adapters/test_conformance.py`` checks that each still exists on the installed ``Trainer`` with the
-parameters overridden here and that no other private one is overridden, and ``tests/test_hf_fsdp.py`` and
-``tests/test_hf_accelerate_fsdp.py`` exercise them on 2 processes.
+parameters overridden here and that no other private one is overridden, and ``tests/adapters/test_hf_fsdp.py`` and
+``tests/adapters/test_hf_accelerate_fsdp.py`` exercise them on 2 processes.
 """
 
 from __future__ import annotations

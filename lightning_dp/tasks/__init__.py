@@ -5,7 +5,7 @@ Layering: library core < tasks < entry points (demo, examples, recipes, audit se
 engine, clipping, mechanisms, accounting, the Lightning and HF integrations) imports neither tasks nor entry points;
 entry points import tasks, never each other, except through the command line (``lightning-dp demo`` / ``audit``
 load the demo and the audit setups, the demo is a ``cli`` module, the CIFAR recipe runs ``lightning-dp fit``).
-``tests/test_layering.py`` checks it.
+``tests/structure/test_layering.py`` checks it.
 
 - :mod:`~lightning_dp.tasks.digits`: the demo's small CNN on scikit-learn's digits (offline).
 - :mod:`~lightning_dp.tasks.pretrained`: pretrained model and tokenizer loading (Hub or ``package:NAME``), LoRA.

@@ -1,0 +1,207 @@
+"""The clip factor's rounding bound (docs/design.md section 4.10): each term's per-sample rounding scales bound the
+norms of the summed absolute products that form its gradient, ``rounded_norm_bound`` turns them into an upper bound
+on the norm of what the clipped sum adds, and an example made of large cancelling parts then moves the release by at
+most ``C`` with every exact engine (the broad grid is ``tests/clipping/test_fuzz_crafted.py``)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.rounding import HALF_PRECISION_WARNING, rounded_norm_bound
+from lightning_dp.clipping.terms import Factored, Materialised, reduced
+
+B, T, P, Q = 3, 5, 4, 6
+
+
+def _absolute_products(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``|L_i|^T |R_i|`` per sample, ``[B, P, Q]``."""
+    return torch.bmm(left.abs().transpose(1, 2), right.abs())
+
+
+@pytest.mark.parametrize("norm", [1, 2])
+def test_factored_scales_bound_the_absolute_products(norm: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    left, right = torch.randn(B, T, P, generator=gen), torch.randn(B, T, Q, generator=gen)
+    exact = torch.linalg.vector_norm(_absolute_products(left, right).flatten(1), ord=norm, dim=1)
+    scales = Factored(left, right, torch.Size([P, Q])).rounding_scales(norm)
+    assert (scales >= exact * (1 - 1e-6)).all()
+    if norm == 1:  # exact in l1
+        torch.testing.assert_close(scales, exact)
+
+
+@pytest.mark.parametrize("norm", [1, 2])
+def test_token_id_scales_bound_the_scatter_of_absolute_rows(norm: int) -> None:
+    ids = torch.tensor([[0, 2, 0, 0, 1], [3, 3, 3, 3, 3], [1, 2, 3, 0, 1]])
+    right = torch.randn(B, T, Q, generator=torch.Generator().manual_seed(1))
+    one_hot = nn.functional.one_hot(ids, P).float()
+    exact = torch.linalg.vector_norm(_absolute_products(one_hot, right).flatten(1), ord=norm, dim=1)
+    scales = Factored(ids, right, torch.Size([P, Q])).rounding_scales(norm)
+    assert (scales >= exact * (1 - 1e-6)).all()
+
+
+def test_reduced_terms_carry_the_scales_of_what_they_add_up() -> None:
+    values = torch.randn(B, T, Q, generator=torch.Generator().manual_seed(2))
+    values[:, 1] = -values[:, 0]  # two positions that cancel
+    term = reduced(values, (1,))
+    torch.testing.assert_close(term.grad, values.sum(1))
+    for norm in (1, 2):
+        expected = torch.linalg.vector_norm(values.abs().sum(1), ord=norm, dim=1)
+        torch.testing.assert_close(term.rounding_scales(norm), expected)
+        assert (term.rounding_scales(norm) > torch.linalg.vector_norm(term.grad, ord=norm, dim=1)).all()
+    plain = Materialised(values.sum(1))
+    torch.testing.assert_close(plain.rounding_scales(2), plain.grad.norm(dim=1))
+
+
+def test_rounded_norm_bound_formula_and_non_finite_scales() -> None:
+    eps = torch.finfo(torch.float32).eps
+    r = 128 * eps
+    totals = torch.tensor([[4.0, 0.0, 1.0, 1.0]])
+    scales = torch.tensor([[9.0, 1e6, math.inf, math.nan]])
+    l2 = rounded_norm_bound(totals, scales, 2, eps)
+    torch.testing.assert_close(l2[0, :2], torch.tensor([math.sqrt(4 + 9 * r) + 3 * r, math.sqrt(1e6 * r) + 1e3 * r]))
+    assert math.isinf(l2[0, 2]) and math.isinf(l2[0, 3])  # a NaN bound becomes inf: factor 0, never NaN
+    l1 = rounded_norm_bound(totals, scales, 1, eps)
+    torch.testing.assert_close(l1[0, :2], torch.tensor([4 + 18 * r, 2e6 * r]))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
+@pytest.mark.parametrize("magnitude", [1e4, 1e8])
+def test_cancelling_tokens_move_the_float32_release_by_at_most_c(magnitude: float, clipping: str) -> None:
+    """Two tokens ``m (u + rho e_1)`` and ``m (u + rho e_2)`` with output gradients ``v`` and ``-v`` (``rho = 1e2 /
+    m``): the true gradient is ``O(100)``, each token's ``O(m)``. Ghost norms subtract squares of order ``m^2`` and
+    reported a norm near 0 for it, and every engine's sum rounds it otherwise than its norm; the release moved by up
+    to 1e7 ``C``. With the rounding bound it moves by at most ``C``."""
+    gen = torch.Generator().manual_seed(3)
+    layer = nn.Linear(P, Q, bias=False)
+    ordinary = torch.randn(4, 2, P, generator=gen)
+    u, rho = torch.randn(P, generator=gen), 1e2 / magnitude
+    crafted = magnitude * torch.stack([u + rho * torch.eye(P)[0], u + rho * torch.eye(P)[1]])
+    direction = torch.randn(Q, generator=gen)
+    token_weights = torch.ones(5, 2)
+    token_weights[4, 1] = -1.0  # the crafted example's tokens get output gradients v and -v
+    sums = []
+    for x in (ordinary, torch.cat([ordinary, crafted[None]])):
+        model = copy.deepcopy(layer)
+        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+        loss = ((model(x) * direction).sum(-1) * token_weights[: x.shape[0]]).sum(1)  # linear in the output
+        clipper.backward(loss)
+        sums.append(model.weight.grad.double())
+    assert float((sums[1] - sums[0]).norm()) <= 1.0 + 1e-4
+
+
+def _alternating_tokens(magnitude: float, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Four ordinary sequences and one crafted (last): ``T = 8`` tokens ``m (u + q e_t)`` with output weights of
+    alternating sign ``(-1)^t (v + q f_t)``, ``q = 100 / m``: each token's gradient is ``O(m)``, their sum ``O(100)``
+    (inputs ``[T, 16]``, weights ``[T, 3]``, float64 values)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    inputs, weights = [draw(8, 16) for _ in range(4)], [draw(8, 3) for _ in range(4)]
+    q, signs = 100 / magnitude, torch.tensor([(-1.0) ** t for t in range(8)], dtype=torch.float64)
+    weights.append(signs[:, None] * (draw(3) + q * draw(8, 3)))
+    inputs.append(magnitude * (draw(16).expand(8, 16) + q * draw(8, 16)))
+    return inputs, weights
+
+
+def test_autocast_around_the_backward_does_not_lower_the_precision_of_the_norms() -> None:
+    """The clipper's own arithmetic (terms, norms, book-keeping's sums) runs with autocast off and float32 matmuls
+    at full precision, so the rounding bound's float32 epsilons hold when the caller runs the backward under bf16
+    autocast: ghost norms of alternating tokens of magnitude 1e4 moved the release by 2 ``C`` before."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+
+    def release(inputs: list[torch.Tensor], weights: list[torch.Tensor], bound: float) -> torch.Tensor:
+        model = copy.deepcopy(base)
+        clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=bound, sum_check_every=None)
+        x, w = torch.stack(inputs).float(), torch.stack(weights).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            clipper.backward((w * model(x).float()).flatten(1).sum(1))
+        assert torch.get_float32_matmul_precision() == "highest"
+        return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+    for seed in range(5):
+        inputs, weights = _alternating_tokens(1e4, seed)
+        bound = 1.0
+        moved = release(inputs, weights, bound) - release(inputs[:4], weights[:4], bound)
+        assert float(moved.norm()) <= bound * (1 + 1e-4), seed
+
+
+def _cancelling_pair(magnitude: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows ``m (u + q a)``, ``m (u + q b)`` with output weights ``v + q c`` and ``-(v + q d)``, ``q = 100 / m``
+    (inputs ``[2, 16]``, weights ``[2, 3]``, float64): each row's gradient is ``O(m)``, their sum ``O(100)``."""
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, u, v = 100 / magnitude, draw(16), draw(3)
+    x = magnitude * torch.stack([u + q * draw(16), u + q * draw(16)])
+    return x, torch.stack([v + q * draw(3), -(v + q * draw(3))])
+
+
+def _release(base: nn.Module, x: torch.Tensor, w: torch.Tensor, engine: str, options: dict, past=None) -> torch.Tensor:
+    """The clipped sum (C = 1) of the loss ``sum (w * model(x))`` per example, flattened over the parameters."""
+    copies = options.get("augmentation_multiplicity", 1)
+    model = copy.deepcopy(base)
+    clipper = PerSampleClipper(model, clipping=engine, max_grad_norm=1.0, **options)
+    if past is not None:
+        past_x, past_w, past_weight = past
+        clipper.add_past_iterate((past_w.float() * model(past_x.float())).flatten(1).sum(1), past_weight)
+    clipper.backward((w.float() * model(x.float())).flatten(1).sum(1).reshape(-1, copies).sum(1))
+    return torch.cat([p.grad.flatten().double() for p in model.parameters()])
+
+
+@pytest.mark.parametrize(
+    ("setting", "engine"),
+    [(s, e) for s in ("multiplicity", "groups", "past_iterate") for e in ("flat", "ghost", "fgc", "mixed")]
+    + [("l1", "flat")],
+)
+def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(setting: str, engine: str) -> None:
+    """The rounding scales add up over augmented copies, clipping groups and past iterates, and have an l1 form: the
+    crafted example's cancelling parts are its two augmented copies, two tokens under per-layer groups, its current
+    and past iterate, or two tokens under l1 clipping (flat only); float32, magnitudes 1e4 and 1e8."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
+    for magnitude in (1e4, 1e8):
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            x, w = _cancelling_pair(magnitude, gen)
+            if setting == "multiplicity":  # 3 ordinary examples of 2 copies each, one row per copy
+                xs = torch.randn(6, 1, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(6, 1, 3, generator=gen, dtype=torch.float64)
+                options = {"augmentation_multiplicity": 2}
+                without = _release(base, xs, ws, engine, options)
+                with_ = _release(base, torch.cat([xs, x[:, None]]), torch.cat([ws, w[:, None]]), engine, options)
+            elif setting == "past_iterate":  # the current row is x[0], the past iterate's x[1]
+                xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
+                without = _release(base, xs[:, :1], ws[:, :1], engine, {}, past=(xs[:, 1:], ws[:, 1:], 0.7))
+                current = (torch.cat([xs[:, :1], x[None, :1]]), torch.cat([ws[:, :1], w[None, :1]]))
+                past = (torch.cat([xs[:, 1:], x[None, 1:]]), torch.cat([ws[:, 1:], w[None, 1:]]), 0.7)
+                with_ = _release(base, *current, engine, {}, past=past)
+            else:  # two cancelling tokens of one example
+                xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
+                ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
+                options = {"clipping_groups": "per_layer"} if setting == "groups" else {"norm": 1}
+                without = _release(base, xs, ws, engine, options)
+                with_ = _release(base, torch.cat([xs, x[None]]), torch.cat([ws, w[None]]), engine, options)
+            moved = float(torch.linalg.vector_norm(with_ - without, ord=1 if setting == "l1" else 2))
+            assert moved <= 1.0 + 1e-4, (magnitude, seed, moved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_half_precision_trainable_parameters_are_warned_about(dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """Their .grad rounds the batch's clipped sum, which the rounding bound does not cover: one warning at attach."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1).to(dtype))
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+    warnings = [r.getMessage() for r in caplog.records if "rounded to that dtype" in r.getMessage()]
+    assert warnings == ([] if dtype == torch.float32 else [HALF_PRECISION_WARNING % dtype])
