@@ -769,7 +769,8 @@ CASES: list[BadInput] = [
         "Extension registry",
         "register_engine(PluginGhost), a class with name = 'ghost' (no override=True)",
         _refused_registration(_engines, _register_engine_named_ghost),
-        r"^ValueError: clipping engine 'ghost' is already registered \(lightning_dp\.clipping\.ghost\.GhostEngine\); "
+        r"^ValueError: clipping engine 'ghost' is already registered "
+        r"\(lightning_dp\.clipping\.engines\.ghost\.GhostEngine\); "
         r"pass override=True to replace it, or choose another name$",
     ),
     BadInput(
