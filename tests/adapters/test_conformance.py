@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,7 @@ def _instrumented(run: Any) -> tuple[list[tuple], int, list[str], Any]:
             events.append(("step",))
 
     handler, level = _Blocks(blocks), log.level
+    environment = dict(os.environ)  # Lightning's DDP set-up writes LOCAL_RANK, MASTER_PORT, ... into it
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # the block is an INFO record
     handle = register_optimizer_step_post_hook(on_step)
@@ -209,6 +211,9 @@ def _instrumented(run: Any) -> tuple[list[tuple], int, list[str], Any]:
             log.setLevel(level)
             if dist.is_available() and dist.is_initialized():  # the one-process group of DPDDP/DPModelParallel
                 dist.destroy_process_group()
+            # a LOCAL_RANK left behind makes a later test's two-process launch start one rank and wait for the other
+            os.environ.clear()
+            os.environ.update(environment)
     return events, draws[0], blocks, result
 
 
