@@ -1,21 +1,8 @@
-"""Per-sample gradient clipping through layer hooks (docs/design.md section 4).
+"""Per-sample gradient clipping through layer hooks (docs/design.md section 4; layout: section 2.1).
 
-Engines: ``flat`` (materialised per-sample gradients), ``ghost`` (Gram-matrix norms, Li et al. 2022), ``fgc`` (Lee &
-Kifer 2021), ``mixed`` (Bu et al. 2023), ``hutch`` and ``hutchpp`` (randomized norms, DP-SGD-RC seed);
-``clipping="auto"``, the default of the privacy options, runs ``mixed`` for l2 and ``flat`` for l1 clipping
-(:func:`~lightning_dp.clipping.engines.base.auto_engine`). Layer families (one file each, registered by layer type):
-``linear``, ``hf_conv1d``, ``conv``, ``conv_transpose``, ``embedding``, ``norms``, ``positional``,
-``weight_standardised_conv`` (:class:`~lightning_dp.weight_standardisation.WSConv2d`). Modules that use
-their parameters inside fused functions are swapped in place to equivalent classes calling hooked proxies (``swaps``):
-``attention`` (``nn.MultiheadAttention``), ``recurrent`` (``nn.RNN``/``LSTM``/``GRU``), ``layers.positional``
-(torchvision's ViT).
-
-Layout: ``engines/`` (the engines and their registry), ``layers/`` (the layer families and their registry),
-``swaps/`` (the module swaps), beside the machinery of the clipper: ``clipper`` (:class:`PerSampleClipper`, the clip
-sequence), ``hooks`` (the captures), ``terms`` (per-sample gradient terms), ``sample_norms`` (the backward pass and
-the norms), ``clipped_sum`` (book-keeping), ``past_iterates`` (per-sample momentum), ``groups`` (group-wise
-clipping), ``multiplicity`` (augmentation multiplicity), ``rounding`` (rounding allowances), ``sum_check`` (the
-per-sample sum check) and ``validation`` (which modules to hook and which to reject).
+Engines (``engines/``): ``flat``, ``ghost`` (Li et al. 2022), ``fgc`` (Lee & Kifer 2021), ``mixed`` (Bu et al.
+2023), ``hutch``/``hutchpp`` (DP-SGD-RC seed); ``clipping="auto"`` runs ``mixed`` for l2 and ``flat`` for l1. Layer
+families in ``layers/``, module swaps in ``swaps/``; the clipper is :class:`PerSampleClipper`.
 """
 
 from lightning_dp.clipping import engines, layers, swaps  # noqa: F401 (registration; layers before swaps)

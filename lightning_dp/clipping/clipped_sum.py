@@ -1,8 +1,5 @@
-"""The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping (docs/design.md
-sections 4.4 and 9.2): what each group of captures keeps for it while the norms are taken, the masking of samples
-whose loss or norm is not finite, and ``p.grad += sum_i c_i term_i``; and :func:`add_to_grad`, how the clipped sum
-reaches ``p.grad``, on a sharded parameter its shard. The mixin holds no state of its own: it reads the clipper's
-attributes (set by ``PerSampleClipper.__init__``).
+"""The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping, the masking of
+non-finite samples, and :func:`add_to_grad` (docs/design.md sections 4.4 and 9.2). A stateless mixin.
 """
 
 from __future__ import annotations
@@ -19,9 +16,7 @@ from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
 
 def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture]) -> bool:
-    """Whether a factored term of ``group`` holds a new dense tensor (conv patches, a dtype cast) rather than views
-    of the captured activations and output gradients. Materialised terms are not counted: most are of vector-sized
-    parameters (a weight-standardised convolution's weight term is an exception, docs/design.md section 4.2)."""
+    """Whether a factored term of ``group`` holds a new dense tensor rather than views of the captures."""
     captured = {t.untyped_storage().data_ptr() for c in group for t in (c.activation, c.output_grad) if t is not None}
     for param_terms in terms.values():
         for term in param_terms:
@@ -33,10 +28,10 @@ def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture
 
 
 def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
-    """``param.grad += clipped`` (created when None), ``clipped`` being this rank's clipped sum of ``param``, full
-    size (``param``'s global shape), cast to ``param``'s dtype. For a sharded ``param`` the sum over all ranks goes
-    in, this rank's shard of it (:func:`~lightning_dp.runtime.sharding.sum_into_shard`, one reduce-scatter: a collective
-    that every rank issues for the same parameters in the same order)."""
+    """``param.grad += clipped`` (created when None; cast to ``param``'s dtype), ``clipped`` this rank's full-size
+    clipped sum; a sharded ``param`` gets its shard of the sum over ranks (a collective,
+    :func:`~lightning_dp.runtime.sharding.sum_into_shard`).
+    """
     clipped = clipped.to(param.dtype)
     if is_sharded(param):
         clipped = sum_into_shard(clipped, param)
@@ -47,8 +42,7 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
 
 
 class ClippedSumMixin:
-    """Book-keeping of the clipped sum and masking of non-finite samples for
-    :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (a base class of it, not used alone)."""
+    """Book-keeping of the clipped sum and masking of non-finite samples (a base of the clipper)."""
 
     dropped_nonfinite: bool
     _group_of: dict[nn.Parameter, int]
@@ -63,10 +57,10 @@ class ClippedSumMixin:
         group: list[Capture],
         grads: dict[nn.Parameter, torch.Tensor],
     ) -> dict[nn.Parameter, list[Term]] | list[Capture]:
-        """What the clipped sum of one group needs: its terms (of the current and the past iterates) when they are
-        views of the captures (nothing new held), else the captures, whose terms are then formed again. Per-sample
-        gradients the engine formed (``grads``) replace their parameter's terms; when they replace every term, the
-        group's captured tensors are released."""
+        """What one group's clipped sum needs: its terms when they are views of the captures, else the captures;
+        engine-formed per-sample gradients (``grads``) replace their parameter's terms (the captures are released when
+        all do).
+        """
         rest = {param: param_terms for param, param_terms in terms.items() if param not in grads}
         if _allocates_memory(rest, group):
             return group
@@ -78,12 +72,8 @@ class ClippedSumMixin:
         return {param: [Materialised(grads[param])] if param in grads else rest[param] for param in terms}
 
     def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
-        """``[B]`` bool, the samples whose loss (now and at every past iterate) and norm are finite, or ``None``
-        when all are (one host sync).
-
-        A non-finite value in a sample's per-sample terms makes its norm non-finite: every term entry enters the
-        norm through sums and products (``x * inf`` is ``inf`` or NaN, never finite), so the norm is the one place to
-        look. A finite norm that overflowed (``inf`` from finite terms) drops the sample too.
+        """``[B]`` bool, the samples whose loss (at every iterate) and norm are finite, or ``None`` when all are (one
+        host sync; docs/design.md section 9.2).
         """
         keep = torch.isfinite(norms) & torch.isfinite(per_sample_loss.detach())
         if self._past_finite is not None:
@@ -100,11 +90,9 @@ class ClippedSumMixin:
         factors: torch.Tensor,
         keep: torch.Tensor | None,
     ) -> None:
-        """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group (terms kept by
-        :meth:`_norms`, or formed again from a group of captures), ``factors`` ``[G, B]`` and ``g`` the parameter's
-        clipping group (0 for flat clipping). With ``keep`` (``[B]`` bool, the samples whose quantities are all
-        finite), the terms of the other samples are zeroed first (their factor is 0 already, but ``0 * inf`` is
-        NaN)."""
+        """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group, ``factors`` ``[G, B]``;
+        with ``keep`` (``[B]`` bool) the other samples' terms are zeroed first.
+        """
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():

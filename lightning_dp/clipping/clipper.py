@@ -1,48 +1,11 @@
 """Per-sample gradient clipping of a module through layer hooks (docs/design.md sections 2.2 and 4).
 
-Data flow: per-sample loss ``[B]`` -> ONE backward pass that computes only the output gradients of the hooked layers
-(no parameter gradient) -> per-parameter norm contributions from the engine -> per-sample norms ``n_i`` -> clip
-factors ``c_i = min(1, C / (nu_i + 1e-6))``, ``nu_i >= n_i`` the norm's bound with rounding
-(:func:`~.rounding.rounded_norm_bound`) -> the clipped sum ``sum_i c_i grad(loss_i)`` added into ``p.grad``
-(Abadi et al. 2016, "Deep learning with differential privacy", Algorithm 1) by book-keeping: ``sum_i c_i A_i^T G_i``
-formed from the same activations and output gradients the norms were taken from, in the one backward pass (Bu et al.
-2023, "Differentially private optimization on large model at small cost", Section 3, book-keeping). ``p.grad``
-receives only terms whose norms were counted, so a parameter also used outside its hooked layer loses that gradient
-but cannot leak it; the per-sample sum check (:mod:`sum_check`) runs on the first batch and every
-``sum_check_every`` batches to catch such silent losses and wrong layer maths. On an FSDP2-sharded model each clipped
-sum is summed into its parameter's shard (:func:`~.clipped_sum.add_to_grad`).
-
-Memory: the hooks keep each hooked layer's input (which autograd keeps anyway for these layers) and every hooked
-layer's output gradient until the clipped sum is formed, except for groups whose per-sample gradients the engine
-formed and kept instead (:meth:`ClippingEngine.contribution_and_gradient`: their captures are released once the
-norms are taken). Terms are formed per group of captures sharing a parameter and freed before the next group (twice:
-for the norms, then for the sums).
-Forward calls made with gradients enabled but never passed to :meth:`PerSampleClipper.backward` are kept until the
-next call of it, then dropped (their outputs get no gradient, so they do not contribute). Activation checkpointing
-is not supported.
-
-Group-wise clipping (``clipping_groups``; He et al. 2022, Section 3; :mod:`~lightning_dp.clipping.groups`): the
-engines' per-parameter contributions are summed per group instead of over all parameters, giving norms ``[G, B]``
-and factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]``; book-keeping scales each parameter's terms by its
-group's factors.
-
-Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`): captures of the same
-batch at past iterates, given by :meth:`PerSampleClipper.add_past_iterate` with their weights, join the current
-iterate's as further uses of each parameter, so the engines take the exact norm of the weighted sum (cross terms
-between iterates included) and the clipped sum adds them; they are kept until the next clip (memory: one set of
-captures per iterate).
-
-Augmentation multiplicity (``augmentation_multiplicity = K``; De et al. 2022, Section 3.2;
-:mod:`~lightning_dp.clipping.multiplicity`): the forward sees ``B K`` rows, the ``K`` augmented copies of each example
-in sample-major order, and the per-sample loss ``[B]`` reduces each example's copies; each capture's terms are folded
-into the ``B`` examples' terms, so an example's copies count like the uses of a tied parameter and its averaged
-gradient is clipped once (norm at most ``C`` whatever ``K``).
-
-Code layout: this module holds the clip sequence (:meth:`PerSampleClipper.backward`) and the public surface; the
-class's bases hold one job each: :mod:`~lightning_dp.clipping.sample_norms` (the backward pass to the captures, the
-per-sample norms and the sum check's wiring), :mod:`~lightning_dp.clipping.clipped_sum` (the clipped sum by
-book-keeping and the masking of non-finite samples) and :mod:`~lightning_dp.clipping.past_iterates` (per-sample
-momentum's past iterates).
+Per-sample loss ``[B]`` -> one backward pass to the hooked layers' output gradients -> per-sample norms ``n_i`` ->
+clip factors ``c_i = min(1, C / (nu_i + 1e-6))`` (``nu_i >= n_i``, section 4.10) -> the clipped sum
+``sum_i c_i grad(loss_i)`` added into ``p.grad`` by book-keeping (Abadi et al. 2016, Algorithm 1; Bu et al. 2023,
+Section 3; section 4.4). Group-wise clipping: section 4.7; per-sample momentum: section 7; augmentation
+multiplicity: section 4.8; the sum check: section 9.3. The class's bases: :mod:`~.sample_norms` (norms and the sum
+check), :mod:`~.clipped_sum` (the clipped sum), :mod:`~.past_iterates` (momentum's past iterates).
 """
 
 from __future__ import annotations
@@ -86,65 +49,46 @@ _LOSS_SHAPE_MESSAGE = (
 
 
 def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
-    """Clip factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]`` of the per-group norms ``norms`` ``[G, B]`` and
-    the bounds ``C_g`` (``G = 1``: flat clipping, Abadi et al. 2016, Algorithm 1; ``G > 1``: group-wise clipping,
-    He et al. 2022, Section 3)."""
+    """Clip factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]`` of the norms ``[G, B]`` and the bounds ``C_g``
+    (Abadi et al. 2016, Algorithm 1; groups: He et al. 2022, Section 3).
+    """
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
 
 
 class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     """Clips per-sample gradients of ``module`` and accumulates their sum into ``p.grad``.
 
-    Hooks are attached in place (no wrapping; ``state_dict`` keys, HF ``generate()``/``save_pretrained`` and
-    Lightning checkpoints are unaffected); :meth:`detach` removes them. Modules that use their parameters outside
-    any hookable call (``nn.MultiheadAttention``, ``nn.LSTM``/``GRU``/``RNN``) are first swapped in place to
-    equivalent classes that keep the same parameter objects and ``state_dict``
-    (:mod:`~lightning_dp.clipping.swaps.base`; undone by :meth:`detach`). Frozen parameters are ignored. The
-    per-sample norm is taken over all trainable parameters jointly; a parameter used several times (tied weights,
-    a module called twice) contributes the norm of its summed gradient. With ``clipping_groups`` the norm is taken
-    per group of parameters and each group clipped to its own bound (:mod:`~lightning_dp.clipping.groups`). The set
-    of trainable parameters is fixed at construction: freezing or unfreezing a parameter afterwards (e.g.
-    Lightning's ``BackboneFinetuning``) makes the next :meth:`backward` raise.
+    Hooks are attached in place (``state_dict`` keys unchanged); modules that use their parameters outside a hookable
+    call (``nn.MultiheadAttention``, ``nn.LSTM``/``GRU``/``RNN``) are swapped in place (:mod:`~.swaps.base`);
+    :meth:`detach` undoes both. Frozen parameters are ignored; the set of trainable parameters is fixed at construction
+    (a change makes the next :meth:`backward` raise). A parameter used several times contributes the norm of its summed
+    gradient (docs/design.md section 4.5).
 
     Args:
-        module: the model; the first dimension of every hooked layer's input/output is the sample dimension (with
-            ``augmentation_multiplicity = K``, the ``B K`` rows of the examples' copies, sample-major).
-        clipping: engine name, one of :data:`~lightning_dp.clipping.engines.base.ENGINES` (``"flat" | "ghost" | "fgc" |
-            "mixed" | "hutch" | "hutchpp"``).
-        max_grad_norm: clipping threshold ``C > 0`` (same units as the gradient norm); with ``clipping_groups``,
-            one number (split equally: ``C / sqrt(G)`` per group) or a list of one bound per group. The clipped
-            sum's l2 sensitivity is then ``sqrt(sum_g C_g^2)`` (:attr:`max_grad_norm` holds it).
-        clipping_groups: ``None`` (flat clipping over all trainable parameters), ``"per_layer"`` (one group per
-            module owning trainable parameters, in ``named_modules`` order) or a list of groups of ``fnmatch``
-            patterns on parameter names that puts every trainable parameter in exactly one group
-            (:func:`~lightning_dp.clipping.groups.resolve_clipping_groups`). l2 clipping and an exact engine only.
-        norm: 2 (l2 clipping, Gaussian and l2 mechanisms) or 1 (l1 clipping for the Laplace mechanism; ``flat``
-            only).
-        sum_check_every: check that each trainable parameter's per-sample gradients sum to its autograd gradient on
-            the first non-empty batch and then every ``sum_check_every`` batches; ``None`` turns the check off. The
-            check costs one parameter-gradient computation in the backward pass plus one batch-summed gradient per
-            parameter and one host sync. Tolerance: relative ``1e-3`` in float32/64, ``5e-2`` under reduced
-            precision, plus an absolute floor and a rounding allowance proportional to the magnitudes summed (see
-            :class:`~.sum_check.SumCheck`). A check cannot see an outside use whose per-sample contributions cancel
-            over the batch.
-        projection_dim: ``k`` of the randomized engines ``hutch``/``hutchpp`` (default 32).
-        generator_for: ``device -> torch.Generator`` on that device, the source of the randomized engines'
-            projections (the run's DP randomness, never the global RNG); required for ``hutch``/``hutchpp``.
-        augmentation_multiplicity: ``K >= 1``, the rows per example every hooked layer sees: rows ``i K .. i K + K -
-            1`` are example ``i``'s augmented copies, and the per-sample loss ``[B]`` reduces them (De et al. 2022,
-            Section 3.2; :mod:`~lightning_dp.clipping.multiplicity`). Every engine, groups, per-sample momentum and
-            sharded models. 1 (default): one row per example.
+        module: the model; dim 0 of every hooked layer's input/output is the sample dimension (``B K`` rows,
+            sample-major, with ``augmentation_multiplicity = K``).
+        clipping: engine name, one of :data:`~lightning_dp.clipping.engines.base.ENGINES`.
+        max_grad_norm: clipping bound ``C > 0`` (gradient-norm units); with ``clipping_groups``, one number (``C /
+            sqrt(G)`` per group) or one bound per group; sensitivity ``sqrt(sum_g C_g^2)`` (:attr:`max_grad_norm`).
+        clipping_groups: ``None`` (flat), ``"per_layer"`` or a list of groups of ``fnmatch`` patterns
+            (:func:`~lightning_dp.clipping.groups.resolve_clipping_groups`); l2 and an exact engine only.
+        norm: 2 (l2 clipping) or 1 (l1, Laplace mechanism; ``flat`` only).
+        sum_check_every: period in batches of the sum check (first non-empty batch, then every N-th); ``None``: off.
+            Tolerances: :class:`~.sum_check.SumCheck`; docs/design.md section 9.3.
+        projection_dim: ``k`` of ``hutch``/``hutchpp`` (default 32).
+        generator_for: ``device -> torch.Generator``, the run's DP randomness for the randomized engines' projections;
+            required for ``hutch``/``hutchpp``.
+        augmentation_multiplicity: ``K >= 1`` rows per example (De et al. 2022, Section 3.2;
+            :mod:`~lightning_dp.clipping.multiplicity`); default 1.
 
     Raises:
-        ValueError: unknown engine, ``norm`` not in {1, 2}, ``norm=1`` with an engine other than ``flat``,
-            a bound that is not a positive finite number, ``sum_check_every < 1``, a randomized engine without
-            ``generator_for``; with ``clipping_groups``: ``norm=1``, a randomized engine, groups that do not cover
-            every trainable parameter exactly once, or a list of bounds of another length than the groups (see
-            :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`); a list ``max_grad_norm`` without
-            ``clipping_groups``; ``augmentation_multiplicity`` not an integer >= 1.
-        UnsupportedModuleError: BatchNorm anywhere in ``module`` (trainable or not), another norm layer with
-            ``track_running_stats=True`` (InstanceNorm), or a trainable parameter not covered by a registered
-            layer (see :mod:`lightning_dp.clipping.layers.registry`).
+        ValueError: unknown engine; ``norm`` not in {1, 2} or ``norm=1`` with an engine other than ``flat``; a bound
+            not positive and finite; ``sum_check_every < 1``; a randomized engine without ``generator_for``; with
+            groups, ``norm=1``, a randomized engine, groups not covering every trainable parameter once or bounds of
+            the wrong length; a list ``max_grad_norm`` without groups; ``augmentation_multiplicity`` not an integer
+            >= 1; swapped modules on an FSDP2-sharded model.
+        UnsupportedModuleError: BatchNorm, another norm layer with ``track_running_stats=True``, or a trainable
+            parameter not covered by a registered layer (:mod:`lightning_dp.clipping.layers.registry`).
     """
 
     def __init__(
@@ -234,8 +178,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self.sum_check_postponed = False
 
     def _resolve_groups(self, module: nn.Module, clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
-        """Set :attr:`groups`, :attr:`_group_of` and :attr:`max_grad_norm` (the sensitivity) from the module's
-        trainable parameters and all their names (a tied parameter has one per owner).
+        """Set :attr:`groups`, :attr:`_group_of` and :attr:`max_grad_norm` (the sensitivity).
 
         Raises:
             ValueError: as :func:`~lightning_dp.clipping.groups.resolve_clipping_groups`.
@@ -249,14 +192,13 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self.max_grad_norm = self.groups.sensitivity
 
     def _group_bounds(self) -> tuple[float, ...]:
-        """``C_g`` per group: ``(max_grad_norm,)`` for flat clipping (read at every clip: adaptive clipping moves
-        it), else the groups' bounds."""
+        """``C_g`` per group: ``(max_grad_norm,)`` for flat clipping, else the groups' bounds."""
         return (self.max_grad_norm,) if self.groups is None else self.groups.bounds
 
     def clipped_samples(self, norms: torch.Tensor) -> torch.Tensor:
-        """``[B]`` bool, the samples of the last clipped batch whose gradient exceeded the bound: ``norms`` (as
-        :meth:`backward` returned them) above :attr:`max_grad_norm`, or with groups a group's norm above its bound
-        (a diagnostic, never privatised)."""
+        """``[B]`` bool: the samples of the last clipped batch whose norm (or a group's norm) exceeded its bound (a
+        diagnostic, never privatised).
+        """
         if self.groups is None or self.last_group_norms is None:
             return norms > self.max_grad_norm
         bounds = self.last_group_norms.new_tensor(self.groups.bounds)
@@ -269,8 +211,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
 
     @property
     def _rounding_epsilon(self) -> float:
-        """The machine epsilon of the per-sample arithmetic: float64's when every trainable parameter is float64,
-        else float32's (:func:`~lightning_dp.clipping.terms.compute_dtype`)."""
+        """Machine epsilon of the per-sample arithmetic: float64's if every trainable parameter is float64, else
+        float32's."""
         double = all(p.dtype == torch.float64 for p in self._params)
         return torch.finfo(torch.float64 if double else torch.float32).eps
 
@@ -290,8 +232,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return self._engine
 
     def _check_trainable_set(self) -> None:
-        """Raise ``ValueError`` if the parameters with ``requires_grad`` differ from those at construction
-        (:func:`~.validation.check_trainable_set`)."""
+        """Raise ``ValueError`` if the trainable set changed (:func:`~.validation.check_trainable_set`)."""
         current: dict[object, str]
         known: dict[object, str]
         if self._sharded:  # FSDP2 swaps the objects (sharded <-> unsharded), tied ones too: compare every name
@@ -365,9 +306,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return norms
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
-        """The autograd edges and shapes of the hooked layer outputs captured since the last clipped batch, keyed by
-        a description (``"output of module 'net.0'"``, with the call number for a module called twice); for the
-        batch-independence check (:mod:`lightning_dp.checks.independence`)."""
+        """The autograd edges and shapes of the hooked outputs captured since the last clipped batch, keyed by a
+        description (for :mod:`lightning_dp.checks.independence`).
+        """
         targets: dict[str, tuple[GradientEdge, torch.Size]] = {}
         for capture in self._hooks.captures:
             name = f"output of module '{capture.name}'"
@@ -378,52 +319,37 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.
 
-        Consumes the activations captured in the forward pass that produced ``per_sample_loss`` (and its autograd
-        graph).
+        Consumes the captures and the autograd graph of the forward that produced ``per_sample_loss``.
 
         Args:
             per_sample_loss: ``[B]``, one loss per sample.
 
         Returns:
-            ``n_i`` (l2 or l1 per ``norm``; for ``hutch``/``hutchpp`` the square root of an unbiased estimate of the
-            squared norm), detached, ``[B]``, float32 (float64 for float64 parameters).
+            ``n_i``, detached, ``[B]``, float32 (float64 for float64 parameters); ``hutch``/``hutchpp``: the square root
+            of an unbiased estimate of the squared norm.
 
         Raises:
-            ValueError: ``per_sample_loss`` not of shape ``[B]``, not requiring grad, or a hooked layer that saw
-                another number of rows than ``B`` (``B K`` with ``augmentation_multiplicity = K``); or the set of
-                trainable parameters changed since construction.
-            UnsupportedModuleError: a trainable parameter got a gradient outside its module's hooked forward, found
-                by the sum check (see the class docstring for when it runs).
+            ValueError: ``per_sample_loss`` not ``[B]`` or not requiring grad, a hooked layer with another row count
+                than ``B`` (``B K``), or a changed trainable set.
+            UnsupportedModuleError: a gradient outside a hooked forward, found by the sum check.
             RuntimeError: after :meth:`detach`.
         """
         return self._clip(per_sample_loss, accumulate=False)
 
     def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
-        """Add the clipped sum ``sum_i c_i grad(loss_i)``, ``c_i = min(1, C / (nu_i + 1e-6))``, into ``p.grad``, with
-        ``nu_i`` the norm ``n_i`` raised by its rounding bound (:func:`~.rounding.rounded_norm_bound`); with
-        ``clipping_groups``, each group ``g``'s parameters get ``sum_i c_gi grad_g(loss_i)``, ``c_gi = min(1, C_g /
-        (n_gi + 1e-6))`` with ``n_gi`` the norm of sample ``i``'s gradient over the group's parameters.
+        """Add the clipped sum ``sum_i c_i grad(loss_i)`` into ``p.grad`` (docs/design.md sections 2.2 and 4.4).
 
-        With past iterates added (:meth:`add_past_iterate`), ``grad(loss_i)`` is the per-sample momentum
-        ``weight * grad(loss_i) + sum_past w * grad_past(loss_i)``, and ``n_i`` its norm.
-
-        ``p.grad`` may already hold an earlier micro-batch's clipped sum (gradient accumulation); it is created when
-        None. With ``B == 0`` (empty Poisson batch) no backward runs. Every trainable parameter without a ``.grad``
-        afterwards (empty batch, not reached by the loss) gets zeros, so that noise is added to every parameter
-        downstream. Nothing is written to ``.grad`` when a check raises.
-
-        Non-finite samples: a sample whose loss (at any iterate) or norm is not finite (an input that overflows)
-        contributes nothing: its factor is 0 and its terms are zeroed before the sum (``0 * inf`` would be NaN, and
-        a NaN update exactly when the sample is drawn would reveal its membership). Nothing is raised for it, which
-        would reveal the same; :attr:`dropped_nonfinite` records that it happened. The sum check, blind on such a
-        batch, is due again on the next one.
+        ``c_i = min(1, C / (nu_i + 1e-6))`` (per group with ``clipping_groups``); with past iterates ``grad(loss_i)`` is
+        the per-sample momentum (section 7). ``p.grad`` accumulates over micro-batches; every trainable parameter
+        without a ``.grad`` afterwards gets zeros. A sample whose loss or norm is not finite gets factor 0, silently
+        (:attr:`dropped_nonfinite`; section 9.2).
 
         Args:
-            per_sample_loss: ``[B]``, one loss per sample, from the forward pass the hooks captured.
-            weight: the current iterate's weight in the per-sample momentum (``1 / c_beta``; 1 without momentum).
+            per_sample_loss: ``[B]``, from the forward the hooks captured.
+            weight: the current iterate's weight in the per-sample momentum (1 without momentum).
 
         Returns:
-            The per-sample norms ``n_i`` before clipping, detached, ``[B]`` (not finite for a dropped sample).
+            The per-sample norms ``n_i`` before clipping, detached, ``[B]``.
 
         Raises:
             ValueError, UnsupportedModuleError, RuntimeError: as :meth:`per_sample_norms`.
@@ -435,8 +361,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return norms
 
     def detach(self) -> None:
-        """Remove all hooks and undo the module swaps; the module is left exactly as before the clipper was
-        attached."""
+        """Remove all hooks and undo the module swaps."""
         self._hooks.remove()
         restore_modules(self._swaps)
         self._swaps = []

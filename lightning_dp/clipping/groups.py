@@ -1,27 +1,11 @@
 """Group-wise clipping: the trainable parameters split into groups, each example's gradient clipped per group.
 
 He, Li, Yu, Zhang, Kulkarni, Lee, Backurs, Yu and Bian 2022, "Exploring the limits of differentially private deep
-learning with group-wise clipping", Section 3 (per-layer and per-group clipping; Opacus's ``clipping="per_layer"`` clips
-each parameter tensor on its own, which is one pattern group per parameter name here). Example ``i``'s gradient
-restricted to group ``g``, of norm ``n_gi``, is scaled by ``c_gi = min(1, C_g / (nu_gi + 1e-6))`` (``nu_gi >= n_gi``
-with its rounding bound, docs/design.md section 4.10), so its whole clipped gradient has l2 norm at most ``sqrt(sum_g
-C_g^2)``: that is the sensitivity of the clipped sum under add/remove adjacency, and the noise and the accountant are
-those of flat clipping at ``C = sqrt(sum_g C_g^2)`` (docs/design.md section 4.7).
-
-The option, ``clipping_groups``, next to ``max_grad_norm``:
-
-- ``None``: flat clipping (one group of every trainable parameter, bound ``max_grad_norm``);
-- ``"per_layer"``: one group per module owning trainable parameters, in ``named_modules`` order (a tied parameter
-  belongs to the first module that registers it);
-- a list of groups, each a list of ``fnmatch`` patterns on parameter names (``[["encoder.*"], ["classifier.*",
-  "pooler.*"]]``): every trainable parameter must match exactly one group, through any of its names.
-
-With a float ``max_grad_norm = C`` each of the ``G`` groups gets ``C / sqrt(G)`` (the equal split of He et al.,
-total sensitivity ``C``); with a list, one bound per group, in order.
-
-This module holds what the option needs and no clipping: the checks that need no model (:func:`validate_bounds`,
-:func:`validate_clipping_groups`, run by the privacy configuration), the sensitivity (:func:`sensitivity`), and the
-resolution of the groups on a model's parameter names (:func:`resolve_clipping_groups`, run by the clipper).
+learning with group-wise clipping", Section 3. Factors ``c_gi = min(1, C_g / (nu_gi + 1e-6))``; l2 sensitivity
+``sqrt(sum_g C_g^2)`` (docs/design.md sections 4.7 and 4.10). ``clipping_groups``: ``None`` (flat), ``"per_layer"``
+(one group per module owning trainable parameters, ``named_modules`` order) or a list of groups of ``fnmatch``
+patterns matching every trainable parameter exactly once. A float ``max_grad_norm = C`` gives each of ``G`` groups
+``C / sqrt(G)``; a list gives one bound per group.
 """
 
 from __future__ import annotations
@@ -60,8 +44,7 @@ def _bound_list(max_grad_norm: Bounds) -> list[float] | None:
 
 
 def _pattern_groups(clipping_groups: GroupsSpec) -> list[tuple[str, ...]] | None:
-    """The pattern groups of ``clipping_groups`` as tuples (a single string counts as a group of one pattern), or
-    ``None`` when it is not a list of groups."""
+    """The pattern groups of ``clipping_groups`` as tuples (a string is one pattern), or ``None``."""
     if clipping_groups is None or isinstance(clipping_groups, str):
         return None
     return [(group,) if isinstance(group, str) else tuple(group) for group in clipping_groups]
@@ -90,14 +73,12 @@ def _positive_finite(value: object) -> bool:
 
 
 def validate_clipping_groups(clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
-    """The checks of ``clipping_groups`` (with ``max_grad_norm``, already checked by :func:`validate_bounds`) that
-    need no model.
+    """The checks of ``clipping_groups`` (with an already checked ``max_grad_norm``) that need no model.
 
     Raises:
-        ValueError: a list ``max_grad_norm`` without ``clipping_groups``; a ``clipping_groups`` string other than
-            ``"per_layer"``; an empty list of groups, an empty group or a pattern that is not a non-empty string; a
-            list of bounds whose length is not the number of pattern groups. The number of ``"per_layer"`` groups
-            is known only with the model (:func:`resolve_clipping_groups`).
+        ValueError: a list ``max_grad_norm`` without ``clipping_groups``; a string other than ``"per_layer"``; an empty
+            list or group, or a pattern that is not a non-empty string; a list of bounds of another length than the
+            pattern groups.
     """
     bounds = _bound_list(max_grad_norm)
     if clipping_groups is None:
@@ -135,8 +116,8 @@ def validate_clipping_groups(clipping_groups: GroupsSpec, max_grad_norm: Bounds)
 
 
 def sensitivity(max_grad_norm: Bounds) -> float:
-    """The l2 sensitivity of the clipped sum: ``C`` for one number, ``sqrt(sum_g C_g^2)`` for a list of group bounds
-    (He et al. 2022, Section 3). A number split over ``G`` groups keeps ``C``: ``sqrt(G (C / sqrt(G))^2) = C``."""
+    """The l2 sensitivity of the clipped sum: ``C``, or ``sqrt(sum_g C_g^2)`` for group bounds (He et al. 2022, Section
+    3)."""
     bounds = _bound_list(max_grad_norm)
     if bounds is None:
         return single_bound(max_grad_norm)
@@ -148,9 +129,8 @@ class ClippingGroups:
     """The resolved groups of one model.
 
     Attributes:
-        spec: ``"per_layer"``, or the pattern groups as given (tuples).
-        labels: one name per group: the module's name for ``"per_layer"`` (``"(root)"`` for the model's own
-            parameters), the patterns joined by ``"|"`` otherwise.
+        spec: ``"per_layer"``, or the pattern groups (tuples).
+        labels: one name per group (module name, ``"(root)"``, or the patterns joined by ``"|"``).
         bounds: ``C_g`` per group, ``[G]``.
         index: the group of each trainable parameter, in the order of the names given to
             :func:`resolve_clipping_groups`.
@@ -171,8 +151,7 @@ class ClippingGroups:
         return dict(zip(self.labels, self.bounds, strict=True))
 
     def describe(self, limit: int = 6) -> str:
-        """One line for the start-up block: the number of groups, their bounds (the first and last few when there
-        are more than ``limit``) and the sensitivity."""
+        """One start-up line: the number of groups, their bounds (elided past ``limit``) and the sensitivity."""
         items = [f"{label} {bound:.4g}" for label, bound in zip(self.labels, self.bounds, strict=True)]
         if len(items) > limit:
             items = [*items[: limit - 2], f"... ({len(items) - limit + 1} more)", items[-1]]
@@ -189,20 +168,18 @@ def resolve_clipping_groups(
     """The groups of a model's trainable parameters and their bounds.
 
     Args:
-        clipping_groups: ``"per_layer"`` or pattern groups (not ``None``), checked by
-            :func:`validate_clipping_groups`.
-        max_grad_norm: one bound (split equally: ``C / sqrt(G)`` per group) or one per group.
-        names: per trainable parameter, in ``named_parameters()`` order (each parameter once), its names: the
-            first is the one ``named_parameters()`` gives, the others those of its other owners (tied weights).
+        clipping_groups: ``"per_layer"`` or pattern groups (not ``None``).
+        max_grad_norm: one bound (``C / sqrt(G)`` per group) or one per group.
+        names: per trainable parameter in ``named_parameters()`` order, its names (the first from
+            ``named_parameters()``, then its other owners').
 
     Returns:
         The groups; :attr:`ClippingGroups.index` follows ``names``.
 
     Raises:
         ValueError: as :func:`validate_bounds` and :func:`validate_clipping_groups`; no trainable parameter; a
-            parameter that no pattern group matches or that several match (naming them); a pattern group that
-            matches no parameter; a list of bounds whose length is not the number of groups (listing the groups in
-            order).
+            parameter matched by no group or several; a group matching nothing; bounds of another length than the
+            groups.
     """
     validate_bounds(max_grad_norm)
     validate_clipping_groups(clipping_groups, max_grad_norm)
@@ -268,17 +245,15 @@ def resolve_clipping_groups(
 
 
 def check_grouped_clipping(*, norm: int, engine: str, randomized: bool, adaptive: bool = False) -> None:
-    """Refuse the settings group-wise clipping does not support (called when ``clipping_groups`` is set).
+    """Refuse the settings group-wise clipping does not support.
 
     Args:
-        norm: the clipping norm of the mechanism (1 or 2).
-        engine: the clipping engine's name; ``randomized``: whether it estimates norms randomly.
+        norm: the mechanism's clipping norm (1 or 2).
+        engine: the engine's name; ``randomized``: whether it estimates norms randomly.
         adaptive: whether the bound adapts (``target_unclipped_quantile``).
 
     Raises:
-        ValueError: ``norm=1`` (the l1 sensitivity would be ``sum_g C_g``; not implemented); a randomized engine (the
-            ``rc`` accountant bounds one random scale of the whole clipped gradient, not one per group); adaptive
-            clipping (it moves one bound).
+        ValueError: ``norm=1``, a randomized engine, or adaptive clipping (docs/design.md section 4.7).
     """
     if norm == 1:
         raise ValueError(

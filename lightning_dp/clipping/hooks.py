@@ -1,18 +1,8 @@
 """Capture of layer activations and of the autograd edges of layer outputs, through forward hooks attached in place.
 
-Each supported module gets a forward hook that stores its first input and the gradient edge
-(``torch.autograd.graph.get_gradient_edge``) of its output. One :class:`Capture` is recorded per call, so a module
-called twice in one forward yields two captures (their per-sample gradients are summed by the engines). The clipper
-then asks autograd for the gradients at those edges (``torch.autograd.grad(loss, inputs=edges)``): autograd runs only
-the nodes on the way from the loss to the edges, so the output gradients come without any parameter gradient being
-computed (the book-keeping pass of Bu et al. 2023 needs nothing else).
-
-Why edges rather than tensors or ``register_full_backward_hook``: an edge names the autograd node that produced the
-output, and stays on the graph when the output is later modified in place (``x = linear(x); x.relu_()``): the
-gradient at the edge is the gradient w.r.t. the value the module produced. Full backward hooks fail on such
-in-place ops. An output that is a view (``nn.Linear`` on ``[B, T, d]`` and HF ``Conv1D`` return a reshape of a 2-D
-matmul result) would leave the graph when modified in place, so for a pure reshape of a contiguous base the edge of
-the base is taken and its gradient reshaped back; any other view is replaced by a copy.
+One :class:`Capture` per call of a hooked module: its first input and the gradient edge of its output (the base's
+edge for a pure-reshape view; other views are copied). The clipper's ``torch.autograd.grad`` to those edges yields
+the output gradients without parameter gradients (docs/design.md section 4.1).
 """
 
 from __future__ import annotations
@@ -39,16 +29,13 @@ class Capture:
         module: the module.
         family: its layer family.
         activation: its first input, detached (``[B, ...]``; shares storage and version counter with the input).
-        activation_version: the input's version counter at the call (an in-place change afterwards is detected).
-        edge: the autograd edge of its output (or of the output's base, see the module docstring).
-        output_shape: the module output's shape (the gradient at ``edge`` is reshaped to it).
-        output_grad: gradient of the loss w.r.t. its output (``[B, ...]``); None until the clipper's backward pass
-            sets it (and None for calls whose output does not influence the loss).
-        leaves: the module's own parameters as the call used them, by attribute name: the registered parameters,
-            except under FSDP2, where a sharded module's call uses the unsharded parameters that autograd sees
-            (:mod:`lightning_dp.runtime.sharding`).
-        parameter_values: for a family that reads parameter values (``LayerFamily.reads_parameters``), detached
-            copies of those parameters (of ``leaves``) taken when the call ran; None otherwise.
+        activation_version: the input's version counter at the call.
+        edge: the autograd edge of its output (or of the output's base).
+        output_shape: the output's shape (the gradient at ``edge`` is reshaped to it).
+        output_grad: gradient of the loss w.r.t. the output (``[B, ...]``); None until the clipper's backward, or when
+            the output does not reach the loss.
+        leaves: the parameters as the call used them, by attribute name (under FSDP2, the unsharded ones).
+        parameter_values: detached copies of ``leaves`` at the call for a family with ``reads_parameters``; else None.
     """
 
     name: str
@@ -63,8 +50,7 @@ class Capture:
     output_grad: torch.Tensor | None = None
 
     def release(self) -> None:
-        """Drop the captured activation and output gradient, once the clipper holds what it needs of them (the
-        per-sample gradients that book-keeping keeps instead); the capture is not used again."""
+        """Drop the captured activation and output gradient; the capture is not used again."""
         self.activation = self.output_grad = None  # type: ignore[assignment]
         self.parameter_values = None
 
@@ -76,8 +62,7 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def _reshaped_base(output: torch.Tensor) -> torch.Tensor | None:
-    """``output``'s base when ``output`` is a view holding all of its contiguous base in the same order (a pure
-    reshape), else None."""
+    """``output``'s base when ``output`` is a pure reshape of its contiguous base, else None."""
     base = output._base
     is_reshape = (
         base is not None
@@ -92,10 +77,7 @@ def _reshaped_base(output: torch.Tensor) -> torch.Tensor | None:
 
 
 class CaptureHooks:
-    """Hooks on a set of modules recording :class:`Capture` objects.
-
-    Forward calls are recorded only when gradients are enabled and the hooks are not suspended (so ``no_grad``
-    evaluation, ``generate()`` and the clipper's own passes record nothing).
+    """Hooks on a set of modules recording :class:`Capture` objects (only with gradients enabled and not suspended).
 
     Args:
         modules: ``{path: (module, family)}`` to hook.
@@ -122,11 +104,8 @@ class CaptureHooks:
     def _expand_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Expand a broadcast first input ``[1, ...]`` to the batch size of the most recently recorded call.
-
-        In HF models the broadcast ``position_ids`` embedding runs right after the token embedding, whose output
-        gives the batch size. When no earlier call fixes it, nothing is expanded and the clipper reports the batch
-        mismatch at backward.
+        """Expand a broadcast first input ``[1, ...]`` to the batch size of the most recently recorded call (HF
+        ``position_ids``); with no earlier call nothing is expanded.
         """
         x = _first_input(args, kwargs)
         if not self._recording() or not isinstance(x, torch.Tensor) or x.ndim == 0:

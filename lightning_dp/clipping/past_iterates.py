@@ -1,6 +1,5 @@
 """Per-sample momentum's past iterates for :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (DP-PMLF seed,
-Algorithm 1 line 5; :mod:`lightning_dp.optim.momentum`, docs/design.md section 7): the captures of the same batch at
-past iterates, with their weights, kept until the next clip, and whether each sample's loss was finite at all of them.
+Algorithm 1 line 5; docs/design.md section 7).
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from lightning_dp.clipping.hooks import Capture, CaptureHooks
 
 
 class PastIteratesMixin:
-    """The past iterates of per-sample momentum (a base class of
-    :class:`~lightning_dp.clipping.clipper.PerSampleClipper`, not used alone)."""
+    """The past iterates of per-sample momentum (a base of the clipper)."""
 
     _hooks: CaptureHooks
     # methods of the other bases of PerSampleClipper
@@ -31,22 +29,19 @@ class PastIteratesMixin:
         self._past_finite: torch.Tensor | None = None
 
     def add_past_iterate(self, per_sample_loss: torch.Tensor, weight: float) -> None:
-        """Per-sample momentum (DP-PMLF seed, Algorithm 1 line 5): keep the per-sample terms of the batch at a past
-        iterate, scaled by ``weight``, for the next :meth:`backward` or :meth:`per_sample_norms`.
+        """Keep the batch's per-sample terms at a past iterate, scaled by ``weight``, for the next :meth:`backward` or
+        :meth:`per_sample_norms` (DP-PMLF seed, Algorithm 1 line 5).
 
-        Call right after the forward at that iterate, while the parameters still hold its values (its graph is
-        consumed here: one output-gradient pass, no parameter gradient). The next clip then takes the norm of, and
-        sums, ``weight_now * grad_i(now) + sum_past weight * grad_i(past)`` per sample, exactly (each engine treats
-        a parameter's uses at all iterates as the uses of a tied parameter). The terms are summed by book-keeping,
-        as the current iterate's are (the past graphs are gone). See :mod:`lightning_dp.optim.momentum`.
+        Call right after the forward at that iterate (its graph is consumed). The next clip takes, per sample, the exact
+        norm of ``weight_now * grad_i(now) + sum_past weight * grad_i(past)``.
 
         Args:
             per_sample_loss: ``[B]``, the batch's per-sample loss at the past iterate.
             weight: its momentum weight ``beta^(t-i) / c_beta``.
 
         Raises:
-            ValueError: ``per_sample_loss`` not of shape ``[B]`` or not requiring grad, or a batch size different
-                from an earlier past iterate's.
+            ValueError: ``per_sample_loss`` not ``[B]`` or not requiring grad, or another batch size than an earlier
+                past iterate's.
             RuntimeError: after :meth:`detach`.
         """
         if not self._hooks.attached:

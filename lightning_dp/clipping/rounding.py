@@ -1,7 +1,6 @@
-"""Rounding in the per-sample arithmetic (docs/design.md section 4.10): the allowance both the clip factors and the
-sum check count in machine epsilons, the bound on what the clipped sum adds for a sample, rounding included, and the
-full precision that allowance assumes, and the warning for 16-bit parameters, which that full precision cannot
-cover (their .grad is rounded)."""
+"""Rounding in the per-sample arithmetic (docs/design.md section 4.10): the rounding bound of the clip factors, the
+full precision it assumes, and the warning for 16-bit parameters.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ ROUNDING_EPSILONS = 128
 
 @contextlib.contextmanager
 def full_precision(device: torch.device) -> Iterator[None]:
-    """The per-sample arithmetic (terms, norms, book-keeping's sums) in the terms' own dtype: autocast off on
-    ``device`` and float32 matmuls at ``"highest"`` precision (no TF32), restored afterwards. The rounding bound of
-    the clip factors (:func:`rounded_norm_bound`) counts float32 or float64 epsilons, which reduced-precision
-    arithmetic would exceed."""
+    """The per-sample arithmetic in the terms' own dtype: autocast off on ``device`` and float32 matmuls at
+    ``"highest"`` precision (no TF32), restored afterwards.
+    """
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -35,21 +33,17 @@ def full_precision(device: torch.device) -> Iterator[None]:
 
 
 def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, epsilon: float) -> torch.Tensor:
-    """``nu_gi`` ``[G, B]``: an upper bound on the norm of what the clipped sum adds for sample ``i`` in group ``g``
-    before its factor, from the computed norm and the rounding scale ``s`` (docs/design.md section 4.10).
+    """``nu_gi`` ``[G, B]``: an upper bound on the norm of what the clipped sum adds for sample ``i`` in group ``g``,
+    rounding included (docs/design.md section 4.10).
 
-    With ``r = 128 epsilon``: for ``norm=2``, ``nu = sqrt(n^2 + r s^2) + r s`` (``n^2`` = ``totals``, computed by any
-    engine, Gram products included, to within ``r s^2``; the clipped sum's own rounding of the sample's gradient
-    within ``r s``); for ``norm=1``, ``nu = n + 2 r s``. Clipping at ``min(1, C / nu)`` then bounds each sample's
-    contribution by ``C`` in floating point too, also for a gradient made of large parts that cancel. A non-finite
-    bound is ``inf`` (factor 0).
+    With ``r = 128 epsilon``: ``nu = sqrt(n^2 + r s^2) + r s`` for ``norm=2``, ``nu = n + 2 r s`` for ``norm=1``; a
+    non-finite bound is ``inf`` (factor 0).
 
     Args:
         totals: ``[G, B]``, squared l2 norms (``norm=2``, not negative) or l1 norms.
-        scales: ``[G, B]``, the squared rounding scales (``norm=2``) or the scales (``norm=1``) from
-            :meth:`~lightning_dp.clipping.sample_norms.SampleNormsMixin._norms`.
+        scales: ``[G, B]``, the squared rounding scales (``norm=2``) or the scales (``norm=1``).
         norm: 2 or 1.
-        epsilon: the machine epsilon of the per-sample arithmetic (float32's unless every parameter is float64).
+        epsilon: the machine epsilon of the per-sample arithmetic.
     """
     r = ROUNDING_EPSILONS * epsilon
     bound = (totals + r * scales).sqrt() + r * scales.sqrt() if norm == 2 else totals + 2 * r * scales

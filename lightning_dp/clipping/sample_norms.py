@@ -1,12 +1,5 @@
 """The per-sample norms of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` and the wiring of the sum check
-(docs/design.md sections 4.3, 4.5 and 9.3).
-
-One backward pass to the captured layer outputs (with the parameter gradients when the sum check is due), the
-per-sample terms grouped by parameter, and the engine's norm contributions summed group by group over the groups of
-captures that share a parameter (of the current iterate and of the past ones), into one total per clipping group
-(one for flat clipping; :mod:`~lightning_dp.clipping.groups`). With augmentation multiplicity each capture's rows are
-folded into their examples first (:mod:`~lightning_dp.clipping.multiplicity`). The mixin holds no state of its own:
-it reads the clipper's attributes (set by ``PerSampleClipper.__init__``).
+(docs/design.md sections 4.3, 4.5 and 9.3). A stateless mixin over the clipper's attributes.
 """
 
 from __future__ import annotations
@@ -29,11 +22,8 @@ from lightning_dp.clipping.terms import Term
 def _shared_parameter_groups(
     captures: list[Capture], registered: dict[tuple[int, str], nn.Parameter]
 ) -> list[list[Capture]]:
-    """Split captures into groups closed under sharing a parameter (a module called twice, tied weights); parameters
-    are the ``registered`` ones of ``(id(module), attribute)``.
-
-    The terms of one group are formed, reduced and freed before the next group, so that peak memory is one group's
-    terms (e.g. one convolution's unfolded input) rather than the whole model's.
+    """Split captures into groups closed under sharing a parameter (keyed by ``(id(module), attribute)`` in
+    ``registered``); each group's terms are freed before the next (docs/design.md section 4.4).
     """
     groups: list[tuple[set[int], list[Capture]]] = []
     for capture in captures:
@@ -52,8 +42,7 @@ def _keys(capture: Capture) -> list[tuple[int, str]]:
 
 
 class SampleNormsMixin:
-    """Per-sample norms and the sum check of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (a base class
-    of it, not used alone)."""
+    """Per-sample norms and the sum check of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` (its base)."""
 
     module: nn.Module
     norm: int
@@ -91,15 +80,13 @@ class SampleNormsMixin:
     def _backward_pass(
         self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0
     ) -> tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]:
-        """ONE backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's
-        ``output_grad`` (every per-sample term is linear in it, so the terms come out scaled by ``weight``).
+        """One backward of ``weight * sum_i loss_i`` to the captured output edges; sets each capture's ``output_grad``.
 
-        With ``param_grads`` the parameter gradients are computed in the same pass and returned (None for a
-        parameter the loss does not reach), never written to ``.grad``; they serve the sum check. The graph is freed.
+        With ``param_grads`` also returns the parameter gradients (None where unreached; never written to ``.grad``) for
+        the sum check. The graph is freed.
 
         Raises:
-            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call of its
-                module did.
+            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call did.
         """
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
@@ -132,9 +119,8 @@ class SampleNormsMixin:
         return captures, batch_grads
 
     def _forward_leaves(self, captures: list[Capture]) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Each trainable parameter with the tensors the forward used for it, each distinct tensor once: the
-        parameter itself, or under FSDP2 the unsharded tensors a sharded module swapped in (a tied weight may be
-        gathered into one per module that uses it; their gradients add up to the parameter's)."""
+        """Each trainable parameter with the distinct tensors the forward used for it (under FSDP2, the unsharded
+        ones)."""
         leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         for capture in captures:
             for key in _keys(capture):
@@ -157,13 +143,11 @@ class SampleNormsMixin:
         )
 
     def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
-        """Group the terms of all captures by parameter (one term per use), each the term of the ``batch`` examples:
-        with augmentation multiplicity ``K``, a capture's ``B K`` rows folded into their examples
+        """Group the terms of all captures by parameter (one term per use), folded to ``batch`` examples
         (:func:`~lightning_dp.clipping.multiplicity.fold_copies`).
 
         Raises:
-            ValueError: a captured input modified in place after its layer ran; a capture without ``B K`` rows
-                (:func:`~lightning_dp.clipping.multiplicity.check_rows`).
+            ValueError: a captured input modified in place after its layer ran; a capture without ``B K`` rows.
         """
         copies = self.augmentation_multiplicity
         terms: dict[nn.Parameter, list[Term]] = {}
@@ -193,21 +177,12 @@ class SampleNormsMixin:
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = None,
         reduced: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, SumCheck | None]:
-        """Per-sample squared norms (l1 norms for ``norm=1``) per clipping group ``[G, B]`` (``G = 1`` for flat
-        clipping: over all trainable parameters) from the captures of the current iterate and
-        of the past ones (:meth:`add_past_iterate`), whose terms join a parameter's uses like those of a tied
-        parameter; their rounding scales ``[G, B]`` (for ``norm=2`` the sum over the group's parameters of the
-        squared scale ``s_ip``, for ``norm=1`` of ``s_ip``, where ``s_ip`` sums the rounding scales of parameter
-        ``p``'s terms: :func:`~lightning_dp.clipping.rounding.rounded_norm_bound`); and, when ``check``, the sum check
-        fed with the current iterate's terms (its failures are read by the caller, who knows whether the batch had
-        non-finite samples).
+        """Per-sample squared norms (l1 for ``norm=1``) per clipping group ``[G, B]``, current and past iterates
+        together; their rounding scales ``[G, B]`` (:func:`~lightning_dp.clipping.rounding.rounded_norm_bound`); and
+        with ``check`` the sum check fed with the current iterate's terms (failures read by the caller).
 
-        ``reduced`` (with ``check``): the backward ran in reduced precision (:func:`~.sum_check.reduced_precision`),
-        which loosens the check's tolerance.
-
-        With ``kept``, each group's terms, from which the clipped sum is formed by book-keeping, are appended to it
-        when they are views of the captures (nothing new held), else the captures themselves, whose terms are then
-        formed again.
+        ``reduced``: the backward ran in reduced precision (looser tolerance). With ``kept``, each group's terms (if
+        views of the captures) or the captures themselves are appended for book-keeping.
 
         Raises:
             UnsupportedModuleError: (when ``check``) a parameter reached by the loss without per-sample terms.

@@ -1,8 +1,5 @@
-"""The per-sample sum check: each parameter's per-sample gradients must sum to its autograd gradient.
-
-It catches a parameter used outside its hooked layer (functional reuse, an L2 penalty in the loss) and wrong layer
-maths. The clipped sum is formed by book-keeping, so such a use can only lose gradient (it never reaches ``p.grad``),
-and the check runs on a schedule (docs/design.md section 4.4).
+"""The per-sample sum check: each parameter's per-sample gradients must sum to its autograd gradient (docs/design.md
+section 9.3).
 """
 
 from __future__ import annotations
@@ -26,11 +23,9 @@ _REDUCED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter], captures: list[Capture]) -> bool:
-    """Whether this step's gradients were computed in reduced precision (10 or fewer mantissa bits somewhere).
-
-    True under fp16/bf16 autocast (active now, or seen in the captured activations, output gradients or loss), for
-    fp16/bf16 parameters, and for float32 CUDA parameters when TF32 is allowed for matmuls, or for convolutions
-    (cuDNN's default) and the model has a hooked convolution.
+    """Whether this step's gradients were computed with 10 or fewer mantissa bits somewhere: fp16/bf16 autocast (now, or
+    seen in the captures or loss), fp16/bf16 parameters, or float32 CUDA parameters with TF32 matmuls, or TF32
+    convolutions and a hooked convolution.
     """
     if per_sample_loss.dtype in _REDUCED_DTYPES or torch.is_autocast_enabled(per_sample_loss.device.type):
         return True
@@ -50,19 +45,12 @@ def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter],
 
 
 class SumCheck:
-    """Per-step check that each parameter's per-sample gradients sum to its autograd gradient (see ``verify``).
+    """Per-step check that each parameter's per-sample gradients sum to its autograd gradient.
 
-    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k)) + r * S_p``,
-    with ``ours_p`` the batch sum of its per-sample terms, ``ref_p`` the gradient of ``sum_i loss_i`` from the first
-    backward, ``G`` the joint norm of all ``max(||ours_p||, ||ref_p||)`` over the ``k`` checked parameters, ``S_p``
-    the sum over ``p``'s terms and the samples of their rounding scales (an upper bound on ``|| sum |products| ||_F``
-    over the products both sums add up: :meth:`~.terms.Materialised.rounding_scales`)
-    and ``r`` the rounding allowance (``128`` machine epsilons of the terms' dtype, :data:`ROUNDING_RTOL_REDUCED`
-    under reduced precision). The absolute floor ``rtol * G / sqrt(k)`` keeps parameters whose gradient is exactly
-    zero in exact arithmetic (a conv bias before ``GroupNorm(C, C)``) from failing on rounding noise; ``r * S_p`` keeps
-    a sum that cancels (examples or tokens whose products cancel, a gradient along a standardised weight row) from
-    failing on the rounding of the magnitudes that cancelled, whatever the values of one example. Norms stay on the
-    device; :meth:`failures` syncs once.
+    Parameter ``p`` fails when ``||ours_p - ref_p|| > rtol * (max(||ours_p||, ||ref_p||) + G / sqrt(k)) + r * S_p``:
+    ``ours_p`` the batch sum of its terms, ``ref_p`` the autograd gradient of ``sum_i loss_i``, ``G`` the joint norm
+    of the ``max(...)`` over the ``k`` checked parameters, ``S_p`` the summed rounding scales of ``p``'s terms, ``r``
+    128 machine epsilons (:data:`ROUNDING_RTOL_REDUCED` under reduced precision). :meth:`failures` syncs once.
 
     Args:
         rtol: the relative tolerance (:data:`VERIFY_RTOL` or :data:`VERIFY_RTOL_REDUCED`).
@@ -78,8 +66,7 @@ class SumCheck:
         self.rounding: list[torch.Tensor] = []
 
     def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
-        """Record the mismatch of one parameter (one batch sum of its terms, ``[*param.shape]``, freed here) and its
-        rounding allowance."""
+        """Record one parameter's mismatch (the batch sum of its terms, ``[*param.shape]``) and rounding allowance."""
         ours = terms[0].batch_sum()
         for term in terms[1:]:
             ours = ours + term.batch_sum()

@@ -1,10 +1,8 @@
-"""Per-sample gradient terms: what a layer family hands to a clipping engine.
+"""Per-sample gradient terms: what a layer family hands to a clipping engine (docs/design.md section 4.2).
 
-A layer family turns one captured call of a layer (its input activation and the gradient of the loss w.r.t. its
-output) into one term per trainable parameter. A term either holds the per-sample gradient in full
-(:class:`Materialised`) or in the factored form ``grad_i = L_i^T R_i`` (:class:`Factored`) that lets the ghost
-engine compute ``||grad_i||_F^2 = <L_i L_i^T, R_i R_i^T>`` without forming ``grad_i`` (Li et al. 2022, "Large
-language models can be strong differentially private learners", Section 4, ghost clipping).
+A term holds one use's per-sample gradient in full (:class:`Materialised`) or factored as ``grad_i = L_i^T R_i``
+(:class:`Factored`), whose norm the ghost engine takes as ``<L_i L_i^T, R_i R_i^T>`` (Li et al. 2022, "Large
+language models can be strong differentially private learners", Section 4).
 """
 
 from __future__ import annotations
@@ -24,9 +22,8 @@ class Materialised:
     """The per-sample gradient of one parameter for one use of it.
 
     Attributes:
-        grad: ``[B, *param.shape]`` in the compute dtype (see :func:`compute_dtype`).
-        rounding: ``[2, B]``, each sample's rounding scales in l1 (row 0) and l2 (row 1) norm (:meth:`rounding_scales`)
-            when the family added products up to form ``grad_i`` (:func:`sample_scales`); ``None``: ``grad_i`` is
+        grad: ``[B, *param.shape]`` in the compute dtype (:func:`compute_dtype`).
+        rounding: ``[2, B]`` l1 (row 0) and l2 (row 1) rounding scales (:func:`sample_scales`), or ``None``: ``grad_i``
             formed without cancellation, its scales are its own norms.
     """
 
@@ -46,16 +43,14 @@ class Materialised:
         return self.grad
 
     def masked(self, keep: torch.Tensor) -> Materialised:
-        """The term with every sample outside ``keep`` (``[B]`` bool) set to zero (a new tensor; non-finite
-        values of dropped samples included, which a multiplication by zero would turn into NaN)."""
+        """The term with samples outside ``keep`` (``[B]`` bool) set to zero (a new tensor; no ``0 * inf``)."""
         grad = torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0)
         return Materialised(grad, None if self.rounding is None else torch.where(keep, self.rounding, 0))
 
     def rounding_scales(self, norm: int) -> torch.Tensor:
-        """``[B]``: each sample's rounding scale in l1 (``norm=1``) or l2 norm, an upper bound on the norm of
-        ``sum_k |x_ik|`` over the products ``x_ik`` (each of ``param``'s shape) added up to form ``grad_i``; the
-        float rounding of ``grad_i``, of its norm and of any sum it enters is proportional to it (docs/design.md
-        section 4.10)."""
+        """``[B]``: each sample's rounding scale in l1 (``norm=1``) or l2, a bound on the norm of ``sum_k |x_ik|`` over
+        the products added up to form ``grad_i`` (docs/design.md section 4.10).
+        """
         if self.rounding is None:
             return torch.linalg.vector_norm(self.grad.flatten(1), ord=norm, dim=1)
         return self.rounding[0 if norm == 1 else 1]
@@ -76,11 +71,9 @@ class Factored:
     """The per-sample gradient of one parameter for one use, as ``grad_i = reshape(L_i^T R_i, shape)``.
 
     Attributes:
-        left: either dense ``[B, T, P]`` (floating point), or token ids ``[B, T]`` (integer) standing for the
-            one-hot matrix ``L_i[t, p] = [left[i, t] == p]`` (embeddings).
-        right: dense ``[B, T, Q]``, same dtype as a dense ``left``.
-        shape: the parameter shape, with ``shape[0] == P`` and ``prod(shape[1:]) == Q`` for every layer family, so
-            that terms of different families sharing one parameter (tied weights) index it alike.
+        left: dense ``[B, T, P]`` (floating point), or token ids ``[B, T]`` standing for one-hot rows (embeddings).
+        right: dense ``[B, T, Q]``, the dtype of a dense ``left``.
+        shape: the parameter shape, ``shape[0] == P`` and ``prod(shape[1:]) == Q`` for every layer family.
     """
 
     left: torch.Tensor
@@ -96,9 +89,9 @@ class Factored:
         return self.right.dtype
 
     def rounding_scales(self, norm: int) -> torch.Tensor:
-        """``[B]``: each sample's rounding scale, an upper bound on the l1 (``norm=1``) or l2 norm of ``|L_i|^T |R_i|``
-        (see :meth:`Materialised.rounding_scales`): ``sum_t ||l_t||_1 ||r_t||_1`` (exact) or ``||L_i||_F ||R_i||_F``;
-        a token id's one-hot row has norm 1 (l2: ``sqrt(T) ||R_i||_F``)."""
+        """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
+        (:meth:`Materialised.rounding_scales`); a one-hot row has norm 1.
+        """
         if self.is_index:
             if norm == 1:
                 return torch.linalg.vector_norm(self.right, 1, dim=(1, 2))
@@ -115,9 +108,9 @@ class Factored:
         return Factored(self.left[index], self.right[index], self.shape)
 
     def masked(self, keep: torch.Tensor) -> Factored:
-        """The term with every sample outside ``keep`` (``[B]`` bool) set to zero: both dense factors' rows of a
-        dropped sample are zeroed (new tensors), so a non-finite value there cannot reach a product as ``0 * inf``.
-        Token ids are kept (they index, they do not multiply)."""
+        """The term with samples outside ``keep`` (``[B]`` bool) set to zero: dense factors' rows zeroed (new tensors),
+        token ids kept.
+        """
         rows = keep.view(-1, 1, 1)
         left = self.left if self.is_index else torch.where(rows, self.left, 0)
         return Factored(left, torch.where(rows, self.right, 0), self.shape)
@@ -133,8 +126,7 @@ class Factored:
         return grad.reshape(batch, *self.shape)
 
     def add_to(self, total: torch.Tensor) -> None:
-        """``total += L_i^T R_i`` in place (a batched multiply-add, or a scatter-add of the ids), without forming the
-        term's own ``[B, *shape]`` tensor; ``total`` ``[B, *shape]``, contiguous."""
+        """``total += L_i^T R_i`` in place without forming the term's ``[B, *shape]``; ``total`` contiguous."""
         batch, _, cols = self.right.shape
         view = total.view(batch, self.shape[0], cols)
         if self.is_index:
@@ -143,10 +135,10 @@ class Factored:
             view.baddbmm_(self.left.transpose(1, 2), self.right)
 
     def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum_i w_i L_i^T R_i`` (``w_i = 1`` when ``weights`` is None), ``[*shape]``, without per-sample gradients:
-        one ``P x Q`` matmul over the ``B * T`` rows, with the narrower factor scaled by ``w_i`` (book-keeping, Bu et
-        al. 2023, "Differentially private optimization on large model at small cost", Section 3). ``weights``:
-        ``[B]``."""
+        """``sum_i w_i L_i^T R_i`` ``[*shape]`` (``w_i = 1`` when ``weights`` ``[B]`` is None), one matmul over the ``B
+        T`` rows (book-keeping, Bu et al. 2023, "Differentially private optimization on large model at small cost",
+        Section 3).
+        """
         left, right = self.left, self.right
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
@@ -167,16 +159,15 @@ Term = Materialised | Factored
 
 
 def sample_scales(absolute: torch.Tensor) -> torch.Tensor:
-    """``[2, B]``: the l1 and l2 norms of each sample's row of ``absolute`` ``[B, ...]`` (the rounding scales of
-    :class:`Materialised` from an entrywise bound)."""
+    """``[2, B]``: l1 and l2 norms of each sample's row of ``absolute`` ``[B, ...]``."""
     flat = absolute.flatten(1)
     return torch.stack([flat.sum(1), flat.norm(dim=1)])
 
 
 def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.Tensor:
-    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``, any strides): for
-    ``norm=1`` the l1 norm of ``|L_i|^T |R_i|``, ``sum_t ||l_t||_1 ||r_t||_1``; for ``norm=2`` the bound
-    ``||L_i||_F ||R_i||_F`` on its l2 norm."""
+    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``): l1
+    ``sum_t ||l_t||_1 ||r_t||_1``; l2 the bound ``||L_i||_F ||R_i||_F``.
+    """
     vector_norm = torch.linalg.vector_norm
     if norm == 1:
         return (vector_norm(left, 1, dim=-1) * vector_norm(right, 1, dim=-1)).sum(1)
@@ -189,8 +180,9 @@ def product_scales(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 
 def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
-    """The materialised term ``sum_{dims} values`` (``values`` ``[B, ...]``, ``dims`` not containing 0; empty: no
-    reduction), with the rounding scales of ``sum_{dims} |values|``."""
+    """The materialised term ``sum_{dims} values`` (``values`` ``[B, ...]``, 0 not in ``dims``) with the rounding scales
+    of ``sum_{dims} |values|``.
+    """
     if not dims:
         return Materialised(values)
     return Materialised(values.sum(dims), sample_scales(torch.linalg.vector_norm(values, 1, dim=dims)))
@@ -204,10 +196,9 @@ def term_elements(term: Term) -> int:
 
 
 def materialise_sum(terms: Sequence[Term]) -> torch.Tensor:
-    """Per-sample gradient of a parameter summed over all its uses: ``[B, *param.shape]`` in the terms' promoted
-    dtype. A single term is returned as it materialises (no copy; callers do not write into it); several are summed
-    in one new buffer, the first factored term's product (or a copy of a materialised term), into which the other
-    uses are added in place, so no term's tensor is ever written."""
+    """Per-sample gradient summed over all uses: ``[B, *param.shape]`` in the promoted dtype. A single term is returned
+    uncopied (read-only); several are summed into one new buffer.
+    """
     if len(terms) == 1:
         return terms[0].materialise()
     first = next((term for term in terms if isinstance(term, Factored)), terms[0])
@@ -236,8 +227,7 @@ def as_sequence(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tensor(layer: nn.Module, name: str) -> torch.Tensor:
-    """``layer``'s tensor attribute ``name`` (a parameter, as a layer family reads it; under FSDP2 the unsharded
-    tensor the module holds during its call), typed as the tensor it is (``nn.Module.__getattr__`` is untyped)."""
+    """``layer``'s tensor attribute ``name`` (under FSDP2, the unsharded tensor held during the call), typed."""
     return cast(torch.Tensor, getattr(layer, name))
 
 

@@ -1,11 +1,5 @@
-"""Validation of a model for per-sample clipping: which modules to hook, and which configurations to reject.
-
-BatchNorm mixes samples through batch statistics and other norm layers with running statistics leak training data
-through unnoised buffers (docs/design.md sections 4.6 and 9.1); an embedding with ``max_norm`` renormalises the
-looked-up rows of its weight in place during the forward (``torch.embedding_renorm_``), so the released weights reveal
-which tokens were in training batches, whether the embedding is trainable or frozen; every trainable parameter must
-belong to a registered layer family (directly, or through a proxy child of a swapped module,
-:mod:`~lightning_dp.clipping.swaps.base`).
+"""Validation of a model for per-sample clipping: which modules to hook, and which configurations to reject
+(docs/design.md sections 4.6 and 9.1).
 """
 
 from __future__ import annotations
@@ -18,8 +12,7 @@ from lightning_dp.clipping.swaps.base import SwappedModule
 
 
 def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool:
-    """Whether each parameter ``names`` of ``module`` is also registered in a descendant with a layer family (the
-    proxy children of a swapped module, :mod:`~lightning_dp.clipping.swaps.base`), whose hooks then see its uses."""
+    """Whether each parameter ``names`` of ``module`` is also registered in a hooked descendant (a proxy)."""
     covered = {
         id(p)
         for sub in module.modules()
@@ -33,10 +26,9 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
     """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``.
 
     Raises:
-        UnsupportedModuleError: for BatchNorm anywhere, any other norm layer with ``track_running_stats=True``
-            (InstanceNorm), an ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` anywhere, a supported layer
-            in a sample-mixing configuration, or a trainable parameter owned by a
-            module no registered family covers.
+        UnsupportedModuleError: BatchNorm anywhere; another norm layer with ``track_running_stats=True``; an
+            ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` anywhere (it renormalises its weight in place); a
+            supported layer in a sample-mixing configuration; a trainable parameter no registered family covers.
     """
     hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
     for path, sub in module.named_modules():
@@ -79,10 +71,8 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
 
 
 def check_trainable_set(current: dict[object, str], known: dict[object, str]) -> None:
-    """Raise when the trainable parameters differ from those at the clipper's construction: ``current`` and ``known``
-    map a key (a parameter's ``id``, or its name on an FSDP2-sharded model, whose parameter objects change) to the
-    parameter's name, now and then. A parameter frozen since would make the backward fail; one unfrozen (or added)
-    since would get no clipped gradient, only noise, and is not hooked.
+    """Raise when the trainable parameters differ from those at the clipper's construction (``current`` and ``known``
+    map a parameter's ``id``, or its name when FSDP2-sharded, to its name).
 
     Raises:
         ValueError: naming the parameters whose status changed.

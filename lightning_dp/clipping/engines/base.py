@@ -1,8 +1,7 @@
-"""Clipping engines: how the per-sample norm contribution of one parameter is computed from its terms.
+"""Clipping engines: a parameter's terms (one per use) -> its per-sample contribution ``sum_j |grad_ij|^p`` ``[B]``.
 
-An engine maps the terms of one parameter (one per use of it in the forward pass) to ``sum_j |grad_ij|^p``, a
-``[B]`` tensor, for the clipping norm ``p`` (2 or 1). The clipper sums these over parameters and takes the ``p``-th
-root. Engine classes register themselves by name in :data:`ENGINES`; a new engine is one new file.
+The clipper sums the contributions over parameters and takes the ``p``-th root; engines register by name in
+:data:`ENGINES` (docs/design.md sections 4.3 and 10.1).
 """
 
 from __future__ import annotations
@@ -25,16 +24,13 @@ class ClippingEngine(ABC):
     """Computes per-sample norm contributions of one parameter.
 
     Attributes:
-        name: registry name (the ``clipping=`` argument of the clipper).
-        supports_l1: whether ``norm=1`` is available (it needs the per-sample gradients themselves).
-        randomized: whether the contribution is a random estimate (it then needs a generator and changes the
-            privacy accounting: seed "Efficient DP-SGD for LLMs with Randomized Clipping", Section 5).
-        estimator: for a randomized engine, the law of its estimate that the ``rc`` accountant bounds, one of
-            :data:`~lightning_dp.accounting.rc_envelope.ESTIMATORS` (``"hutch"``: Hutchinson's, ``"hutchpp"``:
-            Hutch++); recorded in the privacy event in place of the engine's name, so a new engine with one of
-            these laws is accounted without naming it anywhere else. ``None`` for an exact engine.
-        projection_dim: for a randomized engine, ``k``, the number of random projection columns (its constructor
-            receives it); absent on an exact engine.
+        name: registry name (the clipper's ``clipping=``).
+        supports_l1: whether ``norm=1`` is available.
+        randomized: whether the contribution is a random estimate (needs a generator; accounted by ``rc``, seed
+            "Efficient DP-SGD for LLMs with Randomized Clipping", Section 5).
+        estimator: a randomized engine's estimator law, one of :data:`~lightning_dp.accounting.rc_envelope.ESTIMATORS`
+            (recorded in the privacy event); ``None`` for an exact engine.
+        projection_dim: a randomized engine's ``k`` (random projection columns); absent on an exact engine.
     """
 
     name: ClassVar[str]
@@ -56,14 +52,9 @@ class ClippingEngine(ABC):
     def contribution_and_gradient(
         self, terms: list[Term], norm: int, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:meth:`contribution` ``[B]``, plus the per-sample gradient summed over the uses ``[B, *param.shape]``
-        when the engine formed it in full and it holds no more elements than the terms it stands for (else None).
-
-        Book-keeping then forms the clipped sum ``sum_i c_i g_i`` from it (``B * numel`` multiply-adds) instead of
-        ``sum_i c_i L_i^T R_i`` from the factors (``B * T * numel``). When every parameter of a group of captures
-        is kept this way, the captures are released, so the kept gradients take at most the factors' memory;
-        otherwise the captures live until the clipped sum and the kept gradients come on top. The default forms
-        nothing (None).
+        """:meth:`contribution` ``[B]``, plus the per-sample gradient summed over uses ``[B, *param.shape]`` when the
+        engine formed it and it is no larger than the terms (else None; the default). Book-keeping then uses it for the
+        clipped sum (docs/design.md section 4.4).
         """
         return self.contribution(terms, norm, generator), None
 
@@ -82,8 +73,7 @@ def gradient_contribution(grad: torch.Tensor, norm: int) -> torch.Tensor:
 def materialised_contribution_and_gradient(
     terms: Sequence[Term], norm: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`materialised_contribution` and, when it is no larger than the terms (see
-    :meth:`ClippingEngine.contribution_and_gradient`), the per-sample gradient it was computed from."""
+    """:func:`materialised_contribution` and, when no larger than the terms, the per-sample gradient it came from."""
     grad = materialise_sum(terms)
     return gradient_contribution(grad, norm), grad if gradient_fits(terms) else None
 
@@ -106,13 +96,12 @@ def register_engine(cls: _E, /, *, override: bool = False) -> _E: ...
 @overload
 def register_engine(cls: None = None, /, *, override: bool = False) -> Callable[[_E], _E]: ...
 def register_engine(cls: _E | None = None, /, *, override: bool = False) -> _E | Callable[[_E], _E]:
-    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name``. Use it bare (``@register_engine``),
-    or as ``@register_engine(override=True)`` / ``register_engine(cls, override=True)`` to replace the engine
-    registered under that name (logged as a warning). Registering the same class again does nothing.
+    """Class decorator: add an engine class to :data:`ENGINES` under ``cls.name`` (bare, or ``override=True`` to replace
+    one, logged). Registering the same class again does nothing.
 
     Raises:
-        ValueError: a randomized engine whose ``estimator`` is not one the ``rc`` accountant bounds; another class
-            registered under ``cls.name`` and ``override`` False.
+        ValueError: a randomized engine whose ``estimator`` the ``rc`` accountant does not bound; another class under
+            ``cls.name`` without ``override``.
     """
     return class_decorator(cls, lambda cls: ENGINES.register(cls.name, _checked(cls), override=override))
 
@@ -134,22 +123,15 @@ AUTO = "auto"
 
 
 def clipping_choices() -> tuple[str, ...]:
-    """The values the ``clipping`` option takes: :data:`AUTO`, then every registered engine (read at call time, so
-    engines registered by extensions are included)."""
+    """The values of the ``clipping`` option: :data:`AUTO`, then every engine registered at call time."""
     return (AUTO, *ENGINES)
 
 
 def auto_engine(norm: int) -> tuple[str, str]:
-    """The engine ``clipping="auto"`` runs when per-sample gradients are clipped in the ``norm`` norm, and why.
+    """The engine ``clipping="auto"`` runs for the ``norm`` norm, and why (docs/design.md section 4.3).
 
     Returns:
-        ``(name, reason)``: for l2 (``norm=2``) ``"mixed"``, which takes per parameter the cheaper of ghost norms and
-        materialised per-sample gradients, and with book-keeping reuses the materialised ones for the clipped sum:
-        the fastest exact engine, or within the measurement's noise of it, at every shape of docs/performance.md
-        (tiny GPT-2 at T = 128, 512, 2048; a 128k-token head); for l1 (``norm=1``, ``noise="laplace"``) ``"flat"``,
-        the only engine that supports it. Every exact engine gives the same clipped sum up to float rounding, so
-        the choice changes the cost only; a randomized engine (``hutch``, ``hutchpp``) is never picked, since its
-        norm estimate changes the accounting.
+        ``(name, reason)``: ``"mixed"`` for ``norm=2``, ``"flat"`` for ``norm=1``; never a randomized engine.
 
     Raises:
         ValueError: ``norm`` other than 1 or 2.
@@ -166,11 +148,10 @@ def make_clipping_engine(name: str, *, projection_dim: int | None = None) -> Cli
 
     Args:
         name: one of :data:`ENGINES`.
-        projection_dim: ``k``, the number of random projection columns of a randomized engine (default
-            :data:`DEFAULT_PROJECTION_DIM`); only for randomized engines.
+        projection_dim: ``k`` of a randomized engine (default :data:`DEFAULT_PROJECTION_DIM`); randomized only.
 
     Raises:
-        ValueError: unknown name, ``projection_dim < 1``, or ``projection_dim`` given for a deterministic engine.
+        ValueError: unknown name, ``projection_dim < 1``, or ``projection_dim`` for a deterministic engine.
     """
     cls = ENGINES.get(name)
     if not cls.randomized:

@@ -1,15 +1,8 @@
-"""Engine ``ghost``: per-sample squared norms from Gram matrices, without per-sample gradients (Li et al. 2022).
+"""Engine ``ghost``: per-sample squared norms from Gram matrices, without per-sample gradients.
 
-For a factored term ``grad_i = L_i^T R_i``: ``||grad_i||_F^2 = <L_i L_i^T, R_i R_i^T>`` (Li et al. 2022, "Large
-language models can be strong differentially private learners", Section 4, ghost clipping), memory ``B * T^2``.
-A parameter used several times (tied weights such as GPT-2's ``lm_head.weight is wte.weight``, or a module called
-twice) has ``grad_i = sum_u L_ui^T R_ui``, so the squared norm includes the cross terms
-``sum_{u,v} <L_ui L_vi^T, R_ui R_vi^T>`` (memory ``B * T_u * T_v``), never just the sum of the uses' squared norms.
-Left Gram blocks with one-hot ids are formed without the one-hot matrix: id equality between two embedding uses,
-and a gather of the dense factor's columns at the ids between an embedding use and a linear use.
-
-Parameters with a materialised term (biases, norm layers, grouped convolutions) are materialised in full, summed
-over uses (exact; these parameters are small). l2 only.
+``||grad_i||_F^2 = <L_i L_i^T, R_i R_i^T>`` (Li et al. 2022, "Large language models can be strong differentially
+private learners", Section 4), memory ``B T^2``; a parameter with several uses includes the cross terms
+``sum_{u,v} <L_ui L_vi^T, R_ui R_vi^T>`` (docs/design.md section 4.5). Materialised terms get exact norms. l2 only.
 """
 
 from __future__ import annotations
@@ -39,11 +32,8 @@ MERGE_ROWS = 256
 
 
 def merge_uses(terms: Sequence[Factored]) -> list[Factored]:
-    """Concatenate consecutive uses of the same kind (dense or ids) along the sequence, up to ``max(MERGE_ROWS,
-    longest use)`` rows per merged use: exact, since ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``.
-
-    A recurrent weight used once per time step (``T`` uses of one row each) then costs a few Gram blocks instead of
-    ``T^2 / 2``; the largest Gram block grows by at most that bound.
+    """Concatenate consecutive uses of the same kind (dense or ids) along the sequence, up to ``max(MERGE_ROWS, longest
+    use)`` rows each (exact: ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``).
     """
     limit = max(MERGE_ROWS, max(term.right.shape[1] for term in terms))
     merged: list[list[Factored]] = []

@@ -1,16 +1,11 @@
 """Engine ``hutch``: per-sample squared norms by Hutchinson's trace estimator (seed "Efficient DP-SGD for LLMs with
 Randomized Clipping", Algorithm 2 lines 3-6; Hutchinson 1989).
 
-For a linear-like parameter with per-sample gradient ``M_i`` (``m x n``, ``n`` the larger side) the estimate is
-``||M_i P||_F^2`` with ``P`` an ``n x k`` matrix of i.i.d. ``N(0, 1/k)`` entries, drawn fresh for every parameter and
-step from the DP randomness (never the global RNG; one ``P`` per parameter shared by the batch, so every sample's
-estimate has the same law). It is unbiased, ``E ||M P||_F^2 = ||M||_F^2``, with relative variance at most ``2/k``.
-Memory ``B (T + m) k + n k`` per parameter, against ``B T^2`` for ghost norms.
-
-Parameters with materialised terms (biases, norm layers, grouped convolutions: "other" layers) get exact norms
-(Algorithm 2, line 15). The accountant (``accountant="rc"``, :mod:`lightning_dp.accounting.rc`) bounds the ratio of
-estimated to true squared norm from below by ``min(chi^2(k)/k, 1)``, which holds for any mix of exact and
-estimated layers and any ``d`` (docs/accountants.md, section on the rc accountant).
+For a per-sample gradient ``M_i`` (``m x n``, ``n`` the larger side) the estimate is ``||M_i P||_F^2``, ``P`` an
+``n x k`` matrix of i.i.d. ``N(0, 1/k)`` entries drawn per parameter and step from the DP randomness (shared by the
+batch): unbiased, relative variance at most ``2/k``; memory ``B (T + m) k + n k`` per parameter. Materialised terms
+get exact norms (Algorithm 2, line 15). Accounted by ``accountant="rc"`` (:mod:`lightning_dp.accounting.rc`;
+docs/design.md section 6.5).
 """
 
 from __future__ import annotations
@@ -26,12 +21,8 @@ from lightning_dp.clipping.terms import Term, all_factored
 
 
 def norm_dim(params: list[torch.nn.Parameter]) -> int:
-    """``d`` recorded in the randomized-clipping event: an upper bound on the rank of every estimated per-sample
-    gradient, ``max_p min(P, Q)`` for a parameter of shape ``P x Q...`` (1 for vectors).
-
-    The seed's ``d = max_l min(p_l, d_l)`` (Theorem 5.1, proof sketch); taking it from the shapes alone is
-    conservative, since the seed's envelope is a supremum over the simplex of dimension ``d`` and grows with ``d``.
-    (The ``rc`` accountant's bound does not depend on ``d``; the event records it so the ledger is complete.)
+    """``d`` recorded in the randomized-clipping event: ``max_p min(P, Q)`` over the parameters' shapes (1 for vectors),
+    a conservative bound on the seed's ``d`` (Theorem 5.1).
     """
     dims = [min(p.shape[0], math.prod(p.shape[1:])) if p.ndim >= 2 else 1 for p in params]
     return max(dims, default=1)

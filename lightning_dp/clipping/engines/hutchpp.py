@@ -1,17 +1,10 @@
 """Engine ``hutchpp``: per-sample squared norms by Hutch++ (Meyer et al. 2021, "Hutch++: optimal stochastic trace
 estimation"; seed "Efficient DP-SGD for LLMs with Randomized Clipping", Algorithm 2 lines 7-12).
 
-The squared norm ``||M_i||_F^2 = tr(M_i^T M_i)`` is split into a head, computed exactly on a sketched subspace, and a
-tail estimated by Hutchinson: with ``S, P`` two ``n x k`` matrices of i.i.d. ``N(0, 1/k)`` entries (fresh per
-parameter and step, from the DP randomness), ``Q_i`` an orthonormal basis of ``M_i^T M_i S`` (reduced QR),
-
-    estimate_i = ||M_i Q_i||_F^2 + ||M_i P - (M_i Q_i)(Q_i^T P)||_F^2,
-
-which is unbiased (the tail is Hutchinson's estimate of ``tr((I - Q Q^T) M^T M (I - Q Q^T))`` given ``Q``) and
-captures the top of the spectrum exactly, so its error is far below Hutchinson's for gradients with a decaying
-spectrum. The seed writes the sketch as ``A^T (G S)`` (the range of ``M`` itself); we use ``M^T M S``, the range
-of the trace argument, which is Meyer et al.'s construction. Memory ``B (T + m + n) k`` per parameter (the basis
-is per sample); materialised terms are exact as in :mod:`~lightning_dp.clipping.engines.hutch`.
+With ``S, P`` two ``n x k`` matrices of i.i.d. ``N(0, 1/k)`` entries (per parameter and step, DP randomness) and
+``Q_i`` an orthonormal basis of ``M_i^T M_i S``: ``estimate_i = ||M_i Q_i||_F^2 + ||M_i P - (M_i Q_i)(Q_i^T P)||_F^2``,
+unbiased. The sketch is Meyer et al.'s, not the seed's (docs/design.md section 4.3). Memory ``B (T + m + n) k`` per
+parameter; materialised terms are exact.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Engine ``mixed``: per parameter, ghost norms or materialised per-sample gradients, whichever costs less (the
-layerwise choice of Bu et al. 2023, "Differentially private optimization on large model at small cost", Section 3.2,
-and Bu et al. 2022, "Scalable and efficient training of large convolutional neural networks with differential
-privacy", mixed ghost clipping).
+"""Engine ``mixed``: per parameter, ghost norms or materialised per-sample gradients, whichever costs fewer
+multiply-adds (Bu et al. 2023, "Differentially private optimization on large model at small cost", Section 3.2; Bu
+et al. 2022, "Scalable and efficient training of large convolutional neural networks with differential privacy").
 
-For a parameter of shape ``P x Q`` with factored uses ``u`` of sequence lengths ``T_u``, per sample:
-
-- ghost costs ``sum_{u <= v} T_u T_v (P_uv + Q)`` multiply-adds (the Gram matrices of every pair of uses, cross
-  terms of tied weights included), with ``P_uv = 1`` when a use is an embedding (id equality or a gather replaces the
-  ``P``-wide product) and ``P_uv = P`` otherwise;
-- materialising costs ``P Q + sum_u T_u P Q`` for dense uses (``T_u Q`` for an embedding's scatter).
-
-``mixed`` takes the cheaper. Bu et al. state the rule by memory, ``2 T^2 < P Q``; we decide by the work because the
-engines exist for speed and the two rules part exactly where it matters: a 50257-wide output head at ``T = 512`` has
-``2 T^2 = 5e5 << P Q = 1.3e7`` (ghost by the memory rule) but a ghost cost ``T^2 (P + Q)`` twice the ``T P Q`` of
-materialising. Memory is then bounded by materialising in chunks of samples: ``max(1, floor(2 B T^2 / (P Q)))``
-samples at a time, so a chunk's per-sample gradients take at most ghost's memory plus one sample's gradient (the
-sum over uses and the squares hold two or three such buffers at once). The decision depends only on
-the shapes. Parameters with a materialised term (biases, norms, grouped convolutions) are materialised. Exact; l2.
-
-Under book-keeping a materialised per-sample gradient that holds no more elements than its factors (``P Q <=
-sum_u T_u (P + Q)``, which the work rule implies up to a factor of about two) is formed whole and kept for the
-clipped sum, ``sum_i c_i g_i``, in place of the factors: the clipped sum then costs ``B P Q`` instead of the
-``B T P Q`` of ``sum_i c_i L_i^T R_i``. The factors are freed when every parameter of their group is kept so
-(:meth:`~lightning_dp.clipping.engines.base.ClippingEngine.contribution_and_gradient`); forming the whole gradient and
-its squares takes up to twice its size for a moment. For a 50257-wide output head at ``T = 512`` this removes a quarter
-of the step's work at the same peak memory (docs/performance.md).
+Per sample, for a ``P x Q`` parameter with factored uses of lengths ``T_u``: ghost costs
+``sum_{u <= v} T_u T_v (P_uv + Q)`` (``P_uv = 1`` for an embedding use), materialising ``P Q + sum_u T_u P Q``
+(``T_u Q`` for an embedding). Materialisation runs in chunks of samples; a gradient no larger than its factors is
+kept for book-keeping. Exact; l2. Rationale and measurements: docs/design.md sections 4.3 and 12.6.
 """
 
 from __future__ import annotations
@@ -62,10 +43,8 @@ def materialise_cost(terms: list[Factored]) -> int:
 
 
 def chunked_squared_norm(terms: list[Factored]) -> torch.Tensor:
-    """Squared norms ``[B]`` of the materialised per-sample gradients, formed a chunk of samples at a time.
-
-    The chunk holds ``max(1, floor(2 B T^2 / (P Q)))`` samples (``T`` the longest use), so one chunk's gradients
-    fit in the ghost engine's ``2 B T^2`` plus one sample's ``P Q`` (two or three such buffers live at once).
+    """Squared norms ``[B]`` of the materialised per-sample gradients, ``max(1, floor(2 B T^2 / (P Q)))`` samples at a
+    time (``T`` the longest use).
     """
     batch = terms[0].right.shape[0]
     longest = max(term.right.shape[1] for term in terms)
@@ -96,8 +75,9 @@ class MixedEngine(ClippingEngine):
     def contribution_and_gradient(
         self, terms: list[Term], norm: int, generator: torch.Generator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Where materialising is chosen and the per-sample gradient is no larger than the factors, it is formed
-        whole (not in chunks) and returned for book-keeping's clipped sum; otherwise as :meth:`contribution`."""
+        """Where materialising is chosen and the gradient is no larger than the factors, it is formed whole and returned
+        for book-keeping; otherwise as :meth:`contribution`.
+        """
         factored = [term for term in terms if isinstance(term, Factored)]
         if len(factored) < len(terms):
             return materialised_contribution_and_gradient(terms, norm)

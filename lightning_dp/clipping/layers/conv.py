@@ -1,11 +1,7 @@
-"""Per-sample gradient terms for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``, by unfolding the convolution into a
-linear layer.
+"""Per-sample gradient terms for ``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d``, by unfolding into a linear layer.
 
-After padding (any ``padding_mode``) and unfolding (``F.unfold`` layout), sample ``i`` has patches ``A_i``
-(``L x C_in k``, one row per output position) and output gradients ``G_i`` (``L x C_out``); for ``groups == 1``
-``grad W_i = G_i^T A_i`` (docs/design.md section 4.2). For ``groups > 1`` each group is its own
-linear map; the per-sample gradient (``B * C_out * C_in/groups * k`` values, ``groups`` times smaller than the
-ungrouped weight) is materialised. The unfolding is the same for any number of spatial dimensions.
+Sample ``i``'s patches ``A_i`` (``L x C_in k``) and output gradients ``G_i`` (``L x C_out``) give ``grad W_i = G_i^T
+A_i`` (docs/design.md section 4.2); ``groups > 1`` is materialised.
 """
 
 from __future__ import annotations
@@ -40,11 +36,9 @@ def conv_patches(
 def unfold(
     x: torch.Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...], stride: tuple[int, ...]
 ) -> torch.Tensor:
-    """``F.unfold`` (no padding) for any number ``n`` of spatial dims, through strided views: input
-    ``[B, C, *spatial]`` (``n`` spatial dims), output ``[B, C * prod(kernel), L]`` in ``F.unfold``'s layout (channel,
-    then kernel offsets, row-major), ``L`` the number of output positions. Avoids ``im2col``, which is two orders of
-    magnitude slower on some CPU builds of torch (measured: 2 s vs 20 ms for a ``[128, 16, 8, 8]`` input, 3x3
-    kernel, torch 2.13 CPU)."""
+    """``F.unfold`` (no padding) for any number of spatial dims through strided views (no ``im2col``; docs/design.md
+    section 12.6): input ``[B, C, *spatial]``, output ``[B, C * prod(kernel), L]`` in ``F.unfold``'s layout.
+    """
     for dim, (k, d, s) in enumerate(zip(kernel, dilation, stride, strict=True), start=2):
         x = x.unfold(dim, d * (k - 1) + 1, s)[..., ::d]  # appends a kernel axis of size k
     n = len(kernel)
@@ -60,12 +54,11 @@ def unfolded_weight_term(rows: torch.Tensor, patches: torch.Tensor, groups: int,
     Args:
         rows: ``[B, R, L]``, the factor indexing the weight's first dim (``R = shape[0]``).
         patches: ``[B, K, L]``, the unfolded factor (``K = groups * prod(shape[1:])``, channel-major).
-        groups: the number of groups; group ``j`` pairs row block ``j`` with patch block ``j``.
+        groups: group ``j`` pairs row block ``j`` with patch block ``j``.
         shape: the weight shape ``[R, K / groups / k, *kernel]``.
 
     Returns:
-        :class:`Factored` (``L`` positions as the sequence) for ``groups == 1``, else the materialised per-group
-        products ``[B, *shape]``.
+        :class:`Factored` (``L`` positions as the sequence) for ``groups == 1``, else materialised ``[B, *shape]``.
     """
     if groups == 1:
         return Factored(rows.transpose(1, 2), patches.transpose(1, 2), shape)

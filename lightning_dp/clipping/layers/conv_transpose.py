@@ -1,14 +1,10 @@
-"""Per-sample gradient terms for ``nn.ConvTranspose1d``, ``nn.ConvTranspose2d`` and ``nn.ConvTranspose3d``.
+"""Per-sample gradient terms for ``nn.ConvTranspose1d/2d/3d``, as the adjoint of a convolution (docs/design.md section
+4.2).
 
-A transposed convolution ``y = conv_transpose(x, W)`` is the adjoint of the convolution ``conv(., W)`` with the same
-stride, padding and dilation, so ``<y, G> = <x, conv(G, W)>`` and its weight gradient is the weight gradient of that
-convolution with input ``G`` (the output gradient) and output ``x``: after zero-padding ``G`` by ``padding`` and
-unfolding it (kernel, dilation, stride of the layer), sample ``i`` has patches ``P_i`` (``L x C_out k``, one row per
-INPUT position; positions added by ``output_padding`` beyond the un-padded output are cropped: no weight reaches
-them) and inputs ``X_i``
-(``L x C_in``), and ``grad W_i = X_i^T P_i`` for ``W`` of shape ``[C_in, C_out / groups, *kernel]``
-(docs/design.md section 4.2). ``groups > 1`` is materialised per group as for
-:mod:`~lightning_dp.clipping.layers.conv`; ``grad b_i = sum_l G_i[:, l]``.
+With the output gradient ``G`` zero-padded by ``padding`` and unfolded (the layer's kernel, dilation, stride),
+sample ``i`` has patches ``P_i`` (``L x C_out k``, one row per input position; ``output_padding`` positions cropped)
+and inputs ``X_i`` (``L x C_in``): ``grad W_i = X_i^T P_i`` for ``W`` ``[C_in, C_out / groups, *kernel]``;
+``groups > 1`` is materialised; ``grad b_i = sum_l G_i[:, l]``.
 """
 
 from __future__ import annotations

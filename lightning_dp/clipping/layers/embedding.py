@@ -1,12 +1,6 @@
-"""Per-sample gradient terms for ``nn.Embedding``.
-
-The per-sample gradient scatters the output-gradient rows ``g_t`` into the rows of the token ids ``id_t``:
-``grad W_i = onehot(ids_i)^T G_i``; rows at ``padding_idx`` get no gradient. Its ghost norm is
-``sum_{t,t'} [id_t == id_t'] <g_t, g_t'>`` (Li et al. 2022, Section 4, embedding layers), computed by the ghost
-engine from the :class:`~lightning_dp.clipping.terms.Factored` term with integer ``left``.
-
-Broadcast ids (``position_ids`` of shape ``[1, T]`` with a batch of ``B``) are expanded to the batch before the
-layer runs (``expand_batch=True``), otherwise the output gradient would already be summed over the batch.
+"""Per-sample gradient terms for ``nn.Embedding``: ``grad W_i = onehot(ids_i)^T G_i`` (no gradient at ``padding_idx``),
+ghost norm ``sum_{t,t'} [id_t == id_t'] <g_t, g_t'>`` (Li et al. 2022, Section 4). Broadcast ids ``[1, T]`` are
+expanded to the batch (``expand_batch=True``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Per-sample gradient terms for learned position embeddings and prepended tokens (ViT's ``pos_embedding`` and
-class token), and the swaps that route torchvision's ViT through them.
+"""Per-sample gradient terms for learned position embeddings and prepended tokens (ViT), and the swaps that route
+torchvision's ViT through them.
 
-Both parameters are broadcast over the batch: ``y = x + P`` with ``P`` ``[1, *shape]``, or ``y = cat(T, x)`` along
-the sequence with ``T`` ``[1, n, D]`` expanded to the batch; so ``grad P_i = G_i`` and ``grad T_i = G_i[:n]`` for the
-output gradient ``G_i`` (Dosovitskiy et al. 2021, "An image is worth 16x16 words", Eq. 1). They are small and
-materialised.
-
-- torchvision ``VisionTransformer`` (``class_token``) and its ``Encoder`` (``pos_embedding``) use these parameters
-  inline, so they are swapped in place (:mod:`~lightning_dp.clipping.swaps.base`, matched by class name; torchvision is
-  not imported) to classes calling :class:`SharedTokenPrepend` / :class:`SharedPositionAdd` proxies.
-- HF ``ViTEmbeddings`` (``cls_token``, ``position_embeddings``) is covered by a rule on its output, which is
-  ``dropout(cat(cls, patches) + position_embeddings)``: exact when that dropout is inactive (``hidden_dropout_prob
-  = 0``, the ViT default), rejected otherwise; a trainable ``mask_token`` is rejected.
+``y = x + P`` (``P`` ``[1, *shape]``) gives ``grad P_i = G_i``; ``y = cat(T, x)`` (``T`` ``[1, n, D]``) gives ``grad
+T_i = G_i[:n]`` (Dosovitskiy et al. 2021, "An image is worth 16x16 words", Eq. 1); both materialised. torchvision
+``VisionTransformer``/``Encoder`` are swapped by class name (not imported); HF ``ViTEmbeddings`` is covered by a rule,
+exact with ``hidden_dropout_prob = 0`` and rejected otherwise or with a trainable ``mask_token``.
 """
 
 from __future__ import annotations

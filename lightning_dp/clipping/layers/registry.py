@@ -1,11 +1,8 @@
 """Registry of supported layer families, keyed by layer type (plus name-based rules for third-party classes).
 
-A layer family is a function ``(layer, activation, output_grad) -> {param name: Term}``; ``activation`` is the
-layer's first input as captured in the forward pass and ``output_grad`` the gradient of ``sum_i loss_i`` w.r.t.
-the layer output, both with the sample dimension first. A family whose terms depend on parameters' values (not only
-on the captured tensors) names them in ``reads_parameters`` and gets a fourth argument, their values as the call used
-them. Supporting a new layer is one new file that calls
-:func:`register_layer` (or :func:`register_layer_rule`), plus its test.
+A family maps ``(layer, activation, output_grad)`` (sample dimension first; plus the parameter values for a family
+with ``reads_parameters``) to ``{param name: Term}``; a new layer is one file calling :func:`register_layer` or
+:func:`register_layer_rule` (docs/design.md sections 4.2 and 10.1).
 """
 
 from __future__ import annotations
@@ -34,14 +31,10 @@ class LayerFamily:
 
     Attributes:
         terms: ``(layer, activation, output_grad) -> {param name: Term}`` for the layer's trainable parameters.
-        expand_batch: if True, a first input with batch dimension 1 is expanded to the batch size of the current
-            forward pass before the layer runs (broadcast ``position_ids`` of shape ``[1, T]``), so that the
-            output gradient keeps one row per sample.
+        expand_batch: expand a first input with batch dimension 1 (``position_ids`` ``[1, T]``) to the batch size.
         check: ``layer -> error message or None``, for configurations of a supported type that mix samples.
-        reads_parameters: names of the layer's parameters whose values ``terms`` reads; when not empty, ``terms``
-            takes a fourth argument, ``{name: value}``, the values the call used, copied when the call ran (the
-            layer's parameters may have changed by the time the terms are built: per-sample momentum's past
-            iterates, FSDP2's resharding).
+        reads_parameters: names of parameters whose values ``terms`` reads; when not empty ``terms`` takes a fourth
+            argument ``{name: value}``, the values copied when the call ran.
     """
 
     terms: LayerTermsFn
@@ -72,10 +65,8 @@ def register_layer(
     reads_parameters: tuple[str, ...] = (),
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
-    """Decorator registering a layer-terms function for the given layer types (see :class:`LayerFamily`).
-
-    Registering the same family again for a type does nothing; replacing another family needs ``override=True``
-    (logged as a warning). Nothing is registered unless every type can be.
+    """Decorator registering a layer-terms function for the given layer types (:class:`LayerFamily`); all types or none.
+    The same family again does nothing; replacing another needs ``override=True`` (logged).
 
     Raises:
         ValueError: a type already has another family and ``override`` is False.
@@ -95,13 +86,11 @@ def register_layer_rule(
     check: LayerCheck | None = None,
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
-    """Decorator registering a layer-terms function for every module for which ``rule(module)`` is True
-    (``check`` as in :class:`LayerFamily`). Rules are keyed by ``rule``'s qualified name: registering the same rule
-    and family again does nothing; replacing another needs ``override=True`` (logged as a warning; the rule keeps its
-    place in the lookup order).
+    """Decorator registering a layer-terms function for every module with ``rule(module)`` True, keyed by ``rule``'s
+    qualified name; replacing another family needs ``override=True`` (logged; the rule keeps its place).
 
     Raises:
-        ValueError: a rule of that qualified name is registered with another family and ``override`` is False.
+        ValueError: a rule of that qualified name has another family and ``override`` is False.
     """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
@@ -112,10 +101,8 @@ def register_layer_rule(
 
 
 def find_layer_family(module: nn.Module) -> LayerFamily | None:
-    """The family of ``module``, or None when unsupported.
-
-    Lookup order: the exact type; a registered base class, provided the subclass does not override ``forward``
-    (e.g. ``NonDynamicallyQuantizableLinear``); then the registered rules in registration order.
+    """The family of ``module``, or None: the exact type, then a registered base class whose ``forward`` the subclass
+    does not override, then the rules in registration order.
     """
     module_type = type(module)
     if module_type in _BY_TYPE:

@@ -1,23 +1,10 @@
 """Per-sample gradient terms for :class:`~lightning_dp.weight_standardisation.WSConv2d` (scaled weight
-standardisation, Brock et al. 2021, Section 4; De et al. 2022's convolutions).
+standardisation, Brock et al. 2021, Section 4; De et al. 2022).
 
-The layer convolves with ``w_hat_r = gain_r * a_r * c_r`` per output channel ``r``, where ``c_r = w_r - mean(w_r)``
-(``N`` values) and ``a_r = 1 / sqrt(max(|c_r|^2, eps))``. Sample ``i``'s gradient with respect to ``w_hat_r`` is
-the plain convolution's, ``v_ir = sum_t G_i[r, t] P_i[:, t]`` (output gradients ``G_i``, unfolded patches ``P_i``,
-:mod:`~lightning_dp.clipping.layers.conv`). Pulled back through the standardisation, with ``u_r = a_r c_r``
-(orthogonal to the all-ones vector; of unit norm when ``|c_r|^2 >= eps``) and ``p_ir = u_r . v_ir``:
-
-- ``gain``: ``grad_ir = p_ir``;
-- ``weight``: ``grad_ir = gain_r a_r (v_ir - mean(v_ir) - d_r p_ir u_r)``, with ``d_r = 1`` when
-  ``|c_r|^2 >= eps`` and 0 when the floor is active (the Jacobian of ``c / |c|`` is ``(I - u u^T) / |c|``, that of
-  the centring ``I - 1 1^T / N``).
-
-The weight's term is materialised (``[B, *weight.shape]``), for any ``groups``: a factored form exists (``C_out``
-rows added to the convolution's factors) but its right factor is larger than the gradient itself, and a ghost norm
-taken from it subtracts squared quantities, which float32 rounding can take to zero for a gradient nearly parallel
-to the weight row. The family reads the weight and gain the call used (``reads_parameters``: copies taken in the
-forward), so past iterates of per-sample momentum and FSDP2-sharded layers are pulled back through their own
-standardisation. Exact for every exact engine; tested against ``torch.func`` per-sample gradients.
+With ``c_r = w_r - mean(w_r)``, ``a_r = 1 / sqrt(max(|c_r|^2, eps))``, ``u_r = a_r c_r``, the convolution's
+per-sample gradient ``v_ir`` w.r.t. ``w_hat_r`` and ``p_ir = u_r . v_ir``: ``gain`` gets ``p_ir``, ``weight`` gets
+``gain_r a_r (v_ir - mean(v_ir) - d_r p_ir u_r)`` (``d_r = 0`` where the floor holds). The weight's term is
+materialised; the family reads the weight and gain the call used (docs/design.md section 4.2).
 """
 
 from __future__ import annotations

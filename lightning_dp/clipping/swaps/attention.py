@@ -1,21 +1,11 @@
-"""``nn.MultiheadAttention`` through hooked linear layers: an in-place, weight-preserving swap (see
-:mod:`~lightning_dp.clipping.swaps.base`).
+"""``nn.MultiheadAttention`` through hooked linear layers: an in-place, weight-preserving swap
+(:mod:`~lightning_dp.clipping.swaps.base`).
 
-``nn.MultiheadAttention`` uses its packed ``in_proj_weight`` ``[3E, E]``, ``in_proj_bias`` ``[3E]`` and
-``out_proj.weight`` inside ``F.multi_head_attention_forward``, so no hook sees them. The swapped class computes the
-same function (Vaswani et al. 2017, "Attention is all you need", Section 3.2; the masking, dropout and
-``need_weights`` semantics of ``F.multi_head_attention_forward``) with the projections as hooked layer calls:
-
-- ``dp_in_proj``, a :class:`~lightning_dp.clipping.swaps.base.SharedLinear` over ``in_proj_weight``/``in_proj_bias``,
-  called once on the query for self-attention (``query is key is value``), which is the packed projection of the
-  original; for cross-attention it is called on each distinct input and the rows of the other projections are
-  dropped (their output gradient is zero, so the per-sample gradients are exact, at up to 3x the projection cost);
-- ``out_proj`` (already an ``nn.Linear`` subclass), now called as a module.
-
-All layers run on batch-first tensors (``batch_first=False`` inputs are transposed), so the sample dimension comes
-first as the hooks require. Ghost norms apply (both projections are linear). Not supported (rejected when the
-clipper attaches): ``kdim``/``vdim`` different from ``embed_dim``, ``add_bias_kv=True``, ``add_zero_attn=True``;
-unbatched (2-D) inputs are rejected at the call.
+The swapped class computes the same function (Vaswani et al. 2017, "Attention is all you need", Section 3.2; the
+semantics of ``F.multi_head_attention_forward``) with ``dp_in_proj`` (a ``SharedLinear`` over
+``in_proj_weight``/``in_proj_bias``, called once per distinct input) and ``out_proj`` as hooked calls, on
+batch-first tensors. Rejected at attach: ``kdim``/``vdim`` != ``embed_dim``, ``add_bias_kv``, ``add_zero_attn``;
+unbatched inputs are rejected at the call.
 """
 
 from __future__ import annotations

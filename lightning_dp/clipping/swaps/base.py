@@ -1,20 +1,9 @@
 """Weight-preserving, in-place swaps of modules that use their parameters outside any hookable layer call.
 
-Some standard modules compute with their parameters functionally (``nn.MultiheadAttention`` passes its packed
-``in_proj_weight`` and ``out_proj.weight`` to ``F.multi_head_attention_forward``; ``nn.LSTM`` runs a fused kernel),
-so no hooked layer sees those uses. When the clipper attaches, each such module (exact type registered with
-:func:`register_swap`) is changed IN PLACE into an equivalent subclass (``module.__class__ = Swapped``) whose
-``forward`` computes the same function through *proxy* children: :class:`SharedLinear` modules (and other small
-registered layers) that register the module's OWN ``nn.Parameter`` objects, as tied weights do. Hence:
-
-- the module object, its parameter objects and their names (``named_parameters()`` deduplicates shared parameters,
-  the owner coming first) are unchanged, so an optimizer built before attaching keeps working;
-- ``state_dict`` keys and values are unchanged: proxies save and load nothing;
-- ``isinstance(module, nn.MultiheadAttention)`` still holds; the outputs are equal up to floating-point rounding;
-- :func:`restore_modules` (called by the clipper's ``detach``) removes the proxies and restores the class.
-
-Opacus instead replaces such modules by new ones with new parameters (``DPMultiheadAttention``, ``DPLSTM``), which
-breaks optimizers built before and renames ``state_dict`` keys; the in-place swap avoids both.
+Each registered module (:func:`register_swap`) becomes, in place, an equivalent subclass whose ``forward`` routes
+every parameter use through *proxy* children that register the module's own parameter objects; parameter objects,
+names, ``state_dict`` and ``isinstance`` are unchanged, and :func:`restore_modules` undoes it (docs/design.md
+sections 4.1 and 10.1).
 """
 
 from __future__ import annotations
@@ -33,8 +22,7 @@ log = logging.getLogger("lightning_dp")
 
 
 class Proxy(nn.Module):
-    """Base of proxy modules: they register parameters owned by another module (the same objects, not copies), so
-    they add nothing to ``state_dict`` and load nothing (the owner saves and loads the parameters)."""
+    """Base of proxy modules: they register another module's parameters and save or load nothing."""
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         """Save nothing: the owner saves these parameters under its own keys."""
@@ -44,8 +32,8 @@ class Proxy(nn.Module):
 
 
 class SharedLinear(Proxy, nn.Linear):
-    """A :class:`Proxy` ``nn.Linear`` over another module's ``weight`` ``[d_out, d_in]`` and ``bias`` ``[d_out]``
-    (or None); hooked as an ``nn.Linear`` (its ``forward`` is Linear's)."""
+    """A :class:`Proxy` ``nn.Linear`` over another module's ``weight`` ``[d_out, d_in]`` and ``bias`` ``[d_out]`` (or
+    None)."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
         nn.Module.__init__(self)
@@ -55,12 +43,10 @@ class SharedLinear(Proxy, nn.Linear):
 
 
 class SwappedModule(nn.Module):
-    """Base of the swapped classes, which subclass the original type and this class (a base defining ``forward``
-    must come before the original type in the bases).
+    """Base of the swapped classes (listed before the original type in the bases).
 
-    Subclasses implement :meth:`add_proxies` (which must not fail: configurations it cannot handle are reported by
-    :meth:`swap_problem`); their ``forward`` must compute the original function, every use of a trainable parameter
-    going through a proxy (or an already hooked child).
+    Subclasses implement :meth:`add_proxies` (must not fail; :meth:`swap_problem` reports what it cannot handle) and a
+    ``forward`` computing the original function with every trainable parameter use through a proxy or hooked child.
     """
 
     @classmethod
@@ -85,16 +71,13 @@ def register_swap(
 ) -> Callable[[type[SwappedModule]], type[SwappedModule]]:
     """Class decorator registering a swap for modules of exactly the type ``original``.
 
-    ``original`` is either a class, which the decorated class must subclass, or the qualified name of a class of
-    an optional dependency (``"torchvision.models.vision_transformer.Encoder"``; nothing is imported): the decorated
-    class is then a mixin, combined with the module's class when a module of that name is swapped. Registering the
-    same class again does nothing; replacing another swap of ``original`` needs ``override=True`` (logged as a
-    warning), also when that swap is keyed the other way (by the class where ``original`` is its name, or by the
-    name where it is the class): the replaced one is then removed, so the new one is the one used.
+    ``original`` is a class (which the decorated class subclasses) or the qualified name of an optional dependency's
+    class (the decorated class is then a mixin; nothing is imported). Re-registering the same class does nothing;
+    replacing another swap of ``original``, keyed by class or by name, needs ``override=True`` (logged).
 
     Raises:
-        TypeError: ``original`` is a class and the decorated class does not subclass it.
-        ValueError: another swap is registered for ``original`` (by class or by name) and ``override`` is False.
+        TypeError: ``original`` is a class the decorated class does not subclass.
+        ValueError: another swap is registered for ``original`` and ``override`` is False.
     """
 
     def decorate(cls: type[SwappedModule]) -> type[SwappedModule]:
@@ -127,8 +110,7 @@ def _key_kind(key: type[nn.Module] | str) -> str:
 
 
 def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:
-    """The keys of :data:`_SWAPS` other than ``original`` that name the same class: its qualified name for a class,
-    the registered classes of that qualified name for a name."""
+    """The other keys of :data:`_SWAPS` naming the same class as ``original`` (by name or by class)."""
     if isinstance(original, type):
         name = qualified_name(original)
         return [name] if name in _SWAPS else []
@@ -167,8 +149,7 @@ def swap_modules(module: nn.Module) -> list[Swap]:
         The swaps, for :func:`restore_modules`.
 
     Raises:
-        UnsupportedModuleError: a module of a registered type in a configuration its swap does not support (then
-            nothing is left swapped).
+        UnsupportedModuleError: a configuration its swap does not support (nothing is left swapped).
     """
     swaps: list[Swap] = []
     try:

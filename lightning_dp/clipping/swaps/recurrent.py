@@ -1,23 +1,12 @@
-"""``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` through hooked linear layers: in-place, weight-preserving swaps (see
-:mod:`~lightning_dp.clipping.swaps.base`).
+"""``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` through hooked linear layers: in-place, weight-preserving swaps
+(:mod:`~lightning_dp.clipping.swaps.base`).
 
-The fused recurrent kernels use all weights functionally, so no hook sees them. The swapped classes unroll the
-recurrence in Python with the cell equations of the PyTorch documentation (Elman RNN with tanh/ReLU; LSTM,
-Hochreiter & Schmidhuber 1997, with ``proj_size``; GRU, Cho et al. 2014), each weight used through a
-:class:`~lightning_dp.clipping.swaps.base.SharedLinear` proxy that registers the module's own parameter objects (kept in
-one ``dp_proxies`` container, e.g. ``dp_proxies["ih_l0_reverse"]``):
-
-- ``ih_l{k}{_reverse}`` (``weight_ih``/``bias_ih``): called ONCE per layer and direction on the whole sequence
-  ``[B, T, d_in]``, one factored term with ``T`` positions;
-- ``hh_l{k}{_reverse}`` (``weight_hh``/``bias_hh``): called at every step on ``h_{t-1}`` ``[B, H]``, ``T`` uses of
-  one parameter, which the engines sum exactly (tied-weight rule);
-- ``hr_l{k}{_reverse}`` (LSTM ``weight_hr``, ``proj_size > 0``): at every step.
-
-Supported: ``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, ``dropout`` between layers (in training,
-from the global RNG as the original), an initial state ``hx``, and ``PackedSequence`` inputs (unpacked to a padded
-batch; each sample's state stops at its length, so padded steps contribute nothing). Unbatched (2-D) inputs are
-rejected at the call. Costs: a Python loop over time steps (slower than the fused kernel) and ``T`` captures of
-each recurrent weight.
+The recurrence is unrolled in Python with the PyTorch documentation's cell equations (Elman RNN; LSTM, Hochreiter &
+Schmidhuber 1997, with ``proj_size``; GRU, Cho et al. 2014), each weight used through a ``SharedLinear`` proxy in
+``dp_proxies``: ``ih_l{k}{_reverse}`` once per layer and direction on ``[B, T, d_in]``; ``hh_l{k}{_reverse}`` and
+``hr_l{k}{_reverse}`` (LSTM, ``proj_size > 0``) at every step (``T`` uses of one parameter). Supports
+``num_layers``, ``bidirectional``, ``batch_first``, ``bias``, ``dropout``, ``hx`` and ``PackedSequence``; unbatched
+inputs are rejected. Costs a Python loop over time steps.
 """
 
 from __future__ import annotations
@@ -59,8 +48,8 @@ class _DPRecurrent(SwappedModule):
         return ["dp_proxies"]
 
     def cell(self, gates_x: torch.Tensor, state: Any, proxies: dict[str, nn.Module]) -> Any:
-        """One step: input gates ``[B, G * H]`` (``ih`` applied) and the previous state -> the new state (the state
-        is a :data:`Hidden`: ``h`` for RNN and GRU, ``(h, c)`` for LSTM, as each subclass's ``cell`` declares)."""
+        """One step: input gates ``[B, G * H]`` and the previous state (``h``, or ``(h, c)`` for LSTM) -> the new
+        state."""
         raise NotImplementedError
 
     def _initial_state(self, hx: Hidden | None, batch: int, like: torch.Tensor) -> list[Hidden]:
@@ -83,8 +72,9 @@ class _DPRecurrent(SwappedModule):
         mask: torch.Tensor | None,
         reverse: bool,
     ) -> tuple[torch.Tensor, Hidden]:
-        """One layer and direction over time: input gates ``[B, T, G * H]`` -> outputs ``[B, T, H_out]`` and the
-        final state. With ``mask`` ``[B, T]`` (packed input), padded steps keep the state and output zeros."""
+        """One layer and direction: input gates ``[B, T, G * H]`` -> outputs ``[B, T, H_out]`` and the final state; with
+        ``mask`` ``[B, T]`` padded steps keep the state and output zeros.
+        """
         steps = gates_x.shape[1]
         out: list[torch.Tensor] = [gates_x] * steps  # placeholders, all overwritten
         for t in range(steps - 1, -1, -1) if reverse else range(steps):
