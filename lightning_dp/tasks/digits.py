@@ -1,8 +1,4 @@
-"""The demo task: a small CNN on scikit-learn's handwritten digits (1,797 real 8x8 images shipped with sklearn).
-
-No download is needed. ``DigitsDataModule`` splits the data with a fixed seed (train / val / test),
-``DigitsCNN``'s ``training_step`` returns the per-sample loss that DP training needs.
-"""
+"""The demo task: a small CNN on scikit-learn's handwritten digits (1,797 8x8 images shipped with sklearn; offline)."""
 
 from __future__ import annotations
 
@@ -58,8 +54,8 @@ class DigitsDataModule(pl.LightningDataModule):
 
 
 class DigitsCNN(pl.LightningModule):
-    """Two 3x3 convolutions with tanh (tempered activations suit DP-SGD, Papernot et al. 2021), GroupNorm, and a
-    linear classifier; about 10k parameters. Input ``[B, 1, 8, 8]``, output logits ``[B, 10]``.
+    """Two 3x3 convolutions with tanh (Papernot et al. 2021, tempered activations), GroupNorm and a linear classifier
+    (about 10k parameters). Input ``[B, 1, 8, 8]``, output logits ``[B, 10]``.
 
     Args:
         lr: SGD learning rate.

@@ -1,6 +1,5 @@
-"""Encoder classifiers shared by the GLUE recipe and the SST-2 example: a BERT classifier whose head reads the
-mean-pooled last hidden states (:class:`MeanPoolingBertForSequenceClassification`), and freezing of an encoder's
-embeddings and lower layers (:func:`freeze_below`).
+"""Encoder classifiers shared by the GLUE recipe and the SST-2 example:
+:class:`MeanPoolingBertForSequenceClassification` and :func:`freeze_below`.
 """
 
 from __future__ import annotations
@@ -13,13 +12,8 @@ from transformers.modeling_outputs import SequenceClassifierOutput
 
 class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
     """``BertForSequenceClassification`` whose head reads the mean of the last hidden states over the attention mask
-    instead of the pooler's transform of the ``[CLS]`` vector.
-
-    all-MiniLM-L6-v2 was trained for sentence embeddings with mean pooling (Reimers & Gurevych 2019,
-    Sentence-BERT), so its ``[CLS]`` vector and pooler carry little sentence-level information: a linear probe on the
-    pooler output reaches about 58% dev accuracy on SST-2, on the mean-pooled states about 79% (docs/hf.md). The
-    pooler is dropped (``pooler.*`` in the checkpoint is ignored), so it is neither trained nor noised. A subclass
-    of ``BertForSequenceClassification``, so ``DPTrainer`` forms its per-example loss like for the HF class.
+    instead of the pooler (Reimers & Gurevych 2019, Sentence-BERT; docs/design.md section 12.7). The pooler is dropped
+    (neither trained nor noised).
     """
 
     def __init__(self, config: BertConfig) -> None:
@@ -35,9 +29,9 @@ class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
         pooled: torch.Tensor | None = None,
         **kwargs,
     ) -> SequenceClassifierOutput:
-        """``[B, T]`` token inputs, or ``pooled`` ``[B, hidden]`` mean hidden states computed beforehand (see
-        ``lightning_dp.examples.sst2_hf.mean_pooled_features``), -> ``[B, num_labels]`` logits (and HF's batch loss
-        when ``labels`` are given)."""
+        """``[B, T]`` token inputs, or ``pooled`` ``[B, hidden]`` precomputed mean states -> ``[B, num_labels]`` logits
+        (and HF's batch loss when ``labels`` are given).
+        """
         if pooled is None:
             pooled = self.mean_pool(input_ids, attention_mask, token_type_ids)
         logits = self.classifier(self.dropout(pooled))
@@ -54,12 +48,11 @@ class MeanPoolingBertForSequenceClassification(BertForSequenceClassification):
 
 
 def freeze_below(model: PreTrainedModel, train_layers: int) -> None:
-    """Freeze the embeddings and all but the top ``train_layers`` encoder layers of a BERT-style encoder
-    (``model.base_model.embeddings`` and ``.encoder.layer``); frozen layers get no clipping hooks and no noise, and
-    fewer noised parameters also mean less noise overall.
+    """Freeze the embeddings and all but the top ``train_layers`` encoder layers of a BERT-style encoder (frozen layers
+    get no hooks and no noise).
 
     Raises:
-        ValueError: the model has no ``embeddings`` / ``encoder.layer``, or ``train_layers`` exceeds its layers.
+        ValueError: no ``embeddings`` / ``encoder.layer``, or ``train_layers`` exceeds the layers.
     """
     encoder = model.base_model
     if not hasattr(encoder, "embeddings") or not hasattr(getattr(encoder, "encoder", None), "layer"):

@@ -1,11 +1,5 @@
-"""Where the offline recipes, examples and benches find their local copies of public datasets.
-
-A *data root* is one folder holding a folder per dataset (:data:`DATASETS`), with the files of the original
-releases: ``ROOT/glue/sst2/train_full.tsv``, ``ROOT/e2e/devset.csv``, ``ROOT/cifar10/...``. The user names it with a
-flag (``--data_dir ROOT`` for every recipe), else with the environment variable ``LIGHTNING_DP_DATA=ROOT``; the flag
-also takes the dataset's own folder (``ROOT/glue`` or ``ROOT/glue/sst2``), recognised by the files the caller reads.
-With neither set, or no such files, :func:`local_data_dir` raises :class:`LocalDataError`, whose one-line message says
-what to set. Nothing is looked up anywhere else.
+"""Where the offline recipes, examples and benches find their local copies of public datasets: a data root (one folder
+per dataset, the original release files) given by ``--data_dir`` or ``LIGHTNING_DP_DATA``; nothing else is searched.
 """
 
 from __future__ import annotations
@@ -21,10 +15,8 @@ DATASETS = ("glue", "e2e", "dart", "billsum", "hotpotqa", "cifar10")
 
 
 class LocalDataError(FileNotFoundError, ValueError):
-    """The local copy of a dataset is not where ``--data_dir`` / ``LIGHTNING_DP_DATA`` say, or neither is set.
-
-    Both a ``FileNotFoundError`` (a file is missing) and a ``ValueError`` (an argument has a bad value), so that the
-    recipes' scripts and ``lightning-dp fit`` report it as one error line (exit status 2) like any bad input.
+    """The local copy of a dataset is missing or no data root is set; a ``FileNotFoundError`` and a ``ValueError`` (one
+    error line, exit status 2).
     """
 
 
@@ -38,18 +30,14 @@ def local_data_dir(
     """The folder of the local copy of ``dataset``: the one holding every file of ``files``.
 
     Args:
-        data_dir: a data root holding ``dataset`` (a relative path such as ``glue/sst2``), or the dataset's own folder
-            (any tail of ``dataset``: ``ROOT/glue`` or ``ROOT/glue/sst2``); ``None``: the root ``$LIGHTNING_DP_DATA``.
+        data_dir: a data root, or the dataset's own folder (any tail of ``dataset``); ``None``: ``$LIGHTNING_DP_DATA``.
         dataset: where the dataset lies under a data root (``e2e``, ``glue/sst2``, ``cifar10``).
-        files: the file names the folder must hold (they tell a dataset folder from a root).
-        hub_config: the configuration loading the same data from the Hub, named in the error message (``None``:
-            the caller has none).
-        flag: how the user gives ``data_dir`` on the command line, named in the error message.
+        files: the file names the folder must hold.
+        hub_config: the Hub configuration loading the same data, named in the error (``None``: none).
+        flag: how the user gives ``data_dir`` on the command line, named in the error.
 
     Raises:
-        LocalDataError: neither ``data_dir`` nor ``LIGHTNING_DP_DATA`` is set, the folder does not exist, or no
-            candidate folder holds all of ``files`` (one line naming the flag, the variable and ``hub_config``).
-            Both a ``FileNotFoundError`` and a ``ValueError``.
+        LocalDataError: no ``data_dir`` nor ``LIGHTNING_DP_DATA``, a missing folder, or no folder holding ``files``.
     """
     hint = (
         f"give the data root (the folder holding {'/, '.join(DATASETS)}/) or the dataset's own folder with {flag}, "

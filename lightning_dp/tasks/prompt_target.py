@@ -1,15 +1,9 @@
-"""Causal-LM fine-tuning examples shared by the generation recipes (E2E/DART, BillSum, HotpotQA) and the E2E LoRA
-example: prompt/target examples, their truncation rule, their tokenised dataset and its collator.
+"""Causal-LM prompt/target examples shared by the generation recipes and the E2E LoRA example: truncation, tokenised
+dataset, collator.
 
-An example is a prompt followed by its target and the end-of-sequence token; the loss is on the target and EOS only
-(prompt tokens get label ``-100``), which is the table-to-text setup of Li et al. 2022 ("Large language models can
-be strong differentially private learners", section 3) and of the other generation tasks. ``DPTrainer`` reduces
-each example's token losses to one per-example loss (``PrivacyArguments.per_example_reduction``).
-
-Truncation rule (documented in every recipe): the prompt is ``body + tail``. The target is cut to
-``max_target_length`` tokens first; then the body (a long document or the context paragraphs) is cut from its END
-so that ``body + tail + target + EOS`` fits in ``max_length`` tokens; the tail (the question, or the "summary:"
-cue) is never cut. Evaluation prompts are cut the same way, leaving room for ``max_target_length`` new tokens.
+The loss is on the target and EOS only (prompt labels ``-100``; Li et al. 2022, "Large language models can be strong
+differentially private learners", Section 3). Truncation: the target is cut to ``max_target_length``, then the
+prompt's body is cut from its end so that ``body + tail + target + EOS`` fits ``max_length``; the tail is never cut.
 """
 
 from __future__ import annotations
