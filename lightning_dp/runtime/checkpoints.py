@@ -1,20 +1,9 @@
 """Checkpoint files that a kill cannot leave half-written, and finding the newest complete HF checkpoint folder.
 
-A process killed (SIGKILL, out-of-memory killer, node loss) while writing a checkpoint must leave the previous one
-loadable, or resuming has nothing to resume from (and the privacy ledger would have to restart at 0). The writers
-here put the bytes into a temporary file in the SAME folder as the target (so the final rename never crosses file
-systems), flush and ``fsync`` it, then ``os.replace`` it onto the target, which is atomic on POSIX and Windows:
-a reader sees either the old file or the complete new one. A kill mid-write leaves at most a hidden
-``.NAME.tmp-PID`` file beside the target, which nothing reads (and the next successful write of the target does not
-remove it: delete such leftovers by hand).
-
-Lightning's own writer (``TorchCheckpointIO`` -> ``_atomic_save``) goes through an fsspec transaction, which for a
-local path writes to ``tempfile.mkstemp()`` in the SYSTEM temporary folder and then ``shutil.move``s it: when that
-folder is on another file system than the checkpoint (a tmpfs ``/tmp``, a mounted volume), the move is a copy onto
-the target, which a kill can leave truncated, and nothing is fsynced. :func:`save_lightning_checkpoint` replaces it
-for local paths written through the plain ``TorchCheckpointIO``; remote fsspec URLs (``s3://``, ``gs://``, ...),
-``storage_options`` and custom or asynchronous ``CheckpointIO`` plugins keep Lightning's behaviour (an object store
-upload is all-or-nothing on its side; a custom plugin owns its writes).
+Writers put the bytes in a temporary file in the target's folder, ``fsync`` it and ``os.replace`` it onto the target
+(atomic on POSIX and Windows); a kill leaves at most a hidden ``.NAME.tmp-PID`` file, not removed automatically.
+:func:`save_lightning_checkpoint` replaces Lightning's writer for local paths under the plain ``TorchCheckpointIO``
+only (docs/design.md section 12.8).
 """
 
 from __future__ import annotations
@@ -100,9 +89,9 @@ _CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike[str], marker: str) -> str | None:
-    """The newest ``checkpoint-STEP`` folder of a Trainer ``output_dir`` that holds ``marker`` (the privacy state,
-    which DPTrainer writes last, atomically), or None. Newer folders without it were left partial by a process killed
-    while writing them: they are skipped with a warning (and left on disk)."""
+    """The newest ``checkpoint-STEP`` folder of ``output_dir`` holding ``marker`` (written last), or None; newer partial
+    folders are skipped with a warning and left on disk.
+    """
     folder = Path(output_dir)
     if not folder.is_dir():
         return None

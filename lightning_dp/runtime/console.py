@@ -1,11 +1,5 @@
-"""Where the ``lightning_dp`` logger's lines go when nobody set up logging.
-
-The start-up block and the progress lines are INFO records; in a script that configures no logging, Python shows
-only warnings (its last-resort handler). As Lightning does for its own logger, :func:`show_info_lines` then gives
-the ``lightning_dp`` logger a handler on stderr and the INFO level; once the root logger has a handler (a
-``logging.basicConfig`` made later) both are handed back, so that set-up decides, with no line printed twice. A
-user's own set-up (a handler on the root logger or on ``lightning_dp``, or a level set on ``lightning_dp``) is
-left as it is.
+"""Where the ``lightning_dp`` logger's INFO lines go when nobody set up logging: stderr, until the root logger gets a
+handler (:func:`show_info_lines`); a user's own logging set-up is left as it is.
 """
 
 from __future__ import annotations
@@ -22,9 +16,9 @@ class ConsoleFormatter(logging.Formatter):
 
 
 class _UntilConfigured(logging.Filter):
-    """Hands ``logger`` back once the root logger has a handler (a ``logging.basicConfig`` made later): removes the
-    stderr handler and this filter, resets the level it set, and lets the record through only if the level now
-    allows it (so ``basicConfig(level=logging.WARNING)`` hides the INFO lines, as for any other logger)."""
+    """Hands ``logger`` back once the root logger has a handler: removes the stderr handler and this filter, resets the
+    level, and passes the record only if the level now allows it.
+    """
 
     def __init__(self, logger: logging.Logger, handler: logging.Handler, set_level: bool) -> None:
         super().__init__()
@@ -41,10 +35,9 @@ class _UntilConfigured(logging.Filter):
 
 
 def show_info_lines(logger: logging.Logger) -> None:
-    """Make ``logger``'s INFO lines visible on stderr when no handler would show them: when neither ``logger`` nor
-    an ancestor (the root logger included) has a handler, add one (formatted by :class:`ConsoleFormatter`) and, if
-    ``logger`` has no level of its own, set it to INFO. Once the root logger gets a handler, both are undone
-    (:class:`_UntilConfigured`). Does nothing otherwise, and nothing the second time."""
+    """Make ``logger``'s INFO lines visible on stderr when neither it nor an ancestor has a handler (a handler formatted
+    by :class:`ConsoleFormatter`, and INFO if it has no level), undone once the root logger gets a handler; idempotent.
+    """
     if logger.hasHandlers():
         return
     handler = logging.StreamHandler()

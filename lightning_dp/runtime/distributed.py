@@ -1,22 +1,10 @@
-"""The collectives of DP training on several processes (docs/design.md section 8), framework-agnostic.
+"""The collectives of DP training on several processes, framework-agnostic (docs/design.md section 8).
 
-One logical step on ``W`` processes is exactly the single-process step on the union of the ranks' examples:
-
-1. each rank Poisson-samples its own shard of the data (:class:`~lightning_dp.data.PoissonBatchSampler` with
-   ``rank``/``world_size``) and clips its examples locally into ``p.grad``;
-2. the clipped SUMS are all-reduced with ``SUM`` (never ``MEAN``): :meth:`DistributedContext.reduce_clipped_sum`,
-   handed to :class:`~lightning_dp.optim.DPOptimizer` as ``reduce_clipped_sum``;
-3. noise is drawn ONCE: every rank holds the same noise stream (the base seed is broadcast from rank 0 by
-   :meth:`DistributedContext.synchronize_randomness`), so all ranks draw the identical sample and add it to the
-   identical reduced sum. Independent per-rank noise would be wrong for every mechanism but a rescaled Gaussian
-   (a sum of Laplace or PLRV draws is not Laplace or PLRV) and would make the ranks' parameters diverge;
-4. the noisy sum is divided by the global expected batch size ``q N`` and every rank takes the same optimizer
-   step, so the parameters stay bit-identical (they start identical: :meth:`DistributedContext.broadcast_module`);
-5. every rank records the same event, so the accountants agree; only rank 0 logs
-   (:meth:`DistributedContext.log_on_rank_zero_only`).
-
-Nothing here knows Lightning or HuggingFace: both build the context with :func:`distributed_context` once
-``torch.distributed`` is initialised (by Lightning's DDP strategy, ``torchrun`` or ``accelerate.PartialState()``).
+One logical step on ``W`` processes equals the single-process step on the union of the ranks' examples: SUM
+all-reduce of the clipped sums (:meth:`DistributedContext.reduce_clipped_sum`), one identical noise draw (shared
+base seed, :meth:`DistributedContext.synchronize_randomness`), identical parameters
+(:meth:`DistributedContext.broadcast_module`). Built by :func:`distributed_context` once ``torch.distributed`` is
+initialised.
 """
 
 from __future__ import annotations
@@ -71,14 +59,11 @@ class DistributedContext:
         return torch.device("cpu")
 
     def reduce_clipped_sum(self, tensors: Sequence[torch.Tensor]) -> None:
-        """All-reduce ``tensors`` in place with SUM: afterwards every rank holds the clipped sum over all ranks.
-
-        Tensors are flattened into one buffer per (device, dtype), so one step costs one collective per buffer.
+        """All-reduce ``tensors`` in place with SUM (one collective per (device, dtype) buffer).
 
         Args:
-            tensors: the clipped gradient sums ``p.grad`` of one logical step, any shapes, the same list (order,
-                shapes, dtypes) on every rank. Sharded ones (FSDP2 ``DTensor``) are left as they are: the clipper
-                summed them over the ranks into each rank's shard
+            tensors: the clipped sums ``p.grad`` of one logical step, the same list (order, shapes, dtypes) on every
+                rank; sharded ones (``DTensor``) are left as they are
                 (:func:`lightning_dp.runtime.sharding.sum_into_shard`).
         """
         buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -93,8 +78,8 @@ class DistributedContext:
                 tensor.copy_(reduced.view_as(tensor))
 
     def any_rank(self, flags: Sequence[bool]) -> list[bool]:
-        """Each flag OR-ed over all ranks (one MAX all-reduce); call only where every rank gets to, e.g. at the normal
-        end of a run, never on an error path (a dead peer would make it wait for the collective's timeout)."""
+        """Each flag OR-ed over all ranks (one MAX all-reduce); never call it on an error path (a dead peer blocks
+        it)."""
         return [bool(value) for value in self.max_over_ranks([int(flag) for flag in flags])]
 
     def max_over_ranks(self, values: Sequence[int]) -> list[int]:
@@ -115,28 +100,22 @@ class DistributedContext:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
     def synchronize_randomness(self, randomness: DPRandomness) -> None:
-        """Give every rank rank 0's base seed: identical noise streams, distinct Poisson-sampling streams.
-
-        Call it after any :meth:`DPRandomness.restart` (resuming draws fresh entropy on each rank) and before the
-        first batch is sampled.
+        """Give every rank rank 0's base seed: identical noise streams, distinct sampling streams. Call after any
+        :meth:`DPRandomness.restart` and before the first batch is sampled.
         """
         randomness.share(self.broadcast_int(randomness.base_seed), rank=self.rank)
 
     def broadcast_module(self, module: nn.Module) -> None:
-        """Copy rank 0's parameters and buffers into ``module`` on every rank (the ranks start identical). Sharded
-        ones (FSDP2 ``DTensor``) are left as they are: they are one tensor across the ranks and cannot be
-        broadcast."""
+        """Copy rank 0's parameters and buffers into ``module`` on every rank (sharded ``DTensor`` ones are left as they
+        are)."""
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 if not is_sharded(tensor):
                     dist.broadcast(tensor.data, src=self._global_rank_zero(), group=self.group)
 
     def check_identical(self, what: str, value: Any) -> None:
-        """Raise ``RuntimeError`` unless every rank passes an equal ``value`` (a picklable object).
-
-        Used for what the noise and the accountant depend on (dataset size, sample rate, mechanism): ranks that
-        disagree would add different noise and report different epsilons.
-        """
+        """Raise ``RuntimeError`` unless every rank passes an equal (picklable) ``value``, e.g. N, q or the
+        mechanism."""
         values: list[Any] = [None] * self.world_size
         dist.all_gather_object(values, value, group=self.group)
         if any(v != values[0] for v in values):
@@ -146,10 +125,8 @@ class DistributedContext:
             )
 
     def log_on_rank_zero_only(self, logger: logging.Logger = log) -> logging.Filter | None:
-        """On ranks other than 0, silence ``logger`` below ERROR; returns the filter (for ``removeFilter``).
-
-        Returns ``None`` on rank 0 (nothing to silence).
-        """
+        """On ranks other than 0, silence ``logger`` below ERROR; returns the filter (for ``removeFilter``), ``None`` on
+        rank 0."""
         if self.is_main:
             return None
         errors_only = _ErrorsOnly()
@@ -158,10 +135,8 @@ class DistributedContext:
 
 
 def distributed_context(group: Any = None) -> DistributedContext | None:
-    """The :class:`DistributedContext` of this process, or ``None`` when ``torch.distributed`` is not initialised.
-
-    Works wherever the default process group exists: Lightning's DDP strategies, ``torchrun``, and
-    ``accelerate`` (``accelerate.PartialState()`` initialises it for ``accelerate launch --num_processes W``).
+    """The :class:`DistributedContext` of this process, or ``None`` when ``torch.distributed`` is not initialised
+    (Lightning's DDP, ``torchrun``, ``accelerate launch``).
 
     Args:
         group: a process group of the ranks that train together (default: the whole world).

@@ -1,8 +1,5 @@
-"""What a run's numbers depend on besides its command and seed: library versions, threads and CPU kernels.
-
-Small runs are not reproducible across these: one backward of a small CNN differs in the last bits between 1 and 2
-CPU threads, and tens of noisy steps at a high learning rate can turn that into points of accuracy. Every recorded
-result (the recipes' ``results.json``, the bench records) therefore carries :func:`run_environment`.
+"""What a run's numbers depend on besides its command and seed (versions, threads, CPU kernels), recorded with every
+result (docs/design.md section 12.8).
 """
 
 from __future__ import annotations
@@ -20,11 +17,11 @@ def run_environment(device: str | torch.device = "cpu") -> dict[str, Any]:
     """The versions, thread count and kernels a run used, as JSON-ready values.
 
     Args:
-        device: the device the model trained on (its name is recorded: the CPU's model or the GPU's).
+        device: the device the model trained on (its name is recorded).
 
     Returns:
-        ``python``, ``torch``, ``numpy``; ``threads`` (``torch.get_num_threads()``); ``cpu_capability`` (the
-        instruction set torch's CPU kernels were dispatched to, e.g. ``AVX512``); ``device_name``; ``platform``.
+        ``python``, ``torch``, ``numpy``, ``threads``, ``cpu_capability`` (e.g. ``AVX512``), ``device_name``,
+        ``platform``.
     """
     device = torch.device(device)
     device_name = platform.processor() or platform.machine()

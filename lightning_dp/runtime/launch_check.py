@@ -1,14 +1,6 @@
-"""Whether the launcher asked for more processes than are training.
-
-Two launches start fewer training processes than the user asked for, without an error:
-
-- ``accelerate launch --num_processes 2 script.py`` without ``--multi_gpu`` (or a config file saying
-  ``distributed_type: MULTI_GPU``) runs accelerate's simple launcher: ONE process, on CPU as on GPU. Its only trace
-  in that process's environment is ``MASTER_ADDR`` (set only when several processes or machines were asked for) next
-  to ``ACCELERATE_USE_CPU`` (set on every launch by it), with no ``WORLD_SIZE``; the count itself is not passed on.
-- a launcher that sets ``WORLD_SIZE`` (torchrun, accelerate's multi-GPU launcher) around a run whose
-  ``torch.distributed`` group is not initialised (e.g. Lightning's one-device ``DPStrategy``): each process trains
-  alone, on the whole data and with its own noise.
+"""Whether the launcher asked for more processes than are training: ``accelerate launch --num_processes N`` without
+``--multi_gpu``, or ``WORLD_SIZE`` set around a run whose process group is not initialised (docs/design.md section
+12.8).
 """
 
 from __future__ import annotations
@@ -23,14 +15,12 @@ TWO_PROCESSES_CONFIG = "configs/accelerate/ddp_2_processes.yaml"
 
 
 def process_count_warning(world_size: int, environ: Mapping[str, str], argv: Sequence[str]) -> str | None:
-    """The warning to give when the launcher asked for more processes than the ``world_size`` that trains, else
-    ``None``.
+    """The warning to give when the launcher asked for more processes than ``world_size``, else ``None``.
 
     Args:
-        world_size: processes in this run's ``torch.distributed`` group (1 when it is not initialised).
+        world_size: processes in this run's ``torch.distributed`` group (1 when not initialised).
         environ: this process's environment (``os.environ``).
-        argv: this process's command line (``sys.argv``: the script and its arguments), repeated in the command
-            that works.
+        argv: this process's command line (``sys.argv``), repeated in the command that works.
     """
     if world_size != 1:
         return None

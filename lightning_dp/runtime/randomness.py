@@ -1,21 +1,9 @@
 """The dedicated random streams of a DP run: noise (one generator per device) and Poisson sampling.
 
-Never the global RNG. Streams are derived from one base seed with ``numpy.random.SeedSequence`` (independent,
-well-mixed streams per purpose, device and restart), and NOTHING about them is written to checkpoints: a released
-checkpoint that contained the seed or generator states would let anyone re-create every noise draw and the batch
-composition, and subtract the noise. A resumed run instead calls :meth:`DPRandomness.restart` with the number of
-steps already taken, so it never replays noise of the first run (with ``seed=None`` it draws fresh OS entropy).
-
-On several processes (:mod:`lightning_dp.runtime.distributed`) every rank adopts rank 0's base seed with
-:meth:`DPRandomness.share`: the noise streams are then identical on all ranks (noise is drawn once per step, the
-same draw everywhere), while each rank's Poisson-sampling stream is derived with its rank, so the ranks' shards are
-sampled independently. Rank 0 keeps the single-process streams.
-
-With ``secure=True`` (``secure_mode``) no seed is accepted, and every request for a noise or projection generator
-reseeds it with 64 fresh bits from the OS CSPRNG (``os.urandom``), so each draw (one per parameter per step) starts
-from fresh OS entropy and nothing links draws of different steps. torch's generators themselves (MT19937 on CPU,
-Philox on CUDA) are not cryptographic; the seeds are. The Poisson-sampling stream is seeded from OS entropy at the
-start and at each restart. Secure mode is single-process: ranks cannot share fresh OS entropy per draw.
+Never the global RNG; derived from one base seed with ``numpy.random.SeedSequence``; never checkpointed (a resumed
+run calls :meth:`DPRandomness.restart`); shared across ranks with :meth:`DPRandomness.share`; ``secure=True``
+reseeds each noise or projection generator from ``os.urandom`` at every request (single-process only). See
+docs/design.md sections 3.4 and 8.
 """
 
 from __future__ import annotations
@@ -34,9 +22,9 @@ def derive_seed(base: int, *keys: int | str) -> int:
 
 
 def indexed_device(device: torch.device | str) -> torch.device:
-    """``device`` with its index: an accelerator named without one (``"cuda"``) is the current CUDA device, or index
-    0 of another type; the CPU stays ``cpu``. One device has one name, so that a generator or a Lightning accelerator
-    keyed or selected by it is the same for ``"cuda"`` and ``"cuda:0"``."""
+    """``device`` with its index (``"cuda"`` -> the current CUDA device, other accelerators index 0; ``cpu`` stays), so
+    ``"cuda"`` and ``"cuda:0"`` name one device.
+    """
     device = torch.device(device)
     if device.type != "cpu" and device.index is None:
         return torch.device(device.type, torch.cuda.current_device() if device.type == "cuda" else 0)
@@ -48,8 +36,8 @@ class DPRandomness:
 
     Args:
         seed: base seed for reproducible experiments; ``None`` (recommended for real runs) draws 64 bits from
-            ``os.urandom``. Either way the seed is never checkpointed.
-        secure: reseed the noise and projection generators from ``os.urandom`` at every request (module docstring).
+            ``os.urandom``. Never checkpointed.
+        secure: reseed the noise and projection generators from ``os.urandom`` at every request.
 
     Raises:
         ValueError: a ``seed`` with ``secure=True``.
@@ -73,8 +61,7 @@ class DPRandomness:
         return self._base
 
     def stream_seed(self, purpose: str) -> int:
-        """A seed for a data-processing stream of this run (e.g. the subsets of users' examples), re-derived like the
-        others when the run is resumed (:meth:`restart`); never the noise's."""
+        """A seed for a data-processing stream (never the noise's), re-derived on :meth:`restart`."""
         return derive_seed(self._base, purpose, self._restart)
 
     def _seed_sampling(self) -> None:
@@ -82,11 +69,8 @@ class DPRandomness:
         self.sampling.manual_seed(derive_seed(self._base, "sampling", self._restart, *rank_keys))
 
     def share(self, base_seed: int, *, rank: int) -> None:
-        """Adopt the base seed all ranks agreed on (rank 0's) as process ``rank`` of a multi-process run.
-
-        Every stream is re-derived: the noise streams no longer depend on the device index (ranks on ``cuda:0`` and
-        ``cuda:1`` draw the same noise; one rank may then use one device per type), the sampling stream depends on
-        ``rank``. The ``sampling`` generator object is reseeded in place.
+        """Adopt the agreed base seed (rank 0's) as process ``rank``: noise streams independent of the device index, the
+        sampling stream keyed by ``rank`` (its generator reseeded in place).
 
         Raises:
             ValueError: negative ``rank``.
@@ -103,19 +87,17 @@ class DPRandomness:
         self._seed_sampling()
 
     def noise_generator(self, device: torch.device | str, shard: tuple[int, ...] = ()) -> torch.Generator:
-        """The noise generator living on ``device`` (created on first use).
+        """The noise generator on ``device`` (created on first use).
 
         Args:
             device: where the noise is drawn.
-            shard: for a sharded parameter, which shard this rank holds
-                (:func:`lightning_dp.runtime.sharding.shard_key`): each shard has its own stream, the same on the ranks
-                holding replicas of it; ``()`` (replicated parameters): the stream shared by all ranks.
+            shard: a sharded parameter's :func:`~lightning_dp.runtime.sharding.shard_key` (its own stream); ``()``: the
+                stream shared by all ranks.
         """
         return self._device_generator("noise", device, shard)
 
     def projection_generator(self, device: torch.device | str) -> torch.Generator:
-        """The generator of the randomized clipping engines' projections on ``device`` (its own stream: the
-        projections are part of the mechanism's randomness, DP-SGD-RC seed Algorithm 2)."""
+        """The generator of the randomized engines' projections on ``device`` (DP-SGD-RC seed, Algorithm 2)."""
         return self._device_generator("projection", device)
 
     def _device_generator(
@@ -143,10 +125,8 @@ class DPRandomness:
         return self._generators[key]
 
     def restart(self, steps_taken: int) -> None:
-        """Re-derive every stream for a run resumed after ``steps_taken`` steps (fresh entropy when unseeded).
-
-        The ``sampling`` generator object is reseeded in place, so loaders already holding it keep working. On
-        several processes, share the base seed again afterwards (each rank drew its own entropy).
+        """Re-derive every stream for a run resumed after ``steps_taken`` steps (fresh entropy when unseeded); the
+        sampling generator is reseeded in place. On several processes, share the base seed again afterwards.
         """
         if self._user_seed is None:
             self._base = int.from_bytes(os.urandom(8), "little")
