@@ -14,10 +14,9 @@ log = logging.getLogger("lightning_dp")
 
 
 def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    """The numbers of a :meth:`PrivacyLedger.summary` as metrics: each number under its key, and with clipping
-    groups each group's bound under ``clipping_groups/<index>``, the group's position (labels hold patterns such as
-    ``bert.*``, which trackers rewrite in metric names; the summary maps each label to its bound), the summary's
-    ``max_grad_norm`` then being the sensitivity ``sqrt(sum_g C_g^2)``."""
+    """The numbers of a :meth:`PrivacyLedger.summary` as metrics; with clipping groups each bound under
+    ``clipping_groups/<index>``.
+    """
     metrics = {key: float(value) for key, value in summary.items() if isinstance(value, int | float)}
     for index, bound in enumerate(summary.get("clipping_groups", {}).values()):
         metrics[f"clipping_groups/{index}"] = float(bound)
@@ -82,9 +81,8 @@ class PrivacyLedger:
         return self._epsilon_cache[1]
 
     def max_steps_within(self, epsilon_budget: float) -> int:
-        """The largest total number of steps whose epsilon stays <= ``epsilon_budget`` (cached per budget).
-
-        Counts the steps already taken plus further steps of the current event; found by doubling and bisection.
+        """The largest total number of steps (taken plus further steps of the current event) whose epsilon stays <=
+        ``epsilon_budget``; cached per budget.
         """
         state = self.state
         if self._max_steps_cache and self._max_steps_cache[0] == epsilon_budget:
@@ -118,8 +116,7 @@ class PrivacyLedger:
         return self.steps >= self.max_steps_within(state.epsilon_budget)
 
     def set_epsilon_budget(self, target_epsilon: float | None, *, configured_in: str) -> None:
-        """Enforce ``target_epsilon`` (default: this engine's ``target_epsilon``) as the budget of
-        :meth:`budget_exhausted` (the ``PrivacyBudget`` callbacks of Lightning and HF).
+        """Enforce ``target_epsilon`` (default: the engine's) as the budget of :meth:`budget_exhausted`.
 
         Raises:
             ValueError: neither is set (``configured_in`` names where the user could set it).
@@ -143,15 +140,12 @@ class PrivacyLedger:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant. Under adaptive
-        clipping ``max_grad_norm`` is the current bound, beside ``initial_max_grad_norm``, the clipped sum's
-        ``sum_noise_multiplier`` and the options (``noise_multiplier`` stays the accounted sigma). With clipping
-        groups, ``max_grad_norm`` is the sensitivity ``sqrt(sum_g C_g^2)`` the noise is scaled to, and
-        ``clipping_groups`` maps each group (a module's name, or its patterns) to its bound ``C_g``. With
-        ``augmentation_multiplicity = K > 1``, ``augmentation_multiplicity`` is ``K`` (the accounting does not
-        change). With ``privacy_unit="user"``, ``privacy_unit``, ``num_users`` (the ``N`` of the accounting) and
-        ``examples_per_user`` (the option: the cap, or ``"all"``; never a statistic of the data, which the guarantee
-        does not cover); ``sample_rate`` is then the users'."""
+        """Final report: epsilon, delta, mechanism parameters, steps, sample rate, accountant. Adaptive clipping adds
+        ``initial_max_grad_norm`` and ``sum_noise_multiplier`` (``max_grad_norm`` is the current bound); with groups
+        ``max_grad_norm`` is the sensitivity and ``clipping_groups`` maps labels to ``C_g``;
+        ``augmentation_multiplicity`` when ``K > 1``; with ``privacy_unit="user"``, ``privacy_unit``, ``num_users`` (the
+        accounted N) and ``examples_per_user`` (the option, never a data statistic).
+        """
         state = self.state
         assert state.mechanism is not None and state.accountant is not None
         engine = state.clipper.engine if state.clipper is not None else None

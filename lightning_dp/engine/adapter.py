@@ -1,27 +1,8 @@
 """The contract every trainer adapter implements, and the glue the adapters share (docs/design.md section 2.2).
 
-The adapters are :class:`~lightning_dp.lightning.DPStrategy`, :class:`~lightning_dp.lightning.DPDDPStrategy` and
-:class:`~lightning_dp.lightning.DPModelParallelStrategy` (the hooks of
-:class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`), and :class:`~lightning_dp.hf.DPTrainer`. Each drives one
-:class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` through the run sequence of :mod:`lightning_dp.engine.steps`
-(``start_run``, ``training_loader``, ``start_training``, per micro-batch ``per_sample_loss`` and ``clip``, the noise
-once per logical step in the ``DPOptimizer``, ``finish_run``, ``detach``) and exposes :class:`TrainerAdapter`.
-
-What differs between the frameworks stays in the adapter: where each call is hooked, how a batch's size is read
-(:meth:`TrainerAdapter.read_batch_size`), the wording of a refusal in the framework's own terms. What is the same
-is here, once, as functions and small classes the adapters call:
-
-- :class:`AdapterQueries`: the queries of :class:`TrainerAdapter` (``get_epsilon``, ``privacy_summary``,
-  ``sample_rate``, ``num_samples``, ``last_clip_fraction``), a base class of every adapter;
-- :func:`micro_batch`: the batch a training step runs on, its size, and the engine's stand-in batch for a rank whose
-  Poisson micro-batch is empty on an FSDP2-sharded model;
-- :data:`LOSS_SCALING_REASON`: why fp16 (its loss scaler) is refused;
-- :func:`framework_clipping`: what to do with the framework's own gradient clipping (refuse it, or switch off the
-  framework's default);
-- :func:`rank_zero_logging` and :func:`stop_rank_zero_logging`: only rank 0 logs on several processes;
-- :class:`EpsilonBudget`: the logic of the ``PrivacyBudget`` callbacks (stop before a step would exceed the budget).
-
-This module imports neither Lightning nor transformers.
+The adapters (:mod:`lightning_dp.lightning`, :class:`~lightning_dp.hf.DPTrainer`) drive one
+:class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` through :mod:`lightning_dp.engine.steps` and expose
+:class:`TrainerAdapter`; what is framework-independent lives here. Imports neither Lightning nor transformers.
 """
 
 from __future__ import annotations
@@ -49,8 +30,7 @@ class TrainerAdapter(Protocol):
     """What a trainer adapter provides (``isinstance(adapter, TrainerAdapter)`` checks the names).
 
     Attributes:
-        privacy_engine: the run's engine, which holds every piece of DP state (the adapter holds none of its own
-            that the guarantee depends on).
+        privacy_engine: the run's engine, which holds all DP state.
     """
 
     privacy_engine: PrivacyEngine
@@ -79,8 +59,7 @@ class TrainerAdapter(Protocol):
 
 
 class AdapterQueries(PrivacyQueries):
-    """The queries of :class:`TrainerAdapter` for an object that holds a ``privacy_engine``: a base class of
-    every adapter, so they answer alike."""
+    """The queries of :class:`TrainerAdapter` for an object holding a ``privacy_engine`` (every adapter's base)."""
 
     @property
     def sample_rate(self) -> float | None:
@@ -101,13 +80,9 @@ class AdapterQueries(PrivacyQueries):
 def micro_batch(
     adapter: TrainerAdapter, batch: Any, to_device: Callable[[Any], Any] | None = None
 ) -> tuple[Any, int | None, bool]:
-    """The micro-batch a training step runs on: ``(batch, size, stand_in)``.
-
-    ``size`` is :meth:`TrainerAdapter.read_batch_size` of the batch. On an FSDP2-sharded model
-    (:attr:`~lightning_dp.engine.steps.RunSequence.every_rank_runs_every_step`) a rank whose Poisson micro-batch is
-    empty must still join the step's collectives: the batch is then the engine's
-    :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch` (moved by ``to_device`` when given), which adds
-    exactly zero when run through ``per_sample_loss`` and ``clip`` with ``stand_in=True``.
+    """The micro-batch a training step runs on: ``(batch, size, stand_in)``; on an FSDP2-sharded model an empty
+    micro-batch is replaced by the engine's :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch` (moved by
+    ``to_device``).
     """
     engine = adapter.privacy_engine
     if adapter.read_batch_size(batch) == 0 and engine.every_rank_runs_every_step:
@@ -121,12 +96,11 @@ def micro_batch(
 def framework_clipping(
     value: float | None, *, framework_default: float | None = None
 ) -> Literal["none", "switch off", "refuse"]:
-    """What an adapter does with the framework's own gradient clipping (Lightning's ``gradient_clip_val``, the
-    Trainer's ``max_grad_norm``), which would clip the batch gradient on top of the per-sample clipping.
+    """What an adapter does with the framework's own gradient clipping (``gradient_clip_val``, ``max_grad_norm``).
 
     Returns:
-        ``"none"``: not set; ``"switch off"``: the framework's default (the adapter sets it to 0 with a log line
-        saying so); ``"refuse"``: any other value (the adapter raises ``ValueError`` saying what to set instead).
+        ``"none"``: not set; ``"switch off"``: the framework's default (set to 0, logged); ``"refuse"``: any other
+        value.
     """
     if not value:
         return "none"
@@ -138,9 +112,9 @@ def framework_clipping(
 def rank_zero_logging(
     distributed: DistributedContext | None, log_filter: logging.Filter | None
 ) -> logging.Filter | None:
-    """On several processes, silence the ``lightning_dp`` logger below ERROR on ranks other than 0 (once: an
-    adapter passes the filter it holds, ``None`` at first); returns the filter to hold (``None`` on rank 0 or one
-    process)."""
+    """On several processes, silence the ``lightning_dp`` logger below ERROR on ranks other than 0; returns the filter
+    to hold (``None`` on rank 0 or one process).
+    """
     if distributed is not None and log_filter is None:
         return distributed.log_on_rank_zero_only()
     return log_filter
@@ -153,14 +127,13 @@ def stop_rank_zero_logging(log_filter: logging.Filter | None) -> None:
 
 
 class EpsilonBudget:
-    """The budget logic of the ``PrivacyBudget`` callbacks (Lightning's and the Trainer's): no step is taken that
-    would push epsilon above the budget, and the stop is logged once.
+    """The budget logic of the ``PrivacyBudget`` callbacks: no step is taken that would push epsilon above the budget.
 
     Args:
         target_epsilon: the budget (default: the run's ``target_epsilon``).
 
     Attributes:
-        stopped_at_step: the engine's step count when the budget stopped training (``None`` while it has not).
+        stopped_at_step: the step count when the budget stopped training (``None`` until then).
 
     Raises:
         ValueError: a non-positive budget.
@@ -173,8 +146,8 @@ class EpsilonBudget:
         self.stopped_at_step: int | None = None
 
     def start_budget(self, engine: PrivacyEngine, *, configured_in: str) -> None:
-        """Set the budget on ``engine`` at the start of training (``configured_in``: where a default budget comes
-        from, for the error message when there is none).
+        """Set the budget on ``engine`` (``configured_in`` names where a default budget comes from, for the error
+        message).
 
         Raises:
             ValueError: no budget given and the run has no ``target_epsilon``.

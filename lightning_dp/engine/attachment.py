@@ -23,11 +23,8 @@ class ClippingAttachment:
         self.state = state
 
     def attach(self, module: nn.Module) -> PerSampleClipper:
-        """Attach per-sample clipping hooks to ``module`` in place (fails early on unsupported layers).
-
-        An FSDP2-sharded ``module`` (``fully_shard`` applied before this call) is clipped exactly, its clipped sums
-        reach each rank's shards and the per-sample momentum's iterates are kept as shards
-        (:mod:`lightning_dp.runtime.sharding`).
+        """Attach per-sample clipping hooks to ``module`` in place (an FSDP2-sharded ``module`` included, docs/design.md
+        section 8.1).
 
         Raises:
             ValueError: unsupported layers (see :class:`PerSampleClipper`).
@@ -84,9 +81,8 @@ class ClippingAttachment:
         state.distributed = None  # the run is over: a later restore must not reach for its process group
 
     def add_past_iterates(self, compute_loss: Callable[[], torch.Tensor | None], *, stand_in: bool = False) -> None:
-        """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted per-sample terms
-        for the next clip (nothing when ``momentum_length = 1``); see
-        :meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`.
+        """Per-sample momentum: run ``compute_loss`` at each stored iterate and keep its weighted terms for the next
+        clip (:meth:`~lightning_dp.optim.momentum.PerSampleMomentum.add_past_iterates`).
 
         Raises:
             RuntimeError: before :meth:`attach`.

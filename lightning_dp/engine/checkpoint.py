@@ -53,9 +53,7 @@ def check_privacy_state(state: Any) -> None:
 
 
 class CheckpointState:
-    """Saves and restores the privacy state of a run, its :class:`~lightning_dp.engine.run_state.RunState` (an
-    adaptive bound through the run's :class:`~lightning_dp.engine.clip_bound.ClipBound`; the ledger's caches are
-    cleared once the ledger is replaced)."""
+    """Saves and restores the privacy state of a run's :class:`~lightning_dp.engine.run_state.RunState`."""
 
     def __init__(self, run: RunState, clip_bound: ClipBound, ledger: PrivacyLedger) -> None:
         self.run = run
@@ -63,13 +61,9 @@ class CheckpointState:
         self.ledger = ledger
 
     def state_dict(self) -> dict[str, Any]:
-        """Ledger, mechanism parameters, delta and sample rate, so a resumed run continues the same epsilon curve.
-
-        Deliberately no seed and no generator state: see :mod:`lightning_dp.runtime.randomness`. With per-sample
-        momentum (``momentum_length > 1``), also ``"momentum"``: its stored iterates (tensors; functions of earlier
-        noisy releases only). With a low-pass filter, also
-        ``"lowpass"``: its state (past filtered and noisy gradients: tensors, functions of released values only).
-        With adaptive clipping, also ``"adaptive_clipping"``: the current bound (a function of released counts).
+        """Ledger, mechanism parameters, delta and sample rate; with per-sample momentum ``"momentum"``, with a low-pass
+        filter ``"lowpass"``, with adaptive clipping ``"adaptive_clipping"`` (all functions of released values). Never a
+        seed or generator state (docs/design.md section 2.3).
         """
         run = self.run
         assert run.mechanism is not None and run.accountant is not None
@@ -90,21 +84,14 @@ class CheckpointState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger
-        is replayed into this run's accountant (events are data, so another accountant may recompute them), and
-        the random streams restart so that no noise of the first run is replayed.
-
-        The low-pass filter's state, if any, is restored too.
+        """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
+        replayed into this run's accountant, and the random streams restart (docs/design.md section 2.3).
 
         Raises:
-            ValueError: the checkpoint's mechanism or ``max_grad_norm`` differs from this run's, or this run fixes
-                noise parameters that differ from the checkpoint's (continuing would silently change the noise
-                relative to the clipping bound); the state is malformed (missing or mistyped entries, an unknown
-                event): it is never replaced by an empty ledger, which would restart epsilon at 0; its per-sample
-                momentum (``momentum_length``, ``momentum_beta``, parameters) differs from this run's; the
-                checkpoint's lowpass coefficients differ from this run's; one of the checkpoint and this run clips
-                adaptively and the other does not, or its adaptive bound is not a positive number; the checkpoint's
-                steps were taken at example level and this run is user-level, or with another ``user_key``.
+            ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
+                (never replaced by an empty ledger); other per-sample momentum or lowpass settings; adaptive clipping on
+                one side only, or a non-positive adaptive bound; example-level steps resumed user-level, or another
+                ``user_key``.
         """
         run = self.run
         check_privacy_state(state)
@@ -176,9 +163,7 @@ class CheckpointState:
         self.clip_bound.restore(bound)
 
     def _check_privacy_unit(self, saved: dict[str, Any] | None) -> None:
-        """Refuse a resume whose ledger was spent on another unit: example-level steps give users no user-level
-        guarantee, and steps grouped by another key protected other groups. (A user-level checkpoint resumed at
-        example level is allowed: user-level DP implies example-level DP with the same parameters.)
+        """Refuse a resume whose ledger was spent on another unit (user-level resumed at example level is allowed).
 
         Raises:
             ValueError: the checkpoint is example-level and this run user-level, or their ``user_key`` differ.

@@ -21,9 +21,8 @@ class ClipBound:
         self.state = state
 
     def setup_adaptive(self) -> NoiseMechanism:
-        """Set up ``state.adaptive`` (its bound restored from a checkpoint if one was loaded) and return the mechanism
-        of the clipped sum, ``GaussianMechanism(sigma_sum, C_t)``: one object for the engine's life, which every
-        optimizer it wrapped holds and :meth:`set` updates.
+        """Set up ``state.adaptive`` (bound restored from a checkpoint if loaded) and return the clipped sum's mechanism
+        ``GaussianMechanism(sigma_sum, C_t)``, shared by every wrapped optimizer and updated by :meth:`set`.
 
         Raises:
             ValueError: ``unclipped_num_std <= noise_multiplier / 2``.

@@ -31,18 +31,17 @@ class NoiseSetup:
         self.clip_bound = clip_bound
 
     def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
-        """Fix the sampling rate, delta, mechanism (calibrating it if needed) and accountant; the defaults it applies
-        join ``state.defaults_applied`` (shown by the start-up block).
+        """Fix the sampling rate, delta, mechanism (calibrated if needed) and accountant; applied defaults join
+        ``state.defaults_applied``.
 
         Args:
-            num_samples: dataset size N (for the default delta and a warning when delta >= 1/N).
+            num_samples: dataset size N (default delta; a warning when delta >= 1/N).
             sample_rate: Poisson rate q of one logical step.
-            total_steps: planned logical steps of the whole run (needed only to calibrate for ``target_epsilon``;
-                ``None`` when unbounded).
+            total_steps: planned logical steps (needed only to calibrate for ``target_epsilon``; ``None``: unbounded).
 
         Raises:
             RuntimeError: before the clipping hooks are attached.
-            ValueError: calibration needed but ``total_steps`` is None; the sample rate differs from a restored
+            ValueError: calibration needed without ``total_steps``; a sample rate differing from a restored
                 checkpoint's.
         """
         state, config = self.state, self.state.config

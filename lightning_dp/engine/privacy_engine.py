@@ -1,11 +1,8 @@
 """PrivacyEngine: the framework-agnostic DP state of one training run.
 
-It owns the run's state (:class:`~lightning_dp.engine.run_state.RunState`: the noise mechanism, the per-sample
-clipper attached to the model, the dedicated generators, the accountant's ledger) and the parts that act on it, each
-a small class that receives the state: the clipping hooks (``attachment``), the noise set-up (``noise_setup``), the
-ledger (``ledger``), the clipping bound (``clip_bound``), the checkpoint state (``checkpoint``), the start-up block
-(``startup``) and the run sequence the trainer adapters drive (``run``). The Lightning strategies and the HF
-integration only call the engine; nothing here knows about a trainer.
+It owns the :class:`~lightning_dp.engine.run_state.RunState` and the parts acting on it (``attachment``,
+``noise_setup``, ``ledger``, ``clip_bound``, ``checkpoint``, ``startup``, ``run``); the adapters call only the engine
+(docs/design.md section 2.1).
 """
 
 from __future__ import annotations
@@ -245,11 +242,10 @@ class PrivacyEngine:
 
         Args:
             optimizer: the user's optimizer.
-            reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums (e.g.
-                ``distributed_context().reduce_clipped_sum``); ``None`` on one process. See
-                :mod:`lightning_dp.runtime.distributed` for what else a multi-process run needs.
-            any_rank: on several processes, the OR of flags over the ranks (``distributed_context().any_rank``),
-                which the finite check of sharded (FSDP2) gradient sums needs; ``None`` on one process.
+            reduce_clipped_sum: on several processes, the SUM all-reduce of the clipped sums
+                (``distributed_context().reduce_clipped_sum``); ``None`` on one process.
+            any_rank: on several processes, the OR of flags over ranks (``distributed_context().any_rank``); ``None`` on
+                one process.
 
         Raises:
             RuntimeError: before :meth:`prepare`.

@@ -15,24 +15,21 @@ class PrivacyQueries:
     privacy_engine: PrivacyEngine
 
     def get_epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far (all optimizer steps of this run and of the runs it resumed), as Opacus's
-        ``PrivacyEngine.get_epsilon``.
+        """Epsilon spent so far (this run and the runs it resumed), as Opacus's ``PrivacyEngine.get_epsilon``.
 
         Args:
-            delta: the delta of the (epsilon, delta) guarantee; default the run's ``target_delta``. Ignored by the
-                pure-DP accountants (Laplace).
+            delta: the delta of the guarantee; default the run's ``target_delta``; ignored by pure-DP accountants.
 
         Returns:
-            Epsilon (0.0 before the first step, ``inf`` when no noise is added).
+            Epsilon (0.0 before the first step, ``inf`` without noise).
         """
         return self.privacy_engine.epsilon(delta)
 
     def privacy_summary(self) -> dict[str, Any]:
-        """The run's privacy state: epsilon and delta, the noise and its parameters, steps, sample rate, number of
-        trainable parameters, accountant and clipping engine (what ``PrivacyAccountantCallback`` logs at the end).
+        """The run's privacy state (:meth:`~lightning_dp.engine.accounting.PrivacyLedger.summary`).
 
         Raises:
-            RuntimeError: before training started (no noise or accountant is fixed yet).
+            RuntimeError: before training started.
         """
         engine = self.privacy_engine
         if engine.accountant is None or engine.mechanism is None:

@@ -1,14 +1,6 @@
-"""The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: what a run is about to do, printed
-once when training starts (:meth:`~lightning_dp.engine.steps.RunSequence.start_training`), by every trainer adapter
-alike.
-
-It names the processes and batches (world size, per-device batch, gradient accumulation, the global expected batch
-``q N``), the sampling (q, N), the planned steps, the noise (and whether it was given, calibrated or restored), delta,
-the accountant and every default applied that affects the guarantee. It goes to the ``lightning_dp`` logger at INFO,
-which only rank 0 keeps on several processes (:meth:`~lightning_dp.runtime.distributed.DistributedContext.
-log_on_rank_zero_only`), and which shows on stderr in a script that set up no logging
-(:mod:`lightning_dp.runtime.console`). A launch that started fewer processes than asked for adds a warning
-(:mod:`lightning_dp.runtime.launch_check`).
+"""The start-up block of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`, logged once when training starts:
+processes and batches, sampling, planned steps, noise and its origin, delta, accountant and every default applied
+that affects the guarantee (INFO on the ``lightning_dp`` logger, rank 0 only).
 """
 
 from __future__ import annotations
@@ -33,9 +25,9 @@ def _row(label: str, value: object) -> str:
 
 
 def describe_users(config: PrivacyConfig) -> str:
-    """One line on the user-level set-up (``privacy_unit="user"``): the key and the rows per sampled user. It names
-    the options only: the numbers of examples per user are statistics of the data that the guarantee does not cover,
-    so they are never logged (``N``, the number of users, is in the block as ``N`` always is)."""
+    """One line on the user-level set-up: the key and rows per sampled user (options only; per-user counts are data
+    statistics and never logged).
+    """
     key = config.user_key
     source = f"column {key!r}" if isinstance(key, str) else "user_key function"
     cap = config.examples_per_user
@@ -119,10 +111,9 @@ class StartupBlock:
         return lines
 
     def log_startup(self) -> None:
-        """Log :meth:`startup_lines` as one INFO record of the ``lightning_dp`` logger (shown on stderr when no
-        logging is set up, :func:`~lightning_dp.runtime.console.show_info_lines`), then a warning when the launcher
-        asked for more processes than are training
-        (:func:`~lightning_dp.runtime.launch_check.process_count_warning`)."""
+        """Log :meth:`startup_lines` as one INFO record, then a warning when the launcher asked for more processes than
+        are training (:func:`~lightning_dp.runtime.launch_check.process_count_warning`).
+        """
         show_info_lines(log)
         log.info("\n".join(self.startup_lines()))
         warning = process_count_warning(self._world_size, os.environ, sys.argv)

@@ -1,24 +1,8 @@
 """The run sequence of DP training, which every trainer adapter drives through its framework's hooks.
 
-One run, whatever the trainer (docs/design.md section 2.2):
-
-1. :meth:`RunSequence.start_run` (the trainer's set-up): attach the clipping hooks; on several processes, share the
-   base seed of rank 0 (identical noise, distinct sampling shards).
-2. :meth:`RunSequence.training_loader` (each training loader the trainer builds): the sample rate, the check that
-   the data did not change, and the sampling policy (Poisson sampling of this rank's shard at the global rate, or
-   the trainer's own batches with a warning on one process; an error on several).
-3. :meth:`RunSequence.start_training` (once the planned steps are known): delta, noise (calibrated if needed),
-   accountant, the ranks' agreement, the optimizers wrapped so that each step is privatised and recorded, and the
-   start-up block on the ``lightning_dp`` logger (:mod:`lightning_dp.engine.startup`).
-4. Per micro-batch, :meth:`RunSequence.per_sample_loss` (the guard around the user's forward, the forwards at the
-   stored iterates of per-sample momentum, the batch-independence checks) and :meth:`RunSequence.clip` (the clipped
-   sum into ``p.grad``); :meth:`RunSequence.count_micro_batch` / :meth:`RunSequence.end_logical_step` check that an
-   optimizer step is exactly one Poisson sample. On an FSDP2-sharded model every rank must join every forward and
-   backward (their collectives gather the weights), so a rank whose micro-batch is empty runs the step on
-   :meth:`RunSequence.stand_in_batch` instead, with ``stand_in=True`` to both calls: it contributes exactly zero.
-
-The adapters (:mod:`lightning_dp.lightning`, :mod:`lightning_dp.hf`) translate hooks into these calls and never
-reach into the engine's parts (clipper, guard, momentum, randomness, mechanism).
+:meth:`RunSequence.start_run`, :meth:`~RunSequence.training_loader`, :meth:`~RunSequence.start_training`, then per
+micro-batch :meth:`~RunSequence.per_sample_loss` and :meth:`~RunSequence.clip`, and :meth:`~RunSequence.finish_run`
+(docs/design.md section 2.2; the stand-in batch of a sharded model: section 8.1).
 """
 
 from __future__ import annotations
@@ -50,9 +34,9 @@ LossFunction = Callable[[Any], torch.Tensor | None]
 
 
 class RunSequence:
-    """The run sequence (see the module docstring) over the run's :class:`~lightning_dp.engine.run_state.RunState`,
-    calling the parts it sequences: the clipping hooks, the noise set-up, the start-up block, and ``wrap_optimizer``
-    (the engine's, which ties an optimizer to the ledger)."""
+    """The run sequence over the run's :class:`~lightning_dp.engine.run_state.RunState`: clipping hooks, noise set-up,
+    start-up block and the engine's ``wrap_optimizer``.
+    """
 
     def __init__(
         self,
@@ -109,29 +93,24 @@ class RunSequence:
         lengths: Sequence[int] | torch.Tensor | None = None,
         user_ids: Sequence[Hashable] | None = None,
     ) -> DataLoader:
-        """The training loader the run uses: ``loader``'s dataset, collator and workers, drawing Poisson batches of
-        this rank's shard at the global rate q (default ``batch_size * micro_batches * W / N``), or ``loader``
-        itself with ``poisson_sampling=False`` (one process only, with a warning that epsilon assumes Poisson
-        sampling).
+        """The training loader the run uses: Poisson batches of this rank's shard at the global rate q (default
+        ``batch_size * micro_batches * W / N``), or ``loader`` itself with ``poisson_sampling=False`` (one process,
+        warned).
 
         Args:
             loader: the trainer's training loader (a map-style dataset).
-            batch_size: its per-process batch size (``None`` when unknown: then ``sample_rate`` must be given).
+            batch_size: its per-process batch size (``None``: ``sample_rate`` must be given).
             micro_batches: micro-batches per optimizer step (gradient accumulation).
-            lengths: ``[N]`` the examples' lengths, to split each Poisson batch into micro-batches of similar
-                lengths (:class:`~lightning_dp.data.PoissonBatchSampler`); ``None`` (default) keeps the data order.
-            user_ids: with ``privacy_unit="user"``, ``[N]`` the user of each example of ``loader``'s dataset (for a
-                trainer whose loader has lost the ``user_key`` column); ``None`` (default): read from the dataset.
+            lengths: ``[N]`` example lengths, to form micro-batches of similar lengths; ``None`` keeps the data order.
+            user_ids: with ``privacy_unit="user"``, ``[N]`` each example's user; ``None``: read from the dataset.
 
-        With ``privacy_unit="user"`` the loader's dataset is regrouped by user (one item per user, N = the number of
-        users, q per user; :mod:`lightning_dp.data.users`) and its batches are
-        :class:`~lightning_dp.data.users.UserBatch` (the loader's collator applied to the sampled users' rows).
+        With ``privacy_unit="user"`` the dataset is regrouped by user (N users, q per user;
+        :mod:`lightning_dp.data.users`) and batches are :class:`~lightning_dp.data.users.UserBatch`.
 
         Raises:
             TypeError: not a torch ``DataLoader`` over a map-style dataset.
-            ValueError: the batch size unknown and no ``sample_rate``; the data changed size during the run;
-                ``poisson_sampling=False`` on several processes, or with an epoch that is not a whole number of
-                optimizer steps.
+            ValueError: unknown batch size and no ``sample_rate``; the data changed size; ``poisson_sampling=False`` on
+                several processes or with an epoch that is not a whole number of optimizer steps.
         """
         state = self.state
         if not isinstance(loader, DataLoader) or not hasattr(loader.dataset, "__len__"):
@@ -198,8 +177,7 @@ class RunSequence:
         return loader
 
     def _users(self, dataset: Any, user_ids: Sequence[Hashable] | None) -> UserDataset:
-        """The training set regrouped by user (``privacy_unit="user"``; :mod:`lightning_dp.data.users`), built once
-        per dataset; the clipper and the checks then treat each user's ``K`` rows as one unit.
+        """The training set regrouped by user (:mod:`lightning_dp.data.users`), built once per dataset.
 
         Raises:
             ValueError: an example without the ``user_key`` column; ``user_ids`` of another length than the data.
@@ -232,15 +210,13 @@ class RunSequence:
     def start_training(
         self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
     ) -> list[DPOptimizer]:
-        """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant; on several
-        processes check that every rank agrees on N, q and the noise; log the start-up block
-        (:meth:`~lightning_dp.engine.startup.StartupBlock.log_startup`); return the optimizers wrapped so that each
-        step adds the noise once to the (all-reduced) clipped sum and is recorded.
+        """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant, check the ranks agree,
+        log the start-up block, and return the optimizers wrapped to privatise and record each step.
 
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
             ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`; an optimizer updates tensors
-                that are not parameters of the clipped model (their gradients would be noised but never clipped).
+                that are not parameters of the clipped model.
         """
         state = self.state
         if state.num_samples is None or state.loader_rate is None:
@@ -298,32 +274,24 @@ class RunSequence:
         module: nn.Module,
         stand_in: bool = False,
     ) -> torch.Tensor | None:
-        """The per-sample losses ``[B]`` of one micro-batch, with the run's checks around the user's forward.
-
-        In order: the guard sees the batch (buffer watch; float inputs as gradient leaves while the independence
-        check is pending); with per-sample momentum, ``replay`` runs on the same batch at each stored iterate;
-        ``compute_loss`` runs at the current parameters; the guard checks the buffers and (while pending) batch
-        independence, then the leave-half-out forward on the batch as given.
+        """The per-sample losses ``[B]`` of one micro-batch, with the run's checks around the user's forward
+        (docs/design.md section 2.2, steps 2-5).
 
         Args:
-            batch: the micro-batch as the trainer gives it (with ``privacy_unit="user"``, a
-                :class:`~lightning_dp.data.users.UserBatch`: ``compute_loss`` and ``replay`` then run on its rows
-                ``[U K, ...]``, return one loss per row, and each user's loss is the weighted mean of their rows').
-            batch_size: its number of examples (users with ``privacy_unit="user"``; ``None`` when it cannot be read).
-            compute_loss: ``batch -> [B]`` per-sample loss of the user's step (``None``: the step skips the batch).
-            replay: the same, for the extra forwards (stored iterates, leave-half-out), e.g. with logging off;
-                default ``compute_loss``.
-            module: the model (eval mode for the leave-half-out forwards).
-            stand_in: ``batch`` is :meth:`stand_in_batch` (then clipped with ``stand_in=True``): the forwards at the
-                stored iterates run with weight 0.
+            batch: the micro-batch (a :class:`~lightning_dp.data.users.UserBatch` with ``privacy_unit="user"``: the loss
+                functions run on its rows ``[U K, ...]`` and each user's loss is the weighted mean of their rows').
+            batch_size: its number of examples (users); ``None`` when unreadable.
+            compute_loss: ``batch -> [B]`` per-sample loss (``None``: the step skips the batch).
+            replay: the same for the extra forwards (stored iterates, leave-half-out); default ``compute_loss``.
+            module: the model.
+            stand_in: ``batch`` is :meth:`stand_in_batch`: the forwards at stored iterates run with weight 0.
 
         Returns:
             The per-sample losses, or ``None`` when the user's step skipped the batch.
 
         Raises:
-            UnsupportedModuleError, BatchMixingError: a check failed (see :mod:`lightning_dp.checks`).
-            ValueError: on an FSDP2-sharded model, a batch whose size cannot be read, or a step that returns
-                ``None`` (every rank must run every step).
+            UnsupportedModuleError, BatchMixingError: a check failed (:mod:`lightning_dp.checks`).
+            ValueError: on an FSDP2-sharded model, an unreadable batch size or a step returning ``None``.
         """
         state = self.state
         replay = replay or compute_loss
@@ -355,19 +323,16 @@ class RunSequence:
 
     @property
     def every_rank_runs_every_step(self) -> bool:
-        """Whether a rank must run the forward and backward even on an empty micro-batch: on an FSDP2-sharded model
-        (its collectives gather the weights around each module); run :meth:`stand_in_batch` instead."""
+        """Whether a rank must run forward and backward even on an empty micro-batch (FSDP2-sharded model); it then runs
+        :meth:`stand_in_batch`.
+        """
         state = self.state
         return state.clipper is not None and state.clipper.sharded
 
     def stand_in_batch(self) -> Any:
-        """A one-example batch of the training data (this rank's first example, collated as the loader does, on
-        the CPU), for a rank whose micro-batch is empty when :attr:`every_rank_runs_every_step`.
-
-        Run it through :meth:`per_sample_loss` and :meth:`clip` with ``stand_in=True``, which add exactly zero (the
-        forwards at per-sample momentum's iterates included): the batch keeps
-        the ranks' collectives in step and carries nothing of the example (which one it is does not depend on the
-        sampling).
+        """A one-example batch (this rank's first example, collated, on the CPU) for a rank whose micro-batch is empty
+        when :attr:`every_rank_runs_every_step`; run with ``stand_in=True`` it adds exactly zero (docs/design.md section
+        8.1).
 
         Raises:
             RuntimeError: before :meth:`training_loader`.
@@ -379,12 +344,9 @@ class RunSequence:
         return collate([dataset[rank % len(dataset)]])
 
     def clip(self, per_sample_loss: torch.Tensor, *, stand_in: bool = False) -> torch.Tensor:
-        """Add the clipped sum of this micro-batch (per-sample momentum included) into ``p.grad``; returns the
-        per-sample norms ``[B]`` (see :meth:`~lightning_dp.clipping.PerSampleClipper.backward`).
-
-        With ``stand_in`` (the loss of :meth:`stand_in_batch`, from :meth:`per_sample_loss` with ``stand_in=True``),
-        the backward and its collectives run with weight 0: the clipped sum gains exactly zero and no norm is
-        returned (``[0]``)."""
+        """Add this micro-batch's clipped sum into ``p.grad``; returns the norms ``[B]``
+        (:meth:`~lightning_dp.clipping.PerSampleClipper.backward`). With ``stand_in``, weight 0 and norms ``[0]``.
+        """
         state = self.state
         if stand_in:
             self._clipper.backward(per_sample_loss, weight=0.0)
@@ -397,13 +359,10 @@ class RunSequence:
         return norms
 
     def finish_run(self) -> None:
-        """At the normal end of training (never on an error path: on several processes it is a collective): one
-        warning when any process dropped examples with a non-finite loss or gradient, one when a due sum check was
-        postponed by such examples and never ran again (docs/privacy.md, "Non-finite losses and gradients"), and one
-        when a batch-independence or leave-half-out check ran inconclusively and no later batch concluded it
-        (docs/privacy.md, "Run-time checks").
-
-        The three flags are OR-ed over the ranks, and rank 0 logs; no count is kept or released.
+        """At the normal end of training (a collective on several processes; never on an error path): rank 0 warns once
+        each for dropped non-finite examples, a postponed sum check that never ran, and an inconclusive independence
+        check (docs/privacy.md, "Non-finite losses and gradients", "Run-time checks"). Flags are OR-ed over ranks; no
+        count is released.
         """
         state = self.state
         clipper = state.clipper
@@ -436,8 +395,8 @@ class RunSequence:
 
 
 def _per_user(compute_loss: LossFunction) -> LossFunction:
-    """``compute_loss`` on a user batch: the step runs on its rows ``[U K, ...]`` and each user's loss is the mean of
-    their rows' (:func:`~lightning_dp.data.users.user_losses`), ``[U]``."""
+    """``compute_loss`` on a user batch: per-row losses reduced per user (:func:`~lightning_dp.data.users.user_losses`),
+    ``[U]``."""
 
     def users_loss(batch: Any) -> torch.Tensor | None:
         rows, weights = flatten_users(batch)
