@@ -1,13 +1,6 @@
-"""One readable line for a bad option in a config file or on the command line.
-
-``FILE: KEY: REASON``, or ``--FLAG: REASON`` when the value came from a flag, e.g. ``fit.yaml:
-trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean 'max_grad_norm'?``: the key's full path, what
-is wrong, and the closest valid name where one exists. The surfaces that read config files and flags (``lightning-dp
-fit``, the recipes) raise :class:`ConfigError`, a ``ValueError``, which :func:`lightning_dp.cli.args.guarded` prints as
-one ``error:`` line with exit status 2.
-
-The reasons come from where the options are validated (:class:`~lightning_dp.config.PrivacyConfig` for the privacy
-options), which marks an error about one option with its name (:func:`checking`), so that the key can be named.
+"""One readable line for a bad option in a config file or on the command line: ``FILE: KEY: REASON`` or ``--FLAG:
+REASON`` (:class:`ConfigError`, printed by :func:`lightning_dp.cli.args.guarded` with exit status 2). Validators mark
+an error about one option with :func:`checking`.
 """
 
 from __future__ import annotations
@@ -69,10 +62,9 @@ def option_reason(option: str, error: BaseException) -> str:
 
 
 def locate(key: str, argv: Sequence[str]) -> str:
-    """How an error message names the option ``key`` (a dotted path; its ``init_args`` levels may be left out of a
-    flag or a file, as jsonargparse allows) set by the command line ``argv``: the flag that set it, as typed
-    (``--trainer.strategy.max_grad_norm``); else ``FILE: key`` for the last ``--config`` file that holds it; else
-    ``key``."""
+    """How a message names option ``key`` set by ``argv``: the flag as typed, else ``FILE: key`` for the last
+    ``--config`` file holding it, else ``key``.
+    """
     for arg in argv:
         name = arg.partition("=")[0]
         if name.startswith("--") and _plain(name[2:]) == _plain(key):

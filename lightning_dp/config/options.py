@@ -1,6 +1,6 @@
-"""How the options of :class:`~lightning_dp.config.privacy_config.PrivacyConfig` reach the adapters: their names,
-their ``Args:`` documentation, keyword-only parameters for the strategies' signatures, their removal from a strategy's
-keyword arguments, and the options that were removed."""
+"""How :class:`~lightning_dp.config.privacy_config.PrivacyConfig`'s options reach the adapters: names, ``Args:`` text,
+keyword-only parameters, removal from a strategy's keyword arguments, and removed options.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ def refuse_removed_options(names: typing.Iterable[str]) -> None:
 
 
 def pop_options(kwargs: dict[str, Any]) -> PrivacyConfig:
-    """Remove the option names from ``kwargs`` (in place; the rest are, e.g., a Lightning strategy's own arguments)
-    and return the :class:`PrivacyConfig` they make.
+    """Remove the option names from ``kwargs`` (in place) and return the :class:`PrivacyConfig` they make.
 
     Raises:
         ValueError: as :class:`PrivacyConfig`, or a removed option (:data:`REMOVED_OPTIONS`).

@@ -1,20 +1,9 @@
-"""The privacy options of a run, defined, documented and validated once.
+"""The privacy options of a run, defined, documented and validated once (:class:`PrivacyConfig`).
 
-:class:`PrivacyConfig` holds every option of differentially private training; :class:`~lightning_dp.PrivacyEngine`
-takes one. The users' surfaces are derived from it rather than copied:
-
-- ``DPStrategy`` / ``DPDDPStrategy`` take the options as keyword arguments: their signature and the ``Args`` of
-  their docstring are built from the fields here (:func:`option_parameters`, :func:`option_docs`), so LightningCLI
-  and ``help()`` see every option with its type, default and documentation;
-- ``PrivacyArguments`` (HF) is a dataclass generated from these fields, with two names renamed to the HF convention
-  (:data:`HF_NAMES`) and JSON text accepted where a dict is expected.
-
-A new option is one field here (type, default, documentation in ``metadata["doc"]``, a check in
-:meth:`PrivacyConfig.__post_init__` if needed, under :func:`~lightning_dp.config.errors.checking` when it is about
-that option alone); ``tests/config/test_config.py`` fails when a surface drifts from it.
-
-A ``ValueError`` about one option carries its name (:func:`~lightning_dp.config.errors.invalid_option`), so that a
-config file or command line reports the key at fault (:mod:`lightning_dp.config.errors`).
+The adapters' surfaces are derived from the fields: the strategies' signatures and ``Args`` (:func:`option_parameters`,
+:func:`option_docs`) and HF's ``PrivacyArguments`` (renamed per :data:`HF_NAMES`). A new option is one field plus, if
+needed, a check in :meth:`PrivacyConfig.__post_init__` under :func:`~lightning_dp.config.errors.checking`;
+``tests/config/test_config.py`` catches drift (docs/design.md section 2.1).
 """
 
 from __future__ import annotations
