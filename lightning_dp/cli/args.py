@@ -1,8 +1,5 @@
-"""What every ``lightning-dp`` subcommand shares: its argument parser, typed options, and one error handler.
-
-Bad input (a usage error, or a ``ValueError`` raised while validating or running) is reported as ONE line on
-stderr, ``lightning-dp CMD: error: ...``, with exit code 2 and no traceback; ``LIGHTNING_DP_TRACEBACK=1`` re-raises
-instead, for debugging. ``--help`` lists every option with its description, default and choices.
+"""What every ``lightning-dp`` subcommand shares: its argument parser, typed options, and one error handler (bad input
+is one ``lightning-dp CMD: error: ...`` line with exit code 2; ``LIGHTNING_DP_TRACEBACK=1`` re-raises).
 """
 
 from __future__ import annotations
@@ -69,9 +66,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def choice(names: Iterable[str]) -> Callable[[str], str]:
-    """An argparse ``type`` accepting one of ``names`` and suggesting the closest for a misspelt one.
-
-    Use with ``metavar=metavar_of(names)`` so ``--help`` lists the choices.
+    """An argparse ``type`` accepting one of ``names``, suggesting the closest for a misspelt one (use with
+    ``metavar=metavar_of(names)``).
     """
     valid = tuple(names)
 
@@ -108,10 +104,8 @@ def positive_float(value: str) -> float:
 
 
 def quiet_lightning() -> None:
-    """Console output of the ``demo`` and ``fit`` commands: lightning_dp's INFO lines (defaults, calibration, privacy
-    summary) and everyone's warnings, without Lightning's GPU/TPU/seed info lines. Only these commands set this up;
-    in the Python API the user's logging set-up is untouched, except for the two Lightning messages every DP
-    strategy drops (its advert and the ``LeafSpec`` deprecation: :mod:`lightning_dp.utils.lightning_log_filter`).
+    """Console output of ``demo`` and ``fit``: lightning_dp's INFO lines and all warnings, without Lightning's
+    GPU/TPU/seed info lines (the Python API leaves the user's logging untouched).
     """
     import lightning.pytorch  # noqa: F401  (first: importing Lightning sets its loggers' levels and handlers)
 

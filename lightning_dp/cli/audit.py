@@ -1,12 +1,7 @@
 """``lightning-dp audit``: train once with canaries and print an empirical epsilon lower bound next to the reported
-epsilon (Steinke, Nasr & Jagielski 2023; see docs/audit.md). Readable output is an aligned table; ``--json``
-prints exactly one JSON object on stdout. Exit code 0 when the bound stays below the reported epsilon, 1 when it
-exceeds it (the run is not as private as reported, at the stated confidence), 2 for usage or invalid values.
-
-Modes (``--mode``): ``gradient``, Dirac canaries added to the clipped sum after clipping (catches noise and accounting
-bugs, never a clipping bug); ``clipped-gradient``, canary examples of gradient norm ``--canary-norm`` times C that the
-run's clipper clips (also catches clipping bugs; linear setup); ``input``, candidate examples scored by their loss
-decrease (``--input-candidates mislabelled|orthogonal``).
+epsilon (Steinke, Nasr & Jagielski 2023; docs/audit.md). Modes: ``gradient`` (Dirac canaries after clipping),
+``clipped-gradient`` (canaries of norm ``--canary-norm`` times C, clipped), ``input`` (candidate examples). ``--json``
+prints one JSON object. Exit code 0: bound below the reported epsilon; 1: above it; 2: usage or invalid values.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The LightningCLI of ``lightning-dp fit``, whose config errors are one readable line.
 
-A bad option in the YAML or on the command line becomes a :class:`~lightning_dp.config.errors.ConfigError` naming the
-option's full path and the reason, e.g. ``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you
-mean 'max_grad_norm'?``:
-
-- jsonargparse's own errors (an unknown option, a value of the wrong type) are read back into their key and reason
-  (:mod:`lightning_dp.cli.jsonargparse_errors`), with the closest accepted option for an unknown one;
-- the privacy options of a DP strategy are validated by :class:`~lightning_dp.config.PrivacyConfig` before the
-  classes are instantiated (where jsonargparse would bury the reason under the strategy's whole configuration); the
-  key is the option the error is about (:func:`~lightning_dp.config.errors.invalid_option`).
+A bad option becomes a :class:`~lightning_dp.config.errors.ConfigError` naming its full path and the reason
+(``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean 'max_grad_norm'?``): jsonargparse's
+errors are read back by :mod:`lightning_dp.cli.jsonargparse_errors`, and a DP strategy's privacy options are checked
+by :class:`~lightning_dp.config.PrivacyConfig` before instantiation.
 """
 
 from __future__ import annotations
@@ -32,15 +27,13 @@ STRATEGY = "trainer.strategy"
 
 
 class KeepingSaveConfigCallback(SaveConfigCallback):
-    """Lightning's ``SaveConfigCallback`` (the run's config into its log folder, never overwritten), with the refusal
-    to overwrite an earlier run's ``config.yaml`` as one line that says what to change."""
+    """Lightning's ``SaveConfigCallback``, whose refusal to overwrite a ``config.yaml`` is one line."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Save as Lightning does.
 
         Raises:
-            ValueError: the log folder already holds a ``config.yaml`` (a config without a logger, run twice in one
-                ``default_root_dir``).
+            ValueError: the log folder already holds a ``config.yaml``.
         """
         try:
             super().setup(trainer, pl_module, stage)
@@ -55,9 +48,9 @@ class KeepingSaveConfigCallback(SaveConfigCallback):
 
 
 class FitCLI(LightningCLI):
-    """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config.errors.ConfigError` (see the
-    module); jsonargparse errors that name no option are raised as they come (``ArgumentError``). The config is saved
-    by :class:`KeepingSaveConfigCallback`."""
+    """``LightningCLI`` whose errors about an option are :class:`~lightning_dp.config.errors.ConfigError`; others are
+    raised as they come (``ArgumentError``).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, save_config_callback=KeepingSaveConfigCallback, **kwargs)
@@ -85,8 +78,8 @@ class FitCLI(LightningCLI):
         """Instantiate as LightningCLI does.
 
         Raises:
-            ValueError: a constructor's error, without jsonargparse's account of the union types and the whole
-                configuration of the class (prefixed by its class path).
+            ValueError: a constructor's error, prefixed by its class path (without jsonargparse's account of the
+                unions).
         """
         try:
             super().instantiate_classes()
@@ -98,12 +91,11 @@ class FitCLI(LightningCLI):
 
 
 def check_privacy_options(config: Namespace, argv: Sequence[str] = ()) -> None:
-    """Validate the privacy options of a DP strategy given by class path at ``trainer.strategy`` of a parsed
-    LightningCLI ``config`` with the checks of :class:`~lightning_dp.config.PrivacyConfig`, before anything is
-    instantiated; ``argv`` (the command line) tells which flag or file set them.
+    """Validate a DP strategy's privacy options (``trainer.strategy`` of a parsed ``config``) with
+    :class:`~lightning_dp.config.PrivacyConfig` before instantiation; ``argv`` tells which flag or file set them.
 
     Raises:
-        ConfigError: an invalid option (key ``trainer.strategy.init_args.OPTION``) or combination of options (key
+        ConfigError: an invalid option (key ``trainer.strategy.init_args.OPTION``) or combination (key
             ``trainer.strategy.init_args``).
     """
     strategy = config.get(STRATEGY)
@@ -126,8 +118,7 @@ def check_privacy_options(config: Namespace, argv: Sequence[str] = ()) -> None:
 
 
 def _reason(read: ReadError, error: ArgumentError) -> str:
-    """The reason of a jsonargparse error read back, with the closest accepted option for an unknown one: among the
-    arguments of its class, or among the options of the subcommand (carried by the error's cause)."""
+    """The reason of a jsonargparse error read back, with the closest accepted option for an unknown one."""
     if not read.unknown:
         return read.reason
     name = read.key.rpartition(".")[2]

@@ -1,10 +1,5 @@
-"""The key and the reason of a jsonargparse error, read back from its message.
-
-jsonargparse (under LightningCLI) reports a bad value nested in a class's ``init_args`` as an indented tree: ``Parser
-key "trainer.strategy":`` / ``Does not validate against any of the Union subtypes`` / one ``- ...`` bullet per type
-of the union / ``Problem with given class_path '...':`` / ``Option 'max_grad_nrom' is not accepted``, then the
-whole given value. Its exceptions keep only this text, so :func:`read_error` walks the tree: the keys along the way
-make the full path, the first bullet of a type that applies (a class, not ``str``) the reason.
+"""The key and the reason of a jsonargparse error, read back from its message: :func:`read_error` walks the indented
+tree jsonargparse prints (keys along the way make the path; the first bullet of a class type of a union, the reason).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``lightning-dp epsilon`` and ``lightning-dp calibrate``: privacy accounting from the command line.
 
-``epsilon`` reports the epsilon of ``T`` Poisson-subsampled steps of a noise mechanism; for ``lap2`` and ``plrv``
-(and ``laplace-advanced``) it shows the paper's accountant next to the sound default (docs/design.md section 6), unless
-``--accountant`` names one. ``calibrate`` finds the noise parameters for a target epsilon (and, with ``--search``,
-runs LAP2 / PLRV-O Alg. 1 over the clipping bound). With ``--clipping hutch|hutchpp`` (randomized clipping, seed
-``dpsgd-rc``; Gaussian noise only) both use the ``rc`` accountant with ``--projection-dim`` and ``--norm-dim``.
-Readable output is an aligned table; ``--json`` prints
-exactly one JSON object on stdout; ``epsilon --plot FILE.png`` also draws epsilon against steps for each accountant
-shown (matplotlib, the ``plot`` extra). Both return a process exit code (0 success, 2 usage or invalid values, with
-one ``error:`` line on stderr).
+``epsilon``: the epsilon of ``T`` Poisson-subsampled steps (the paper's accountant beside the sound default for
+``lap2``, ``plrv``, ``laplace-advanced``; docs/design.md section 6). ``calibrate``: noise parameters for a target
+epsilon (``--search``: LAP2 / PLRV-O Alg. 1 over the clipping bound). ``--clipping hutch|hutchpp`` uses the ``rc``
+accountant (Gaussian only). ``--json`` prints one JSON object; ``epsilon --plot FILE`` draws the curves. Exit code 0,
+or 2 for usage or invalid values (one ``error:`` line).
 """
 
 from __future__ import annotations
