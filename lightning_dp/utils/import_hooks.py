@@ -1,10 +1,5 @@
-"""Run code once a third-party module is imported, without importing it (a post-import hook).
-
-``import lightning_dp`` does not import Lightning (seconds of start-up a command-line call or an HF-only script would
-pay for nothing), yet ``Trainer(strategy="dp")`` must find the DP strategies in Lightning's ``StrategyRegistry``
-whichever of ``lightning_dp`` and ``lightning`` the user imports first: :func:`when_imported` registers them as soon
-as Lightning is there. The clipping engines register HF's ``Conv1D`` layer family the same way, when ``transformers``
-is imported.
+"""Run code once a third-party module is imported, without importing it (a post-import hook; docs/design.md section
+2.1): the DP strategies join Lightning's ``StrategyRegistry``, and HF's ``Conv1D`` layer family registers.
 """
 
 from __future__ import annotations
@@ -18,9 +13,9 @@ from types import ModuleType
 
 
 def when_imported(name: str, callback: Callable[[], None]) -> None:
-    """Call ``callback()`` once the module ``name`` is imported: now if it already is, else right after its code has
-    run (the module complete, before the import statement that asked for it returns). An exception from a deferred
-    ``callback`` becomes a warning: the import of ``name`` itself still succeeds."""
+    """Call ``callback()`` once module ``name`` is imported (now if it already is); a deferred callback's exception
+    becomes a warning.
+    """
     if name in sys.modules:
         callback()
     else:
@@ -28,9 +23,9 @@ def when_imported(name: str, callback: Callable[[], None]) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """A finder that answers for one module only: it asks the other finders for it and wraps the loader's
-    ``exec_module`` so ``callback`` runs right after the module's code, and leaves ``sys.meta_path`` then. A lookup
-    that loads nothing (``importlib.util.find_spec``, as availability checks do) leaves it in place."""
+    """A finder for one module that wraps its loader's ``exec_module`` to run ``callback`` afterwards, then leaves
+    ``sys.meta_path`` (a lookup that loads nothing leaves it in place).
+    """
 
     def __init__(self, name: str, callback: Callable[[], None]) -> None:
         self.name = name

@@ -1,12 +1,5 @@
-"""Two lines of Lightning's own output that a DP run's log is better without, dropped once a DP strategy exists
-(and by the ``lightning-dp`` commands). This module imports nothing of Lightning.
-
-- Lightning's advert for its cloud logger (``"💡 Tip: For seamless cloud logging ... litlogger"``), logged at INFO
-  whenever a Trainer has no such logger: an advert, not information about the run.
-- ``"`isinstance(treespec, LeafSpec)` is deprecated"``, which Lightning's own ``_pytree`` helper triggers in torch
-  at every step: nothing a user can act on.
-
-Only these two exact messages are dropped; every other line of Lightning's output, warnings included, is kept.
+"""Drop two exact lines of Lightning's output (its cloud-logger advert and the ``LeafSpec`` deprecation warning) once a
+DP strategy exists; imports nothing of Lightning.
 """
 
 from __future__ import annotations

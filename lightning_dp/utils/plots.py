@@ -1,9 +1,5 @@
-"""Privacy curves (epsilon against optimizer steps) as matplotlib figures: the ``lightning-dp epsilon --plot`` file
-and the image :class:`~lightning_dp.lightning.PrivacyAccountantCallback` logs at the end of training.
-
-matplotlib is the optional extra ``plot`` (``pip install 'lightning_dp[plot]'``). Figures are built with the
-object-oriented API (``matplotlib.figure.Figure``), never ``pyplot``, so the user's backend and open figures are
-untouched.
+"""Privacy curves (epsilon against optimizer steps) as matplotlib figures (the optional ``plot`` extra), built with
+``matplotlib.figure.Figure``, never ``pyplot``.
 """
 
 from __future__ import annotations
@@ -90,11 +86,8 @@ def figure_to_rgb(figure: Figure) -> np.ndarray:
 
 
 def log_figure(logger: Any, tag: str, figure: Figure, step: int) -> bool:
-    """Send ``figure`` to a Lightning logger that takes images; return whether it did.
-
-    ``TensorBoardLogger``: ``experiment.add_figure``; ``MLFlowLogger``: the run's artifact ``<tag>.png``; any logger
-    with ``log_image`` (e.g. ``WandbLogger``, ``NeptuneLogger``): the rendered RGB array. Other loggers (CSV) are
-    skipped.
+    """Send ``figure`` to a Lightning logger that takes images (TensorBoard, MLflow, any with ``log_image``); return
+    whether it did.
     """
     from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
