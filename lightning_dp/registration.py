@@ -1,7 +1,5 @@
-"""The registry type behind every extension point (mechanisms, accountants, events, clipping engines, layer families,
-module swaps): a dict that refuses to replace an entry unless asked to (docs/design.md section 10).
-
-Imports nothing beyond the standard library, so the registries of mechanisms and accountants load without torch.
+"""The registry type behind every extension point: a dict that refuses to replace an entry unless asked to
+(docs/design.md section 10). Standard library only.
 """
 
 from __future__ import annotations
@@ -31,13 +29,11 @@ _MISSING: Any = object()
 
 
 class Registry(dict[K, V], Generic[K, V]):
-    """Named entries of one kind, read as a dict (:meth:`get` raises for an unknown key) and written only through
-    :meth:`register` / :meth:`remove` (the dict's own writing methods raise ``TypeError``).
+    """Named entries of one kind, read as a dict and written only through :meth:`register` / :meth:`remove`.
 
     Args:
         kind: what an entry is, for messages (``"mechanism"``, ``"layer type"``).
-        option: the option an entry's name is given to, for the message of an unknown name (default ``kind``):
-            ``"noise"`` for the mechanisms gives ``Unknown noise 'gausian' (did you mean 'gaussian'?); ...``.
+        option: the option an entry's name is given to, for unknown-name messages (default ``kind``).
         describe: the text naming an entry's value in messages (default :func:`qualified_name`).
         alternative: the way out, other than ``override=True``, that a refusal suggests.
     """
@@ -61,12 +57,11 @@ class Registry(dict[K, V], Generic[K, V]):
     @overload
     def get(self, key: K, default: D) -> V | D: ...
     def get(self, key: K, default: Any = _MISSING) -> Any:
-        """The value under ``key``; ``default`` when it is given and nothing is registered under ``key``.
+        """The value under ``key``; ``default`` when given and nothing is registered.
 
         Raises:
-            ValueError: nothing is registered under ``key`` and no ``default`` is given; the message suggests the
-                closest name and lists the registered ones (``Unknown noise 'gausian' (did you mean 'gaussian'?);
-                choose one of [...]``).
+            ValueError: unknown ``key`` and no ``default`` (suggesting the closest name and listing the registered
+                ones).
         """
         if key in self:
             return self[key]
@@ -75,8 +70,7 @@ class Registry(dict[K, V], Generic[K, V]):
         return default
 
     def names(self) -> list[str]:
-        """The registered keys as messages and help texts show them, sorted: a name as it is, a class by its
-        qualified name."""
+        """The registered keys as messages show them, sorted (a class by its qualified name)."""
         return sorted(qualified_name(key) if isinstance(key, type) else str(key) for key in self)
 
     def label(self, key: K) -> str:
@@ -84,9 +78,8 @@ class Registry(dict[K, V], Generic[K, V]):
         return repr(qualified_name(key)) if isinstance(key, type) else repr(key)
 
     def register(self, key: K, value: V, *, override: bool = False) -> None:
-        """Add ``value`` under ``key``. Registering an equal value again under the same key (the same class, e.g. a
-        module imported twice) does nothing; replacing another value needs ``override=True`` and logs one warning
-        naming the old and the new value.
+        """Add ``value`` under ``key``; an equal value again does nothing; replacing another needs ``override=True``
+        (logged).
 
         Raises:
             ValueError: ``key`` holds another value and ``override`` is False.
@@ -94,10 +87,10 @@ class Registry(dict[K, V], Generic[K, V]):
         self.register_many({key: value}, override=override)
 
     def register_many(self, entries: Mapping[K, V], *, override: bool = False) -> None:
-        """:meth:`register` each of ``entries``, all or none: nothing is added when one of them is refused.
+        """:meth:`register` each of ``entries``, all or none.
 
         Raises:
-            ValueError: a key holds another value and ``override`` is False (the message names the first).
+            ValueError: a key holds another value and ``override`` is False (naming the first).
         """
         new = {key: value for key, value in entries.items() if key not in self or not _same(self[key], value)}
         replaced = [key for key in new if key in self]
@@ -113,7 +106,7 @@ class Registry(dict[K, V], Generic[K, V]):
         dict.update(self, new)
 
     def remove(self, key: K) -> V:
-        """Remove the entry under ``key`` and return its value (for tests and plugins that undo their registration).
+        """Remove the entry under ``key`` and return its value.
 
         Raises:
             KeyError: nothing is registered under ``key``.
@@ -136,8 +129,8 @@ def _same(old: object, new: object) -> bool:
 
 
 def class_decorator(cls: C | None, register: Callable[[C], object]) -> C | Callable[[C], C]:
-    """``register(cls)`` and ``cls`` when ``cls`` is given (``@register_x`` or ``register_x(cls)``); else the
-    decorator that does so (``@register_x(override=True)``). Errors are those of ``register``."""
+    """``register(cls)`` and ``cls`` when ``cls`` is given, else the decorator doing so
+    (``@register_x(override=True)``)."""
 
     def decorate(cls: C) -> C:
         register(cls)

@@ -1,20 +1,9 @@
-"""Convolutions with scaled weight standardisation, as De et al. 2022 use them for DP training of Wide-ResNets.
+"""Convolutions with scaled weight standardisation (Brock et al. 2021, "Characterizing signal propagation to close the
+performance gap in unnormalized ResNets", Section 4), as De et al. 2022 (Section 3) use them for DP Wide-ResNets.
 
-Scaled weight standardisation (Brock et al. 2021, "Characterizing signal propagation to close the performance gap in
-unnormalized ResNets", Section 4, the ``WSConv2D`` of DeepMind's ``nfnets`` and ``jax_privacy`` code): each output
-channel ``r`` of the convolution uses, instead of its weight row ``w_r`` (the ``N = C_in / groups * prod(kernel)``
-values feeding that channel),
-
-    ``w_hat_r = gain_r * (w_r - mean(w_r)) / sqrt(max(N * var(w_r), eps))``
-
-(population variance), so every channel's effective weight has zero mean and norm ``gain_r`` whatever ``w_r``'s
-scale. De et al. 2022 (Section 3 and their released WRN configuration) standardise every convolution of their
-WRN-16-4 with GroupNorm, with ``eps = 1e-4``, ``gain`` starting at one and the bias always on.
-
-Per-sample clipping handles :class:`WSConv2d` with its own layer family
-(:mod:`lightning_dp.clipping.layers.weight_standardised_conv`): the per-sample gradients of ``weight`` and ``gain`` are
-those of the convolution with the standardised weight, pulled back through the standardisation, exactly, for every
-exact engine.
+Each output channel ``r`` uses ``w_hat_r = gain_r * (w_r - mean(w_r)) / sqrt(max(N * var(w_r), eps))`` (population
+variance; ``N = C_in / groups * prod(kernel)``). Per-sample clipping handles :class:`WSConv2d` exactly, with its own
+layer family (:mod:`lightning_dp.clipping.layers.weight_standardised_conv`).
 """
 
 from __future__ import annotations
@@ -45,16 +34,16 @@ def standardisation_scale(weight: torch.Tensor, eps: float) -> tuple[torch.Tenso
 
 
 class WSConv2d(nn.Conv2d):
-    """``nn.Conv2d`` whose weight is standardised per output channel before each use (see the module docstring).
+    """``nn.Conv2d`` whose weight is standardised per output channel before each use.
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, padding_mode, device, dtype: as
             ``nn.Conv2d``.
-        bias: as ``nn.Conv2d`` (default True, as De et al.).
+        bias: as ``nn.Conv2d`` (default True).
         eps: floor on ``N * var(w_r)`` (keyword only; default 1e-4, De et al.'s).
 
-    Parameters: ``weight`` ``[C_out, C_in / groups, kH, kW]``, ``gain`` ``[C_out]`` (starts at 1) and ``bias``
-    ``[C_out]``. Input ``[B, C_in, H, W]``, output ``[B, C_out, H', W']`` as ``nn.Conv2d``.
+    Parameters ``weight`` ``[C_out, C_in / groups, kH, kW]``, ``gain`` ``[C_out]`` (starts at 1), ``bias`` ``[C_out]``;
+    input ``[B, C_in, H, W]``, output ``[B, C_out, H', W']``.
 
     Raises:
         ValueError: ``eps`` not positive and finite.
