@@ -137,6 +137,17 @@ class _Centered(nn.Module):
         return self.b(h - h.mean(0))
 
 
+class _LearnedScale(nn.Module):
+    """``x * scale`` with its own trainable ``nn.Parameter``: no layer family covers the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
 class _RunningMean(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -520,8 +531,8 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "Lightning fit",
-        "trainable nn.PReLU (no per-sample layer)",
-        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), nn.PReLU(), nn.Linear(4, 1)))),
+        "a module with its own trainable nn.Parameter (no per-sample layer)",
+        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), _LearnedScale(), nn.Linear(4, 1)))),
         "not covered by any registered",
     ),
     BadInput(
@@ -778,7 +789,7 @@ CASES: list[BadInput] = [
         "register_layer(nn.Linear)(plugin_linear_terms) (no override=True)",
         _refused_registration(_layer_types, _register_layer_for_linear),
         r"^ValueError: layer type 'torch\.nn\.modules\.linear\.Linear' is already registered "
-        r"\(lightning_dp\.clipping\.linear\.linear_terms\); pass override=True to replace it, or register it for a "
-        r"subclass instead$",
+        r"\(lightning_dp\.clipping\.layers\.linear\.linear_terms\); pass override=True to replace it, or register it "
+        r"for a subclass instead$",
     ),
 ]

@@ -1,4 +1,5 @@
-"""Per-sample clipping of Conv3d, ConvTranspose1d/2d/3d and affine InstanceNorm against the torch.func oracle."""
+"""Per-sample clipping of Conv3d, ConvTranspose1d/2d/3d, affine InstanceNorm and PReLU against the torch.func
+oracle."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "instance_norm1d": (lambda: nn.InstanceNorm1d(3, affine=True), lambda: rand(B, 3, 7)),
     "instance_norm2d": (lambda: nn.InstanceNorm2d(3, affine=True), lambda: rand(B, 3, 4, 5)),
     "instance_norm3d": (lambda: nn.InstanceNorm3d(2, affine=True), lambda: rand(B, 2, 3, 3, 4)),
+    "prelu_shared": (lambda: nn.Sequential(nn.Linear(5, 4), nn.PReLU(), nn.Linear(4, 3)), lambda: rand(B, 5)),
+    "prelu_channels": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.PReLU(3)), lambda: rand(B, 2, 5, 5)),
+    "prelu_channels_1d": (lambda: nn.PReLU(4), lambda: rand(B, 4)),
+    "prelu_tokens": (lambda: nn.Sequential(nn.Linear(6, 6), nn.PReLU()), lambda: rand(B, 7, 6)),
 }
 
 
