@@ -32,6 +32,19 @@ def repository_files() -> list[str]:
     return [name for name in listed if (ROOT / name).is_file()]
 
 
+#: The variables of a process group, which a launch must not inherit (an in-process Lightning DDP fit leaves them in
+#: ``os.environ``; a launch that sees ``LOCAL_RANK`` starts one rank and waits for the other).
+PROCESS_GROUP_VARIABLES = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+
+
+def launch_env() -> dict[str, str]:
+    """``os.environ`` for a launched subprocess: this checkout first on ``PYTHONPATH``, no process-group variables."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    for name in PROCESS_GROUP_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,9 +63,7 @@ def accelerate_launch(
     user's command does) with this checkout first on ``PYTHONPATH``, on a free port and without inherited
     process-group variables; with ``check``, a failing launch fails the test with the processes' output. Returns the
     finished launch, its stdout and stderr combined in ``stdout``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
+    env = launch_env()
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(config)]
     launch += ["--main_process_port", str(free_port()), str(script), *args]
     done = subprocess.run(
@@ -67,11 +78,9 @@ def fit_on_two_processes(out: Path, *args: str) -> list[dict]:
     and load what each rank wrote."""
     import torch
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "ddp_fit_script.py"), str(out), *args],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=600,

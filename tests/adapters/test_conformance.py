@@ -193,7 +193,8 @@ def _instrumented(run: Any) -> tuple[list[tuple], int, list[str], Any]:
             events.append(("step",))
 
     handler, level = _Blocks(blocks), log.level
-    environment = dict(os.environ)  # Lightning's DDP set-up writes LOCAL_RANK, MASTER_PORT, ... into it
+    # Lightning's DDP set-up writes LOCAL_RANK, MASTER_PORT, ... into os.environ and may set torch's thread count
+    environment, threads = dict(os.environ), torch.get_num_threads()
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # the block is an INFO record
     handle = register_optimizer_step_post_hook(on_step)
@@ -209,11 +210,12 @@ def _instrumented(run: Any) -> tuple[list[tuple], int, list[str], Any]:
             handle.remove()
             log.removeHandler(handler)
             log.setLevel(level)
-            if dist.is_available() and dist.is_initialized():  # the one-process group of DPDDP/DPModelParallel
-                dist.destroy_process_group()
             # a LOCAL_RANK left behind makes a later test's two-process launch start one rank and wait for the other
             os.environ.clear()
             os.environ.update(environment)
+            torch.set_num_threads(threads)
+            if dist.is_available() and dist.is_initialized():  # the one-process group of DPDDP/DPModelParallel
+                dist.destroy_process_group()
     return events, draws[0], blocks, result
 
 

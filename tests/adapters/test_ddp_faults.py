@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from fault_helpers import STOP_WITHIN, job_end, wait_until
-from process_helpers import SCRIPTS
+from process_helpers import SCRIPTS, launch_env
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.mechanisms import make_mechanism
@@ -29,18 +29,10 @@ GLOO_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Chec
 MAX_STEPS, EVERY, Q = 8, 3, 0.25
 
 
-def _env() -> dict[str, str]:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(name, None)
-    return env
-
-
 def _launch(out: Path, *args: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     log = (out / "log.txt").open("w")
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=_env(), stdout=log, stderr=log)
+    return subprocess.Popen([sys.executable, str(SCRIPT), str(out), *args], env=launch_env(), stdout=log, stderr=log)
 
 
 def _curve(out: Path, rank: int) -> list[str]:
@@ -67,7 +59,7 @@ def _check_resume(out: Path, checkpoint: Path, first_steps: int) -> None:
     resumed = out / "resumed"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(resumed), "--resume", str(checkpoint)],
-        env=_env(),
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=240,

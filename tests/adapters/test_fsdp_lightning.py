@@ -16,14 +16,13 @@ that are not supported fail at construction.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import SCRIPTS
+from process_helpers import SCRIPTS, launch_env
 
 from lightning_dp import DPModelParallelStrategy
 from lightning_dp.accounting.calibration_helpers import epsilon_for
@@ -41,12 +40,9 @@ FITS += ("momentum resumed",)
 def launched(tmp_path_factory) -> tuple[list[dict], str]:
     """Run fsdp_fit_script.py once (about 30 s on 2 cores); each rank's results and the launch's stderr."""
     out = tmp_path_factory.mktemp("fsdp_lightning")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "fsdp_fit_script.py"), str(out)],
-        env=env,
+        env=launch_env(),
         capture_output=True,
         text=True,
         timeout=600,

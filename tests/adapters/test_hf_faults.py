@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from fault_helpers import STOP_WITHIN, job_end, wait_until
 from hf_helpers import FAULT_MAX_STEPS, checksum
-from process_helpers import SCRIPTS, free_port
+from process_helpers import SCRIPTS, free_port, launch_env
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME
@@ -27,10 +27,7 @@ SCRIPT = SCRIPTS / "hf_fault_script.py"
 
 
 def _command(out: Path, *args: str) -> tuple[list[str], dict[str, str]]:
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    for name in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)
+    env = launch_env()
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     launch += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]

@@ -14,6 +14,18 @@ from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 
 B = 3
 
+
+class _Twice(nn.Module):
+    """``layer(layer(x))``: one module called twice, its two uses' terms summed."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.layer(x) - 0.5)
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "conv3d": (
         lambda: nn.Conv3d(2, 3, (2, 3, 2), stride=(1, 2, 1), padding=1, dilation=(1, 1, 2)),
@@ -42,8 +54,10 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
     "instance_norm3d": (lambda: nn.InstanceNorm3d(2, affine=True), lambda: rand(B, 2, 3, 3, 4)),
     "prelu_shared": (lambda: nn.Sequential(nn.Linear(5, 4), nn.PReLU(), nn.Linear(4, 3)), lambda: rand(B, 5)),
     "prelu_channels": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.PReLU(3)), lambda: rand(B, 2, 5, 5)),
-    "prelu_channels_1d": (lambda: nn.PReLU(4), lambda: rand(B, 4)),
+    "prelu_channels_flat": (lambda: nn.Sequential(nn.Linear(5, 4), nn.PReLU(4)), lambda: rand(B, 5)),
+    "prelu_channels_1d": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.PReLU(3)), lambda: rand(B, 2, 6)),
     "prelu_tokens": (lambda: nn.Sequential(nn.Linear(6, 6), nn.PReLU()), lambda: rand(B, 7, 6)),
+    "prelu_twice": (lambda: _Twice(nn.PReLU(4)), lambda: rand(B, 4)),
 }
 
 
@@ -83,3 +97,9 @@ def test_affine_instance_norm_with_running_stats_rejected() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.InstanceNorm2d(4, affine=True, track_running_stats=True))
     with pytest.raises(UnsupportedModuleError, match="set track_running_stats=False.*GroupNorm"):
         PerSampleClipper(model, max_grad_norm=1.0)
+
+
+def test_a_frozen_prelu_has_no_term() -> None:
+    model = nn.Sequential(nn.Linear(5, 4), nn.PReLU())
+    model[1].weight.requires_grad_(False)
+    check_against_oracle(randomise(model), (rand(B, 5),), "ghost")

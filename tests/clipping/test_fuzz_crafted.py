@@ -244,6 +244,8 @@ CASES: dict[str, Case] = {
     "group_norm": Case(lambda: nn.GroupNorm(2, 4), (4, 3, 3), "channels", 4),
     "instance_norm": Case(lambda: nn.InstanceNorm2d(3, affine=True), (3, 4, 4), "channels", 3),
     "rms_norm": Case(lambda: nn.RMSNorm(6), (4, 6), "tokens", 6),
+    "prelu": Case(lambda: nn.PReLU(), (4, 6), "tokens", 6),
+    "prelu_channels": Case(lambda: nn.PReLU(3), (3, 4, 4), "channels", 3),
     "gemma_rms_norm": Case(lambda: LocalGemmaRMSNorm(6), (4, 6), "tokens", 6),
     "hf_gemma_rms_norm": Case(_hf_gemma_rms_norm, (4, 6), "tokens", 6, requires="transformers"),
     "ws_conv2d": Case(lambda: WSConv2d(3, 4, 3, padding=1), (3, 4, 4), "channels", 4),

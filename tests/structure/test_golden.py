@@ -46,7 +46,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from helpers import parameter_fingerprint
-from process_helpers import SCRIPTS
+from process_helpers import SCRIPTS, launch_env
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback
 from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
@@ -169,12 +169,9 @@ def run_single(callbacks: tuple[pl.Callback, ...] = ()) -> dict:
 
 def run_ddp(out: Path) -> list[dict]:
     """``golden_ddp_script.py`` on 2 processes; one result per rank, in the form of :func:`run_single`'s."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    env.pop("MASTER_PORT", None)
     done = subprocess.run(
         [sys.executable, str(SCRIPTS / "golden_ddp_script.py"), str(out)],
-        env=env,
+        env=launch_env(),
         cwd=SCRIPTS.parent,  # tests/
         capture_output=True,
         text=True,
