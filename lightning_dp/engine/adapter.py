@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from lightning_dp.accounting.base import validate_epsilon
-from lightning_dp.engine.queries import PrivacyQueries
 
 if TYPE_CHECKING:
     from lightning_dp.engine.privacy_engine import PrivacyEngine
@@ -58,25 +57,6 @@ class TrainerAdapter(Protocol):
         hands it to the step; ``None`` when it cannot be read."""
 
 
-class AdapterQueries(PrivacyQueries):
-    """The queries of :class:`TrainerAdapter` for an object holding a ``privacy_engine`` (every adapter's base)."""
-
-    @property
-    def sample_rate(self) -> float | None:
-        """The run's Poisson rate q (known once the training loader is built)."""
-        return self.privacy_engine.loader_sample_rate
-
-    @property
-    def num_samples(self) -> int | None:
-        """The training set's size N (known once the training loader is built)."""
-        return self.privacy_engine.num_samples
-
-    @property
-    def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
-        return self.privacy_engine.last_clip_fraction
-
-
 def micro_batch(
     adapter: TrainerAdapter, batch: Any, to_device: Callable[[Any], Any] | None = None
 ) -> tuple[Any, int | None, bool]:
@@ -85,12 +65,13 @@ def micro_batch(
     ``to_device``).
     """
     engine = adapter.privacy_engine
-    if adapter.read_batch_size(batch) == 0 and engine.every_rank_runs_every_step:
+    size = adapter.read_batch_size(batch)
+    if size == 0 and engine.every_rank_runs_every_step:
         batch = engine.stand_in_batch()
         if to_device is not None:
             batch = to_device(batch)
         return batch, adapter.read_batch_size(batch), True
-    return batch, adapter.read_batch_size(batch), False
+    return batch, size, False
 
 
 def framework_clipping(

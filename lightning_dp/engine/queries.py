@@ -9,10 +9,26 @@ if TYPE_CHECKING:
 
 
 class PrivacyQueries:
-    """``get_epsilon`` and ``privacy_summary`` for an object that holds a ``privacy_engine`` (``DPStrategy``,
-    ``DPDDPStrategy``, ``DPModelParallelStrategy``, ``DPTrainer``)."""
+    """The queries of :class:`~lightning_dp.engine.adapter.TrainerAdapter` for an object that holds a
+    ``privacy_engine``: a base class of every adapter (``DPStrategy``, ``DPDDPStrategy``, ``DPModelParallelStrategy``,
+    ``DPTrainer``), so they answer alike."""
 
     privacy_engine: PrivacyEngine
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The run's Poisson rate q (known once the training loader is built)."""
+        return self.privacy_engine.loader_sample_rate
+
+    @property
+    def num_samples(self) -> int | None:
+        """The training set's size N (known once the training loader is built)."""
+        return self.privacy_engine.num_samples
+
+    @property
+    def last_clip_fraction(self) -> float | None:
+        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
+        return self.privacy_engine.last_clip_fraction
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far (this run and the runs it resumed), as Opacus's ``PrivacyEngine.get_epsilon``.

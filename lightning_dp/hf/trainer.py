@@ -36,7 +36,8 @@ from typing_extensions import override
 from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
-from lightning_dp.engine.adapter import AdapterQueries, micro_batch, rank_zero_logging
+from lightning_dp.engine.adapter import micro_batch, rank_zero_logging
+from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.augmentation_copies import check_augmentation, mean_loss_over_copies
@@ -59,7 +60,7 @@ from lightning_dp.runtime.sharding import uses_fsdp
 log = logging.getLogger("lightning_dp")
 
 
-class DPTrainer(AdapterQueries, ShardedCheckpoints, Trainer):
+class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
     Per-example losses are formed for causal LM, seq2seq LM, token and sequence classification heads

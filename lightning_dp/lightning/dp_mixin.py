@@ -30,13 +30,13 @@ from typing_extensions import override
 from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.engine.adapter import (
     LOSS_SCALING_REASON,
-    AdapterQueries,
     framework_clipping,
     micro_batch,
     rank_zero_logging,
     stop_rank_zero_logging,
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
 from lightning_dp.runtime.distributed import DistributedContext
@@ -69,7 +69,7 @@ def _logging_dropped(module: pl.LightningModule) -> Iterator[None]:
         del module.log, module.log_dict
 
 
-class DPStrategyMixin(AdapterQueries, _StrategyBase):
+class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     """Differentially private training as Lightning strategy hooks: Poisson sampling, per-sample clipping, noise,
     accounting. Combine with a Lightning strategy: ``class S(DPStrategyMixin, SomeLightningStrategy)``.
 
