@@ -137,15 +137,17 @@ class _Centered(nn.Module):
         return self.b(h - h.mean(0))
 
 
-class _LearnedScale(nn.Module):
-    """``x * scale`` with its own trainable ``nn.Parameter``: no layer family covers the module."""
+class _DroppedScale(nn.Module):
+    """``dropout(x * scale)`` with its own trainable ``nn.Parameter``: the exact fallback cannot rerun its random
+    forward per sample."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
+        self.drop = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
+        return self.drop(x * self.scale)
 
 
 class _RunningMean(nn.Module):
@@ -531,9 +533,9 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "Lightning fit",
-        "a module with its own trainable nn.Parameter (no per-sample layer)",
-        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), _LearnedScale(), nn.Linear(4, 1)))),
-        "not covered by any registered",
+        "a module with its own trainable nn.Parameter and dropout (the fallback cannot rerun it)",
+        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), _DroppedScale(), nn.Linear(4, 1)))),
+        "cannot be rerun per sample",
     ),
     BadInput(
         "Lightning fit",

@@ -10,6 +10,7 @@ check), :mod:`~.clipped_sum` (the clipped sum), :mod:`~.past_iterates` (momentum
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
+from lightning_dp.clipping.layers.fallback import FALLBACK, describe_fallback
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -38,6 +40,8 @@ from lightning_dp.clipping.swaps.base import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.validation import check_trainable_set, hooked_modules
 from lightning_dp.runtime.sharding import reshard_all, uses_fsdp
+
+log = logging.getLogger("lightning_dp")
 
 _EPS = 1e-6
 #: Default period (in clipped batches) of the sum check.
@@ -152,7 +156,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                     "on an FSDP2-sharded model (their replacements use the parameters outside FSDP2's gathering); "
                     "train such a model unsharded (DPDDPStrategy), or shard a model without these modules"
                 )
-            hooked = hooked_modules(module)
+            hooked = hooked_modules(module, self._sharded)
         except BaseException:
             restore_modules(self._swaps)
             raise
@@ -168,7 +172,10 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             for attr, p in owner.named_parameters(recurse=False)
             if p.requires_grad
         }
-        self._hooks = CaptureHooks(hooked)
+        fallback = {path: sub for path, (sub, family) in hooked.items() if family is FALLBACK}
+        if fallback:
+            log.info(describe_fallback(fallback))
+        self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded)
         self._init_past_iterates()
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
         #: :meth:`backward`); read once at the end of a run, never per step.
@@ -277,6 +284,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
+            self._hooks.record_outputs = False  # the fallback's comparison ran on this first batch
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)

@@ -17,7 +17,9 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.registry import LayerFamily
+from lightning_dp.clipping.layers.fallback import CapturedCall
+from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.terms import Term
 
 
 @dataclass
@@ -35,7 +37,9 @@ class Capture:
         output_grad: gradient of the loss w.r.t. the output (``[B, ...]``); None until the clipper's backward, or when
             the output does not reach the loss.
         leaves: the parameters as the call used them, by attribute name (under FSDP2, the unsharded ones).
-        parameter_values: detached copies of ``leaves`` at the call for a family with ``reads_parameters``; else None.
+        parameter_values: detached copies of ``leaves`` at the call for a family with ``reads_parameters`` (and for
+            the fallback when parameters may change before the terms are formed); else None.
+        call: every input of the call, for a family with ``captures_call``; else None.
     """
 
     name: str
@@ -48,11 +52,34 @@ class Capture:
     leaves: dict[str, torch.Tensor]
     parameter_values: dict[str, torch.Tensor] | None = None
     output_grad: torch.Tensor | None = None
+    call: CapturedCall | None = None
+
+    def modified(self) -> bool:
+        """Whether an input of the call was modified in place after the module ran."""
+        if self.call is not None:
+            return self.call.modified()
+        return self.activation._version != self.activation_version
+
+    def layer_terms(self) -> dict[str, Term]:
+        """The family's terms for this call, ``{param attribute: Term}`` (after the backward set ``output_grad``)."""
+        assert self.output_grad is not None  # only captures the backward pass reached have terms
+        if self.call is not None:
+            values = self.parameter_values or {k: v.detach() for k, v in self.leaves.items()}
+            return self.family.terms(self.name, self.module, self.call, self.output_grad, values)
+        extra = () if self.parameter_values is None else (self.parameter_values,)
+        return self.family.terms(self.module, self.activation, self.output_grad, *extra)
+
+    def keep_parameter_values(self) -> None:
+        """Copy the parameters of the module and its submodules as they are now (their values at the call, for terms
+        formed after later updates: per-sample momentum's past iterates)."""
+        if self.call is not None and self.parameter_values is None:  # (copied at the call under FSDP2)
+            self.parameter_values = {k: p.detach().clone() for k, p in self.module.named_parameters()}
 
     def release(self) -> None:
         """Drop the captured activation and output gradient; the capture is not used again."""
         self.activation = self.output_grad = None  # type: ignore[assignment]
         self.parameter_values = None
+        self.call = None
 
 
 def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -81,10 +108,15 @@ class CaptureHooks:
 
     Args:
         modules: ``{path: (module, family)}`` to hook.
+        copy_parameters: copy the parameters a ``captures_call`` family's call used (FSDP2 frees them after the
+            forward).
     """
 
-    def __init__(self, modules: dict[str, tuple[nn.Module, LayerFamily]]) -> None:
+    def __init__(self, modules: dict[str, tuple[nn.Module, LayerFamily]], copy_parameters: bool = False) -> None:
         self.captures: list[Capture] = []
+        #: keep each ``captures_call`` call's output, for the fallback's comparison (the first clipped batch).
+        self.record_outputs = True
+        self._copy_parameters = copy_parameters
         self._batch_hint = 0
         self._suspended = False
         self._handles: list[RemovableHandle] = []
@@ -121,7 +153,15 @@ class CaptureHooks:
     def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., torch.Tensor | None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
             x = _first_input(args, kwargs)
-            if not self._recording() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            if not self._recording():
+                return None
+            if family.captures_call and not isinstance(output, torch.Tensor):
+                raise UnsupportedModuleError(
+                    f"module '{name}' ({type(module).__name__}) has trainable parameters no layer family covers, and "
+                    f"the exact fallback needs its forward to return one tensor, not {type(output).__name__}; freeze "
+                    "its parameters (requires_grad=False), train it with LoRA, or register a layer family for it"
+                )
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             replaced = None
             base = _reshaped_base(output)
@@ -135,8 +175,15 @@ class CaptureHooks:
                 edge = get_gradient_edge(output)
             leaves: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
+            call = None
+            if family.captures_call:
+                call = CapturedCall.record(args, kwargs, output, self.record_outputs)
+                if self._copy_parameters:
+                    values = {k: v.detach().clone() for k, v in leaves.items()}
+            activation = x.detach() if isinstance(x, torch.Tensor) else output.detach()
+            version = x._version if isinstance(x, torch.Tensor) else 0
             self.captures.append(
-                Capture(name, module, family, x.detach(), x._version, edge, output.shape, leaves, values)
+                Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
             )
             self._batch_hint = output.shape[0] if output.ndim else 0
             return replaced

@@ -55,6 +55,8 @@ class PastIteratesMixin:
                 )
             if batch:
                 captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight)
+                for capture in captures:  # the parameters are the past iterate's only until the next update
+                    capture.keep_parameter_values()
                 self._past.extend(captures)
                 finite = torch.isfinite(per_sample_loss.detach())
                 self._past_finite = finite if self._past_finite is None else self._past_finite & finite

@@ -153,7 +153,7 @@ class SampleNormsMixin:
         terms: dict[nn.Parameter, list[Term]] = {}
         with self._hooks.suspended():
             for capture in captures:
-                if capture.activation._version != capture.activation_version:
+                if capture.modified():
                     raise ValueError(
                         f"the input of module '{capture.name}' was modified in place after the module ran, so its "
                         "per-sample gradients would be computed from the modified values; replace the in-place op "
@@ -162,9 +162,7 @@ class SampleNormsMixin:
                 output_grad = capture.output_grad
                 assert output_grad is not None  # only captures the backward pass reached are passed here
                 check_rows(capture.name, output_grad.shape[0], batch, copies)
-                extra = () if capture.parameter_values is None else (capture.parameter_values,)
-                layer_terms = capture.family.terms(capture.module, capture.activation, output_grad, *extra)
-                for name, term in layer_terms.items():
+                for name, term in capture.layer_terms().items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, copies))
         return terms
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
+from lightning_dp.clipping.layers.fallback import FALLBACK, fallback_problem
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError, find_layer_family
 from lightning_dp.clipping.swaps.base import SwappedModule
 
@@ -22,13 +23,18 @@ def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool
     return all(id(getattr(module, name)) in covered for name in names)
 
 
-def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]]:
-    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``.
+def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[nn.Module, LayerFamily]]:
+    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``; a module with trainable
+    parameters and no registered family gets the exact fallback (:data:`~.layers.fallback.FALLBACK`).
+
+    Args:
+        module: the model.
+        sharded: whether it is FSDP2-sharded (:func:`~.layers.fallback.fallback_problem`).
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere; another norm layer with ``track_running_stats=True``; an
             ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` anywhere (it renormalises its weight in place); a
-            supported layer in a sample-mixing configuration; a trainable parameter no registered family covers.
+            supported layer in a sample-mixing configuration; under FSDP2, a module the fallback cannot serve.
     """
     hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
     for path, sub in module.named_modules():
@@ -57,13 +63,10 @@ def hooked_modules(module: nn.Module) -> dict[str, tuple[nn.Module, LayerFamily]
         if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
             continue  # its parameters are used through its proxy children (see swaps/base.py)
         if family is None:
-            names = ", ".join(f"'{path + '.' if path else ''}{name}'" for name in trainable)
-            raise UnsupportedModuleError(
-                f"trainable parameter(s) {names} of module '{where}' ({type(sub).__name__}) are not covered by any "
-                "registered per-sample gradient layer; freeze them (requires_grad=False) or build the model from "
-                "supported layers (see the README's list of supported layers)"
-            )
-        problem = family.check(sub) if family.check is not None else None
+            family = FALLBACK
+            problem = fallback_problem(sub, sharded)
+        else:
+            problem = family.check(sub) if family.check is not None else None
         if problem is not None:
             raise UnsupportedModuleError(f"module '{where}' ({type(sub).__name__}): {problem}")
         hooked[path] = (sub, family)

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback, PrivacyBudget, PrivacyEngine
+from lightning_dp.clipping import ENGINES
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:
@@ -183,9 +184,13 @@ class _RawParameter(nn.Module):
         return (x * self.scale).sum(-1, keepdim=True)
 
 
-def test_unsupported_trainable_layer_fails_before_training():
-    with pytest.raises(ValueError, match="scale"):
-        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(ClassifierWith(_RawParameter()))
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_a_module_of_its_own_parameters_trains_through_the_exact_fallback(clipping):
+    model = ClassifierWith(_RawParameter())
+    before = model.body.scale.detach().clone()
+    strategy = DPStrategy(noise_multiplier=1.0, clipping=clipping, seed=0)
+    make_trainer(strategy, max_steps=2).fit(model)
+    assert strategy.privacy_engine.steps == 2 and not torch.equal(model.body.scale, before)
 
 
 def test_frozen_unsupported_layer_is_fine():

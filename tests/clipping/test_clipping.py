@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.clipping.hooks import Capture
+from lightning_dp.clipping.layers.fallback import fallback_problem
 
 
 def _hf_conv1d() -> nn.Module:
@@ -316,16 +317,6 @@ def test_no_grad_forward_records_nothing() -> None:
     assert clipper._hooks.captures == []
 
 
-class RawParam(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        self.scale = nn.Parameter(torch.ones(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) * self.scale
-
-
 def test_batchnorm_rejected() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Sequential(nn.BatchNorm2d(4)))
     model[1][0].requires_grad_(False)
@@ -333,12 +324,12 @@ def test_batchnorm_rejected() -> None:
         PerSampleClipper(model, max_grad_norm=1.0)
 
 
-def test_unsupported_trainable_parameter_rejected() -> None:
-    with pytest.raises(UnsupportedModuleError, match=r"'scale'.*RawParam.*freeze"):
-        PerSampleClipper(RawParam(), max_grad_norm=1.0)
-    frozen = RawParam()
-    frozen.scale.requires_grad_(False)
-    PerSampleClipper(frozen, max_grad_norm=1.0)
+def test_a_module_of_its_own_parameters_needs_an_fsdp2_free_rerun() -> None:
+    """The fallback's refusals at attach: only under FSDP2 (clipping/layers/fallback.py:fallback_problem)."""
+    block = nn.Sequential(nn.Linear(3, 3))
+    block.scale = nn.Parameter(torch.ones(3))
+    assert fallback_problem(block, sharded=False) is None
+    assert "submodules' parameters" in str(fallback_problem(block, sharded=True))
 
 
 class UsesChildWeight(nn.Module):

@@ -35,12 +35,16 @@ class LayerFamily:
         check: ``layer -> error message or None``, for configurations of a supported type that mix samples.
         reads_parameters: names of parameters whose values ``terms`` reads; when not empty ``terms`` takes a fourth
             argument ``{name: value}``, the values copied when the call ran.
+        captures_call: the family needs every input of the call, not the first alone (the exact fallback,
+            :mod:`~lightning_dp.clipping.layers.fallback`); ``terms`` is then ``(path, layer, call, output_grad,
+            {name: value}) -> {param name: Term}``.
     """
 
     terms: LayerTermsFn
     expand_batch: bool = False
     check: LayerCheck | None = None
     reads_parameters: tuple[str, ...] = ()
+    captures_call: bool = False
 
 
 def _describe_family(family: LayerFamily) -> str:

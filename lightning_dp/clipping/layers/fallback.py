@@ -1,0 +1,189 @@
+"""The exact fallback for a module that owns trainable parameters no layer family covers: per-sample gradients of its
+own parameters from ``torch.func`` (the approach of Opacus's functorch path, ``GradSampleModule`` with
+``force_functorch=True``).
+
+For each row ``i`` the module's forward is rerun on that row alone (``vmap`` over ``[1, ...]`` slices of every input
+with the output's row count) with its own parameters as the variables, and ``grad_i = d <f(x_i; w), G_i> / dw``, with
+``G_i`` the captured output gradient. The terms are materialised, ``B * numel`` per parameter. At the first clipped
+batch the rerun outputs are compared with the outputs the forward returned: a module whose row ``i`` depends on other
+rows, or that draws random numbers, is refused (docs/design.md section 4.2).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
+
+log = logging.getLogger("lightning_dp")
+
+#: Relative tolerance (to the largest output entry) of the first batch's comparison, by the output's dtype.
+RERUN_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+_ROUTE = (
+    "freeze its parameters (requires_grad=False), train it with LoRA, or register a layer family for "
+    "{kind} (lightning_dp.clipping.register_layer)"
+)
+
+
+@dataclass
+class CapturedCall:
+    """The inputs of one call of a module under the fallback, detached.
+
+    Attributes:
+        args: positional arguments (tensors detached).
+        kwargs: keyword arguments (tensors detached).
+        versions: each input tensor's version counter at the call (an in-place change afterwards is refused).
+        autocast: ``(device type, enabled, dtype)`` of autocast at the call; the rerun uses the same.
+        output: the output the call returned (first clipped batch only; else None), ``[B, ...]``.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[torch.Tensor, int]]
+    autocast: tuple[str, bool, torch.dtype]
+    output: torch.Tensor | None
+
+    @classmethod
+    def record(
+        cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor, keep_output: bool
+    ) -> CapturedCall:
+        """Detach the inputs of a call and note the autocast state; ``keep_output``: keep a copy of ``output``."""
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
+        versions = [(x, x._version) for x in tensors if isinstance(x, torch.Tensor)]
+        detached_args, detached_kwargs = tree_unflatten(tensors, spec)
+        device = output.device.type
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        kept = output.detach().clone() if keep_output else None
+        return cls(detached_args, detached_kwargs, versions, autocast, kept)
+
+    def modified(self) -> bool:
+        """Whether an input tensor was modified in place since the call."""
+        return any(x._version != version for x, version in self.versions)
+
+
+def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
+    """Why the fallback cannot serve ``module``, or None.
+
+    Under FSDP2 the rerun reads the parameters of the module's submodules, which are sharded after the forward: a
+    module with parameterised submodules, or one that is itself a ``fully_shard`` unit, is refused there.
+    """
+    if not sharded:
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        return "the exact fallback cannot rerun a module that is itself a fully_shard unit; shard its parent instead"
+    if any(True for sub in module.modules() if sub is not module for _ in sub.parameters(recurse=False)):
+        return (
+            "the exact fallback reruns this module's forward, which reads its submodules' parameters, sharded by "
+            "FSDP2 after the forward; train it unsharded (DPDDPStrategy) or "
+            + _ROUTE.format(kind=type(module).__name__)
+        )
+    return None
+
+
+def describe_fallback(modules: dict[str, nn.Module]) -> str:
+    """One line naming the modules served by the fallback and the per-sample memory they cost (elements per row)."""
+    parts = []
+    for path, module in modules.items():
+        numel = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        parts.append(f"'{path or '<root>'}' ({type(module).__name__}, {numel} parameters)")
+    total = sum(p.numel() for m in modules.values() for p in m.parameters(recurse=False) if p.requires_grad)
+    return (
+        f"exact torch.func fallback for {len(modules)} module(s) no layer family covers: {', '.join(parts)}; "
+        f"each reruns its forward per sample and materialises B x {total} per-sample gradient entries per call"
+    )
+
+
+def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedModuleError:
+    kind = type(module).__name__
+    first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
+    return UnsupportedModuleError(
+        f"module '{name}' ({kind}) cannot be rerun per sample by the exact fallback ({type(error).__name__}: "
+        f"{first_sentence}); a module that draws random numbers (dropout in train mode), branches on its data or "
+        "calls .item() is not supported: " + _ROUTE.format(kind=kind)
+    )
+
+
+def fallback_terms(
+    name: str,
+    layer: nn.Module,
+    call: CapturedCall,
+    output_grad: torch.Tensor,
+    values: dict[str, torch.Tensor],
+) -> dict[str, Term]:
+    """Materialised terms ``[R, *param.shape]`` for the trainable parameters ``layer`` owns.
+
+    Args:
+        name: the module's path (for messages).
+        layer: the module.
+        call: its captured inputs; every tensor input whose first dimension is ``R`` (the output's rows) is split by
+            row, the others are passed whole to every row.
+        output_grad: ``G`` ``[R, ...]``, the gradient of the summed loss w.r.t. the output.
+        values: the parameters as the call used them, by (dotted) name: the module's own, and those of its submodules
+            when they may have changed since the call.
+
+    Raises:
+        UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers, data-dependent control flow), or, at
+            the first batch, its output differs from the call's (row ``i`` depends on other rows).
+    """
+    trainable = [key for key, p in layer.named_parameters(recurse=False) if p.requires_grad]
+    rows = output_grad.shape[0]
+    flat, spec = tree_flatten((call.args, call.kwargs))
+    batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
+    constants = {key: value.detach() for key, value in values.items() if key not in trainable}
+
+    def row_loss(
+        params: dict[str, torch.Tensor], row_inputs: tuple[torch.Tensor, ...], row_grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        leaves = list(flat)
+        for index, value in zip(batched, row_inputs, strict=True):
+            leaves[index] = value
+        args, kwargs = tree_unflatten(leaves, spec)
+        output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"the forward returned {type(output).__name__}, not a tensor")
+        return (output * row_grad.to(output.dtype)).sum(), output
+
+    params = {key: values[key].detach() for key in trainable}
+    row_inputs = tuple(flat[i].unsqueeze(1) for i in batched)  # [R, 1, ...]: each row is a batch of one
+    device, enabled, dtype = call.autocast
+    try:
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            grads, outputs = vmap(grad(row_loss, has_aux=True), in_dims=(None, 0, 0), randomness="error")(
+                params, row_inputs, output_grad.unsqueeze(1)
+            )
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise _rerun_error(name, layer, error) from error
+    if call.output is not None:
+        _check_rerun(name, layer, call.output, outputs.reshape(call.output.shape))
+    return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
+
+
+def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:
+    """Raise when the rows rerun alone differ from the call's output beyond rounding."""
+    scale = output.abs().max().clamp_min(torch.finfo(output.dtype).tiny)
+    diff = (rerun.to(output.dtype) - output).abs().max()
+    rtol = RERUN_RTOL.get(output.dtype, 1e-4)
+    if not diff <= rtol * scale:  # also NaN
+        kind = type(layer).__name__
+        raise UnsupportedModuleError(
+            f"module '{name}' ({kind}) is not per-sample: its output rerun on each row alone differs from its output "
+            f"on the batch by {float(diff / scale):.3g} (relative; tolerance {rtol:g}), so row i depends on other "
+            "rows (it mixes samples) or the forward is random; make it act on each sample separately, or "
+            + _ROUTE.format(kind=kind)
+        )
+
+
+#: The fallback's family: assigned by validation to a module with trainable parameters and no family.
+FALLBACK = LayerFamily(fallback_terms, captures_call=True)
