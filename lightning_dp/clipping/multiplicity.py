@@ -34,20 +34,25 @@ def validate_multiplicity(augmentation_multiplicity: object) -> None:
         )
 
 
-def check_rows(name: str, rows: int, batch: int, copies: int) -> None:
-    """Check that a hooked layer's capture has ``rows == batch * copies``.
+def check_rows(name: str, rows: int, batch: int, copies: int, *, flattened: bool = False) -> int:
+    """The rows of each example in a hooked layer's capture: ``copies`` when ``rows == batch * copies``; for a
+    ``flattened`` capture (2-D input ``[B K T, d]``, a sequence folded into the rows as OPT's MLP does) any multiple
+    ``rows / batch`` of ``copies``, the rows sample-major (the batch-independence check sees another order as mixing).
 
     Args:
         name: the layer's path (for the message).
         rows: the first dimension of its output gradient.
         batch: ``B``, the length of the per-sample loss.
         copies: ``K``.
+        flattened: whether the capture's input is 2-D.
 
     Raises:
         ValueError: another number of rows.
     """
     if rows == batch * copies:
-        return
+        return copies
+    if flattened and batch and rows % (batch * copies) == 0:
+        return rows // batch
     if copies == 1:
         raise ValueError(
             f"module '{name}' saw a batch dimension of {rows} but the per-sample loss has {batch} samples; the first "

@@ -161,9 +161,10 @@ class SampleNormsMixin:
                     )
                 output_grad = capture.output_grad
                 assert output_grad is not None  # only captures the backward pass reached are passed here
-                check_rows(capture.name, output_grad.shape[0], batch, copies)
+                flattened = capture.activation.ndim == 2
+                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, flattened=flattened)
                 for name, term in capture.layer_terms().items():
-                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, copies))
+                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, rows))
         return terms
 
     def _norms(

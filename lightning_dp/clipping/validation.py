@@ -8,7 +8,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 
 from lightning_dp.clipping.layers.fallback import FALLBACK, fallback_problem
-from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError, find_layer_family
+from lightning_dp.clipping.layers.registry import (
+    LayerFamily,
+    UnsupportedModuleError,
+    find_layer_family,
+    probed_family,
+)
 from lightning_dp.clipping.swaps.base import SwappedModule
 
 
@@ -24,8 +29,9 @@ def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool
 
 
 def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[nn.Module, LayerFamily]]:
-    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``; a module with trainable
-    parameters and no registered family gets the exact fallback (:data:`~.layers.fallback.FALLBACK`).
+    """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``. A module with trainable
+    parameters and no registered family gets its parent type's family when its forward computes the parent's
+    (:func:`~.layers.registry.probed_family`), else the exact fallback (:data:`~.layers.fallback.FALLBACK`).
 
     Args:
         module: the model.
@@ -62,6 +68,8 @@ def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[
         family = find_layer_family(sub)
         if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
             continue  # its parameters are used through its proxy children (see swaps/base.py)
+        if family is None:
+            family = probed_family(sub)
         if family is None:
             family = FALLBACK
             problem = fallback_problem(sub, sharded)

@@ -38,7 +38,13 @@ def affine_terms(
     return terms
 
 
-@register_layer(nn.Linear)
+def _probe(layer: nn.Linear, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``[2, 3, in_features]`` standard normal inputs in the weight's dtype and device."""
+    weight = layer.weight
+    return (torch.randn(2, 3, layer.in_features, generator=generator, device=weight.device).to(weight.dtype),)
+
+
+@register_layer(nn.Linear, probe=_probe)
 def linear_terms(layer: nn.Linear, activation: torch.Tensor, output_grad: torch.Tensor) -> dict[str, Term]:
     """Terms for ``weight`` ``[d_out, d_in]`` (factored ``G^T A``) and ``bias`` ``[d_out]`` (materialised)."""
     return affine_terms(layer, activation, output_grad, transposed_weight=False)

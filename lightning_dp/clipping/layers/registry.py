@@ -11,12 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 from torch import nn
 
 from lightning_dp.clipping.terms import Term
 from lightning_dp.registration import Registry, qualified_name
 
 LayerTermsFn = Callable[..., dict[str, Term]]
+#: ``(layer, generator) -> inputs``: a small input for the layer, drawn from ``generator`` (:func:`probed_family`).
+LayerProbe = Callable[[Any, torch.Generator], tuple[torch.Tensor, ...]]
 #: ``layer -> error message or None``; called with a module of the family's types (or matched by its rule).
 LayerCheck = Callable[[Any], str | None]
 
@@ -38,6 +41,7 @@ class LayerFamily:
         captures_call: the family needs every input of the call, not the first alone (the exact fallback,
             :mod:`~lightning_dp.clipping.layers.fallback`); ``terms`` is then ``(path, layer, call, output_grad,
             {name: value}) -> {param name: Term}``.
+        probe: a small input for the type (:func:`probed_family`), or None.
     """
 
     terms: LayerTermsFn
@@ -45,6 +49,7 @@ class LayerFamily:
     check: LayerCheck | None = None
     reads_parameters: tuple[str, ...] = ()
     captures_call: bool = False
+    probe: LayerProbe | None = None
 
 
 def _describe_family(family: LayerFamily) -> str:
@@ -67,6 +72,7 @@ def register_layer(
     expand_batch: bool = False,
     check: LayerCheck | None = None,
     reads_parameters: tuple[str, ...] = (),
+    probe: LayerProbe | None = None,
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for the given layer types (:class:`LayerFamily`); all types or none.
@@ -77,7 +83,7 @@ def register_layer(
     """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        family = LayerFamily(fn, expand_batch, check, reads_parameters)
+        family = LayerFamily(fn, expand_batch, check, reads_parameters, probe=probe)
         _BY_TYPE.register_many(dict.fromkeys(types, family), override=override)
         return fn
 
@@ -118,3 +124,44 @@ def find_layer_family(module: nn.Module) -> LayerFamily | None:
         if rule(module):
             return family
     return None
+
+
+def registered_parent(module_type: type[nn.Module]) -> type[nn.Module] | None:
+    """The nearest base class of ``module_type`` registered by type whose ``forward`` ``module_type`` overrides, or
+    None (``module_type`` itself registered, or no such base)."""
+    if module_type in _BY_TYPE:
+        return None
+    for base in module_type.__mro__[1:]:
+        if base in _BY_TYPE:
+            registered = cast(type[nn.Module], base)  # keys are module types
+            return registered if module_type.forward is not registered.forward else None
+    return None
+
+
+def probed_family(module: nn.Module) -> LayerFamily | None:
+    """The family of ``module``'s registered parent type when ``module`` overrides the parent's ``forward`` with the
+    same function (HF ``FalconLinear``: ``x @ W.T + b``), or None.
+
+    Both forwards run on the parent family's probe input (a dedicated generator, no grad, no hooks) and must agree to
+    rounding; parameters on the meta device or sharded (FSDP2 ``DTensor``) are not probed.
+    """
+    parent = registered_parent(type(module))
+    family = None if parent is None else _BY_TYPE[parent]
+    if parent is None or family is None or family.probe is None:
+        return None
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.is_meta or type(p.data) is not torch.Tensor for p in params):
+        return None
+    generator = torch.Generator(params[0].device).manual_seed(0)
+    try:
+        with torch.no_grad():
+            inputs = family.probe(module, generator)
+            own, reference = type(module).forward(module, *inputs), parent.forward(module, *inputs)
+    except Exception:  # a forward that needs other inputs is not the parent's
+        return None
+    same = (
+        isinstance(own, torch.Tensor)
+        and own.shape == reference.shape
+        and torch.allclose(own, reference, rtol=1e-4, atol=1e-5 * float(reference.abs().max().clamp_min(1)))
+    )
+    return family if same else None

@@ -117,14 +117,26 @@ def _aliases(original: type[nn.Module] | str) -> list[type[nn.Module] | str]:
     return [key for key in _SWAPS if isinstance(key, type) and qualified_name(key) == original]
 
 
+#: ``module -> swapped class or None``, consulted in order for a module of no registered swap type.
+SwapRule = Callable[[nn.Module], "type[SwappedModule] | None"]
+_RULES: list[SwapRule] = []
+
+
+def register_swap_rule(rule: SwapRule) -> SwapRule:
+    """Add a rule giving the swapped class of modules no registered type covers (once; returns ``rule``)."""
+    if rule not in _RULES:
+        _RULES.append(rule)
+    return rule
+
+
 def _swapped_class(module: nn.Module) -> type[SwappedModule] | None:
-    """The swapped class for ``module``'s exact type, or None."""
+    """The swapped class for ``module``'s exact type, or the first rule's, or None."""
     module_type = type(module)
     if module_type in _SWAPS:
         return _SWAPS[module_type]
     name = qualified_name(module_type)
     if name not in _SWAPS:
-        return None
+        return next((cls for rule in _RULES if (cls := rule(module)) is not None), None)
     mixin = _SWAPS[name]
     key = (mixin, module_type)
     if key not in _DYNAMIC:
