@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.fallback import CapturedCall
+from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.terms import Term
 
@@ -177,7 +177,7 @@ class CaptureHooks:
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:
-                call = CapturedCall.record(args, kwargs, output, self.record_outputs)
+                call = CapturedCall.record(args, kwargs, output, self.record_outputs and family is FALLBACK)
                 if self._copy_parameters:
                     values = {k: v.detach().clone() for k, v in leaves.items()}
             activation = x.detach() if isinstance(x, torch.Tensor) else output.detach()

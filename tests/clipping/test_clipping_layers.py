@@ -103,3 +103,65 @@ def test_a_frozen_prelu_has_no_term() -> None:
     model = nn.Sequential(nn.Linear(5, 4), nn.PReLU())
     model[1].weight.requires_grad_(False)
     check_against_oracle(randomise(model), (rand(B, 5),), "ghost")
+
+
+class _Bag(nn.Module):
+    """An ``nn.EmbeddingBag`` over 1-D ids with offsets (and optional per-sample weights), then a linear head."""
+
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 4, **options)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head(self.bag(ids, offsets, per_sample_weights=weights))
+
+
+def _bag_oracle(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> dict[str, torch.Tensor]:
+    """Per-bag gradients by a loop over bags, each a batch of one bag (offsets ``[0]``)."""
+    ids, offsets, *weights = inputs
+    ends = [*offsets[1:].tolist(), len(ids)]
+    grads: dict[str, list[torch.Tensor]] = {}
+    for start, end in zip(offsets.tolist(), ends, strict=True):
+        one = (ids[start:end], torch.zeros(1, dtype=torch.long), *(w[start:end] for w in weights))
+        params = [p for p in model.parameters() if p.requires_grad]
+        values = torch.autograd.grad(loss_fn(model, one).sum(), params)
+        for (name, _), value in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], values):
+            grads.setdefault(name, []).append(value)
+    return {name: torch.stack(values) for name, values in grads.items()}
+
+
+BAG_IDS = torch.tensor([1, 2, 2, 0, 5, 7, 7, 7, 3, 8, 0])
+BAG_OFFSETS = torch.tensor([0, 3, 4, 4, 8])  # bags of 3, 1, 0 (empty), 4 and 3 entries
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+@pytest.mark.parametrize(
+    ("options", "weighted"),
+    [
+        ({"mode": "sum"}, False),
+        ({"mode": "mean"}, False),
+        ({"mode": "sum"}, True),
+        ({"mode": "mean", "padding_idx": 0}, False),
+    ],
+    ids=["sum", "mean", "sum_weighted", "mean_padding"],
+)
+def test_embedding_bag_with_offsets_matches_a_loop_over_bags(options, weighted, clipping) -> None:
+    model = randomise(_Bag(**options))
+    inputs = (BAG_IDS, BAG_OFFSETS) + ((rand(len(BAG_IDS)),) if weighted else ())
+    check_against_oracle(model, inputs, clipping, oracle=_bag_oracle)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # the oracle's vmap over embedding_bag
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_embedding_bag_of_2d_ids_matches_oracle(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.EmbeddingBag(9, 4, mode="mean"), nn.Linear(4, 2)))
+    check_against_oracle(model, (torch.randint(0, 9, (B, 5), generator=torch.Generator().manual_seed(4)),), clipping)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"), [({"mode": "max"}, "mode='max'"), ({"scale_grad_by_freq": True}, "mixes")]
+)
+def test_embedding_bag_configurations_that_mix_or_select_are_refused(options, match) -> None:
+    with pytest.raises(UnsupportedModuleError, match=match):
+        PerSampleClipper(nn.EmbeddingBag(9, 4, **options), max_grad_norm=1.0)

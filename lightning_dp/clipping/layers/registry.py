@@ -72,6 +72,7 @@ def register_layer(
     expand_batch: bool = False,
     check: LayerCheck | None = None,
     reads_parameters: tuple[str, ...] = (),
+    captures_call: bool = False,
     probe: LayerProbe | None = None,
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
@@ -83,7 +84,7 @@ def register_layer(
     """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        family = LayerFamily(fn, expand_batch, check, reads_parameters, probe=probe)
+        family = LayerFamily(fn, expand_batch, check, reads_parameters, captures_call, probe)
         _BY_TYPE.register_many(dict.fromkeys(types, family), override=override)
         return fn
 
