@@ -124,9 +124,9 @@ def _bag_oracle(model: nn.Module, inputs: tuple[torch.Tensor, ...], loss_fn) -> 
     grads: dict[str, list[torch.Tensor]] = {}
     for start, end in zip(offsets.tolist(), ends, strict=True):
         one = (ids[start:end], torch.zeros(1, dtype=torch.long), *(w[start:end] for w in weights))
-        params = [p for p in model.parameters() if p.requires_grad]
-        values = torch.autograd.grad(loss_fn(model, one).sum(), params)
-        for (name, _), value in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], values):
+        named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        values = torch.autograd.grad(loss_fn(model, one).sum(), list(named.values()))
+        for name, value in zip(named, values, strict=True):
             grads.setdefault(name, []).append(value)
     return {name: torch.stack(values) for name, values in grads.items()}
 

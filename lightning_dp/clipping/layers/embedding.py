@@ -12,8 +12,8 @@ import inspect
 import torch
 from torch import nn
 
-from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.layers.fallback import CapturedCall
+from lightning_dp.clipping.layers.registry import register_layer
 from lightning_dp.clipping.terms import Factored, Term, compute_dtype
 
 
