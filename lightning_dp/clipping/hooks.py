@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Term
 
 
@@ -60,14 +61,16 @@ class Capture:
             return self.call.modified()
         return self.activation._version != self.activation_version
 
-    def layer_terms(self) -> dict[str, Term]:
-        """The family's terms for this call, ``{param attribute: Term}`` (after the backward set ``output_grad``)."""
+    def layer_terms(self, rows: int) -> dict[str, Term]:
+        """The family's terms for this call per example, ``{param attribute: Term}`` (after the backward set
+        ``output_grad``), each example's ``rows`` consecutive rows folded (:func:`~.multiplicity.fold_copies`)."""
         assert self.output_grad is not None  # only captures the backward pass reached have terms
-        if self.call is not None:
+        if self.call is not None:  # such a family folds its rows itself
             values = self.parameter_values or {k: v.detach() for k, v in self.leaves.items()}
-            return self.family.terms(self.name, self.module, self.call, self.output_grad, values)
+            return self.family.terms(self.name, self.module, self.call, self.output_grad, values, rows)
         extra = () if self.parameter_values is None else (self.parameter_values,)
-        return self.family.terms(self.module, self.activation, self.output_grad, *extra)
+        terms = self.family.terms(self.module, self.activation, self.output_grad, *extra)
+        return {name: fold_copies(term, rows) for name, term in terms.items()}
 
     def keep_parameter_values(self) -> None:
         """Copy the parameters of the module and its submodules as they are now (their values at the call, for terms
@@ -150,12 +153,15 @@ class CaptureHooks:
         first = next(iter(kwargs))
         return args, {**kwargs, first: x}
 
-    def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., torch.Tensor | None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> torch.Tensor | None:
+    def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             x = _first_input(args, kwargs)
             if not self._recording():
                 return None
-            if family.captures_call and not isinstance(output, torch.Tensor):
+            whole = output
+            if family.output_index is not None and isinstance(output, tuple):  # a router's (logits, ...)
+                output = output[family.output_index]
+            if family is FALLBACK and not isinstance(output, torch.Tensor):
                 raise UnsupportedModuleError(
                     f"module '{name}' ({type(module).__name__}) has trainable parameters no layer family covers, and "
                     f"the exact fallback needs its forward to return one tensor, not {type(output).__name__}; freeze "
@@ -186,6 +192,9 @@ class CaptureHooks:
                 Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
             )
             self._batch_hint = output.shape[0] if output.ndim else 0
+            if replaced is not None and family.output_index is not None and whole is not output:
+                index = family.output_index
+                return (*whole[:index], replaced, *whole[index + 1 :])
             return replaced
 
         return hook

@@ -14,7 +14,7 @@ from lightning_dp.clipping.engines.base import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
-from lightning_dp.clipping.multiplicity import check_rows, fold_copies
+from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
 
@@ -163,8 +163,8 @@ class SampleNormsMixin:
                 assert output_grad is not None  # only captures the backward pass reached are passed here
                 flattened = capture.activation.ndim == 2
                 rows = check_rows(capture.name, output_grad.shape[0], batch, copies, flattened=flattened)
-                for name, term in capture.layer_terms().items():
-                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(fold_copies(term, rows))
+                for name, term in capture.layer_terms(rows).items():
+                    terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
         return terms
 
     def _norms(

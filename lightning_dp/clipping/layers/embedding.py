@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_dp.clipping.layers.fallback import CapturedCall
 from lightning_dp.clipping.layers.registry import register_layer
+from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Factored, Term, compute_dtype
 
 
@@ -84,7 +85,12 @@ def _bags(layer: nn.EmbeddingBag, call: CapturedCall) -> tuple[torch.Tensor, tor
 
 @register_layer(nn.EmbeddingBag, check=_check_bag, captures_call=True)
 def embedding_bag_terms(
-    name: str, layer: nn.EmbeddingBag, call: CapturedCall, output_grad: torch.Tensor, values: dict[str, torch.Tensor]
+    name: str,
+    layer: nn.EmbeddingBag,
+    call: CapturedCall,
+    output_grad: torch.Tensor,
+    values: dict[str, torch.Tensor],
+    rows_per_example: int,
 ) -> dict[str, Term]:
     """Term for ``weight`` ``[num_embeddings, embedding_dim]``: ids ``[B, L]`` (left) and ``w_ik G_i`` ``[B, L, d]``
     (right), from the call's ``input`` (``[B, L]``, or 1-D with ``offsets``) and ``per_sample_weights``."""
@@ -93,4 +99,4 @@ def embedding_bag_terms(
     ids, weights = _bags(layer, call)
     dtype = compute_dtype(layer.weight)
     right = output_grad.to(dtype)[:, None, :] * weights.to(dtype)[..., None]
-    return {"weight": Factored(ids, right, layer.weight.shape)}
+    return {"weight": fold_copies(Factored(ids, right, layer.weight.shape), rows_per_example)}

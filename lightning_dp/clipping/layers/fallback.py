@@ -21,6 +21,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
 log = logging.getLogger("lightning_dp")
@@ -121,8 +122,10 @@ def fallback_terms(
     call: CapturedCall,
     output_grad: torch.Tensor,
     values: dict[str, torch.Tensor],
+    rows_per_example: int,
 ) -> dict[str, Term]:
-    """Materialised terms ``[R, *param.shape]`` for the trainable parameters ``layer`` owns.
+    """Materialised terms ``[R / r, *param.shape]`` for the trainable parameters ``layer`` owns (``r`` rows per
+    example summed).
 
     Args:
         name: the module's path (for messages).
@@ -132,6 +135,7 @@ def fallback_terms(
         output_grad: ``G`` ``[R, ...]``, the gradient of the summed loss w.r.t. the output.
         values: the parameters as the call used them, by (dotted) name: the module's own, and those of its submodules
             when they may have changed since the call.
+        rows_per_example: ``r``, each example's consecutive rows (augmented copies, a folded sequence).
 
     Raises:
         UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers, data-dependent control flow), or, at
@@ -167,7 +171,8 @@ def fallback_terms(
         raise _rerun_error(name, layer, error) from error
     if call.output is not None:
         _check_rerun(name, layer, call.output, outputs.reshape(call.output.shape))
-    return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
+    terms = {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
+    return {key: fold_copies(term, rows_per_example) for key, term in terms.items()}
 
 
 def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:

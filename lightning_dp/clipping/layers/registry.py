@@ -40,8 +40,9 @@ class LayerFamily:
             argument ``{name: value}``, the values copied when the call ran.
         captures_call: the family needs every input of the call, not the first alone (the exact fallback,
             :mod:`~lightning_dp.clipping.layers.fallback`); ``terms`` is then ``(path, layer, call, output_grad,
-            {name: value}) -> {param name: Term}``.
+            {name: value}, rows_per_example) -> {param name: Term}``, the terms per example (rows folded).
         probe: a small input for the type (:func:`probed_family`), or None.
+        output_index: for a forward returning a tuple, the element whose gradient the terms take (a router's logits).
     """
 
     terms: LayerTermsFn
@@ -50,6 +51,7 @@ class LayerFamily:
     reads_parameters: tuple[str, ...] = ()
     captures_call: bool = False
     probe: LayerProbe | None = None
+    output_index: int | None = None
 
 
 def _describe_family(family: LayerFamily) -> str:
@@ -95,6 +97,8 @@ def register_layer_rule(
     rule: Callable[[nn.Module], bool],
     *,
     check: LayerCheck | None = None,
+    captures_call: bool = False,
+    output_index: int | None = None,
     override: bool = False,
 ) -> Callable[[LayerTermsFn], LayerTermsFn]:
     """Decorator registering a layer-terms function for every module with ``rule(module)`` True, keyed by ``rule``'s
@@ -105,7 +109,8 @@ def register_layer_rule(
     """
 
     def decorate(fn: LayerTermsFn) -> LayerTermsFn:
-        _BY_RULE.register(qualified_name(rule), (rule, LayerFamily(fn, check=check)), override=override)
+        family = LayerFamily(fn, check=check, captures_call=captures_call, output_index=output_index)
+        _BY_RULE.register(qualified_name(rule), (rule, family), override=override)
         return fn
 
     return decorate
