@@ -30,7 +30,7 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
-from lightning_dp.clipping.layers.fallback import FALLBACK, describe_fallback
+from lightning_dp.clipping.layers.fallback import FALLBACK, describe_fallback, own_parameters
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -169,7 +169,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._registered = {
             (id(owner), attr): p
             for owner in module.modules()
-            for attr, p in owner.named_parameters(recurse=False)
+            for attr, p in own_parameters(owner).items()
             if p.requires_grad
         }
         fallback = {path: sub for path, (sub, family) in hooked.items() if family is FALLBACK}

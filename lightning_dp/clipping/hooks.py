@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall
+from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Term
@@ -179,7 +179,7 @@ class CaptureHooks:
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
-            leaves: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
+            leaves: dict[str, torch.Tensor] = dict(own_parameters(module))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.utils import parametrize
 
-from lightning_dp.clipping.layers.fallback import FALLBACK, fallback_problem
+from lightning_dp.clipping.layers.fallback import FALLBACK, fallback_problem, own_parameters
 from lightning_dp.clipping.layers.registry import (
     LayerFamily,
     UnsupportedModuleError,
@@ -62,10 +63,13 @@ def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[
                 "looked-up rows of the weight in place, so the saved weights reveal which tokens were in training "
                 "batches (without noise); set max_norm=None (per-sample clipping already bounds each update)"
             )
-        trainable = [name for name, p in sub.named_parameters(recurse=False) if p.requires_grad]
+        if isinstance(sub, parametrize.ParametrizationList):
+            continue  # its parameters are the parametrized module's (own_parameters), served by the fallback
+        trainable = [name for name, p in own_parameters(sub).items() if p.requires_grad]
         if not trainable:
             continue
-        family = find_layer_family(sub)
+        # a parametrized module computes its weights from the originals: no family's maths, the fallback's
+        family = None if parametrize.is_parametrized(sub) else find_layer_family(sub)
         if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
             continue  # its parameters are used through its proxy children (see swaps/base.py)
         if family is None:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from clipping_helpers import ENGINES, check_against_oracle, rand, randomise, sin_loss
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, find_layer_family
 from lightning_dp.optim.momentum import PerSampleMomentum
@@ -122,6 +123,11 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor,
     "keyword_and_shared_inputs": (Masked, lambda: (rand(B, 7, 5),)),
     "integer_inputs": (lambda: nn.Sequential(ScaledLookup(), nn.Linear(6, 2)), lambda: (_ids(),)),
     "called_twice": (lambda: Twice(FunctionalLinear(nn.Parameter(torch.zeros(4, 4)))), lambda: (rand(B, 4),)),
+    "weight_norm_conv": (  # Wav2Vec2's positional convolution: parametrized, the originals are its parameters
+        lambda: nn.Sequential(weight_norm(nn.Conv1d(2, 3, 3, padding=1), dim=2), nn.Tanh(), nn.Conv1d(3, 2, 1)),
+        lambda: (rand(B, 2, 6),),
+    ),
+    "weight_norm_linear": (lambda: nn.Sequential(weight_norm(nn.Linear(5, 4)), nn.Linear(4, 2)), lambda: (rand(B, 5),)),
 }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
@@ -72,6 +73,16 @@ class CapturedCall:
         return any(x._version != version for x, version in self.versions)
 
 
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a module's call uses as its own: those it registers, and for a parametrized module
+    (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) the originals its parametrizations compute from, by dotted
+    name (``parametrizations.weight.original0``)."""
+    params = dict(module.named_parameters(recurse=False))
+    if parametrize.is_parametrized(module):
+        params.update(module.parametrizations.named_parameters(prefix="parametrizations"))
+    return params
+
+
 def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
     """Why the fallback cannot serve ``module``, or None.
 
@@ -97,9 +108,9 @@ def describe_fallback(modules: dict[str, nn.Module]) -> str:
     """One line naming the modules served by the fallback and the per-sample memory they cost (elements per row)."""
     parts = []
     for path, module in modules.items():
-        numel = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+        numel = sum(p.numel() for p in own_parameters(module).values() if p.requires_grad)
         parts.append(f"'{path or '<root>'}' ({type(module).__name__}, {numel} parameters)")
-    total = sum(p.numel() for m in modules.values() for p in m.parameters(recurse=False) if p.requires_grad)
+    total = sum(p.numel() for m in modules.values() for p in own_parameters(m).values() if p.requires_grad)
     return (
         f"exact torch.func fallback for {len(modules)} module(s) no layer family covers: {', '.join(parts)}; "
         f"each reruns its forward per sample and materialises B x {total} per-sample gradient entries per call"
@@ -141,7 +152,7 @@ def fallback_terms(
         UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers, data-dependent control flow), or, at
             the first batch, its output differs from the call's (row ``i`` depends on other rows).
     """
-    trainable = [key for key, p in layer.named_parameters(recurse=False) if p.requires_grad]
+    trainable = [key for key, p in own_parameters(layer).items() if p.requires_grad]
     rows = output_grad.shape[0]
     flat, spec = tree_flatten((call.args, call.kwargs))
     batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
