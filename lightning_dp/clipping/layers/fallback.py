@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     name (``parametrizations.weight.original0``)."""
     params = dict(module.named_parameters(recurse=False))
     if parametrize.is_parametrized(module):
-        params.update(module.parametrizations.named_parameters(prefix="parametrizations"))
+        parametrizations = cast(nn.ModuleDict, module.parametrizations)
+        params.update(parametrizations.named_parameters(prefix="parametrizations"))
     return params
 
 
