@@ -176,6 +176,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         if fallback:
             log.info(describe_fallback(fallback))
         self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded)
+        #: modules whose captures of ``B K r`` rows (a folded sequence) were seen to keep each example's rows together
+        self._rows_verified: set[str] = set()
         self._init_past_iterates()
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
         #: :meth:`backward`); read once at the end of a run, never per step.
@@ -278,6 +280,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                         "backward; run the step on PrivacyEngine.stand_in_batch() and clip it with stand_in=True"
                     )
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
+            if not self._sharded and batch >= 2 and per_sample_loss.requires_grad:
+                self._verify_folded_rows(per_sample_loss, batch)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
@@ -312,6 +316,30 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             self._hooks.clear()
             self.discard_past_iterates()
         return norms
+
+    def _verify_folded_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
+        """Check, once per module, that a 2-D capture of ``B K r`` rows (a sequence folded into the rows) holds each
+        example's rows together: the batch-independence check on those outputs (docs/design.md section 4.1). Under
+        FSDP2 the training guard's check, in lockstep, covers them instead.
+
+        Raises:
+            BatchMixingError: the rows are in another order (or are not examples' rows at all).
+        """
+        from lightning_dp.checks.independence import check_batch_independence  # checks import the clipping package
+
+        rows_per_copy = batch * self.augmentation_multiplicity
+        targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
+        for index, capture in enumerate(self._hooks.captures):
+            rows = capture.output_shape[0] if capture.output_shape else 0
+            folded = capture.activation.ndim == 2 and rows != rows_per_copy and rows % rows_per_copy == 0
+            if folded and capture.name not in self._rows_verified:
+                targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
+        if not targets:
+            return
+        with self._hooks.suspended():
+            conclusive = check_batch_independence(per_sample_loss, targets, self.augmentation_multiplicity)
+        if conclusive:
+            self._rows_verified.update(name.split("'")[1] for name in targets)
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked outputs captured since the last clipped batch, keyed by a

@@ -148,3 +148,27 @@ def test_a_token_major_flattening_is_reported_as_mixing() -> None:
     loss = sin_loss(model, (rand(B, 4, 4),))
     with pytest.raises(BatchMixingError, match="module 'fc'"):
         check_batch_independence(loss, clipper.output_targets())
+
+
+class SharedTable(nn.Module):
+    """A Linear applied both to the examples and to a parameter table ``[2 B, d]`` shared by all of them (DeBERTa's
+    relative embeddings): the table's rows are not examples' rows, whatever their count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * B, 4))
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = self.proj(self.table.detach())  # [2 B, 4], folded-looking rows
+        return self.proj(x) @ keys.T
+
+
+def test_a_table_that_looks_like_folded_rows_is_refused_by_the_clipper_itself() -> None:
+    model = SharedTable().double()
+    model.table.requires_grad_(False)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(BatchMixingError, match="module 'proj'"):
+        clipper.backward(sin_loss(model, (rand(B, 4),)))
+    assert all(p.grad is None for p in model.parameters())
+    clipper.backward(sin_loss(model, (rand(1, 4),)))  # one example: every row is its own, nothing to check
