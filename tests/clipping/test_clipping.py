@@ -24,6 +24,7 @@ from clipping_helpers import (
 )
 from torch import nn
 
+from lightning_dp.checks import BatchMixingError
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.layers.fallback import fallback_problem
@@ -400,11 +401,14 @@ def test_non_per_sample_loss_rejected(shape: tuple[int, ...]) -> None:
 
 
 def test_batch_mismatch_rejected() -> None:
-    model = nn.Linear(5, 2)
+    model = nn.Linear(5, 3)
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
-    loss = model(torch.randn(B, 5)).sum(0)  # shape [2], not [B]
+    loss = model(torch.randn(B, 5)).sum(0)  # shape [3], not [B]
     with pytest.raises(ValueError, match="batch dimension of 4"):
         clipper.backward(loss)
+    folded = nn.Linear(5, 2)  # [2]: 4 rows could be 2 examples of 2 rows each, but every loss reads every row
+    with pytest.raises(BatchMixingError, match="module '<root>'|output of module ''"):
+        PerSampleClipper(folded, max_grad_norm=1.0).backward(folded(torch.randn(B, 5)).sum(0))
 
 
 def test_argument_validation() -> None:
