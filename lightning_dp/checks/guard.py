@@ -17,6 +17,7 @@ from torch import nn
 from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.checks.independence import (
     BatchMixingError,
+    InputsRequireGrad,
     check_batch_independence,
     check_batch_independence_in_step,
     input_leaves,
@@ -57,8 +58,8 @@ class TrainingGuard:
     FSDP2-sharded model on several processes (:attr:`lockstep`) they run in lockstep. Which micro-batch is checked, and
     the lockstep protocol: docs/design.md sections 9.2, 9.4 and 12.5.
 
-    Usage: ``batch = guard.before_forward(batch, batch_size)``, the forward and per-sample loss, then
-    ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
+    Usage: ``batch = guard.before_forward(batch, batch_size)``, ``per_sample_loss = guard.forward(compute_loss,
+    batch)``, then ``guard.after_forward(per_sample_loss)`` before the clipper's backward.
 
     Args:
         module: the model.
@@ -149,6 +150,14 @@ class TrainingGuard:
         if self.independence_pending and batch_size is not None and batch_size >= 2 and self.lockstep is None:
             batch, self._leaves = input_leaves(batch, batch_size)
         return batch
+
+    def forward(self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any) -> torch.Tensor | None:
+        """``compute_loss(batch)`` on the batch :meth:`before_forward` returned: while its float inputs are gradient
+        leaves, under :class:`~lightning_dp.checks.independence.InputsRequireGrad`."""
+        if not self._leaves:
+            return compute_loss(batch)
+        with InputsRequireGrad():
+            return compute_loss(batch)
 
     def after_forward(self, per_sample_loss: torch.Tensor) -> None:
         """Check the buffers, and (while pending) batch independence.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.autograd.graph import GradientEdge
+from torch.overrides import TorchFunctionMode
 
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 
@@ -48,6 +49,7 @@ class BatchMixingError(UnsupportedModuleError):
 def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
     """The batch with every floating-point tensor of first dimension ``batch_size`` replaced by a clone of a fresh
     leaf that requires grad (a clone, so the user's in-place ops on it stay legal), and those leaves by position.
+    Run the forward on it under :class:`InputsRequireGrad`.
 
     Returns:
         ``(batch, {"input 0": leaf [B, ...], ...})``; the batch unchanged when it has no such tensor.
@@ -62,6 +64,19 @@ def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tens
         return leaf.clone()
 
     return apply_to_collection(batch, torch.Tensor, as_leaf), leaves
+
+
+_SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # type: ignore[attr-defined]
+
+
+class InputsRequireGrad(TorchFunctionMode):
+    """Under it, ``t.requires_grad = True`` on a tensor that already requires grad is a no-op, as on a leaf (torch
+    refuses it on a non-leaf such as the clones of :func:`input_leaves`; docs/design.md section 9.4)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func == _SET_REQUIRES_GRAD and args[1] is True and args[0].requires_grad:
+            return None
+        return func(*args, **(kwargs or {}))
 
 
 def _example_rows(shape: torch.Size, batch: int, copies: int) -> bool:

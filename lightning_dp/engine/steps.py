@@ -303,10 +303,11 @@ class RunSequence:
                 "with an empty batch must run the step on a stand-in batch, or the other ranks would wait for it): "
                 "return tensors with the examples along their first dimension from the training loader"
             )
-        guarded = self._guard.before_forward(batch, batch_size)
+        guard = self._guard
+        guarded = guard.before_forward(batch, batch_size)
         if state.momentum.enabled:
-            self.attachment.add_past_iterates(lambda: replay(guarded), stand_in=stand_in)
-        loss = compute_loss(guarded)
+            self.attachment.add_past_iterates(lambda: guard.forward(replay, guarded), stand_in=stand_in)
+        loss = guard.forward(compute_loss, guarded)
         if loss is None:
             if self.every_rank_runs_every_step:
                 raise ValueError(

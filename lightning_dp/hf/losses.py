@@ -1,56 +1,96 @@
 """Per-example losses ``[B]`` for the standard HF heads, from the model's logits and the batch's labels.
 
-A causal LM's labels are shifted by one; seq2seq and token classifiers score every label position; a sequence
-classifier has one label (vector) per example. Token losses are reduced by ``"mean"`` over the example's labelled
-tokens (labels ``-100`` ignored) or ``"sum"``; an example with no labelled token has loss 0.
+A causal LM's labels are shifted by one; seq2seq LMs and token classifiers score every label position; sequence,
+image and audio classifiers have one label (vector) per example. Token losses are reduced by ``"mean"`` over the
+example's labelled tokens (labels ``-100`` ignored) or ``"sum"``; an example with no labelled token has loss 0.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.auto import modeling_auto
 
-HeadKind = Literal["causal_lm", "seq2seq_lm", "token_classification", "sequence_classification"]
+HeadKind = Literal[
+    "causal_lm",
+    "seq2seq_lm",
+    "token_classification",
+    "sequence_classification",
+    "image_classification",
+    "audio_classification",
+]
 IGNORE_INDEX = -100
 
-#: HF auto-class mappings (model type -> class name) whose classes have each head.
-_HEAD_MAPPINGS: dict[HeadKind, tuple[str, ...]] = {
-    "causal_lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",),
-    "seq2seq_lm": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",),
-    "token_classification": ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",),
-    "sequence_classification": ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",),
+#: Heads with one label (or label vector) per example, scored by :func:`sequence_classification_loss`.
+ONE_LABEL_HEADS: frozenset[HeadKind] = frozenset(
+    {"sequence_classification", "image_classification", "audio_classification"}
+)
+
+#: The head families: HF auto-class mappings (model type -> class name) and class-name suffixes. ``"lm"`` is split
+#: into causal and seq2seq by :func:`_lm_kind`.
+_FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "image_classification": (("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",), ("ForImageClassification",)),
+    "audio_classification": (("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",), ("ForAudioClassification",)),
+    "sequence_classification": (("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",), ("ForSequenceClassification",)),
+    "token_classification": (("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",), ("ForTokenClassification",)),
+    "lm": (
+        (
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+            "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+        ),
+        ("ForCausalLM", "ForConditionalGeneration", "ForSeq2SeqLM"),
+    ),
 }
 
+#: What to do with a model of another head (one line).
+OVERRIDE_HINT = (
+    "subclass DPTrainer and override compute_per_example_loss(model, inputs) to return one loss per example, shape [B]"
+)
 
-def _class_names(kind: HeadKind) -> set[str]:
+
+@functools.cache
+def _class_names(family: str) -> frozenset[str]:
     names: set[str] = set()
-    for mapping in _HEAD_MAPPINGS[kind]:
-        for value in getattr(modeling_auto, mapping).values():
+    for mapping in _FAMILIES[family][0]:
+        for value in getattr(modeling_auto, mapping, {}).values():
             names.update([value] if isinstance(value, str) else value)
-    return names
+    return frozenset(names)
+
+
+def _lm_kind(model: nn.Module) -> HeadKind:
+    """A language model is seq2seq when it is an encoder-decoder (``config.is_encoder_decoder``; without a config,
+    when its forward takes ``decoder_input_ids``), else causal."""
+    encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", None)
+    if not isinstance(encoder_decoder, bool):
+        encoder_decoder = "decoder_input_ids" in inspect.signature(model.forward).parameters
+    return "seq2seq_lm" if encoder_decoder else "causal_lm"
 
 
 def head_kind(model: nn.Module) -> HeadKind:
-    """The head of ``model`` (a PEFT model is looked through to its base model), from HF's auto-class mappings.
+    """The head of ``model`` (a PEFT model is looked through to its base model): the first class of its MRO that
+    HF's auto-class mappings list, or whose name ends with a head's suffix (``ForImageClassification``,
+    ``ForAudioClassification``, ``ForSequenceClassification``, ``ForTokenClassification``, ``ForCausalLM``,
+    ``ForConditionalGeneration``, ``ForSeq2SeqLM``).
 
     Raises:
-        ValueError: the model is none of a causal LM, seq2seq LM, token or sequence classifier, with what to do.
+        ValueError: the model has none of these heads (one line, saying to override ``compute_per_example_loss``).
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    classes = [cls.__name__ for cls in type(base).__mro__]
-    for kind in _HEAD_MAPPINGS:
-        if any(name in _class_names(kind) for name in classes):
-            return kind
+    for cls in type(base).__mro__:
+        for family, (_, suffixes) in _FAMILIES.items():
+            if cls.__name__ in _class_names(family) or cls.__name__.endswith(suffixes):
+                return _lm_kind(base) if family == "lm" else cast(HeadKind, family)
     raise ValueError(
-        f"DPTrainer cannot make the loss of {type(base).__name__} per example: supported heads are causal LM "
-        "(AutoModelForCausalLM), seq2seq LM (AutoModelForSeq2SeqLM), token and sequence classification. For "
-        "another model, subclass DPTrainer and override compute_per_example_loss(model, inputs) to return one "
-        "loss per example, shape [B]"
+        f"DPTrainer cannot make the loss of {type(base).__name__} per example (the built-in losses cover "
+        "*ForCausalLM, seq2seq LMs, *ForTokenClassification, *ForSequenceClassification, *ForImageClassification "
+        f"and *ForAudioClassification): {OVERRIDE_HINT}"
     )
 
 
@@ -106,10 +146,10 @@ def sequence_classification_loss(
     problem_type: str | None,
     label_smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """Per-example loss of a sequence classifier, with HF's choice of loss by ``config.problem_type``.
+    """Per-example loss of a sequence, image or audio classifier, with HF's choice of loss by ``config.problem_type``.
 
-    ``problem_type`` None is resolved as HF's ``*ForSequenceClassification`` do: one output -> regression, integer
-    labels -> single-label, otherwise multi-label.
+    ``problem_type`` None is resolved as HF's classifiers do: one output -> regression, integer labels ->
+    single-label, otherwise multi-label.
 
     Args:
         logits: ``[B, num_labels]``.
@@ -157,13 +197,14 @@ def head_per_example_loss(
         head: the model's head (:func:`head_kind`); ``None`` scores every label position as is.
         reduction: ``"mean"`` or ``"sum"`` over each example's labelled tokens.
         label_smoothing: as ``TrainingArguments.label_smoothing_factor`` (cross-entropy heads).
-        config: the model's config, whose ``problem_type`` picks a sequence classifier's loss.
+        config: the model's config, whose ``problem_type`` picks a sequence, image or audio classifier's loss.
 
     Returns:
         ``[B]`` per-example losses, attached to the graph.
 
     Raises:
-        ValueError: the batch has no ``labels``.
+        ValueError: the batch has no ``labels``; a token head's logits ``[B, T, V]`` not aligned with its labels
+            ``[B, T]``; an unknown ``config.problem_type``.
     """
     if "labels" not in inputs:
         raise ValueError("DPTrainer needs 'labels' in every training batch to form per-example losses")
@@ -174,8 +215,13 @@ def head_per_example_loss(
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         logits = model(**inputs).logits
-    if head == "sequence_classification":
+    if head in ONE_LABEL_HEADS:
         return sequence_classification_loss(
             logits, labels, problem_type=getattr(config, "problem_type", None), label_smoothing=label_smoothing
+        )
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"DPTrainer's {head or 'token'} loss needs logits [B, T, V] aligned with labels [B, T], got logits "
+            f"{list(logits.shape)} and labels {list(labels.shape)}: {OVERRIDE_HINT}"
         )
     return token_cross_entropy(logits, labels, reduction, shift=head == "causal_lm", label_smoothing=label_smoothing)

@@ -63,7 +63,7 @@ log = logging.getLogger("lightning_dp")
 class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
     """``transformers.Trainer`` with differentially private training (DP-SGD: Abadi et al. 2016, Algorithm 1).
 
-    Per-example losses are formed for causal LM, seq2seq LM, token and sequence classification heads
+    Per-example losses are formed for causal and seq2seq LM, token, sequence, image and audio classification heads
     (:mod:`lightning_dp.hf.losses`); override :meth:`compute_per_example_loss` for another head. With
     ``augmentation_multiplicity = K > 1`` (De et al. 2022, Section 3.2) the batch is repeated ``K`` times, augmented by
     :meth:`augment_copies` (a subclass must override it), and each example's mean loss over its copies is clipped once
@@ -267,7 +267,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             ValueError: the batch has no ``labels``.
         """
         reduction, smoothing = self.privacy_args.per_example_reduction, self.args.label_smoothing_factor
-        config = getattr(self.model, "config", None)  # a sequence classifier's problem_type, read after the forward
+        config = getattr(self.model, "config", None)  # a classifier's problem_type, read after the forward
         return head_per_example_loss(model, inputs, self._head, reduction, label_smoothing=smoothing, config=config)
 
     def augment_copies(self, inputs: dict[str, Any]) -> dict[str, Any]:
