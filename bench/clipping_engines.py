@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import multiprocessing as mp
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from records import add_record_options, environment, finish, plural, render_records
+from timing import Step, clipper_step, opacus_step, plain_step, ratios, time_and_memory, timed_by
 
 from lightning_dp.utils.help_format import HelpFormatter
 
@@ -57,14 +54,6 @@ VARIANTS = (
     "opacus-flat",
     "opacus-ghost",
 )
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
 
 
 def build_model(name: str, seq_len: int, device: torch.device) -> torch.nn.Module:
@@ -88,11 +77,8 @@ def build_model(name: str, seq_len: int, device: torch.device) -> torch.nn.Modul
     return model.to(device).train()
 
 
-def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
+def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Step:
     """One training step of ``variant`` on ``model`` (which it may hook or wrap)."""
-    from lightning_dp.mechanisms import make_mechanism
-    from lightning_dp.optim import DPOptimizer, DPRandomness
-
     batch = tokens.shape[0]
     vocab = model.config.vocab_size
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand(batch, -1)
@@ -103,19 +89,17 @@ def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Cal
         )
         return token_loss.view(batch, -1).mean(dim=1)
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    randomness = DPRandomness(0)
-    mechanism = make_mechanism("gaussian", noise_multiplier=1.0, max_grad_norm=1.0)
+    def loss_of(module: torch.nn.Module) -> torch.Tensor:
+        return per_sample_loss(module(tokens).logits)
 
     if variant == "non-private":
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            per_sample_loss(model(tokens).logits).mean().backward()
-            optimizer.step()
-
-        return step
+        return plain_step(model, loss_of)
     if variant == "noise-only":
+        from lightning_dp.mechanisms import make_mechanism
+        from lightning_dp.optim import DPRandomness
+
+        randomness = DPRandomness(0)
+        mechanism = make_mechanism("gaussian", noise_multiplier=1.0, max_grad_norm=1.0)
         params = [p for p in model.parameters() if p.requires_grad]
 
         def step() -> None:
@@ -123,9 +107,13 @@ def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Cal
                 mechanism.sample(p, randomness.noise_generator(p.device))
 
         return step
-    if variant.startswith("opacus"):
-        return _opacus_step(variant, model, optimizer, per_sample_loss, tokens, positions, vocab)
-    from lightning_dp.clipping import PerSampleClipper
+    if variant == "opacus-flat":
+        # Opacus needs position_ids expanded to the batch
+        return opacus_step(
+            model, lambda wrapped: per_sample_loss(wrapped(tokens, position_ids=positions).logits), batch
+        )
+    if variant == "opacus-ghost":
+        return _opacus_ghost_step(model, tokens, positions, vocab)
     from lightning_dp.config import PrivacyConfig
 
     if variant == "default":  # DPStrategy(noise_multiplier=1.0)'s clipper: the engine "auto" picks for Gaussian noise
@@ -133,43 +121,19 @@ def make_step(variant: str, model: torch.nn.Module, tokens: torch.Tensor) -> Cal
         options = {"clipping": config.resolved_clipping()[0], "sum_check_every": config.sum_check_every}
     else:
         options = {"clipping": variant.removesuffix("-bk")}
-    clipper = PerSampleClipper(model, max_grad_norm=1.0, generator_for=randomness.projection_generator, **options)
-    dp_optimizer = DPOptimizer(optimizer, mechanism=mechanism, expected_batch_size=batch, randomness=randomness)
-
-    def step() -> None:
-        dp_optimizer.zero_grad(set_to_none=True)
-        clipper.backward(per_sample_loss(model(tokens).logits))
-        dp_optimizer.step()
-
-    return step
+    return clipper_step(model, loss_of, batch, **options)
 
 
-def _opacus_step(variant, model, optimizer, per_sample_loss, tokens, positions, vocab) -> Callable[[], None]:
-    if variant == "opacus-flat":
-        from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer as OpacusDPOptimizer
-
-        wrapped = GradSampleModule(model, loss_reduction="sum")
-        opacus_optimizer = OpacusDPOptimizer(
-            optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=tokens.shape[0],
-            loss_reduction="sum",
-        )  # fmt: skip
-
-        def step() -> None:
-            opacus_optimizer.zero_grad(set_to_none=True)
-            # Opacus needs position_ids expanded to the batch; loss_reduction="sum" matches per-sample losses.
-            per_sample_loss(wrapped(tokens, position_ids=positions).logits).sum().backward()
-            opacus_optimizer.step()
-
-        return step
+def _opacus_ghost_step(model, tokens, positions, vocab) -> Step:
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
     wrapped = GradSampleModuleFastGradientClipping(model, loss_reduction="mean", max_grad_norm=1.0)
     opacus_optimizer = DPOptimizerFastGradientClipping(
-        optimizer, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=tokens.shape[0], loss_reduction="mean"
-    )
+        torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=tokens.shape[0], loss_reduction="mean",
+    )  # fmt: skip
     criterion = DPLossFastGradientClipping(
         wrapped, opacus_optimizer, torch.nn.CrossEntropyLoss(reduction="mean"), loss_reduction="mean"
     )
@@ -189,104 +153,20 @@ def _tokens(args: argparse.Namespace, vocab: int, device: torch.device) -> torch
     return torch.randint(0, vocab, (args.batch_size, args.seq_len), generator=generator).to(device)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_interleaved(args: argparse.Namespace) -> dict[str, dict]:
-    """Median step seconds per variant, all variants in this process, interleaved step by step."""
-    device = torch.device(args.device)
-    base = build_model(args.model, args.seq_len, device)
-    tokens = _tokens(args, base.config.vocab_size, device)
-    steps, results = {}, {}
-    for variant in args.variants:
-        try:
-            steps[variant] = make_step(variant, copy.deepcopy(base), tokens)
-        except Exception as error:  # noqa: BLE001 (a refusing baseline is reported, not fatal)
-            results[variant] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:160]}
-    times: dict[str, list[float]] = {v: [] for v in steps}
-    cpu_times: dict[str, list[float]] = {v: [] for v in steps}
-    for round_ in range(args.warmup + args.steps):
-        if not steps:
-            break
-        order = list(steps)
-        order = order[round_ % len(order) :] + order[: round_ % len(order)]
-        for variant in order:
-            if variant not in steps:
-                continue
-            _sync(device)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            try:
-                steps[variant]()
-            except Exception as error:  # noqa: BLE001
-                results[variant] = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:160]}
-                del steps[variant]
-                continue
-            _sync(device)
-            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
-            if round_ >= args.warmup:
-                times[variant].append(elapsed)
-                cpu_times[variant].append(cpu_elapsed)
-            cost = cpu_elapsed if device.type == "cpu" else elapsed
-            if cost > args.max_step_seconds:
-                results[variant] = {"error": f"skipped: {cost:.0f} s per step > --max-step-seconds"}
-                del steps[variant]
-    for variant, samples in times.items():
-        if variant not in results and samples:
-            results[variant] = {
-                "seconds": statistics.median(samples),
-                "cpu_seconds": statistics.median(cpu_times[variant]),
-            }
-    return results
-
-
-def _memory_worker(variant: str, args: argparse.Namespace, queue: mp.Queue) -> None:
-    torch.set_num_threads(args.threads)
+def _build(variant: str, args: argparse.Namespace) -> Step:
+    """``variant``'s step on a model and tokens of its own (the memory measurement's process)."""
     device = torch.device(args.device)
     model = build_model(args.model, args.seq_len, device)
-    tokens = _tokens(args, model.config.vocab_size, device)
-    try:
-        step = make_step(variant, model, tokens)
-    except Exception as error:  # noqa: BLE001
-        queue.put({"error": str(error)})
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    else:
-        start = _rss_kib("VmRSS:") * 1024
-    for _ in range(2):
-        step()
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else _rss_kib("VmHWM:") * 1024
-    queue.put({"peak_bytes": peak - start})
-
-
-def measure_memory(variant: str, args: argparse.Namespace) -> dict:
-    """Peak extra memory of ``variant`` over two steps, alone in a fresh process."""
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_memory_worker, args=(variant, args, queue))
-    process.start()
-    process.join()
-    if process.exitcode != 0:
-        return {"error": f"exit code {process.exitcode}"}
-    return queue.get()
-
-
-def _timed_by(device: str) -> str:
-    """The time the ratios compare: the process's CPU time on CPU (robust to other jobs), wall time on CUDA."""
-    return "cpu_seconds" if device == "cpu" else "seconds"
+    return make_step(variant, model, _tokens(args, model.config.vocab_size, device))
 
 
 def report_lines(record: dict[str, Any]) -> list[str]:
     """The plain-text report of one run (``record``: the JSON this script writes)."""
     args = record["args"]
-    timed_by = _timed_by(args["device"])
+    timed = timed_by(args["device"])
     lines = [
         f"model={args['model']} T={args['seq_len']} B={args['batch_size']} device={args['device']} "
-        f"threads={args['threads']} steps={args['steps']}; time ratio from {timed_by.replace('_', ' ')}",
+        f"threads={args['threads']} steps={args['steps']}; time ratio from {timed.replace('_', ' ')}",
         f"{'variant':<14} {'wall s':>8} {'cpu s':>8} {'x non-priv':>10} {'peak MiB':>9} {'x non-priv':>10}",
     ]
     for variant in record["order"]:
@@ -304,12 +184,12 @@ def report_lines(record: dict[str, Any]) -> list[str]:
 def markdown(record: dict[str, Any]) -> str:
     """One recorded run as the docs show it: the set-up, the command and the table of times and memory."""
     args, env = record["args"], record["environment"]
-    timed_by = _timed_by(args["device"])
+    timed = timed_by(args["device"])
     threads = f", {plural(args['threads'], 'intra-op thread')}" if args["device"] == "cpu" else ""
     lines = [
         f"**{args['model']}, T={args['seq_len']}, B={args['batch_size']}** ({env['device_name']}, torch "
         f"{env['torch']}{threads}; median of {args['steps']} interleaved steps after {args['warmup']} left out; "
-        f"time ratios of {'cpu' if timed_by == 'cpu_seconds' else 'wall'} time)",
+        f"time ratios of {'cpu' if timed == 'cpu_seconds' else 'wall'} time)",
         "",
         "```bash",
         record["command"],
@@ -338,18 +218,12 @@ def render() -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Time every variant interleaved, then (unless ``--no-memory``) each variant's memory in its own process."""
-    results = time_interleaved(args)
-    for variant in args.variants:
-        row = results.setdefault(variant, {"error": "no result"})
-        if not args.no_memory and "error" not in row:
-            row.update(measure_memory(variant, args))
-    base = results["non-private"]
-    timed_by = _timed_by(args.device)
+    device = torch.device(args.device)
+    base = build_model(args.model, args.seq_len, device)
+    tokens = _tokens(args, base.config.vocab_size, device)
+    results = time_and_memory(args, lambda variant: make_step(variant, copy.deepcopy(base), tokens), _build)
     for row in results.values():
-        if "seconds" in row:
-            row["time_ratio"] = row[timed_by] / base[timed_by]
-        if "peak_bytes" in row and "peak_bytes" in base:
-            row["memory_ratio"] = row["peak_bytes"] / max(base["peak_bytes"], 1)
+        row.update(ratios(row, results["non-private"], args.device, "ratio"))
     return {"order": list(args.variants), "results": results}
 
 

@@ -1,0 +1,206 @@
+"""What the step benches share (bench/clipping_engines.py, bench/fallback_cost.py): the training step of each kind
+(non-private, this library's clipper, Opacus's ``GradSampleModule``), timing the variants interleaved in one process,
+and the peak memory of each variant alone in a fresh process."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: ``module -> [B]`` per-sample losses of a forward through ``module`` (the model, or the Opacus wrapper around it).
+PerSampleLoss = Callable[[torch.nn.Module], torch.Tensor]
+#: One training step.
+Step = Callable[[], None]
+
+
+def short_error(error: BaseException) -> str:
+    """``Type: first line of the message``, at most 160 characters: a refusing variant's row."""
+    return f"{type(error).__name__}: {error}".splitlines()[0][:160]
+
+
+def plain_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss) -> Step:
+    """A non-private SGD step on the mean loss."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        per_sample_loss(model).mean().backward()
+        optimizer.step()
+
+    return step
+
+
+def clipper_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_size: int, **options: Any) -> Step:
+    """A DP-SGD step through :class:`lightning_dp.clipping.PerSampleClipper` (``options``: its clipping options;
+    C=1) and :class:`lightning_dp.optim.DPOptimizer` (SGD, Gaussian noise sigma=1)."""
+    from lightning_dp.clipping import PerSampleClipper
+    from lightning_dp.mechanisms import make_mechanism
+    from lightning_dp.optim import DPOptimizer, DPRandomness
+
+    randomness = DPRandomness(0)
+    mechanism = make_mechanism("gaussian", noise_multiplier=1.0, max_grad_norm=1.0)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0, generator_for=randomness.projection_generator, **options)
+    optimizer = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3), mechanism=mechanism, expected_batch_size=batch_size,
+        randomness=randomness,
+    )  # fmt: skip
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        clipper.backward(per_sample_loss(model))
+        optimizer.step()
+
+    return step
+
+
+def opacus_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_size: int, **options: Any) -> Step:
+    """A DP-SGD step through Opacus: ``GradSampleModule(model, **options)`` computes the per-sample gradients in the
+    backward of the summed loss, its ``DPOptimizer`` clips them (C=1), adds Gaussian noise (sigma=1) and steps SGD."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer as OpacusDPOptimizer
+
+    wrapped = GradSampleModule(model, loss_reduction="sum", **options)
+    optimizer = OpacusDPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=batch_size, loss_reduction="sum",
+    )  # fmt: skip
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        per_sample_loss(wrapped).sum().backward()  # loss_reduction="sum" matches per-sample losses
+        optimizer.step()
+
+    return step
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_by(device: str) -> str:
+    """The time the ratios compare: the process's CPU time on CPU (robust to other jobs), wall time on CUDA."""
+    return "cpu_seconds" if torch.device(device).type == "cpu" else "seconds"
+
+
+def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> dict[str, dict]:
+    """Median step seconds (``seconds``, ``cpu_seconds``) of each of ``args.variants``, all built by ``build`` in this
+    process and run interleaved step by step, the order rotated every round: ``args.warmup`` rounds left out, then
+    ``args.steps``. A variant whose build or step raises, or whose step costs more than ``args.max_step_seconds``, gets
+    an ``error`` instead."""
+    device = torch.device(args.device)
+    steps, results = {}, {}
+    for variant in args.variants:
+        try:
+            steps[variant] = build(variant)
+        except Exception as error:  # noqa: BLE001 (a refusing baseline is reported, not fatal)
+            results[variant] = {"error": short_error(error)}
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    cpu_times: dict[str, list[float]] = {v: [] for v in steps}
+    for round_ in range(args.warmup + args.steps):
+        if not steps:
+            break
+        order = list(steps)
+        order = order[round_ % len(order) :] + order[: round_ % len(order)]
+        for variant in order:
+            if variant not in steps:
+                continue
+            sync(device)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            try:
+                steps[variant]()
+            except Exception as error:  # noqa: BLE001
+                results[variant] = {"error": short_error(error)}
+                del steps[variant]
+                continue
+            sync(device)
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
+            if round_ >= args.warmup:
+                times[variant].append(elapsed)
+                cpu_times[variant].append(cpu_elapsed)
+            cost = cpu_elapsed if device.type == "cpu" else elapsed
+            if cost > args.max_step_seconds:
+                results[variant] = {"error": f"skipped: {cost:.0f} s per step > --max-step-seconds"}
+                del steps[variant]
+    for variant, samples in times.items():
+        if variant not in results and samples:
+            results[variant] = {
+                "seconds": statistics.median(samples),
+                "cpu_seconds": statistics.median(cpu_times[variant]),
+            }
+    return results
+
+
+def rss_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (``VmRSS:``, ``VmHWM:``); 0 where there is none."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def _memory_worker(build: Callable[[str, argparse.Namespace], Step], variant: str, args: argparse.Namespace, queue):
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    try:
+        step = build(variant, args)
+    except Exception as error:  # noqa: BLE001
+        queue.put({"error": short_error(error)})
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+    else:
+        start = rss_kib("VmRSS:") * 1024
+    for _ in range(2):
+        step()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_kib("VmHWM:") * 1024
+    queue.put({"peak_bytes": peak - start})
+
+
+def measure_memory(build: Callable[[str, argparse.Namespace], Step], variant: str, args: argparse.Namespace) -> dict:
+    """Peak extra memory of ``variant`` over two steps, alone in a fresh (spawned) process with ``args.threads``
+    threads: ``build(variant, args)`` builds the model, the data and the step there (a module-level function, so that
+    it pickles); CUDA: ``max_memory_allocated`` minus the allocation then, CPU: the peak resident set (VmHWM) minus
+    the resident set then."""
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_memory_worker, args=(build, variant, args, queue))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        return {"error": f"exit code {process.exitcode}"}
+    return queue.get()
+
+
+def time_and_memory(
+    args: argparse.Namespace, build: Callable[[str], Step], build_alone: Callable[[str, argparse.Namespace], Step]
+) -> dict[str, dict]:
+    """:func:`time_interleaved` with ``build``, then (unless ``args.no_memory``) :func:`measure_memory` of each variant
+    that ran, with ``build_alone``; a variant with no result gets an ``error``."""
+    results = time_interleaved(args, build)
+    for variant in args.variants:
+        row = results.setdefault(variant, {"error": "no result"})
+        if not args.no_memory and "error" not in row:
+            row.update(measure_memory(build_alone, variant, args))
+    return results
+
+
+def ratios(row: dict[str, Any], base: dict[str, Any], device: str, suffix: str) -> dict[str, float]:
+    """``time_<suffix>`` (the :func:`timed_by` time) and ``memory_<suffix>`` (peak extra bytes) of ``row`` over
+    ``base``, each where both rows have it."""
+    timed, out = timed_by(device), {}
+    if timed in row and timed in base:
+        out[f"time_{suffix}"] = row[timed] / base[timed]
+    if "peak_bytes" in row and "peak_bytes" in base:
+        out[f"memory_{suffix}"] = row["peak_bytes"] / max(base["peak_bytes"], 1)
+    return out
