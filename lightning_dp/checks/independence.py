@@ -81,11 +81,11 @@ class InputsRequireGrad(TorchFunctionMode):
 
 def _example_rows(shape: torch.Size, batch: int, copies: int) -> bool:
     """Whether a target of ``shape`` has one row per example (``B``), one per copy with augmentation multiplicity
-    (``B K``, sample-major: rows ``i K .. i K + K - 1`` are example ``i``'s), or is 2-D with a multiple of ``B K`` rows
-    (a sequence folded into the rows, sample-major; the clipper's ``multiplicity.check_rows``)."""
+    (``B K``, sample-major: rows ``i K .. i K + K - 1`` are example ``i``'s), or a multiple of ``B K`` rows (a sequence
+    or windows folded into the rows, sample-major; the clipper's ``multiplicity.check_rows``)."""
     if len(shape) == 0 or batch == 0:
         return False
-    return shape[0] in (batch, batch * copies) or (len(shape) == 2 and shape[0] % (batch * copies) == 0)
+    return shape[0] == batch or (shape[0] > 0 and shape[0] % (batch * copies) == 0)
 
 
 def check_batch_independence(

@@ -318,9 +318,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         return norms
 
     def _verify_folded_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
-        """Check, once per module, that a 2-D capture of ``B K r`` rows (a sequence folded into the rows) holds each
-        example's rows together: the batch-independence check on those outputs (docs/design.md section 4.1). Under
-        FSDP2 the training guard's check, in lockstep, covers them instead.
+        """Check, once per module, that a capture of ``B K r`` rows (a sequence or windows folded into the rows) holds
+        each example's rows together: the batch-independence check on those outputs (docs/design.md section 4.1).
 
         Raises:
             BatchMixingError: the rows are in another order (or are not examples' rows at all).
@@ -331,7 +330,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
         for index, capture in enumerate(self._hooks.captures):
             rows = capture.output_shape[0] if capture.output_shape else 0
-            folded = capture.activation.ndim == 2 and rows != rows_per_copy and rows % rows_per_copy == 0
+            folded = rows != rows_per_copy and rows % rows_per_copy == 0
             if folded and capture.name not in self._rows_verified:
                 targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
         if not targets:

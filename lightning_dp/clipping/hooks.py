@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall, own_parameters
@@ -170,6 +171,11 @@ class CaptureHooks:
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             replaced = None
+            if family is FALLBACK and output.ndim and output.shape[0] == 1 and self._batch_hint > 1:
+                if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):
+                    # a bias computed from parameters alone, [1, ...], broadcast to the rows where it is used (Swin's
+                    # relative position bias): expanded to the rows of the latest call, so its gradient stays per row
+                    output = replaced = output.expand(self._batch_hint, *output.shape[1:]).clone()
             base = _reshaped_base(output)
             if base is not None:
                 edge = get_gradient_edge(base)

@@ -34,24 +34,24 @@ def validate_multiplicity(augmentation_multiplicity: object) -> None:
         )
 
 
-def check_rows(name: str, rows: int, batch: int, copies: int, *, flattened: bool = False) -> int:
-    """The rows of each example in a hooked layer's capture: ``copies`` when ``rows == batch * copies``; for a
-    ``flattened`` capture (2-D input ``[B K T, d]``, a sequence folded into the rows as OPT's MLP does) any multiple
-    ``rows / batch`` of ``copies``, the rows sample-major (the batch-independence check sees another order as mixing).
+def check_rows(name: str, rows: int, batch: int, copies: int, *, folded: bool = False) -> int:
+    """The rows of each example in a hooked layer's capture: ``copies`` when ``rows == batch * copies``; with
+    ``folded``, any multiple ``rows / batch`` of ``copies`` (a sequence or windows folded into the rows, as OPT's MLP
+    and Swin's window attention do), the rows sample-major: the clipper checks that order (docs/design.md section 4.1).
 
     Args:
         name: the layer's path (for the message).
         rows: the first dimension of its output gradient.
         batch: ``B``, the length of the per-sample loss.
         copies: ``K``.
-        flattened: whether the capture's input is 2-D.
+        folded: whether folded rows are accepted (not on an FSDP2-sharded model).
 
     Raises:
         ValueError: another number of rows.
     """
     if rows == batch * copies:
         return copies
-    if flattened and batch and rows % (batch * copies) == 0:
+    if folded and batch and rows % (batch * copies) == 0:
         return rows // batch
     if copies == 1:
         raise ValueError(

@@ -53,6 +53,7 @@ class SampleNormsMixin:
     _names: dict[nn.Parameter, str]
     _registered: dict[tuple[int, str], nn.Parameter]
     _checked_batches: int
+    _sharded: bool
     _generator_for: Callable[[torch.device], torch.Generator] | None
     _past: list[Capture]
     _group_of: dict[nn.Parameter, int]
@@ -161,8 +162,7 @@ class SampleNormsMixin:
                     )
                 output_grad = capture.output_grad
                 assert output_grad is not None  # only captures the backward pass reached are passed here
-                flattened = capture.activation.ndim == 2
-                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, flattened=flattened)
+                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, folded=not self._sharded)
                 for name, term in capture.layer_terms(rows).items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
         return terms

@@ -172,3 +172,40 @@ def test_a_table_that_looks_like_folded_rows_is_refused_by_the_clipper_itself() 
         clipper.backward(sin_loss(model, (rand(B, 4),)))
     assert all(p.grad is None for p in model.parameters())
     clipper.backward(sin_loss(model, (rand(1, 4),)))  # one example: every row is its own, nothing to check
+
+
+class Windows(nn.Module):
+    """Swin's layout: each example's ``[H, W]`` grid cut into windows folded into the batch, ``[B nW, N, C]``, then
+    a linear layer and a learned per-window-position bias (the fallback) on the windows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+        self.bias = LearnedBias()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 4, 4, 3]
+        b = x.shape[0]
+        windows = x.view(b, 2, 2, 2, 2, 3).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, 3)  # [B 4, 4, 3]
+        return self.bias(self.proj(windows)).view(b, -1)
+
+
+class LearnedBias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_windows_folded_into_the_batch_are_exact(clipping: str) -> None:
+    check_against_oracle(randomise(Windows()), (rand(B, 4, 4, 3),), clipping)
+
+
+def test_a_sequence_first_layer_is_refused_whatever_its_length() -> None:
+    model = nn.Linear(4, 2).double()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    x = rand(2 * B, B, 4)  # [T, B, d] with T a multiple of B
+    with pytest.raises(BatchMixingError):
+        clipper.backward(model(x).sin().sum((0, 2)))

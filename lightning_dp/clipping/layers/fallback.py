@@ -2,11 +2,12 @@
 own parameters from ``torch.func`` (the approach of Opacus's functorch path, ``GradSampleModule`` with
 ``force_functorch=True``).
 
-For each row ``i`` the module's forward is rerun on that row alone (``vmap`` over ``[1, ...]`` slices of every input
-with the output's row count) with its own parameters as the variables, and ``grad_i = d <f(x_i; w), G_i> / dw``, with
-``G_i`` the captured output gradient. The terms are materialised, ``B * numel`` per parameter. At the first clipped
-batch the rerun outputs are compared with the outputs the forward returned: a module whose row ``i`` depends on other
-rows, or that draws random numbers, is refused (docs/design.md section 4.2).
+For each example ``i`` the module's forward is rerun on that example's rows alone (``vmap`` over ``[r, ...]`` slices
+of every input with the output's row count: one row, or its augmented copies, folded sequence or windows) with its own
+parameters as the variables, and ``grad_i = d <f(x_i; w), G_i> / dw``, with ``G_i`` the captured output gradient.
+The terms are materialised, ``B * numel`` per parameter. At the first clipped batch the rerun outputs are compared
+with the outputs the forward returned: a module whose example ``i`` depends on other examples, or that draws random
+numbers, is refused (docs/design.md section 4.2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
-from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
 log = logging.getLogger("lightning_dp")
@@ -136,14 +136,14 @@ def fallback_terms(
     values: dict[str, torch.Tensor],
     rows_per_example: int,
 ) -> dict[str, Term]:
-    """Materialised terms ``[R / r, *param.shape]`` for the trainable parameters ``layer`` owns (``r`` rows per
-    example summed).
+    """Materialised terms ``[B, *param.shape]`` for the trainable parameters ``layer`` owns, ``B = R / r``: each
+    example's ``r`` rows rerun together.
 
     Args:
         name: the module's path (for messages).
         layer: the module.
         call: its captured inputs; every tensor input whose first dimension is ``R`` (the output's rows) is split by
-            row, the others are passed whole to every row.
+            example, the others are passed whole to every example.
         output_grad: ``G`` ``[R, ...]``, the gradient of the summed loss w.r.t. the output.
         values: the parameters as the call used them, by (dotted) name: the module's own, and those of its submodules
             when they may have changed since the call.
@@ -155,36 +155,39 @@ def fallback_terms(
     """
     trainable = [key for key, p in own_parameters(layer).items() if p.requires_grad]
     rows = output_grad.shape[0]
+    examples = rows // rows_per_example
     flat, spec = tree_flatten((call.args, call.kwargs))
     batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
-    def row_loss(
-        params: dict[str, torch.Tensor], row_inputs: tuple[torch.Tensor, ...], row_grad: torch.Tensor
+    def example_loss(
+        params: dict[str, torch.Tensor], example_inputs: tuple[torch.Tensor, ...], example_grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         leaves = list(flat)
-        for index, value in zip(batched, row_inputs, strict=True):
+        for index, value in zip(batched, example_inputs, strict=True):
             leaves[index] = value
         args, kwargs = tree_unflatten(leaves, spec)
         output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"the forward returned {type(output).__name__}, not a tensor")
-        return (output * row_grad.to(output.dtype)).sum(), output
+        return (output * example_grad.to(output.dtype)).sum(), output
+
+    def by_example(x: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [B, r, ...]: each example's rows, a batch
+        return x.reshape(examples, rows_per_example, *x.shape[1:])
 
     params = {key: values[key].detach() for key in trainable}
-    row_inputs = tuple(flat[i].unsqueeze(1) for i in batched)  # [R, 1, ...]: each row is a batch of one
     device, enabled, dtype = call.autocast
     try:
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            grads, outputs = vmap(grad(row_loss, has_aux=True), in_dims=(None, 0, 0), randomness="error")(
-                params, row_inputs, output_grad.unsqueeze(1)
+            grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0), randomness="error")(
+                params, tuple(by_example(flat[i]) for i in batched), by_example(output_grad)
             )
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
-    if call.output is not None:
-        _check_rerun(name, layer, call.output, outputs.reshape(call.output.shape))
-    terms = {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
-    return {key: fold_copies(term, rows_per_example) for key, term in terms.items()}
+    if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
+        recorded = by_example(call.output)
+        _check_rerun(name, layer, recorded, torch.broadcast_to(outputs, recorded.shape))
+    return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
 
 
 def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:

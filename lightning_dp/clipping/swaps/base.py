@@ -137,7 +137,11 @@ def _swapped_class(module: nn.Module) -> type[SwappedModule] | None:
     name = qualified_name(module_type)
     if name not in _SWAPS:
         return next((cls for rule in _RULES if (cls := rule(module)) is not None), None)
-    mixin = _SWAPS[name]
+    return mixed_class(_SWAPS[name], module_type)
+
+
+def mixed_class(mixin: type[SwappedModule], module_type: type[nn.Module]) -> type[SwappedModule]:
+    """The swapped class ``DP<Name>(mixin, module_type)``, made once per pair."""
     key = (mixin, module_type)
     if key not in _DYNAMIC:
         namespace = {"__module__": mixin.__module__}
