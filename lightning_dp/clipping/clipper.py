@@ -351,6 +351,24 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             targets[name + (f" (call {calls + 1})" if calls else "")] = (capture.edge, capture.output_shape)
         return targets
 
+    def probe(self, per_sample_loss: torch.Tensor) -> None:
+        """Clip a forward on example inputs without counting it (:mod:`lightning_dp.checks.attach_probe`): what the
+        first clipped batch checks (the sum check, the fallback's reruns, folded rows) runs now, and again on the first
+        training batch. Nothing is written to ``.grad``.
+
+        Raises:
+            ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
+        """
+        checked, record = self._checked_batches, self._hooks.record_outputs
+        try:
+            self._clip(per_sample_loss, accumulate=False)
+        finally:
+            self._checked_batches, self._hooks.record_outputs = checked, record
+
+    def discard_captures(self) -> None:
+        """Forget what the hooks captured since the last clip (a forward that will not be clipped)."""
+        self._hooks.clear()
+
     def per_sample_norms(self, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """Per-sample gradient norms over all trainable parameters jointly, without touching ``p.grad``.
 

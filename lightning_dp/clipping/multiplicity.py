@@ -14,6 +14,7 @@ import numbers
 
 import torch
 
+from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.clipping.terms import Factored, Materialised, Term
 
 
@@ -47,18 +48,18 @@ def check_rows(name: str, rows: int, batch: int, copies: int, *, folded: bool = 
         folded: whether folded rows are accepted (not on an FSDP2-sharded model).
 
     Raises:
-        ValueError: another number of rows.
+        UnsupportedModuleError: another number of rows.
     """
     if rows == batch * copies:
         return copies
     if folded and batch and rows % (batch * copies) == 0:
         return rows // batch
     if copies == 1:
-        raise ValueError(
+        raise UnsupportedModuleError(
             f"module '{name}' saw a batch dimension of {rows} but the per-sample loss has {batch} samples; the first "
             "dimension of every layer input must be the sample dimension (expand broadcast inputs to the batch)"
         )
-    raise ValueError(
+    raise UnsupportedModuleError(
         f"module '{name}' saw {rows} rows but the per-sample loss has {batch} examples: with "
         f"augmentation_multiplicity={copies} every hooked layer must see the {copies} copies of each example, "
         f"{batch * copies} rows in sample-major order (rows i*{copies} .. i*{copies}+{copies - 1} are example i's, as "

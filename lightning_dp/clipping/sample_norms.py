@@ -115,7 +115,8 @@ class SampleNormsMixin:
                 raise UnsupportedModuleError(
                     f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
                     "is used outside its module's forward (e.g. functionally by a parent module, as "
-                    "F.linear(x, child.weight)); freeze it or use supported layers"
+                    "F.linear(x, child.weight)); freeze it (requires_grad=False), train the model with LoRA, or use "
+                    "supported layers"
                 )
         return captures, batch_grads
 

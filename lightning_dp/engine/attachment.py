@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_dp.checks.attach_probe import probe_at_attach
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.engines.hutch import norm_dim
@@ -26,8 +27,11 @@ class ClippingAttachment:
         """Attach per-sample clipping hooks to ``module`` in place (an FSDP2-sharded ``module`` included, docs/design.md
         section 8.1).
 
+        With ``rows_per_unit == 1`` the model's own example inputs are clipped once
+        (:func:`~lightning_dp.checks.attach_probe.probe_at_attach`), so that what a forward shows is refused here.
+
         Raises:
-            ValueError: unsupported layers (see :class:`PerSampleClipper`).
+            ValueError: unsupported layers (see :class:`PerSampleClipper`), found at construction or by the probe.
         """
         state, config = self.state, self.state.config
         clip_norm = (state.mechanism or mechanism_class(config.noise_name)).clip_norm
@@ -57,6 +61,13 @@ class ClippingAttachment:
         )
         if state.randomized_clipping:
             state.norm_dim = norm_dim(clipper.trainable_parameters)
+        if state.rows_per_unit == 1:
+            try:
+                probe_at_attach(module, clipper)
+            except BaseException:
+                state.clipper = state.guard = None
+                clipper.detach()
+                raise
         return clipper
 
     def set_rows_per_unit(self, rows: int) -> None:

@@ -1,0 +1,78 @@
+"""The attach probe (checks/attach_probe.py): a model with example inputs of its own is refused at attach, not at its
+first step, for what only a forward shows; the probe leaves the model's mode, buffers, RNG and .grad as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dp.checks.attach_probe import probe_at_attach
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+
+
+class ReadsChildWeight(nn.Module):
+    """Uses a child Linear's weight outside the child's forward; offers example inputs as Lightning does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.example_input_array = torch.randn(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.nn.functional.dropout(x @ self.proj.weight.T, 0.1, self.training)
+
+
+def test_a_parameter_read_outside_its_forward_is_refused_by_the_probe() -> None:
+    model = ReadsChildWeight().eval()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    state = torch.random.get_rng_state()
+    with pytest.raises(UnsupportedModuleError, match=r"'proj\.weight'.*outside its module's forward.*LoRA"):
+        probe_at_attach(model, clipper)
+    assert not model.training and model.calls.item() == 0, "mode and buffers restored"
+    assert torch.equal(torch.random.get_rng_state(), state), "the global RNG is restored"
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_supported_model_passes_and_its_first_batch_is_still_checked() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model.example_input_array = torch.randn(3, 4)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    assert probe_at_attach(model, clipper)
+    assert clipper._checked_batches == 0 and clipper._hooks.record_outputs
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_inputs_the_model_does_not_take_skip_the_probe() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    model.dummy_inputs = {"input_ids": torch.zeros(3, 5, dtype=torch.long)}  # HF's generic inputs: not for this model
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    assert not probe_at_attach(model, clipper)
+    assert not clipper._hooks.captures
+    assert not probe_at_attach(nn.Linear(2, 2), PerSampleClipper(nn.Linear(2, 2), max_grad_norm=1.0))
+
+
+def test_hf_deberta_is_refused_when_the_trainer_is_built(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from hf_helpers import make_trainer
+
+    from lightning_dp.hf import PrivacyArguments
+
+    config = transformers.DebertaV2Config(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        relative_attention=True,
+        pos_att_type=["p2c", "c2p"],
+        position_buckets=8,
+        max_relative_positions=16,
+    )
+    model = transformers.DebertaV2ForSequenceClassification(config)
+    with pytest.raises(UnsupportedModuleError, match="rel_embeddings.weight"):
+        make_trainer(model, tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, dp_seed=0))
