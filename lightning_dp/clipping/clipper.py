@@ -176,7 +176,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         if fallback:
             log.info(describe_fallback(fallback))
         self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded)
-        #: modules whose captures of ``B K r`` rows (a folded sequence) were seen to keep each example's rows together
+        #: modules whose folded (``B K r``) or expanded rows were seen to keep each example's rows its own
         self._rows_verified: set[str] = set()
         self._init_past_iterates()
         #: whether any sample has been dropped for a non-finite loss or norm since construction (see
@@ -281,7 +281,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                     )
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             if not self._sharded and batch >= 2 and per_sample_loss.requires_grad:
-                self._verify_folded_rows(per_sample_loss, batch)
+                self._verify_rows(per_sample_loss, batch)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
@@ -317,9 +317,11 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             self.discard_past_iterates()
         return norms
 
-    def _verify_folded_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
+    def _verify_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
         """Check, once per module, that a capture of ``B K r`` rows (a sequence or windows folded into the rows) holds
-        each example's rows together: the batch-independence check on those outputs (docs/design.md section 4.1).
+        each example's rows together, and that a capture whose broadcast input was expanded to the batch gives each
+        example its own row (a model that reads only row 0 of it would send every example's gradient to example 0):
+        the batch-independence check on those outputs (docs/design.md section 4.1).
 
         Raises:
             BatchMixingError: the rows are in another order (or are not examples' rows at all).
@@ -331,7 +333,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         for index, capture in enumerate(self._hooks.captures):
             rows = capture.output_shape[0] if capture.output_shape else 0
             folded = rows != rows_per_copy and rows % rows_per_copy == 0
-            if folded and capture.name not in self._rows_verified:
+            if (folded or capture.expanded) and capture.name not in self._rows_verified:
                 targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
         if not targets:
             return

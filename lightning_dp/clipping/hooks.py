@@ -42,6 +42,7 @@ class Capture:
         parameter_values: detached copies of ``leaves`` at the call for a family with ``reads_parameters`` (and for
             the fallback when parameters may change before the terms are formed); else None.
         call: every input of the call, for a family with ``captures_call``; else None.
+        expanded: whether the first input was a broadcast ``[1, ...]`` expanded to the batch before the call.
     """
 
     name: str
@@ -55,6 +56,7 @@ class Capture:
     parameter_values: dict[str, torch.Tensor] | None = None
     output_grad: torch.Tensor | None = None
     call: CapturedCall | None = None
+    expanded: bool = False
 
     def modified(self) -> bool:
         """Whether an input of the call was modified in place after the module ran."""
@@ -122,6 +124,8 @@ class CaptureHooks:
         self.record_outputs = True
         self._copy_parameters = copy_parameters
         self._batch_hint = 0
+        #: ids of the modules whose first input the pre-hook just expanded (consumed by their forward hook)
+        self._expanded: set[int] = set()
         self._suspended = False
         self._handles: list[RemovableHandle] = []
         self.attached = True
@@ -149,6 +153,7 @@ class CaptureHooks:
         if x.shape[0] != 1 or self._batch_hint <= 1:
             return None
         x = x.expand(self._batch_hint, *x.shape[1:])
+        self._expanded.add(id(module))
         if args:
             return (x, *args[1:]), kwargs
         first = next(iter(kwargs))
@@ -197,6 +202,8 @@ class CaptureHooks:
             self.captures.append(
                 Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
             )
+            self.captures[-1].expanded = id(module) in self._expanded
+            self._expanded.discard(id(module))
             self._batch_hint = output.shape[0] if output.ndim else 0
             if replaced is not None and family.output_index is not None and whole is not output:
                 index = family.output_index

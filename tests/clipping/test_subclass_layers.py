@@ -209,3 +209,22 @@ def test_a_sequence_first_layer_is_refused_whatever_its_length() -> None:
     x = rand(2 * B, B, 4)  # [T, B, d] with T a multiple of B
     with pytest.raises(BatchMixingError):
         clipper.backward(model(x).sin().sum((0, 2)))
+
+
+class ReadsRowZero(nn.Module):
+    """Position ids ``[1, T]`` expanded to the batch by the embedding's pre-hook, but the model reads row 0 of the
+    lookup only: every example's gradient would reach example 0's row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.pos = nn.Linear(4, 4), nn.Embedding(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.pos(torch.arange(x.shape[1]).unsqueeze(0))[0])
+
+
+def test_an_expanded_broadcast_input_read_by_row_zero_is_refused_by_the_clipper_itself() -> None:
+    model = ReadsRowZero().double()
+    clipper = PerSampleClipper(model, clipping="flat", max_grad_norm=1.0)
+    with pytest.raises(BatchMixingError, match="module 'pos'"):
+        clipper.per_sample_norms(model(rand(B, 5, 4)).sin().sum((1, 2)))

@@ -43,54 +43,27 @@ def refused(pattern: str) -> str:
 
 
 _BATCHNORM = refused(r"BatchNorm\w*\) mixes samples through batch statistics")
-_ROUTER = r"TopKRouter\) has trainable parameters no layer family covers, and the exact fallback needs its forward to return one tensor, not tuple"  # noqa: E501
-_SWIN_WINDOWS = refused(r"attention\.q_proj\S*' saw a batch dimension of \d+ but the per-sample loss has \d+ samples")
 
 #: today's outcome of full fine-tuning (every parameter trainable), by architecture; a dict gives it per clipping.
 EXPECTED: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES},
     "deberta-v2": refused(r"rel_embeddings\.weight' received a gradient but no hooked call of its module did"),
-    "opt": refused(r"final_layer_norm' saw a batch dimension of \d+ but the per-sample loss has \d+ samples"),
-    "mixtral": refused("Mixtral" + _ROUTER),
-    "qwen2-moe": refused("Qwen2Moe" + _ROUTER),
-    "t5": refused(r"relative_attention_bias' saw a batch dimension of \d+ but the per-sample loss has \d+ samples"),
-    "bart": refused(r"embed_positions' saw a batch dimension of 1 but the per-sample loss has \d+ samples"),
-    "swin": _SWIN_WINDOWS,
     "resnet": _BATCHNORM,
     "nn.BatchNorm1d": _BATCHNORM,
-    # variants, the refused part frozen
+    # the refused part frozen
     "deberta-v2, rel_embeddings frozen": refused(r"pos_key_proj' saw a batch dimension of 1 but"),
-    "mixtral, router frozen": refused(r"mlp\.experts' saw a batch dimension of \d+ but the per-sample loss has \d+"),
-    "qwen2-moe, routers frozen": refused(r"shared_expert\.gate_proj' saw a batch dimension of \d+ but"),
 }
 #: today's outcome with peft LoRA adapters on :attr:`ZooEntry.lora_targets` (base weights frozen).
 EXPECTED_LORA: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES},
-    "swin": _SWIN_WINDOWS,
     "resnet": _BATCHNORM,
 }
 #: why each refused architecture is refused, as measured (rendered in docs/models.md).
 WHY_REFUSED: dict[str, str] = {
     "deberta-v2": "the encoder reads the relative-position table (`rel_embeddings.weight`) itself, outside the "
-    "embedding's forward; with the table frozen, the projections of the relative positions (`pos_key_proj`) run on "
-    "`[1, ...]` positions shared by the batch and are refused in turn. LoRA on the attention is exact.",
-    "opt": "the decoder layer reshapes the hidden states to `[B T, D]` (24 rows = 3 examples x 8 tokens) before "
-    "`final_layer_norm`, `fc1` and `fc2`; with those frozen the rest is exact (`OPTLearnedPositionalEmbedding` "
-    "through the fallback). LoRA on the attention is exact.",
-    "mixtral": "the router (`MixtralTopKRouter`) returns a tuple, which the fallback does not serve; with it frozen "
-    "the experts (`MixtralExperts`) get the tokens as rows (`[B T, D]`) and are refused. LoRA on the attention is "
-    "exact.",
-    "qwen2-moe": "the router (`Qwen2MoeTopKRouter`) returns a tuple, which the fallback does not serve; with the "
-    "routers frozen the shared expert gets the tokens as rows (`[B T, D]`) and is refused. LoRA on the attention is "
-    "exact.",
-    "t5": "the relative attention bias is an `nn.Embedding` of the `[T, T]` bucket matrix shared by the batch (8 rows "
-    "= T); with it frozen the rest is exact (`T5LayerNorm` through the fallback). LoRA on the attention is exact.",
-    "bart": "the learned positions (`BartLearnedPositionalEmbedding`, an `nn.Embedding` subclass with its own forward, "
-    "so served by the fallback) embed `[1, T]` positions broadcast over the batch; the expansion of broadcast "
-    "positions that makes GPT-2's `wpe` exact belongs to the embedding family, not to the fallback. With them "
-    "frozen the rest is exact. LoRA on the attention is exact.",
-    "swin": "window attention folds the windows into the batch dimension (12 rows = 3 examples x 4 windows), for the "
-    "LoRA adapters too.",
+    "embedding's forward, and shares it with every example; with the table frozen, the projections of the relative "
+    "positions (`pos_key_proj`) run on `[1, ...]` positions shared by the batch and are refused in turn. DPTrainer "
+    "refuses it when it is built (the attach probe). LoRA on the attention is exact.",
     "resnet": "BatchNorm2d is refused wherever it is, also frozen under LoRA.",
     "nn.BatchNorm1d": "BatchNorm mixes the samples through its batch statistics.",
 }

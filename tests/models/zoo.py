@@ -615,13 +615,6 @@ def _frozen(name: str, what: str, patterns: tuple[str, ...]) -> ZooEntry:
 
 
 #: the refused architectures with the part the library refuses frozen: does the rest train?
-VARIANT_ENTRIES: list[ZooEntry] = [
-    _frozen("deberta-v2", "rel_embeddings", ("rel_embeddings",)),
-    _frozen("opt", "fc1/fc2/final_layer_norm", ("fc1", "fc2", "final_layer_norm")),
-    _frozen("mixtral", "router", ("mlp.gate",)),
-    _frozen("qwen2-moe", "routers", ("mlp.gate.", "shared_expert_gate")),
-    _frozen("t5", "relative_attention_bias", ("relative_attention_bias",)),
-    _frozen("bart", "embed_positions", ("embed_positions",)),
-]
+VARIANT_ENTRIES: list[ZooEntry] = [_frozen("deberta-v2", "rel_embeddings", ("rel_embeddings",))]
 
 ENTRIES: dict[str, ZooEntry] = {entry.name: entry for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES}
