@@ -3,7 +3,10 @@
 parameter read outside its module's forward, a layer applied to rows that are not examples, a module the exact
 fallback cannot rerun (docs/design.md section 9.1).
 
-No user data is involved. The model's mode, buffers and the global RNG are restored; nothing is written to ``.grad``.
+The inputs are the model's own (a Lightning ``example_input_array`` may be a real example: it is used like a batch
+of the training data, nothing of it is released). The model's mode, buffers and the global RNG are restored; nothing
+is written to ``.grad``. A randomized engine (``hutch``, ``hutchpp``) is not probed: its projections draw from the
+run's DP generator.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def probe_at_attach(module: nn.Module, clipper: PerSampleClipper) -> bool:
         UnsupportedModuleError: what the clipper refuses on that forward (BatchMixingError included).
     """
     inputs = example_inputs(module)
-    if inputs is None or clipper.sharded:
+    if inputs is None or clipper.sharded or clipper.engine.randomized:
         return False
     with _restored(module):
         try:

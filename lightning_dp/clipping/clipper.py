@@ -175,7 +175,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         fallback = {path: sub for path, (sub, family) in hooked.items() if family is FALLBACK}
         if fallback:
             log.info(describe_fallback(fallback))
-        self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded)
+        # under FSDP2 the fallback's data-dependent comparison could raise on one rank alone: the guard's lockstep
+        # batch-independence check covers mixing there
+        self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded, record_outputs=not self._sharded)
         #: modules whose folded (``B K r``) or expanded rows were seen to keep each example's rows its own
         self._rows_verified: set[str] = set()
         self._init_past_iterates()
@@ -288,7 +290,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
-            self._hooks.record_outputs = False  # the fallback's comparison ran on this first batch
+            if batch >= 2:  # the fallback's comparison ran on a batch where it can see examples mix
+                self._hooks.record_outputs = False
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
@@ -332,7 +335,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
         for index, capture in enumerate(self._hooks.captures):
             rows = capture.output_shape[0] if capture.output_shape else 0
-            folded = rows != rows_per_copy and rows % rows_per_copy == 0
+            folded = rows > 0 and rows != rows_per_copy and capture.fold_rows == rows_per_copy
             if (folded or capture.expanded) and capture.name not in self._rows_verified:
                 targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
         if not targets:
@@ -361,11 +364,13 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Raises:
             ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
         """
-        checked, record = self._checked_batches, self._hooks.record_outputs
+        kept = (self._checked_batches, self._hooks.record_outputs, set(self._rows_verified))
+        flags = (self.dropped_nonfinite, self.sum_check_postponed)
         try:
             self._clip(per_sample_loss, accumulate=False)
         finally:
-            self._checked_batches, self._hooks.record_outputs = checked, record
+            self._checked_batches, self._hooks.record_outputs, self._rows_verified = kept
+            self.dropped_nonfinite, self.sum_check_postponed = flags
 
     def discard_captures(self) -> None:
         """Forget what the hooks captured since the last clip (a forward that will not be clipped)."""

@@ -42,7 +42,10 @@ class Capture:
         parameter_values: detached copies of ``leaves`` at the call for a family with ``reads_parameters`` (and for
             the fallback when parameters may change before the terms are formed); else None.
         call: every input of the call, for a family with ``captures_call``; else None.
-        expanded: whether the first input was a broadcast ``[1, ...]`` expanded to the batch before the call.
+        expanded: whether the first input was a broadcast ``[1, ...]`` expanded to the batch before the call (or
+            the fallback's output computed from parameters alone was expanded to the rows where it is used).
+        fold_rows: when the first input's rows fold, sample-major, the rows of a tensor with a leading dimension of
+            ``fold_rows`` (a reshape of it, directly or through element-wise operations): that dimension; else None.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Capture:
     output_grad: torch.Tensor | None = None
     call: CapturedCall | None = None
     expanded: bool = False
+    fold_rows: int | None = None
 
     def modified(self) -> bool:
         """Whether an input of the call was modified in place after the module ran."""
@@ -109,6 +113,27 @@ def _reshaped_base(output: torch.Tensor) -> torch.Tensor | None:
     return base if is_reshape else None
 
 
+#: autograd nodes of element-wise operations: a tensor they produce keeps its inputs' rows in place.
+_ELEMENTWISE = frozenset(
+    f"{name}Backward{overload}"
+    for name in (
+        "Add", "Sub", "Mul", "Div", "Neg", "Relu", "Gelu", "Silu", "Tanh", "Sigmoid", "NativeDropout", "Clone",
+        "ToCopy", "Pow", "Exp", "Hardtanh", "LeakyRelu", "Elu", "Softplus", "Abs", "Sqrt", "Rsqrt", "Erf",
+    )
+    for overload in (0, 1)
+)  # fmt: skip
+
+
+def _pure_reshape_of(x: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous tensor ``x`` is a pure reshape of (same storage, offset and size), or None."""
+    base = x._base
+    if base is None or base.ndim == 0 or not (x.is_contiguous() and base.is_contiguous()):
+        return None
+    if x.storage_offset() != base.storage_offset() or x.numel() != base.numel():
+        return None
+    return base
+
+
 class CaptureHooks:
     """Hooks on a set of modules recording :class:`Capture` objects (only with gradients enabled and not suspended).
 
@@ -116,16 +141,24 @@ class CaptureHooks:
         modules: ``{path: (module, family)}`` to hook.
         copy_parameters: copy the parameters a ``captures_call`` family's call used (FSDP2 frees them after the
             forward).
+        record_outputs: keep the fallback's outputs for its comparison (off under FSDP2).
     """
 
-    def __init__(self, modules: dict[str, tuple[nn.Module, LayerFamily]], copy_parameters: bool = False) -> None:
+    def __init__(
+        self,
+        modules: dict[str, tuple[nn.Module, LayerFamily]],
+        copy_parameters: bool = False,
+        record_outputs: bool = True,
+    ) -> None:
         self.captures: list[Capture] = []
-        #: keep each ``captures_call`` call's output, for the fallback's comparison (the first clipped batch).
-        self.record_outputs = True
+        #: keep each fallback call's output for its comparison (until a clipped batch of 2 examples or more)
+        self.record_outputs = record_outputs
         self._copy_parameters = copy_parameters
         self._batch_hint = 0
         #: ids of the modules whose first input the pre-hook just expanded (consumed by their forward hook)
         self._expanded: set[int] = set()
+        #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension, to that dimension
+        self._fold_nodes: dict[Any, int] = {}
         self._suspended = False
         self._handles: list[RemovableHandle] = []
         self.attached = True
@@ -159,6 +192,33 @@ class CaptureHooks:
         first = next(iter(kwargs))
         return args, {**kwargs, first: x}
 
+    def _fold_rows(self, x: Any) -> int | None:
+        """The leading dimension of the tensor whose rows ``x`` holds sample-major, folded: ``x`` a pure reshape of
+        it, or made from such tensors (outputs of calls that fold) by element-wise operations; else None."""
+        if not isinstance(x, torch.Tensor) or x.ndim == 0:
+            return None
+        base = _pure_reshape_of(x)
+        if base is not None and base.shape[0] != x.shape[0] and x.shape[0] % base.shape[0] == 0:
+            return base.shape[0]
+        return self._node_fold_rows(x.grad_fn, depth=4)
+
+    def _node_fold_rows(self, node: Any, depth: int) -> int | None:
+        if node is None:
+            return None
+        if node in self._fold_nodes:
+            return self._fold_nodes[node]
+        if depth == 0 or type(node).__name__ not in _ELEMENTWISE:
+            return None
+        found = set()
+        for child, _ in node.next_functions:
+            if child is None or type(child).__name__ == "AccumulateGrad":  # a constant or a parameter
+                continue
+            rows = self._node_fold_rows(child, depth - 1)
+            if rows is None:
+                return None
+            found.add(rows)
+        return found.pop() if len(found) == 1 else None
+
     def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             x = _first_input(args, kwargs)
@@ -181,6 +241,7 @@ class CaptureHooks:
                     # a bias computed from parameters alone, [1, ...], broadcast to the rows where it is used (Swin's
                     # relative position bias): expanded to the rows of the latest call, so its gradient stays per row
                     output = replaced = output.expand(self._batch_hint, *output.shape[1:]).clone()
+                    self._expanded.add(id(module))
             base = _reshaped_base(output)
             if base is not None:
                 edge = get_gradient_edge(base)
@@ -202,8 +263,12 @@ class CaptureHooks:
             self.captures.append(
                 Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
             )
-            self.captures[-1].expanded = id(module) in self._expanded
+            capture = self.captures[-1]
+            capture.expanded = id(module) in self._expanded
             self._expanded.discard(id(module))
+            capture.fold_rows = self._fold_rows(x)
+            if capture.fold_rows is not None and output.grad_fn is not None:
+                self._fold_nodes[output.grad_fn] = capture.fold_rows
             self._batch_hint = output.shape[0] if output.ndim else 0
             if replaced is not None and family.output_index is not None and whole is not output:
                 index = family.output_index
@@ -224,6 +289,7 @@ class CaptureHooks:
     def clear(self) -> None:
         """Forget all captures (after each clipped batch)."""
         self.captures = []
+        self._fold_nodes = {}
         self._batch_hint = 0
 
     def remove(self) -> None:

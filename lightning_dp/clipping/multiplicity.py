@@ -45,19 +45,22 @@ def check_rows(name: str, rows: int, batch: int, copies: int, *, folded: bool = 
         rows: the first dimension of its output gradient.
         batch: ``B``, the length of the per-sample loss.
         copies: ``K``.
-        folded: whether folded rows are accepted (not on an FSDP2-sharded model).
+        folded: whether folded rows are accepted: the capture's input is a reshape of a ``[B K, ...]`` tensor (its
+            ``fold_rows``), or an expanded broadcast; never on an FSDP2-sharded model.
 
     Raises:
         UnsupportedModuleError: another number of rows.
     """
     if rows == batch * copies:
         return copies
-    if folded and batch and rows % (batch * copies) == 0:
+    if folded and batch and rows > 0 and rows % (batch * copies) == 0:
         return rows // batch
     if copies == 1:
         raise UnsupportedModuleError(
             f"module '{name}' saw a batch dimension of {rows} but the per-sample loss has {batch} samples; the first "
-            "dimension of every layer input must be the sample dimension (expand broadcast inputs to the batch)"
+            "dimension of every layer input must be the sample dimension (expand broadcast inputs to the batch), or "
+            "fold each example's rows together: a reshape of a [B, ...] tensor (x.reshape(-1, d)), directly or "
+            "through element-wise operations (rows selected by a mask or gathered are not accepted)"
         )
     raise UnsupportedModuleError(
         f"module '{name}' saw {rows} rows but the per-sample loss has {batch} examples: with "

@@ -163,7 +163,8 @@ class SampleNormsMixin:
                     )
                 output_grad = capture.output_grad
                 assert output_grad is not None  # only captures the backward pass reached are passed here
-                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, folded=not self._sharded)
+                folds = capture.fold_rows == batch * copies or capture.expanded
+                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, folded=folds and not self._sharded)
                 for name, term in capture.layer_terms(rows).items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
         return terms

@@ -63,8 +63,8 @@ def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[
                 "looked-up rows of the weight in place, so the saved weights reveal which tokens were in training "
                 "batches (without noise); set max_norm=None (per-sample clipping already bounds each update)"
             )
-        if isinstance(sub, parametrize.ParametrizationList):
-            continue  # its parameters are the parametrized module's (own_parameters), served by the fallback
+        if isinstance(sub, parametrize.ParametrizationList) or ".parametrizations." in f".{path}.":
+            continue  # the originals are the parametrized module's (own_parameters), served by the fallback
         trainable = [name for name, p in own_parameters(sub).items() if p.requires_grad]
         if not trainable:
             continue

@@ -41,7 +41,7 @@ def test_a_supported_model_passes_and_its_first_batch_is_still_checked() -> None
     model.example_input_array = torch.randn(3, 4)
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     assert probe_at_attach(model, clipper)
-    assert clipper._checked_batches == 0 and clipper._hooks.record_outputs
+    assert clipper._checked_batches == 0 and clipper._hooks.record_outputs and not clipper._rows_verified
     assert all(p.grad is None for p in model.parameters())
 
 

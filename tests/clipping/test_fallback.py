@@ -15,6 +15,7 @@ from clipping_helpers import ENGINES, check_against_oracle, rand, randomise, sin
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
+from lightning_dp.checks import BatchMixingError
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, find_layer_family
 from lightning_dp.optim.momentum import PerSampleMomentum
 
@@ -310,3 +311,69 @@ def test_an_input_changed_in_place_after_the_call_is_refused() -> None:
 def test_eval_mode_dropout_is_deterministic_and_served() -> None:
     model = randomise(nn.Sequential(nn.Linear(5, 4), Dropped())).eval()
     check_against_oracle(model, (rand(B, 5),), "mixed")
+
+
+class WithCodebook(nn.Module):
+    """Reads a codebook ``[5, d]`` passed as an argument: not an input per example, even when the batch has 5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("codebook", torch.linspace(-1, 1, 20).view(5, 4))
+        self.inner = Codebook()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x * self.scale, self.codebook.to(x.dtype))
+
+
+class Codebook(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+        return (x @ codebook.T).tanh() @ codebook * self.weight
+
+
+def test_the_inputs_split_by_example_are_fixed_once_confirmed() -> None:
+    """Confirmed at a batch of 3, the codebook stays whole at a batch of 5, where its rows match the batch's."""
+    model = randomise(WithCodebook())
+    check_against_oracle(model, (rand(3, 4),), "flat")
+    for p in model.parameters():
+        p.grad = None
+    check_against_oracle(model, (rand(5, 4),), "flat")
+
+
+class Offset(nn.Module):
+    """A bias computed from parameters alone, ``[1, d]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(1, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.table * 2
+
+
+class ReadsOffsetRowZero(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.offset = nn.Linear(4, 4), Offset()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.offset()[0])  # row 0 of the expanded bias for every example
+
+
+def test_a_bias_of_parameters_read_by_row_zero_is_refused_not_given_to_example_zero() -> None:
+    model = randomise(ReadsOffsetRowZero())
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(BatchMixingError, match="module 'offset'"):
+        clipper.backward(sin_loss(model, (rand(B, 4),)))
+
+
+def test_the_comparison_waits_for_a_batch_of_two_examples() -> None:
+    model = nn.Sequential(nn.Linear(5, 4), Centered())
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.backward(model(rand(1, 5).float()).sum(1))  # one example: nothing to compare
+    with pytest.raises(UnsupportedModuleError, match="is not per-sample"):
+        clipper.backward(model(rand(3, 5).float()).sum(1))

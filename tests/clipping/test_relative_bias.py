@@ -11,7 +11,7 @@ from clipping_helpers import check_against_oracle
 from test_experts import loop_oracle
 from torch import nn
 
-from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
 from lightning_dp.clipping.swaps.relative_bias import PerExampleRelativeBias
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +63,9 @@ def test_only_the_attention_owning_a_trainable_table_is_swapped_and_detach_resto
 
 
 @pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
-def test_swin_window_attention_and_its_relative_position_bias_are_exact(clipping: str) -> None:
+def test_swin_windows_and_its_relative_position_bias_are_exact_the_attention_output_refused(clipping: str) -> None:
+    """The query/key/value projections see the windows as a reshape of ``[B, ...]`` and the bias is expanded to them;
+    the attention's output projection sees rows made by the attention itself, which nothing shows to be folded."""
     config = transformers.SwinConfig(
         image_size=8,
         patch_size=2,
@@ -78,8 +80,26 @@ def test_swin_window_attention_and_its_relative_position_bias_are_exact(clipping
         num_labels=3,
     )
     torch.manual_seed(0)
-    model = transformers.SwinForImageClassification(config).double()
     pixels = torch.randn(3, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    check_against_oracle(
-        model, (pixels,), clipping, loss_fn=lambda f, x: f(*x).logits.sin().sum(1), atol=1e-9, oracle=loop_oracle
+    loss = lambda f, x: f(*x).logits.sin().sum(1)  # noqa: E731
+    model = transformers.SwinForImageClassification(config).double()
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"attention\.o_proj' saw a batch dimension of 12"):
+        clipper.backward(loss(model, (pixels,)))
+    clipper.detach()
+    for name, module in model.named_modules():
+        if name.endswith("attention.o_proj"):
+            module.requires_grad_(False)
+    check_against_oracle(model, (pixels,), clipping, loss_fn=loss, atol=1e-9, oracle=loop_oracle)
+
+
+def test_long_t5_local_attention_keeps_its_own_bias() -> None:
+    """LongT5's local attention computes a blocked bias, ``compute_bias(block_length)``: not swapped."""
+    config = transformers.LongT5Config(
+        vocab_size=40, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_heads=2, encoder_attention_type="local"
     )
+    model = transformers.LongT5ForConditionalGeneration(config)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    swapped = [name for name, m in model.named_modules() if isinstance(m, PerExampleRelativeBias)]
+    assert swapped == ["decoder.block.0.layer.0.SelfAttention"]
+    clipper.detach()

@@ -11,7 +11,7 @@ from clipping_helpers import ENGINES, check_against_oracle, rand, randomise, sin
 from torch import nn
 
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence
-from lightning_dp.clipping import PerSampleClipper, find_layer_family
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, find_layer_family
 from lightning_dp.clipping.layers.fallback import FALLBACK
 from lightning_dp.clipping.layers.registry import probed_family
 from lightning_dp.clipping.swaps.inner_call import INNER, ParentCallSwap
@@ -142,12 +142,14 @@ class TokenMajor(nn.Module):
         return rows.view(x.shape[1], x.shape[0], 2).transpose(0, 1)
 
 
-def test_a_token_major_flattening_is_reported_as_mixing() -> None:
+def test_a_token_major_flattening_is_refused_by_the_clipper_and_reported_as_mixing() -> None:
     model = TokenMajor().double()
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     loss = sin_loss(model, (rand(B, 4, 4),))
     with pytest.raises(BatchMixingError, match="module 'fc'"):
         check_batch_independence(loss, clipper.output_targets())
+    with pytest.raises(UnsupportedModuleError, match=r"module 'fc' saw a batch dimension of 12.*reshape of a \[B"):
+        clipper.backward(sin_loss(model, (rand(B, 4, 4),)))
 
 
 class SharedTable(nn.Module):
@@ -168,10 +170,11 @@ def test_a_table_that_looks_like_folded_rows_is_refused_by_the_clipper_itself() 
     model = SharedTable().double()
     model.table.requires_grad_(False)
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
-    with pytest.raises(BatchMixingError, match="module 'proj'"):
+    with pytest.raises(UnsupportedModuleError, match="module 'proj' saw a batch dimension of 6"):
         clipper.backward(sin_loss(model, (rand(B, 4),)))
     assert all(p.grad is None for p in model.parameters())
-    clipper.backward(sin_loss(model, (rand(1, 4),)))  # one example: every row is its own, nothing to check
+    with pytest.raises(UnsupportedModuleError, match="module 'proj' saw a batch dimension of 6"):
+        clipper.backward(sin_loss(model, (rand(1, 4),)))  # one example too: not a batch-dependent outcome
 
 
 class Windows(nn.Module):
@@ -185,7 +188,7 @@ class Windows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, 4, 4, 3]
         b = x.shape[0]
-        windows = x.view(b, 2, 2, 2, 2, 3).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, 3)  # [B 4, 4, 3]
+        windows = x.view(b, 2, 2, 2, 2, 3).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 4, 3)  # [B 4, 4, 3]
         return self.bias(self.proj(windows)).view(b, -1)
 
 
@@ -207,7 +210,7 @@ def test_a_sequence_first_layer_is_refused_whatever_its_length() -> None:
     model = nn.Linear(4, 2).double()
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     x = rand(2 * B, B, 4)  # [T, B, d] with T a multiple of B
-    with pytest.raises(BatchMixingError):
+    with pytest.raises(UnsupportedModuleError, match="batch dimension of 6"):
         clipper.backward(model(x).sin().sum((0, 2)))
 
 
@@ -228,3 +231,42 @@ def test_an_expanded_broadcast_input_read_by_row_zero_is_refused_by_the_clipper_
     clipper = PerSampleClipper(model, clipping="flat", max_grad_norm=1.0)
     with pytest.raises(BatchMixingError, match="module 'pos'"):
         clipper.per_sample_norms(model(rand(B, 5, 4)).sin().sum((1, 2)))
+
+
+class SelectedTokens(nn.Module):
+    """A head on the tokens a mask selects, ``h[mask]``: rows grouped by example, but as many as the data says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.emb(x))[mask])
+
+
+def test_rows_selected_by_a_mask_are_refused_whatever_their_count() -> None:
+    """Two examples of two selected tokens each would fold evenly, three and one would not: neither is folded."""
+    model = SelectedTokens().double()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    x = rand(2, 3, 3)
+    for mask in ([[1, 1, 0], [1, 1, 0]], [[1, 1, 1], [1, 0, 0]]):
+        out = model(x, torch.tensor(mask, dtype=torch.bool))
+        with pytest.raises(UnsupportedModuleError, match="module 'head' saw a batch dimension of 4"):
+            clipper.backward(torch.stack([out[:2].sum(), out[2:].sum()]))
+
+
+class FoldedMlp(nn.Module):
+    """OPT's layout: a norm on ``h.reshape(-1, d)``, then ``fc2(dropout(relu(fc1(.))))`` on the same rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(4), nn.Linear(4, 6), nn.Linear(6, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        rows = self.norm(h.reshape(-1, 4))
+        return self.fc2(torch.relu(self.fc1(rows)) * 0.5).view(h.shape)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_rows_folded_by_a_reshape_stay_folded_through_element_wise_operations(clipping: str) -> None:
+    check_against_oracle(randomise(FoldedMlp()), (rand(B, 5, 4),), clipping)

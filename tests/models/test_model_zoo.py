@@ -48,6 +48,7 @@ _BATCHNORM = refused(r"BatchNorm\w*\) mixes samples through batch statistics")
 EXPECTED: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES},
     "deberta-v2": refused(r"rel_embeddings\.weight' received a gradient but no hooked call of its module did"),
+    "swin": refused(r"attention\.o_proj' saw a batch dimension of \d+ but the per-sample loss has \d+ samples"),
     "resnet": _BATCHNORM,
     "nn.BatchNorm1d": _BATCHNORM,
     # the refused part frozen
@@ -64,6 +65,11 @@ WHY_REFUSED: dict[str, str] = {
     "embedding's forward, and shares it with every example; with the table frozen, the projections of the relative "
     "positions (`pos_key_proj`) run on `[1, ...]` positions shared by the batch and are refused in turn. DPTrainer "
     "refuses it when it is built (the attach probe). LoRA on the attention is exact.",
+    "swin": "window attention folds the windows into the batch dimension (12 rows = 3 examples x 4 windows). The "
+    "query, key and value projections see them as a reshape of a `[B, ...]` tensor and fold them, and the relative "
+    "position bias is expanded to them (through the fallback); the attention's output projection sees rows made by "
+    "the attention's matmuls, which nothing shows to be grouped by example, and is refused. LoRA on the query and "
+    "value projections is exact.",
     "resnet": "BatchNorm2d is refused wherever it is, also frozen under LoRA.",
     "nn.BatchNorm1d": "BatchNorm mixes the samples through its batch statistics.",
 }

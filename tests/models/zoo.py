@@ -615,6 +615,9 @@ def _frozen(name: str, what: str, patterns: tuple[str, ...]) -> ZooEntry:
 
 
 #: the refused architectures with the part the library refuses frozen: does the rest train?
-VARIANT_ENTRIES: list[ZooEntry] = [_frozen("deberta-v2", "rel_embeddings", ("rel_embeddings",))]
+VARIANT_ENTRIES: list[ZooEntry] = [
+    _frozen("deberta-v2", "rel_embeddings", ("rel_embeddings",)),
+    _frozen("swin", "attention output projections", ("attention.o_proj",)),
+]
 
 ENTRIES: dict[str, ZooEntry] = {entry.name: entry for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, cast
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -80,7 +81,9 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     params = dict(module.named_parameters(recurse=False))
     if parametrize.is_parametrized(module):
         parametrizations = cast(nn.ModuleDict, module.parametrizations)
-        params.update(parametrizations.named_parameters(prefix="parametrizations"))
+        for name, parametrization in parametrizations.items():
+            for attr, original in parametrization.named_parameters(recurse=False):  # original, original0, ...
+                params[f"parametrizations.{name}.{attr}"] = original
     return params
 
 
@@ -96,7 +99,7 @@ def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
 
     if isinstance(module, FSDPModule):
         return "the exact fallback cannot rerun a module that is itself a fully_shard unit; shard its parent instead"
-    if any(True for sub in module.modules() if sub is not module for _ in sub.parameters(recurse=False)):
+    if any(p is not None for sub in module.children() for p in sub.parameters()):
         return (
             "the exact fallback reruns this module's forward, which reads its submodules' parameters, sharded by "
             "FSDP2 after the forward; train it unsharded (DPDDPStrategy) or "
@@ -157,7 +160,7 @@ def fallback_terms(
     rows = output_grad.shape[0]
     examples = rows // rows_per_example
     flat, spec = tree_flatten((call.args, call.kwargs))
-    batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
+    batched = _batched_inputs(name, layer, flat, rows)
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
     def example_loss(
@@ -187,7 +190,32 @@ def fallback_terms(
     if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
         recorded = by_example(call.output)
         _check_rerun(name, layer, recorded, torch.broadcast_to(outputs, recorded.shape))
+        if examples >= 2:  # the split was seen to reproduce the call: keep it for the later calls
+            _BATCHED_INPUTS[layer] = tuple(batched)
     return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
+
+
+#: per module, the positions (in the flattened inputs) of the inputs split by example, fixed once a comparison on two
+#: examples or more confirmed them; later calls split the same inputs whatever the batch size.
+_BATCHED_INPUTS: WeakKeyDictionary[nn.Module, tuple[int, ...]] = WeakKeyDictionary()
+
+
+def _batched_inputs(name: str, layer: nn.Module, flat: list[Any], rows: int) -> list[int]:
+    """The positions of the inputs to split by example: those confirmed for ``layer``, or (before a confirmation) the
+    tensors with ``rows`` rows.
+
+    Raises:
+        UnsupportedModuleError: a confirmed input no longer has ``rows`` rows.
+    """
+    known = _BATCHED_INPUTS.get(layer)
+    if known is None:
+        return [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
+    if any(i >= len(flat) or not isinstance(flat[i], torch.Tensor) or flat[i].shape[0] != rows for i in known):
+        raise UnsupportedModuleError(
+            f"module '{name}' ({type(layer).__name__}) was called with inputs of another layout than when the exact "
+            "fallback checked it: its per-example inputs must keep their positions and have one row per example"
+        )
+    return list(known)
 
 
 def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:

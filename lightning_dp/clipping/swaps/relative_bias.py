@@ -1,7 +1,7 @@
-"""T5-style relative position bias, per example: HF ``T5Attention`` (and MT5, UMT5, LongT5, SwitchTransformers,
-Pop2Piano, Udop) looks up ``relative_attention_bias`` once with bucket ids ``[q, k]`` that have no example dimension,
-and every example adds the same ``[1, H, q, k]`` bias, so the table's gradient reaches the embedding already summed
-over the examples.
+"""T5-style relative position bias, per example: HF ``T5Attention`` (and MT5, UMT5, LongT5's full attention,
+SwitchTransformers, Pop2Piano, Udop) looks up ``relative_attention_bias`` once with bucket ids ``[q, k]`` that have no
+example dimension, and every example adds the same ``[1, H, q, k]`` bias, so the table's gradient reaches the
+embedding already summed over the examples.
 
 The swap keeps the module's ``compute_bias`` (run without gradients, only to see its bucket ids) and looks the ids up
 again expanded to the examples, ``[B, q, k]``: the bias becomes ``[B, H, q, k]``, the same values, and the embedding's
@@ -10,6 +10,7 @@ capture has one row per example (docs/design.md section 4.1). The layers that re
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -41,6 +42,8 @@ class PerExampleRelativeBias(SwappedModule):
             ValueError: the module's ``compute_bias`` is not one lookup of ``relative_attention_bias`` whose
                 ``[q, k, H]`` values it returns as ``[1, H, q, k]``.
         """
+        if not torch.is_grad_enabled():  # nothing is clipped: the module's own bias
+            return super().compute_bias(*args, **kwargs)  # type: ignore[misc]  # the swapped class's
         table = getattr(self, _BIAS)
         buckets: list[torch.Tensor] = []
         handle = table.register_forward_pre_hook(lambda module, inputs: buckets.append(inputs[0]))
@@ -59,12 +62,16 @@ class PerExampleRelativeBias(SwappedModule):
 
 
 def _relative_bias_swap(module: nn.Module) -> type[SwappedModule] | None:
-    """The swap for an attention module with a trainable ``relative_attention_bias`` embedding and ``compute_bias``."""
+    """The swap for an attention module with a trainable ``relative_attention_bias`` embedding and
+    ``compute_bias(query_length, key_length, ...)``."""
     table = getattr(module, _BIAS, None)
     if not isinstance(table, nn.Embedding) or not table.weight.requires_grad:
         return None
-    if not callable(getattr(module, "compute_bias", None)) or not getattr(module, "has_relative_attention_bias", True):
+    compute_bias = getattr(module, "compute_bias", None)
+    if not callable(compute_bias) or not getattr(module, "has_relative_attention_bias", True):
         return None
+    if list(inspect.signature(compute_bias).parameters)[:2] != ["query_length", "key_length"]:
+        return None  # LongT5's local and transient-global attention: blocks, another layout
     return mixed_class(PerExampleRelativeBias, type(module))
 
 
