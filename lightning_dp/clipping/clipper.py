@@ -290,8 +290,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
-            if batch >= 2:  # the fallback's comparison ran on a batch where it can see examples mix
-                self._hooks.record_outputs = False
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
@@ -364,12 +362,12 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Raises:
             ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
         """
-        kept = (self._checked_batches, self._hooks.record_outputs, set(self._rows_verified))
+        kept = (self._checked_batches, set(self._rows_verified), dict(self._hooks.confirmed_inputs))
         flags = (self.dropped_nonfinite, self.sum_check_postponed)
         try:
             self._clip(per_sample_loss, accumulate=False)
         finally:
-            self._checked_batches, self._hooks.record_outputs, self._rows_verified = kept
+            self._checked_batches, self._rows_verified, self._hooks.confirmed_inputs = kept
             self.dropped_nonfinite, self.sum_check_postponed = flags
 
     def discard_captures(self) -> None:

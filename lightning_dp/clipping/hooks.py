@@ -7,7 +7,7 @@ the output gradients without parameter gradients (docs/design.md section 4.1).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -151,14 +151,17 @@ class CaptureHooks:
         record_outputs: bool = True,
     ) -> None:
         self.captures: list[Capture] = []
-        #: keep each fallback call's output for its comparison (until a clipped batch of 2 examples or more)
+        #: keep a fallback call's output for its comparison while its split is not confirmed (off under FSDP2)
         self.record_outputs = record_outputs
+        #: ``(id(module), call signature) -> positions`` of the inputs split by example, confirmed by the fallback's
+        #: comparison on two examples or more (:class:`~.layers.fallback.CapturedCall`)
+        self.confirmed_inputs: dict[tuple[int, Hashable], tuple[int, ...]] = {}
         self._copy_parameters = copy_parameters
         self._batch_hint = 0
         #: ids of the modules whose first input the pre-hook just expanded (consumed by their forward hook)
         self._expanded: set[int] = set()
-        #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension, to that dimension
-        self._fold_nodes: dict[Any, int] = {}
+        #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension: (that dimension, rows)
+        self._fold_nodes: dict[Any, tuple[int, int]] = {}
         self._suspended = False
         self._handles: list[RemovableHandle] = []
         self.attached = True
@@ -198,25 +201,28 @@ class CaptureHooks:
         if not isinstance(x, torch.Tensor) or x.ndim == 0:
             return None
         base = _pure_reshape_of(x)
-        if base is not None and base.shape[0] != x.shape[0] and x.shape[0] % base.shape[0] == 0:
+        if base is not None and 0 < base.shape[0] != x.shape[0] and x.shape[0] % base.shape[0] == 0:
             return base.shape[0]
-        return self._node_fold_rows(x.grad_fn, depth=4)
+        return self._node_fold_rows(x.grad_fn, x.shape[0], depth=4)
 
-    def _node_fold_rows(self, node: Any, depth: int) -> int | None:
+    def _node_fold_rows(self, node: Any, rows: int, depth: int) -> int | None:
+        """The fold of the output of ``node`` when it has ``rows`` rows: a folding call's output of those rows, or an
+        element-wise node all of whose inputs with a gradient are (parameters and constants aside)."""
         if node is None:
             return None
         if node in self._fold_nodes:
-            return self._fold_nodes[node]
+            fold, node_rows = self._fold_nodes[node]
+            return fold if node_rows == rows else None
         if depth == 0 or type(node).__name__ not in _ELEMENTWISE:
             return None
         found = set()
         for child, _ in node.next_functions:
             if child is None or type(child).__name__ == "AccumulateGrad":  # a constant or a parameter
                 continue
-            rows = self._node_fold_rows(child, depth - 1)
-            if rows is None:
+            child_fold = self._node_fold_rows(child, rows, depth - 1)
+            if child_fold is None:
                 return None
-            found.add(rows)
+            found.add(child_fold)
         return found.pop() if len(found) == 1 else None
 
     def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., Any]:
@@ -255,7 +261,10 @@ class CaptureHooks:
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:
-                call = CapturedCall.record(args, kwargs, output, self.record_outputs and family is FALLBACK)
+                call = CapturedCall.record(args, kwargs, output)
+                call.batched = self.confirmed_inputs.get((id(module), call.signature))
+                if family is FALLBACK and call.batched is None and self.record_outputs:
+                    call.output = output.detach().clone()  # for the fallback's comparison
                 if self._copy_parameters:
                     values = {k: v.detach().clone() for k, v in leaves.items()}
             activation = x.detach() if isinstance(x, torch.Tensor) else output.detach()
@@ -267,8 +276,8 @@ class CaptureHooks:
             capture.expanded = id(module) in self._expanded
             self._expanded.discard(id(module))
             capture.fold_rows = self._fold_rows(x)
-            if capture.fold_rows is not None and output.grad_fn is not None:
-                self._fold_nodes[output.grad_fn] = capture.fold_rows
+            if capture.fold_rows is not None and output.grad_fn is not None and output.ndim:
+                self._fold_nodes[output.grad_fn] = (capture.fold_rows, output.shape[0])
             self._batch_hint = output.shape[0] if output.ndim else 0
             if replaced is not None and family.output_index is not None and whole is not output:
                 index = family.output_index

@@ -167,6 +167,9 @@ class SampleNormsMixin:
                 rows = check_rows(capture.name, output_grad.shape[0], batch, copies, folded=folds and not self._sharded)
                 for name, term in capture.layer_terms(rows).items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
+                call = capture.call
+                if call is not None and call.confirmed is not None:
+                    self._hooks.confirmed_inputs[(id(capture.module), call.signature)] = call.confirmed
         return terms
 
     def _norms(

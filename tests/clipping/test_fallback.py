@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from clipping_helpers import ENGINES, check_against_oracle, rand, randomise, sin_loss
+from clipping_helpers import ENGINES, check_against_oracle, oracle_grads, oracle_norms, rand, randomise, sin_loss
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 
@@ -338,10 +338,29 @@ class Codebook(nn.Module):
 def test_the_inputs_split_by_example_are_fixed_once_confirmed() -> None:
     """Confirmed at a batch of 3, the codebook stays whole at a batch of 5, where its rows match the batch's."""
     model = randomise(WithCodebook())
-    check_against_oracle(model, (rand(3, 4),), "flat")
-    for p in model.parameters():
-        p.grad = None
-    check_against_oracle(model, (rand(5, 4),), "flat")
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.per_sample_norms(sin_loss(model, (rand(3, 4),)))
+    x = rand(5, 4, seed=2)
+    norms = clipper.per_sample_norms(sin_loss(model, (x,)))
+    torch.testing.assert_close(norms, oracle_norms(oracle_grads(model, (x,))), rtol=1e-9, atol=1e-12)
+
+
+def test_a_new_structure_of_the_call_is_compared_again() -> None:
+    """A per-example input that appears after the confirmation (a keyword) is compared before it is trusted."""
+
+    class Cond(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w, self.w2 = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+            return x * self.w + (0 if cond is None else cond.mean(0, keepdim=True) * self.w2)
+
+    model = randomise(Cond())
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.per_sample_norms(model(rand(3, 4)).sin().sum(1))
+    with pytest.raises(UnsupportedModuleError, match="is not per-sample"):
+        clipper.per_sample_norms(model(rand(3, 4), cond=rand(3, 4, seed=3)).sin().sum(1))
 
 
 class Offset(nn.Module):

@@ -93,12 +93,16 @@ def test_swin_windows_and_its_relative_position_bias_are_exact_the_attention_out
     check_against_oracle(model, (pixels,), clipping, loss_fn=loss, atol=1e-9, oracle=loop_oracle)
 
 
-def test_long_t5_local_attention_keeps_its_own_bias() -> None:
-    """LongT5's local attention computes a blocked bias, ``compute_bias(block_length)``: not swapped."""
+def test_long_t5_local_attention_with_a_trainable_table_is_refused_at_attach() -> None:
+    """LongT5's local attention computes a blocked bias, ``compute_bias(block_length)``, shared by the examples."""
     config = transformers.LongT5Config(
         vocab_size=40, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_heads=2, encoder_attention_type="local"
     )
     model = transformers.LongT5ForConditionalGeneration(config)
+    with pytest.raises(UnsupportedModuleError, match=r"SelfAttention' \(LongT5LocalAttention\).*per block.*freeze"):
+        PerSampleClipper(model, max_grad_norm=1.0)
+    assert not any(isinstance(m, PerExampleRelativeBias) for m in model.modules()), "nothing left swapped"
+    model.encoder.block[0].layer[0].LocalSelfAttention.relative_attention_bias.requires_grad_(False)
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     swapped = [name for name, m in model.named_modules() if isinstance(m, PerExampleRelativeBias)]
     assert swapped == ["decoder.block.0.layer.0.SelfAttention"]

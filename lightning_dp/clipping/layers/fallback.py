@@ -13,9 +13,9 @@ numbers, is refused (docs/design.md section 4.2).
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, cast
-from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -39,35 +39,40 @@ _ROUTE = (
 
 @dataclass
 class CapturedCall:
-    """The inputs of one call of a module under the fallback, detached.
+    """The inputs of one call of a module under the fallback (or another family reading the whole call), detached.
 
     Attributes:
         args: positional arguments (tensors detached).
         kwargs: keyword arguments (tensors detached).
         versions: each input tensor's version counter at the call (an in-place change afterwards is refused).
         autocast: ``(device type, enabled, dtype)`` of autocast at the call; the rerun uses the same.
-        output: the output the call returned (first clipped batch only; else None), ``[B, ...]``.
+        signature: the inputs' structure: the pytree spec and each leaf's kind (tensor ndim and dtype, or type).
+        output: the output the call returned, ``[R, ...]``, while the module's split of this structure is not
+            confirmed (the fallback compares its rerun with it); else None.
+        batched: the confirmed positions (in the flattened inputs) of the inputs split by example, or None.
+        confirmed: set by the fallback when its comparison on two examples or more confirmed a split.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     versions: list[tuple[torch.Tensor, int]]
     autocast: tuple[str, bool, torch.dtype]
-    output: torch.Tensor | None
+    signature: Hashable
+    output: torch.Tensor | None = None
+    batched: tuple[int, ...] | None = None
+    confirmed: tuple[int, ...] | None = None
 
     @classmethod
-    def record(
-        cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor, keep_output: bool
-    ) -> CapturedCall:
-        """Detach the inputs of a call and note the autocast state; ``keep_output``: keep a copy of ``output``."""
+    def record(cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> CapturedCall:
+        """Detach the inputs of a call and note their structure and the autocast state."""
         flat, spec = tree_flatten((args, kwargs))
         tensors = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         versions = [(x, x._version) for x in tensors if isinstance(x, torch.Tensor)]
         detached_args, detached_kwargs = tree_unflatten(tensors, spec)
         device = output.device.type
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        kept = output.detach().clone() if keep_output else None
-        return cls(detached_args, detached_kwargs, versions, autocast, kept)
+        kinds = tuple((x.ndim, x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in flat)
+        return cls(detached_args, detached_kwargs, versions, autocast, (str(spec), kinds))
 
     def modified(self) -> bool:
         """Whether an input tensor was modified in place since the call."""
@@ -160,7 +165,7 @@ def fallback_terms(
     rows = output_grad.shape[0]
     examples = rows // rows_per_example
     flat, spec = tree_flatten((call.args, call.kwargs))
-    batched = _batched_inputs(name, layer, flat, rows)
+    batched = _batched_inputs(name, layer, call, flat, rows)
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
     def example_loss(
@@ -188,38 +193,36 @@ def fallback_terms(
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
     if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
-        recorded = by_example(call.output)
-        _check_rerun(name, layer, recorded, torch.broadcast_to(outputs, recorded.shape))
-        if examples >= 2:  # the split was seen to reproduce the call: keep it for the later calls
-            _BATCHED_INPUTS[layer] = tuple(batched)
+        _check_rerun(name, layer, by_example(call.output), outputs)
+        if examples >= 2:  # the split was seen to reproduce the call: keep it for the later calls of this structure
+            call.confirmed = tuple(batched)
     return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
 
 
-#: per module, the positions (in the flattened inputs) of the inputs split by example, fixed once a comparison on two
-#: examples or more confirmed them; later calls split the same inputs whatever the batch size.
-_BATCHED_INPUTS: WeakKeyDictionary[nn.Module, tuple[int, ...]] = WeakKeyDictionary()
-
-
-def _batched_inputs(name: str, layer: nn.Module, flat: list[Any], rows: int) -> list[int]:
-    """The positions of the inputs to split by example: those confirmed for ``layer``, or (before a confirmation) the
-    tensors with ``rows`` rows.
+def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[Any], rows: int) -> list[int]:
+    """The positions of the inputs to split by example: those confirmed for this structure of the call, or (before a
+    confirmation) the tensors with ``rows`` rows.
 
     Raises:
         UnsupportedModuleError: a confirmed input no longer has ``rows`` rows.
     """
-    known = _BATCHED_INPUTS.get(layer)
-    if known is None:
+    if call.batched is None:
         return [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
-    if any(i >= len(flat) or not isinstance(flat[i], torch.Tensor) or flat[i].shape[0] != rows for i in known):
+    if any(flat[i].shape[0] != rows for i in call.batched):
         raise UnsupportedModuleError(
-            f"module '{name}' ({type(layer).__name__}) was called with inputs of another layout than when the exact "
-            "fallback checked it: its per-example inputs must keep their positions and have one row per example"
+            f"module '{name}' ({type(layer).__name__}) was called with per-example inputs of another size than when "
+            "the exact fallback checked it: its per-example inputs must have one row per example"
         )
-    return list(known)
+    return list(call.batched)
 
 
 def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:
-    """Raise when the rows rerun alone differ from the call's output beyond rounding."""
+    """Raise when the examples rerun alone (``[B, r or 1, ...]``) differ from the call's output (``[B, r, ...]``)
+    beyond rounding."""
+    try:
+        rerun = torch.broadcast_to(rerun, output.shape)
+    except RuntimeError as error:
+        raise _rerun_error(name, layer, error) from error
     scale = output.abs().max().clamp_min(torch.finfo(output.dtype).tiny)
     diff = (rerun.to(output.dtype) - output).abs().max()
     rtol = RERUN_RTOL.get(output.dtype, 1e-4)

@@ -71,8 +71,24 @@ def _relative_bias_swap(module: nn.Module) -> type[SwappedModule] | None:
     if not callable(compute_bias) or not getattr(module, "has_relative_attention_bias", True):
         return None
     if list(inspect.signature(compute_bias).parameters)[:2] != ["query_length", "key_length"]:
-        return None  # LongT5's local and transient-global attention: blocks, another layout
+        return mixed_class(BlockedRelativeBias, type(module))  # refused at attach: see its swap_problem
     return mixed_class(PerExampleRelativeBias, type(module))
+
+
+class BlockedRelativeBias(SwappedModule):
+    """LongT5's local and transient-global attention: a blocked bias shared by the examples, not swapped but refused
+    at attach while its table is trainable."""
+
+    @classmethod
+    def swap_problem(cls, module: nn.Module) -> str | None:
+        return (
+            "its relative position bias is computed per block and shared by every example, so the table's gradient "
+            "cannot be split by example; freeze relative_attention_bias (requires_grad=False) or train with LoRA"
+        )
+
+    def add_proxies(self) -> list[str]:
+        """Never called: :meth:`swap_problem` refuses every module."""
+        raise NotImplementedError
 
 
 register_swap_rule(_relative_bias_swap)
