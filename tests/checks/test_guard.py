@@ -239,9 +239,8 @@ def test_hf_batch_mixing_is_caught(tmp_path):
         return output - output.mean(0, keepdim=True)
 
     model.transformer.drop.register_forward_hook(mix)
-    trainer = make_hf_trainer(model, tmp_path, TokenDataset(), args={"max_steps": 1})
     with pytest.raises(BatchMixingError, match="example .*'s output of module 'transformer.w[tp]e'"):
-        trainer.train()
+        make_hf_trainer(model, tmp_path, TokenDataset(), args={"max_steps": 1}).train()  # the attach probe sees it
 
 
 def test_hf_frozen_parameter_written_through_data_is_caught(tmp_path):
@@ -461,16 +460,14 @@ def test_check_every_needs_the_check_on():
     assert strategy.privacy_engine.check_batch_independence_every == 5
 
 
-def _late_mixing_hook(start: int = 5):
-    """A forward hook on a module without parameters: ``output - output.mean(0)`` from its ``start``-th call in
-    training mode on."""
-    calls = []
+def _late_mixing_hook(steps, start: int = 5):
+    """A forward hook on a module without parameters: ``output - output.mean(0)`` in training mode from the forward of
+    optimizer step ``start`` (``steps()``, the steps taken) on."""
 
     def mix(module, args, output):
-        if not module.training:
+        if not module.training or steps() < start - 1:
             return output
-        calls.append(1)
-        return output - output.mean(0, keepdim=True) if len(calls) >= start else output
+        return output - output.mean(0, keepdim=True)
 
     return mix
 
@@ -480,9 +477,9 @@ def test_hf_mixing_that_starts_later_is_caught_by_the_periodic_check(tmp_path, e
     from lightning_dp.hf import PrivacyArguments
 
     model = tiny_gpt2()
-    model.transformer.drop.register_forward_hook(_late_mixing_hook())
     privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0, check_batch_independence_every=every)
     trainer = make_hf_trainer(model, tmp_path, TokenDataset(), privacy=privacy, args={"max_steps": 7})
+    model.transformer.drop.register_forward_hook(_late_mixing_hook(lambda: trainer.privacy_engine.steps))
     if every is None:
         trainer.train()
         assert trainer.privacy_engine.steps == 7
