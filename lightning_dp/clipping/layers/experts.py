@@ -21,32 +21,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_dp.clipping.layers.fallback import CapturedCall
+from lightning_dp.clipping.layers.fallback import CapturedCall, own_parameters
 from lightning_dp.clipping.layers.linear import affine_terms
-from lightning_dp.clipping.layers.registry import register_layer_rule
+from lightning_dp.clipping.layers.registry import probe_generator, register_layer_rule
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype, tensor
 
 _EXPERT_PARAMETERS = ["gate_up_proj", "down_proj"]
-
-
-def _own_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    return dict(module.named_parameters(recurse=False))
 
 
 def _activation(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return cast(Callable[[torch.Tensor], torch.Tensor], module.act_fn)
 
 
-def _probe_generator(weight: torch.Tensor) -> torch.Generator | None:
-    """A dedicated generator on the weight's device, or None for weights that cannot be probed (meta, sharded)."""
-    if weight.is_meta or type(weight.data) is not torch.Tensor:
-        return None
-    return torch.Generator(weight.device).manual_seed(0)
-
-
 def is_router(module: nn.Module) -> bool:
     """A top-k router: class name ending in ``Router``, no children, one 2-D parameter ``weight``."""
-    params = _own_parameters(module)
+    params = own_parameters(module)
     return (
         type(module).__name__.endswith("Router")
         and next(module.children(), None) is None
@@ -58,7 +47,7 @@ def is_router(module: nn.Module) -> bool:
 def _check_router(layer: nn.Module) -> str | None:
     """Why the router's first output is not ``x W^T`` on a probe input, or None."""
     weight = tensor(layer, "weight")
-    generator = _probe_generator(weight)
+    generator = probe_generator([weight])
     if generator is None:
         return None
     x = torch.randn(6, weight.shape[1], generator=generator, device=weight.device).to(weight.dtype)
@@ -80,7 +69,7 @@ def router_terms(layer: nn.Module, activation: torch.Tensor, output_grad: torch.
 def is_fused_experts(module: nn.Module) -> bool:
     """Experts fused into 3-D weights: class name ending in ``Experts``, exactly ``gate_up_proj`` and ``down_proj``
     (3-D) and no parameter in a child, and an ``act_fn``."""
-    params = _own_parameters(module)
+    params = own_parameters(module)
     return (
         type(module).__name__.endswith("Experts")
         and next(module.parameters(), None) is not None
@@ -115,7 +104,7 @@ def _expert_forward(layer: nn.Module, x: torch.Tensor, index: torch.Tensor, weig
 def _check_experts(layer: nn.Module) -> str | None:
     """Why the experts' forward differs from :func:`_expert_forward` on a probe input, or None."""
     weight = tensor(layer, "gate_up_proj")
-    generator = _probe_generator(weight)
+    generator = probe_generator([weight])
     if generator is None:
         return None
     experts, dim = weight.shape[0], weight.shape[2]

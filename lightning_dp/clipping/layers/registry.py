@@ -144,6 +144,14 @@ def registered_parent(module_type: type[nn.Module]) -> type[nn.Module] | None:
     return None
 
 
+def probe_generator(params: list[torch.Tensor]) -> torch.Generator | None:
+    """A dedicated generator, seeded, on the parameters' device for a probe input; None when there is no parameter or
+    one cannot be probed (on the meta device, or an FSDP2-sharded ``DTensor``)."""
+    if not params or any(p.is_meta or type(p.data) is not torch.Tensor for p in params):
+        return None
+    return torch.Generator(params[0].device).manual_seed(0)
+
+
 def probed_family(module: nn.Module) -> LayerFamily | None:
     """The family of ``module``'s registered parent type when ``module`` overrides the parent's ``forward`` with the
     same function (HF ``FalconLinear``: ``x @ W.T + b``), or None.
@@ -155,10 +163,9 @@ def probed_family(module: nn.Module) -> LayerFamily | None:
     family = None if parent is None else _BY_TYPE[parent]
     if parent is None or family is None or family.probe is None:
         return None
-    params = list(module.parameters(recurse=False))
-    if not params or any(p.is_meta or type(p.data) is not torch.Tensor for p in params):
+    generator = probe_generator(list(module.parameters(recurse=False)))
+    if generator is None:
         return None
-    generator = torch.Generator(params[0].device).manual_seed(0)
     try:
         with torch.no_grad():
             inputs = family.probe(module, generator)
