@@ -331,17 +331,19 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
 
         rows_per_copy = batch * self.augmentation_multiplicity
         targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
+        checked: set[str] = set()
         for index, capture in enumerate(self._hooks.captures):
             rows = capture.output_shape[0] if capture.output_shape else 0
             folded = rows > 0 and rows != rows_per_copy and capture.fold_rows == rows_per_copy
             if (folded or capture.expanded) and capture.name not in self._rows_verified:
                 targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
+                checked.add(capture.name)
         if not targets:
             return
         with self._hooks.suspended():
             conclusive = check_batch_independence(per_sample_loss, targets, self.augmentation_multiplicity)
         if conclusive:
-            self._rows_verified.update(name.split("'")[1] for name in targets)
+            self._rows_verified |= checked
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked outputs captured since the last clipped batch, keyed by a

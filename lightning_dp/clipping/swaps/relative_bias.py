@@ -86,9 +86,5 @@ class BlockedRelativeBias(SwappedModule):
             "cannot be split by example; freeze relative_attention_bias (requires_grad=False) or train with LoRA"
         )
 
-    def add_proxies(self) -> list[str]:
-        """Never called: :meth:`swap_problem` refuses every module."""
-        raise NotImplementedError
-
 
 register_swap_rule(_relative_bias_swap)
