@@ -55,14 +55,17 @@ def check_against_oracle(
     norm: int = 2,
     atol: float = 1e-10,
     oracle: Callable[[nn.Module, tuple[torch.Tensor, ...], LossFn], dict[str, torch.Tensor]] | None = None,
+    attach: Callable[[PerSampleClipper], object] | None = None,
 ) -> PerSampleClipper:
     """Per-sample norms and the clipped sum (threshold = median norm, so some samples are clipped) vs the oracle
-    (``oracle_grads`` unless another is given)."""
+    (``oracle_grads`` unless another is given); ``attach`` is called on the new clipper first (the attach probe)."""
     grads = (oracle or oracle_grads)(model, inputs, loss_fn)
     ref_norms = oracle_norms(grads, norm)
     max_grad_norm = ref_norms.median().item()
     factors = (max_grad_norm / (ref_norms + 1e-6)).clamp(max=1.0)
     clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=max_grad_norm, norm=norm, sum_check_every=1)
+    if attach is not None:
+        attach(clipper)
 
     norms = clipper.per_sample_norms(loss_fn(model, inputs))
     torch.testing.assert_close(norms, ref_norms, rtol=RTOL, atol=1e-10)
@@ -74,6 +77,35 @@ def check_against_oracle(
     for name, per_sample in grads.items():
         expected = torch.einsum("b,b...->...", factors, per_sample)
         torch.testing.assert_close(named[name].grad, expected, rtol=RTOL, atol=atol, msg=name)
+    return clipper
+
+
+def check_against_batch_graph(
+    model: nn.Module,
+    per_sample_loss: Callable[[], torch.Tensor],
+    clipping: str,
+    attach: Callable[[PerSampleClipper], object] | None = None,
+) -> PerSampleClipper:
+    """Per-sample norms and the clipped sum (threshold = median norm) vs each example's loss differentiated through
+    the batch's own graph: the oracle of a per-sample model whatever its randomness (the same dropout masks).
+    ``per_sample_loss()`` runs the forward (after ``attach``, called on the new clipper)."""
+    clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, sum_check_every=1)
+    if attach is not None:
+        attach(clipper)
+    loss = per_sample_loss()
+    named = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    rows = [
+        torch.autograd.grad(loss[i], list(named.values()), retain_graph=True, materialize_grads=True)
+        for i in range(loss.shape[0])
+    ]
+    grads = {name: torch.stack([row[k] for row in rows]) for k, name in enumerate(named)}
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    assert (norms > 0).all()
+    clipper.max_grad_norm = bound = norms.median().item()
+    torch.testing.assert_close(clipper.backward(loss), norms, rtol=RTOL, atol=1e-12)
+    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+    for name, per_example in grads.items():
+        torch.testing.assert_close(named[name].grad, torch.einsum("b,b...->...", factors, per_example), msg=name)
     return clipper
 
 

@@ -30,8 +30,9 @@ from lightning_dp.clipping.groups import (
     validate_clipping_groups,
 )
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
-from lightning_dp.clipping.layers.fallback import FALLBACK, describe_fallback, own_parameters
-from lightning_dp.clipping.multiplicity import validate_multiplicity
+from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
+from lightning_dp.clipping.layers.registry import LayerFamily, MisplacedParametersError, UnsupportedModuleError
+from lightning_dp.clipping.multiplicity import check_rows, validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
@@ -166,18 +167,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         self._all_names = frozenset(
             name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad
         )
-        self._registered = {
-            (id(owner), attr): p
-            for owner in module.modules()
-            for attr, p in own_parameters(owner).items()
-            if p.requires_grad
-        }
-        fallback = {path: sub for path, (sub, family) in hooked.items() if family is FALLBACK}
-        if fallback:
-            log.info(describe_fallback(fallback))
-        # under FSDP2 the fallback's data-dependent comparison could raise on one rank alone: the guard's lockstep
-        # batch-independence check covers mixing there
-        self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded, record_outputs=not self._sharded)
+        #: ``{path: descendant paths}``: modules whose fallback encloses parameters misplaced at their own modules
+        self.enclosing: dict[str, tuple[str, ...]] = {}
+        self._attach_hooks(hooked)
         #: modules whose folded (``B K r``) or expanded rows were seen to keep each example's rows its own
         self._rows_verified: set[str] = set()
         self._init_past_iterates()
@@ -187,6 +179,38 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: whether a due sum check was postponed because its batch held a non-finite sample and has not run since
         #: (a check that never runs cannot catch a parameter used outside its layer); read at the end of a run.
         self.sum_check_postponed = False
+
+    def _attach_hooks(self, hooked: dict[str, tuple[nn.Module, LayerFamily]]) -> None:
+        """Hook ``hooked`` (:func:`~.validation.hooked_modules`) and key the parameters each family covers."""
+        self._registered = {
+            (id(owner), attr): p
+            for owner in self.module.modules()
+            for attr, p in own_parameters(owner).items()
+            if p.requires_grad
+        }
+        for sub, family in hooked.values():
+            for attr, p in covered_parameters(sub, family.encloses).items():
+                if p.requires_grad:
+                    self._registered[(id(sub), attr)] = p
+        fallback = {path: entry for path, entry in hooked.items() if entry[1].reruns}
+        if fallback:
+            log.info(describe_fallback(fallback))
+        # under FSDP2 the fallback's data-dependent comparison could raise on one rank alone: the guard's lockstep
+        # batch-independence check covers mixing there
+        self._hooks = CaptureHooks(hooked, copy_parameters=self._sharded, record_outputs=not self._sharded)
+
+    def enclose(self, enclosing: dict[str, tuple[str, ...]]) -> None:
+        """Serve the own parameters of the modules named in ``enclosing`` (``{path: descendant paths relative to
+        it}``) by the exact fallback on the enclosing module instead of their own hooks (found by the attach probe,
+        :mod:`lightning_dp.checks.enclosing`); replaces any earlier enclosures. Re-hooks the model.
+
+        Raises:
+            UnsupportedModuleError: as :func:`~.validation.hooked_modules` (an FSDP2-sharded model).
+        """
+        hooked = hooked_modules(self.module, self._sharded, enclosing)
+        self._hooks.remove()
+        self.enclosing = dict(enclosing)
+        self._attach_hooks(hooked)
 
     def _resolve_groups(self, module: nn.Module, clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
         """Set :attr:`groups`, :attr:`_group_of` and :attr:`max_grad_norm` (the sensitivity).
@@ -262,8 +286,11 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             raise ValueError(f"{_LOSS_SHAPE_MESSAGE}; got shape {shape}")
         return per_sample_loss.shape[0]
 
-    def _clip(self, per_sample_loss: torch.Tensor, *, accumulate: bool, weight: float = 1.0) -> torch.Tensor:
-        """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``."""
+    def _clip(
+        self, per_sample_loss: torch.Tensor, *, accumulate: bool, weight: float = 1.0, probing: bool = False
+    ) -> torch.Tensor:
+        """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``. ``probing``:
+        every capture whose rows are not examples is named at once (:meth:`probe`)."""
         if not self._hooks.attached:
             raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
         self._check_trainable_set()
@@ -286,6 +313,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 self._verify_rows(per_sample_loss, batch)
             check = self._check_due()
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
+            if probing:
+                self._check_all_rows(captures, batch)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
             with full_precision(per_sample_loss.device):
@@ -345,6 +374,26 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         if conclusive:
             self._rows_verified |= checked
 
+    def _check_all_rows(self, captures: list[Capture], batch: int) -> None:
+        """Raise for every capture whose rows are not ``B K`` examples' (nor folded), naming them all.
+
+        Raises:
+            MisplacedParametersError: with the first module's message (:func:`~.multiplicity.check_rows`).
+        """
+        copies = self.augmentation_multiplicity
+        errors: dict[str, UnsupportedModuleError] = {}
+        for capture in captures:
+            assert capture.output_grad is not None  # the backward pass returns the captures it reached
+            folds = capture.fold_rows == batch * copies or capture.expanded
+            try:
+                check_rows(
+                    capture.name, capture.output_grad.shape[0], batch, copies, folded=folds and not self._sharded
+                )
+            except UnsupportedModuleError as error:
+                errors.setdefault(capture.name, error)
+        if errors:
+            raise MisplacedParametersError(str(next(iter(errors.values()))), modules=tuple(errors))
+
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked outputs captured since the last clipped batch, keyed by a
         description (for :mod:`lightning_dp.checks.independence`).
@@ -362,12 +411,14 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         training batch. Nothing is written to ``.grad``.
 
         Raises:
+            MisplacedParametersError: parameters read outside their module's forward (every one with a gradient), or
+                modules whose calls had rows that are not examples (every one).
             ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
         """
         kept = (self._checked_batches, set(self._rows_verified), dict(self._hooks.confirmed_inputs))
         flags = (self.dropped_nonfinite, self.sum_check_postponed)
         try:
-            self._clip(per_sample_loss, accumulate=False)
+            self._clip(per_sample_loss, accumulate=False, probing=True)
         finally:
             self._checked_batches, self._rows_verified, self._hooks.confirmed_inputs = kept
             self.dropped_nonfinite, self.sum_check_postponed = flags

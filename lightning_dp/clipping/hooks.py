@@ -18,8 +18,9 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.fallback import FALLBACK, CapturedCall, own_parameters
-from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.layers.dropout_replay import DropoutRecorder, Masks
+from lightning_dp.clipping.layers.fallback import CapturedCall, covered_parameters, join_outputs, split_joined
+from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Term
 
@@ -163,6 +164,9 @@ class CaptureHooks:
         #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension: (that dimension, rows)
         self._fold_nodes: dict[Any, tuple[int, int]] = {}
         self._suspended = False
+        #: the dropout masks drawn in the calls of rerun families (:mod:`~.layers.dropout_replay`): the calls running
+        self._dropout = DropoutRecorder()
+        self._recorded: list[tuple[int, Masks]] = []
         self._handles: list[RemovableHandle] = []
         self.attached = True
         for name, (module, family) in modules.items():
@@ -173,9 +177,25 @@ class CaptureHooks:
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
             if family.expand_batch:
                 self._handles.append(module.register_forward_pre_hook(self._expand_hook, with_kwargs=True))
+            if family.reruns:  # its dropout masks, recorded for the rerun
+                self._handles.append(module.register_forward_pre_hook(self._start_masks))
+                self._handles.append(module.register_forward_hook(self._stop_masks, always_call=True))
 
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and not self._suspended
+
+    def _start_masks(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._recording():
+            self._recorded.append((id(module), self._dropout.start()))
+
+    def _stop_masks(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._recorded and self._recorded[-1][0] == id(module):
+            self._recorded.pop()
+            self._dropout.stop()
+
+    def _masks(self, module: nn.Module) -> Masks:
+        """The dropout masks of the running call of ``module`` (empty when none is recorded)."""
+        return self._recorded[-1][1] if self._recorded and self._recorded[-1][0] == id(module) else []
 
     def _expand_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -233,16 +253,14 @@ class CaptureHooks:
             whole = output
             if family.output_index is not None and isinstance(output, tuple):  # a router's (logits, ...)
                 output = output[family.output_index]
-            if family is FALLBACK and not isinstance(output, torch.Tensor):
-                raise UnsupportedModuleError(
-                    f"module '{name}' ({type(module).__name__}) has trainable parameters no layer family covers, and "
-                    f"the exact fallback needs its forward to return one tensor, not {type(output).__name__}; freeze "
-                    "its parameters (requires_grad=False), train it with LoRA, or register a layer family for it"
-                )
+            joined = None
+            if family.reruns and not isinstance(output, torch.Tensor):  # a tuple, an HF ModelOutput: joined
+                output, positions, spec = join_outputs(output, name, module)
+                joined = (spec, positions)
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             replaced = None
-            if family is FALLBACK and output.ndim and output.shape[0] == 1 and self._batch_hint > 1:
+            if family.reruns and joined is None and output.ndim and output.shape[0] == 1 and self._batch_hint > 1:
                 if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):
                     # a bias computed from parameters alone, [1, ...], broadcast to the rows where it is used (Swin's
                     # relative position bias): expanded to the rows of the latest call, so its gradient stays per row
@@ -257,13 +275,15 @@ class CaptureHooks:
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
-            leaves: dict[str, torch.Tensor] = dict(own_parameters(module))
+            leaves: dict[str, torch.Tensor] = dict(covered_parameters(module, family.encloses))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:
                 call = CapturedCall.record(args, kwargs, output)
+                call.joined = joined
+                call.masks = self._masks(module)
                 call.batched = self.confirmed_inputs.get((id(module), call.signature))
-                if family is FALLBACK and call.batched is None and self.record_outputs:
+                if family.reruns and call.batched is None and self.record_outputs:
                     call.output = output.detach().clone()  # for the fallback's comparison
                 if self._copy_parameters:
                     values = {k: v.detach().clone() for k, v in leaves.items()}
@@ -279,6 +299,8 @@ class CaptureHooks:
             if capture.fold_rows is not None and output.grad_fn is not None and output.ndim:
                 self._fold_nodes[output.grad_fn] = (capture.fold_rows, output.shape[0])
             self._batch_hint = output.shape[0] if output.ndim else 0
+            if joined is not None:  # the output rebuilt from views of the joined tensor, whose gradient is captured
+                return split_joined(whole, output, joined[1])
             if replaced is not None and family.output_index is not None and whole is not output:
                 index = family.output_index
                 return (*whole[:index], replaced, *whole[index + 1 :])

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_dp.clipping.engines.base import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
-from lightning_dp.clipping.layers.registry import UnsupportedModuleError
+from lightning_dp.clipping.layers.registry import MisplacedParametersError, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
@@ -87,7 +87,8 @@ class SampleNormsMixin:
         the sum check. The graph is freed.
 
         Raises:
-            UnsupportedModuleError: (with ``param_grads``) a parameter got a gradient but no hooked call did.
+            MisplacedParametersError: (with ``param_grads``) parameters got a gradient but no hooked call did (the
+                first named, all listed).
         """
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
@@ -110,14 +111,14 @@ class SampleNormsMixin:
                 batch_grads[param] = grad if previous is None else previous + grad
         captures = reached
         captured = {id(self._registered[key]) for c in captures for key in _keys(c) if key in self._registered}
-        for param, param_grad in batch_grads.items():
-            if param_grad is not None and id(param) not in captured:
-                raise UnsupportedModuleError(
-                    f"parameter '{self._names[param]}' received a gradient but no hooked call of its module did: it "
-                    "is used outside its module's forward (e.g. functionally by a parent module, as "
-                    "F.linear(x, child.weight)); freeze it (requires_grad=False), train the model with LoRA, or use "
-                    "supported layers"
-                )
+        outside = [self._names[p] for p, g in batch_grads.items() if g is not None and id(p) not in captured]
+        if outside:
+            raise MisplacedParametersError(
+                f"parameter '{outside[0]}' received a gradient but no hooked call of its module did: it is used "
+                "outside its module's forward (e.g. functionally by a parent module, as F.linear(x, child.weight)); "
+                "freeze it (requires_grad=False), train the model with LoRA, or use supported layers",
+                parameters=tuple(outside),
+            )
         return captures, batch_grads
 
     def _forward_leaves(self, captures: list[Capture]) -> list[tuple[nn.Parameter, torch.Tensor]]:

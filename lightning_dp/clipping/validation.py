@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.nn.utils import parametrize
 
-from lightning_dp.clipping.layers.fallback import FALLBACK, fallback_problem, own_parameters
+from lightning_dp.clipping.layers.fallback import FALLBACK, enclosing_family, fallback_problem, own_parameters
 from lightning_dp.clipping.layers.registry import (
     LayerFamily,
     UnsupportedModuleError,
@@ -29,7 +31,9 @@ def _shared_with_hooked_descendants(module: nn.Module, names: list[str]) -> bool
     return all(id(getattr(module, name)) in covered for name in names)
 
 
-def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[nn.Module, LayerFamily]]:
+def hooked_modules(
+    module: nn.Module, sharded: bool = False, enclosing: Mapping[str, tuple[str, ...]] | None = None
+) -> dict[str, tuple[nn.Module, LayerFamily]]:
     """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``. A module with trainable
     parameters and no registered family gets its parent type's family when its forward computes the parent's
     (:func:`~.layers.registry.probed_family`), else the exact fallback (:data:`~.layers.fallback.FALLBACK`).
@@ -37,12 +41,17 @@ def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[
     Args:
         module: the model.
         sharded: whether it is FSDP2-sharded (:func:`~.layers.fallback.fallback_problem`).
+        enclosing: ``{path: descendant paths relative to it}``: modules served by the exact fallback for their own
+            parameters and those of the descendants named (:func:`~.layers.fallback.enclosing_family`), which are not
+            hooked (found by the attach probe, :mod:`lightning_dp.checks.enclosing`).
 
     Raises:
         UnsupportedModuleError: BatchNorm anywhere; another norm layer with ``track_running_stats=True``; an
             ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` anywhere (it renormalises its weight in place); a
             supported layer in a sample-mixing configuration; under FSDP2, a module the fallback cannot serve.
     """
+    enclosing = dict(enclosing or {})
+    enclosed = {f"{unit}.{sub}" if unit else sub for unit, subs in enclosing.items() for sub in subs}
     hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
     for path, sub in module.named_modules():
         where = path or "<root>"
@@ -65,6 +74,16 @@ def hooked_modules(module: nn.Module, sharded: bool = False) -> dict[str, tuple[
             )
         if isinstance(sub, parametrize.ParametrizationList) or ".parametrizations." in f".{path}.":
             continue  # the originals are the parametrized module's (own_parameters), served by the fallback
+        if path in enclosed:
+            continue  # served by the fallback of the module enclosing it
+        if path in enclosing:
+            if sharded:
+                raise UnsupportedModuleError(
+                    f"module '{where}' ({type(sub).__name__}) would enclose parameters used outside their module's "
+                    "forward, which the exact fallback cannot rerun on an FSDP2-sharded model; train it unsharded"
+                )
+            hooked[path] = (sub, enclosing_family(enclosing[path]))
+            continue
         trainable = [name for name, p in own_parameters(sub).items() if p.requires_grad]
         if not trainable:
             continue

@@ -1,7 +1,7 @@
 """The exact torch.func fallback (clipping/layers/fallback.py) for modules that own parameters no layer family covers:
 exact against the torch.func oracle under every engine; the same clipped sums as a layer family on the same maths with
 groups, augmentation multiplicity, per-sample momentum and a tied weight; refusals for a module that mixes samples,
-draws random numbers, branches on its data or returns a tuple."""
+draws random numbers, branches on its data or returns a tensor without a row per example."""
 
 from __future__ import annotations
 
@@ -101,6 +101,29 @@ class ScaledLookup(nn.Module):
         return self.table[ids] * 2.0
 
 
+class Pair(nn.Module):
+    """Returns two tensors with a row per example, as an HF layer returns ``(hidden, attention)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.offset = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * self.scale, torch.tanh(x + self.offset)
+
+
+class PairUser(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(5, 4)
+        self.pair = Pair()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.pair(self.inner(x))
+        return first * second + first
+
+
 class Twice(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -123,6 +146,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[torch.Tensor,
     "layer_scale_block": (lambda: nn.Sequential(nn.Linear(5, 6), LayerScaleBlock(6)), lambda: (rand(B, 3, 5),)),
     "keyword_and_shared_inputs": (Masked, lambda: (rand(B, 7, 5),)),
     "integer_inputs": (lambda: nn.Sequential(ScaledLookup(), nn.Linear(6, 2)), lambda: (_ids(),)),
+    "tuple_output": (PairUser, lambda: (rand(B, 5),)),
     "called_twice": (lambda: Twice(FunctionalLinear(nn.Parameter(torch.zeros(4, 4)))), lambda: (rand(B, 4),)),
     "weight_norm_conv": (  # Wav2Vec2's positional convolution: parametrized, the originals are its parameters
         lambda: nn.Sequential(weight_norm(nn.Conv1d(2, 3, 3, padding=1), dim=2), nn.Tanh(), nn.Conv1d(3, 2, 1)),
@@ -246,6 +270,15 @@ class Dropped(nn.Module):
         return self.drop(x * self.scale)
 
 
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + torch.randn_like(x)  # random numbers other than dropout's
+
+
 class Branching(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -255,22 +288,22 @@ class Branching(nn.Module):
         return x * self.scale if x.sum() > 0 else x
 
 
-class Pair(nn.Module):
+class WithItsScale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x * self.scale, x
+        return x * self.scale, self.scale * 2  # the second has no row per example
 
 
 @pytest.mark.parametrize(
     ("module", "match"),
     [
         (Centered, r"module '1' \(Centered\) is not per-sample.*mixes samples"),
-        (Dropped, r"module '1' \(Dropped\) cannot be rerun per sample.*random"),
+        (Noisy, r"module '1' \(Noisy\) cannot be rerun per sample.*random"),
         (Branching, r"module '1' \(Branching\) cannot be rerun per sample.*branches on its data"),
-        (Pair, r"module '1' \(Pair\).*return one tensor, not tuple"),
+        (WithItsScale, r"module '1' \(WithItsScale\).*every tensor its forward returns to have one row per example"),
     ],
 )
 def test_a_module_the_fallback_cannot_serve_is_refused_at_the_first_step(module: type[nn.Module], match: str) -> None:

@@ -26,6 +26,7 @@ from torch.func import functional_call, grad
 from torch.utils.data import DataLoader, Dataset
 from zoo import ENTRIES, HF_ENTRIES, LAYER_ENTRIES, VARIANT_ENTRIES, B, ZooEntry
 
+from lightning_dp.checks.attach_probe import probe_at_attach
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, auto_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -47,12 +48,9 @@ _BATCHNORM = refused(r"BatchNorm\w*\) mixes samples through batch statistics")
 #: today's outcome of full fine-tuning (every parameter trainable), by architecture; a dict gives it per clipping.
 EXPECTED: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES},
-    "deberta-v2": refused(r"rel_embeddings\.weight' received a gradient but no hooked call of its module did"),
     "swin": refused(r"attention\.o_proj' saw a batch dimension of \d+ but the per-sample loss has \d+ samples"),
     "resnet": _BATCHNORM,
     "nn.BatchNorm1d": _BATCHNORM,
-    # the refused part frozen
-    "deberta-v2, rel_embeddings frozen": refused(r"pos_key_proj' saw a batch dimension of 1 but"),
 }
 #: today's outcome with peft LoRA adapters on :attr:`ZooEntry.lora_targets` (base weights frozen).
 EXPECTED_LORA: dict[str, str | dict[str, str]] = {
@@ -61,10 +59,6 @@ EXPECTED_LORA: dict[str, str | dict[str, str]] = {
 }
 #: why each refused architecture is refused, as measured (rendered in docs/models.md).
 WHY_REFUSED: dict[str, str] = {
-    "deberta-v2": "the encoder reads the relative-position table (`rel_embeddings.weight`) itself, outside the "
-    "embedding's forward, and shares it with every example; with the table frozen, the projections of the relative "
-    "positions (`pos_key_proj`) run on `[1, ...]` positions shared by the batch and are refused in turn. DPTrainer "
-    "refuses it when it is built (the attach probe). LoRA on the attention is exact.",
     "swin": "window attention folds the windows into the batch dimension (12 rows = 3 examples x 4 windows). The "
     "query, key and value projections see them as a reshape of a `[B, ...]` tensor and fold them, and the relative "
     "position bias is expanded to them (through the fallback); the attention's output projection sees rows made by "
@@ -106,7 +100,7 @@ class _FallbackLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith("exact torch.func fallback"):
-            self.served += re.findall(r"\((\w+), \d+ parameters\)", message)
+            self.served += re.findall(r"\((\w+), \d+ parameters[,)]", message)
 
 
 @contextmanager
@@ -184,7 +178,17 @@ def check_entry(entry: ZooEntry, clipping: str, lora: bool = False) -> Outcome:
         grads = loop_oracle(model, inputs, loss_fn)
         scale = max(g.abs().max().item() for g in grads.values())
         atol = (RTOL_F32 if entry.float32_internals else RTOL_F64) * scale
-        clipper = check_against_oracle(model, inputs, engine, loss_fn, atol=atol, oracle=lambda *_: grads)
+        with fallback_served() as enclosed:  # the attach probe, on the model's own example inputs
+            clipper = check_against_oracle(
+                model,
+                inputs,
+                engine,
+                loss_fn,
+                atol=atol,
+                oracle=lambda *_: grads,
+                attach=lambda clipper: probe_at_attach(model, clipper),
+            )
+        served += enclosed
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         assert {id(p) for p in clipper.trainable_parameters} == trainable, "the clipper's parameters"
         clipper.detach()

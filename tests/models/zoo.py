@@ -616,7 +616,6 @@ def _frozen(name: str, what: str, patterns: tuple[str, ...]) -> ZooEntry:
 
 #: the refused architectures with the part the library refuses frozen: does the rest train?
 VARIANT_ENTRIES: list[ZooEntry] = [
-    _frozen("deberta-v2", "rel_embeddings", ("rel_embeddings",)),
     _frozen("swin", "attention output projections", ("attention.o_proj",)),
 ]
 

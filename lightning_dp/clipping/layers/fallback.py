@@ -13,16 +13,18 @@ numbers, is refused (docs/design.md section 4.2).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from lightning_dp.clipping.layers.dropout_replay import DropoutReplay, Masks, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
@@ -51,6 +53,10 @@ class CapturedCall:
             confirmed (the fallback compares its rerun with it); else None.
         batched: the confirmed positions (in the flattened inputs) of the inputs split by example, or None.
         confirmed: set by the fallback when its comparison on two examples or more confirmed a split.
+        joined: for a call that returned a structure of tensors (a tuple, an HF ``ModelOutput``), its pytree spec and
+            the positions of the distinct tensors requiring grad, joined into one output (:func:`join_outputs`);
+            None for a call that returned a tensor.
+        masks: the dropout masks the call drew, replayed in the rerun (:mod:`~.dropout_replay`).
     """
 
     args: tuple[Any, ...]
@@ -61,6 +67,8 @@ class CapturedCall:
     output: torch.Tensor | None = None
     batched: tuple[int, ...] | None = None
     confirmed: tuple[int, ...] | None = None
+    joined: tuple[TreeSpec, tuple[int, ...]] | None = None
+    masks: Masks = field(default_factory=list)
 
     @classmethod
     def record(cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> CapturedCall:
@@ -92,6 +100,65 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
+def covered_parameters(module: nn.Module, encloses: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
+    """The parameters a family's terms cover for ``module``, by (dotted) name: its own (:func:`own_parameters`), and
+    those of the descendants at ``encloses`` (:attr:`LayerFamily.encloses`) as ``'<path>.<name>'``."""
+    params = own_parameters(module)
+    for path in encloses:
+        for name, param in own_parameters(module.get_submodule(path)).items():
+            params[f"{path}.{name}"] = param
+    return params
+
+
+def join_outputs(output: Any, name: str, module: nn.Module) -> tuple[torch.Tensor, tuple[int, ...], TreeSpec]:
+    """One tensor ``[R, n]`` for a call's structured output: its distinct tensors requiring grad, each ``[R, ...]``
+    flattened per row and concatenated along dimension 1, with their positions among the pytree's leaves and the
+    pytree's spec. Rebuild the output from views of it with :func:`split_joined` so that its gradient reaches them.
+
+    Raises:
+        UnsupportedModuleError: no such tensor, or their first dimensions differ.
+    """
+    flat, spec = tree_flatten(output)
+    positions, seen = [], set()
+    for index, leaf in enumerate(flat):
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
+            seen.add(id(leaf))
+            positions.append(index)
+    rows = {flat[i].shape[0] if flat[i].ndim else None for i in positions}
+    if not positions or len(rows) != 1 or None in rows:
+        raise UnsupportedModuleError(
+            f"module '{name}' ({type(module).__name__}) has trainable parameters no layer family covers, and the exact "
+            f"fallback needs every tensor its forward returns to have one row per example (got first dimensions "
+            f"{sorted(r if r is not None else 0 for r in rows)}); " + _ROUTE.format(kind=type(module).__name__)
+        )
+    rows_count = next(iter(rows))
+    joined = torch.cat([flat[i].reshape(rows_count, -1) for i in positions], dim=1)
+    return joined, tuple(positions), spec
+
+
+def split_joined(output: Any, joined: torch.Tensor, positions: tuple[int, ...]) -> Any:
+    """``output`` with each joined tensor (and every other leaf that is the same tensor) replaced by its view of
+    ``joined`` (:func:`join_outputs`)."""
+    flat, spec = tree_flatten(output)
+    views: dict[int, torch.Tensor] = {}
+    offset = 0
+    for index in positions:
+        leaf = flat[index]
+        size = leaf[0].numel() if leaf.shape[0] else leaf.numel()
+        views[id(leaf)] = joined[:, offset : offset + size].view(leaf.shape)
+        offset += size
+    return tree_unflatten([views.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in flat], spec)
+
+
+def _rejoined(output: Any, joined: tuple[TreeSpec, tuple[int, ...]]) -> torch.Tensor:
+    """The rerun's output joined as the call's was (:func:`join_outputs`)."""
+    spec, positions = joined
+    flat, rerun_spec = tree_flatten(output)
+    if rerun_spec != spec:
+        raise TypeError("the forward returned another structure than in the call")
+    return torch.cat([flat[i].reshape(flat[i].shape[0], -1) for i in positions], dim=1)
+
+
 def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
     """Why the fallback cannot serve ``module``, or None.
 
@@ -113,15 +180,22 @@ def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
     return None
 
 
-def describe_fallback(modules: dict[str, nn.Module]) -> str:
-    """One line naming the modules served by the fallback and the per-sample memory they cost (elements per row)."""
-    parts = []
-    for path, module in modules.items():
-        numel = sum(p.numel() for p in own_parameters(module).values() if p.requires_grad)
-        parts.append(f"'{path or '<root>'}' ({type(module).__name__}, {numel} parameters)")
-    total = sum(p.numel() for m in modules.values() for p in own_parameters(m).values() if p.requires_grad)
+def describe_fallback(modules: dict[str, tuple[nn.Module, LayerFamily]]) -> str:
+    """One line naming the modules served by the fallback (and the descendants each encloses) and the per-sample
+    memory they cost (elements per row)."""
+    parts, total = [], 0
+    for path, (module, family) in modules.items():
+        numel = sum(p.numel() for p in covered_parameters(module, family.encloses).values() if p.requires_grad)
+        total += numel
+        enclosed = f", enclosing {', '.join(repr(sub) for sub in family.encloses)}" if family.encloses else ""
+        parts.append(f"'{path or '<root>'}' ({type(module).__name__}, {numel} parameters{enclosed})")
+    why = (
+        "no layer family covers, or enclosing parameters misplaced at their own module"
+        if any(family.encloses for _, family in modules.values())
+        else "no layer family covers"
+    )
     return (
-        f"exact torch.func fallback for {len(modules)} module(s) no layer family covers: {', '.join(parts)}; "
+        f"exact torch.func fallback for {len(modules)} module(s) {why}: {', '.join(parts)}; "
         f"each reruns its forward per sample and materialises B x {total} per-sample gradient entries per call"
     )
 
@@ -131,7 +205,7 @@ def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedM
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
     return UnsupportedModuleError(
         f"module '{name}' ({kind}) cannot be rerun per sample by the exact fallback ({type(error).__name__}: "
-        f"{first_sentence}); a module that draws random numbers (dropout in train mode), branches on its data or "
+        f"{first_sentence}); a module that draws random numbers other than dropout's, branches on its data or "
         "calls .item() is not supported: " + _ROUTE.format(kind=kind)
     )
 
@@ -143,9 +217,11 @@ def fallback_terms(
     output_grad: torch.Tensor,
     values: dict[str, torch.Tensor],
     rows_per_example: int,
+    *,
+    encloses: tuple[str, ...] = (),
 ) -> dict[str, Term]:
-    """Materialised terms ``[B, *param.shape]`` for the trainable parameters ``layer`` owns, ``B = R / r``: each
-    example's ``r`` rows rerun together.
+    """Materialised terms ``[B, *param.shape]`` for the trainable parameters ``layer`` owns (and those of the
+    descendants it ``encloses``), ``B = R / r``: each example's ``r`` rows rerun together.
 
     Args:
         name: the module's path (for messages).
@@ -156,12 +232,13 @@ def fallback_terms(
         values: the parameters as the call used them, by (dotted) name: the module's own, and those of its submodules
             when they may have changed since the call.
         rows_per_example: ``r``, each example's consecutive rows (augmented copies, a folded sequence).
+        encloses: paths of descendants whose own parameters are variables too (:func:`enclosing_family`).
 
     Raises:
         UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers, data-dependent control flow), or, at
             the first batch, its output differs from the call's (row ``i`` depends on other rows).
     """
-    trainable = [key for key, p in own_parameters(layer).items() if p.requires_grad]
+    trainable = [key for key, p in covered_parameters(layer, encloses).items() if p.requires_grad]
     rows = output_grad.shape[0]
     examples = rows // rows_per_example
     flat, spec = tree_flatten((call.args, call.kwargs))
@@ -169,31 +246,42 @@ def fallback_terms(
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
     def example_loss(
-        params: dict[str, torch.Tensor], example_inputs: tuple[torch.Tensor, ...], example_grad: torch.Tensor
+        params: dict[str, torch.Tensor],
+        example_inputs: tuple[torch.Tensor, ...],
+        example_grad: torch.Tensor,
+        example_masks: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         leaves = list(flat)
         for index, value in zip(batched, example_inputs, strict=True):
             leaves[index] = value
         args, kwargs = tree_unflatten(leaves, spec)
-        output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
+        with DropoutReplay(call.masks, dict(zip(mask_indices, example_masks, strict=True))) as replay:
+            output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
+        replay.finish()
+        if call.joined is not None:
+            output = _rejoined(output, call.joined)
         if not isinstance(output, torch.Tensor):
             raise TypeError(f"the forward returned {type(output).__name__}, not a tensor")
         return (output * example_grad.to(output.dtype)).sum(), output
 
-    def by_example(x: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [B, r, ...]: each example's rows, a batch
+    def split(x: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [B, r, ...]: each example's rows, a batch
         return x.reshape(examples, rows_per_example, *x.shape[1:])
 
     params = {key: values[key].detach() for key in trainable}
+    mask_indices, masks = by_example(call.masks, examples)
     device, enabled, dtype = call.autocast
     try:
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0), randomness="error")(
-                params, tuple(by_example(flat[i]) for i in batched), by_example(output_grad)
+            grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0, 0), randomness="error")(
+                params,
+                tuple(split(flat[i]) for i in batched),
+                split(output_grad),
+                masks,
             )
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
     if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
-        _check_rerun(name, layer, by_example(call.output), outputs)
+        _check_rerun(name, layer, split(call.output), outputs)
         if examples >= 2:  # the split was seen to reproduce the call: keep it for the later calls of this structure
             call.confirmed = tuple(batched)
     return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
@@ -237,4 +325,14 @@ def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch
 
 
 #: The fallback's family: assigned by validation to a module with trainable parameters and no family.
-FALLBACK = LayerFamily(fallback_terms, captures_call=True)
+FALLBACK = LayerFamily(fallback_terms, captures_call=True, reruns=True)
+
+
+def enclosing_family(encloses: tuple[str, ...]) -> LayerFamily:
+    """The fallback for a module whose per-sample gradients also cover the own parameters of the descendants at
+    ``encloses`` (paths relative to it): parameters read outside their module's forward, or used on rows that are not
+    examples, served by the smallest enclosing module that is per-sample (:mod:`lightning_dp.checks.enclosing`)."""
+    if not encloses:
+        return FALLBACK
+    terms: Callable[..., dict[str, Term]] = partial(fallback_terms, encloses=encloses)
+    return LayerFamily(terms, captures_call=True, reruns=True, encloses=encloses)

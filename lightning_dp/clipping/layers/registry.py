@@ -28,6 +28,24 @@ class UnsupportedModuleError(ValueError):
     """A module or parameter that per-sample clipping cannot handle (raised before training starts)."""
 
 
+class MisplacedParametersError(UnsupportedModuleError):
+    """Parameters whose gradient the hooks cannot attribute to examples where their module runs: read outside their
+    module's forward, or used by a layer on rows that are not examples (``[1, ...]`` positions shared by the batch).
+
+    The attach probe serves them by the exact fallback on the smallest enclosing module that is per-sample
+    (:mod:`lightning_dp.checks.enclosing`); raised as is where it cannot.
+
+    Attributes:
+        parameters: the names of the parameters read outside their module's forward.
+        modules: the paths of the modules whose calls had rows that are not examples.
+    """
+
+    def __init__(self, message: str, *, parameters: tuple[str, ...] = (), modules: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.parameters = parameters
+        self.modules = modules
+
+
 @dataclass(frozen=True)
 class LayerFamily:
     """How one family of layers yields per-sample gradient terms.
@@ -43,6 +61,11 @@ class LayerFamily:
             {name: value}, rows_per_example) -> {param name: Term}``, the terms per example (rows folded).
         probe: a small input for the type (:func:`probed_family`), or None.
         output_index: for a forward returning a tuple, the element whose gradient the terms take (a router's logits).
+        reruns: the family reruns the module's forward per example and compares it with the call's output (the exact
+            fallback): its output may be any structure of tensors, all with the call's rows.
+        encloses: paths (relative to the module) of descendant modules whose own parameters the terms also cover (an
+            enclosing fallback, :func:`~lightning_dp.clipping.layers.fallback.enclosing_family`); those are not
+            hooked.
     """
 
     terms: LayerTermsFn
@@ -52,6 +75,8 @@ class LayerFamily:
     captures_call: bool = False
     probe: LayerProbe | None = None
     output_index: int | None = None
+    reruns: bool = False
+    encloses: tuple[str, ...] = ()
 
 
 def _describe_family(family: LayerFamily) -> str:

@@ -1,0 +1,116 @@
+"""Dropout inside modules the exact fallback reruns (clipping/layers/dropout_replay.py): the masks of the call are
+replayed in the rerun, so per-sample norms and clipped sums in train mode equal the per-example gradients of the same
+forward (one example's loss at a time through the batch's graph, the oracle of a per-sample model whatever its
+randomness); a mask shared by the batch is applied whole; other random numbers are still refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from clipping_helpers import ENGINES, check_against_batch_graph, rand, randomise
+from torch import nn
+
+from lightning_dp.checks.attach_probe import probe_at_attach
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+
+B = 5
+
+
+class DroppedScale(nn.Module):
+    """``dropout(x * scale)``: a module of the fallback with an ``nn.Dropout`` child."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.drop = nn.Dropout(0.4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x * self.scale)
+
+
+class SharedTable(nn.Module):
+    """Adds a position table of its own, dropped once for the whole batch (as DeBERTa drops its relative
+    embeddings), then drops each example's rows functionally."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(3, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = nn.functional.dropout(self.table, 0.3, self.training)
+        return nn.functional.dropout(torch.tanh(x + table), 0.2, self.training)
+
+
+class ReadsTable(nn.Module):
+    """Reads a child embedding's weight outside the child's forward, with dropout around: enclosed by the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 6)
+        self.positions = nn.Embedding(3, 6)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(6, 2)
+        self.example_input_array = torch.randn(3, 3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.inner(x)) + self.drop(self.positions.weight)
+        return self.out(torch.tanh(h)).sum(1)
+
+
+def _check(model: nn.Module, x: torch.Tensor, clipping: str, attach: bool = False) -> PerSampleClipper:
+    def loss() -> torch.Tensor:
+        torch.manual_seed(7)
+        return torch.sin(model(x)).flatten(1).sum(1)
+
+    return check_against_batch_graph(model, loss, clipping, (lambda c: probe_at_attach(model, c)) if attach else None)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_dropout_in_a_fallback_module_is_replayed_exactly(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(4, 6), DroppedScale(6), nn.Linear(6, 2))).train()
+    _check(model, rand(B, 4), clipping)
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_a_mask_shared_by_the_batch_is_replayed_whole(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(4, 6), SharedTable(6), nn.Linear(6, 2))).train()
+    _check(model, rand(B, 3, 4), clipping)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "ghost"])
+def test_dropout_in_an_enclosing_module_is_replayed_exactly(clipping: str) -> None:
+    model = randomise(ReadsTable()).train()
+    model.example_input_array = rand(3, 3, 4)
+    clipper = _check(model, rand(B, 3, 4), clipping, attach=True)
+    assert clipper.enclosing == {"": ("positions",)}
+
+
+def test_the_dropout_of_the_forward_is_dropout() -> None:
+    """The recorded dropout keeps each entry with probability 1 - p and scales it by 1 / (1 - p)."""
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), DroppedScale(20_000)).train()
+    nn.init.ones_(model[0].weight)
+    PerSampleClipper(model, max_grad_norm=1.0)
+    torch.manual_seed(0)
+    out = model(torch.ones(2, 1, 1))
+    kept = out != 0
+    assert abs(kept.double().mean().item() - 0.6) < 0.01
+    torch.testing.assert_close(out[kept], torch.full_like(out[kept], 1 / 0.6))
+
+
+def test_eval_mode_draws_no_mask() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), DroppedScale(6)).eval()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    model(torch.randn(3, 4))
+    (call,) = [c.call for c in clipper._hooks.captures if c.call is not None]
+    assert call.masks == []
+
+
+def test_other_random_numbers_are_refused() -> None:
+    class AlphaDropped(DroppedScale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.alpha_dropout(x * self.scale, 0.3, self.training)
+
+    model = nn.Sequential(nn.Linear(4, 6), AlphaDropped(6)).train()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"'1' \(AlphaDropped\) cannot be rerun per sample.*random"):
+        clipper.backward(model(torch.randn(3, 4)).sum(1))
