@@ -27,8 +27,9 @@ class ClippingAttachment:
         """Attach per-sample clipping hooks to ``module`` in place (an FSDP2-sharded ``module`` included, docs/design.md
         section 8.1).
 
-        With ``rows_per_unit == 1`` the model's own example inputs are clipped once
-        (:func:`~lightning_dp.checks.attach_probe.probe_at_attach`), so that what a forward shows is refused here.
+        With ``rows_per_unit == 1`` the model's example inputs (:mod:`lightning_dp.checks.probe_inputs`: its own, or
+        built from an HF model's config) are clipped once (:func:`~lightning_dp.checks.attach_probe.probe_at_attach`),
+        so that what a forward shows is refused here.
 
         Raises:
             ValueError: unsupported layers (see :class:`PerSampleClipper`), found at construction or by the probe.

@@ -356,7 +356,7 @@ def _training_expectation(name: str, lora: bool) -> str:
 #: the architectures the default run trains with DPTrainer (full, LoRA) and DPStrategy; the others are slow.
 QUICK_TRAIN = ("bert", "gpt2", "t5", "vit")
 QUICK_TRAIN_LORA = ("llama", "t5")
-STRATEGY = ("gpt2", "bert", "vit")
+STRATEGY = ("gpt2", "bert", "vit", "deberta-v2")
 
 
 def _params(names: Iterable[str], quick: Iterable[str]) -> list[Any]:
