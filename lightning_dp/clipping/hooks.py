@@ -18,8 +18,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.dropout_replay import DropoutRecorder, Masks
 from lightning_dp.clipping.layers.fallback import CapturedCall, covered_parameters, join_outputs, split_joined
+from lightning_dp.clipping.layers.random_replay import Masks, RandomRecorder
 from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Term
@@ -164,11 +164,14 @@ class CaptureHooks:
         #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension: (that dimension, rows)
         self._fold_nodes: dict[Any, tuple[int, int]] = {}
         self._suspended = False
-        #: the dropout masks drawn in the calls of rerun families (:mod:`~.layers.dropout_replay`): the calls running
-        self._dropout = DropoutRecorder()
+        #: the dropout masks and random draws of the calls of rerun families (:mod:`~.layers.random_replay`)
+        self._random = RandomRecorder()
         self._recorded: list[tuple[int, Masks]] = []
         self._handles: list[RemovableHandle] = []
         self.attached = True
+        self._names = {
+            id(module): f"module '{name}' ({type(module).__name__})" for name, (module, _) in modules.items()
+        }
         for name, (module, family) in modules.items():
             # prepend: before any forward hook already on the module. FSDP2's own (a layer that is its own FSDP unit)
             # puts the sharded parameters back, and a user's hook may replace the output; the capture needs the
@@ -186,12 +189,12 @@ class CaptureHooks:
 
     def _start_masks(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._recording():
-            self._recorded.append((id(module), self._dropout.start()))
+            self._recorded.append((id(module), self._random.start(self._names[id(module)])))
 
     def _stop_masks(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._recorded and self._recorded[-1][0] == id(module):
             self._recorded.pop()
-            self._dropout.stop()
+            self._random.stop()
 
     def _masks(self, module: nn.Module) -> Masks:
         """The dropout masks of the running call of ``module`` (empty when none is recorded)."""

@@ -155,3 +155,51 @@ def test_an_enclosing_module_that_mixes_samples_is_refused_naming_both() -> None
 def test_an_fsdp2_model_cannot_enclose() -> None:
     with pytest.raises(UnsupportedModuleError, match="FSDP2-sharded model; train it unsharded"):
         hooked_modules(Reads(), sharded=True, enclosing={"": ("scale",)})
+
+
+def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers() -> None:
+    """Swin's window attention folds windows into rows: its output projections are enclosed by their layer, whose
+    rerun replays the drop path and dropout of the call."""
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        num_channels=3,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 4],
+        window_size=4,
+        mlp_ratio=2.0,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+        drop_path_rate=0.2,
+        num_labels=3,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = randomise(transformers.SwinForImageClassification(config)).train()
+    pixels = rand(4, 3, 16, 16)
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(5)
+        return torch.sin(model(pixel_values=pixels).logits).sum(1)
+
+    clipper = check_against_batch_graph(model, loss, "mixed", lambda c: probe_at_attach(model, c))
+    # the second stage is one window: its rows are the examples'
+    assert clipper.enclosing == {"swin.encoder.layers.0.blocks.0": ("attention.o_proj",)}
+
+
+def test_fused_attention_dropout_in_an_enclosing_module_is_refused_with_the_route() -> None:
+    config = transformers.SwinConfig(
+        image_size=16,
+        patch_size=2,
+        embed_dim=16,
+        depths=[1],
+        num_heads=[2],
+        window_size=4,
+        attention_probs_dropout_prob=0.1,
+    )
+    model = transformers.SwinForImageClassification(config)
+    with pytest.raises(
+        UnsupportedModuleError, match=r"blocks\.0' \(SwinLayer\) runs scaled_dot_product_attention.*'eager'"
+    ):
+        probe_at_attach(model, PerSampleClipper(model, max_grad_norm=1.0))

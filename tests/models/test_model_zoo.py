@@ -48,7 +48,6 @@ _BATCHNORM = refused(r"BatchNorm\w*\) mixes samples through batch statistics")
 #: today's outcome of full fine-tuning (every parameter trainable), by architecture; a dict gives it per clipping.
 EXPECTED: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES},
-    "swin": refused(r"attention\.o_proj' saw a batch dimension of \d+ but the per-sample loss has \d+ samples"),
     "resnet": _BATCHNORM,
     "nn.BatchNorm1d": _BATCHNORM,
 }
@@ -59,11 +58,6 @@ EXPECTED_LORA: dict[str, str | dict[str, str]] = {
 }
 #: why each refused architecture is refused, as measured (rendered in docs/models.md).
 WHY_REFUSED: dict[str, str] = {
-    "swin": "window attention folds the windows into the batch dimension (12 rows = 3 examples x 4 windows). The "
-    "query, key and value projections see them as a reshape of a `[B, ...]` tensor and fold them, and the relative "
-    "position bias is expanded to them (through the fallback); the attention's output projection sees rows made by "
-    "the attention's matmuls, which nothing shows to be grouped by example, and is refused. LoRA on the query and "
-    "value projections is exact.",
     "resnet": "BatchNorm2d is refused wherever it is, also frozen under LoRA.",
     "nn.BatchNorm1d": "BatchNorm mixes the samples through its batch statistics.",
 }

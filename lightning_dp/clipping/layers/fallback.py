@@ -24,7 +24,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrize
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from lightning_dp.clipping.layers.dropout_replay import DropoutReplay, Masks, by_example
+from lightning_dp.clipping.layers.random_replay import Masks, RandomReplay, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
@@ -56,7 +56,7 @@ class CapturedCall:
         joined: for a call that returned a structure of tensors (a tuple, an HF ``ModelOutput``), its pytree spec and
             the positions of the distinct tensors requiring grad, joined into one output (:func:`join_outputs`);
             None for a call that returned a tensor.
-        masks: the dropout masks the call drew, replayed in the rerun (:mod:`~.dropout_replay`).
+        masks: the dropout masks and random draws of the call, replayed in the rerun (:mod:`~.random_replay`).
     """
 
     args: tuple[Any, ...]
@@ -111,12 +111,14 @@ def covered_parameters(module: nn.Module, encloses: tuple[str, ...] = ()) -> dic
 
 
 def join_outputs(output: Any, name: str, module: nn.Module) -> tuple[torch.Tensor, tuple[int, ...], TreeSpec]:
-    """One tensor ``[R, n]`` for a call's structured output: its distinct tensors requiring grad, each ``[R, ...]``
-    flattened per row and concatenated along dimension 1, with their positions among the pytree's leaves and the
-    pytree's spec. Rebuild the output from views of it with :func:`split_joined` so that its gradient reaches them.
+    """One tensor ``[R, n]`` for a call's structured output: its distinct tensors requiring grad, each flattened to
+    ``[R, ...]`` (``R`` the fewest rows among them; one with ``m R`` rows, windows folded into them as Swin's attention
+    weights, gives each of its ``R`` rows ``m`` consecutive ones) and concatenated along dimension 1, with their
+    positions among the pytree's leaves and the pytree's spec. Rebuild the output from views of it with
+    :func:`split_joined` so that its gradient reaches them. The fallback's comparison checks the rows' order.
 
     Raises:
-        UnsupportedModuleError: no such tensor, or their first dimensions differ.
+        UnsupportedModuleError: no such tensor, or one whose rows are not a multiple of ``R``.
     """
     flat, spec = tree_flatten(output)
     positions, seen = [], set()
@@ -124,15 +126,15 @@ def join_outputs(output: Any, name: str, module: nn.Module) -> tuple[torch.Tenso
         if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
             seen.add(id(leaf))
             positions.append(index)
-    rows = {flat[i].shape[0] if flat[i].ndim else None for i in positions}
-    if not positions or len(rows) != 1 or None in rows:
+    rows = [flat[i].shape[0] if flat[i].ndim else 0 for i in positions]
+    least = min(rows, default=0)
+    if not least or any(r % least for r in rows):
         raise UnsupportedModuleError(
             f"module '{name}' ({type(module).__name__}) has trainable parameters no layer family covers, and the exact "
-            f"fallback needs every tensor its forward returns to have one row per example (got first dimensions "
-            f"{sorted(r if r is not None else 0 for r in rows)}); " + _ROUTE.format(kind=type(module).__name__)
+            f"fallback needs every tensor its forward returns to have a multiple of the same rows, one block per "
+            f"example (got first dimensions {sorted(set(rows))}); " + _ROUTE.format(kind=type(module).__name__)
         )
-    rows_count = next(iter(rows))
-    joined = torch.cat([flat[i].reshape(rows_count, -1) for i in positions], dim=1)
+    joined = torch.cat([flat[i].reshape(least, -1) for i in positions], dim=1)
     return joined, tuple(positions), spec
 
 
@@ -144,8 +146,8 @@ def split_joined(output: Any, joined: torch.Tensor, positions: tuple[int, ...]) 
     offset = 0
     for index in positions:
         leaf = flat[index]
-        size = leaf[0].numel() if leaf.shape[0] else leaf.numel()
-        views[id(leaf)] = joined[:, offset : offset + size].view(leaf.shape)
+        size = leaf.numel() // joined.shape[0]
+        views[id(leaf)] = joined[:, offset : offset + size].reshape(leaf.shape)
         offset += size
     return tree_unflatten([views.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in flat], spec)
 
@@ -156,7 +158,8 @@ def _rejoined(output: Any, joined: tuple[TreeSpec, tuple[int, ...]]) -> torch.Te
     flat, rerun_spec = tree_flatten(output)
     if rerun_spec != spec:
         raise TypeError("the forward returned another structure than in the call")
-    return torch.cat([flat[i].reshape(flat[i].shape[0], -1) for i in positions], dim=1)
+    least = min(flat[i].shape[0] for i in positions)
+    return torch.cat([flat[i].reshape(least, -1) for i in positions], dim=1)
 
 
 def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
@@ -255,7 +258,7 @@ def fallback_terms(
         for index, value in zip(batched, example_inputs, strict=True):
             leaves[index] = value
         args, kwargs = tree_unflatten(leaves, spec)
-        with DropoutReplay(call.masks, dict(zip(mask_indices, example_masks, strict=True))) as replay:
+        with RandomReplay(call.masks, dict(zip(mask_indices, example_masks, strict=True))) as replay:
             output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
         replay.finish()
         if call.joined is not None:

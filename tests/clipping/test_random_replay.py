@@ -1,7 +1,7 @@
-"""Dropout inside modules the exact fallback reruns (clipping/layers/dropout_replay.py): the masks of the call are
-replayed in the rerun, so per-sample norms and clipped sums in train mode equal the per-example gradients of the same
-forward (one example's loss at a time through the batch's graph, the oracle of a per-sample model whatever its
-randomness); a mask shared by the batch is applied whole; other random numbers are still refused."""
+"""Dropout and random draws inside modules the exact fallback reruns (clipping/layers/random_replay.py): the masks and
+draws of the call are replayed in the rerun, so per-sample norms and clipped sums in train mode equal the per-example
+gradients of the same forward (one example's loss at a time through the batch's graph, the oracle of a per-sample model
+whatever its randomness); a mask shared by the batch is applied whole; in-place random fills are still refused."""
 
 from __future__ import annotations
 
@@ -41,6 +41,19 @@ class SharedTable(nn.Module):
         return nn.functional.dropout(torch.tanh(x + table), 0.2, self.training)
 
 
+class DropPath(nn.Module):
+    """A residual branch with a learned scale and stochastic depth as HF writes it (``torch.rand``, then ``floor_``)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = 0.6 + torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device)
+        keep.floor_()
+        return x + torch.tanh(x * self.scale).div(0.6) * keep
+
+
 class ReadsTable(nn.Module):
     """Reads a child embedding's weight outside the child's forward, with dropout around: enclosed by the root."""
 
@@ -77,6 +90,12 @@ def test_a_mask_shared_by_the_batch_is_replayed_whole(clipping: str) -> None:
     _check(model, rand(B, 3, 4), clipping)
 
 
+@pytest.mark.parametrize("clipping", ["flat", "mixed"])
+def test_stochastic_depth_is_replayed_exactly(clipping: str) -> None:
+    model = randomise(nn.Sequential(nn.Linear(4, 6), DropPath(6), nn.Linear(6, 2))).train()
+    _check(model, rand(8, 3, 4), clipping)
+
+
 @pytest.mark.parametrize("clipping", ["flat", "ghost"])
 def test_dropout_in_an_enclosing_module_is_replayed_exactly(clipping: str) -> None:
     model = randomise(ReadsTable()).train()
@@ -105,12 +124,19 @@ def test_eval_mode_draws_no_mask() -> None:
     assert call.masks == []
 
 
-def test_other_random_numbers_are_refused() -> None:
-    class AlphaDropped(DroppedScale):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return nn.functional.alpha_dropout(x * self.scale, 0.3, self.training)
+class AlphaDropped(DroppedScale):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.alpha_dropout(x * self.scale, 0.3, self.training)
 
-    model = nn.Sequential(nn.Linear(4, 6), AlphaDropped(6)).train()
+
+class UniformNoise(DroppedScale):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + torch.empty_like(x).uniform_()
+
+
+@pytest.mark.parametrize("module", [AlphaDropped, UniformNoise])
+def test_other_random_numbers_are_refused(module: type[nn.Module]) -> None:
+    model = nn.Sequential(nn.Linear(4, 6), module(6)).train()
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match=r"'1' \(AlphaDropped\) cannot be rerun per sample.*random"):
+    with pytest.raises(UnsupportedModuleError, match=rf"'1' \({module.__name__}\) cannot be rerun per sample.*random"):
         clipper.backward(model(torch.randn(3, 4)).sum(1))
