@@ -43,7 +43,8 @@ per-example loss (mean token cross-entropy for LMs, cross-entropy for classifier
 models marked \\*, which compute their norms in float32 even in float64); **refused**: the library raised
 `UnsupportedModuleError` or `ValueError` (message below). "via fallback" names the modules served by the exact
 `torch.func` fallback (`lightning_dp/clipping/layers/fallback.py`), which reruns their forward per example. **LoRA**:
-peft adapters (r 4) on the modules named, the rest frozen.
+peft adapters (r 4) on the modules named, and on the parameters named (`mlp.experts.*`: the MoE models' fused expert
+weights, through `target_parameters`), the rest frozen.
 {train_note}
 `tests/models/test_model_zoo.py` asserts every outcome below (its `EXPECTED` and `EXPECTED_LORA` tables); this page
 is generated, do not edit it by hand. Produced by:
@@ -197,7 +198,7 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
             "model": type(entry.build()).__name__,
             "task": entry.task,
             "float32_internals": entry.float32_internals,
-            "lora_targets": list(entry.lora_targets),
+            "lora_targets": list(entry.lora_targets) + list(entry.lora_parameters),
         }
         for key, lora, table in (("full", False, EXPECTED), ("lora", True, EXPECTED_LORA)):
             if lora and not entry.lora_targets:

@@ -39,6 +39,8 @@ class ZooEntry:
         loss: ``(forward, batch) -> [n]`` per-example losses; ``forward`` takes the model's keyword inputs.
         task: the head (the DPTrainer's loss), or ``"layer"`` for a plain-torch model.
         lora_targets: the modules peft's LoRA adapts (empty: no LoRA variant).
+        lora_parameters: parameters peft's LoRA adapts as well (``LoraConfig(target_parameters=...)``: the fused
+            experts' 3-D weights of the MoE models).
         eval_mode: check in eval mode (else train mode, dropout 0).
         float32_internals: the model computes parts in float32 even when float64 (Gemma's RMSNorm, T5LayerNorm):
             the clipped sum is compared at a float32 tolerance.
@@ -54,6 +56,7 @@ class ZooEntry:
     eval_mode: bool = False
     float32_internals: bool = False
     base: str = ""
+    lora_parameters: tuple[str, ...] = ()
 
     @property
     def is_hf(self) -> bool:
@@ -178,12 +181,23 @@ def _encoder(name: str, config: str, model: str, lora: tuple[str, ...], **kwargs
     )
 
 
-def _decoder(name: str, config: str, model: str, lora: tuple[str, ...], f32: bool = False, **kwargs: Any) -> ZooEntry:
-    return ZooEntry(name, _hf(config, model, **kwargs), lm_batch, causal_lm_loss, "causal_lm", lora, False, f32)
+def _decoder(
+    name: str,
+    config: str,
+    model: str,
+    lora: tuple[str, ...],
+    f32: bool = False,
+    lora_parameters: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> ZooEntry:
+    build = _hf(config, model, **kwargs)
+    return ZooEntry(name, build, lm_batch, causal_lm_loss, "causal_lm", lora, False, f32, "", lora_parameters)
 
 
 QKV = ("query", "value")
 QV_PROJ = ("q_proj", "v_proj")
+#: the fused experts' weights, adapted by LoRA through ``target_parameters`` (clipping/layers/experts.py)
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 HF_ENTRIES: list[ZooEntry] = [
     # encoders: sequence classification
@@ -347,12 +361,22 @@ HF_ENTRIES: list[ZooEntry] = [
         query_pre_attn_scalar=8,
     ),
     _decoder("phi3", "Phi3Config", "Phi3ForCausalLM", ("qkv_proj",), **DECODER, resid_pdrop=0.0, embd_pdrop=0.0),
-    _decoder("mixtral", "MixtralConfig", "MixtralForCausalLM", QV_PROJ, **DECODER, **MOE, num_local_experts=4),
+    _decoder(
+        "mixtral",
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        QV_PROJ,
+        lora_parameters=EXPERT_WEIGHTS,
+        **DECODER,
+        **MOE,
+        num_local_experts=4,
+    ),
     _decoder(
         "qwen2-moe",
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
         QV_PROJ,
+        lora_parameters=EXPERT_WEIGHTS,
         **DECODER,
         **MOE,
         num_experts=4,
@@ -611,7 +635,7 @@ def _frozen(name: str, what: str, patterns: tuple[str, ...]) -> ZooEntry:
                 param.requires_grad_(False)
         return model
 
-    return replace(entry, name=f"{name}, {what} frozen", build=build, lora_targets=(), base=name)
+    return replace(entry, name=f"{name}, {what} frozen", build=build, lora_targets=(), lora_parameters=(), base=name)
 
 
 #: the refused architectures with the part the library refuses frozen: does the rest train?
