@@ -43,7 +43,8 @@ per-example loss (mean token cross-entropy for LMs, cross-entropy for classifier
 models marked \\*, which compute their norms in float32 even in float64); **refused**: the library raised
 `UnsupportedModuleError` or `ValueError` (message below). "via fallback" names the modules served by the exact
 `torch.func` fallback (`lightning_dp/clipping/layers/fallback.py`), which reruns their forward per example. **LoRA**:
-peft adapters (r 4) on the modules named, the rest frozen.
+peft adapters (r 4) on the modules named, and on the parameters named (`mlp.experts.*`: the MoE models' fused expert
+weights, through `target_parameters`), the rest frozen.
 {train_note}
 `tests/models/test_model_zoo.py` asserts every outcome below (its `EXPECTED` and `EXPECTED_LORA` tables); this page
 is generated, do not edit it by hand. Produced by:
@@ -149,12 +150,9 @@ def render(record: dict[str, Any]) -> str:
         versions=", ".join(f"{name} {version}" for name, version in record["versions"].items()),
     )
     notes: dict[str, int] = {}
-    by_kind = {kind: [e for e in record["entries"] if e["kind"] == kind] for kind in ("hf", "variant", "layer")}
+    by_kind = {kind: [e for e in record["entries"] if e["kind"] == kind] for kind in ("hf", "layer")}
     sections = [
         "## HF transformers models\n\n" + "\n".join(_hf_rows(by_kind["hf"], train, notes)),
-        "## The refused architectures with the refused part frozen\n\n"
-        "Does the rest of the model train? (The oracle check only; `name, part frozen`.)\n\n"
-        + "\n".join(_simple_rows(by_kind["variant"], "variant", notes)),
         "## Opacus's per-sample layers, one model each\n\n" + "\n".join(_simple_rows(by_kind["layer"], "layer", notes)),
         "## Why refused\n\n" + "\n".join(f"- **{name}**: {why}" for name, why in record["why_refused"].items()),
         "## Messages\n\n" + "\n".join(f"{number}. {text}" for text, number in notes.items()),
@@ -193,11 +191,11 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
         print(f"{name} ...", file=sys.stderr, flush=True)
         record: dict[str, Any] = {
             "name": name,
-            "kind": "variant" if entry.base else "hf" if entry.is_hf else "layer",
+            "kind": "hf" if entry.is_hf else "layer",
             "model": type(entry.build()).__name__,
             "task": entry.task,
             "float32_internals": entry.float32_internals,
-            "lora_targets": list(entry.lora_targets),
+            "lora_targets": list(entry.lora_targets) + list(entry.lora_parameters),
         }
         for key, lora, table in (("full", False, EXPECTED), ("lora", True, EXPECTED_LORA)):
             if lora and not entry.lora_targets:
@@ -210,7 +208,7 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
                 expected = expected_outcome(table, name, clipping)
                 if not matches(outcome, expected):
                     surprises.append(f"{name} ({key}, {clipping}): expected {expected!r}, got {outcome.describe()}")
-        if train and entry.is_hf and not entry.base:
+        if train and entry.is_hf:
             for key, lora in (("dp_trainer", False), ("dp_trainer_lora", True)):
                 with tempfile.TemporaryDirectory() as output_dir, contextlib.redirect_stdout(io.StringIO()):
                     outcome = train_dp_steps(entry, output_dir, lora=lora)  # the Trainer prints its logs

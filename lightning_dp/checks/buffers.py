@@ -14,6 +14,11 @@ pending, it also compares the contents before and after the forward (exact equal
 :data:`EXACT_COMPARE_NUMEL` elements, the float64 sum and sum of squares for larger ones: one read of every watched
 tensor, no copy of the large ones; a write that keeps both, e.g. a permutation, is missed). Such a write on a later
 step only is not caught.
+
+The weights a peft LoRA ``ParamWrapper`` adapts (``LoraConfig(target_parameters=...)``, e.g. fused MoE experts) are
+the exception: peft's forward registers a parametrization around the wrapped call, which ``set_``s the weight to
+itself (same storage, version counter one up), so their version counter says nothing. Their identity and storage
+address are compared as for the others, and their contents on EVERY step (exactly or by checksum, as above).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dp.clipping.layers.fallback import is_parameter_wrapper, wrapped_base
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.runtime.sharding import is_sharded, local_part, reshard_all, uses_fsdp
 
@@ -59,13 +65,25 @@ class BufferWatch:
         it can mix examples, which the batch-independence check looks for."""
         return {**self._registered(), **self._sharded}
 
+    def _wrapped(self) -> set[int]:
+        """The ids of the parameters a peft ``ParamWrapper`` adapts (their version counter moves every forward)."""
+        return {
+            id(getattr(wrapped_base(wrapper)[1], str(wrapper.parameter_name)))
+            for wrapper in self.module.modules()
+            if is_parameter_wrapper(wrapper)
+        }
+
     def _state(self) -> dict[str, tuple[int, int, int]]:
-        return {name: (id(t), t._version, local_part(t).data_ptr()) for name, t in self._watched().items()}
+        wrapped = self._wrapped()
+        return {
+            name: (id(t), -1 if id(t) in wrapped else t._version, local_part(t).data_ptr())
+            for name, t in self._watched().items()
+        }
 
     def start(self, *, contents: bool = False) -> None:
         """Record identities, version counters and storage addresses (call right before the training forward);
         with ``contents``, also a copy (small tensors) or checksum (large ones) of each tensor's contents (of
-        this rank's shard for a sharded one).
+        this rank's shard for a sharded one); of the weights a peft ``ParamWrapper`` adapts, always.
 
         A sharded module is resharded first (no communication), so that every sharded frozen parameter is recorded
         as its ``DTensor``: after a forward that no backward followed (an evaluation), FSDP2 keeps the root's
@@ -75,7 +93,9 @@ class BufferWatch:
             reshard_all(self.module)
         self._sharded = {name: t for name, t in self._registered().items() if is_sharded(t)}
         self._before = self._state()
-        self._contents = {name: _fingerprint(t) for name, t in self._watched().items()} if contents else {}
+        wrapped = self._wrapped()  # their contents on every step
+        watched = {name: t for name, t in self._watched().items() if contents or id(t) in wrapped}
+        self._contents = {name: _fingerprint(t) for name, t in watched.items()}
 
     def check(self) -> None:
         """Compare with :meth:`start`.

@@ -36,7 +36,9 @@ def hooked_modules(
 ) -> dict[str, tuple[nn.Module, LayerFamily]]:
     """Validate ``module`` and return the modules to hook, ``{path: (module, family)}``. A module with trainable
     parameters and no registered family gets its parent type's family when its forward computes the parent's
-    (:func:`~.layers.registry.probed_family`), else the exact fallback (:data:`~.layers.fallback.FALLBACK`).
+    (:func:`~.layers.registry.probed_family`), else the exact fallback (:data:`~.layers.fallback.FALLBACK`). A module
+    whose trainable parameters a hooked ancestor uses as its own (:func:`~.layers.fallback.own_parameters`: the LoRA
+    factors of a peft ``ParamWrapper`` chain) is not hooked: the ancestor's terms cover them.
 
     Args:
         module: the model.
@@ -53,6 +55,7 @@ def hooked_modules(
     enclosing = dict(enclosing or {})
     enclosed = {f"{unit}.{sub}" if unit else sub for unit, subs in enclosing.items() for sub in subs}
     hooked: dict[str, tuple[nn.Module, LayerFamily]] = {}
+    claimed: set[int] = set()  # ids of submodules' parameters a hooked module's call uses as its own
     for path, sub in module.named_modules():
         where = path or "<root>"
         if isinstance(sub, _BatchNorm):
@@ -84,9 +87,10 @@ def hooked_modules(
                 )
             hooked[path] = (sub, enclosing_family(enclosing[path]))
             continue
-        trainable = [name for name, p in own_parameters(sub).items() if p.requires_grad]
-        if not trainable:
-            continue
+        own = own_parameters(sub)
+        trainable = [name for name, p in own.items() if p.requires_grad]
+        if not trainable or all(id(own[name]) in claimed for name in trainable):
+            continue  # none, or all used by a hooked ancestor's call as its own (a peft ParamWrapper's LoRA factors)
         # a parametrized module computes its weights from the originals: no family's maths, the fallback's
         family = None if parametrize.is_parametrized(sub) else find_layer_family(sub)
         if family is None and isinstance(sub, SwappedModule) and _shared_with_hooked_descendants(sub, trainable):
@@ -101,6 +105,7 @@ def hooked_modules(
         if problem is not None:
             raise UnsupportedModuleError(f"module '{where}' ({type(sub).__name__}): {problem}")
         hooked[path] = (sub, family)
+        claimed.update(id(p) for name, p in own.items() if "." in name)  # its submodules' (own_parameters)
     return hooked
 
 

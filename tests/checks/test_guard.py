@@ -10,6 +10,7 @@ from hf_helpers import TokenDataset, tiny_bert_classifier, tiny_gpt2, tiny_llama
 from hf_helpers import make_trainer as make_hf_trainer
 from torch import nn
 
+from lightning_dp.checks.buffers import BufferWatch
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence, input_leaves
 from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS
@@ -129,6 +130,27 @@ def test_data_writes_are_caught_by_exact_compare_and_by_checksum(monkeypatch, ex
     watch.start()  # ids, versions and addresses only: a write through .data is not seen
     body(torch.randn(4, 6))
     watch.check()
+
+
+def test_buffer_watch_compares_the_contents_of_a_weight_peft_adapts_on_every_step():
+    """peft's ``ParamWrapper`` (LoRA through ``target_parameters``) ``set_``s the weight it adapts to itself in every
+    forward: not a write; a write to that weight on a later step is still caught, by its contents."""
+    peft = pytest.importorskip("peft")
+    body = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 1))
+    model = peft.get_peft_model(body, peft.LoraConfig(r=2, target_modules=[], target_parameters=["0.weight"]))
+    weight = body[0].weight
+    watch = BufferWatch(model)
+    for contents in (True, False):  # the first step, a later one
+        watch.start(contents=contents)
+        before = weight._version
+        model(torch.randn(4, 6))
+        assert weight._version > before  # peft's set_
+        watch.check()
+    watch.start()
+    with torch.no_grad():
+        weight.data.add_(1.0)  # through .data: neither identity, version nor address show it
+    with pytest.raises(UnsupportedModuleError, match=r"'weight' of module 'base_model\.model\.0"):
+        watch.check()
 
 
 def test_buffer_watch_is_silent_for_unchanged_buffers_and_frozen_parameters():

@@ -10,7 +10,7 @@ LMs, cross-entropy for classifiers, a nonlinear function of the output for the l
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -39,10 +39,11 @@ class ZooEntry:
         loss: ``(forward, batch) -> [n]`` per-example losses; ``forward`` takes the model's keyword inputs.
         task: the head (the DPTrainer's loss), or ``"layer"`` for a plain-torch model.
         lora_targets: the modules peft's LoRA adapts (empty: no LoRA variant).
+        lora_parameters: parameters peft's LoRA adapts as well (``LoraConfig(target_parameters=...)``: the fused
+            experts' 3-D weights of the MoE models).
         eval_mode: check in eval mode (else train mode, dropout 0).
         float32_internals: the model computes parts in float32 even when float64 (Gemma's RMSNorm, T5LayerNorm):
             the clipped sum is compared at a float32 tolerance.
-        base: for a variant with part of the model frozen, the architecture it varies (else empty).
     """
 
     name: str
@@ -53,7 +54,7 @@ class ZooEntry:
     lora_targets: tuple[str, ...] = ()
     eval_mode: bool = False
     float32_internals: bool = False
-    base: str = ""
+    lora_parameters: tuple[str, ...] = ()
 
     @property
     def is_hf(self) -> bool:
@@ -178,12 +179,23 @@ def _encoder(name: str, config: str, model: str, lora: tuple[str, ...], **kwargs
     )
 
 
-def _decoder(name: str, config: str, model: str, lora: tuple[str, ...], f32: bool = False, **kwargs: Any) -> ZooEntry:
-    return ZooEntry(name, _hf(config, model, **kwargs), lm_batch, causal_lm_loss, "causal_lm", lora, False, f32)
+def _decoder(
+    name: str,
+    config: str,
+    model: str,
+    lora: tuple[str, ...],
+    f32: bool = False,
+    lora_parameters: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> ZooEntry:
+    build = _hf(config, model, **kwargs)
+    return ZooEntry(name, build, lm_batch, causal_lm_loss, "causal_lm", lora, False, f32, "", lora_parameters)
 
 
 QKV = ("query", "value")
 QV_PROJ = ("q_proj", "v_proj")
+#: the fused experts' weights, adapted by LoRA through ``target_parameters`` (clipping/layers/experts.py)
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 HF_ENTRIES: list[ZooEntry] = [
     # encoders: sequence classification
@@ -347,12 +359,22 @@ HF_ENTRIES: list[ZooEntry] = [
         query_pre_attn_scalar=8,
     ),
     _decoder("phi3", "Phi3Config", "Phi3ForCausalLM", ("qkv_proj",), **DECODER, resid_pdrop=0.0, embd_pdrop=0.0),
-    _decoder("mixtral", "MixtralConfig", "MixtralForCausalLM", QV_PROJ, **DECODER, **MOE, num_local_experts=4),
+    _decoder(
+        "mixtral",
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        QV_PROJ,
+        lora_parameters=EXPERT_WEIGHTS,
+        **DECODER,
+        **MOE,
+        num_local_experts=4,
+    ),
     _decoder(
         "qwen2-moe",
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",
         QV_PROJ,
+        lora_parameters=EXPERT_WEIGHTS,
         **DECODER,
         **MOE,
         num_experts=4,
@@ -599,24 +621,4 @@ LAYER_ENTRIES: list[ZooEntry] = [
 ]
 
 
-# ----------------------------------------------------------------------------------------- variants, part frozen
-def _frozen(name: str, what: str, patterns: tuple[str, ...]) -> ZooEntry:
-    """The HF entry ``name`` with the parameters whose names contain one of ``patterns`` frozen (no LoRA)."""
-    entry = next(e for e in HF_ENTRIES if e.name == name)
-
-    def build() -> nn.Module:
-        model = entry.build()
-        for key, param in model.named_parameters():
-            if any(pattern in key for pattern in patterns):
-                param.requires_grad_(False)
-        return model
-
-    return replace(entry, name=f"{name}, {what} frozen", build=build, lora_targets=(), base=name)
-
-
-#: the refused architectures with the part the library refuses frozen: does the rest train?
-VARIANT_ENTRIES: list[ZooEntry] = [
-    _frozen("swin", "attention output projections", ("attention.o_proj",)),
-]
-
-ENTRIES: dict[str, ZooEntry] = {entry.name: entry for entry in HF_ENTRIES + VARIANT_ENTRIES + LAYER_ENTRIES}
+ENTRIES: dict[str, ZooEntry] = {entry.name: entry for entry in HF_ENTRIES + LAYER_ENTRIES}

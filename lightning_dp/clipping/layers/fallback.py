@@ -13,6 +13,7 @@ numbers, is refused (docs/design.md section 4.2).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import partial
@@ -87,16 +88,40 @@ class CapturedCall:
         return any(x._version != version for x, version in self.versions)
 
 
+def is_parameter_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft LoRA ``ParamWrapper`` (``LoraConfig(target_parameters=...)``, peft's
+    ``tuners/lora/layer.py``): it adapts one parameter of its ``base_layer`` (possibly another ``ParamWrapper``) by a
+    parametrization registered around the base's call, so its LoRA factors are used outside their own modules."""
+    layer = sys.modules.get("peft.tuners.lora.layer")  # not imported: no module can be one
+    wrapper = getattr(layer, "ParamWrapper", None)
+    return isinstance(wrapper, type) and isinstance(module, wrapper)
+
+
+def wrapped_base(module: nn.Module) -> tuple[str, nn.Module]:
+    """``(prefix, base)``: the module under a chain of peft ``ParamWrapper`` (``module`` itself when it is none) and
+    its path prefix in ``module`` (``"base_layer.base_layer."`` under two)."""
+    prefix = ""
+    while is_parameter_wrapper(module):
+        module = cast(nn.Module, module.base_layer)
+        prefix += "base_layer."
+    return prefix, module
+
+
 def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters a module's call uses as its own: those it registers, and for a parametrized module
+    """The parameters a module's call uses as its own: those it registers; for a parametrized module
     (``torch.nn.utils.parametrize``, e.g. ``weight_norm``) the originals its parametrizations compute from, by dotted
-    name (``parametrizations.weight.original0``)."""
+    name (``parametrizations.weight.original0``); for a chain of peft ``ParamWrapper`` (:func:`is_parameter_wrapper`)
+    the chain's LoRA factors, by dotted name (``lora_A.default.weight``, ``base_layer.lora_B.default.weight``), not
+    the wrapped module's parameters."""
     params = dict(module.named_parameters(recurse=False))
     if parametrize.is_parametrized(module):
         parametrizations = cast(nn.ModuleDict, module.parametrizations)
         for name, parametrization in parametrizations.items():
             for attr, original in parametrization.named_parameters(recurse=False):  # original, original0, ...
                 params[f"parametrizations.{name}.{attr}"] = original
+    if is_parameter_wrapper(module):
+        prefix, _ = wrapped_base(module)
+        params.update((name, p) for name, p in module.named_parameters() if not name.startswith(prefix))
     return params
 
 
@@ -165,9 +190,17 @@ def _rejoined(output: Any, joined: tuple[TreeSpec, tuple[int, ...]]) -> torch.Te
 def fallback_problem(module: nn.Module, sharded: bool) -> str | None:
     """Why the fallback cannot serve ``module``, or None.
 
-    Under FSDP2 the rerun reads the parameters of the module's submodules, which are sharded after the forward: a
-    module with parameterised submodules, or one that is itself a ``fully_shard`` unit, is refused there.
+    A peft ``ParamWrapper`` registers a parametrization in its forward, which ``torch.func`` cannot rerun: one on other
+    than fused experts (:mod:`~lightning_dp.clipping.layers.experts` serves those) is refused. Under FSDP2 the rerun
+    reads the parameters of the module's submodules, which are sharded after the forward: a module with parameterised
+    submodules, or one that is itself a ``fully_shard`` unit, is refused there.
     """
+    if is_parameter_wrapper(module):
+        return (
+            "peft LoRA through target_parameters is supported on fused mixture-of-experts weights (gate_up_proj, "
+            "down_proj) only: the exact fallback cannot rerun its parametrization per sample; adapt this module "
+            "through target_modules, or drop it from target_parameters"
+        )
     if not sharded:
         return None
     from torch.distributed.fsdp import FSDPModule
