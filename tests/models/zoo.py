@@ -189,7 +189,7 @@ def _decoder(
     **kwargs: Any,
 ) -> ZooEntry:
     build = _hf(config, model, **kwargs)
-    return ZooEntry(name, build, lm_batch, causal_lm_loss, "causal_lm", lora, False, f32, "", lora_parameters)
+    return ZooEntry(name, build, lm_batch, causal_lm_loss, "causal_lm", lora, False, f32, lora_parameters)
 
 
 QKV = ("query", "value")
