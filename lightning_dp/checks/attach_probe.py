@@ -93,6 +93,43 @@ def _not_probed(why: str) -> bool:
     return False
 
 
+class _NotProbed(Exception):
+    """The model's example inputs cannot be probed (the reason is the message)."""
+
+
+def _probe_once(called: nn.Module, inputs: Any, rows: int, clipper: PerSampleClipper, tracker: UseTracker) -> None:
+    """One tracked forward of ``called`` and its clip (:meth:`PerSampleClipper.probe`).
+
+    Raises:
+        _NotProbed: the forward failed on the inputs, or returned no output with ``rows`` rows.
+        MisplacedParametersError, UnsupportedModuleError: the clipper's refusal.
+    """
+    try:
+        with tracker.tracking():
+            output = _call(called, inputs)
+    except UnsupportedModuleError:
+        raise
+    except Exception as error:  # inputs this model does not take (a multimodal model's HF dummy_inputs)
+        clipper.discard_captures()
+        raise _NotProbed(f"the model's example inputs failed ({type(error).__name__}: {error})") from error
+    chosen = _per_example_output(output, rows)
+    if chosen is None:
+        clipper.discard_captures()
+        raise _NotProbed(f"no floating output with {rows} rows requires grad")
+    clipper.probe(chosen.float().tanh().flatten(1).sum(1))
+
+
+def _unserved(
+    misplaced: MisplacedParametersError, clipper: PerSampleClipper, error: Exception
+) -> UnsupportedModuleError:
+    """The first probe's refusal, with why the enclosures tried for it fail."""
+    units = ", ".join(repr(unit or "<root>") for unit in clipper.enclosing)
+    return UnsupportedModuleError(
+        f"{misplaced}; the exact fallback on the smallest enclosing module that is per-sample ({units}) cannot serve "
+        f"it either: {error}"
+    )
+
+
 def probe_at_attach(module: nn.Module, clipper: PerSampleClipper) -> bool:
     """Clip one forward of ``module`` on its example inputs, or of the HF model it wraps on that model's
     (:func:`~lightning_dp.checks.probe_inputs.probe_target`), with ``clipper`` (:meth:`PerSampleClipper.probe`); the
@@ -124,38 +161,24 @@ def probe_at_attach(module: nn.Module, clipper: PerSampleClipper) -> bool:
     tracker = UseTracker(module)
     misplaced: MisplacedParametersError | None = None  # the first probe's refusal, while enclosures are tried
     for _ in range(_PROBES):
-        with _restored(module):
-            try:
-                with tracker.tracking():
-                    output = _call(called, inputs)
-            except UnsupportedModuleError:
+        try:
+            with _restored(module):
+                _probe_once(called, inputs, rows, clipper, tracker)
+            return True
+        except _NotProbed as error:
+            if misplaced is None:
+                return _not_probed(str(error))
+            raise _unserved(misplaced, clipper, error) from error
+        except MisplacedParametersError as error:
+            units = enclosing_units(module, error, tracker, rows * clipper.augmentation_multiplicity, clipper.enclosing)
+            if units is None or units == clipper.enclosing:
                 raise
-            except Exception as error:  # inputs this model does not take (a multimodal model's HF dummy_inputs)
-                clipper.discard_captures()
-                return _not_probed(f"the model's example inputs failed ({type(error).__name__}: {error})")
-            chosen = _per_example_output(output, rows)
-            if chosen is None:
-                clipper.discard_captures()
-                return _not_probed(f"no floating output with {rows} rows requires grad")
-            try:
-                clipper.probe(chosen.float().tanh().flatten(1).sum(1))
-                return True
-            except MisplacedParametersError as error:
-                units = enclosing_units(
-                    module, error, tracker, rows * clipper.augmentation_multiplicity, clipper.enclosing
-                )
-                if units is None or units == clipper.enclosing:
-                    raise
-                misplaced = misplaced or error
-                clipper.enclose(units)
-            except UnsupportedModuleError as error:
-                if misplaced is None:
-                    raise
-                raise UnsupportedModuleError(
-                    f"{misplaced}; the exact fallback on the smallest enclosing module that is per-sample "
-                    f"({', '.join(repr(unit or '<root>') for unit in clipper.enclosing)}) cannot serve it either: "
-                    f"{error}"
-                ) from error
+            misplaced = misplaced or error
+            clipper.enclose(units)
+        except UnsupportedModuleError as error:
+            if misplaced is None:
+                raise
+            raise _unserved(misplaced, clipper, error) from error
     raise UnsupportedModuleError(
         f"the attach probe found parameters to serve by an enclosing module's fallback in each of {_PROBES} forwards "
         f"(enclosures so far: {clipper.enclosing}); freeze the parameters it names, or train the model with LoRA"

@@ -4,18 +4,20 @@ examples where their own module runs (docs/design.md section 4.2): a parameter r
 (DeBERTa's ``pos_key_proj`` on relative positions ``[1, 2k, d]`` shared by the batch).
 
 The attach probe (:mod:`~lightning_dp.checks.attach_probe`) tracks one forward of the model's example inputs with
-:class:`UseTracker`: the module running at each use of a trainable parameter, and the rows of every module's calls.
-For each misplaced parameter, :func:`enclosing_units` takes the deepest module whose forward contains its module and
-every use, then climbs to the first ancestor whose every call returned one row per example: that module's exact
-fallback (a rerun per example under ``torch.func``) gives the parameter's per-sample gradient, exact whatever happens
-inside. The fallback's first-batch comparison then checks that the module is per-sample, and the sum check that no
-use was missed.
+:class:`UseTracker`: the calls running at each use of a trainable parameter, and the rows of every module's calls.
+For each misplaced parameter, :func:`enclosing_units` takes the innermost module whose call ran every use, whose
+subtree holds the parameter's module and whose every call returned one row per example: that module's exact fallback
+(a rerun per example under ``torch.func``) gives the parameter's per-sample gradient, exact whatever happens inside.
+The probe then runs again: the fallback's comparison checks that the module is per-sample, and the sum check (always
+on in the probe) that no use of the probe's forward was missed. A use that only other inputs reach (a branch on the
+sequence length) is caught by the sum check of the training batch that takes it, when one is checked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,9 +48,9 @@ class _Uses(TorchFunctionMode):
         tracker = self.tracker
         used = [id(x) for x in tree_leaves((args, kwargs)) if isinstance(x, nn.Parameter) and id(x) in tracker.tracked]
         if used and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(result)):
-            where = next((path for path in reversed(tracker.stack) if path is not None), None)
+            calls = tuple(path for path in tracker.stack if path is not None)
             for key in used:
-                tracker.uses.setdefault(key, set()).add(where)
+                tracker.uses.setdefault(key, set()).add(calls)
         return result
 
 
@@ -56,15 +58,15 @@ class UseTracker:
     """What one forward of ``root`` shows about where its trainable parameters are used.
 
     Attributes:
-        uses: ``id(param) -> {path}``, the innermost module of ``root`` running at each use (None: outside every
-            module of ``root``).
+        uses: ``id(param) -> {calls}``, at each use the modules of ``root`` whose calls were running, outermost first
+            (empty: outside every module of ``root``).
         rows: ``path -> {rows}``, the first dimension of the first tensor each call of the module returned.
     """
 
     def __init__(self, root: nn.Module) -> None:
         self._paths = {id(module): path for path, module in root.named_modules()}
         self.tracked = {id(p) for p in root.parameters() if p.requires_grad}
-        self.uses: dict[int, set[str | None]] = {}
+        self.uses: dict[int, set[tuple[str, ...]]] = {}
         self.rows: dict[str, set[int]] = {}
         self.stack: list[str | None] = []
 
@@ -91,32 +93,31 @@ class UseTracker:
             post.remove()
 
 
-def _ancestors(path: str) -> Iterator[str]:
-    """``path``, its parent, ..., the root ``''``."""
-    parts = path.split(".") if path else []
-    for end in range(len(parts), -1, -1):
-        yield ".".join(parts[:end])
-
-
-def _common_ancestor(paths: set[str]) -> str:
-    split = [path.split(".") if path else [] for path in paths]
-    common: list[str] = []
-    for parts in zip(*split, strict=False):
-        if len(set(parts)) != 1:
-            break
-        common.append(parts[0])
-    return ".".join(common)
-
-
 def _inside(path: str, unit: str) -> bool:
-    return unit == "" or path.startswith(f"{unit}.")
+    """Whether the module at ``path`` is ``unit`` or in its subtree."""
+    return unit in ("", path) or path.startswith(f"{unit}.")
+
+
+@dataclass
+class _Problem:
+    """Modules whose own parameters need an enclosing module, and the calls running at their parameters' uses."""
+
+    owners: set[str]
+    calls: set[tuple[str, ...]]
+
+    def served_by(self, unit: str) -> bool:
+        """Whether ``unit``'s call runs every use and its subtree holds every owner (so its rerun can vary them)."""
+        return all(unit in calls for calls in self.calls) and all(_inside(owner, unit) for owner in self.owners)
 
 
 def enclosing_units(
     root: nn.Module, error: MisplacedParametersError, tracker: UseTracker, rows: int, current: Enclosing
 ) -> Enclosing | None:
-    """The enclosures that serve the misplaced parameters of ``error`` and those of ``current``, merged (a unit inside
-    another gives its modules to the outer one); None when one of them has no enclosing module that is per-sample.
+    """The enclosures that serve the misplaced parameters of ``error`` and those of ``current``, merged (a unit whose
+    uses all run inside another's call gives its modules to it); None when one of them has no enclosing module.
+
+    Each problem's unit is the innermost module whose call ran every use of its parameters, whose subtree holds their
+    modules, and whose every call returned ``rows`` rows.
 
     Args:
         root: the model.
@@ -132,36 +133,31 @@ def enclosing_units(
             if param.requires_grad:
                 owners.setdefault(id(param), set()).add(path)
     by_name = dict(root.named_parameters())
-    problems: list[set[int]] = [{id(by_name[name])} for name in error.parameters if name in by_name]
-    for path in error.modules:
-        own = {id(p) for p in own_parameters(root.get_submodule(path)).values() if p.requires_grad}
-        problems.append(own)
-    units: dict[str, set[str]] = {
-        unit: {f"{unit}.{sub}" if unit else sub for sub in subs} for unit, subs in current.items()
-    }
-    for params in problems:
-        enclosed = set().union(*(owners.get(key, set()) for key in params))
-        sites: set[str | None] = set(enclosed)
+    groups = [{id(by_name[name])} for name in error.parameters if name in by_name]
+    modules = [*error.modules, *(f"{unit}.{sub}" if unit else sub for unit, subs in current.items() for sub in subs)]
+    groups += [
+        {id(p) for p in own_parameters(root.get_submodule(path)).values() if p.requires_grad} for path in modules
+    ]
+    units: dict[str, list[_Problem]] = {}
+    for params in groups:
+        problem = _Problem(set().union(*(owners.get(key, set()) for key in params)), set())
         for key in params:
-            sites |= tracker.uses.get(key, set())
-        if not enclosed or None in sites:
+            problem.calls |= tracker.uses.get(key, set())
+        if not problem.owners or not problem.calls:
             return None
+        innermost = max(problem.calls, key=len)
         unit = next(
-            (
-                path
-                for path in _ancestors(_common_ancestor({s for s in sites if s is not None}))
-                if tracker.rows.get(path) == {rows}
-            ),
+            (path for path in reversed(innermost) if problem.served_by(path) and tracker.rows.get(path) == {rows}),
             None,
         )
         if unit is None:
             return None
-        units.setdefault(unit, set()).update(enclosed - {unit})
-    for inner in sorted(units, key=len, reverse=True):  # nested units: the outermost serves all
-        outer = next((u for u in units if u != inner and _inside(inner, u)), None)
-        if outer is not None:
-            units[outer] |= units.pop(inner) - {outer}
+        units.setdefault(unit, []).append(problem)
+    for inner in sorted(units, key=lambda path: path.count(".") + bool(path), reverse=True):
+        outer = next((u for u in units if u != inner and all(p.served_by(u) for p in units[inner])), None)
+        if outer is not None:  # one rerun serves both
+            units[outer] += units.pop(inner)
     return {
-        unit: tuple(sorted(path[len(unit) + 1 :] if unit else path for path in paths))
-        for unit, paths in sorted(units.items())
+        unit: tuple(sorted({owner[len(unit) + 1 :] if unit else owner for p in problems for owner in p.owners} - {""}))
+        for unit, problems in sorted(units.items())
     }

@@ -32,7 +32,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily, MisplacedParametersError, UnsupportedModuleError
-from lightning_dp.clipping.multiplicity import check_rows, validate_multiplicity
+from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
@@ -180,8 +180,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         #: (a check that never runs cannot catch a parameter used outside its layer); read at the end of a run.
         self.sum_check_postponed = False
 
-    def _attach_hooks(self, hooked: dict[str, tuple[nn.Module, LayerFamily]]) -> None:
-        """Hook ``hooked`` (:func:`~.validation.hooked_modules`) and key the parameters each family covers."""
+    def _attach_hooks(self, hooked: dict[str, tuple[nn.Module, LayerFamily]], enclosing: bool = False) -> None:
+        """Hook ``hooked`` (:func:`~.validation.hooked_modules`), key the parameters each family covers, and log the
+        modules of the exact fallback (with ``enclosing``, those that enclose others only: the rest were logged)."""
         self._registered = {
             (id(owner), attr): p
             for owner in self.module.modules()
@@ -192,7 +193,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             for attr, p in covered_parameters(sub, family.encloses).items():
                 if p.requires_grad:
                     self._registered[(id(sub), attr)] = p
-        fallback = {path: entry for path, entry in hooked.items() if entry[1].reruns}
+        fallback = {
+            path: entry for path, entry in hooked.items() if entry[1].encloses or entry[1].reruns and not enclosing
+        }
         if fallback:
             log.info(describe_fallback(fallback))
         # under FSDP2 the fallback's data-dependent comparison could raise on one rank alone: the guard's lockstep
@@ -210,7 +213,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         hooked = hooked_modules(self.module, self._sharded, enclosing)
         self._hooks.remove()
         self.enclosing = dict(enclosing)
-        self._attach_hooks(hooked)
+        self._attach_hooks(hooked, enclosing=True)
 
     def _resolve_groups(self, module: nn.Module, clipping_groups: GroupsSpec, max_grad_norm: Bounds) -> None:
         """Set :attr:`groups`, :attr:`_group_of` and :attr:`max_grad_norm` (the sensitivity).
@@ -289,8 +292,9 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     def _clip(
         self, per_sample_loss: torch.Tensor, *, accumulate: bool, weight: float = 1.0, probing: bool = False
     ) -> torch.Tensor:
-        """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``. ``probing``:
-        every capture whose rows are not examples is named at once (:meth:`probe`)."""
+        """Norms, and with ``accumulate`` the clipped sum into ``p.grad``; returns the norms ``[B]``. ``probing``
+        (:meth:`probe`): the sum check runs whatever ``sum_check_every``, and every capture whose rows are not examples
+        is named at once."""
         if not self._hooks.attached:
             raise RuntimeError("this PerSampleClipper was detached; create a new one to clip again")
         self._check_trainable_set()
@@ -311,7 +315,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 return torch.zeros(0, dtype=self._norm_dtype, device=per_sample_loss.device)
             if not self._sharded and batch >= 2 and per_sample_loss.requires_grad:
                 self._verify_rows(per_sample_loss, batch)
-            check = self._check_due()
+            check = probing or self._check_due()  # the probe is free: its sum check runs whatever sum_check_every
             captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
             if probing:
                 self._check_all_rows(captures, batch)
@@ -380,15 +384,10 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
         Raises:
             MisplacedParametersError: with the first module's message (:func:`~.multiplicity.check_rows`).
         """
-        copies = self.augmentation_multiplicity
         errors: dict[str, UnsupportedModuleError] = {}
         for capture in captures:
-            assert capture.output_grad is not None  # the backward pass returns the captures it reached
-            folds = capture.fold_rows == batch * copies or capture.expanded
             try:
-                check_rows(
-                    capture.name, capture.output_grad.shape[0], batch, copies, folded=folds and not self._sharded
-                )
+                self._rows_per_example(capture, batch)
             except UnsupportedModuleError as error:
                 errors.setdefault(capture.name, error)
         if errors:

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.clipping.layers.fallback import CapturedCall, covered_parameters, join_outputs, split_joined
-from lightning_dp.clipping.layers.random_replay import Masks, RandomRecorder
+from lightning_dp.clipping.layers.random_replay import RandomRecorder, Records
 from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.terms import Term
@@ -166,7 +166,7 @@ class CaptureHooks:
         self._suspended = False
         #: the dropout masks and random draws of the calls of rerun families (:mod:`~.layers.random_replay`)
         self._random = RandomRecorder()
-        self._recorded: list[tuple[int, Masks]] = []
+        self._recorded: list[tuple[int, Records]] = []
         self._handles: list[RemovableHandle] = []
         self.attached = True
         self._names = {
@@ -180,24 +180,24 @@ class CaptureHooks:
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=True))
             if family.expand_batch:
                 self._handles.append(module.register_forward_pre_hook(self._expand_hook, with_kwargs=True))
-            if family.reruns:  # its dropout masks, recorded for the rerun
-                self._handles.append(module.register_forward_pre_hook(self._start_masks))
-                self._handles.append(module.register_forward_hook(self._stop_masks, always_call=True))
+            if family.reruns:  # its dropout masks and random draws, recorded for the rerun
+                self._handles.append(module.register_forward_pre_hook(self._start_recording))
+                self._handles.append(module.register_forward_hook(self._stop_recording, always_call=True))
 
     def _recording(self) -> bool:
         return torch.is_grad_enabled() and not self._suspended
 
-    def _start_masks(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _start_recording(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._recording():
             self._recorded.append((id(module), self._random.start(self._names[id(module)])))
 
-    def _stop_masks(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _stop_recording(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._recorded and self._recorded[-1][0] == id(module):
             self._recorded.pop()
             self._random.stop()
 
-    def _masks(self, module: nn.Module) -> Masks:
-        """The dropout masks of the running call of ``module`` (empty when none is recorded)."""
+    def _draws(self, module: nn.Module) -> Records:
+        """The random records of the running call of ``module`` (empty when none is recorded)."""
         return self._recorded[-1][1] if self._recorded and self._recorded[-1][0] == id(module) else []
 
     def _expand_hook(
@@ -284,7 +284,7 @@ class CaptureHooks:
             if family.captures_call:
                 call = CapturedCall.record(args, kwargs, output)
                 call.joined = joined
-                call.masks = self._masks(module)
+                call.draws = self._draws(module)
                 call.batched = self.confirmed_inputs.get((id(module), call.signature))
                 if family.reruns and call.batched is None and self.record_outputs:
                     call.output = output.detach().clone()  # for the fallback's comparison
@@ -321,7 +321,11 @@ class CaptureHooks:
             self._suspended = False
 
     def clear(self) -> None:
-        """Forget all captures (after each clipped batch)."""
+        """Forget all captures (after each clipped batch), and stop recording calls a ``BaseException`` left
+        running."""
+        while self._recorded:
+            self._recorded.pop()
+            self._random.stop()
         self.captures = []
         self._fold_nodes = {}
         self._batch_hint = 0

@@ -145,6 +145,18 @@ class SampleNormsMixin:
             "regularisation use the optimizer's weight_decay instead of a penalty term in the loss"
         )
 
+    def _rows_per_example(self, capture: Capture, batch: int) -> int:
+        """The rows of each example in ``capture`` (:func:`~lightning_dp.clipping.multiplicity.check_rows`; folded rows
+        where the capture shows the fold, never under FSDP2).
+
+        Raises:
+            UnsupportedModuleError: rows that are not ``B K``, nor folded.
+        """
+        assert capture.output_grad is not None  # only captures the backward pass reached have rows
+        copies = self.augmentation_multiplicity
+        folds = (capture.fold_rows == batch * copies or capture.expanded) and not self._sharded
+        return check_rows(capture.name, capture.output_grad.shape[0], batch, copies, folded=folds)
+
     def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
         """Group the terms of all captures by parameter (one term per use), folded to ``batch`` examples
         (:func:`~lightning_dp.clipping.multiplicity.fold_copies`).
@@ -152,7 +164,6 @@ class SampleNormsMixin:
         Raises:
             ValueError: a captured input modified in place after its layer ran; a capture without ``B K`` rows.
         """
-        copies = self.augmentation_multiplicity
         terms: dict[nn.Parameter, list[Term]] = {}
         with self._hooks.suspended():
             for capture in captures:
@@ -164,8 +175,7 @@ class SampleNormsMixin:
                     )
                 output_grad = capture.output_grad
                 assert output_grad is not None  # only captures the backward pass reached are passed here
-                folds = capture.fold_rows == batch * copies or capture.expanded
-                rows = check_rows(capture.name, output_grad.shape[0], batch, copies, folded=folds and not self._sharded)
+                rows = self._rows_per_example(capture, batch)
                 for name, term in capture.layer_terms(rows).items():
                     terms.setdefault(self._registered[(id(capture.module), name)], []).append(term)
                 call = capture.call

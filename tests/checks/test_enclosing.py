@@ -122,6 +122,38 @@ def test_nested_units_merge_into_the_outer_one() -> None:
     check_against_batch_graph(model, lambda: torch.sin(model(x)).sum(1), "ghost", lambda c: probe_at_attach(model, c))
 
 
+def test_the_probe_encloses_with_the_sum_check_off() -> None:
+    model = randomise(Reads())
+    model.example_input_array = rand(3, 4)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0, sum_check_every=None)
+    assert probe_at_attach(model, clipper) and clipper.enclosing == {"": ("inner.table", "scale")}
+
+
+class CallsBorrowed(nn.Module):
+    """``user`` calls a module registered under ``owner`` (a reference it holds) on rows that are not examples: the
+    unit must run that call and hold the module, so it is the root, not ``owner``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.owner = nn.ModuleDict({"m": nn.Linear(4, 4), "lin": nn.Linear(4, 4)})
+        self.user = nn.Linear(4, 4)
+        self.positions = nn.Parameter(torch.randn(5, 4))
+        self.example_input_array = torch.randn(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.owner["m"](self.positions).mean(0)  # called from the root on [5, 4]
+        return self.user(torch.tanh(self.owner["lin"](x))) + bias
+
+
+def test_the_unit_runs_every_use_not_only_holds_the_module() -> None:
+    model = randomise(CallsBorrowed())
+    model.example_input_array = rand(3, 4)
+    clipper = check_against_batch_graph(
+        model, lambda: torch.sin(model(rand(5, 4))).sum(1), "flat", lambda c: probe_at_attach(model, c)
+    )
+    assert clipper.enclosing == {"": ("owner.m",)}
+
+
 def test_no_enclosing_module_with_a_row_per_example_keeps_the_refusal() -> None:
     class Pooled(nn.Module):  # the root returns one row for the batch: nothing encloses the use per example
         def __init__(self) -> None:

@@ -318,6 +318,39 @@ def test_a_module_the_fallback_cannot_serve_is_refused_at_the_first_step(module:
     assert all(p.grad is None for p in model.parameters())
 
 
+class TimeMajor(nn.Module):
+    """Returns ``[B, T, d]`` and the same rows time-major ``[T B, d]``: sample-major only when ``T = 1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * self.scale
+        return h, h.transpose(0, 1).reshape(-1, x.shape[-1])
+
+
+class UnfoldsTimeMajor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.time_major = TimeMajor()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, flat = self.time_major(self.inner(x))
+        back = flat.reshape(x.shape[1], x.shape[0], -1).transpose(0, 1)  # per-sample as a whole
+        return (h * back).sum(1)
+
+
+def test_a_new_shape_of_the_call_is_compared_again() -> None:
+    """The split confirmed for ``T = 1`` (where time-major rows are sample-major) is not trusted for ``T = 3``."""
+    model = UnfoldsTimeMajor().double()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    clipper.per_sample_norms(torch.sin(model(rand(4, 1, 4))).sum(1))
+    with pytest.raises(UnsupportedModuleError, match=r"'time_major' \(TimeMajor\) is not per-sample"):
+        clipper.per_sample_norms(torch.sin(model(rand(4, 3, 4))).sum(1))
+
+
 def test_an_input_changed_in_place_after_the_call_is_refused() -> None:
     class Shift(nn.Module):  # y = x + shift: autograd saves no input, the capture does
         def __init__(self) -> None:

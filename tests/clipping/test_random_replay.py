@@ -121,7 +121,7 @@ def test_eval_mode_draws_no_mask() -> None:
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     model(torch.randn(3, 4))
     (call,) = [c.call for c in clipper._hooks.captures if c.call is not None]
-    assert call.masks == []
+    assert call.draws == []
 
 
 class AlphaDropped(DroppedScale):
@@ -140,3 +140,66 @@ def test_other_random_numbers_are_refused(module: type[nn.Module]) -> None:
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
     with pytest.raises(UnsupportedModuleError, match=rf"'1' \({module.__name__}\) cannot be rerun per sample.*random"):
         clipper.backward(model(torch.randn(3, 4)).sum(1))
+
+
+class Gated(nn.Module):
+    """Mixes the batch on a random branch: a draw replayed whole decides it for every example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.rand(()) < 0.5:
+            x = x.roll(1, 0)
+        return x * self.scale
+
+
+def test_a_call_with_a_draw_replayed_whole_is_compared_on_every_batch() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Gated()).double()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    x = rand(4, 4)
+    closed = next(s for s in range(100) if (torch.manual_seed(s), torch.rand(()))[1] >= 0.5)
+    mixing = next(s for s in range(100) if (torch.manual_seed(s), torch.rand(()))[1] < 0.5)
+    torch.manual_seed(closed)
+    clipper.per_sample_norms(torch.sin(model(x)).sum(1))  # the gate closed: per-sample, but not confirmed
+    torch.manual_seed(mixing)
+    with pytest.raises(UnsupportedModuleError, match=r"'1' \(Gated\) is not per-sample"):
+        clipper.per_sample_norms(torch.sin(model(x)).sum(1))
+
+
+def test_draws_by_keyword_size_and_the_bernoulli_method_are_replayed() -> None:
+    class Draws(DroppedScale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            keep = torch.rand(size=(x.shape[0], 1)).to(x.dtype).bernoulli()
+            return x * self.scale * keep
+
+    model = randomise(nn.Sequential(nn.Linear(4, 6), Draws(6), nn.Linear(6, 2))).train()
+    _check(model, rand(B, 4), "mixed")
+
+
+def test_an_interrupted_forward_leaves_no_recorder_behind() -> None:
+    class Interrupted(DroppedScale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(4, 6), Interrupted(6)).train()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(3, 4))
+    clipper.detach()
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_structured_output_keeps_its_dtypes() -> None:
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * self.scale, (x * self.scale).bfloat16()
+
+    model = nn.Sequential(nn.Linear(4, 4), Mixed())
+    PerSampleClipper(model, max_grad_norm=1.0)
+    assert [t.dtype for t in model(torch.randn(3, 4))] == [torch.float32, torch.bfloat16]

@@ -1,13 +1,14 @@
-"""The exact fallback for a module that owns trainable parameters no layer family covers: per-sample gradients of its
-own parameters from ``torch.func`` (the approach of Opacus's functorch path, ``GradSampleModule`` with
-``force_functorch=True``).
+"""The exact fallback for a module that owns trainable parameters no layer family covers (or that encloses
+parameters misplaced at their own module): per-sample gradients of its own parameters from ``torch.func`` (the
+approach of Opacus's functorch path, ``GradSampleModule`` with ``force_functorch=True``).
 
 For each example ``i`` the module's forward is rerun on that example's rows alone (``vmap`` over ``[r, ...]`` slices
 of every input with the output's row count: one row, or its augmented copies, folded sequence or windows) with its own
-parameters as the variables, and ``grad_i = d <f(x_i; w), G_i> / dw``, with ``G_i`` the captured output gradient.
-The terms are materialised, ``B * numel`` per parameter. At the first clipped batch the rerun outputs are compared
-with the outputs the forward returned: a module whose example ``i`` depends on other examples, or that draws random
-numbers, is refused (docs/design.md section 4.2).
+parameters as the variables, and ``grad_i = d <f(x_i; w), G_i> / dw``, with ``G_i`` the captured output gradient;
+the call's dropout masks and random draws are replayed (:mod:`~.random_replay`). The terms are materialised,
+``B * numel`` per parameter. Until a batch of two examples or more confirms each structure and shape of the call, the
+rerun outputs are compared with the outputs the forward returned: a module whose example ``i`` depends on other
+examples, or whose rerun is not the call, is refused (docs/design.md section 4.2).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrize
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from lightning_dp.clipping.layers.random_replay import Masks, RandomReplay, by_example
+from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
@@ -49,7 +50,8 @@ class CapturedCall:
         kwargs: keyword arguments (tensors detached).
         versions: each input tensor's version counter at the call (an in-place change afterwards is refused).
         autocast: ``(device type, enabled, dtype)`` of autocast at the call; the rerun uses the same.
-        signature: the inputs' structure: the pytree spec and each leaf's kind (tensor ndim and dtype, or type).
+        signature: the inputs' structure: the pytree spec and each leaf's kind (a tensor's ndim, shape after the first
+            dimension and dtype, or the type).
         output: the output the call returned, ``[R, ...]``, while the module's split of this structure is not
             confirmed (the fallback compares its rerun with it); else None.
         batched: the confirmed positions (in the flattened inputs) of the inputs split by example, or None.
@@ -57,7 +59,7 @@ class CapturedCall:
         joined: for a call that returned a structure of tensors (a tuple, an HF ``ModelOutput``), its pytree spec and
             the positions of the distinct tensors requiring grad, joined into one output (:func:`join_outputs`);
             None for a call that returned a tensor.
-        masks: the dropout masks and random draws of the call, replayed in the rerun (:mod:`~.random_replay`).
+        draws: the dropout masks and random draws of the call, replayed in the rerun (:mod:`~.random_replay`).
     """
 
     args: tuple[Any, ...]
@@ -69,7 +71,7 @@ class CapturedCall:
     batched: tuple[int, ...] | None = None
     confirmed: tuple[int, ...] | None = None
     joined: tuple[TreeSpec, tuple[int, ...]] | None = None
-    masks: Masks = field(default_factory=list)
+    draws: Records = field(default_factory=list)
 
     @classmethod
     def record(cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> CapturedCall:
@@ -80,7 +82,9 @@ class CapturedCall:
         detached_args, detached_kwargs = tree_unflatten(tensors, spec)
         device = output.device.type
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        kinds = tuple((x.ndim, x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in flat)
+        kinds = tuple(
+            (x.ndim, tuple(x.shape[1:]), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in flat
+        )
         return cls(detached_args, detached_kwargs, versions, autocast, (str(spec), kinds))
 
     def modified(self) -> bool:
@@ -172,7 +176,7 @@ def split_joined(output: Any, joined: torch.Tensor, positions: tuple[int, ...]) 
     for index in positions:
         leaf = flat[index]
         size = leaf.numel() // joined.shape[0]
-        views[id(leaf)] = joined[:, offset : offset + size].reshape(leaf.shape)
+        views[id(leaf)] = joined[:, offset : offset + size].reshape(leaf.shape).to(leaf.dtype)
         offset += size
     return tree_unflatten([views.get(id(x), x) if isinstance(x, torch.Tensor) else x for x in flat], spec)
 
@@ -241,7 +245,8 @@ def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedM
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
     return UnsupportedModuleError(
         f"module '{name}' ({kind}) cannot be rerun per sample by the exact fallback ({type(error).__name__}: "
-        f"{first_sentence}); a module that draws random numbers other than dropout's, branches on its data or "
+        f"{first_sentence}); a module that draws random numbers other than those replayed (dropout, torch.rand and "
+        "its kin), branches on its data or "
         "calls .item() is not supported: " + _ROUTE.format(kind=kind)
     )
 
@@ -285,15 +290,16 @@ def fallback_terms(
         params: dict[str, torch.Tensor],
         example_inputs: tuple[torch.Tensor, ...],
         example_grad: torch.Tensor,
-        example_masks: tuple[torch.Tensor, ...],
+        example_draws: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         leaves = list(flat)
         for index, value in zip(batched, example_inputs, strict=True):
             leaves[index] = value
         args, kwargs = tree_unflatten(leaves, spec)
-        with RandomReplay(call.masks, dict(zip(mask_indices, example_masks, strict=True))) as replay:
+        with RandomReplay(call.draws, dict(zip(draw_indices, example_draws, strict=True))) as replay:
             output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
         replay.finish()
+        replayed_whole.append(replay.whole)
         if call.joined is not None:
             output = _rejoined(output, call.joined)
         if not isinstance(output, torch.Tensor):
@@ -304,7 +310,8 @@ def fallback_terms(
         return x.reshape(examples, rows_per_example, *x.shape[1:])
 
     params = {key: values[key].detach() for key in trainable}
-    mask_indices, masks = by_example(call.masks, examples)
+    draw_indices, draws = by_example(call.draws, examples)
+    replayed_whole: list[bool] = []
     device, enabled, dtype = call.autocast
     try:
         with torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -312,13 +319,15 @@ def fallback_terms(
                 params,
                 tuple(split(flat[i]) for i in batched),
                 split(output_grad),
-                masks,
+                draws,
             )
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
     if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
         _check_rerun(name, layer, split(call.output), outputs)
-        if examples >= 2:  # the split was seen to reproduce the call: keep it for the later calls of this structure
+        # the split was seen to reproduce the call: kept for the later calls of this structure, unless a draw replayed
+        # whole (one for the batch) may take another branch on another batch
+        if examples >= 2 and not any(replayed_whole):
             call.confirmed = tuple(batched)
     return {key: Materialised(g.to(compute_dtype(values[key]))) for key, g in grads.items()}
 

@@ -24,12 +24,23 @@ from torch.overrides import TorchFunctionMode
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 
 #: What one call drew, in call order: ``(keep, p)`` per dropout call (``keep`` bool), ``(drawn, None)`` per draw.
-Masks = list[tuple[torch.Tensor, float | None]]
+Records = list[tuple[torch.Tensor, float | None]]
 
 #: Random draws replayed as they were (their outputs are not changed by the recording).
 DRAWS = frozenset(
-    {torch.rand, torch.rand_like, torch.randn, torch.randn_like, torch.randint, torch.randint_like, torch.bernoulli}
+    {
+        torch.rand,
+        torch.rand_like,
+        torch.randn,
+        torch.randn_like,
+        torch.randint,
+        torch.randint_like,
+        torch.bernoulli,
+        torch.Tensor.bernoulli,
+    }
 )
+#: The draws whose first argument is a tensor of their shape.
+_LIKE = frozenset({torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli, torch.Tensor.bernoulli})
 
 
 def _dropout_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, float, bool, bool]:
@@ -44,48 +55,55 @@ def _dropout_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[t
 def _empty_like_draw(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     """An empty tensor of the shape and dtype the draw ``func(*args, **kwargs)`` of :data:`DRAWS` would return."""
     options = {k: v for k, v in kwargs.items() if k in ("dtype", "device")}
-    if func in (torch.rand_like, torch.randn_like, torch.randint_like, torch.bernoulli):
+    if func in _LIKE:
         return torch.empty_like(args[0], **options)
     if func is torch.randint:
         size = kwargs["size"] if "size" in kwargs else args[-1]
         return torch.empty(size, **{"dtype": torch.int64, **options})
-    return torch.empty(*args, **options)  # rand, randn: the size as positional arguments or one sequence
+    size = kwargs["size"] if "size" in kwargs else args  # rand, randn: the size as arguments, one sequence or keyword
+    return torch.empty(*size, **options) if size and not isinstance(size[0], int) else torch.empty(size, **options)
 
 
 def _apply(x: torch.Tensor, keep: torch.Tensor, p: float, inplace: bool) -> torch.Tensor:
-    scale = keep.to(x.dtype) * (1.0 / (1.0 - p) if p < 1 else 0.0)
-    return x.mul_(scale) if inplace else x * scale
+    """Dropout with the mask ``keep``: autograd keeps the bool mask alone, as torch's dropout does."""
+    scale = 1.0 / (1.0 - p) if p < 1 else 0.0
+    if inplace:
+        return x.mul_(scale).masked_fill_(~keep, 0)
+    return torch.where(keep, x * scale, 0)
 
 
 class RandomRecorder(TorchFunctionMode):
     """Records the dropout masks and draws made while modules of :attr:`active` run; entered while any is active.
 
     Attributes:
-        active: the masks of each recorded call running now, innermost last (a mask drawn goes to every one).
+        active: the records of each recorded call running now, innermost last (a draw goes to every one).
         names: the description of each (for messages).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.active: list[Masks] = []
+        self.active: list[Records] = []
         self.names: list[str] = []
 
-    def start(self, name: str) -> Masks:
+    def start(self, name: str) -> Records:
         """Start recording a call of the module described by ``name`` (entering the mode for the outermost); returns
-        its masks, filled as it runs."""
+        its records, filled as it runs."""
         if not self.active:
             self.__enter__()
-        masks: Masks = []
-        self.active.append(masks)
+        records: Records = []
+        self.active.append(records)
         self.names.append(name)
-        return masks
+        return records
 
     def stop(self) -> None:
-        """Stop recording the innermost call (leaving the mode after the outermost)."""
+        """Stop recording the innermost call (leaving the mode after the outermost, when it is the innermost mode: one
+        entered inside and not left, after an interrupt, stays)."""
         self.active.pop()
         self.names.pop()
         if not self.active:
-            self.__exit__(None, None, None)
+            depth = torch._C._len_torch_function_stack()
+            if depth and torch._C._get_function_stack_at(depth - 1) is self:
+                self.__exit__(None, None, None)
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -95,8 +113,8 @@ class RandomRecorder(TorchFunctionMode):
             x, p, training, inplace = _dropout_arguments(args, kwargs)
             if training and p > 0:
                 keep = torch.rand(x.shape, device=x.device) >= p
-                for masks in self.active:
-                    masks.append((keep, p))
+                for records in self.active:
+                    records.append((keep, p))
                 return _apply(x, keep, p, inplace)
         if func is F.scaled_dot_product_attention and kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0):
             raise UnsupportedModuleError(
@@ -107,17 +125,17 @@ class RandomRecorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         if func in DRAWS:
             drawn = result.detach().clone()  # the caller may change its draw in place (drop path's floor_)
-            for masks in self.active:
-                masks.append((drawn, None))
+            for records in self.active:
+                records.append((drawn, None))
         return result
 
 
-def by_example(masks: Masks, examples: int) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
-    """The masks ``[R_j, ...]`` whose rows ``B`` divides, as ``[B, R_j / B, ...]`` (their rows by example), and their
-    indices: the vmapped input of :class:`RandomReplay`."""
-    indices = tuple(j for j, (keep, _) in enumerate(masks) if keep.ndim and keep.shape[0] % examples == 0)
+def by_example(records: Records, examples: int) -> tuple[tuple[int, ...], tuple[torch.Tensor, ...]]:
+    """The records ``[R_j, ...]`` whose rows ``B`` divides, as ``[B, R_j / B, ...]`` (their rows by example), and
+    their indices: the vmapped input of :class:`RandomReplay`."""
+    indices = tuple(j for j, (drawn, _) in enumerate(records) if drawn.ndim and drawn.shape[0] % examples == 0)
     return indices, tuple(
-        masks[j][0].reshape(examples, masks[j][0].shape[0] // examples, *masks[j][0].shape[1:]) for j in indices
+        records[j][0].reshape(examples, records[j][0].shape[0] // examples, *records[j][0].shape[1:]) for j in indices
     )
 
 
@@ -126,15 +144,19 @@ class RandomReplay(TorchFunctionMode):
     docstring).
 
     Args:
-        masks: the call's masks.
-        example: the example's rows of masks by index (``[R_j / B, ...]`` under ``vmap``; :func:`by_example`).
+        records: the call's records.
+        example: the example's rows of records by index (``[R_j / B, ...]`` under ``vmap``; :func:`by_example`).
+
+    Attributes:
+        whole: whether a record was replayed whole (shared by the batch, or a draw that decides a branch for all).
     """
 
-    def __init__(self, masks: Masks, example: dict[int, torch.Tensor]) -> None:
+    def __init__(self, records: Records, example: dict[int, torch.Tensor]) -> None:
         super().__init__()
-        self.masks = masks
+        self.records = records
         self.example = example
         self.index = 0
+        self.whole = False
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -151,9 +173,9 @@ class RandomReplay(TorchFunctionMode):
 
     def _next(self, shape: torch.Size, *, dropout: bool) -> torch.Tensor:
         """The next record for a call of ``shape``: the example's rows of it, or the whole."""
-        if self.index >= len(self.masks):
-            raise TypeError(f"the rerun draws random numbers more often than the call ({len(self.masks)} times)")
-        (record, p), example = self.masks[self.index], self.example.get(self.index)
+        if self.index >= len(self.records):
+            raise TypeError(f"the rerun draws random numbers more often than the call ({len(self.records)} times)")
+        (record, p), example = self.records[self.index], self.example.get(self.index)
         self.index += 1
         if (p is not None) != dropout:
             raise TypeError("the rerun draws random numbers in another order than the call")
@@ -161,9 +183,10 @@ class RandomReplay(TorchFunctionMode):
             return example
         if record.shape != shape:
             raise TypeError(f"the rerun draws random numbers of another shape ({tuple(shape)}) than the call")
+        self.whole = True
         return record
 
     def finish(self) -> None:
         """Raise when the rerun used fewer records than the call made."""
-        if self.index != len(self.masks):
-            raise TypeError(f"the rerun draws random numbers {self.index} times, the call {len(self.masks)} times")
+        if self.index != len(self.records):
+            raise TypeError(f"the rerun draws random numbers {self.index} times, the call {len(self.records)} times")
