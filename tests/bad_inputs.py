@@ -137,17 +137,16 @@ class _Centered(nn.Module):
         return self.b(h - h.mean(0))
 
 
-class _DroppedScale(nn.Module):
-    """``dropout(x * scale)`` with its own trainable ``nn.Parameter``: the exact fallback cannot rerun its random
-    forward per sample."""
+class _NoisyScale(nn.Module):
+    """``x * scale + noise`` with its own trainable ``nn.Parameter`` and noise filled in place: the exact fallback
+    cannot rerun that random forward per sample (it replays dropout and ``torch.rand``-like draws only)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
-        self.drop = nn.Dropout(0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x * self.scale)
+        return x * self.scale + torch.empty_like(x).uniform_()
 
 
 class _RunningMean(nn.Module):
@@ -533,8 +532,8 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "Lightning fit",
-        "a module with its own trainable nn.Parameter and dropout (the fallback cannot rerun it)",
-        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), _DroppedScale(), nn.Linear(4, 1)))),
+        "a module with its own trainable nn.Parameter and in-place random noise (the fallback cannot rerun it)",
+        _fit(_body(lambda: nn.Sequential(nn.Linear(6, 4), _NoisyScale(), nn.Linear(4, 1)))),
         "cannot be rerun per sample",
     ),
     BadInput(

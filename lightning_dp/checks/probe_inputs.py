@@ -5,7 +5,7 @@ A model's own inputs come first: Lightning's ``example_input_array`` (on any mod
 ``dummy_inputs`` do not (HF's generic ``{"input_ids": ...}`` on a vision or audio model), inputs of
 :data:`EXAMPLES` examples are built from ``main_input_name`` and the config:
 
-- ``pixel_values``: ``[n, num_channels, H, W]`` from ``image_size`` (an int or ``(H, W)``, 224 when the config has
+- ``pixel_values``: ``[n, num_channels, H, W]`` from ``image_size`` (an int or ``(H, W)``, 64 when the config has
   none), ``[n, num_frames, num_channels, H, W]`` when the config has ``num_frames`` (video);
 - ``input_values``: a waveform ``[n, samples]`` that the convolutional feature extractor (``conv_kernel``,
   ``conv_stride``) maps to at least 32 frames and twice the SpecAugment ``mask_time_length`` (Wav2Vec2, HuBERT,
@@ -37,7 +37,7 @@ EXAMPLES = 3
 #: seed of the generator the built inputs are drawn from.
 SEED = 0
 #: the side of a built image when the config has no ``image_size``.
-DEFAULT_IMAGE_SIZE = 224
+DEFAULT_IMAGE_SIZE = 64
 #: the least number of frames the built waveform of a convolutional audio encoder yields.
 AUDIO_FRAMES = 32
 #: the length of built decoder inputs (start token included).

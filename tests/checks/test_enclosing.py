@@ -154,6 +154,34 @@ def test_the_unit_runs_every_use_not_only_holds_the_module() -> None:
     assert clipper.enclosing == {"": ("owner.m",)}
 
 
+def test_an_enclosed_swapped_module_is_varied_once() -> None:
+    """A position embedding computing its ids (swapped: a proxy registers its weight again) called on ``[T]`` ids:
+    enclosed by the encoder, whose rerun varies the weight under one name."""
+
+    class Positions(nn.Embedding):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(torch.arange(ids.shape[1], device=ids.device))  # [T]: no batch dimension
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens = nn.Embedding(10, 4)
+            self.positions = Positions(6, 4)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.tokens(ids) + self.positions(ids))).sum(1)
+
+    model = randomise(Encoder())
+    ids = torch.randint(0, 10, (5, 6), generator=torch.Generator().manual_seed(0))
+    model.example_input_array = ids[:3]
+    clipper = check_against_batch_graph(
+        model, lambda: torch.sin(model(ids)).sum(1), "mixed", lambda c: probe_at_attach(model, c)
+    )
+    (enclosed,) = clipper.enclosing.values()
+    assert "positions" in enclosed
+
+
 def test_no_enclosing_module_with_a_row_per_example_keeps_the_refusal() -> None:
     class Pooled(nn.Module):  # the root returns one row for the batch: nothing encloses the use per example
         def __init__(self) -> None:

@@ -131,11 +131,15 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 def covered_parameters(module: nn.Module, encloses: tuple[str, ...] = ()) -> dict[str, nn.Parameter]:
     """The parameters a family's terms cover for ``module``, by (dotted) name: its own (:func:`own_parameters`), and
-    those of the descendants at ``encloses`` (:attr:`LayerFamily.encloses`) as ``'<path>.<name>'``."""
+    those of the descendants at ``encloses`` (:attr:`LayerFamily.encloses`) as ``'<path>.<name>'``; each once, by its
+    first name (a swapped module's proxy registers its parameters again)."""
     params = own_parameters(module)
+    seen = {id(param) for param in params.values()}
     for path in encloses:
         for name, param in own_parameters(module.get_submodule(path)).items():
-            params[f"{path}.{name}"] = param
+            if id(param) not in seen:
+                seen.add(id(param))
+                params[f"{path}.{name}"] = param
     return params
 
 
