@@ -217,9 +217,11 @@ def test_an_fsdp2_model_cannot_enclose() -> None:
         hooked_modules(Reads(), sharded=True, enclosing={"": ("scale",)})
 
 
-def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers() -> None:
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers(attention: str) -> None:
     """Swin's window attention folds windows into rows: its output projections are enclosed by their layer, whose
-    rerun replays the drop path and dropout of the call."""
+    rerun replays the drop path and dropout of the call (attention dropout under eager attention; the rerun computes
+    SDPA in its reference maths)."""
     config = transformers.SwinConfig(
         image_size=16,
         patch_size=2,
@@ -230,10 +232,10 @@ def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers() -> None
         window_size=4,
         mlp_ratio=2.0,
         hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1 if attention == "eager" else 0.0,
         drop_path_rate=0.2,
         num_labels=3,
-        attn_implementation="eager",
+        attn_implementation=attention,
     )
     torch.manual_seed(0)
     model = randomise(transformers.SwinForImageClassification(config)).train()

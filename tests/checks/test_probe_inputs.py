@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_dp.checks.attach_probe import probe_at_attach
 from lightning_dp.checks.probe_inputs import example_inputs
-from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+from lightning_dp.clipping import PerSampleClipper
 
 transformers = pytest.importorskip("transformers")
 
@@ -194,15 +194,16 @@ def test_a_lightning_example_input_array_comes_first() -> None:
     assert example_inputs(model) is model.example_input_array
 
 
-def test_swin_is_refused_when_the_trainer_is_built(tmp_path) -> None:
+def test_swin_is_probed_when_the_trainer_is_built(tmp_path, caplog) -> None:
+    """Its window attention's output projections are enclosed by their layers at attach (checks/enclosing.py)."""
     from hf_helpers import make_trainer
 
     from lightning_dp.hf import PrivacyArguments
 
-    with pytest.raises(
-        UnsupportedModuleError, match=r"attention\.o_proj' saw a batch dimension of 12 but .* 3 samples"
-    ):
+    with caplog.at_level(logging.INFO, logger="lightning_dp"):
         make_trainer(_swin(), tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, dp_seed=0))
+    assert "'swin.encoder.layers.0.blocks.0' (SwinLayer" in caplog.text
+    assert "enclosing 'attention.o_proj'" in caplog.text
 
 
 class Unprobeable(nn.Module):

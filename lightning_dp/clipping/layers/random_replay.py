@@ -9,11 +9,13 @@ drawn tensor is kept with the call. In the rerun the ``j``-th such call takes th
 it (``[R_j / B, ...]``) when the rerun's shape is that, or the whole record when it is shared by the batch (DeBERTa's
 dropout on its relative embeddings); another kind, another shape or another number of calls is refused. Other random
 functions (in-place fills) still raise under ``vmap``. The fallback's first-batch comparison checks the replay with the
-rest of the rerun.
+rest of the rerun. The rerun computes ``F.scaled_dot_product_attention`` in its reference maths, which ``vmap(grad)``
+differentiates where the fused CPU kernels are not.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -139,6 +141,32 @@ def by_example(records: Records, examples: int) -> tuple[tuple[int, ...], tuple[
     )
 
 
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` without dropout, in its reference maths (torch's documentation), which
+    ``vmap(grad(...))`` differentiates where the fused CPU kernels are not (with respect to a mask)."""
+    if enable_gqa:
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    weights = query @ key.transpose(-2, -1) * (1 / math.sqrt(query.size(-1)) if scale is None else scale)
+    if is_causal:
+        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+        weights = weights.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        weights = (
+            weights.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else weights + attn_mask
+        )
+    return torch.softmax(weights, dim=-1) @ value
+
+
 class RandomReplay(TorchFunctionMode):
     """Replays the recorded masks and draws in the dropout calls and draws of a rerun, in order (see the module's
     docstring).
@@ -169,6 +197,8 @@ class RandomReplay(TorchFunctionMode):
         if func in DRAWS:
             like = _empty_like_draw(func, args, kwargs)  # the draw's shape and dtype, drawing nothing
             return self._next(like.shape, dropout=False).to(like.dtype).clone()
+        if func is F.scaled_dot_product_attention:  # without dropout: the recorder refused it with dropout
+            return _attention(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _next(self, shape: torch.Size, *, dropout: bool) -> torch.Tensor:
