@@ -280,8 +280,9 @@ def fallback_terms(
         encloses: paths of descendants whose own parameters are variables too (:func:`enclosing_family`).
 
     Raises:
-        UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers, data-dependent control flow), or, at
-            the first batch, its output differs from the call's (row ``i`` depends on other rows).
+        UnsupportedModuleError: the rerun fails under ``vmap`` (random numbers it cannot replay, data-dependent
+            control flow), or, while this structure and shape of the call is not confirmed, its output differs from
+            the call's (row ``i`` depends on other rows, or the rerun is not the call).
     """
     trainable = [key for key, p in covered_parameters(layer, encloses).items() if p.requires_grad]
     rows = output_grad.shape[0]
