@@ -31,7 +31,7 @@ from lightning_dp.clipping.groups import (
 )
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
-from lightning_dp.clipping.layers.registry import LayerFamily, MisplacedParametersError, UnsupportedModuleError
+from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -350,48 +350,6 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             self._hooks.clear()
             self.discard_past_iterates()
         return norms
-
-    def _verify_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
-        """Check, once per module, that a capture of ``B K r`` rows (a sequence or windows folded into the rows) holds
-        each example's rows together, and that a capture whose broadcast input was expanded to the batch gives each
-        example its own row (a model that reads only row 0 of it would send every example's gradient to example 0):
-        the batch-independence check on those outputs (docs/design.md section 4.1).
-
-        Raises:
-            BatchMixingError: the rows are in another order (or are not examples' rows at all).
-        """
-        from lightning_dp.checks.independence import check_batch_independence  # checks import the clipping package
-
-        rows_per_copy = batch * self.augmentation_multiplicity
-        targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
-        checked: set[str] = set()
-        for index, capture in enumerate(self._hooks.captures):
-            rows = capture.output_shape[0] if capture.output_shape else 0
-            folded = rows > 0 and rows != rows_per_copy and capture.fold_rows == rows_per_copy
-            if (folded or capture.expanded) and capture.name not in self._rows_verified:
-                targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
-                checked.add(capture.name)
-        if not targets:
-            return
-        with self._hooks.suspended():
-            conclusive = check_batch_independence(per_sample_loss, targets, self.augmentation_multiplicity)
-        if conclusive:
-            self._rows_verified |= checked
-
-    def _check_all_rows(self, captures: list[Capture], batch: int) -> None:
-        """Raise for every capture whose rows are not ``B K`` examples' (nor folded), naming them all.
-
-        Raises:
-            MisplacedParametersError: with the first module's message (:func:`~.multiplicity.check_rows`).
-        """
-        errors: dict[str, UnsupportedModuleError] = {}
-        for capture in captures:
-            try:
-                self._rows_per_example(capture, batch)
-            except UnsupportedModuleError as error:
-                errors.setdefault(capture.name, error)
-        if errors:
-            raise MisplacedParametersError(str(next(iter(errors.values()))), modules=tuple(errors))
 
     def output_targets(self) -> dict[str, tuple[GradientEdge, torch.Size]]:
         """The autograd edges and shapes of the hooked outputs captured since the last clipped batch, keyed by a

@@ -1,5 +1,6 @@
-"""The per-sample norms of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` and the wiring of the sum check
-(docs/design.md sections 4.3, 4.5 and 9.3). A stateless mixin over the clipper's attributes.
+"""The per-sample norms of :class:`~lightning_dp.clipping.clipper.PerSampleClipper`, the checks that its captures'
+rows are examples', and the wiring of the sum check (docs/design.md sections 4.1, 4.3, 4.5 and 9.3). A mixin over the
+clipper's attributes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from lightning_dp.clipping.engines.base import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
@@ -53,6 +55,8 @@ class SampleNormsMixin:
     _names: dict[nn.Parameter, str]
     _registered: dict[tuple[int, str], nn.Parameter]
     _checked_batches: int
+    #: modules whose folded (``B K r``) or expanded rows were seen to keep each example's rows its own
+    _rows_verified: set[str]
     _sharded: bool
     _generator_for: Callable[[torch.device], torch.Generator] | None
     _past: list[Capture]
@@ -156,6 +160,48 @@ class SampleNormsMixin:
         copies = self.augmentation_multiplicity
         folds = (capture.fold_rows == batch * copies or capture.expanded) and not self._sharded
         return check_rows(capture.name, capture.output_grad.shape[0], batch, copies, folded=folds)
+
+    def _verify_rows(self, per_sample_loss: torch.Tensor, batch: int) -> None:
+        """Check, once per module, that a capture of ``B K r`` rows (a sequence or windows folded into the rows) holds
+        each example's rows together, and that a capture whose broadcast input was expanded to the batch gives each
+        example its own row (a model that reads only row 0 of it would send every example's gradient to example 0):
+        the batch-independence check on those outputs (docs/design.md section 4.1).
+
+        Raises:
+            BatchMixingError: the rows are in another order (or are not examples' rows at all).
+        """
+        from lightning_dp.checks.independence import check_batch_independence  # checks import the clipping package
+
+        rows_per_copy = batch * self.augmentation_multiplicity
+        targets: dict[str, tuple[GradientEdge | torch.Tensor, torch.Size]] = {}
+        checked: set[str] = set()
+        for index, capture in enumerate(self._hooks.captures):
+            rows = capture.output_shape[0] if capture.output_shape else 0
+            folded = rows > 0 and rows != rows_per_copy and capture.fold_rows == rows_per_copy
+            if (folded or capture.expanded) and capture.name not in self._rows_verified:
+                targets[f"output of module '{capture.name}' (call {index})"] = (capture.edge, capture.output_shape)
+                checked.add(capture.name)
+        if not targets:
+            return
+        with self._hooks.suspended():
+            conclusive = check_batch_independence(per_sample_loss, targets, self.augmentation_multiplicity)
+        if conclusive:
+            self._rows_verified |= checked
+
+    def _check_all_rows(self, captures: list[Capture], batch: int) -> None:
+        """Raise for every capture whose rows are not ``B K`` examples' (nor folded), naming them all.
+
+        Raises:
+            MisplacedParametersError: with the first module's message (:func:`~.multiplicity.check_rows`).
+        """
+        errors: dict[str, UnsupportedModuleError] = {}
+        for capture in captures:
+            try:
+                self._rows_per_example(capture, batch)
+            except UnsupportedModuleError as error:
+                errors.setdefault(capture.name, error)
+        if errors:
+            raise MisplacedParametersError(str(next(iter(errors.values()))), modules=tuple(errors))
 
     def _terms(self, captures: list[Capture], batch: int) -> dict[nn.Parameter, list[Term]]:
         """Group the terms of all captures by parameter (one term per use), folded to ``batch`` examples
