@@ -55,6 +55,25 @@ def tiny_bert_classifier(num_labels: int = 2) -> transformers.BertForSequenceCla
     return transformers.BertForSequenceClassification(config)
 
 
+def tiny_swin(**overrides: Any) -> transformers.SwinForImageClassification:
+    """A Swin classifier on 16x16 images whose first stage folds 4 windows per image into the rows (dropout and drop
+    path 0 unless ``overrides`` set them)."""
+    settings: dict[str, Any] = dict(
+        image_size=16,
+        patch_size=2,
+        embed_dim=16,
+        depths=[1, 1],
+        num_heads=[2, 4],
+        window_size=4,
+        mlp_ratio=2.0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        drop_path_rate=0.0,
+        num_labels=3,
+    )
+    return transformers.SwinForImageClassification(transformers.SwinConfig(**{**settings, **overrides}))
+
+
 class TokenDataset(Dataset):
     """``n`` random token sequences of length ``t``; LM labels are the ids with the last ``pad`` positions -100,
     classification labels are ``ids[0] % 2`` (learnable)."""

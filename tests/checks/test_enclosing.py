@@ -222,23 +222,11 @@ def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers(attention
     """Swin's window attention folds windows into rows: its output projections are enclosed by their layer, whose
     rerun replays the drop path and dropout of the call (attention dropout under eager attention; the rerun computes
     SDPA in its reference maths)."""
-    config = transformers.SwinConfig(
-        image_size=16,
-        patch_size=2,
-        num_channels=3,
-        embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 4],
-        window_size=4,
-        mlp_ratio=2.0,
-        hidden_dropout_prob=0.1,
-        attention_probs_dropout_prob=0.1 if attention == "eager" else 0.0,
-        drop_path_rate=0.2,
-        num_labels=3,
-        attn_implementation=attention,
-    )
+    from hf_helpers import tiny_swin
+
     torch.manual_seed(0)
-    model = randomise(transformers.SwinForImageClassification(config)).train()
+    dropout = {"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1 if attention == "eager" else 0.0}
+    model = randomise(tiny_swin(**dropout, drop_path_rate=0.2, attn_implementation=attention)).train()
     pixels = rand(4, 3, 16, 16)
 
     def loss() -> torch.Tensor:
@@ -251,16 +239,9 @@ def test_swin_with_stochastic_depth_and_dropout_is_exact_by_its_layers(attention
 
 
 def test_fused_attention_dropout_in_an_enclosing_module_is_refused_with_the_route() -> None:
-    config = transformers.SwinConfig(
-        image_size=16,
-        patch_size=2,
-        embed_dim=16,
-        depths=[1],
-        num_heads=[2],
-        window_size=4,
-        attention_probs_dropout_prob=0.1,
-    )
-    model = transformers.SwinForImageClassification(config)
+    from hf_helpers import tiny_swin
+
+    model = tiny_swin(attention_probs_dropout_prob=0.1)
     with pytest.raises(
         UnsupportedModuleError, match=r"blocks\.0' \(SwinLayer\) runs scaled_dot_product_attention.*'eager'"
     ):

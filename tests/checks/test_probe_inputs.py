@@ -19,6 +19,7 @@ from lightning_dp.checks.probe_inputs import example_inputs
 from lightning_dp.clipping import PerSampleClipper
 
 transformers = pytest.importorskip("transformers")
+from hf_helpers import tiny_swin  # noqa: E402 (after the skip: it imports transformers)
 
 VISION: dict[str, Any] = dict(
     hidden_size=32,
@@ -49,26 +50,8 @@ SEQ2SEQ: dict[str, Any] = dict(
 )
 
 
-def _swin(**overrides: Any) -> nn.Module:
-    config = transformers.SwinConfig(
-        image_size=16,
-        patch_size=2,
-        embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 4],
-        window_size=4,
-        mlp_ratio=2.0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        drop_path_rate=0.0,
-        num_labels=3,
-        **overrides,
-    )
-    return transformers.SwinForImageClassification(config)
-
-
 def _swin_output_projections_frozen() -> nn.Module:
-    model = _swin()
+    model = tiny_swin()
     for name, param in model.named_parameters():
         param.requires_grad_("attention.o_proj" not in name)
     return model
@@ -201,7 +184,7 @@ def test_swin_is_probed_when_the_trainer_is_built(tmp_path, caplog) -> None:
     from lightning_dp.hf import PrivacyArguments
 
     with caplog.at_level(logging.INFO, logger="lightning_dp"):
-        make_trainer(_swin(), tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, dp_seed=0))
+        make_trainer(tiny_swin(), tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, dp_seed=0))
     assert "'swin.encoder.layers.0.blocks.0' (SwinLayer" in caplog.text
     assert "enclosing 'attention.o_proj'" in caplog.text
 
