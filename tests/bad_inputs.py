@@ -177,15 +177,17 @@ def _privacy_arguments(**kwargs: Any) -> Callable[[], Any]:
     return run
 
 
-def _hf_trainer(attribute: str | None = None, value: Any = None, model: Callable[[], nn.Module] | None = None):
+def _hf_trainer(
+    attribute: str | None = None, value: Any = None, model: Callable[[], nn.Module] | None = None, **more: Any
+):
     def run() -> Any:
         from lightning_dp.hf import DPTrainer, PrivacyArguments
         from tests.hf_helpers import TokenDataset, tiny_gpt2, training_args
 
         with tempfile.TemporaryDirectory() as tmp:
             args = training_args(tmp)
-            if attribute is not None:
-                setattr(args, attribute, value)  # after construction: some need a GPU to construct
+            for name, setting in {**({attribute: value} if attribute is not None else {}), **more}.items():
+                setattr(args, name, setting)  # after construction: some need a GPU to construct
             return DPTrainer(
                 model=(model or tiny_gpt2)(),
                 args=args,
@@ -607,9 +609,9 @@ CASES: list[BadInput] = [
     BadInput("HF DPTrainer", "TrainingArguments(fp16=True)", _hf_trainer("fp16", True), "fp16"),
     BadInput(
         "HF DPTrainer",
-        "TrainingArguments(gradient_checkpointing=True)",
-        _hf_trainer("gradient_checkpointing", True),
-        "gradient_checkpointing",
+        "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': True})",
+        _hf_trainer("gradient_checkpointing_kwargs", {"use_reentrant": True}, gradient_checkpointing=True),
+        "use_reentrant=False",
     ),
     BadInput(
         "HF DPTrainer", "TrainingArguments(max_grad_norm=0.5)", _hf_trainer("max_grad_norm", 0.5), "max_grad_norm=0.5"

@@ -22,6 +22,7 @@ from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
+from lightning_dp.clipping.recomputation import reentrant_refused
 
 log = logging.getLogger("lightning_dp")
 
@@ -159,7 +160,7 @@ def _vector_jacobian_passes(
         member = ((index >> bit) & 1).bool()
         for chosen in (member, ~member):
             weighted = chosen & finite if active else torch.zeros_like(chosen)
-            with torch.enable_grad():
+            with torch.enable_grad(), reentrant_refused():
                 grads = torch.autograd.grad(
                     per_sample_loss,
                     inputs,  # type: ignore[arg-type]  # a mix of tensors and edges: torch accepts it, its stub does not

@@ -398,7 +398,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
 
         Raises:
             ValueError: ``per_sample_loss`` not ``[B]`` or not requiring grad, a hooked layer with another row count
-                than ``B`` (``B K``), or a changed trainable set.
+                than ``B`` (``B K``), a changed trainable set, or layers under reentrant activation checkpointing
+                (non-reentrant checkpointing is exact: :mod:`~.recomputation`).
             UnsupportedModuleError: a gradient outside a hooked forward, found by the sum check.
             RuntimeError: after :meth:`detach`.
         """

@@ -22,6 +22,7 @@ from lightning_dp.clipping.layers.fallback import CapturedCall, covered_paramete
 from lightning_dp.clipping.layers.random_replay import RandomRecorder, Records
 from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.multiplicity import fold_copies
+from lightning_dp.clipping.recomputation import recomputing, save_input, saved_tensor_hooks_active
 from lightning_dp.clipping.terms import Term
 
 
@@ -33,7 +34,9 @@ class Capture:
         name: the module's path in the root module.
         module: the module.
         family: its layer family.
-        activation: its first input, detached (``[B, ...]``; shares storage and version counter with the input).
+        activation: its first input, detached (``[B, ...]``; shares storage and version counter with the input);
+            inside an activation-checkpointed region None until the backward hands over the recomputed input
+            (:mod:`~.recomputation`).
         activation_version: the input's version counter at the call.
         edge: the autograd edge of its output (or of the output's base).
         output_shape: the output's shape (the gradient at ``edge`` is reshaped to it).
@@ -52,7 +55,7 @@ class Capture:
     name: str
     module: nn.Module
     family: LayerFamily
-    activation: torch.Tensor
+    activation: torch.Tensor | None
     activation_version: int
     edge: GradientEdge
     output_shape: torch.Size
@@ -67,12 +70,17 @@ class Capture:
         """Whether an input of the call was modified in place after the module ran."""
         if self.call is not None:
             return self.call.modified()
-        return self.activation._version != self.activation_version
+        return self.activation is not None and self.activation._version != self.activation_version
+
+    def recomputed(self, x: torch.Tensor) -> None:
+        """Take the call's first input ``x`` as the backward recomputed it (a checkpointed region)."""
+        self.activation, self.activation_version = x.detach(), x._version
 
     def layer_terms(self, rows: int) -> dict[str, Term]:
         """The family's terms for this call per example, ``{param attribute: Term}`` (after the backward set
         ``output_grad``), each example's ``rows`` consecutive rows folded (:func:`~.multiplicity.fold_copies`)."""
-        assert self.output_grad is not None  # only captures the backward pass reached have terms
+        # only captures the backward pass reached have terms (and, checkpointed, their recomputed input)
+        assert self.output_grad is not None and self.activation is not None
         if self.call is not None:  # such a family folds its rows itself
             values = self.parameter_values or {k: v.detach() for k, v in self.leaves.items()}
             return self.family.terms(self.name, self.module, self.call, self.output_grad, values, rows)
@@ -88,7 +96,7 @@ class Capture:
 
     def release(self) -> None:
         """Drop the captured activation and output gradient; the capture is not used again."""
-        self.activation = self.output_grad = None  # type: ignore[assignment]
+        self.activation = self.output_grad = None
         self.parameter_values = None
         self.call = None
 
@@ -188,7 +196,8 @@ class CaptureHooks:
         return torch.is_grad_enabled() and not self._suspended
 
     def _start_recording(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._recording():
+        # also in a checkpointed region's recomputation: its dropout then draws as in the forward (records unused)
+        if self._recording() or recomputing():
             self._recorded.append((id(module), self._random.start(self._names[id(module)])))
 
     def _stop_recording(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -207,7 +216,7 @@ class CaptureHooks:
         ``position_ids``); with no earlier call nothing is expanded.
         """
         x = _first_input(args, kwargs)
-        if not self._recording() or not isinstance(x, torch.Tensor) or x.ndim == 0:
+        if not (self._recording() or recomputing()) or not isinstance(x, torch.Tensor) or x.ndim == 0:
             return None
         if x.shape[0] != 1 or self._batch_hint <= 1:
             return None
@@ -251,7 +260,8 @@ class CaptureHooks:
     def _forward_hook(self, name: str, family: LayerFamily) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             x = _first_input(args, kwargs)
-            if not self._recording():
+            rerun = recomputing()  # a checkpointed region's recomputation: the forward's outputs, no capture
+            if not (rerun or self._recording()):
                 return None
             whole = output
             if family.output_index is not None and isinstance(output, tuple):  # a router's (logits, ...)
@@ -278,6 +288,13 @@ class CaptureHooks:
                     # (the view is then freed, so memory is unchanged).
                     output = replaced = output.clone()
                 edge = get_gradient_edge(output)
+            # checkpointed (saved-tensors hooks active): the input is taken from the recomputation, not kept
+            deferred = isinstance(x, torch.Tensor) and not family.captures_call and saved_tensor_hooks_active()
+            if rerun:
+                self._expanded.discard(id(module))
+                if deferred:
+                    replaced = save_input(output, x)
+                return self._result(whole, output, replaced, joined, family.output_index)
             leaves: dict[str, torch.Tensor] = dict(covered_parameters(module, family.encloses))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
@@ -290,26 +307,38 @@ class CaptureHooks:
                     call.output = output.detach().clone()  # for the fallback's comparison
                 if self._copy_parameters:
                     values = {k: v.detach().clone() for k, v in leaves.items()}
-            activation = x.detach() if isinstance(x, torch.Tensor) else output.detach()
+            activation = None if deferred else x.detach() if isinstance(x, torch.Tensor) else output.detach()
             version = x._version if isinstance(x, torch.Tensor) else 0
-            self.captures.append(
-                Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
-            )
-            capture = self.captures[-1]
+            capture = Capture(name, module, family, activation, version, edge, output.shape, leaves, values, call=call)
+            self.captures.append(capture)
             capture.expanded = id(module) in self._expanded
             self._expanded.discard(id(module))
             capture.fold_rows = self._fold_rows(x)
-            if capture.fold_rows is not None and output.grad_fn is not None and output.ndim:
-                self._fold_nodes[output.grad_fn] = (capture.fold_rows, output.shape[0])
+            if deferred:
+                replaced = save_input(output, x, capture.recomputed)
+            if capture.fold_rows is not None and output.ndim:
+                for node in {output.grad_fn, None if replaced is None else replaced.grad_fn} - {None}:
+                    self._fold_nodes[node] = (capture.fold_rows, output.shape[0])
             self._batch_hint = output.shape[0] if output.ndim else 0
-            if joined is not None:  # the output rebuilt from views of the joined tensor, whose gradient is captured
-                return split_joined(whole, output, joined[1])
-            if replaced is not None and family.output_index is not None and whole is not output:
-                index = family.output_index
-                return (*whole[:index], replaced, *whole[index + 1 :])
-            return replaced
+            return self._result(whole, output, replaced, joined, family.output_index)
 
         return hook
+
+    @staticmethod
+    def _result(
+        whole: Any,
+        output: torch.Tensor,
+        replaced: torch.Tensor | None,
+        joined: tuple[Any, Any] | None,
+        output_index: int | None,
+    ) -> Any:
+        """What the forward hook returns: the output rebuilt from views of the joined tensor, whose gradient is
+        captured; the call's outputs with ``replaced`` for the hooked output; or None (unchanged)."""
+        if joined is not None:
+            return split_joined(whole, output, joined[1])
+        if replaced is not None and output_index is not None and whole is not output:
+            return (*whole[:output_index], replaced, *whole[output_index + 1 :])
+        return replaced
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

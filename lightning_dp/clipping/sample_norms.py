@@ -17,6 +17,7 @@ from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.registry import MisplacedParametersError, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import check_rows
+from lightning_dp.clipping.recomputation import reentrant_refused
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
 
@@ -93,6 +94,7 @@ class SampleNormsMixin:
         Raises:
             MisplacedParametersError: (with ``param_grads``) parameters got a gradient but no hooked call did (the
                 first named, all listed).
+            ValueError: a region under reentrant activation checkpointing (``use_reentrant=True``).
         """
         if not per_sample_loss.requires_grad:
             raise ValueError("the per-sample loss does not require grad: it does not depend on trainable parameters")
@@ -100,7 +102,7 @@ class SampleNormsMixin:
         leaves = self._forward_leaves(captures) if param_grads else []
         inputs = [c.edge for c in captures] + [leaf for _, leaf in leaves]
         total = per_sample_loss.sum() if weight == 1.0 else per_sample_loss.sum() * weight
-        with self._hooks.suspended():
+        with self._hooks.suspended(), reentrant_refused():
             # edges and tensors mixed: torch.autograd.grad takes them, its annotation wants one kind
             grads = torch.autograd.grad(total, inputs, allow_unused=True)  # type: ignore[arg-type]
         for capture, grad in zip(captures, grads[: len(captures)], strict=True):

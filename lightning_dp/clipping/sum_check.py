@@ -31,10 +31,7 @@ def reduced_precision(per_sample_loss: torch.Tensor, params: list[nn.Parameter],
         return True
     if any(p.dtype in _REDUCED_DTYPES for p in params):
         return True
-    if any(
-        c.activation.dtype in _REDUCED_DTYPES or (c.output_grad is not None and c.output_grad.dtype in _REDUCED_DTYPES)
-        for c in captures
-    ):
+    if any(t is not None and t.dtype in _REDUCED_DTYPES for c in captures for t in (c.activation, c.output_grad)):
         return True
     if any(p.is_cuda and p.dtype == torch.float32 for p in params):
         if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":

@@ -38,7 +38,8 @@ def fsdp2_settings_from_launcher() -> FullyShardedDataParallelPlugin | None:
     Raises:
         ValueError: ``fsdp_version: 1`` (FSDP1's flat parameters hide the layers' weights from the clipping hooks), or
             a setting DPTrainer does not honour: ``fsdp_offload_params`` (the gradients would live on the CPU),
-            ``fsdp_activation_checkpointing`` (recomputed activations bypass the clipping hooks), ignored modules.
+            ``fsdp_activation_checkpointing`` (DPTrainer shards the model itself and does not apply accelerate's
+            checkpoint wrapper: use ``gradient_checkpointing=True``), ignored modules.
     """
     if os.environ.get(USE_FSDP_VARIABLE, "false").lower() not in ("true", "1", "yes"):
         return None
@@ -52,9 +53,8 @@ def fsdp2_settings_from_launcher() -> FullyShardedDataParallelPlugin | None:
         "fsdp_offload_params: true (the gradients would live on the CPU)": isinstance(
             plugin.cpu_offload, CPUOffloadPolicy
         ),
-        "fsdp_activation_checkpointing: true (recomputed activations bypass the clipping hooks)": bool(
-            plugin.activation_checkpointing
-        ),
+        "fsdp_activation_checkpointing: true (DPTrainer shards the model itself, without accelerate's checkpoint "
+        "wrapper: set TrainingArguments(gradient_checkpointing=True) instead)": bool(plugin.activation_checkpointing),
         "fsdp_ignored_modules (their gradients would skip the sharded reduction)": plugin.ignored_modules is not None,
     }
     for setting, given in refused.items():

@@ -11,7 +11,7 @@ One logical step is ``gradient_accumulation_steps`` micro-batches forming ONE Po
 per_device_train_batch_size * gradient_accumulation_steps * world_size / N``; ``epsilon`` (at ``target_delta``) is
 added to every log. Privacy state is saved beside each checkpoint (:mod:`lightning_dp.hf.callbacks`).
 
-Not supported (rejected at construction): fp16 (loss scaling), gradient/activation checkpointing, DeepSpeed, FSDP
+Not supported (rejected at construction): fp16 (loss scaling), reentrant activation checkpointing, DeepSpeed, FSDP
 through ``TrainingArguments`` or accelerate plugins set up outside DPTrainer, DataParallel, ``torch_compile``,
 ``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, models sharded by
 ``from_pretrained(distributed_config=...)``. FSDP2 models (``fully_shard`` by the user, or accelerate's FSDP2

@@ -12,15 +12,20 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import transformers
 from torch import nn
 from transformers import TrainingArguments
 
+from lightning_dp.clipping.recomputation import REENTRANT_MESSAGE
 from lightning_dp.config import PrivacyConfig
 from lightning_dp.engine.adapter import LOSS_SCALING_REASON, framework_clipping
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.losses import head_kind
 
 log = logging.getLogger("lightning_dp")
+
+#: Whether HF checkpointing without ``use_reentrant`` in its kwargs is reentrant (before transformers 5).
+_REENTRANT_BY_DEFAULT = int(transformers.__version__.split(".")[0]) < 5
 
 #: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
@@ -36,8 +41,7 @@ _UNSUPPORTED = {
     "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": (
         f"{LOSS_SCALING_REASON}; use bf16 or float32"
     ),
-    "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
-    "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
+    "reentrant activation checkpointing (gradient_checkpointing with use_reentrant=True)": REENTRANT_MESSAGE,
     "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "torch_compile=True": "compiled graphs bypass the clipping hooks; switch it off",
@@ -67,10 +71,13 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
         ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
     """
     checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
+    kwargs = dict(args.gradient_checkpointing_kwargs or {})
+    kwargs.update(getattr(args, "activation_checkpointing_kwargs", None) or {})  # v5 name
     active = {
         "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
         or getattr(args, "mixed_precision", None) == "fp16",
-        "gradient_checkpointing=True": bool(checkpointing),
+        "reentrant activation checkpointing (gradient_checkpointing with use_reentrant=True)": bool(checkpointing)
+        and kwargs.get("use_reentrant", _REENTRANT_BY_DEFAULT) is True,
         "a DeepSpeed config": bool(args.deepspeed),
         "FSDP": bool(args.fsdp),
         "torch_compile=True": args.torch_compile,

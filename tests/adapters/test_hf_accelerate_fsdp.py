@@ -5,9 +5,10 @@ shards itself with the config's wrap policy (lightning_dp/hf/accelerate_fsdp.py)
 ``hf_accelerate_fsdp_script.py`` trains a tiny float64 Llama (two blocks, tied embeddings) loaded with
 ``from_pretrained`` on every rank (see its docstring). Checked: every transformer block and the root were sharded and
 accelerate's own FSDP stayed off; with zero noise the run equals the same launch without the FSDP request (unsharded
-training on the same processes), for full fine-tuning, for LoRA, and when rank 1's weights were on the ``meta``
-device (filled from rank 0); each rank holds about half of the parameters' bytes; epsilon is the single-process
-accountant's at the global q and reaches the logs; the launcher's variables are back after each Trainer. The sharded
+training on the same processes), for full fine-tuning, for LoRA, when rank 1's weights were on the ``meta`` device
+(filled from rank 0), and with HF's activation checkpointing of every block; each rank holds about half of the
+parameters' bytes; epsilon is the single-process accountant's at the global q and reaches the logs; the launcher's
+variables are back after each Trainer. The sharded
 engine itself (norms, noise on shards, checkpoints) is tested in tests/engine/test_fsdp.py and
 tests/adapters/test_hf_fsdp.py.
 """
@@ -32,7 +33,7 @@ pytest.importorskip("peft")
 
 WORLD = 2
 FSDP2_CONFIG = ROOT / "configs" / "accelerate" / "fsdp2_2_processes.yaml"
-SHARDED_RUNS = ("sharded", "lora sharded", "noisy", "meta")
+SHARDED_RUNS = ("sharded", "lora sharded", "noisy", "meta", "checkpointed")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_dptrainer_shards_every_block_and_the_root_and_accelerate_does_not(ranks
     assert ranks[1]["meta"]["loaded on meta"] and not ranks[0]["meta"]["loaded on meta"]
 
 
-@pytest.mark.parametrize("kind", ["", "lora ", "meta"])
+@pytest.mark.parametrize("kind", ["", "lora ", "meta", "checkpointed"])
 def test_zero_noise_training_equals_the_unsharded_run(ranks, kind) -> None:
     name = {"": "sharded", "lora ": "lora sharded"}.get(kind, kind)
     reference = "lora replicated" if kind == "lora " else "replicated"

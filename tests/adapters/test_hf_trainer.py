@@ -281,7 +281,6 @@ def test_privacy_budget_stops_before_exceeding(tmp_path) -> None:
     ("attribute", "value", "message"),
     [
         ("fp16", True, "fp16"),
-        ("gradient_checkpointing", True, "gradient_checkpointing"),
         ("deepspeed", "ds_config.json", "DeepSpeed.*fully_shard"),
         ("fsdp", "full_shard", "FSDP.*fully_shard"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),

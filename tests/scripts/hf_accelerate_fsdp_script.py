@@ -59,13 +59,23 @@ def gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def train(name: str, folder: Path, out: Path, noise: float = 0.0, lora: bool = False, meta: bool = False) -> None:
+def train(
+    name: str,
+    folder: Path,
+    out: Path,
+    noise: float = 0.0,
+    lora: bool = False,
+    meta: bool = False,
+    checkpointing: bool = False,
+) -> None:
     model = load(folder, lora)
     if meta and torch.distributed.get_rank() != 0:
         model.to("meta")  # what cpu-RAM-efficient loading leaves on ranks other than 0 (tied weights stay tied)
     on_meta = any(p.is_meta for p in model.parameters())
     privacy = PrivacyArguments(noise_multiplier=noise, accountant="rdp", dp_seed=0, clipping="mixed")
     args = dict(per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, max_steps=STEPS)
+    if checkpointing:
+        args["gradient_checkpointing"] = True  # HF's non-reentrant checkpointing of every block, inside FSDP2
     trainer = make_trainer(model, out / name, TokenDataset(n=N), privacy=privacy, args=args)
     recorder = LogRecorder()
     trainer.add_callback(recorder)
@@ -102,6 +112,7 @@ def main(out: Path) -> None:
     train("lora sharded", folder, out, lora=True)
     train("noisy", folder, out, noise=1.0)
     train("meta", folder, out, meta=True)
+    train("checkpointed", folder, out, checkpointing=True)
     with hidden_from_accelerate():  # the same launch without the FSDP request: every rank loads and trains unsharded
         train("replicated", folder, out)
         train("lora replicated", folder, out, lora=True)
