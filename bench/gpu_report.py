@@ -31,10 +31,15 @@ def _ratio(row: dict[str, Any], kind: str, against: str) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _gib(size: float) -> str:
+    """Bytes in GiB: two decimals from 1 GiB, three significant digits under it (the toy's few MiB)."""
+    return f"{size / GIB:.2f}" if size >= GIB else f"{size / GIB:.3g}"
+
+
 def _memory(row: dict[str, Any]) -> str:
     """``peak GiB (extra GiB)``, the memory error, or ``-``."""
     if "peak_total_bytes" in row:
-        return f"{row['peak_total_bytes'] / GIB:.2f} ({row['peak_bytes'] / GIB:.2f})"
+        return f"{_gib(row['peak_total_bytes'])} ({_gib(row['peak_bytes'])})"
     return row.get("memory_error", "-")
 
 
