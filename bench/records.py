@@ -49,11 +49,18 @@ def replace_between_markers(path: Path, text: str, start: str, end: str) -> None
     path.write_text(f"{before}{start}\n{text}\n{end}{after}", encoding="utf-8")
 
 
-def render_records(records: Path, markdown: Callable[[dict[str, Any]], str], page: Path, start: str, end: str) -> None:
+def render_records(
+    records: Path,
+    markdown: Callable[[dict[str, Any]], str],
+    page: Path,
+    start: str,
+    end: str,
+    empty: str = "(no run recorded yet)",
+) -> None:
     """Render every JSON record in ``records`` (in file-name order) with ``markdown`` between the markers of
-    ``page``."""
+    ``page``; ``empty`` there when it holds none."""
     rendered = [markdown(json.loads(path.read_text(encoding="utf-8"))) for path in sorted(records.glob("*.json"))]
-    replace_between_markers(page, "\n\n".join(rendered) or "(no run recorded yet)", start, end)
+    replace_between_markers(page, "\n\n".join(rendered) or empty, start, end)
 
 
 def render_records_and_figure(

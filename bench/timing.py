@@ -25,7 +25,8 @@ def short_error(error: BaseException) -> str:
 
 
 def plain_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss) -> Step:
-    """A non-private SGD step on the mean loss."""
+    """A non-private SGD step on the mean loss. Each step helper here keeps its optimizer as the step's attribute
+    ``optimizer``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step() -> None:
@@ -33,6 +34,7 @@ def plain_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss) -> Step:
         per_sample_loss(model).mean().backward()
         optimizer.step()
 
+    step.optimizer = optimizer  # type: ignore[attr-defined]
     return step
 
 
@@ -56,6 +58,7 @@ def clipper_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_s
         clipper.backward(per_sample_loss(model))
         optimizer.step()
 
+    step.optimizer = optimizer  # type: ignore[attr-defined]
     return step
 
 
@@ -76,6 +79,63 @@ def opacus_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_si
         per_sample_loss(wrapped).sum().backward()  # loss_reduction="sum" matches per-sample losses
         optimizer.step()
 
+    step.optimizer = optimizer  # type: ignore[attr-defined]
+    return step
+
+
+def opacus_ghost_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_size: int) -> Step:
+    """A DP-SGD step through Opacus's ghost clipping: ``GradSampleModuleFastGradientClipping(model)`` and its
+    ``DPOptimizerFastGradientClipping`` (C=1, Gaussian noise sigma=1, SGD), the per-sample losses wrapped in
+    ``DPTensorFastGradientClipping``, whose ``backward`` runs Opacus's two backward passes (norms, then the loss
+    reweighted by the clip factors)."""
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+
+    wrapped = GradSampleModuleFastGradientClipping(model, loss_reduction="mean", max_grad_norm=1.0)
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(model.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
+        expected_batch_size=batch_size, loss_reduction="mean",
+    )  # fmt: skip
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        DPTensorFastGradientClipping(wrapped, optimizer, per_sample_loss(wrapped), "mean").backward()
+        optimizer.step()
+
+    step.optimizer = optimizer  # type: ignore[attr-defined]
+    return step
+
+
+def engine_step(model: torch.nn.Module, per_sample_loss: PerSampleLoss, batch_size: int, **options: Any) -> Step:
+    """A DP-SGD step as the trainer adapters drive lightning_dp's :class:`~lightning_dp.PrivacyEngine` (one process):
+    ``PrivacyEngine(noise_multiplier=1.0, max_grad_norm=1.0, check_batch_independence=False, seed=0, **options)``
+    (``options``: its clipping options, e.g. ``clipping="auto"``), ``start_run``, ``training_loader`` (on a stand-in
+    dataset of 64 batches: N and q serve only the accountant, the step runs on the caller's batch),
+    ``start_training`` around SGD; per step ``per_sample_loss``, ``clip``, ``end_logical_step`` and
+    ``DPOptimizer.step``. The engine is the step's attribute ``engine``."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dp import PrivacyEngine
+
+    engine = PrivacyEngine(
+        max_grad_norm=1.0, noise_multiplier=1.0, check_batch_independence=False, seed=0, **options
+    )  # fmt: skip
+    engine.start_run(model, None)
+    dataset = TensorDataset(torch.zeros(64 * batch_size))
+    engine.training_loader(DataLoader(dataset, batch_size=batch_size), batch_size=batch_size, micro_batches=1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    (optimizer,) = engine.start_training([torch.optim.SGD(trainable, lr=1e-3)], total_steps=None)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        engine.count_micro_batch()
+        loss = engine.per_sample_loss(None, batch_size, lambda _: per_sample_loss(model), module=model)
+        engine.clip(loss)
+        engine.end_logical_step(1)
+        optimizer.step()
+
+    step.engine, step.optimizer = engine, optimizer  # type: ignore[attr-defined]
     return step
 
 
@@ -93,20 +153,27 @@ def timed_by(device: str) -> str:
 def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> dict[str, dict]:
     """Median step seconds (``seconds``, ``cpu_seconds``) of each of ``args.variants``, all built by ``build`` in this
     process and run interleaved step by step, the order rotated every round: ``args.warmup`` rounds left out, then
-    ``args.steps``. A variant whose build or step raises, or whose step costs more than ``args.max_step_seconds``, gets
-    an ``error`` instead."""
+    ``args.steps`` (``timed_steps``: how many ran). A variant whose build or step raises, or whose step costs more
+    than ``args.max_step_seconds``, gets an ``error`` instead (``failed_at``: ``build`` or ``step``). With
+    ``args.deadline`` (a ``time.perf_counter()`` value; optional), no round starts that would end after it by the
+    last round's time, once one round was timed."""
     device = torch.device(args.device)
+    deadline = getattr(args, "deadline", None)
     steps, results = {}, {}
     for variant in args.variants:
         try:
             steps[variant] = build(variant)
         except Exception as error:  # noqa: BLE001 (a refusing baseline is reported, not fatal)
-            results[variant] = {"error": short_error(error)}
+            results[variant] = {"error": short_error(error), "failed_at": "build"}
     times: dict[str, list[float]] = {v: [] for v in steps}
     cpu_times: dict[str, list[float]] = {v: [] for v in steps}
+    round_seconds = 0.0
     for round_ in range(args.warmup + args.steps):
         if not steps:
             break
+        if deadline is not None and round_ > args.warmup and time.perf_counter() + round_seconds > deadline:
+            break
+        round_start = time.perf_counter()
         order = list(steps)
         order = order[round_ % len(order) :] + order[: round_ % len(order)]
         for variant in order:
@@ -117,7 +184,7 @@ def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> 
             try:
                 steps[variant]()
             except Exception as error:  # noqa: BLE001
-                results[variant] = {"error": short_error(error)}
+                results[variant] = {"error": short_error(error), "failed_at": "step"}
                 del steps[variant]
                 continue
             sync(device)
@@ -129,11 +196,13 @@ def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> 
             if cost > args.max_step_seconds:
                 results[variant] = {"error": f"skipped: {cost:.0f} s per step > --max-step-seconds"}
                 del steps[variant]
+        round_seconds = time.perf_counter() - round_start
     for variant, samples in times.items():
         if variant not in results and samples:
             results[variant] = {
                 "seconds": statistics.median(samples),
                 "cpu_seconds": statistics.median(cpu_times[variant]),
+                "timed_steps": len(samples),
             }
     return results
 
@@ -153,7 +222,7 @@ def _memory_worker(build: Callable[[str, argparse.Namespace], Step], variant: st
     try:
         step = build(variant, args)
     except Exception as error:  # noqa: BLE001
-        queue.put({"error": short_error(error)})
+        queue.put({"error": short_error(error), "failed_at": "build"})
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,22 +230,51 @@ def _memory_worker(build: Callable[[str, argparse.Namespace], Step], variant: st
         start = torch.cuda.memory_allocated(device)
     else:
         start = rss_kib("VmRSS:") * 1024
-    for _ in range(2):
-        step()
+    try:
+        for _ in range(2):
+            step()
+    except Exception as error:  # noqa: BLE001 (out of memory, a refusal at the first step: reported)
+        queue.put({"error": short_error(error), "failed_at": "step"})
+        return
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_kib("VmHWM:") * 1024
-    queue.put({"peak_bytes": peak - start})
+    queue.put({"peak_bytes": peak - start, "peak_total_bytes": peak})
 
 
-def measure_memory(build: Callable[[str, argparse.Namespace], Step], variant: str, args: argparse.Namespace) -> dict:
-    """Peak extra memory of ``variant`` over two steps, alone in a fresh (spawned) process with ``args.threads``
-    threads: ``build(variant, args)`` builds the model, the data and the step there (a module-level function, so that
+def start_forkserver(preload: tuple[str, ...]) -> None:
+    """Start the ``forkserver`` that :func:`measure_memory` forks from (with ``preload``: the modules it imports once)
+    now, so that its imports overlap with the caller's work."""
+    from multiprocessing import forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(list(preload))
+    forkserver.ensure_running()
+
+
+def measure_memory(
+    build: Callable[[str, argparse.Namespace], Step],
+    variant: str,
+    args: argparse.Namespace,
+    *,
+    timeout: float | None = None,
+    preload: tuple[str, ...] = (),
+) -> dict:
+    """Peak extra memory of ``variant`` over two steps, alone in a fresh process with ``args.threads`` threads:
+    ``build(variant, args)`` builds the model, the data and the step there (a module-level function, so that
     it pickles); CUDA: ``max_memory_allocated`` minus the allocation then, CPU: the peak resident set (VmHWM) minus
-    the resident set then."""
-    context = mp.get_context("spawn")
+    the resident set then (``peak_bytes``; ``peak_total_bytes``: the peak itself). A build or step that raises (out of
+    memory among them) gives its ``error``. The process is spawned, or with ``preload`` (module names) forked from a
+    ``forkserver`` that imported them once (a fresh process too, without paying the imports each time); one still
+    running after ``timeout`` seconds is killed."""
+    context = mp.get_context("forkserver" if preload else "spawn")
+    if preload:
+        context.set_forkserver_preload(list(preload))
     queue = context.Queue()
     process = context.Process(target=_memory_worker, args=(build, variant, args, queue))
     process.start()
-    process.join()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        return {"error": f"skipped: still running after {timeout:.0f} s"}
     if process.exitcode != 0:
         return {"error": f"exit code {process.exitcode}"}
     return queue.get()
