@@ -21,7 +21,8 @@ Memory: each variant alone in a fresh process (forked from a server that importe
 ``torch.cuda.max_memory_allocated`` (CPU: the peak resident set), the peak itself and the peak over the model and
 batch. Ratios against non-private and against each Opacus variant that ran, in the same run.
 Largest physical batch (``llama-1b``, ``dp-auto``): doubling from the timed batch, each size in its own process,
-until out of memory, the budget or ``--probe-max-batch``.
+until out of memory, the budget or ``--probe-max-batch``. What checkpointing saves: the peak memory of ``llama-1b``
+without activation checkpointing, ``non-private`` and ``dp-auto``, each in its own process, beside its rows with it.
 
 Budget: ``--budget`` seconds (default 420) are shared among the models (``llama-*`` count double) and the batch
 probe; a model's timing ends when its share's first 40 % is spent (at least one timed round), its memory
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import importlib.metadata
 import json
@@ -73,7 +75,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("non-private", "dp-auto", "dp-ghost", "dp-flat", "opacus-flat", "opacus-ghost")
 OPACUS = ("opacus-flat", "opacus-ghost")
 #: The share of the budget each unit of work gets, relative to the others.
-WEIGHTS = {"gpt2": 1.0, "llama-1b": 2.0, "llama-1b-lora": 2.0, "bert": 1.0, "vit": 1.0, "batch-probe": 1.5}
+WEIGHTS = {"gpt2": 1.0, "llama-1b": 2.0, "llama-1b-lora": 2.0, "bert": 1.0, "vit": 1.0, "batch-probe": 1.5,
+           "checkpointing-memory": 1.0}  # fmt: skip
 TIMING_SHARE = 0.4
 PROBE_MODEL, PROBE_VARIANT = "llama-1b", "dp-auto"
 #: Imported once by the server the memory processes fork from.
@@ -118,10 +121,13 @@ def make_step(variant: str, spec: ModelSpec, model: torch.nn.Module, batch: dict
 
 def _build_alone(variant: str, args: argparse.Namespace) -> Step:
     """``variant``'s step on a model and batch of its own (the memory measurement's process): ``args.model`` at
-    ``args.size``, ``args.batch_size`` examples (``None``: the spec's)."""
+    ``args.size``, ``args.batch_size`` examples (``None``: the spec's), without activation checkpointing unless
+    ``args.checkpointing``."""
     quiet()
     device = torch.device(args.device)
     spec = model_spec(args.model, args.size)
+    if not args.checkpointing:
+        spec = dataclasses.replace(spec, checkpointing=False)
     return make_step(variant, spec, build_model(spec, device), make_batch(spec, device, args.batch_size))
 
 
@@ -144,9 +150,11 @@ def row_status(row: dict[str, Any]) -> str:
     return "refused" if row.get("failed_at") == "build" else "failed"
 
 
-def _memory_args(args: argparse.Namespace, model: str, batch_size: int | None) -> argparse.Namespace:
+def _memory_args(
+    args: argparse.Namespace, model: str, batch_size: int | None, checkpointing: bool = True
+) -> argparse.Namespace:
     return argparse.Namespace(device=args.device, threads=args.threads, size=args.size, model=model,
-                              batch_size=batch_size)  # fmt: skip
+                              batch_size=batch_size, checkpointing=checkpointing)  # fmt: skip
 
 
 def time_model(spec: ModelSpec, args: argparse.Namespace, deadline: float) -> tuple[dict[str, dict], dict[str, str]]:
@@ -222,15 +230,33 @@ def probe_batch(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
             "stopped": stopped}  # fmt: skip
 
 
+def checkpointing_memory(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """The peak memory of ``llama-1b`` without activation checkpointing, ``non-private`` and ``dp-auto``, each in its
+    own process (none once ``deadline`` passed): beside the model's rows with it, what checkpointing saves."""
+    rows: dict[str, dict[str, Any]] = {}
+    for variant in ("non-private", PROBE_VARIANT):
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            rows[variant] = {"status": "skipped", "error": "skipped: time budget"}
+            continue
+        memory_args = _memory_args(args, PROBE_MODEL, None, checkpointing=False)
+        result = measure_memory(_build_alone, variant, memory_args, timeout=max(left, 30.0), preload=PRELOAD)
+        rows[variant] = {"status": row_status(result), **result}
+    return {"model": PROBE_MODEL, "results": rows}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every model of ``args.models`` (:func:`run_model`), then the batch probe (:func:`probe_batch`, unless
-    ``args.no_probe`` or without ``llama-1b``), each with its share of ``args.budget``; after each unit the record so
+    ``args.no_probe`` or without ``llama-1b``) and :func:`checkpointing_memory` (unless ``args.no_memory`` or without
+    ``llama-1b``), each with its share of ``args.budget``; after each unit the record so
     far is written to ``args.out`` (when given), so that an interrupted run keeps what it measured."""
     start = time.perf_counter()
     end = start + args.budget
     units = list(args.models)
     if not args.no_probe and PROBE_MODEL in args.models:
         units.append("batch-probe")
+    if not args.no_memory and PROBE_MODEL in args.models:
+        units.append("checkpointing-memory")
     out: dict[str, Any] = {"order": list(args.variants), "models": {}}
     if not args.no_memory or "batch-probe" in units:
         start_forkserver(PRELOAD)
@@ -239,6 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         share = max(end - now, 0.0) * WEIGHTS[unit] / sum(WEIGHTS[u] for u in units[index:])
         if unit == "batch-probe":
             out["batch_probe"] = probe_batch(args, now + share)
+        elif unit == "checkpointing-memory":
+            out["checkpointing_memory"] = checkpointing_memory(args, now + share)
         else:
             out["models"][unit] = run_model(unit, args, now + TIMING_SHARE * share, now + share)
         out["elapsed_seconds"] = time.perf_counter() - start

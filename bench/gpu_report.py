@@ -90,6 +90,20 @@ def _probe_lines(probe: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _checkpointing_lines(saving: dict[str, Any], with_it: dict[str, Any] | None) -> list[str]:
+    """The peak memory of the model without activation checkpointing against its rows with it."""
+    lines = [
+        f"**What activation checkpointing saves** ({saving['model']}, each variant in its own process)",
+        "",
+        "| variant | peak GiB (extra) without checkpointing | with checkpointing |",
+        "|---|---|---|",
+    ]
+    for variant, row in saving["results"].items():
+        checkpointed = "-" if with_it is None else _memory(with_it["results"].get(variant, {}))
+        lines.append(f"| {variant} | {_memory(row) if 'peak_bytes' in row else _status(row)} | {checkpointed} |")
+    return lines
+
+
 def markdown(record: dict[str, Any]) -> str:
     """One recorded run as the docs show it: the set-up, the command, a table per model and the batch probe."""
     args, env = record["args"], record["environment"]
@@ -115,6 +129,9 @@ def markdown(record: dict[str, Any]) -> str:
         lines.append("")
     if "batch_probe" in record:
         lines += _probe_lines(record["batch_probe"])
+    if "checkpointing_memory" in record:
+        saving = record["checkpointing_memory"]
+        lines += ["", *_checkpointing_lines(saving, record["models"].get(saving["model"]))]
     return "\n".join(lines).rstrip("\n")
 
 
@@ -137,6 +154,10 @@ def report_lines(record: dict[str, Any]) -> list[str]:
         tried = ", ".join(f"{p['batch_size']}: {p['status']}" for p in probe["probes"])
         lines.append(f"largest physical batch of {probe['model']} ({probe['variant']}): {probe['largest_fits']} "
                      f"[{tried}; stopped: {probe['stopped']}]")  # fmt: skip
+    if "checkpointing_memory" in record:
+        saving = record["checkpointing_memory"]
+        table = _checkpointing_lines(saving, record["models"].get(saving["model"]))
+        lines += [line.replace("**", "") for line in table]
     return lines
 
 

@@ -63,9 +63,14 @@ def test_the_toy_mode_runs_every_model_and_variant_and_records_finite_ratios(mon
     probe = printed["batch_probe"]
     assert [entry["batch_size"] for entry in probe["probes"]] == [2, 4, 8]  # doubling from B=2 up to the toy's cap
     assert probe["largest_fits"] == 8 and probe["stopped"] == "reached --probe-max-batch 8"
+    saving = printed["checkpointing_memory"]  # llama-1b without checkpointing, each variant in its own process
+    assert saving["model"] == "llama-1b" and list(saving["results"]) == ["non-private", "dp-auto"]
+    assert all(row["status"] == "ok" and row["peak_total_bytes"] > 0 for row in saving["results"].values())
     report = "\n".join(load_bench(monkeypatch, "gpu_report").report_lines(printed))
     assert "largest physical batch of llama-1b (dp-auto): 8" in report
-    assert "| dp-auto | ok |" in load_bench(monkeypatch, "gpu_report").markdown(printed)
+    assert "What activation checkpointing saves (llama-1b" in report
+    page = load_bench(monkeypatch, "gpu_report").markdown(printed)
+    assert "| dp-auto | ok |" in page and "| peak GiB (extra) without checkpointing |" in page
 
 
 @pytest.mark.parametrize("name", ["llama-1b", "llama-1b-lora"])
