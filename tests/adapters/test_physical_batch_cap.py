@@ -66,6 +66,21 @@ def test_lightning_capped_update_equals_the_uncapped_one(accumulate, noise) -> N
     assert "3 examples per forward/backward" in line and "pass(es) per logical step" in line
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"momentum_length": 2},
+        {"noise_multiplier": 1.0, "target_unclipped_quantile": 0.5},
+        {"clipping_groups": "per_layer"},
+    ],
+    ids=["per-sample momentum", "adaptive clipping", "group-wise clipping"],
+)
+def test_lightning_cap_with_other_options_keeps_the_update(options) -> None:
+    plain, _ = _fit(None, steps=3, **options)
+    capped, _ = _fit(3, steps=3, **options)
+    _close(plain, capped)
+
+
 def test_lightning_noise_is_drawn_once_per_logical_step() -> None:
     draws = []
 
