@@ -3,11 +3,11 @@ most the cap, and the update is the uncapped run's.
 
 ``cap_fit_script.py`` (Lightning's own launcher) trains an FSDP2-sharded tiny Llama under DPModelParallelStrategy
 (seeded noise) and TinyRegressor under DPDDPStrategy (zero noise, 2 micro-batches per step), each without and with a
-cap; ``hf_cap_script.py`` (``accelerate launch``) trains a tiny GPT-2 under DPTrainer (seeded noise, 2 micro-batches)
-without and with a cap of 1. Checked: the parameters equal the uncapped run's to float tolerance (with seeded noise:
-one noise draw per logical step, as without the cap) and are identical on both ranks; the passes hold at most the
-cap and the examples of the uncapped batches; on the sharded model every rank ran the same number of passes per
-micro-batch, the rank with fewer padding with stand-in batches.
+cap; ``hf_cap_script.py`` (``accelerate launch``) trains a tiny GPT-2, and an FSDP2-sharded tiny Llama, under
+DPTrainer (seeded noise, 2 micro-batches) without and with a cap of 1. Checked: the parameters equal the uncapped
+run's to float tolerance (with seeded noise: one noise draw per logical step, as without the cap) and are identical
+on both ranks; the passes hold at most the cap and the examples of the uncapped batches; on a sharded model every rank
+ran the same number of passes per micro-batch, the rank with fewer padding with stand-in batches.
 """
 
 from __future__ import annotations
@@ -86,3 +86,12 @@ def test_dp_trainer_on_two_processes_matches_the_uncapped_update(tmp_path) -> No
     a, b = (rank["capped"]["params"] for rank in ranks)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    # sharded: every rank runs the largest pass count of the ranks (stand-in batches of one example pad the others)
+    for rank in ranks:
+        plain, capped = rank["sharded"], rank["sharded, capped"]
+        assert plain["steps"] == capped["steps"] == 3 and plain["epsilon"] == capped["epsilon"]
+        _close(plain["params"], capped["params"])
+        assert set(capped["sizes"]) == {1} and len(capped["sizes"]) >= sum(plain["sizes"])
+    counts = [len(rank["sharded, capped"]["sizes"]) for rank in ranks]
+    assert counts[0] == counts[1]
+    assert counts[0] > min(sum(rank["sharded"]["sizes"]) for rank in ranks)  # some passes were stand-ins
