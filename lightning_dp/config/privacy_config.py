@@ -28,6 +28,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.sum_check import validate_sum_check
 from lightning_dp.config.errors import checking
+from lightning_dp.data.physical_batches import validate_max_physical_batch_size
 from lightning_dp.data.poisson import validate_sample_rate
 from lightning_dp.data.users import validate_user_options
 from lightning_dp.mechanisms import NoiseMechanism
@@ -127,6 +128,15 @@ class PrivacyConfig:
         "replace the training sampler by Poisson sampling (default). ``False`` keeps the framework's batches and "
         "logs that the reported epsilon assumes Poisson sampling, which shuffled fixed-size batches are not.",
         "Poisson-sample the training set.",
+    )
+    max_physical_batch_size: int | None = _option(
+        None,
+        "``c >= 1``: the most examples (users with ``privacy_unit='user'``) one forward/backward pass takes "
+        "(Opacus's name). Each micro-batch, whose Poisson size varies, runs in ``max(1, ceil(B / c))`` passes, their "
+        "clipped sums added before the step's one noise draw: the update, the noise and the accountant are those "
+        "without the cap. The start-up block shows the expected passes per step. ``None`` (default): one pass per "
+        "micro-batch.",
+        "Most examples per forward/backward pass; a micro-batch runs in as many passes as it needs (None: one).",
     )
     seed: int | None = _option(
         None,
@@ -274,6 +284,8 @@ class PrivacyConfig:
                 raise ValueError(
                     "privacy_unit='user' samples users (Poisson sampling over users): keep poisson_sampling=True"
                 )
+        with checking("max_physical_batch_size"):
+            validate_max_physical_batch_size(self.max_physical_batch_size)
         with checking("check_batch_independence_every"):
             validate_independence_every(self.check_batch_independence_every, self.check_batch_independence)
         validate_momentum(self.momentum_length, self.momentum_beta)

@@ -10,6 +10,7 @@ import os
 import sys
 
 from lightning_dp.config import PrivacyConfig
+from lightning_dp.data.physical_batches import expected_physical_batches
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.runtime.console import show_info_lines
 from lightning_dp.runtime.launch_check import process_count_warning
@@ -83,6 +84,8 @@ class StartupBlock:
             _row("accountant", state.accountant.name),
             _row("clipping", state.clipping),
         ]
+        if state.config.max_physical_batch_size is not None:
+            lines.insert(4, _row("physical batch cap", self._physical_batches(batch_size, micro_batches)))
         if state.clipping_groups is not None:
             lines.append(_row("clipping groups", state.clipping_groups.describe()))
         copies = state.config.augmentation_multiplicity
@@ -109,6 +112,25 @@ class StartupBlock:
         lines.append(_row("defaults applied", defaults[0]))
         lines += [_row("", default) for default in defaults[1:]]
         return lines
+
+    def _physical_batches(self, batch_size: int | None, micro_batches: int) -> str:
+        """The cap, and the forward/backward passes per logical step it makes on one process in expectation (of rank
+        0's shard: from q, N and the options only)."""
+        state = self.state
+        cap = state.config.max_physical_batch_size
+        assert cap is not None and state.sample_rate is not None and state.num_samples is not None
+        unit = "users" if state.config.privacy_unit == "user" else "examples"
+        expected = expected_physical_batches(
+            shard_size=-(-state.num_samples // self._world_size),
+            sample_rate=state.sample_rate,
+            micro_batches=micro_batches,
+            cap=cap,
+            batch_size=None if state.config.poisson_sampling else batch_size,
+        )
+        return (
+            f"{cap} {unit} per forward/backward (max_physical_batch_size); {expected:.3g} pass(es) per logical step "
+            "per process expected"
+        )
 
     def log_startup(self) -> None:
         """Log :meth:`startup_lines` as one INFO record, then a warning when the launcher asked for more processes than

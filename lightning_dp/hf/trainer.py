@@ -36,7 +36,8 @@ from typing_extensions import override
 from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
-from lightning_dp.engine.adapter import micro_batch, rank_zero_logging
+from lightning_dp.engine.adapter import rank_zero_logging
+from lightning_dp.engine.physical_batches import physical_batches, run_physical_batches
 from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import PrivacyArguments
@@ -305,7 +306,9 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
     ) -> torch.Tensor:
         """Forward, per-example losses, clipping into ``p.grad``; noise once, on a logical step's last micro-batch.
 
-        Returns the micro-batch's mean loss divided by ``gradient_accumulation_steps`` (0 for an empty Poisson batch).
+        With ``max_physical_batch_size`` the micro-batch runs in passes of at most that many examples, each clipped
+        into ``p.grad`` before the next forward (:mod:`lightning_dp.engine.physical_batches`). Returns the micro-batch's
+        mean loss over all its passes divided by ``gradient_accumulation_steps`` (0 for an empty Poisson batch).
         ``num_items_in_batch`` is ignored: the gradient is divided by ``q N`` (docs/design.md section 3.2).
 
         Raises:
@@ -321,22 +324,24 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             self.control.should_training_stop = True
         else:
             model.train()
-            # a sharded model's rank with an empty batch joins the step's collectives on a stand-in batch that adds zero
-            inputs, size, stand_in = micro_batch(self, inputs)
-            inputs = self._prepare_inputs(inputs)
-            if size == 0:
-                losses = torch.zeros(0, device=self.args.device)
-            else:
 
-                def compute(batch: dict[str, Any]) -> torch.Tensor:
-                    with self.compute_loss_context_manager():
-                        return self._per_example_loss(model, batch)
+            def compute(batch: dict[str, Any]) -> torch.Tensor:
+                with self.compute_loss_context_manager():
+                    return self._per_example_loss(model, batch)
 
-                losses = engine.per_sample_loss(inputs, size, compute, module=model, stand_in=stand_in)
+            def forward(batch: dict[str, Any], size: int | None, stand_in: bool) -> torch.Tensor:
+                batch = self._prepare_inputs(batch)
+                if size == 0:
+                    return torch.zeros(0, device=self.args.device)
+                losses = engine.per_sample_loss(batch, size, compute, module=model, stand_in=stand_in)
                 if losses is None:
                     raise TypeError("compute_per_example_loss returned None: return the per-example losses, shape [B]")
-            if engine.clip(losses, stand_in=stand_in).numel():
-                loss = losses.detach().mean().to(loss.device)
+                return losses
+
+            # passes of at most max_physical_batch_size examples; on a sharded model a rank with an empty batch (or
+            # fewer passes) joins the step's collectives on a stand-in batch that adds zero
+            passes = physical_batches(self, inputs)
+            loss = run_physical_batches(passes, forward, engine.clip, defer_last=False).mean(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)
             if not exhausted:

@@ -31,9 +31,15 @@ from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.engine.adapter import (
     LOSS_SCALING_REASON,
     framework_clipping,
-    micro_batch,
     rank_zero_logging,
     stop_rank_zero_logging,
+)
+from lightning_dp.engine.physical_batches import (
+    add_gradients,
+    hold_gradients,
+    physical_batches,
+    run_physical_batches,
+    swap_gradients,
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.engine.queries import PrivacyQueries
@@ -101,6 +107,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self.privacy_engine = PrivacyEngine(config)
         self._pending_loss: torch.Tensor | None = None
         self._pending_stand_in = False
+        #: the parameters and the clipped sums of a micro-batch's passes before its last (max_physical_batch_size)
+        self._pending_sums: tuple[list[torch.nn.Parameter], list[torch.Tensor | None]] | None = None
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
 
@@ -209,13 +217,16 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         independence checks), keep its per-sample loss for clipping, hand Lightning its mean for logging.
 
         The extra runs of the user's step (at the stored iterates of per-sample momentum, and the leave-half-out
-        forwards) have ``self.log`` / ``self.log_dict`` switched off.
+        forwards) have ``self.log`` / ``self.log_dict`` switched off. With ``max_physical_batch_size`` the step runs
+        once per pass of at most that many examples (:mod:`lightning_dp.engine.physical_batches`), every pass but the
+        last clipped here, and the returned loss is the mean over all the passes' examples.
         """
         engine = self.privacy_engine
         if engine.budget_exhausted():
             return None
-        # a sharded model's rank with an empty batch joins the step's collectives on a stand-in batch that adds zero
-        batch, size, stand_in = micro_batch(self, args[0] if args else kwargs.get("batch"), self.batch_to_device)
+        # passes of at most max_physical_batch_size examples; on a sharded model a rank with an empty batch (or fewer
+        # passes) joins the step's collectives on a stand-in batch that adds zero
+        passes = physical_batches(self, args[0] if args else kwargs.get("batch"), self.batch_to_device)
         step = super().training_step
         outputs: list[Any] = []
 
@@ -235,14 +246,24 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
             with _logging_dropped(self.lightning_module):
                 return self._per_sample_loss(*run(on))
 
-        loss = engine.per_sample_loss(
-            batch, size, current, replay=replay, module=self.lightning_module, stand_in=stand_in
-        )
+        def forward(batch: Any, size: int | None, stand_in: bool) -> torch.Tensor | None:
+            return engine.per_sample_loss(
+                batch, size, current, replay=replay, module=self.lightning_module, stand_in=stand_in
+            )
+
+        # every pass but the last is clipped here, apart from p.grad (which Lightning zeroes between this step and its
+        # backward on a logical step's first micro-batch); the last one's loss goes to Lightning's backward
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        held = hold_gradients(params) if len(passes) > 1 else None
+        done = run_physical_batches(passes, forward, engine.clip, defer_last=True)
+        if held is not None:
+            self._pending_sums = (params, swap_gradients(params, held))
         output = outputs[-1]
-        if loss is None:
+        if done.deferred is None and held is None:
             return output
-        self._pending_loss, self._pending_stand_in = loss, stand_in
-        reduced = loss.mean() if loss.numel() and not stand_in else loss.sum() * 0
+        if done.deferred is not None:
+            self._pending_loss, self._pending_stand_in = done.deferred
+        reduced = done.mean(self.root_device)  # over the micro-batch's examples, for logging
         return {**output, "loss": reduced} if isinstance(output, Mapping) else reduced
 
     def _per_sample_loss(self, output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -314,12 +335,16 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Per-sample clipping instead of a plain backward: the clipped SUM is accumulated into ``p.grad``."""
-        if self._pending_loss is None:
+        if self._pending_loss is None and self._pending_sums is None:
             raise RuntimeError("backward() without a per-sample loss from training_step")
         per_sample_loss, self._pending_loss = self._pending_loss, None
+        sums, self._pending_sums = self._pending_sums, None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.privacy_engine.clip(per_sample_loss, stand_in=self._pending_stand_in)
+        if per_sample_loss is not None:
+            self.privacy_engine.clip(per_sample_loss, stand_in=self._pending_stand_in)
+        if sums is not None:  # the clipped sums of the step's earlier passes (training_step)
+            add_gradients(*sums)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

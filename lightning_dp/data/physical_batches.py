@@ -1,0 +1,88 @@
+"""The physical batch cap (``max_physical_batch_size``, Opacus's name) on the data side: its validation, cutting one
+training batch into parts of at most ``cap`` examples (:func:`split_rows`), and the expected number of parts per
+logical step (:func:`expected_physical_batches`, for the start-up block). The passes themselves:
+:mod:`lightning_dp.engine.physical_batches`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+
+from lightning_dp.data.batch_tensors import batch_tensors
+
+
+def validate_max_physical_batch_size(cap: object) -> None:
+    """Raise ``ValueError`` unless ``cap`` is ``None`` or a whole number ``>= 1``."""
+    if cap is None:
+        return
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Integral) or cap < 1:
+        raise ValueError(
+            f"max_physical_batch_size must be a whole number >= 1 (examples per forward/backward pass) or None (no "
+            f"cap), got {cap!r}"
+        )
+
+
+def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
+    """``batch`` cut into ``ceil(size / cap)`` batches of at most ``cap`` examples (``[]`` for an empty batch).
+
+    Every tensor whose first dimension is ``size`` is sliced along it (views, in order); other entries are repeated in
+    each part. A batch of at most ``cap`` examples is returned as it is.
+
+    Raises:
+        ValueError: no tensor of ``batch`` has ``size`` rows (checked whatever ``size``, so that whether it raises does
+            not depend on the draw).
+    """
+    if not any(tensor.ndim and tensor.shape[0] == size for tensor in batch_tensors(batch)):
+        raise ValueError(
+            f"max_physical_batch_size={cap} cannot split a training batch of {size} examples: none of its tensors has "
+            "the examples along its first dimension; return such tensors from the training loader"
+        )
+    if size <= cap:
+        return [batch] if size else []
+
+    def part(start: int) -> Any:
+        def take(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if tensor.ndim == 0 or tensor.shape[0] != size else tensor[start : start + cap]
+
+        return apply_to_collection(batch, torch.Tensor, take)
+
+    return [part(start) for start in range(0, size, cap)]
+
+
+def expected_physical_batches(
+    *, shard_size: int, sample_rate: float, micro_batches: int, cap: int, batch_size: int | None = None
+) -> float:
+    """The expected forward/backward passes of one process per logical step under the cap: ``E[sum_j max(1, ceil(S_j
+    / cap))]`` over the ``micro_batches`` parts ``S_j`` (``torch.tensor_split`` sizes) of a Poisson batch ``X ~
+    Binomial(shard_size, q)``; with ``batch_size`` (fixed batches, ``poisson_sampling=False``) ``micro_batches *
+    ceil(batch_size / cap)``. Computed from the options and N only (no data)."""
+    if batch_size is not None:
+        return float(micro_batches * max(1, math.ceil(batch_size / cap)))
+    n, q = shard_size, sample_rate
+    if q >= 1.0:
+        sizes = torch.tensor([n], dtype=torch.int64)
+        probabilities = torch.ones(1, dtype=torch.float64)
+    else:
+        mean, std = n * q, math.sqrt(n * q * (1 - q))
+        low, high = max(0, math.floor(mean - 12 * std) - 1), min(n, math.ceil(mean + 12 * std) + 1)
+        sizes = torch.arange(low, high + 1, dtype=torch.int64)
+        k = sizes.to(torch.float64)
+        log_pmf = (
+            math.lgamma(n + 1)
+            - torch.lgamma(k + 1)
+            - torch.lgamma(n - k + 1)
+            + k * math.log(q)
+            + (n - k) * math.log1p(-q)
+        )
+        probabilities = torch.exp(log_pmf)
+        probabilities /= probabilities.sum()
+    whole, larger = sizes // micro_batches, sizes % micro_batches  # `larger` parts of whole + 1, the rest of whole
+    passes = larger * ((whole + cap) // cap).clamp(min=1) + (micro_batches - larger) * ((whole + cap - 1) // cap).clamp(
+        min=1
+    )
+    return float((probabilities * passes.to(torch.float64)).sum())
