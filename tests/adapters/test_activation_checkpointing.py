@@ -54,24 +54,25 @@ def test_lightning_reentrant_checkpointing_is_refused() -> None:
         make_trainer(strategy, max_steps=1).fit(CheckpointedRegressor(True, use_reentrant=True))
 
 
-def test_dptrainer_gradient_checkpointing_equals_the_plain_run(tmp_path) -> None:
+def test_dptrainer_gradient_checkpointing_with_and_without_the_cap_equals_the_plain_run(tmp_path) -> None:
     runs = []
-    for checkpointing in (False, True):
+    for checkpointing, cap in ((False, None), (True, None), (True, 3)):
         model = tiny_llama(layers=2)
         calls: list[int] = []
         model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        privacy = PrivacyArguments(
+            noise_multiplier=0.5, per_sample_max_grad_norm=0.5, accountant="rdp", dp_seed=0, max_physical_batch_size=cap
+        )
         trainer = make_hf_trainer(
-            model,
-            tmp_path,
-            privacy=PrivacyArguments(noise_multiplier=0.5, per_sample_max_grad_norm=0.5, accountant="rdp", dp_seed=0),
-            args={"gradient_checkpointing": checkpointing, "max_steps": 2},
+            model, tmp_path, privacy=privacy, args={"gradient_checkpointing": checkpointing, "max_steps": 2}
         )
         trainer.train()
         runs.append((trainable_snapshot(model), len(calls)))
-    (plain, plain_calls), (recomputed, recomputed_calls) = runs
-    for name, value in plain.items():
-        torch.testing.assert_close(recomputed[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    assert recomputed_calls > plain_calls
+    (plain, plain_calls), *others = runs
+    for recomputed, recomputed_calls in others:
+        for name, value in plain.items():
+            torch.testing.assert_close(recomputed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        assert recomputed_calls > plain_calls
 
 
 def test_dptrainer_refuses_reentrant_checkpointing_at_construction(tmp_path) -> None:
