@@ -16,7 +16,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.engine.adapter import LOSS_SCALING_REASON, framework_clipping
+from lightning_dp.engine.adapter import framework_clipping
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.losses import head_kind
 
@@ -33,9 +33,6 @@ _SHARDED_ROUTE = (
 )
 
 _UNSUPPORTED = {
-    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": (
-        f"{LOSS_SCALING_REASON}; use bf16 or float32"
-    ),
     "gradient_checkpointing=True": "recomputed activations bypass the clipping hooks; switch it off and lower "
     "per_device_train_batch_size (raise gradient_accumulation_steps to keep the batch)",
     "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
@@ -68,8 +65,6 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
     """
     checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
     active = {
-        "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
-        or getattr(args, "mixed_precision", None) == "fp16",
         "gradient_checkpointing=True": bool(checkpointing),
         "a DeepSpeed config": bool(args.deepspeed),
         "FSDP": bool(args.fsdp),
