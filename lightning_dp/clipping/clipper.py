@@ -338,10 +338,9 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 failures = checker.failures()
                 if failures:
                     raise self._outside_use_error(failures)
-            postponed = checker is not None and (keep is not None or checker.inconclusive)
             if checker is not None:
-                self.sum_check_postponed = postponed
-            if not postponed:  # a check over non-finite samples (or gradients) says nothing: due again next batch
+                self.sum_check_postponed = keep is not None
+            if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
                 self._checked_batches += 1
             if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)

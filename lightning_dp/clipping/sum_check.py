@@ -64,8 +64,6 @@ class SumCheck:
         self.diffs: list[torch.Tensor] = []
         self.scales: list[torch.Tensor] = []
         self.rounding: list[torch.Tensor] = []
-        #: set by :meth:`failures`: some parameter's mismatch or scale was not finite (checked again next batch)
-        self.inconclusive = False
 
     def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
         """Record one parameter's mismatch (the batch sum of its terms, ``[*param.shape]``) and rounding allowance."""
@@ -83,20 +81,14 @@ class SumCheck:
         self.rounding.append(allowance * rounding)
 
     def failures(self) -> list[tuple[nn.Parameter, float, float]]:
-        """``(param, mismatch, tolerance)`` for each failing parameter (one host sync); parameters whose mismatch or
-        scale is not finite are left out and set :attr:`inconclusive`."""
+        """``(param, mismatch, tolerance)`` for each failing parameter (one host sync)."""
         if not self.params:
             return []
         diffs, scales = torch.stack(self.diffs), torch.stack(self.scales)
-        # not finite: autograd's batch gradient overflowed (a float16 backward) where no example did; such a
-        # parameter says nothing (nor may its infinite scale loosen the others' floor): see :attr:`inconclusive`
-        finite = torch.isfinite(diffs) & torch.isfinite(scales)
-        scales = torch.where(finite, scales, 0)
         floor = scales.square().sum().sqrt() / len(self.params) ** 0.5
         tolerance = self.rtol * (scales + floor) + torch.stack(self.rounding)
-        bad = (diffs > tolerance) & finite
-        any_bad, self.inconclusive = torch.stack([bad.any(), ~finite.all()]).tolist()
-        if not any_bad:
+        bad = diffs > tolerance
+        if not bool(bad.any()):
             return []
         return [
             (param, diff, tol)
