@@ -22,7 +22,7 @@ log = logging.getLogger("lightning_dp")
 #: Why Lightning's ``precision="16-true"`` (and the transformer-engine precisions) are refused: float16 parameters
 #: without a loss scaler. float16 autocast with float32 parameters (``"16-mixed"``, the Trainer's ``fp16=True``) is
 #: supported: :mod:`lightning_dp.engine.grad_scaler`.
-LOSS_SCALING_REASON = "float16 or float8 parameters are not supported; float16 autocast is ('16-mixed')"
+LOSS_SCALING_REASON = "float16 or float8 parameters; float16 autocast over float32 ones is supported as '16-mixed'"
 
 
 @runtime_checkable
