@@ -75,11 +75,16 @@ def hand_to_grad_scaler(params: Sequence[torch.nn.Parameter], scaler: Any) -> No
 def handing_to_grad_scaler(
     closure: Callable[[], Any], params: Callable[[], Sequence[torch.nn.Parameter]], scaler: Any
 ) -> Callable[[], Any]:
-    """``closure`` (which ends with the noise) followed by :func:`hand_to_grad_scaler` on ``params()``."""
+    """``closure`` (which ends with the noise) followed by :func:`hand_to_grad_scaler` on ``params()``.
+
+    A closure that returns ``None`` (the user's step skipped its batch) returns a zero tensor instead: Lightning's
+    mixed-precision plugin skips the optimizer step on ``None``, after the gradient was noised, and the step would
+    not be recorded; without a scaler the step is taken and recorded, and so it is here.
+    """
 
     def closure_then_scale() -> Any:
         result = closure()
         hand_to_grad_scaler(params(), scaler)
-        return result
+        return torch.zeros(()) if result is None else result
 
     return closure_then_scale

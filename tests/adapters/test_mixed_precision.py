@@ -92,6 +92,25 @@ def test_lightning_16_mixed_steps_with_finite_updates_and_the_clippers_scale() -
     assert scaler.get_scale() == INIT_SCALE  # no overflow seen: no back-off (growth only every 2000 steps)
 
 
+class _SkipsOne(TinyRegressor):
+    """Returns None for batch 1 (the user skips it)."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_lightning_16_mixed_records_a_skipped_batch_as_without_a_scaler() -> None:
+    """A step whose training_step returned None is noised, taken and recorded under 16-mixed as under 32-true (the
+    scaler's plugin alone would skip it after its gradient was noised)."""
+    steps = []
+    for plugins in ([], [_fp16_plugin()]):
+        strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, seed=0)
+        trainer = make_trainer(strategy, max_steps=STEPS, plugins=plugins)
+        trainer.fit(_SkipsOne())
+        steps.append((trainer.global_step, strategy.privacy_engine.steps))
+    assert steps[0] == steps[1] == (STEPS, STEPS)
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_lightning_bf16_runs_with_finite_updates(precision: str) -> None:
     module = TinyRegressor()
