@@ -606,7 +606,6 @@ CASES: list[BadInput] = [
         _privacy_arguments(noise_multiplier=1.0, check_batch_independence_every=-1),
         "check_batch_independence_every must be a positive whole number",
     ),
-    BadInput("HF DPTrainer", "TrainingArguments(fp16=True)", _hf_trainer("fp16", True), "fp16"),
     BadInput(
         "HF DPTrainer",
         "TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs={'use_reentrant': True})",

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lightning_dp.clipping.float32_sums import add_float32_sum, keeps_float32_sum
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.terms import Factored, Materialised, Term
@@ -30,8 +31,12 @@ def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture
 def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
     """``param.grad += clipped`` (created when None; cast to ``param``'s dtype), ``clipped`` this rank's full-size
     clipped sum; a sharded ``param`` gets its shard of the sum over ranks (a collective,
-    :func:`~lightning_dp.runtime.sharding.sum_into_shard`).
+    :func:`~lightning_dp.runtime.sharding.sum_into_shard`). A 16-bit ``param`` (not sharded) keeps the sum in float32
+    beside its ``.grad`` instead (:mod:`~.float32_sums`).
     """
+    if keeps_float32_sum(param):
+        add_float32_sum(param, clipped)
+        return
     clipped = clipped.to(param.dtype)
     if is_sharded(param):
         clipped = sum_into_shard(clipped, param)

@@ -32,6 +32,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily
+from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_factors, unscale_norms
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -60,7 +61,7 @@ def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
 
 
-class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
+class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
     """Clips per-sample gradients of ``module`` and accumulates their sum into ``p.grad``.
 
     Hooks are attached in place (``state_dict`` keys unchanged); modules that use their parameters outside a hookable
@@ -316,7 +317,8 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             if not self._sharded and batch >= 2 and per_sample_loss.requires_grad:
                 self._verify_rows(per_sample_loss, batch)
             check = probing or self._check_due()  # the probe is free: its sum check runs whatever sum_check_every
-            captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=weight)
+            scaled = weight * self._loss_scale  # float16: a fixed power of two, unscaled in the norms and factors
+            captures, batch_grads = self._backward_pass(per_sample_loss, param_grads=check, weight=scaled)
             if probing:
                 self._check_all_rows(captures, batch)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
@@ -324,6 +326,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
             del batch_grads
+            totals, scales = unscale_norms(totals, scales, self._loss_scale, self.norm)
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
@@ -345,7 +348,7 @@ class PerSampleClipper(PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
                 if keep is not None:
                     factors = torch.where(keep, factors, 0)
                 with full_precision(per_sample_loss.device):
-                    self._add_clipped_sum(kept, batch, factors, keep)
+                    self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), keep)
         finally:
             self._hooks.clear()
             self.discard_past_iterates()

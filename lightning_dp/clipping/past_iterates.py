@@ -16,6 +16,7 @@ class PastIteratesMixin:
     """The past iterates of per-sample momentum (a base of the clipper)."""
 
     _hooks: CaptureHooks
+    _loss_scale: float  # LossScaleMixin's: the past iterates' backward is scaled as the current one's
     # methods of the other bases of PerSampleClipper
     _batch_size: Callable[[torch.Tensor], int]
     _backward_pass: Callable[..., tuple[list[Capture], dict[nn.Parameter, torch.Tensor | None]]]
@@ -54,7 +55,7 @@ class PastIteratesMixin:
                     "at every iterate must see the same batch"
                 )
             if batch:
-                captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight)
+                captures, _ = self._backward_pass(per_sample_loss, param_grads=False, weight=weight * self._loss_scale)
                 for capture in captures:  # the parameters are the past iterate's only until the next update
                     capture.keep_parameter_values()
                 self._past.extend(captures)

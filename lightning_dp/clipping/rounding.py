@@ -1,5 +1,5 @@
 """Rounding in the per-sample arithmetic (docs/design.md section 4.10): the rounding bound of the clip factors, the
-full precision it assumes, and the warning for 16-bit parameters.
+full precision it assumes, and the warning for FSDP2-sharded 16-bit parameters.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from lightning_dp.runtime.sharding import is_sharded
 
 log = logging.getLogger("lightning_dp")
 
@@ -50,17 +52,21 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
     return torch.nan_to_num(bound, nan=math.inf, posinf=math.inf)
 
 
-#: Logged once per clipper whose trainable parameters are in a 16-bit dtype (``%s``: the dtypes).
+#: Logged once per clipper whose trainable parameters include FSDP2-sharded ones in a 16-bit dtype (``%s``: the
+#: dtypes). Unsharded 16-bit parameters keep their clipped sum in float32 (:mod:`~.float32_sums`) and are cast only
+#: after the noise, which is post-processing; sharded ones still round the sum into their ``.grad``.
 HALF_PRECISION_WARNING = (
-    "trainable parameters in %s: the clipped sum is formed in float32, but it and the noise are rounded to that "
-    "dtype in .grad (relative 2^-8 per coordinate in bfloat16): the rounding of the whole batch's sum can move the "
-    "release by more than max_grad_norm and the noise is quantised, so the reported epsilon does not hold exactly "
-    "(secure_mode's noise neither). Train float32 parameters (bf16-mixed autocast keeps them) when it must"
+    "FSDP2-sharded trainable parameters in %s: the clipped sum is formed in float32, but it and the noise are "
+    "rounded to that dtype in their sharded .grad (relative 2^-8 per coordinate in bfloat16): the rounding of the "
+    "whole batch's sum can move the release by more than max_grad_norm and the noise is quantised, so the reported "
+    "epsilon does not hold exactly for them (secure_mode's noise neither). Train float32 parameters (bf16-mixed "
+    "autocast keeps them) or unsharded ones when it must"
 )
 
 
 def warn_if_half_precision(params: Iterable[torch.Tensor]) -> None:
-    """Log :data:`HALF_PRECISION_WARNING` when any of ``params`` is bfloat16 or float16 (docs/privacy.md)."""
-    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    """Log :data:`HALF_PRECISION_WARNING` when any of ``params`` is bfloat16 or float16 and FSDP2-sharded (an unsharded
+    one keeps a float32 clipped sum, :mod:`~.float32_sums`; docs/privacy.md)."""
+    half = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16) and is_sharded(p)})
     if half:
         log.warning(HALF_PRECISION_WARNING, ", ".join(half))

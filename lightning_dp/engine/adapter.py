@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightning_dp")
 
-#: Why every adapter refuses fp16 training (Lightning's ``precision="16-mixed"``, the Trainer's ``fp16=True``): the
-#: loss scaler multiplies the loss, so the per-sample norms the clipper bounds would be those of the scaled loss.
-LOSS_SCALING_REASON = "its loss scaling would corrupt the per-sample norms"
+#: Why Lightning's ``precision="16-true"`` (and the transformer-engine precisions) are refused: float16 parameters
+#: without a loss scaler. float16 autocast with float32 parameters (``"16-mixed"``, the Trainer's ``fp16=True``) is
+#: supported: :mod:`lightning_dp.engine.grad_scaler`.
+LOSS_SCALING_REASON = "float16 or float8 parameters; float16 autocast over float32 ones is supported as '16-mixed'"
 
 
 @runtime_checkable

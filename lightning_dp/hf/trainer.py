@@ -11,7 +11,7 @@ One logical step is ``gradient_accumulation_steps`` micro-batches forming ONE Po
 per_device_train_batch_size * gradient_accumulation_steps * world_size / N``; ``epsilon`` (at ``target_delta``) is
 added to every log. Privacy state is saved beside each checkpoint (:mod:`lightning_dp.hf.callbacks`).
 
-Not supported (rejected at construction): fp16 (loss scaling), reentrant activation checkpointing, DeepSpeed, FSDP
+Not supported (rejected at construction): reentrant activation checkpointing, DeepSpeed, FSDP
 through ``TrainingArguments`` or accelerate plugins set up outside DPTrainer, DataParallel, ``torch_compile``,
 ``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, models sharded by
 ``from_pretrained(distributed_config=...)``. FSDP2 models (``fully_shard`` by the user, or accelerate's FSDP2
@@ -37,6 +37,7 @@ from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
 from lightning_dp.engine.adapter import rank_zero_logging
+from lightning_dp.engine.grad_scaler import hand_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import physical_batches, run_physical_batches
 from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
@@ -190,6 +191,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             if isinstance(callback, PrivacyBudget):
                 callback.bind(engine)
         engine.start_run(self.model, self._distributed)
+        if self.args.fp16 or accelerator.mixed_precision == "fp16":
+            scale_clipper_backward(engine)
         try:
             result = super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
             engine.finish_run()
@@ -346,6 +349,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             engine.end_logical_step(self.args.gradient_accumulation_steps)
             if not exhausted:
                 self._dp_optimizer.privatise()
+                if self.accelerator.scaler is not None:  # fp16: its unscale_ must give the noised gradient back
+                    hand_to_grad_scaler(self._dp_optimizer.params, self.accelerator.scaler)
         return loss / self.args.gradient_accumulation_steps
 
     @override

@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 
 from lightning_dp.clipping.recomputation import REENTRANT_MESSAGE
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.engine.adapter import LOSS_SCALING_REASON, framework_clipping
+from lightning_dp.engine.adapter import framework_clipping
 from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.losses import head_kind
 
@@ -38,9 +38,6 @@ _SHARDED_ROUTE = (
 )
 
 _UNSUPPORTED = {
-    "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": (
-        f"{LOSS_SCALING_REASON}; use bf16 or float32"
-    ),
     "reentrant activation checkpointing (gradient_checkpointing with use_reentrant=True)": REENTRANT_MESSAGE,
     "a DeepSpeed config": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
     "FSDP": f"DPTrainer does its own gradient reduction; {_SHARDED_ROUTE}",
@@ -74,8 +71,6 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
     kwargs = dict(args.gradient_checkpointing_kwargs or {})
     kwargs.update(getattr(args, "activation_checkpointing_kwargs", None) or {})  # v5 name
     active = {
-        "fp16 (fp16=True, or mixed_precision: fp16 in the accelerate config)": args.fp16
-        or getattr(args, "mixed_precision", None) == "fp16",
         "reentrant activation checkpointing (gradient_checkpointing with use_reentrant=True)": bool(checkpointing)
         and kwargs.get("use_reentrant", _REENTRANT_BY_DEFAULT) is True,
         "a DeepSpeed config": bool(args.deepspeed),

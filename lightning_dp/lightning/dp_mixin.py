@@ -34,6 +34,7 @@ from lightning_dp.engine.adapter import (
     rank_zero_logging,
     stop_rank_zero_logging,
 )
+from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import (
     add_gradients,
     hold_gradients,
@@ -50,7 +51,9 @@ from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
 
 log = logging.getLogger("lightning_dp")
 
-_UNSUPPORTED_PRECISION = ("16-mixed", "16", "16-true", "transformer-engine", "transformer-engine-float16")
+_UNSUPPORTED_PRECISION = ("16-true", "transformer-engine", "transformer-engine-float16")
+#: float16 autocast with a GradScaler: supported (docs/privacy.md, "Mixed precision")
+_FP16_MIXED = ("16-mixed", "16")
 
 # Type checkers see a Lightning strategy as the base (the hooks below override its own, marked @override, and call it
 # through super()); at run time the mixin's base is a plain class, and the concrete strategy puts the Lightning
@@ -97,7 +100,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
 
     Raises:
         ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
-            not per sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+            not per sample (first step), ``precision="16-true"`` or ``gradient_clip_val`` (at setup).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -140,10 +143,11 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._distributed = self._distributed_context()
         self._log_filter = rank_zero_logging(self._distributed, self._log_filter)
         precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
-        if precision in _UNSUPPORTED_PRECISION or getattr(self.precision_plugin, "scaler", None) is not None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if precision in _UNSUPPORTED_PRECISION or (scaler is not None and precision not in _FP16_MIXED):
             raise ValueError(
                 f"precision={precision!r} is not supported by {type(self).__name__} ({LOSS_SCALING_REASON}); use "
-                "precision='bf16-mixed' or '32-true'"
+                "precision='16-mixed', 'bf16-mixed' or '32-true'"
             )
         if framework_clipping(trainer.gradient_clip_val) != "none":  # no framework default to switch off
             raise ValueError(
@@ -157,6 +161,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                     f"{type(self).__name__} supports automatic optimization only; remove automatic_optimization=False"
                 )
             self.privacy_engine.start_run(self.lightning_module, self._distributed)
+            if precision in _FP16_MIXED:
+                scale_clipper_backward(self.privacy_engine)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -330,6 +336,9 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """Add the noise right after the closure, before ``on_before_optimizer_step`` hooks can read gradients."""
         if isinstance(optimizer, DPOptimizer):
             closure = optimizer.privatising(closure)
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            if scaler is not None:  # 16-mixed: the scaler's unscale_ must give the noised gradient back
+                closure = handing_to_grad_scaler(closure, lambda: optimizer.params, scaler)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override

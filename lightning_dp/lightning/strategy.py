@@ -48,7 +48,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
     Raises:
         ValueError: invalid privacy arguments (at construction); ``Trainer(devices > 1)`` or ``num_nodes > 1`` (at
             Trainer construction: use ``DPDDPStrategy``); unsupported layers (at setup), a loss that is not per
-            sample (first step), fp16 precision or ``gradient_clip_val`` (at setup).
+            sample (first step), ``precision="16-true"`` or ``gradient_clip_val`` (at setup).
     """
 
     strategy_name = "dp"

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_dp.clipping.float32_sums import discard_float32_sums, take_float32_sums
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.runtime.randomness import DPRandomness
@@ -173,7 +174,9 @@ class DPOptimizer(Optimizer):
         return closure_then_privatise
 
     def privatise(self) -> None:
-        """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero.
+        """``p.grad <- (p.grad + noise) / (q N)`` for every trainable parameter; a missing grad counts as zero. A
+        16-bit parameter's clipped sum is its float32 sum (:mod:`~lightning_dp.clipping.float32_sums`) plus its
+        ``.grad``, noised and divided in float32 and only then cast into ``.grad``.
 
         Order: ``reduce_clipped_sum``, the ``clipped_sum_hooks``, :func:`check_finite_clipped_sum`, noise and division,
         ``postprocess``.
@@ -185,13 +188,16 @@ class DPOptimizer(Optimizer):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        wide = take_float32_sums(params)  # 16-bit parameters: their float32 sums, noised in float32, then cast
+        sums = [_clipped_sum(p) if w is None else w for p, w in zip(params, wide, strict=True)]
         if self.reduce_clipped_sum is not None:
-            self.reduce_clipped_sum([_clipped_sum(p) for p in params])
+            self.reduce_clipped_sum(sums)
         for hook in self.clipped_sum_hooks:
             hook(params)
         check_finite_clipped_sum(params, self.any_rank)
-        for p in params:
-            clipped_sum = _clipped_sum(p)
+        for p, clipped_sum, w in zip(params, sums, wide, strict=True):
+            if w is not None:  # what was written into the 16-bit .grad outside the clipper (zeros otherwise)
+                clipped_sum.add_(_clipped_sum(p))
             grad = local_part(clipped_sum)  # a sharded gradient: this rank's shard, noised from that shard's stream
             shard = shard_key(clipped_sum) if is_sharded(clipped_sum) else ()
             generator = self.randomness.noise_generator(grad.device, shard)
@@ -200,6 +206,8 @@ class DPOptimizer(Optimizer):
             else:
                 grad.add_(self.mechanism.sample(grad, generator))
             grad.div_(self.expected_batch_size)
+            if w is not None:
+                _clipped_sum(p).copy_(clipped_sum)  # rounded to the parameter's dtype after the noise
         self._privatised = True  # only now: after a failure above, the next step privatises again
         if self.postprocess is not None:
             self.postprocess([_clipped_sum(p) for p in params])
@@ -223,6 +231,7 @@ class DPOptimizer(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        discard_float32_sums(self.params)
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from torch.utils.data import default_collate  # noqa: E402
 from transformers import BatchEncoding, HfArgumentParser, TrainingArguments  # noqa: E402
 
 from lightning_dp.clipping import UnsupportedModuleError  # noqa: E402
+from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE  # noqa: E402
 from lightning_dp.data import EmptyBatchCollate  # noqa: E402
 from lightning_dp.hf import DPTrainer, PrivacyArguments, PrivacyBudget  # noqa: E402
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME  # noqa: E402
@@ -280,7 +281,6 @@ def test_privacy_budget_stops_before_exceeding(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("attribute", "value", "message"),
     [
-        ("fp16", True, "fp16"),
         ("deepspeed", "ds_config.json", "DeepSpeed.*fully_shard"),
         ("fsdp", "full_shard", "FSDP.*fully_shard"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
@@ -471,10 +471,22 @@ def test_disable_dp_trains_exactly_as_the_plain_trainer_and_reports_infinite_eps
     assert parsed.disable_dp is True
 
 
-def test_fp16_from_the_accelerate_config_fails_early(tmp_path, monkeypatch) -> None:
-    """``mixed_precision: fp16`` in an accelerate config reaches the Trainer through the environment, not fp16=True."""
+def test_fp16_from_the_accelerate_config_sets_the_clippers_loss_scale(tmp_path, monkeypatch) -> None:
+    """``mixed_precision: fp16`` in an accelerate config reaches the Trainer through the environment, not fp16=True:
+    it is accepted (docs/privacy.md, "Mixed precision") and, like fp16=True, runs the clipper's backward at the fixed
+    float16 loss scale (on CPU accelerate sets up neither autocast nor a GradScaler for it)."""
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
-    args = training_args(tmp_path)
+    args = training_args(tmp_path, max_steps=1)
     assert not args.fp16 and args.mixed_precision == "fp16"
-    with pytest.raises(ValueError, match="mixed_precision: fp16"):
-        DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
+    privacy = PrivacyArguments(1.0, 3.0)
+    trainer = DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=privacy)
+    clippers = []
+    start_run = trainer.privacy_engine.start_run
+
+    def recording(*a, **k):
+        start_run(*a, **k)
+        clippers.append(trainer.privacy_engine.state.clipper)
+
+    trainer.privacy_engine.start_run = recording
+    trainer.train()
+    assert clippers and clippers[0].loss_scale == FP16_LOSS_SCALE

@@ -225,8 +225,9 @@ def test_bad_arguments_fail_at_construction(kwargs, message):
         DPStrategy(**kwargs)
 
 
-def test_fp16_and_gradient_clipping_are_rejected():
-    with pytest.raises(ValueError, match="bf16-mixed"):
+def test_fp16_parameters_and_gradient_clipping_are_rejected():
+    """float16 parameters ("16-true") are refused; float16 autocast ("16-mixed") runs: test_mixed_precision.py."""
+    with pytest.raises(ValueError, match="16-mixed"):
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, precision="16-true").fit(TinyRegressor())
     with pytest.raises(ValueError, match="gradient_clip_val"):
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, gradient_clip_val=1.0).fit(TinyRegressor())

@@ -1,0 +1,87 @@
+"""The clipper's own, fixed loss scale for float16 backwards (docs/privacy.md, "Mixed precision").
+
+Under float16 autocast the clipper's backward (one ``torch.autograd.grad`` of ``S sum_i loss_i`` to the captured
+output edges) runs with a fixed power of two ``S``, so that small per-example output gradients do not underflow in
+float16. Everything the clipper forms from the captures is linear in the output gradients, so the unscaling is exact
+(a power of two) and done in the float32 per-sample arithmetic: squared l2 norms and their rounding scales are divided
+by ``S^2`` (l1: by ``S``), and the clip factors of the clipped sum by ``S``. An example whose scaled output gradient
+overflows float16 has a non-finite norm and is dropped like any non-finite example (factor 0, ``dropped_nonfinite``).
+
+``S`` is a constant, never adapted to overflows: which examples are dropped is then a function of each example alone
+(and of the public model), and nothing about it is released but through the noised sum. The trainer's own
+``GradScaler`` never sees a per-example gradient (:mod:`lightning_dp.engine.grad_scaler`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: The loss scale of the clipper's backward under float16 (Lightning ``precision="16-mixed"``, HF ``fp16=True``).
+#: The clipper backpropagates the SUM of per-example losses, so each example's output gradients carry ``S`` once (a
+#: mean loss under a GradScaler of scale ``S'`` carries ``S' / B``): ``2^8`` leaves a factor ``256`` below float16's
+#: largest value (65504) for an example's output-gradient entries, and moves float16's smallest subnormal (``2^-24``)
+#: down to ``2^-32`` in unscaled units.
+FP16_LOSS_SCALE = 2.0**8
+
+
+def validate_loss_scale(scale: float) -> float:
+    """``scale`` as a float when it is a positive, finite power of two (so that unscaling is exact).
+
+    Raises:
+        ValueError: anything else (``bool`` included).
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"loss_scale must be a positive finite power of two, got {scale!r}")
+    if math.frexp(float(scale))[0] != 0.5:
+        raise ValueError(f"loss_scale must be a power of two (exact unscaling), got {scale!r}")
+    return float(scale)
+
+
+def unscale_norms(
+    totals: torch.Tensor, scales: torch.Tensor, loss_scale: float, norm: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sample norms and rounding scales of a backward scaled by ``loss_scale``, in unscaled units.
+
+    Args:
+        totals: ``[G, B]``, squared l2 norms (``norm=2``) or l1 norms of the scaled terms (float32/float64).
+        scales: ``[G, B]``, their squared rounding scales (``norm=2``) or rounding scales (``norm=1``).
+        loss_scale: ``S``, a power of two (1: returned unchanged).
+        norm: 2 or 1.
+
+    Returns:
+        ``(totals / S^2, scales / S^2)`` for ``norm=2``, ``(totals / S, scales / S)`` for ``norm=1``; exact (a power
+        of two) unless a value is subnormal; a non-finite value stays non-finite.
+    """
+    if loss_scale == 1.0:
+        return totals, scales
+    divisor = loss_scale**2 if norm == 2 else loss_scale
+    return totals / divisor, scales / divisor
+
+
+def unscale_factors(factors: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """``factors / S`` ``[G, B]``: the clip factors applied to the scaled terms give the clipped sum of the unscaled
+    per-example gradients (``c_i grad_i = (c_i / S) (S grad_i)``)."""
+    return factors if loss_scale == 1.0 else factors / loss_scale
+
+
+class LossScaleMixin:
+    """The clipper's :attr:`loss_scale` (a base of :class:`~lightning_dp.clipping.clipper.PerSampleClipper`)."""
+
+    _loss_scale: float = 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """``S``, the fixed scale of the clipper's backward (1: none; :data:`FP16_LOSS_SCALE` under float16); the norms
+        it returns and the clipped sum it adds are in unscaled units whatever ``S``. Set it between batches (a batch's
+        past iterates and its backward must share it).
+
+        Raises:
+            ValueError: (setting) not a positive finite power of two.
+        """
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, scale: float) -> None:
+        self._loss_scale = validate_loss_scale(scale)

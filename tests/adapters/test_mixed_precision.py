@@ -1,0 +1,194 @@
+"""float16 and bfloat16 training through both adapters on CPU (docs/privacy.md, "Mixed precision").
+
+Lightning ``precision="16-mixed"`` falls back to bf16 on CPU, so the float16 runs pass Lightning's ``MixedPrecision``
+plugin with a CPU ``GradScaler``; accelerate sets up neither autocast nor a scaler for ``fp16=True`` on CPU, so the HF
+runs give the Accelerator both, as it does on a GPU. An example whose gradient overflows float16 at the clipper's loss
+scale is dropped: the step is still taken and recorded, and the scaler's scale does not back off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from helpers import TinyRegressor, make_trainer  # noqa: E402
+from hf_helpers import TokenDataset, tiny_gpt2, trainable_snapshot  # noqa: E402
+from hf_helpers import make_trainer as make_hf_trainer  # noqa: E402
+from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_dp import DPStrategy  # noqa: E402
+from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE  # noqa: E402
+from lightning_dp.engine.grad_scaler import hand_to_grad_scaler  # noqa: E402
+from lightning_dp.hf import PrivacyArguments  # noqa: E402
+
+STEPS = 3
+INIT_SCALE = 2.0**16
+
+
+def _fp16_plugin() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))
+
+
+class _Temperature(pl.LightningModule):
+    """``t_i * sum(net(x_i))`` in float32 from the float16 output: a finite loss, but ``t = 1e4`` makes the output
+    gradient ``256 t`` overflow float16 at the clipper's scale, for the examples marked so in the data."""
+
+    def __init__(self, n: int = 16, hot: tuple[int, ...] = (3,)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        temperature = torch.ones(n)
+        temperature[list(hot)] = 1e4
+        self.data = TensorDataset(torch.randn(n, 4), temperature)
+
+    def training_step(self, batch, batch_idx):
+        x, t = batch
+        return self.net(x).float().squeeze(-1) * t
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=len(self.data) // 2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _recording_clippers(engine) -> list:
+    """The clippers ``engine.start_run`` attaches, in order (read after the run: teardown detaches them)."""
+    clippers = []
+    start_run = engine.start_run
+
+    def recording(*args, **kwargs):
+        start_run(*args, **kwargs)
+        clippers.append(engine.state.clipper)
+
+    engine.start_run = recording
+    return clippers
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_lightning_16_mixed_steps_with_finite_updates_and_the_clippers_scale() -> None:
+    module = TinyRegressor()
+    before = _params(module)
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, seed=0)
+    dtypes = _dtype_recorder(module)
+    trainer = make_trainer(strategy, max_steps=STEPS, plugins=[_fp16_plugin()])
+    clippers = _recording_clippers(strategy.privacy_engine)
+    trainer.fit(module)
+    assert clippers[0].loss_scale == FP16_LOSS_SCALE and not clippers[0].dropped_nonfinite
+    after = _params(module)
+    assert torch.float16 in dtypes
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert trainer.global_step == STEPS and strategy.privacy_engine.steps == STEPS
+    scaler = trainer.precision_plugin.scaler
+    assert scaler.get_scale() == INIT_SCALE  # no overflow seen: no back-off (growth only every 2000 steps)
+
+
+class _SkipsOne(TinyRegressor):
+    """Returns None for batch 1 (the user skips it)."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_lightning_16_mixed_records_a_skipped_batch_as_without_a_scaler() -> None:
+    """A step whose training_step returned None is noised, taken and recorded under 16-mixed as under 32-true (the
+    scaler's plugin alone would skip it after its gradient was noised)."""
+    steps = []
+    for plugins in ([], [_fp16_plugin()]):
+        strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, seed=0)
+        trainer = make_trainer(strategy, max_steps=STEPS, plugins=plugins)
+        trainer.fit(_SkipsOne())
+        steps.append((trainer.global_step, strategy.privacy_engine.steps))
+    assert steps[0] == steps[1] == (STEPS, STEPS)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_lightning_bf16_runs_with_finite_updates(precision: str) -> None:
+    module = TinyRegressor()
+    before = _params(module)
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, seed=0)
+    trainer = make_trainer(strategy, max_steps=STEPS, precision=precision)
+    trainer.fit(module)
+    after = _params(module)
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert strategy.privacy_engine.steps == STEPS
+
+
+def test_lightning_an_overflowing_example_is_dropped_and_the_step_taken() -> None:
+    """Every step samples from 16 examples at rate 1/2; example 3 overflows float16 at the clipper's scale. The
+    steps are all taken and recorded, the scaler's scale stays put, and the drop is reported."""
+    module = _Temperature()
+    before = _params(module)
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=1.0, seed=3)
+    trainer = make_trainer(strategy, max_steps=STEPS, plugins=[_fp16_plugin()])
+    clippers = _recording_clippers(strategy.privacy_engine)
+    trainer.fit(module)
+    engine = strategy.privacy_engine
+    assert clippers[0].dropped_nonfinite
+    assert trainer.global_step == STEPS and engine.steps == STEPS
+    assert trainer.precision_plugin.scaler.get_scale() == INIT_SCALE
+    after = _params(module)
+    assert all(torch.isfinite(p).all() for p in after)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_hand_to_grad_scaler_gives_the_noised_gradient_back() -> None:
+    """unscale_ of the scaled gradient is the gradient exactly (powers of two); a huge one is clamped, not inf."""
+    param = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    noised = torch.tensor([0.25, -3.0, 1e35])
+    param.grad = noised.clone()
+    hand_to_grad_scaler([param], scaler)
+    assert torch.isfinite(param.grad).all()
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    assert torch.equal(param.detach()[:2], -noised[:2])  # stepped: no inf found
+    assert scaler.get_scale() == INIT_SCALE
+
+
+def _hf_fp16(trainer) -> torch.amp.GradScaler:
+    """What accelerate sets up for fp16 on a GPU (it sets up nothing on CPU): autocast in the prepared model's forward
+    and a GradScaler around the optimizer."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = scaler
+    return scaler
+
+
+def _dtype_recorder(model: nn.Module) -> set[torch.dtype]:
+    dtypes: set[torch.dtype] = set()
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
+    first.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
+    return dtypes
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_hf_trainer_mixed_precision_steps(tmp_path, precision: str) -> None:
+    model = tiny_gpt2()
+    before = trainable_snapshot(model)
+    dtypes = _dtype_recorder(model)
+    privacy = PrivacyArguments(noise_multiplier=0.5, accountant="rdp", dp_seed=0)
+    trainer = make_hf_trainer(model, tmp_path, TokenDataset(), privacy=privacy, args={precision: True})
+    scaler = _hf_fp16(trainer) if precision == "fp16" else None
+    clippers = _recording_clippers(trainer.privacy_engine)
+    trainer.train()
+    after = trainable_snapshot(model)
+    assert {torch.float16 if precision == "fp16" else torch.bfloat16} <= dtypes
+    assert trainer.state.global_step == STEPS and trainer.privacy_engine.steps == STEPS
+    assert all(torch.isfinite(p).all() for p in after.values())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    assert clippers[0].loss_scale == (FP16_LOSS_SCALE if precision == "fp16" else 1.0)
+    if scaler is not None:
+        assert scaler.get_scale() == INIT_SCALE and not trainer.accelerator.optimizer_step_was_skipped
