@@ -59,9 +59,21 @@ def add_float32_sum(param: nn.Parameter, clipped: torch.Tensor) -> None:
     if param.grad is None or kept is None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        _SUMS[id(param)] = (weakref.ref(param, _forget(id(param))), clipped.clone())
+        put_float32_sum(param, clipped.clone())
     else:
         kept.add_(clipped)
+
+
+def pop_float32_sum(param: nn.Parameter) -> torch.Tensor | None:
+    """Remove ``param``'s float32 sum and return it (``None`` when it has none)."""
+    kept = float32_sum(param)
+    _SUMS.pop(id(param), None)
+    return kept
+
+
+def put_float32_sum(param: nn.Parameter, kept: torch.Tensor) -> None:
+    """Make ``kept`` (float32, ``[*param.shape]``) ``param``'s float32 sum, replacing any."""
+    _SUMS[id(param)] = (weakref.ref(param, _forget(id(param))), kept)
 
 
 def take_float32_sums(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
@@ -72,8 +84,7 @@ def take_float32_sums(params: Sequence[nn.Parameter]) -> list[torch.Tensor | Non
         if not keeps_float32_sum(param):
             taken.append(None)
             continue
-        kept = float32_sum(param)
-        _SUMS.pop(id(param), None)
+        kept = pop_float32_sum(param)
         taken.append(torch.zeros(param.shape, dtype=torch.float32, device=param.device) if kept is None else kept)
     return taken
 

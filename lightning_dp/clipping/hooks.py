@@ -73,8 +73,10 @@ class Capture:
         return self.activation is not None and self.activation._version != self.activation_version
 
     def recomputed(self, x: torch.Tensor) -> None:
-        """Take the call's first input ``x`` as the backward recomputed it (a checkpointed region)."""
-        self.activation, self.activation_version = x.detach(), x._version
+        """Take the call's first input ``x`` as the backward recomputed it (a checkpointed region). The recomputation
+        repeats the forward's operations, so ``x`` then has the version the forward's input had at the call, unless
+        the region modified it in place after the call (:meth:`modified`)."""
+        self.activation = x.detach()
 
     def layer_terms(self, rows: int) -> dict[str, Term]:
         """The family's terms for this call per example, ``{param attribute: Term}`` (after the backward set

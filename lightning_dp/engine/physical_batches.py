@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_dp.clipping.float32_sums import add_float32_sum, pop_float32_sum, put_float32_sum
 from lightning_dp.data.physical_batches import split_rows
 from lightning_dp.engine.adapter import micro_batch
 
@@ -132,33 +133,42 @@ def run_physical_batches(
     return result
 
 
-def hold_gradients(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor | None]:
-    """Take every ``p.grad`` out (``p.grad = None``) and return them, so that passes run now accumulate their clipped
-    sums apart (:func:`swap_gradients` puts them back)."""
-    held = [p.grad for p in params]
+#: What :func:`hold_gradients` takes out of a parameter, or :func:`swap_gradients` keeps aside: its ``.grad`` and,
+#: for a 16-bit parameter, its float32 clipped sum (:mod:`lightning_dp.clipping.float32_sums`).
+Held = tuple[torch.Tensor | None, torch.Tensor | None]
+
+
+def hold_gradients(params: Sequence[torch.nn.Parameter]) -> list[Held]:
+    """Take every ``p.grad`` (and float32 sum) out (``p.grad = None``) and return them, so that passes run now
+    accumulate their clipped sums apart (:func:`swap_gradients` puts them back)."""
+    held = [(p.grad, pop_float32_sum(p)) for p in params]
     for p in params:
         p.grad = None
     return held
 
 
-def swap_gradients(
-    params: Sequence[torch.nn.Parameter], held: Sequence[torch.Tensor | None]
-) -> list[torch.Tensor | None]:
-    """Put the gradients :func:`hold_gradients` took back into ``p.grad`` and return what ``p.grad`` held meanwhile
-    (the passes' clipped sums; ``None`` where nothing was added).
+def swap_gradients(params: Sequence[torch.nn.Parameter], held: Sequence[Held]) -> list[Held]:
+    """Put the gradients (and float32 sums) :func:`hold_gradients` took back and return what the parameters held
+    meanwhile (the passes' clipped sums; ``None`` where nothing was added).
 
     Lightning zeroes the gradients between its ``training_step`` and its backward on a logical step's first
-    micro-batch: the sums of the passes run inside the step are kept aside and added back by :func:`add_gradients`
-    after it (and whatever ``on_before_zero_grad`` sees is what it would see without the cap)."""
-    sums = [p.grad for p in params]
-    for p, grad in zip(params, held, strict=True):
+    micro-batch (and :class:`~lightning_dp.optim.DPOptimizer`'s ``zero_grad`` drops the float32 sums): the sums of the
+    passes run inside the step are kept aside and added back by :func:`add_gradients` after it (and whatever
+    ``on_before_zero_grad`` sees is what it would see without the cap)."""
+    sums = [(p.grad, pop_float32_sum(p)) for p in params]
+    for p, (grad, kept) in zip(params, held, strict=True):
         p.grad = grad
+        if kept is not None:
+            put_float32_sum(p, kept)
     return sums
 
 
-def add_gradients(params: Sequence[torch.nn.Parameter], sums: Sequence[torch.Tensor | None]) -> None:
-    """``p.grad += sum`` for each kept sum of :func:`swap_gradients` (``p.grad = sum`` where ``p.grad`` is ``None``)."""
-    for p, grad in zip(params, sums, strict=True):
+def add_gradients(params: Sequence[torch.nn.Parameter], sums: Sequence[Held]) -> None:
+    """``p.grad += sum`` for each kept sum of :func:`swap_gradients` (``p.grad = sum`` where ``p.grad`` is ``None``),
+    and each kept float32 sum added to the parameter's (:func:`~lightning_dp.clipping.float32_sums.add_float32_sum`)."""
+    for p, (grad, kept) in zip(params, sums, strict=True):
+        if kept is not None:
+            add_float32_sum(p, kept)
         if grad is None:
             continue
         if p.grad is None:

@@ -34,12 +34,14 @@ class LossRecorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def _fit(cap: int | None, *, accumulate: int = 1, steps: int = 4, callbacks=(), **options):
+def _fit(cap: int | None, *, accumulate: int = 1, steps: int = 4, callbacks=(), precision="32-true", **options):
     torch.manual_seed(0)
     module = Regressor(batch_size=16 // accumulate)
     options = {"noise_multiplier": 0.0, "max_grad_norm": 0.5, "seed": 1, **options}
     strategy = DPStrategy(max_physical_batch_size=cap, **options)
-    trainer = make_trainer(strategy, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=list(callbacks))
+    trainer = make_trainer(
+        strategy, max_steps=steps, accumulate_grad_batches=accumulate, callbacks=list(callbacks), precision=precision
+    )
     trainer.fit(module)
     assert strategy.privacy_engine.steps == steps
     return module, strategy
@@ -201,3 +203,24 @@ def test_dp_trainer_empty_batches_under_the_cap(tmp_path) -> None:
     trainer = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy, args=dict(max_steps=3))
     trainer.train()
     assert trainer.privacy_engine.steps == 3
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_cap_keeps_every_pass_of_16_bit_parameters(accumulate, monkeypatch) -> None:
+    """bf16-true: the passes' float32 clipped sums (kept beside the bf16 .grad) survive Lightning's zero_grad."""
+    from lightning_dp.optim import dp_optimizer
+
+    taken: list[list[torch.Tensor]] = []
+    take = dp_optimizer.take_float32_sums
+    monkeypatch.setattr(
+        dp_optimizer,
+        "take_float32_sums",
+        lambda params: taken.append(take(params)) or taken[-1],  # type: ignore[func-returns-value]
+    )
+    sums = []
+    for cap in (None, 3):
+        taken.clear()
+        _fit(cap, accumulate=accumulate, steps=2, precision="bf16-true")
+        sums.append([t for step in taken for t in step])
+    for plain, capped in zip(*sums, strict=True):
+        torch.testing.assert_close(capped, plain, rtol=1e-5, atol=1e-6)

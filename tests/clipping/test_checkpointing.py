@@ -170,3 +170,27 @@ def test_fallback_modules_with_dropout_in_a_checkpointed_region_are_exact(clippi
         return torch.sin(model(x)).flatten(1).sum(1)
 
     check_against_batch_graph(model, loss, clipping)
+
+
+class ModifiedAfterUse(nn.Module):
+    """A checkpointed region that modifies ``b``'s input in place after ``b`` ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def region(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        out = self.b(h)
+        h.mul_(3.0)
+        return (out + h).tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.region, x, use_reentrant=False))
+
+
+def test_an_input_modified_in_place_after_its_call_is_refused_as_without_checkpointing() -> None:
+    model = ModifiedAfterUse().double()
+    clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="input of module 'b' was modified in place"):
+        clipper.per_sample_norms(model(torch.randn(5, 4, dtype=torch.float64)).sin().sum(1))
