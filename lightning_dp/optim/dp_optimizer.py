@@ -47,7 +47,7 @@ FINITE_CHECK_EVERY = 100
 
 
 def nonfinite_flags(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """``[P]`` bool on the first clipped sum's device: True where ``p.grad`` (this rank's part) holds a non-finite value.
+    """``[P]`` bool on the first clipped sum's device: True where ``p.grad`` (this rank's part) is not all finite.
 
     No host sync: one ``aminmax`` per parameter (min and max propagate NaN and hold any inf: one pass without a boolean
     copy of each gradient, which on the 14.5M parameters of a small GPT-2 costs as much as drawing their noise), then
