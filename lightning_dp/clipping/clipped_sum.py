@@ -107,11 +107,12 @@ class ClippedSumMixin:
         with ``keep`` (``[B]`` bool) the other samples' terms are zeroed first (a no-op on finite terms, so the sum is
         the same bits whether or not a sample was dropped, and no host read decides whether to mask).
         """
+        dropped = None if keep is None else ~keep
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
-                if keep is not None:
-                    param_terms = [term.masked(keep) for term in param_terms]
+                if dropped is not None:
+                    param_terms = [term.masked(dropped) for term in param_terms]
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
                 clipped = param_terms[0].batch_sum(param_factors)
                 for term in param_terms[1:]:
