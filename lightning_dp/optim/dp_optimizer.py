@@ -61,7 +61,11 @@ def nonfinite_flags(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def raise_if_nonfinite(
-    params: Sequence[torch.nn.Parameter], flags: Sequence[bool], *, deferred: tuple[int, int] | None = None
+    params: Sequence[torch.nn.Parameter],
+    flags: Sequence[bool],
+    *,
+    deferred: tuple[int, int] | None = None,
+    every: int = FINITE_CHECK_EVERY,
 ) -> None:
     """Raise if any of ``flags`` (read from :func:`nonfinite_flags`, one per parameter) is set.
 
@@ -73,6 +77,7 @@ def raise_if_nonfinite(
         flags: whether each one's clipped sum was not finite.
         deferred: ``(first, last)`` step numbers of a deferred check (the sums were noised and every gradient of the
             step at fault set to NaN); ``None``: the check of this step, before its noise.
+        every: the period of the reads (named in the message of a deferred check).
 
     Raises:
         FloatingPointError: naming the first parameters (position among the trainable ones, and shape) at fault.
@@ -88,7 +93,7 @@ def raise_if_nonfinite(
         effect = (
             "that step set every gradient to NaN, so its update released no number (every parameter is NaN now); "
             "the check reads a flag on the device at the first step, every "
-            f"{FINITE_CHECK_EVERY}th step, at checkpoints and at the end of training"
+            f"{every}th step, at checkpoints and at the end of training"
         )
     raise FloatingPointError(
         f"the clipped gradient sum of trainable parameter(s) {', '.join(bad)} {when}. Per-sample clipping drops "
@@ -299,7 +304,8 @@ class DPOptimizer(Optimizer):
             return
         read = torch.stack(rows).tolist()
         if self._pending is not None:  # kept when set: every later read raises again
-            raise_if_nonfinite(params, read[0], deferred=(self._pending_first, self._steps))
+            deferred = (self._pending_first, self._steps)
+            raise_if_nonfinite(params, read[0], deferred=deferred, every=self.finite_check_every)
             self._pending = None
         if flags is not None:
             raise_if_nonfinite(params, read[-1])
