@@ -49,6 +49,8 @@ class ClippedSumMixin:
     _dropped: torch.Tensor | bool
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
+    max_grad_norm: float
+    last_group_norms: torch.Tensor | None
     _past_finite: torch.Tensor | None
     # a method of SampleNormsMixin, another base of PerSampleClipper
     _terms: Callable[[list[Capture], int], dict[nn.Parameter, list[Term]]]
@@ -83,6 +85,20 @@ class ClippedSumMixin:
     @dropped_nonfinite.setter
     def dropped_nonfinite(self, value: torch.Tensor | bool) -> None:
         self._dropped = value
+
+    def clip_fraction(self, norms: torch.Tensor) -> Callable[[], float]:
+        """A function that computes and reads (one host sync) the fraction of the last clipped batch's samples whose
+        norm ``norms`` (or a group's norm) exceeded its bound; the bound and group norms are kept now, since adaptive
+        clipping moves the bound after the step. A diagnostic, never privatised; no step calls it."""
+        bound, group_norms, groups = self.max_grad_norm, self.last_group_norms, self.groups
+
+        def fraction() -> float:
+            if groups is None or group_norms is None:
+                return float((norms > bound).float().mean())
+            bounds = group_norms.new_tensor(groups.bounds)
+            return float((group_norms > bounds[:, None]).any(0).float().mean())
+
+        return fraction
 
     def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool, the samples whose loss (at every iterate) and norm are finite; ORs "one was not" into the

@@ -356,7 +356,7 @@ class RunSequence:
         if state.adaptive is not None:
             state.adaptive.count(norms)
         if norms.numel():  # read when asked for (PrivacyEngine.last_clip_fraction), never per step
-            state.last_clip_fraction = _clip_fraction(self._clipper, norms)
+            state.last_clip_fraction = self._clipper.clip_fraction(norms)
         return norms
 
     def finish_run(self) -> None:
@@ -393,20 +393,6 @@ class RunSequence:
                 f"An optimizer step after {counted} micro-batches, expected {micro_batches}: a logical step must be "
                 "exactly one Poisson sample"
             )
-
-
-def _clip_fraction(clipper: PerSampleClipper, norms: torch.Tensor) -> Callable[[], float]:
-    """The fraction of ``norms``' samples that ``clipper`` clipped, computed and read (one host sync) when called; the
-    bound and group norms of this batch are kept, since adaptive clipping moves the bound after the step."""
-    bound, group_norms = clipper.max_grad_norm, clipper.last_group_norms
-
-    def fraction() -> float:
-        if clipper.groups is None or group_norms is None:
-            return float((norms > bound).float().mean())
-        bounds = group_norms.new_tensor(clipper.groups.bounds)
-        return float((group_norms > bounds[:, None]).any(0).float().mean())
-
-    return fraction
 
 
 def _per_user(compute_loss: LossFunction) -> LossFunction:

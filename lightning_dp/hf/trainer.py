@@ -344,13 +344,6 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         return loss / self.args.gradient_accumulation_steps
 
     @override
-    def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """Read the deferred finite check of the clipped sums (one host sync; docs/design.md section 9.2) before the
-        checkpoint's model files are written: a checkpoint is a release."""
-        self.privacy_engine.check_finite()
-        super()._save_checkpoint(model, trial)
-
-    @override
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """``Trainer.log`` with ``epsilon`` added once training has started, and the privacy summary (``dp/epsilon``,
         ``dp/delta``, ``dp/noise_multiplier``, ``dp/steps``...) added to the end-of-training log.

@@ -223,6 +223,18 @@ def test_engine_checks_before_a_checkpoint_and_at_the_end() -> None:
         engine.finish_run()
 
 
+def test_hf_reads_the_deferred_check_before_saving_the_model(tmp_path) -> None:
+    """DPTrainer: a deferred failure raises in save_model before any model file is written."""
+    trainer = make_hf_trainer(tiny_gpt2(), tmp_path / "run", args=dict(max_steps=2))
+    trainer.train()
+    optimizer = trainer._dp_optimizer
+    optimizer._pending = torch.zeros(len(optimizer.params), dtype=torch.bool)
+    optimizer._pending[0] = True
+    with pytest.raises(FloatingPointError, match="#0"):
+        trainer.save_model(str(tmp_path / "saved"))
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_steady_state_step_under_sync_debug_mode_error() -> None:
     """DPStrategy on CUDA: the steady-state steps run with ``set_sync_debug_mode("error")`` (any synchronising CUDA
