@@ -49,9 +49,13 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
 class ClippedSumMixin:
     """Book-keeping of the clipped sum and masking of non-finite samples (a base of the clipper)."""
 
-    dropped_nonfinite: bool
+    #: whether a sample was dropped since construction: a Python bool, or a 0-dim bool tensor on the device that the
+    #: steps OR into without reading it (:attr:`dropped_nonfinite` reads it).
+    _dropped: torch.Tensor | bool
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
+    max_grad_norm: float
+    last_group_norms: torch.Tensor | None
     _past_finite: torch.Tensor | None
     # a method of SampleNormsMixin, another base of PerSampleClipper
     _terms: Callable[[list[Capture], int], dict[nn.Parameter, list[Term]]]
@@ -76,16 +80,41 @@ class ClippedSumMixin:
         # rank (which parameters got per-sample gradients may differ between ranks)
         return {param: [Materialised(grads[param])] if param in grads else rest[param] for param in terms}
 
-    def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor | None:
-        """``[B]`` bool, the samples whose loss (at every iterate) and norm are finite, or ``None`` when all are (one
-        host sync; docs/design.md section 9.2).
+    @property
+    def dropped_nonfinite(self) -> bool:
+        """Whether any sample has been dropped for a non-finite loss or norm since construction (see
+        :meth:`~lightning_dp.clipping.clipper.PerSampleClipper.backward`). Reading it is a host sync: it is read at the
+        end of a run, never per step (the steps keep the flag on the device)."""
+        return bool(self._dropped)
+
+    @dropped_nonfinite.setter
+    def dropped_nonfinite(self, value: torch.Tensor | bool) -> None:
+        self._dropped = value
+
+    def clip_fraction(self, norms: torch.Tensor) -> Callable[[], float]:
+        """A function that computes and reads (one host sync) the fraction of the last clipped batch's samples whose
+        norm ``norms`` (or a group's norm) exceeded its bound; the bound and group norms are kept now, since adaptive
+        clipping moves the bound after the step. A diagnostic, never privatised; no step calls it."""
+        bound, group_norms, groups = self.max_grad_norm, self.last_group_norms, self.groups
+
+        def fraction() -> float:
+            if groups is None or group_norms is None:
+                return float((norms > bound).float().mean())
+            bounds = group_norms.new_tensor(groups.bounds)
+            return float((group_norms > bounds[:, None]).any(0).float().mean())
+
+        return fraction
+
+    def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool, the samples whose loss (at every iterate) and norm are finite; ORs "one was not" into the
+        device flag behind :attr:`dropped_nonfinite`. No host sync (docs/design.md section 9.2): the caller masks
+        with it whether or not a sample is dropped, so no step reads it.
         """
         keep = torch.isfinite(norms) & torch.isfinite(per_sample_loss.detach())
         if self._past_finite is not None:
             keep = keep & self._past_finite
-        if bool(keep.all()):
-            return None
-        self.dropped_nonfinite = True
+        dropped = ~keep.all()
+        self._dropped = dropped if isinstance(self._dropped, bool) and not self._dropped else self._dropped | dropped
         return keep
 
     def _add_clipped_sum(
@@ -96,13 +125,15 @@ class ClippedSumMixin:
         keep: torch.Tensor | None,
     ) -> None:
         """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group, ``factors`` ``[G, B]``;
-        with ``keep`` (``[B]`` bool) the other samples' terms are zeroed first.
+        with ``keep`` (``[B]`` bool) the other samples' terms are zeroed first (a no-op on finite terms, so the sum is
+        the same bits whether or not a sample was dropped, and no host read decides whether to mask).
         """
+        dropped = None if keep is None else ~keep
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
-                if keep is not None:
-                    param_terms = [term.masked(keep) for term in param_terms]
+                if dropped is not None:
+                    param_terms = [term.masked(dropped) for term in param_terms]
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
                 clipped = param_terms[0].batch_sum(param_factors)
                 for term in param_terms[1:]:

@@ -333,20 +333,20 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
             self.last_group_norms = None if self.groups is None else group_norms
-            keep = self._finite_samples(norms, per_sample_loss)
-            if checker is not None and keep is None:
+            keep = self._finite_samples(norms, per_sample_loss)  # on the device: read only by a due sum check
+            all_finite = checker is None or bool(keep.all())  # the sum check's batch syncs anyway (scheduled)
+            if checker is not None and all_finite:
                 failures = checker.failures()
                 if failures:
                     raise self._outside_use_error(failures)
             if checker is not None:
-                self.sum_check_postponed = keep is not None
-            if checker is None or keep is None:  # a check over non-finite samples says nothing: due again next batch
+                self.sum_check_postponed = not all_finite
+            if all_finite:  # a check over non-finite samples says nothing: due again next batch
                 self._checked_batches += 1
             if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
-                factors = clip_factors(bound, self._group_bounds())  # [G, B]
-                if keep is not None:
-                    factors = torch.where(keep, factors, 0)
+                # a dropped sample gets factor 0 and its terms are zeroed: always, so that no step reads keep
+                factors = torch.where(keep, clip_factors(bound, self._group_bounds()), 0)  # [G, B]
                 with full_precision(per_sample_loss.device):
                     self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), keep)
         finally:
@@ -376,7 +376,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
         """
         kept = (self._checked_batches, set(self._rows_verified), dict(self._hooks.confirmed_inputs))
-        flags = (self.dropped_nonfinite, self.sum_check_postponed)
+        flags = (self._dropped, self.sum_check_postponed)
         try:
             self._clip(per_sample_loss, accumulate=False, probing=True)
         finally:

@@ -5,8 +5,10 @@ clipper's attributes.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -281,8 +283,9 @@ class SampleNormsMixin:
                     contribution = self._engine.contribution(param_terms, self.norm, generator)
                 clip_group = 0 if self.groups is None else self._group_of[param]
                 totals[clip_group] = totals[clip_group] + contribution.to(dtype)
-                # a tensor: ``param_terms`` is not empty (one per use)
-                scale = cast(torch.Tensor, sum(term.rounding_scales(self.norm).to(dtype) for term in param_terms))
+                # from the first use on (no ``0 +``: one add fewer per parameter, the same bits)
+                uses = [term.rounding_scales(self.norm).to(dtype) for term in param_terms]
+                scale = functools.reduce(operator.add, uses[1:], uses[0])
                 scales[clip_group] = scales[clip_group] + (scale.square() if self.norm == 2 else scale)
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, group, grads))

@@ -42,10 +42,10 @@ class Materialised:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
-    def masked(self, keep: torch.Tensor) -> Materialised:
-        """The term with samples outside ``keep`` (``[B]`` bool) set to zero (a new tensor; no ``0 * inf``)."""
-        grad = torch.where(keep.view(-1, *[1] * (self.grad.ndim - 1)), self.grad, 0)
-        return Materialised(grad, None if self.rounding is None else torch.where(keep, self.rounding, 0))
+    def masked(self, dropped: torch.Tensor) -> Materialised:
+        """The term with the samples ``dropped`` (``[B]`` bool) set to zero (a new tensor; no ``0 * inf``)."""
+        grad = self.grad.masked_fill(dropped.view(-1, *[1] * (self.grad.ndim - 1)), 0)
+        return Materialised(grad, None if self.rounding is None else self.rounding.masked_fill(dropped, 0))
 
     def rounding_scales(self, norm: int) -> torch.Tensor:
         """``[B]``: each sample's rounding scale in l1 (``norm=1``) or l2, a bound on the norm of ``sum_k |x_ik|`` over
@@ -63,7 +63,11 @@ class Materialised:
         """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``."""
         if weights is None:
             return self.grad.sum(0)
-        return torch.tensordot(weights.to(self.grad.dtype), self.grad, dims=1)
+        weights = weights.to(self.grad.dtype)
+        if self.grad.ndim == 1 or not self.grad.is_contiguous():
+            return torch.tensordot(weights, self.grad, dims=1)
+        # tensordot's own matmul (the same [1, B] x [B, N] mm, the same bits) without its permutes and copies
+        return (weights.view(1, -1) @ self.grad.view(self.grad.shape[0], -1)).view(self.grad.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,13 @@ class Factored:
         """The term restricted to the samples ``index``."""
         return Factored(self.left[index], self.right[index], self.shape)
 
-    def masked(self, keep: torch.Tensor) -> Factored:
-        """The term with samples outside ``keep`` (``[B]`` bool) set to zero: dense factors' rows zeroed (new tensors),
+    def masked(self, dropped: torch.Tensor) -> Factored:
+        """The term with the samples ``dropped`` (``[B]`` bool) set to zero: dense factors' rows zeroed (new tensors),
         token ids kept.
         """
-        rows = keep.view(-1, 1, 1)
-        left = self.left if self.is_index else torch.where(rows, self.left, 0)
-        return Factored(left, torch.where(rows, self.right, 0), self.shape)
+        rows = dropped.view(-1, 1, 1)
+        left = self.left if self.is_index else self.left.masked_fill(rows, 0)
+        return Factored(left, self.right.masked_fill(rows, 0), self.shape)
 
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""

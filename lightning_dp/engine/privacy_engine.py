@@ -106,7 +106,6 @@ class PrivacyEngine:
     loader_batches = _State[tuple[int | None, int] | None]()
     length_grouped = _State[bool]()
     planned_steps = _State[int | None]()
-    last_clip_fraction = _State[float | None]()
 
     def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:
         if config is None:
@@ -149,6 +148,8 @@ class PrivacyEngine:
         self.checkpoint = CheckpointState(state, self.clip_bound, self.ledger)
         self.startup = StartupBlock(state)
         self.run = RunSequence(state, self.attachment, self.noise_setup, self.startup, self.wrap_optimizer)
+        #: the optimizers :meth:`wrap_optimizer` returned in this run (their deferred finite checks: check_finite)
+        self._optimizers: list[DPOptimizer] = []
 
     # ----------------------------------------------------------------------------------------------- options
     @property
@@ -253,7 +254,7 @@ class PrivacyEngine:
         state = self.state
         if state.sum_mechanism is None or state.sample_rate is None or state.num_samples is None:
             raise RuntimeError("prepare() must run before wrap_optimizer()")
-        return DPOptimizer(
+        wrapped = DPOptimizer(
             optimizer,
             mechanism=state.sum_mechanism,
             expected_batch_size=state.sample_rate * state.num_samples,
@@ -266,10 +267,13 @@ class PrivacyEngine:
             secure_mode=self.secure_mode,
             postprocess=state.lowpass.apply_ if state.lowpass is not None else None,
         )
+        self._optimizers.append(wrapped)
+        return wrapped
 
     # ---------------------------------------------------------------------------------------- run sequence
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_run`."""
+        self._optimizers = []
         self.run.start_run(module, distributed)
 
     def training_loader(
@@ -338,7 +342,8 @@ class PrivacyEngine:
         self.run.end_logical_step(micro_batches)
 
     def finish_run(self) -> None:
-        """See :meth:`~lightning_dp.engine.steps.RunSequence.finish_run`."""
+        """:meth:`check_finite`, then :meth:`~lightning_dp.engine.steps.RunSequence.finish_run`."""
+        self.check_finite()
         self.run.finish_run()
 
     # ------------------------------------------------------------------------------------------ accounting
@@ -381,9 +386,28 @@ class PrivacyEngine:
         """See :meth:`~lightning_dp.engine.accounting.PrivacyLedger.summary`."""
         return self.ledger.summary()
 
+    @property
+    def last_clip_fraction(self) -> float | None:
+        """Fraction of the last micro-batch's examples whose norm exceeded the bound (diagnostic only, never logged);
+        computed when read (one host sync), so that no step syncs for it."""
+        fraction = self.state.last_clip_fraction
+        return None if fraction is None else fraction()
+
+    def check_finite(self) -> None:
+        """Read the deferred finite checks of the run's optimizers (:meth:`DPOptimizer.check_finite`; one host sync
+        each): at checkpoints and at the end of a run, before anything of the model leaves the process.
+
+        Raises:
+            FloatingPointError: a clipped sum was not finite at a step since the last check.
+        """
+        for optimizer in list(self._optimizers):
+            optimizer.check_finite()
+
     # ---------------------------------------------------------------------------- checkpoint and start-up
     def state_dict(self) -> dict[str, Any]:
-        """See :meth:`~lightning_dp.engine.checkpoint.CheckpointState.state_dict`."""
+        """See :meth:`~lightning_dp.engine.checkpoint.CheckpointState.state_dict`; first :meth:`check_finite` (a
+        checkpoint is a release)."""
+        self.check_finite()
         return self.checkpoint.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

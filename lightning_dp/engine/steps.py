@@ -355,8 +355,8 @@ class RunSequence:
         norms = self._clipper.backward(per_sample_loss, weight=state.momentum.current_weight)
         if state.adaptive is not None:
             state.adaptive.count(norms)
-        if norms.numel():
-            state.last_clip_fraction = float(self._clipper.clipped_samples(norms).float().mean())
+        if norms.numel():  # read when asked for (PrivacyEngine.last_clip_fraction), never per step
+            state.last_clip_fraction = self._clipper.clip_fraction(norms)
         return norms
 
     def finish_run(self) -> None:

@@ -79,7 +79,10 @@ class ShardedCheckpoints(_TrainerBase):
     @override
     def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
         """``Trainer._save``; on an FSDP2-sharded model, with the full weights gathered first (a collective: every
-        rank calls ``save_model``, rank 0 writes), so that the folder loads with ``from_pretrained``."""
+        rank calls ``save_model``, rank 0 writes), so that the folder loads with ``from_pretrained``. A saved model is a
+        release: the deferred finite check of the clipped sums is read first (docs/design.md section 9.2)."""
+        if self._dp_optimizer is not None:
+            self._dp_optimizer.check_finite()
         if state_dict is None and uses_fsdp(self.model):
             state_dict = full_state_dict(self.model)
         super()._save(output_dir, state_dict)

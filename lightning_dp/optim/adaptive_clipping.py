@@ -144,7 +144,8 @@ class AdaptiveClipping:
         return self.centred_count
 
     def update(self, noise: torch.Tensor) -> float:
-        """Release the count with ``noise`` (a draw of ``N(0, sigma_b^2)``, 0-dim), move the bound and return it.
+        """Release the count with ``noise`` (a draw of ``N(0, sigma_b^2)``, 0-dim), move the bound and return it: one
+        host sync per step, a read of the released (noised) count only.
 
         On several processes the count must first be all-reduced over the ranks and ``noise`` be the same draw
         everywhere.
@@ -153,7 +154,8 @@ class AdaptiveClipping:
             FloatingPointError: the new bound is not a positive finite number (computed from released values only).
         """
         count = self.centred_count if self.centred_count is not None else torch.zeros((), dtype=torch.float64)
-        fraction = float(count.cpu() + noise.double().cpu()) / self.expected_batch_size + 0.5
+        # the one host read of adaptive clipping (the bound is a host number): the released noisy count, read once
+        fraction = float(count + noise.to(count.device, torch.float64)) / self.expected_batch_size + 0.5
         exponent = -self.clipbound_learning_rate * (fraction - self.target_unclipped_quantile)
         bound = self.bound * math.exp(exponent) if exponent < 700 else math.inf
         if not 0 < bound < math.inf:
