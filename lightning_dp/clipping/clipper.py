@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from copy import copy
 
 import torch
 from torch import nn
@@ -140,6 +141,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         self.sum_check_every = sum_check_every
         self._generator_for = generator_for
         self._checked_batches = 0
+        self._slot = None
         #: FSDP2 swaps each sharded module's registered parameters (DTensor shards) for unsharded ones around its
         #: forward and backward, so parameters are identified by (module, attribute), never by the object a
         #: module holds at the moment (:mod:`lightning_dp.runtime.sharding`).
@@ -341,8 +343,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                     raise self._outside_use_error(failures)
             if checker is not None:
                 self.sum_check_postponed = not all_finite
-            if all_finite:  # a check over non-finite samples says nothing: due again next batch
-                self._checked_batches += 1
+            self._count_check(all_finite)  # a check over non-finite samples says nothing: due again next batch
             if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
                 # a dropped sample gets factor 0 and its terms are zeroed: always, so that no step reads keep
@@ -375,12 +376,12 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 modules whose calls had rows that are not examples (every one).
             ValueError, UnsupportedModuleError: as :meth:`per_sample_norms`.
         """
-        kept = (self._checked_batches, set(self._rows_verified), dict(self._hooks.confirmed_inputs))
+        kept = (self._checked_batches, set(self._rows_verified), dict(self._hooks.confirmed_inputs), copy(self._slot))
         flags = (self._dropped, self.sum_check_postponed)
         try:
             self._clip(per_sample_loss, accumulate=False, probing=True)
         finally:
-            self._checked_batches, self._rows_verified, self._hooks.confirmed_inputs = kept
+            self._checked_batches, self._rows_verified, self._hooks.confirmed_inputs, self._slot = kept
             self.dropped_nonfinite, self.sum_check_postponed = flags
 
     def discard_captures(self) -> None:

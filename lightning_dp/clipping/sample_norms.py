@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,16 @@ from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.recomputation import reentrant_refused
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
+
+
+@dataclass
+class _ScheduleSlot:
+    """One micro-batch's place in the sum check's schedule: whether it is due (decided at its first pass), whether a
+    pass ran, and whether a due pass saw non-finite samples (the check then says nothing: due again)."""
+
+    due: bool | None = None
+    ran: bool = False
+    inconclusive: bool = False
 
 
 def _shared_parameter_groups(
@@ -58,6 +69,8 @@ class SampleNormsMixin:
     _names: dict[nn.Parameter, str]
     _registered: dict[tuple[int, str], nn.Parameter]
     _checked_batches: int
+    #: the sum check's schedule slot of the running micro-batch once the engine groups its passes (:meth:`start_batch`)
+    _slot: _ScheduleSlot | None
     #: modules whose folded (``B K r``) or expanded rows were seen to keep each example's rows its own
     _rows_verified: set[str]
     _sharded: bool
@@ -82,8 +95,34 @@ class SampleNormsMixin:
         return 1 if self.groups is None else len(self.groups.bounds)
 
     def _check_due(self) -> bool:
-        """Whether this batch runs the sum check: on the first batch and every ``sum_check_every`` batches."""
-        return self.sum_check_every is not None and self._checked_batches % self.sum_check_every == 0
+        """Whether this batch runs the sum check: on the first batch and every ``sum_check_every`` batches (every pass
+        of a micro-batch whose first pass is due, after :meth:`start_batch`)."""
+        if self.sum_check_every is None:
+            return False
+        due = self._checked_batches % self.sum_check_every == 0
+        if self._slot is None:
+            return due
+        if self._slot.due is None:
+            self._slot.due = due
+        return self._slot.due
+
+    def start_batch(self) -> None:
+        """Begin a micro-batch: the clipped batches until the next call (its passes under ``max_physical_batch_size``)
+        share one slot of the sum check's schedule, counted once (unless a due pass had non-finite samples), so that
+        the schedule counts micro-batches whatever their sizes."""
+        slot = self._slot
+        if slot is not None and slot.ran and not (slot.due and slot.inconclusive):
+            self._checked_batches += 1
+        self._slot = _ScheduleSlot()
+
+    def _count_check(self, conclusive: bool) -> None:
+        """Count a clipped batch in the sum check's schedule (unless its check was over non-finite samples): at once,
+        or in the running micro-batch's slot."""
+        if self._slot is None:
+            self._checked_batches += conclusive
+        else:
+            self._slot.ran = True
+            self._slot.inconclusive |= not conclusive
 
     def _backward_pass(
         self, per_sample_loss: torch.Tensor, *, param_grads: bool, weight: float = 1.0

@@ -45,7 +45,7 @@ class TrainerAdapter(Protocol):
 
     @property
     def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded the bound (diagnostic only)."""
+        """Fraction of the last clipped pass's examples whose norm exceeded the bound (diagnostic only)."""
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far (:meth:`~lightning_dp.engine.queries.PrivacyQueries.get_epsilon`)."""

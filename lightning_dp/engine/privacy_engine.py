@@ -333,6 +333,10 @@ class PrivacyEngine:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.clip`."""
         return self.run.clip(per_sample_loss, stand_in=stand_in)
 
+    def start_batch(self) -> None:
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_batch`."""
+        self.run.start_batch()
+
     def count_micro_batch(self) -> None:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.count_micro_batch`."""
         self.run.count_micro_batch()
@@ -388,7 +392,7 @@ class PrivacyEngine:
 
     @property
     def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded the bound (diagnostic only, never logged);
+        """Fraction of the last clipped pass's examples whose norm exceeded the bound (diagnostic only, never logged);
         computed when read (one host sync), so that no step syncs for it."""
         fraction = self.state.last_clip_fraction
         return None if fraction is None else fraction()

@@ -27,7 +27,7 @@ class PrivacyQueries:
 
     @property
     def last_clip_fraction(self) -> float | None:
-        """Fraction of the last micro-batch's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
+        """Fraction of the last clipped pass's examples whose norm exceeded ``max_grad_norm`` (diagnostic only)."""
         return self.privacy_engine.last_clip_fraction
 
     def get_epsilon(self, delta: float | None = None) -> float:

@@ -103,8 +103,9 @@ class RunState:
     length_grouped: bool = False
     #: the logical steps the run plans (``None``: unbounded).
     planned_steps: int | None = None
-    #: computes the fraction of the last micro-batch's examples whose norm exceeded the bound (diagnostic only: never
-    #: logged; computed and read only when asked for, so that no step syncs for it).
+    #: computes the fraction of the last clipped pass's examples (the micro-batch's, or its last pass's under
+    #: ``max_physical_batch_size``) whose norm exceeded the bound (diagnostic only: never logged; computed and read
+    #: only when asked for, so that no step syncs for it).
     last_clip_fraction: Callable[[], float] | None = None
     #: the sample rate fixed by the first training loader.
     loader_rate: float | None = None

@@ -376,6 +376,11 @@ class RunSequence:
             flags = state.distributed.any_rank(flags)
         log_end_of_run(*flags)
 
+    def start_batch(self) -> None:
+        """Begin a micro-batch (before its passes): they share one slot of the sum check's schedule
+        (:meth:`~lightning_dp.clipping.sample_norms.SampleNormsMixin.start_batch`)."""
+        self._clipper.start_batch()
+
     def count_micro_batch(self) -> None:
         """Count one micro-batch of the current logical step."""
         self.state.micro_batches += 1

@@ -77,7 +77,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
 
     Attributes:
         privacy_engine: the run's :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`.
-        last_clip_fraction: fraction of the last micro-batch's examples whose gradient norm exceeded
+        last_clip_fraction: fraction of the last clipped pass's examples whose gradient norm exceeded
             ``max_grad_norm`` (diagnostic only: not privatised, so not logged).
 
     Raises:
@@ -344,6 +344,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             # passes of at most max_physical_batch_size examples; on a sharded model a rank with an empty batch (or
             # fewer passes) joins the step's collectives on a stand-in batch that adds zero
             passes = physical_batches(self, inputs)
+            engine.start_batch()
             loss = run_physical_batches(passes, forward, engine.clip, defer_last=False).mean(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)

@@ -261,6 +261,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         # backward on a logical step's first micro-batch); the last one's loss goes to Lightning's backward
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         held = hold_gradients(params) if len(passes) > 1 else None
+        engine.start_batch()
         done = run_physical_batches(passes, forward, engine.clip, defer_last=True)
         if held is not None:
             self._pending_sums = (params, swap_gradients(params, held))

@@ -151,3 +151,22 @@ def test_the_expected_pass_count_is_the_sampler_s(n, q, micro, cap) -> None:
         n / 2 / cap
     )
     assert expected_physical_batches(shard_size=n, sample_rate=q, micro_batches=2, cap=3, batch_size=7) == 2 * 3
+
+
+def test_the_passes_of_a_micro_batch_share_one_slot_of_the_sum_check_schedule() -> None:
+    """sum_check_every=2 counts micro-batches, not passes: which micro-batch is checked does not depend on how many
+    passes the earlier ones' sizes needed (every pass of a due micro-batch is checked)."""
+    from lightning_dp.clipping import PerSampleClipper
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0, sum_check_every=2)
+    schedule = []
+    for passes in ([3], [2, 2, 1], [4], [1, 1], [2]):
+        clipper.start_batch()
+        row = []
+        for rows in passes:
+            row.append(clipper._check_due())
+            clipper.backward(model(torch.randn(rows, 3)).squeeze(1))
+        schedule.append(row)
+    assert schedule == [[True], [False, False, False], [True], [False, False], [True]]
