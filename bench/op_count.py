@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_dp
+from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "op_count"
@@ -283,7 +284,7 @@ def report_lines(record: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--dim", type=int, default=32, help="MLP width")
     parser.add_argument("--blocks", type=int, default=4, help="MLP blocks and GPT-2 layers")
     parser.add_argument("--batch-size", type=int, default=8)

@@ -73,13 +73,13 @@ def accelerate_launch(
     return done
 
 
-def fit_on_two_processes(out: Path, *args: str) -> list[dict]:
-    """Run ``ddp_fit_script.py OUT ARGS`` (Lightning launches the second rank; this checkout first on ``PYTHONPATH``)
-    and load what each rank wrote."""
+def fit_on_two_processes(out: Path, *args: str, script: str = "ddp_fit_script.py") -> list[dict]:
+    """Run ``SCRIPT OUT ARGS`` from tests/scripts (Lightning launches the second rank; this checkout first on
+    ``PYTHONPATH``) and load what each rank wrote."""
     import torch
 
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "ddp_fit_script.py"), str(out), *args],
+        [sys.executable, str(SCRIPTS / script), str(out), *args],
         env=launch_env(),
         capture_output=True,
         text=True,

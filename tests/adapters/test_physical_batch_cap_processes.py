@@ -12,12 +12,9 @@ ran the same number of passes per micro-batch, the rank with fewer padding with 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from process_helpers import SCRIPTS, accelerate_launch, launch_env
+from process_helpers import SCRIPTS, accelerate_launch, fit_on_two_processes
 
 pytest.importorskip("transformers")
 
@@ -31,16 +28,7 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def lightning_ranks(tmp_path_factory) -> list[dict]:
     """Run cap_fit_script.py once (about a minute on 2 busy cores) and load what each rank wrote."""
-    out = tmp_path_factory.mktemp("cap_lightning")
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "cap_fit_script.py"), str(out)],
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return fit_on_two_processes(tmp_path_factory.mktemp("cap_lightning"), script="cap_fit_script.py")
 
 
 def test_sharded_ranks_pad_to_the_same_pass_count_and_match_the_uncapped_update(lightning_ranks) -> None:
