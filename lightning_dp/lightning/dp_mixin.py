@@ -36,6 +36,7 @@ from lightning_dp.engine.adapter import (
 )
 from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import (
+    Held,
     add_gradients,
     hold_gradients,
     physical_batches,
@@ -111,7 +112,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._pending_loss: torch.Tensor | None = None
         self._pending_stand_in = False
         #: the parameters and the clipped sums of a micro-batch's passes before its last (max_physical_batch_size)
-        self._pending_sums: tuple[list[torch.nn.Parameter], list[torch.Tensor | None]] | None = None
+        self._pending_sums: tuple[list[torch.nn.Parameter], list[Held]] | None = None
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
 
