@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lightning_dp")
 
+#: The largest scale :func:`hand_to_grad_scaler` lets the trainer's ``GradScaler`` reach. Never finding an overflow,
+#: the scaler doubles its scale every ``growth_interval`` steps without end (float32's infinity after 112 doublings
+#: from ``2^16``, where ``unscale_`` would zero every gradient); capped here, on no data.
+MAX_GRAD_SCALE = 2.0**64
+
 
 def scale_clipper_backward(engine: PrivacyEngine, scale: float = FP16_LOSS_SCALE) -> None:
     """Run the clipper's backward at the fixed loss ``scale`` (float16 training), once the clipper is attached.
@@ -50,10 +55,11 @@ def hand_to_grad_scaler(params: Sequence[torch.nn.Parameter], scaler: Any) -> No
     """``p.grad *= S`` for every parameter with a gradient, ``S`` the current scale of ``scaler`` (a
     ``torch.amp.GradScaler``), so that its ``unscale_`` gives the noised gradient back. No host sync.
 
-    A product above the dtype's largest value is clamped to it (an entry above ``max / S`` of the noised gradient,
-    about ``1.8e19`` in float32 at the scale ``2^64`` that 48 growths from ``2^16`` reach), so the scaler never sees an
-    overflow and never skips a step that was noised (and recorded). A disabled scaler changes nothing; a scaler that has
-    not scaled a loss yet (DPTrainer never backpropagates through it) gets its scale initialised first.
+    The scaler's scale is first capped at :data:`MAX_GRAD_SCALE` (in place). A product above the dtype's largest
+    value is clamped to it (an entry above ``max / S`` of the noised gradient, about ``1.8e19`` in float32 at the
+    scale ``2^64``), so the scaler never sees an overflow and never skips a step that was noised (and recorded). A
+    disabled scaler changes nothing; a scaler that has not scaled a loss yet (DPTrainer never backpropagates through
+    it) gets its scale initialised first.
 
     Args:
         params: the trainable parameters, the noised gradient in ``.grad``.
@@ -66,7 +72,7 @@ def hand_to_grad_scaler(params: Sequence[torch.nn.Parameter], scaler: Any) -> No
         return
     if scaler._scale is None:  # lazily created by GradScaler.scale, which only the scaled loss's backward calls
         scaler.scale(torch.zeros((), device=grads[0].device))
-    scale: torch.Tensor = scaler._scale
+    scale: torch.Tensor = scaler._scale.clamp_(max=MAX_GRAD_SCALE)
     for grad in grads:
         largest = torch.finfo(grad.dtype).max
         grad.mul_(scale.to(grad.device, grad.dtype)).clamp_(-largest, largest)

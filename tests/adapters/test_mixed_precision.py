@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_dp import DPStrategy  # noqa: E402
 from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE  # noqa: E402
-from lightning_dp.engine.grad_scaler import hand_to_grad_scaler  # noqa: E402
+from lightning_dp.engine.grad_scaler import MAX_GRAD_SCALE, hand_to_grad_scaler  # noqa: E402
 from lightning_dp.hf import PrivacyArguments  # noqa: E402
 
 STEPS = 3
@@ -156,6 +156,22 @@ def test_hand_to_grad_scaler_gives_the_noised_gradient_back() -> None:
     scaler.update()
     assert torch.equal(param.detach()[:2], -noised[:2])  # stepped: no inf found
     assert scaler.get_scale() == INIT_SCALE
+
+
+def test_the_grad_scalers_scale_stops_growing_at_the_cap() -> None:
+    """A scaler that never finds an overflow doubles its scale forever; handed the gradient, it stays at the cap, so
+    that unscale_ never divides by infinity (which would zero every gradient)."""
+    param = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1)
+    for _ in range(3):
+        param.grad = torch.tensor([0.5, -2.0])
+        hand_to_grad_scaler([param], scaler)
+        scaler.unscale_(optimizer)
+        torch.testing.assert_close(param.grad, torch.tensor([0.5, -2.0]))
+        scaler.step(optimizer)
+        scaler.update()
+        assert scaler.get_scale() <= 2 * MAX_GRAD_SCALE
 
 
 def _hf_fp16(trainer) -> torch.amp.GradScaler:
