@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import transformers
+from models.zoo import TINY_SWIN
 from torch.utils.data import Dataset
 from transformers import TrainerCallback, TrainingArguments
 
@@ -58,20 +59,7 @@ def tiny_bert_classifier(num_labels: int = 2) -> transformers.BertForSequenceCla
 def tiny_swin(**overrides: Any) -> transformers.SwinForImageClassification:
     """A Swin classifier on 16x16 images whose first stage folds 4 windows per image into the rows (dropout and drop
     path 0 unless ``overrides`` set them)."""
-    settings: dict[str, Any] = dict(
-        image_size=16,
-        patch_size=2,
-        embed_dim=16,
-        depths=[1, 1],
-        num_heads=[2, 4],
-        window_size=4,
-        mlp_ratio=2.0,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        drop_path_rate=0.0,
-        num_labels=3,
-    )
-    return transformers.SwinForImageClassification(transformers.SwinConfig(**{**settings, **overrides}))
+    return transformers.SwinForImageClassification(transformers.SwinConfig(**{**TINY_SWIN, **overrides}))
 
 
 class TokenDataset(Dataset):

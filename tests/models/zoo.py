@@ -21,6 +21,22 @@ B = 3
 SEQ = 8
 VOCAB = 100
 IMAGE = 16
+#: a Swin classifier on IMAGE x IMAGE images whose first stage folds 4 windows per image into the rows (dropout and
+#: drop path 0); tests/hf_helpers.py's tiny_swin builds it too.
+TINY_SWIN: dict[str, Any] = dict(
+    image_size=IMAGE,
+    patch_size=2,
+    num_channels=3,
+    embed_dim=16,
+    depths=[1, 1],
+    num_heads=[2, 4],
+    window_size=4,
+    mlp_ratio=2.0,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+    drop_path_rate=0.0,
+    num_labels=3,
+)
 NUM_LABELS = 3
 
 Task = Literal["causal_lm", "seq2seq_lm", "sequence_classification", "image_classification", "layer"]
@@ -481,22 +497,7 @@ HF_ENTRIES: list[ZooEntry] = [
     ),
     ZooEntry(
         "swin",
-        _hf(
-            "SwinConfig",
-            "SwinForImageClassification",
-            image_size=IMAGE,
-            patch_size=2,
-            num_channels=3,
-            embed_dim=16,
-            depths=[1, 1],
-            num_heads=[2, 4],
-            window_size=4,
-            mlp_ratio=2.0,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            drop_path_rate=0.0,
-            num_labels=3,
-        ),
+        _hf("SwinConfig", "SwinForImageClassification", **TINY_SWIN),
         image_batch,
         classification_loss,
         "image_classification",
