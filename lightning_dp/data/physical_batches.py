@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from scipy.stats import binom
 
 from lightning_dp.data.batch_tensors import batch_tensors
 
@@ -63,24 +64,11 @@ def expected_physical_batches(
     ceil(batch_size / cap)``. Computed from the options and N only (no data)."""
     if batch_size is not None:
         return float(micro_batches * max(1, math.ceil(batch_size / cap)))
-    n, q = shard_size, sample_rate
-    if q >= 1.0:
-        sizes = torch.tensor([n], dtype=torch.int64)
-        probabilities = torch.ones(1, dtype=torch.float64)
-    else:
-        mean, std = n * q, math.sqrt(n * q * (1 - q))
-        low, high = max(0, math.floor(mean - 12 * std) - 1), min(n, math.ceil(mean + 12 * std) + 1)
-        sizes = torch.arange(low, high + 1, dtype=torch.int64)
-        k = sizes.to(torch.float64)
-        log_pmf = (
-            math.lgamma(n + 1)
-            - torch.lgamma(k + 1)
-            - torch.lgamma(n - k + 1)
-            + k * math.log(q)
-            + (n - k) * math.log1p(-q)
-        )
-        probabilities = torch.exp(log_pmf)
-        probabilities /= probabilities.sum()
+    # the sizes between the 1e-30 and 1 - 1e-16 quantiles: all the mass up to rounding, however large the shard
+    low, high = binom.ppf([1e-30, 1 - 1e-16], shard_size, sample_rate)
+    sizes = torch.arange(int(low), int(high) + 1, dtype=torch.int64)
+    probabilities = torch.from_numpy(binom.pmf(sizes.numpy(), shard_size, sample_rate))
+    probabilities /= probabilities.sum()
     whole, larger = sizes // micro_batches, sizes % micro_batches  # `larger` parts of whole + 1, the rest of whole
     passes = larger * ((whole + cap) // cap).clamp(min=1) + (micro_batches - larger) * ((whole + cap - 1) // cap).clamp(
         min=1
