@@ -1,5 +1,5 @@
-"""The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping, the masking of
-non-finite samples, and :func:`add_to_grad` (docs/design.md sections 4.4 and 9.2). A stateless mixin.
+"""The clipped sum of :class:`~lightning_dp.clipping.clipper.PerSampleClipper` by book-keeping, the zeroing of
+non-finite entries, and :func:`add_to_grad` (docs/design.md sections 4.4 and 9.2). A stateless mixin.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import nn
 from lightning_dp.clipping.float32_sums import add_float32_sum, keeps_float32_sum
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
-from lightning_dp.clipping.terms import Factored, Materialised, Term
+from lightning_dp.clipping.terms import Factored, Materialised, Term, Writable
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
 
@@ -26,6 +26,13 @@ def _allocates_memory(terms: dict[nn.Parameter, list[Term]], group: list[Capture
                 if any(t.untyped_storage().data_ptr() not in captured for t in dense):
                     return True
     return False
+
+
+def output_gradients(captures: list[Capture]) -> Writable:
+    """The :data:`~lightning_dp.clipping.terms.Writable` of the clipped sum: a tensor sharing storage with a capture's
+    output gradient (a result of the clipper's own backward, which nothing reads after the sum)."""
+    storages = {c.output_grad.untyped_storage().data_ptr() for c in captures if c.output_grad is not None}
+    return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
 
 def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
@@ -122,20 +129,18 @@ class ClippedSumMixin:
         kept: list[dict[nn.Parameter, list[Term]] | list[Capture]],
         batch: int,
         factors: torch.Tensor,
-        keep: torch.Tensor | None,
+        writable: Writable,
     ) -> None:
-        """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group, ``factors`` ``[G, B]``;
-        with ``keep`` (``[B]`` bool) the other samples' terms are zeroed first (a no-op on finite terms, so the sum is
-        the same bits whether or not a sample was dropped, and no host read decides whether to mask).
+        """Book-keeping: ``p.grad += sum_u sum_i c_gi term_ui`` per parameter, group by group, ``factors`` ``[G, B]``
+        (0 for a dropped sample). The terms' non-finite entries, a dropped sample's only, are zeroed first, in place in
+        the tensors ``writable`` accepts (:func:`~lightning_dp.clipping.terms.finite`): a no-op on finite terms, so the
+        sum is the same bits whether or not a sample was dropped, and no host read decides anything.
         """
-        dropped = None if keep is None else ~keep
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
-                if dropped is not None:
-                    param_terms = [term.masked(dropped) for term in param_terms]
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
-                clipped = param_terms[0].batch_sum(param_factors)
+                clipped = param_terms[0].batch_sum(param_factors, writable)
                 for term in param_terms[1:]:
-                    clipped = clipped + term.batch_sum(param_factors)
+                    clipped = clipped + term.batch_sum(param_factors, writable)
                 add_to_grad(param, clipped)

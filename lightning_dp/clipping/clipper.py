@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from lightning_dp.clipping.clipped_sum import ClippedSumMixin
+from lightning_dp.clipping.clipped_sum import ClippedSumMixin, output_gradients
 from lightning_dp.clipping.engines.base import ClippingEngine, make_clipping_engine
 from lightning_dp.clipping.groups import (
     Bounds,
@@ -346,10 +346,11 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             self._count_check(all_finite)  # a check over non-finite samples says nothing: due again next batch
             if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
-                # a dropped sample gets factor 0 and its terms are zeroed: always, so that no step reads keep
+                # a dropped sample gets factor 0, non-finite entries are zeroed: always, so that no step reads keep
                 factors = torch.where(keep, clip_factors(bound, self._group_bounds()), 0)  # [G, B]
                 with full_precision(per_sample_loss.device):
-                    self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), keep)
+                    writable = output_gradients(captures + self._past)
+                    self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), writable)
         finally:
             self._hooks.clear()
             self.discard_past_iterates()

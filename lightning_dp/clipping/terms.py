@@ -9,12 +9,32 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard, cast
 
 import torch
 from torch import nn
+
+#: Whether a factor may be overwritten in place: a tensor of the clipper's own (e.g. a captured output gradient),
+#: which nothing reads after the clipped sum; an activation, a parameter or a user's tensor is never writable.
+Writable = Callable[[torch.Tensor], bool]
+
+
+def always(_: torch.Tensor) -> bool:
+    """The :data:`Writable` of a tensor just formed for the sum (e.g. a scaled factor)."""
+    return True
+
+
+def finite(x: torch.Tensor, writable: Writable) -> torch.Tensor:
+    """``x`` with its non-finite entries set to 0 (``nan_to_num``): in place when ``writable(x)`` and ``x`` is
+    contiguous (no two elements share memory), else in a copy. Only a dropped sample has non-finite entries (they make
+    its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits; zeroing them, rather than
+    the dropped samples' rows, needs no mask and no read of which samples were dropped.
+    """
+    if writable(x) and x.is_contiguous():
+        return x.nan_to_num_(0.0, 0.0, 0.0)
+    return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -42,11 +62,6 @@ class Materialised:
         """Return the per-sample gradient ``[B, *param.shape]``."""
         return self.grad
 
-    def masked(self, dropped: torch.Tensor) -> Materialised:
-        """The term with the samples ``dropped`` (``[B]`` bool) set to zero (a new tensor; no ``0 * inf``)."""
-        grad = self.grad.masked_fill(dropped.view(-1, *[1] * (self.grad.ndim - 1)), 0)
-        return Materialised(grad, None if self.rounding is None else self.rounding.masked_fill(dropped, 0))
-
     def rounding_scales(self, norm: int) -> torch.Tensor:
         """``[B]``: each sample's rounding scale in l1 (``norm=1``) or l2, a bound on the norm of ``sum_k |x_ik|`` over
         the products added up to form ``grad_i`` (docs/design.md section 4.10).
@@ -59,15 +74,20 @@ class Materialised:
         """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
         total.add_(self.grad.reshape(total.shape))
 
-    def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``."""
+    def batch_sum(self, weights: torch.Tensor | None = None, writable: Writable | None = None) -> torch.Tensor:
+        """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``.
+
+        With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the non-finite entries are zeroed
+        first (:func:`finite`), so that a dropped sample adds exactly nothing.
+        """
+        grad = self.grad if writable is None else finite(self.grad, writable)
         if weights is None:
-            return self.grad.sum(0)
-        weights = weights.to(self.grad.dtype)
-        if self.grad.ndim == 1 or not self.grad.is_contiguous():
-            return torch.tensordot(weights, self.grad, dims=1)
+            return grad.sum(0)
+        weights = weights.to(grad.dtype)
+        if grad.ndim == 1 or not grad.is_contiguous():
+            return torch.tensordot(weights, grad, dims=1)
         # tensordot's own matmul (the same [1, B] x [B, N] mm, the same bits) without its permutes and copies
-        return (weights.view(1, -1) @ self.grad.view(self.grad.shape[0], -1)).view(self.grad.shape[1:])
+        return (weights.view(1, -1) @ grad.view(grad.shape[0], -1)).view(grad.shape[1:])
 
 
 @dataclass(frozen=True)
@@ -111,14 +131,6 @@ class Factored:
         """The term restricted to the samples ``index``."""
         return Factored(self.left[index], self.right[index], self.shape)
 
-    def masked(self, dropped: torch.Tensor) -> Factored:
-        """The term with the samples ``dropped`` (``[B]`` bool) set to zero: dense factors' rows zeroed (new tensors),
-        token ids kept.
-        """
-        rows = dropped.view(-1, 1, 1)
-        left = self.left if self.is_index else self.left.masked_fill(rows, 0)
-        return Factored(left, self.right.masked_fill(rows, 0), self.shape)
-
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""
         batch, _, cols = self.right.shape
@@ -138,18 +150,28 @@ class Factored:
         else:
             view.baddbmm_(self.left.transpose(1, 2), self.right)
 
-    def batch_sum(self, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def batch_sum(self, weights: torch.Tensor | None = None, writable: Writable | None = None) -> torch.Tensor:
         """``sum_i w_i L_i^T R_i`` ``[*shape]`` (``w_i = 1`` when ``weights`` ``[B]`` is None), one matmul over the ``B
         T`` rows (book-keeping, Bu et al. 2023, "Differentially private optimization on large model at small cost",
         Section 3).
+
+        With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the dense factors' non-finite
+        entries are zeroed first (:func:`finite`; the scaled factor after scaling, where ``0 * inf`` is NaN, in its
+        new tensor), so that a dropped sample adds exactly nothing.
         """
         left, right = self.left, self.right
+        scale_right = self.is_index or right.shape[-1] <= left.shape[-1]
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
-            if self.is_index or right.shape[-1] <= left.shape[-1]:
+            if scale_right:
                 right = right * scale
             else:
                 left = left * scale
+        if writable is not None:
+            scaled = weights is not None
+            right = finite(right, always if scaled and scale_right else writable)
+            if not self.is_index:
+                left = finite(left, always if scaled and not scale_right else writable)
         cols = right.shape[-1]
         right = right.reshape(-1, cols)
         if self.is_index:

@@ -25,6 +25,7 @@ from lightning_dp import DPStrategy
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence
 from lightning_dp.checks.leave_half_out import check_leave_half_out
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+from lightning_dp.clipping.terms import always, finite
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
@@ -245,3 +246,31 @@ def test_independence_checks_wait_for_a_batch_with_finite_losses() -> None:
     with pytest.raises(BatchMixingError, match="leave-half-out check: replacing the even-indexed examples"):
         trainer.fit(GlobalMixing())
     assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("clipping", ENGINES)
+def test_zeroing_writes_only_the_clippers_own_gradients(clipping: str) -> None:
+    """The sum zeroes non-finite entries in place only in the captured output gradients: the user's input (the first
+    layer's activation, NaN in one example) and the model keep their values."""
+    model, inputs, loss_fn = _mlp_nan_input()
+    before = [t.clone() for t in inputs]
+    state = copy.deepcopy(model.state_dict())
+    _clipped_sum(model, inputs, loss_fn, clipping)
+    for given, kept in zip(inputs, before, strict=True):
+        torch.testing.assert_close(given, kept, equal_nan=True, rtol=0, atol=0)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_finite_zeroes_in_place_only_what_is_writable() -> None:
+    """``finite``: in place on a writable contiguous tensor, a copy otherwise (another tensor, or an expanded one
+    whose elements share memory); finite entries keep their bits."""
+    x = torch.tensor([[1.5, math.nan], [math.inf, -2.0]])
+    out = finite(x, always)
+    assert out is x and torch.equal(x, torch.tensor([[1.5, 0.0], [0.0, -2.0]]))
+    y = torch.tensor([[1.5, -math.inf]])
+    out = finite(y, lambda t: False)
+    assert out is not y and torch.isinf(y[0, 1]) and torch.equal(out, torch.tensor([[1.5, 0.0]]))
+    expanded = torch.tensor([math.nan, 1.0]).expand(3, 2)
+    out = finite(expanded, always)
+    assert torch.isnan(expanded[0, 0]) and torch.equal(out, torch.tensor([[0.0, 1.0]] * 3))
