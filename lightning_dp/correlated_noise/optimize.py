@@ -201,7 +201,8 @@ def optimize_banded(
         band: ``b`` in ``[1, n]``.
         min_sep: the participation's minimum separation, ``>= band`` (``None``: ``band``, as cyclic Poisson sampling
             over ``band`` groups gives).
-        max_participations: ``k`` (``None``: ``ceil(n / min_sep)``).
+        max_participations: ``k`` (``None``: ``ceil(n / min_sep)``). Pass 1 for the amplified accounting of cyclic
+            Poisson sampling, whose noise is scaled by the largest column norm (docs/design.md section 5.1).
         workload: the :class:`Workload` (``None``: prefix sums over ``n`` steps).
         error: ``"total"`` (expected total squared error) or ``"max"``.
         max_iterations: L-BFGS iterations at most.

@@ -141,7 +141,13 @@ class BandedNoise(CorrelatedNoise):
             for k, past in enumerate(self._state, start=1):  # past = x_{t-k}
                 xi.sub_(past[i], alpha=self.strategy.coefs[k])
             out.append(xi)
-        self._state = [[x.clone() for x in out], *self._state][: self.num_buffers]
+        if len(self._state) < self.num_buffers:
+            newest = [x.clone() for x in out]
+        else:  # reuse the oldest vector's memory: the state stays b - 1 tensors, no allocation once warm
+            newest = self._state.pop()
+            for buffer, x in zip(newest, out, strict=True):
+                buffer.copy_(x)
+        self._state.insert(0, newest)
         return out
 
 

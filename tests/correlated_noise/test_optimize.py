@@ -55,6 +55,20 @@ def test_momentum_and_max_error():
         assert ours <= strategy_loss(default, workload, band, error=error) * (1 + 1e-9)
 
 
+def test_learning_rate_schedule():
+    n, band = 32, 4
+    workload = Workload.with_schedule(np.linspace(1.0, 0.1, n), momentum=0.9)
+    strategy = optimize_banded(n, band, workload=workload)
+    assert strategy_loss(strategy, workload, band) < 0.8 * strategy_loss(IDENTITY, workload, band)
+
+
+def test_single_participation_objective_uses_the_coefficient_norm():
+    n, band = 32, 4
+    strategy = optimize_banded(n, band, max_participations=1)
+    expected = strategy_error(strategy, Workload(n)) * float(np.sum(np.square(strategy.coefs)))
+    assert strategy_loss(strategy, Workload(n), band, 1) == pytest.approx(expected, rel=1e-12)
+
+
 def test_blt_optimum_beats_dp_sgd_and_is_monotone():
     n, min_sep = 64, 16
     workload = Workload(n)
