@@ -11,6 +11,11 @@ memory of the past that ``C^{-1}`` needs:
   (McMahan et al. 2024, Algorithm 3: ``C^{-1}`` streamed with ``C``'s own parameters, since
   ``sum_{k >= 1} c_k x_{t-k} = sum_j w_j sum_{k >= 1} theta_j^(k-1) x_{t-k}``). State: ``d`` model-sized tensors.
 
+``C^{-1}`` is linear, so :meth:`CorrelatedNoise.correlate` may equally be given the already-scaled draw
+``sigma * clip_norm * sens(C) * Z_t``; that is how ``b = 1`` stays bit-identical to DP-SGD's noise from the
+Gaussian mechanism's own sampler (``N(0, s^2)`` drawn by ``normal_(0, s)`` is not always bit-equal to
+``s * normal_(0, 1)``: on CPU, float32 tensors of fewer than 16 elements differ in the last bit).
+
 The working dtype is the tensors' own, or float32 for 16-bit tensors (docs/design.md section 12.3); outputs are cast
 back. :meth:`state_dict` / :meth:`load_state_dict` carry the step and the state, so a run checkpointed mid-band
 continues with bit-identical noise (given the same ``Z``: the generator's state is the caller's).

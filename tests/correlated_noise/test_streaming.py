@@ -54,6 +54,18 @@ def test_band_one_is_plain_gaussian_noise_bit_for_bit():
     assert stream.num_buffers == 0 and stream.state_dict()["state"] == []
 
 
+def test_band_one_passes_the_gaussian_mechanisms_draw_through():
+    """The wiring draws the scaled noise with the mechanism's sampler and correlates it: b = 1 returns it as is."""
+    from lightning_dp.mechanisms.sampling import sample_gaussian
+
+    like = torch.zeros(7)
+    stream = noise_stream(BandedToeplitz.identity())
+    ours, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(4):
+        noise = stream.correlate([sample_gaussian(like, 1.7, ours)])[0]
+        assert torch.equal(noise, sample_gaussian(like, 1.7, plain))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=IDS)
 def test_empirical_covariance(strategy):
     """Draws vectorised as coordinates: 40000 draws x 2 coordinates, n = 7 steps. Each entry of the empirical
