@@ -78,9 +78,7 @@ def _inverse_coefs_torch(coefs: torch.Tensor, n: int) -> torch.Tensor:
     while m < n:
         m = min(2 * m, n)
         cg = _conv(coefs[:m], g, m)
-        two_minus = -cg
-        two_minus = two_minus + torch.nn.functional.one_hot(torch.tensor(0), m).to(coefs.dtype) * 2.0
-        g = _conv(g, two_minus, m)
+        g = _conv(g, torch.cat([2.0 - cg[:1], -cg[1:]]), m)
     return g[:n]
 
 

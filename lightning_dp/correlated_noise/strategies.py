@@ -142,9 +142,9 @@ class BufferedToeplitz:
         ``s_{t+1} = (Theta - 1 w^T) s_t + 1 y_t``. Diagonalising ``Theta - 1 w^T = V diag(lambda) V^{-1}`` gives
         ``C^{-1}``'s decays ``lambda`` and scales ``-(V^T w) * (V^{-1} 1)`` (elementwise). By the matrix determinant
         lemma the ``lambda`` are the roots of ``1 + sum_j w_j / (lambda - theta_j) = 0``: real and interlacing with
-        distinct ``theta`` when every ``w_j > 0``. That the inverse of a BLT is a BLT with as many buffers is
-        Dvijotham et al. 2024, Section 5 (Lemma 5.2 and the reciprocal of a rational generating function); this
-        parameterisation follows McMahan and Pillutla 2025, Theorem 1.
+        distinct ``theta`` when every ``w_j > 0`` (this derivation is ours; the test checks it against the dense
+        inverse). That the inverse of a BLT is a BLT with as many buffers is Dvijotham et al. 2024, Section 5
+        (Lemma 5.2; Proposition 5.6, the reciprocal of a rational generating function).
 
         Raises:
             ValueError: the decays are not distinct, or ``Theta - 1 w^T`` has complex eigenvalues (no real BLT).
