@@ -1,32 +1,38 @@
 """L2 sensitivity of a lower-triangular Toeplitz strategy ``C`` under min-separated participation.
 
-Participation (Choquette-Choo et al. 2023, Section 2): an example may take part in steps ``pi`` of the ``n`` steps
+Participation (Choquette-Choo et al. 2023, Section 3): an example may take part in steps ``pi`` of the ``n`` steps
 when any two differ by at least ``min_sep`` and ``|pi| <= k`` (``k`` defaults to ``ceil(n / min_sep)``, the most
 that fits). Cyclic Poisson sampling with ``b`` groups (step ``t`` samples only from group ``t mod b``) gives
 ``min_sep = b`` and ``k = ceil(n / b)``; so does any balls-in-bins scheme with at least ``b`` steps between two uses.
-The sensitivity is ``sens(C) = sup ||C (G - G')||_F`` over neighbouring inputs: rows ``g_t - g'_t`` of norm at most 1
-on the steps of ``pi``, zero elsewhere (clip norm 1; the noise is scaled by it separately). With ``X = C^T C``::
+The sensitivity is ``sens(C) = sup ||C (G - G')||_F`` over neighbouring inputs under add/remove adjacency: rows
+``g_t - g'_t`` (the added or removed example's clipped gradients, any dimension) of norm at most 1 on the steps of
+``pi``, zero elsewhere (clip norm 1; the noise is scaled by it separately). With ``X = C^T C``::
 
     sens(C)^2 = max_pi  sup_{||u_i|| <= 1}  sum_{i, j in pi} X_ij <u_i, u_j>   <=   max_pi sum_{i, j in pi} |X_ij|
 
-and the bound is attained, by aligned ``u_i``, when the entries of ``X`` on ``pi x pi`` are non-negative.
+and the bound is attained, by aligned ``u_i``, when the entries of ``X`` on ``pi x pi`` are non-negative. The
+supremum is over vectors ``u_i`` (gradients), which can exceed the one over signs ``u_i = +-1``; every result below is
+exact or an upper bound for the vector case.
 
 Cases this module computes (each function says whether its result is exact or an upper bound):
 
 1. ``C`` with band ``<= min_sep`` (:func:`minsep_sensitivity`, any signs): two columns at distance ``>= min_sep`` have
    disjoint supports, so the cross terms vanish and ``sens^2 = max_pi sum_{i in pi} ||C[:, i]||^2``: the column norms
-   suffice, with no condition on the signs of ``X`` (Choquette-Choo et al. 2023, Section 4, Theorem 2: b-banded
-   ``C`` under b-min-separation). Toeplitz column norms fall with the index, so the maximum takes steps
+   suffice, with no condition on the signs of ``X`` (Choquette-Choo et al. 2023: b-banded ``C`` under
+   b-min-separation). Toeplitz column norms fall with the index, so the maximum takes steps
    ``0, min_sep, ..., (k - 1) min_sep``; exact.
 2. Toeplitz ``C`` whose coefficients are non-negative and non-increasing (any band; every BLT with ``w_j >= 0``,
    ``0 <= theta_j <= 1``, ``sum w_j <= 1``): ``X >= 0`` and the worst pattern is again ``0, min_sep, ...``, so
-   ``sens = ||C (e_0 + e_{min_sep} + ... + e_{(k-1) min_sep})||`` (Kalinin and Lampert 2024, Theorem 2; used for BLTs
-   by McMahan et al. 2024, Section 3); exact.
+   ``sens = ||C (e_0 + e_{min_sep} + ... + e_{(k-1) min_sep})||`` (Kalinin and Lampert 2024, Theorem 2); exact.
+   Proof sketch: for ``i <= j``, ``X_ij = sum_{r < n - j} c_r c_{r + j - i}`` falls as the gap ``j - i`` grows and as
+   ``j`` grows; a pattern ``p_0 < p_1 < ...`` has ``p_m >= m min_sep`` and ``p_m - p_l >= (m - l) min_sep``, so each
+   of its terms is at most the matching term of ``0, min_sep, ..., (k - 1) min_sep`` (which has at least as many,
+   all ``>= 0``, and fits in ``n`` steps since ``k <= ceil(n / min_sep)``).
 3. Any other Toeplitz ``C``: case 2 applied to the smallest non-negative non-increasing majorant
    ``m_k = max_{j >= k} |c_j|``. Every ``|X_ij|`` is at most the majorant's ``X'_ij``, so this is an upper bound
    (sound, possibly loose).
-4. A dense ``C`` (:func:`dense_minsep_sensitivity_upper_bound`): the two-stage bound of Choquette-Choo et al. 2023,
-   Section 4 (maximise ``sum_j |X_ij|`` over patterns for each row, then over rows); an upper bound for any ``C``.
+4. A dense ``C`` (:func:`dense_minsep_sensitivity_upper_bound`): the two-stage bound of Choquette-Choo et al. 2023
+   (maximise ``sum_j |X_ij|`` over patterns for each row, then over rows); an upper bound for any ``C``.
 """
 
 from __future__ import annotations
@@ -122,7 +128,7 @@ def minsep_sensitivity(coefs: npt.ArrayLike, n: int, min_sep: int, max_participa
     ``min_sep``-separated participation with at most ``k`` participations.
 
     Exact when the band of ``coefs`` is at most ``min_sep`` (case 1 of the module docstring: column norms,
-    Choquette-Choo et al. 2023, Theorem 2) or the coefficients are non-negative and non-increasing (case 2: Kalinin
+    Choquette-Choo et al. 2023) or the coefficients are non-negative and non-increasing (case 2: Kalinin
     and Lampert 2024, Theorem 2); otherwise a sound upper bound through the monotone majorant (case 3).
     :func:`minsep_sensitivity_is_exact` tells which. ``min_sep = 1, k = 1`` is single participation: ``||coefs||``.
 
@@ -152,8 +158,8 @@ def dense_minsep_sensitivity_upper_bound(
     matrix: npt.ArrayLike, min_sep: int, max_participations: int | None = None
 ) -> float:
     """An upper bound on the min-separation sensitivity of any dense ``C`` ``[n, n]`` (case 4): with ``X = C^T C``,
-    ``sqrt(max_pi sum_{i in pi} max_pi' sum_{j in pi'} |X_ij|)`` (Choquette-Choo et al. 2023, Section 4: the rows'
-    and the columns' patterns chosen separately, which only enlarges the maximum). It can be loose even for a banded
+    ``sqrt(max_pi sum_{i in pi} max_pi' sum_{j in pi'} |X_ij|)`` (Choquette-Choo et al. 2023: the rows' and the
+    columns' patterns chosen separately, which only enlarges the maximum). It can be loose even for a banded
     ``C`` (use :func:`minsep_sensitivity` for Toeplitz ``C``).
 
     Raises:
