@@ -47,11 +47,11 @@ from lightning_dp.correlated_noise import toeplitz
 
 def check_min_sep(min_sep: int) -> int:
     """``min_sep`` as an int; raises ``ValueError`` unless ``1 <= min_sep``."""
-    if isinstance(min_sep, bool) or int(min_sep) != min_sep or min_sep < 1:
-        raise ValueError(
-            f"min_sep must be an integer >= 1 (1: an example may take part in consecutive steps), got {min_sep!r}"
-        )
-    return int(min_sep)
+    return toeplitz.integer_at_least(
+        min_sep,
+        1,
+        f"min_sep must be an integer >= 1 (1: an example may take part in consecutive steps), got {min_sep!r}",
+    )
 
 
 def participation_count(n: int, min_sep: int, cap: int | None = None) -> int:
@@ -66,9 +66,8 @@ def participation_count(n: int, min_sep: int, cap: int | None = None) -> int:
     most = math.ceil(n / min_sep)
     if cap is None:
         return most
-    if isinstance(cap, bool) or int(cap) != cap or cap < 1:
-        raise ValueError(f"max_participations must be an integer >= 1 or None, got {cap!r}")
-    return min(int(cap), most)
+    cap = toeplitz.integer_at_least(cap, 1, f"max_participations must be an integer >= 1 or None, got {cap!r}")
+    return min(cap, most)
 
 
 def max_over_patterns(values: npt.ArrayLike, min_sep: int, max_participations: int | None = None) -> float:

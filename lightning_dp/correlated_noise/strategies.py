@@ -154,11 +154,13 @@ class BufferedToeplitz:
         gaps = np.abs(theta[:, None] - theta[None, :])
         np.fill_diagonal(gaps, np.inf)
         if d > 1 and gaps.min() < 1e-9:
-            raise ValueError(f"BLT decays must be distinct (gap >= 1e-9) to invert in closed form, got {theta}")
+            raise ValueError(
+                f"BLT decays must be distinct (gap >= 1e-9) to invert in closed form, got {theta.tolist()}"
+            )
         state = np.diag(theta) - np.outer(np.ones(d), w)
         eigenvalues, vectors = np.linalg.eig(state)
         if np.max(np.abs(eigenvalues.imag)) > 1e-12 * max(1.0, float(np.max(np.abs(eigenvalues)))):
-            raise ValueError(f"the inverse of this BLT has complex decays {eigenvalues}; it is not a real BLT")
+            raise ValueError(f"the inverse of this BLT has complex decays {eigenvalues.tolist()}; it is not a real BLT")
         vectors = vectors.real
         inv_scales = -(vectors.T @ w) * np.linalg.solve(vectors, np.ones(d))
         return BufferedToeplitz(tuple(eigenvalues.real), tuple(inv_scales))
@@ -201,13 +203,15 @@ def sqrt_prefix_coefs(n: int) -> np.ndarray:
 
 def check_band(band: int, n: int) -> int:
     """``band`` as an int; raises ``ValueError`` unless ``1 <= band <= n``."""
-    if isinstance(band, bool) or int(band) != band or not 1 <= band <= n:
-        raise ValueError(f"band b must be an integer in [1, n={n}], got {band!r}")
-    return int(band)
+    message = f"band b must be an integer in [1, n={n}], got {band!r}"
+    band = toeplitz.integer_at_least(band, 1, message)
+    if band > n:
+        raise ValueError(message)
+    return band
 
 
 def check_buffers(buffers: int) -> int:
     """``buffers`` as an int; raises ``ValueError`` unless it is ``>= 1``."""
-    if isinstance(buffers, bool) or int(buffers) != buffers or buffers < 1:
-        raise ValueError(f"the number of BLT buffers d must be an integer >= 1, got {buffers!r}")
-    return int(buffers)
+    return toeplitz.integer_at_least(
+        buffers, 1, f"the number of BLT buffers d must be an integer >= 1, got {buffers!r}"
+    )

@@ -16,9 +16,12 @@ memory of the past that ``C^{-1}`` needs:
 Gaussian mechanism's own sampler (``N(0, s^2)`` drawn by ``normal_(0, s)`` is not always bit-equal to
 ``s * normal_(0, 1)``: on CPU, float32 tensors of fewer than 16 elements differ in the last bit).
 
-The working dtype is the tensors' own, or float32 for 16-bit tensors (docs/design.md section 12.3); outputs are cast
-back. :meth:`state_dict` / :meth:`load_state_dict` carry the step and the state, so a run checkpointed mid-band
-continues with bit-identical noise (given the same ``Z``: the generator's state is the caller's).
+The working dtype is the tensors' own, or float32 for 16-bit tensors (docs/design.md section 12.3): 16-bit ``Z_t``
+is cast up before it is correlated, the state is kept in float32, and the outputs are cast back to ``Z_t``'s dtype.
+:meth:`state_dict` / :meth:`load_state_dict` carry the step and the state, so a run checkpointed mid-band continues
+with bit-identical noise (given the same ``Z``: the generator's state is the caller's). The state is noise (past
+outputs, or decayed sums of them): like the generators' states it must stay out of any checkpoint that may be
+released (docs/design.md section 5.1, item 4).
 """
 
 from __future__ import annotations
@@ -79,10 +82,11 @@ class CorrelatedNoise(abc.ABC):
             z: ``Z_t``, standard normal, any shapes; not modified.
 
         Returns:
-            ``x_t``, tensors of ``z``'s shapes, dtypes and devices.
+            ``x_t``, tensors of ``z``'s shapes, dtypes and devices (computed in float32 for 16-bit ``z``).
 
         Raises:
             ValueError: ``z`` does not match the shapes of the earlier steps.
+            TypeError: a tensor of ``z`` is not floating-point.
         """
         z = list(z)
         if self._state and [t.shape for t in self._state[0]] != [t.shape for t in z]:
@@ -90,9 +94,9 @@ class CorrelatedNoise(abc.ABC):
                 "the noise tensors changed shape mid-run: got "
                 f"{[tuple(t.shape) for t in z]}, the state holds {[tuple(t.shape) for t in self._state[0]]}"
             )
-        out = self._advance(z)
+        out = self._advance([t.to(_working(t)) for t in z])
         self.step_index += 1
-        return out
+        return [x.to(t.dtype) for x, t in zip(out, z, strict=True)]
 
     def step(self, likes: Sequence[torch.Tensor], generator: torch.Generator) -> list[torch.Tensor]:
         """Draw ``Z_t`` shaped like ``likes`` from ``generator`` (:func:`standard_normal`) and return
@@ -101,21 +105,33 @@ class CorrelatedNoise(abc.ABC):
         return [x.to(like.dtype) for x, like in zip(self.correlate(z), likes, strict=True)]
 
     def state_dict(self) -> dict[str, Any]:
-        """The step, the strategy's parameters and the state tensors (references; ``torch.save`` copies them)."""
+        """The step, the strategy's parameters and the state tensors (references, updated in place by later steps;
+        ``torch.save`` copies them). The state is noise: for a private resume file, never a released checkpoint."""
         return {"kind": self.kind, "step": self.step_index, **self._parameters(), "state": self._state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`.
 
         Raises:
-            ValueError: the checkpoint is of another kind or strategy.
+            ValueError: the checkpoint is of another kind or strategy, or its state is not the one this strategy
+                keeps after its step.
         """
         expected = {"kind": self.kind, **self._parameters()}
         found = {key: state.get(key) for key in expected}
         if found != expected:
             raise ValueError(f"the checkpoint's correlated noise {found} is not this run's {expected}")
-        self.step_index = int(state["step"])
-        self._state = [[t.clone() for t in vector] for vector in state["state"]]
+        step, vectors = int(state["step"]), list(state["state"])
+        if step < 0 or len(vectors) != self._remembered(step) or len({len(vector) for vector in vectors}) > 1:
+            raise ValueError(
+                f"the checkpoint's correlated noise state holds {len(vectors)} vectors after step {step}; "
+                f"this strategy keeps {self._remembered(max(step, 0))}, each with one tensor per parameter"
+            )
+        self.step_index = step
+        self._state = [[t.clone() for t in vector] for vector in vectors]
+
+    def _remembered(self, step: int) -> int:
+        """How many state vectors the stream holds after ``step`` steps."""
+        return min(step, self.num_buffers)
 
 
 class BandedNoise(CorrelatedNoise):
@@ -174,6 +190,9 @@ class BLTNoise(CorrelatedNoise):
 
     def _parameters(self) -> dict[str, Any]:
         return {"decays": list(self.strategy.decays), "scales": list(self.strategy.scales)}
+
+    def _remembered(self, step: int) -> int:
+        return self.num_buffers if step > 0 else 0
 
     def _advance(self, z: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []

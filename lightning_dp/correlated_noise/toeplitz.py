@@ -9,6 +9,7 @@ zeros (a banded matrix); longer ones are cut to ``n``.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,11 +18,18 @@ import numpy.typing as npt
 ArrayLike = npt.ArrayLike | Sequence[float]
 
 
+def integer_at_least(value: object, minimum: int, message: str) -> int:
+    """``value`` as an int if it is an integer (an integral float included, a bool not) of at least ``minimum``;
+    otherwise ``ValueError(message)``. The one check behind every integer argument of this package."""
+    integral = isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
+    if isinstance(value, bool) or not integral or int(value) < minimum:  # type: ignore[call-overload]
+        raise ValueError(message)
+    return int(value)  # type: ignore[call-overload]
+
+
 def check_size(n: int) -> int:
     """``n`` as an int; raises ``ValueError`` unless it is a positive integer."""
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise ValueError(f"the number of steps n must be a positive integer, got {n!r}")
-    return int(n)
+    return integer_at_least(n, 1, f"the number of steps n must be a positive integer, got {n!r}")
 
 
 def pad_coefs(coefs: ArrayLike, n: int) -> np.ndarray:
@@ -35,7 +43,8 @@ def pad_coefs(coefs: ArrayLike, n: int) -> np.ndarray:
     if array.ndim != 1 or array.size == 0:
         raise ValueError(f"Toeplitz coefficients must be a non-empty 1-D sequence, got shape {array.shape}")
     if not np.all(np.isfinite(array)):
-        raise ValueError(f"Toeplitz coefficients must be finite, got {array}")
+        index = int(np.flatnonzero(~np.isfinite(array))[0])
+        raise ValueError(f"Toeplitz coefficients must be finite, got {array[index]} at index {index}")
     out = np.zeros(n)
     m = min(n, array.size)
     out[:m] = array[:m]

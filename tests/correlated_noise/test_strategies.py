@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_dp.correlated_noise import toeplitz
+from lightning_dp.correlated_noise import sensitivity, toeplitz
 from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz, check_band, check_buffers
 from lightning_dp.correlated_noise.workloads import Workload
 
@@ -86,6 +86,12 @@ def test_workload_matrices():
         (lambda: Workload(4, momentum=1.0), "momentum must be in \\[0, 1\\)"),
         (lambda: Workload(4, learning_rates=(1.0, 1.0)), "4 positive finite values"),
         (lambda: toeplitz.inverse_coefs([0.0, 1.0], 3), "singular"),
+        (lambda: toeplitz.pad_coefs([1.0] * 40 + [float("inf")], 50), "finite, got inf at index 40"),
+        (lambda: BufferedToeplitz(tuple(np.linspace(0.1, 0.9, 12)) + (0.9,), (0.1,) * 13).inverse(), "distinct"),
+        (lambda: sensitivity.minsep_sensitivity([1.0], 5, None), "min_sep must be an integer >= 1"),  # type: ignore[arg-type]
+        (lambda: sensitivity.minsep_sensitivity([1.0], 5, 2.5), "min_sep must be an integer >= 1"),
+        (lambda: sensitivity.minsep_sensitivity([1.0], "5", 1), "positive integer"),  # type: ignore[arg-type]
+        (lambda: check_band(True, 8), "b must be an integer"),
     ],
 )
 def test_bad_input_fails_early_with_one_line(build, message):

@@ -58,12 +58,13 @@ def test_band_one_passes_the_gaussian_mechanisms_draw_through():
     """The wiring draws the scaled noise with the mechanism's sampler and correlates it: b = 1 returns it as is."""
     from lightning_dp.mechanisms.sampling import sample_gaussian
 
-    like = torch.zeros(7)
-    stream = noise_stream(BandedToeplitz.identity())
-    ours, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
-    for _ in range(4):
-        noise = stream.correlate([sample_gaussian(like, 1.7, ours)])[0]
-        assert torch.equal(noise, sample_gaussian(like, 1.7, plain))
+    for like in (torch.zeros(7), torch.zeros(7, dtype=torch.bfloat16)):
+        stream = noise_stream(BandedToeplitz.identity())
+        ours, plain = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        for _ in range(4):
+            noise = stream.correlate([sample_gaussian(like, 1.7, ours)])[0]
+            expected = sample_gaussian(like, 1.7, plain)
+            assert noise.dtype == like.dtype and torch.equal(noise, expected)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=IDS)
@@ -124,14 +125,24 @@ def test_memory_is_b_minus_one_or_d_tensors():
     assert len(blt.state_dict()["state"]) == blt.num_buffers == 3
 
 
-def test_low_precision_tensors_work_in_float32():
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=IDS)
+def test_low_precision_tensors_work_in_float32(strategy):
     like = torch.zeros(6, dtype=torch.bfloat16)
-    stream = noise_stream(STRATEGIES[0])
+    stream = noise_stream(strategy)
     generator = torch.Generator().manual_seed(0)
     noise = [stream.step([like], generator)[0] for _ in range(3)]
     assert all(x.dtype == torch.bfloat16 for x in noise)
     assert stream.state_dict()["state"][0][0].dtype == torch.float32
     assert standard_normal([like], generator)[0].dtype == torch.float32
+    # 16-bit Z passed to correlate (the Gaussian mechanism's own draw, cast to the gradient's dtype) is correlated in
+    # float32 too: the same as correlating its float32 copy, cast back
+    z = [torch.randn(5, 6, generator=generator).to(torch.bfloat16) for _ in range(5)]
+    low, high = noise_stream(strategy), noise_stream(strategy)
+    for zt in z:
+        x = low.correlate([zt])[0]
+        assert x.dtype == torch.bfloat16
+        assert torch.equal(x, high.correlate([zt.float()])[0].to(torch.bfloat16))
+    assert low.state_dict()["state"][0][0].dtype == torch.float32
 
 
 def test_mismatches_fail_early():
@@ -146,3 +157,7 @@ def test_mismatches_fail_early():
         noise_stream(STRATEGIES[1]).load_state_dict(stream.state_dict())
     with pytest.raises(TypeError, match="BandedToeplitz or BufferedToeplitz"):
         noise_stream("banded")  # type: ignore[arg-type]
+    truncated = {**stream.state_dict(), "step": 5}  # one step taken, so one vector; step 5 needs three
+    with pytest.raises(ValueError, match="holds 1 vectors after step 5; this strategy keeps 3") as info:
+        noise_stream(STRATEGIES[0]).load_state_dict(truncated)
+    assert "\n" not in str(info.value)
