@@ -1,6 +1,6 @@
 """Choosing the strategy ``C``: minimise the workload's error times ``C``'s squared sensitivity.
 
-The objective (Choquette-Choo et al. 2023, Section 2; McKenna 2024, Section 3) of a factorisation ``A = B C`` with
+The objective (Choquette-Choo et al. 2023; McKenna 2024) of a factorisation ``A = B C`` with
 ``B = A C^{-1}`` and noise ``sigma * sens(C) * Z`` (``Z`` standard normal) is, per coordinate of the model::
 
     total:  E ||B Z||_F^2 * sens(C)^2 = ||A C^{-1}||_F^2 * sens(C)^2     (the expected total squared error)
@@ -191,7 +191,7 @@ def optimize_banded(
     """The ``band``-banded Toeplitz strategy (``c_0 = 1``) minimising :func:`strategy_loss` for ``workload``.
 
     Starts from the first ``band`` coefficients of ``A^{1/2}`` for prefix sums (:func:`sqrt_prefix_coefs`) and
-    runs L-BFGS over ``c_1..c_{band-1}`` (McKenna 2024, Section 3: banded Toeplitz strategies, optimised on their
+    runs L-BFGS over ``c_1..c_{band-1}`` (McKenna 2024: banded Toeplitz strategies, optimised on their
     coefficients). ``band = 1`` returns ``C = I`` (DP-SGD) without optimising. Cached on the arguments.
 
     Args:
@@ -285,8 +285,8 @@ def optimize_blt(
 
     Variables: decays ``theta_j = sigmoid(u_j)`` in (0, 1) and scales ``w_j = exp(v_j) / (1 + sum exp(v))`` (positive,
     sum below 1), so the coefficients stay positive and non-increasing and the min-separation sensitivity used is
-    exact (Kalinin and Lampert 2024, Theorem 2; McMahan et al. 2024, Section 3, which optimise BLTs for
-    min-separation the same way). L-BFGS from a few starts; the best is returned. Cached on the arguments.
+    exact (Kalinin and Lampert 2024, Theorem 2; McMahan et al. 2024 extend BLTs to multiple participations).
+    L-BFGS from a few starts; the best is returned. Cached on the arguments.
 
     Args:
         n: steps, ``>= 1``.

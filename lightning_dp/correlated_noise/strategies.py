@@ -1,15 +1,15 @@
 """Correlated-noise strategies: lower-triangular Toeplitz matrices ``C`` of the matrix mechanism.
 
-The matrix mechanism releases ``B (C G + Z)`` for the workload ``A = B C`` (Denisov et al. 2022, Section 2; Kairouz
-et al. 2021): the noise added to the gradient of step ``t`` is ``(C^{-1} Z)_t``. Both strategies here keep
+The matrix mechanism releases ``B (C G + Z)`` for the workload ``A = B C`` (Denisov et al. 2022; Kairouz et
+al. 2021): the noise added to the gradient of step ``t`` is ``(C^{-1} Z)_t``. Both strategies here keep
 ``c_0 = 1`` (the scale of ``C`` is carried by its sensitivity, so this loses nothing: the error times the squared
 sensitivity is invariant to scaling ``C``).
 
 - :class:`BandedToeplitz`: ``b``-banded, ``c_0 = 1, c_1..c_{b-1}``, ``c_k = 0`` for ``k >= b`` (Choquette-Choo et
-  al. 2023, Section 3). ``b = 1`` is ``C = I``: DP-SGD.
+  al. 2023). ``b = 1`` is ``C = I``: DP-SGD.
 - :class:`BufferedToeplitz` (BLT): ``c_0 = 1`` and ``c_k = sum_j w_j theta_j^(k-1)`` for ``k >= 1``, with ``d``
-  buffer decays ``theta_j`` and output scales ``w_j`` (Dvijotham et al. 2024, Section 5, and McMahan et al. 2024,
-  Section 2, in this parameterisation). Its inverse is again a BLT (:meth:`BufferedToeplitz.inverse`).
+  buffer decays ``theta_j`` and output scales ``w_j`` (Dvijotham et al. 2024, and McMahan et al. 2024, in
+  this parameterisation). Its inverse is again a BLT (:meth:`BufferedToeplitz.inverse`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _floats(values: Sequence[float] | np.ndarray, what: str) -> tuple[float, ...
 class BandedToeplitz:
     """The ``b``-banded lower-triangular Toeplitz strategy with coefficients ``coefs = (1, c_1, ..., c_{b-1})``.
 
-    Hashable and immutable (the optimiser's cache returns it). Source: Choquette-Choo et al. 2023, Section 3
-    (banded matrix factorization); streaming ``C^{-1}`` by forward substitution, their Algorithm 9.
+    Hashable and immutable (the optimiser's cache returns it). Source: Choquette-Choo et al. 2023 (banded
+    matrix factorization); streaming ``C^{-1}`` by forward substitution, their Algorithm 9.
 
     Args:
         coefs: the ``b >= 1`` leading Toeplitz coefficients; ``coefs[0]`` must be 1.
@@ -97,7 +97,7 @@ class BufferedToeplitz:
     """A buffered-linear-Toeplitz (BLT) strategy: ``c_0 = 1``, ``c_k = sum_j scales[j] * decays[j]^(k-1)`` (``k >= 1``).
 
     With ``d`` buffers, ``C`` (and ``C^{-1}``, see :meth:`inverse`) is applied to a stream with ``d`` state vectors
-    (Dvijotham et al. 2024, Section 5; McMahan et al. 2024, Algorithms 2 and 3). Example, ``d = 2``::
+    (Dvijotham et al. 2024; McMahan et al. 2024, Algorithms 2 and 3). Example, ``d = 2``::
 
         c_1 = w_1 + w_2,   c_2 = w_1 theta_1 + w_2 theta_2,   c_3 = w_1 theta_1^2 + w_2 theta_2^2, ...
 

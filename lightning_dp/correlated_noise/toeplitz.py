@@ -3,8 +3,8 @@
 An ``n x n`` lower-triangular Toeplitz matrix ``T`` has ``T[i, j] = t[i - j]`` for ``i >= j`` and 0 above the
 diagonal; ``t`` (its first column, the Toeplitz coefficients) determines it. Products and inverses of such matrices
 are again lower-triangular Toeplitz, so every function here works on coefficient vectors (the convention of Denisov
-et al. 2022, Section 4, and Choquette-Choo et al. 2023, Section 2). Coefficients shorter than ``n`` are padded with
-zeros (a banded matrix); longer ones are cut to ``n``.
+et al. 2022 and Choquette-Choo et al. 2023). Coefficients shorter than ``n`` are padded with zeros (a banded matrix);
+longer ones are cut to ``n``.
 """
 
 from __future__ import annotations

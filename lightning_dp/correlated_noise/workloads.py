@@ -4,10 +4,10 @@ With the noisy gradients ``g_0..g_{n-1}`` the model after step ``t`` is ``x_0 - 
 noise ``C^{-1} Z`` to ``g``, so the noise in the iterates is ``A C^{-1} Z = B Z`` with ``B = A C^{-1}``.
 
 - Prefix sums (SGD, constant learning rate): ``A[t, s] = 1`` for ``s <= t`` (Kairouz et al. 2021; Denisov et al.
-  2022, Section 2).
+  2022).
 - SGD with heavy-ball momentum ``beta`` (``m_t = beta m_{t-1} + g_t``, ``x_t = x_{t-1} - eta_t m_t``):
   ``A[t, s] = sum_{r=s..t} eta_r beta^(r - s)``, i.e. ``A = P diag(eta) M`` with ``P`` the prefix sums and ``M`` the
-  Toeplitz matrix of ``beta^k`` (Denisov et al. 2022, Section 5: momentum and learning-rate schedules folded into the
+  Toeplitz matrix of ``beta^k`` (Denisov et al. 2022: momentum and learning-rate schedules folded into the
   workload). With a constant learning rate (``eta = 1``; its scale does not change the optimal ``C``) ``A`` is
   Toeplitz with ``a_k = (1 - beta^(k + 1)) / (1 - beta)``.
 """
