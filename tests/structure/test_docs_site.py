@@ -1,11 +1,11 @@
 """The docs site builds with warnings as errors, and a browser shows its navigation and the API reference.
 
-One ``mkdocs build --strict`` per session (about 15 s) into a temporary folder; the front page and the API page are
-then opened in headless Chromium (Debian's ``chromium`` package, which ``.ci/run`` installs) and checked in the DOM
-the browser built after running the theme's scripts: the navigation's sections, the README's opening, and
-``DPStrategy``'s docstring with a parameter. A missing Chromium fails the test: the check is that a reader's
-browser renders the site, which the HTML files alone do not show. The generated pages (API, privacy options,
-command line) are checked against the code in the built HTML.
+One ``mkdocs build --strict`` for the module (15 to 30 s on 2 cores) into a temporary folder; the front page and
+the API page are then opened in headless Chromium (Debian's ``chromium`` package, which ``.ci/run`` installs) and
+checked in the DOM the browser built after running the theme's scripts: the navigation's sections, the README's
+opening, and ``DPStrategy``'s docstring with a parameter. A missing Chromium fails the test: the check is that a
+reader's browser renders the site, which the HTML files alone do not show. The generated pages (API, privacy
+options, command line) are checked against the code in the built HTML.
 """
 
 from __future__ import annotations
