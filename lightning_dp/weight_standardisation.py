@@ -36,9 +36,10 @@ def standardisation_scale(weight: torch.Tensor, eps: float) -> tuple[torch.Tenso
 class WSConv2d(nn.Conv2d):
     """``nn.Conv2d`` whose weight is standardised per output channel before each use.
 
+    ``in_channels``, ``out_channels``, ``kernel_size``, ``stride``, ``padding``, ``dilation``, ``groups``,
+    ``padding_mode``, ``device`` and ``dtype`` are as in ``nn.Conv2d``.
+
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, padding_mode, device, dtype: as
-            ``nn.Conv2d``.
         bias: as ``nn.Conv2d`` (default True).
         eps: floor on ``N * var(w_r)`` (keyword only; default 1e-4, De et al.'s).
 

@@ -14,7 +14,8 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+for folder in (ROOT, ROOT / "tests"):  # the tests' helpers import each other by plain name, as under pytest
+    sys.path.insert(0, str(folder))
 
 HEADER = """# Rejected inputs
 

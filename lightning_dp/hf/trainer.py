@@ -72,8 +72,9 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
     (docs/design.md section 4.8).
 
     Args:
-        *args, **kwargs: the ``Trainer``'s arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
+        *args: the ``Trainer``'s positional arguments.
         privacy_args: the privacy configuration.
+        **kwargs: the ``Trainer``'s keyword arguments (``model``, ``args``, ``train_dataset``, ``data_collator``...).
 
     Attributes:
         privacy_engine: the run's :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`.
