@@ -352,24 +352,29 @@ def test_every_scripts_help_shows_the_defaults() -> None:
     assert "optimizer steps (default: 100)" in text and "seed (default" not in text
 
 
-def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation() -> None:
-    """A plain script training with DPStrategy (no logging or warnings set-up): Lightning's own lines stay, its
-    cloud-logger advert and the ``_pytree`` deprecation torch raises for it do not."""
+def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation(tmp_path) -> None:
+    """A plain script training with DPStrategy (no logging or warnings set-up), with Lightning's default logger and
+    checkpoints: Lightning's own lines stay; its adverts (the cloud logger, the model registry's checkpoint uploads)
+    and the ``_pytree`` deprecation torch raises for it do not."""
     root = Path(__file__).resolve().parents[2]
     script = (
         "import lightning.pytorch as pl\n"
         "from helpers import TinyRegressor\n"
         "from lightning_dp import DPStrategy\n"
         "trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1, accelerator='cpu',\n"
-        "                     logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "                     enable_progress_bar=False)\n"
         "trainer.fit(TinyRegressor())\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "GPU available" in output  # Lightning's own information is kept
-    assert "litlogger" not in output and "LeafSpec" not in output
+    assert list(tmp_path.glob("lightning_logs/*/checkpoints/*.ckpt"))  # the checkpoint the advert is about
+    assert "💡" not in output and "litlogger" not in output and "litmodels" not in output
+    assert "LeafSpec" not in output
 
 
 def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> None:
