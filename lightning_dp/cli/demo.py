@@ -1,7 +1,8 @@
 """``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline.
 
-Lightning and the digits task are imported by :func:`run_demo`, so ``lightning-dp demo --help`` and a bad option
-answer without loading them.
+Lightning and the digits task are imported by :func:`run_demo`, and the options' choices are the built-in names
+(:mod:`lightning_dp.cli.builtin_names`), so ``lightning-dp demo --help`` and a bad option answer without loading
+torch, Lightning or the accountants.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
-from lightning_dp.clipping import AUTO, clipping_choices
-from lightning_dp.mechanisms import MECHANISMS
+from lightning_dp.cli.builtin_names import ACCOUNTANTS, AUTO, CLIPPING, NOISES
 
 
 def run_demo(
@@ -105,16 +104,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=128, help="expected Poisson batch size")
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="SGD learning rate")
-    engines = clipping_choices()
     parser.add_argument(
         "--clipping",
-        type=choice(engines),
-        metavar=metavar_of(engines),
+        type=choice(CLIPPING),
+        metavar=metavar_of(CLIPPING),
         default=AUTO,
         help="per-sample clipping engine (auto: mixed for l2 noise, flat for laplace)",
     )
     parser.add_argument(
-        "--noise", type=choice(MECHANISMS), metavar=metavar_of(MECHANISMS), default="gaussian", help="noise mechanism"
+        "--noise", type=choice(NOISES), metavar=metavar_of(NOISES), default="gaussian", help="noise mechanism"
     )
     parser.add_argument(
         "--accountant",
