@@ -36,6 +36,8 @@ def run_demo(
     """Train ``DigitsCNN`` with DP and return the final metrics and privacy summary.
 
     Args:
+        progress_bar: print the epoch table, and in a terminal Lightning's progress bar (none when the standard
+            output is a file or a pipe: the table's rows are then the progress lines).
         callbacks: further Lightning callbacks of the trainer.
         strategy_options: further :class:`~lightning_dp.DPStrategy` options (e.g. ``target_unclipped_quantile``).
 
@@ -49,6 +51,7 @@ def run_demo(
 
     from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
     from lightning_dp.lightning.callbacks import EpochTable
+    from lightning_dp.lightning.progress_bar import terminal_progress_bar
     from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
     pl.seed_everything(seed, verbose=False)
@@ -56,6 +59,7 @@ def run_demo(
     model = DigitsCNN(lr=lr)
     privacy_callback = PrivacyAccountantCallback()
     table = EpochTable("val_acc", enabled=progress_bar)
+    bar = terminal_progress_bar() if progress_bar else None
     strategy = DPStrategy(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
@@ -71,10 +75,10 @@ def run_demo(
         strategy=strategy,
         accelerator="cpu",
         max_epochs=epochs,
-        callbacks=[privacy_callback, table, *callbacks],
+        callbacks=[privacy_callback, table, *([bar] if bar else []), *callbacks],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=progress_bar,
+        enable_progress_bar=bar is not None,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )

@@ -378,8 +378,9 @@ def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation(tmp_path) -> N
 
 
 def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> None:
-    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: every epoch row is a line
-    of its own (never glued to progress-bar output), and stderr holds our lines without Lightning's device lines."""
+    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: no progress bar (no carriage
+    return, no bar line), one line per epoch with epsilon to the digits of the final line, and stderr holds our lines
+    without Lightning's device lines."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
@@ -387,13 +388,16 @@ def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> 
         command = [sys.executable, "-m", "lightning_dp.cli", "demo", "--epochs", "2"]
         done = subprocess.run(command, cwd=tmp_path, env=env, stdout=stdout, stderr=stderr, timeout=300)
     assert done.returncode == 0, err.read_text()
-    lines = out.read_text().splitlines()
+    text = out.read_text()
+    assert "\r" not in text and "it/s" not in text
+    lines = text.splitlines()
     assert lines[0].split() == ["epoch", "train_loss", "val_acc", "epsilon"]
     rows = [line for line in lines if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
-    assert lines[1:3] == rows  # the rows follow the header directly
+    assert lines == [lines[0], *rows, lines[-1]]  # the header, one row per epoch, the result: nothing else
     assert "(gaussian, mixed clipping, " in lines[-1]  # the engine the default clipping="auto" resolved to
+    assert f"at epsilon {rows[-1].split()[-1]}, " in lines[-1]  # the table's digits
     log = err.read_text()
     assert "DP training start-up" in log and "Privacy summary" in log
     assert "clipping = 'mixed' with book-keeping (auto: the fastest exact engine for an l2 mechanism)" in log
-    assert "GPU available" not in log and "litlogger" not in log
+    assert "GPU available" not in log and "litlogger" not in log and "\r" not in log
