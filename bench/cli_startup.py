@@ -30,7 +30,7 @@ CALLS: dict[str, tuple[str, list[str], float | None]] = {
     "lightning-dp epsilon --noise gausian": (CLI, ["epsilon", "--noise", "gausian"], 1.5),
     "lightning-dp epsilon (Gaussian, sigma 1.1)": (CLI, ["epsilon", *GAUSS.split(), "--noise-multiplier", "1.1"], 3.0),
     "lightning-dp calibrate (Gaussian, epsilon 3)": (CLI, ["calibrate", *GAUSS.split(), "--target-epsilon", "3"], None),
-    "lightning-dp demo --help": (CLI, ["demo", "--help"], None),
+    "lightning-dp demo --help": (CLI, ["demo", "--help"], 1.5),
 }
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "augmentation_mean",
     "repeat_for_multiplicity",
 ]
+#: The one place the version is written (pyproject.toml reads it; CHANGELOG.md lists what each version holds).
 __version__ = "0.1.0"
 
 #: Public name -> the module it is imported from on first use.

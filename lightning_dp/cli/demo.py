@@ -1,7 +1,8 @@
 """``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline.
 
-Lightning and the digits task are imported by :func:`run_demo`, so ``lightning-dp demo --help`` and a bad option
-answer without loading them.
+Lightning and the digits task are imported by :func:`run_demo`, and the options' choices are the built-in names
+(:mod:`lightning_dp.cli.builtin_names`), so ``lightning-dp demo --help`` and a bad option answer without loading
+torch, Lightning or the accountants.
 """
 
 from __future__ import annotations
@@ -12,10 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
-from lightning_dp.clipping import AUTO, clipping_choices
-from lightning_dp.mechanisms import MECHANISMS
+from lightning_dp.cli.builtin_names import ACCOUNTANTS, AUTO, CLIPPING, NOISES
 
 
 def run_demo(
@@ -37,6 +36,8 @@ def run_demo(
     """Train ``DigitsCNN`` with DP and return the final metrics and privacy summary.
 
     Args:
+        progress_bar: print the epoch table, and in a terminal Lightning's progress bar (none when the standard
+            output is a file or a pipe: the table's rows are then the progress lines).
         callbacks: further Lightning callbacks of the trainer.
         strategy_options: further :class:`~lightning_dp.DPStrategy` options (e.g. ``target_unclipped_quantile``).
 
@@ -50,6 +51,7 @@ def run_demo(
 
     from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
     from lightning_dp.lightning.callbacks import EpochTable
+    from lightning_dp.lightning.progress_bar import terminal_progress_bar
     from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
     pl.seed_everything(seed, verbose=False)
@@ -57,6 +59,7 @@ def run_demo(
     model = DigitsCNN(lr=lr)
     privacy_callback = PrivacyAccountantCallback()
     table = EpochTable("val_acc", enabled=progress_bar)
+    bar = terminal_progress_bar() if progress_bar else None
     strategy = DPStrategy(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
@@ -72,10 +75,10 @@ def run_demo(
         strategy=strategy,
         accelerator="cpu",
         max_epochs=epochs,
-        callbacks=[privacy_callback, table, *callbacks],
+        callbacks=[privacy_callback, table, *([bar] if bar else []), *callbacks],
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=progress_bar,
+        enable_progress_bar=bar is not None,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
@@ -105,16 +108,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=positive_int, default=128, help="expected Poisson batch size")
     parser.add_argument("--max-grad-norm", type=positive_float, default=1.0, help="per-sample clipping bound C")
     parser.add_argument("--lr", type=positive_float, default=1.0, help="SGD learning rate")
-    engines = clipping_choices()
     parser.add_argument(
         "--clipping",
-        type=choice(engines),
-        metavar=metavar_of(engines),
+        type=choice(CLIPPING),
+        metavar=metavar_of(CLIPPING),
         default=AUTO,
         help="per-sample clipping engine (auto: mixed for l2 noise, flat for laplace)",
     )
     parser.add_argument(
-        "--noise", type=choice(MECHANISMS), metavar=metavar_of(MECHANISMS), default="gaussian", help="noise mechanism"
+        "--noise", type=choice(NOISES), metavar=metavar_of(NOISES), default="gaussian", help="noise mechanism"
     )
     parser.add_argument(
         "--accountant",

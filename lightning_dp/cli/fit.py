@@ -3,7 +3,8 @@
 A bad option becomes a :class:`~lightning_dp.config.errors.ConfigError` naming its full path and the reason
 (``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean 'max_grad_norm'?``): jsonargparse's
 errors are read back by :mod:`lightning_dp.cli.jsonargparse_errors`, and a DP strategy's privacy options are checked
-by :class:`~lightning_dp.config.PrivacyConfig` before instantiation.
+by :class:`~lightning_dp.config.PrivacyConfig` before instantiation. The progress display suits the standard output
+(:func:`choose_progress_display`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser, Namespace
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from lightning_dp.cli.jsonargparse_errors import UNION, ReadError, read_error
 from lightning_dp.config import OPTION_NAMES, REMOVED_OPTIONS, PrivacyConfig
 from lightning_dp.config.errors import ConfigError, invalid_option, option_reason, unknown_option
+from lightning_dp.lightning.callbacks import EpochTable
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
+from lightning_dp.lightning.progress import TrainingProgress
+from lightning_dp.lightning.progress_bar import epsilon_progress_bar_class, is_terminal
 
 #: where LightningCLI configures the strategy.
 STRATEGY = "trainer.strategy"
@@ -71,8 +76,11 @@ class FitCLI(LightningCLI):
             raise ConfigError(read.key, _reason(read, error), self.argv) from error
 
     def before_instantiate_classes(self) -> None:
-        """Check the privacy options (:func:`check_privacy_options`)."""
-        check_privacy_options(self.config[self.subcommand] if self.subcommand else self.config, self.argv)
+        """Check the privacy options (:func:`check_privacy_options`), choose the progress display
+        (:func:`choose_progress_display`)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_privacy_options(config, self.argv)
+        choose_progress_display(config, is_terminal())
 
     def instantiate_classes(self) -> None:
         """Instantiate as LightningCLI does.
@@ -115,6 +123,28 @@ def check_privacy_options(config: Namespace, argv: Sequence[str] = ()) -> None:
         if option is None:  # about a combination of options, which may come from several places: no file named
             raise ConfigError(f"{STRATEGY}.init_args", str(error)) from error
         raise ConfigError(f"{STRATEGY}.init_args.{option}", option_reason(option, error), argv) from error
+
+
+def choose_progress_display(config: Namespace, terminal: bool) -> None:
+    """Set the progress display of a parsed ``config`` whose Trainer shows Lightning's default bar: in a terminal,
+    the bar with epsilon to four decimals (:mod:`lightning_dp.lightning.progress_bar`); otherwise no bar, and
+    :class:`~lightning_dp.TrainingProgress`'s line every ``log_every_n_steps`` steps unless a callback of the config
+    prints its own lines (an epoch table, progress lines). A config that disables the bar or names one is kept as it
+    is; the run's saved ``config.yaml`` holds the choice.
+    """
+    listed = config.get("trainer.callbacks") or []
+    callbacks = [listed] if isinstance(listed, Namespace) else list(listed)
+    classes = [_import(callback.class_path) for callback in callbacks]
+    if config.get("trainer.enable_progress_bar") is False or any(issubclass(c, ProgressBar) for c in classes):
+        return
+    if terminal:
+        added: type | None = epsilon_progress_bar_class()
+    else:
+        config["trainer.enable_progress_bar"] = False
+        added = None if any(issubclass(c, (EpochTable, TrainingProgress)) for c in classes) else TrainingProgress
+    if added is not None:
+        path = f"{added.__module__}.{added.__qualname__}"
+        config["trainer.callbacks"] = [*callbacks, Namespace(class_path=path, init_args=Namespace())]
 
 
 def _reason(read: ReadError, error: ArgumentError) -> str:

@@ -352,29 +352,35 @@ def test_every_scripts_help_shows_the_defaults() -> None:
     assert "optimizer steps (default: 100)" in text and "seed (default" not in text
 
 
-def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation() -> None:
-    """A plain script training with DPStrategy (no logging or warnings set-up): Lightning's own lines stay, its
-    cloud-logger advert and the ``_pytree`` deprecation torch raises for it do not."""
+def test_a_plain_script_shows_no_advert_and_no_pytree_deprecation(tmp_path) -> None:
+    """A plain script training with DPStrategy (no logging or warnings set-up), with Lightning's default logger and
+    checkpoints: Lightning's own lines stay; its adverts (the cloud logger, the model registry's checkpoint uploads)
+    and the ``_pytree`` deprecation torch raises for it do not."""
     root = Path(__file__).resolve().parents[2]
     script = (
         "import lightning.pytorch as pl\n"
         "from helpers import TinyRegressor\n"
         "from lightning_dp import DPStrategy\n"
         "trainer = pl.Trainer(strategy=DPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1, accelerator='cpu',\n"
-        "                     logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
+        "                     enable_progress_bar=False)\n"
         "trainer.fit(TinyRegressor())\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "GPU available" in output  # Lightning's own information is kept
-    assert "litlogger" not in output and "LeafSpec" not in output
+    assert list(tmp_path.glob("lightning_logs/*/checkpoints/*.ckpt"))  # the checkpoint the advert is about
+    assert "💡" not in output and "litlogger" not in output and "litmodels" not in output
+    assert "LeafSpec" not in output
 
 
 def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> None:
-    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: every epoch row is a line
-    of its own (never glued to progress-bar output), and stderr holds our lines without Lightning's device lines."""
+    """``lightning-dp demo`` with stdout and stderr redirected to files, as in a batch job: no progress bar (no carriage
+    return, no bar line), one line per epoch with epsilon to the digits of the final line, and stderr holds our lines
+    without Lightning's device lines."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
@@ -382,13 +388,16 @@ def test_demo_output_in_log_files_keeps_the_table_on_its_own_lines(tmp_path) -> 
         command = [sys.executable, "-m", "lightning_dp.cli", "demo", "--epochs", "2"]
         done = subprocess.run(command, cwd=tmp_path, env=env, stdout=stdout, stderr=stderr, timeout=300)
     assert done.returncode == 0, err.read_text()
-    lines = out.read_text().splitlines()
+    text = out.read_text()
+    assert "\r" not in text and "it/s" not in text
+    lines = text.splitlines()
     assert lines[0].split() == ["epoch", "train_loss", "val_acc", "epsilon"]
     rows = [line for line in lines if line.split() and line.split()[0] in ("0", "1")]
     assert len(rows) == 2 and all(len(row.split()) == 4 for row in rows)
-    assert lines[1:3] == rows  # the rows follow the header directly
+    assert lines == [lines[0], *rows, lines[-1]]  # the header, one row per epoch, the result: nothing else
     assert "(gaussian, mixed clipping, " in lines[-1]  # the engine the default clipping="auto" resolved to
+    assert f"at epsilon {rows[-1].split()[-1]}, " in lines[-1]  # the table's digits
     log = err.read_text()
     assert "DP training start-up" in log and "Privacy summary" in log
     assert "clipping = 'mixed' with book-keeping (auto: the fastest exact engine for an l2 mechanism)" in log
-    assert "GPU available" not in log and "litlogger" not in log
+    assert "GPU available" not in log and "litlogger" not in log and "\r" not in log

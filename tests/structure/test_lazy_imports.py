@@ -53,7 +53,8 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lightning-dp epsilon --help": (cli("epsilon", "--help"), ("scipy",)),
     "lightning-dp epsilon (misspelt noise)": (cli("epsilon", "--noise", "gausian"), ("scipy",)),
     "lightning-dp epsilon (Gaussian)": (cli("epsilon", *GAUSS, "--noise-multiplier", "1.1"), ("scipy",)),
-    "lightning-dp demo --help": (cli("demo", "--help"), ("scipy", "torch")),
+    "lightning-dp demo --help": (cli("demo", "--help"), ()),
+    "lightning-dp demo (misspelt clipping)": (cli("demo", "--clipping", "flt"), ()),
     "from lightning_dp import PrivacyEngine": ("from lightning_dp import PrivacyEngine", ("scipy", "torch")),
     "import lightning_dp.hf": ("import lightning_dp.hf", ("scipy", "torch", "transformers", "peft", "datasets")),
 }
