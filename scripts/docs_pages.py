@@ -1,6 +1,7 @@
 """The docs site's generated pages, made from the code at every build (a MkDocs hook, ``hooks:`` in mkdocs.yml).
 
 * ``index.md``: README.md, its links into ``docs/`` made relative to the site;
+* ``changelog.md``: CHANGELOG.md;
 * ``reference/api.md`` and ``reference/hf.md``: one mkdocstrings entry per name of ``lightning_dp.__all__`` and
   ``lightning_dp.hf.__all__`` (a new public name is documented without touching the docs);
 * ``reference/cli.md``: the ``--help`` of every ``lightning-dp`` subcommand, as the command prints it;
@@ -38,8 +39,9 @@ API_PAGES = {
 
 
 def front_page() -> str:
-    """README.md as the site's index: its ``docs/...`` links point to the pages beside it."""
-    return (ROOT / "README.md").read_text(encoding="utf-8").replace("](docs/", "](")
+    """README.md as the site's index: its ``docs/...`` links (and the changelog's) point to the pages beside it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    return readme.replace("](docs/", "](").replace("](CHANGELOG.md)", "](changelog.md)")
 
 
 def public_names(module: str) -> list[str]:
@@ -115,7 +117,12 @@ def options_page() -> str:
 
 def generated_pages() -> dict[str, str]:
     """Site path -> Markdown of every generated page."""
-    pages = {"index.md": front_page(), "reference/cli.md": cli_page(), "reference/options.md": options_page()}
+    pages = {
+        "index.md": front_page(),
+        "changelog.md": (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"),
+        "reference/cli.md": cli_page(),
+        "reference/options.md": options_page(),
+    }
     pages.update({path: api_page(*spec) for path, spec in API_PAGES.items()})
     return pages
 
