@@ -17,15 +17,16 @@ mechanism with sampling rate ``q_b`` and noise multiplier ``sigma / s``, where `
 column of ``C``. With ``b = 1`` and ``C = I`` this is DP-SGD's accounting exactly.
 It is an upper bound: exact only when the reduction is (e.g. ``q_b = 1`` and ``k`` columns of norm ``s``).
 
-Why (our sketch, which the tests check where a closed form exists): an example of group ``g`` can only enter ``x_j``
-for ``j = g, g + b, g + 2b, ...`` (``ceil((n - g) / b) <= k`` steps), and since ``C`` is ``b``-banded, ``x_j`` enters
-only the rows ``j .. j + b - 1`` of ``C x``: one block of rows per participation, the blocks disjoint. In block
-``j``, row ``t`` is ``C[t, j] x_j + f_t + sigma z_t``, where ``f_t`` sums the ``x_{j'}`` of other steps: those come
-from other groups, so ``f_t`` is the same function of the earlier rows (and of data both neighbouring datasets share)
-under both datasets, and subtracting it row by row is a bijection common to both. So, given the earlier blocks, the
-block is a Poisson-subsampled (rate ``q_b``) Gaussian mechanism with l2 sensitivity ``||C[:, j]|| <= s`` and noise
-``sigma`` (the gradient ``x_j`` may depend on every earlier release: adaptivity is covered), and the adaptive
-composition of the ``k`` blocks is dominated by the ``k``-fold composition of the worst one.
+Why (our sketch; the tests check it numerically on small dense ``C``, with and without subsampling): an example of
+group ``g`` can only enter ``x_j`` for ``j = g, g + b, g + 2b, ...`` (``ceil((n - g) / b) <= k`` steps), and since
+``C`` is ``b``-banded, ``x_j`` enters only the rows ``j .. j + b - 1`` of ``C x``: one block of rows per
+participation, the blocks disjoint. In block ``j``, row ``t`` is ``C[t, j] x_j + f_t + sigma z_t``, where ``f_t``
+sums the ``x_{j'}`` of other steps: those come from other groups, so ``f_t`` is the same function of the earlier
+rows (and of data both neighbouring datasets share) under both datasets, and subtracting it row by row is a
+bijection common to both. So, given the earlier blocks, the block is a Poisson-subsampled (rate ``q_b``) Gaussian
+mechanism with l2 sensitivity ``||C[:, j]|| <= s`` and noise ``sigma`` (the gradient ``x_j`` may depend on every
+earlier release: adaptivity is covered), and the adaptive composition of the ``k`` blocks is dominated by the
+``k``-fold composition of the worst one.
 
 **Conditions the caller must meet** (the accountant checks what it can see and says what it cannot):
 

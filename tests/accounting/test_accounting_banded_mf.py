@@ -116,6 +116,42 @@ def test_dense_brute_force_of_the_unsubsampled_mechanism():
             assert ours == pytest.approx(max(exact), abs=2e-3)
 
 
+def hockey_stick(epsilon: float, mus: np.ndarray, q: float, points: int = 3001) -> float:
+    """max(remove, add) delta(epsilon) of independent Poisson-subsampled Gaussians with shifts ``mus`` (at most 2),
+    by the trapezoid rule on a grid over [-9, 9 + max mu] per axis."""
+    y = np.linspace(-9.0, 9.0 + float(max(mus)), points)
+    weight = np.exp(-(y**2) / 2) / math.sqrt(2 * math.pi) * (y[1] - y[0])
+    logs = [np.log1p(-q + q * np.exp(mu * y - mu * mu / 2)) for mu in mus]
+    loss, w = (logs[0], weight) if len(mus) == 1 else (logs[0][:, None] + logs[1], weight[:, None] * weight)
+    remove = float(np.sum(w * np.clip(np.exp(loss) - math.exp(epsilon), 0.0, None)))
+    add = float(np.sum(w * np.clip(1.0 - np.exp(epsilon + loss), 0.0, None)))
+    return max(remove, add)
+
+
+@pytest.mark.parametrize("steps", [3, 4])
+def test_dense_brute_force_with_subsampling(steps):
+    # q_b < 1, non-adaptive x: removing one example of group g subtracts C[:, P] B, B Bernoulli(q_b) per step of P =
+    # {g, g + b, ...}. C^T C on P is diagonal (disjoint supports, read off the dense matrix), so in the orthonormal
+    # directions of those columns the release is a product of 1-D subsampled Gaussians with mu_j = ||C[:, j]|| /
+    # sigma; its exact delta at our epsilon must not exceed the target (n = 3: the last column of group 0 is cut
+    # short, so the bound is loose; n = 4: both columns have norm s, so it is attained).
+    band, sigma, q = 2, 1.3, 0.3
+    dense = BandedToeplitz((1.0, 0.7)).dense(steps)
+    ours = BandedMFAccountant.for_strategy(dense, steps=steps, noise_multiplier=sigma, group_sample_rate=q)
+    epsilon = ours.get_epsilon(DELTA)
+    deltas = []
+    for g in range(band):
+        columns = dense[:, g::band]
+        gram = columns.T @ columns
+        assert np.allclose(gram, np.diag(np.diag(gram)))
+        deltas.append(hockey_stick(epsilon, np.sqrt(np.diag(gram)) / sigma, q))
+    assert max(deltas) <= DELTA * (1 + 1e-4)
+    if steps == 4:
+        assert max(deltas) == pytest.approx(DELTA, rel=1e-3)
+    else:
+        assert max(deltas) < 0.5 * DELTA
+
+
 def test_band_and_max_column_norm_of_dense_and_toeplitz():
     assert band_and_max_column_norm(STRATEGY, 10) == (4, pytest.approx(math.sqrt(1.46)))
     dense = np.tril(np.ones((6, 6))) - np.tril(np.ones((6, 6)), -2)  # 2-banded
