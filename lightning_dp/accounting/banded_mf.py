@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import dp_accounting
@@ -98,6 +99,13 @@ class BandedMFEvent:
     num_groups: int
     max_column_norm: float
 
+    def __post_init__(self) -> None:  # plain Python numbers, so that the ledger's state is JSON (NumPy scalars are not)
+        for field in ("noise_multiplier", "group_sample_rate", "max_column_norm"):
+            if isinstance(getattr(self, field), numbers.Real):
+                object.__setattr__(self, field, float(getattr(self, field)))
+        if isinstance(self.num_groups, numbers.Integral) and not isinstance(self.num_groups, bool):
+            object.__setattr__(self, "num_groups", int(self.num_groups))
+
 
 def validate_banded_mf_event(event: BandedMFEvent) -> None:
     """Raise ``ValueError`` (one line saying what to change) unless the event's parameters are valid."""
@@ -108,7 +116,7 @@ def validate_banded_mf_event(event: BandedMFEvent) -> None:
             f"the group sample rate q_b must lie in [0, 1], got {event.group_sample_rate}; with b groups q_b = b * q "
             "for an overall rate q: use fewer groups or a smaller expected batch"
         )
-    if isinstance(event.num_groups, bool) or not isinstance(event.num_groups, int) or event.num_groups < 1:
+    if isinstance(event.num_groups, bool) or not isinstance(event.num_groups, numbers.Integral) or event.num_groups < 1:
         raise ValueError(f"num_groups (b, the cycle length) must be an integer >= 1, got {event.num_groups!r}")
     if not (event.max_column_norm > 0 and math.isfinite(event.max_column_norm)):
         raise ValueError(f"max_column_norm must be finite and > 0, got {event.max_column_norm}")

@@ -2,6 +2,7 @@
 mechanism, the library's ``pld`` accountant (b = 1, C = I), the analytic Gaussian mechanism (q_b = 1, Balle and Wang
 2018) and a dense-matrix computation of the unsubsampled mechanism's exact privacy loss."""
 
+import json
 import math
 
 import dp_accounting
@@ -199,6 +200,9 @@ def test_state_dict_round_trip_and_edge_cases():
     restored = BandedMFAccountant()
     restored.load_state_dict(accountant.state_dict())
     assert restored.ledger == accountant.ledger and restored.get_epsilon(DELTA) == accountant.get_epsilon(DELTA)
+    from_numpy = BandedMFAccountant().compose(BandedMFEvent(np.float32(1.0), 0.1, np.int64(4), 1.2), 37)
+    assert json.loads(json.dumps(from_numpy.state_dict())) == accountant.state_dict()
+    assert BandedMFAccountant().compose(BandedMFEvent(1.0, 0.0, 4, 1.2), 9).get_epsilon(DELTA) == 0.0  # q_b = 0
     assert BandedMFAccountant().get_epsilon(DELTA) == 0.0 and BandedMFAccountant().get_delta(1.0) == 0.0
     no_noise = BandedMFAccountant().compose(BandedMFEvent(0.0, 0.1, 4, 1.0), 8)
     assert no_noise.get_epsilon(DELTA) == math.inf and no_noise.get_delta(1.0) == 1.0
