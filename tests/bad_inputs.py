@@ -744,6 +744,13 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "YAML config",
+        "model.class_path: lightning_dp.tasks.digits.DigitCNN (misspelt class)",
+        _yaml(lambda config: config["model"].update(class_path="lightning_dp.tasks.digits.DigitCNN")),
+        r"^lightning-dp fit: error: bad.yaml: model.class_path: cannot import 'lightning_dp.tasks.digits.DigitCNN'; "
+        r"did you mean 'lightning_dp.tasks.digits.DigitsCNN'\?$",
+    ),
+    BadInput(
+        "YAML config",
         "strategy.init_args.max_grad_norm: abc",
         _yaml(_strategy_args(max_grad_norm="abc")),
         r"bad.yaml: trainer.strategy.init_args.max_grad_norm: expected float or list, got abc$",

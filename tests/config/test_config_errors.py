@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_dp.cli.fit import check_privacy_options
+from lightning_dp.cli.fit import check_privacy_options, close_class_path
 from lightning_dp.cli.jsonargparse_errors import read_error
 from lightning_dp.cli.main import main
 from lightning_dp.config import PrivacyConfig
@@ -324,3 +324,58 @@ def test_privacy_config_and_privacy_arguments_name_the_argument_the_user_gave(co
     with pytest.raises(ValueError) as raised:
         PrivacyArguments(**hf)
     assert str(raised.value).startswith(hf_error), raised.value
+
+
+# ------------------------------------------------------------------------------------------------- class paths
+@pytest.mark.parametrize(
+    ("path", "typo", "key", "suggestion"),
+    [
+        (("trainer", "strategy"), "lightning_dp.DPStrateg", "trainer.strategy.class_path", "lightning_dp.DPStrategy"),
+        (("model",), "lightning_dp.tasks.digits.DigitCNN", "model.class_path", "lightning_dp.tasks.digits.DigitsCNN"),
+        (
+            ("data",),
+            "lightning_dp.tasks.digit.DigitsDataModule",
+            "data.class_path",
+            "lightning_dp.tasks.digits.DigitsDataModule",
+        ),
+        (("trainer", "callbacks", 0), "lightning_dp.PrivacyAcountantCallback", "trainer.callbacks", None),
+    ],
+    ids=["strategy", "model", "module of data", "item of callbacks"],
+)
+def test_fit_yaml_misspelt_class_path_is_reported_under_its_key_with_the_closest_class(
+    path, typo, key, suggestion, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+    holder = config
+    for part in path:
+        holder = holder[part]
+    suggestion = suggestion or holder["class_path"]
+    holder["class_path"] = typo
+    Path("bad.yaml").write_text(yaml.safe_dump(config))
+    line = one_error_line(run_main(["fit", "--config", "bad.yaml"]), capsys.readouterr())
+    assert line == f"lightning-dp fit: error: bad.yaml: {key}: cannot import {typo!r}; did you mean {suggestion!r}?"
+
+
+def test_fit_flag_misspelt_class_path_is_reported_under_the_flag(capsys):
+    config = str(ROOT / "configs" / "digits_cnn.yaml")
+    line = one_error_line(
+        run_main(["fit", "--config", config, "--model", "lightning_dp.tasks.digits.DigitCNN"]), capsys.readouterr()
+    )
+    assert line == (
+        "lightning-dp fit: error: --model: cannot import 'lightning_dp.tasks.digits.DigitCNN'; did you mean "
+        "'lightning_dp.tasks.digits.DigitsCNN'?"
+    )
+
+
+def test_close_class_path_keeps_to_the_option_s_type():
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import Strategy
+
+    assert close_class_path("lightning_dp.DPStrateg", [Strategy]) == "lightning_dp.DPStrategy"
+    assert close_class_path("lightning_dp.DPStrateg", [Callback]) is None  # no callback is named close to it
+    assert close_class_path("lightning_dp.Frobnicate", [Strategy]) is None
+    # no module of the path imports: the closest of the type's subclasses imported so far, by full path
+    assert close_class_path("lightning_dpp.lightning.strategy.DPStrategy", [Strategy]) == (
+        "lightning_dp.lightning.strategy.DPStrategy"
+    )
