@@ -11,11 +11,10 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from lightning_dp.config.errors import Naming
 from lightning_dp.runtime.console import ConsoleFormatter
 from lightning_dp.utils.help_format import HelpFormatter
 from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
-from lightning_dp.utils.naming import did_you_mean
+from lightning_dp.utils.naming import Naming, did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
 USAGE_ERROR = 2

@@ -17,8 +17,9 @@ from dataclasses import field, fields, make_dataclass
 from typing import Any, Literal
 
 from lightning_dp.config import HF_NAMES, PrivacyConfig, option_docs
-from lightning_dp.config.errors import Naming, checking
+from lightning_dp.config.errors import checking
 from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.utils.naming import Naming
 
 PER_EXAMPLE_REDUCTIONS = ("mean", "sum")
 

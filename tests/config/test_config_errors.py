@@ -17,16 +17,9 @@ from lightning_dp.cli.fit import check_privacy_options, close_class_path
 from lightning_dp.cli.jsonargparse_errors import read_error
 from lightning_dp.cli.main import main
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.config.errors import (
-    ConfigError,
-    Naming,
-    checking,
-    invalid_option,
-    locate,
-    option_reason,
-    unknown_option,
-)
+from lightning_dp.config.errors import ConfigError, checking, invalid_option, locate, option_reason, unknown_option
 from lightning_dp.lightning import DPStrategy
+from lightning_dp.utils.naming import Naming
 
 ROOT = Path(__file__).resolve().parents[2]
 
