@@ -32,6 +32,8 @@ def unknown_name(kind: str, name: object, valid: Iterable[str]) -> str:
     return f"Unknown {kind} {name!r}{did_you_mean(name, names)}; choose one of {names}"
 
 
+#: the quotes of a string value, dropped when it becomes a flag's value
+_QUOTES = "'\""
 #: a value written after ``name=`` in a message: a quoted string, a list, or a number / word (``1.5``, ``None``).
 _VALUE = r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|[\w.+-]+"
 
@@ -76,7 +78,7 @@ class Naming:
             name, value = self.names[match.group(1)], match.group(2)
             if value is None:  # a one-word name alone is read as a word ("the noise"), an identifier as a name
                 return name if "_" in match.group(1) or match.start() == 0 else match.group(1)
-            return f"{name} {value.strip(chr(39) + chr(34))}" if self.flags else f"{name}={value}"
+            return f"{name} {value.strip(_QUOTES)}" if self.flags else f"{name}={value}"
 
         return self._pattern.sub(user, text)
 
