@@ -179,7 +179,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
-            load_privacy_state(engine, resume_from_checkpoint)
+            with HF_NAMING.applied():  # a checkpoint that does not match names the PrivacyArguments that differ
+                load_privacy_state(engine, resume_from_checkpoint)
         self._distributed = distributed_context()
         self._log_filter = rank_zero_logging(self._distributed, self._log_filter)  # kept after train()
         if self._distributed is not None:

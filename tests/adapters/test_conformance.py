@@ -56,6 +56,8 @@ ADAPTERS = ("DPStrategy", "DPDDPStrategy", "DPModelParallelStrategy", "DPTrainer
 EXAMPLES, BATCH, NOISE, CLIP, DELTA, LR = 64, 8, 1.0, 1.0, 1e-3, 0.1
 #: the privacy options every adapter gets (DPTrainer's under their PrivacyArguments names).
 OPTIONS = dict(noise_multiplier=NOISE, max_grad_norm=CLIP, target_delta=DELTA, accountant="rdp", seed=0)
+#: OPTIONS with another clipping bound.
+HALF_BOUND = {**OPTIONS, "max_grad_norm": CLIP / 2}
 TRAINABLE_TENSORS = 4
 log = logging.getLogger("lightning_dp")
 
@@ -377,6 +379,12 @@ def test_epsilon_continues_after_resume(adapter, tmp_path):
     assert engine.steps == 4 and len(steps_of(resumed.events)) == 2  # 2 restored, 2 taken
     assert resumed.adapter.get_epsilon() == pytest.approx(reference_epsilon(BATCH / EXAMPLES, 4), rel=1e-12)
     assert len(resumed.blocks) == 1 and "2 taken before this run (restored from the checkpoint)" in resumed.blocks[0]
+
+
+def test_dp_trainer_s_resume_refusal_names_its_privacy_arguments(tmp_path):
+    fit("DPTrainer", tmp_path, steps=2)
+    with pytest.raises(ValueError, match=r"trained with per_sample_max_grad_norm=1.0, this run uses 0.5; resume with"):
+        fit("DPTrainer", tmp_path / "resumed", steps=4, resume=str(tmp_path / "checkpoint-2"), options=HALF_BOUND)
 
 
 def test_resume_with_a_target_says_it_keeps_the_checkpoint_s_noise_and_where_the_plan_ends(adapter, tmp_path, caplog):
