@@ -10,6 +10,7 @@ import ast
 import importlib.metadata
 import os
 import re
+import shlex
 import subprocess
 import sys
 import venv
@@ -205,10 +206,15 @@ def test_an_import_error_of_an_extra_s_package_names_the_extra(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ in a fresh venv
+#: the quickstarts of docs/usage.md and where each writes its output
+QUICKSTARTS = {"quickstart_lightning": "--logdir", "quickstart_hf": "--output-dir"}
+
+
 @pytest.mark.slow
-def test_quickstart_lightning_runs_after_its_install_line_in_a_fresh_venv(tmp_path):
-    """In a new virtual environment: after ``pip install -e .`` the example refuses with the extra's install line;
-    after that line it runs (installs torch and the extra: minutes; then about a minute of training on CPU)."""
+@pytest.mark.parametrize("name", QUICKSTARTS)
+def test_the_quickstart_runs_after_its_documented_install_line_in_a_fresh_venv(name, tmp_path):
+    """In a new virtual environment with torch: after ``pip install -e .`` the example refuses with the extra's install
+    line; after the line of its docstring it runs (installing takes minutes, the run a minute or a few on CPU)."""
     env = tmp_path / "venv"
     venv.create(env, with_pip=True)
     python = str(env / "bin" / "python")
@@ -218,8 +224,8 @@ def test_quickstart_lightning_runs_after_its_install_line_in_a_fresh_venv(tmp_pa
         subprocess.run([python, "-m", "pip", "install", "-q", *args], check=True, timeout=1800, env=clean)
 
     def example() -> subprocess.CompletedProcess[str]:
-        command = [python, "-m", "lightning_dp.examples.quickstart_lightning", "--logdir", str(tmp_path / "logs")]
-        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=clean)
+        command = [python, "-m", f"lightning_dp.examples.{name}", QUICKSTARTS[name], str(tmp_path / "out")]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800, env=clean)
 
     pip(f"torch=={importlib.metadata.version('torch').split('+')[0]}")
     pip("-e", str(ROOT))
@@ -227,7 +233,12 @@ def test_quickstart_lightning_runs_after_its_install_line_in_a_fresh_venv(tmp_pa
     assert refused.returncode != 0
     assert "lightning_dp.examples needs the 'examples' extra" in refused.stderr, refused.stderr[-3000:]
     assert 'pip install -e ".[examples]"' in refused.stderr
-    pip("-e", f"{ROOT}[examples]")
+    docstring = ast.get_docstring(ast.parse((ROOT / "lightning_dp" / "examples" / f"{name}.py").read_text()))
+    line = next(line for line in docstring.splitlines() if 'pip install -e "' in line).partition("#")[0]
+    for command in line.split("&&"):  # the documented commands, run from the repository (-e ".[...]": ROOT[...])
+        words = shlex.split(command)
+        assert words[:2] == ["pip", "install"], line
+        pip(*(word.replace(".[", f"{ROOT}[", 1) if word.startswith(".[") else word for word in words[2:]))
     run = example()
     assert run.returncode == 0, run.stderr[-3000:]
     assert "epsilon = " in run.stdout
