@@ -66,7 +66,7 @@ class Parser(argparse.ArgumentParser):
     def run(self, argv: list[str], body: Callable[[argparse.Namespace], None]) -> int:
         """Parse ``argv`` and run ``body(args)`` under :func:`guarded`; return the exit code. An invalid value's
         message names options by their flags and writes settings as flags (``--accountant rdp``;
-        :class:`~lightning_dp.config.errors.Naming`)."""
+        :class:`~lightning_dp.utils.naming.Naming`)."""
         args = self.parse_args(argv)
         flags = [flag for action in self._actions for flag in action.option_strings]
 
