@@ -60,6 +60,22 @@ def exit_code(argv: list[str]) -> int:
         (["calibrate", *GAUSS, "--target-epsilon", "0"], "error: --target-epsilon must be"),
         (["calibrate", *GAUSS, "--target-epsilon", "1e6"], "or calibrate with --accountant rdp ("),
         (["calibrate", *GAUSS, "--target-epsilon", "1", "--delta", "2"], "error: --delta must lie in"),
+        (
+            [
+                "epsilon",
+                "--noise",
+                "lap2",
+                *GAUSS[2:],
+                "--max-grad-norm",
+                "1",
+                "--num-params",
+                "9",
+                "--noise-scale",
+                "-2",
+            ],
+            "error: --noise-scale must be a positive finite number, got -2.0. Use calibrate(noise='lap2', ...) or "
+            "search_lap2(...) to pick it (lightning-dp calibrate --noise lap2).",
+        ),
         (["calibrate", "--noise", "lap3", "--sample-rate", "0.01", "--steps", "10", "--delta", "1e-5"], "'lap2'"),
         (["epsilonn"], "did you mean 'epsilon'?"),
     ],
