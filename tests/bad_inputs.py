@@ -369,8 +369,18 @@ CASES: list[BadInput] = [
     BadInput(
         "DPStrategy", "max_grad_norm=inf", _strategy(max_grad_norm=float("inf"), noise_multiplier=1.0), "max_grad_norm"
     ),
-    BadInput("DPStrategy", "target_epsilon=-1", _strategy(target_epsilon=-1.0), "epsilon"),
-    BadInput("DPStrategy", "target_delta=1.5", _strategy(target_epsilon=1.0, target_delta=1.5), "delta"),
+    BadInput(
+        "DPStrategy",
+        "target_epsilon=-1",
+        _strategy(target_epsilon=-1.0),
+        "^ValueError: target_epsilon must be positive, got -1.0; a typical budget is 1 to 10$",
+    ),
+    BadInput(
+        "DPStrategy",
+        "target_delta=1.5",
+        _strategy(target_epsilon=1.0, target_delta=1.5),
+        "^ValueError: target_delta must lie in",
+    ),
     BadInput(
         "DPStrategy",
         "target_epsilon=3 with noise_multiplier=1",
@@ -574,7 +584,13 @@ CASES: list[BadInput] = [
         "HF PrivacyArguments",
         "per_sample_max_grad_norm=-1",
         _privacy_arguments(per_sample_max_grad_norm=-1.0, noise_multiplier=1.0),
-        "max_grad_norm",
+        "^ValueError: per_sample_max_grad_norm must be a positive finite number, got -1.0; e.g. 1.0",
+    ),
+    BadInput(
+        "HF PrivacyArguments",
+        "target_epsilon=0",
+        _privacy_arguments(target_epsilon=0.0),
+        "^ValueError: target_epsilon must be positive, got 0.0; a typical budget is 1 to 10$",
     ),
     BadInput(
         "HF PrivacyArguments",
@@ -598,7 +614,7 @@ CASES: list[BadInput] = [
         "HF PrivacyArguments",
         "secure_mode=True, dp_seed=1",
         _privacy_arguments(noise_multiplier=1.0, dp_seed=1, secure_mode=True),
-        "secure_mode.*seed",
+        "secure_mode=True .* so dp_seed=1 cannot apply",
     ),
     BadInput(
         "HF PrivacyArguments",
@@ -635,7 +651,13 @@ CASES: list[BadInput] = [
         "CLI",
         "lightning-dp epsilon ... --max-grad-norm -1",
         _cli("epsilon", *GAUSS, "--max-grad-norm", "-1", "--noise-multiplier", "1"),
-        "max_grad_norm",
+        "error: --max-grad-norm must be a positive finite number, got -1.0",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp calibrate ... --target-epsilon 1e6",
+        _cli("calibrate", *GAUSS, "--target-epsilon", "1e6"),
+        "error: --target-epsilon 1e[+]?0*6 needs .* or calibrate with --accountant rdp ",
     ),
     BadInput(
         "CLI",
@@ -722,6 +744,13 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "YAML config",
+        "model.class_path: lightning_dp.tasks.digits.DigitCNN (misspelt class)",
+        _yaml(lambda config: config["model"].update(class_path="lightning_dp.tasks.digits.DigitCNN")),
+        r"^lightning-dp fit: error: bad.yaml: model.class_path: cannot import 'lightning_dp.tasks.digits.DigitCNN'; "
+        r"did you mean 'lightning_dp.tasks.digits.DigitsCNN'\?$",
+    ),
+    BadInput(
+        "YAML config",
         "strategy.init_args.max_grad_norm: abc",
         _yaml(_strategy_args(max_grad_norm="abc")),
         r"bad.yaml: trainer.strategy.init_args.max_grad_norm: expected float or list, got abc$",
@@ -736,7 +765,7 @@ CASES: list[BadInput] = [
         "CLI",
         "lightning-dp fit ... --trainer.strategy.init_args.max_grad_norm=-1",
         _yaml(lambda config: None, "--trainer.strategy.init_args.max_grad_norm=-1"),
-        r"error: --trainer.strategy.init_args.max_grad_norm: must be a positive finite number, got -1.0$",
+        r"error: --trainer.strategy.init_args.max_grad_norm: must be a positive finite number, got -1.0; e.g. 1.0",
     ),
     # the HF recipes' YAML and flags (configs/glue_offline.yaml, edited)
     BadInput(
@@ -750,7 +779,7 @@ CASES: list[BadInput] = [
         "Recipe config",
         "per_sample_max_grad_norm: -1.0",
         _recipe({"per_sample_max_grad_norm": -1.0}),
-        r"bad.yaml: per_sample_max_grad_norm: must be a positive finite number, got -1.0$",
+        r"bad.yaml: per_sample_max_grad_norm: must be a positive finite number, got -1.0; e.g. 1.0",
     ),
     BadInput(
         "Recipe config",
@@ -768,7 +797,7 @@ CASES: list[BadInput] = [
         "Recipe flags",
         "--target_delta 2",
         _recipe({}, "--target_delta", "2"),
-        r"error: --target_delta: delta must lie in \(0, 1\), got 2.0",
+        r"error: --target_delta: must lie in \(0, 1\), got 2.0",
     ),
     # extension registries: a registration that would replace an entry is refused, and adds nothing
     BadInput(

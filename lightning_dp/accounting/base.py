@@ -43,16 +43,17 @@ def make_accountant(name: str) -> Accountant:
     return ACCOUNTANTS.get(name)()
 
 
-def validate_delta(delta: float) -> None:
-    """Raise ``ValueError`` unless ``0 < delta < 1``."""
+def validate_delta(delta: float, name: str = "delta") -> None:
+    """Raise ``ValueError`` unless ``0 < delta < 1``; the message calls it ``name`` (``target_delta`` for a
+    configuration's)."""
     if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must lie in (0, 1), got {delta}; a typical choice is below 1/N for N examples")
+        raise ValueError(f"{name} must lie in (0, 1), got {delta}; a typical choice is below 1/N for N examples")
 
 
-def validate_epsilon(epsilon: float) -> None:
-    """Raise ``ValueError`` unless ``epsilon > 0``."""
-    if not epsilon > 0.0:
-        raise ValueError(f"epsilon must be positive, got {epsilon}")
+def validate_epsilon(target_epsilon: float) -> None:
+    """Raise ``ValueError`` unless the privacy budget ``target_epsilon > 0``."""
+    if not target_epsilon > 0.0:
+        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}; a typical budget is 1 to 10")
 
 
 class Accountant(ABC):

@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 from lightning_dp.runtime.console import ConsoleFormatter
 from lightning_dp.utils.help_format import HelpFormatter
 from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
-from lightning_dp.utils.naming import did_you_mean
+from lightning_dp.utils.naming import Naming, did_you_mean
 
 #: Exit code of every usage or invalid-value error (as argparse's own).
 USAGE_ERROR = 2
@@ -45,21 +45,34 @@ def guarded(prog: str, run: Callable[[], int]) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose usage errors are one line (no usage block) with exit code 2."""
+    """``argparse.ArgumentParser`` whose usage errors are one line (no usage block) with exit code 2, and whose
+    invalid values are reported under their flags (:meth:`run`).
 
-    def __init__(self, prog: str, description: str | None = None, **kwargs: Any) -> None:
+    Args:
+        aliases: a name the library's messages use -> the flag's name where they differ (``{"target_delta":
+            "delta"}``: ``target_delta`` is reported as ``--delta``).
+    """
+
+    def __init__(
+        self, prog: str, description: str | None = None, aliases: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(prog=prog, description=description, formatter_class=HelpFormatter, **kwargs)
+        self.aliases = aliases or {}
 
     def error(self, message: str) -> NoReturn:
         print(error_line(self.prog, f"{message} (see {self.prog} --help)"), file=sys.stderr)
         raise SystemExit(USAGE_ERROR)
 
     def run(self, argv: list[str], body: Callable[[argparse.Namespace], None]) -> int:
-        """Parse ``argv`` and run ``body(args)`` under :func:`guarded`; return the exit code."""
+        """Parse ``argv`` and run ``body(args)`` under :func:`guarded`; return the exit code. An invalid value's
+        message names options by their flags and writes settings as flags (``--accountant rdp``;
+        :class:`~lightning_dp.utils.naming.Naming`)."""
         args = self.parse_args(argv)
+        flags = [flag for action in self._actions for flag in action.option_strings]
 
         def call() -> int:
-            body(args)
+            with Naming.of_flags(flags, self.aliases).applied():
+                body(args)
             return 0
 
         return guarded(self.prog, call)

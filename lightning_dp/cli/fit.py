@@ -3,15 +3,19 @@
 A bad option becomes a :class:`~lightning_dp.config.errors.ConfigError` naming its full path and the reason
 (``fit.yaml: trainer.strategy.init_args.max_grad_nrom: unknown option; did you mean 'max_grad_norm'?``): jsonargparse's
 errors are read back by :mod:`lightning_dp.cli.jsonargparse_errors`, and a DP strategy's privacy options are checked
-by :class:`~lightning_dp.config.PrivacyConfig` before instantiation. The progress display suits the standard output
-(:func:`choose_progress_display`).
+by :class:`~lightning_dp.config.PrivacyConfig` before instantiation. A misspelt ``class_path`` is reported under that
+key with the closest importable class of the option's type (:func:`close_class_path`). The progress display suits the
+standard output (:func:`choose_progress_display`).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from types import ModuleType
 from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser, Namespace
@@ -73,6 +77,12 @@ class FitCLI(LightningCLI):
             read = read_error(str(error))
             if not read.key:
                 raise
+            if read.missing_class is not None:
+                bases = [_import(base) for base in read.bases]
+                close = close_class_path(read.missing_class, [base for base in bases if isinstance(base, type)])
+                hint = f"; did you mean {close!r}?" if close else f" ({read.reason})"
+                reason = f"cannot import {read.missing_class!r}{hint}"
+                raise ConfigError(read.key, reason, self.argv) from error
             raise ConfigError(read.key, _reason(read, error), self.argv) from error
 
     def before_instantiate_classes(self) -> None:
@@ -163,6 +173,67 @@ def _reason(read: ReadError, error: ArgumentError) -> str:
         keys = subcommand_parser.get_defaults(skip_validation=True).keys() if subcommand_parser else []
         prefix = read.key.removesuffix(name)
     return unknown_option(name, {key.removeprefix(prefix).split(".")[0] for key in keys if key.startswith(prefix)})
+
+
+def close_class_path(class_path: str, bases: Sequence[type]) -> str | None:
+    """The importable class path closest to ``class_path`` (``difflib.get_close_matches``) among the subclasses of
+    ``bases``, or ``None``. From the longest importable module of ``class_path``, each part that is not there is read
+    as the closest name there (a submodule, or at the end a subclass of ``bases``); failing that, the closest among
+    the subclasses of ``bases`` imported so far, by their full path."""
+    parts = class_path.split(".")
+    start = next((i for i in range(len(parts) - 1, 0, -1) if _importable(".".join(parts[:i]))), 0)
+    found: Any = importlib.import_module(".".join(parts[:start])) if start else None
+    path = parts[:start]
+    for position, part in enumerate(parts[start:], start):
+        last = position == len(parts) - 1
+        match = _closest_class(found, part, bases) if last else _closest_module(found, part)
+        if match is None:
+            path = []
+            break
+        path.append(match)
+        found = None if last else importlib.import_module(".".join(path))
+    if path:
+        return ".".join(path)
+    loaded = {f"{cls.__module__}.{cls.__qualname__}" for base in bases for cls in _subclasses(base)}
+    match = difflib.get_close_matches(class_path, sorted(loaded), n=1)
+    return match[0] if match else None
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _closest_module(module: ModuleType | None, name: str) -> str | None:
+    """The submodule of a package (found without importing them) or module attribute closest to ``name``."""
+    if module is None:
+        return None
+    names = {key for key, value in vars(module).items() if isinstance(value, ModuleType)}
+    names.update(info.name for info in pkgutil.iter_modules(getattr(module, "__path__", [])))
+    match = difflib.get_close_matches(name, sorted(names), n=1)
+    return match[0] if match else None
+
+
+def _closest_class(module: ModuleType | None, name: str, bases: Sequence[type]) -> str | None:
+    """The public name of ``module`` closest to ``name`` that is a subclass of ``bases`` (any class when no base is
+    known); only the close names are imported (a package may import its names on first use)."""
+    if module is None:
+        return None
+    public = [key for key in dir(module) if not key.startswith("_")]
+    for match in difflib.get_close_matches(name, public, n=5):
+        value = getattr(module, match, None)
+        if isinstance(value, type) and (not bases or issubclass(value, tuple(bases))):
+            return match
+    return None
+
+
+def _subclasses(base: type) -> Iterable[type]:
+    for cls in base.__subclasses__():
+        yield cls
+        yield from _subclasses(cls)
 
 
 def _import(class_path: str) -> Any:

@@ -322,7 +322,7 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def calibrate_main(argv: list[str]) -> int:
     """``lightning-dp calibrate``: noise parameters that reach ``--target-epsilon`` at ``--delta``."""
-    parser = Parser("lightning-dp calibrate", description=calibrate_main.__doc__)
+    parser = Parser("lightning-dp calibrate", description=calibrate_main.__doc__, aliases={"target_delta": "delta"})
     _common_arguments(parser)
     parser.add_argument("--target-epsilon", type=float, required=True, help="target epsilon > 0")
     parser.add_argument(

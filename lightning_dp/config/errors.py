@@ -1,6 +1,11 @@
 """One readable line for a bad option in a config file or on the command line: ``FILE: KEY: REASON`` or ``--FLAG:
 REASON`` (:class:`ConfigError`, printed by :func:`lightning_dp.cli.args.guarded` with exit status 2). Validators mark
 an error about one option with :func:`checking`.
+
+Validation messages name an option by its :class:`~lightning_dp.config.PrivacyConfig` field (``max_grad_norm``) and
+write a setting in Python syntax (``accountant='rdp'``). An entry point whose user names or writes options otherwise
+(HF's ``PrivacyArguments``, a command line) holds one :class:`~lightning_dp.utils.naming.Naming` and validates under
+its ``applied()``, so each message it raises names the user's argument as the user gave it.
 """
 
 from __future__ import annotations

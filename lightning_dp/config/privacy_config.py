@@ -291,15 +291,15 @@ class PrivacyConfig:
         validate_momentum(self.momentum_length, self.momentum_beta)
         if self.secure_mode and self.seed is not None:
             raise ValueError(
-                f"secure_mode=True draws every noise sample from the OS CSPRNG, so a seed ({self.seed}) cannot "
-                "apply: remove the seed, or set secure_mode=False for a reproducible experiment"
+                f"secure_mode=True draws every noise sample from the OS CSPRNG, so seed={self.seed} cannot apply: "
+                "remove it, or set secure_mode=False for a reproducible experiment"
             )
         if self.target_epsilon is not None:
             with checking("target_epsilon"):
                 validate_epsilon(self.target_epsilon)
         if self.target_delta is not None:
             with checking("target_delta"):
-                validate_delta(self.target_delta)
+                validate_delta(self.target_delta, "target_delta")
         if self.sample_rate is not None:
             with checking("sample_rate"):
                 validate_sample_rate(self.sample_rate)

@@ -68,11 +68,15 @@ class NoiseSetup:
             )
         if state.auto_clipping is not None and state.auto_clipping not in state.defaults_applied:
             state.defaults_applied.append(state.auto_clipping)
+        # a noise already fixed beside a target (which excludes a given noise): a checkpoint's, kept on resume
+        kept_for_target = state.mechanism is not None and config.target_epsilon is not None
         if state.mechanism is None:
             state.mechanism = self._calibrate(total_steps)
         if state.accountant is None:
             state.accountant = make_accountant(config.accountant or self.default_accountant())
         self._check_accountant_supports()
+        if kept_for_target:
+            self._report_unused_target(total_steps)
         state.sum_mechanism = self.clip_bound.setup_adaptive() if config.adaptive_clipping else state.mechanism
 
     def default_accountant(self) -> str:
@@ -118,6 +122,29 @@ class NoiseSetup:
             )
         state.noise_origin = f"calibrated for epsilon={config.target_epsilon:.4g} over {total_steps} steps"
         return mechanism
+
+    def _report_unused_target(self, total_steps: int | None) -> None:
+        """Say in the noise's origin (the start-up block) that a resume kept the checkpoint's noise, so that
+        ``target_epsilon`` was not used, and what epsilon the planned steps reach with that noise; warn when it is
+        above the target."""
+        state, target = self.state, self.state.config.target_epsilon
+        assert state.accountant is not None and state.target_delta is not None and target is not None
+        if total_steps is None:
+            reach = "no planned number of steps (PrivacyBudget stops at the target)"
+        else:
+            more = max(0, total_steps - state.steps)
+            epsilon = state.accountant.copy().compose(self.ledger.step_event(), more).get_epsilon(state.target_delta)
+            reach = f"the {total_steps} planned steps reach epsilon={epsilon:.4g}"
+            if epsilon > target:
+                log.warning(
+                    "Resumed with the checkpoint's noise, calibrated for its own plan: the %d planned steps reach "
+                    "epsilon=%.4g, above target_epsilon=%g. Plan fewer steps, or add PrivacyBudget to stop at the "
+                    "target",
+                    total_steps,
+                    epsilon,
+                    target,
+                )
+        state.noise_origin = f"{state.noise_origin}; target_epsilon={target:g} not used, {reach}"
 
     def _check_accountant_supports(self) -> None:
         state = self.state

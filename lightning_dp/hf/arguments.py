@@ -19,8 +19,12 @@ from typing import Any, Literal
 from lightning_dp.config import HF_NAMES, PrivacyConfig, option_docs
 from lightning_dp.config.errors import checking
 from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.utils.naming import Naming
 
 PER_EXAMPLE_REDUCTIONS = ("mean", "sum")
+
+#: how the errors of a configuration built from ``PrivacyArguments`` name its options: by their HF names.
+HF_NAMING = Naming(HF_NAMES)
 
 #: options whose HF type differs from the configuration's: a mechanism instance cannot be parsed from the command
 #: line, and a dict or a list of groups may come as JSON text. ``HfArgumentParser`` parses a union holding ``str``
@@ -109,8 +113,10 @@ class _PrivacyArgumentsBehaviour:
         self.to_config()  # validates every privacy argument
 
     def to_config(self) -> PrivacyConfig:
-        """The :class:`~lightning_dp.config.PrivacyConfig` these arguments describe. Raises ``ValueError`` as it."""
-        return PrivacyConfig(**{name: getattr(self, HF_NAMES.get(name, name)) for name in _OPTION_NAMES})
+        """The :class:`~lightning_dp.config.PrivacyConfig` these arguments describe. Raises ``ValueError`` as it, naming
+        the options by their HF names (:data:`HF_NAMING`)."""
+        with HF_NAMING.applied():
+            return PrivacyConfig(**{name: getattr(self, HF_NAMES.get(name, name)) for name in _OPTION_NAMES})
 
     def make_privacy_engine(self) -> PrivacyEngine:
         """A fresh :class:`PrivacyEngine` for these arguments. Raises ``ValueError`` as :meth:`to_config`."""

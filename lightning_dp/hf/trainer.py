@@ -41,7 +41,7 @@ from lightning_dp.engine.grad_scaler import hand_to_grad_scaler, scale_clipper_b
 from lightning_dp.engine.physical_batches import physical_batches, run_physical_batches
 from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
-from lightning_dp.hf.arguments import PrivacyArguments
+from lightning_dp.hf.arguments import HF_NAMING, PrivacyArguments
 from lightning_dp.hf.augmentation_copies import check_augmentation, mean_loss_over_copies
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME, PrivacyBudget, PrivacyStateCallback, load_privacy_state
 from lightning_dp.hf.losses import head_per_example_loss
@@ -118,7 +118,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         augment = type(self).augment_copies is not DPTrainer.augment_copies
         check_augmentation(engine.config.augmentation_multiplicity, augment)
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
-        self.privacy_engine.attach(self.model)
+        with HF_NAMING.applied():  # a refused option is named as in PrivacyArguments
+            self.privacy_engine.attach(self.model)
         self.privacy_engine.detach()
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
 
@@ -179,7 +180,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
-            load_privacy_state(engine, resume_from_checkpoint)
+            with HF_NAMING.applied():  # a checkpoint that does not match names the PrivacyArguments that differ
+                load_privacy_state(engine, resume_from_checkpoint)
         self._distributed = distributed_context()
         self._log_filter = rank_zero_logging(self._distributed, self._log_filter)  # kept after train()
         if self._distributed is not None:
@@ -191,7 +193,8 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, PrivacyBudget):
                 callback.bind(engine)
-        engine.start_run(self.model, self._distributed)
+        with HF_NAMING.applied():
+            engine.start_run(self.model, self._distributed)
         if self.args.fp16 or accelerator.mixed_precision == "fp16":
             scale_clipper_backward(engine)
         try:

@@ -93,7 +93,7 @@ def check_positive(name: str, value: float, hint: str = "") -> float:
 def validate_max_grad_norm(max_grad_norm: float) -> None:
     """Raise ``ValueError`` unless the clipping bound is positive and finite."""
     if not (max_grad_norm > 0 and max_grad_norm < float("inf")):
-        raise ValueError(f"max_grad_norm must be a positive finite number, got {max_grad_norm}")
+        raise ValueError(f"max_grad_norm must be a positive finite number, got {max_grad_norm}; e.g. 1.0 (the default)")
 
 
 class NoiseMechanism(ABC):

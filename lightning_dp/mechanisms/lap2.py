@@ -34,7 +34,9 @@ class Lap2Mechanism(IidLaplaceNoise):
     needs_num_params = True
     comparison_accountants = ("lap2-paper",)
     clip_search: ClassVar[str | None] = "LAP2 Alg. 1"  # LaplaceAdvancedMechanism sets None
-    scale_hint = "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it."
+    scale_hint = (
+        "Use calibrate(noise={name!r}, ...) or search_lap2(...) to pick it (lightning-dp calibrate --noise {name})."
+    )
 
     def step_event(self, sample_rate: float, num_params: int) -> PoissonSampledEvent:
         """``PoissonSampledEvent(q, Lap2Event(b, C, num_params))`` over the ``num_params`` noised coordinates."""

@@ -82,7 +82,10 @@ class LaplaceMechanism(IidLaplaceNoise):
     name = "laplace"
     clip_norm = 1
     default_accountant = "basic"
-    scale_hint = "Pick b = max_grad_norm / eps_step, or calibrate(noise='laplace', ...)."
+    scale_hint = (
+        "Pick b = max_grad_norm / eps_step, or calibrate(noise='laplace', ...) (lightning-dp calibrate --noise "
+        "laplace)."
+    )
 
     @classmethod
     def calibration_start(cls, problem: CalibrationProblem) -> tuple[float, float]:

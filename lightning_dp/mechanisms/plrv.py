@@ -43,7 +43,10 @@ class PlrvMechanism(NoiseMechanism):
 
     def __init__(self, gamma_shape: float, gamma_scale: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)
-        hint = "Use calibrate(noise='plrv', ...) or search_plrv(...) to pick (k, theta)."
+        hint = (
+            "Use calibrate(noise='plrv', ...) or search_plrv(...) to pick (k, theta) (lightning-dp calibrate --noise "
+            "plrv)."
+        )
         self.gamma_shape = check_positive("gamma_shape", gamma_shape, hint)
         if self.gamma_shape <= 1.0:
             raise ValueError(

@@ -40,6 +40,7 @@ import lightning_dp.data.poisson as poisson_module
 from lightning_dp import DPDDPStrategy, DPModelParallelStrategy, DPStrategy, PrivacyEngine
 from lightning_dp.accounting.calibration_helpers import epsilon_for
 from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
+from lightning_dp.config import HF_NAMES
 from lightning_dp.engine.adapter import TrainerAdapter
 from lightning_dp.engine.startup import HEADER
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
@@ -55,6 +56,8 @@ ADAPTERS = ("DPStrategy", "DPDDPStrategy", "DPModelParallelStrategy", "DPTrainer
 EXAMPLES, BATCH, NOISE, CLIP, DELTA, LR = 64, 8, 1.0, 1.0, 1e-3, 0.1
 #: the privacy options every adapter gets (DPTrainer's under their PrivacyArguments names).
 OPTIONS = dict(noise_multiplier=NOISE, max_grad_norm=CLIP, target_delta=DELTA, accountant="rdp", seed=0)
+#: OPTIONS with another clipping bound.
+HALF_BOUND = {**OPTIONS, "max_grad_norm": CLIP / 2}
 TRAINABLE_TENSORS = 4
 log = logging.getLogger("lightning_dp")
 
@@ -75,12 +78,12 @@ def lightning_module(adapter: str) -> TinyRegressor:
     return module_class(lr=LR, batch_size=BATCH, data=regression_data(n=EXAMPLES))
 
 
-def strategy(adapter: str) -> Any:
+def strategy(adapter: str, options: dict[str, Any] = OPTIONS) -> Any:
     if adapter == "DPStrategy":
-        return DPStrategy(**OPTIONS)
+        return DPStrategy(**options)
     if adapter == "DPDDPStrategy":
-        return DPDDPStrategy(process_group_backend="gloo", **OPTIONS)
-    return DPModelParallelStrategy(process_group_backend="gloo", **OPTIONS)
+        return DPDDPStrategy(process_group_backend="gloo", **options)
+    return DPModelParallelStrategy(process_group_backend="gloo", **options)
 
 
 class Regressor(nn.Module):
@@ -111,10 +114,8 @@ class RegressionTrainer(DPTrainer):
         return ((model(inputs["x"]) - inputs["labels"]) ** 2).squeeze(-1)
 
 
-def hf_trainer(tmp_path: Path, **args: Any) -> RegressionTrainer:
-    privacy = PrivacyArguments(
-        noise_multiplier=NOISE, per_sample_max_grad_norm=CLIP, target_delta=DELTA, accountant="rdp", dp_seed=0
-    )
+def hf_trainer(tmp_path: Path, options: dict[str, Any] = OPTIONS, **args: Any) -> RegressionTrainer:
+    privacy = PrivacyArguments(**{HF_NAMES.get(name, name): value for name, value in options.items()})
     arguments = training_args(tmp_path, per_device_train_batch_size=BATCH, learning_rate=LR, optim="sgd", **args)
     return RegressionTrainer(model=Regressor(), args=arguments, train_dataset=RegressionData(), privacy_args=privacy)
 
@@ -219,17 +220,26 @@ def _instrumented(run: Any) -> tuple[list[tuple], int, list[str], Any]:
     return events, draws[0], blocks, result
 
 
-def fit(adapter: str, tmp_path: Path, *, accumulation: int = 1, steps: int | None = None, resume: Any = None) -> Fit:
-    """One fit of ``adapter``: one epoch (``steps=None``) or ``steps`` steps, resumed from ``resume`` (a
-    checkpoint path) when given; with ``steps`` a checkpoint is written at the end (returned in ``adapter``'s
-    ``checkpoint`` attribute of the result's ``adapter`` for Lightning, the Trainer's folder for DPTrainer)."""
+def fit(
+    adapter: str,
+    tmp_path: Path,
+    *,
+    accumulation: int = 1,
+    steps: int | None = None,
+    resume: Any = None,
+    options: dict[str, Any] = OPTIONS,
+) -> Fit:
+    """One fit of ``adapter`` with the privacy ``options``: one epoch (``steps=None``) or ``steps`` steps, resumed
+    from ``resume`` (a checkpoint path) when given; with ``steps`` a checkpoint is written at the end (returned in
+    ``adapter``'s ``checkpoint`` attribute of the result's ``adapter`` for Lightning, the Trainer's folder for
+    DPTrainer)."""
     if adapter == "DPTrainer":
         length = dict(max_steps=steps) if steps else dict(max_steps=-1, num_train_epochs=1)
         saving = dict(save_strategy="steps", save_steps=steps) if steps else {}
-        trainer = hf_trainer(tmp_path, gradient_accumulation_steps=accumulation, **length, **saving)
+        trainer = hf_trainer(tmp_path, options, gradient_accumulation_steps=accumulation, **length, **saving)
         events, draws, blocks, _ = _instrumented(lambda: trainer.train(resume_from_checkpoint=resume))
         return Fit(trainer, trainer.model, events, draws, blocks)
-    module, dp = lightning_module(adapter), strategy(adapter)
+    module, dp = lightning_module(adapter), strategy(adapter, options)
     length = dict(max_steps=steps) if steps else dict(max_epochs=1)
     trainer = make_trainer(dp, devices=1, accumulate_grad_batches=accumulation, **length)
 
@@ -369,6 +379,31 @@ def test_epsilon_continues_after_resume(adapter, tmp_path):
     assert engine.steps == 4 and len(steps_of(resumed.events)) == 2  # 2 restored, 2 taken
     assert resumed.adapter.get_epsilon() == pytest.approx(reference_epsilon(BATCH / EXAMPLES, 4), rel=1e-12)
     assert len(resumed.blocks) == 1 and "2 taken before this run (restored from the checkpoint)" in resumed.blocks[0]
+
+
+def test_dp_trainer_s_resume_refusal_names_its_privacy_arguments(tmp_path):
+    fit("DPTrainer", tmp_path, steps=2)
+    with pytest.raises(ValueError, match=r"trained with per_sample_max_grad_norm=1.0, this run uses 0.5; resume with"):
+        fit("DPTrainer", tmp_path / "resumed", steps=4, resume=str(tmp_path / "checkpoint-2"), options=HALF_BOUND)
+
+
+def test_resume_with_a_target_says_it_keeps_the_checkpoint_s_noise_and_where_the_plan_ends(adapter, tmp_path, caplog):
+    """The noise was calibrated for the first run's 2 planned steps; resumed for 4 with the same target_epsilon, the
+    start-up block says the target was not used and what the 4 steps reach, which the run then reports."""
+    options = {**{k: v for k, v in OPTIONS.items() if k != "noise_multiplier"}, "target_epsilon": 3.0}
+    first = fit(adapter, tmp_path, steps=2, options=options)
+    checkpoint = tmp_path / ("checkpoint-2" if adapter == "DPTrainer" else "last.ckpt")
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        resumed = fit(adapter, tmp_path / "resumed", steps=4, resume=str(checkpoint), options=options)
+    engine = resumed.adapter.privacy_engine
+    assert engine.mechanism.describe() == first.adapter.privacy_engine.mechanism.describe()
+    reached = resumed.adapter.get_epsilon()
+    assert reached > 3.0 and first.adapter.get_epsilon() <= 3.0
+    assert (
+        f"restored from the checkpoint; target_epsilon=3 not used, the 4 planned steps reach epsilon={reached:.4g}"
+        in (resumed.blocks[0])
+    )
+    assert f"the 4 planned steps reach epsilon={reached:.4g}, above target_epsilon=3" in caplog.text
 
 
 # ------------------------------------------------------------------------------------------ overrides, statically

@@ -75,7 +75,7 @@ def test_missing_noise_parameter_is_a_usage_error(capsys: pytest.CaptureFixture[
 
 def test_invalid_value_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert epsilon_main([*GAUSS, "--max-grad-norm", "-1", "--noise-multiplier", "1"]) == 2
-    assert "max_grad_norm" in capsys.readouterr().err
+    assert "error: --max-grad-norm must be a positive finite number, got -1.0" in capsys.readouterr().err
 
 
 def test_search_only_for_lap2_and_plrv(capsys: pytest.CaptureFixture[str]) -> None:

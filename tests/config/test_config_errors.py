@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_dp.cli.fit import check_privacy_options
+from lightning_dp.cli.fit import check_privacy_options, close_class_path
 from lightning_dp.cli.jsonargparse_errors import read_error
 from lightning_dp.cli.main import main
 from lightning_dp.config import PrivacyConfig
 from lightning_dp.config.errors import ConfigError, checking, invalid_option, locate, option_reason, unknown_option
 from lightning_dp.lightning import DPStrategy
+from lightning_dp.utils.naming import Naming
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ MISTAKES = [
     ("unknown key", "max_grad_nrom", 2.0, "unknown option; did you mean 'max_grad_norm'?", None),
     ("wrong type", "max_grad_norm", "abc", "expected float or list, got abc", "must be a number, or one number per"),
     ("out of range", "max_grad_norm", -1.0, "must be a positive finite number, got -1.0", None),
-    ("out of range", "target_delta", 2.0, "delta must lie in (0, 1), got 2.0; a typical choice is below 1/N", None),
+    ("out of range", "target_delta", 2.0, "must lie in (0, 1), got 2.0; a typical choice is below 1/N", None),
     ("misspelt choice", "noise", "gausian", "Unknown noise 'gausian' (did you mean 'gaussian'?); choose one of", None),
     ("misspelt choice", "clipping", "gohst", "must be one of", None),
 ]
@@ -242,3 +243,132 @@ def test_privacy_options_given_as_a_class_are_left_to_its_construction():
     strategy.init_args = Namespace(noise="gausian", target_epsilon=3.0)
     with pytest.raises(ConfigError, match="^trainer.strategy.init_args.noise: Unknown noise"):
         check_privacy_options(Namespace(trainer=Namespace(strategy=strategy)))
+
+
+# ---------------------------------------------------------------------------------- the user's names, per entry point
+def test_naming_renames_names_and_writes_settings_in_the_entry_points_syntax():
+    flags = Naming.of_flags(["--max-grad-norm", "--accountant", "--noise", "--delta"], {"target_delta": "delta"})
+    assert flags.message("max_grad_norm must be positive") == "--max-grad-norm must be positive"
+    assert flags.message("calibrate with accountant='rdp' (cheap)") == "calibrate with --accountant rdp (cheap)"
+    assert flags.message("target_delta must lie in (0, 1)") == "--delta must lie in (0, 1)"
+    # a one-word name alone is an English word; a call's keyword and a dotted path keep the callee's name
+    assert flags.message("such little noise, and noise='laplace'") == "such little noise, and --noise laplace"
+    assert flags.message("use DPStrategy(max_grad_norm=1) or args.max_grad_norm") == (
+        "use DPStrategy(max_grad_norm=1) or args.max_grad_norm"
+    )
+    python = Naming({"max_grad_norm": "per_sample_max_grad_norm", "seed": "dp_seed"})
+    assert python.message("max_grad_norm=[0.5, 0.5] is a list, seed=3") == (
+        "per_sample_max_grad_norm=[0.5, 0.5] is a list, dp_seed=3"
+    )
+    assert python.message("a seed, max_grad_norms, TrainingArguments.max_grad_norm") == (
+        "a seed, max_grad_norms, TrainingArguments.max_grad_norm"
+    )
+
+
+def test_naming_keeps_the_errors_type_and_mark():
+    with pytest.raises(ValueError) as raised, Naming({"max_grad_norm": "bound"}).applied(), checking("max_grad_norm"):
+        raise ValueError("max_grad_norm must be positive")
+    assert str(raised.value) == "bound must be positive" and invalid_option(raised.value) == "max_grad_norm"
+
+
+#: (PrivacyConfig arguments, what PrivacyConfig's error starts with, PrivacyArguments' HF names of the arguments,
+#: what its error starts with): each names the argument the user gave, with a typical value where one helps.
+USER_NAMES = [
+    (
+        {"max_grad_norm": -1.0, "noise_multiplier": 1.0},
+        "max_grad_norm must be a positive finite number, got -1.0; e.g. 1.0",
+        {"per_sample_max_grad_norm": -1.0, "noise_multiplier": 1.0},
+        "per_sample_max_grad_norm must be a positive finite number, got -1.0; e.g. 1.0",
+    ),
+    (
+        {"target_epsilon": 0.0},
+        "target_epsilon must be positive, got 0.0; a typical budget is 1 to 10",
+        {"target_epsilon": 0.0},
+        "target_epsilon must be positive, got 0.0; a typical budget is 1 to 10",
+    ),
+    (
+        {"target_epsilon": 3.0, "target_delta": 2.0},
+        "target_delta must lie in (0, 1), got 2.0; a typical choice is below 1/N",
+        {"target_epsilon": 3.0, "target_delta": 2.0},
+        "target_delta must lie in (0, 1), got 2.0; a typical choice is below 1/N",
+    ),
+    (
+        {"noise_multiplier": 1.0, "seed": 3, "secure_mode": True},
+        "secure_mode=True draws every noise sample from the OS CSPRNG, so seed=3 cannot apply",
+        {"noise_multiplier": 1.0, "dp_seed": 3, "secure_mode": True},
+        "secure_mode=True draws every noise sample from the OS CSPRNG, so dp_seed=3 cannot apply",
+    ),
+    (
+        {"max_grad_norm": [0.5, 0.5], "noise_multiplier": 1.0},
+        "max_grad_norm=[0.5, 0.5] is a list (one bound per group), but clipping_groups is not set",
+        {"per_sample_max_grad_norm": [0.5, 0.5], "noise_multiplier": 1.0},
+        "per_sample_max_grad_norm=[0.5, 0.5] is a list (one bound per group), but clipping_groups is not set",
+    ),
+]
+
+
+@pytest.mark.parametrize(("config", "config_error", "hf", "hf_error"), USER_NAMES)
+def test_privacy_config_and_privacy_arguments_name_the_argument_the_user_gave(config, config_error, hf, hf_error):
+    from lightning_dp.hf import PrivacyArguments
+
+    with pytest.raises(ValueError) as raised:
+        PrivacyConfig(**config)
+    assert str(raised.value).startswith(config_error), raised.value
+    with pytest.raises(ValueError) as raised:
+        PrivacyArguments(**hf)
+    assert str(raised.value).startswith(hf_error), raised.value
+
+
+# ------------------------------------------------------------------------------------------------- class paths
+@pytest.mark.parametrize(
+    ("path", "typo", "key", "suggestion"),
+    [
+        (("trainer", "strategy"), "lightning_dp.DPStrateg", "trainer.strategy.class_path", "lightning_dp.DPStrategy"),
+        (("model",), "lightning_dp.tasks.digits.DigitCNN", "model.class_path", "lightning_dp.tasks.digits.DigitsCNN"),
+        (
+            ("data",),
+            "lightning_dp.tasks.digit.DigitsDataModule",
+            "data.class_path",
+            "lightning_dp.tasks.digits.DigitsDataModule",
+        ),
+        (("trainer", "callbacks", 0), "lightning_dp.PrivacyAcountantCallback", "trainer.callbacks", None),
+    ],
+    ids=["strategy", "model", "module of data", "item of callbacks"],
+)
+def test_fit_yaml_misspelt_class_path_is_reported_under_its_key_with_the_closest_class(
+    path, typo, key, suggestion, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load((ROOT / "configs" / "digits_cnn.yaml").read_text())
+    holder = config
+    for part in path:
+        holder = holder[part]
+    suggestion = suggestion or holder["class_path"]
+    holder["class_path"] = typo
+    Path("bad.yaml").write_text(yaml.safe_dump(config))
+    line = one_error_line(run_main(["fit", "--config", "bad.yaml"]), capsys.readouterr())
+    assert line == f"lightning-dp fit: error: bad.yaml: {key}: cannot import {typo!r}; did you mean {suggestion!r}?"
+
+
+def test_fit_flag_misspelt_class_path_is_reported_under_the_flag(capsys):
+    config = str(ROOT / "configs" / "digits_cnn.yaml")
+    line = one_error_line(
+        run_main(["fit", "--config", config, "--model", "lightning_dp.tasks.digits.DigitCNN"]), capsys.readouterr()
+    )
+    assert line == (
+        "lightning-dp fit: error: --model: cannot import 'lightning_dp.tasks.digits.DigitCNN'; did you mean "
+        "'lightning_dp.tasks.digits.DigitsCNN'?"
+    )
+
+
+def test_close_class_path_keeps_to_the_option_s_type():
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import Strategy
+
+    assert close_class_path("lightning_dp.DPStrateg", [Strategy]) == "lightning_dp.DPStrategy"
+    assert close_class_path("lightning_dp.DPStrateg", [Callback]) is None  # no callback is named close to it
+    assert close_class_path("lightning_dp.Frobnicate", [Strategy]) is None
+    # no module of the path imports: the closest of the type's subclasses imported so far, by full path
+    assert close_class_path("lightning_dpp.lightning.strategy.DPStrategy", [Strategy]) == (
+        "lightning_dp.lightning.strategy.DPStrategy"
+    )
