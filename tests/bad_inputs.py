@@ -410,6 +410,30 @@ CASES: list[BadInput] = [
         _strategy(noise="laplace", noise_params={"noise_scale": 1.0}, clipping_groups="per_layer"),
         "clipping_groups needs an l2 mechanism",
     ),
+    BadInput(
+        "DPStrategy",
+        "clipping_fn='auto'",
+        _strategy(target_epsilon=1.0, clipping_fn="auto"),
+        "clipping_fn must be one of",
+    ),
+    BadInput(
+        "DPStrategy",
+        "automatic_clipping_gamma=-0.01",
+        _strategy(target_epsilon=1.0, clipping_fn="automatic", automatic_clipping_gamma=-0.01),
+        "automatic_clipping_gamma must be a finite number >= 0",
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping_fn='automatic', clipping='hutch'",
+        _strategy(target_epsilon=1.0, clipping_fn="automatic", clipping="hutch"),
+        "clipping_fn='automatic' needs an exact clipping engine",
+    ),
+    BadInput(
+        "DPStrategy",
+        "clipping_fn='automatic', target_unclipped_quantile=0.5",
+        _strategy(target_epsilon=1.0, clipping_fn="automatic", target_unclipped_quantile=0.5),
+        "remove target_unclipped_quantile or use clipping_fn='abadi'",
+    ),
     BadInput("DPStrategy", "noise_multiplier=-1", _strategy(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
     BadInput(
         "DPStrategy",

@@ -194,10 +194,14 @@ def group_norms(grads: dict[str, torch.Tensor], group_of: dict[str, int]) -> tor
     )
 
 
-def expected_sum(grads, group_of, bounds, keep=None) -> dict[str, torch.Tensor]:
-    """``sum_i c_gi g_i`` per parameter, ``c_gi = min(1, C_g / (n_gi + 1e-6))`` (zero for a sample not kept)."""
+def expected_sum(grads, group_of, bounds, keep=None, gamma: float | None = None) -> dict[str, torch.Tensor]:
+    """``sum_i c_gi g_i`` per parameter, ``c_gi = min(1, C_g / (n_gi + 1e-6))``, or with ``gamma`` automatic clipping's
+    ``C_g / (n_gi + gamma)`` (zero for a sample not kept)."""
     norms = group_norms(grads, group_of)
-    factors = torch.stack([(bound / (n + 1e-6)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
+    if gamma is None:
+        factors = torch.stack([(bound / (n + 1e-6)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
+    else:
+        factors = torch.stack([bound / (n + gamma) for bound, n in zip(bounds, norms, strict=True)])
     if keep is not None:
         factors = factors * keep
     return {n: torch.einsum("b,b...->...", factors[group_of[n]], g.nan_to_num()) for n, g in grads.items()}

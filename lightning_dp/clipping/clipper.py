@@ -1,7 +1,8 @@
 """Per-sample gradient clipping of a module through layer hooks (docs/design.md sections 2.2 and 4).
 
 Per-sample loss ``[B]`` -> one backward pass to the hooked layers' output gradients -> per-sample norms ``n_i`` ->
-clip factors ``c_i = min(1, C / (nu_i + 1e-6))`` (``nu_i >= n_i``, section 4.10) -> the clipped sum
+clip factors ``c_i = min(1, C / (nu_i + 1e-6))`` (``nu_i >= n_i``, section 4.10; automatic clipping: ``C / (nu_i +
+gamma)``, section 4.11) -> the clipped sum
 ``sum_i c_i grad(loss_i)`` added into ``p.grad`` by book-keeping (Abadi et al. 2016, Algorithm 1; Bu et al. 2023,
 Section 3; section 4.4). Group-wise clipping: section 4.7; per-sample momentum: section 7; augmentation
 multiplicity: section 4.8; the sum check: section 9.3. The class's bases: :mod:`~.sample_norms` (norms and the sum
@@ -11,13 +12,19 @@ check), :mod:`~.clipped_sum` (the clipped sum), :mod:`~.past_iterates` (momentum
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from copy import copy
 
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from lightning_dp.clipping.clip_functions import (
+    DEFAULT_AUTOMATIC_CLIPPING_GAMMA,
+    clip_factors,
+    validate_automatic_clipping_gamma,
+    validate_clipping_fn,
+)
 from lightning_dp.clipping.clipped_sum import ClippedSumMixin, output_gradients
 from lightning_dp.clipping.engines.base import ClippingEngine, make_clipping_engine
 from lightning_dp.clipping.groups import (
@@ -46,20 +53,12 @@ from lightning_dp.runtime.sharding import reshard_all, uses_fsdp
 
 log = logging.getLogger("lightning_dp")
 
-_EPS = 1e-6
 #: Default period (in clipped batches) of the sum check.
 DEFAULT_SUM_CHECK_EVERY = 100
 
 _LOSS_SHAPE_MESSAGE = (
     "training_step must return a per-sample loss of shape [B] (use reduction='none' and reduce over tokens per sample)"
 )
-
-
-def clip_factors(norms: torch.Tensor, bounds: Sequence[float]) -> torch.Tensor:
-    """Clip factors ``c_gi = min(1, C_g / (n_gi + 1e-6))`` ``[G, B]`` of the norms ``[G, B]`` and the bounds ``C_g``
-    (Abadi et al. 2016, Algorithm 1; groups: He et al. 2022, Section 3).
-    """
-    return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])
 
 
 class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, SampleNormsMixin):
@@ -87,13 +86,18 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             required for ``hutch``/``hutchpp``.
         augmentation_multiplicity: ``K >= 1`` rows per example (De et al. 2022, Section 3.2;
             :mod:`~lightning_dp.clipping.multiplicity`); default 1.
+        clipping_fn: the clip function, ``"abadi"`` (default, ``min(1, C / n)``) or ``"automatic"`` (``C / (n +
+            gamma)``, Bu et al. 2023; :mod:`~.clip_functions`); the sensitivity is ``C`` (per group ``C_g``) for both.
+        automatic_clipping_gamma: ``gamma >= 0`` of automatic clipping, in gradient-norm units (default 0.01; 0:
+            normalised SGD, Das et al. 2023).
 
     Raises:
         ValueError: unknown engine; ``norm`` not in {1, 2} or ``norm=1`` with an engine other than ``flat``; a bound
             not positive and finite; ``sum_check_every < 1``; a randomized engine without ``generator_for``; with
             groups, ``norm=1``, a randomized engine, groups not covering every trainable parameter once or bounds of
             the wrong length; a list ``max_grad_norm`` without groups; ``augmentation_multiplicity`` not an integer
-            >= 1; swapped modules on an FSDP2-sharded model.
+            >= 1; swapped modules on an FSDP2-sharded model; an invalid clip function or gamma, or ``"automatic"`` with
+            a randomized engine (:mod:`~.clip_functions`).
         UnsupportedModuleError: BatchNorm, another norm layer with ``track_running_stats=True``, or a trainable
             parameter not covered by a registered layer (:mod:`lightning_dp.clipping.layers.registry`).
     """
@@ -110,6 +114,8 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         generator_for: Callable[[torch.device], torch.Generator] | None = None,
         clipping_groups: GroupsSpec = None,
         augmentation_multiplicity: int = 1,
+        clipping_fn: str = "abadi",
+        automatic_clipping_gamma: float = DEFAULT_AUTOMATIC_CLIPPING_GAMMA,
     ) -> None:
         validate_multiplicity(augmentation_multiplicity)
         if norm not in (1, 2):
@@ -118,6 +124,8 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         if norm == 1 and not self._engine.supports_l1:
             raise ValueError(f"norm=1 (l1 clipping) requires clipping='flat', got clipping={clipping!r}")
         validate_bounds(max_grad_norm)
+        validate_clipping_fn(clipping_fn, randomized=self._engine.randomized)
+        validate_automatic_clipping_gamma(automatic_clipping_gamma)
         validate_clipping_groups(clipping_groups, max_grad_norm)
         if clipping_groups is not None:
             check_grouped_clipping(norm=norm, engine=clipping, randomized=self._engine.randomized)
@@ -136,6 +144,9 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         #: ``[G, B]`` the per-group norms of the last clipped batch with groups (``None`` without).
         self.last_group_norms: torch.Tensor | None = None
         self.norm = norm
+        #: the clip function (:data:`~.clip_functions.CLIPPING_FNS`) and automatic clipping's gamma.
+        self.clipping_fn = clipping_fn
+        self.automatic_clipping_gamma = float(automatic_clipping_gamma)
         #: ``K``, the rows per example of every hooked layer (augmentation multiplicity; 1: one row per example).
         self.augmentation_multiplicity = int(augmentation_multiplicity)
         self.sum_check_every = sum_check_every
@@ -347,7 +358,8 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             if kept is not None:  # accumulate
                 bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
                 # a dropped sample gets factor 0, non-finite entries are zeroed: always, so that no step reads keep
-                factors = torch.where(keep, clip_factors(bound, self._group_bounds()), 0)  # [G, B]
+                factors = clip_factors(bound, self._group_bounds(), self.clipping_fn, self.automatic_clipping_gamma)
+                factors = torch.where(keep, factors, 0)  # [G, B]
                 with full_precision(per_sample_loss.device):
                     writable = output_gradients(captures + self._past)
                     self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), writable)
@@ -413,7 +425,8 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
     def backward(self, per_sample_loss: torch.Tensor, *, weight: float = 1.0) -> torch.Tensor:
         """Add the clipped sum ``sum_i c_i grad(loss_i)`` into ``p.grad`` (docs/design.md sections 2.2 and 4.4).
 
-        ``c_i = min(1, C / (nu_i + 1e-6))`` (per group with ``clipping_groups``); with past iterates ``grad(loss_i)`` is
+        ``c_i = min(1, C / (nu_i + 1e-6))``, or ``C / (nu_i + gamma)`` with automatic clipping (per group with
+        ``clipping_groups``); with past iterates ``grad(loss_i)`` is
         the per-sample momentum (section 7). ``p.grad`` accumulates over micro-batches; every trainable parameter
         without a ``.grad`` afterwards gets zeros. A sample whose loss or norm is not finite gets factor 0, silently
         (:attr:`dropped_nonfinite`; section 9.2).

@@ -16,6 +16,11 @@ from typing import Any, cast
 from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import AUTO, ENGINES, auto_engine, clipping_choices
+from lightning_dp.clipping.clip_functions import (
+    DEFAULT_AUTOMATIC_CLIPPING_GAMMA,
+    validate_automatic_clipping_gamma,
+    validate_clipping_fn,
+)
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.groups import (
     PER_LAYER,
@@ -230,6 +235,23 @@ class PrivacyConfig:
         "clipping at that bound. l2 mechanisms and exact engines only; not with adaptive clipping.",
         "Group-wise clipping: per_layer, or JSON list of groups of parameter-name patterns (None: flat clipping).",
     )
+    clipping_fn: str = _option(
+        "abadi",
+        "the clip function (:mod:`lightning_dp.clipping.clip_functions`; fastDP's name): ``'abadi'`` (default) "
+        "scales an example's (user's) gradient by ``min(1, C / ||g||)`` (Abadi et al. 2016, Algorithm 1); "
+        "``'automatic'`` by ``C / (||g|| + gamma)`` (Bu et al. 2023, Section 4), every gradient normalised, so "
+        "its scale no longer matters and the learning rate takes the role of ``C`` (``max_grad_norm=1`` is fastDP's "
+        "form). Both keep the sensitivity ``C`` (per group ``C_g``) and the accounting unchanged. Automatic: exact "
+        "engines only, not with adaptive clipping.",
+        "Clip function: abadi (min(1, C/||g||), default) or automatic (C/(||g||+gamma), Bu et al. 2023).",
+    )
+    automatic_clipping_gamma: float = _option(
+        DEFAULT_AUTOMATIC_CLIPPING_GAMMA,
+        "gamma >= 0 of ``clipping_fn='automatic'``, in gradient-norm units: the stability constant of Bu et al. "
+        "2023 (0.01, fastDP's default); 0 is normalised SGD (Das et al. 2023), where a zero gradient gets factor "
+        "0. Ignored by ``'abadi'``.",
+        "Automatic clipping: stability constant gamma >= 0 (0.01; 0: normalised SGD).",
+    )
     augmentation_multiplicity: int = _option(
         1,
         "augmentation multiplicity (De et al. 2022, Section 3.2; :mod:`lightning_dp.clipping.multiplicity`): ``K "
@@ -328,6 +350,16 @@ class PrivacyConfig:
                 if str(self.clipping).replace("-", "_").lower() == PER_LAYER:
                     hint = f" (per-layer clipping is clipping_groups='{PER_LAYER}', with an exact engine)"
                 raise ValueError(f"clipping must be one of {choices}, got {self.clipping!r}{hint}")
+        with checking("automatic_clipping_gamma"):
+            validate_automatic_clipping_gamma(self.automatic_clipping_gamma)
+        with checking("clipping_fn"):
+            validate_clipping_fn(self.clipping_fn, randomized=self.randomized_clipping)
+            if self.clipping_fn == "automatic" and self.adaptive_clipping:
+                raise ValueError(
+                    "clipping_fn='automatic' scales every gradient to a norm just below C, so adaptive clipping's "
+                    "quantile of unclipped examples has nothing to track: remove target_unclipped_quantile or use "
+                    "clipping_fn='abadi'"
+                )
         if self.randomized_clipping and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
             raise ValueError(
                 f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "

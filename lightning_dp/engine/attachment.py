@@ -47,6 +47,8 @@ class ClippingAttachment:
             projection_dim=config.projection_dim,
             generator_for=state.randomness.projection_generator,
             augmentation_multiplicity=state.rows_per_unit,
+            clipping_fn=config.clipping_fn,
+            automatic_clipping_gamma=config.automatic_clipping_gamma,
         )
         state.clipper = clipper
         state.clipping_groups = clipper.groups

@@ -84,6 +84,9 @@ class StartupBlock:
             _row("accountant", state.accountant.name),
             _row("clipping", state.clipping),
         ]
+        if state.config.clipping_fn == "automatic":
+            gamma = state.config.automatic_clipping_gamma
+            lines.append(_row("clip function", f"automatic: C / (||g|| + {gamma:g}) (Bu et al. 2023), sensitivity C"))
         if state.config.max_physical_batch_size is not None:
             lines.insert(4, _row("physical batch cap", self._physical_batches(batch_size, micro_batches)))
         if state.clipping_groups is not None:

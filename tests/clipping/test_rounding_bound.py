@@ -71,13 +71,20 @@ def test_rounded_norm_bound_formula_and_non_finite_scales() -> None:
     torch.testing.assert_close(l1[0, :2], torch.tensor([4 + 18 * r, 2e6 * r]))
 
 
+#: the standard factor, and automatic clipping at gamma = 0 (docs/design.md section 4.11), whose factors are largest
+CLIP_FUNCTIONS = {"abadi": {}, "automatic": {"clipping_fn": "automatic", "automatic_clipping_gamma": 0.0}}
+
+
+@pytest.mark.parametrize("clip_function", sorted(CLIP_FUNCTIONS))
 @pytest.mark.parametrize("clipping", ["flat", "ghost", "fgc", "mixed"])
 @pytest.mark.parametrize("magnitude", [1e4, 1e8])
-def test_cancelling_tokens_move_the_float32_release_by_at_most_c(magnitude: float, clipping: str) -> None:
+def test_cancelling_tokens_move_the_float32_release_by_at_most_c(
+    magnitude: float, clipping: str, clip_function: str
+) -> None:
     """Two tokens ``m (u + rho e_1)`` and ``m (u + rho e_2)`` with output gradients ``v`` and ``-v`` (``rho = 1e2 /
     m``): the true gradient is ``O(100)``, each token's ``O(m)``. Ghost norms subtract squares of order ``m^2`` and
     reported a norm near 0 for it, and every engine's sum rounds it otherwise than its norm; the release moved by up
-    to 1e7 ``C``. With the rounding bound it moves by at most ``C``."""
+    to 1e7 ``C``. With the rounding bound it moves by at most ``C``, with either clip function."""
     gen = torch.Generator().manual_seed(3)
     layer = nn.Linear(P, Q, bias=False)
     ordinary = torch.randn(4, 2, P, generator=gen)
@@ -89,7 +96,7 @@ def test_cancelling_tokens_move_the_float32_release_by_at_most_c(magnitude: floa
     sums = []
     for x in (ordinary, torch.cat([ordinary, crafted[None]])):
         model = copy.deepcopy(layer)
-        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0)
+        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=1.0, **CLIP_FUNCTIONS[clip_function])
         loss = ((model(x) * direction).sum(-1) * token_weights[: x.shape[0]]).sum(1)  # linear in the output
         clipper.backward(loss)
         sums.append(model.weight.grad.double())
@@ -159,15 +166,19 @@ def _release(base: nn.Module, x: torch.Tensor, w: torch.Tensor, engine: str, opt
     return torch.cat([p.grad.flatten().double() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("clip_function", sorted(CLIP_FUNCTIONS))
 @pytest.mark.parametrize(
     ("setting", "engine"),
     [(s, e) for s in ("multiplicity", "groups", "past_iterate") for e in ("flat", "ghost", "fgc", "mixed")]
     + [("l1", "flat")],
 )
-def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(setting: str, engine: str) -> None:
+def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(
+    setting: str, engine: str, clip_function: str
+) -> None:
     """The rounding scales add up over augmented copies, clipping groups and past iterates, and have an l1 form: the
     crafted example's cancelling parts are its two augmented copies, two tokens under per-layer groups, its current
-    and past iterate, or two tokens under l1 clipping (flat only); float32, magnitudes 1e4 and 1e8."""
+    and past iterate, or two tokens under l1 clipping (flat only); float32, magnitudes 1e4 and 1e8; either clip
+    function."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
     for magnitude in (1e4, 1e8):
@@ -177,20 +188,22 @@ def test_cancelling_parts_across_copies_groups_iterates_and_in_l1_stay_within_c(
             if setting == "multiplicity":  # 3 ordinary examples of 2 copies each, one row per copy
                 xs = torch.randn(6, 1, 16, generator=gen, dtype=torch.float64)
                 ws = torch.randn(6, 1, 3, generator=gen, dtype=torch.float64)
-                options = {"augmentation_multiplicity": 2}
+                options = {"augmentation_multiplicity": 2, **CLIP_FUNCTIONS[clip_function]}
                 without = _release(base, xs, ws, engine, options)
                 with_ = _release(base, torch.cat([xs, x[:, None]]), torch.cat([ws, w[:, None]]), engine, options)
             elif setting == "past_iterate":  # the current row is x[0], the past iterate's x[1]
                 xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
                 ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
-                without = _release(base, xs[:, :1], ws[:, :1], engine, {}, past=(xs[:, 1:], ws[:, 1:], 0.7))
+                options = CLIP_FUNCTIONS[clip_function]
+                without = _release(base, xs[:, :1], ws[:, :1], engine, options, past=(xs[:, 1:], ws[:, 1:], 0.7))
                 current = (torch.cat([xs[:, :1], x[None, :1]]), torch.cat([ws[:, :1], w[None, :1]]))
                 past = (torch.cat([xs[:, 1:], x[None, 1:]]), torch.cat([ws[:, 1:], w[None, 1:]]), 0.7)
-                with_ = _release(base, *current, engine, {}, past=past)
+                with_ = _release(base, *current, engine, options, past=past)
             else:  # two cancelling tokens of one example
                 xs = torch.randn(3, 2, 16, generator=gen, dtype=torch.float64)
                 ws = torch.randn(3, 2, 3, generator=gen, dtype=torch.float64)
                 options = {"clipping_groups": "per_layer"} if setting == "groups" else {"norm": 1}
+                options = {**options, **CLIP_FUNCTIONS[clip_function]}
                 without = _release(base, xs, ws, engine, options)
                 with_ = _release(base, torch.cat([xs, x[None]]), torch.cat([ws, w[None]]), engine, options)
             moved = float(torch.linalg.vector_norm(with_ - without, ord=1 if setting == "l1" else 2))

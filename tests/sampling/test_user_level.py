@@ -133,13 +133,14 @@ def _example_grads(model: nn.Module, loss: Callable, x: torch.Tensor, y: torch.T
 
 
 def _user_oracle(
-    grads: dict[str, torch.Tensor], members: list[list[int]], bound: float
+    grads: dict[str, torch.Tensor], members: list[list[int]], bound: float, gamma: float | None = None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each user's gradient (the mean of their examples'), its norm ``[U]`` and the clipped sum
-    ``sum_u min(1, C / (n_u + 1e-6)) g_u`` per parameter."""
+    ``sum_u min(1, C / (n_u + 1e-6)) g_u`` per parameter (with ``gamma``, automatic clipping's ``C / (n_u +
+    gamma)``)."""
     means = {n: torch.stack([g[rows].mean(0) for rows in members]) for n, g in grads.items()}
     norms = torch.cat([g.flatten(1) for g in means.values()], 1).norm(dim=1)
-    factors = (bound / (norms + 1e-6)).clamp(max=1.0)
+    factors = (bound / (norms + 1e-6)).clamp(max=1.0) if gamma is None else bound / (norms + gamma)
     return norms, {n: torch.einsum("u,u...->...", factors, g) for n, g in means.items()}
 
 
@@ -153,7 +154,7 @@ def _user_batch(data: Dataset, k: int | None, users: list[int] | None = None) ->
     return regrouped, UserCollate(default_collate)([regrouped[u] for u in chosen])
 
 
-def _clipped_user_sum(model, loss, key, batch, engine, bound):
+def _clipped_user_sum(model, loss, key, batch, engine, bound, **clip_function):
     rows, weights = flatten_users(batch)
     model.zero_grad(set_to_none=True)
     clipper = PerSampleClipper(
@@ -162,6 +163,7 @@ def _clipped_user_sum(model, loss, key, batch, engine, bound):
         max_grad_norm=bound,
         sum_check_every=1,
         augmentation_multiplicity=weights.shape[1],
+        **clip_function,
     )
     try:
         norms = clipper.backward(user_losses(loss(model(rows[key]), rows["y"]), weights))
@@ -186,6 +188,23 @@ def test_clipped_sum_of_user_means_matches_oracle(name: str, engine: str) -> Non
     norms, grads = _clipped_user_sum(model, loss, key, batch, engine, bound)
     torch.testing.assert_close(norms, norms_expected, rtol=1e-9, atol=1e-12)  # the mean is formed in float64
     assert 0 < int((norms > bound).sum()) < len(members)
+    for param_name, value in grads.items():
+        torch.testing.assert_close(value, expected[param_name], rtol=1e-9, atol=1e-12, msg=param_name)
+
+
+@pytest.mark.parametrize("engine", EXACT)
+def test_automatic_clipping_scales_each_users_mean_by_c_over_its_norm_plus_gamma(engine: str) -> None:
+    """Automatic clipping (docs/design.md section 4.11) of the user units: ``C / (n_u + gamma)`` on each user's mean."""
+    _, kind, loss, key = MODELS["tokens"]
+    data = Examples(USER_OF, kind)
+    model = _model("tokens")
+    regrouped, batch = _user_batch(data, K)
+    members = [m.tolist() for m in regrouped.members]
+    norms_expected, expected = _user_oracle(_example_grads(model, loss, data.x, data.y), members, 0.3, gamma=0.05)
+    norms, grads = _clipped_user_sum(
+        model, loss, key, batch, engine, 0.3, clipping_fn="automatic", automatic_clipping_gamma=0.05
+    )
+    torch.testing.assert_close(norms, norms_expected, rtol=1e-9, atol=1e-12)
     for param_name, value in grads.items():
         torch.testing.assert_close(value, expected[param_name], rtol=1e-9, atol=1e-12, msg=param_name)
 
