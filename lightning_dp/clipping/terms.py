@@ -21,9 +21,10 @@ from torch import nn
 Writable = Callable[[torch.Tensor], bool]
 
 
-def always(_: torch.Tensor) -> bool:
-    """The :data:`Writable` of a tensor just formed for the sum (e.g. a scaled factor)."""
-    return True
+def scaled(x: torch.Tensor, scale: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """``x * scale``, in place when ``x`` is a copy made for the sum (not ``original``, the term's own factor, which
+    another term may share)."""
+    return x.mul_(scale) if x is not original else x * scale
 
 
 def finite(x: torch.Tensor, writable: Writable) -> torch.Tensor:
@@ -156,22 +157,19 @@ class Factored:
         Section 3).
 
         With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the dense factors' non-finite
-        entries are zeroed first (:func:`finite`; the scaled factor after scaling, where ``0 * inf`` is NaN, in its
-        new tensor), so that a dropped sample adds exactly nothing.
+        entries are zeroed first (:func:`finite`), so that a dropped sample adds exactly nothing; a kept sample's entry
+        that overflows when scaled stays infinite (the finite check of the sums reports it).
         """
         left, right = self.left, self.right
-        scale_right = self.is_index or right.shape[-1] <= left.shape[-1]
+        if writable is not None:  # before the scaling: a kept sample's scaled entry that overflows stays inf
+            right = finite(right, writable)
+            left = left if self.is_index else finite(left, writable)
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
-            if scale_right:
-                right = right * scale
+            if self.is_index or right.shape[-1] <= left.shape[-1]:
+                right = scaled(right, scale, self.right)
             else:
-                left = left * scale
-        if writable is not None:
-            scaled = weights is not None
-            right = finite(right, always if scaled and scale_right else writable)
-            if not self.is_index:
-                left = finite(left, always if scaled and not scale_right else writable)
+                left = scaled(left, scale, self.left)
         cols = right.shape[-1]
         right = right.reshape(-1, cols)
         if self.is_index:

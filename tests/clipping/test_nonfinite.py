@@ -25,7 +25,7 @@ from lightning_dp import DPStrategy
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence
 from lightning_dp.checks.leave_half_out import check_leave_half_out
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
-from lightning_dp.clipping.terms import always, finite
+from lightning_dp.clipping.terms import Factored, finite
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
 
@@ -266,11 +266,24 @@ def test_finite_zeroes_in_place_only_what_is_writable() -> None:
     """``finite``: in place on a writable contiguous tensor, a copy otherwise (another tensor, or an expanded one
     whose elements share memory); finite entries keep their bits."""
     x = torch.tensor([[1.5, math.nan], [math.inf, -2.0]])
-    out = finite(x, always)
+    out = finite(x, lambda t: True)
     assert out is x and torch.equal(x, torch.tensor([[1.5, 0.0], [0.0, -2.0]]))
     y = torch.tensor([[1.5, -math.inf]])
     out = finite(y, lambda t: False)
     assert out is not y and torch.isinf(y[0, 1]) and torch.equal(out, torch.tensor([[1.5, 0.0]]))
     expanded = torch.tensor([math.nan, 1.0]).expand(3, 2)
-    out = finite(expanded, always)
+    out = finite(expanded, lambda t: True)
     assert torch.isnan(expanded[0, 0]) and torch.equal(out, torch.tensor([[0.0, 1.0]] * 3))
+
+
+def test_a_kept_sample_whose_scaled_factor_overflows_is_not_zeroed() -> None:
+    """Only the entries non-finite before the scaling are zeroed: a kept sample (factor 1e30) whose scaled entry
+    overflows float32 makes the sum infinite (the finite check of the sums reports it) rather than silently dropping
+    part of its gradient; the dropped sample's inf adds nothing."""
+    left = torch.tensor([[[1.0, 2.0]], [[math.inf, 1.0]]])  # [B=2, T=1, P=2]: sample 1 non-finite
+    right = torch.tensor([[[1e10]], [[3.0]]])  # [B, T, Q=1], the narrower factor: scaled
+    total = Factored(left, right, torch.Size([2, 1])).batch_sum(torch.tensor([1e30, 0.0]), lambda t: False)
+    assert torch.isinf(total).all()
+    total = Factored(left, right, torch.Size([2, 1])).batch_sum(torch.tensor([0.5, 0.0]), lambda t: False)
+    assert torch.equal(total, torch.tensor([[0.5e10], [1e10]]))
+    assert torch.isinf(left[1, 0, 0])  # not writable: untouched
