@@ -27,10 +27,7 @@ FP16_LOSS_SCALE = 2.0**8
 
 
 def validate_loss_scale(scale: float) -> float:
-    """``scale`` as a float when it is a finite power of two ``>= 1`` (so that unscaling is exact, and the factors
-    ``c_i / S`` of the clipped sum are at most 1: a kept example's scaled factor ``R_i c_i / S`` is then no larger than
-    its finite ``R_i`` and cannot overflow, so that only a dropped example's entries are non-finite where the clipped
-    sum zeroes them, :func:`~lightning_dp.clipping.terms.finite`).
+    """``scale`` as a float when it is a positive, finite power of two (so that unscaling is exact).
 
     Raises:
         ValueError: anything else (``bool`` included).
@@ -39,11 +36,6 @@ def validate_loss_scale(scale: float) -> float:
         raise ValueError(f"loss_scale must be a positive finite power of two, got {scale!r}")
     if math.frexp(float(scale))[0] != 0.5:
         raise ValueError(f"loss_scale must be a power of two (exact unscaling), got {scale!r}")
-    if scale < 1:
-        raise ValueError(
-            f"loss_scale must be a power of two >= 1, got {scale!r}: below 1 the clip factors c / loss_scale of the "
-            "clipped sum exceed 1, and a kept example's scaled float16 factor could overflow"
-        )
     return float(scale)
 
 
@@ -86,7 +78,7 @@ class LossScaleMixin:
         past iterates and its backward must share it).
 
         Raises:
-            ValueError: (setting) not a finite power of two >= 1.
+            ValueError: (setting) not a positive finite power of two.
         """
         return self._loss_scale
 

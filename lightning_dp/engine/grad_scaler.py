@@ -38,7 +38,7 @@ def scale_clipper_backward(engine: PrivacyEngine, scale: float = FP16_LOSS_SCALE
 
     Raises:
         RuntimeError: no clipper attached (call after ``start_run``).
-        ValueError: ``scale`` not a finite power of two >= 1.
+        ValueError: ``scale`` not a positive finite power of two.
     """
     clipper = engine.state.clipper
     if clipper is None:
