@@ -205,3 +205,15 @@ def expected_sum(grads, group_of, bounds, keep=None, gamma: float | None = None)
     if keep is not None:
         factors = factors * keep
     return {n: torch.einsum("b,b...->...", factors[group_of[n]], g.nan_to_num()) for n, g in grads.items()}
+
+
+def noise_of_one_step(engine) -> torch.Tensor:
+    """The noise one SGD step (lr 1) of a prepared ``PrivacyEngine`` adds on zero clipped sums, flattened over its
+    model's parameters, divided by the engine's expected batch ``q N`` (multiply by it to get the noise drawn)."""
+    model = engine.clipper.module
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    optimizer = engine.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    return before - torch.cat([p.detach().flatten() for p in model.parameters()])
