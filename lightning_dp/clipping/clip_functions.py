@@ -24,16 +24,18 @@ DEFAULT_AUTOMATIC_CLIPPING_GAMMA = 0.01
 _EPS = 1e-6
 
 
-def validate_clipping_fn(clipping_fn: str, *, randomized: bool = False) -> None:
-    """Refuse an unknown clip function, and automatic clipping with a randomized engine.
+def validate_clipping_fn(clipping_fn: str, *, randomized: bool = False, adaptive: bool = False) -> None:
+    """Refuse an unknown clip function, and automatic clipping with a randomized engine or adaptive clipping.
 
     Args:
         clipping_fn: one of :data:`CLIPPING_FNS`.
         randomized: whether the engine clips by a random norm estimate (``hutch``/``hutchpp``).
+        adaptive: whether adaptive clipping (``target_unclipped_quantile``) is on.
 
     Raises:
         ValueError: ``clipping_fn`` not in :data:`CLIPPING_FNS`; ``"automatic"`` with a randomized engine, whose ``rc``
-            accountant (DP-SGD-RC) accounts for the factor ``min(1, C / estimate)`` only.
+            accountant (DP-SGD-RC) accounts for the factor ``min(1, C / estimate)`` only, or with adaptive clipping,
+            whose quantile of unclipped examples automatic clipping leaves nothing to track.
     """
     if clipping_fn not in CLIPPING_FNS:
         raise ValueError(f"clipping_fn must be one of {list(CLIPPING_FNS)}, got {clipping_fn!r}")
@@ -41,6 +43,12 @@ def validate_clipping_fn(clipping_fn: str, *, randomized: bool = False) -> None:
         raise ValueError(
             "clipping_fn='automatic' needs an exact clipping engine (auto, flat, ghost, fgc, mixed): the rc "
             "accountant of hutch/hutchpp accounts for the factor min(1, C / estimate) only"
+        )
+    if clipping_fn == "automatic" and adaptive:
+        raise ValueError(
+            "clipping_fn='automatic' scales every gradient to a norm just below C, so adaptive clipping's "
+            "quantile of unclipped examples has nothing to track: remove target_unclipped_quantile or use "
+            "clipping_fn='abadi'"
         )
 
 

@@ -35,6 +35,17 @@ def output_gradients(captures: list[Capture]) -> Writable:
     return lambda tensor: tensor.untyped_storage().data_ptr() in storages
 
 
+def exceeded(
+    norms: torch.Tensor, bound: float, group_norms: torch.Tensor | None, groups: ClippingGroups | None
+) -> torch.Tensor:
+    """``[B]`` bool: the samples whose norm ``norms`` ``[B]`` exceeds ``bound``, or with groups whose norm in some group
+    (``group_norms`` ``[G, B]``) exceeds that group's bound."""
+    if groups is None or group_norms is None:
+        return norms > bound
+    bounds = group_norms.new_tensor(groups.bounds)
+    return (group_norms > bounds[:, None]).any(0)
+
+
 def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
     """``param.grad += clipped`` (created when None; cast to ``param``'s dtype), ``clipped`` this rank's full-size
     clipped sum; a sharded ``param`` gets its shard of the sum over ranks (a collective,
@@ -103,14 +114,12 @@ class ClippedSumMixin:
         norm ``norms`` (or a group's norm) exceeded its bound; the bound and group norms are kept now, since adaptive
         clipping moves the bound after the step. A diagnostic, never privatised; no step calls it."""
         bound, group_norms, groups = self.max_grad_norm, self.last_group_norms, self.groups
+        return lambda: float(exceeded(norms, bound, group_norms, groups).float().mean())
 
-        def fraction() -> float:
-            if groups is None or group_norms is None:
-                return float((norms > bound).float().mean())
-            bounds = group_norms.new_tensor(groups.bounds)
-            return float((group_norms > bounds[:, None]).any(0).float().mean())
-
-        return fraction
+    def clipped_samples(self, norms: torch.Tensor) -> torch.Tensor:
+        """``[B]`` bool: the samples of the last clipped batch whose norm ``norms`` (or a group's norm) exceeded its
+        bound (a diagnostic, never privatised)."""
+        return exceeded(norms, self.max_grad_norm, self.last_group_norms, self.groups)
 
     def _finite_samples(self, norms: torch.Tensor, per_sample_loss: torch.Tensor) -> torch.Tensor:
         """``[B]`` bool, the samples whose loss (at every iterate) and norm are finite; ORs "one was not" into the

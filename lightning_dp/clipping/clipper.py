@@ -247,15 +247,6 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         """``C_g`` per group: ``(max_grad_norm,)`` for flat clipping, else the groups' bounds."""
         return (self.max_grad_norm,) if self.groups is None else self.groups.bounds
 
-    def clipped_samples(self, norms: torch.Tensor) -> torch.Tensor:
-        """``[B]`` bool: the samples of the last clipped batch whose norm (or a group's norm) exceeded its bound (a
-        diagnostic, never privatised).
-        """
-        if self.groups is None or self.last_group_norms is None:
-            return norms > self.max_grad_norm
-        bounds = self.last_group_norms.new_tensor(self.groups.bounds)
-        return (self.last_group_norms > bounds[:, None]).any(0)
-
     @property
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The trainable parameters (``requires_grad`` at construction), each once, in ``module.parameters()`` order."""

@@ -353,13 +353,7 @@ class PrivacyConfig:
         with checking("automatic_clipping_gamma"):
             validate_automatic_clipping_gamma(self.automatic_clipping_gamma)
         with checking("clipping_fn"):
-            validate_clipping_fn(self.clipping_fn, randomized=self.randomized_clipping)
-            if self.clipping_fn == "automatic" and self.adaptive_clipping:
-                raise ValueError(
-                    "clipping_fn='automatic' scales every gradient to a norm just below C, so adaptive clipping's "
-                    "quantile of unclipped examples has nothing to track: remove target_unclipped_quantile or use "
-                    "clipping_fn='abadi'"
-                )
+            validate_clipping_fn(self.clipping_fn, randomized=self.randomized_clipping, adaptive=self.adaptive_clipping)
         if self.randomized_clipping and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
             raise ValueError(
                 f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
