@@ -20,6 +20,9 @@ model in one process, interleaved step by step, the order rotating every round; 
 Memory: each variant alone in a fresh process (forked from a server that imported the libraries once), two steps:
 ``torch.cuda.max_memory_allocated`` (CPU: the peak resident set), the peak itself and the peak over the model and
 batch. Ratios against non-private and against each Opacus variant that ran, in the same run.
+Profile (``--profile N``, default 2): per model, ``non-private`` and ``dp-auto`` each on its own copy, one step left
+out, then ``N`` steps under the torch profiler; the operators ``dp-auto`` spends the most time on beyond the
+non-private step (device time of their kernels on CUDA; bench/step_profile.py), within the model's time share.
 Largest physical batch (``llama-1b``, ``dp-auto``): doubling from the timed batch, each size in its own process,
 until out of memory, the budget or ``--probe-max-batch``. What checkpointing saves: the peak memory of ``llama-1b``
 without activation checkpointing, ``non-private`` and ``dp-auto``, each in its own process, beside its rows with it.
@@ -55,6 +58,7 @@ import torch
 from gpu_models import MODELS, SIZES, ModelSpec, build_model, loss_function, make_batch, model_spec
 from gpu_report import END, PAGE, RECORDS, START, render, report_lines
 from records import environment, reproducing_argv
+from step_profile import StepProfiler, extra_operators
 from timing import (
     Step,
     engine_step,
@@ -178,9 +182,32 @@ def time_model(spec: ModelSpec, args: argparse.Namespace, deadline: float) -> tu
     return time_interleaved(timing_args, build), engines
 
 
+PROFILED = ("non-private", "dp-auto")
+
+
+def profile_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """The operators (kernels, on CUDA) the ``dp-auto`` step spends the most time on beyond the ``non-private`` step
+    (bench/step_profile.py): each variant on its own copy of the model, one step left out, then ``args.profile``
+    steps under the torch profiler; the models are dropped on return."""
+    device = torch.device(args.device)
+    base, batch = build_model(spec, device), make_batch(spec, device)
+    rows = {}
+    for variant in PROFILED:
+        step, profiler = make_step(variant, spec, copy.deepcopy(base), batch), StepProfiler(device, skip=1)
+        for _ in range(1 + args.profile):
+            profiler.begin()
+            step()
+            profiler.end()
+        rows[variant] = profiler.rows()
+        del step
+        release(device)
+    return extra_operators(rows["dp-auto"], rows["non-private"], device=device.type == "cuda")
+
+
 def run_model(name: str, args: argparse.Namespace, timing_deadline: float, deadline: float) -> dict[str, Any]:
     """Time ``args.variants`` on model ``name`` interleaved (until ``timing_deadline``), then measure each one's
-    memory in its own process (none once ``deadline`` passed); the rows with their status and ratios."""
+    memory in its own process (none once ``deadline`` passed) and, with ``args.profile`` and both of
+    :data:`PROFILED` timed, profile their steps (:func:`profile_model`); the rows with their status and ratios."""
     spec = model_spec(name, args.size)
     results, engines = time_model(spec, args, timing_deadline)
     release(torch.device(args.device))
@@ -205,7 +232,15 @@ def run_model(name: str, args: argparse.Namespace, timing_deadline: float, deadl
         for opacus in OPACUS:
             if opacus in results:
                 row.update(ratios(row, results[opacus], args.device, f"vs_{opacus.replace('-', '_')}"))
-    return {"spec": spec.describe(), "engines": engines, "results": {v: results[v] for v in args.variants}}
+    out = {"spec": spec.describe(), "engines": engines, "results": {v: results[v] for v in args.variants}}
+    timed = all(results.get(variant, {}).get("status") == "ok" for variant in PROFILED)
+    if args.profile and timed and time.perf_counter() < deadline:
+        try:
+            out["profile"] = profile_model(spec, args)
+        except Exception as err:  # noqa: BLE001 (a failed profile keeps the model's measured rows)
+            out["profile"] = {"error": f"{type(err).__name__}: {err}"}
+        release(torch.device(args.device))
+    return out
 
 
 def probe_batch(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -317,6 +352,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-step-seconds", type=float, default=60.0)
     parser.add_argument("--no-memory", action="store_true", help="skip the per-process memory measurement")
     parser.add_argument("--no-probe", action="store_true", help="skip the largest-batch probe")
+    parser.add_argument("--profile", type=int, default=2, metavar="N",
+                        help="profiled steps of non-private and dp-auto per model, within its time share "
+                        "(default 2; 0: no profile)")  # fmt: skip
     parser.add_argument("--probe-max-batch", type=int, help="largest batch the probe tries (default 512; toy 8)")
     parser.add_argument("--out", help="the JSON record's path (default docs/bench/gpu/real.json; toy: none)")
     parser.add_argument("--json", action="store_true", help="print the record as JSON instead of the report")

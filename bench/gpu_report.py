@@ -104,6 +104,24 @@ def _checkpointing_lines(saving: dict[str, Any], with_it: dict[str, Any] | None)
     return lines
 
 
+def profile_lines(profile: dict[str, Any], device: str) -> list[str]:
+    """A model's profile (bench/step_profile.py): the operators ``dp-auto`` spends the most time on beyond the
+    non-private step, per step, in ms."""
+    if "error" in profile:
+        return [f"Profile: failed ({profile['error']})"]
+    kind = "CPU self time" if device == "cpu" else "device time"
+    lines = [
+        f"Where `dp-auto`'s extra {kind} goes (ms per profiled step; totals {profile['dp_ms']:.4g} against "
+        f"{profile['plain_ms']:.4g} non-private):",
+        "",
+        "| operator [input shapes] | extra | dp-auto | non-private | calls |",
+        "|---|---|---|---|---|",
+    ]
+    for key, dp, plain, dp_calls, plain_calls in profile["rows"]:
+        lines.append(f"| `{key}` | {dp - plain:.3g} | {dp:.3g} | {plain:.3g} | {dp_calls:g} / {plain_calls:g} |")
+    return lines
+
+
 def markdown(record: dict[str, Any]) -> str:
     """One recorded run as the docs show it: the set-up, the command, a table per model and the batch probe."""
     args, env = record["args"], record["environment"]
@@ -127,6 +145,8 @@ def markdown(record: dict[str, Any]) -> str:
         for variant, row in model["results"].items():
             lines.append(f"| {variant} | " + " | ".join(row_cells(row, args["device"])) + " |")
         lines.append("")
+        if "profile" in model:
+            lines += [*profile_lines(model["profile"], args["device"]), ""]
     if "batch_probe" in record:
         lines += _probe_lines(record["batch_probe"])
     if "checkpointing_memory" in record:
@@ -149,6 +169,8 @@ def report_lines(record: dict[str, Any]) -> list[str]:
                 continue
             lines.append(f"  {variant:<13} {cells[1]:>14} ms  x non-private {cells[2]:>5}  x opacus-flat {cells[3]:>5}"
                          f"  x opacus-ghost {cells[4]:>5}  peak GiB (extra) {cells[5]}")  # fmt: skip
+        if "profile" in model:
+            lines += ["  " + line.replace("`", "") for line in profile_lines(model["profile"], args["device"])]
     if "batch_probe" in record:
         probe = record["batch_probe"]
         tried = ", ".join(f"{p['batch_size']}: {p['status']}" for p in probe["probes"])

@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 from records import add_record_options, environment, finish, plural, render_records
+from step_profile import StepProfiler, extra_operators
 
 from lightning_dp.utils.help_format import HelpFormatter
 
@@ -83,6 +84,7 @@ class Clocks:
         self._stack: list[float] = []
         self._start: tuple[float, float] | None = None
         self._examples = 0
+        self.profiler: StepProfiler | None = None  # --profile: around each step of the profiled round
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -94,6 +96,8 @@ class Clocks:
         return time.process_time() if self.device.type == "cpu" else time.perf_counter()
 
     def begin(self, examples: int) -> None:
+        if self.profiler is not None:
+            self.profiler.begin()
         self.sync()
         self._start = (time.process_time(), time.perf_counter())
         self._parts.clear()
@@ -106,6 +110,8 @@ class Clocks:
         cpu, wall = time.process_time() - self._start[0], time.perf_counter() - self._start[1]
         self.steps.append({"cpu": cpu, "wall": wall, "examples": self._examples, **self._parts})
         self._start = None
+        if self.profiler is not None:
+            self.profiler.end()
 
     def timed(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         """``function`` counting its time, exclusive of nested timed parts, into part ``name`` while ``parts_on``."""
@@ -444,7 +450,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mean["rest (framework, adapter)"] = mean["step"] - sum(mean[part] for part in PARTS)
             mean["examples"] = statistics.fmean(s["examples"] for s in kept)
             breakdown[variant.name] = mean
-    return {"results": results, "breakdown": breakdown, "order": [v.name for v in variants]}
+    profiles = profile_variants(variants, args) if args.profile else {}
+    return {"results": results, "breakdown": breakdown, "profile": profiles, "order": [v.name for v in variants]}
+
+
+def profile_variants(variants: list, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """One more round of every variant under the torch profiler (the kept steps only); per DP variant, the operators
+    it spends the most time on beyond its path's plain variant (bench/step_profile.py)."""
+    device = torch.device(args.device)
+    rows = {}
+    for variant in variants:
+        variant.clocks.profiler = StepProfiler(device, skip=args.skip_first)
+        try:
+            variant.run_round()
+        finally:
+            rows[variant.name] = variant.clocks.profiler.rows()
+            variant.clocks.profiler = None
+    out = {}
+    for name, dp in rows.items():
+        path = name.split("-")[0]
+        plain = rows.get("torch-plain" if path == "opacus" else f"{path}-plain")
+        if name.endswith("-plain") or plain is None:
+            continue
+        out[name] = extra_operators(dp, plain, device=device.type == "cuda", top=args.profile)
+    return out
 
 
 def quiet() -> None:
@@ -490,7 +519,22 @@ def report_lines(record: dict[str, Any]) -> list[str]:
             lines.append(f"  {part:<28} {parts[part] * 1e3:>10.2f} {parts[part] / parts['step']:>7.1%}")
         if plain is not None:
             lines.append(f"  {'plain step (median)':<28} {plain * parts['examples'] * 1e3:>10.2f}")
+    for name, profiled in out.get("profile", {}).items():
+        lines.append(f"\n{profile_title(name, profiled, args['device'])}")
+        for key, dp, plain, dp_calls, plain_calls in profiled["rows"]:
+            calls = f"calls {dp_calls:g} / {plain_calls:g}"
+            lines.append(f"  {dp - plain:>9.1f} ms  ({dp:.1f} against {plain:.1f}; {calls})  {key}")
     return lines
+
+
+def profile_title(name: str, profiled: dict[str, Any], device: str) -> str:
+    """The heading line of one variant's profile."""
+    kind = "CPU self" if device == "cpu" else "device"
+    return (
+        f"{name}: the operators it spends the most {kind} time on beyond its plain step (ms per step; profiled "
+        f"totals {profiled['dp_ms']:.4g} ms against {profiled['plain_ms']:.4g} ms, "
+        f"{profiled['dp_ms'] / profiled['plain_ms']:.2f}x)"
+    )
 
 
 def markdown(record: dict[str, Any]) -> str:
@@ -535,6 +579,11 @@ def markdown(record: dict[str, Any]) -> str:
             plain = record["results"].get(n.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
             plains.append("-" if plain is None else f"{plain * record['breakdown'][n]['examples'] * 1e3:.4g}")
         lines.append("| plain step of the path (median) | " + " | ".join(plains) + " |")
+    for name, profiled in record.get("profile", {}).items():
+        lines += ["", profile_title(name, profiled, args["device"]) + ":", ""]
+        lines += ["| operator [input shapes] | extra | DP | plain | calls DP / plain |", "|---|---|---|---|---|"]
+        for key, dp, plain, dp_calls, plain_calls in profiled["rows"]:
+            lines.append(f"| `{key}` | {dp - plain:.1f} | {dp:.1f} | {plain:.1f} | {dp_calls:g} / {plain_calls:g} |")
     return "\n".join(lines)
 
 
@@ -557,6 +606,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     parser.add_argument("--no-breakdown", action="store_true", help="skip the breakdown of the DP step")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile one more round per variant; record the N operators the DP step spends the "
+                        "most time on beyond the plain step (default 0: no profile)")  # fmt: skip
     add_record_options(parser, RECORDS.relative_to(ROOT))
     args = parser.parse_args()
     if args.render:

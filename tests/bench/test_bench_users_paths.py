@@ -28,6 +28,13 @@ def record() -> dict:
             "hf-dp-mixed": {"steps": 15, "cpu_per_example": 0.22, "wall_per_example": 0.23, "ratio": 1.1},
         },
         "breakdown": {"hf-dp-mixed": parts},
+        "profile": {
+            "hf-dp-mixed": {
+                "dp_ms": 1800.0,
+                "plain_ms": 1600.0,
+                "rows": [["aten::bmm [[8, 128, 50257], [8, 50257, 128]]", 150.0, 0.0, 1.0, 0.0]],
+            }
+        },  # fmt: skip
     }
 
 
@@ -37,6 +44,8 @@ def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
     assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 |" in text
     assert "| clip (backward) | 1000 (60.6%) |" in text
     assert "| plain step of the path (median) | 1600 |" in text
+    assert "profiled totals 1800 ms against 1600 ms, 1.12x" in text
+    assert "| `aten::bmm [[8, 128, 50257], [8, 50257, 128]]` | 150.0 | 150.0 | 0.0 | 1 / 0 |" in text
 
 
 def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
@@ -54,11 +63,46 @@ def test_breakdown_drives_the_engine_as_the_strategy_calls_it(monkeypatch):
     bench = load_bench(monkeypatch, "users_paths")
     args = argparse.Namespace(
         model="digits", paths=["lightning"], clipping=["flat"], rounds=1, steps_per_round=2, skip_first=1,
-        batch_size=128, seq_len=128, device="cpu", threads=1, no_breakdown=False,
+        batch_size=128, seq_len=128, device="cpu", threads=1, no_breakdown=False, profile=0,
     )  # fmt: skip
     out = bench.run(args)
     parts = out["breakdown"]["lightning-dp-flat"]
     assert set(bench.PARTS) <= set(parts) and parts["step"] > 0 and parts["examples"] == 128
+    assert out["profile"] == {}
+
+
+def test_profile_ranks_the_operators_dp_adds_over_its_plain_path(monkeypatch):
+    """``--profile N``: one more round per variant under the torch profiler, the first step of each left out; per DP
+    variant the N operators with the most extra self time over the plain variant of its path (no timing checked)."""
+    import argparse
+
+    bench = load_bench(monkeypatch, "users_paths")
+    args = argparse.Namespace(
+        model="digits", paths=["lightning"], clipping=["flat"], rounds=1, steps_per_round=2, skip_first=1,
+        batch_size=128, seq_len=128, device="cpu", threads=1, no_breakdown=True, profile=3,
+    )  # fmt: skip
+    profiled = bench.run(args)["profile"]
+    assert list(profiled) == ["lightning-dp-flat"]
+    rows = profiled["lightning-dp-flat"]["rows"]
+    assert len(rows) == 3 and all(isinstance(row[0], str) for row in rows)
+    extras = [dp - plain for _, dp, plain, _, _ in rows]
+    assert extras == sorted(extras, reverse=True)
+    assert profiled["lightning-dp-flat"]["dp_ms"] > 0 and profiled["lightning-dp-flat"]["plain_ms"] > 0
+
+
+def test_extra_operators_compares_per_key_and_keeps_the_calls(monkeypatch):
+    load_bench(monkeypatch, "users_paths")  # puts bench/ on the path
+    from step_profile import extra_operators
+
+    dp = {"aten::bmm [[8, 4]]": [5.0, 0.0, 2.0], "aten::mm": [10.0, 0.0, 3.0], "aten::normal_": [2.0, 0.0, 1.0]}
+    plain = {"aten::mm": [9.0, 0.0, 3.0], "aten::fill_": [1.0, 0.0, 1.0]}
+    out = extra_operators(dp, plain, device=False, top=3)
+    assert out["dp_ms"] == 17.0 and out["plain_ms"] == 10.0
+    assert out["rows"] == [
+        ["aten::bmm [[8, 4]]", 5.0, 0.0, 2.0, 0.0],
+        ["aten::normal_", 2.0, 0.0, 1.0, 0.0],
+        ["aten::mm", 10.0, 9.0, 3.0, 3.0],
+    ]
 
 
 def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:

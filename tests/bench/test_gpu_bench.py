@@ -71,6 +71,12 @@ def test_the_toy_mode_runs_every_model_and_variant_and_records_finite_ratios(mon
     assert "What activation checkpointing saves (llama-1b" in report
     page = load_bench(monkeypatch, "gpu_report").markdown(printed)
     assert "| dp-auto | ok |" in page and "| peak GiB (extra) without checkpointing |" in page
+    for name, model in printed["models"].items():  # the profile of dp-auto against non-private, per model
+        profile = model["profile"]
+        assert profile["dp_ms"] > 0 and profile["plain_ms"] > 0 and len(profile["rows"]) == 12, name
+        extras = [dp - plain for _, dp, plain, _, _ in profile["rows"]]
+        assert extras == sorted(extras, reverse=True), name
+    assert "Where `dp-auto`'s extra CPU self time goes" in page
 
 
 @pytest.mark.parametrize("name", ["llama-1b", "llama-1b-lora"])
