@@ -1,15 +1,19 @@
-"""Adaptive clipping against fixed clipping bounds, well and badly chosen, on the digits demo
+"""Adaptive and automatic clipping against fixed clipping bounds, well and badly chosen, on the digits demo
 (docs/adaptive_clipping.md).
 
-    python bench/adaptive_clipping.py --record digits       # the runs, then render docs/adaptive_clipping.md
+    python bench/adaptive_clipping.py --threads 1 --record digits   # the runs, then render docs/adaptive_clipping.md
     python bench/adaptive_clipping.py --render              # only re-render from docs/bench/adaptive_clipping/*.json
 
 Each variant trains the demo's CNN (``lightning_dp.cli.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
-calibrated for the same epsilon, SGD at learning rate 1) once per seed: fixed bounds ``C`` of 0.1, 1 (the demo's
-default) and 10, and adaptive clipping (``target_unclipped_quantile`` 0.5, the other options at their defaults)
-started from 0.1 and from 10. Reported per variant: the test accuracy (mean and standard deviation over the seeds),
-the bound at the end (mean over the seeds), and the epsilon every run reports (one calibration, the same for all);
-the figure shows the bound after each step of the first seed's runs. A record keeps every run's numbers.
+calibrated for the same epsilon, SGD at learning rate 1) once per seed, the variants interleaved within each seed:
+fixed bounds ``C`` of 0.1, 1 (the demo's default) and 10; adaptive clipping (``target_unclipped_quantile`` 0.5, the
+other options at their defaults) started from 0.1 and from 10; and automatic clipping (``clipping_fn="automatic"``,
+Bu et al. 2023, Section 4: ``C`` = 1, ``gamma`` = 0.01) at learning rates 0.5, 1 and 2, since with it the learning
+rate takes the role of ``C``. Every variant has sensitivity ``C`` at each step and the same noise multiplier, so the
+same epsilon. Reported per variant: the test accuracy (mean and standard deviation over the seeds), the bound at the
+end (mean over the seeds; automatic clipping's is its fixed ``C``), and the epsilon every run reports (one
+calibration, the same for all); the figure shows the bound after each step of the first seed's runs with fixed and
+adaptive bounds. A record keeps every run's numbers.
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ RECORDS = ROOT / "docs" / "bench" / "adaptive_clipping"
 PAGE = ROOT / "docs" / "adaptive_clipping.md"
 FIGURE = ROOT / "docs" / "adaptive_clipping.png"
 START, END = "<!-- adaptive:start -->", "<!-- adaptive:end -->"
-#: variant -> the demo's options (the clipping bound, and for the adaptive runs the quantile).
+#: the learning rates of the automatic-clipping runs (C = 1 and gamma = 0.01, the demo's and the option's defaults).
+AUTOMATIC_LEARNING_RATES = (0.5, 1.0, 2.0)
+#: variant -> the demo's options (the clipping bound; for the adaptive runs the quantile; for the automatic runs the
+#: clip function and the learning rate, the demo's 1 otherwise).
 VARIANTS: dict[str, dict[str, Any]] = {
     "fixed C=0.1": {"max_grad_norm": 0.1},
     "fixed C=1": {"max_grad_norm": 1.0},
     "fixed C=10": {"max_grad_norm": 10.0},
     "adaptive from C=0.1": {"max_grad_norm": 0.1, "target_unclipped_quantile": 0.5},
     "adaptive from C=10": {"max_grad_norm": 10.0, "target_unclipped_quantile": 0.5},
+    **{f"automatic C=1, lr={lr:g}": {"clipping_fn": "automatic", "lr": lr} for lr in AUTOMATIC_LEARNING_RATES},
 }
+#: the first words of the variants whose bound the figure draws (automatic clipping's is fixed at C = 1).
+FIGURE_VARIANTS = ("fixed", "adaptive")
 
 
 def bound_recorder() -> Any:
@@ -78,7 +88,7 @@ def write_figure(record: dict[str, Any]) -> None:
     seed = record["args"]["seeds"][0]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for run in record["runs"]:
-        if run["seed"] == seed:
+        if run["seed"] == seed and run["variant"].startswith(FIGURE_VARIANTS):
             style = "-" if run["variant"].startswith("adaptive") else ":"
             ax.plot(range(1, len(run["bounds"]) + 1), run["bounds"], style, label=run["variant"])
     ax.set_yscale("log")

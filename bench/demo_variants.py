@@ -16,10 +16,12 @@ from lightning_dp.utils.help_format import HelpFormatter
 
 
 def add_demo_options(parser: argparse.ArgumentParser) -> None:
-    """``--epochs`` (15), ``--target-epsilon`` (3) and ``--seeds`` (0 1 2) of the demo runs."""
+    """``--epochs`` (15), ``--target-epsilon`` (3), ``--seeds`` (0 1 2) and ``--threads`` (torch's default) of the
+    demo runs."""
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's own)")
 
 
 def run_variants(
@@ -29,9 +31,15 @@ def run_variants(
     callbacks: Callable[[], list[Any]] = list,
 ) -> dict[str, Any]:
     """Train the demo (``lightning_dp.cli.demo.run_demo``) once per seed and variant (``variants``: name -> the demo's
-    options), with fresh ``callbacks()`` each time; each run keeps its test accuracy, epsilon, noise multiplier and
+    options), with fresh ``callbacks()`` each time, on ``args.threads`` torch threads when set (an ``args`` without
+    it, or with ``None``, leaves torch's); each run keeps its test accuracy, epsilon, noise multiplier and
     ``measure(result, callbacks)``'s entries, and is printed as one JSON line (list values left out)."""
+    import torch
+
     from lightning_dp.cli.demo import run_demo
+
+    if getattr(args, "threads", None) is not None:
+        torch.set_num_threads(args.threads)
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     logging.getLogger("lightning_dp").setLevel(logging.WARNING)

@@ -3,6 +3,9 @@ training is run here)."""
 
 from __future__ import annotations
 
+import argparse
+
+import torch
 from bench_helpers import load_bench, page_and_rendering, render_page_and_figure
 
 
@@ -21,7 +24,9 @@ def run(variant: str, seed: int, acc: float, bounds: list[float]) -> dict:
 
 
 RUNS = [run("fixed C=1", 0, 0.90, [1.0, 1.0]), run("adaptive from C=10", 0, 0.20, [12.0, 50.0]),
-        run("fixed C=1", 1, 0.92, [1.0, 1.0]), run("adaptive from C=10", 1, 0.10, [11.0, 60.0])]  # fmt: skip
+        run("automatic C=1, lr=2", 0, 0.93, [1.0, 1.0]),
+        run("fixed C=1", 1, 0.92, [1.0, 1.0]), run("adaptive from C=10", 1, 0.10, [11.0, 60.0]),
+        run("automatic C=1, lr=2", 1, 0.95, [1.0, 1.0])]  # fmt: skip
 
 
 def test_rows_average_the_seeds_and_the_bound_at_the_end(monkeypatch) -> None:
@@ -29,8 +34,39 @@ def test_rows_average_the_seeds_and_the_bound_at_the_end(monkeypatch) -> None:
     text = bench.markdown(record(RUNS))
     assert "| fixed C=1 | 91.0 +- 1.4 | 1 | 2.998 | 1.971 |" in text
     assert "| adaptive from C=10 | 15.0 +- 7.1 | 55 | 2.998 | 1.971 |" in text  # final bounds 50 and 60
+    assert "| automatic C=1, lr=2 | 94.0 +- 1.4 | 1 | 2.998 | 1.971 |" in text  # the bound is the fixed C
     assert text.index("| fixed C=1 |") < text.index("| adaptive from C=10 |")  # the variants in order of first run
     assert "python bench/adaptive_clipping.py --seeds 0 1" in text
+
+
+def test_the_automatic_variants_keep_the_sensitivity_and_change_only_the_learning_rate(monkeypatch) -> None:
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    automatic = {name: options for name, options in bench.VARIANTS.items() if name.startswith("automatic")}
+    assert list(automatic) == [f"automatic C=1, lr={lr:g}" for lr in bench.AUTOMATIC_LEARNING_RATES]
+    for options in automatic.values():  # the demo's C = 1 and the option's gamma: the same noise and epsilon
+        assert set(options) == {"clipping_fn", "lr"} and options["clipping_fn"] == "automatic"
+
+
+def test_run_trains_every_variant_per_seed_with_its_options_on_the_threads_asked(monkeypatch) -> None:
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    calls = []
+
+    def fake_run_demo(*, callbacks, **options) -> dict:
+        calls.append({**options, "threads": torch.get_num_threads()})
+        callbacks[0].bounds.append(options.get("max_grad_norm", 1.0))
+        return {"test_acc": 0.9, "epsilon": 2.998, "privacy": {"noise_multiplier": 1.971}}
+
+    monkeypatch.setattr("lightning_dp.cli.demo.run_demo", fake_run_demo)
+    threads = torch.get_num_threads()
+    try:
+        out = bench.run(argparse.Namespace(epochs=2, target_epsilon=3.0, seeds=[0, 1], threads=1))
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r["seed"], r["variant"]) for r in out["runs"]] == [(s, v) for s in (0, 1) for v in bench.VARIANTS]
+    for call, (seed, options) in zip(calls, [(s, o) for s in (0, 1) for o in bench.VARIANTS.values()], strict=True):
+        assert call["threads"] == 1 and call["seed"] == seed and call["epochs"] == 2
+        assert {key: call[key] for key in options} == options
+    assert out["runs"][0]["bounds"] == [0.1]
 
 
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
