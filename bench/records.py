@@ -89,13 +89,14 @@ def run_or_render(
     report_lines: Callable[[dict[str, Any]], list[str]],
 ) -> None:
     """A bench's command line after parsing: ``--render`` only re-renders; otherwise run, then :func:`finish` (with
-    the CPU environment)."""
+    the CPU environment read after the run, which may set the thread count, and the load average from before it)."""
     if args.render:
         render()
         return
-    finish(
-        args, run(args), environment("cpu"), script=script, records=records, render=render, report_lines=report_lines
-    )
+    load_before = os.getloadavg()[0]
+    out = run(args)
+    env = {**environment("cpu"), "load_before": load_before}
+    finish(args, out, env, script=script, records=records, render=render, report_lines=report_lines)
 
 
 def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
