@@ -47,6 +47,7 @@ class SearchRandomness:
         return int(self._stream().integers(size))
 
     def candidate_seed(self, index: int) -> int | None:
-        """The seed of candidate ``index``'s own run: derived from the search's seed when it has one (distinct per
-        candidate, so the repetitions are independent runs), else ``None`` (the run draws its own OS entropy)."""
-        return None if self.seed is None else derive_seed(self.seed, "candidate", index)
+        """The seed of candidate ``index``'s own run: 32 bits (as ``numpy`` and Lightning's ``seed_everything`` take)
+        derived from the search's seed when it has one (distinct per candidate, so the repetitions are independent
+        runs), else ``None`` (the run draws its own OS entropy)."""
+        return None if self.seed is None else derive_seed(self.seed, "candidate", index) >> 31
