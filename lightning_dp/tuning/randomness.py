@@ -33,10 +33,12 @@ class SearchRandomness:
             raise ValueError(f"secure_mode draws from the OS CSPRNG and takes no seed, got seed={seed}")
         self.secure = secure
         self.seed = seed
-        self._generator = np.random.default_rng(derive_seed(os_seed() if seed is None else seed, "search"))
+        self._generator = (
+            None if secure else np.random.default_rng(derive_seed(os_seed() if seed is None else seed, "search"))
+        )
 
     def _stream(self) -> np.random.Generator:
-        return np.random.default_rng(os_seed()) if self.secure else self._generator
+        return self._generator or np.random.default_rng(os_seed())
 
     def uniform(self) -> float:
         """One draw of ``U[0, 1)``."""
