@@ -87,6 +87,7 @@ class SearchPlan:
         def plan(sigma: float) -> SearchPlan:
             return cls(sigma, sample_rate, steps, target_delta, repetitions)
 
+        plan(1.0)  # the schedule and delta checked before any accounting
         start = max(closed_form_noise_ratio(target_epsilon, target_delta, sample_rate, steps), 1e-2)
         sigma, _ = solve_monotone(
             lambda sigma: plan(sigma).epsilon, target_epsilon, initial=start, increasing=False, bounds=(1e-3, 1e4)
