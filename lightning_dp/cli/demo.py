@@ -1,6 +1,6 @@
 """``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline.
 
-Lightning and the digits task are imported by :func:`run_demo`, and the options' choices are the built-in names
+Lightning and the digits task are imported by :func:`train_digits`, and the options' choices are the built-in names
 (:mod:`lightning_dp.cli.builtin_names`), so ``lightning-dp demo --help`` and a bad option answer without loading
 torch, Lightning or the accountants.
 """
