@@ -61,3 +61,14 @@ def test_bad_plans_are_refused(change, message):
 def test_an_unreachable_target_is_refused_with_the_closest_epsilon():
     with pytest.raises(ValueError, match="reaches epsilon 1e-05"):
         SearchPlan.for_target_epsilon(1e-5, repetitions=RepetitionDistribution(3.0, 1.0), **SCHEDULE)
+
+
+@pytest.mark.parametrize(
+    ("mean", "shape", "sigma", "candidate"), [(3.0, 1.0, 3.121, 1.83), (10.0, math.inf, 4.092, 1.33)]
+)
+def test_the_rows_of_the_table_in_docs_tuning(mean, shape, sigma, candidate):
+    """docs/tuning.md, "Choosing the mean and the shape": the digits schedule held to epsilon 3."""
+    plan = SearchPlan.for_target_epsilon(
+        3.0, sample_rate=128 / 1258, steps=150, target_delta=1e-5, repetitions=RepetitionDistribution(mean, shape)
+    )
+    assert round(plan.noise_multiplier, 3) == sigma and round(plan.candidate_epsilon, 2) == candidate
