@@ -14,9 +14,12 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_dp.cli.args import Parser, positive_float, positive_int, quiet_lightning
+
+if TYPE_CHECKING:
+    from lightning_dp.tuning import Candidate
 
 #: The hyper-parameters ``tune`` searches over: flag name -> ``DigitsCNN`` / ``DPStrategy`` argument.
 SEARCHED = {"lr": "lr", "max_grad_norm": "max_grad_norm", "momentum": "momentum"}
@@ -94,29 +97,34 @@ def main(argv: list[str]) -> int:
     return parser.run(argv, _run)
 
 
-def _run(args: argparse.Namespace) -> None:
-    from lightning_dp.cli.demo import train_digits
+def digits_schedule(batch_size: int, epochs: int) -> tuple[float, int]:
+    """``(q, T)`` of one digits run: the Poisson rate ``batch_size / N`` over the training split and ``epochs``
+    epochs of ``ceil(1/q)`` steps each (as :class:`~lightning_dp.DPStrategy` plans them)."""
     from lightning_dp.tasks.digits import DigitsDataModule
-    from lightning_dp.tuning import Candidate, RepetitionDistribution, SearchPlan, private_search
 
-    quiet_lightning()
-    repetitions = RepetitionDistribution(args.mean_repetitions, args.shape)
-    data = DigitsDataModule(batch_size=args.batch_size)
+    data = DigitsDataModule(batch_size=batch_size)
     data.setup()
-    sample_rate = args.batch_size / len(data.train_set)
-    steps = args.epochs * math.ceil(1 / sample_rate)  # an epoch is ceil(1/q) Poisson steps
-    schedule = {"sample_rate": sample_rate, "steps": steps, "target_delta": args.target_delta}
-    if args.noise_multiplier is not None:
-        plan = SearchPlan(args.noise_multiplier, repetitions=repetitions, **schedule)
-    else:
-        target = 3.0 if args.target_epsilon is None else args.target_epsilon
-        plan = SearchPlan.for_target_epsilon(target, repetitions=repetitions, **schedule)
+    sample_rate = batch_size / len(data.train_set)
+    return sample_rate, epochs * math.ceil(1 / sample_rate)
 
-    def train_candidate(candidate: Candidate) -> tuple[float, Any]:
+
+def digits_candidate(
+    *, epochs: int, batch_size: int, target_delta: float, secure_mode: bool = False
+) -> Callable[[Candidate], tuple[float, dict[str, Any]]]:
+    """``train_candidate`` of a search on digits: one :func:`~lightning_dp.cli.demo.train_digits` run with the
+    candidate's ``lr``, ``max_grad_norm`` and ``momentum`` and the plan's noise, scored by the accuracy on the
+    validation split (declared public); the artifact is the model's state dict.
+
+    Raises:
+        RuntimeError: the run spent another event than the candidate's (a bug: the search's epsilon would not hold).
+    """
+    from lightning_dp.cli.demo import train_digits
+
+    def train_candidate(candidate: Candidate) -> tuple[float, dict[str, Any]]:
         hparams = candidate.hparams
         run = train_digits(
-            epochs=args.epochs,
-            batch_size=args.batch_size,
+            epochs=epochs,
+            batch_size=batch_size,
             max_grad_norm=hparams["max_grad_norm"],
             lr=hparams["lr"],
             momentum=hparams["momentum"],
@@ -124,14 +132,33 @@ def _run(args: argparse.Namespace) -> None:
             progress_bar=False,
             noise_multiplier=candidate.noise_multiplier,
             sample_rate=candidate.sample_rate,
-            target_delta=plan.target_delta,
-            secure_mode=args.secure_mode,
+            target_delta=target_delta,
+            secure_mode=secure_mode,
         )
         spent = (run.privacy.get("noise_multiplier"), run.privacy.get("sample_rate"), run.privacy.get("steps"))
         if spent != (candidate.noise_multiplier, candidate.sample_rate, candidate.steps):
             raise RuntimeError(f"a candidate ran with (sigma, q, T) = {spent}, not the plan's {candidate}")
         (validation,) = run.trainer.validate(run.model, datamodule=run.data, verbose=False)
         return validation["val_acc"], {name: value.detach().cpu() for name, value in run.model.state_dict().items()}
+
+    return train_candidate
+
+
+def _run(args: argparse.Namespace) -> None:
+    from lightning_dp.tuning import RepetitionDistribution, SearchPlan, private_search
+
+    quiet_lightning()
+    repetitions = RepetitionDistribution(args.mean_repetitions, args.shape)
+    sample_rate, steps = digits_schedule(args.batch_size, args.epochs)
+    schedule = {"sample_rate": sample_rate, "steps": steps, "target_delta": args.target_delta}
+    if args.noise_multiplier is not None:
+        plan = SearchPlan(args.noise_multiplier, repetitions=repetitions, **schedule)
+    else:
+        target = 3.0 if args.target_epsilon is None else args.target_epsilon
+        plan = SearchPlan.for_target_epsilon(target, repetitions=repetitions, **schedule)
+    train_candidate = digits_candidate(
+        epochs=args.epochs, batch_size=args.batch_size, target_delta=plan.target_delta, secure_mode=args.secure_mode
+    )
 
     library_log = logging.getLogger("lightning_dp")
     level = library_log.level
