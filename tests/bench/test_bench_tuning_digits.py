@@ -3,7 +3,7 @@ here)."""
 
 from __future__ import annotations
 
-from bench_helpers import load_bench, render_into_scratch_page
+from bench_helpers import load_bench, page_and_rendering, render_into_scratch_page
 
 
 def seed_row(seed: int, search: float, one: float, naive: float, candidates: int) -> dict:
@@ -39,3 +39,10 @@ def test_render_fills_the_markers(monkeypatch, tmp_path) -> None:
     bench = load_bench(monkeypatch, "tuning_digits")
     text = render_into_scratch_page(bench, monkeypatch, tmp_path, record(ROWS))
     assert text == f"intro\n{bench.START}\n{bench.markdown(record(ROWS))}\n{bench.END}\nend\n"
+
+
+def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
+    page, rendered = page_and_rendering(
+        load_bench(monkeypatch, "tuning_digits"), "python bench/tuning_digits.py --record digits"
+    )
+    assert page == rendered
