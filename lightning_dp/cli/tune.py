@@ -109,11 +109,11 @@ def digits_schedule(batch_size: int, epochs: int) -> tuple[float, int]:
 
 
 def digits_candidate(
-    *, epochs: int, batch_size: int, target_delta: float, secure_mode: bool = False
+    *, epochs: int, batch_size: int, target_delta: float
 ) -> Callable[[Candidate], tuple[float, dict[str, Any]]]:
     """``train_candidate`` of a search on digits: one :func:`~lightning_dp.cli.demo.train_digits` run with the
-    candidate's ``lr``, ``max_grad_norm`` and ``momentum`` and the plan's noise, scored by the accuracy on the
-    validation split (declared public); the artifact is the model's state dict.
+    candidate's ``lr``, ``max_grad_norm``, ``momentum``, seed and secure mode and the plan's noise, scored by the
+    accuracy on the validation split (declared public); the artifact is the model's state dict.
 
     Raises:
         RuntimeError: the run spent another event than the candidate's (a bug: the search's epsilon would not hold).
@@ -133,7 +133,7 @@ def digits_candidate(
             noise_multiplier=candidate.noise_multiplier,
             sample_rate=candidate.sample_rate,
             target_delta=target_delta,
-            secure_mode=secure_mode,
+            secure_mode=candidate.secure_mode,
         )
         spent = (run.privacy.get("noise_multiplier"), run.privacy.get("sample_rate"), run.privacy.get("steps"))
         if spent != (candidate.noise_multiplier, candidate.sample_rate, candidate.steps):
@@ -156,9 +156,7 @@ def _run(args: argparse.Namespace) -> None:
     else:
         target = 3.0 if args.target_epsilon is None else args.target_epsilon
         plan = SearchPlan.for_target_epsilon(target, repetitions=repetitions, **schedule)
-    train_candidate = digits_candidate(
-        epochs=args.epochs, batch_size=args.batch_size, target_delta=plan.target_delta, secure_mode=args.secure_mode
-    )
+    train_candidate = digits_candidate(epochs=args.epochs, batch_size=args.batch_size, target_delta=plan.target_delta)
 
     library_log = logging.getLogger("lightning_dp")
     level = library_log.level

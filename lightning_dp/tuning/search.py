@@ -28,6 +28,7 @@ class Candidate:
         steps: the number of optimizer steps ``T`` to train for.
         seed: the seed of the candidate's own run (derived per candidate from a seeded search), or ``None`` (OS
             entropy; always in secure mode).
+        secure_mode: the search's ``secure_mode``, for the run's own (``DPStrategy(secure_mode=...)``).
     """
 
     hparams: dict[str, Any]
@@ -35,6 +36,7 @@ class Candidate:
     sample_rate: float
     steps: int
     seed: int | None
+    secure_mode: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +180,7 @@ def _train(
             plan.sample_rate,
             int(plan.steps),
             randomness.candidate_seed(index),
+            randomness.secure,
         )
         score, artifact = _score(train_candidate(candidate))
         if state.best is None or _better(score, state.best["score"], higher_is_better):

@@ -59,6 +59,7 @@ def test_k_is_drawn_once_and_written_before_the_first_candidate(tmp_path):
     assert [c.hparams for c in stub.calls] == stub.states[0]["candidates"]
     for candidate in stub.calls:
         assert (candidate.noise_multiplier, candidate.sample_rate, candidate.steps) == (1.0, 0.1, 10)
+        assert not candidate.secure_mode
         assert all(candidate.hparams[name] in values for name, values in SPACE.items())
     seeds = [c.seed for c in stub.calls]
     assert len(set(seeds)) == k and all(0 <= s < 2**32 for s in seeds)  # independent runs
@@ -159,7 +160,7 @@ def test_secure_mode_draws_k_and_every_hyper_parameter_from_fresh_os_entropy(tmp
     private_search(lambda c: (calls.append(c) or 1.0, None), SPACE, plan(), tmp_path, secure_mode=True)
     # one for K, then one per hyper-parameter of every candidate
     assert len(entropy) == 1 + len(calls) * len(SPACE)
-    assert all(c.seed is None for c in calls)
+    assert all(c.seed is None and c.secure_mode for c in calls)  # the runs are told to be secure too
     with pytest.raises(ValueError, match="secure_mode draws from the OS CSPRNG and takes no seed"):
         private_search(lambda c: (1.0, None), SPACE, plan(), tmp_path / "seeded", secure_mode=True, seed=1)
 
