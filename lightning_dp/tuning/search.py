@@ -119,7 +119,8 @@ def private_search(
         output_dir: the search's folder: its state (private while it runs), the winner and ``result.json``.
         seed: for experiments only: ``K``, the draws and the candidates' seeds become reproducible, and known to whoever
             knows the seed, which voids the guarantee. ``None``: OS entropy.
-        secure_mode: draw ``K`` and the hyper-parameters from fresh OS entropy at every draw (no seed).
+        secure_mode: draw ``K`` and the hyper-parameters from fresh OS entropy at every draw (no seed), and set
+            ``candidate.secure_mode`` for the runs.
         higher_is_better: whether a larger score is better.
 
     Returns:
