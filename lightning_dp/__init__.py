@@ -27,19 +27,25 @@ if TYPE_CHECKING:
         PrivacyBudget,
         TrainingProgress,
     )
+    from lightning_dp.tuning import Candidate, RepetitionDistribution, SearchPlan, SearchResult, private_search
     from lightning_dp.weight_standardisation import WSConv2d
 
 __all__ = [
+    "Candidate",
     "DPDDPStrategy",
     "DPModelParallelStrategy",
     "DPStrategy",
     "PrivacyAccountantCallback",
     "PrivacyBudget",
     "PrivacyEngine",
+    "RepetitionDistribution",
+    "SearchPlan",
+    "SearchResult",
     "TrainingProgress",
     "WSConv2d",
     "augment_each_example",
     "augmentation_mean",
+    "private_search",
     "repeat_for_multiplicity",
 ]
 #: The one place the version is written (pyproject.toml reads it; CHANGELOG.md lists what each version holds).
@@ -47,16 +53,21 @@ __version__ = "0.1.0"
 
 #: Public name -> the module it is imported from on first use.
 _EXPORTS: dict[str, str] = {
+    "Candidate": "lightning_dp.tuning",
     "DPDDPStrategy": "lightning_dp.lightning",
     "DPModelParallelStrategy": "lightning_dp.lightning",
     "DPStrategy": "lightning_dp.lightning",
     "PrivacyAccountantCallback": "lightning_dp.lightning",
     "PrivacyBudget": "lightning_dp.lightning",
     "PrivacyEngine": "lightning_dp.engine.privacy_engine",
+    "RepetitionDistribution": "lightning_dp.tuning",
+    "SearchPlan": "lightning_dp.tuning",
+    "SearchResult": "lightning_dp.tuning",
     "TrainingProgress": "lightning_dp.lightning",
     "WSConv2d": "lightning_dp.weight_standardisation",
     "augment_each_example": "lightning_dp.augmentation",
     "augmentation_mean": "lightning_dp.augmentation",
+    "private_search": "lightning_dp.tuning",
     "repeat_for_multiplicity": "lightning_dp.augmentation",
 }
 

@@ -4,8 +4,9 @@ and writes ``docs/validation.md`` from the messages actually raised, so the tabl
 
 Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
 ``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``
-command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and flags, and the extension registries
-(``register_mechanism``, ``register_engine``, ``register_layer``: a registration that would replace an entry).
+command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and flags, the private hyper-parameter search
+(``private_search`` and its plan), and the extension registries (``register_mechanism``, ``register_engine``,
+``register_layer``: a registration that would replace an entry).
 """
 
 from __future__ import annotations
@@ -360,6 +361,32 @@ def _register_layer_for_linear() -> None:
         return {}
 
     register_layer(nn.Linear)(plugin_linear_terms)
+
+
+def _repetitions(mean: float, shape: float) -> Any:
+    from lightning_dp.tuning import RepetitionDistribution
+
+    return RepetitionDistribution(mean, shape)
+
+
+def _search_plan(shape: float) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp.tuning import SearchPlan
+
+        return SearchPlan(1.0, 0.01, 1000, 1e-5, _repetitions(3.0, shape))
+
+    return run
+
+
+def _private_search(space: dict[str, list[Any]]) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp.tuning import SearchPlan, private_search
+
+        plan = SearchPlan(1.0, 0.01, 1000, 1e-5, _repetitions(3.0, 1.0))
+        with tempfile.TemporaryDirectory() as tmp:
+            return private_search(lambda candidate: (0.0, None), space, plan, tmp)
+
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------- cases
@@ -721,6 +748,37 @@ CASES: list[BadInput] = [
         "Gaussian noise only",
     ),
     BadInput("CLI", "lightning-dp frobnicate", _cli("frobnicate"), "unknown command"),
+    BadInput(
+        "CLI",
+        "lightning-dp tune --shape -0.5",
+        _cli("tune", "--shape", "-0.5"),
+        r"^lightning-dp tune: error: --shape must be 0 \(logarithmic\), positive \(1: geometric\) or inf \(Poisson\)",
+    ),
+    BadInput(
+        "CLI",
+        "lightning-dp tune --secure-mode --seed 1",
+        _cli("tune", "--secure-mode", "--seed", "1"),
+        "--secure-mode draws from the OS CSPRNG and takes no seed, got --seed 1$",
+    ),
+    # private hyper-parameter search (lightning_dp.tuning)
+    BadInput(
+        "private_search",
+        "search_space={'batch_size': [64, 128]}",
+        _private_search({"batch_size": [64, 128]}),
+        r"^ValueError: search_space varies 'batch_size', which changes each candidate's privacy event",
+    ),
+    BadInput(
+        "private_search",
+        "RepetitionDistribution(mean=1, shape=1)",
+        lambda: _repetitions(1.0, 1.0),
+        r"^ValueError: mean_repetitions must be a finite number above 1",
+    ),
+    BadInput(
+        "private_search",
+        "SearchPlan(..., RepetitionDistribution(3, shape=-0.5))",
+        _search_plan(-0.5),
+        r"RepeatAndSelectDpEvent covers shape >= 0 only$",
+    ),
     # YAML configs of lightning-dp fit (configs/digits_cnn.yaml, edited)
     BadInput(
         "YAML config",

@@ -1,6 +1,6 @@
 """``lightning-dp demo``: DP-SGD on scikit-learn's digits with a small CNN, end to end, offline.
 
-Lightning and the digits task are imported by :func:`run_demo`, and the options' choices are the built-in names
+Lightning and the digits task are imported by :func:`train_digits`, and the options' choices are the built-in names
 (:mod:`lightning_dp.cli.builtin_names`), so ``lightning-dp demo --help`` and a bad option answer without loading
 torch, Lightning or the accountants.
 """
@@ -8,6 +8,7 @@ torch, Lightning or the accountants.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -15,6 +16,77 @@ from typing import Any
 
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_float, positive_int, quiet_lightning
 from lightning_dp.cli.builtin_names import ACCOUNTANTS, AUTO, CLIPPING, NOISES
+
+
+@dataclasses.dataclass(frozen=True)
+class DigitsRun:
+    """One trained ``DigitsCNN``: the trainer, model and data after ``fit``, the privacy summary, the epoch table's rows
+    and the seconds ``fit`` took."""
+
+    trainer: Any
+    model: Any
+    data: Any
+    privacy: dict[str, Any]
+    epochs: list[dict[str, float]]
+    seconds: float
+
+
+def train_digits(
+    *,
+    epochs: int,
+    batch_size: int,
+    max_grad_norm: float,
+    lr: float,
+    momentum: float = 0.5,
+    seed: int | None = 0,
+    progress_bar: bool = True,
+    callbacks: Sequence[Any] = (),
+    **strategy_options: Any,
+) -> DigitsRun:
+    """Train ``DigitsCNN`` with :class:`~lightning_dp.DPStrategy` on the CPU (what ``demo`` and ``tune`` run).
+
+    Args:
+        seed: seed of the model's initialisation and of the run's noise and sampling; ``None``: OS entropy (as
+            ``secure_mode`` requires).
+        progress_bar: print the epoch table, and in a terminal Lightning's progress bar (none when the standard
+            output is a file or a pipe: the table's rows are then the progress lines).
+        callbacks: further Lightning callbacks of the trainer.
+        strategy_options: the privacy options of :class:`~lightning_dp.DPStrategy` (``target_epsilon`` or
+            ``noise_multiplier``, ``target_delta``, ``noise``, ...).
+
+    Raises:
+        ValueError: an invalid privacy option (as :class:`~lightning_dp.DPStrategy`).
+    """
+    import lightning.pytorch as pl
+
+    from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
+    from lightning_dp.lightning.callbacks import EpochTable
+    from lightning_dp.lightning.progress_bar import terminal_progress_bar
+    from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
+
+    if seed is not None:
+        pl.seed_everything(seed, verbose=False)
+    data = DigitsDataModule(batch_size=batch_size)
+    model = DigitsCNN(lr=lr, momentum=momentum)
+    privacy_callback = PrivacyAccountantCallback()
+    table = EpochTable("val_acc", enabled=progress_bar)
+    bar = terminal_progress_bar() if progress_bar else None
+    strategy = DPStrategy(max_grad_norm=max_grad_norm, seed=seed, device="cpu", **strategy_options)
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=epochs,
+        callbacks=[privacy_callback, table, *([bar] if bar else []), *callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=bar is not None,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    seconds = time.perf_counter() - start
+    return DigitsRun(trainer, model, data, privacy_callback.summary or {}, table.rows, seconds)
 
 
 def run_demo(
@@ -33,7 +105,7 @@ def run_demo(
     callbacks: Sequence[Any] = (),
     **strategy_options: Any,
 ) -> dict[str, Any]:
-    """Train ``DigitsCNN`` with DP and return the final metrics and privacy summary.
+    """Train ``DigitsCNN`` with DP (:func:`train_digits`), test it, and return the final metrics and privacy summary.
 
     Args:
         progress_bar: print the epoch table, and in a terminal Lightning's progress bar (none when the standard
@@ -47,53 +119,30 @@ def run_demo(
     Raises:
         ValueError: an invalid privacy option (as :class:`~lightning_dp.DPStrategy`).
     """
-    import lightning.pytorch as pl
-
-    from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
-    from lightning_dp.lightning.callbacks import EpochTable
-    from lightning_dp.lightning.progress_bar import terminal_progress_bar
-    from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
-
-    pl.seed_everything(seed, verbose=False)
-    data = DigitsDataModule(batch_size=batch_size)
-    model = DigitsCNN(lr=lr)
-    privacy_callback = PrivacyAccountantCallback()
-    table = EpochTable("val_acc", enabled=progress_bar)
-    bar = terminal_progress_bar() if progress_bar else None
-    strategy = DPStrategy(
+    start = time.perf_counter()
+    run = train_digits(
+        epochs=epochs,
+        batch_size=batch_size,
+        max_grad_norm=max_grad_norm,
+        lr=lr,
+        seed=seed,
+        progress_bar=progress_bar,
+        callbacks=callbacks,
         target_epsilon=target_epsilon,
         target_delta=target_delta,
-        max_grad_norm=max_grad_norm,
         clipping=clipping,
         noise=noise,
         accountant=accountant,
-        seed=seed,
-        device="cpu",
         **strategy_options,
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=epochs,
-        callbacks=[privacy_callback, table, *([bar] if bar else []), *callbacks],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=bar is not None,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    (test,) = trainer.test(model, datamodule=data, verbose=False)
-    seconds = time.perf_counter() - start
-    summary = privacy_callback.summary or {}
+    (test,) = run.trainer.test(run.model, datamodule=run.data, verbose=False)
     return {
         "test_acc": test["test_acc"],
-        "epsilon": summary.get("epsilon"),
-        "delta": summary.get("delta"),
-        "seconds": seconds,
-        "epochs": table.rows,
-        "privacy": summary,
+        "epsilon": run.privacy.get("epsilon"),
+        "delta": run.privacy.get("delta"),
+        "seconds": time.perf_counter() - start,
+        "epochs": run.epochs,
+        "privacy": run.privacy,
     }
 
 

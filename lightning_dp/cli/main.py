@@ -1,4 +1,4 @@
-"""The ``lightning-dp`` command: ``demo``, ``fit`` (LightningCLI), ``epsilon``, ``calibrate`` and ``audit``.
+"""The ``lightning-dp`` command: ``demo``, ``tune``, ``fit`` (LightningCLI), ``epsilon``, ``calibrate`` and ``audit``.
 
 Every subcommand runs under :func:`lightning_dp.cli.args.guarded`: bad input is one ``error:`` line on stderr with
 exit code 2, never a traceback. A new subcommand is one entry in :data:`COMMANDS`.
@@ -33,6 +33,9 @@ class Command(NamedTuple):
 COMMANDS: dict[str, Command] = {
     "demo": Command(
         "lightning_dp.cli.demo:main", "DP-SGD on scikit-learn digits with a small CNN (offline, ~1 min on CPU)"
+    ),
+    "tune": Command(
+        "lightning_dp.cli.tune:main", "private hyper-parameter search on digits: the best of a random number of runs"
     ),
     "fit": Command("lightning_dp.cli.main:fit_main", "LightningCLI: lightning-dp fit --config configs/digits_cnn.yaml"),
     "epsilon": Command("lightning_dp.cli.privacy:epsilon_main", "epsilon of a noise mechanism after T steps (--plot)"),

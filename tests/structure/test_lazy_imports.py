@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lightning-dp epsilon (Gaussian)": (cli("epsilon", *GAUSS, "--noise-multiplier", "1.1"), ("scipy",)),
     "lightning-dp demo --help": (cli("demo", "--help"), ()),
     "lightning-dp demo (misspelt clipping)": (cli("demo", "--clipping", "flt"), ()),
+    "lightning-dp tune --help": (cli("tune", "--help"), ()),
+    "lightning-dp tune (bad learning rate)": (cli("tune", "--lr", "0.1,-1"), ()),
     "from lightning_dp import PrivacyEngine": ("from lightning_dp import PrivacyEngine", ("scipy", "torch")),
     "import lightning_dp.hf": ("import lightning_dp.hf", ("scipy", "torch", "transformers", "peft", "datasets")),
 }

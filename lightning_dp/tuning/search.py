@@ -1,0 +1,198 @@
+"""Private hyper-parameter search: train a random number ``K`` of candidates, each with hyper-parameters drawn
+uniformly from the search space, and release only the best (Liu & Talwar 2019; Papernot & Steinke 2022, Theorems 2
+and 6). What the guarantee covers and what it does not: docs/tuning.md; the argument: docs/design.md section 3.7.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_dp.tuning.accounting import SearchPlan
+from lightning_dp.tuning.randomness import SearchRandomness
+from lightning_dp.tuning.space import draw_candidate, validate_space
+from lightning_dp.tuning.state import SearchFolder, SearchState, remove
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What one candidate trains with: its drawn hyper-parameters and the privacy every candidate shares.
+
+    Attributes:
+        hparams: one value per name of the search space.
+        noise_multiplier: ``sigma`` to train with (``DPStrategy(noise_multiplier=...)``, ``PrivacyArguments``).
+        sample_rate: the Poisson rate ``q`` to train with.
+        steps: the number of optimizer steps ``T`` to train for.
+        seed: the seed of the candidate's own run (derived per candidate from a seeded search), or ``None`` (OS
+            entropy; always in secure mode).
+        secure_mode: the search's ``secure_mode``, for the run's own (``DPStrategy(secure_mode=...)``).
+    """
+
+    hparams: dict[str, Any]
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    seed: int | None
+    secure_mode: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    """What a search releases.
+
+    Attributes:
+        hparams: the winner's hyper-parameters (``None`` when no candidate ran, ``K = 0`` under the Poisson law).
+        score: the winner's score (``None`` likewise).
+        artifact: the winner's artifact in the output folder: the object, or the ``Path`` it was moved to.
+        epsilon: epsilon of the whole search at ``delta``.
+        delta: the plan's ``target_delta``.
+        candidate_epsilon: epsilon of one candidate alone (for comparison only).
+        output_dir: the search's folder (``result.json``, the winner).
+    """
+
+    hparams: dict[str, Any] | None
+    score: float | None
+    artifact: Any
+    epsilon: float
+    delta: float
+    candidate_epsilon: float
+    output_dir: Path
+
+    @property
+    def released(self) -> bool:
+        """Whether a winner was released (False when ``K = 0``)."""
+        return self.hparams is not None
+
+
+def _score(returned: Any) -> tuple[float, Any]:
+    """``(score, artifact)`` from what ``train_candidate`` returned. The messages name types, never values: a
+    loser's score must not reach the output."""
+    if not (isinstance(returned, tuple) and len(returned) == 2):
+        raise TypeError(f"train_candidate must return a (score, artifact) pair, got a {type(returned).__name__}")
+    score, artifact = returned
+    if isinstance(score, str | bytes | bool):
+        raise TypeError(f"train_candidate's score must be a real number, got a {type(score).__name__}")
+    try:
+        return float(score), artifact
+    except (TypeError, ValueError):
+        raise TypeError(f"train_candidate's score must be a real number, got a {type(score).__name__}") from None
+
+
+def _better(score: float, best: float, higher_is_better: bool) -> bool:
+    """Strictly better (the first of equal scores wins); NaN ranks below every number."""
+    if math.isnan(score):
+        return False
+    return math.isnan(best) or (score > best if higher_is_better else score < best)
+
+
+def private_search(
+    train_candidate: Callable[[Candidate], tuple[float, Any]],
+    search_space: Mapping[str, Sequence[Any]],
+    plan: SearchPlan,
+    output_dir: str | Path,
+    *,
+    seed: int | None = None,
+    secure_mode: bool = False,
+    higher_is_better: bool = True,
+) -> SearchResult:
+    """Run a private search, or resume or read back the one in ``output_dir``.
+
+    ``K`` is drawn once from ``plan.repetitions`` and the ``K`` candidates' hyper-parameters uniformly from
+    ``search_space``, all from a dedicated generator, and written to ``output_dir`` before the first candidate runs.
+    Each call ``train_candidate(candidate)`` must be one DP run of this library with ``candidate.noise_multiplier``,
+    ``candidate.sample_rate`` and ``candidate.steps``, and return ``(score, artifact)``: the score on data the caller
+    declares public (a held-out split), higher better unless ``higher_is_better=False``, and the trained model (any
+    object, saved with ``torch.save``, or a ``Path`` the run wrote, moved into ``output_dir``; ``None`` for none).
+    Only the best is kept: a beaten artifact is deleted, and no loser's score is written, logged or returned. A restart
+    with the same arguments continues where the last one stopped (an interrupted candidate runs again, with the same
+    hyper-parameters), and a finished search's result is returned without training.
+
+    Args:
+        train_candidate: trains one candidate.
+        search_space: ``{name: [values]}``, hyper-parameters that keep the privacy event (e.g. learning rate,
+            ``max_grad_norm``, momentum); see :func:`~lightning_dp.tuning.space.validate_space`.
+        plan: the shared privacy of the candidates and the law of ``K`` (:class:`SearchPlan`, or
+            :meth:`SearchPlan.for_target_epsilon`).
+        output_dir: the search's folder: its state (private while it runs), the winner and ``result.json``.
+        seed: for experiments only: ``K``, the draws and the candidates' seeds become reproducible, and known to whoever
+            knows the seed, which voids the guarantee. ``None``: OS entropy.
+        secure_mode: draw ``K`` and the hyper-parameters from fresh OS entropy at every draw (no seed), and set
+            ``candidate.secure_mode`` for the runs.
+        higher_is_better: whether a larger score is better.
+
+    Returns:
+        The :class:`SearchResult`; nothing is released when ``K = 0`` (Poisson law only).
+
+    Raises:
+        ValueError: a bad search space, a seed with ``secure_mode``, or an ``output_dir`` holding another search.
+        TypeError: ``train_candidate`` returned something other than ``(real score, artifact)``.
+    """
+    space = validate_space(search_space)
+    randomness = SearchRandomness(seed, secure=secure_mode)
+    fingerprint = {"space": space, "plan": plan.describe(), "higher_is_better": bool(higher_is_better)}
+    folder = SearchFolder(output_dir, fingerprint)
+    released = folder.finished_result()
+    if released is None:
+        state = folder.load()
+        if state is None:
+            count = plan.repetitions.sample(randomness.uniform())
+            state = SearchState(folder.fingerprint, [draw_candidate(space, randomness) for _ in range(count)])
+            folder.save(state)
+        _train(train_candidate, plan, folder, state, randomness, higher_is_better)
+        best = state.best
+        released = folder.finish(
+            state,
+            {
+                "hparams": state.candidates[best["candidate"]] if best else None,
+                "score": best["score"] if best else None,
+                "epsilon": plan.epsilon,
+                "delta": plan.target_delta,
+                "candidate_epsilon": plan.candidate_epsilon,
+                "plan": plan.describe(),
+            },
+        )
+    return SearchResult(
+        hparams=released["hparams"],
+        score=released["score"],
+        artifact=folder.load_artifact(released["artifact"]),
+        epsilon=released["epsilon"],
+        delta=released["delta"],
+        candidate_epsilon=released["candidate_epsilon"],
+        output_dir=folder.path,
+    )
+
+
+def _train(
+    train_candidate: Callable[[Candidate], tuple[float, Any]],
+    plan: SearchPlan,
+    folder: SearchFolder,
+    state: SearchState,
+    randomness: SearchRandomness,
+    higher_is_better: bool,
+) -> None:
+    """Train the candidates not yet completed, keeping the best's score and artifact in ``state`` and ``folder``."""
+    for index in range(state.completed, len(state.candidates)):
+        candidate = Candidate(
+            dict(state.candidates[index]),
+            plan.noise_multiplier,
+            plan.sample_rate,
+            int(plan.steps),
+            randomness.candidate_seed(index),
+            randomness.secure,
+        )
+        score, artifact = _score(train_candidate(candidate))
+        if state.best is None or _better(score, state.best["score"], higher_is_better):
+            previous = state.best["artifact"] if state.best else None
+            state.best = {"candidate": index, "score": score, "artifact": folder.keep_artifact(index, artifact)}
+            state.completed = index + 1
+            folder.save(state)
+            if previous is not None:
+                remove(folder.path / previous)
+        else:
+            if isinstance(artifact, Path):
+                remove(artifact)
+            state.completed = index + 1
+            folder.save(state)

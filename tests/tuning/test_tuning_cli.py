@@ -1,0 +1,76 @@
+"""``lightning-dp tune``: one search on digits end to end (two candidates of one epoch), what it prints (the winner and
+one epsilon, never a loser's score), and its bad input as one ``error:`` line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import lightning_dp.tuning
+from lightning_dp.cli.main import main
+from lightning_dp.tuning.randomness import SearchRandomness
+from lightning_dp.tuning.repetitions import RepetitionDistribution
+
+#: a seed whose search draws two candidates at mean 1.5 (geometric)
+SEED = 3
+
+
+def test_a_search_on_digits_prints_the_winner_and_one_epsilon(tmp_path, monkeypatch, capsys):
+    assert RepetitionDistribution(1.5, 1.0).sample(SearchRandomness(SEED).uniform()) == 2
+    scores: list[float] = []
+    search = lightning_dp.tuning.private_search
+
+    def recording(train_candidate, *args, **kwargs):
+        def train(candidate):
+            score, artifact = train_candidate(candidate)
+            scores.append(score)
+            return score, artifact
+
+        return search(train, *args, **kwargs)
+
+    monkeypatch.setattr(lightning_dp.tuning, "private_search", recording)
+    argv = ["tune", "--lr", "0.5,2", "--max-grad-norm", "0.5,1", "--epochs", "1", "--batch-size", "256"]
+    argv += ["--mean-repetitions", "1.5", "--target-epsilon", "4", "--seed", str(SEED), "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert len(scores) == 2
+    winner = max(scores)
+    assert lines[0].startswith("winner: lr ") and f"validation accuracy {winner:.4f}" in lines[0]
+    assert lines[1].startswith("the whole search: epsilon ") and "one candidate alone: epsilon " in lines[1]
+    loser = min(scores)
+    if loser != winner:
+        assert f"{loser:.4f}" not in out + err and str(loser) not in out + err
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["score"] == winner and 4 * 0.999 <= result["epsilon"] <= 4
+    weights = torch.load(tmp_path / "winner.saved.pt")
+    assert "net.0.weight" in weights
+    # run again: the finished search is read back, nothing trained
+    assert main([*argv, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["val_acc"] == winner and len(scores) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--shape", "-0.5"], "RepeatAndSelectDpEvent covers shape >= 0 only"),
+        (["--mean-repetitions", "1"], "--mean-repetitions must be a finite number above 1"),
+        (["--secure-mode", "--seed", "1"], "takes no seed"),
+        (["--lr", "0.1,-1"], "error: argument --lr: must be a positive finite number, got -1"),
+        (["--momentum", "1"], "error: argument --momentum: must lie in [0, 1), got 1"),
+        (["--target-epsilon", "1", "--noise-multiplier", "1"], "not allowed with argument"),
+        (["--target-delta", "2"], "--target-delta must lie in (0, 1)"),
+    ],
+)
+def test_bad_input_is_one_error_line(tmp_path, argv, expected, capsys):
+    try:
+        code = main(["tune", *argv, "--output-dir", str(tmp_path / "out")])
+    except SystemExit as stop:
+        code = stop.code
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lightning-dp tune: error:") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()  # refused before anything was drawn

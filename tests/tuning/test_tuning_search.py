@@ -1,0 +1,229 @@
+"""The search runner with a stub ``train_candidate``: K drawn once and written before the first candidate, only the
+winner released (a loser's artifact deleted, its score nowhere), a resume that neither draws K again nor accepts
+another search, the dedicated (or, in secure mode, OS) randomness, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_dp.tuning.randomness as search_randomness
+from lightning_dp.tuning import Candidate, RepetitionDistribution, SearchPlan, private_search
+from lightning_dp.tuning.repetitions import RepetitionDistribution as Law
+from lightning_dp.tuning.state import RESULT_FILE, STATE_FILE
+
+SPACE = {"lr": [0.01, 0.1, 1.0], "max_grad_norm": [0.5, 1.0], "momentum": [0.0, 0.9]}
+
+
+def plan(mean: float = 6.0, shape: float = 1.0) -> SearchPlan:
+    return SearchPlan(1.0, 0.1, 10, 1e-5, RepetitionDistribution(mean, shape))
+
+
+class Stub:
+    """A ``train_candidate`` whose scores are all distinct and recognisable; each candidate writes its artifact file
+    into ``scratch`` and returns its ``Path``. Records every call, and the state file as it was at the call."""
+
+    def __init__(self, scratch: Path, output_dir: Path, fail_at: int | None = None) -> None:
+        self.scratch, self.output_dir, self.fail_at = scratch, output_dir, fail_at
+        self.calls: list[Candidate] = []
+        self.scores: list[float] = []
+        self.states: list[dict] = []
+
+    def __call__(self, candidate: Candidate) -> tuple[float, Path]:
+        if len(self.calls) == self.fail_at:
+            raise KeyboardInterrupt  # a kill mid-candidate
+        self.states.append(json.loads((self.output_dir / STATE_FILE).read_text()))
+        self.calls.append(candidate)
+        score = 0.123456789 + 0.0101 * len(self.calls) * (-1) ** len(self.calls)  # distinct, not monotone
+        self.scores.append(score)
+        self.scratch.mkdir(exist_ok=True)
+        artifact = self.scratch / f"model-{len(self.calls)}.bin"
+        artifact.write_text(f"weights of candidate with score {score!r}")
+        return score, artifact
+
+
+def test_k_is_drawn_once_and_written_before_the_first_candidate(tmp_path):
+    stub = Stub(tmp_path / "scratch", tmp_path / "out")
+    private_search(stub, SPACE, plan(), tmp_path / "out", seed=1)
+    k = len(stub.calls)
+    assert k >= 1
+    assert [len(state["candidates"]) for state in stub.states] == [k] * k
+    assert [state["completed"] for state in stub.states] == list(range(k))
+    assert [c.hparams for c in stub.calls] == stub.states[0]["candidates"]
+    for candidate in stub.calls:
+        assert (candidate.noise_multiplier, candidate.sample_rate, candidate.steps) == (1.0, 0.1, 10)
+        assert not candidate.secure_mode
+        assert all(candidate.hparams[name] in values for name, values in SPACE.items())
+    seeds = [c.seed for c in stub.calls]
+    assert len(set(seeds)) == k and all(0 <= s < 2**32 for s in seeds)  # independent runs
+
+
+def test_only_the_winner_is_released(tmp_path, caplog, capsys):
+    out = tmp_path / "out"
+    with caplog.at_level(logging.DEBUG):
+        for seed in range(20):  # a seed with several candidates
+            stub = Stub(tmp_path / f"scratch-{seed}", out / str(seed))
+            result = private_search(stub, SPACE, plan(), out / str(seed), seed=seed)
+            if len(stub.calls) >= 3:
+                break
+    best = max(range(len(stub.scores)), key=stub.scores.__getitem__)
+    assert result.score == stub.scores[best]
+    assert result.hparams == stub.calls[best].hparams
+    assert result.artifact == out / str(seed) / "winner.bin"
+    assert result.artifact.read_text() == f"weights of candidate with score {stub.scores[best]!r}"
+    assert sorted(p.name for p in (out / str(seed)).iterdir()) == [RESULT_FILE, STATE_FILE, "winner.bin"]
+    assert not any((tmp_path / f"scratch-{seed}").iterdir())  # the losers' artifacts are deleted
+    released = json.loads((out / str(seed) / RESULT_FILE).read_text())
+    assert set(released) == {"hparams", "score", "epsilon", "delta", "candidate_epsilon", "plan", "artifact"}
+    state = json.loads((out / str(seed) / STATE_FILE).read_text())
+    assert set(state) == {"fingerprint", "finished"}  # K and the drawn candidates are gone
+    seen = caplog.text + "".join(capsys.readouterr()) + "".join(p.read_text() for p in (out / str(seed)).iterdir())
+    losers = [repr(score) for i, score in enumerate(stub.scores) if i != best]
+    assert not any(loser[:8] in seen for loser in losers)
+    assert repr(result.score)[:8] in seen
+
+
+def test_a_resume_reads_k_and_continues_without_training_a_completed_candidate(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    for seed in range(50):
+        first = Stub(tmp_path / "scratch", out / str(seed), fail_at=2)
+        try:
+            private_search(first, SPACE, plan(), out / str(seed), seed=seed)
+        except KeyboardInterrupt:
+            break
+    folder = out / str(seed)
+    drawn = json.loads((folder / STATE_FILE).read_text())["candidates"]
+    assert len(drawn) > 2 and len(first.calls) == 2
+
+    def no_draw(self, uniform):  # noqa: ARG001
+        raise AssertionError("K drawn again")
+
+    monkeypatch.setattr(Law, "sample", no_draw)
+    again = Stub(tmp_path / "scratch", folder)
+    result = private_search(again, SPACE, plan(), folder, seed=seed + 1)  # another seed cannot change K
+    assert [c.hparams for c in first.calls + again.calls] == drawn
+    assert len(again.calls) == len(drawn) - 2
+    scores = first.scores + again.scores
+    assert result.score == max(scores)
+    assert len(list(folder.glob("candidate-*"))) == 0 and len(list(folder.glob("winner*"))) == 1
+    # finished: read back, nothing trained
+    later = Stub(tmp_path / "scratch", folder)
+    assert private_search(later, SPACE, plan(), folder).hparams == result.hparams and not later.calls
+
+
+@pytest.mark.parametrize(
+    ("space", "search_plan", "higher"),
+    [
+        ({**SPACE, "lr": [0.01, 0.1]}, plan(), True),
+        (SPACE, plan(mean=7.0), True),
+        (SPACE, SearchPlan(1.2, 0.1, 10, 1e-5, RepetitionDistribution(6.0, 1.0)), True),
+        (SPACE, plan(), False),
+    ],
+)
+def test_a_resume_refuses_another_search(tmp_path, space, search_plan, higher):
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        private_search(Stub(tmp_path / "s", out, fail_at=0), SPACE, plan(), out, seed=0)
+    with pytest.raises(ValueError, match="holds a search with another search space, plan or direction"):
+        private_search(Stub(tmp_path / "s", out), space, search_plan, out, higher_is_better=higher)
+
+
+def test_the_draws_come_from_a_dedicated_generator_not_the_global_ones(tmp_path):
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)  # noqa: NPY002  (the global generators, on purpose)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())  # noqa: NPY002
+    calls = []
+    private_search(lambda c: (calls.append(c.hparams) or 1.0, None), SPACE, plan(), tmp_path, seed=5)
+    assert random.getstate() == before[0]
+    assert np.array_equal(np.random.get_state()[1], before[1])  # noqa: NPY002
+    assert torch.equal(torch.get_rng_state(), before[2])
+    repeat = []
+    private_search(lambda c: (repeat.append(c.hparams) or 1.0, None), SPACE, plan(), tmp_path / "again", seed=5)
+    assert repeat == calls  # the seed alone decides K and the draws
+
+
+def test_secure_mode_draws_k_and_every_hyper_parameter_from_fresh_os_entropy(tmp_path, monkeypatch):
+    entropy = []
+
+    def os_seed() -> int:
+        entropy.append(len(entropy))
+        return 1234 + len(entropy)
+
+    monkeypatch.setattr(search_randomness, "os_seed", os_seed)
+    calls = []
+    private_search(lambda c: (calls.append(c) or 1.0, None), SPACE, plan(), tmp_path, secure_mode=True)
+    # one for K, then one per hyper-parameter of every candidate
+    assert len(entropy) == 1 + len(calls) * len(SPACE)
+    assert all(c.seed is None and c.secure_mode for c in calls)  # the runs are told to be secure too
+    with pytest.raises(ValueError, match="secure_mode draws from the OS CSPRNG and takes no seed"):
+        private_search(lambda c: (1.0, None), SPACE, plan(), tmp_path / "seeded", secure_mode=True, seed=1)
+
+
+def test_no_candidate_under_the_poisson_law_releases_nothing(tmp_path):
+    for seed in range(50):
+        calls = []
+        result = private_search(
+            lambda c, calls=calls: (calls.append(c) or 1.0, None),
+            SPACE,
+            plan(1.01, math.inf),
+            tmp_path / str(seed),
+            seed=seed,
+        )
+        if not calls:
+            break
+    assert not calls and not result.released
+    assert result.hparams is None and result.score is None and result.artifact is None
+    assert result.epsilon == plan(1.01, math.inf).epsilon  # the empty output is covered by the same epsilon
+
+
+def test_object_artifacts_are_saved_and_lower_scores_can_be_better(tmp_path):
+    scores = iter([3.0, math.nan, 1.0, 2.0, 0.5, 4.0, 0.25, 5.0] * 10)
+    calls = []
+
+    def train(candidate: Candidate) -> tuple[float, dict]:
+        score = next(scores)
+        calls.append(score)
+        return score, {"weights": torch.full((2,), score)}
+
+    result = private_search(train, SPACE, plan(), tmp_path, seed=3, higher_is_better=False)
+    best = min(s for s in calls if not math.isnan(s))
+    assert result.score == best
+    assert torch.equal(result.artifact["weights"], torch.full((2,), best))
+    assert (tmp_path / "winner.saved.pt").is_file() and not list(tmp_path.glob("candidate-*"))
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (0.5, "must return a \\(score, artifact\\) pair, got a float"),
+        (("0.93", None), "score must be a real number, got a str"),
+        ((torch.ones(3), None), "score must be a real number, got a Tensor"),
+    ],
+)
+def test_a_malformed_return_names_its_type_never_its_value(tmp_path, returned, message):
+    with pytest.raises(TypeError, match=message) as error:
+        private_search(lambda c: returned, SPACE, plan(), tmp_path, seed=0)
+    assert "0.93" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"batch_size": [64, 128]}, "search_space varies 'batch_size', which changes each candidate's privacy event"),
+        ({"noise_multiplier": [1.0]}, "search_space varies 'noise_multiplier'"),
+        ({}, "search_space must be a non-empty mapping"),
+        ({"lr": []}, r"search_space\['lr'\] must be a non-empty list"),
+        ({"lr": "0.1"}, r"search_space\['lr'\] must be a non-empty list"),
+        ({"lr": [[0.1]]}, "may hold strings, numbers, bools and None only"),
+    ],
+)
+def test_bad_search_spaces_are_refused_before_anything_is_drawn(tmp_path, space, message):
+    with pytest.raises(ValueError, match=message):
+        private_search(lambda c: (1.0, None), space, plan(), tmp_path / "out", seed=0)
+    assert not (tmp_path / "out").exists()
