@@ -4,15 +4,18 @@ covariance of ``sigma C s C^{-1} Z``, the reported epsilon is the banded-mf acco
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 from helpers import TinyRegressor, ZeroGradModule, make_trainer
+from torch import nn
 
-from lightning_dp import DPStrategy
+from lightning_dp import DPStrategy, PrivacyEngine
 from lightning_dp.accounting.banded_mf import banded_mf_epsilon
+from lightning_dp.runtime.distributed import DistributedContext
 
 
 def _fit(steps: int = 8, module: pl.LightningModule | None = None, callbacks=(), **options) -> DPStrategy:
@@ -111,3 +114,11 @@ def test_band_above_the_group_rate_or_the_steps_is_refused(bad):
     match = "exceeds the 4 planned steps" if bad["correlation_band"] == 8 else r"group rate b\*q=2\.5 > 1"
     with pytest.raises(ValueError, match=match):
         _fit(steps=4, noise_correlation="banded", **bad)
+
+
+def test_several_processes_are_refused():
+    """The partition, the groups' steps and the stream are per process for now: a process group is refused at the
+    start of the run (one line), before any step."""
+    engine = PrivacyEngine(noise_multiplier=1.0, noise_correlation="banded", correlation_band=2)
+    with pytest.raises(ValueError, match="^noise_correlation='banded' runs on one process for now$"):
+        engine.start_run(nn.Linear(3, 1), distributed=cast(DistributedContext, object()))
