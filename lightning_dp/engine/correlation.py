@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lightning_dp.accounting.banded_mf import BandedMFEvent, band_and_max_column_norm, calibrate_banded_mf_noise
+from lightning_dp.accounting.banded_mf import BandedMFEvent, band_and_max_column_norm
 from lightning_dp.correlated_noise.optimize import optimize_banded
 from lightning_dp.correlated_noise.strategies import BandedToeplitz
 from lightning_dp.correlated_noise.streaming import BandedNoise
 from lightning_dp.data.cyclic_poisson import group_sample_rate
+from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
 
@@ -79,7 +80,7 @@ class BandedPlan:
 
     def calibrate(self, *, target_epsilon: float, target_delta: float, max_grad_norm: float) -> GaussianMechanism:
         """The Gaussian mechanism whose ``n`` steps reach ``target_epsilon`` under the ``banded-mf`` accountant
-        (:func:`~lightning_dp.accounting.banded_mf.calibrate_banded_mf_noise`; within 0.1 % below the target).
+        (:func:`~lightning_dp.mechanisms.calibration_banded.calibrate_banded_mf_noise`; within 0.1 % below the target).
 
         Raises:
             ValueError: a target no noise reaches.

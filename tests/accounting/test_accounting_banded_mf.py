@@ -18,9 +18,9 @@ from lightning_dp.accounting.banded_mf import (
     BandedMFEvent,
     band_and_max_column_norm,
     banded_mf_epsilon,
-    calibrate_banded_mf_noise,
 )
 from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz
+from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
 from lightning_dp.mechanisms.solver import RTOL
 
 DELTA = 1e-5

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from helpers import TinyRegressor, ZeroGradModule, make_trainer
+from helpers import TinyRegressor, ZeroGradModule, example_user, make_trainer
 from torch import nn
 
 from lightning_dp import DPStrategy, PrivacyEngine
@@ -20,7 +20,8 @@ from lightning_dp.runtime.distributed import DistributedContext
 
 def _fit(steps: int = 8, module: pl.LightningModule | None = None, callbacks=(), **options) -> DPStrategy:
     options.setdefault("noise_multiplier", 1.0)
-    strategy = DPStrategy(seed=0, **options)
+    options.setdefault("seed", 0)
+    strategy = DPStrategy(**options)
     torch.manual_seed(0)
     make_trainer(strategy, max_steps=steps, callbacks=list(callbacks)).fit(module or TinyRegressor(batch_size=4))
     return strategy
@@ -102,10 +103,21 @@ def test_released_noise_has_the_covariance_of_the_strategy():
     assert plan.band == 3 and not math.isclose(plan.column_norm, 1.0)
 
 
-def test_lowpass_composes():
-    """The low-pass filter is post-processing of the released noisy gradients: the banded event is unchanged."""
-    strategy = _fit(steps=4, noise_correlation="banded", correlation_band=2, lowpass="ema")
-    assert strategy.privacy_engine.summary()["participations"] == 2
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lowpass": "ema"},  # post-processing of the released noisy gradients
+        {"secure_mode": True},  # Z_t from the hardened sampler, the generators reseeded from the OS
+        {"privacy_unit": "user", "user_key": example_user, "sample_rate": 0.2},  # the groups are groups of users
+    ],
+    ids=["lowpass", "secure_mode", "user_level"],
+)
+def test_composes_with(options):
+    options = {"seed": None, **options} if options.get("secure_mode") else options
+    strategy = _fit(steps=4, noise_correlation="banded", correlation_band=2, **options)
+    summary = strategy.privacy_engine.summary()
+    assert summary["participations"] == 2 and summary["accountant"] == "banded-mf"
+    assert math.isfinite(summary["epsilon"])
 
 
 @pytest.mark.parametrize("bad", [{"correlation_band": 8}, {"correlation_band": 40}])
