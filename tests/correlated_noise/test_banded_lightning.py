@@ -109,8 +109,9 @@ def test_released_noise_has_the_covariance_of_the_strategy():
         {"lowpass": "ema"},  # post-processing of the released noisy gradients
         {"secure_mode": True},  # Z_t from the hardened sampler, the generators reseeded from the OS
         {"privacy_unit": "user", "user_key": example_user, "sample_rate": 0.2},  # the groups are groups of users
+        {"clipping_groups": "per_layer"},  # the sensitivity sqrt(sum_g C_g^2) scales the correlated noise
     ],
-    ids=["lowpass", "secure_mode", "user_level"],
+    ids=["lowpass", "secure_mode", "user_level", "clipping_groups"],
 )
 def test_composes_with(options):
     options = {"seed": None, **options} if options.get("secure_mode") else options
