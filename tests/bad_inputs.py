@@ -389,6 +389,20 @@ def _private_search(space: dict[str, list[Any]]) -> Callable[[], Any]:
     return run
 
 
+def _hf_banded_resume() -> Any:
+    """``train(resume_from_checkpoint=...)`` of a banded run without ``ignore_data_skip``: refused before the checkpoint
+    is read (so none is needed)."""
+    from lightning_dp.hf import DPTrainer, PrivacyArguments
+    from tests.hf_helpers import TokenDataset, tiny_gpt2, training_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        privacy = PrivacyArguments(noise_multiplier=1.0, noise_correlation="banded", correlation_band=2, dp_seed=0)
+        trainer = DPTrainer(
+            model=tiny_gpt2(), args=training_args(tmp), train_dataset=TokenDataset(), privacy_args=privacy
+        )
+        return trainer.train(resume_from_checkpoint=str(Path(tmp) / "checkpoint-2"))
+
+
 # ---------------------------------------------------------------------------------------------------- cases
 CASES: list[BadInput] = [
     # DPStrategy arguments, rejected at construction
@@ -696,6 +710,79 @@ CASES: list[BadInput] = [
         "Embedding(max_norm=2.0) added to a GPT-2",
         _hf_trainer(model=_gpt2_with(lambda: nn.Embedding(4, 4, max_norm=2.0))),
         "max_norm",
+    ),
+    # noise_correlation='banded' (banded matrix factorization): combinations the banded-mf accountant does not cover
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded' without correlation_band",
+        _strategy(noise_multiplier=1.0, noise_correlation="banded"),
+        "needs correlation_band, an integer b >= 1",
+    ),
+    BadInput(
+        "DPStrategy",
+        "correlation_band=4 without noise_correlation",
+        _strategy(noise_multiplier=1.0, correlation_band=4),
+        "correlation_band=4 applies to noise_correlation='banded'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='blt'",
+        _strategy(noise_multiplier=1.0, noise_correlation="blt", correlation_band=2),
+        "noise_correlation must be None or 'banded'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded', noise='laplace'",
+        _strategy(noise="laplace", noise_params={"noise_scale": 1.0}, noise_correlation="banded", correlation_band=2),
+        "correlates Gaussian noise: use noise='gaussian'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded', accountant='pld'",
+        _strategy(noise_multiplier=1.0, accountant="pld", noise_correlation="banded", correlation_band=2),
+        "accounted by accountant='banded-mf' only",
+    ),
+    BadInput(
+        "DPStrategy",
+        "accountant='banded-mf' without noise_correlation",
+        _strategy(noise_multiplier=1.0, accountant="banded-mf"),
+        "accounts for noise_correlation='banded' only",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded', clipping='hutch'",
+        _strategy(noise_multiplier=1.0, clipping="hutch", noise_correlation="banded", correlation_band=2),
+        "needs an exact clipping engine, not clipping=.hutch.",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded', target_unclipped_quantile=0.5",
+        _strategy(noise_multiplier=1.0, target_unclipped_quantile=0.5, noise_correlation="banded", correlation_band=2),
+        "with adaptive clipping is not supported",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='banded', poisson_sampling=False",
+        _strategy(noise_multiplier=1.0, poisson_sampling=False, noise_correlation="banded", correlation_band=2),
+        "samples by cyclic Poisson sampling: keep poisson_sampling=True",
+    ),
+    BadInput(
+        "Lightning fit",
+        "noise_correlation='banded', correlation_band=10 at q = 8/64",
+        _fit(_tiny(), {"noise_correlation": "banded", "correlation_band": 10}, max_steps=20),
+        r"group rate b\*q=1.25 > 1: use a band <= 8",
+    ),
+    BadInput(
+        "Lightning fit",
+        "noise_correlation='banded', correlation_band=4 with max_steps=2",
+        _fit(_tiny(), {"noise_correlation": "banded", "correlation_band": 4}),
+        "correlation_band=4 exceeds the 2 planned steps",
+    ),
+    BadInput(
+        "HF DPTrainer",
+        "noise_correlation='banded': train(resume_from_checkpoint=...) with ignore_data_skip=False",
+        _hf_banded_resume,
+        r"resumes only with TrainingArguments\(ignore_data_skip=True\)",
     ),
     # command line
     BadInput(

@@ -47,14 +47,21 @@ earlier release: adaptivity is covered), and the adaptive composition of the ``k
    a change of ``sigma`` mid-band mixes noise scales within one participation's rows, which the reduction does not
    cover).
 
+**Segments.** A training run that restarts the correlation (a resume: the streaming state is noise and is never
+checkpointed, docs/design.md section 5.1) releases, from then on, a new banded-MF mechanism with the same ``C``,
+whose noise and partition are drawn afresh; :attr:`BandedMFEvent.segment` numbers these pieces. The whole run is the
+adaptive composition of its segments, each bounded as above, so a ledger of segments of ``n_1, n_2, ...`` steps is
+``sum_i ceil(n_i / b)`` compositions of the reduced event (at most one more participation per restart than without
+it). Segments differ only in their number: every other field must agree.
+
 **Computation.** dp-accounting's PLD accountant on ``PoissonSampledDpEvent(q_b, GaussianDpEvent(sigma / s))``
 composed ``k`` times, with the ``pld`` accountant's discretisation (``value_discretization_interval = 1e-4``,
 pessimistic), both directions of add/remove (the larger epsilon). The bound is the reduction's; it can be loose
 against the exact privacy of the correlated mechanism but is never below it (up to the discretisation, which is
 pessimistic).
 
-Not registered in :data:`~lightning_dp.accounting.ACCOUNTANTS` (registering needs the CLI's list of built-in names
-too, and the wiring decides the name); docs/design.md section 5.1 says what the wiring still needs.
+Registered as ``"banded-mf"``: the default, and the only accountant accepted, of ``noise_correlation='banded'``
+(docs/design.md section 5.1 says what the training run provides for each condition).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ import numpy as np
 import numpy.typing as npt
 from dp_accounting import pld
 
-from lightning_dp.accounting.base import Accountant, validate_delta, validate_epsilon
+from lightning_dp.accounting.base import Accountant, register_accountant, validate_delta, validate_epsilon
 from lightning_dp.accounting.events import register_event
 from lightning_dp.correlated_noise.sensitivity import participation_count
 from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz
@@ -92,19 +99,24 @@ class BandedMFEvent:
             For DP-SGD's expected batch ``q N``: ``b * q``.
         num_groups: ``b >= 1``, the number of groups of the cyclic partition; ``C``'s band must be at most ``b``.
         max_column_norm: ``s > 0``, an upper bound on every column norm of ``C`` (clip norm 1).
+        segment: ``>= 0``, the number of the piece of the run since the correlation last restarted (module
+            docstring, "Segments"); 0 for a run that never restarted.
     """
 
     noise_multiplier: float
     group_sample_rate: float
     num_groups: int
     max_column_norm: float
+    segment: int = 0
 
     def __post_init__(self) -> None:  # plain Python numbers, so that the ledger's state is JSON (NumPy scalars are not)
         for field in ("noise_multiplier", "group_sample_rate", "max_column_norm"):
             if isinstance(getattr(self, field), numbers.Real):
                 object.__setattr__(self, field, float(getattr(self, field)))
-        if isinstance(self.num_groups, numbers.Integral) and not isinstance(self.num_groups, bool):
-            object.__setattr__(self, "num_groups", int(self.num_groups))
+        for field in ("num_groups", "segment"):
+            value = getattr(self, field)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, field, int(value))
 
 
 def validate_banded_mf_event(event: BandedMFEvent) -> None:
@@ -120,6 +132,8 @@ def validate_banded_mf_event(event: BandedMFEvent) -> None:
         raise ValueError(f"num_groups (b, the cycle length) must be an integer >= 1, got {event.num_groups!r}")
     if not (event.max_column_norm > 0 and math.isfinite(event.max_column_norm)):
         raise ValueError(f"max_column_norm must be finite and > 0, got {event.max_column_norm}")
+    if isinstance(event.segment, bool) or not isinstance(event.segment, numbers.Integral) or event.segment < 0:
+        raise ValueError(f"segment must be an integer >= 0, got {event.segment!r}")
 
 
 def band_and_max_column_norm(strategy: BandedToeplitz | npt.ArrayLike, steps: int) -> tuple[int, float]:
@@ -166,18 +180,17 @@ def band_and_max_column_norm(strategy: BandedToeplitz | npt.ArrayLike, steps: in
     return band, float(np.max(np.linalg.norm(matrix, axis=0)))
 
 
+@register_accountant
 class BandedMFAccountant(Accountant):
     """Epsilon and delta of banded MF under cyclic Poisson sampling (module docstring: theorem, conditions).
 
-    The ledger holds one :class:`BandedMFEvent` per step (all equal); ``get_epsilon(delta)`` and
-    ``get_delta(epsilon)`` compose ``k = ceil(steps / b)`` Poisson-subsampled Gaussian mechanisms (rate ``q_b``, noise
-    multiplier ``sigma / s``) with dp-accounting's PLD. Build it with :meth:`for_strategy`, or ``compose`` events as
-    training proceeds. Source: Choquette-Choo et al. 2023, Section 5.
-
-    Not registered in the accountant registry (module docstring).
+    The ledger holds one :class:`BandedMFEvent` per step (equal but for their segment); ``get_epsilon(delta)`` and
+    ``get_delta(epsilon)`` compose ``k = sum over segments of ceil(steps / b)`` Poisson-subsampled Gaussian mechanisms
+    (rate ``q_b``, noise multiplier ``sigma / s``) with dp-accounting's PLD. Build it with :meth:`for_strategy`, or
+    ``compose`` events as training proceeds. Source: Choquette-Choo et al. 2023, Section 5.
     """
 
-    name = "banded-mf-cyclic-poisson"
+    name = "banded-mf"
     note = "banded MF, cyclic Poisson over b groups (Choquette-Choo et al. 2023, Sec. 5)"
     value_discretization_interval = VALUE_DISCRETIZATION_INTERVAL
 
@@ -230,15 +243,21 @@ class BandedMFAccountant(Accountant):
         """Record ``count`` steps of ``event`` (a :class:`BandedMFEvent`).
 
         Raises:
-            ValueError: another event type, invalid parameters, or an event that differs from the ledger's (the
-                reduction needs one ``sigma``, ``q_b``, ``b`` and ``s`` for the whole run).
+            ValueError: another event type, invalid parameters, an event that differs from the ledger's in more than
+                its segment (the reduction needs one ``sigma``, ``q_b``, ``b`` and ``s`` for the whole run), or a
+                segment below the ledger's last.
         """
-        if isinstance(event, BandedMFEvent):
+        if isinstance(event, BandedMFEvent) and count > 0:
             validate_banded_mf_event(event)
-            if self.ledger and self.ledger[0][0] != event and count > 0:
+            last = self.ledger[-1][0] if self.ledger else None
+            if last is not None and dataclasses.replace(last, segment=event.segment) != event:
                 raise ValueError(
                     f"banded MF accounting needs the same parameters at every step; the ledger has "
-                    f"{self.ledger[0][0]!r}, got {event!r}: keep sigma, q_b, b and C fixed for the run"
+                    f"{last!r}, got {event!r}: keep sigma, q_b, b and C fixed for the run"
+                )
+            if last is not None and event.segment < last.segment:
+                raise ValueError(
+                    f"banded MF segments come in order: the ledger is at segment {last.segment}, got {event.segment}"
                 )
         return super().compose(event, count)
 
@@ -262,9 +281,13 @@ class BandedMFAccountant(Accountant):
 
     @property
     def participations(self) -> int:
-        """``k = ceil(steps / b)``, the most steps one example can take part in so far (0 for an empty ledger): group
-        ``g`` is eligible at the ``ceil((steps - g) / b)`` steps ``t = g mod b``, most for ``g = 0``."""
-        return participation_count(self.steps, self.ledger[0][0].num_groups) if self.ledger else 0
+        """``k``, the most steps one example can take part in so far (0 for an empty ledger): per segment of ``n_i``
+        steps ``ceil(n_i / b)`` (group ``g`` is eligible at the ``ceil((n_i - g) / b)`` steps ``t = g mod b``, most for
+        ``g = 0``), summed over the segments (module docstring, "Segments")."""
+        steps: dict[int, int] = {}
+        for event, count in self.ledger:
+            steps[event.segment] = steps.get(event.segment, 0) + count
+        return sum(participation_count(n, self.ledger[0][0].num_groups) for n in steps.values())
 
     def get_delta(self, epsilon: float) -> float:
         """Delta of all composed steps at ``epsilon`` (0.0 for an empty ledger).
@@ -305,46 +328,3 @@ def banded_mf_epsilon(
         num_groups=num_groups,
     )
     return accountant.get_epsilon(delta)
-
-
-def calibrate_banded_mf_noise(
-    strategy: BandedToeplitz | npt.ArrayLike,
-    *,
-    steps: int,
-    group_sample_rate: float,
-    target_epsilon: float,
-    target_delta: float,
-    num_groups: int | None = None,
-) -> tuple[float, float]:
-    """The noise multiplier ``sigma`` (noise on ``C x``, clip-norm units) whose epsilon lies in ``[(1 - RTOL) target,
-    target]``, through the library's generic root finder
-    (:func:`lightning_dp.mechanisms.solver.solve_monotone`, epsilon decreasing in ``sigma``).
-
-    Returns:
-        ``(sigma, epsilon)``. Divide ``sigma`` by ``C``'s largest column norm for the ``sigma'`` of the scaling of
-        docs/design.md section 5.1 (then it equals DP-SGD's noise multiplier at rate ``q_b`` for ``k`` steps).
-
-    Raises:
-        ValueError: the arguments of :meth:`BandedMFAccountant.for_strategy`, a bad target, or a target no
-            ``sigma`` reaches.
-    """
-    # Imported on use: the mechanisms import the accounting package, which the wiring may make import this module.
-    from lightning_dp.mechanisms.solver import closed_form_noise_ratio, solve_monotone
-
-    validate_epsilon(target_epsilon)
-    validate_delta(target_delta)
-    band, max_norm = band_and_max_column_norm(strategy, steps)
-    k = participation_count(steps, band if num_groups is None else num_groups)
-    initial = max_norm * max(closed_form_noise_ratio(target_epsilon, target_delta, group_sample_rate, k), 0.3)
-
-    def epsilon_of(sigma: float) -> float:
-        return banded_mf_epsilon(
-            strategy,
-            steps=steps,
-            noise_multiplier=sigma,
-            group_sample_rate=group_sample_rate,
-            delta=target_delta,
-            num_groups=num_groups,
-        )
-
-    return solve_monotone(epsilon_of, target_epsilon, initial=initial, increasing=False, bounds=(1e-3, 1e4))

@@ -32,6 +32,7 @@ from lightning_dp.clipping.groups import (
 )
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.sum_check import validate_sum_check
+from lightning_dp.config.combinations import check_noise_correlation, check_randomized_and_adaptive
 from lightning_dp.config.errors import checking
 from lightning_dp.data.physical_batches import validate_max_physical_batch_size
 from lightning_dp.data.poisson import validate_sample_rate
@@ -39,7 +40,7 @@ from lightning_dp.data.users import validate_user_options
 from lightning_dp.mechanisms import NoiseMechanism
 from lightning_dp.mechanisms.base import mechanism_class, validate_max_grad_norm
 from lightning_dp.mechanisms.secure import check_secure_mechanism
-from lightning_dp.optim.adaptive_clipping import sum_noise_multiplier, validate_adaptive_clipping
+from lightning_dp.optim.adaptive_clipping import validate_adaptive_clipping
 from lightning_dp.optim.lowpass import LowPassFilter, make_lowpass
 from lightning_dp.optim.momentum import validate_momentum
 from lightning_dp.utils.naming import did_you_mean
@@ -119,8 +120,23 @@ class PrivacyConfig:
     accountant: str | None = _option(
         None,
         "accountant name; default the mechanism's sound default (``'pld'`` for Gaussian, ``'rc'`` for randomized "
-        "clipping).",
+        "clipping, ``'banded-mf'`` with ``noise_correlation='banded'``).",
         "Accountant (default: the mechanism's).",
+    )
+    noise_correlation: str | None = _option(
+        None,
+        "``None`` (default): independent noise at every step (DP-SGD). ``'banded'``: banded matrix-factorization "
+        "noise (Choquette-Choo et al. 2023; docs/correlated_noise.md): step ``t`` adds ``sigma C s (C^-1 Z)_t`` for "
+        "an optimised ``b``-banded Toeplitz ``C`` (largest column norm ``s``), the data are cyclically Poisson-sampled "
+        "over ``b`` groups at ``q_b = b q``, and the ``'banded-mf'`` accountant counts ``ceil(n / b)`` "
+        "participations. Gaussian noise, exact engines, fixed bound, one process.",
+        "Correlated noise: banded (banded matrix factorization with cyclic Poisson sampling); None: independent.",
+    )
+    correlation_band: int | None = _option(
+        None,
+        "``b >= 1``, the band of ``noise_correlation='banded'`` and its number of cyclic groups (1 is DP-SGD; needs "
+        "``b q <= 1``).",
+        "Band b of noise_correlation=banded (its number of cyclic groups).",
     )
     sample_rate: float | None = _option(
         None,
@@ -354,12 +370,6 @@ class PrivacyConfig:
             validate_automatic_clipping_gamma(self.automatic_clipping_gamma)
         with checking("clipping_fn"):
             validate_clipping_fn(self.clipping_fn, randomized=self.randomized_clipping, adaptive=self.adaptive_clipping)
-        if self.randomized_clipping and (self.noise_name != "gaussian" or self.accountant not in (None, "rc")):
-            raise ValueError(
-                f"clipping={self.clipping!r} clips by a random norm estimate, which only the randomized-clipping "
-                "accountant accounts for: use noise='gaussian' with accountant='rc' (the default), or clipping='auto' "
-                "or an exact engine (ghost, mixed, fgc, flat)"
-            )
         if self.noise_multiplier is not None and self.noise != "gaussian":
             raise ValueError(f"noise_multiplier applies to noise='gaussian'; for {self.noise!r} pass noise_params")
         if isinstance(self.noise, NoiseMechanism) and not self._carries_sensitivity(self.noise):
@@ -387,22 +397,8 @@ class PrivacyConfig:
                     randomized=self.randomized_clipping,
                     adaptive=self.adaptive_clipping,
                 )
-        if self.adaptive_clipping and (self.noise_name != "gaussian" or self.randomized_clipping):
-            raise ValueError(
-                "adaptive clipping (target_unclipped_quantile) needs noise='gaussian' and an exact clipping engine "
-                f"(flat, ghost, fgc, mixed), got noise={self.noise_name!r}, clipping={self.clipping!r}"
-            )
-        low, high = self.min_clipbound or 0.0, self.max_clipbound or float("inf")
-        # one bound here: a list needs clipping_groups (validate_clipping_groups), which adaptive clipping refuses
-        if self.adaptive_clipping and not low <= cast(float, self.max_grad_norm) <= high:
-            with checking("max_grad_norm"):
-                raise ValueError(
-                    f"max_grad_norm={self.max_grad_norm} (the starting bound of adaptive clipping) lies outside "
-                    f"[min_clipbound, max_clipbound] = [{low}, {high}]"
-                )
-        if self.adaptive_clipping and self.noise_multiplier is not None and self.unclipped_num_std is not None:
-            with checking("unclipped_num_std"):
-                sum_noise_multiplier(self.noise_multiplier, self.unclipped_num_std)
+        check_randomized_and_adaptive(self)
+        check_noise_correlation(self)
 
     @property
     def noise_name(self) -> str:

@@ -101,13 +101,16 @@ class PoissonBatchSampler(Sampler[list[int]]):
         return self.num_steps * self.micro_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.num_steps):
-            mask = torch.rand(len(self.shard), generator=self.generator) < self.sample_rate
-            indices = self.shard[mask]
+        for indices in self._logical_batches():
             if self.lengths is not None:
                 indices = indices[torch.sort(self.lengths[indices], descending=True, stable=True).indices]
             for chunk in torch.tensor_split(indices, self.micro_batches):
                 yield chunk.tolist()
+
+    def _logical_batches(self) -> Iterator[torch.Tensor]:
+        """The dataset indices of each logical step of one pass, in dataset order: a Poisson sample of the shard."""
+        for _ in range(self.num_steps):
+            yield self.shard[torch.rand(len(self.shard), generator=self.generator) < self.sample_rate]
 
 
 def _empty_like_batch(batch: Any) -> Any:
@@ -152,11 +155,14 @@ def poisson_dataloader(
     dataset: Dataset | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
     wrap_sampler: Callable[[PoissonBatchSampler], Sampler] | None = None,
+    sampler_class: Callable[..., PoissonBatchSampler] = PoissonBatchSampler,
 ) -> DataLoader:
     """A copy of ``loader`` (same dataset, collate, workers) drawing Poisson batches (``rank``'s shard of
     ``world_size``; micro-batches grouped by ``lengths`` when given; see :class:`PoissonBatchSampler`).
     ``dataset`` and ``collate_fn``, when given, replace the loader's (e.g. the data regrouped by user);
-    ``wrap_sampler`` wraps the Poisson batch sampler (e.g. :class:`~lightning_dp.data.users.UserDraws`).
+    ``wrap_sampler`` wraps the Poisson batch sampler (e.g. :class:`~lightning_dp.data.users.UserDraws`);
+    ``sampler_class`` builds it from :class:`PoissonBatchSampler`'s arguments (e.g. a ``functools.partial`` of
+    :class:`~lightning_dp.data.cyclic_poisson.CyclicPoissonBatchSampler`).
 
     Raises:
         TypeError: the loader's dataset has no ``__len__`` (iterable datasets cannot be Poisson-sampled).
@@ -165,7 +171,7 @@ def poisson_dataloader(
     collate_fn = loader.collate_fn if collate_fn is None else collate_fn
     if not hasattr(dataset, "__len__"):
         raise TypeError("Poisson sampling needs a map-style dataset with __len__; got an iterable dataset")
-    sampler = PoissonBatchSampler(
+    sampler = sampler_class(
         len(dataset),
         sample_rate,
         num_steps=num_steps,

@@ -36,6 +36,8 @@ class PrivacyLedger:
         """The privacy event of one logical step."""
         state = self.state
         assert state.mechanism is not None and state.sample_rate is not None and state.num_params is not None
+        if state.correlation is not None:
+            return state.correlation.event(state.noise_multiplier)
         if state.randomized_clipping:
             assert state.clipper is not None and state.norm_dim is not None
             engine = state.clipper.engine
@@ -175,6 +177,17 @@ class PrivacyLedger:
                 else {}
             ),
             **({"lowpass": state.lowpass.describe()} if state.lowpass is not None else {}),
+            **(
+                {
+                    "noise_correlation": "banded",
+                    "correlation_band": state.correlation.band,
+                    "group_sample_rate": state.correlation.group_rate,
+                    "max_column_norm": state.correlation.column_norm,
+                    "participations": getattr(state.accountant, "participations", None),
+                }
+                if state.correlation is not None
+                else {}
+            ),
             **(
                 {"augmentation_multiplicity": state.config.augmentation_multiplicity}
                 if state.config.augmentation_multiplicity > 1

@@ -62,8 +62,9 @@ class CheckpointState:
 
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate; with per-sample momentum ``"momentum"``, with a low-pass
-        filter ``"lowpass"``, with adaptive clipping ``"adaptive_clipping"`` (all functions of released values). Never a
-        seed or generator state (docs/design.md section 2.3).
+        filter ``"lowpass"``, with adaptive clipping ``"adaptive_clipping"`` (all functions of released values), with
+        banded correlated noise ``"noise_correlation"`` (its strategy's coefficients, data-independent). Never a seed,
+        a generator state or the correlated noise's streaming state (docs/design.md sections 2.3 and 5.1).
         """
         run = self.run
         assert run.mechanism is not None and run.accountant is not None
@@ -81,6 +82,8 @@ class CheckpointState:
             state["adaptive_clipping"] = run.adaptive.state_dict()
         if run.config.privacy_unit == "user":
             state["privacy_unit"] = {"unit": "user", "user_key": _key_name(run.config.user_key)}
+        if run.correlation is not None:  # the strategy only (public, like the mechanism); its stream state is noise
+            state["noise_correlation"] = {"kind": "banded", "coefs": list(run.correlation.strategy.coefs)}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,7 +94,7 @@ class CheckpointState:
             ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
                 (never replaced by an empty ledger); other per-sample momentum or lowpass settings; adaptive clipping on
                 one side only, or a non-positive adaptive bound; example-level steps resumed user-level, or another
-                ``user_key``.
+                ``user_key``; banded correlated noise on one side only (its band is checked when training starts).
         """
         run = self.run
         check_privacy_state(state)
@@ -108,6 +111,7 @@ class CheckpointState:
                 + ": resume with the same target_unclipped_quantile setting"
             )
         bound = None if adaptive is None else restored_bound(adaptive)  # malformed: fails before anything changes
+        coefs = self._restored_correlation(state.get("noise_correlation"))
         if "momentum" in state:
             run.momentum.load_state_dict(state["momentum"])
         elif run.momentum.enabled:
@@ -161,6 +165,27 @@ class CheckpointState:
             run.distributed.synchronize_randomness(run.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
         self.clip_bound.restore(bound)
+        run.restored_correlation = coefs
+
+    def _restored_correlation(self, saved: dict[str, Any] | None) -> tuple[float, ...] | None:
+        """The checkpoint's banded coefficients, kept for this run (the correlation itself restarts: docs/design.md
+        section 5.1).
+
+        Raises:
+            ValueError: correlated noise on one side only, or a malformed entry.
+        """
+        banded = self.run.config.noise_correlation is not None
+        if (saved is not None) != banded:
+            trained = "banded correlated noise" if saved is not None else "independent noise"
+            raise ValueError(
+                f"The checkpoint was trained with {trained}: resume with the same noise_correlation setting"
+            )
+        if saved is None:
+            return None
+        coefs = saved.get("coefs") if isinstance(saved, dict) else None
+        if not isinstance(coefs, list) or not coefs or saved.get("kind") != "banded":
+            raise ValueError(f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} is not a banded strategy")
+        return tuple(float(c) for c in coefs)
 
     def _check_privacy_unit(self, saved: dict[str, Any] | None) -> None:
         """Refuse a resume whose ledger was spent on another unit (user-level resumed at example level is allowed).

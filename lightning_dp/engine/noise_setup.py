@@ -7,11 +7,15 @@ import logging
 import math
 
 from lightning_dp.accounting import make_accountant
+from lightning_dp.accounting.banded_mf import BandedMFEvent
+from lightning_dp.config.combinations import BANDED_MF_ACCOUNTANT
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.correlation import plan_banded
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
 from lightning_dp.mechanisms.base import mechanism_class
+from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
 log = logging.getLogger("lightning_dp")
 
@@ -64,12 +68,22 @@ class NoiseSetup:
             )
         if state.accountant is None and config.accountant is None:
             state.defaults_applied.append(
-                f"accountant = {self.default_accountant()!r} (the sound default for {config.noise_name})"
+                f"accountant = {self.default_accountant()!r} (the sound default for {config.noise_name}"
+                + (", noise_correlation='banded')" if config.noise_correlation is not None else ")")
             )
         if state.auto_clipping is not None and state.auto_clipping not in state.defaults_applied:
             state.defaults_applied.append(state.auto_clipping)
         # a noise already fixed beside a target (which excludes a given noise): a checkpoint's, kept on resume
         kept_for_target = state.mechanism is not None and config.target_epsilon is not None
+        if config.noise_correlation is not None:
+            assert config.correlation_band is not None  # PrivacyConfig requires it
+            state.correlation = plan_banded(
+                band=config.correlation_band,
+                sample_rate=float(sample_rate),
+                planned_steps=total_steps,
+                restored_coefs=state.restored_correlation,
+                segment=self._next_segment(),
+            )
         if state.mechanism is None:
             state.mechanism = self._calibrate(total_steps)
         if state.accountant is None:
@@ -78,9 +92,25 @@ class NoiseSetup:
         if kept_for_target:
             self._report_unused_target(total_steps)
         state.sum_mechanism = self.clip_bound.setup_adaptive() if config.adaptive_clipping else state.mechanism
+        if state.correlation is not None:
+            if not isinstance(state.mechanism, GaussianMechanism):
+                raise ValueError(
+                    f"noise_correlation='banded' correlates the built-in Gaussian noise, not {type(state.mechanism)}"
+                )
+            state.sum_mechanism = state.correlation.sum_mechanism(state.mechanism)
+
+    def _next_segment(self) -> int:
+        """The segment of this start of training: 0 on a fresh ledger, else one more than its last banded step's
+        (a resume or a second ``fit`` restarts the correlation; docs/design.md section 5.1)."""
+        ledger = self.state.accountant.ledger if self.state.accountant is not None else []
+        segments = [event.segment for event, _ in ledger if isinstance(event, BandedMFEvent)]
+        return segments[-1] + 1 if segments else 0
 
     def default_accountant(self) -> str:
-        """``"rc"`` for randomized clipping, else the mechanism's sound default."""
+        """``"rc"`` for randomized clipping, ``"banded-mf"`` for banded correlated noise, else the mechanism's sound
+        default."""
+        if self.state.config.noise_correlation is not None:
+            return BANDED_MF_ACCOUNTANT
         mechanism = self.state.mechanism or mechanism_class(self.state.config.noise_name)
         return "rc" if self.state.randomized_clipping else mechanism.default_accountant
 
@@ -95,7 +125,13 @@ class NoiseSetup:
                 "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
             )
         assert config.target_epsilon is not None and state.target_delta is not None and state.sample_rate is not None
-        if state.randomized_clipping:
+        if state.correlation is not None:
+            mechanism = state.correlation.calibrate(
+                target_epsilon=config.target_epsilon,
+                target_delta=state.target_delta,
+                max_grad_norm=state.max_grad_norm,
+            )
+        elif state.randomized_clipping:
             assert state.clipper is not None and state.norm_dim is not None
             engine = state.clipper.engine
             assert engine.estimator is not None  # register_engine refuses a randomized engine without one

@@ -266,6 +266,7 @@ class PrivacyEngine:
             any_rank=any_rank,
             secure_mode=self.secure_mode,
             postprocess=state.lowpass.apply_ if state.lowpass is not None else None,
+            correlation=state.correlation.noise_stream() if state.correlation is not None else None,
         )
         self._optimizers.append(wrapped)
         return wrapped

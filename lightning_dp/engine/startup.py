@@ -82,6 +82,7 @@ class StartupBlock:
             _row("noise", f"{state.mechanism.name} ({noise}), {state.noise_origin}"),
             _row("delta", f"{state.target_delta:.3g}"),
             _row("accountant", state.accountant.name),
+            *([_row("noise correlation", state.correlation.describe())] if state.correlation is not None else []),
             _row("clipping", state.clipping),
         ]
         if state.config.clipping_fn == "automatic":

@@ -7,6 +7,7 @@ micro-batch :meth:`~RunSequence.per_sample_loss` and :meth:`~RunSequence.clip`, 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -18,7 +19,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.data import expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
@@ -74,6 +76,8 @@ class RunSequence:
         """
         state = self.state
         self.attachment.attach(module)
+        if state.config.noise_correlation is not None and (distributed is not None or self._clipper.sharded):
+            raise ValueError("noise_correlation='banded' runs on one process for now")
         state.distributed = distributed
         state.micro_batches = 0
         if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's
@@ -151,6 +155,7 @@ class RunSequence:
                 dataset=dataset,
                 collate_fn=collate_fn,
                 wrap_sampler=UserDraws if state.config.privacy_unit == "user" else None,
+                sampler_class=self._sampler_class(),
                 sample_rate=sample_rate,
                 micro_batches=micro_batches,
                 generator=state.randomness.sampling,
@@ -175,6 +180,20 @@ class RunSequence:
                 "keep poisson_sampling=True"
             )
         return loader
+
+    def _sampler_class(self) -> Callable[..., PoissonBatchSampler]:
+        """The batch sampler of the training loader: Poisson, or with ``noise_correlation='banded'`` cyclic Poisson over
+        ``correlation_band`` groups, keyed by the run's randomness, its passes starting at the run's step count
+        (:mod:`lightning_dp.data.cyclic_poisson`)."""
+        config = self.state.config
+        if config.noise_correlation is None:
+            return PoissonBatchSampler
+        return functools.partial(
+            CyclicPoissonBatchSampler,
+            num_groups=config.correlation_band,
+            key=self.state.randomness.stream_seed("cyclic groups"),
+            next_step=lambda: self.state.steps,
+        )
 
     def _users(self, dataset: Any, user_ids: Sequence[Hashable] | None) -> UserDataset:
         """The training set regrouped by user (:mod:`lightning_dp.data.users`), built once per dataset.

@@ -192,3 +192,20 @@ def check_sharded_run(args: TrainingArguments) -> None:
             "shards' index, so other nodes' checkpoints would be incomplete; set save_on_each_node=False and "
             "write checkpoints to a filesystem every node reads"
         )
+
+
+def check_banded_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
+    """Refuse to resume ``noise_correlation='banded'`` while the Trainer skips the resumed epoch's first batches.
+
+    The Trainer draws and drops those batches (``skip_first_batches``), which would shift the cyclic groups against
+    the steps (:mod:`lightning_dp.data.cyclic_poisson`); under Poisson sampling the skipped batches are fresh draws
+    anyway, so ``ignore_data_skip=True`` loses nothing and the run takes the same steps.
+
+    Raises:
+        ValueError: banded correlated noise with ``ignore_data_skip=False``.
+    """
+    if config.noise_correlation is not None and not args.ignore_data_skip:
+        raise ValueError(
+            "noise_correlation='banded' resumes only with TrainingArguments(ignore_data_skip=True): skipping the "
+            "epoch's first batches would shift the cyclic groups against the steps"
+        )

@@ -16,6 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_dp.clipping.float32_sums import discard_float32_sums, take_float32_sums
+from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.runtime.randomness import DPRandomness
@@ -147,6 +148,9 @@ class DPOptimizer(Optimizer):
         postprocess: called with the noisy, rescaled ``p.grad`` list once per logical step, before the wrapped step;
             replaces them in place. ``None``: no post-processing.
         finite_check_every: period in privatised steps of the host read of the finite check (see :meth:`privatise`).
+        correlation: a streaming ``C^{-1}`` (:class:`~lightning_dp.correlated_noise.CorrelatedNoise`, fresh: empty
+            state) through which each step's draws of ``mechanism`` pass before they are added (banded matrix
+            factorization, docs/design.md section 5.1); ``None``: independent noise.
 
     Raises:
         ValueError: non-positive ``expected_batch_size`` or ``finite_check_every``.
@@ -167,6 +171,7 @@ class DPOptimizer(Optimizer):
         secure_mode: bool = False,
         postprocess: Callable[[Sequence[torch.Tensor]], None] | None = None,
         finite_check_every: int = FINITE_CHECK_EVERY,
+        correlation: CorrelatedNoise | None = None,
     ) -> None:
         if secure_mode:
             check_secure_mechanism(mechanism)
@@ -190,6 +195,8 @@ class DPOptimizer(Optimizer):
         self.clipped_sum_hooks: list[Callable[[Sequence[torch.nn.Parameter]], None]] = []
         self.postprocess = postprocess
         self.finite_check_every = finite_check_every
+        #: the streaming correlation of the noise; its state is noise, never in a checkpoint (:meth:`state_dict`).
+        self.correlation = correlation
         self._privatised = False
         #: privatised steps so far; the deferred finite flags (``[P]`` bool on the device, OR over the steps since the
         #: last read, ``None`` when none) and the first of those steps.
@@ -269,16 +276,12 @@ class DPOptimizer(Optimizer):
             if w is not None:  # what was written into the 16-bit .grad outside the clipper (zeros otherwise)
                 clipped_sum.add_(_clipped_sum(p))
         divisor = self._finite_check(params, sums)
-        grads = []
-        for clipped_sum in sums:
-            grad = local_part(clipped_sum)  # a sharded gradient: this rank's shard, noised from that shard's stream
-            shard = shard_key(clipped_sum) if is_sharded(clipped_sum) else ()
-            generator = self.randomness.noise_generator(grad.device, shard)
-            if self.secure_mode:
-                grad.add_(secure_sample(self.mechanism, grad, generator))
-            else:
-                grad.add_(self.mechanism.sample(grad, generator))
-            grads.append(grad)
+        grads = [local_part(clipped_sum) for clipped_sum in sums]  # sharded: this rank's shard, from its own stream
+        draws = (self._draw(grad, clipped_sum) for grad, clipped_sum in zip(grads, sums, strict=True))
+        if self.correlation is not None:  # all of the step's draws at once: C^{-1} mixes them with the past steps'
+            draws = iter(self.correlation.correlate(list(draws)))
+        for grad, noise in zip(grads, draws, strict=True):
+            grad.add_(noise)
         _divide(grads, divisor)
         for p, clipped_sum, w in zip(params, sums, wide, strict=True):
             if w is not None:
@@ -287,6 +290,15 @@ class DPOptimizer(Optimizer):
         self._privatised = True  # only now: after a failure above, the next step privatises again
         if self.postprocess is not None:
             self.postprocess([_clipped_sum(p) for p in params])
+
+    def _draw(self, grad: torch.Tensor, clipped_sum: torch.Tensor) -> torch.Tensor:
+        """The mechanism's noise for ``grad`` (a clipped sum, or a sharded one's local part), from the noise generator
+        of its device and shard; the hardened sampler in ``secure_mode``."""
+        shard = shard_key(clipped_sum) if is_sharded(clipped_sum) else ()
+        generator = self.randomness.noise_generator(grad.device, shard)
+        if self.secure_mode:
+            return secure_sample(self.mechanism, grad, generator)
+        return self.mechanism.sample(grad, generator)
 
     def _finite_check(self, params: Sequence[torch.nn.Parameter], sums: Sequence[torch.Tensor]) -> float | torch.Tensor:
         """Check now (a reading step, or sharded gradients) and return ``q N``; or defer: record the flags and return

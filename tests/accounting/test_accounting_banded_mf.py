@@ -4,6 +4,7 @@ mechanism, the library's ``pld`` accountant (b = 1, C = I), the analytic Gaussia
 
 import json
 import math
+from dataclasses import replace as dataclasses_replace
 
 import dp_accounting
 import numpy as np
@@ -17,9 +18,9 @@ from lightning_dp.accounting.banded_mf import (
     BandedMFEvent,
     band_and_max_column_norm,
     banded_mf_epsilon,
-    calibrate_banded_mf_noise,
 )
 from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz
+from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
 from lightning_dp.mechanisms.solver import RTOL
 
 DELTA = 1e-5
@@ -220,3 +221,20 @@ def test_calibration_through_the_generic_solver():
     # sigma / s is DP-SGD's noise multiplier for k = 100 steps at rate q_b, to the solver's tolerance
     s = float(np.linalg.norm(STRATEGY.coefs))
     assert reference_epsilon(0.04, sigma / s, 100) == pytest.approx(eps, rel=1e-9)
+
+
+def test_segments_compose_their_participations():
+    """A restarted correlation (a resume) is a new segment: ``sum_i ceil(n_i / b)`` participations of the reduced
+    event; every field but the segment must agree, and segments come in order."""
+    event = BandedMFEvent(1.2, 0.1, 4, 1.2)
+    accountant = BandedMFAccountant().compose(event, 6).compose(dataclasses_replace(event, segment=1), 5)
+    assert accountant.participations == 2 + 2 and accountant.steps == 11
+    assert accountant.get_epsilon(DELTA) == reference_epsilon(0.1, 1.0, 4)
+    assert BandedMFAccountant().compose(event, 11).participations == 3
+    with pytest.raises(ValueError, match="same parameters at every step"):
+        accountant.compose(BandedMFEvent(1.2, 0.2, 4, 1.2, segment=1))
+    with pytest.raises(ValueError, match="segments come in order"):
+        accountant.compose(event)
+    with pytest.raises(ValueError, match="segment must be an integer >= 0"):
+        BandedMFAccountant().compose(BandedMFEvent(1.0, 0.1, 4, 1.2, segment=-1))
+    assert make_accountant("banded-mf").name == "banded-mf"
