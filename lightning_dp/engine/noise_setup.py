@@ -125,6 +125,7 @@ class NoiseSetup:
                 "max_steps, or give the noise (noise_multiplier / noise_params) and use PrivacyBudget to stop"
             )
         assert config.target_epsilon is not None and state.target_delta is not None and state.sample_rate is not None
+        mechanism: NoiseMechanism
         if state.correlation is not None:
             mechanism = state.correlation.calibrate(
                 target_epsilon=config.target_epsilon,

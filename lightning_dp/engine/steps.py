@@ -188,6 +188,7 @@ class RunSequence:
         config = self.state.config
         if config.noise_correlation is None:
             return PoissonBatchSampler
+        assert config.correlation_band is not None  # PrivacyConfig requires it with noise_correlation
         return functools.partial(
             CyclicPoissonBatchSampler,
             num_groups=config.correlation_band,

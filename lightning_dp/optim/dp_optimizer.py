@@ -9,7 +9,7 @@ optional ``postprocess`` (post-processing, e.g. :mod:`lightning_dp.optim.lowpass
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -277,7 +277,8 @@ class DPOptimizer(Optimizer):
                 clipped_sum.add_(_clipped_sum(p))
         divisor = self._finite_check(params, sums)
         grads = [local_part(clipped_sum) for clipped_sum in sums]  # sharded: this rank's shard, from its own stream
-        draws = (self._draw(grad, clipped_sum) for grad, clipped_sum in zip(grads, sums, strict=True))
+        pairs = zip(grads, sums, strict=True)
+        draws: Iterator[torch.Tensor] = (self._draw(grad, clipped_sum) for grad, clipped_sum in pairs)
         if self.correlation is not None:  # all of the step's draws at once: C^{-1} mixes them with the past steps'
             draws = iter(self.correlation.correlate(list(draws)))
         for grad, noise in zip(grads, draws, strict=True):

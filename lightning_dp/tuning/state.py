@@ -147,9 +147,10 @@ class SearchFolder:
     def finish(self, state: SearchState, result: dict[str, Any]) -> dict[str, Any]:
         """Release the search: rename the best artifact to ``winner``, write ``result.json`` (``result`` plus the
         artifact's name) and reduce the state to the fingerprint and ``"finished": true``. Returns the result."""
-        artifact = state.best["artifact"] if state.best else None
-        if artifact is not None:
-            winner = "winner" + artifact.removeprefix(f"candidate-{state.best['candidate']}")
+        best = state.best
+        artifact = best["artifact"] if best else None
+        if best is not None and artifact is not None:
+            winner = "winner" + artifact.removeprefix(f"candidate-{best['candidate']}")
             remove(self.path / winner)
             (self.path / artifact).rename(self.path / winner)
             artifact = winner
