@@ -77,11 +77,14 @@ class NoiseSetup:
         kept_for_target = state.mechanism is not None and config.target_epsilon is not None
         if config.noise_correlation is not None:
             assert config.correlation_band is not None  # PrivacyConfig requires it
+            # a checkpoint's strategy on resume; on a second fit of the same run, the first fit's: sigma, q_b, b and s
+            # stay those the ledger holds (the accountant refuses a change)
+            kept = state.correlation.strategy.coefs if state.correlation is not None else state.restored_correlation
             state.correlation = plan_banded(
                 band=config.correlation_band,
                 sample_rate=float(sample_rate),
                 planned_steps=total_steps,
-                restored_coefs=state.restored_correlation,
+                restored_coefs=kept,
                 segment=self._next_segment(),
             )
         if state.mechanism is None:
@@ -98,6 +101,8 @@ class NoiseSetup:
                     f"noise_correlation='banded' correlates the built-in Gaussian noise, not {type(state.mechanism)}"
                 )
             state.sum_mechanism = state.correlation.sum_mechanism(state.mechanism)
+            if state.accountant.ledger:  # refused now, before a step is applied, not when the step is recorded
+                state.accountant.copy().compose(self.ledger.step_event())
 
     def _next_segment(self) -> int:
         """The segment of this start of training: 0 on a fresh ledger, else one more than its last banded step's

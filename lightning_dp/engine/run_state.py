@@ -120,6 +120,8 @@ class RunState:
     correlation: BandedPlan | None = None
     #: a restored checkpoint's banded coefficients, until ``prepare`` uses them.
     restored_correlation: tuple[float, ...] | None = None
+    #: with ``noise_correlation='banded'``, the training set its partition indexes (the first training loader's).
+    partitioned_dataset: Any = None
 
     @property
     def steps(self) -> int:

@@ -145,6 +145,14 @@ class RunSequence:
                 f"{state.loader_rate} -> {sample_rate}): reloading data of another size is not supported under DP, "
                 "the accountant and the noise scale assume one dataset"
             )
+        if state.config.noise_correlation is not None:  # groups are keyed by index: the index -> example map stays
+            if state.partitioned_dataset is not None and loader.dataset is not state.partitioned_dataset:
+                raise ValueError(
+                    "noise_correlation='banded' partitions the training set by index, so the training DataLoader must "
+                    "keep the same dataset object for the whole run: do not rebuild or reorder it "
+                    "(reload_dataloaders_every_n_epochs, a new Subset each epoch)"
+                )
+            state.partitioned_dataset = loader.dataset
         state.num_samples, state.loader_rate = num_samples, sample_rate
         state.loader_batches = (batch_size, micro_batches)
         state.length_grouped = lengths is not None and state.config.poisson_sampling

@@ -117,3 +117,35 @@ def test_a_checkpoint_of_independent_noise_does_not_resume_banded(tmp_path):
     trainer.save_checkpoint(tmp_path / "m.ckpt")
     with pytest.raises(ValueError, match="trained with independent noise: resume with the same noise_correlation"):
         _fit(4, ckpt_path=tmp_path / "m.ckpt")
+
+
+def test_a_second_fit_keeps_the_strategy_and_is_a_new_segment():
+    """A second ``fit`` of the same trainer plans more steps: it keeps the first fit's ``C`` (so ``sigma``, ``q_b``,
+    ``b`` and ``s`` stay the ledger's) and restarts the correlation as segment 1; a change the accountant refuses
+    would be refused before any step."""
+    trainer, strategy = _fit(6)
+    engine = strategy.privacy_engine
+    first = engine.state.correlation
+    trainer.fit_loop.epoch_loop.max_steps = 20
+    trainer.fit(trainer.lightning_module)
+    assert (
+        engine.state.correlation.strategy == first.strategy
+        and engine.state.correlation.column_norm == first.column_norm
+    )
+    assert [(event.segment, count) for event, count in engine.accountant.ledger] == [(0, 6), (1, 14)]
+
+
+def test_a_rebuilt_training_set_is_refused():
+    """The groups are keyed by the examples' indices: a loader over another dataset object (a reordered Subset each
+    epoch) could move an example to another group mid-run, so it is refused when built."""
+    from torch.utils.data import DataLoader, Subset
+
+    class Reshuffled(TinyRegressor):
+        def train_dataloader(self):
+            return DataLoader(Subset(self.data, torch.randperm(len(self.data)).tolist()), batch_size=4)
+
+    strategy = DPStrategy(noise_multiplier=1.0, noise_correlation="banded", correlation_band=BAND, seed=0)
+    trainer = make_trainer(strategy, max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(ValueError, match="must keep the same dataset object for the whole run"):
+        trainer.fit(Reshuffled(batch_size=4, data=_indexed_data()))
+    assert strategy.privacy_engine.steps > 0  # the first epoch ran; the second loader was refused
