@@ -128,6 +128,19 @@ def _tiny(**kwargs: Any) -> Callable[[], Any]:
     return make
 
 
+def _reordered_each_epoch() -> Any:
+    """A TinyRegressor whose every training loader is a new, reordered ``Subset`` of its data."""
+    from torch.utils.data import DataLoader, Subset
+
+    from tests.helpers import TinyRegressor
+
+    class Reordered(TinyRegressor):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(Subset(self.data, torch.randperm(len(self.data)).tolist()), batch_size=4)
+
+    return Reordered(batch_size=4)
+
+
 class _Centered(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -777,6 +790,18 @@ CASES: list[BadInput] = [
         "noise_correlation='banded', correlation_band=4 with max_steps=2",
         _fit(_tiny(), {"noise_correlation": "banded", "correlation_band": 4}),
         "correlation_band=4 exceeds the 2 planned steps",
+    ),
+    BadInput(
+        "Lightning fit",
+        "noise_correlation='banded' with a reordered Subset per epoch (reload_dataloaders_every_n_epochs=1)",
+        _fit(
+            _reordered_each_epoch,
+            {"noise_correlation": "banded", "correlation_band": 2},
+            max_steps=-1,
+            max_epochs=2,
+            reload_dataloaders_every_n_epochs=1,
+        ),
+        "must keep the same dataset object for the whole run",
     ),
     BadInput(
         "HF DPTrainer",
