@@ -455,17 +455,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def profile_variants(variants: list, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """One more round of every variant under the torch profiler (the kept steps only); per DP variant, the operators
-    it spends the most time on beyond its path's plain variant (bench/step_profile.py)."""
+    """``--rounds`` more rounds under the torch profiler, interleaved as the timed ones (the kept steps only); per DP
+    variant, the operators it spends the most time on beyond its path's plain variant, medians over the profiled
+    steps (bench/step_profile.py)."""
     device = torch.device(args.device)
-    rows = {}
-    for variant in variants:
-        variant.clocks.profiler = StepProfiler(device, skip=args.skip_first)
-        try:
-            variant.run_round()
-        finally:
-            rows[variant.name] = variant.clocks.profiler.rows()
-            variant.clocks.profiler = None
+    profilers = {variant.name: StepProfiler(device) for variant in variants}
+    for round_ in range(args.rounds):
+        shift = round_ % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            profiler = variant.clocks.profiler = profilers[variant.name]
+            profiler.skip(args.skip_first)
+            try:
+                variant.run_round()
+            finally:
+                variant.clocks.profiler = None
+    rows = {name: profiler.rows() for name, profiler in profilers.items()}
     out = {}
     for name, dp in rows.items():
         path = name.split("-")[0]
