@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -158,20 +157,15 @@ def _run(args: argparse.Namespace) -> None:
         plan = SearchPlan.for_target_epsilon(target, repetitions=repetitions, **schedule)
     train_candidate = digits_candidate(epochs=args.epochs, batch_size=args.batch_size, target_delta=plan.target_delta)
 
-    library_log = logging.getLogger("lightning_dp")
-    level = library_log.level
-    library_log.setLevel(logging.WARNING)  # no per-candidate lines: their number would show K
-    try:
-        result = private_search(
-            train_candidate,
-            {name: list(getattr(args, name)) for name in SEARCHED},
-            plan,
-            args.output_dir,
-            seed=args.seed,
-            secure_mode=args.secure_mode,
-        )
-    finally:
-        library_log.setLevel(level)
+    result = private_search(  # quiet: nothing printed per candidate (docs/tuning.md)
+        train_candidate,
+        {name: list(getattr(args, name)) for name in SEARCHED},
+        plan,
+        args.output_dir,
+        seed=args.seed,
+        secure_mode=args.secure_mode,
+        quiet=True,
+    )
     report = {
         "hparams": result.hparams,
         "val_acc": result.score,
@@ -182,11 +176,15 @@ def _run(args: argparse.Namespace) -> None:
         "mean_repetitions": repetitions.mean,
         "shape": repetitions.shape,
         "output_dir": str(result.output_dir),
+        "failure": result.failure,
     }
     if args.json:
         print(json.dumps(report))
         return
-    if result.released:
+    if result.failure is not None:
+        settings = ", ".join(f"{name} {value:g}" for name, value in result.hparams.items())
+        print(f"winner: {settings}: its training failed ({result.failure}); every candidate failed or scored NaN")
+    elif result.released:
         settings = ", ".join(f"{name} {value:g}" for name, value in result.hparams.items())
         print(f"winner: {settings}: validation accuracy {result.score:.4f} (the held-out split, declared public)")
     else:
@@ -196,5 +194,5 @@ def _run(args: argparse.Namespace) -> None:
         f"candidates, mean {repetitions.mean:g}); one candidate alone: epsilon {result.candidate_epsilon:.4f} "
         f"(noise multiplier {plan.noise_multiplier:.4g}, {plan.steps} steps)"
     )
-    if result.released:
+    if result.released and result.failure is None:
         print(f"the winner's weights: {result.output_dir / 'winner.saved.pt'}; the released result: result.json beside")

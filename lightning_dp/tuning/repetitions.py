@@ -33,6 +33,13 @@ def _tnb_mean(gamma: float, shape: float) -> float:
     return shape * (1.0 - gamma) / (gamma * -math.expm1(shape * math.log(gamma)))
 
 
+def _log_abs_expm1(x: float) -> float:
+    """``log |exp(x) - 1|`` for ``x != 0``, without overflow for a large ``x``."""
+    if x > 1.0:
+        return x + math.log1p(-math.exp(-x))
+    return math.log(abs(math.expm1(x)))
+
+
 @dataclasses.dataclass(frozen=True)
 class RepetitionDistribution:
     """The law of the number of candidates ``K``.
@@ -95,20 +102,27 @@ class RepetitionDistribution:
         return high
 
     def probabilities(self) -> Iterator[tuple[int, float]]:
-        """``(k, P[K = k])`` for ``k = smallest, smallest + 1, ...`` without end (each from the last by the ratio
-        ``P[k + 1] / P[k]``)."""
+        """``(k, P[K = k])`` for ``k = smallest, smallest + 1, ...`` without end, each term from its logarithm: the
+        Poisson ``exp(-mean)`` underflows above a mean of about 745 (as ``gamma^-eta`` overflows for a large mean and
+        shape), and a walk from an underflowed first term would give one ``K`` for every uniform."""
         k = self.smallest
         if self.shape == math.inf:
-            p = math.exp(-self.mean)
+            log_mean = math.log(self.mean)
             while True:
-                yield k, p
+                yield k, math.exp(k * log_mean - self.mean - math.lgamma(k + 1))
                 k += 1
-                p *= self.mean / k
         gamma, eta = self.gamma, float(self.shape)
-        p = (1.0 - gamma) / -math.log(gamma) if eta == 0 else (1.0 - gamma) * eta / math.expm1(-eta * math.log(gamma))
+        log_keep = math.log1p(-gamma)
+        if eta == 0:  # (1 - gamma)^k / (k log(1 / gamma))
+            log_norm = math.log(-math.log(gamma))
+            while True:
+                yield k, math.exp(k * log_keep - math.log(k) - log_norm)
+                k += 1
+        # (1 - gamma)^k Gamma(k + eta) / ((gamma^-eta - 1) Gamma(eta) k!); for eta in (-1, 0) both gamma^-eta - 1 and
+        # Gamma(eta) are negative, so their logarithms are those of their magnitudes
+        log_norm = _log_abs_expm1(-eta * math.log(gamma)) + math.lgamma(eta)
         while True:
-            yield k, p
-            p *= (1.0 - gamma) * (k + eta) / (k + 1)
+            yield k, math.exp(k * log_keep + math.lgamma(k + eta) - math.lgamma(k + 1) - log_norm)
             k += 1
 
     def pmf(self, k: int) -> float:

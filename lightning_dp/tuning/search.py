@@ -5,9 +5,13 @@ and 6). What the guarantee covers and what it does not: docs/tuning.md; the argu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,8 @@ class SearchResult:
         delta: the plan's ``target_delta``.
         candidate_epsilon: epsilon of one candidate alone (for comparison only).
         output_dir: the search's folder (``result.json``, the winner).
+        failure: ``"<exception type>: <message>"`` when the winner's ``train_candidate`` raised (it wins only when
+            every candidate failed or scored NaN), else ``None``. A loser's failure is never released.
     """
 
     hparams: dict[str, Any] | None
@@ -60,6 +66,7 @@ class SearchResult:
     delta: float
     candidate_epsilon: float
     output_dir: Path
+    failure: str | None = None
 
     @property
     def released(self) -> bool:
@@ -81,6 +88,28 @@ def _score(returned: Any) -> tuple[float, Any]:
         raise TypeError(f"train_candidate's score must be a real number, got a {type(score).__name__}") from None
 
 
+@contextlib.contextmanager
+def silenced() -> Iterator[None]:
+    """Nothing printed while the block runs: every logging record is discarded (``logging.disable``: the library's,
+    Lightning's, HF's and the caller's own loggers), Python warnings are ignored, and ``sys.stdout`` and
+    ``sys.stderr`` write to ``os.devnull``; all restored afterwards. :func:`private_search` trains its candidates
+    inside it unless ``quiet=False``: a line printed per candidate (a non-finite loss, a diverged run, a framework
+    warning) would show that a loser existed and what it did, and their number would bound ``K``."""
+    disabled = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with (
+            warnings.catch_warnings(),
+            open(os.devnull, "w", encoding="utf-8") as null,
+            contextlib.redirect_stdout(null),
+            contextlib.redirect_stderr(null),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled)
+
+
 def _better(score: float, best: float, higher_is_better: bool) -> bool:
     """Strictly better (the first of equal scores wins); NaN ranks below every number."""
     if math.isnan(score):
@@ -97,6 +126,7 @@ def private_search(
     seed: int | None = None,
     secure_mode: bool = False,
     higher_is_better: bool = True,
+    quiet: bool = True,
 ) -> SearchResult:
     """Run a private search, or resume or read back the one in ``output_dir``.
 
@@ -106,8 +136,11 @@ def private_search(
     ``candidate.sample_rate`` and ``candidate.steps``, and return ``(score, artifact)``: the score on data the caller
     declares public (a held-out split), higher better unless ``higher_is_better=False``, and the trained model (any
     object, saved with ``torch.save``, or a ``Path`` the run wrote, moved into ``output_dir``; ``None`` for none).
-    Only the best is kept: a beaten artifact is deleted, and no loser's score is written, logged or returned. A restart
-    with the same arguments continues where the last one stopped (an interrupted candidate runs again, with the same
+    Only the best is kept: a beaten artifact is deleted, and no loser's score is written, logged or returned. A
+    candidate whose ``train_candidate`` raises an ``Exception`` (a diverged run, out of memory, a malformed return)
+    scores NaN, so it wins only when every candidate does: its failure is released only then, as
+    :attr:`SearchResult.failure`; ``KeyboardInterrupt`` and other ``BaseException`` stop the search. A restart with the
+    same arguments continues where the last one stopped (an interrupted candidate runs again, with the same
     hyper-parameters), and a finished search's result is returned without training.
 
     Args:
@@ -122,13 +155,14 @@ def private_search(
         secure_mode: draw ``K`` and the hyper-parameters from fresh OS entropy at every draw (no seed), and set
             ``candidate.secure_mode`` for the runs.
         higher_is_better: whether a larger score is better.
+        quiet: train the candidates inside :func:`silenced` (no log line, warning or output of any candidate);
+            ``False`` lets them print, for debugging: what they print is outside the guarantee.
 
     Returns:
         The :class:`SearchResult`; nothing is released when ``K = 0`` (Poisson law only).
 
     Raises:
         ValueError: a bad search space, a seed with ``secure_mode``, or an ``output_dir`` holding another search.
-        TypeError: ``train_candidate`` returned something other than ``(real score, artifact)``.
     """
     space = validate_space(search_space)
     randomness = SearchRandomness(seed, secure=secure_mode)
@@ -141,13 +175,15 @@ def private_search(
             count = plan.repetitions.sample(randomness.uniform())
             state = SearchState(folder.fingerprint, [draw_candidate(space, randomness) for _ in range(count)])
             folder.save(state)
-        _train(train_candidate, plan, folder, state, randomness, higher_is_better)
+        with silenced() if quiet else contextlib.nullcontext():
+            _train(train_candidate, plan, folder, state, randomness, higher_is_better)
         best = state.best
         released = folder.finish(
             state,
             {
                 "hparams": state.candidates[best["candidate"]] if best else None,
                 "score": best["score"] if best else None,
+                "failure": best.get("failure") if best else None,
                 "epsilon": plan.epsilon,
                 "delta": plan.target_delta,
                 "candidate_epsilon": plan.candidate_epsilon,
@@ -162,6 +198,7 @@ def private_search(
         delta=released["delta"],
         candidate_epsilon=released["candidate_epsilon"],
         output_dir=folder.path,
+        failure=released.get("failure"),
     )
 
 
@@ -173,7 +210,8 @@ def _train(
     randomness: SearchRandomness,
     higher_is_better: bool,
 ) -> None:
-    """Train the candidates not yet completed, keeping the best's score and artifact in ``state`` and ``folder``."""
+    """Train the candidates not yet completed, keeping the best's score and artifact in ``state`` and ``folder``; a
+    candidate that raises an ``Exception`` scores NaN, its failure kept in ``state`` only while it is the best."""
     for index in range(state.completed, len(state.candidates)):
         candidate = Candidate(
             dict(state.candidates[index]),
@@ -183,10 +221,12 @@ def _train(
             randomness.candidate_seed(index),
             randomness.secure,
         )
-        score, artifact = _score(train_candidate(candidate))
+        score, artifact, failure = _run(train_candidate, candidate)
         if state.best is None or _better(score, state.best["score"], higher_is_better):
             previous = state.best["artifact"] if state.best else None
             state.best = {"candidate": index, "score": score, "artifact": folder.keep_artifact(index, artifact)}
+            if failure is not None:
+                state.best["failure"] = failure
             state.completed = index + 1
             folder.save(state)
             if previous is not None:
@@ -196,3 +236,21 @@ def _train(
                 remove(artifact)
             state.completed = index + 1
             folder.save(state)
+
+
+def _run(
+    train_candidate: Callable[[Candidate], tuple[float, Any]], candidate: Candidate
+) -> tuple[float, Any, str | None]:
+    """``(score, artifact, None)`` of one candidate, or ``(nan, None, "<type>: <message>")`` when ``train_candidate``
+    raised an ``Exception`` or returned something other than ``(real score, artifact)`` (a returned ``Path`` is then
+    deleted). Whether a candidate fails may depend on the data, so a failure is a score like any other, not an error
+    that would stop the search, show a loser, and make a restart train it again with fresh noise."""
+    returned: Any = None
+    try:
+        returned = train_candidate(candidate)
+        score, artifact = _score(returned)
+    except Exception as error:
+        if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], Path):
+            remove(returned[1])
+        return math.nan, None, f"{type(error).__name__}: {error}"
+    return score, artifact, None

@@ -5,37 +5,78 @@ training)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lightning_dp.config import HF_NAMES, PrivacyConfig
 from lightning_dp.tuning.randomness import SearchRandomness
 
-#: Names that set a candidate's noise, sampling, number of steps or accountant: a search that varied one would give its
-#: candidates different privacy events, which the search's one event does not cover.
-PRIVACY_KEYS = frozenset(
+#: Options of :class:`~lightning_dp.config.PrivacyConfig` (and their ``PrivacyArguments`` names) that a search may
+#: vary: each keeps the run's privacy event (noise, sampling, steps, accountant) and adds no release. The clipping
+#: bound, since the noise is ``sigma C`` (``sqrt(sum_g C_g^2)`` with groups); the clip function and its ``gamma``, and
+#: group-wise clipping, which keep the sensitivity and flat clipping's accounting; per-sample momentum, which keeps
+#: the sensitivity ``C``; the low-pass filter, post-processing; augmentation multiplicity, averaged before the clip;
+#: the physical-batch cap, which leaves the update, the noise and the accountant as without it (their documentation
+#: in ``PrivacyConfig`` says so). Every other option is refused.
+EVENT_KEEPING = frozenset(
     {
-        "noise_multiplier",
-        "target_epsilon",
-        "target_delta",
-        "noise",
-        "noise_params",
-        "accountant",
-        "sample_rate",
+        "max_grad_norm",
+        "per_sample_max_grad_norm",
+        "clipping_fn",
+        "automatic_clipping_gamma",
+        "clipping_groups",
+        "momentum_length",
+        "momentum_beta",
+        "lowpass",
+        "augmentation_multiplicity",
+        "max_physical_batch_size",
+        "per_example_reduction",
+    }
+)
+
+#: ``PrivacyArguments``' own fields, beside ``PrivacyConfig``'s (:mod:`lightning_dp.hf.arguments`, not imported: it
+#: needs the ``hf`` extra): ``per_example_reduction`` (an example's loss from its tokens) and ``disable_dp``.
+HF_OWN_OPTIONS = frozenset({"per_example_reduction", "disable_dp"})
+
+#: Settings outside the privacy configuration (the trainers' and the data's) that set the batch size, the number of
+#: steps or the data a candidate sees, and the seeds.
+SCHEDULE_KEYS = frozenset(
+    {
         "batch_size",
+        "train_batch_size",
+        "per_device_train_batch_size",
         "accumulate_grad_batches",
         "gradient_accumulation_steps",
         "epochs",
         "max_epochs",
+        "min_epochs",
         "num_train_epochs",
         "steps",
         "max_steps",
-        "clipping",
-        "projection_dim",
-        "poisson_sampling",
-        "privacy_unit",
-        "examples_per_user",
+        "min_steps",
+        "max_time",
+        "limit_train_batches",
+        "overfit_batches",
+        "early_stopping_patience",
+        "devices",
+        "num_nodes",
+        "dp_seed",
+        "seed",
     }
 )
+
+
+def _option_names() -> frozenset[str]:
+    """Every name of a privacy option: ``PrivacyConfig``'s fields, their ``PrivacyArguments`` names and HF's own."""
+    names = {field.name for field in dataclasses.fields(PrivacyConfig)}
+    return frozenset(names | {HF_NAMES.get(name, name) for name in names} | HF_OWN_OPTIONS)
+
+
+#: Names a search space may not vary: every privacy option outside :data:`EVENT_KEEPING` (an option added to
+#: ``PrivacyConfig`` is refused until it is shown to keep the event), and :data:`SCHEDULE_KEYS`. A search that varied
+#: one would give its candidates different privacy events, or releases, which the search's one event does not cover.
+PRIVACY_KEYS = (_option_names() - EVENT_KEEPING) | SCHEDULE_KEYS
 
 #: Types of the values a search space may hold (they go into the search's state file as JSON).
 VALUE_TYPES = (str, int, float, bool, type(None))
@@ -59,9 +100,10 @@ def validate_space(search_space: Mapping[str, Sequence[Any]]) -> dict[str, list[
             raise ValueError(f"search_space names must be strings, got {name!r}")
         if name in PRIVACY_KEYS:
             raise ValueError(
-                f"search_space varies {name!r}, which changes each candidate's privacy event (noise, sampling or "
-                f"steps); fix {name!r} for all candidates and vary hyper-parameters that keep the event, such as the "
-                "learning rate, max_grad_norm or momentum"
+                f"search_space varies {name!r}, which changes each candidate's privacy event (noise, sampling, "
+                f"steps, accountant, privacy unit), adds a release, sets a seed or guards the event; fix {name!r} for "
+                "all candidates and vary hyper-parameters that keep the event, such as the learning rate, "
+                "max_grad_norm or momentum"
             )
         if isinstance(values, str | bytes) or not isinstance(values, Sequence) or not values:
             raise ValueError(f"search_space[{name!r}] must be a non-empty list of values, got {values!r}")

@@ -6,7 +6,7 @@ and, when it has finished, the released result.
   candidate runs, so a restart reads ``K`` instead of drawing it again; no loser's score is ever written. When the
   search finishes it keeps only the fingerprint and ``"finished": true``.
 - ``candidate-<i>[.saved.pt]``: the best candidate's artifact while the search runs (a beaten one is deleted);
-  ``winner[.saved.pt]`` once it has finished.
+  ``winner[.saved.pt]`` once it has finished: a fresh copy whose file times are those of the finish.
 - ``result.json``: what the search releases (the winner's hyper-parameters and score, epsilon, delta), never ``K``.
 
 Every JSON file is replaced atomically (:func:`~lightning_dp.runtime.checkpoints.atomic_write_bytes`).
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,8 @@ class SearchFolder:
         return data
 
     def finished_result(self) -> dict[str, Any] | None:
-        """The released result of a finished search in this folder, else None.
+        """The released result of a finished search in this folder (deleting a candidate artifact that a crash in
+        :meth:`finish` left behind), else None.
 
         Raises:
             ValueError: a state for another search, or an unreadable one.
@@ -103,6 +106,7 @@ class SearchFolder:
         data = self._read()
         if data is None or not data.get("finished"):
             return None
+        self._remove_candidates()  # left by a crash after the state was reduced
         return json.loads((self.path / RESULT_FILE).read_text(encoding="utf-8"))
 
     def load(self) -> SearchState | None:
@@ -145,16 +149,36 @@ class SearchFolder:
         return path
 
     def finish(self, state: SearchState, result: dict[str, Any]) -> dict[str, Any]:
-        """Release the search: rename the best artifact to ``winner``, write ``result.json`` (``result`` plus the
-        artifact's name) and reduce the state to the fingerprint and ``"finished": true``. Returns the result."""
+        """Release the search: copy the best artifact to ``winner`` (fresh files, their access and modification times
+        set to now: the kept file's times would date the winner's training, and the gap to ``result.json``'s would
+        tell how many candidates trained after it), write ``result.json`` (``result`` plus the artifact's name),
+        reduce the state to the fingerprint and ``"finished": true``, then delete the candidate's artifact (a crash
+        before the state is reduced leaves it for the restart to copy again). Returns the result."""
         best = state.best
-        artifact = best["artifact"] if best else None
-        if best is not None and artifact is not None:
-            winner = "winner" + artifact.removeprefix(f"candidate-{best['candidate']}")
-            remove(self.path / winner)
-            (self.path / artifact).rename(self.path / winner)
-            artifact = winner
+        kept = best["artifact"] if best else None
+        artifact = None
+        if best is not None and kept is not None:
+            artifact = "winner" + kept.removeprefix(f"candidate-{best['candidate']}")
+            _copy_fresh(self.path / kept, self.path / artifact)
         result = {**result, "artifact": artifact}
         _write_json(self.path / RESULT_FILE, result)
         _write_json(self.path / STATE_FILE, {"fingerprint": self.fingerprint, "finished": True})
+        self._remove_candidates()
         return result
+
+    def _remove_candidates(self) -> None:
+        for stale in self.path.glob("candidate-*"):
+            remove(stale)
+
+
+def _copy_fresh(source: Path, target: Path) -> None:
+    """Copy the file or folder ``source`` to ``target`` (replacing it) as new files, then set the access and
+    modification times of ``target`` and of every file and folder under it to now."""
+    remove(target)
+    if source.is_dir():
+        shutil.copytree(source, target, copy_function=shutil.copyfile)
+    else:
+        shutil.copyfile(source, target)
+    now = time.time()
+    for path in [*target.rglob("*"), target] if target.is_dir() else [target]:
+        os.utime(path, (now, now), follow_symlinks=False)

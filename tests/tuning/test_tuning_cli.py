@@ -4,6 +4,8 @@ one epsilon, never a loser's score), and its bad input as one ``error:`` line wi
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -74,3 +76,44 @@ def test_bad_input_is_one_error_line(tmp_path, argv, expected, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lightning-dp tune: error:") and expected in lines[0], lines
     assert not (tmp_path / "out").exists()  # refused before anything was drawn
+
+
+def test_nothing_is_printed_per_candidate_even_when_one_diverges(tmp_path, caplog, capsys):
+    # seed 1 at mean 3 draws two candidates, lr 1 then lr 1e30 (whose loss is not finite: its end-of-run warning and
+    # Lightning's would show that a loser existed and diverged)
+    argv = ["tune", "--epochs", "1", "--lr", "1,1e30", "--mean-repetitions", "3", "--seed", "1"]
+    argv += ["--batch-size", "256", "--output-dir", str(tmp_path)]
+    with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    out, err = capsys.readouterr()
+    # under pytest the records go to caplog, not to a handler on stderr (imports may log at DEBUG: not a candidate's)
+    candidates = [r for r in caplog.records if r.name.startswith("lightning") or r.levelno >= logging.WARNING]
+    assert err == "" and not candidates and not warned, [r.getMessage() for r in candidates]
+    lines = out.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("winner: lr 1, max_grad_norm 1, momentum 0.5: validation accuracy ")
+    assert lines[1].startswith("the whole search: epsilon ") and lines[2].startswith("the winner's weights: ")
+    assert logging.root.manager.disable == logging.NOTSET  # restored
+
+
+def test_when_every_candidate_fails_the_winner_s_failure_is_printed(tmp_path, monkeypatch, capsys):
+    search = lightning_dp.tuning.private_search
+
+    def failing(train_candidate, *args, **kwargs):
+        def train(candidate):
+            raise RuntimeError("out of memory")
+
+        return search(train, *args, **kwargs)
+
+    monkeypatch.setattr(lightning_dp.tuning, "private_search", failing)
+    argv = ["tune", "--epochs", "1", "--lr", "1", "--seed", "1", "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == (
+        "winner: lr 1, max_grad_norm 1, momentum 0.5: its training failed (RuntimeError: out of memory); every "
+        "candidate failed or scored NaN"
+    )
+    assert len(lines) == 2 and lines[1].startswith("the whole search: epsilon ")
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["failure"] == "RuntimeError: out of memory"

@@ -105,3 +105,27 @@ def test_bad_parameters_are_refused(mean, shape, message):
         RepetitionDistribution(mean, shape)
     with pytest.raises(ValueError, match=r"uniform must lie in \[0, 1\)"):
         RepetitionDistribution(3.0, 1.0).sample(1.0)
+
+
+@pytest.mark.parametrize(
+    ("mean", "shape", "scipy_law"),
+    [
+        (800.0, math.inf, lambda d: stats.poisson(800.0)),  # exp(-800) underflows to 0
+        (10_000.0, 200.0, lambda d: stats.nbinom(200.0, d.gamma)),  # gamma^-200 overflows
+    ],
+)
+def test_a_large_mean_draws_vary_and_fit_the_law(mean, shape, scipy_law):
+    distribution = RepetitionDistribution(mean, shape)
+    law = scipy_law(distribution)
+    middle = int(law.median())
+    for k in (middle - 100, middle, middle + 100):
+        assert distribution.pmf(k) == pytest.approx(law.pmf(k), rel=1e-8)  # truncation at 0: P[0] ~ 0 here
+    randomness = SearchRandomness(seed=20260102)
+    draws = np.array([distribution.sample(randomness.uniform()) for _ in range(2000)])
+    assert len(set(draws)) > 50
+    # ten bins of equal expected counts, between the law's deciles
+    edges = [int(law.ppf(q)) for q in np.linspace(0.1, 0.9, 9)]
+    cdf = [0.0, *(float(law.cdf(edge)) for edge in edges), 1.0]
+    expected = np.diff(cdf) * len(draws)
+    observed = np.diff([0, *(np.sum(draws <= edge) for edge in edges), len(draws)])
+    assert stats.chisquare(observed, expected).pvalue > 1e-3

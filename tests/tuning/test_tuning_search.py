@@ -1,13 +1,20 @@
 """The search runner with a stub ``train_candidate``: K drawn once and written before the first candidate, only the
 winner released (a loser's artifact deleted, its score nowhere), a resume that neither draws K again nor accepts
-another search, the dedicated (or, in secure mode, OS) randomness, and the refusals."""
+another search, the dedicated (or, in secure mode, OS) randomness, failures scored NaN (only an all-failed winner's
+released), candidates that print nothing, the winner's file times, and the refused names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import os
 import random
+import sys
+import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +22,11 @@ import pytest
 import torch
 
 import lightning_dp.tuning.randomness as search_randomness
+from lightning_dp.config import PrivacyConfig
 from lightning_dp.tuning import Candidate, RepetitionDistribution, SearchPlan, private_search
 from lightning_dp.tuning.repetitions import RepetitionDistribution as Law
-from lightning_dp.tuning.state import RESULT_FILE, STATE_FILE
+from lightning_dp.tuning.space import EVENT_KEEPING, PRIVACY_KEYS, validate_space
+from lightning_dp.tuning.state import RESULT_FILE, STATE_FILE, SearchFolder
 
 SPACE = {"lr": [0.01, 0.1, 1.0], "max_grad_norm": [0.5, 1.0], "momentum": [0.0, 0.9]}
 
@@ -81,7 +90,8 @@ def test_only_the_winner_is_released(tmp_path, caplog, capsys):
     assert sorted(p.name for p in (out / str(seed)).iterdir()) == [RESULT_FILE, STATE_FILE, "winner.bin"]
     assert not any((tmp_path / f"scratch-{seed}").iterdir())  # the losers' artifacts are deleted
     released = json.loads((out / str(seed) / RESULT_FILE).read_text())
-    assert set(released) == {"hparams", "score", "epsilon", "delta", "candidate_epsilon", "plan", "artifact"}
+    assert set(released) == {"hparams", "score", "epsilon", "delta", "candidate_epsilon", "plan", "artifact", "failure"}
+    assert released["failure"] is None and result.failure is None
     state = json.loads((out / str(seed) / STATE_FILE).read_text())
     assert set(state) == {"fingerprint", "finished"}  # K and the drawn candidates are gone
     seen = caplog.text + "".join(capsys.readouterr()) + "".join(p.read_text() for p in (out / str(seed)).iterdir())
@@ -201,15 +211,168 @@ def test_object_artifacts_are_saved_and_lower_scores_can_be_better(tmp_path):
 @pytest.mark.parametrize(
     ("returned", "message"),
     [
-        (0.5, "must return a \\(score, artifact\\) pair, got a float"),
-        (("0.93", None), "score must be a real number, got a str"),
-        ((torch.ones(3), None), "score must be a real number, got a Tensor"),
+        (0.5, "TypeError: train_candidate must return a (score, artifact) pair, got a float"),
+        (("0.93", None), "TypeError: train_candidate's score must be a real number, got a str"),
+        ((torch.ones(3), None), "TypeError: train_candidate's score must be a real number, got a Tensor"),
     ],
 )
-def test_a_malformed_return_names_its_type_never_its_value(tmp_path, returned, message):
-    with pytest.raises(TypeError, match=message) as error:
-        private_search(lambda c: returned, SPACE, plan(), tmp_path, seed=0)
-    assert "0.93" not in str(error.value)
+def test_a_malformed_return_is_a_failure_that_names_its_type_never_its_value(tmp_path, returned, message):
+    result = private_search(lambda c: returned, SPACE, plan(), tmp_path, seed=0)
+    assert result.failure == message and math.isnan(result.score) and result.artifact is None
+    assert "0.93" not in (tmp_path / RESULT_FILE).read_text()
+
+
+class Failing(Stub):
+    """:class:`Stub`, raising (after writing its artifact) for ``lr = 0.01``, with a message about its data."""
+
+    def __call__(self, candidate: Candidate) -> tuple[float, Path]:
+        score, artifact = super().__call__(candidate)
+        if candidate.hparams["lr"] == 0.01:
+            raise FloatingPointError(f"the loss of Ada Lovelace's example diverged at score {score!r}")
+        return score, artifact
+
+
+def test_a_failing_candidate_scores_nan_and_nothing_about_it_is_released(tmp_path, caplog, capsys):
+    for seed in range(50):  # a search with failing and succeeding candidates
+        out = tmp_path / "out" / str(seed)
+        stub = Failing(tmp_path / f"scratch-{seed}", out)
+        with caplog.at_level(logging.DEBUG):
+            result = private_search(stub, SPACE, plan(), out, seed=seed)
+        lrs = [c.hparams["lr"] for c in stub.calls]
+        if 0.01 in lrs[:-1] and {0.1, 1.0} & set(lrs):
+            break
+    succeeded = [i for i, lr in enumerate(lrs) if lr != 0.01]
+    best = max(succeeded, key=stub.scores.__getitem__)
+    assert result.score == stub.scores[best] and result.hparams == stub.calls[best].hparams
+    assert result.failure is None
+    seen = caplog.text + "".join(capsys.readouterr()) + "".join(p.read_text() for p in out.iterdir())
+    assert "FloatingPointError" not in seen and "Lovelace" not in seen and "diverged" not in seen
+    losers = [repr(score) for i, score in enumerate(stub.scores) if i != best]
+    assert not any(loser[:8] in seen for loser in losers)
+    assert sorted(p.name for p in out.iterdir()) == [RESULT_FILE, STATE_FILE, "winner.bin"]
+
+
+def test_a_failed_candidate_is_completed_and_a_restart_does_not_train_it_again(tmp_path):
+    calls: list[Candidate] = []
+
+    def train(candidate: Candidate) -> tuple[float, None]:
+        calls.append(candidate)
+        if len(calls) == 1:
+            raise ValueError("a data-dependent failure")
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # a kill: stops the search
+        return 1.0, None
+
+    with pytest.raises(KeyboardInterrupt):
+        private_search(train, SPACE, plan(), tmp_path, seed=2)
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert state["completed"] == 1 and len(state["candidates"]) > 2
+    result = private_search(train, SPACE, plan(), tmp_path, seed=2)
+    assert [c.hparams for c in calls[2:]] == state["candidates"][1:]  # the failed one is not trained again
+    assert result.score == 1.0 and result.failure is None
+
+
+def test_when_every_candidate_fails_the_winner_s_failure_is_released(tmp_path):
+    calls = []
+
+    def train(candidate: Candidate) -> tuple[float, None]:
+        calls.append(candidate)
+        raise RuntimeError(f"out of memory at lr {candidate.hparams['lr']}")
+
+    result = private_search(train, SPACE, plan(), tmp_path, seed=4)
+    assert len(calls) >= 2  # the first failure did not stop the search
+    assert result.hparams == calls[0].hparams  # NaN ties go to the first candidate
+    assert result.failure == f"RuntimeError: out of memory at lr {calls[0].hparams['lr']}"
+    assert math.isnan(result.score) and result.artifact is None
+    released = json.loads((tmp_path / RESULT_FILE).read_text())
+    assert released["failure"] == result.failure
+    trained = len(calls)
+    assert private_search(train, SPACE, plan(), tmp_path).failure == result.failure  # read back, not trained
+    assert len(calls) == trained
+
+
+def test_the_candidates_print_nothing_and_the_output_is_restored_after(tmp_path, caplog, capsys):
+    library = logging.getLogger("lightning_dp")
+
+    def train(candidate: Candidate) -> tuple[float, None]:
+        library.warning("Some examples had a non-finite loss")
+        logging.getLogger("lightning.pytorch").error("a candidate's error")
+        warnings.warn("a candidate's warning", UserWarning, stacklevel=1)
+        print("a candidate's line")
+        print("a candidate's error line", file=sys.stderr)
+        return 1.0, None
+
+    with caplog.at_level(logging.DEBUG), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        private_search(train, SPACE, plan(), tmp_path / "quiet", seed=0)
+        assert not caplog.records and not warned and capsys.readouterr() == ("", "")
+        assert logging.root.manager.disable == logging.NOTSET
+        library.warning("after the search")
+        warnings.warn("after the search", UserWarning, stacklevel=1)
+        print("after the search")
+        assert [r.getMessage() for r in caplog.records] == ["after the search"] and len(warned) == 1
+        assert capsys.readouterr().out == "after the search\n"
+        private_search(train, SPACE, plan(), tmp_path / "loud", seed=0, quiet=False)  # for debugging only
+        assert "a candidate's line" in capsys.readouterr().out and len(warned) > 1
+
+
+def test_the_winner_s_file_times_are_those_of_the_finish(tmp_path):
+    """The kept artifact's times would date the winner's training; the gap to result.json's would count the
+    candidates trained after it."""
+    old = 1_000_000_000.0  # 2001
+
+    def artifact(kind: str, score: float) -> Path:
+        path = tmp_path / "scratch" / f"{kind}-{int(100 * score)}{'.bin' if kind == 'file' else ''}"
+        if kind == "file":
+            path.parent.mkdir(exist_ok=True)
+            path.write_text("weights")
+            written = [path]
+        else:
+            (path / "sub").mkdir(parents=True)
+            (path / "sub" / "model.bin").write_text("weights")
+            (path / "config.json").write_text("{}")
+            written = [path / "sub" / "model.bin", path / "config.json", path / "sub", path]
+        for item in written:
+            os.utime(item, (old, old))
+        return path
+
+    for kind in ("file", "folder"):
+        scores = iter([3.0, 1.0, 2.0, 0.5] * 20)
+        started = time.time()
+
+        def train(candidate: Candidate, kind: str = kind, scores: Iterator[float] = scores) -> tuple[float, Path]:
+            score = next(scores)
+            return score, artifact(kind, score)
+
+        result = private_search(train, SPACE, plan(), tmp_path / kind, seed=3)
+        winner = result.artifact
+        assert winner.name == ("winner.bin" if kind == "file" else "winner")
+        paths = [winner, *winner.rglob("*")] if kind == "folder" else [winner]
+        assert len(paths) == (4 if kind == "folder" else 1)
+        for path in paths:
+            stat = path.stat()
+            assert stat.st_mtime >= started and stat.st_atime >= started and stat.st_ctime >= started, path
+        if kind == "folder":
+            assert (winner / "sub" / "model.bin").read_text() == "weights"
+        assert not list((tmp_path / kind).glob("candidate-*"))
+
+
+def test_a_crash_in_finish_leaves_a_winner_and_no_candidate_behind(tmp_path, monkeypatch):
+    def train(candidate: Candidate) -> tuple[float, dict]:
+        return 1.0, {"weights": torch.ones(2)}
+
+    remove = SearchFolder._remove_candidates
+
+    def crash(self):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SearchFolder, "_remove_candidates", crash)
+    with pytest.raises(KeyboardInterrupt):  # after the state was reduced, before the candidate was deleted
+        private_search(train, SPACE, plan(), tmp_path, seed=0)
+    assert list(tmp_path.glob("candidate-*")) and (tmp_path / "winner.saved.pt").is_file()
+    monkeypatch.setattr(SearchFolder, "_remove_candidates", remove)
+    result = private_search(train, SPACE, plan(), tmp_path, seed=0)
+    assert not list(tmp_path.glob("candidate-*")) and torch.equal(result.artifact["weights"], torch.ones(2))
 
 
 @pytest.mark.parametrize(
@@ -227,3 +390,45 @@ def test_bad_search_spaces_are_refused_before_anything_is_drawn(tmp_path, space,
     with pytest.raises(ValueError, match=message):
         private_search(lambda c: (1.0, None), space, plan(), tmp_path / "out", seed=0)
     assert not (tmp_path / "out").exists()
+
+
+#: names the privacy review listed as changing the event, adding a release or setting a seed
+REFUSED = [
+    "noise_multiplier", "target_epsilon", "target_delta", "noise", "noise_params", "accountant", "sample_rate",
+    "poisson_sampling", "disable_dp", "noise_correlation", "correlation_band", "target_unclipped_quantile",
+    "unclipped_num_std", "clipbound_learning_rate", "min_clipbound", "max_clipbound", "user_key", "privacy_unit",
+    "examples_per_user", "clipping", "projection_dim", "seed", "dp_seed", "secure_mode", "batch_size",
+    "per_device_train_batch_size", "train_batch_size", "gradient_accumulation_steps", "accumulate_grad_batches",
+    "limit_train_batches", "epochs", "max_epochs", "num_train_epochs", "steps", "max_steps",
+]  # fmt: skip
+#: options that keep the event (their documentation in PrivacyConfig says so)
+ACCEPTED = [
+    "max_grad_norm", "per_sample_max_grad_norm", "clipping_fn", "automatic_clipping_gamma", "clipping_groups",
+    "momentum_length", "momentum_beta", "lowpass", "augmentation_multiplicity", "max_physical_batch_size",
+    "per_example_reduction", "lr", "momentum", "weight_decay",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_every_setting_that_changes_the_event_is_refused(name):
+    with pytest.raises(ValueError, match=f"search_space varies '{name}', which changes each candidate's privacy"):
+        validate_space({name: [1, 2]})
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_settings_that_keep_the_event_are_accepted(name):
+    assert validate_space({name: [1, 2]}) == {name: [1, 2]}
+
+
+def test_the_refused_set_is_built_from_the_option_classes():
+    """Every option of ``PrivacyConfig`` and ``PrivacyArguments`` is refused unless it is allowed by name: a new
+    option is refused until it is shown to keep the event."""
+    config = {field.name for field in dataclasses.fields(PrivacyConfig)}
+    assert config - EVENT_KEEPING <= PRIVACY_KEYS
+    assert not EVENT_KEEPING & PRIVACY_KEYS
+    pytest.importorskip("transformers")
+    from lightning_dp.hf import PrivacyArguments
+
+    hf = {field.name for field in dataclasses.fields(PrivacyArguments)}
+    assert hf - EVENT_KEEPING <= PRIVACY_KEYS
+    assert EVENT_KEEPING <= config | hf  # no allowed name that is not an option
