@@ -1,4 +1,5 @@
-"""bench/users_paths.py renders its docs section only from the recorded JSON (no timing is run here)."""
+"""bench/users_paths.py renders its docs section (bench/users_paths_report.py) only from the recorded JSON; its
+breakdown and profile drive the engine as the strategy does (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def record() -> dict:
 
 
 def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
-    text = load_bench(monkeypatch, "users_paths").markdown(record())
+    text = load_bench(monkeypatch, "users_paths_report").markdown(record())
     assert "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed" in text
     assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 |" in text
     assert "| clip (backward) | 1000 (60.6%) |" in text
@@ -49,7 +50,7 @@ def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
 
 
 def test_render_replaces_only_the_marked_section(monkeypatch, tmp_path):
-    bench = load_bench(monkeypatch, "users_paths")
+    bench = load_bench(monkeypatch, "users_paths_report")
     text = render_into_scratch_page(bench, monkeypatch, tmp_path, record())
     assert text.startswith(f"intro\n{bench.START}\n**gpt2, T=128, B=8**") and text.endswith(f"{bench.END}\nend\n")
     assert "old" not in text
@@ -107,6 +108,6 @@ def test_extra_operators_compares_per_key_and_keeps_the_calls(monkeypatch):
 
 def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
     page, rendered = page_and_rendering(
-        load_bench(monkeypatch, "users_paths"), "python bench/users_paths.py --model digits --record digits"
+        load_bench(monkeypatch, "users_paths_report"), "python bench/users_paths.py --model digits --record digits"
     )
     assert page == rendered
