@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from demo_variants import comparison_main, run_variants, variant_rows, variant_table
+from demo_variants import comparison_main, run_variants, save_figure, variant_rows, variant_table
 from records import render_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,14 +92,8 @@ def write_figure(record: dict[str, Any]) -> None:
             style = "-" if run["variant"].startswith("adaptive") else ":"
             ax.plot(range(1, len(run["bounds"]) + 1), run["bounds"], style, label=run["variant"])
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("clipping bound C")
-    ax.set_title(f"Clipping bound per step, digits CNN, seed {seed}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
-    plt.close(fig)
+    title = f"Clipping bound per step, digits CNN, seed {seed}"
+    save_figure(fig, ax, FIGURE, xlabel="step", ylabel="clipping bound C", title=title)
 
 
 def render() -> None:

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from demo_variants import comparison_main, run_variants, variant_rows, variant_table
+from demo_variants import comparison_main, run_variants, save_figure, variant_rows, variant_table
 from records import render_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,14 +71,8 @@ def write_figure(records: list[dict[str, Any]]) -> None:
         epsilons, accuracies, spreads = zip(*values, strict=True)
         ax.errorbar(epsilons, accuracies, yerr=spreads, marker="o", capsize=3, label=variant)
     ax.set_xscale("log")
-    ax.set_xlabel("target epsilon")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Digits CNN: DP-SGD against banded MF noise")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
-    plt.close(fig)
+    title = "Digits CNN: DP-SGD against banded MF noise"
+    save_figure(fig, ax, FIGURE, xlabel="target epsilon", ylabel="test accuracy (%)", title=title)
 
 
 def render() -> None:

@@ -93,20 +93,42 @@ def variant_rows(
     return out
 
 
-def variant_table(
-    record: dict[str, Any], rows: list[dict[str, Any]], column: str, cell: Callable[[dict[str, Any]], str]
-) -> str:
-    """A record rendered: the setting (epochs, target epsilon, seeds, torch, threads), the command that made it, and
-    one line per row (accuracy in percent, mean +- std), with the script's own ``column`` filled by ``cell(row)``."""
+def record_heading(record: dict[str, Any], setting: str) -> list[str]:
+    """The lines above a digits record's table: ``setting`` in bold with the seeds, torch and threads, then the command
+    that made the record."""
     env, args = record["environment"], record["args"]
-    lines = [
-        f"**Digits CNN, {args['epochs']} epochs, target epsilon {args['target_epsilon']:g}** "
-        f"(seeds {args['seeds']}; torch {env['torch']}, {plural(env['threads'], 'thread')})",
+    return [
+        f"**Digits CNN, {setting}** (seeds {args['seeds']}; torch {env['torch']}, {plural(env['threads'], 'thread')})",
         "",
         "```bash",
         record["command"],
         "```",
         "",
+    ]
+
+
+def save_figure(figure: Any, axes: Any, path: Path, *, xlabel: str, ylabel: str, title: str) -> None:
+    """Label ``axes`` (a light grid, a small legend), write ``figure`` to ``path`` (PNG, 120 dpi) and close it."""
+    import matplotlib.pyplot as plt
+
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def variant_table(
+    record: dict[str, Any], rows: list[dict[str, Any]], column: str, cell: Callable[[dict[str, Any]], str]
+) -> str:
+    """A record rendered: the setting (epochs, target epsilon, seeds, torch, threads), the command that made it, and
+    one line per row (accuracy in percent, mean +- std), with the script's own ``column`` filled by ``cell(row)``."""
+    args = record["args"]
+    lines = [
+        *record_heading(record, f"{args['epochs']} epochs, target epsilon {args['target_epsilon']:g}"),
         f"| variant | test accuracy (mean +- std) | {column} | epsilon | noise multiplier |",
         "|---|---|---|---|---|",
     ]

@@ -29,7 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from records import add_record_options, mean_std, plural, render_records, run_or_render
+from demo_variants import record_heading
+from records import add_record_options, mean_std, render_records, run_or_render
 
 from lightning_dp.utils.help_format import HelpFormatter
 
@@ -138,18 +139,13 @@ def _cell(values: list[float]) -> str:
 
 def markdown(record: dict[str, Any]) -> str:
     """A record as a table: one row per arm, test accuracy over the seeds (mean +- std) and epsilon."""
-    env, args, rows = record["environment"], record["args"], record["seeds"]
+    args, rows = record["args"], record["seeds"]
     searches = [row["search"] for row in rows]
     naive = [row["naive"] for row in rows]
     released = [s["test_acc"] for s in searches if s["test_acc"] is not None]
+    setting = f"{args['epochs']} epochs, total epsilon {args['target_epsilon']:g} (RDP, delta {DELTA:g})"
     lines = [
-        f"**Digits CNN, {args['epochs']} epochs, total epsilon {args['target_epsilon']:g} (RDP, delta {DELTA:g})** "
-        f"(seeds {args['seeds']}; torch {env['torch']}, {plural(env['threads'], 'thread')})",
-        "",
-        "```bash",
-        record["command"],
-        "```",
-        "",
+        *record_heading(record, setting),
         "| arm | test accuracy (mean +- std) | epsilon | noise multiplier | candidates per seed |",
         "|---|---|---|---|---|",
         f"| search (geometric, mean {args['mean']:g}) | {_cell(released)} | {searches[0]['epsilon']:.3f} | "
