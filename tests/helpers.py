@@ -141,6 +141,21 @@ class ClipBoundRecorder(pl.Callback):
         self.noised_at.append(engine.sum_mechanism.max_grad_norm)
 
 
+class BatchIndexRecorder(pl.Callback):
+    """Records, as each training batch starts, the dataset indices of its examples (:attr:`batches`, one sorted list
+    per batch), found by matching the batch's inputs against ``inputs`` (``[N, d]``, rows distinct)."""
+
+    def __init__(self, inputs: torch.Tensor) -> None:
+        self.inputs = inputs
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        x = batch[0].detach().cpu()
+        matches = (x[:, None, :] == self.inputs[None, :, :]).all(-1).nonzero()[:, 1]
+        assert len(matches) == len(x), "a batch row matches no example, or several"
+        self.batches.append(sorted(matches.tolist()))
+
+
 class CoshModule(pl.LightningModule):
     """The reproduction as a training run: ``nn.Linear(3, 2)``, loss ``cosh(out).sum(-1)``, example 3 set to 1e3
     (its float32 loss is inf)."""

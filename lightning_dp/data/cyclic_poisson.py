@@ -17,6 +17,13 @@ What the accountant assumes, and how this module provides it:
 - **Independent Bernoulli(``q_b``) inclusion at each of the group's steps, independent of the noise**: one uniform
   per example and step from the run's sampling generator (never the noise's), ``N`` uniforms at every step whatever
   the data, and no cap on the batch size.
+- **On ``W`` processes, one cyclic-Poisson sample of the whole dataset per step**: every rank computes the same
+  partition (the groups are a function of the GLOBAL index and of the key, a stream seed of the base seed the ranks
+  agree on, ``DistributedContext.synchronize_randomness``), every rank reads the same step count ``t``, and rank
+  ``r`` draws one uniform per example of its shard ``r, r + W, ...`` from its own sampling generator, keeping those
+  of group ``t mod b`` below ``q_b``. The shards partition the dataset, so the union over the ranks includes each
+  example of group ``t mod b`` independently with probability ``q_b`` and no other (as the plain Poisson sampler's
+  union is one global Poisson sample, docs/design.md section 8).
 - **Step ``t`` samples group ``t mod b`` with ``t`` the optimizer step the batch is used at**: each pass over the
   loader (an epoch, a reloaded loader) starts at ``t = next_step()``, the number of steps the run has taken, and
   counts the logical batches it yields. The adapters use every batch of a pass, in order, at consecutive steps; a
@@ -87,7 +94,8 @@ def cyclic_groups(num_samples: int, num_groups: int, key: int) -> torch.Tensor:
 
 class CyclicPoissonBatchSampler(PoissonBatchSampler):
     """A :class:`~lightning_dp.data.poisson.PoissonBatchSampler` whose step ``t`` samples only group ``t mod b``, at
-    rate ``q_b = b q`` (module docstring). One process only.
+    rate ``q_b = b q`` (module docstring); on ``W`` processes, rank ``r`` samples the part of that group in its shard
+    ``range(r, N, W)``.
 
     Args:
         num_samples: dataset size N.
@@ -97,10 +105,11 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         next_step: the optimizer step the first batch of a pass is used at (the run's step count), read when a pass
             starts.
         **kwargs: the other arguments of :class:`~lightning_dp.data.poisson.PoissonBatchSampler` (``num_steps``,
-            ``micro_batches``, ``generator``, ``lengths``; ``rank`` 0 and ``world_size`` 1).
+            ``micro_batches``, ``generator``, ``lengths``, ``rank``, ``world_size``). The key and the step count
+            must be the same on every rank (the ranks then agree on the partition and on each step's group).
 
     Raises:
-        ValueError: ``b q > 1``, ``world_size > 1``, and what :class:`PoissonBatchSampler` refuses.
+        ValueError: ``b q > 1``, and what :class:`PoissonBatchSampler` refuses.
     """
 
     def __init__(
@@ -114,18 +123,18 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         **kwargs: Any,
     ) -> None:
         super().__init__(num_samples, sample_rate, **kwargs)
-        if self.world_size != 1:
-            raise ValueError("noise_correlation='banded' runs on one process for now")
         self.num_groups = int(num_groups)
         self.group_rate = group_sample_rate(self.num_groups, self.sample_rate)
-        #: ``[N]`` each example's group, fixed for the sampler's life.
+        #: ``[N]`` each example's group (by global index, the same on every rank), fixed for the sampler's life.
         self.groups = cyclic_groups(num_samples, self.num_groups, key)
+        #: ``[len(shard)]`` the groups of this rank's shard
+        self.shard_groups = self.groups[self.shard]
         self.next_step = next_step
 
     def _logical_batches(self) -> Iterator[torch.Tensor]:
         """Step ``t`` of the pass (``t`` from :attr:`next_step`): the examples of group ``t mod b`` whose uniform is
-        below ``q_b``; ``N`` uniforms are drawn at every step."""
+        below ``q_b``, among this rank's shard; one uniform per example of the shard is drawn at every step."""
         first = int(self.next_step())
         for step in range(first, first + self.num_steps):
             included = torch.rand(len(self.shard), generator=self.generator) < self.group_rate
-            yield self.shard[included & (self.groups == step % self.num_groups)]
+            yield self.shard[included & (self.shard_groups == step % self.num_groups)]

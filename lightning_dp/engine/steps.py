@@ -73,11 +73,12 @@ class RunSequence:
         Raises:
             UnsupportedModuleError: unsupported layers (see
                 :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`).
+            ValueError: ``noise_correlation='banded'`` with sharded (FSDP2) parameters.
         """
         state = self.state
         self.attachment.attach(module)
-        if state.config.noise_correlation is not None and (distributed is not None or self._clipper.sharded):
-            raise ValueError("noise_correlation='banded' runs on one process for now")
+        if state.config.noise_correlation is not None and self._clipper.sharded:
+            raise ValueError("noise_correlation='banded' does not run under FSDP2 for now: use DDP or one process")
         state.distributed = distributed
         state.micro_batches = 0
         if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's

@@ -48,3 +48,15 @@ def test_banded_training_checkpoint_and_resume(tmp_path):
     resumed.train(resume_from_checkpoint=checkpoint)
     ledger = resumed.privacy_engine.accountant.ledger
     assert [(event.segment, count) for event, count in ledger] == [(0, 2), (1, 2)]
+
+
+def test_several_processes_are_refused_under_dptrainer(tmp_path, monkeypatch):
+    """Banded noise on several processes is tested under Lightning's DPDDPStrategy only: DPTrainer on a process group
+    refuses it at ``train`` (one line), before the model is broadcast or any step runs."""
+    import lightning_dp.hf.trainer as hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "distributed_context", lambda: object())
+    trainer = make_trainer(tiny_gpt2(), tmp_path, privacy=PrivacyArguments(**BANDED), args=CHECKPOINTS)
+    with pytest.raises(ValueError, match="^noise_correlation='banded' runs on one process under DPTrainer for now"):
+        trainer.train()
+    assert trainer.privacy_engine.steps == 0

@@ -130,9 +130,14 @@ def test_band_above_the_group_rate_or_the_steps_is_refused(bad):
         _fit(steps=4, noise_correlation="banded", **bad)
 
 
-def test_several_processes_are_refused():
-    """The partition, the groups' steps and the stream are per process for now: a process group is refused at the
-    start of the run (one line), before any step."""
+def test_fsdp2_is_refused(monkeypatch):
+    """Several processes run under DDP (tests/correlated_noise/test_banded_ddp.py); a sharded (FSDP2) model is refused
+    at the start of the run (one line), before any step."""
+    from lightning_dp.clipping.clipper import PerSampleClipper
+
+    monkeypatch.setattr(PerSampleClipper, "sharded", property(lambda self: True))
     engine = PrivacyEngine(noise_multiplier=1.0, noise_correlation="banded", correlation_band=2)
-    with pytest.raises(ValueError, match="^noise_correlation='banded' runs on one process for now$"):
+    with pytest.raises(
+        ValueError, match="^noise_correlation='banded' does not run under FSDP2 for now: use DDP or one"
+    ):
         engine.start_run(nn.Linear(3, 1), distributed=cast(DistributedContext, object()))

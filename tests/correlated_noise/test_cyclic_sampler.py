@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.data import poisson_dataloader
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, cyclic_groups, group_sample_rate
+from lightning_dp.runtime.randomness import DPRandomness
 
 
 def _sampler(n=600, q=0.05, b=4, start=0, seed=0, **kwargs):
@@ -65,5 +66,50 @@ def test_refusals():
     with pytest.raises(ValueError, match=r"group rate b\*q=1.2 > 1: use a band <= 3"):
         group_sample_rate(4, 0.3)
     assert group_sample_rate(4, 0.25) == 1.0
-    with pytest.raises(ValueError, match="runs on one process for now"):
-        _sampler(world_size=2)
+
+
+def test_on_several_ranks_the_union_is_one_cyclic_poisson_sample():
+    """W = 3 ranks after the base seed is shared (``DPRandomness.share``, as ``synchronize_randomness`` does): the
+    key is the same on every rank (a stream seed of the agreed base seed, not of the rank), so is the partition; at
+    step t rank r draws only examples of its shard ``r, r + W, ...`` in group ``t mod b``; the shards are disjoint and
+    cover the data; each eligible example is included at rate ``q_b`` whichever rank holds it, independently across
+    ranks."""
+    n, q, b, world, steps = 60, 0.1, 2, 3, 3000
+    streams = []
+    for rank in range(world):
+        randomness = DPRandomness(seed=None)  # each rank's own base seed first: the shared one must replace it
+        randomness.share(4321, rank=rank)
+        streams.append(randomness)
+    assert len({randomness.stream_seed("cyclic groups") for randomness in streams}) == 1, "the key differs by rank"
+    samplers = [
+        CyclicPoissonBatchSampler(
+            n,
+            q,
+            num_groups=b,
+            key=randomness.stream_seed("cyclic groups"),  # each rank's own, as RunSequence._sampler_class reads it
+            next_step=lambda: 5,
+            num_steps=steps,
+            generator=randomness.sampling,
+            rank=rank,
+            world_size=world,
+        )
+        for rank, randomness in enumerate(streams)
+    ]
+    groups = samplers[0].groups
+    assert all(torch.equal(s.groups, groups) for s in samplers)
+    assert sorted(torch.cat([s.shard for s in samplers]).tolist()) == list(range(n))
+    counts, joint, sizes = torch.zeros(n), 0, []
+    first_of = {rank: next(i for i in range(rank, n, world) if groups[i] == 1) for rank in (0, 1)}
+    for t, batches in enumerate(zip(*samplers, strict=True), start=5):
+        union = sum(batches, [])
+        assert len(union) == len(set(union))
+        for rank, batch in enumerate(batches):
+            assert all(i % world == rank for i in batch)
+        assert set(groups[union].tolist()) <= {t % b}
+        counts[union] += 1
+        sizes.append(len(union))
+        joint += (first_of[0] in batches[0]) and (first_of[1] in batches[1])
+    eligible = steps // b  # group 1 at the odd steps 5, 7, ...; group 0 at the even ones: 1500 each
+    assert torch.allclose(counts / eligible, torch.full((n,), b * q), atol=0.04)
+    assert sum(sizes) / steps == pytest.approx(q * n, rel=0.04)  # expected global batch q N, as DP-SGD's
+    assert joint / eligible == pytest.approx((b * q) ** 2, abs=0.03)  # independent across ranks

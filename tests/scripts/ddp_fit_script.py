@@ -1,11 +1,13 @@
 """Run by tests/engine/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
-[--independence-every N] [--seed S] [--poison] [--users] [--adaptive]``
+[--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B [--sample-rate Q]]``
 trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
 ran and the bound each step clipped at (:class:`ClipBoundRecorder`). ``--users``: user-level privacy, the user a
 function of the example (``helpers.example_user``), 2 users per rank and micro-batch in expectation. ``--adaptive``:
-adaptive clipping (``helpers.ADAPTIVE_OPTIONS``)."""
+adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correlation='banded'`` with
+``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; every rank also writes the
+dataset indices of each of its batches (``batches``) and its sampler's partition (``groups``)."""
 
 import argparse
 import sys
@@ -19,7 +21,7 @@ from lightning_dp.checks import guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 
-from helpers import ADAPTIVE_OPTIONS, USER_OPTIONS, ClipBoundRecorder, TinyRegressor, make_trainer
+from helpers import ADAPTIVE_OPTIONS, USER_OPTIONS, BatchIndexRecorder, ClipBoundRecorder, TinyRegressor, make_trainer
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
@@ -31,6 +33,8 @@ if __name__ == "__main__":
     parser.add_argument("--poison", action="store_true", help="example 3 of the data is NaN; seed 0, q = 0.5")
     parser.add_argument("--users", action="store_true", help="privacy_unit='user' (USER_OPTIONS), batch 2 users")
     parser.add_argument("--adaptive", action="store_true", help="adaptive clipping (ADAPTIVE_OPTIONS)")
+    parser.add_argument("--banded", type=int, default=None, help="noise_correlation='banded', this band")
+    parser.add_argument("--sample-rate", type=float, default=None)
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
@@ -43,6 +47,10 @@ if __name__ == "__main__":
         options.update(USER_OPTIONS)
     if args.adaptive:
         options.update(ADAPTIVE_OPTIONS)
+    if args.banded is not None:
+        options.update(noise_correlation="banded", correlation_band=args.banded, seed=args.seed or 0)
+    if args.sample_rate is not None:
+        options["sample_rate"] = args.sample_rate
     strategy = DPDDPStrategy(
         noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **options
     )
@@ -57,7 +65,8 @@ if __name__ == "__main__":
     guard.check_batch_independence = recording("gradient", guard.check_batch_independence)
     guard.check_leave_half_out = recording("leave_half_out", guard.check_leave_half_out)
     recorder = ClipBoundRecorder()
-    callbacks = [PrivacyAccountantCallback(), recorder]
+    indices = BatchIndexRecorder(module.data.tensors[0])
+    callbacks = [PrivacyAccountantCallback(), recorder, indices]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
     else:
@@ -85,6 +94,8 @@ if __name__ == "__main__":
             "checked_steps": checked,
             "bounds": recorder.bounds,
             "final_bound": engine.current_max_grad_norm,
+            "batches": indices.batches,
+            "groups": getattr(trainer.train_dataloader.batch_sampler, "groups", None),
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )

@@ -1,0 +1,83 @@
+"""``noise_correlation='banded'`` on 2 CPU processes (gloo) through ``DPDDPStrategy``, launched as
+``ddp_fit_script.py --banded B`` (docs/design.md sections 5.1 and 8): every rank holds the same partition (keyed by a
+stream seed of the agreed base seed), every step's examples on both ranks come from group ``step mod b`` and from the
+rank's shard, the ranks stay bit-identical (the same ``Z_t`` and the same ``C^{-1}`` stream on every rank, added to
+the all-reduced clipped sum), and at ``q_b = 1`` (each step samples its whole group, so the union of the ranks'
+batches is the one-process batch) the run equals the one-process run of the same seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BatchIndexRecorder, TinyRegressor, make_trainer
+from process_helpers import fit_on_two_processes
+
+from lightning_dp import DPStrategy
+
+WORLD = 2
+
+
+def _check_groups(ranks: list[dict], band: int) -> None:
+    """The ranks' partitions are equal; at step t each rank's examples are of its shard and of group t mod b."""
+    groups = ranks[0]["groups"]
+    assert groups is not None and all(torch.equal(rank["groups"], groups) for rank in ranks)
+    assert len(set(groups.tolist())) == band  # 64 examples: every group non-empty
+    steps = {len(rank["batches"]) for rank in ranks}
+    assert steps == {6}, "every rank joins every step"
+    for rank, record in enumerate(ranks):
+        for t, batch in enumerate(record["batches"]):
+            assert all(i % WORLD == rank for i in batch)
+            assert set(groups[batch].tolist()) <= {t % band}
+
+
+def _identical(ranks: list[dict]) -> None:
+    a, b = ranks
+    assert a["steps"] == b["steps"] == 6 and a["ledger"] == b["ledger"]
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+    assert any(not torch.equal(p, start) for p, start in zip(a["params"], a["initial"], strict=True))
+
+
+def test_two_processes_equal_one_process_at_group_rate_one(tmp_path):
+    """b = 2, q = 1/2: q_b = 1, so step t's union over the ranks is ALL of group t mod 2 and the one-process run of
+    the same seed takes the same batches; its noise (rank 0 keeps the one-process streams) and its epsilon too."""
+    ranks = fit_on_two_processes(tmp_path, "--banded", "2", "--sample-rate", "0.5", "--seed", "0")
+    _identical(ranks)
+    _check_groups(ranks, band=2)
+    groups = ranks[0]["groups"]
+    for t in range(6):
+        union = sorted(ranks[0]["batches"][t] + ranks[1]["batches"][t])
+        assert union == (groups == t % 2).nonzero().flatten().tolist()
+
+    single = DPStrategy(
+        noise_multiplier=1.0, max_grad_norm=0.5, seed=0, sample_rate=0.5, noise_correlation="banded", correlation_band=2
+    )
+    torch.manual_seed(0)
+    module = TinyRegressor(batch_size=8 * WORLD)
+    recorder = BatchIndexRecorder(module.data.tensors[0])
+    make_trainer(single, max_steps=6, callbacks=[recorder]).fit(module)
+    assert recorder.batches == [sorted(a + b) for a, b in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True)]
+    engine = single.privacy_engine
+    for rank in ranks:
+        assert rank["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
+        assert rank["summary"]["correlation_band"] == 2 and rank["summary"]["group_sample_rate"] == 1.0
+        for got, want in zip(rank["params"], module.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach())  # float32: the all-reduce only reorders the sum
+
+
+def test_two_processes_sample_their_shards_of_the_steps_group(tmp_path):
+    """b = 4, q = 1/8: q_b = 1/2, random batches; still only group t mod 4 at step t, each rank from its shard, the
+    ranks identical, and the one-process accounting (the same q, b and steps)."""
+    ranks = fit_on_two_processes(tmp_path, "--banded", "4", "--sample-rate", "0.125", "--seed", "3")
+    _identical(ranks)
+    _check_groups(ranks, band=4)
+    assert sum(len(batch) for rank in ranks for batch in rank["batches"]) > 0
+    single = DPStrategy(
+        noise_multiplier=1.0,
+        max_grad_norm=0.5,
+        seed=3,
+        sample_rate=0.125,
+        noise_correlation="banded",
+        correlation_band=4,
+    )
+    make_trainer(single, max_steps=6).fit(TinyRegressor())
+    assert ranks[0]["epsilon"] == pytest.approx(single.privacy_engine.epsilon(), rel=1e-12)
