@@ -7,7 +7,8 @@ ran and the bound each step clipped at (:class:`ClipBoundRecorder`). ``--users``
 function of the example (``helpers.example_user``), 2 users per rank and micro-batch in expectation. ``--adaptive``:
 adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correlation='banded'`` with
 ``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; every rank also writes the
-dataset indices of each of its batches (``batches``) and its sampler's partition (``groups``)."""
+dataset indices of each of its batches (``batches``, empty without ``--banded``) and its sampler's partition
+(``groups``, ``None`` without ``--banded``)."""
 
 import argparse
 import sys
@@ -65,8 +66,8 @@ if __name__ == "__main__":
     guard.check_batch_independence = recording("gradient", guard.check_batch_independence)
     guard.check_leave_half_out = recording("leave_half_out", guard.check_leave_half_out)
     recorder = ClipBoundRecorder()
-    indices = BatchIndexRecorder(module.data.tensors[0])
-    callbacks = [PrivacyAccountantCallback(), recorder, indices]
+    indices = BatchIndexRecorder(module.data.tensors[0])  # TensorDataset batches of distinct, finite rows only
+    callbacks = [PrivacyAccountantCallback(), recorder, *([indices] if args.banded is not None else [])]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
     else:
@@ -95,7 +96,7 @@ if __name__ == "__main__":
             "bounds": recorder.bounds,
             "final_bound": engine.current_max_grad_norm,
             "batches": indices.batches,
-            "groups": getattr(trainer.train_dataloader.batch_sampler, "groups", None),
+            "groups": trainer.train_dataloader.batch_sampler.groups if args.banded is not None else None,
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )
