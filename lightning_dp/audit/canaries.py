@@ -5,14 +5,14 @@ RNG and never the run's noise or sampling generators (the audit must not perturb
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from lightning_dp.runtime.randomness import os_seed
 
 
 def audit_generator(seed: int | None) -> torch.Generator:
     """A CPU generator for the audit's draws, seeded with ``seed`` or, when ``None``, 63 bits of OS entropy."""
-    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    seed = seed if seed is not None else os_seed() >> 1
     return torch.Generator().manual_seed(int(seed))
 
 

@@ -129,7 +129,8 @@ class PrivacyConfig:
         "noise (Choquette-Choo et al. 2023; docs/correlated_noise.md): step ``t`` adds ``sigma C s (C^-1 Z)_t`` for "
         "an optimised ``b``-banded Toeplitz ``C`` (largest column norm ``s``), the data are cyclically Poisson-sampled "
         "over ``b`` groups at ``q_b = b q``, and the ``'banded-mf'`` accountant counts ``ceil(n / b)`` "
-        "participations. Gaussian noise, exact engines, fixed bound, one process.",
+        "participations. Gaussian noise, exact engines, fixed bound; one process or DDP (not FSDP2, not "
+        "``DPTrainer`` on several processes).",
         "Correlated noise: banded (banded matrix factorization with cyclic Poisson sampling); None: independent.",
     )
     correlation_band: int | None = _option(

@@ -15,6 +15,12 @@ import numpy as np
 import torch
 
 
+def os_seed() -> int:
+    """64 bits of fresh entropy from the operating system's CSPRNG (``os.urandom``): the base of an unseeded run and
+    every reseed in secure mode."""
+    return int.from_bytes(os.urandom(8), "little")
+
+
 def derive_seed(base: int, *keys: int | str) -> int:
     """A 63-bit seed for the stream named by ``keys``, derived from ``base`` with ``SeedSequence``."""
     entropy = [int(base) & (2**64 - 1)] + [zlib.crc32(k.encode()) if isinstance(k, str) else int(k) for k in keys]
@@ -48,7 +54,7 @@ class DPRandomness:
             raise ValueError(f"secure randomness draws from the OS CSPRNG and takes no seed, got seed={seed}")
         self.secure = secure
         self._user_seed = seed
-        self._base = int(seed) if seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._base = int(seed) if seed is not None else os_seed()
         self._restart = 0
         self._rank: int | None = None
         self._generators: dict[tuple[str, torch.device, tuple[int, ...]], torch.Generator] = {}
@@ -107,7 +113,7 @@ class DPRandomness:
         key = (purpose, device, shard)
         if self.secure:
             generator = self._generators.setdefault(key, torch.Generator(device=device))
-            generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+            generator.manual_seed(os_seed())
             return generator
         if key not in self._generators:
             index = device.index or 0
@@ -129,7 +135,7 @@ class DPRandomness:
         sampling generator is reseeded in place. On several processes, share the base seed again afterwards.
         """
         if self._user_seed is None:
-            self._base = int.from_bytes(os.urandom(8), "little")
+            self._base = os_seed()
         self._restart = int(steps_taken) + 1
         self._generators = {}
         self._seed_sampling()

@@ -3,16 +3,9 @@ hyper-parameters, never from the global RNG (docs/design.md section 3.4)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from lightning_dp.runtime.randomness import derive_seed
-
-
-def os_seed() -> int:
-    """64 bits of fresh OS entropy (``os.urandom``), the source of secure mode and of unseeded searches."""
-    return int.from_bytes(os.urandom(8), "little")
+from lightning_dp.runtime.randomness import derive_seed, os_seed
 
 
 class SearchRandomness:
