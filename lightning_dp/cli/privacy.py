@@ -3,7 +3,9 @@
 ``epsilon``: the epsilon of ``T`` Poisson-subsampled steps (the paper's accountant beside the sound default for
 ``lap2``, ``plrv``, ``laplace-advanced``; docs/design.md section 6). ``calibrate``: noise parameters for a target
 epsilon (``--search``: LAP2 / PLRV-O Alg. 1 over the clipping bound). ``--clipping hutch|hutchpp`` uses the ``rc``
-accountant (Gaussian only). ``--json`` prints one JSON object; ``epsilon --plot FILE`` draws the curves. Exit code 0,
+accountant (Gaussian only); ``--noise-correlation banded --correlation-band B`` the ``banded-mf`` accountant of banded
+matrix-factorization noise under cyclic Poisson sampling, with the strategy a run of ``--steps`` planned steps uses
+(Gaussian only). ``--json`` prints one JSON object; ``epsilon --plot FILE`` draws the curves. Exit code 0,
 or 2 for usage or invalid values (one ``error:`` line).
 """
 
@@ -20,6 +22,8 @@ from typing import Any
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_int
+from lightning_dp.config.combinations import BANDED_MF_ACCOUNTANT, NOISE_CORRELATIONS
+from lightning_dp.engine.correlation import BandedPlan, plan_banded
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import calibrate_result, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
@@ -46,6 +50,9 @@ def _noise_parameter_help() -> dict[str, str]:
             helps.setdefault(param, cls.parameter_help.get(param, param.replace("_", " ")))
     return {param: f"{helps[param]} ({', '.join(names)})" for param, names in takers.items()}
 
+
+#: The ``--noise-correlation`` values (``None``, independent noise, is the option's absence).
+CORRELATIONS = tuple(name for name in NOISE_CORRELATIONS if name is not None)
 
 #: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD); the ``rc``
 #: accountant (``--clipping``) is far slower per evaluation, so its curve has fewer.
@@ -94,6 +101,18 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--norm-dim", type=positive_int, help="d, the widest estimated layer's min(p, d) (required with --clipping)"
     )
+    parser.add_argument(
+        "--noise-correlation",
+        type=choice(CORRELATIONS),
+        metavar=metavar_of(CORRELATIONS),
+        help="correlated noise: banded matrix factorization under cyclic Poisson sampling (banded-mf accountant, "
+        "Gaussian only; the strategy optimised for --steps, as a run of that many planned steps uses)",
+    )
+    parser.add_argument(
+        "--correlation-band",
+        type=positive_int,
+        help="b, the band and number of cyclic groups (with --noise-correlation)",
+    )
 
 
 def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -107,6 +126,62 @@ def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.norm_dim is None:
         parser.error(f"--clipping {args.clipping} needs --norm-dim D (the widest estimated layer's min(p, d))")
     return {"projection_dim": args.projection_dim, "norm_dim": args.norm_dim, "estimator": args.clipping}
+
+
+def _banded_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BandedPlan | None:
+    """The run's :class:`~lightning_dp.engine.correlation.BandedPlan` when ``--noise-correlation`` is given, else None
+    (``--correlation-band`` alone, other noises, accountants or ``--clipping``: a usage error)."""
+    if args.noise_correlation is None:
+        if args.correlation_band is not None:
+            parser.error("--correlation-band applies to --noise-correlation banded; set that too")
+        if args.accountant == BANDED_MF_ACCOUNTANT:
+            parser.error(
+                f"--accountant {BANDED_MF_ACCOUNTANT} accounts for correlated noise only; add --noise-correlation "
+                "banded --correlation-band B"
+            )
+        return None
+    if args.noise != "gaussian":
+        parser.error(
+            f"--noise-correlation {args.noise_correlation} correlates Gaussian noise (got --noise {args.noise})"
+        )
+    if args.accountant not in (None, BANDED_MF_ACCOUNTANT):
+        parser.error(
+            f"--noise-correlation {args.noise_correlation} is accounted by --accountant {BANDED_MF_ACCOUNTANT} only "
+            f"(got --accountant {args.accountant})"
+        )
+    if args.clipping is not None:
+        parser.error(f"--noise-correlation {args.noise_correlation} is not accounted with --clipping {args.clipping}")
+    if args.correlation_band is None:
+        parser.error(f"--noise-correlation {args.noise_correlation} needs --correlation-band B (1 is DP-SGD)")
+    if args.correlation_band > args.steps:
+        parser.error(
+            f"--correlation-band {args.correlation_band} exceeds --steps {args.steps}; use a band <= {args.steps}"
+        )
+    try:
+        return plan_banded(
+            band=args.correlation_band,
+            sample_rate=args.sample_rate,
+            planned_steps=args.steps,
+            restored_coefs=None,
+            segment=0,
+        )
+    except ValueError as error:  # b q > 1
+        parser.error(str(error))
+
+
+def _banded_summary(summary: dict[str, Any], plan: BandedPlan | None) -> dict[str, Any]:
+    """``summary`` with the participation pattern of ``plan`` (b, q_b, k, s) after the noise rows."""
+    if plan is None:
+        return summary
+    return {
+        **summary,
+        "expected_abs_noise": None,  # the mechanism's is that of Z_t, not of the correlated (C^-1 Z)_t
+        "noise_correlation": "banded",
+        "correlation_band": plan.band,
+        "group_sample_rate": plan.group_rate,
+        "participations": plan.participations,
+        "column_norm": plan.column_norm,
+    }
 
 
 def _epsilons(mechanism: NoiseMechanism, accountants: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
@@ -208,6 +283,15 @@ def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     params = {p: getattr(args, p) for p in required}
     mechanism = make_mechanism(args.noise, max_grad_norm=args.max_grad_norm, **params)
+    plan = _banded_plan(parser, args)
+    if plan is not None:
+        sigma = args.noise_multiplier
+        epsilon = plan.epsilon(sigma, args.delta)
+        summary = _banded_summary(_summary(args, mechanism, epsilon, BANDED_MF_ACCOUNTANT), plan)
+        _emit(summary, {BANDED_MF_ACCOUNTANT: epsilon}, args.json, BANDED_MF_ACCOUNTANT)
+        if args.plot:
+            _plot(args, mechanism, {BANDED_MF_ACCOUNTANT: lambda steps: plan.epsilon(sigma, args.delta, steps)})
+        return
     rc = _randomized_clipping(parser, args)
     if rc is not None:
         schedule = {"target_delta": args.delta, "sample_rate": args.sample_rate, "steps": args.steps}
@@ -288,6 +372,13 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--search is only defined for {' and '.join(searches)}")
     if args.search and args.num_params is None:
         parser.error(f"--search with --noise {args.noise} needs --num-params")
+    plan = _banded_plan(parser, args)
+    if plan is not None:
+        mechanism = plan.calibrate(**target, max_grad_norm=args.max_grad_norm)
+        epsilon = plan.epsilon(mechanism.noise_multiplier, args.delta)
+        summary = _summary(args, mechanism, epsilon, BANDED_MF_ACCOUNTANT, target_epsilon=args.target_epsilon)
+        _emit(_banded_summary(summary, plan), {BANDED_MF_ACCOUNTANT: epsilon}, args.json, BANDED_MF_ACCOUNTANT)
+        return
     rc = _randomized_clipping(parser, args)
     if rc is not None:
         if args.search:

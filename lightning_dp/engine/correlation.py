@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from lightning_dp.accounting.banded_mf import BandedMFEvent, band_and_max_column_norm
+from lightning_dp.accounting.banded_mf import BandedMFAccountant, BandedMFEvent, band_and_max_column_norm
 from lightning_dp.correlated_noise.optimize import optimize_banded
 from lightning_dp.correlated_noise.strategies import BandedToeplitz
 from lightning_dp.correlated_noise.streaming import BandedNoise
@@ -94,6 +94,18 @@ class BandedPlan:
             num_groups=self.band,
         )
         return GaussianMechanism(sigma / self.column_norm, max_grad_norm)
+
+    def epsilon(self, noise_multiplier: float, delta: float, steps: int | None = None) -> float:
+        """Epsilon at ``delta`` after ``steps`` steps of this segment (default: the ``n`` planned) at the accounted
+        noise multiplier ``sigma``: the ``banded-mf`` accountant over :meth:`event`, as the run's ledger composes it.
+
+        Raises:
+            ValueError: ``delta`` outside ``(0, 1)``, ``steps < 1`` or a negative ``noise_multiplier``.
+        """
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        accountant = BandedMFAccountant().compose(self.event(noise_multiplier), steps or self.planned_steps)
+        return accountant.get_epsilon(delta)
 
     def describe(self) -> str:
         """One line for the start-up block: ``b``, ``q_b``, ``k``, ``s`` and the segment."""
