@@ -84,3 +84,47 @@ def test_two_processes_sample_their_shards_of_the_steps_group(tmp_path):
     )
     make_trainer(single, max_steps=6).fit(TinyRegressor())
     assert ranks[0]["epsilon"] == pytest.approx(single.privacy_engine.epsilon(), rel=1e-12)
+
+
+def test_a_resume_on_two_processes_is_the_one_process_resume(tmp_path):
+    """b = 2, q_b = 1, one epoch then a resume for a second: both ranks restart the correlation as segment 1 (no
+    noise state in the checkpoint), stay identical and keep sampling group ``step mod b``; parameters, ledger and
+    epsilon equal the one-process run resumed from its own checkpoint of the same seed."""
+    options = ["--banded", "2", "--sample-rate", "0.5", "--seed", "0"]
+    first = fit_on_two_processes(tmp_path / "first", *options, "--max-epochs", "1")
+    (ckpt,) = (tmp_path / "first" / "ckpt").glob("*.ckpt")
+    ranks = fit_on_two_processes(tmp_path / "resumed", *options, "--max-epochs", "2", "--resume", str(ckpt))
+    a, b = ranks
+    per_epoch = first[0]["steps"]
+    assert per_epoch >= 2 and a["steps"] == b["steps"] == 2 * per_epoch and a["ledger"] == b["ledger"]
+    assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+    assert all(torch.equal(rank["groups"], a["groups"]) for rank in ranks)
+    for rank, record in enumerate(ranks):  # the resumed run's steps: global steps per_epoch ... 2 per_epoch - 1
+        for t, batch in enumerate(record["batches"], start=per_epoch):
+            assert all(i % WORLD == rank for i in batch) and set(a["groups"][batch].tolist()) <= {t % 2}
+
+    def single(max_epochs: int, ckpt_path=None):
+        strategy = DPStrategy(
+            noise_multiplier=1.0,
+            max_grad_norm=0.5,
+            seed=0,
+            sample_rate=0.5,
+            noise_correlation="banded",
+            correlation_band=2,
+        )
+        torch.manual_seed(0)
+        module = TinyRegressor(batch_size=8 * WORLD)
+        trainer = make_trainer(strategy, max_epochs=max_epochs)
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return trainer, strategy, module
+
+    trainer, _, _ = single(1)
+    trainer.save_checkpoint(tmp_path / "single.ckpt")
+    _, strategy, module = single(2, tmp_path / "single.ckpt")
+    engine = strategy.privacy_engine
+    segments = [(event.segment, count) for event, count in engine.accountant.ledger]
+    assert segments == [(0, per_epoch), (1, per_epoch)]
+    assert a["ledger"] == engine.accountant.state_dict()
+    assert a["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
+    for got, want in zip(a["params"], module.parameters(), strict=True):
+        torch.testing.assert_close(got, want.detach())
