@@ -16,10 +16,18 @@ from lightning_dp.hf import DPTrainer, PrivacyArguments
 VOCAB = 50
 
 
-def tiny_gpt2() -> transformers.GPT2LMHeadModel:
+#: GPT-2's dropout probabilities at 0 (``tiny_gpt2(**NO_DROPOUT)``): runs compared across process layouts draw no
+#: dropout masks from the global RNG.
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def tiny_gpt2(**overrides: Any) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0
+        **{
+            **dict(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0),
+            **overrides,
+        }
     )
     return transformers.GPT2LMHeadModel(config)
 

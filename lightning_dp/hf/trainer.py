@@ -49,7 +49,6 @@ from lightning_dp.hf.sampling import poisson_batch_lengths
 from lightning_dp.hf.sharded_checkpoints import ShardedCheckpoints
 from lightning_dp.hf.trainer_checks import (
     check_accelerator_and_model,
-    check_banded_processes,
     check_banded_resume,
     check_model_and_loss,
     check_sharded_run,
@@ -165,8 +164,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         Raises:
             ValueError: on a sharded model, what :func:`~lightning_dp.hf.trainer_checks.check_sharded_run` refuses; a
                 checkpoint without privacy state, or one (or, sharded, whose shards) not matching this run; a sample
-                rate different from the checkpoint's; ``noise_correlation='banded'`` on several processes
-                (:func:`~lightning_dp.hf.trainer_checks.check_banded_processes`).
+                rate different from the checkpoint's.
             FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
         """
         if self.privacy_args.disable_dp:
@@ -187,7 +185,6 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             with HF_NAMING.applied():  # a checkpoint that does not match names the PrivacyArguments that differ
                 load_privacy_state(engine, resume_from_checkpoint)
         self._distributed = distributed_context()
-        check_banded_processes(self._distributed, engine.config)
         self._log_filter = rank_zero_logging(self._distributed, self._log_filter)  # kept after train()
         if self._distributed is not None:
             self._distributed.broadcast_module(self.model)

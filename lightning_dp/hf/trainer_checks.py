@@ -209,22 +209,3 @@ def check_banded_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
             "noise_correlation='banded' resumes only with TrainingArguments(ignore_data_skip=True): skipping the "
             "epoch's first batches would shift the cyclic groups against the steps"
         )
-
-
-def check_banded_processes(distributed: object | None, config: PrivacyConfig) -> None:
-    """Refuse ``noise_correlation='banded'`` on several processes under ``DPTrainer``: the cyclic sampler and the
-    correlated stream run on several processes under Lightning's ``DPDDPStrategy`` (tested there), not yet through
-    ``accelerate``'s launcher (untested: its stand-in batches and step count are not checked against the groups).
-
-    Args:
-        distributed: the run's distributed context, ``None`` on one process.
-        config: the run's options.
-
-    Raises:
-        ValueError: banded correlated noise with a distributed context.
-    """
-    if config.noise_correlation is not None and distributed is not None:
-        raise ValueError(
-            "noise_correlation='banded' runs on one process under DPTrainer for now: train on one process, or on "
-            "several with Lightning's DPDDPStrategy"
-        )

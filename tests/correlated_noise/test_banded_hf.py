@@ -1,12 +1,15 @@
 """``noise_correlation='banded'`` through ``DPTrainer`` on a tiny GPT-2: the banded-mf epsilon, a checkpoint with the
-strategy and no noise state, the resume as a new segment, and the refused resume that would skip batches."""
+strategy and no noise state, the resume as a new segment, the refused resume that would skip batches, and 2 processes
+under ``accelerate launch`` (``hf_ddp_script.py --banded``) against one."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from hf_helpers import make_trainer, tiny_gpt2
+import torch
+from hf_helpers import NO_DROPOUT, TokenDataset, make_trainer, tiny_gpt2
+from process_helpers import SCRIPTS, accelerate_launch
 
 from lightning_dp.accounting.banded_mf import banded_mf_epsilon
 from lightning_dp.hf import PrivacyArguments
@@ -50,13 +53,32 @@ def test_banded_training_checkpoint_and_resume(tmp_path):
     assert [(event.segment, count) for event, count in ledger] == [(0, 2), (1, 2)]
 
 
-def test_several_processes_are_refused_under_dptrainer(tmp_path, monkeypatch):
-    """Banded noise on several processes is tested under Lightning's DPDDPStrategy only: DPTrainer on a process group
-    refuses it at ``train`` (one line), before the model is broadcast or any step runs."""
-    import lightning_dp.hf.trainer as hf_trainer
+def test_two_processes_under_accelerate_equal_one_process_at_group_rate_one(tmp_path):
+    """``accelerate launch`` on 2 processes, b = 2 and q = 1/2 (q_b = 1: step t's union over the ranks is ALL of group
+    t mod 2), 2 micro-batches per step: the ranks hold the same partition, every micro-batch of step t comes from the
+    rank's shard of group t mod 2, the ranks end identical, and parameters, ledger and epsilon equal the one-process
+    DPTrainer run of the same seed."""
+    out = tmp_path / "ranks"
+    accelerate_launch(SCRIPTS / "hf_ddp_script.py", str(out), "--banded", "2")
+    a, b = ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert a["end"] == b["end"] and a["state"] == b["state"] and a["steps"] == b["steps"] == 4
+    groups = torch.tensor(a["groups"])
+    assert b["groups"] == a["groups"] and len(set(a["groups"])) == 2
+    for rank, record in enumerate(ranks):
+        assert len(record["micro_batches"]) == 4 * 2  # every rank joins every micro-step
+        for k, batch in enumerate(record["micro_batches"]):
+            assert all(i % 2 == rank for i in batch) and set(groups[batch].tolist()) <= {(k // 2) % 2}
+    for t in range(4):
+        union = sorted(i for record in ranks for batch in record["micro_batches"][2 * t : 2 * t + 2] for i in batch)
+        assert union == (groups == t % 2).nonzero().flatten().tolist()
 
-    monkeypatch.setattr(hf_trainer, "distributed_context", lambda: object())
-    trainer = make_trainer(tiny_gpt2(), tmp_path, privacy=PrivacyArguments(**BANDED), args=CHECKPOINTS)
-    with pytest.raises(ValueError, match="^noise_correlation='banded' runs on one process under DPTrainer for now"):
-        trainer.train()
-    assert trainer.privacy_engine.steps == 0
+    privacy = PrivacyArguments(**BANDED, sample_rate=0.5)  # the options of hf_ddp_script.py --banded 2
+    options = dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=4)
+    single = make_trainer(
+        tiny_gpt2(**NO_DROPOUT), tmp_path / "single", TokenDataset(n=32), privacy=privacy, args=options
+    )
+    single.train()
+    engine = single.privacy_engine
+    assert engine.state_dict() == a["state"] and engine.epsilon() == pytest.approx(a["epsilon"], rel=1e-12)
+    for got, want in zip(a["params"], single.model.parameters(), strict=True):
+        torch.testing.assert_close(torch.tensor(got), want.detach().flatten())  # the all-reduce only reorders the sum
