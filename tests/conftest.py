@@ -2,11 +2,34 @@
 in this folder (``helpers``, ``clipping_helpers``, ``hf_helpers``, ``process_helpers``, ...) and the scripts the tests
 launch in subprocesses are in ``scripts/``. Every test imports the helpers by their plain names (``from helpers import
 TinyRegressor``), so this folder is put on ``sys.path`` here, whichever subfolder the test is in; a test file is never
-imported from another one."""
+imported from another one.
 
+The suite runs on ``pytest-xdist`` workers (``-n auto`` in pyproject's ``addopts``), as many as
+:func:`pytest_xdist_auto_num_workers` says; ``-n 0`` runs in this process (for ``--pdb``, or one test)."""
+
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
+
+
+#: Memory to allow per worker (a worker's peak, with the 2-process tests it launches, stays below this).
+GIB_PER_WORKER = 6
+#: The most workers ``-n auto`` starts, whatever the machine.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto``: one worker per CPU, at most :data:`MAX_WORKERS` and one per :data:`GIB_PER_WORKER` GiB of memory;
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (read by xdist itself) overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(cpus, MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
