@@ -1,4 +1,4 @@
-"""DP-SGD against banded matrix-factorization noise on the digits demo, at one target epsilon per record
+"""DP-SGD against banded and BLT matrix-factorization noise on the digits demo, at one target epsilon per record
 (docs/correlated_noise.md).
 
     python bench/correlated_noise.py --target-epsilon 3 --threads 1 --record digits_eps3   # runs, then render
@@ -6,10 +6,11 @@
 
 Each variant trains the demo's CNN (``lightning_dp.cli.demo.run_demo``: 15 epochs, expected batch 128, SGD at
 learning rate 1, C = 1) once per seed, its noise calibrated for the same target epsilon by its own accountant: DP-SGD
-(``pld``) and ``noise_correlation="banded"`` with bands 2, 4 and 8 (``banded-mf``: cyclic Poisson sampling over ``b``
-groups at rate ``b q``, the strategy optimised for the run's steps). Reported per variant: the test accuracy (mean
-and standard deviation over the seeds), the epsilon every run reports and the noise multiplier. The figure shows the
-accuracy against the target epsilon of every record.
+(``pld``), ``noise_correlation="banded"`` with bands 2, 4 and 8 (``banded-mf``: cyclic Poisson sampling over ``b``
+groups at rate ``b q``, the strategy optimised for the run's steps) and ``noise_correlation="blt"`` with 4 buffers
+(``blt-minsep``: ``floor(1 / q)`` cyclic groups, no amplification credited). Reported per variant: the test accuracy
+(mean and standard deviation over the seeds), the epsilon every run reports and the noise multiplier. The figure shows
+the accuracy against the target epsilon of every record.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BANDS = (2, 4, 8)
 VARIANTS: dict[str, dict[str, Any]] = {
     "DP-SGD": {},
     **{f"banded b={b}": {"noise_correlation": "banded", "correlation_band": b} for b in BANDS},
+    "BLT d=4": {"noise_correlation": "blt", "correlation_buffers": 4},
 }
 
 
@@ -43,13 +45,15 @@ def rows(record: dict[str, Any]) -> list[dict[str, Any]]:
     return variant_rows(record, lambda runs: {})
 
 
-def band(variant: str) -> str:
-    """The band ``b`` of a variant's name (1 for DP-SGD)."""
-    return variant.removeprefix("banded b=") if variant.startswith("banded") else "1"
+def noise(variant: str) -> str:
+    """A variant's noise: ``banded, b = B`` (``b = 1`` for DP-SGD) or ``BLT, d = D``."""
+    if variant.startswith("BLT"):
+        return "BLT, d = " + variant.removeprefix("BLT d=")
+    return "banded, b = " + (variant.removeprefix("banded b=") if variant.startswith("banded") else "1 (DP-SGD)")
 
 
 def markdown(record: dict[str, Any]) -> str:
-    return variant_table(record, rows(record), "band b", lambda row: band(row["variant"]))
+    return variant_table(record, rows(record), "noise", lambda row: noise(row["variant"]))
 
 
 def write_figure(records: list[dict[str, Any]]) -> None:
@@ -71,7 +75,7 @@ def write_figure(records: list[dict[str, Any]]) -> None:
         epsilons, accuracies, spreads = zip(*values, strict=True)
         ax.errorbar(epsilons, accuracies, yerr=spreads, marker="o", capsize=3, label=variant)
     ax.set_xscale("log")
-    title = "Digits CNN: DP-SGD against banded MF noise"
+    title = "Digits CNN: DP-SGD against banded and BLT MF noise"
     save_figure(fig, ax, FIGURE, xlabel="target epsilon", ylabel="test accuracy (%)", title=title)
 
 

@@ -739,9 +739,33 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "DPStrategy",
-        "noise_correlation='blt'",
-        _strategy(noise_multiplier=1.0, noise_correlation="blt", correlation_band=2),
-        "noise_correlation must be None or 'banded'",
+        "noise_correlation='toeplitz'",
+        _strategy(noise_multiplier=1.0, noise_correlation="toeplitz"),
+        "noise_correlation must be None, 'banded' or 'blt'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='blt', correlation_band=4",
+        _strategy(noise_multiplier=1.0, noise_correlation="blt", correlation_band=4),
+        "correlation_band=4 applies to noise_correlation='banded'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "correlation_buffers=4 without noise_correlation='blt'",
+        _strategy(noise_multiplier=1.0, correlation_buffers=4),
+        "correlation_buffers=4 applies to noise_correlation='blt'; set that too",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='blt', correlation_buffers=0",
+        _strategy(noise_multiplier=1.0, noise_correlation="blt", correlation_buffers=0),
+        "correlation_buffers must be an integer d >= 1",
+    ),
+    BadInput(
+        "DPStrategy",
+        "noise_correlation='blt', accountant='banded-mf'",
+        _strategy(noise_multiplier=1.0, noise_correlation="blt", accountant="banded-mf"),
+        "accountant='banded-mf' accounts for noise_correlation='banded' only",
     ),
     BadInput(
         "DPStrategy",

@@ -1,6 +1,7 @@
 """Privacy accountants: a ledger of events and its (epsilon, delta) guarantee."""
 
 import lightning_dp.accounting.banded_mf  # noqa: F401  (registers "banded-mf")
+import lightning_dp.accounting.blt_minsep  # noqa: F401  (registers "blt-minsep")
 import lightning_dp.accounting.composition  # noqa: F401  (registers "basic", "advanced")
 import lightning_dp.accounting.lap2  # noqa: F401  (registers "lap2", "lap2-paper")
 import lightning_dp.accounting.plrv  # noqa: F401  (registers "plrv", "plrv-paper")

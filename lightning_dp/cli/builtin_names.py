@@ -10,4 +10,16 @@ CLIPPING = (AUTO, "ghost", "fgc", "flat", "hutch", "hutchpp", "mixed")
 #: :data:`lightning_dp.mechanisms.MECHANISMS`.
 NOISES = ("gaussian", "laplace", "lap2", "laplace-advanced", "plrv")
 #: :data:`lightning_dp.accounting.ACCOUNTANTS`.
-ACCOUNTANTS = ("banded-mf", "basic", "advanced", "lap2", "lap2-paper", "plrv", "plrv-paper", "rc", "rdp", "pld")
+ACCOUNTANTS = (
+    "banded-mf",
+    "blt-minsep",
+    "basic",
+    "advanced",
+    "lap2",
+    "lap2-paper",
+    "plrv",
+    "plrv-paper",
+    "rc",
+    "rdp",
+    "pld",
+)

@@ -4,8 +4,9 @@
 ``lap2``, ``plrv``, ``laplace-advanced``; docs/design.md section 6). ``calibrate``: noise parameters for a target
 epsilon (``--search``: LAP2 / PLRV-O Alg. 1 over the clipping bound). ``--clipping hutch|hutchpp`` uses the ``rc``
 accountant (Gaussian only); ``--noise-correlation banded --correlation-band B`` the ``banded-mf`` accountant of banded
-matrix-factorization noise under cyclic Poisson sampling, with the strategy a run of ``--steps`` planned steps uses
-(Gaussian only). ``--json`` prints one JSON object; ``epsilon --plot FILE`` draws the curves. Exit code 0,
+matrix-factorization noise under cyclic Poisson sampling, ``--noise-correlation blt [--correlation-buffers D]`` the
+``blt-minsep`` accountant of BLT noise, each with the strategy a run of ``--steps`` planned steps uses (Gaussian
+only). ``--json`` prints one JSON object; ``epsilon --plot FILE`` draws the curves. Exit code 0,
 or 2 for usage or invalid values (one ``error:`` line).
 """
 
@@ -17,17 +18,19 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_int
-from lightning_dp.config.combinations import BANDED_MF_ACCOUNTANT, NOISE_CORRELATIONS
-from lightning_dp.engine.correlation import BandedPlan, plan_banded
+from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, DEFAULT_BLT_BUFFERS, NOISE_CORRELATIONS
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import calibrate_result, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
 from lightning_dp.mechanisms.solver import CalibrationProblem
+
+if TYPE_CHECKING:
+    from lightning_dp.engine.correlation import CorrelationPlan
 
 
 def noises() -> tuple[str, ...]:
@@ -105,13 +108,19 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
         "--noise-correlation",
         type=choice(CORRELATIONS),
         metavar=metavar_of(CORRELATIONS),
-        help="correlated noise: banded matrix factorization under cyclic Poisson sampling (banded-mf accountant, "
-        "Gaussian only; the strategy optimised for --steps, as a run of that many planned steps uses)",
+        help="correlated noise, Gaussian only, with the strategy a run of --steps planned steps optimises: banded "
+        "(banded-mf accountant, cyclic Poisson over --correlation-band groups) or blt (blt-minsep accountant, "
+        "floor(1/q) cyclic groups, no amplification)",
     )
     parser.add_argument(
         "--correlation-band",
         type=positive_int,
-        help="b, the band and number of cyclic groups (with --noise-correlation)",
+        help="b, the band and number of cyclic groups (with --noise-correlation banded)",
+    )
+    parser.add_argument(
+        "--correlation-buffers",
+        type=positive_int,
+        help=f"d, the buffers of --noise-correlation blt (default {DEFAULT_BLT_BUFFERS})",
     )
 
 
@@ -128,59 +137,65 @@ def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespa
     return {"projection_dim": args.projection_dim, "norm_dim": args.norm_dim, "estimator": args.clipping}
 
 
-def _banded_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> BandedPlan | None:
-    """The run's :class:`~lightning_dp.engine.correlation.BandedPlan` when ``--noise-correlation`` is given, else None
-    (``--correlation-band`` alone, other noises, accountants or ``--clipping``: a usage error)."""
-    if args.noise_correlation is None:
-        if args.correlation_band is not None:
-            parser.error("--correlation-band applies to --noise-correlation banded; set that too")
-        if args.accountant == BANDED_MF_ACCOUNTANT:
-            parser.error(
-                f"--accountant {BANDED_MF_ACCOUNTANT} accounts for correlated noise only; add --noise-correlation "
-                "banded --correlation-band B"
-            )
+def _correlation_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CorrelationPlan | None:
+    """The run's :class:`~lightning_dp.engine.correlation.CorrelationPlan` when ``--noise-correlation`` is given, else
+    None (its options alone, other noises, accountants or ``--clipping``: a usage error)."""
+    kind = args.noise_correlation
+    if args.correlation_band is not None and kind != "banded":
+        parser.error("--correlation-band applies to --noise-correlation banded; set that too")
+    if args.correlation_buffers is not None and kind != "blt":
+        parser.error("--correlation-buffers applies to --noise-correlation blt; set that too")
+    if kind is None:
+        for name, accountant in CORRELATION_ACCOUNTANTS.items():
+            if args.accountant == accountant:
+                parser.error(
+                    f"--accountant {accountant} accounts for correlated noise only; add --noise-correlation {name}"
+                    + (" --correlation-band B" if name == "banded" else "")
+                )
         return None
+    accountant = CORRELATION_ACCOUNTANTS[kind]
     if args.noise != "gaussian":
+        parser.error(f"--noise-correlation {kind} correlates Gaussian noise (got --noise {args.noise})")
+    if args.accountant not in (None, accountant):
         parser.error(
-            f"--noise-correlation {args.noise_correlation} correlates Gaussian noise (got --noise {args.noise})"
-        )
-    if args.accountant not in (None, BANDED_MF_ACCOUNTANT):
-        parser.error(
-            f"--noise-correlation {args.noise_correlation} is accounted by --accountant {BANDED_MF_ACCOUNTANT} only "
-            f"(got --accountant {args.accountant})"
+            f"--noise-correlation {kind} is accounted by --accountant {accountant} only (got --accountant "
+            f"{args.accountant})"
         )
     if args.clipping is not None:
-        parser.error(f"--noise-correlation {args.noise_correlation} is not accounted with --clipping {args.clipping}")
-    if args.correlation_band is None:
-        parser.error(f"--noise-correlation {args.noise_correlation} needs --correlation-band B (1 is DP-SGD)")
-    if args.correlation_band > args.steps:
+        parser.error(f"--noise-correlation {kind} is not accounted with --clipping {args.clipping}")
+    if kind == "banded" and args.correlation_band is None:
+        parser.error("--noise-correlation banded needs --correlation-band B (1 is DP-SGD)")
+    if kind == "banded" and args.correlation_band > args.steps:
         parser.error(
             f"--correlation-band {args.correlation_band} exceeds --steps {args.steps}; use a band <= {args.steps}"
         )
+    from lightning_dp.engine.correlation import plan_correlation  # torch: only when correlated noise is asked for
+
     try:
-        return plan_banded(
+        return plan_correlation(
+            kind,
             band=args.correlation_band,
+            buffers=args.correlation_buffers or DEFAULT_BLT_BUFFERS,
             sample_rate=args.sample_rate,
             planned_steps=args.steps,
-            restored_coefs=None,
+            restored=None,
             segment=0,
         )
-    except ValueError as error:  # b q > 1
+    except ValueError as error:  # b q > 1, q outside (0, 1]
         parser.error(str(error))
 
 
-def _banded_summary(summary: dict[str, Any], plan: BandedPlan | None) -> dict[str, Any]:
-    """``summary`` with the participation pattern of ``plan`` (b, q_b, k, s) after the noise rows."""
+def _correlation_summary(summary: dict[str, Any], plan: CorrelationPlan | None) -> dict[str, Any]:
+    """``summary`` with the participation pattern of ``plan`` (its kind's summary, ``k`` and ``s``) after the noise
+    rows."""
     if plan is None:
         return summary
     return {
         **summary,
         "expected_abs_noise": None,  # the mechanism's is that of Z_t, not of the correlated (C^-1 Z)_t
-        "noise_correlation": "banded",
-        "correlation_band": plan.band,
-        "group_sample_rate": plan.group_rate,
+        **plan.summary(),
         "participations": plan.participations,
-        "column_norm": plan.column_norm,
+        "noise_scale_factor": plan.scale,
     }
 
 
@@ -283,14 +298,14 @@ def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     params = {p: getattr(args, p) for p in required}
     mechanism = make_mechanism(args.noise, max_grad_norm=args.max_grad_norm, **params)
-    plan = _banded_plan(parser, args)
+    plan = _correlation_plan(parser, args)
     if plan is not None:
-        sigma = args.noise_multiplier
+        sigma, accountant = args.noise_multiplier, CORRELATION_ACCOUNTANTS[plan.kind]
         epsilon = plan.epsilon(sigma, args.delta)
-        summary = _banded_summary(_summary(args, mechanism, epsilon, BANDED_MF_ACCOUNTANT), plan)
-        _emit(summary, {BANDED_MF_ACCOUNTANT: epsilon}, args.json, BANDED_MF_ACCOUNTANT)
+        summary = _correlation_summary(_summary(args, mechanism, epsilon, accountant), plan)
+        _emit(summary, {accountant: epsilon}, args.json, accountant)
         if args.plot:
-            _plot(args, mechanism, {BANDED_MF_ACCOUNTANT: lambda steps: plan.epsilon(sigma, args.delta, steps)})
+            _plot(args, mechanism, {accountant: lambda steps: plan.epsilon(sigma, args.delta, steps)})
         return
     rc = _randomized_clipping(parser, args)
     if rc is not None:
@@ -372,12 +387,13 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--search is only defined for {' and '.join(searches)}")
     if args.search and args.num_params is None:
         parser.error(f"--search with --noise {args.noise} needs --num-params")
-    plan = _banded_plan(parser, args)
+    plan = _correlation_plan(parser, args)
     if plan is not None:
+        accountant = CORRELATION_ACCOUNTANTS[plan.kind]
         mechanism = plan.calibrate(**target, max_grad_norm=args.max_grad_norm)
         epsilon = plan.epsilon(mechanism.noise_multiplier, args.delta)
-        summary = _summary(args, mechanism, epsilon, BANDED_MF_ACCOUNTANT, target_epsilon=args.target_epsilon)
-        _emit(_banded_summary(summary, plan), {BANDED_MF_ACCOUNTANT: epsilon}, args.json, BANDED_MF_ACCOUNTANT)
+        summary = _summary(args, mechanism, epsilon, accountant, target_epsilon=args.target_epsilon)
+        _emit(_correlation_summary(summary, plan), {accountant: epsilon}, args.json, accountant)
         return
     rc = _randomized_clipping(parser, args)
     if rc is not None:

@@ -7,16 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from lightning_dp.config.errors import checking
+from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, NOISE_CORRELATIONS
 from lightning_dp.optim.adaptive_clipping import sum_noise_multiplier
 
 if TYPE_CHECKING:
     from lightning_dp.config.privacy_config import PrivacyConfig
-
-#: The ``noise_correlation`` values: ``None`` (independent noise, DP-SGD) or ``"banded"`` (banded matrix
-#: factorization under cyclic Poisson sampling, docs/design.md section 5.1).
-NOISE_CORRELATIONS = (None, "banded")
-#: The accountant of ``noise_correlation='banded'`` (:class:`~lightning_dp.accounting.banded_mf.BandedMFAccountant`).
-BANDED_MF_ACCOUNTANT = "banded-mf"
 
 
 def check_randomized_and_adaptive(config: PrivacyConfig) -> None:
@@ -53,55 +48,68 @@ def check_randomized_and_adaptive(config: PrivacyConfig) -> None:
 
 
 def check_noise_correlation(config: PrivacyConfig) -> None:
-    """``noise_correlation='banded'`` needs a band ``b >= 1``, Gaussian noise, the ``banded-mf`` accountant, Poisson
-    sampling and an exact clipping engine at a fixed bound; ``banded-mf`` and ``correlation_band`` need it.
+    """``noise_correlation='banded'`` needs a band ``b >= 1``, ``'blt'`` takes ``correlation_buffers`` ``d >= 1``
+    (default :data:`~lightning_dp.correlated_noise.kinds.DEFAULT_BLT_BUFFERS`); both need Gaussian noise, their own
+    accountant (``banded-mf``, ``blt-minsep``), Poisson sampling and an exact clipping engine at a fixed bound; those
+    accountants and options need their kind.
 
-    Why each refusal (docs/design.md section 5.1): the amplification theorem is about Gaussian noise under cyclic
-    Poisson sampling (the sampler the run installs), so another mechanism, accountant or sampler has no bound; a
-    randomized engine's random clipping bound and adaptive clipping's extra count release are other mechanisms than
-    the one the ``banded-mf`` accountant bounds.
+    Why each refusal (docs/design.md section 5.1): the accountants bound Gaussian noise under the cyclic sampler the
+    run installs, so another mechanism, accountant or sampler has no bound; a randomized engine's random clipping bound
+    and adaptive clipping's extra count release are other mechanisms than the one the accountants bound.
 
     Raises:
         ValueError: one of these combinations is broken.
     """
-    correlation, band = config.noise_correlation, config.correlation_band
+    correlation, band, buffers = config.noise_correlation, config.correlation_band, config.correlation_buffers
     if correlation not in NOISE_CORRELATIONS:
         with checking("noise_correlation"):
-            raise ValueError(f"noise_correlation must be None or 'banded', got {correlation!r}")
-    if correlation is None:
-        if band is not None:
-            with checking("correlation_band"):
-                raise ValueError(f"correlation_band={band} applies to noise_correlation='banded'; set that too")
-        if config.accountant == BANDED_MF_ACCOUNTANT:
+            raise ValueError(f"noise_correlation must be None, 'banded' or 'blt', got {correlation!r}")
+    if band is not None and correlation != "banded":
+        with checking("correlation_band"):
+            raise ValueError(f"correlation_band={band} applies to noise_correlation='banded'; set that too")
+    if buffers is not None and correlation != "blt":
+        with checking("correlation_buffers"):
+            raise ValueError(f"correlation_buffers={buffers} applies to noise_correlation='blt'; set that too")
+    for kind, accountant in CORRELATION_ACCOUNTANTS.items():
+        if config.accountant == accountant and correlation != kind:
             with checking("accountant"):
                 raise ValueError(
-                    "accountant='banded-mf' accounts for noise_correlation='banded' only; set noise_correlation="
-                    "'banded' with a correlation_band, or use the mechanism's default accountant"
+                    f"accountant={accountant!r} accounts for noise_correlation={kind!r} only; set noise_correlation="
+                    f"{kind!r}, or use the mechanism's default accountant"
                 )
+    if correlation is None:
         return
-    if isinstance(band, bool) or not isinstance(band, int) or band < 1:
+    if correlation == "banded" and (isinstance(band, bool) or not isinstance(band, int) or band < 1):
         with checking("correlation_band"):
             raise ValueError(
                 f"noise_correlation='banded' needs correlation_band, an integer b >= 1 (1 is DP-SGD), got {band!r}"
             )
+    if buffers is not None and (isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1):
+        with checking("correlation_buffers"):
+            raise ValueError(f"correlation_buffers must be an integer d >= 1 (the BLT's buffers), got {buffers!r}")
     if config.noise_name != "gaussian":
         raise ValueError(
-            f"noise_correlation='banded' correlates Gaussian noise: use noise='gaussian', not {config.noise_name!r}"
+            f"noise_correlation={correlation!r} correlates Gaussian noise: use noise='gaussian', not "
+            f"{config.noise_name!r}"
         )
-    if config.accountant not in (None, BANDED_MF_ACCOUNTANT):
+    accountant = CORRELATION_ACCOUNTANTS[correlation]
+    if config.accountant not in (None, accountant):
         with checking("accountant"):
             raise ValueError(
-                f"noise_correlation='banded' is accounted by accountant='banded-mf' only, not {config.accountant!r}"
+                f"noise_correlation={correlation!r} is accounted by accountant={accountant!r} only, not "
+                f"{config.accountant!r}"
             )
     if not config.poisson_sampling:
-        raise ValueError("noise_correlation='banded' samples by cyclic Poisson sampling: keep poisson_sampling=True")
+        raise ValueError(
+            f"noise_correlation={correlation!r} samples by cyclic Poisson sampling: keep poisson_sampling=True"
+        )
     if config.randomized_clipping:
         raise ValueError(
-            f"noise_correlation='banded' needs an exact clipping engine, not clipping={config.clipping!r}; use "
+            f"noise_correlation={correlation!r} needs an exact clipping engine, not clipping={config.clipping!r}; use "
             "clipping='auto'"
         )
     if config.adaptive_clipping:
         raise ValueError(
-            "noise_correlation='banded' with adaptive clipping is not supported (its count release is not part of the "
-            "banded-mf accountant's mechanism): remove target_unclipped_quantile"
+            f"noise_correlation={correlation!r} with adaptive clipping is not supported (its count release is not "
+            f"part of the {accountant} accountant's mechanism): remove target_unclipped_quantile"
         )

@@ -120,7 +120,7 @@ class PrivacyConfig:
     accountant: str | None = _option(
         None,
         "accountant name; default the mechanism's sound default (``'pld'`` for Gaussian, ``'rc'`` for randomized "
-        "clipping, ``'banded-mf'`` with ``noise_correlation='banded'``).",
+        "clipping, ``'banded-mf'`` with ``noise_correlation='banded'``, ``'blt-minsep'`` with ``'blt'``).",
         "Accountant (default: the mechanism's).",
     )
     noise_correlation: str | None = _option(
@@ -129,15 +129,23 @@ class PrivacyConfig:
         "noise (Choquette-Choo et al. 2023; docs/correlated_noise.md): step ``t`` adds ``sigma C s (C^-1 Z)_t`` for "
         "an optimised ``b``-banded Toeplitz ``C`` (largest column norm ``s``), the data are cyclically Poisson-sampled "
         "over ``b`` groups at ``q_b = b q``, and the ``'banded-mf'`` accountant counts ``ceil(n / b)`` "
-        "participations. Gaussian noise, exact engines, fixed bound; one process or DDP (not FSDP2, not "
-        "``DPTrainer`` on several processes).",
-        "Correlated noise: banded (banded matrix factorization with cyclic Poisson sampling); None: independent.",
+        "participations. ``'blt'``: buffered-linear-Toeplitz noise (Dvijotham et al. 2024) with "
+        "``correlation_buffers`` buffers, cyclic sampling over ``b = floor(1 / q)`` groups, and the ``'blt-minsep'`` "
+        "accountant (b-min-separation sensitivity, no amplification credited). Gaussian noise, exact engines, fixed "
+        "bound; one process or DDP (not FSDP2).",
+        "Correlated noise: banded or blt (matrix factorization with cyclic sampling); None: independent.",
     )
     correlation_band: int | None = _option(
         None,
         "``b >= 1``, the band of ``noise_correlation='banded'`` and its number of cyclic groups (1 is DP-SGD; needs "
         "``b q <= 1``).",
         "Band b of noise_correlation=banded (its number of cyclic groups).",
+    )
+    correlation_buffers: int | None = _option(
+        None,
+        "``d >= 1``, the buffers of ``noise_correlation='blt'`` (default 4): model-sized noise vectors the stream "
+        "keeps.",
+        "Buffers d of noise_correlation=blt (default 4).",
     )
     sample_rate: float | None = _option(
         None,

@@ -12,9 +12,10 @@ Modules, each with one job:
 - :mod:`~lightning_dp.correlated_noise.streaming`: :func:`noise_stream`, the streaming ``C^{-1} Z`` (torch).
 
 Names are imported on first use, so the NumPy-only modules load without torch or scipy. The training option built on
-them is ``noise_correlation='banded'`` (:mod:`lightning_dp.engine.correlation`: amplified banded MF under cyclic
-Poisson sampling, the noise scaled by the largest column norm instead of ``sens(C)``); docs/design.md section 5.1 says
-what each part provides for the privacy argument.
+them is ``noise_correlation='banded'`` or ``'blt'`` (:mod:`lightning_dp.engine.correlation`: amplified banded MF
+under cyclic Poisson sampling, the noise scaled by the largest column norm instead of ``sens(C)``; BLT under
+``floor(1 / q)``-min-separated cyclic sampling, accounted by ``sens(C)`` without amplification); docs/design.md
+section 5.1 says what each part provides for the privacy argument.
 """
 
 from __future__ import annotations

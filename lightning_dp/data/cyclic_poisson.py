@@ -61,6 +61,20 @@ def group_sample_rate(num_groups: int, sample_rate: float) -> float:
     return min(rate, 1.0)
 
 
+def blt_num_groups(sample_rate: float) -> int:
+    """``b = floor(1 / q)`` (at least 1), the cyclic groups of ``noise_correlation='blt'``: the largest ``b`` with
+    ``b q <= 1``, so each example takes part at most once every ``b`` steps (about once per pass over the data), the
+    separation its min-separation accountant rewards (docs/design.md section 5.1).
+
+    Raises:
+        ValueError: ``q`` outside ``(0, 1]``.
+    """
+    if not 0.0 < sample_rate <= 1.0:
+        raise ValueError(f"the sample rate q must lie in (0, 1], got {sample_rate}")
+    groups = math.floor(1.0 / sample_rate + 1e-9)
+    return max(1, groups - 1 if groups * sample_rate > 1.0 + 1e-12 else groups)
+
+
 def _splitmix64(values: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser (Steele, Lea & Flood 2014), elementwise on ``uint64`` (wrapping arithmetic)."""
     z = values.astype(np.uint64)

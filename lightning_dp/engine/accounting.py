@@ -179,10 +179,7 @@ class PrivacyLedger:
             **({"lowpass": state.lowpass.describe()} if state.lowpass is not None else {}),
             **(
                 {
-                    "noise_correlation": "banded",
-                    "correlation_band": state.correlation.band,
-                    "group_sample_rate": state.correlation.group_rate,
-                    "max_column_norm": state.correlation.column_norm,
+                    **state.correlation.summary(),
                     "participations": getattr(state.accountant, "participations", None),
                 }
                 if state.correlation is not None

@@ -63,7 +63,7 @@ class CheckpointState:
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate; with per-sample momentum ``"momentum"``, with a low-pass
         filter ``"lowpass"``, with adaptive clipping ``"adaptive_clipping"`` (all functions of released values), with
-        banded correlated noise ``"noise_correlation"`` (its strategy's coefficients, data-independent). Never a seed,
+        correlated noise ``"noise_correlation"`` (its strategy's parameters, data-independent). Never a seed,
         a generator state or the correlated noise's streaming state (docs/design.md sections 2.3 and 5.1).
         """
         run = self.run
@@ -83,7 +83,7 @@ class CheckpointState:
         if run.config.privacy_unit == "user":
             state["privacy_unit"] = {"unit": "user", "user_key": _key_name(run.config.user_key)}
         if run.correlation is not None:  # the strategy only (public, like the mechanism); its stream state is noise
-            state["noise_correlation"] = {"kind": "banded", "coefs": list(run.correlation.strategy.coefs)}
+            state["noise_correlation"] = run.correlation.checkpoint_entry()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -111,7 +111,7 @@ class CheckpointState:
                 + ": resume with the same target_unclipped_quantile setting"
             )
         bound = None if adaptive is None else restored_bound(adaptive)  # malformed: fails before anything changes
-        coefs = self._restored_correlation(state.get("noise_correlation"))
+        correlation = self._restored_correlation(state.get("noise_correlation"))
         if "momentum" in state:
             run.momentum.load_state_dict(state["momentum"])
         elif run.momentum.enabled:
@@ -165,27 +165,37 @@ class CheckpointState:
             run.distributed.synchronize_randomness(run.randomness)  # share rank 0's fresh seed again
         self._load_lowpass_state(state.get("lowpass"))
         self.clip_bound.restore(bound)
-        run.restored_correlation = coefs
+        run.restored_correlation = correlation
 
-    def _restored_correlation(self, saved: dict[str, Any] | None) -> tuple[float, ...] | None:
-        """The checkpoint's banded coefficients, kept for this run (the correlation itself restarts: docs/design.md
-        section 5.1).
+    def _restored_correlation(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The checkpoint's strategy (``{"kind": ..., its parameters}``), kept for this run (the correlation itself
+        restarts: docs/design.md section 5.1).
 
         Raises:
-            ValueError: correlated noise on one side only, or a malformed entry.
+            ValueError: correlated noise on one side only or of another kind, or a malformed entry.
         """
-        banded = self.run.config.noise_correlation is not None
-        if (saved is not None) != banded:
-            trained = "banded correlated noise" if saved is not None else "independent noise"
+        kind = self.run.config.noise_correlation
+        trained = saved.get("kind") if isinstance(saved, dict) else None
+        if (saved is not None) != (kind is not None) or (saved is not None and trained != kind):
+            described = "independent noise" if saved is None else f"noise_correlation={trained!r}"
             raise ValueError(
-                f"The checkpoint was trained with {trained}: resume with the same noise_correlation setting"
+                f"The checkpoint was trained with {described}: resume with the same noise_correlation setting"
             )
-        if saved is None:
+        if saved is None or kind is None:
             return None
-        coefs = saved.get("coefs") if isinstance(saved, dict) else None
-        if not isinstance(coefs, list) or not coefs or saved.get("kind") != "banded":
-            raise ValueError(f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} is not a banded strategy")
-        return tuple(float(c) for c in coefs)
+        fields = {"banded": ("coefs",), "blt": ("decays", "scales")}[kind]
+        restored: dict[str, Any] = {"kind": kind}
+        for field in fields:
+            values = saved.get(field)
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} is not a {kind} strategy")
+            restored[field] = [float(v) for v in values]
+        if kind == "blt":
+            noise_scale = saved.get("noise_scale")
+            if not isinstance(noise_scale, int | float) or not noise_scale > 0:
+                raise ValueError(f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} has no noise_scale > 0")
+            restored["noise_scale"] = float(noise_scale)
+        return restored
 
     def _check_privacy_unit(self, saved: dict[str, Any] | None) -> None:
         """Refuse a resume whose ledger was spent on another unit (user-level resumed at example level is allowed).

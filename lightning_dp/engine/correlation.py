@@ -1,7 +1,8 @@
-"""Banded matrix-factorization noise as a training option (``noise_correlation='banded'``): the run's strategy, the
-scale of its noise, its privacy event and its noise stream (docs/design.md section 5.1).
+"""Correlated noise as a training option (``noise_correlation='banded'`` or ``'blt'``): the run's strategy, the scale
+of its noise, its privacy event and its noise stream (docs/design.md section 5.1). :class:`CorrelationPlan` is what
+the engine uses; :class:`BandedPlan` and :class:`BLTPlan` are its two kinds, built by :func:`plan_correlation`.
 
-With band ``b``, nominal rate ``q`` and ``n`` planned steps:
+**Banded** (:class:`BandedPlan`), with band ``b``, nominal rate ``q`` and ``n`` planned steps:
 
 - the strategy ``C`` is :func:`~lightning_dp.correlated_noise.optimize_banded` ``(n, b, max_participations=1)``
   (prefix-sum workload, the amplified case), or the checkpoint's coefficients on resume;
@@ -19,24 +20,126 @@ checkpoint: each start of training (a resume, a second ``fit``) starts a new str
 block-diagonal. Each block is again lower triangular with band at most ``b`` and column norms at most ``s`` (a column
 cut at a block's end only loses entries), which is all the accountant needs of ``C``; and the accountant counts each
 piece's participations separately (:attr:`BandedPlan.segment`), since a resumed run draws a new partition.
+
+**BLT** (:class:`BLTPlan`), with ``d`` buffers: the data are cyclically sampled over ``b = floor(1 / q)`` groups at
+``q_b = b q`` (so each example takes part at most once every ``b`` steps, about once per pass over the data); ``C`` is
+:func:`~lightning_dp.correlated_noise.optimize_blt` ``(n, d, min_sep=b)``; the noise of step ``t`` is
+``sigma C_clip s (C^{-1} Z)_t`` with ``s = sens(C) / sqrt(k)``, ``sens`` the ``b``-min-separation sensitivity of the
+``n x n`` ``C`` and ``k = ceil(n / b)``; one step's event is
+:class:`~lightning_dp.accounting.blt_minsep.BLTMinSepEvent` ``(sigma s, b, C, segment)``, so the ``blt-minsep``
+accountant reports the Gaussian mechanism ``sigma / sqrt(k)`` for the planned run: ``k`` unamplified DP-SGD steps at
+noise multiplier ``sigma`` (no amplification by the sampling is credited). Segments as for banded.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
+from typing import Any, ClassVar
 
 from lightning_dp.accounting.banded_mf import BandedMFAccountant, BandedMFEvent, band_and_max_column_norm
-from lightning_dp.correlated_noise.optimize import optimize_banded
-from lightning_dp.correlated_noise.strategies import BandedToeplitz
-from lightning_dp.correlated_noise.streaming import BandedNoise
-from lightning_dp.data.cyclic_poisson import group_sample_rate
+from lightning_dp.accounting.base import Accountant
+from lightning_dp.accounting.blt_minsep import BLTMinSepAccountant, BLTMinSepEvent, blt_sensitivity
+from lightning_dp.correlated_noise.optimize import optimize_banded, optimize_blt
+from lightning_dp.correlated_noise.sensitivity import participation_count
+from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz
+from lightning_dp.correlated_noise.streaming import BandedNoise, BLTNoise, CorrelatedNoise
+from lightning_dp.data.cyclic_poisson import blt_num_groups, group_sample_rate
 from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
+from lightning_dp.mechanisms.solver import closed_form_noise_ratio, solve_monotone
+
+
+class CorrelationPlan(abc.ABC):
+    """The correlated-noise set-up of one start of training: a kind's strategy, scale, event and stream.
+
+    Every kind has ``planned_steps`` (``n``, the steps ``C`` was sized for), ``group_rate`` (``q_b = b q``) and
+    ``segment`` (the number of this start of training's segment, module docstring), and the properties below.
+    """
+
+    kind: ClassVar[str]
+    planned_steps: int
+    group_rate: float
+    segment: int
+
+    @property
+    @abc.abstractmethod
+    def num_groups(self) -> int:
+        """``b``, the cyclic groups of the sampler (the minimum separation of one example's steps)."""
+
+    @property
+    @abc.abstractmethod
+    def scale(self) -> float:
+        """``s``: the noise on ``C x`` is ``sigma s C_clip`` for the accounted noise multiplier ``sigma``."""
+
+    @property
+    def participations(self) -> int:
+        """``k = ceil(n / b)``: the most steps of the planned ``n`` one example takes part in."""
+        return math.ceil(self.planned_steps / self.num_groups)
+
+    @abc.abstractmethod
+    def event(self, noise_multiplier: float) -> Any:
+        """One step's event for the accounted noise multiplier ``sigma``."""
+
+    @abc.abstractmethod
+    def accountant(self) -> Accountant:
+        """An empty accountant of this kind's events."""
+
+    @abc.abstractmethod
+    def noise_stream(self) -> CorrelatedNoise:
+        """A fresh streaming ``C^{-1}`` (empty state): one per optimizer, never checkpointed."""
+
+    @abc.abstractmethod
+    def checkpoint_entry(self) -> dict[str, Any]:
+        """The strategy as a checkpoint keeps it (public, like the mechanism): ``{"kind": ..., its parameters}``."""
+
+    @abc.abstractmethod
+    def summary(self) -> dict[str, Any]:
+        """The privacy summary's entries of this plan."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line for the start-up block."""
+
+    def sum_mechanism(self, mechanism: GaussianMechanism) -> GaussianMechanism:
+        """The draw ``Z_t`` is scaled to: ``N(0, (sigma s C_clip)^2)`` (the mechanism itself when ``s = 1``)."""
+        if self.scale == 1.0:
+            return mechanism
+        return GaussianMechanism(mechanism.noise_multiplier * self.scale, mechanism.max_grad_norm)
+
+    def epsilon(self, noise_multiplier: float, delta: float, steps: int | None = None) -> float:
+        """Epsilon at ``delta`` after ``steps`` steps of this segment (default: the ``n`` planned) at the accounted
+        noise multiplier ``sigma``: this kind's accountant over :meth:`event`, as the run's ledger composes it.
+
+        Raises:
+            ValueError: ``delta`` outside ``(0, 1)``, ``steps < 1`` or a negative ``noise_multiplier``.
+        """
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        accountant = self.accountant().compose(self.event(noise_multiplier), steps or self.planned_steps)
+        return accountant.get_epsilon(delta)
+
+    def calibrate(self, *, target_epsilon: float, target_delta: float, max_grad_norm: float) -> GaussianMechanism:
+        """The Gaussian mechanism whose ``n`` steps reach ``target_epsilon`` under this kind's accountant (within
+        0.1 % below the target, :func:`~lightning_dp.mechanisms.solver.solve_monotone`).
+
+        Raises:
+            ValueError: a target no noise reaches.
+        """
+        ratio = closed_form_noise_ratio(target_epsilon, target_delta, self.group_rate, self.participations)
+        sigma, _ = solve_monotone(
+            lambda sigma: self.epsilon(sigma, target_delta),
+            target_epsilon,
+            initial=max(ratio, 0.3),
+            increasing=False,
+            bounds=(1e-3, 1e4),
+        )
+        return GaussianMechanism(sigma, max_grad_norm)
 
 
 @dataclasses.dataclass(frozen=True)
-class BandedPlan:
+class BandedPlan(CorrelationPlan):
     """The banded-MF set-up of one start of training.
 
     Attributes:
@@ -47,6 +150,7 @@ class BandedPlan:
         segment: the number of this start of training's segment (module docstring).
     """
 
+    kind: ClassVar[str] = "banded"
     strategy: BandedToeplitz
     planned_steps: int
     column_norm: float
@@ -59,24 +163,34 @@ class BandedPlan:
         return self.strategy.band
 
     @property
-    def participations(self) -> int:
-        """``k = ceil(n / b)``: the most steps of the planned ``n`` one example takes part in."""
-        return math.ceil(self.planned_steps / self.band)
+    def num_groups(self) -> int:
+        return self.strategy.band
+
+    @property
+    def scale(self) -> float:
+        return self.column_norm
 
     def event(self, noise_multiplier: float) -> BandedMFEvent:
         """One step's event for the accounted noise multiplier ``sigma`` (DP-SGD's, at rate ``q_b``)."""
         sigma = noise_multiplier * self.column_norm
         return BandedMFEvent(sigma, self.group_rate, self.band, self.column_norm, self.segment)
 
-    def sum_mechanism(self, mechanism: GaussianMechanism) -> GaussianMechanism:
-        """The draw ``Z_t`` is scaled to: ``N(0, (sigma s C_clip)^2)`` (the mechanism itself when ``s = 1``)."""
-        if self.column_norm == 1.0:
-            return mechanism
-        return GaussianMechanism(mechanism.noise_multiplier * self.column_norm, mechanism.max_grad_norm)
+    def accountant(self) -> BandedMFAccountant:
+        return BandedMFAccountant()
 
     def noise_stream(self) -> BandedNoise:
-        """A fresh streaming ``C^{-1}`` (empty state): one per optimizer, never checkpointed."""
         return BandedNoise(self.strategy)
+
+    def checkpoint_entry(self) -> dict[str, Any]:
+        return {"kind": "banded", "coefs": list(self.strategy.coefs)}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "noise_correlation": "banded",
+            "correlation_band": self.band,
+            "group_sample_rate": self.group_rate,
+            "max_column_norm": self.column_norm,
+        }
 
     def calibrate(self, *, target_epsilon: float, target_delta: float, max_grad_norm: float) -> GaussianMechanism:
         """The Gaussian mechanism whose ``n`` steps reach ``target_epsilon`` under the ``banded-mf`` accountant
@@ -95,20 +209,8 @@ class BandedPlan:
         )
         return GaussianMechanism(sigma / self.column_norm, max_grad_norm)
 
-    def epsilon(self, noise_multiplier: float, delta: float, steps: int | None = None) -> float:
-        """Epsilon at ``delta`` after ``steps`` steps of this segment (default: the ``n`` planned) at the accounted
-        noise multiplier ``sigma``: the ``banded-mf`` accountant over :meth:`event`, as the run's ledger composes it.
-
-        Raises:
-            ValueError: ``delta`` outside ``(0, 1)``, ``steps < 1`` or a negative ``noise_multiplier``.
-        """
-        if steps is not None and steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
-        accountant = BandedMFAccountant().compose(self.event(noise_multiplier), steps or self.planned_steps)
-        return accountant.get_epsilon(delta)
-
     def describe(self) -> str:
-        """One line for the start-up block: ``b``, ``q_b``, ``k``, ``s`` and the segment."""
+        """``b``, ``q_b``, ``k``, ``s`` and the segment."""
         restart = f"; segment {self.segment} (the correlation restarted)" if self.segment else ""
         return (
             f"banded, b = {self.band} cyclic groups, q_b = b q = {self.group_rate:.4g}, k = ceil(n / b) = "
@@ -117,39 +219,130 @@ class BandedPlan:
         )
 
 
-def plan_banded(
+@dataclasses.dataclass(frozen=True)
+class BLTPlan(CorrelationPlan):
+    """The BLT set-up of one start of training (module docstring).
+
+    Attributes:
+        strategy: ``C``, a BLT with ``d`` buffers.
+        planned_steps: ``n``.
+        groups: ``b = floor(1 / q)``, the cyclic groups (the minimum separation).
+        sensitivity: ``sens(C)`` of the ``n x n`` ``C`` under ``b``-min-separation (clip norm 1).
+        noise_scale: ``s = sens(C) / sqrt(k)`` of the first start of training's ``n`` (kept on resume, so that the
+            noise on ``C x``, ``sigma s``, stays the ledger's): ``sigma`` is then the noise multiplier of ``k``
+            unamplified DP-SGD steps.
+        group_rate: ``q_b = b q``.
+        segment: the number of this start of training's segment.
+    """
+
+    kind: ClassVar[str] = "blt"
+    strategy: BufferedToeplitz
+    planned_steps: int
+    groups: int
+    sensitivity: float
+    noise_scale: float
+    group_rate: float
+    segment: int
+
+    @property
+    def num_groups(self) -> int:
+        return self.groups
+
+    @property
+    def scale(self) -> float:
+        return self.noise_scale
+
+    def event(self, noise_multiplier: float) -> BLTMinSepEvent:
+        """One step's event for the accounted noise multiplier ``sigma`` (noise ``sigma s`` on ``C x``)."""
+        strategy = self.strategy
+        return BLTMinSepEvent(
+            noise_multiplier * self.scale, self.groups, strategy.decays, strategy.scales, self.segment
+        )
+
+    def accountant(self) -> BLTMinSepAccountant:
+        return BLTMinSepAccountant()
+
+    def noise_stream(self) -> BLTNoise:
+        return BLTNoise(self.strategy)
+
+    def checkpoint_entry(self) -> dict[str, Any]:
+        strategy = self.strategy
+        return {
+            "kind": "blt",
+            "decays": list(strategy.decays),
+            "scales": list(strategy.scales),
+            "noise_scale": self.scale,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "noise_correlation": "blt",
+            "correlation_buffers": self.strategy.num_buffers,
+            "num_groups": self.groups,
+            "group_sample_rate": self.group_rate,
+            "sensitivity": self.sensitivity,
+        }
+
+    def describe(self) -> str:
+        """``d``, ``b``, ``q_b``, ``k``, ``sens`` and the segment."""
+        restart = f"; segment {self.segment} (the correlation restarted)" if self.segment else ""
+        return (
+            f"blt, d = {self.strategy.num_buffers} buffers, b = floor(1 / q) = {self.groups} cyclic groups, q_b = "
+            f"{self.group_rate:.4g}, k = ceil(n / b) = {self.participations} participations of n = "
+            f"{self.planned_steps}, sensitivity {self.sensitivity:.4g} (b-min-separation, no amplification credited; "
+            f"noise sigma C s (C^-1 Z)_t, s = sens / sqrt(k) = {self.scale:.4g}){restart}"
+        )
+
+
+def plan_correlation(
+    kind: str,
     *,
-    band: int,
+    band: int | None,
+    buffers: int | None,
     sample_rate: float,
     planned_steps: int | None,
-    restored_coefs: tuple[float, ...] | None,
+    restored: dict[str, Any] | None,
     segment: int,
-) -> BandedPlan:
-    """The :class:`BandedPlan` of a start of training.
+) -> CorrelationPlan:
+    """The :class:`CorrelationPlan` of a start of training.
 
     Args:
-        band: ``b >= 1``.
+        kind: ``"banded"`` or ``"blt"``.
+        band: ``b >= 1`` (banded).
+        buffers: ``d >= 1`` (BLT).
         sample_rate: the nominal rate ``q``.
         planned_steps: ``n`` (``None``: unbounded, refused).
-        restored_coefs: a checkpoint's coefficients (kept on resume), or ``None`` to optimise ``C`` for ``n``.
+        restored: the checkpoint's strategy (:meth:`CorrelationPlan.checkpoint_entry`, kept on resume), or ``None``
+            to optimise ``C`` for ``n``.
         segment: the segment's number.
 
     Raises:
-        ValueError: no planned steps, a band above them, ``b q > 1``, or restored coefficients of another band.
+        ValueError: no planned steps, a band above them, ``b q > 1``, or a restored strategy of another kind, band or
+            number of buffers.
     """
     if planned_steps is None:
         raise ValueError(
-            "noise_correlation='banded' sizes its strategy for the planned steps: set max_steps or max_epochs"
+            f"noise_correlation={kind!r} sizes its strategy for the planned steps: set max_steps or max_epochs"
         )
+    if kind == "banded":
+        assert band is not None  # PrivacyConfig requires it
+        return _plan_banded(band, sample_rate, planned_steps, restored, segment)
+    assert buffers is not None  # PrivacyConfig's default
+    return _plan_blt(buffers, sample_rate, planned_steps, restored, segment)
+
+
+def _plan_banded(
+    band: int, sample_rate: float, planned_steps: int, restored: dict[str, Any] | None, segment: int
+) -> BandedPlan:
     if band > planned_steps:
         raise ValueError(
             f"correlation_band={band} exceeds the {planned_steps} planned steps; use a band <= {planned_steps}"
         )
     rate = group_sample_rate(band, sample_rate)
-    if restored_coefs is None:
+    if restored is None:
         strategy = optimize_banded(planned_steps, band, max_participations=1)
     else:
-        strategy = BandedToeplitz(tuple(restored_coefs))
+        strategy = BandedToeplitz(tuple(restored["coefs"]))
         if strategy.band != band:
             raise ValueError(
                 f"The checkpoint was trained with correlation_band={strategy.band}, this run asks for {band}; resume "
@@ -157,3 +350,23 @@ def plan_banded(
             )
     _, column_norm = band_and_max_column_norm(strategy, planned_steps)
     return BandedPlan(strategy, planned_steps, column_norm, rate, segment)
+
+
+def _plan_blt(
+    buffers: int, sample_rate: float, planned_steps: int, restored: dict[str, Any] | None, segment: int
+) -> BLTPlan:
+    groups = blt_num_groups(sample_rate)
+    k = participation_count(planned_steps, groups)
+    if restored is None:
+        strategy = optimize_blt(planned_steps, buffers, min_sep=groups, max_participations=k)
+    else:
+        strategy = BufferedToeplitz(tuple(restored["decays"]), tuple(restored["scales"]))
+        if strategy.num_buffers != buffers:
+            raise ValueError(
+                f"The checkpoint was trained with correlation_buffers={strategy.num_buffers}, this run asks for "
+                f"{buffers}; resume with the same number of buffers"
+            )
+    sensitivity = blt_sensitivity(strategy, planned_steps, groups)
+    scale = sensitivity / math.sqrt(k) if restored is None else float(restored["noise_scale"])
+    rate = group_sample_rate(groups, sample_rate)
+    return BLTPlan(strategy, planned_steps, groups, sensitivity, scale, rate, segment)

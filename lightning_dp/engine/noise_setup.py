@@ -8,10 +8,11 @@ import math
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.banded_mf import BandedMFEvent
-from lightning_dp.config.combinations import BANDED_MF_ACCOUNTANT
+from lightning_dp.accounting.blt_minsep import BLTMinSepEvent
+from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, DEFAULT_BLT_BUFFERS
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
-from lightning_dp.engine.correlation import plan_banded
+from lightning_dp.engine.correlation import plan_correlation
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
 from lightning_dp.mechanisms.base import mechanism_class
@@ -69,22 +70,32 @@ class NoiseSetup:
         if state.accountant is None and config.accountant is None:
             state.defaults_applied.append(
                 f"accountant = {self.default_accountant()!r} (the sound default for {config.noise_name}"
-                + (", noise_correlation='banded')" if config.noise_correlation is not None else ")")
+                + (
+                    f", noise_correlation={config.noise_correlation!r})"
+                    if config.noise_correlation is not None
+                    else ")"
+                )
             )
         if state.auto_clipping is not None and state.auto_clipping not in state.defaults_applied:
             state.defaults_applied.append(state.auto_clipping)
         # a noise already fixed beside a target (which excludes a given noise): a checkpoint's, kept on resume
         kept_for_target = state.mechanism is not None and config.target_epsilon is not None
         if config.noise_correlation is not None:
-            assert config.correlation_band is not None  # PrivacyConfig requires it
-            # a checkpoint's strategy on resume; on a second fit of the same run, the first fit's: sigma, q_b, b and s
-            # stay those the ledger holds (the accountant refuses a change)
-            kept = state.correlation.strategy.coefs if state.correlation is not None else state.restored_correlation
-            state.correlation = plan_banded(
+            buffers = config.correlation_buffers
+            if config.noise_correlation == "blt" and buffers is None:
+                buffers = DEFAULT_BLT_BUFFERS
+                if state.correlation is None:
+                    state.defaults_applied.append(f"correlation_buffers = {buffers} (noise_correlation='blt')")
+            # a checkpoint's strategy on resume; on a second fit of the same run, the first fit's: sigma, b and C stay
+            # those the ledger holds (the accountant refuses a change)
+            kept = state.correlation.checkpoint_entry() if state.correlation is not None else state.restored_correlation
+            state.correlation = plan_correlation(
+                config.noise_correlation,
                 band=config.correlation_band,
+                buffers=buffers,
                 sample_rate=float(sample_rate),
                 planned_steps=total_steps,
-                restored_coefs=kept,
+                restored=kept,
                 segment=self._next_segment(),
             )
         if state.mechanism is None:
@@ -98,24 +109,25 @@ class NoiseSetup:
         if state.correlation is not None:
             if not isinstance(state.mechanism, GaussianMechanism):
                 raise ValueError(
-                    f"noise_correlation='banded' correlates the built-in Gaussian noise, not {type(state.mechanism)}"
+                    f"noise_correlation={config.noise_correlation!r} correlates the built-in Gaussian noise, not "
+                    f"{type(state.mechanism)}"
                 )
             state.sum_mechanism = state.correlation.sum_mechanism(state.mechanism)
             if state.accountant.ledger:  # refused now, before a step is applied, not when the step is recorded
                 state.accountant.copy().compose(self.ledger.step_event())
 
     def _next_segment(self) -> int:
-        """The segment of this start of training: 0 on a fresh ledger, else one more than its last banded step's
+        """The segment of this start of training: 0 on a fresh ledger, else one more than its last correlated step's
         (a resume or a second ``fit`` restarts the correlation; docs/design.md section 5.1)."""
         ledger = self.state.accountant.ledger if self.state.accountant is not None else []
-        segments = [event.segment for event, _ in ledger if isinstance(event, BandedMFEvent)]
+        segments = [event.segment for event, _ in ledger if isinstance(event, BandedMFEvent | BLTMinSepEvent)]
         return segments[-1] + 1 if segments else 0
 
     def default_accountant(self) -> str:
-        """``"rc"`` for randomized clipping, ``"banded-mf"`` for banded correlated noise, else the mechanism's sound
-        default."""
+        """``"rc"`` for randomized clipping, ``"banded-mf"`` / ``"blt-minsep"`` for correlated noise, else the
+        mechanism's sound default."""
         if self.state.config.noise_correlation is not None:
-            return BANDED_MF_ACCOUNTANT
+            return CORRELATION_ACCOUNTANTS[self.state.config.noise_correlation]
         mechanism = self.state.mechanism or mechanism_class(self.state.config.noise_name)
         return "rc" if self.state.randomized_clipping else mechanism.default_accountant
 

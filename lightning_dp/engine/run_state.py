@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from lightning_dp.clipping.groups import ClippingGroups
     from lightning_dp.config import PrivacyConfig
     from lightning_dp.data.users import UserDataset
-    from lightning_dp.engine.correlation import BandedPlan
+    from lightning_dp.engine.correlation import CorrelationPlan
     from lightning_dp.mechanisms import NoiseMechanism
     from lightning_dp.optim.adaptive_clipping import AdaptiveClipping
     from lightning_dp.optim.lowpass import LowPassFilter
@@ -116,11 +116,11 @@ class RunState:
     stand_in_source: tuple[Callable[[list[Any]], Any], Any, int] | None = None
     #: the training set regrouped by user (``privacy_unit="user"``).
     user_data: UserDataset | None = None
-    #: with ``noise_correlation='banded'``, the strategy, scale and event of this start of training (``prepare``).
-    correlation: BandedPlan | None = None
-    #: a restored checkpoint's banded coefficients, until ``prepare`` uses them.
-    restored_correlation: tuple[float, ...] | None = None
-    #: with ``noise_correlation='banded'``, the training set its partition indexes (the first training loader's).
+    #: with ``noise_correlation``, the strategy, scale and event of this start of training (``prepare``).
+    correlation: CorrelationPlan | None = None
+    #: a restored checkpoint's strategy (``CorrelationPlan.checkpoint_entry``), until ``prepare`` uses it.
+    restored_correlation: dict[str, Any] | None = None
+    #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None
 
     @property

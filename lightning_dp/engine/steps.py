@@ -20,7 +20,7 @@ from torch.utils.data._utils.collate import default_collate
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
-from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler
+from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
@@ -73,12 +73,15 @@ class RunSequence:
         Raises:
             UnsupportedModuleError: unsupported layers (see
                 :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`).
-            ValueError: ``noise_correlation='banded'`` with sharded (FSDP2) parameters.
+            ValueError: ``noise_correlation`` with sharded (FSDP2) parameters.
         """
         state = self.state
         self.attachment.attach(module)
         if state.config.noise_correlation is not None and self._clipper.sharded:
-            raise ValueError("noise_correlation='banded' does not run under FSDP2 for now: use DDP or one process")
+            raise ValueError(
+                f"noise_correlation={state.config.noise_correlation!r} does not run under FSDP2 for now: use DDP or "
+                "one process"
+            )
         state.distributed = distributed
         state.micro_batches = 0
         if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's
@@ -149,9 +152,9 @@ class RunSequence:
         if state.config.noise_correlation is not None:  # groups are keyed by index: the index -> example map stays
             if state.partitioned_dataset is not None and loader.dataset is not state.partitioned_dataset:
                 raise ValueError(
-                    "noise_correlation='banded' partitions the training set by index, so the training DataLoader must "
-                    "keep the same dataset object for the whole run: do not rebuild or reorder it "
-                    "(reload_dataloaders_every_n_epochs, a new Subset each epoch)"
+                    f"noise_correlation={state.config.noise_correlation!r} partitions the training set by index, so "
+                    "the training DataLoader must keep the same dataset object for the whole run: do not rebuild or "
+                    "reorder it (reload_dataloaders_every_n_epochs, a new Subset each epoch)"
                 )
             state.partitioned_dataset = loader.dataset
         state.num_samples, state.loader_rate = num_samples, sample_rate
@@ -164,7 +167,7 @@ class RunSequence:
                 dataset=dataset,
                 collate_fn=collate_fn,
                 wrap_sampler=UserDraws if state.config.privacy_unit == "user" else None,
-                sampler_class=self._sampler_class(),
+                sampler_class=self._sampler_class(sample_rate),
                 sample_rate=sample_rate,
                 micro_batches=micro_batches,
                 generator=state.randomness.sampling,
@@ -190,17 +193,18 @@ class RunSequence:
             )
         return loader
 
-    def _sampler_class(self) -> Callable[..., PoissonBatchSampler]:
-        """The batch sampler of the training loader: Poisson, or with ``noise_correlation='banded'`` cyclic Poisson over
-        ``correlation_band`` groups, keyed by the run's randomness, its passes starting at the run's step count
-        (:mod:`lightning_dp.data.cyclic_poisson`)."""
+    def _sampler_class(self, sample_rate: float) -> Callable[..., PoissonBatchSampler]:
+        """The batch sampler of the training loader: Poisson, or with ``noise_correlation`` cyclic Poisson over
+        ``correlation_band`` groups (banded) or ``floor(1 / q)`` groups (BLT), keyed by the run's randomness, its passes
+        starting at the run's step count (:mod:`lightning_dp.data.cyclic_poisson`)."""
         config = self.state.config
         if config.noise_correlation is None:
             return PoissonBatchSampler
-        assert config.correlation_band is not None  # PrivacyConfig requires it with noise_correlation
+        groups = config.correlation_band if config.noise_correlation == "banded" else blt_num_groups(sample_rate)
+        assert groups is not None  # PrivacyConfig requires the band of noise_correlation='banded'
         return functools.partial(
             CyclicPoissonBatchSampler,
-            num_groups=config.correlation_band,
+            num_groups=groups,
             key=self.state.randomness.stream_seed("cyclic groups"),
             next_step=lambda: self.state.steps,
         )

@@ -195,17 +195,18 @@ def check_sharded_run(args: TrainingArguments) -> None:
 
 
 def check_banded_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
-    """Refuse to resume ``noise_correlation='banded'`` while the Trainer skips the resumed epoch's first batches.
+    """Refuse to resume correlated noise (``noise_correlation``) while the Trainer skips the resumed epoch's first
+    batches.
 
     The Trainer draws and drops those batches (``skip_first_batches``), which would shift the cyclic groups against
     the steps (:mod:`lightning_dp.data.cyclic_poisson`); under Poisson sampling the skipped batches are fresh draws
     anyway, so ``ignore_data_skip=True`` loses nothing and the run takes the same steps.
 
     Raises:
-        ValueError: banded correlated noise with ``ignore_data_skip=False``.
+        ValueError: correlated noise with ``ignore_data_skip=False``.
     """
     if config.noise_correlation is not None and not args.ignore_data_skip:
         raise ValueError(
-            "noise_correlation='banded' resumes only with TrainingArguments(ignore_data_skip=True): skipping the "
-            "epoch's first batches would shift the cyclic groups against the steps"
+            f"noise_correlation={config.noise_correlation!r} resumes only with TrainingArguments(ignore_data_skip="
+            "True): skipping the epoch's first batches would shift the cyclic groups against the steps"
         )

@@ -24,17 +24,18 @@ def run(variant: str, seed: int, acc: float, sigma: float) -> dict:
 
 
 RUNS = [run("DP-SGD", 0, 0.90, 1.97), run("banded b=4", 0, 0.92, 2.9), run("DP-SGD", 1, 0.92, 1.97),
-        run("banded b=4", 1, 0.94, 2.9)]  # fmt: skip
+        run("banded b=4", 1, 0.94, 2.9), run("BLT d=4", 0, 0.80, 4.1), run("BLT d=4", 1, 0.82, 4.1)]  # fmt: skip
 
 
-def test_rows_average_the_seeds_and_name_the_band(monkeypatch) -> None:
+def test_rows_average_the_seeds_and_name_the_noise(monkeypatch) -> None:
     text = load_bench(monkeypatch, "correlated_noise").markdown(record(3.0, RUNS))
-    assert "| DP-SGD | 91.0 +- 1.4 | 1 | 2.998 | 1.97 |" in text
-    assert "| banded b=4 | 93.0 +- 1.4 | 4 | 2.998 | 2.9 |" in text
+    assert "| DP-SGD | 91.0 +- 1.4 | banded, b = 1 (DP-SGD) | 2.998 | 1.97 |" in text
+    assert "| banded b=4 | 93.0 +- 1.4 | banded, b = 4 | 2.998 | 2.9 |" in text
+    assert "| BLT d=4 | 81.0 +- 1.4 | BLT, d = 4 | 2.998 | 4.1 |" in text
     assert "python bench/correlated_noise.py --target-epsilon 3 --threads 1" in text
 
 
-def test_run_trains_dp_sgd_and_every_band_per_seed(monkeypatch) -> None:
+def test_run_trains_dp_sgd_every_band_and_blt_per_seed(monkeypatch) -> None:
     bench = load_bench(monkeypatch, "correlated_noise")
     calls = []
 
@@ -44,10 +45,11 @@ def test_run_trains_dp_sgd_and_every_band_per_seed(monkeypatch) -> None:
 
     monkeypatch.setattr("lightning_dp.cli.demo.run_demo", fake_run_demo)
     out = bench.run(argparse.Namespace(epochs=2, target_epsilon=1.0, seeds=[0]))
-    assert [r["variant"] for r in out["runs"]] == ["DP-SGD", *(f"banded b={b}" for b in bench.BANDS)]
+    assert [r["variant"] for r in out["runs"]] == ["DP-SGD", *(f"banded b={b}" for b in bench.BANDS), "BLT d=4"]
     assert calls[0] == {"target_epsilon": 1.0, "epochs": 2, "seed": 0, "progress_bar": False}
-    for call, b in zip(calls[1:], bench.BANDS, strict=True):
+    for call, b in zip(calls[1:-1], bench.BANDS, strict=True):
         assert call["noise_correlation"] == "banded" and call["correlation_band"] == b and call["target_epsilon"] == 1
+    assert calls[-1]["noise_correlation"] == "blt" and calls[-1]["correlation_buffers"] == 4
 
 
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:

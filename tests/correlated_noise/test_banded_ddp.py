@@ -1,4 +1,4 @@
-"""``noise_correlation='banded'`` on 2 CPU processes (gloo) through ``DPDDPStrategy``, launched as
+"""``noise_correlation='banded'`` (and ``'blt'``) on 2 CPU processes (gloo) through ``DPDDPStrategy``, launched as
 ``ddp_fit_script.py --banded B`` (docs/design.md sections 5.1 and 8): every rank holds the same partition (keyed by a
 stream seed of the agreed base seed), every step's examples on both ranks come from group ``step mod b`` and from the
 rank's shard, every rank joins every step (an empty local batch included), the ranks stay bit-identical (the same
@@ -63,6 +63,28 @@ def test_two_processes_equal_one_process_at_group_rate_one(tmp_path):
         assert rank["summary"]["correlation_band"] == 2 and rank["summary"]["group_sample_rate"] == 1.0
         for got, want in zip(rank["params"], module.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach())  # float32: the all-reduce only reorders the sum
+
+
+def test_blt_on_two_processes_equals_one_process(tmp_path):
+    """``noise_correlation='blt'`` with 2 buffers at q = 1/2: b = floor(1 / q) = 2 groups sampled whole (q_b = 1), so
+    the ranks' union is the one-process batch; the BLT stream is the same on both ranks, and parameters and epsilon
+    equal the one-process run of the same seed."""
+    ranks = fit_on_two_processes(tmp_path, "--blt", "2", "--sample-rate", "0.5", "--seed", "0")
+    _identical(ranks)
+    _check_groups(ranks, band=2)
+    single = DPStrategy(
+        noise_multiplier=1.0, max_grad_norm=0.5, seed=0, sample_rate=0.5, noise_correlation="blt", correlation_buffers=2
+    )
+    torch.manual_seed(0)
+    module = TinyRegressor(batch_size=8 * WORLD)
+    make_trainer(single, max_steps=6).fit(module)
+    engine = single.privacy_engine
+    assert engine.summary()["noise_correlation"] == "blt"
+    for rank in ranks:
+        assert rank["ledger"] == engine.accountant.state_dict()
+        assert rank["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
+        for got, want in zip(rank["params"], module.parameters(), strict=True):
+            torch.testing.assert_close(got, want.detach())
 
 
 def test_two_processes_sample_their_shards_of_the_steps_group(tmp_path):

@@ -1,14 +1,14 @@
 """Run by tests/engine/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
-[--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B [--sample-rate Q]]``
+[--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B | --blt D] [--sample-rate Q]``
 trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
 ran and the bound each step clipped at (:class:`ClipBoundRecorder`). ``--users``: user-level privacy, the user a
 function of the example (``helpers.example_user``), 2 users per rank and micro-batch in expectation. ``--adaptive``:
 adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correlation='banded'`` with
-``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; every rank also writes the
-dataset indices of each of its batches (``batches``, empty without ``--banded``) and its sampler's partition
-(``groups``, ``None`` without ``--banded``)."""
+``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; ``--blt D`` likewise with
+``noise_correlation='blt'`` and ``correlation_buffers=D``; every rank also writes the dataset indices of each of its
+batches (``batches``, empty without correlated noise) and its sampler's partition (``groups``, ``None`` without)."""
 
 import argparse
 import sys
@@ -35,6 +35,7 @@ if __name__ == "__main__":
     parser.add_argument("--users", action="store_true", help="privacy_unit='user' (USER_OPTIONS), batch 2 users")
     parser.add_argument("--adaptive", action="store_true", help="adaptive clipping (ADAPTIVE_OPTIONS)")
     parser.add_argument("--banded", type=int, default=None, help="noise_correlation='banded', this band")
+    parser.add_argument("--blt", type=int, default=None, help="noise_correlation='blt', these buffers")
     parser.add_argument("--sample-rate", type=float, default=None)
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
@@ -50,6 +51,9 @@ if __name__ == "__main__":
         options.update(ADAPTIVE_OPTIONS)
     if args.banded is not None:
         options.update(noise_correlation="banded", correlation_band=args.banded, seed=args.seed or 0)
+    if args.blt is not None:
+        options.update(noise_correlation="blt", correlation_buffers=args.blt, seed=args.seed or 0)
+    correlated = args.banded is not None or args.blt is not None
     if args.sample_rate is not None:
         options["sample_rate"] = args.sample_rate
     strategy = DPDDPStrategy(
@@ -67,7 +71,7 @@ if __name__ == "__main__":
     guard.check_leave_half_out = recording("leave_half_out", guard.check_leave_half_out)
     recorder = ClipBoundRecorder()
     indices = BatchIndexRecorder(module.data.tensors[0])  # TensorDataset batches of distinct, finite rows only
-    callbacks = [PrivacyAccountantCallback(), recorder, *([indices] if args.banded is not None else [])]
+    callbacks = [PrivacyAccountantCallback(), recorder, *([indices] if correlated else [])]
     if args.max_epochs is None:
         trainer = make_trainer(strategy, devices=2, max_steps=6, callbacks=callbacks)
     else:
@@ -96,7 +100,7 @@ if __name__ == "__main__":
             "bounds": recorder.bounds,
             "final_bound": engine.current_max_grad_norm,
             "batches": indices.batches,
-            "groups": trainer.train_dataloader.batch_sampler.groups if args.banded is not None else None,
+            "groups": trainer.train_dataloader.batch_sampler.groups if correlated else None,
         },
         args.out / f"rank{trainer.global_rank}.pt",
     )
