@@ -132,7 +132,7 @@ class PrivacyConfig:
         "participations. ``'blt'``: buffered-linear-Toeplitz noise (Dvijotham et al. 2024) with "
         "``correlation_buffers`` buffers, cyclic sampling over ``b = floor(1 / q)`` groups, and the ``'blt-minsep'`` "
         "accountant (b-min-separation sensitivity, no amplification credited). Gaussian noise, exact engines, fixed "
-        "bound; one process or DDP (not FSDP2).",
+        "bound; one process, DDP, or FSDP2 under Lightning's DPModelParallelStrategy.",
         "Correlated noise: banded or blt (matrix factorization with cyclic sampling); None: independent.",
     )
     correlation_band: int | None = _option(

@@ -73,15 +73,9 @@ class RunSequence:
         Raises:
             UnsupportedModuleError: unsupported layers (see
                 :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`).
-            ValueError: ``noise_correlation`` with sharded (FSDP2) parameters.
         """
         state = self.state
         self.attachment.attach(module)
-        if state.config.noise_correlation is not None and self._clipper.sharded:
-            raise ValueError(
-                f"noise_correlation={state.config.noise_correlation!r} does not run under FSDP2 for now: use DDP or "
-                "one process"
-            )
         state.distributed = distributed
         state.micro_batches = 0
         if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's

@@ -4,18 +4,19 @@ covariance of ``sigma C s C^{-1} Z``, the reported epsilon is the banded-mf acco
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 from helpers import TinyRegressor, ZeroGradModule, example_user, make_trainer
-from torch import nn
+from hf_helpers import make_trainer as make_hf_trainer
+from hf_helpers import tiny_gpt2
 
-from lightning_dp import DPStrategy, PrivacyEngine
+import lightning_dp.hf.trainer as hf_trainer
+from lightning_dp import DPStrategy
 from lightning_dp.accounting.banded_mf import banded_mf_epsilon
-from lightning_dp.runtime.distributed import DistributedContext
+from lightning_dp.hf import PrivacyArguments
 
 
 def _fit(steps: int = 8, module: pl.LightningModule | None = None, callbacks=(), **options) -> DPStrategy:
@@ -130,14 +131,13 @@ def test_band_above_the_group_rate_or_the_steps_is_refused(bad):
         _fit(steps=4, noise_correlation="banded", **bad)
 
 
-def test_fsdp2_is_refused(monkeypatch):
-    """Several processes run under DDP (tests/correlated_noise/test_banded_ddp.py); a sharded (FSDP2) model is refused
-    at the start of the run (one line), before any step."""
-    from lightning_dp.clipping.clipper import PerSampleClipper
+def test_dp_trainer_refuses_a_sharded_model(tmp_path, monkeypatch):
+    """FSDP2 runs under Lightning's DPModelParallelStrategy (tests/correlated_noise/test_correlated_fsdp.py); DPTrainer
+    on a sharded model refuses correlated noise at ``train`` (one line), before any step."""
 
-    monkeypatch.setattr(PerSampleClipper, "sharded", property(lambda self: True))
-    engine = PrivacyEngine(noise_multiplier=1.0, noise_correlation="banded", correlation_band=2)
-    with pytest.raises(
-        ValueError, match="^noise_correlation='banded' does not run under FSDP2 for now: use DDP or one"
-    ):
-        engine.start_run(nn.Linear(3, 1), distributed=cast(DistributedContext, object()))
+    monkeypatch.setattr(hf_trainer, "uses_fsdp", lambda model: True)
+    privacy = PrivacyArguments(noise_multiplier=1.0, noise_correlation="blt", dp_seed=0)
+    trainer = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy)
+    with pytest.raises(ValueError, match="^noise_correlation='blt' on an FSDP2-sharded model runs under Lightning's"):
+        trainer.train()
+    assert trainer.privacy_engine.steps == 0

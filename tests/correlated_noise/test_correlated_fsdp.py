@@ -1,0 +1,60 @@
+"""Correlated noise on an FSDP2-sharded model (``DPModelParallelStrategy``, 2 CPU processes over gloo, launched as
+``fsdp_correlated_script.py``): each rank correlates the noise of its own shards, drawn from its shard-keyed noise
+streams, so with zero gradients the noise of every coordinate at step ``t`` must be ``(C^{-1} s Z)_t`` where ``Z`` is
+what the independent-noise run of the same seed adds to that coordinate (the same streams, the same draws), for banded
+and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from process_helpers import SCRIPTS, launch_env
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fsdp_correlated")
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "fsdp_correlated_script.py"), str(out)],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _noise(run: dict) -> torch.Tensor:
+    """``[steps, coordinates]``: each step's noise on the clipped sum (SGD at lr 1 on zero gradients)."""
+    params = run["params"].double()
+    return -(params[1:] - params[:-1]) * run["expected_batch"]
+
+
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_each_shard_streams_the_strategy_over_its_own_draws(ranks, kind):
+    for rank in ranks:
+        run, independent = rank[kind], rank["independent"]
+        assert run["sharded"] and independent["sharded"]
+        noise, draws = _noise(run), _noise(independent)
+        steps = noise.shape[0]
+        inverse = torch.as_tensor(run["strategy"].inverse_dense(steps))
+        expected = inverse @ (run["scale"] * draws)
+        assert not torch.allclose(noise, run["scale"] * draws, atol=1e-3)  # correlated, not independent
+        torch.testing.assert_close(noise, expected, rtol=1e-4, atol=1e-4 * float(draws.abs().max()))
+    assert all(torch.equal(ranks[0][kind]["params"], ranks[1][kind]["params"]) for kind in ("banded", "blt"))
+
+
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_the_sharded_run_reports_its_plans_epsilon(ranks, kind):
+    summary = ranks[0][kind]["summary"]
+    assert (
+        summary["noise_correlation"] == kind
+        and summary["accountant"] == {"banded": "banded-mf", "blt": "blt-minsep"}[kind]
+    )
+    assert ranks[0][kind]["epsilon"] == ranks[1][kind]["epsilon"] == summary["epsilon"]

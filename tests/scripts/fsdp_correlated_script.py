@@ -1,0 +1,106 @@
+"""Run by tests/correlated_noise/test_correlated_fsdp.py: ``python fsdp_correlated_script.py OUT_DIR`` trains, under
+DPModelParallelStrategy on 2 CPU processes (gloo, Lightning's own launcher), a 3-layer MLP sharded with
+``fully_shard`` on each layer and the root, whose loss has zero gradient (every update is pure noise), with SGD at
+learning rate 1, q = 1/2 (64 examples, per-rank batch 16), seed 7, 6 steps, three times: ``"independent"``
+(``noise_correlation=None``), ``"banded"`` (``correlation_band=2``) and ``"blt"`` (``correlation_buffers=2``). Each
+rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters after every step (the first entry: before
+training), the expected batch ``q N``, the plan's strategy and scale ``s`` (``None`` for independent noise), the
+engine's epsilon and the privacy summary."""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dp import DPModelParallelStrategy
+
+WIDTH, EXAMPLES, BATCH, STEPS = 24, 64, 16, 6
+RUNS = {
+    "independent": {},
+    "banded": {"noise_correlation": "banded", "correlation_band": 2},
+    "blt": {"noise_correlation": "blt", "correlation_buffers": 2},
+}
+
+
+class ZeroGradMLP(pl.LightningModule):
+    """Three linear layers, each sharded, and the root; the per-sample loss is 0 times the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
+        self.data = TensorDataset(torch.randn(EXAMPLES, WIDTH))
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return (self.net(x) * 0.0).sum(dim=1)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=BATCH)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+
+def gathered(module: nn.Module) -> torch.Tensor:
+    """Every parameter gathered (``full_tensor()``: a collective) and flattened into one vector."""
+    full = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten() for p in module.parameters()]
+    return torch.cat(full).clone()
+
+
+class Iterates(Callback):
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.params.append(gathered(pl_module.net))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.params.append(gathered(pl_module.net))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    result = {}
+    rank = 0
+    for name, options in RUNS.items():
+        strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, seed=7, **options)
+        iterates = Iterates()
+        trainer = pl.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            devices=2,
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[iterates],
+        )
+        trainer.fit(ZeroGradMLP())
+        engine = strategy.privacy_engine
+        plan = engine.state.correlation
+        rank = trainer.global_rank
+        result[name] = {
+            "params": torch.stack(iterates.params),
+            "expected_batch": engine.sample_rate * engine.num_samples,
+            "strategy": None if plan is None else plan.strategy,
+            "scale": None if plan is None else plan.scale,
+            "epsilon": engine.epsilon(),
+            "summary": engine.summary(),
+            "sharded": any(isinstance(p, DTensor) for p in trainer.lightning_module.parameters()),
+        }
+    torch.save(result, out / f"rank{rank}.pt")
