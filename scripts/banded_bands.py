@@ -1,15 +1,19 @@
-"""Render docs/correlated_noise.md's table for choosing the band: per band ``b``, the calibrated noise multiplier, the
-strategy's largest column norm and the expected total squared error of the prefix sums relative to DP-SGD's.
+"""Render docs/correlated_noise.md's tables for choosing the band: per band ``b``, the calibrated noise multiplier, the
+strategy's largest column norm and the expected total squared error of the prefix sums relative to DP-SGD's; with
+``--blt D``, the same error for BLT noise with ``D`` buffers against DP-SGD at several target epsilons.
 
     python scripts/banded_bands.py                         # compute and render between the page's bands markers
     python scripts/banded_bands.py --steps 150 --sample-rate 0.1017 --bands 1 2 4 8 --marker bands-digits
+    python scripts/banded_bands.py --steps 10000 --sample-rate 0.001 --blt 4 --marker blt-10-epochs
     python scripts/banded_bands.py --print                 # print the table only
 
 For ``n`` steps at rate ``q``, target epsilon and delta: the strategy ``optimize_banded(n, b,
 max_participations=1)`` (the amplified case), ``sigma`` from ``calibrate_banded_mf_noise`` (noise on ``C x``, clip-norm
 units), ``s`` the strategy's largest column norm, and the error ``sigma^2 ||A C^-1||_F^2`` for the prefix-sum workload
 ``A`` (``strategy_error``) over DP-SGD's (``b = 1``). Everything is computed, nothing measured: the same command gives
-the same table.
+the same table. BLT: the run's plan (``plan_correlation('blt', ...)``: ``b = floor(1 / q)`` groups, the strategy
+``optimize_blt(n, d, min_sep=b)``, its scale ``s = sens / sqrt(k)``), ``sigma`` calibrated by the ``blt-minsep``
+accountant (no amplification), the error ``(sigma s)^2 ||A C^-1||_F^2``, over DP-SGD's at the same epsilon.
 """
 
 from __future__ import annotations
@@ -57,6 +61,41 @@ def table(steps: int, sample_rate: float, target_epsilon: float, target_delta: f
     )
 
 
+def blt_table(steps: int, sample_rate: float, epsilons: tuple[float, ...], target_delta: float, buffers: int) -> str:
+    """The markdown table of BLT noise against DP-SGD (see the module docstring), one row per target epsilon."""
+    from lightning_dp.correlated_noise.optimize import strategy_error
+    from lightning_dp.correlated_noise.strategies import BandedToeplitz
+    from lightning_dp.correlated_noise.workloads import Workload
+    from lightning_dp.engine.correlation import plan_correlation
+    from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
+
+    workload = Workload(steps)
+    identity = BandedToeplitz((1.0,))
+    plan = plan_correlation(
+        "blt", band=None, buffers=buffers, sample_rate=sample_rate, planned_steps=steps, restored=None, segment=0
+    )
+    rows = []
+    for epsilon in epsilons:
+        dp_sgd, _ = calibrate_banded_mf_noise(
+            identity, steps=steps, group_sample_rate=sample_rate, target_epsilon=epsilon, target_delta=target_delta
+        )
+        sigma = plan.calibrate(target_epsilon=epsilon, target_delta=target_delta, max_grad_norm=1.0).noise_multiplier
+        ratio = (
+            (sigma * plan.scale) ** 2
+            * strategy_error(plan.strategy, workload)
+            / (dp_sgd**2 * strategy_error(identity, workload))
+        )
+        rows.append(f"| {epsilon:g} | {dp_sgd:.3f} | {sigma:.3f} | {ratio:.3f} |")
+    return "\n".join(
+        [
+            f"| epsilon | DP-SGD's sigma (q = {sample_rate:g}, n = {steps}) | BLT's sigma (b = {plan.num_groups}, k = "
+            f"{plan.participations} unamplified steps, d = {buffers}) | total squared error / DP-SGD's |",
+            "|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
 def markers(name: str) -> tuple[str, str]:
     """The page's lines around the table ``name``."""
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
@@ -81,13 +120,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--target-delta", type=float, default=1e-5)
     parser.add_argument("--bands", type=int, nargs="+", default=list(BANDS))
+    parser.add_argument("--blt", type=int, metavar="D", help="compare BLT noise with D buffers to DP-SGD instead")
+    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 3.0, 8.0], help="with --blt")
     parser.add_argument("--marker", default=MARKER, help="the page's markers to render between (default bands)")
     parser.add_argument("--print", action="store_true", help="print the table; do not render the page")
     return parser.parse_args(argv)
 
 
 def table_of(args: argparse.Namespace) -> str:
-    """:func:`table` for parsed arguments."""
+    """:func:`table` (or, with ``--blt``, :func:`blt_table`) for parsed arguments."""
+    if args.blt is not None:
+        return blt_table(args.steps, args.sample_rate, tuple(args.epsilons), args.target_delta, args.blt)
     return table(args.steps, args.sample_rate, args.target_epsilon, args.target_delta, tuple(args.bands))
 
 

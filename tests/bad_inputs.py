@@ -817,6 +817,12 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "Lightning fit",
+        "noise_correlation='blt' at q = 8/64 with max_steps=4",
+        _fit(_tiny(), {"noise_correlation": "blt"}, max_steps=4),
+        r"samples each example once every b = floor\(1 / q\) = 8 steps, more than the 4 planned",
+    ),
+    BadInput(
+        "Lightning fit",
         "noise_correlation='banded' with a reordered Subset per epoch (reload_dataloaders_every_n_epochs=1)",
         _fit(
             _reordered_each_epoch,

@@ -24,6 +24,17 @@ GIB_PER_WORKER = 6
 MAX_WORKERS = 4
 
 
+def _memory_gib() -> float:
+    """The memory this process may use: the cgroup's limit where one is set (a container), else the machine's; ``inf``
+    where neither can be read."""
+    limit = Path("/sys/fs/cgroup/memory.max")
+    if limit.is_file() and limit.read_text().strip().isdigit():
+        return int(limit.read_text()) / 2**30
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return float("inf")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto``: one worker per CPU, at most :data:`MAX_WORKERS` and one per :data:`GIB_PER_WORKER` GiB of memory;
@@ -31,5 +42,5 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return max(1, min(cpus, MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
+    by_memory = _memory_gib() // GIB_PER_WORKER
+    return int(max(1, min(cpus, MAX_WORKERS, by_memory)))

@@ -141,7 +141,7 @@ class BLTMinSepAccountant(Accountant):
             if last is not None and dataclasses.replace(last, segment=event.segment) != event:
                 raise ValueError(
                     f"BLT accounting needs the same parameters at every step; the ledger has {last!r}, got {event!r}: "
-                    "keep sigma, b and C fixed for the run"
+                    "keep the noise, the sample rate (b = floor(1 / q)) and C fixed for the run"
                 )
             if last is not None and event.segment < last.segment:
                 raise ValueError(

@@ -142,9 +142,15 @@ def _correlation_plan(parser: argparse.ArgumentParser, args: argparse.Namespace)
     None (its options alone, other noises, accountants or ``--clipping``: a usage error)."""
     kind = args.noise_correlation
     if args.correlation_band is not None and kind != "banded":
-        parser.error("--correlation-band applies to --noise-correlation banded; set that too")
+        parser.error(
+            "--correlation-band applies to --noise-correlation banded; "
+            + ("set that too" if kind is None else f"remove it with --noise-correlation {kind}")
+        )
     if args.correlation_buffers is not None and kind != "blt":
-        parser.error("--correlation-buffers applies to --noise-correlation blt; set that too")
+        parser.error(
+            "--correlation-buffers applies to --noise-correlation blt; "
+            + ("set that too" if kind is None else f"remove it with --noise-correlation {kind}")
+        )
     if kind is None:
         for name, accountant in CORRELATION_ACCOUNTANTS.items():
             if args.accountant == accountant:

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from lightning_dp.accounting import randomized_clipping_step_event
+from lightning_dp.accounting.blt_minsep import BLTMinSepAccountant
 from lightning_dp.engine.run_state import RunState
 
 log = logging.getLogger("lightning_dp")
@@ -181,6 +182,11 @@ class PrivacyLedger:
                 {
                     **state.correlation.summary(),
                     "participations": getattr(state.accountant, "participations", None),
+                    **(
+                        {"sensitivity": state.accountant.sensitivity}
+                        if isinstance(state.accountant, BLTMinSepAccountant)
+                        else {}
+                    ),
                 }
                 if state.correlation is not None
                 else {}

@@ -192,8 +192,14 @@ class CheckpointState:
             restored[field] = [float(v) for v in values]
         if kind == "blt":
             noise_scale = saved.get("noise_scale")
-            if not isinstance(noise_scale, int | float) or not noise_scale > 0:
-                raise ValueError(f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} has no noise_scale > 0")
+            if (
+                isinstance(noise_scale, bool)
+                or not isinstance(noise_scale, int | float)
+                or not 0 < noise_scale < math.inf
+            ):
+                raise ValueError(
+                    f"{_CORRUPT_STATE}: its noise_correlation entry {saved!r} has no finite noise_scale > 0"
+                )
             restored["noise_scale"] = float(noise_scale)
         return restored
 

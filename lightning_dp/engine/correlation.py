@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import math
 from typing import Any, ClassVar
 
@@ -49,6 +50,8 @@ from lightning_dp.data.cyclic_poisson import blt_num_groups, group_sample_rate
 from lightning_dp.mechanisms.calibration_banded import calibrate_banded_mf_noise
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 from lightning_dp.mechanisms.solver import closed_form_noise_ratio, solve_monotone
+
+log = logging.getLogger("lightning_dp")
 
 
 class CorrelationPlan(abc.ABC):
@@ -122,12 +125,13 @@ class CorrelationPlan(abc.ABC):
 
     def calibrate(self, *, target_epsilon: float, target_delta: float, max_grad_norm: float) -> GaussianMechanism:
         """The Gaussian mechanism whose ``n`` steps reach ``target_epsilon`` under this kind's accountant (within
-        0.1 % below the target, :func:`~lightning_dp.mechanisms.solver.solve_monotone`).
+        0.1 % below the target, :func:`~lightning_dp.mechanisms.solver.solve_monotone`, started from the closed form
+        of ``k`` unsubsampled steps).
 
         Raises:
             ValueError: a target no noise reaches.
         """
-        ratio = closed_form_noise_ratio(target_epsilon, target_delta, self.group_rate, self.participations)
+        ratio = closed_form_noise_ratio(target_epsilon, target_delta, 1.0, self.participations)
         sigma, _ = solve_monotone(
             lambda sigma: self.epsilon(sigma, target_delta),
             target_epsilon,
@@ -280,17 +284,18 @@ class BLTPlan(CorrelationPlan):
             "correlation_buffers": self.strategy.num_buffers,
             "num_groups": self.groups,
             "group_sample_rate": self.group_rate,
-            "sensitivity": self.sensitivity,
+            "noise_scale": self.scale,
         }
 
     def describe(self) -> str:
-        """``d``, ``b``, ``q_b``, ``k``, ``sens`` and the segment."""
+        """``d``, ``b``, ``q_b``, ``k``, ``sens``, ``s`` and the segment."""
         restart = f"; segment {self.segment} (the correlation restarted)" if self.segment else ""
+        scale = "kept from the first segment" if self.segment else "sens / sqrt(k)"
         return (
             f"blt, d = {self.strategy.num_buffers} buffers, b = floor(1 / q) = {self.groups} cyclic groups, q_b = "
             f"{self.group_rate:.4g}, k = ceil(n / b) = {self.participations} participations of n = "
             f"{self.planned_steps}, sensitivity {self.sensitivity:.4g} (b-min-separation, no amplification credited; "
-            f"noise sigma C s (C^-1 Z)_t, s = sens / sqrt(k) = {self.scale:.4g}){restart}"
+            f"noise sigma C s (C^-1 Z)_t, s = {scale} = {self.scale:.4g}){restart}"
         )
 
 
@@ -317,8 +322,8 @@ def plan_correlation(
         segment: the segment's number.
 
     Raises:
-        ValueError: no planned steps, a band above them, ``b q > 1``, or a restored strategy of another kind, band or
-            number of buffers.
+        ValueError: no planned steps, a band (banded) or ``floor(1 / q)`` (BLT) above them, ``b q > 1``, or a restored
+            strategy of another band or number of buffers.
     """
     if planned_steps is None:
         raise ValueError(
@@ -356,9 +361,22 @@ def _plan_blt(
     buffers: int, sample_rate: float, planned_steps: int, restored: dict[str, Any] | None, segment: int
 ) -> BLTPlan:
     groups = blt_num_groups(sample_rate)
+    if groups > planned_steps:
+        raise ValueError(
+            f"noise_correlation='blt' samples each example once every b = floor(1 / q) = {groups} steps, more than the "
+            f"{planned_steps} planned: most examples would never be used; train for at least {groups} steps or use a "
+            "larger expected batch"
+        )
+    if groups == 1 and sample_rate < 1.0:
+        log.warning(
+            "noise_correlation='blt' at q = %.4g > 1/2 has one cyclic group (b = 1): every step may use every example "
+            "and no amplification by sampling is credited, so its epsilon is likely above DP-SGD's "
+            "(noise_correlation=None); use a smaller expected batch",
+            sample_rate,
+        )
     k = participation_count(planned_steps, groups)
     if restored is None:
-        strategy = optimize_blt(planned_steps, buffers, min_sep=groups, max_participations=k)
+        strategy = optimize_blt(planned_steps, buffers, min_sep=groups)
     else:
         strategy = BufferedToeplitz(tuple(restored["decays"]), tuple(restored["scales"]))
         if strategy.num_buffers != buffers:

@@ -45,13 +45,19 @@ class NoiseSetup:
             total_steps: planned logical steps (needed only to calibrate for ``target_epsilon``; ``None``: unbounded).
 
         Raises:
-            RuntimeError: before the clipping hooks are attached.
+            RuntimeError: before the clipping hooks are attached; correlated noise before the training loader (its
+                cyclic sampler) is built.
             ValueError: calibration needed without ``total_steps``; a sample rate differing from a restored
                 checkpoint's.
         """
         state, config = self.state, self.state.config
         if state.num_params is None:
             raise RuntimeError("attach(module) must run before prepare()")
+        if config.noise_correlation is not None and state.partitioned_dataset is None:
+            raise RuntimeError(
+                f"noise_correlation={config.noise_correlation!r} is accounted for the run's cyclic sampler: build the "
+                "training loader with training_loader() before prepare()"
+            )
         if state.restored_sample_rate is not None and not math.isclose(state.restored_sample_rate, sample_rate):
             raise ValueError(
                 f"The checkpoint was trained with sample_rate={state.restored_sample_rate}, this run uses "

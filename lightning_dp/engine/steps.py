@@ -257,14 +257,16 @@ class RunSequence:
         assert mechanism is not None  # fixed by prepare
         collectives: dict[str, Any] = {}
         if state.distributed is not None:
+            correlation = state.correlation
             state.distributed.check_identical(
-                "dataset size, sample rate, noise and adaptive clipping",
+                "dataset size, sample rate, noise, adaptive clipping and noise correlation",
                 (
                     state.num_samples,
                     state.sample_rate,
                     mechanism.name,
                     mechanism.describe(),
                     state.adaptive.describe() if state.adaptive is not None else None,
+                    None if correlation is None else (correlation.checkpoint_entry(), correlation.segment),
                 ),
             )
             collectives = {

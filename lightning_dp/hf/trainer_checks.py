@@ -201,7 +201,7 @@ def check_sharded_run(args: TrainingArguments, config: PrivacyConfig) -> None:
         )
 
 
-def check_banded_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
+def check_correlated_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
     """Refuse to resume correlated noise (``noise_correlation``) while the Trainer skips the resumed epoch's first
     batches.
 

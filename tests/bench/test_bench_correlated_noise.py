@@ -82,10 +82,22 @@ def test_the_band_table_starts_at_dp_sgd_and_states_each_band(monkeypatch) -> No
     assert lines[3].startswith("| 4 | 0.08 |") and "| 10 |" in lines[3]
 
 
+def test_the_blt_table_states_its_groups_and_one_row_per_epsilon() -> None:
+    """A small case: q = 0.1 gives b = 10 groups and k = 4 participations in 40 steps; BLT's sigma (k unamplified
+    steps) is above DP-SGD's (amplified), and the error ratio is positive."""
+    text = _bands_script().blt_table(40, 0.1, (3.0, 8.0), 1e-5, 2)
+    lines = text.splitlines()
+    assert "b = 10, k = 4 unamplified steps, d = 2" in lines[0] and len(lines) == 4
+    for line, epsilon in zip(lines[2:], ("3", "8"), strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[0] == epsilon and float(cells[2]) > float(cells[1]) > 0 and float(cells[3]) > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("marker", ["bands", "bands-digits"])
+@pytest.mark.parametrize("marker", ["bands", "bands-digits", "blt-digits", "blt-10-epochs"])
 def test_the_band_tables_on_the_page_are_the_scripts_output(marker) -> None:
-    """Each table on the page is the output of the command printed above it (about 20 s for n = 1000)."""
+    """Each table on the page is the output of the command printed above it (about 20 s for n = 1000, a minute for
+    the BLT at n = 10,000)."""
     import shlex
 
     script = _bands_script()

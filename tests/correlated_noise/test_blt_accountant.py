@@ -60,7 +60,7 @@ def test_the_ledger_is_json_and_refuses_a_change_of_parameters():
         BLTMinSepEvent(1.5, 5, HAND.decays, HAND.scales),
         BLTMinSepEvent(1.5, 4, (0.9, 0.4), HAND.scales),
     ):
-        with pytest.raises(ValueError, match="keep sigma, b and C fixed for the run"):
+        with pytest.raises(ValueError, match=r"the sample rate \(b = floor\(1 / q\)\) and C fixed for the run"):
             accountant.copy().compose(changed)
     with pytest.raises(ValueError, match="segments come in order"):
         accountant.copy().compose(BLTMinSepEvent(1.5, 4, HAND.decays, HAND.scales, segment=2)).compose(

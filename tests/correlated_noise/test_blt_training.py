@@ -17,9 +17,10 @@ from correlation_helpers import analytic_gaussian_epsilon, brute_force_sensitivi
 from helpers import TinyRegressor, ZeroGradModule, make_trainer, regression_data
 from hf_helpers import make_trainer as make_hf_trainer
 from hf_helpers import tiny_gpt2
+from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_dp import DPStrategy
+from lightning_dp import DPStrategy, PrivacyEngine
 from lightning_dp.engine.correlation import BLTPlan
 from lightning_dp.hf import PrivacyArguments
 from lightning_dp.hf.callbacks import PRIVACY_STATE_NAME
@@ -102,7 +103,7 @@ def test_released_noise_has_the_covariance_of_the_strategy():
     for seed in (0, 1):
         recorder = _Weights()
         strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=clip, seed=seed, **BLT)
-        make_trainer(strategy, max_steps=steps, callbacks=[recorder]).fit(ZeroGradModule())
+        make_trainer(strategy, max_steps=steps, callbacks=[recorder]).fit(ZeroGradModule(batch_size=20))  # b = 5
         weights = torch.stack(recorder.weights).reshape(steps + 1, -1).double()
         expected_batch = strategy.privacy_engine.sample_rate * strategy.privacy_engine.num_samples
         samples.append(-(weights[1:] - weights[:-1]) * expected_batch)
@@ -141,6 +142,7 @@ def test_resume_is_a_new_segment_and_the_checkpoint_holds_no_noise(tmp_path):
     expected = analytic_gaussian_epsilon(sens / (1.0 * plan.scale), engine.target_delta)
     assert expected * (1 - 1e-9) <= engine.epsilon() <= expected * (1 + 2e-3)
     assert "segment 1 (the correlation restarted)" in "\n".join(engine.startup_lines())
+    assert engine.summary()["sensitivity"] == pytest.approx(sens) and engine.summary()["noise_scale"] == plan.scale
 
 
 def test_a_banded_checkpoint_does_not_resume_blt(tmp_path):
@@ -154,12 +156,35 @@ def test_a_banded_checkpoint_does_not_resume_blt(tmp_path):
 
 def test_dp_trainer_trains_blt_and_checkpoints_its_strategy(tmp_path):
     privacy = PrivacyArguments(noise_multiplier=1.0, dp_seed=0, check_batch_independence=False, **BLT)
-    args = dict(max_steps=4, save_strategy="steps", save_steps=2, logging_steps=100)
+    args = dict(max_steps=4, per_device_train_batch_size=8, save_strategy="steps", save_steps=2, logging_steps=100)
     trainer = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy, args=args)
     trainer.train()
     engine = trainer.privacy_engine
     plan = engine.state.correlation
-    assert isinstance(plan, BLTPlan) and engine.accountant.name == "blt-minsep" and plan.num_groups == 8  # q = 4/32
+    assert isinstance(plan, BLTPlan) and engine.accountant.name == "blt-minsep" and plan.num_groups == 4  # q = 8/32
     assert engine.epsilon() == plan.epsilon(1.0, engine.target_delta)
     state = json.loads((tmp_path / "checkpoint-2" / PRIVACY_STATE_NAME).read_text())
     assert state["noise_correlation"]["kind"] == "blt"
+
+
+def test_the_low_level_api_needs_the_cyclic_sampler_first():
+    """``PrivacyEngine.prepare`` without ``training_loader`` would account a pattern no sampler enforces: refused."""
+    engine = PrivacyEngine(noise_multiplier=1.0, noise_correlation="blt", correlation_buffers=2)
+    engine.start_run(nn.Linear(3, 1), None)
+    with pytest.raises(RuntimeError, match=r"cyclic sampler: build the training loader with training_loader\(\)"):
+        engine.prepare(num_samples=1000, sample_rate=0.01, total_steps=200)
+
+
+def test_fewer_planned_steps_than_groups_are_refused():
+    """q = 1/16 gives b = 16 groups: 8 planned steps would never sample half of the data."""
+    with pytest.raises(ValueError, match=r"once every b = floor\(1 / q\) = 16 steps, more than the 8 planned"):
+        _fit(8)
+
+
+def test_one_group_is_warned_about(caplog):
+    """q = 3/4 gives b = 1: every step may use every example, with no amplification credited."""
+    x, y = regression_data().tensors
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, sample_rate=0.75, **BLT)
+    with caplog.at_level("WARNING", logger="lightning_dp"):
+        make_trainer(strategy, max_steps=3).fit(TinyRegressor(batch_size=48, data=TensorDataset(x, y)))
+    assert "has one cyclic group (b = 1)" in caplog.text and _plan(strategy).num_groups == 1
