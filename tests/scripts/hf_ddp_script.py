@@ -1,12 +1,13 @@
 """DPTrainer on several processes, started by ``tests/adapters/test_hf_distributed.py`` with ``accelerate launch``.
 
-Usage: ``accelerate launch --multi_gpu --num_processes 2 hf_ddp_script.py OUT_DIR [--banded B]``. Each rank trains a
-tiny GPT-2 for 3 steps (per-device batch 4, 2 micro-batches, N = 32, a fixed noise multiplier and seed), after
-perturbing the parameters of ranks other than 0 (so the initial broadcast is exercised), and writes
+Usage: ``accelerate launch --multi_gpu --num_processes 2 hf_ddp_script.py OUT_DIR [--banded B | --blt D]``. Each rank
+trains a tiny GPT-2 for 3 steps (per-device batch 4, 2 micro-batches, N = 32, a fixed noise multiplier and seed),
+after perturbing the parameters of ranks other than 0 (so the initial broadcast is exercised), and writes
 ``OUT_DIR/rank{r}.json``: a checksum of its parameters before and after training, its privacy state (ledger), epsilon
 and sample rate, and whether the Trainer left the model unwrapped (no ``DistributedDataParallel``). ``--banded B``:
 ``noise_correlation='banded'`` with ``correlation_band=B`` (``BANDED_OPTIONS``, q = 1 / B, so ``q_b = 1``) for 4
-steps, without dropout; the rank also writes its sampler's partition (``groups``), the dataset indices of each
+steps, without dropout (``--blt D``: ``noise_correlation='blt'`` with ``correlation_buffers=D`` at q = 1/2, so
+b = 2 groups, likewise); the rank also writes its sampler's partition (``groups``), the dataset indices of each
 micro-batch it yielded (``micro_batches``) and its parameters (``params``).
 """
 
@@ -59,20 +60,25 @@ class MicroBatchRecorder:
         CyclicPoissonBatchSampler.__iter__ = recording  # type: ignore[method-assign]
 
 
-def main(out: Path, band: int | None) -> None:
+def main(out: Path, band: int | None, buffers: int | None) -> None:
     PartialState()  # initialises torch.distributed (gloo on CPU) from the launcher's environment
     context = distributed_context()
     assert context is not None, "torch.distributed was not initialised by the launcher"
-    model = tiny_gpt2() if band is None else tiny_gpt2(**NO_DROPOUT)  # compared with one process: no dropout
+    correlated = band is not None or buffers is not None
+    model = tiny_gpt2(**NO_DROPOUT) if correlated else tiny_gpt2()  # compared with one process: no dropout
     with torch.no_grad():
         for p in model.parameters():
             p.add_(float(context.rank))  # ranks start apart: the broadcast of rank 0's parameters must fix this
     rank_zero_start = checksum(model) if context.rank == 0 else None
-    recorder = MicroBatchRecorder() if band is not None else None
+    recorder = MicroBatchRecorder() if correlated else None
     options: dict = dict(gradient_accumulation_steps=2, max_steps=3)
     privacy = None
     if band is not None:
         privacy = PrivacyArguments(**BANDED_OPTIONS, correlation_band=band, sample_rate=1 / band)
+    if buffers is not None:
+        blt = {**BANDED_OPTIONS, "noise_correlation": "blt"}
+        privacy = PrivacyArguments(**blt, correlation_buffers=buffers, sample_rate=0.5)
+    if correlated:
         options["max_steps"] = 4
     trainer = make_trainer(model, out / "trainer", TokenDataset(n=32), privacy=privacy, args=options)
     trainer.train()
@@ -101,5 +107,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--banded", type=int, default=None)
+    parser.add_argument("--blt", type=int, default=None)
     args = parser.parse_args()
-    main(args.out, args.banded)
+    main(args.out, args.banded, args.blt)
