@@ -76,9 +76,9 @@ import numpy as np
 import numpy.typing as npt
 from dp_accounting import pld
 
-from lightning_dp.accounting.base import Accountant, register_accountant, validate_delta, validate_epsilon
+from lightning_dp.accounting.base import register_accountant, validate_delta, validate_epsilon
 from lightning_dp.accounting.events import register_event
-from lightning_dp.correlated_noise.sensitivity import participation_count
+from lightning_dp.accounting.segments import SegmentedAccountant
 from lightning_dp.correlated_noise.strategies import BandedToeplitz, BufferedToeplitz
 
 #: Loss-grid spacing of the PLD (the same as the ``pld`` accountant's, :class:`~lightning_dp.accounting.gaussian.
@@ -181,7 +181,7 @@ def band_and_max_column_norm(strategy: BandedToeplitz | npt.ArrayLike, steps: in
 
 
 @register_accountant
-class BandedMFAccountant(Accountant):
+class BandedMFAccountant(SegmentedAccountant):
     """Epsilon and delta of banded MF under cyclic Poisson sampling (module docstring: theorem, conditions).
 
     The ledger holds one :class:`BandedMFEvent` per step (equal but for their segment); ``get_epsilon(delta)`` and
@@ -191,8 +191,14 @@ class BandedMFAccountant(Accountant):
     """
 
     name = "banded-mf"
+    event_type = BandedMFEvent
+    label = "banded MF"
+    keep = "sigma, q_b, b and C"
     note = "banded MF, cyclic Poisson over b groups (Choquette-Choo et al. 2023, Sec. 5)"
     value_discretization_interval = VALUE_DISCRETIZATION_INTERVAL
+
+    def validate(self, event: Any) -> None:
+        validate_banded_mf_event(event)
 
     @classmethod
     def for_strategy(
@@ -236,31 +242,6 @@ class BandedMFAccountant(Accountant):
         accountant.compose(BandedMFEvent(float(noise_multiplier), float(group_sample_rate), groups, max_norm), steps)
         return accountant
 
-    def supports(self, event: Any) -> bool:
-        return isinstance(event, BandedMFEvent)
-
-    def compose(self, event: Any, count: int = 1) -> Accountant:
-        """Record ``count`` steps of ``event`` (a :class:`BandedMFEvent`).
-
-        Raises:
-            ValueError: another event type, invalid parameters, an event that differs from the ledger's in more than
-                its segment (the reduction needs one ``sigma``, ``q_b``, ``b`` and ``s`` for the whole run), or a
-                segment below the ledger's last.
-        """
-        if isinstance(event, BandedMFEvent) and count > 0:
-            validate_banded_mf_event(event)
-            last = self.ledger[-1][0] if self.ledger else None
-            if last is not None and dataclasses.replace(last, segment=event.segment) != event:
-                raise ValueError(
-                    f"banded MF accounting needs the same parameters at every step; the ledger has "
-                    f"{last!r}, got {event!r}: keep sigma, q_b, b and C fixed for the run"
-                )
-            if last is not None and event.segment < last.segment:
-                raise ValueError(
-                    f"banded MF segments come in order: the ledger is at segment {last.segment}, got {event.segment}"
-                )
-        return super().compose(event, count)
-
     def _reduced(self) -> tuple[dp_accounting.DpEvent, int] | None:
         """The reduced event (``PoissonSampled(q_b, Gaussian(sigma / s))``) and ``k``; ``None`` when ``sigma = 0``."""
         event: BandedMFEvent = self.ledger[0][0]
@@ -278,16 +259,6 @@ class BandedMFAccountant(Accountant):
             return math.inf if self.ledger[0][0].group_sample_rate > 0 else 0.0
         event, k = reduced
         return float(self._backend().compose(event, k).get_epsilon(delta))
-
-    @property
-    def participations(self) -> int:
-        """``k``, the most steps one example can take part in so far (0 for an empty ledger): per segment of ``n_i``
-        steps ``ceil(n_i / b)`` (group ``g`` is eligible at the ``ceil((n_i - g) / b)`` steps ``t = g mod b``, most for
-        ``g = 0``), summed over the segments (module docstring, "Segments")."""
-        steps: dict[int, int] = {}
-        for event, count in self.ledger:
-            steps[event.segment] = steps.get(event.segment, 0) + count
-        return sum(participation_count(n, self.ledger[0][0].num_groups) for n in steps.values())
 
     def get_delta(self, epsilon: float) -> float:
         """Delta of all composed steps at ``epsilon`` (0.0 for an empty ledger).

@@ -48,9 +48,10 @@ from typing import Any
 import dp_accounting
 from dp_accounting import pld
 
-from lightning_dp.accounting.base import Accountant, register_accountant
+from lightning_dp.accounting.base import register_accountant
 from lightning_dp.accounting.events import register_event
-from lightning_dp.correlated_noise.sensitivity import minsep_sensitivity, participation_count
+from lightning_dp.accounting.segments import SegmentedAccountant
+from lightning_dp.correlated_noise.sensitivity import minsep_sensitivity
 from lightning_dp.correlated_noise.strategies import BufferedToeplitz
 
 #: Loss-grid spacing of the PLD (the ``pld`` accountant's).
@@ -116,53 +117,20 @@ def blt_sensitivity(strategy: BufferedToeplitz, steps: int, num_groups: int) -> 
 
 
 @register_accountant
-class BLTMinSepAccountant(Accountant):
+class BLTMinSepAccountant(SegmentedAccountant):
     """Epsilon and delta of BLT matrix factorization under ``b``-min-separated participation, no amplification
     (module docstring: the bound, its conditions, segments). Source: the min-separation sensitivity of
     Choquette-Choo et al. 2023 (Section 3) for the Toeplitz BLT of Dvijotham et al. 2024, exact for monotone BLTs by
     Kalinin and Lampert 2024 (Theorem 2)."""
 
     name = "blt-minsep"
+    event_type = BLTMinSepEvent
+    label = "BLT"
+    keep = "the noise, the sample rate (b = floor(1 / q)) and C"
     note = "BLT MF, b-min-separation sensitivity, no amplification (an upper bound)"
 
-    def supports(self, event: Any) -> bool:
-        return isinstance(event, BLTMinSepEvent)
-
-    def compose(self, event: Any, count: int = 1) -> Accountant:
-        """Record ``count`` steps of ``event`` (a :class:`BLTMinSepEvent`).
-
-        Raises:
-            ValueError: another event type, invalid parameters, an event that differs from the ledger's in more than
-                its segment (one ``sigma``, ``b`` and ``C`` for the whole run), or a segment below the ledger's last.
-        """
-        if isinstance(event, BLTMinSepEvent) and count > 0:
-            validate_blt_minsep_event(event)
-            last = self.ledger[-1][0] if self.ledger else None
-            if last is not None and dataclasses.replace(last, segment=event.segment) != event:
-                raise ValueError(
-                    f"BLT accounting needs the same parameters at every step; the ledger has {last!r}, got {event!r}: "
-                    "keep the noise, the sample rate (b = floor(1 / q)) and C fixed for the run"
-                )
-            if last is not None and event.segment < last.segment:
-                raise ValueError(
-                    f"BLT segments come in order: the ledger is at segment {last.segment}, got {event.segment}"
-                )
-        return super().compose(event, count)
-
-    def _segment_steps(self) -> list[int]:
-        """The steps ``n_i`` of each segment, in order."""
-        steps: dict[int, int] = {}
-        for event, count in self.ledger:
-            steps[event.segment] = steps.get(event.segment, 0) + count
-        return list(steps.values())
-
-    @property
-    def participations(self) -> int:
-        """``k``, the most steps one example can take part in so far: ``sum_i ceil(n_i / b)`` over the segments (0 for
-        an empty ledger)."""
-        if not self.ledger:
-            return 0
-        return sum(participation_count(n, self.ledger[0][0].num_groups) for n in self._segment_steps())
+    def validate(self, event: Any) -> None:
+        validate_blt_minsep_event(event)
 
     @property
     def sensitivity(self) -> float:
@@ -171,7 +139,7 @@ class BLTMinSepAccountant(Accountant):
             return 0.0
         first: BLTMinSepEvent = self.ledger[0][0]
         strategy = first.strategy
-        return math.sqrt(sum(blt_sensitivity(strategy, n, first.num_groups) ** 2 for n in self._segment_steps()))
+        return math.sqrt(sum(blt_sensitivity(strategy, n, first.num_groups) ** 2 for n in self.segment_steps()))
 
     def _gaussian(self) -> dp_accounting.DpEvent | None:
         """The whole run's ``GaussianDpEvent(sigma / sens)``; ``None`` when ``sigma = 0``."""

@@ -64,20 +64,11 @@ def check_noise_correlation(config: PrivacyConfig) -> None:
     if correlation not in NOISE_CORRELATIONS:
         with checking("noise_correlation"):
             raise ValueError(f"noise_correlation must be None, 'banded' or 'blt', got {correlation!r}")
-    if band is not None and correlation != "banded":
-        with checking("correlation_band"):
-            raise ValueError(
-                f"correlation_band={band} applies to noise_correlation='banded'; set that too"
-                if correlation is None
-                else f"correlation_band={band} applies to noise_correlation='banded', not {correlation!r}: remove it"
-            )
-    if buffers is not None and correlation != "blt":
-        with checking("correlation_buffers"):
-            raise ValueError(
-                f"correlation_buffers={buffers} applies to noise_correlation='blt'; set that too"
-                if correlation is None
-                else f"correlation_buffers={buffers} applies to noise_correlation='blt', not {correlation!r}: remove it"
-            )
+    for option, value, kind in (("correlation_band", band, "banded"), ("correlation_buffers", buffers, "blt")):
+        if value is not None and correlation != kind:
+            with checking(option):
+                change = "set that too" if correlation is None else f"not {correlation!r}: remove it"
+                raise ValueError(f"{option}={value} applies to noise_correlation={kind!r}; {change}")
     for kind, accountant in CORRELATION_ACCOUNTANTS.items():
         if config.accountant == accountant and correlation != kind:
             with checking("accountant"):

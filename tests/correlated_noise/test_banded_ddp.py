@@ -18,6 +18,11 @@ from lightning_dp import DPStrategy
 WORLD = 2
 
 
+def _script_strategy(**options) -> DPStrategy:
+    """The one-process ``DPStrategy`` with ddp_fit_script.py's noise multiplier (1) and bound (0.5), and ``options``."""
+    return DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, **options)
+
+
 def _check_groups(ranks: list[dict], band: int) -> None:
     """The ranks' partitions are equal; at step t each rank's examples are of its shard and of group t mod b."""
     groups = ranks[0]["groups"]
@@ -49,9 +54,7 @@ def test_two_processes_equal_one_process_at_group_rate_one(tmp_path):
         union = sorted(ranks[0]["batches"][t] + ranks[1]["batches"][t])
         assert union == (groups == t % 2).nonzero().flatten().tolist()
 
-    single = DPStrategy(
-        noise_multiplier=1.0, max_grad_norm=0.5, seed=0, sample_rate=0.5, noise_correlation="banded", correlation_band=2
-    )
+    single = _script_strategy(seed=0, sample_rate=0.5, noise_correlation="banded", correlation_band=2)
     torch.manual_seed(0)
     module = TinyRegressor(batch_size=8 * WORLD)
     recorder = BatchIndexRecorder(module.data.tensors[0])
@@ -72,9 +75,7 @@ def test_blt_on_two_processes_equals_one_process(tmp_path):
     ranks = fit_on_two_processes(tmp_path, "--blt", "2", "--sample-rate", "0.5", "--seed", "0")
     _identical(ranks)
     _check_groups(ranks, band=2)
-    single = DPStrategy(
-        noise_multiplier=1.0, max_grad_norm=0.5, seed=0, sample_rate=0.5, noise_correlation="blt", correlation_buffers=2
-    )
+    single = _script_strategy(seed=0, sample_rate=0.5, noise_correlation="blt", correlation_buffers=2)
     torch.manual_seed(0)
     module = TinyRegressor(batch_size=8 * WORLD)
     make_trainer(single, max_steps=6).fit(module)
@@ -96,14 +97,7 @@ def test_two_processes_sample_their_shards_of_the_steps_group(tmp_path):
     _check_groups(ranks, band=4)
     sizes = {len(batch) for rank in ranks for batch in rank["batches"]}
     assert 0 in sizes and len(sizes) > 1, sizes
-    single = DPStrategy(
-        noise_multiplier=1.0,
-        max_grad_norm=0.5,
-        seed=1,
-        sample_rate=0.01,
-        noise_correlation="banded",
-        correlation_band=4,
-    )
+    single = _script_strategy(seed=1, sample_rate=0.01, noise_correlation="banded", correlation_band=4)
     make_trainer(single, max_steps=6).fit(TinyRegressor())
     assert ranks[0]["epsilon"] == pytest.approx(single.privacy_engine.epsilon(), rel=1e-12)
 
@@ -126,14 +120,7 @@ def test_a_resume_on_two_processes_is_the_one_process_resume(tmp_path):
             assert all(i % WORLD == rank for i in batch) and set(a["groups"][batch].tolist()) <= {t % 2}
 
     def single(max_epochs: int, ckpt_path=None):
-        strategy = DPStrategy(
-            noise_multiplier=1.0,
-            max_grad_norm=0.5,
-            seed=0,
-            sample_rate=0.5,
-            noise_correlation="banded",
-            correlation_band=2,
-        )
+        strategy = _script_strategy(seed=0, sample_rate=0.5, noise_correlation="banded", correlation_band=2)
         torch.manual_seed(0)
         module = TinyRegressor(batch_size=8 * WORLD)
         trainer = make_trainer(strategy, max_epochs=max_epochs)

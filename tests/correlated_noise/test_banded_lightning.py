@@ -1,5 +1,6 @@
 """``noise_correlation='banded'`` through ``DPStrategy``: b = 1 is DP-SGD bit for bit, the released noise has the
-covariance of ``sigma C s C^{-1} Z``, the reported epsilon is the banded-mf accountant's, and target_epsilon is met."""
+covariance of ``sigma C s C^{-1} Z`` (BLT's too), the reported epsilon is the banded-mf accountant's, and
+target_epsilon is met."""
 
 from __future__ import annotations
 
@@ -81,28 +82,31 @@ class _Weights(pl.Callback):
         self.weights.append(module.layer.weight.detach().clone())
 
 
-def test_released_noise_has_the_covariance_of_the_strategy():
+@pytest.mark.parametrize(
+    "options",
+    [{"noise_correlation": "banded", "correlation_band": 3}, {"noise_correlation": "blt", "correlation_buffers": 2}],
+    ids=["banded", "blt"],
+)
+def test_released_noise_has_the_covariance_of_the_strategy(options):
     """Zero gradients and SGD at lr 1: each update is ``-noise / (q N)``. The 100,000 weights are independent draws of
-    the ``n``-step noise vector (over two seeds), whose covariance must be ``sigma^2 C_clip^2 s^2 C^{-1} C^{-T}``."""
+    the ``n``-step noise vector (over two seeds), whose covariance must be ``(sigma C_clip s)^2 C^{-1} C^{-T}``, ``s``
+    the plan's scale (banded: the largest column norm; BLT: ``sens / sqrt(k)``, here b = floor(1 / 0.2) = 5)."""
     steps, sigma, clip = 6, 0.7, 2.0
     samples = []
     for seed in (0, 1):
         recorder = _Weights()
-        strategy = DPStrategy(
-            noise_multiplier=sigma, max_grad_norm=clip, noise_correlation="banded", correlation_band=3, seed=seed
-        )
-        make_trainer(strategy, max_steps=steps, callbacks=[recorder]).fit(ZeroGradModule())
+        strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=clip, seed=seed, **options)
+        make_trainer(strategy, max_steps=steps, callbacks=[recorder]).fit(ZeroGradModule(batch_size=20))
         weights = torch.stack(recorder.weights).reshape(steps + 1, -1).double()
         expected_batch = strategy.privacy_engine.sample_rate * strategy.privacy_engine.num_samples
         samples.append(-(weights[1:] - weights[:-1]) * expected_batch)  # [steps, coordinates]
     noise = torch.cat(samples, dim=1).numpy()
     plan = strategy.privacy_engine.state.correlation
     inverse = plan.strategy.inverse_dense(steps)
-    expected = (sigma * clip * plan.column_norm) ** 2 * inverse @ inverse.T
+    scale = (sigma * clip * plan.scale) ** 2
     empirical = noise @ noise.T / noise.shape[1]
-    scale = (sigma * clip * plan.column_norm) ** 2
-    assert np.abs(empirical - expected).max() < 0.03 * scale  # standard error about 0.005 scale at 200,000 draws
-    assert plan.band == 3 and not math.isclose(plan.column_norm, 1.0)
+    assert np.abs(empirical - scale * inverse @ inverse.T).max() < 0.03 * scale  # standard error ~0.005 scale
+    assert not math.isclose(plan.scale, 1.0) and abs(inverse[1, 0]) > 0.05  # scaled, and correlated
 
 
 @pytest.mark.parametrize(

@@ -6,28 +6,14 @@ and BLT strategies alike; both ranks hold the same gathered parameters, and the 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from process_helpers import SCRIPTS, launch_env
-
-WORLD = 2
+from process_helpers import fit_on_two_processes
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp_correlated")
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fsdp_correlated_script.py"), str(out)],
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return fit_on_two_processes(tmp_path_factory.mktemp("fsdp_correlated"), script="fsdp_correlated_script.py")
 
 
 def _noise(run: dict) -> torch.Tensor:
