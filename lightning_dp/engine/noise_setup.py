@@ -35,7 +35,7 @@ class NoiseSetup:
         self.ledger = ledger
         self.clip_bound = clip_bound
 
-    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None) -> None:
+    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None, momentum: float = 0.0) -> None:
         """Fix the sampling rate, delta, mechanism (calibrated if needed) and accountant; applied defaults join
         ``state.defaults_applied``.
 
@@ -43,6 +43,8 @@ class NoiseSetup:
             num_samples: dataset size N (default delta; a warning when delta >= 1/N).
             sample_rate: Poisson rate q of one logical step.
             total_steps: planned logical steps (needed only to calibrate for ``target_epsilon``; ``None``: unbounded).
+            momentum: with correlated noise, the SGD momentum its strategy is optimised for
+                (:func:`~lightning_dp.engine.correlation.sgd_momentum`; 0: prefix sums).
 
         Raises:
             RuntimeError: before the clipping hooks are attached; correlated noise before the training loader (its
@@ -103,6 +105,7 @@ class NoiseSetup:
                 planned_steps=total_steps,
                 restored=kept,
                 segment=self._next_segment(),
+                momentum=momentum,
             )
         if state.mechanism is None:
             state.mechanism = self._calibrate(total_steps)

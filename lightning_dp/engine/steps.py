@@ -23,6 +23,7 @@ from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, p
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
+from lightning_dp.engine.correlation import sgd_momentum
 from lightning_dp.engine.end_of_run import log_end_of_run
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState
@@ -252,7 +253,12 @@ class RunSequence:
             if not isinstance(optimizer, DPOptimizer):
                 self._check_optimizer_holds_model_parameters(optimizer)
         state.planned_steps = total_steps
-        self.noise_setup.prepare(num_samples=state.num_samples, sample_rate=state.loader_rate, total_steps=total_steps)
+        self.noise_setup.prepare(
+            num_samples=state.num_samples,
+            sample_rate=state.loader_rate,
+            total_steps=total_steps,
+            momentum=sgd_momentum(optimizers) if state.config.noise_correlation is not None else 0.0,
+        )
         mechanism = state.mechanism
         assert mechanism is not None  # fixed by prepare
         collectives: dict[str, Any] = {}
