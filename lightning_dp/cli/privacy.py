@@ -18,19 +18,17 @@ import logging
 import math
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.accounting.rc_envelope import ESTIMATORS
 from lightning_dp.cli.args import Parser, choice, metavar_of, positive_int
-from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, DEFAULT_BLT_BUFFERS, NOISE_CORRELATIONS
+from lightning_dp.cli.correlation_args import add_correlation_arguments, correlation_plan, correlation_summary
+from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS
 from lightning_dp.mechanisms import MECHANISMS, NoiseMechanism, make_mechanism
 from lightning_dp.mechanisms.calibration import calibrate_result, mechanism_epsilon, resolve_accountant
 from lightning_dp.mechanisms.calibration_rc import calibrate_randomized_clipping, randomized_clipping_epsilon
 from lightning_dp.mechanisms.solver import CalibrationProblem
-
-if TYPE_CHECKING:
-    from lightning_dp.engine.correlation import CorrelationPlan
 
 
 def noises() -> tuple[str, ...]:
@@ -53,9 +51,6 @@ def _noise_parameter_help() -> dict[str, str]:
             helps.setdefault(param, cls.parameter_help.get(param, param.replace("_", " ")))
     return {param: f"{helps[param]} ({', '.join(names)})" for param, names in takers.items()}
 
-
-#: The ``--noise-correlation`` values (``None``, independent noise, is the option's absence).
-CORRELATIONS = tuple(name for name in NOISE_CORRELATIONS if name is not None)
 
 #: Points of the ``--plot`` curve (each is one accountant evaluation, about a second with PLD); the ``rc``
 #: accountant (``--clipping``) is far slower per evaluation, so its curve has fewer.
@@ -104,24 +99,7 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--norm-dim", type=positive_int, help="d, the widest estimated layer's min(p, d) (required with --clipping)"
     )
-    parser.add_argument(
-        "--noise-correlation",
-        type=choice(CORRELATIONS),
-        metavar=metavar_of(CORRELATIONS),
-        help="correlated noise, Gaussian only, with the strategy a run of --steps planned steps optimises: banded "
-        "(banded-mf accountant, cyclic Poisson over --correlation-band groups) or blt (blt-minsep accountant, "
-        "floor(1/q) cyclic groups, no amplification)",
-    )
-    parser.add_argument(
-        "--correlation-band",
-        type=positive_int,
-        help="b, the band and number of cyclic groups (with --noise-correlation banded)",
-    )
-    parser.add_argument(
-        "--correlation-buffers",
-        type=positive_int,
-        help=f"d, the buffers of --noise-correlation blt (default {DEFAULT_BLT_BUFFERS})",
-    )
+    add_correlation_arguments(parser)
 
 
 def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any] | None:
@@ -135,74 +113,6 @@ def _randomized_clipping(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.norm_dim is None:
         parser.error(f"--clipping {args.clipping} needs --norm-dim D (the widest estimated layer's min(p, d))")
     return {"projection_dim": args.projection_dim, "norm_dim": args.norm_dim, "estimator": args.clipping}
-
-
-def _correlation_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CorrelationPlan | None:
-    """The run's :class:`~lightning_dp.engine.correlation.CorrelationPlan` when ``--noise-correlation`` is given, else
-    None (its options alone, other noises, accountants or ``--clipping``: a usage error)."""
-    kind = args.noise_correlation
-    if args.correlation_band is not None and kind != "banded":
-        parser.error(
-            "--correlation-band applies to --noise-correlation banded; "
-            + ("set that too" if kind is None else f"remove it with --noise-correlation {kind}")
-        )
-    if args.correlation_buffers is not None and kind != "blt":
-        parser.error(
-            "--correlation-buffers applies to --noise-correlation blt; "
-            + ("set that too" if kind is None else f"remove it with --noise-correlation {kind}")
-        )
-    if kind is None:
-        for name, accountant in CORRELATION_ACCOUNTANTS.items():
-            if args.accountant == accountant:
-                parser.error(
-                    f"--accountant {accountant} accounts for correlated noise only; add --noise-correlation {name}"
-                    + (" --correlation-band B" if name == "banded" else "")
-                )
-        return None
-    accountant = CORRELATION_ACCOUNTANTS[kind]
-    if args.noise != "gaussian":
-        parser.error(f"--noise-correlation {kind} correlates Gaussian noise (got --noise {args.noise})")
-    if args.accountant not in (None, accountant):
-        parser.error(
-            f"--noise-correlation {kind} is accounted by --accountant {accountant} only (got --accountant "
-            f"{args.accountant})"
-        )
-    if args.clipping is not None:
-        parser.error(f"--noise-correlation {kind} is not accounted with --clipping {args.clipping}")
-    if kind == "banded" and args.correlation_band is None:
-        parser.error("--noise-correlation banded needs --correlation-band B (1 is DP-SGD)")
-    if kind == "banded" and args.correlation_band > args.steps:
-        parser.error(
-            f"--correlation-band {args.correlation_band} exceeds --steps {args.steps}; use a band <= {args.steps}"
-        )
-    from lightning_dp.engine.correlation import plan_correlation  # torch: only when correlated noise is asked for
-
-    try:
-        return plan_correlation(
-            kind,
-            band=args.correlation_band,
-            buffers=args.correlation_buffers or DEFAULT_BLT_BUFFERS,
-            sample_rate=args.sample_rate,
-            planned_steps=args.steps,
-            restored=None,
-            segment=0,
-        )
-    except ValueError as error:  # b q > 1, q outside (0, 1]
-        parser.error(str(error))
-
-
-def _correlation_summary(summary: dict[str, Any], plan: CorrelationPlan | None) -> dict[str, Any]:
-    """``summary`` with the participation pattern of ``plan`` (its kind's summary, ``k`` and ``s``) after the noise
-    rows."""
-    if plan is None:
-        return summary
-    return {
-        **summary,
-        "expected_abs_noise": None,  # the mechanism's is that of Z_t, not of the correlated (C^-1 Z)_t
-        **plan.summary(),
-        "participations": plan.participations,
-        "noise_scale_factor": plan.scale,
-    }
 
 
 def _epsilons(mechanism: NoiseMechanism, accountants: tuple[str, ...], args: argparse.Namespace) -> dict[str, float]:
@@ -304,11 +214,11 @@ def _epsilon_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         )
     params = {p: getattr(args, p) for p in required}
     mechanism = make_mechanism(args.noise, max_grad_norm=args.max_grad_norm, **params)
-    plan = _correlation_plan(parser, args)
+    plan = correlation_plan(parser, args)
     if plan is not None:
         sigma, accountant = args.noise_multiplier, CORRELATION_ACCOUNTANTS[plan.kind]
         epsilon = plan.epsilon(sigma, args.delta)
-        summary = _correlation_summary(_summary(args, mechanism, epsilon, accountant), plan)
+        summary = correlation_summary(_summary(args, mechanism, epsilon, accountant), plan)
         _emit(summary, {accountant: epsilon}, args.json, accountant)
         if args.plot:
             _plot(args, mechanism, {accountant: lambda steps: plan.epsilon(sigma, args.delta, steps)})
@@ -393,13 +303,13 @@ def _calibrate_body(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--search is only defined for {' and '.join(searches)}")
     if args.search and args.num_params is None:
         parser.error(f"--search with --noise {args.noise} needs --num-params")
-    plan = _correlation_plan(parser, args)
+    plan = correlation_plan(parser, args)
     if plan is not None:
         accountant = CORRELATION_ACCOUNTANTS[plan.kind]
         mechanism = plan.calibrate(**target, max_grad_norm=args.max_grad_norm)
         epsilon = plan.epsilon(mechanism.noise_multiplier, args.delta)
         summary = _summary(args, mechanism, epsilon, accountant, target_epsilon=args.target_epsilon)
-        _emit(_correlation_summary(summary, plan), {accountant: epsilon}, args.json, accountant)
+        _emit(correlation_summary(summary, plan), {accountant: epsilon}, args.json, accountant)
         return
     rc = _randomized_clipping(parser, args)
     if rc is not None:

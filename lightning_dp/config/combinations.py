@@ -6,12 +6,39 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
+from lightning_dp.accounting import ACCOUNTANTS
 from lightning_dp.config.errors import checking
 from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, NOISE_CORRELATIONS
+from lightning_dp.mechanisms.base import NoiseMechanism, mechanism_class
 from lightning_dp.optim.adaptive_clipping import sum_noise_multiplier
 
 if TYPE_CHECKING:
     from lightning_dp.config.privacy_config import PrivacyConfig
+
+
+def check_noise_given(config: PrivacyConfig) -> None:
+    """Exactly one of ``target_epsilon`` or the noise (``noise_multiplier``, ``noise_params`` or a mechanism instance),
+    and registered names for ``noise`` and ``accountant``.
+
+    Raises:
+        ValueError: none or several of them; an unknown mechanism or accountant name (listing the valid ones).
+    """
+    fixed_noise = [
+        config.noise_multiplier is not None,
+        bool(config.noise_params),
+        isinstance(config.noise, NoiseMechanism),
+    ]
+    if (config.target_epsilon is None) == (not any(fixed_noise)) or sum(fixed_noise) > 1:
+        raise ValueError(
+            "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
+            "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
+        )
+    if not isinstance(config.noise, NoiseMechanism):
+        with checking("noise"):
+            mechanism_class(config.noise)  # an unknown name fails here, listing the valid ones
+    if config.accountant is not None:
+        with checking("accountant"):
+            ACCOUNTANTS.get(config.accountant)  # an unknown name fails here, listing the valid ones
 
 
 def check_randomized_and_adaptive(config: PrivacyConfig) -> None:

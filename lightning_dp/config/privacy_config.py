@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from lightning_dp.accounting.base import ACCOUNTANTS, validate_delta, validate_epsilon
+from lightning_dp.accounting.base import validate_delta, validate_epsilon
 from lightning_dp.checks.guard import validate_independence_every
 from lightning_dp.clipping import AUTO, ENGINES, auto_engine, clipping_choices
 from lightning_dp.clipping.clip_functions import (
@@ -32,7 +32,11 @@ from lightning_dp.clipping.groups import (
 )
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.sum_check import validate_sum_check
-from lightning_dp.config.combinations import check_noise_correlation, check_randomized_and_adaptive
+from lightning_dp.config.combinations import (
+    check_noise_correlation,
+    check_noise_given,
+    check_randomized_and_adaptive,
+)
 from lightning_dp.config.errors import checking
 from lightning_dp.data.physical_batches import validate_max_physical_batch_size
 from lightning_dp.data.poisson import validate_sample_rate
@@ -350,22 +354,7 @@ class PrivacyConfig:
         if self.sample_rate is not None:
             with checking("sample_rate"):
                 validate_sample_rate(self.sample_rate)
-        fixed_noise = [
-            self.noise_multiplier is not None,
-            bool(self.noise_params),
-            isinstance(self.noise, NoiseMechanism),
-        ]
-        if (self.target_epsilon is None) == (not any(fixed_noise)) or sum(fixed_noise) > 1:
-            raise ValueError(
-                "Give exactly one of target_epsilon (the noise is calibrated for it) or the noise itself "
-                "(noise_multiplier for Gaussian, noise_params for other mechanisms, or a NoiseMechanism instance)"
-            )
-        if not isinstance(self.noise, NoiseMechanism):
-            with checking("noise"):
-                mechanism_class(self.noise)  # an unknown name fails here, listing the valid ones
-        if self.accountant is not None:
-            with checking("accountant"):
-                ACCOUNTANTS.get(self.accountant)  # an unknown name fails here, listing the valid ones
+        check_noise_given(self)
         with checking("sum_check_every"):
             validate_sum_check(self.sum_check_every)
         if self.clipping != AUTO and self.clipping not in ENGINES:
