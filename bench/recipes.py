@@ -64,11 +64,21 @@ TASKS = {
 CURVE_KEYS = {"e2e_full": ("eval_loss", "loss on the evaluation split")}
 NOISE_PARAMETERS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale")
 VARIANTS = ("non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8")
+#: The HF recipes' runs with another clipping than the configuration's fixed bound, Gaussian noise calibrated for the
+#: budget (not run by default): automatic clipping (Bu et al. 2023, Section 4; the bound the configuration's ``C``)
+#: and adaptive clipping (Andrew et al. 2021; the median, started from the configuration's ``C``) -> their flags.
+CLIPPING_FLAGS = {
+    "automatic": ["--clipping_fn", "automatic"],
+    "adaptive": ["--target_unclipped_quantile", "0.5"],
+}
+CLIPPING_VARIANTS = tuple(f"{clipping}-eps{epsilon}" for clipping in CLIPPING_FLAGS for epsilon in (3, 8))
 #: The baseline of the HF recipes: the pretrained model evaluated without any training step (not run by default;
 #: rendered first where recorded). The CIFAR-10 recipe trains from scratch and has none.
 UNTUNED = "untuned"
-#: Every variant a table may show, in the order shown.
-ALL_VARIANTS = (UNTUNED, *VARIANTS)
+#: The variants of the summary table of docs/recipes.md, in the order shown.
+SUMMARY_VARIANTS = (UNTUNED, *VARIANTS)
+#: Every variant a task's table may show, in the order shown.
+ALL_VARIANTS = (*SUMMARY_VARIANTS, *CLIPPING_VARIANTS)
 
 
 def hf_variant_flags(variant: str, results_file: str) -> list[str]:
@@ -79,7 +89,9 @@ def hf_variant_flags(variant: str, results_file: str) -> list[str]:
     if variant == "non-private":
         return [*flags, "--dp", "false"]
     noise, epsilon = variant.split("-eps")
-    return [*flags, "--dp", "true", "--noise", noise, "--target_epsilon", epsilon]
+    clipping = CLIPPING_FLAGS.get(noise, [])
+    noise = "gaussian" if clipping else noise
+    return [*flags, "--dp", "true", "--noise", noise, "--target_epsilon", epsilon, *clipping]
 
 
 def seed_flags(task: str, variant: str, seed: int) -> list[str]:
@@ -265,16 +277,16 @@ def thread_table(task: str, thread_runs: dict[tuple[str, int], dict[int, dict]])
 
 def summary_table() -> str:
     """One row per task: its headline metric in every variant."""
-    head = ["recipe", "metric", *ALL_VARIANTS]
+    head = ["recipe", "metric", *SUMMARY_VARIANTS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for task in TASKS:
         results = load_results(task)
         if not results:
-            lines.append(f"| [{task}](recipes/{task}.md) | (not run) |" + " - |" * len(ALL_VARIANTS))
+            lines.append(f"| [{task}](recipes/{task}.md) | (not run) |" + " - |" * len(SUMMARY_VARIANTS))
             continue
         metric = TASKS[task][2]
         cells = []
-        for variant in ALL_VARIANTS:
+        for variant in SUMMARY_VARIANTS:
             runs = results.get(variant)
             if runs is None:
                 cells.append("-")

@@ -433,6 +433,32 @@ def test_the_untuned_variant_evaluates_the_model_without_a_training_step(tmp_pat
         bench.variant_command("cifar", "untuned", "x.json", str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("variant", "clipping_fn", "adaptive"), [("automatic-eps3", "automatic", False), ("adaptive-eps8", "abadi", True)]
+)
+def test_the_clipping_variants_train_with_their_clipping_at_the_budget(
+    tmp_path, monkeypatch, variant, clipping_fn, adaptive
+):
+    """The HF recipes' automatic- and adaptive-clipping variants run the recipe with that clipping, Gaussian noise
+    calibrated for the variant's epsilon."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from lightning_dp.recipes import glue
+
+    flags = bench.hf_variant_flags(variant, str(tmp_path / "run.json"))
+    result = glue.main(
+        ["--config", str(ROOT / "configs" / "glue_offline.yaml"), "--data_dir", str(ROOT / "tests" / "data"),
+         "--tiny_model", "true", "--train_size", "32", "--eval_size", "8", "--output_dir", str(tmp_path), *flags]
+    )  # fmt: skip
+    arguments = result["arguments"]["privacy"]
+    assert result["privacy"]["noise"] == "gaussian" and arguments["clipping_fn"] == clipping_fn
+    assert (arguments["target_unclipped_quantile"] == 0.5) is adaptive
+    assert 0 < result["privacy"]["epsilon"] <= float(variant.split("-eps")[1]) + 1e-6
+    assert variant in bench.ALL_VARIANTS and variant not in bench.SUMMARY_VARIANTS
+
+
 def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatch):
     """Every number of the recipes' result tables in the docs comes from the JSON files beside them: rendering them
     again gives the committed text."""
