@@ -64,21 +64,30 @@ TASKS = {
 CURVE_KEYS = {"e2e_full": ("eval_loss", "loss on the evaluation split")}
 NOISE_PARAMETERS = ("noise_multiplier", "noise_scale", "gamma_shape", "gamma_scale")
 VARIANTS = ("non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8")
-#: The HF recipes' runs with another clipping than the configuration's fixed bound, Gaussian noise calibrated for the
-#: budget (not run by default): automatic clipping (Bu et al. 2023, Section 4; the bound the configuration's ``C``)
-#: and adaptive clipping (Andrew et al. 2021; the median, started from the configuration's ``C``) -> their flags.
-CLIPPING_FLAGS = {
-    "automatic": ["--clipping_fn", "automatic"],
-    "adaptive": ["--target_unclipped_quantile", "0.5"],
+#: Variants that change the clipping or the noise's correlation (not run by default), each with Gaussian noise
+#: calibrated for its ``-eps<E>`` budget: name -> the privacy options it sets (``PrivacyArguments`` / ``DPStrategy``
+#: names). Automatic clipping (Bu et al. 2023, Section 4) at the configuration's ``C``; adaptive clipping (Andrew et al.
+#: 2021) towards the median, started from the configuration's ``C``; banded MF noise with band 4 and BLT noise with 4
+#: buffers (docs/correlated_noise.md), the strategy optimised for the run's steps.
+OPTION_VARIANTS: dict[str, dict[str, object]] = {
+    "automatic": {"clipping_fn": "automatic"},
+    "adaptive": {"target_unclipped_quantile": 0.5},
+    "banded": {"noise_correlation": "banded", "correlation_band": 4},
+    "blt": {"noise_correlation": "blt", "correlation_buffers": 4},
 }
-CLIPPING_VARIANTS = tuple(f"{clipping}-eps{epsilon}" for clipping in CLIPPING_FLAGS for epsilon in (3, 8))
+#: The epsilons of the option variants and of DP-SGD beyond the defaults.
+OPTION_EPSILONS = (1, 3, 8)
+EXTRA_VARIANTS = (
+    "gaussian-eps1",
+    *(f"{name}-eps{epsilon}" for name in OPTION_VARIANTS for epsilon in OPTION_EPSILONS),
+)
 #: The baseline of the HF recipes: the pretrained model evaluated without any training step (not run by default;
 #: rendered first where recorded). The CIFAR-10 recipe trains from scratch and has none.
 UNTUNED = "untuned"
 #: The variants of the summary table of docs/recipes.md, in the order shown.
 SUMMARY_VARIANTS = (UNTUNED, *VARIANTS)
 #: Every variant a task's table may show, in the order shown.
-ALL_VARIANTS = (*SUMMARY_VARIANTS, *CLIPPING_VARIANTS)
+ALL_VARIANTS = (*SUMMARY_VARIANTS, *EXTRA_VARIANTS)
 
 
 def hf_variant_flags(variant: str, results_file: str) -> list[str]:
@@ -88,10 +97,29 @@ def hf_variant_flags(variant: str, results_file: str) -> list[str]:
         return [*flags, "--dp", "false", "--max_steps", "-1", "--num_train_epochs", "0"]
     if variant == "non-private":
         return [*flags, "--dp", "false"]
-    noise, epsilon = variant.split("-eps")
-    clipping = CLIPPING_FLAGS.get(noise, [])
-    noise = "gaussian" if clipping else noise
-    return [*flags, "--dp", "true", "--noise", noise, "--target_epsilon", epsilon, *clipping]
+    noise, epsilon, options = variant_options(variant)
+    extra = [text for name, value in options.items() for text in (f"--{name}", str(value))]
+    return [*flags, "--dp", "true", "--noise", noise, "--target_epsilon", epsilon, *extra]
+
+
+def variant_options(variant: str) -> tuple[str, str, dict[str, object]]:
+    """``(noise, epsilon, privacy options)`` of a DP variant ``<noise or option variant>-eps<E>``: an option variant
+    (:data:`OPTION_VARIANTS`) is Gaussian noise with its options."""
+    name, epsilon = variant.split("-eps")
+    if name in OPTION_VARIANTS:
+        return "gaussian", epsilon, OPTION_VARIANTS[name]
+    return name, epsilon, {}
+
+
+def cifar_variant_flags(variant: str, results_file: str) -> list[str]:
+    """The flags of ``variant`` for the CIFAR-10 recipe: the recipe's own documented runs, or Gaussian noise at the
+    variant's budget with the DP strategy's further options."""
+    cifar = importlib.import_module("lightning_dp.recipes.cifar")
+    if variant in cifar.VARIANTS:
+        return cifar.variant_flags(variant, results_file)
+    noise, epsilon, options = variant_options(variant)
+    base = cifar.variant_flags(f"{noise}-eps{epsilon}", results_file)
+    return [*base, *(f"--trainer.strategy.init_args.{name}={value}" for name, value in options.items())]
 
 
 def seed_flags(task: str, variant: str, seed: int) -> list[str]:
@@ -118,8 +146,7 @@ def variant_command(task: str, variant: str, results_file: str, output_dir: str,
     if task == "cifar":
         if variant == UNTUNED:
             raise ValueError("the CIFAR-10 recipe trains from scratch: it has no untuned baseline")
-        cifar = importlib.import_module("lightning_dp.recipes.cifar")
-        return [*command, *cifar.variant_flags(variant, results_file), *seed_flags(task, variant, seed)]
+        return [*command, *cifar_variant_flags(variant, results_file), *seed_flags(task, variant, seed)]
     flags = [*hf_variant_flags(variant, results_file), *seed_flags(task, variant, seed)]
     return [*command, *flags, "--output_dir", output_dir]
 

@@ -38,6 +38,7 @@ log = logging.getLogger("lightning_dp")
 #: The documented runs of ``bench/recipes.py``: name -> (target epsilon, noise); ``None``: no DP.
 VARIANTS: dict[str, tuple[float, str] | None] = {
     "non-private": None,
+    "gaussian-eps1": (1.0, "gaussian"),
     "gaussian-eps3": (3.0, "gaussian"),
     "gaussian-eps8": (8.0, "gaussian"),
     "lap2-eps3": (3.0, "lap2"),

@@ -116,7 +116,7 @@ def test_variant_flags(tmp_path: Path, variant: str) -> None:
 
 
 def test_variant_flags_names() -> None:
-    assert set(VARIANTS) == {"non-private", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8"}
+    assert set(VARIANTS) == {"non-private", "gaussian-eps1", "gaussian-eps3", "gaussian-eps8", "lap2-eps3", "lap2-eps8"}
     with pytest.raises(ValueError, match="unknown variant 'laplace-eps3'"):
         variant_flags("laplace-eps3", "x.json")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_helpers import CIFAR_CONFIG, cifar_tiny_flags
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from lightning_dp.hf import PrivacyArguments
@@ -301,10 +302,7 @@ def test_recipes_seed_every_generator_before_building_models(tmp_path):
 
 
 def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as when run as python bench/recipes.py
-    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_recipes(monkeypatch)
     result = {
         "metrics": {"accuracy": 81.25},
         "privacy": {"epsilon": 2.99, "delta": 1e-5, "noise": "gaussian", "noise_multiplier": 1.5, "max_grad_norm": 1},
@@ -349,10 +347,7 @@ def test_render_tables_come_from_the_json_files(tmp_path, monkeypatch):
 def test_the_thread_table_sets_each_seed_beside_the_recorded_run(tmp_path, monkeypatch):
     """Runs made with ``--threads`` are kept out of the results tables and compared seed by seed with the recorded
     run of the same variant and seed."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_recipes(monkeypatch)
     monkeypatch.setattr(bench, "DOCS", tmp_path)
     folder = tmp_path / "recipes" / "cifar"
     folder.mkdir(parents=True)
@@ -416,12 +411,7 @@ def test_split_rows_local_file_order_and_hub_splits(tmp_path, monkeypatch):
 
 def test_the_untuned_variant_evaluates_the_model_without_a_training_step(tmp_path, monkeypatch):
     """The baseline row of the HF recipes: the variant's flags make the Trainer take no step (and no DP engine)."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    from lightning_dp.recipes import glue
-
+    bench = _bench_recipes(monkeypatch)
     flags = bench.hf_variant_flags("untuned", str(tmp_path / "untuned.json"))
     result = glue.main(
         ["--config", str(ROOT / "configs" / "glue_offline.yaml"), "--data_dir", str(ROOT / "tests" / "data"),
@@ -441,12 +431,7 @@ def test_the_clipping_variants_train_with_their_clipping_at_the_budget(
 ):
     """The HF recipes' automatic- and adaptive-clipping variants run the recipe with that clipping, Gaussian noise
     calibrated for the variant's epsilon."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    from lightning_dp.recipes import glue
-
+    bench = _bench_recipes(monkeypatch)
     flags = bench.hf_variant_flags(variant, str(tmp_path / "run.json"))
     result = glue.main(
         ["--config", str(ROOT / "configs" / "glue_offline.yaml"), "--data_dir", str(ROOT / "tests" / "data"),
@@ -459,13 +444,36 @@ def test_the_clipping_variants_train_with_their_clipping_at_the_budget(
     assert variant in bench.ALL_VARIANTS and variant not in bench.SUMMARY_VARIANTS
 
 
-def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatch):
-    """Every number of the recipes' result tables in the docs comes from the JSON files beside them: rendering them
-    again gives the committed text."""
+@pytest.mark.parametrize(
+    ("variant", "accountant"), [("blt-eps8", "blt-minsep"), ("banded-eps1", "banded-mf"), ("gaussian-eps1", "pld")]
+)
+def test_the_cifar_recipe_runs_the_correlated_noise_variants(tmp_path, monkeypatch, variant, accountant):
+    """The CIFAR-10 recipe's correlated-noise variants (and DP-SGD at epsilon 1) train with that noise at the
+    variant's budget through the recipe's command line."""
+    from lightning_dp.recipes.cifar import main as cifar_main
+
+    bench = _bench_recipes(monkeypatch)
+    flags = bench.cifar_variant_flags(variant, str(tmp_path / "run.json"))
+    tiny = [flag for flag in cifar_tiny_flags(tmp_path) if not flag.startswith("--trainer.callbacks")]
+    assert cifar_main(["--config", str(CIFAR_CONFIG), *tiny, "--trainer.max_steps=4", *flags]) == 0
+    privacy = json.loads((tmp_path / "run.json").read_text())["privacy"]
+    assert privacy["noise"] == "gaussian" and privacy["accountant"] == accountant
+    assert 0 < privacy["epsilon"] <= float(variant.split("-eps")[1]) + 1e-6
+
+
+def _bench_recipes(monkeypatch):
+    """bench/recipes.py as a module (its folder on the path, as when run as ``python bench/recipes.py``)."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "bench" / "recipes.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_docs_tables_are_the_rendering_of_the_recorded_json_files(monkeypatch):
+    """Every number of the recipes' result tables in the docs comes from the JSON files beside them: rendering them
+    again gives the committed text."""
+    bench = _bench_recipes(monkeypatch)
 
     def marked(page, start=bench.START, end=bench.END):
         text = page.read_text()
