@@ -3,6 +3,7 @@
 
     python bench/adaptive_clipping.py --threads 1 --record digits   # the runs, then render docs/adaptive_clipping.md
     python bench/adaptive_clipping.py --render              # only re-render from docs/bench/adaptive_clipping/*.json
+    python bench/recipes.py --task sst2_full --variants automatic-eps3 adaptive-eps3 --seeds 0 1 2   # the SST-2 runs
 
 Each variant trains the demo's CNN (``lightning_dp.cli.demo.run_demo``: 15 epochs, expected batch 128, Gaussian noise
 calibrated for the same epsilon, SGD at learning rate 1) once per seed, the variants interleaved within each seed:
@@ -14,6 +15,13 @@ same epsilon. Reported per variant: the test accuracy (mean and standard deviati
 end (mean over the seeds; automatic clipping's is its fixed ``C``), and the epsilon every run reports (one
 calibration, the same for all); the figure shows the bound after each step of the first seed's runs with fixed and
 adaptive bounds. A record keeps every run's numbers.
+
+The SST-2 table of the same page comes from the full-data recipe's records (docs/recipes/sst2_full/, written by
+``bench/recipes.py``): its fixed bound ``C`` = 1 at epsilon 3 (``gaussian-eps3``) against automatic clipping at that
+``C`` (``automatic-eps3``) and adaptive clipping towards the median started from it (``adaptive-eps3``), each
+calibrated for epsilon 3 by the recipe; per variant the dev accuracy (mean and standard deviation over the seeds
+recorded), the bound at the end (adaptive: the last logged ``dp/max_grad_norm``, mean over the seeds), the epsilon and
+the noise multiplier the runs report.
 """
 
 from __future__ import annotations
@@ -25,13 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from demo_variants import comparison_main, run_variants, save_figure, variant_rows, variant_table
-from records import render_records
+from records import mean_std, render_records, replace_between_markers, value_range
+
+from recipes import display_command, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "adaptive_clipping"
 PAGE = ROOT / "docs" / "adaptive_clipping.md"
 FIGURE = ROOT / "docs" / "adaptive_clipping.png"
 START, END = "<!-- adaptive:start -->", "<!-- adaptive:end -->"
+SST2_START, SST2_END = "<!-- adaptive-sst2:start -->", "<!-- adaptive-sst2:end -->"
+#: the SST-2 full-data recipe's runs compared (``bench/recipes.py`` variants) -> the row's name.
+SST2_VARIANTS = {"gaussian-eps3": "fixed C=1", "automatic-eps3": "automatic C=1", "adaptive-eps3": "adaptive from C=1"}
 #: the learning rates of the automatic-clipping runs (C = 1 and gamma = 0.01, the demo's and the option's defaults).
 AUTOMATIC_LEARNING_RATES = (0.5, 1.0, 2.0)
 #: variant -> the demo's options (the clipping bound; for the adaptive runs the quantile; for the automatic runs the
@@ -96,8 +109,46 @@ def write_figure(record: dict[str, Any]) -> None:
     save_figure(fig, ax, FIGURE, xlabel="step", ylabel="clipping bound C", title=title)
 
 
+def final_bound(run: dict[str, Any]) -> float:
+    """The clipping bound at the end of a recipe run: the last ``dp/max_grad_norm`` its history logged (adaptive
+    clipping), else its fixed ``max_grad_norm``."""
+    logged = [row["dp/max_grad_norm"] for row in run.get("history", []) if "dp/max_grad_norm" in row]
+    return float(logged[-1]) if logged else float(run["privacy"]["max_grad_norm"])
+
+
+def sst2_markdown(results: dict[str, list[dict[str, Any]]]) -> str:
+    """The SST-2 table (:data:`SST2_VARIANTS` recorded in ``results``, ``bench/recipes.py``'s ``load_results``) and
+    the commands of its runs."""
+    shown = {variant: runs for variant, runs in results.items() if variant in SST2_VARIANTS}
+    if not shown:
+        return "(no run recorded yet)"
+    first = next(iter(shown.values()))[0]
+    lines = [
+        f"**SST-2, all {first['train_size']:,} training sentences, target epsilon 3** (docs/recipes/sst2_full.md; "
+        f"torch {first['environment']['torch']})",
+        "",
+        "| variant | dev accuracy (mean +- std) | seeds | bound at the end | epsilon | noise multiplier | CPU "
+        "(threads) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for variant, runs in shown.items():
+        mean, std = mean_std([run["metrics"]["accuracy"] for run in runs])
+        privacy = [run["privacy"] for run in runs]
+        machines = sorted(
+            {f"{run['environment'].get('device_name', 'CPU')} ({run['environment']['threads']})" for run in runs}
+        )
+        lines.append(
+            f"| {SST2_VARIANTS[variant]} | {mean:.2f} +- {std:.2f} | {len(runs)} | "
+            f"{statistics.mean(final_bound(run) for run in runs):.3g} | {value_range(privacy, 'epsilon', '.3f')} | "
+            f"{value_range(privacy, 'noise_multiplier', '.4g')} | {', '.join(machines)} |"
+        )
+    commands = [display_command("sst2_full", run["command"]) for runs in shown.values() for run in runs]
+    return "\n".join([*lines, "", "```bash", *commands, "```"])
+
+
 def render() -> None:
     render_records(RECORDS, markdown, PAGE, START, END)
+    replace_between_markers(PAGE, sst2_markdown(load_results("sst2_full")), SST2_START, SST2_END)
     records = sorted(RECORDS.glob("*.json"))
     if records:
         write_figure(json.loads(records[-1].read_text(encoding="utf-8")))

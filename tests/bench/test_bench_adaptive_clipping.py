@@ -4,9 +4,10 @@ training is run here)."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
-from bench_helpers import load_bench, page_and_rendering, render_page_and_figure
+from bench_helpers import load_bench, page_and_rendering
 
 
 def record(runs: list[dict]) -> dict:
@@ -69,15 +70,56 @@ def test_run_trains_every_variant_per_seed_with_its_options_on_the_threads_asked
     assert out["runs"][0]["bounds"] == [0.1]
 
 
+def recipe_run(seed: int, accuracy: float, sigma: float, bounds: list[float] | None = None) -> dict:
+    history = [{"step": 22 * (i + 1), "dp/max_grad_norm": bound} for i, bound in enumerate(bounds or [])]
+    return {
+        "metrics": {"accuracy": accuracy},
+        "privacy": {"epsilon": 2.999, "noise_multiplier": sigma, "max_grad_norm": 1.0},
+        "train_size": 67349,
+        "environment": {"torch": "2.13.0+cpu", "threads": 1, "device_name": "AMD EPYC"},
+        "history": history,
+        "command": f"python recipes/glue.py --config c.yaml --seed {seed} --output_dir /tmp/x",
+    }
+
+
+SST2 = {
+    "non-private": [recipe_run(0, 85.0, 0.0)],
+    "gaussian-eps3": [recipe_run(0, 81.0, 0.7463), recipe_run(1, 82.0, 0.7463)],
+    "adaptive-eps3": [recipe_run(0, 80.0, 0.7464, [1.6, 2.0]), recipe_run(1, 79.0, 0.7464, [1.5, 3.0])],
+}
+
+
+def test_the_sst2_table_compares_the_recipes_fixed_bound_with_adaptive_and_automatic_clipping(monkeypatch) -> None:
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    text = bench.sst2_markdown(SST2)
+    assert "| fixed C=1 | 81.50 +- 0.71 | 2 | 1 | 2.999 | 0.7463 | AMD EPYC (1) |" in text
+    assert "| adaptive from C=1 | 79.50 +- 0.71 | 2 | 2.5 | 2.999 | 0.7464 | AMD EPYC (1) |" in text  # last 2 and 3
+    assert "non-private" not in text and "automatic" not in text  # only the compared variants recorded
+    assert "all 67,349 training sentences" in text and "python recipes/glue.py --config c.yaml --seed 1" in text
+    assert bench.sst2_markdown({"non-private": SST2["non-private"]}) == "(no run recorded yet)"
+
+
 def test_render_fills_the_markers_and_draws_the_figure(monkeypatch, tmp_path) -> None:
     bench = load_bench(monkeypatch, "adaptive_clipping")
-    text = render_page_and_figure(bench, monkeypatch, tmp_path, "digits", record(RUNS))
-    assert text == f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nend\n"
+    monkeypatch.setattr(bench, "load_results", lambda task: SST2 if task == "sst2_full" else {})
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "digits.json").write_text(json.dumps(record(RUNS)))
+    page = tmp_path / "page.md"
+    page.write_text(f"intro\n{bench.START}\nold\n{bench.END}\nmid\n{bench.SST2_START}\nold\n{bench.SST2_END}\nend\n")
+    for attribute, value in (("RECORDS", records), ("PAGE", page), ("FIGURE", tmp_path / "figure.png")):
+        monkeypatch.setattr(bench, attribute, value)
+    bench.render()
+    assert page.read_text() == (
+        f"intro\n{bench.START}\n{bench.markdown(record(RUNS))}\n{bench.END}\nmid\n"
+        f"{bench.SST2_START}\n{bench.sst2_markdown(SST2)}\n{bench.SST2_END}\nend\n"
+    )
     assert (tmp_path / "figure.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_docs_page_is_the_rendering_of_the_committed_records(monkeypatch) -> None:
-    page, rendered = page_and_rendering(
-        load_bench(monkeypatch, "adaptive_clipping"), "python bench/adaptive_clipping.py --record digits"
-    )
+    bench = load_bench(monkeypatch, "adaptive_clipping")
+    page, rendered = page_and_rendering(bench, "python bench/adaptive_clipping.py --record digits")
     assert page == rendered
+    sst2 = bench.PAGE.read_text(encoding="utf-8").split(bench.SST2_START, 1)[1].split(bench.SST2_END, 1)[0]
+    assert sst2.strip("\n") == bench.sst2_markdown(bench.load_results("sst2_full"))
