@@ -64,6 +64,23 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
         param.grad.add_(clipped)
 
 
+def without_overflow(factors: torch.Tensor, terms: list[Term]) -> torch.Tensor:
+    """``factors`` ``[B]`` with 0 for every sample whose weighted factor in :meth:`Factored.batch_sum` would overflow
+    in some term of the parameter (``terms``): a factor above 1 (automatic clipping) times a factor's largest entry.
+    Only that scaling can overflow for a kept sample (the products it forms are at most ``C / sqrt(r)``, docs/design.md
+    section 4.11), and zeroing the sample in every term of the parameter keeps its contribution a restriction of its
+    clipped gradient to whole parameters, of norm at most the bound. A sample whose terms are not finite is dropped
+    anyway (factor 0). No host read.
+    """
+    keep = torch.ones_like(factors, dtype=torch.bool)
+    for term in terms:
+        if isinstance(term, Factored):
+            factor = term.right if term.scales_right else term.left
+            peak = factor.detach().abs().flatten(1).amax(1)
+            keep &= torch.isfinite(factors.to(factor.dtype) * peak)
+    return torch.where(keep, factors, 0.0)
+
+
 class ClippedSumMixin:
     """Book-keeping of the clipped sum and masking of non-finite samples (a base of the clipper)."""
 
@@ -73,6 +90,7 @@ class ClippedSumMixin:
     _group_of: dict[nn.Parameter, int]
     groups: ClippingGroups | None
     max_grad_norm: float
+    clipping_fn: str
     last_group_norms: torch.Tensor | None
     _past_finite: torch.Tensor | None
     # a method of SampleNormsMixin, another base of PerSampleClipper
@@ -149,6 +167,8 @@ class ClippedSumMixin:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
+                if self.clipping_fn == "automatic":  # factors above 1: a scaled factor may overflow
+                    param_factors = without_overflow(param_factors, param_terms)
                 clipped = param_terms[0].batch_sum(param_factors, writable)
                 for term in param_terms[1:]:
                     clipped = clipped + term.batch_sum(param_factors, writable)

@@ -132,6 +132,11 @@ class Factored:
         """The term restricted to the samples ``index``."""
         return Factored(self.left[index], self.right[index], self.shape)
 
+    @property
+    def scales_right(self) -> bool:
+        """Whether :meth:`batch_sum` scales ``right`` by the weights (ids, or the narrower dense factor), not ``left``."""
+        return self.is_index or self.right.shape[-1] <= self.left.shape[-1]
+
     def materialise(self) -> torch.Tensor:
         """Return the per-sample gradient ``[B, *shape]`` (memory ``B * P * Q``)."""
         batch, _, cols = self.right.shape
@@ -157,16 +162,18 @@ class Factored:
         Section 3).
 
         With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the dense factors' non-finite
-        entries are zeroed first (:func:`finite`), so that a dropped sample adds exactly nothing; a kept sample's entry
-        that overflows when scaled stays infinite (the finite check of the sums reports it).
+        entries are zeroed first (:func:`finite`), so that a dropped sample adds exactly nothing. A weight whose
+        scaling would overflow a kept sample's entry is zeroed by the caller
+        (:func:`~lightning_dp.clipping.clipped_sum.without_overflow`); should one overflow anyway, it stays infinite
+        for the finite check of the sums, since the zeroing runs before the scaling.
         """
         left, right = self.left, self.right
-        if writable is not None:  # before the scaling: a kept sample's scaled entry that overflows stays inf
+        if writable is not None:  # before the scaling, which thus never turns a kept sample's entry into a zero
             right = finite(right, writable)
             left = left if self.is_index else finite(left, writable)
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
-            if self.is_index or right.shape[-1] <= left.shape[-1]:
+            if self.scales_right:
                 right = scaled(right, scale, self.right)
             else:
                 left = scaled(left, scale, self.left)

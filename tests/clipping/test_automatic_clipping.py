@@ -237,3 +237,30 @@ def test_dp_trainer_trains_a_bert_classifier_with_automatic_clipping(tmp_path) -
     trainer.train()
     assert trainer.privacy_summary()["steps"] == 3
     assert all(not torch.equal(before[n], p.detach()) for n, p in model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_factor_that_would_overflow_its_scaled_term_drops_the_example(engine: str) -> None:
+    """float32, gamma = 1e-37: an example with a tiny input has a factor near 1e37, and its output gradient of 100
+    times that overflows. It is dropped (factor 0) instead of making the clipped sum non-finite, so the sum with it
+    equals the sum without it; the other examples keep their factors."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False)
+    inputs = torch.randn(4, 8)
+    inputs[2] = 1e-38
+
+    def clipped_sum(keep: torch.Tensor) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        clipper = PerSampleClipper(
+            model, clipping=engine, max_grad_norm=1.0, clipping_fn="automatic", automatic_clipping_gamma=1e-37
+        )
+        try:
+            clipper.backward((100 * model(inputs[keep])).sum(1))
+        finally:
+            clipper.detach()
+        return model.weight.grad.clone()
+
+    with_example, without = clipped_sum(torch.arange(4)), clipped_sum(torch.tensor([0, 1, 3]))
+    assert bool(torch.isfinite(with_example).all())
+    torch.testing.assert_close(with_example, without, rtol=0, atol=0)
+    assert float(without.norm()) > 0.5
