@@ -134,7 +134,7 @@ class Factored:
 
     @property
     def scales_right(self) -> bool:
-        """Whether :meth:`batch_sum` scales ``right`` by the weights (ids, or the narrower dense factor), not ``left``."""
+        """Whether :meth:`batch_sum` scales ``right`` by the weights (ids, or the narrower dense factor)."""
         return self.is_index or self.right.shape[-1] <= self.left.shape[-1]
 
     def materialise(self) -> torch.Tensor:
