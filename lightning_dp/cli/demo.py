@@ -62,10 +62,11 @@ def train_digits(
     from lightning_dp.lightning import DPStrategy, PrivacyAccountantCallback
     from lightning_dp.lightning.callbacks import EpochTable
     from lightning_dp.lightning.progress_bar import terminal_progress_bar
+    from lightning_dp.runtime.randomness import os_seed
     from lightning_dp.tasks.digits import DigitsCNN, DigitsDataModule
 
-    if seed is not None:
-        pl.seed_everything(seed, verbose=False)
+    # the model's initialisation from the seed, or from fresh OS entropy (never the state an earlier run left)
+    pl.seed_everything(seed if seed is not None else os_seed() >> 32, verbose=False)
     data = DigitsDataModule(batch_size=batch_size)
     model = DigitsCNN(lr=lr, momentum=momentum)
     privacy_callback = PrivacyAccountantCallback()

@@ -115,9 +115,11 @@ def digits_candidate(
     accuracy on the validation split (declared public); the artifact is the model's state dict.
 
     Raises:
-        RuntimeError: the run spent another event than the candidate's (a bug: the search's epsilon would not hold).
+        PlanMismatchError: the run spent another event than the candidate's (a bug: the search's epsilon would not
+            hold); the search stops.
     """
     from lightning_dp.cli.demo import train_digits
+    from lightning_dp.tuning import PlanMismatchError
 
     def train_candidate(candidate: Candidate) -> tuple[float, dict[str, Any]]:
         hparams = candidate.hparams
@@ -136,7 +138,7 @@ def digits_candidate(
         )
         spent = (run.privacy.get("noise_multiplier"), run.privacy.get("sample_rate"), run.privacy.get("steps"))
         if spent != (candidate.noise_multiplier, candidate.sample_rate, candidate.steps):
-            raise RuntimeError(f"a candidate ran with (sigma, q, T) = {spent}, not the plan's {candidate}")
+            raise PlanMismatchError(f"a candidate ran with (sigma, q, T) = {spent}, not the plan's {candidate}")
         (validation,) = run.trainer.validate(run.model, datamodule=run.data, verbose=False)
         return validation["val_acc"], {name: value.detach().cpu() for name, value in run.model.state_dict().items()}
 

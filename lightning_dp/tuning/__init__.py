@@ -12,6 +12,14 @@ whole search (Liu & Talwar 2019; Papernot & Steinke 2022). See docs/tuning.md.
 
 from lightning_dp.tuning.accounting import SearchPlan
 from lightning_dp.tuning.repetitions import RepetitionDistribution
-from lightning_dp.tuning.search import Candidate, SearchResult, private_search, silenced
+from lightning_dp.tuning.search import Candidate, PlanMismatchError, SearchResult, private_search, silenced
 
-__all__ = ["Candidate", "RepetitionDistribution", "SearchPlan", "SearchResult", "private_search", "silenced"]
+__all__ = [
+    "Candidate",
+    "PlanMismatchError",
+    "RepetitionDistribution",
+    "SearchPlan",
+    "SearchResult",
+    "private_search",
+    "silenced",
+]

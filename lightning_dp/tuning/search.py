@@ -20,6 +20,16 @@ from lightning_dp.tuning.randomness import SearchRandomness
 from lightning_dp.tuning.space import draw_candidate, validate_space
 from lightning_dp.tuning.state import SearchFolder, SearchState, remove
 
+#: The failure of a candidate whose process stopped while it trained (a kill, a crash, ``KeyboardInterrupt``): the
+#: restart scores it NaN.
+INTERRUPTED = "interrupted"
+
+
+class PlanMismatchError(RuntimeError):
+    """Raised by a ``train_candidate`` whose run spent another privacy event than the plan's: the search's epsilon
+    would not hold, so :func:`private_search` stops instead of scoring it NaN (the check depends on the configuration,
+    not on the data)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -55,8 +65,9 @@ class SearchResult:
         delta: the plan's ``target_delta``.
         candidate_epsilon: epsilon of one candidate alone (for comparison only).
         output_dir: the search's folder (``result.json``, the winner).
-        failure: ``"<exception type>: <message>"`` when the winner's ``train_candidate`` raised (it wins only when
-            every candidate failed or scored NaN), else ``None``. A loser's failure is never released.
+        failure: the name of the exception type when the winner's ``train_candidate`` raised or its artifact could
+            not be stored, or ``"interrupted"`` when its process stopped during it (it wins only when every candidate
+            failed or scored NaN), else ``None``. A loser's failure is never released, nor any failure's message.
     """
 
     hparams: dict[str, Any] | None
@@ -133,15 +144,18 @@ def private_search(
     ``K`` is drawn once from ``plan.repetitions`` and the ``K`` candidates' hyper-parameters uniformly from
     ``search_space``, all from a dedicated generator, and written to ``output_dir`` before the first candidate runs.
     Each call ``train_candidate(candidate)`` must be one DP run of this library with ``candidate.noise_multiplier``,
-    ``candidate.sample_rate`` and ``candidate.steps``, and return ``(score, artifact)``: the score on data the caller
-    declares public (a held-out split), higher better unless ``higher_is_better=False``, and the trained model (any
-    object, saved with ``torch.save``, or a ``Path`` the run wrote, moved into ``output_dir``; ``None`` for none).
-    Only the best is kept: a beaten artifact is deleted, and no loser's score is written, logged or returned. A
-    candidate whose ``train_candidate`` raises an ``Exception`` (a diverged run, out of memory, a malformed return)
-    scores NaN, so it wins only when every candidate does: its failure is released only then, as
-    :attr:`SearchResult.failure`; ``KeyboardInterrupt`` and other ``BaseException`` stop the search. A restart with the
-    same arguments continues where the last one stopped (an interrupted candidate runs again, with the same
-    hyper-parameters), and a finished search's result is returned without training.
+    ``candidate.sample_rate`` and ``candidate.steps``, its model initialised from ``candidate.seed`` or, when that is
+    ``None``, from fresh OS entropy (the candidates must be independent runs: not from the global RNG state the last
+    one left), and return ``(score, artifact)``: the score on data the caller declares public (a held-out split),
+    higher better unless ``higher_is_better=False``, and the trained model (any object, saved with ``torch.save``, or
+    a ``Path`` the run wrote, moved into ``output_dir``; ``None`` for none). Only the best is kept: a beaten artifact is
+    deleted, and no loser's score is written, logged or returned. A candidate whose ``train_candidate`` raises an
+    ``Exception`` (a diverged run, out of memory, a malformed return) or whose artifact cannot be stored scores NaN,
+    so it wins only when every candidate does: its exception type is released only then, as
+    :attr:`SearchResult.failure`. A :class:`PlanMismatchError`, ``KeyboardInterrupt`` and other ``BaseException``
+    stop the search. A restart with the same arguments continues where the last one stopped: a candidate whose
+    process stopped during it (a kill, a crash, an interrupt) scores NaN, failure ``"interrupted"``, rather than
+    train again with fresh noise; a finished search's result is returned without training.
 
     Args:
         train_candidate: trains one candidate.
@@ -175,6 +189,8 @@ def private_search(
             count = plan.repetitions.sample(randomness.uniform())
             state = SearchState(folder.fingerprint, [draw_candidate(space, randomness) for _ in range(count)])
             folder.save(state)
+        elif state.running is not None:  # its process stopped during it: a retry would be unaccounted
+            _complete(folder, state, state.running, math.nan, None, INTERRUPTED, higher_is_better)
         with silenced() if quiet else contextlib.nullcontext():
             _train(train_candidate, plan, folder, state, randomness, higher_is_better)
         best = state.best
@@ -211,7 +227,8 @@ def _train(
     higher_is_better: bool,
 ) -> None:
     """Train the candidates not yet completed, keeping the best's score and artifact in ``state`` and ``folder``; a
-    candidate that raises an ``Exception`` scores NaN, its failure kept in ``state`` only while it is the best."""
+    candidate that raises an ``Exception`` scores NaN, its failure kept in ``state`` only while it is the best. The
+    state names each candidate before it trains (``running``)."""
     for index in range(state.completed, len(state.candidates)):
         candidate = Candidate(
             dict(state.candidates[index]),
@@ -221,36 +238,70 @@ def _train(
             randomness.candidate_seed(index),
             randomness.secure,
         )
+        state.running = index
+        folder.save(state)
         score, artifact, failure = _run(train_candidate, candidate)
+        _complete(folder, state, index, score, artifact, failure, higher_is_better)
+
+
+def _complete(
+    folder: SearchFolder,
+    state: SearchState,
+    index: int,
+    score: float,
+    artifact: Any,
+    failure: str | None,
+    higher_is_better: bool,
+) -> None:
+    """Record candidate ``index`` as completed: the best so far keeps its artifact in ``folder`` (a storage error
+    fails the candidate, NaN, like an error of its training), a beaten one's is deleted; then save ``state``."""
+    if state.best is None or _better(score, state.best["score"], higher_is_better):
+        try:
+            kept = folder.keep_artifact(index, artifact)
+        except Exception as error:  # a full disk, a missing path, an object that cannot be saved: data may decide
+            _discard(artifact)
+            score, kept, failure = math.nan, None, type(error).__name__
         if state.best is None or _better(score, state.best["score"], higher_is_better):
             previous = state.best["artifact"] if state.best else None
-            state.best = {"candidate": index, "score": score, "artifact": folder.keep_artifact(index, artifact)}
+            state.best = {"candidate": index, "score": score, "artifact": kept}
             if failure is not None:
                 state.best["failure"] = failure
-            state.completed = index + 1
-            folder.save(state)
+            _finish_candidate(folder, state, index)
             if previous is not None:
                 remove(folder.path / previous)
-        else:
-            if isinstance(artifact, Path):
-                remove(artifact)
-            state.completed = index + 1
-            folder.save(state)
+            return
+    else:
+        _discard(artifact)
+    _finish_candidate(folder, state, index)
+
+
+def _finish_candidate(folder: SearchFolder, state: SearchState, index: int) -> None:
+    state.completed, state.running = index + 1, None
+    folder.save(state)
+
+
+def _discard(artifact: Any) -> None:
+    """Delete an artifact the candidate wrote (a ``Path``); an object needs nothing."""
+    if isinstance(artifact, Path):
+        remove(artifact)
 
 
 def _run(
     train_candidate: Callable[[Candidate], tuple[float, Any]], candidate: Candidate
 ) -> tuple[float, Any, str | None]:
-    """``(score, artifact, None)`` of one candidate, or ``(nan, None, "<type>: <message>")`` when ``train_candidate``
+    """``(score, artifact, None)`` of one candidate, or ``(nan, None, "<exception type>")`` when ``train_candidate``
     raised an ``Exception`` or returned something other than ``(real score, artifact)`` (a returned ``Path`` is then
     deleted). Whether a candidate fails may depend on the data, so a failure is a score like any other, not an error
-    that would stop the search, show a loser, and make a restart train it again with fresh noise."""
+    that would stop the search, show a loser, and make a restart train it again with fresh noise; its message, which
+    may name values of the data, is dropped. A :class:`PlanMismatchError` stops the search."""
     returned: Any = None
     try:
         returned = train_candidate(candidate)
         score, artifact = _score(returned)
+    except PlanMismatchError:
+        raise
     except Exception as error:
-        if isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], Path):
-            remove(returned[1])
-        return math.nan, None, f"{type(error).__name__}: {error}"
+        if isinstance(returned, tuple) and len(returned) == 2:
+            _discard(returned[1])
+        return math.nan, None, type(error).__name__
     return score, artifact, None

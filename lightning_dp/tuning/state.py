@@ -58,12 +58,15 @@ class SearchState:
         candidates: the drawn hyper-parameters, one dict per candidate (``len`` is ``K``).
         completed: candidates trained so far.
         best: ``{"candidate": index, "score": score, "artifact": file name or None}`` of the best so far, or None.
+        running: the candidate being trained (written before it starts), or None between candidates: a process
+            that stopped during it leaves it here, and the restart scores it NaN instead of training it again.
     """
 
     fingerprint: dict[str, Any]
     candidates: list[dict[str, Any]]
     completed: int = 0
     best: dict[str, Any] | None = None
+    running: int | None = None
 
 
 class SearchFolder:
@@ -114,7 +117,9 @@ class SearchFolder:
         data = self._read()
         if data is None:
             return None
-        state = SearchState(data["fingerprint"], data["candidates"], data["completed"], data["best"])
+        state = SearchState(
+            data["fingerprint"], data["candidates"], data["completed"], data["best"], data.get("running")
+        )
         kept = state.best["artifact"] if state.best else None
         for stale in self.path.glob("candidate-*"):
             if stale.name != kept:

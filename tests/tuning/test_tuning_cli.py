@@ -111,9 +111,51 @@ def test_when_every_candidate_fails_the_winner_s_failure_is_printed(tmp_path, mo
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0] == (
-        "winner: lr 1, max_grad_norm 1, momentum 0.5: its training failed (RuntimeError: out of memory); every "
-        "candidate failed or scored NaN"
+        "winner: lr 1, max_grad_norm 1, momentum 0.5: its training failed (RuntimeError); every candidate failed or "
+        "scored NaN"
     )
     assert len(lines) == 2 and lines[1].startswith("the whole search: epsilon ")
     assert main([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["failure"] == "RuntimeError: out of memory"
+    assert json.loads(capsys.readouterr().out)["failure"] == "RuntimeError"
+
+
+def test_a_digits_candidate_that_spent_another_event_stops_the_search(monkeypatch):
+    """``digits_candidate`` compares the run's (sigma, q, T) with the plan's and raises PlanMismatchError, which the
+    search does not score as a failure."""
+    import types
+
+    import lightning_dp.cli.demo as demo
+    from lightning_dp.cli.tune import digits_candidate
+    from lightning_dp.tuning import Candidate, PlanMismatchError
+
+    run = types.SimpleNamespace(privacy={"noise_multiplier": 2.0, "sample_rate": 0.1, "steps": 10})
+    monkeypatch.setattr(demo, "train_digits", lambda **options: run)
+    train = digits_candidate(epochs=1, batch_size=128, target_delta=1e-5)
+    candidate = Candidate({"lr": 1.0, "max_grad_norm": 1.0, "momentum": 0.5}, 1.0, 0.1, 10, seed=None)
+    with pytest.raises(PlanMismatchError, match=r"\(sigma, q, T\) = \(2.0, 0.1, 10\)"):
+        train(candidate)
+
+
+def test_an_unseeded_digits_run_initialises_its_model_from_fresh_os_entropy(monkeypatch):
+    """``train_digits(seed=None)`` (every candidate of an unseeded search) seeds the model's initialisation from OS
+    entropy, never from the global RNG state an earlier candidate left."""
+    import lightning.pytorch as pl
+
+    import lightning_dp.runtime.randomness as randomness
+    from lightning_dp.cli.demo import train_digits
+
+    seeds = []
+
+    class Seeded(Exception):
+        pass
+
+    def seed_everything(seed, verbose=True):
+        seeds.append(seed)
+        raise Seeded
+
+    monkeypatch.setattr(pl, "seed_everything", seed_everything)
+    monkeypatch.setattr(randomness, "os_seed", lambda: (7 << 32) + 5)
+    for seed in (None, 3):
+        with pytest.raises(Seeded):
+            train_digits(epochs=1, batch_size=128, max_grad_norm=1.0, lr=1.0, seed=seed, progress_bar=False)
+    assert seeds == [7, 3]
