@@ -94,7 +94,10 @@ def test_the_blt_table_states_its_groups_and_one_row_per_epsilon() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("marker", ["bands", "bands-digits", "blt-digits", "blt-10-epochs"])
+@pytest.mark.parametrize(
+    "marker",
+    ["bands", "bands-digits", "blt-digits", "blt-10-epochs", "bands-cifar", "blt-cifar", "bands-sst2", "blt-sst2"],
+)
 def test_the_band_tables_on_the_page_are_the_scripts_output(marker) -> None:
     """Each table on the page is the output of the command printed above it (about 20 s for n = 1000, a minute for
     the BLT at n = 10,000)."""
