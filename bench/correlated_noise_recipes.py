@@ -1,7 +1,7 @@
 """DP-SGD against banded and BLT matrix-factorization noise on a recipe's docs configuration, at several target
-epsilons (docs/correlated_noise.md, "On the recipes").
+epsilons (docs/correlated_noise.md, "Measured: the recipes").
 
-    python bench/correlated_noise_recipes.py --task cifar --record cifar   # 27 runs (a few seconds each), render
+    python bench/correlated_noise_recipes.py --task cifar --record cifar   # 27 runs (about 30 s each idle), render
     python bench/correlated_noise_recipes.py --render                      # only re-render from the records
 
 For every seed, every target epsilon and every noise in turn (interleaved), one run of the recipe's docs
@@ -40,7 +40,7 @@ NOISES = {"gaussian": "DP-SGD", "banded": "banded, b = 4", "blt": "BLT, d = 4"}
 
 def run_once(task: str, variant: str, seed: int, threads: int | None) -> dict[str, Any]:
     """One run of ``variant`` of ``task`` with ``seed`` in its own process: its recipe results (``results.json``)."""
-    env = {**os.environ} if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with tempfile.TemporaryDirectory() as folder:
         results = Path(folder) / "results.json"
         command = variant_command(task, variant, str(results), folder, seed)
