@@ -481,6 +481,7 @@ HF_ENTRIES: list[ZooEntry] = [
         _hf(
             "ConvNextConfig",
             "ConvNextForImageClassification",
+            image_size=IMAGE,  # the attach probe's inputs: 224 px by default, a 12544-position Gram under ghost
             num_channels=3,
             patch_size=2,
             num_stages=2,
