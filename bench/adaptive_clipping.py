@@ -32,10 +32,11 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import recipe_runs
 from demo_variants import comparison_main, run_variants, save_figure, variant_rows, variant_table
-from records import mean_std, render_records, replace_between_markers, value_range
+from records import render_records, replace_between_markers
 
-from recipes import display_command, load_results
+from recipes import load_results
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "adaptive_clipping"
@@ -119,7 +120,7 @@ def final_bound(run: dict[str, Any]) -> float:
 def sst2_markdown(results: dict[str, list[dict[str, Any]]]) -> str:
     """The SST-2 table (:data:`SST2_VARIANTS` recorded in ``results``, ``bench/recipes.py``'s ``load_results``) and
     the commands of its runs."""
-    shown = {variant: runs for variant, runs in results.items() if variant in SST2_VARIANTS}
+    shown = recipe_runs.compared(results, list(SST2_VARIANTS))
     if not shown:
         return "(no run recorded yet)"
     first = next(iter(shown.values()))[0]
@@ -132,18 +133,13 @@ def sst2_markdown(results: dict[str, list[dict[str, Any]]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for variant, runs in shown.items():
-        mean, std = mean_std([run["metrics"]["accuracy"] for run in runs])
-        privacy = [run["privacy"] for run in runs]
-        machines = sorted(
-            {f"{run['environment'].get('device_name', 'CPU')} ({run['environment']['threads']})" for run in runs}
-        )
+        row = recipe_runs.summary("sst2_full", runs)
         lines.append(
-            f"| {SST2_VARIANTS[variant]} | {mean:.2f} +- {std:.2f} | {len(runs)} | "
-            f"{statistics.mean(final_bound(run) for run in runs):.3g} | {value_range(privacy, 'epsilon', '.3f')} | "
-            f"{value_range(privacy, 'noise_multiplier', '.4g')} | {', '.join(machines)} |"
+            f"| {SST2_VARIANTS[variant]} | {row['mean']:.2f} +- {row['std']:.2f} | {row['seeds']} | "
+            f"{statistics.mean(final_bound(run) for run in runs):.3g} | {row['epsilon']} | "
+            f"{row['noise_multiplier']} | {row['machines']} |"
         )
-    commands = [display_command("sst2_full", run["command"]) for runs in shown.values() for run in runs]
-    return "\n".join([*lines, "", "```bash", *commands, "```"])
+    return "\n".join([*lines, "", *recipe_runs.commands("sst2_full", shown)])
 
 
 def render() -> None:

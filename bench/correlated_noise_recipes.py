@@ -3,6 +3,7 @@ epsilons (docs/correlated_noise.md, "Measured: the recipes").
 
     python bench/correlated_noise_recipes.py --task cifar --record cifar   # 27 runs (about 30 s each idle), render
     python bench/correlated_noise_recipes.py --render                      # only re-render from the records
+    python bench/recipes.py --task sst2_full --variants banded-eps3 blt-eps3 --seeds 0 --threads 1   # SST-2 runs
 
 For every seed, every target epsilon and every noise in turn (interleaved), one run of the recipe's docs
 configuration through the script users run, as ``bench/recipes.py`` runs its variants (each in its own process):
@@ -12,6 +13,11 @@ cyclic Poisson sampling over 4 groups at rate ``4 q``, ``banded-mf``) and ``blt-
 its own accountant over the configuration's steps, with the seed given to the model's and the DP generators' seeds.
 Reported per noise and epsilon: the task's metric (mean and sample standard deviation over the seeds), the epsilon
 the runs report and their noise multiplier. A record keeps every run's numbers.
+
+A run of SST-2 on the full data takes about 40 minutes on a CPU, too long for all 27 in one invocation: its table
+comes from ``bench/recipes.py``'s records of the same variants (``docs/recipes/sst2_full/``, one file per variant and
+seed), which accumulate a variant and a seed at a time, and shows what is recorded, with each row's number of seeds
+and the CPUs the runs took.
 """
 
 from __future__ import annotations
@@ -24,11 +30,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import recipe_runs
 import torch
-from records import add_record_options, mean_std, plural, render_records, run_or_render, value_range
+from records import (
+    add_record_options,
+    mean_std,
+    plural,
+    render_records,
+    replace_between_markers,
+    run_or_render,
+    value_range,
+)
 
 from lightning_dp.utils.help_format import HelpFormatter
-from recipes import TASKS, variant_command
+from recipes import TASKS, load_results, variant_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "correlated_noise_recipes"
@@ -36,6 +51,10 @@ PAGE = ROOT / "docs" / "correlated_noise.md"
 START, END = "<!-- recipes:start -->", "<!-- recipes:end -->"
 #: the noises compared (``bench/recipes.py`` variants ``<noise>-eps<E>``) and how the table names them.
 NOISES = {"gaussian": "DP-SGD", "banded": "banded, b = 4", "blt": "BLT, d = 4"}
+#: the target epsilons compared.
+EPSILONS = (1.0, 3.0, 8.0)
+#: the recipes whose table comes from ``bench/recipes.py``'s records -> the markers of the table.
+FROM_RECIPE_RECORDS = {"sst2_full": ("<!-- recipes-sst2:start -->", "<!-- recipes-sst2:end -->")}
 
 
 def run_once(task: str, variant: str, seed: int, threads: int | None) -> dict[str, Any]:
@@ -124,14 +143,42 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def recipe_records_markdown(task: str, results: dict[str, list[dict[str, Any]]]) -> str:
+    """The table of ``task`` from ``bench/recipes.py``'s records (``results``, its ``load_results``): one row per
+    target epsilon and noise recorded, over the seeds recorded, and the commands of the runs."""
+    shown = recipe_runs.compared(results, [f"{noise}-eps{epsilon:g}" for epsilon in EPSILONS for noise in NOISES])
+    if not shown:
+        return "(no run recorded yet)"
+    first = next(iter(shown.values()))[0]
+    metric = TASKS[task][2]
+    lines = [
+        f"**{task}** ({metric} in percent on the evaluation split, {first['steps']} steps; torch "
+        f"{first['environment']['torch']}; bench/recipes.py's records, docs/recipes/{task}/)",
+        "",
+        f"| target epsilon | noise | {metric} (mean +- std) | seeds | epsilon | noise multiplier | accountant | CPU "
+        "(threads) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, runs in shown.items():
+        noise, epsilon = variant.split("-eps")
+        row = recipe_runs.summary(task, runs)
+        lines.append(
+            f"| {epsilon} | {NOISES[noise]} | {row['mean']:.2f} +- {row['std']:.2f} | {row['seeds']} | "
+            f"{row['epsilon']} | {row['noise_multiplier']} | `{row['accountant']}` | {row['machines']} |"
+        )
+    return "\n".join([*lines, "", *recipe_runs.commands(task, shown)])
+
+
 def render() -> None:
     render_records(RECORDS, markdown, PAGE, START, END)
+    for task, (start, end) in FROM_RECIPE_RECORDS.items():
+        replace_between_markers(PAGE, recipe_records_markdown(task, load_results(task)), start, end)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--task", choices=sorted(TASKS), default="cifar", help="the recipe (default cifar)")
-    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0], help="target epsilons")
+    parser.add_argument("--epsilons", nargs="+", type=float, default=list(EPSILONS), help="target epsilons")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the runs (default: torch's default)")
     add_record_options(parser, RECORDS)

@@ -74,7 +74,7 @@ def recipe_run(seed: int, accuracy: float, sigma: float, bounds: list[float] | N
     history = [{"step": 22 * (i + 1), "dp/max_grad_norm": bound} for i, bound in enumerate(bounds or [])]
     return {
         "metrics": {"accuracy": accuracy},
-        "privacy": {"epsilon": 2.999, "noise_multiplier": sigma, "max_grad_norm": 1.0},
+        "privacy": {"epsilon": 2.999, "noise_multiplier": sigma, "max_grad_norm": 1.0, "accountant": "pld"},
         "train_size": 67349,
         "environment": {"torch": "2.13.0+cpu", "threads": 1, "device_name": "AMD EPYC"},
         "history": history,
