@@ -175,7 +175,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         engine = self.privacy_engine
         if uses_fsdp(self.model):
-            check_sharded_run(self.args, engine.config)
+            check_sharded_run(self.args)
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, PRIVACY_STATE_NAME)
             if resume_from_checkpoint is None:

@@ -179,20 +179,13 @@ def check_model_and_loss(
     return head
 
 
-def check_sharded_run(args: TrainingArguments, config: PrivacyConfig) -> None:
+def check_sharded_run(args: TrainingArguments) -> None:
     """Refuse, on an FSDP2-sharded model, what DPTrainer does not do there.
 
     Raises:
         ValueError: ``save_on_each_node`` (only rank 0 receives the gathered weights, so other nodes would write
-            folders without them); correlated noise (tested sharded under Lightning's ``DPModelParallelStrategy``
-            only).
+            folders without them).
     """
-    if config.noise_correlation is not None:
-        raise ValueError(
-            f"noise_correlation={config.noise_correlation!r} on an FSDP2-sharded model runs under Lightning's "
-            "DPModelParallelStrategy, not yet under DPTrainer: train with DDP (accelerate launch without FSDP) or on "
-            "one process"
-        )
     if args.save_on_each_node and args.save_strategy != "no":
         raise ValueError(
             "save_on_each_node=True on an FSDP2-sharded model: only rank 0 receives the gathered weights and the "

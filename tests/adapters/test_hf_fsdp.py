@@ -11,7 +11,8 @@ with ``from_pretrained`` and give the sharded model's logits; ``generate`` runs 
 resuming from a checkpoint restores the model's and the optimizer's shards (also for LoRA) and continues epsilon;
 ``load_best_model_at_end`` restores the best checkpoint's shards; per-sample momentum (with stand-in batches and an
 evaluation between steps, before and after a resume) trains as unsharded, the momentum's iterates are shards (half the
-bytes) and resume from the checkpoint. The engine's sharded numbers (norms of every engine, the noise on shards) are
+bytes) and resume from the checkpoint; banded and BLT correlated noise stream the strategy over each shard's draws.
+The engine's sharded numbers (norms of every engine, the noise on shards) are
 tested in tests/engine/test_fsdp.py.
 """
 
@@ -162,3 +163,29 @@ def test_momentum_iterates_are_shards_and_resume_from_the_checkpoint(ranks) -> N
         for before, after in zip(saved, restored, strict=True):
             assert all(not isinstance(v, DTensor) and torch.equal(v, after[k]) for k, v in before.items())
         assert rank["momentum resumed sharded"]["steps"] == 3
+
+
+@pytest.mark.parametrize("kind", ["banded", "blt"])
+def test_correlated_noise_streams_the_strategy_over_each_shards_draws(ranks, kind) -> None:
+    """With zero gradients and SGD at learning rate 1 every update is the noise over the expected batch: on each rank
+    the sharded run's noise at step ``t`` is ``(C^{-1} s Z)_t`` of the draws ``Z`` the independent-noise run of the
+    same seed adds (the same shard-keyed streams), as under Lightning's DPModelParallelStrategy
+    (tests/correlated_noise/test_correlated_fsdp.py); the ranks agree and epsilon is the plan's."""
+    for rank in ranks:
+        run, independent = rank[f"correlated {kind}"], rank["correlated independent"]
+        assert run["sharded"] and independent["sharded"]
+        noise, draws = _updates(run), _updates(independent)
+        inverse = torch.as_tensor(run["strategy"].inverse_dense(noise.shape[0]))
+        assert not torch.allclose(noise, run["scale"] * draws, atol=1e-3)  # correlated, not independent
+        expected = inverse @ (run["scale"] * draws)
+        torch.testing.assert_close(noise, expected, rtol=1e-6, atol=1e-9 * float(draws.abs().max()))
+    a, b = (rank[f"correlated {kind}"] for rank in ranks)
+    assert torch.equal(a["params"], b["params"]) and a["epsilon"] == b["epsilon"] == a["summary"]["epsilon"]
+    assert a["summary"]["noise_correlation"] == kind
+    assert a["summary"]["accountant"] == {"banded": "banded-mf", "blt": "blt-minsep"}[kind]
+
+
+def _updates(run: dict) -> torch.Tensor:
+    """``[steps, coordinates]``: each step's noise on the clipped sum (SGD at learning rate 1, zero gradients)."""
+    params = run["params"].double()
+    return -(params[1:] - params[:-1]) * run["expected_batch"]

@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import TinyRegressor, ZeroGradModule, example_user, make_trainer
-from hf_helpers import make_trainer as make_hf_trainer
-from hf_helpers import tiny_gpt2
 
-import lightning_dp.hf.trainer as hf_trainer
 from lightning_dp import DPStrategy
 from lightning_dp.accounting.banded_mf import banded_mf_epsilon
-from lightning_dp.hf import PrivacyArguments
 
 
 def _fit(steps: int = 8, module: pl.LightningModule | None = None, callbacks=(), **options) -> DPStrategy:
@@ -133,15 +129,3 @@ def test_band_above_the_group_rate_or_the_steps_is_refused(bad):
     match = "exceeds the 4 planned steps" if bad["correlation_band"] == 8 else r"group rate b\*q=2\.5 > 1"
     with pytest.raises(ValueError, match=match):
         _fit(steps=4, noise_correlation="banded", **bad)
-
-
-def test_dp_trainer_refuses_a_sharded_model(tmp_path, monkeypatch):
-    """FSDP2 runs under Lightning's DPModelParallelStrategy (tests/correlated_noise/test_correlated_fsdp.py); DPTrainer
-    on a sharded model refuses correlated noise at ``train`` (one line), before any step."""
-
-    monkeypatch.setattr(hf_trainer, "uses_fsdp", lambda model: True)
-    privacy = PrivacyArguments(noise_multiplier=1.0, noise_correlation="blt", dp_seed=0)
-    trainer = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy)
-    with pytest.raises(ValueError, match="^noise_correlation='blt' on an FSDP2-sharded model runs under Lightning's"):
-        trainer.train()
-    assert trainer.privacy_engine.steps == 0

@@ -25,7 +25,10 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   (empty Poisson batches: the sharded run's stand-in batches are re-run at the stored iterates), an evaluation and a
   checkpoint at every step, sharded and unsharded; ``"momentum resumed sharded"`` and ``"momentum resumed
   replicated"``: each resumed from its checkpoint at step 2 (the iterates, gathered into the checkpoint, taken back
-  shard by shard).
+  shard by shard);
+- ``"correlated independent"``, ``"correlated banded"`` and ``"correlated blt"``: a loss with zero gradient (every
+  update is pure noise), SGD at learning rate 1, q = 1/2, 4 steps, independent noise, banded noise (band 2) and BLT
+  noise (2 buffers), each recording the gathered parameters after every step.
 
 Every run records the gathered parameters and optimizer state (and the low-pass filter's and per-sample momentum's
 state, when it has them) when it writes a checkpoint and when its training begins (after a resume restored them).
@@ -49,12 +52,12 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM, TrainerCallback
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from lightning_dp.hf import PrivacyArguments
+from lightning_dp.hf import DPTrainer, PrivacyArguments
 from lightning_dp.runtime.distributed import distributed_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 
-from hf_helpers import LogRecorder, TokenDataset, make_trainer, tiny_llama
+from hf_helpers import LogRecorder, TokenDataset, make_trainer, tiny_llama, training_args
 
 N, BATCH, ACCUM, STEPS = 32, 4, 2, 3
 PROMPT = torch.tensor([[5, 17, 2, 31]])
@@ -156,6 +159,52 @@ def train(
     return trainer
 
 
+class ZeroGradientTrainer(DPTrainer):
+    """DPTrainer whose per-example losses are 0 times the model's: the clipped sum is 0, each update pure noise."""
+
+    def compute_per_example_loss(self, model, inputs):
+        return super().compute_per_example_loss(model, inputs) * 0.0
+
+
+class Iterates(TrainerCallback):
+    """The gathered parameters, flattened, before training and after every step (gathers: collectives)."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+
+    def take(self, model: torch.nn.Module) -> None:
+        self.params.append(torch.cat([p.flatten() for p in gathered(model).values()]))
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.take(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.take(model)
+
+
+def train_correlated(name: str, out: Path, options: dict) -> None:
+    """Run ``name`` on a sharded model with zero gradients and the correlation ``options``; record its iterates, the
+    expected batch, the plan's strategy and scale, epsilon and the privacy summary in ``RESULT[name]``."""
+    model = shard(tiny_llama(torch.float64))
+    privacy = PrivacyArguments(noise_multiplier=0.8, per_sample_max_grad_norm=1.5, dp_seed=7, **options)
+    args = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_steps=4)
+    arguments = training_args(out / name, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, **args)
+    trainer = ZeroGradientTrainer(model=model, args=arguments, train_dataset=TokenDataset(n=N), privacy_args=privacy)
+    iterates = Iterates()
+    trainer.add_callback(iterates)
+    trainer.train()
+    engine, plan = trainer.privacy_engine, trainer.privacy_engine.state.correlation
+    RESULT[name] = {
+        "params": torch.stack(iterates.params),
+        "expected_batch": engine.sample_rate * engine.num_samples,
+        "strategy": None if plan is None else plan.strategy,
+        "scale": None if plan is None else plan.scale,
+        "epsilon": engine.epsilon(),
+        "summary": engine.summary(),
+        "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
+    }
+
+
 def _bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.numel() * local.element_size()
@@ -214,6 +263,9 @@ def main(out: Path) -> None:
     train(
         "resumed", resumed, out, noise=1.0, resume=out / "noisy" / "checkpoint-2", save_strategy="steps", save_steps=2
     )
+    train_correlated("correlated independent", out, {})
+    train_correlated("correlated banded", out, {"noise_correlation": "banded", "correlation_band": 2})
+    train_correlated("correlated blt", out, {"noise_correlation": "blt", "correlation_buffers": 2})
     RESULT["rank"], RESULT["world_size"] = context.rank, context.world_size
     torch.save(RESULT, out / f"rank{context.rank}.pt")
 
