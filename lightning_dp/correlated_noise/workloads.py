@@ -31,11 +31,12 @@ class Workload:
     Args:
         n: the number of steps, ``>= 1``.
         momentum: ``beta`` in ``[0, 1)``; 0 is plain prefix sums.
-        learning_rates: ``eta_0..eta_{n-1}`` (positive; relative values matter, not their scale), or ``None`` for a
-            constant rate (the Toeplitz workload).
+        learning_rates: ``eta_0..eta_{n-1}`` (``>= 0``, not all 0, e.g. a warm-up from 0; relative values matter,
+            not their scale), or ``None`` for a constant rate (the Toeplitz workload).
 
     Raises:
-        ValueError: ``n < 1``, ``momentum`` outside ``[0, 1)``, or ``learning_rates`` not ``n`` positive finite values.
+        ValueError: ``n < 1``, ``momentum`` outside ``[0, 1)``, or ``learning_rates`` not ``n`` finite values ``>= 0``
+            with one above 0.
     """
 
     n: int
@@ -49,9 +50,10 @@ class Workload:
         object.__setattr__(self, "momentum", float(self.momentum))
         if self.learning_rates is not None:
             rates = tuple(float(r) for r in self.learning_rates)
-            if len(rates) != self.n or not all(math.isfinite(r) and r > 0 for r in rates):
+            if len(rates) != self.n or not all(math.isfinite(r) and r >= 0 for r in rates) or max(rates) <= 0:
                 raise ValueError(
-                    f"learning_rates must be {self.n} positive finite values (one per step), got {len(rates)} values"
+                    f"learning_rates must be {self.n} finite values >= 0, not all 0 (one per step), got {len(rates)} "
+                    "values"
                 )
             object.__setattr__(self, "learning_rates", rates)
 

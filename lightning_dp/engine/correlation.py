@@ -37,10 +37,7 @@ import abc
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
 from typing import Any, ClassVar
-
-import torch
 
 from lightning_dp.accounting.banded_mf import BandedMFAccountant, BandedMFEvent, band_and_max_column_norm
 from lightning_dp.accounting.base import Accountant
@@ -62,20 +59,25 @@ class CorrelationPlan(abc.ABC):
     """The correlated-noise set-up of one start of training: a kind's strategy, scale, event and stream.
 
     Every kind has ``planned_steps`` (``n``, the steps ``C`` was sized for), ``group_rate`` (``q_b = b q``),
-    ``segment`` (the number of this start of training's segment, module docstring) and ``momentum`` (the SGD momentum
-    ``C`` was optimised for, :func:`sgd_momentum`; 0: prefix sums, or a strategy restored from a checkpoint), and the
-    properties below.
+    ``segment`` (the number of this start of training's segment, module docstring) and ``workload`` (what ``C`` was
+    optimised for, :func:`~lightning_dp.engine.workload.training_workload`; ``None``: prefix sums, or a strategy
+    restored from a checkpoint), and the properties below.
     """
 
     kind: ClassVar[str]
     planned_steps: int
     group_rate: float
     segment: int
-    momentum: float
+    workload: Workload | None
 
     def _workload(self) -> str:
         """The start-up block's words for the workload ``C`` was optimised for ("" for prefix sums)."""
-        return f", optimised for SGD momentum {self.momentum:g}" if self.momentum else ""
+        workload = self.workload
+        if workload is None:
+            return ""
+        momentum = [f"SGD momentum {workload.momentum:g}"] if workload.momentum else []
+        schedule = [] if workload.is_toeplitz else ["the learning-rate schedule"]
+        return f", optimised for {' and '.join(momentum + schedule)}"
 
     @property
     @abc.abstractmethod
@@ -171,7 +173,7 @@ class BandedPlan(CorrelationPlan):
     column_norm: float
     group_rate: float
     segment: int
-    momentum: float = 0.0
+    workload: Workload | None = None
 
     @property
     def band(self) -> int:
@@ -259,7 +261,7 @@ class BLTPlan(CorrelationPlan):
     noise_scale: float
     group_rate: float
     segment: int
-    momentum: float = 0.0
+    workload: Workload | None = None
 
     @property
     def num_groups(self) -> int:
@@ -312,23 +314,6 @@ class BLTPlan(CorrelationPlan):
         )
 
 
-def sgd_momentum(optimizers: Sequence[torch.optim.Optimizer]) -> float:
-    """The heavy-ball momentum ``beta`` the strategy is optimised for: that of a single ``torch.optim.SGD`` whose
-    groups all use one ``momentum > 0`` without dampening or Nesterov (its iterates are then linear in the noisy
-    gradients through the momentum workload, :class:`~lightning_dp.correlated_noise.workloads.Workload`); 0.0 (prefix
-    sums) for anything else. The choice changes the utility, never the privacy."""
-    inner = [getattr(optimizer, "original_optimizer", optimizer) for optimizer in optimizers]
-    if len(inner) != 1 or type(inner[0]) is not torch.optim.SGD:
-        return 0.0
-    groups = inner[0].param_groups
-    momenta = {float(group.get("momentum", 0.0)) for group in groups}
-    plain = all(not group.get("nesterov", False) and not group.get("dampening", 0.0) for group in groups)
-    if len(momenta) != 1 or not plain:
-        return 0.0
-    (beta,) = momenta
-    return beta if 0.0 < beta < 1.0 else 0.0
-
-
 def plan_correlation(
     kind: str,
     *,
@@ -338,7 +323,7 @@ def plan_correlation(
     planned_steps: int | None,
     restored: dict[str, Any] | None,
     segment: int,
-    momentum: float = 0.0,
+    workload: Workload | None = None,
 ) -> CorrelationPlan:
     """The :class:`CorrelationPlan` of a start of training.
 
@@ -351,7 +336,8 @@ def plan_correlation(
         restored: the checkpoint's strategy (:meth:`CorrelationPlan.checkpoint_entry`, kept on resume), or ``None``
             to optimise ``C`` for ``n``.
         segment: the segment's number.
-        momentum: optimise a new ``C`` for SGD with this heavy-ball momentum (:func:`sgd_momentum`; 0: prefix sums).
+        workload: optimise a new ``C`` for this workload of ``n`` steps
+            (:func:`~lightning_dp.engine.workload.training_workload`; ``None``: prefix sums).
 
     Raises:
         ValueError: no planned steps, a band (banded) or ``floor(1 / q)`` (BLT) above them, ``b q > 1``, or a restored
@@ -363,18 +349,18 @@ def plan_correlation(
         )
     if kind == "banded":
         assert band is not None  # PrivacyConfig requires it
-        return _plan_banded(band, sample_rate, planned_steps, restored, segment, momentum)
+        return _plan_banded(band, sample_rate, planned_steps, restored, segment, workload)
     assert buffers is not None  # PrivacyConfig's default
-    return _plan_blt(buffers, sample_rate, planned_steps, restored, segment, momentum)
-
-
-def _workload(planned_steps: int, momentum: float) -> Workload | None:
-    """The workload a new ``C`` is optimised for: SGD with ``momentum``, or prefix sums (``None``)."""
-    return Workload(planned_steps, momentum=momentum) if momentum else None
+    return _plan_blt(buffers, sample_rate, planned_steps, restored, segment, workload)
 
 
 def _plan_banded(
-    band: int, sample_rate: float, planned_steps: int, restored: dict[str, Any] | None, segment: int, momentum: float
+    band: int,
+    sample_rate: float,
+    planned_steps: int,
+    restored: dict[str, Any] | None,
+    segment: int,
+    workload: Workload | None,
 ) -> BandedPlan:
     if band > planned_steps:
         raise ValueError(
@@ -382,10 +368,9 @@ def _plan_banded(
         )
     rate = group_sample_rate(band, sample_rate)
     if restored is None:
-        workload = _workload(planned_steps, momentum)
         strategy = optimize_banded(planned_steps, band, max_participations=1, workload=workload)
     else:
-        momentum = 0.0
+        workload = None
         strategy = BandedToeplitz(tuple(restored["coefs"]))
         if strategy.band != band:
             raise ValueError(
@@ -393,11 +378,16 @@ def _plan_banded(
                 "with the same band"
             )
     _, column_norm = band_and_max_column_norm(strategy, planned_steps)
-    return BandedPlan(strategy, planned_steps, column_norm, rate, segment, momentum)
+    return BandedPlan(strategy, planned_steps, column_norm, rate, segment, workload)
 
 
 def _plan_blt(
-    buffers: int, sample_rate: float, planned_steps: int, restored: dict[str, Any] | None, segment: int, momentum: float
+    buffers: int,
+    sample_rate: float,
+    planned_steps: int,
+    restored: dict[str, Any] | None,
+    segment: int,
+    workload: Workload | None,
 ) -> BLTPlan:
     groups = blt_num_groups(sample_rate)
     if groups > planned_steps:
@@ -415,9 +405,9 @@ def _plan_blt(
         )
     k = participation_count(planned_steps, groups)
     if restored is None:
-        strategy = optimize_blt(planned_steps, buffers, min_sep=groups, workload=_workload(planned_steps, momentum))
+        strategy = optimize_blt(planned_steps, buffers, min_sep=groups, workload=workload)
     else:
-        momentum = 0.0
+        workload = None
         strategy = BufferedToeplitz(tuple(restored["decays"]), tuple(restored["scales"]))
         if strategy.num_buffers != buffers:
             raise ValueError(
@@ -427,4 +417,4 @@ def _plan_blt(
     sensitivity = blt_sensitivity(strategy, planned_steps, groups)
     scale = sensitivity / math.sqrt(k) if restored is None else float(restored["noise_scale"])
     rate = group_sample_rate(groups, sample_rate)
-    return BLTPlan(strategy, planned_steps, groups, sensitivity, scale, rate, segment, momentum)
+    return BLTPlan(strategy, planned_steps, groups, sensitivity, scale, rate, segment, workload)

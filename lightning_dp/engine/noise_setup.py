@@ -10,6 +10,7 @@ from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.banded_mf import BandedMFEvent
 from lightning_dp.accounting.blt_minsep import BLTMinSepEvent
 from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, DEFAULT_BLT_BUFFERS
+from lightning_dp.correlated_noise.workloads import Workload
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.correlation import plan_correlation
@@ -35,7 +36,9 @@ class NoiseSetup:
         self.ledger = ledger
         self.clip_bound = clip_bound
 
-    def prepare(self, *, num_samples: int, sample_rate: float, total_steps: int | None, momentum: float = 0.0) -> None:
+    def prepare(
+        self, *, num_samples: int, sample_rate: float, total_steps: int | None, workload: Workload | None = None
+    ) -> None:
         """Fix the sampling rate, delta, mechanism (calibrated if needed) and accountant; applied defaults join
         ``state.defaults_applied``.
 
@@ -43,8 +46,8 @@ class NoiseSetup:
             num_samples: dataset size N (default delta; a warning when delta >= 1/N).
             sample_rate: Poisson rate q of one logical step.
             total_steps: planned logical steps (needed only to calibrate for ``target_epsilon``; ``None``: unbounded).
-            momentum: with correlated noise, the SGD momentum its strategy is optimised for
-                (:func:`~lightning_dp.engine.correlation.sgd_momentum`; 0: prefix sums).
+            workload: with correlated noise, the workload of the ``total_steps`` its strategy is optimised for
+                (:func:`~lightning_dp.engine.workload.training_workload`; ``None``: prefix sums).
 
         Raises:
             RuntimeError: before the clipping hooks are attached; correlated noise before the training loader (its
@@ -105,7 +108,7 @@ class NoiseSetup:
                 planned_steps=total_steps,
                 restored=kept,
                 segment=self._next_segment(),
-                momentum=momentum,
+                workload=workload,
             )
         if state.mechanism is None:
             state.mechanism = self._calibrate(total_steps)

@@ -301,10 +301,14 @@ class PrivacyEngine:
         return describe_users(self.config)
 
     def start_training(
-        self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        total_steps: int | None,
+        learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`."""
-        return self.run.start_training(optimizers, total_steps=total_steps)
+        return self.run.start_training(optimizers, total_steps=total_steps, learning_rates=learning_rates)
 
     def per_sample_loss(
         self,

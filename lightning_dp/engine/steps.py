@@ -23,11 +23,11 @@ from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, p
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
-from lightning_dp.engine.correlation import sgd_momentum
 from lightning_dp.engine.end_of_run import log_end_of_run
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock
+from lightning_dp.engine.workload import training_workload
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.distributed import DistributedContext
 
@@ -236,10 +236,15 @@ class RunSequence:
         return users
 
     def start_training(
-        self, optimizers: Sequence[torch.optim.Optimizer], *, total_steps: int | None
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        total_steps: int | None,
+        learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
         """Fix delta, the noise (calibrated for ``total_steps`` if needed) and the accountant, check the ranks agree,
-        log the start-up block, and return the optimizers wrapped to privatise and record each step.
+        log the start-up block, and return the optimizers wrapped to privatise and record each step (correlated
+        noise: for :func:`~lightning_dp.engine.workload.training_workload` of ``optimizers`` and ``learning_rates``).
 
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
@@ -253,11 +258,9 @@ class RunSequence:
             if not isinstance(optimizer, DPOptimizer):
                 self._check_optimizer_holds_model_parameters(optimizer)
         state.planned_steps = total_steps
+        workload = training_workload(optimizers, learning_rates, total_steps)  # used by correlated noise only
         self.noise_setup.prepare(
-            num_samples=state.num_samples,
-            sample_rate=state.loader_rate,
-            total_steps=total_steps,
-            momentum=sgd_momentum(optimizers) if state.config.noise_correlation is not None else 0.0,
+            num_samples=state.num_samples, sample_rate=state.loader_rate, total_steps=total_steps, workload=workload
         )
         mechanism = state.mechanism
         assert mechanism is not None  # fixed by prepare

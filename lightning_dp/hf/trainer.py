@@ -40,6 +40,7 @@ from lightning_dp.engine.adapter import rank_zero_logging
 from lightning_dp.engine.grad_scaler import hand_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import physical_batches, run_physical_batches
 from lightning_dp.engine.queries import PrivacyQueries
+from lightning_dp.engine.workload import scheduled_learning_rates, stand_in_optimizer
 from lightning_dp.hf.accelerate_fsdp import fsdp2_settings_from_launcher, hidden_from_accelerate, shard_as_configured
 from lightning_dp.hf.arguments import HF_NAMING, PrivacyArguments
 from lightning_dp.hf.augmentation_copies import check_augmentation, mean_loss_over_copies
@@ -253,12 +254,25 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             return optimizer
         if self.sample_rate is None:
             raise RuntimeError("DPTrainer creates its optimizer inside train(), once the training data is known")
-        planned = self.state.max_steps
+        planned = self.state.max_steps if self.state.max_steps and self.state.max_steps > 0 else None
+        correlated = self.privacy_engine.config.noise_correlation is not None
+        rates = self._planned_learning_rates(optimizer, planned) if planned and correlated else None
         (self._dp_optimizer,) = self.privacy_engine.start_training(
-            [optimizer], total_steps=planned if planned and planned > 0 else None
+            [optimizer], total_steps=planned, learning_rates=rates
         )
         self.optimizer = self._dp_optimizer
         return self.optimizer
+
+    def _planned_learning_rates(self, optimizer: torch.optim.Optimizer, steps: int) -> tuple[float, ...] | None:
+        """The learning rate of each planned step (the workload of correlated noise): the schedule of the scheduler
+        ``create_scheduler`` makes (or of the one given in ``optimizers=``), read on a stand-in optimizer
+        (:func:`~lightning_dp.engine.workload.scheduled_learning_rates`); the Trainer's own scheduler is made later."""
+        kept = self.lr_scheduler, getattr(self, "_created_lr_scheduler", False)
+        try:
+            scheduler = self.create_scheduler(steps, optimizer=stand_in_optimizer(optimizer))
+        finally:
+            self.lr_scheduler, self._created_lr_scheduler = kept
+        return scheduled_learning_rates(scheduler, steps)
 
     def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """One loss per example, ``[B]``, for the model's head (override for other heads).

@@ -45,6 +45,7 @@ from lightning_dp.engine.physical_batches import (
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.engine.queries import PrivacyQueries
+from lightning_dp.lightning.schedule import planned_learning_rates
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
 from lightning_dp.runtime.distributed import DistributedContext
@@ -194,10 +195,11 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         super().on_train_start()
         trainer = self.lightning_module.trainer
         self._check_logical_steps(trainer)
-        planned = trainer.estimated_stepping_batches
-        self.optimizers = self.privacy_engine.start_training(
-            self.optimizers, total_steps=int(planned) if math.isfinite(planned) else None
-        )
+        estimate = trainer.estimated_stepping_batches
+        planned = int(estimate) if math.isfinite(estimate) else None
+        correlated = self.privacy_engine.config.noise_correlation is not None
+        rates = planned_learning_rates(trainer, planned) if planned and correlated else None  # its strategy's workload
+        self.optimizers = self.privacy_engine.start_training(self.optimizers, total_steps=planned, learning_rates=rates)
 
     @staticmethod
     def _check_logical_steps(trainer: pl.Trainer) -> None:

@@ -12,7 +12,7 @@ from lightning_dp import DPStrategy
 from lightning_dp.accounting.banded_mf import band_and_max_column_norm
 from lightning_dp.correlated_noise import optimize_banded, strategy_error
 from lightning_dp.correlated_noise.workloads import Workload
-from lightning_dp.engine.correlation import sgd_momentum
+from lightning_dp.engine.workload import sgd_momentum
 
 PARAMS = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
 
@@ -46,7 +46,8 @@ def test_sgd_with_momentum_gets_a_strategy_optimised_for_it():
     engine = strategy.privacy_engine
     plan = engine.state.correlation
     momentum = Workload(12, momentum=0.9)
-    assert plan.momentum == 0.9 and plan.strategy == optimize_banded(12, 3, max_participations=1, workload=momentum)
+    assert plan.workload == momentum
+    assert plan.strategy == optimize_banded(12, 3, max_participations=1, workload=momentum)
     prefix = optimize_banded(12, 3, max_participations=1)
     assert plan.strategy != prefix
 
