@@ -163,7 +163,7 @@ def recipe_records_markdown(task: str, results: dict[str, list[dict[str, Any]]])
         noise, epsilon = variant.split("-eps")
         row = recipe_runs.summary(task, runs)
         lines.append(
-            f"| {epsilon} | {NOISES[noise]} | {row['mean']:.2f} +- {row['std']:.2f} | {row['seeds']} | "
+            f"| {epsilon} | {NOISES[noise]} | {row['metric']} | {row['seeds']} | "
             f"{row['epsilon']} | {row['noise_multiplier']} | `{row['accountant']}` | {row['machines']} |"
         )
     return "\n".join([*lines, "", *recipe_runs.commands(task, shown)])

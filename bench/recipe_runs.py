@@ -16,7 +16,8 @@ def compared(results: dict[str, list[dict[str, Any]]], variants: list[str]) -> d
 
 
 def summary(task: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One variant's runs: the task's metric (``mean``, sample ``std``, ``seeds``), the ``epsilon`` and
+    """One variant's runs: the task's metric (``mean``, sample ``std``, ``seeds``, and as ``metric`` the mean +- std, or
+    the one value of a single seed), the ``epsilon`` and
     ``noise_multiplier`` they report (one value or their range), the ``accountant`` and the ``machines`` (CPU and
     thread count of each run, deduplicated)."""
     mean, std = mean_std([run["metrics"][TASKS[task][2]] for run in runs])
@@ -28,6 +29,7 @@ def summary(task: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "mean": mean,
         "std": std,
         "seeds": len(runs),
+        "metric": f"{mean:.2f} +- {std:.2f}" if len(runs) > 1 else f"{mean:.2f}",
         "epsilon": value_range(privacy, "epsilon", ".3f"),
         "noise_multiplier": value_range(privacy, "noise_multiplier", ".4g"),
         "accountant": privacy[0]["accountant"],

@@ -269,9 +269,15 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         (:func:`~lightning_dp.engine.workload.scheduled_learning_rates`); the Trainer's own scheduler is made later."""
         kept = self.lr_scheduler, getattr(self, "_created_lr_scheduler", False)
         try:
-            scheduler = self.create_scheduler(steps, optimizer=stand_in_optimizer(optimizer))
+            stand_in = stand_in_optimizer(optimizer)
+            scheduler = self.create_scheduler(steps, optimizer=stand_in)
+        except Exception as error:  # a user's create_scheduler: its schedule is then not known here
+            log.info("the learning-rate schedule could not be read (%s): C is optimised for a constant rate", error)
+            return None
         finally:
             self.lr_scheduler, self._created_lr_scheduler = kept
+        if scheduler is not kept[0] and getattr(scheduler, "optimizer", None) is not stand_in:
+            return None  # a create_scheduler that made its scheduler on another optimizer
         return scheduled_learning_rates(scheduler, steps)
 
     def compute_per_example_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

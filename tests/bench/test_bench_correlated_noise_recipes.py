@@ -95,8 +95,8 @@ def test_the_sst2_table_shows_what_the_recipe_records_hold(monkeypatch) -> None:
     rows = [line for line in text.splitlines() if line.startswith("| 3 |")]
     assert rows == [
         "| 3 | DP-SGD | 81.00 +- 1.00 | 3 | 2.999 | 0.75 | `pld` | AMD EPYC (1) |",
-        "| 3 | banded, b = 4 | 82.00 +- 0.00 | 1 | 2.999 | 0.75 | `banded-mf` | AMD EPYC (1) |",
-        "| 3 | BLT, d = 4 | 79.00 +- 0.00 | 1 | 2.999 | 0.75 | `blt-minsep` | Intel Xeon (1) |",
+        "| 3 | banded, b = 4 | 82.00 | 1 | 2.999 | 0.75 | `banded-mf` | AMD EPYC (1) |",
+        "| 3 | BLT, d = 4 | 79.00 | 1 | 2.999 | 0.75 | `blt-minsep` | Intel Xeon (1) |",
     ]
     assert "132 steps" in text and text.count("python recipes/glue.py --config c.yaml") == 5 and "/tmp/x" not in text
     assert bench.recipe_records_markdown("sst2_full", {}) == "(no run recorded yet)"

@@ -25,7 +25,7 @@ def test_sensitivity_is_the_brute_force_maximum(n, min_sep, which):
     assert blt_sensitivity(strategy, n, min_sep) == pytest.approx(brute_force_sensitivity(strategy, n, min_sep))
 
 
-@pytest.mark.parametrize("sigma, steps, min_sep", [(2.0, 12, 3), (1.5, 10, 1), (5.0, 30, 7)])
+@pytest.mark.parametrize("sigma, steps, min_sep", [(2.0, 12, 3), (0.8, 10, 1), (5.0, 30, 7)])
 def test_epsilon_is_the_analytic_gaussian_of_sigma_over_the_sensitivity(sigma, steps, min_sep):
     accountant = make_accountant("blt-minsep")
     assert isinstance(accountant, BLTMinSepAccountant)

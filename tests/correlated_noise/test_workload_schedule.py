@@ -6,6 +6,7 @@ guessed, where it cannot be read (``ReduceLROnPlateau``, a scheduler that raises
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -89,13 +90,54 @@ def test_a_schedule_that_cannot_be_read_is_left_out(caplog):
     assert scheduled_learning_rates(negative, 4) is None
 
 
+class _Decay(torch.nn.Module):
+    """A module whose method is the lambda: a copy of the scheduler would copy its weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(512, 512))
+
+    def rate(self, step: int) -> float:
+        return 1.0 / (step + 1)
+
+    def __call__(self, step: int) -> float:
+        return self.rate(step)
+
+
+class _CustomScheduler(lr_scheduler.LRScheduler):
+    def get_lr(self) -> list[float]:
+        return [base / (self.last_epoch + 1) for base in self.base_lrs]
+
+
+@pytest.mark.parametrize("make", ["bound method", "callable module", "custom class", "partial of a module"])
+def test_a_scheduler_whose_copy_could_hold_the_model_is_not_read(make, caplog, monkeypatch):
+    """Only torch's schedulers over plain functions of the step (or partials of one over plain values) are copied:
+    nothing of the model is deep-copied, and the schedule is left out (logged)."""
+    decay = _Decay()
+    scheduler = {
+        "bound method": lambda opt: lr_scheduler.LambdaLR(opt, decay.rate),
+        "callable module": lambda opt: lr_scheduler.LambdaLR(opt, decay),
+        "custom class": _CustomScheduler,
+        "partial of a module": lambda opt: lr_scheduler.LambdaLR(opt, functools.partial(_scaled, decay)),
+    }[make](_optimizer())
+    copied = []
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", lambda self, memo: copied.append(self.shape))
+    with caplog.at_level(logging.INFO, logger="lightning_dp"):
+        assert scheduled_learning_rates(scheduler, 4) is None
+    assert not copied and "is not read (torch's schedulers over functions of the step are)" in caplog.text
+
+
+def _scaled(decay: _Decay, step: int) -> float:
+    return decay.rate(step)
+
+
 def test_the_workload_holds_the_momentum_and_the_schedule(caplog, monkeypatch):
     sgd = [_optimizer()]
     rates = (0.0, 0.5, 1.0, 0.5)  # a warm-up from 0
     assert training_workload(sgd, rates, 4) == Workload(4, 0.9, rates)
     assert training_workload(sgd, (0.1,) * 4, 4) == Workload(4, 0.9)  # one rate throughout: constant
     assert training_workload([torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])], None, 4) is None
-    assert training_workload(sgd, rates, None) is None
+    assert training_workload(sgd, rates, None) is None and training_workload(sgd, None, 0) is None
     with pytest.raises(ValueError, match="^3 learning rates for 4 planned steps$"):
         training_workload(sgd, rates[:3], 4)
     monkeypatch.setattr(workload_module, "MAX_SCHEDULED_STEPS", 3)
@@ -150,6 +192,24 @@ class _HFRates(TrainerCallback):
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+def test_dp_trainer_runs_on_when_its_create_scheduler_raises_or_uses_another_optimizer(tmp_path, monkeypatch):
+    """A user's create_scheduler that fails, or builds its scheduler on the real optimizer, leaves the schedule out
+    (a constant rate); the Trainer's state is as before."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, dp_seed=0, noise_correlation="banded", correlation_band=2)
+    trainer = make_hf_trainer(tiny_gpt2(), tmp_path, privacy=privacy, args=dict(max_steps=4))
+    optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)
+
+    def fails(num_training_steps, optimizer=None):
+        raise RuntimeError("no schedule")
+
+    monkeypatch.setattr(trainer, "create_scheduler", fails)
+    assert trainer._planned_learning_rates(optimizer, 4) is None
+    own = lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    monkeypatch.setattr(trainer, "create_scheduler", lambda num_training_steps, optimizer=None: own)
+    assert trainer._planned_learning_rates(optimizer, 4) is None
+    assert trainer.lr_scheduler is None
 
 
 @pytest.mark.parametrize("given", [False, True], ids=["trainer's scheduler", "optimizers="])
