@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from correlation_helpers import noise_per_step
 from process_helpers import SCRIPTS, accelerate_launch
 from torch.distributed.tensor import DTensor
 
@@ -174,7 +175,7 @@ def test_correlated_noise_streams_the_strategy_over_each_shards_draws(ranks, kin
     for rank in ranks:
         run, independent = rank[f"correlated {kind}"], rank["correlated independent"]
         assert run["sharded"] and independent["sharded"]
-        noise, draws = _updates(run), _updates(independent)
+        noise, draws = noise_per_step(run), noise_per_step(independent)
         inverse = torch.as_tensor(run["strategy"].inverse_dense(noise.shape[0]))
         assert not torch.allclose(noise, run["scale"] * draws, atol=1e-3)  # correlated, not independent
         expected = inverse @ (run["scale"] * draws)
@@ -183,9 +184,3 @@ def test_correlated_noise_streams_the_strategy_over_each_shards_draws(ranks, kin
     assert torch.equal(a["params"], b["params"]) and a["epsilon"] == b["epsilon"] == a["summary"]["epsilon"]
     assert a["summary"]["noise_correlation"] == kind
     assert a["summary"]["accountant"] == {"banded": "banded-mf", "blt": "blt-minsep"}[kind]
-
-
-def _updates(run: dict) -> torch.Tensor:
-    """``[steps, coordinates]``: each step's noise on the clipped sum (SGD at learning rate 1, zero gradients)."""
-    params = run["params"].double()
-    return -(params[1:] - params[:-1]) * run["expected_batch"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from correlation_helpers import noise_per_step
 from process_helpers import fit_on_two_processes
 
 
@@ -16,18 +17,12 @@ def ranks(tmp_path_factory) -> list[dict]:
     return fit_on_two_processes(tmp_path_factory.mktemp("fsdp_correlated"), script="fsdp_correlated_script.py")
 
 
-def _noise(run: dict) -> torch.Tensor:
-    """``[steps, coordinates]``: each step's noise on the clipped sum (SGD at lr 1 on zero gradients)."""
-    params = run["params"].double()
-    return -(params[1:] - params[:-1]) * run["expected_batch"]
-
-
 @pytest.mark.parametrize("kind", ["banded", "blt"])
 def test_each_shard_streams_the_strategy_over_its_own_draws(ranks, kind):
     for rank in ranks:
         run, independent = rank[kind], rank["independent"]
         assert run["sharded"] and independent["sharded"]
-        noise, draws = _noise(run), _noise(independent)
+        noise, draws = noise_per_step(run), noise_per_step(independent)
         steps = noise.shape[0]
         inverse = torch.as_tensor(run["strategy"].inverse_dense(steps))
         expected = inverse @ (run["scale"] * draws)

@@ -19,6 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPModelParallelStrategy
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+
+from correlation_helpers import zero_gradient_run
+
 WIDTH, EXAMPLES, BATCH, STEPS = 24, 64, 16, 6
 RUNS = {
     "independent": {},
@@ -91,16 +95,6 @@ if __name__ == "__main__":
             callbacks=[iterates],
         )
         trainer.fit(ZeroGradMLP())
-        engine = strategy.privacy_engine
-        plan = engine.state.correlation
         rank = trainer.global_rank
-        result[name] = {
-            "params": torch.stack(iterates.params),
-            "expected_batch": engine.sample_rate * engine.num_samples,
-            "strategy": None if plan is None else plan.strategy,
-            "scale": None if plan is None else plan.scale,
-            "epsilon": engine.epsilon(),
-            "summary": engine.summary(),
-            "sharded": any(isinstance(p, DTensor) for p in trainer.lightning_module.parameters()),
-        }
+        result[name] = zero_gradient_run(strategy.privacy_engine, iterates.params, trainer.lightning_module)
     torch.save(result, out / f"rank{rank}.pt")

@@ -57,6 +57,7 @@ from lightning_dp.runtime.distributed import distributed_context
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 
+from correlation_helpers import zero_gradient_run
 from hf_helpers import LogRecorder, TokenDataset, make_trainer, tiny_llama, training_args
 
 N, BATCH, ACCUM, STEPS = 32, 4, 2, 3
@@ -183,8 +184,8 @@ class Iterates(TrainerCallback):
 
 
 def train_correlated(name: str, out: Path, options: dict) -> None:
-    """Run ``name`` on a sharded model with zero gradients and the correlation ``options``; record its iterates, the
-    expected batch, the plan's strategy and scale, epsilon and the privacy summary in ``RESULT[name]``."""
+    """Run ``name`` on a sharded model with zero gradients and the correlation ``options``; record it in
+    ``RESULT[name]`` (``correlation_helpers.zero_gradient_run``)."""
     model = shard(tiny_llama(torch.float64))
     privacy = PrivacyArguments(noise_multiplier=0.8, per_sample_max_grad_norm=1.5, dp_seed=7, **options)
     args = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_steps=4)
@@ -193,16 +194,7 @@ def train_correlated(name: str, out: Path, options: dict) -> None:
     iterates = Iterates()
     trainer.add_callback(iterates)
     trainer.train()
-    engine, plan = trainer.privacy_engine, trainer.privacy_engine.state.correlation
-    RESULT[name] = {
-        "params": torch.stack(iterates.params),
-        "expected_batch": engine.sample_rate * engine.num_samples,
-        "strategy": None if plan is None else plan.strategy,
-        "scale": None if plan is None else plan.scale,
-        "epsilon": engine.epsilon(),
-        "summary": engine.summary(),
-        "sharded": any(isinstance(p, DTensor) for p in model.parameters()),
-    }
+    RESULT[name] = zero_gradient_run(trainer.privacy_engine, iterates.params, model)
 
 
 def _bytes(tensor: torch.Tensor) -> int:
