@@ -12,6 +12,7 @@ command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and fla
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import sys
@@ -402,14 +403,18 @@ def _private_search(space: dict[str, list[Any]]) -> Callable[[], Any]:
     return run
 
 
-def _hf_banded_resume() -> Any:
-    """``train(resume_from_checkpoint=...)`` of a banded run without ``ignore_data_skip``: refused before the checkpoint
-    is read (so none is needed)."""
+def _hf_skipping_resume(**options: Any) -> Callable[[], Any]:
+    """``train(resume_from_checkpoint=...)`` of a run with ``options`` (banded noise, ``exact_resume``) without
+    ``ignore_data_skip``: refused before the checkpoint is read (so none is needed)."""
+    return functools.partial(_hf_resume, options)
+
+
+def _hf_resume(options: dict[str, Any]) -> Any:
     from lightning_dp.hf import DPTrainer, PrivacyArguments
     from tests.hf_helpers import TokenDataset, tiny_gpt2, training_args
 
     with tempfile.TemporaryDirectory() as tmp:
-        privacy = PrivacyArguments(noise_multiplier=1.0, noise_correlation="banded", correlation_band=2, dp_seed=0)
+        privacy = PrivacyArguments(noise_multiplier=1.0, dp_seed=0, **options)
         trainer = DPTrainer(
             model=tiny_gpt2(), args=training_args(tmp), train_dataset=TokenDataset(), privacy_args=privacy
         )
@@ -541,6 +546,18 @@ CASES: list[BadInput] = [
         "secure_mode=True, seed=0",
         _strategy(noise_multiplier=1.0, seed=0, secure_mode=True),
         "secure_mode.*seed",
+    ),
+    BadInput(
+        "DPStrategy",
+        "exact_resume=True, secure_mode=True",
+        _strategy(noise_multiplier=1.0, exact_resume=True, secure_mode=True),
+        r"exact_resume=True cannot continue this run \(secure_mode=True",
+    ),
+    BadInput(
+        "DPStrategy",
+        "exact_resume=True, privacy_unit='user'",
+        _strategy(noise_multiplier=1.0, exact_resume=True, privacy_unit="user", user_key="user"),
+        r"exact_resume=True cannot continue this run \(privacy_unit='user'",
     ),
     BadInput(
         "DPStrategy",
@@ -836,8 +853,14 @@ CASES: list[BadInput] = [
     BadInput(
         "HF DPTrainer",
         "noise_correlation='banded': train(resume_from_checkpoint=...) with ignore_data_skip=False",
-        _hf_banded_resume,
-        r"resumes only with TrainingArguments\(ignore_data_skip=True\)",
+        _hf_skipping_resume(noise_correlation="banded", correlation_band=2),
+        r"noise_correlation='banded' resumes only with TrainingArguments\(ignore_data_skip=True\)",
+    ),
+    BadInput(
+        "HF DPTrainer",
+        "exact_resume=True: train(resume_from_checkpoint=...) with ignore_data_skip=False",
+        _hf_skipping_resume(exact_resume=True),
+        r"exact_resume=True resumes only with TrainingArguments\(ignore_data_skip=True\)",
     ),
     # command line
     BadInput(

@@ -1,6 +1,7 @@
 """Checks of :class:`~lightning_dp.config.PrivacyConfig` that are about a combination of options: which engines,
 mechanisms and accountants adaptive clipping, randomized clipping and correlated noise (``noise_correlation``) may
-be combined with. Each refusal is one line saying what to change (docs/validation.md lists them)."""
+be combined with, and which runs ``exact_resume`` can continue. Each refusal is one line saying what to change
+(docs/validation.md lists them)."""
 
 from __future__ import annotations
 
@@ -138,4 +139,19 @@ def check_noise_correlation(config: PrivacyConfig) -> None:
         raise ValueError(
             f"noise_correlation={correlation!r} with adaptive clipping is not supported (its count release is not "
             f"part of the {accountant} accountant's mechanism): remove target_unclipped_quantile"
+        )
+
+
+def check_exact_resume(config: PrivacyConfig) -> None:
+    """``exact_resume=True`` continues streams a checkpoint keeps: not those of ``secure_mode`` (fresh OS entropy at
+    every request) or the users' subsets of ``privacy_unit='user'`` (drawn by a count the loader keeps).
+
+    Raises:
+        ValueError: ``exact_resume=True`` with ``secure_mode=True`` or ``privacy_unit='user'``.
+    """
+    if config.exact_resume and (config.secure_mode or config.privacy_unit == "user"):
+        why = "secure_mode=True draws fresh OS entropy" if config.secure_mode else "privacy_unit='user' draws subsets"
+        raise ValueError(
+            f"exact_resume=True cannot continue this run ({why} that a checkpoint does not keep): remove exact_resume "
+            "(a resume then draws fresh streams)"
         )

@@ -33,6 +33,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.sum_check import validate_sum_check
 from lightning_dp.config.combinations import (
+    check_exact_resume,
     check_noise_correlation,
     check_noise_given,
     check_randomized_and_adaptive,
@@ -175,8 +176,16 @@ class PrivacyConfig:
     seed: int | None = _option(
         None,
         "seed of the dedicated noise, sampling and projection generators; ``None`` uses OS entropy (recommended "
-        "for real runs). Never written to checkpoints (:mod:`lightning_dp.runtime.randomness`).",
+        "for real runs). Written to checkpoints only with ``exact_resume`` (:mod:`lightning_dp.runtime.randomness`).",
         "Seed of the DP noise and sampling generators.",
+    )
+    exact_resume: bool = _option(
+        False,
+        "write the run's secret randomness (base seed, noise generators' states, correlated noise's stream) into its "
+        "checkpoints, so a resume continues the run exactly: the same batches (sampling keyed by the step), noise "
+        "and, with ``noise_correlation``, one ledger segment. Such a checkpoint reveals the noise: keep it private "
+        "(docs/privacy.md). Not with ``secure_mode``, ``privacy_unit='user'`` or FSDP2-sharded parameters.",
+        "Checkpoints hold the secret randomness so a resume continues the run exactly (keep them private).",
     )
     momentum_length: int = _option(
         1,
@@ -397,6 +406,7 @@ class PrivacyConfig:
                 )
         check_randomized_and_adaptive(self)
         check_noise_correlation(self)
+        check_exact_resume(self)
 
     @property
     def noise_name(self) -> str:

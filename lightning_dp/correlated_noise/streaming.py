@@ -63,6 +63,7 @@ class CorrelatedNoise(abc.ABC):
     def __init__(self) -> None:
         self.step_index = 0
         self._state: list[list[torch.Tensor]] = []  # one list of model-sized tensors per remembered vector
+        self._restored = False  # a loaded state, moved to the devices of the next z on first use
 
     @property
     @abc.abstractmethod
@@ -94,6 +95,9 @@ class CorrelatedNoise(abc.ABC):
                 "the noise tensors changed shape mid-run: got "
                 f"{[tuple(t.shape) for t in z]}, the state holds {[tuple(t.shape) for t in self._state[0]]}"
             )
+        if self._restored:  # a checkpoint's state (read onto the CPU): onto each parameter's device
+            self._state = [[t.to(zi.device) for t, zi in zip(vector, z, strict=True)] for vector in self._state]
+            self._restored = False
         out = self._advance([t.to(_working(t)) for t in z])
         self.step_index += 1
         return [x.to(t.dtype) for x, t in zip(out, z, strict=True)]
@@ -128,6 +132,7 @@ class CorrelatedNoise(abc.ABC):
             )
         self.step_index = step
         self._state = [[t.clone() for t in vector] for vector in vectors]
+        self._restored = True
 
     def _remembered(self, step: int) -> int:
         """How many state vectors the stream holds after ``step`` steps."""

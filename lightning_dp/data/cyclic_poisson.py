@@ -119,8 +119,8 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         next_step: the optimizer step the first batch of a pass is used at (the run's step count), read when a pass
             starts.
         **kwargs: the other arguments of :class:`~lightning_dp.data.poisson.PoissonBatchSampler` (``num_steps``,
-            ``micro_batches``, ``generator``, ``lengths``, ``rank``, ``world_size``). The key and the step count
-            must be the same on every rank (the ranks then agree on the partition and on each step's group).
+            ``micro_batches``, ``generator``, ``lengths``, ``rank``, ``world_size``, ``step_seed``). The key and the
+            step count must be the same on every rank (the ranks then agree on the partition and on each step's group).
 
     Raises:
         ValueError: ``b q > 1``, and what :class:`PoissonBatchSampler` refuses.
@@ -136,19 +136,17 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         next_step: Callable[[], int],
         **kwargs: Any,
     ) -> None:
-        super().__init__(num_samples, sample_rate, **kwargs)
+        super().__init__(num_samples, sample_rate, next_step=next_step, **kwargs)
         self.num_groups = int(num_groups)
         self.group_rate = group_sample_rate(self.num_groups, self.sample_rate)
         #: ``[N]`` each example's group (by global index, the same on every rank), fixed for the sampler's life.
         self.groups = cyclic_groups(num_samples, self.num_groups, key)
         #: ``[len(shard)]`` the groups of this rank's shard
         self.shard_groups = self.groups[self.shard]
-        self.next_step = next_step
 
     def _logical_batches(self) -> Iterator[torch.Tensor]:
         """Step ``t`` of the pass (``t`` from :attr:`next_step`): the examples of group ``t mod b`` whose uniform is
         below ``q_b``, among this rank's shard; one uniform per example of the shard is drawn at every step."""
-        first = int(self.next_step())
-        for step in range(first, first + self.num_steps):
+        for step in self._steps():
             included = torch.rand(len(self.shard), generator=self.generator) < self.group_rate
             yield self.shard[included & (self.shard_groups == step % self.num_groups)]

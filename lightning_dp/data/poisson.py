@@ -59,6 +59,10 @@ class PoissonBatchSampler(Sampler[list[int]]):
         world_size: number of processes W sharing the dataset; 1 (default) samples all of it.
         lengths: ``[N]`` the examples' lengths (tokens): each logical batch is sorted by decreasing length (ties in
             dataset order) before it is split; ``None`` (default): dataset order.
+        next_step: the optimizer step the first batch of a pass is used at (the run's step count), read when a pass
+            starts; ``None``: the steps are not numbered (each pass counts from 0).
+        step_seed: ``step -> seed``: reseed ``generator`` before each step's draws, so that step ``t``'s batch depends
+            on ``t`` alone, not on what was drawn before (an exact resume); ``None`` (default): one continuing stream.
 
     Raises:
         ValueError: non-positive ``num_samples``, ``sample_rate`` outside (0, 1], non-positive counts, ``rank``
@@ -76,6 +80,8 @@ class PoissonBatchSampler(Sampler[list[int]]):
         rank: int = 0,
         world_size: int = 1,
         lengths: Sequence[int] | torch.Tensor | None = None,
+        next_step: Callable[[], int] | None = None,
+        step_seed: Callable[[int], int] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} examples")
@@ -96,6 +102,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self.lengths = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long).flatten()
         if self.lengths is not None and len(self.lengths) != num_samples:
             raise ValueError(f"lengths has {len(self.lengths)} entries for a dataset of {num_samples} examples")
+        self.next_step, self.step_seed = next_step, step_seed
 
     def __len__(self) -> int:
         return self.num_steps * self.micro_batches
@@ -107,9 +114,18 @@ class PoissonBatchSampler(Sampler[list[int]]):
             for chunk in torch.tensor_split(indices, self.micro_batches):
                 yield chunk.tolist()
 
+    def _steps(self) -> Iterator[int]:
+        """The optimizer steps of one pass (from :attr:`next_step`, read as the pass starts), with ``generator``
+        reseeded for each by :attr:`step_seed` when given."""
+        first = int(self.next_step()) if self.next_step is not None else 0
+        for step in range(first, first + self.num_steps):
+            if self.step_seed is not None:
+                self.generator.manual_seed(self.step_seed(step))
+            yield step
+
     def _logical_batches(self) -> Iterator[torch.Tensor]:
         """The dataset indices of each logical step of one pass, in dataset order: a Poisson sample of the shard."""
-        for _ in range(self.num_steps):
+        for _ in self._steps():
             yield self.shard[torch.rand(len(self.shard), generator=self.generator) < self.sample_rate]
 
 

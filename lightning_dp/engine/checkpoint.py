@@ -1,6 +1,6 @@
 """The checkpoint state of :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine`: what a resumed run needs to
 continue the same epsilon curve (ledger, mechanism, delta, sample rate, per-sample momentum and low-pass state), never a
-seed or a generator state (docs/design.md section 2.3)."""
+seed or a generator state unless the run asks for ``exact_resume`` (docs/design.md section 2.3)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from lightning_dp.accounting import make_accountant
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.exact_resume import SECRET_KEY, restore_secret_state, secret_state
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim.adaptive_clipping import restored_bound
@@ -63,8 +64,9 @@ class CheckpointState:
     def state_dict(self) -> dict[str, Any]:
         """Ledger, mechanism parameters, delta and sample rate; with per-sample momentum ``"momentum"``, with a low-pass
         filter ``"lowpass"``, with adaptive clipping ``"adaptive_clipping"`` (all functions of released values), with
-        correlated noise ``"noise_correlation"`` (its strategy's parameters, data-independent). Never a seed,
-        a generator state or the correlated noise's streaming state (docs/design.md sections 2.3 and 5.1).
+        correlated noise ``"noise_correlation"`` (its strategy's parameters, data-independent). A seed, the generators'
+        states and the correlated noise's streaming state only with ``exact_resume`` (``"exact_resume"``, secret:
+        docs/design.md sections 2.3 and 5.1).
         """
         run = self.run
         assert run.mechanism is not None and run.accountant is not None
@@ -84,17 +86,21 @@ class CheckpointState:
             state["privacy_unit"] = {"unit": "user", "user_key": _key_name(run.config.user_key)}
         if run.correlation is not None:  # the strategy only (public, like the mechanism); its stream state is noise
             state["noise_correlation"] = run.correlation.checkpoint_entry()
+        if run.config.exact_resume:
+            state[SECRET_KEY] = secret_state(run)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
-        replayed into this run's accountant, and the random streams restart (docs/design.md section 2.3).
+        replayed into this run's accountant, and the random streams restart, or with ``exact_resume`` and a checkpoint
+        that holds its secret state continue (docs/design.md section 2.3).
 
         Raises:
             ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
                 (never replaced by an empty ledger); other per-sample momentum or lowpass settings; adaptive clipping on
                 one side only, or a non-positive adaptive bound; example-level steps resumed user-level, or another
-                ``user_key``; banded correlated noise on one side only (its band is checked when training starts).
+                ``user_key``; banded correlated noise on one side only (its band is checked when training starts); a
+                corrupted ``exact_resume`` entry.
         """
         run = self.run
         check_privacy_state(state)
@@ -158,7 +164,7 @@ class CheckpointState:
             run.accountant.compose(event, count)
         self.ledger.clear_caches()  # its epsilon and step budget were those of the replaced ledger
         run.restored_sample_rate = state["sample_rate"]
-        run.randomness.restart(run.steps)
+        self._continue_or_restart_randomness(state.get(SECRET_KEY))
         if run.user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
             run.user_data.seed = run.randomness.stream_seed("user subsets")
         if run.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
@@ -166,6 +172,21 @@ class CheckpointState:
         self._load_lowpass_state(state.get("lowpass"))
         self.clip_bound.restore(bound)
         run.restored_correlation = correlation
+
+    def _continue_or_restart_randomness(self, secret: Any) -> None:
+        """With ``exact_resume`` and the checkpoint's secret state, continue its streams; else restart them (a warning
+        when ``exact_resume`` finds no secret state: the checkpoint was written without it)."""
+        run = self.run
+        if run.config.exact_resume and secret is not None:
+            restore_secret_state(run, secret)
+            return
+        if run.config.exact_resume:
+            log.warning(
+                "exact_resume=True, but the checkpoint was written without it (no secret state): the random streams "
+                "restart%s",
+                " and the correlated noise starts a new segment" if run.config.noise_correlation else "",
+            )
+        run.randomness.restart(run.steps)
 
     def _restored_correlation(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The checkpoint's strategy (``{"kind": ..., its parameters}``), kept for this run (the correlation itself

@@ -14,6 +14,7 @@ from lightning_dp.correlated_noise.workloads import Workload
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.correlation import plan_correlation
+from lightning_dp.engine.exact_resume import continues_segment
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
 from lightning_dp.mechanisms.base import mechanism_class
@@ -129,11 +130,12 @@ class NoiseSetup:
                 state.accountant.copy().compose(self.ledger.step_event())
 
     def _next_segment(self) -> int:
-        """The segment of this start of training: 0 on a fresh ledger, else one more than its last correlated step's
-        (a resume or a second ``fit`` restarts the correlation; docs/design.md section 5.1)."""
+        """The segment of this start of training: 0 on a fresh ledger, the last one when an exact resume continues
+        its streams, else one more than its last correlated step's (a resume or a second ``fit`` restarts the
+        correlation; docs/design.md section 5.1)."""
         ledger = self.state.accountant.ledger if self.state.accountant is not None else []
         segments = [event.segment for event, _ in ledger if isinstance(event, BandedMFEvent | BLTMinSepEvent)]
-        return segments[-1] + 1 if segments else 0
+        return segments[-1] + (0 if continues_segment(self.state) else 1) if segments else 0
 
     def default_accountant(self) -> str:
         """``"rc"`` for randomized clipping, ``"banded-mf"`` / ``"blt-minsep"`` for correlated noise, else the

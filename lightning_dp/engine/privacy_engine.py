@@ -24,6 +24,7 @@ from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
+from lightning_dp.engine.exact_resume import continued_stream
 from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock, describe_users
@@ -266,7 +267,7 @@ class PrivacyEngine:
             any_rank=any_rank,
             secure_mode=self.secure_mode,
             postprocess=state.lowpass.apply_ if state.lowpass is not None else None,
-            correlation=state.correlation.noise_stream() if state.correlation is not None else None,
+            correlation=continued_stream(state),
         )
         self._optimizers.append(wrapped)
         return wrapped
@@ -274,7 +275,7 @@ class PrivacyEngine:
     # ---------------------------------------------------------------------------------------- run sequence
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_run`."""
-        self._optimizers = []
+        self._optimizers, self.state.noise_streams = [], []
         self.run.start_run(module, distributed)
 
     def training_loader(

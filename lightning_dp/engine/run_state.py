@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from lightning_dp.clipping import PerSampleClipper
     from lightning_dp.clipping.groups import ClippingGroups
     from lightning_dp.config import PrivacyConfig
+    from lightning_dp.correlated_noise.streaming import CorrelatedNoise
     from lightning_dp.data.users import UserDataset
     from lightning_dp.engine.correlation import CorrelationPlan
     from lightning_dp.mechanisms import NoiseMechanism
@@ -120,6 +121,10 @@ class RunState:
     correlation: CorrelationPlan | None = None
     #: a restored checkpoint's strategy (``CorrelationPlan.checkpoint_entry``), until ``prepare`` uses it.
     restored_correlation: dict[str, Any] | None = None
+    #: with ``noise_correlation``, the noise stream of each wrapped optimizer of this start of training.
+    noise_streams: list[CorrelatedNoise] = field(default_factory=list)
+    #: an exact resume's noise streams (their ``state_dict``), until the optimizers take them; ``None`` otherwise.
+    restored_noise_streams: list[dict[str, Any]] | None = None
     #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None
 

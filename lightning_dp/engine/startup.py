@@ -112,6 +112,9 @@ class StartupBlock:
                     f"{state.sum_noise_multiplier:.4g}",
                 )
             )
+        if state.config.exact_resume:
+            secret = "hold the secret randomness and noise state (exact_resume): keep them as private as the data"
+            lines.append(_row("checkpoints", secret))
         defaults = state.defaults_applied or ["none"]
         lines.append(_row("defaults applied", defaults[0]))
         lines += [_row("", default) for default in defaults[1:]]

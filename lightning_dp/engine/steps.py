@@ -24,6 +24,7 @@ from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
+from lightning_dp.engine.exact_resume import check_unsharded
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock
@@ -189,20 +190,18 @@ class RunSequence:
         return loader
 
     def _sampler_class(self, sample_rate: float) -> Callable[..., PoissonBatchSampler]:
-        """The batch sampler of the training loader: Poisson, or with ``noise_correlation`` cyclic Poisson over
-        ``correlation_band`` groups (banded) or ``floor(1 / q)`` groups (BLT), keyed by the run's randomness, its passes
-        starting at the run's step count (:mod:`lightning_dp.data.cyclic_poisson`)."""
-        config = self.state.config
+        """The training loader's batch sampler: Poisson, or with ``noise_correlation`` cyclic Poisson over ``b`` groups
+        (:mod:`lightning_dp.data.cyclic_poisson`), passes starting at the run's step count (each step's draws keyed by
+        the step with ``exact_resume``)."""
+        config, randomness = self.state.config, self.state.randomness
+        step_seed = randomness.step_sampling_seed if config.exact_resume else None
+        steps: dict[str, Any] = {"next_step": lambda: self.state.steps, "step_seed": step_seed}
         if config.noise_correlation is None:
-            return PoissonBatchSampler
+            return functools.partial(PoissonBatchSampler, **steps)
         groups = config.correlation_band if config.noise_correlation == "banded" else blt_num_groups(sample_rate)
         assert groups is not None  # PrivacyConfig requires the band of noise_correlation='banded'
-        return functools.partial(
-            CyclicPoissonBatchSampler,
-            num_groups=groups,
-            key=self.state.randomness.stream_seed("cyclic groups"),
-            next_step=lambda: self.state.steps,
-        )
+        key = randomness.stream_seed("cyclic groups")
+        return functools.partial(CyclicPoissonBatchSampler, num_groups=groups, key=key, **steps)
 
     def _users(self, dataset: Any, user_ids: Sequence[Hashable] | None) -> UserDataset:
         """The training set regrouped by user (:mod:`lightning_dp.data.users`), built once per dataset.
@@ -249,7 +248,7 @@ class RunSequence:
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
             ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`; an optimizer updates tensors
-                that are not parameters of the clipped model.
+                that are not parameters of the clipped model; ``exact_resume`` on sharded parameters.
         """
         state = self.state
         if state.num_samples is None or state.loader_rate is None:
@@ -257,6 +256,7 @@ class RunSequence:
         for optimizer in optimizers:
             if not isinstance(optimizer, DPOptimizer):
                 self._check_optimizer_holds_model_parameters(optimizer)
+        check_unsharded(state.config, optimizers)
         state.planned_steps = total_steps
         workload = training_workload(optimizers, learning_rates, total_steps)  # used by correlated noise only
         self.noise_setup.prepare(

@@ -24,8 +24,13 @@ log = logging.getLogger("lightning_dp")
 #: File holding the privacy state (ledger, mechanism, delta, sample rate) in each Trainer checkpoint folder.
 PRIVACY_STATE_NAME = "lightning_dp_privacy.json"
 #: Files holding the parts of the privacy state that are tensors (so not JSON) next to it, when the run has them:
-#: the low-pass filter's past values and the per-sample momentum's stored iterates.
-TENSOR_STATE_NAMES = {"lowpass": "lightning_dp_lowpass.pt", "momentum": "lightning_dp_momentum.pt"}
+#: the low-pass filter's past values, the per-sample momentum's stored iterates and, with ``exact_resume``, the run's
+#: secret randomness and noise streams (a file to keep private: it reveals the noise).
+TENSOR_STATE_NAMES = {
+    "lowpass": "lightning_dp_lowpass.pt",
+    "momentum": "lightning_dp_momentum.pt",
+    "exact_resume": "lightning_dp_exact_resume.pt",
+}
 
 
 def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> Path:
@@ -103,8 +108,9 @@ class PrivacyStateCallback(TrainerCallback):
     """Writes the engine's privacy state next to every checkpoint the Trainer saves (``on_save``).
 
     The state is :meth:`PrivacyEngine.state_dict` as JSON: the accountant's ledger, the mechanism, delta and the
-    sample rate; never a seed or generator state (see :mod:`lightning_dp.runtime.randomness`). The low-pass filter's
-    state and the per-sample momentum's iterates (tensors) go to the files :data:`TENSOR_STATE_NAMES` beside it.
+    sample rate; no seed or generator state (see :mod:`lightning_dp.runtime.randomness`). The low-pass filter's state,
+    the per-sample momentum's iterates (tensors) and, with ``exact_resume``, the secret randomness go to the files
+    :data:`TENSOR_STATE_NAMES` beside it.
 
     Args:
         engine: the trainer's privacy engine.

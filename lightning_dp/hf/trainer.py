@@ -50,8 +50,8 @@ from lightning_dp.hf.sampling import poisson_batch_lengths
 from lightning_dp.hf.sharded_checkpoints import ShardedCheckpoints
 from lightning_dp.hf.trainer_checks import (
     check_accelerator_and_model,
-    check_correlated_resume,
     check_model_and_loss,
+    check_resume_skips_no_batches,
     check_sharded_run,
     check_training_arguments,
     warn_ignored_without_dp,
@@ -182,7 +182,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         if resume_from_checkpoint:
-            check_correlated_resume(self.args, engine.config)
+            check_resume_skips_no_batches(self.args, engine.config)
             with HF_NAMING.applied():  # a checkpoint that does not match names the PrivacyArguments that differ
                 load_privacy_state(engine, resume_from_checkpoint)
         self._distributed = distributed_context()

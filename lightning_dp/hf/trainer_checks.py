@@ -194,19 +194,27 @@ def check_sharded_run(args: TrainingArguments) -> None:
         )
 
 
-def check_correlated_resume(args: TrainingArguments, config: PrivacyConfig) -> None:
-    """Refuse to resume correlated noise (``noise_correlation``) while the Trainer skips the resumed epoch's first
-    batches.
+def check_resume_skips_no_batches(args: TrainingArguments, config: PrivacyConfig) -> None:
+    """Refuse to resume correlated noise (``noise_correlation``) or an ``exact_resume`` run while the Trainer skips the
+    resumed epoch's first batches.
 
-    The Trainer draws and drops those batches (``skip_first_batches``), which would shift the cyclic groups against
-    the steps (:mod:`lightning_dp.data.cyclic_poisson`); under Poisson sampling the skipped batches are fresh draws
-    anyway, so ``ignore_data_skip=True`` loses nothing and the run takes the same steps.
+    The Trainer draws and drops those batches (``skip_first_batches``), which would shift the cyclic groups, and the
+    steps an exact resume keys its batches by, against the steps (:mod:`lightning_dp.data.cyclic_poisson`); under
+    Poisson sampling the skipped batches are fresh draws anyway, so ``ignore_data_skip=True`` loses nothing and the run
+    takes the same steps.
 
     Raises:
-        ValueError: correlated noise with ``ignore_data_skip=False``.
+        ValueError: correlated noise or ``exact_resume`` with ``ignore_data_skip=False``.
     """
-    if config.noise_correlation is not None and not args.ignore_data_skip:
+    if args.ignore_data_skip:
+        return
+    if config.noise_correlation is not None:
         raise ValueError(
             f"noise_correlation={config.noise_correlation!r} resumes only with TrainingArguments(ignore_data_skip="
             "True): skipping the epoch's first batches would shift the cyclic groups against the steps"
+        )
+    if config.exact_resume:
+        raise ValueError(
+            "exact_resume=True resumes only with TrainingArguments(ignore_data_skip=True): skipping the epoch's first "
+            "batches would shift the batches against the steps they are keyed by"
         )

@@ -2,7 +2,9 @@
 ``fsdp_correlated_script.py``): each rank correlates the noise of its own shards, drawn from its shard-keyed noise
 streams, so with zero gradients the noise of every coordinate at step ``t`` must be ``(C^{-1} s Z)_t`` where ``Z`` is
 what the independent-noise run of the same seed adds to that coordinate (the same streams, the same draws), for banded
-and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's."""
+and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's.
+``exact_resume=True`` is refused there on every rank (a checkpoint written by one rank cannot hold every shard's
+noise streams)."""
 
 from __future__ import annotations
 
@@ -39,3 +41,8 @@ def test_the_sharded_run_reports_its_plans_epsilon(ranks, kind):
         and summary["accountant"] == {"banded": "banded-mf", "blt": "blt-minsep"}[kind]
     )
     assert ranks[0][kind]["epsilon"] == ranks[1][kind]["epsilon"] == summary["epsilon"]
+
+
+def test_exact_resume_is_refused_on_sharded_parameters(ranks):
+    for rank in ranks:
+        assert rank["exact_resume_refused"].startswith("exact_resume=True is not supported on FSDP2-sharded parameters")

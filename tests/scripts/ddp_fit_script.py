@@ -1,5 +1,6 @@
 """Run by tests/engine/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
-[--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B | --blt D] [--sample-rate Q]``
+[--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B | --blt D] [--sample-rate Q]
+[--exact-resume]``
 trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
@@ -8,7 +9,8 @@ function of the example (``helpers.example_user``), 2 users per rank and micro-b
 adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correlation='banded'`` with
 ``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; ``--blt D`` likewise with
 ``noise_correlation='blt'`` and ``correlation_buffers=D``; every rank also writes the dataset indices of each of its
-batches (``batches``, empty without correlated noise) and its sampler's partition (``groups``, ``None`` without)."""
+batches (``batches``, empty without correlated noise) and its sampler's partition (``groups``, ``None`` without).
+``--exact-resume``: ``exact_resume=True``."""
 
 import argparse
 import sys
@@ -37,6 +39,7 @@ if __name__ == "__main__":
     parser.add_argument("--banded", type=int, default=None, help="noise_correlation='banded', this band")
     parser.add_argument("--blt", type=int, default=None, help="noise_correlation='blt', these buffers")
     parser.add_argument("--sample-rate", type=float, default=None)
+    parser.add_argument("--exact-resume", action="store_true")
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
@@ -56,6 +59,8 @@ if __name__ == "__main__":
     correlated = args.banded is not None or args.blt is not None
     if args.sample_rate is not None:
         options["sample_rate"] = args.sample_rate
+    if args.exact_resume:
+        options["exact_resume"] = True
     strategy = DPDDPStrategy(
         noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **options
     )

@@ -5,7 +5,8 @@ learning rate 1, q = 1/2 (64 examples, per-rank batch 16), seed 7, 6 steps, thre
 (``noise_correlation=None``), ``"banded"`` (``correlation_band=2``) and ``"blt"`` (``correlation_buffers=2``). Each
 rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters after every step (the first entry: before
 training), the expected batch ``q N``, the plan's strategy and scale ``s`` (``None`` for independent noise), the
-engine's epsilon and the privacy summary."""
+engine's epsilon and the privacy summary; and under ``"exact_resume_refused"`` the message of the refused
+``exact_resume=True`` run (``None`` if it trained)."""
 
 import sys
 from pathlib import Path
@@ -76,25 +77,34 @@ class Iterates(Callback):
         self.params.append(gathered(pl_module.net))
 
 
+def sharded_trainer(strategy: DPModelParallelStrategy, callbacks: list[Callback]) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    result = {}
+    result: dict = {"exact_resume_refused": None}
     rank = 0
     for name, options in RUNS.items():
         strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, seed=7, **options)
         iterates = Iterates()
-        trainer = pl.Trainer(
-            strategy=strategy,
-            accelerator="cpu",
-            devices=2,
-            max_steps=STEPS,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[iterates],
-        )
+        trainer = sharded_trainer(strategy, [iterates])
         trainer.fit(ZeroGradMLP())
         rank = trainer.global_rank
         result[name] = zero_gradient_run(strategy.privacy_engine, iterates.params, trainer.lightning_module)
+    exact = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, seed=7, exact_resume=True)
+    try:  # refused on every rank before any collective of the run
+        sharded_trainer(exact, []).fit(ZeroGradMLP())
+    except ValueError as error:
+        result["exact_resume_refused"] = str(error)
     torch.save(result, out / f"rank{rank}.pt")

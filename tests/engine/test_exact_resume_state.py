@@ -1,0 +1,111 @@
+"""The pieces of ``exact_resume``: :meth:`DPRandomness.state_dict` continues every noise stream where it was saved
+(on each device the run uses), the sampler keyed by the step draws step ``t``'s batch from ``t`` alone, and a noise
+stream read back onto the CPU continues on the device of the next draw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dp.correlated_noise import BandedNoise, optimize_banded
+from lightning_dp.data.poisson import PoissonBatchSampler
+from lightning_dp.runtime.randomness import DPRandomness
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_restored_randomness_continues_every_stream(device):
+    saved = DPRandomness(seed=3)
+    for purpose in (saved.noise_generator, saved.projection_generator):
+        torch.randn(5, device=device, generator=purpose(device))
+    torch.randn(4, device=device, generator=saved.noise_generator(device, shard=(1, 0)))
+    state = saved.state_dict()
+    restored = DPRandomness(seed=99)  # another seed: the state replaces it
+    restored.load_state_dict(state)
+    for draw in (
+        lambda r: r.noise_generator(device),
+        lambda r: r.projection_generator(device),
+        lambda r: r.noise_generator(device, shard=(1, 0)),
+    ):
+        assert torch.equal(
+            torch.randn(7, device=device, generator=draw(restored)),
+            torch.randn(7, device=device, generator=draw(saved)),
+        )
+    assert restored.base_seed == 3 and restored.step_sampling_seed(5) == saved.step_sampling_seed(5)
+
+
+def test_a_stream_the_checkpoint_drew_on_another_device_is_refused():
+    """Seeding it afresh would replay the draws the checkpoint's run already added on that other device."""
+    state = DPRandomness(seed=3).state_dict()
+    state["generators"] = {"noise/cuda/0/": torch.Generator().get_state()}  # as a checkpoint of a run on cuda:0
+    restored = DPRandomness(seed=3)
+    restored.load_state_dict(state)
+    restored.projection_generator("cpu")  # a stream the checkpoint does not hold starts from its seed
+    with pytest.raises(RuntimeError, match="noise stream was drawn as \\['noise/cuda/0/'\\].*another device"):
+        restored.noise_generator("cpu")
+
+
+def test_sharing_the_same_seed_again_continues_the_streams():
+    """A second ``fit`` on several processes shares rank 0's seed again: the noise and sampling streams continue
+    (re-deriving them would replay the first fit's noise and batches)."""
+    randomness, reference = DPRandomness(seed=0), DPRandomness(seed=0)
+    for r in (randomness, reference):
+        r.share(5, rank=1)
+        torch.randn(3, generator=r.noise_generator("cpu")), torch.rand(3, generator=r.sampling)
+    randomness.share(5, rank=1)
+    assert torch.equal(
+        torch.randn(3, generator=randomness.noise_generator("cpu")),
+        torch.randn(3, generator=reference.noise_generator("cpu")),
+    )
+    assert torch.equal(torch.rand(3, generator=randomness.sampling), torch.rand(3, generator=reference.sampling))
+    randomness.share(6, rank=1)  # another seed (a restart's fresh one): the streams are derived from it
+    assert randomness.base_seed == 6
+
+
+def test_secure_randomness_and_malformed_states_are_refused():
+    with pytest.raises(ValueError, match="cannot be saved"):
+        DPRandomness(secure=True).state_dict()
+    with pytest.raises(ValueError, match="not a saved DPRandomness state"):
+        DPRandomness(seed=0).load_state_dict({"base_seed": 0, "restart": -1, "generators": {}})
+    with pytest.raises(ValueError, match="not a saved DPRandomness state"):
+        DPRandomness(seed=0).load_state_dict({"base_seed": 0, "restart": 0, "generators": {"noise/cpu/0/": [1]}})
+
+
+def test_the_sampler_keyed_by_the_step_draws_each_step_from_the_step_alone():
+    randomness = DPRandomness(seed=0)
+
+    def sampler(first: int) -> PoissonBatchSampler:
+        return PoissonBatchSampler(
+            100,
+            0.1,
+            num_steps=6,
+            generator=torch.Generator(),
+            next_step=lambda: first,
+            step_seed=randomness.step_sampling_seed,
+        )
+
+    whole = list(sampler(0))
+    torch.rand(17, generator=sampler(3).generator)  # whatever the generator drew before
+    assert list(sampler(3))[:3] == whole[3:]
+    unkeyed = PoissonBatchSampler(100, 0.1, num_steps=6, generator=torch.Generator().manual_seed(0))
+    assert list(unkeyed) != whole
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_noise_stream_read_onto_the_cpu_continues_on_the_draws_device(device):
+    strategy = optimize_banded(8, 3, max_participations=1)
+    generator = torch.Generator(device=device).manual_seed(0)
+    draws = [[torch.randn(4, 2, device=device, generator=generator)] for _ in range(6)]
+    whole = BandedNoise(strategy)
+    outputs = [whole.correlate(z) for z in draws]
+    cut = BandedNoise(strategy)
+    for z in draws[:4]:
+        cut.correlate(z)
+    state = cut.state_dict()
+    state["state"] = [[t.cpu() for t in vector] for vector in state["state"]]  # as torch.load(map_location="cpu")
+    resumed = BandedNoise(strategy)
+    resumed.load_state_dict(state)
+    for z, expected in zip(draws[4:], outputs[4:], strict=True):
+        (got,) = resumed.correlate(z)
+        assert got.device == z[0].device and torch.equal(got, expected[0])
