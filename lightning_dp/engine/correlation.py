@@ -324,7 +324,7 @@ def plan_correlation(
     restored: dict[str, Any] | None,
     segment: int,
     workload: Workload | None = None,
-) -> CorrelationPlan:
+) -> BandedPlan | BLTPlan:
     """The :class:`CorrelationPlan` of a start of training.
 
     Args:

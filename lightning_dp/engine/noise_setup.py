@@ -3,8 +3,12 @@ asked) and the accountant."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 from lightning_dp.accounting import make_accountant
 from lightning_dp.accounting.banded_mf import BandedMFEvent
@@ -13,7 +17,7 @@ from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, DEFAULT
 from lightning_dp.correlated_noise.workloads import Workload
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
-from lightning_dp.engine.correlation import plan_correlation
+from lightning_dp.engine.correlation import BandedPlan, BLTPlan, plan_correlation
 from lightning_dp.engine.exact_resume import continues_segment
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
@@ -101,16 +105,17 @@ class NoiseSetup:
             # a checkpoint's strategy on resume; on a second fit of the same run, the first fit's: sigma, b and C stay
             # those the ledger holds (the accountant refuses a change)
             kept = state.correlation.checkpoint_entry() if state.correlation is not None else state.restored_correlation
-            state.correlation = plan_correlation(
+            plan = functools.partial(
+                plan_correlation,
                 config.noise_correlation,
                 band=config.correlation_band,
                 buffers=buffers,
                 sample_rate=float(sample_rate),
                 planned_steps=total_steps,
-                restored=kept,
                 segment=self._next_segment(),
                 workload=workload,
             )
+            state.correlation = self._rank_zeros_plan(plan, kept)
         if state.mechanism is None:
             state.mechanism = self._calibrate(total_steps)
         if state.accountant is None:
@@ -128,6 +133,21 @@ class NoiseSetup:
             state.sum_mechanism = state.correlation.sum_mechanism(state.mechanism)
             if state.accountant.ledger:  # refused now, before a step is applied, not when the step is recorded
                 state.accountant.copy().compose(self.ledger.step_event())
+
+    def _rank_zeros_plan(
+        self, plan: Callable[..., BandedPlan | BLTPlan], kept: dict[str, Any] | None
+    ) -> BandedPlan | BLTPlan:
+        """``plan(restored=kept)``; for a newly optimised ``C`` on several processes, rank 0's: each rank optimises it,
+        then adopts rank 0's coefficients (optimisers on different machines can differ in the last bits, and the ranks
+        must add the same noise)."""
+        planned = plan(restored=kept)
+        distributed = self.state.distributed
+        if kept is not None or distributed is None:
+            return planned
+        entry = distributed.broadcast_object(planned.checkpoint_entry())
+        if entry == planned.checkpoint_entry():
+            return planned
+        return dataclasses.replace(plan(restored=entry), workload=planned.workload)
 
     def _next_segment(self) -> int:
         """The segment of this start of training: 0 on a fresh ledger, the last one when an exact resume continues

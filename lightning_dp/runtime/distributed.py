@@ -96,6 +96,12 @@ class DistributedContext:
         received = int(buffer.item())
         return received + 2**64 if received < 0 else received
 
+    def broadcast_object(self, value: Any) -> Any:
+        """Rank 0's ``value`` (picklable), on every rank."""
+        values = [value]
+        dist.broadcast_object_list(values, src=self._global_rank_zero(), group=self.group)
+        return values[0]
+
     def _global_rank_zero(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 

@@ -8,12 +8,18 @@ one-process run of the same seed."""
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import BatchIndexRecorder, TinyRegressor, make_trainer
 from process_helpers import fit_on_two_processes
 
 from lightning_dp import DPStrategy
+from lightning_dp.correlated_noise.workloads import Workload
+from lightning_dp.engine.correlation import plan_correlation
+from lightning_dp.engine.noise_setup import NoiseSetup
 
 WORLD = 2
 
@@ -137,3 +143,28 @@ def test_a_resume_on_two_processes_is_the_one_process_resume(tmp_path):
     assert a["epsilon"] == pytest.approx(engine.epsilon(), rel=1e-12)
     for got, want in zip(a["params"], module.parameters(), strict=True):
         torch.testing.assert_close(got, want.detach())
+
+
+def test_every_rank_adopts_rank_zeros_strategy():
+    """Each rank optimises ``C``; one whose optimiser ended a last bit away from rank 0's (another machine) adopts rank
+    0's coefficients, so the ranks add the same noise and pass the start-of-training check (in-process, with rank 1's
+    broadcast faked)."""
+
+    class RankOne:
+        def broadcast_object(self, entry: dict) -> dict:  # rank 0's entry: its coefficients differ in the last bits
+            return {**entry, "coefs": [entry["coefs"][0]] + [c * (1 + 1e-15) for c in entry["coefs"][1:]]}
+
+    plan = functools.partial(
+        plan_correlation,
+        "banded",
+        band=4,
+        buffers=None,
+        sample_rate=0.1,
+        planned_steps=20,
+        segment=0,
+        workload=Workload(20, momentum=0.9),
+    )
+    mine = plan(restored=None)
+    adopted = NoiseSetup(SimpleNamespace(distributed=RankOne()), None, None)._rank_zeros_plan(plan, None)
+    assert adopted.checkpoint_entry() == RankOne().broadcast_object(mine.checkpoint_entry()) != mine.checkpoint_entry()
+    assert adopted.workload == mine.workload and adopted.segment == 0
