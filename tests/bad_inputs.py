@@ -421,6 +421,19 @@ def _hf_resume(options: dict[str, Any]) -> Any:
         return trainer.train(resume_from_checkpoint=str(Path(tmp) / "checkpoint-2"))
 
 
+def _hf_pushed_secret() -> Any:
+    """``exact_resume`` with checkpoint folders pushed to the Hub: refused before the Trainer sets up the repository
+    (so no network is needed)."""
+    from lightning_dp.hf import DPTrainer, PrivacyArguments
+    from tests.hf_helpers import TokenDataset, tiny_gpt2, training_args
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = training_args(tmp)
+        args.push_to_hub, args.hub_strategy = True, "checkpoint"
+        privacy = PrivacyArguments(noise_multiplier=1.0, exact_resume=True)
+        return DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=privacy)
+
+
 # ---------------------------------------------------------------------------------------------------- cases
 CASES: list[BadInput] = [
     # DPStrategy arguments, rejected at construction
@@ -558,6 +571,18 @@ CASES: list[BadInput] = [
         "exact_resume=True, privacy_unit='user'",
         _strategy(noise_multiplier=1.0, exact_resume=True, privacy_unit="user", user_key="user"),
         r"exact_resume=True cannot continue this run \(privacy_unit='user'",
+    ),
+    BadInput(
+        "DPStrategy",
+        "exact_resume=True, poisson_sampling=False",
+        _strategy(noise_multiplier=1.0, exact_resume=True, poisson_sampling=False),
+        r"exact_resume=True cannot continue this run \(poisson_sampling=False",
+    ),
+    BadInput(
+        "DPStrategy",
+        "exact_resume=True, clipping='hutch'",
+        _strategy(noise_multiplier=1.0, exact_resume=True, clipping="hutch"),
+        r"exact_resume=True cannot continue this run \(clipping='hutch' draws projections per rank",
     ),
     BadInput(
         "DPStrategy",
@@ -861,6 +886,12 @@ CASES: list[BadInput] = [
         "exact_resume=True: train(resume_from_checkpoint=...) with ignore_data_skip=False",
         _hf_skipping_resume(exact_resume=True),
         r"exact_resume=True resumes only with TrainingArguments\(ignore_data_skip=True\)",
+    ),
+    BadInput(
+        "HF DPTrainer",
+        "exact_resume=True with push_to_hub=True, hub_strategy='checkpoint'",
+        _hf_pushed_secret,
+        r"exact_resume=True with push_to_hub and hub_strategy='checkpoint' would upload",
     ),
     # command line
     BadInput(

@@ -144,14 +144,24 @@ def check_noise_correlation(config: PrivacyConfig) -> None:
 
 def check_exact_resume(config: PrivacyConfig) -> None:
     """``exact_resume=True`` continues streams a checkpoint keeps: not those of ``secure_mode`` (fresh OS entropy at
-    every request) or the users' subsets of ``privacy_unit='user'`` (drawn by a count the loader keeps).
+    every request), the users' subsets of ``privacy_unit='user'`` (drawn by a count the loader keeps), the batches of
+    ``poisson_sampling=False`` (the user's sampler) or the projections of ``hutch``/``hutchpp`` (one stream per rank,
+    drawn by its batch size, of which a checkpoint keeps rank 0's).
 
     Raises:
-        ValueError: ``exact_resume=True`` with ``secure_mode=True`` or ``privacy_unit='user'``.
+        ValueError: ``exact_resume=True`` with any of them.
     """
-    if config.exact_resume and (config.secure_mode or config.privacy_unit == "user"):
-        why = "secure_mode=True draws fresh OS entropy" if config.secure_mode else "privacy_unit='user' draws subsets"
-        raise ValueError(
-            f"exact_resume=True cannot continue this run ({why} that a checkpoint does not keep): remove exact_resume "
-            "(a resume then draws fresh streams)"
-        )
+    if not config.exact_resume:
+        return
+    why = {
+        "secure_mode=True draws fresh OS entropy": config.secure_mode,
+        "privacy_unit='user' draws subsets": config.privacy_unit == "user",
+        "poisson_sampling=False takes batches from your sampler": not config.poisson_sampling,
+        f"clipping={config.clipping!r} draws projections per rank": config.randomized_clipping,
+    }
+    for reason, applies in why.items():
+        if applies:
+            raise ValueError(
+                f"exact_resume=True cannot continue this run ({reason} that a checkpoint does not keep): remove "
+                "exact_resume (a resume then draws fresh streams)"
+            )

@@ -115,7 +115,8 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         num_samples: dataset size N.
         sample_rate: the nominal rate ``q``; each step samples its group at ``b q``.
         num_groups: ``b >= 1``.
-        key: the partition's key (:func:`cyclic_groups`).
+        key: the partition's key (:func:`cyclic_groups`), or a function returning it, read when a pass starts (a key
+            the run's randomness fixes after the sampler is built: a checkpoint's, rank 0's).
         next_step: the optimizer step the first batch of a pass is used at (the run's step count), read when a pass
             starts.
         **kwargs: the other arguments of :class:`~lightning_dp.data.poisson.PoissonBatchSampler` (``num_steps``,
@@ -132,21 +133,28 @@ class CyclicPoissonBatchSampler(PoissonBatchSampler):
         sample_rate: float,
         *,
         num_groups: int,
-        key: int,
+        key: int | Callable[[], int],
         next_step: Callable[[], int],
         **kwargs: Any,
     ) -> None:
         super().__init__(num_samples, sample_rate, next_step=next_step, **kwargs)
         self.num_groups = int(num_groups)
         self.group_rate = group_sample_rate(self.num_groups, self.sample_rate)
-        #: ``[N]`` each example's group (by global index, the same on every rank), fixed for the sampler's life.
-        self.groups = cyclic_groups(num_samples, self.num_groups, key)
-        #: ``[len(shard)]`` the groups of this rank's shard
-        self.shard_groups = self.groups[self.shard]
+        self._key = key if callable(key) else lambda: key
+        self._partition: tuple[int, torch.Tensor] | None = None  # (key, groups) of the last pass
+
+    @property
+    def groups(self) -> torch.Tensor:
+        """``[N]`` each example's group (by global index, the same on every rank), for the current key."""
+        key = int(self._key())
+        if self._partition is None or self._partition[0] != key:
+            self._partition = key, cyclic_groups(self.num_samples, self.num_groups, key)
+        return self._partition[1]
 
     def _logical_batches(self) -> Iterator[torch.Tensor]:
         """Step ``t`` of the pass (``t`` from :attr:`next_step`): the examples of group ``t mod b`` whose uniform is
         below ``q_b``, among this rank's shard; one uniform per example of the shard is drawn at every step."""
+        shard_groups = self.groups[self.shard]  # the key read once per pass
         for step in self._steps():
             included = torch.rand(len(self.shard), generator=self.generator) < self.group_rate
-            yield self.shard[included & (self.shard_groups == step % self.num_groups)]
+            yield self.shard[included & (shard_groups == step % self.num_groups)]

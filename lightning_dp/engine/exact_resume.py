@@ -25,9 +25,11 @@ SECRET_KEY = "exact_resume"
 
 
 def secret_state(run: RunState) -> dict[str, Any]:
-    """``{"randomness": ..., "noise_streams": [...]}``: what :func:`restore_secret_state` continues from. It reveals the
-    noise: for a private resume file only (docs/privacy.md)."""
-    return {"randomness": run.randomness.state_dict(), "noise_streams": [s.state_dict() for s in run.noise_streams]}
+    """``{"randomness": ..., "noise_streams": [...]}``: what :func:`restore_secret_state` continues from (a restored
+    stream no optimizer has taken yet included). It reveals the noise: for a private resume file only
+    (docs/privacy.md)."""
+    streams = [s.state_dict() for s in run.noise_streams] + list(run.restored_noise_streams or [])
+    return {"randomness": run.randomness.state_dict(), "noise_streams": streams}
 
 
 def restore_secret_state(run: RunState, saved: Any) -> None:

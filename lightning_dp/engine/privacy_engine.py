@@ -273,6 +273,13 @@ class PrivacyEngine:
         return wrapped
 
     # ---------------------------------------------------------------------------------------- run sequence
+    def join_processes(self, distributed: DistributedContext | None) -> None:
+        """Before anything of the run is built (a training loader built while the trainer sets up): the process group
+        the loader samples this rank's shard of, and rank 0's base seed (:meth:`start_run` does it again, a no-op)."""
+        self.state.distributed = distributed
+        if distributed is not None:
+            distributed.synchronize_randomness(self.state.randomness)
+
     def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_run`."""
         self._optimizers, self.state.noise_streams = [], []

@@ -114,7 +114,7 @@ class StartupBlock:
             )
         if state.config.exact_resume:
             secret = "hold the secret randomness and noise state (exact_resume): keep them as private as the data"
-            lines.append(_row("checkpoints", secret))
+            lines += [_row("checkpoints", secret), _row("", "and resume each once (a second resume replays its noise)")]
         defaults = state.defaults_applied or ["none"]
         lines.append(_row("defaults applied", defaults[0]))
         lines += [_row("", default) for default in defaults[1:]]

@@ -200,7 +200,7 @@ class RunSequence:
             return functools.partial(PoissonBatchSampler, **steps)
         groups = config.correlation_band if config.noise_correlation == "banded" else blt_num_groups(sample_rate)
         assert groups is not None  # PrivacyConfig requires the band of noise_correlation='banded'
-        key = randomness.stream_seed("cyclic groups")
+        key = functools.partial(randomness.stream_seed, "cyclic groups")  # read as each pass starts
         return functools.partial(CyclicPoissonBatchSampler, num_groups=groups, key=key, **steps)
 
     def _users(self, dataset: Any, user_ids: Sequence[Hashable] | None) -> UserDataset:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pickle
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from typing_extensions import override
 
 from lightning_dp.engine.adapter import EpsilonBudget
+from lightning_dp.engine.exact_resume import SECRET_KEY
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.runtime.checkpoints import atomic_save, atomic_write_bytes
 
@@ -23,13 +25,15 @@ log = logging.getLogger("lightning_dp")
 
 #: File holding the privacy state (ledger, mechanism, delta, sample rate) in each Trainer checkpoint folder.
 PRIVACY_STATE_NAME = "lightning_dp_privacy.json"
+#: The JSON entry pairing the privacy state with its secret file (``exact_resume``): a random token both hold.
+SECRET_TOKEN = "exact_resume_token"
 #: Files holding the parts of the privacy state that are tensors (so not JSON) next to it, when the run has them:
 #: the low-pass filter's past values, the per-sample momentum's stored iterates and, with ``exact_resume``, the run's
 #: secret randomness and noise streams (a file to keep private: it reveals the noise).
 TENSOR_STATE_NAMES = {
     "lowpass": "lightning_dp_lowpass.pt",
     "momentum": "lightning_dp_momentum.pt",
-    "exact_resume": "lightning_dp_exact_resume.pt",
+    SECRET_KEY: "lightning_dp_exact_resume.pt",
 }
 
 
@@ -100,6 +104,10 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
         tensor_path = Path(checkpoint) / name
         if tensor_path.is_file():
             state[key] = load_checkpoint_tensors(tensor_path, "the privacy ledger is never reset to 0")
+    token, secret = state.pop(SECRET_TOKEN, None), state.get(SECRET_KEY)
+    if isinstance(secret, dict) and (token is None or secret.pop("token", None) != token):
+        log.warning("%s was not written with this checkpoint's privacy state: ignored", TENSOR_STATE_NAMES[SECRET_KEY])
+        del state[SECRET_KEY]
     engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 
@@ -124,11 +132,13 @@ class PrivacyStateCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         """Before the Trainer writes ``checkpoint-STEP`` (``control.should_save``, set by the flow callback that runs
-        first), remove a privacy state left there by an earlier run: the Trainer writes the folder in place, and a
-        kill mid-write would otherwise leave new files under an old marker that resuming trusts."""
+        first), remove a privacy state left there by an earlier run, its tensor files included: the Trainer writes the
+        folder in place, and a kill mid-write would otherwise leave new files under an old marker that resuming trusts
+        (or an earlier run's secret state beside this run's)."""
         if control.should_save and state.is_world_process_zero:
-            marker = checkpoint_folder(args, state) / PRIVACY_STATE_NAME
-            marker.unlink(missing_ok=True)
+            folder = checkpoint_folder(args, state)
+            for name in (PRIVACY_STATE_NAME, *TENSOR_STATE_NAMES.values()):
+                (folder / name).unlink(missing_ok=True)
         return control
 
     @override
@@ -142,6 +152,8 @@ class PrivacyStateCallback(TrainerCallback):
             return control
         folder = written_checkpoint_folder(args, state, "DPTrainer's privacy state")
         tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
+        if SECRET_KEY in tensor_states:  # paired with this JSON state: no other run's secret file is ever continued
+            privacy_state[SECRET_TOKEN] = tensor_states[SECRET_KEY]["token"] = secrets.token_hex(16)
         for key, tensor_state in tensor_states.items():
             atomic_save(tensor_state, folder / TENSOR_STATE_NAMES[key])
         # last and atomic: its presence marks the folder complete

@@ -60,12 +60,17 @@ def warn_ignored_without_dp(config: PrivacyConfig) -> None:
         log.warning("disable_dp=True: privacy_unit='user' is ignored (the Trainer's own batches of examples)")
 
 
+#: ``hub_strategy`` values that push whole checkpoint folders (``HubStrategy`` is a ``str`` enum).
+_PUSHED_CHECKPOINTS = ("checkpoint", "all_checkpoints")
+
+
 def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArguments) -> None:
     """Reject training arguments DP training does not support, saying what to change; switch off the Trainer's
     default batch clipping (``max_grad_norm=1.0``) with a log line.
 
     Raises:
-        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default.
+        ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default; ``exact_resume``
+            with a push of checkpoint folders to the Hub (they would publish its secret state).
     """
     checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
     kwargs = dict(args.gradient_checkpointing_kwargs or {})
@@ -82,6 +87,13 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
     for name, is_set in active.items():
         if is_set:
             raise ValueError(f"DPTrainer does not support {name}: {_UNSUPPORTED[name]}")
+    hub_strategy = getattr(args.hub_strategy, "value", args.hub_strategy)
+    if privacy_args.exact_resume and args.push_to_hub and hub_strategy in _PUSHED_CHECKPOINTS:
+        raise ValueError(
+            f"exact_resume=True with push_to_hub and hub_strategy={hub_strategy!r} would upload the "
+            "checkpoints' secret state (it reveals the noise): use hub_strategy='every_save' or 'end', or remove "
+            "exact_resume"
+        )
     clipping = framework_clipping(args.max_grad_norm, framework_default=_HF_DEFAULT_MAX_GRAD_NORM)
     if clipping == "refuse":
         raise ValueError(

@@ -34,6 +34,7 @@ from lightning_dp.engine.adapter import (
     rank_zero_logging,
     stop_rank_zero_logging,
 )
+from lightning_dp.engine.exact_resume import SECRET_KEY
 from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import (
     Held,
@@ -156,6 +157,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
                 f"{type(self).__name__}(max_grad_norm=...)"
             )
+        if trainer.state.fn == "fit":  # before Lightning's setup, where configure_optimizers may build the loader
+            self.privacy_engine.join_processes(self._distributed)
         super().setup(trainer)
         if trainer.state.fn == "fit":
             if not self.lightning_module.automatic_optimization:
@@ -365,10 +368,13 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     # ---------------------------------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Add the privacy state (ledger, mechanism, lowpass filter state; never generators) under
+        """Add the privacy state (ledger, mechanism, lowpass filter state; generators and noise streams only with
+        ``exact_resume``, and never in a weights-only checkpoint, which cannot resume) under
         ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
+            if "optimizer_states" not in checkpoint:  # weights only: the file users release
+                checkpoint["lightning_dp"].pop(SECRET_KEY, None)
         self._write_checkpoint(checkpoint, filepath, storage_options)
 
     def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:

@@ -44,7 +44,7 @@ class DPRandomness:
 
     Args:
         seed: base seed for reproducible experiments; ``None`` (recommended for real runs) draws 64 bits from
-            ``os.urandom``. Never checkpointed.
+            ``os.urandom``. Checkpointed only with ``exact_resume`` (:meth:`state_dict`).
         secure: reseed the noise and projection generators from ``os.urandom`` at every request.
 
     Raises:
@@ -67,7 +67,7 @@ class DPRandomness:
 
     @property
     def base_seed(self) -> int:
-        """The base seed (64 bits) every stream is derived from; never checkpointed."""
+        """The base seed (64 bits) every stream is derived from; checkpointed only with ``exact_resume``."""
         return self._base
 
     def stream_seed(self, purpose: str) -> int:
@@ -175,16 +175,18 @@ class DPRandomness:
 
     def state_dict(self) -> dict[str, Any]:
         """The run's secret randomness, for ``exact_resume``: the base seed, the restart count and the state of every
-        noise and projection generator created so far (``{name: uint8 tensor}``). Whoever holds it can recompute the
-        noise: it belongs in a private resume file, never in a released checkpoint (docs/design.md section 2.3).
+        noise and projection generator created so far or restored and not used since (``{name: uint8 tensor}``).
+        Whoever holds it can recompute the noise: it belongs in a private resume file, never in a released checkpoint
+        (docs/design.md section 2.3).
 
         Raises:
             ValueError: in secure mode (its streams are fresh OS entropy, which cannot be continued).
         """
         if self.secure:
             raise ValueError("secure_mode=True draws fresh OS entropy for every request: its streams cannot be saved")
-        generators = {self._stream_name(key): generator.get_state() for key, generator in self._generators.items()}
-        return {"base_seed": self._base, "restart": self._restart, "generators": generators}
+        live = {self._stream_name(key): generator.get_state() for key, generator in self._generators.items()}
+        # a restored stream not requested since is saved as restored: without it a later resume would start it afresh
+        return {"base_seed": self._base, "restart": self._restart, "generators": {**self._saved_states, **live}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the streams of :meth:`state_dict` (a resume that does not :meth:`restart`): the base seed and the

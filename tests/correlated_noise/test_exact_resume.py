@@ -23,11 +23,11 @@ NOISES = {
 }
 
 
-def _fit(ckpt_path=None, checkpoints=None, *, exact_resume: bool = True, **options):
+def _fit(ckpt_path=None, checkpoints=None, *, exact_resume: bool = True, seed: int | None = 0, **options):
     """A run planned for ``STEPS`` steps (from ``ckpt_path``), with batch 8 of 64 examples (q = 1/8: banded samples
     its group at q_b = 1/2, BLT cycles over b = 8 groups); with ``checkpoints`` a folder, a checkpoint every ``CUT``
     steps."""
-    strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=exact_resume, **options)
+    strategy = DPStrategy(noise_multiplier=1.0, seed=seed, exact_resume=exact_resume, **options)
     torch.manual_seed(0)
     module = TinyRegressor(batch_size=8)
     callbacks: list = [BatchIndexRecorder(regression_data().tensors[0])]
@@ -45,9 +45,11 @@ def _interrupted(tmp_path, **options):
     return whole, _fit(cut, **options)
 
 
-@pytest.mark.parametrize("noise", list(NOISES))
-def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, noise):
-    (_, whole, whole_module, whole_batches), (_, resumed, module, batches) = _interrupted(tmp_path, **NOISES[noise])
+@pytest.mark.parametrize(("noise", "seed"), [("independent", 0), ("banded", 0), ("blt", 0), ("banded", None)], ids=str)
+def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, noise, seed):
+    """Also unseeded (OS entropy): the checkpoint's base seed is what keeps the partition and the streams."""
+    whole_run, resumed_run = _interrupted(tmp_path, seed=seed, **NOISES[noise])
+    (_, whole, whole_module, whole_batches), (_, resumed, module, batches) = whole_run, resumed_run
     assert batches == whole_batches[CUT:] and any(batches)  # the same examples at every resumed step
     for got, want in zip(module.parameters(), whole_module.parameters(), strict=True):
         assert torch.equal(got, want)
@@ -79,11 +81,34 @@ def _saved(folder, exact_resume: bool) -> dict:
 
 
 def test_the_checkpoint_holds_the_secret_state_only_with_the_option(tmp_path):
+    """Not in a weights-only checkpoint either (it cannot resume, and it is the file users release)."""
     secret = _saved(tmp_path / "exact", exact_resume=True)[SECRET_KEY]
     (stream,) = secret["noise_streams"]
     assert stream["step"] == CUT and len(stream["state"]) == 3  # b - 1 past noise vectors
     assert secret["randomness"]["base_seed"] == 0 and secret["randomness"]["generators"]
     assert SECRET_KEY not in _saved(tmp_path / "plain", exact_resume=False)
+    trainer, *_ = _fit(**NOISES["banded"])
+    trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+    assert SECRET_KEY not in torch.load(tmp_path / "weights.ckpt", weights_only=False)["lightning_dp"]
+
+
+def test_a_restored_state_is_saved_again_until_used_and_a_later_load_clears_it(tmp_path):
+    """A checkpoint written between a restore and the first step keeps the restored noise streams (not an empty list,
+    which a resume would refuse, nor fresh streams); a later load of a checkpoint without the secret state leaves
+    nothing of the first load to continue, so its correlation restarts."""
+    saved = _saved(tmp_path / "exact", exact_resume=True)
+    engine = DPStrategy(noise_multiplier=1.0, exact_resume=True, **NOISES["banded"]).privacy_engine
+    engine.load_state_dict(saved)
+    again = engine.state_dict()[SECRET_KEY]
+    assert again["randomness"]["base_seed"] == 0 and again["randomness"]["generators"].keys() == {"noise/cpu/0/"}
+    (stream,) = again["noise_streams"]
+    assert stream["step"] == CUT and all(
+        torch.equal(a, b)
+        for u, v in zip(stream["state"], saved[SECRET_KEY]["noise_streams"][0]["state"], strict=True)
+        for a, b in zip(u, v, strict=True)
+    )
+    engine.load_state_dict({key: value for key, value in saved.items() if key != SECRET_KEY})
+    assert engine.state.restored_noise_streams is None
 
 
 def test_a_checkpoint_without_the_secret_state_restarts_with_a_warning(tmp_path, caplog):

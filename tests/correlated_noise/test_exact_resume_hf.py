@@ -4,6 +4,8 @@ parameters bit for bit, one segment of the ledger and the same epsilon, for inde
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from hf_helpers import NO_DROPOUT, TokenDataset, make_trainer, tiny_gpt2
@@ -20,11 +22,12 @@ NOISES = {
 ARGS = dict(max_steps=10, save_strategy="steps", save_steps=4, logging_steps=100, ignore_data_skip=True)
 
 
-def _train(tmp_path, resume_from_checkpoint=None, **noise):
+def _train(tmp_path, resume_from_checkpoint=None, *, exact_resume=True, max_steps=10, **noise):
     privacy = PrivacyArguments(
-        noise_multiplier=1.0, dp_seed=0, exact_resume=True, check_batch_independence=False, **noise
+        noise_multiplier=1.0, dp_seed=0, exact_resume=exact_resume, check_batch_independence=False, **noise
     )
-    trainer = make_trainer(tiny_gpt2(**NO_DROPOUT), tmp_path, TokenDataset(), privacy=privacy, args=ARGS)
+    args = {**ARGS, "max_steps": max_steps}
+    trainer = make_trainer(tiny_gpt2(**NO_DROPOUT), tmp_path, TokenDataset(), privacy=privacy, args=args)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
@@ -42,3 +45,20 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, noise):
     assert engine.epsilon() == reference.epsilon()
     if noise != "independent":
         assert [(event.segment, count) for event, count in engine.accountant.ledger] == [(0, 10)]
+
+
+def test_a_secret_file_of_another_run_is_never_continued(tmp_path, caplog):
+    """A run rewriting a checkpoint folder removes the secret file an earlier run left there; one copied back (or
+    left by a kill) does not carry the folder's token, so a resume ignores it, says so, and restarts the streams."""
+    _train(tmp_path, max_steps=4, **NOISES["banded"])
+    secret = tmp_path / "checkpoint-4" / TENSOR_STATE_NAMES["exact_resume"]
+    stale = secret.read_bytes()
+    _train(tmp_path, exact_resume=False, max_steps=4, **NOISES["banded"])
+    assert not secret.exists()
+    secret.write_bytes(stale)
+    with caplog.at_level(logging.WARNING, logger="lightning_dp"):
+        resumed = _train(
+            tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "checkpoint-4"), **NOISES["banded"]
+        )
+    assert "lightning_dp_exact_resume.pt was not written with this checkpoint's privacy state: ignored" in caplog.text
+    assert [event.segment for event, _ in resumed.privacy_engine.accountant.ledger] == [0, 1]

@@ -4,10 +4,13 @@ stream read back onto the CPU continues on the device of the next draw."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from lightning_dp.correlated_noise import BandedNoise, optimize_banded
+from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, cyclic_groups
 from lightning_dp.data.poisson import PoissonBatchSampler
 from lightning_dp.runtime.randomness import DPRandomness
 
@@ -33,6 +36,41 @@ def test_a_restored_randomness_continues_every_stream(device):
             torch.randn(7, device=device, generator=draw(saved)),
         )
     assert restored.base_seed == 3 and restored.step_sampling_seed(5) == saved.step_sampling_seed(5)
+
+
+def test_a_restored_stream_not_used_yet_is_saved_again():
+    """A checkpoint written after a resume but before the first draw (a crash on the resumed run's first step) must
+    keep the restored states: without them a resume from it would start the streams afresh and replay their draws."""
+    saved = DPRandomness(seed=3)
+    torch.randn(5, generator=saved.noise_generator("cpu"))
+    restored = DPRandomness(seed=3)
+    restored.load_state_dict(saved.state_dict())
+    again = DPRandomness(seed=3)
+    again.load_state_dict(restored.state_dict())
+    assert torch.equal(
+        torch.randn(4, generator=again.noise_generator("cpu")), torch.randn(4, generator=saved.noise_generator("cpu"))
+    )
+
+
+def test_the_cyclic_partition_is_read_as_each_pass_starts():
+    """A sampler built before the run's randomness is restored (or shared from rank 0) samples the restored
+    partition."""
+    randomness = DPRandomness(seed=None)
+    sampler = CyclicPoissonBatchSampler(
+        64,
+        0.1,
+        num_groups=4,
+        key=functools.partial(randomness.stream_seed, "cyclic groups"),
+        next_step=lambda: 0,
+        generator=randomness.sampling,
+    )
+    before = sampler.groups.clone()
+    checkpoint = DPRandomness(seed=11)
+    randomness.load_state_dict(checkpoint.state_dict())
+    assert torch.equal(sampler.groups, cyclic_groups(64, 4, checkpoint.stream_seed("cyclic groups")))
+    assert not torch.equal(sampler.groups, before)
+    for t, batch in enumerate(list(sampler)[:4]):
+        assert set(sampler.groups[batch].tolist()) <= {t % 4}
 
 
 def test_a_stream_the_checkpoint_drew_on_another_device_is_refused():

@@ -1,6 +1,6 @@
 """Run by tests/engine/test_ddp.py: ``python ddp_fit_script.py OUT_DIR [--max-epochs E] [--resume CKPT]
 [--independence-every N] [--seed S] [--poison] [--users] [--adaptive] [--banded B | --blt D] [--sample-rate Q]
-[--exact-resume]``
+[--exact-resume] [--estimate-steps] [--unseeded]``
 trains TinyRegressor with DPDDPStrategy on 2 CPU processes through
 Lightning's own launcher; every rank writes what it ended with to ``OUT_DIR/rank{r}.pt`` (checkpoints, with
 ``--max-epochs``, go to ``OUT_DIR/ckpt``), including the optimizer steps on which its batch-independence checks
@@ -10,7 +10,10 @@ adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correl
 ``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; ``--blt D`` likewise with
 ``noise_correlation='blt'`` and ``correlation_buffers=D``; every rank also writes the dataset indices of each of its
 batches (``batches``, empty without correlated noise) and its sampler's partition (``groups``, ``None`` without).
-``--exact-resume``: ``exact_resume=True``."""
+``--exact-resume``: ``exact_resume=True``. ``--estimate-steps``: ``configure_optimizers`` reads
+``trainer.estimated_stepping_batches`` (Lightning's pattern for a schedule of the run's length), which builds the
+training loader while Lightning sets up, before the clipping hooks are attached. ``--unseeded``: ``seed=None`` (OS
+entropy, rank 0's shared), also with ``--banded`` / ``--blt``."""
 
 import argparse
 import sys
@@ -26,6 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 
 from helpers import ADAPTIVE_OPTIONS, USER_OPTIONS, BatchIndexRecorder, ClipBoundRecorder, TinyRegressor, make_trainer
 
+
+class EstimatingRegressor(TinyRegressor):
+    def configure_optimizers(self):
+        assert self.trainer.estimated_stepping_batches > 0  # builds the training loader
+        return super().configure_optimizers()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -40,10 +50,12 @@ if __name__ == "__main__":
     parser.add_argument("--blt", type=int, default=None, help="noise_correlation='blt', these buffers")
     parser.add_argument("--sample-rate", type=float, default=None)
     parser.add_argument("--exact-resume", action="store_true")
+    parser.add_argument("--estimate-steps", action="store_true")
+    parser.add_argument("--unseeded", action="store_true")
     args = parser.parse_args()
     checked: dict[str, list[int]] = {"gradient": [], "leave_half_out": []}
     torch.manual_seed(0)  # the same data on every rank; the parameters are broadcast from rank 0 anyway
-    module = TinyRegressor(batch_size=2 if args.users else 8)
+    module = (EstimatingRegressor if args.estimate_steps else TinyRegressor)(batch_size=2 if args.users else 8)
     if args.poison:
         module.data.tensors[0][3] = float("nan")
     initial = [p.detach().clone() for p in module.parameters()]
@@ -61,6 +73,8 @@ if __name__ == "__main__":
         options["sample_rate"] = args.sample_rate
     if args.exact_resume:
         options["exact_resume"] = True
+    if args.unseeded:
+        options["seed"] = None
     strategy = DPDDPStrategy(
         noise_multiplier=1.0, max_grad_norm=0.5, check_batch_independence_every=args.independence_every, **options
     )
