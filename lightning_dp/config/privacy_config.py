@@ -184,7 +184,8 @@ class PrivacyConfig:
         "write the run's secret randomness (base seed, noise generators' states, correlated noise's stream) into its "
         "checkpoints, so a resume continues the run exactly: the same batches (sampling keyed by the step), noise "
         "and, with ``noise_correlation``, one ledger segment. Such a checkpoint reveals the noise: keep it private "
-        "(docs/privacy.md). Not with ``secure_mode``, ``privacy_unit='user'`` or FSDP2-sharded parameters.",
+        "(docs/privacy.md). Not with ``secure_mode``, ``privacy_unit='user'``, ``poisson_sampling=False``, "
+        "``hutch``/``hutchpp`` or FSDP2-sharded parameters.",
         "Checkpoints hold the secret randomness so a resume continues the run exactly (keep them private).",
     )
     momentum_length: int = _option(

@@ -44,16 +44,15 @@ def restore_secret_state(run: RunState, saved: Any) -> None:
         raise ValueError(f"The checkpoint's {SECRET_KEY} entry is corrupted; resume from an intact checkpoint")
     streams = saved["noise_streams"]
     accountant = run.accountant
-    last_segment = accountant.segment_steps()[-1:] if isinstance(accountant, SegmentedAccountant) else []
-    if not all(isinstance(s, dict) and [s.get("step")] == last_segment for s in streams) or (
-        bool(streams) != bool(last_segment)
-    ):
+    segments = accountant.segment_steps() if isinstance(accountant, SegmentedAccountant) else []
+    steps = segments[-1] if segments else 0  # of the last segment: what each stream must have taken
+    if any(not isinstance(s, dict) or s.get("step") != steps for s in streams) or (steps and not streams):
         raise ValueError(
             f"The checkpoint's noise streams ({[s.get('step') if isinstance(s, dict) else s for s in streams]} steps) "
-            f"do not continue its ledger (last segment: {last_segment} steps); resume from an intact checkpoint"
+            f"do not continue its ledger (last segment: {steps} steps); resume from an intact checkpoint"
         )
     run.randomness.load_state_dict(saved["randomness"])
-    run.restored_noise_streams = list(streams)
+    run.restored_noise_streams = list(streams) if steps else None  # before any correlated step: nothing to continue
 
 
 def continues_segment(run: RunState) -> bool:
@@ -66,17 +65,35 @@ def continued_stream(run: RunState) -> CorrelatedNoise | None:
     resume the checkpoint's, continued; kept in ``run.noise_streams`` for the next checkpoint.
 
     Raises:
-        ValueError: the checkpoint's stream is of another kind or strategy.
+        ValueError: the checkpoint's stream is of another kind or strategy; more optimizers than the checkpoint's
+            streams.
     """
     if run.correlation is None:
         return None
     stream = run.correlation.noise_stream()
-    if run.restored_noise_streams:
+    if run.restored_noise_streams is not None:
+        if not run.restored_noise_streams:
+            raise ValueError(
+                "The checkpoint holds fewer noise streams than this run has optimizers: resume with the same optimizers"
+            )
         stream.load_state_dict(run.restored_noise_streams.pop(0))
-    if not run.restored_noise_streams:
-        run.restored_noise_streams = None  # consumed: a later fit of this run restarts the correlation
     run.noise_streams.append(stream)
     return stream
+
+
+def finish_restore(run: RunState) -> None:
+    """Once the optimizers are wrapped: an exact resume's noise streams are all taken (a later ``fit`` of this run
+    restarts the correlation).
+
+    Raises:
+        ValueError: the checkpoint holds more noise streams than this run has optimizers.
+    """
+    left, run.restored_noise_streams = run.restored_noise_streams, None
+    if left:
+        raise ValueError(
+            f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
+            "optimizers"
+        )
 
 
 def check_unsharded(config: PrivacyConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:

@@ -20,7 +20,7 @@ from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.correlation import BandedPlan, BLTPlan, plan_correlation
 from lightning_dp.engine.exact_resume import continues_segment
 from lightning_dp.engine.run_state import RunState
-from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping
+from lightning_dp.mechanisms import NoiseMechanism, calibrate_randomized_clipping, make_mechanism
 from lightning_dp.mechanisms.base import mechanism_class
 from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
@@ -117,7 +117,7 @@ class NoiseSetup:
             )
             state.correlation = self._rank_zeros_plan(plan, kept)
         if state.mechanism is None:
-            state.mechanism = self._calibrate(total_steps)
+            state.mechanism = self._rank_zeros_noise(self._calibrate(total_steps))
         if state.accountant is None:
             state.accountant = make_accountant(config.accountant or self.default_accountant())
         self._check_accountant_supports()
@@ -144,10 +144,23 @@ class NoiseSetup:
         distributed = self.state.distributed
         if kept is not None or distributed is None:
             return planned
+        distributed.check_identical(
+            "noise correlation, its groups, planned steps and group sample rate",
+            (planned.kind, planned.num_groups, planned.planned_steps, planned.group_rate),
+        )
         entry = distributed.broadcast_object(planned.checkpoint_entry())
         if entry == planned.checkpoint_entry():
             return planned
         return dataclasses.replace(plan(restored=entry), workload=planned.workload)
+
+    def _rank_zeros_noise(self, mechanism: NoiseMechanism) -> NoiseMechanism:
+        """On several processes, rank 0's calibrated noise parameters on every rank (a calibration's last bits can
+        differ between machines, and the ranks must add the same noise and account for it alike)."""
+        distributed = self.state.distributed
+        if distributed is None:
+            return mechanism
+        params = distributed.broadcast_object(mechanism.describe())
+        return mechanism if params == mechanism.describe() else make_mechanism(mechanism.name, **params)
 
     def _next_segment(self) -> int:
         """The segment of this start of training: 0 on a fresh ledger, the last one when an exact resume continues

@@ -106,7 +106,11 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             state[key] = load_checkpoint_tensors(tensor_path, "the privacy ledger is never reset to 0")
     token, secret = state.pop(SECRET_TOKEN, None), state.get(SECRET_KEY)
     if isinstance(secret, dict) and (token is None or secret.pop("token", None) != token):
-        log.warning("%s was not written with this checkpoint's privacy state: ignored", TENSOR_STATE_NAMES[SECRET_KEY])
+        log.warning(
+            "%s was not written with this checkpoint's privacy state (%s): ignored, the random streams restart",
+            TENSOR_STATE_NAMES[SECRET_KEY],
+            "which has no exact_resume token" if token is None else "another token",
+        )
         del state[SECRET_KEY]
     engine.load_state_dict(state)
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
@@ -142,6 +146,13 @@ class PrivacyStateCallback(TrainerCallback):
         return control
 
     @override
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        """As :meth:`on_step_end`, for ``save_strategy="epoch"``."""
+        return self.on_step_end(args, state, control, **kwargs)
+
+    @override
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
@@ -152,8 +163,13 @@ class PrivacyStateCallback(TrainerCallback):
             return control
         folder = written_checkpoint_folder(args, state, "DPTrainer's privacy state")
         tensor_states = {key: privacy_state.pop(key) for key in TENSOR_STATE_NAMES if key in privacy_state}
+        if args.save_only_model:  # a folder that cannot resume training: no secret state in it
+            tensor_states.pop(SECRET_KEY, None)
         if SECRET_KEY in tensor_states:  # paired with this JSON state: no other run's secret file is ever continued
             privacy_state[SECRET_TOKEN] = tensor_states[SECRET_KEY]["token"] = secrets.token_hex(16)
+        for key, name in TENSOR_STATE_NAMES.items():  # an earlier run's file not written now (any save strategy)
+            if key not in tensor_states:
+                (folder / name).unlink(missing_ok=True)
         for key, tensor_state in tensor_states.items():
             atomic_save(tensor_state, folder / TENSOR_STATE_NAMES[key])
         # last and atomic: its presence marks the folder complete

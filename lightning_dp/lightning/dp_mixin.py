@@ -2,8 +2,8 @@
 :class:`DPModelParallelStrategy` (several processes, replicated or FSDP2-sharded parameters).
 
 Lightning's strategies own devices and processes; this mixin adds, through the strategy hooks Lightning documents
-(``setup``, ``process_dataloader``, ``on_train_start``, ``training_step``, ``optimizer_step``, ``backward``,
-``save_checkpoint``/``load_checkpoint``, ``teardown``), the calls into
+(``setup_environment``, ``setup``, ``process_dataloader``, ``on_train_start``, ``training_step``, ``optimizer_step``,
+``backward``, ``save_checkpoint``/``load_checkpoint``, ``teardown``), the calls into
 :class:`~lightning_dp.engine.privacy_engine.PrivacyEngine` where the DP logic itself lives: Poisson sampling, per-sample
 clipping, noise and accounting. It is listed before the Lightning strategy in the bases, so each hook does its DP
 part and calls the strategy's own with ``super()``. On several processes it uses the collectives of
@@ -137,12 +137,17 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place.
+    def setup_environment(self) -> None:
+        """Start the processes as Lightning does, then join the run to them before any hook can build the training
+        loader (a module's ``setup`` or ``configure_optimizers`` reading ``estimated_stepping_batches``)."""
+        super().setup_environment()
+        if self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
+            self.privacy_engine.join_processes(self._distributed_context())
 
-        On several processes, every rank also adopts rank 0's base seed (identical noise, independent sampling
-        shards) and only rank 0 keeps logging.
-        """
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check the trainer configuration, set up as Lightning does, then attach clipping hooks in place (on several
+        processes only rank 0 keeps logging)."""
         self._distributed = self._distributed_context()
         self._log_filter = rank_zero_logging(self._distributed, self._log_filter)
         precision = str(getattr(self.precision_plugin, "precision", trainer.precision))
@@ -157,8 +162,6 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
                 f"{type(self).__name__}(max_grad_norm=...)"
             )
-        if trainer.state.fn == "fit":  # before Lightning's setup, where configure_optimizers may build the loader
-            self.privacy_engine.join_processes(self._distributed)
         super().setup(trainer)
         if trainer.state.fn == "fit":
             if not self.lightning_module.automatic_optimization:
@@ -368,9 +371,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     # ---------------------------------------------------------------------------------------- checkpoints
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Add the privacy state (ledger, mechanism, lowpass filter state; generators and noise streams only with
-        ``exact_resume``, and never in a weights-only checkpoint, which cannot resume) under
-        ``checkpoint["lightning_dp"]``."""
+        """Add the privacy state (ledger, mechanism, filter state; with ``exact_resume`` the secret state, but not in a
+        weights-only checkpoint, which cannot resume) under ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
             checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
             if "optimizer_states" not in checkpoint:  # weights only: the file users release
@@ -421,8 +423,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
 
     @override
     def on_train_end(self) -> None:
-        """The engine's end-of-run report (:meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.finish_run`), at the
-        normal end of training only."""
+        """The engine's end-of-run report (``PrivacyEngine.finish_run``), at the normal end of training only."""
         self.privacy_engine.finish_run()
         super().on_train_end()
 

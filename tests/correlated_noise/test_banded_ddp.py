@@ -20,6 +20,7 @@ from lightning_dp import DPStrategy
 from lightning_dp.correlated_noise.workloads import Workload
 from lightning_dp.engine.correlation import plan_correlation
 from lightning_dp.engine.noise_setup import NoiseSetup
+from lightning_dp.mechanisms.gaussian import GaussianMechanism
 
 WORLD = 2
 
@@ -145,15 +146,23 @@ def test_a_resume_on_two_processes_is_the_one_process_resume(tmp_path):
         torch.testing.assert_close(got, want.detach())
 
 
-def test_every_rank_adopts_rank_zeros_strategy():
-    """Each rank optimises ``C``; one whose optimiser ended a last bit away from rank 0's (another machine) adopts rank
-    0's coefficients, so the ranks add the same noise and pass the start-of-training check (in-process, with rank 1's
-    broadcast faked)."""
+class _RankOne:
+    """Rank 1's view of the collectives: rank 0's broadcast values differ from its own in the last bits (another
+    machine); the start-of-training checks of the plan's settings pass."""
 
-    class RankOne:
-        def broadcast_object(self, entry: dict) -> dict:  # rank 0's entry: its coefficients differ in the last bits
-            return {**entry, "coefs": [entry["coefs"][0]] + [c * (1 + 1e-15) for c in entry["coefs"][1:]]}
+    def check_identical(self, what: str, value: object) -> None:
+        pass
 
+    def broadcast_object(self, value: dict) -> dict:
+        if "coefs" in value:  # a banded strategy (its first coefficient is 1 by definition)
+            return {**value, "coefs": [value["coefs"][0]] + [c * (1 + 1e-15) for c in value["coefs"][1:]]}
+        return {key: v * (1 + 1e-15) if key == "noise_multiplier" else v for key, v in value.items()}
+
+
+def test_every_rank_adopts_rank_zeros_strategy_and_calibrated_noise():
+    """Each rank optimises ``C`` and calibrates sigma; one whose results end a last bit away from rank 0's adopts rank
+    0's coefficients and noise multiplier, so the ranks add the same noise and account for it alike (in-process, with
+    rank 1's collectives faked); rank 0 keeps its own."""
     plan = functools.partial(
         plan_correlation,
         "banded",
@@ -165,6 +174,18 @@ def test_every_rank_adopts_rank_zeros_strategy():
         workload=Workload(20, momentum=0.9),
     )
     mine = plan(restored=None)
-    adopted = NoiseSetup(SimpleNamespace(distributed=RankOne()), None, None)._rank_zeros_plan(plan, None)
-    assert adopted.checkpoint_entry() == RankOne().broadcast_object(mine.checkpoint_entry()) != mine.checkpoint_entry()
+    setup = NoiseSetup(SimpleNamespace(distributed=_RankOne()), None, None)
+    adopted = setup._rank_zeros_plan(plan, None)
+    assert adopted.checkpoint_entry() == _RankOne().broadcast_object(mine.checkpoint_entry()) != mine.checkpoint_entry()
     assert adopted.workload == mine.workload and adopted.segment == 0
+    noise = GaussianMechanism(0.8123, 1.0)
+    assert setup._rank_zeros_noise(noise).noise_multiplier == 0.8123 * (1 + 1e-15) != noise.noise_multiplier
+    rank_zero = NoiseSetup(
+        SimpleNamespace(
+            distributed=SimpleNamespace(check_identical=lambda *_: None, broadcast_object=lambda value: value)
+        ),
+        None,
+        None,
+    )
+    assert rank_zero._rank_zeros_plan(plan, None).checkpoint_entry() == mine.checkpoint_entry()
+    assert rank_zero._rank_zeros_noise(noise) is noise

@@ -60,5 +60,17 @@ def test_a_secret_file_of_another_run_is_never_continued(tmp_path, caplog):
         resumed = _train(
             tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "checkpoint-4"), **NOISES["banded"]
         )
-    assert "lightning_dp_exact_resume.pt was not written with this checkpoint's privacy state: ignored" in caplog.text
+    assert (
+        "lightning_dp_exact_resume.pt was not written with this checkpoint's privacy state (which has no exact_resume "
+        "token): ignored" in caplog.text
+    )
     assert [event.segment for event, _ in resumed.privacy_engine.accountant.ledger] == [0, 1]
+
+
+def test_a_model_only_checkpoint_holds_no_secret_state(tmp_path):
+    """``save_only_model=True`` folders cannot resume training and are the ones users publish."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, dp_seed=0, exact_resume=True, check_batch_independence=False)
+    args = {**ARGS, "max_steps": 4, "save_only_model": True}
+    make_trainer(tiny_gpt2(**NO_DROPOUT), tmp_path, TokenDataset(), privacy=privacy, args=args).train()
+    assert (tmp_path / "checkpoint-4").is_dir()
+    assert not (tmp_path / "checkpoint-4" / TENSOR_STATE_NAMES["exact_resume"]).exists()

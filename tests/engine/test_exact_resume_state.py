@@ -5,13 +5,16 @@ stream read back onto the CPU continues on the device of the next draw."""
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lightning_dp.accounting.banded_mf import BandedMFAccountant
 from lightning_dp.correlated_noise import BandedNoise, optimize_banded
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, cyclic_groups
 from lightning_dp.data.poisson import PoissonBatchSampler
+from lightning_dp.engine.exact_resume import continued_stream, finish_restore, restore_secret_state
 from lightning_dp.runtime.randomness import DPRandomness
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -147,3 +150,20 @@ def test_a_noise_stream_read_onto_the_cpu_continues_on_the_draws_device(device):
     for z, expected in zip(draws[4:], outputs[4:], strict=True):
         (got,) = resumed.correlate(z)
         assert got.device == z[0].device and torch.equal(got, expected[0])
+
+
+def test_every_restored_noise_stream_goes_to_one_optimizer():
+    """A checkpoint's streams and the run's optimizers pair one to one: a stream left over (or an optimizer without
+    one) would continue the segment with another correlation than the ledger's."""
+    with pytest.raises(ValueError, match="1 noise stream\\(s\\) more than this run has optimizers"):
+        finish_restore(SimpleNamespace(restored_noise_streams=[{"step": 3}]))
+    plan = SimpleNamespace(noise_stream=lambda: BandedNoise(optimize_banded(8, 2, max_participations=1)))
+    run = SimpleNamespace(correlation=plan, restored_noise_streams=[], noise_streams=[])
+    with pytest.raises(ValueError, match="fewer noise streams than this run has optimizers"):
+        continued_stream(run)
+
+
+def test_a_checkpoint_before_any_correlated_step_has_nothing_to_continue():
+    run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(seed=0), restored_noise_streams=None)
+    restore_secret_state(run, {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [{"step": 0}]})
+    assert run.restored_noise_streams is None and run.randomness.base_seed == 1

@@ -10,10 +10,10 @@ adaptive clipping (``helpers.ADAPTIVE_OPTIONS``). ``--banded B``: ``noise_correl
 ``correlation_band=B`` (seed 0 unless ``--seed``), at ``--sample-rate Q`` when given; ``--blt D`` likewise with
 ``noise_correlation='blt'`` and ``correlation_buffers=D``; every rank also writes the dataset indices of each of its
 batches (``batches``, empty without correlated noise) and its sampler's partition (``groups``, ``None`` without).
-``--exact-resume``: ``exact_resume=True``. ``--estimate-steps``: ``configure_optimizers`` reads
+``--exact-resume``: ``exact_resume=True``. ``--estimate-steps``: the module's ``setup`` reads
 ``trainer.estimated_stepping_batches`` (Lightning's pattern for a schedule of the run's length), which builds the
-training loader while Lightning sets up, before the clipping hooks are attached. ``--unseeded``: ``seed=None`` (OS
-entropy, rank 0's shared), also with ``--banded`` / ``--blt``."""
+training loader before Lightning restores a checkpoint and before the clipping hooks are attached. ``--unseeded``:
+``seed=None`` (OS entropy, rank 0's shared), also with ``--banded`` / ``--blt``."""
 
 import argparse
 import sys
@@ -31,9 +31,8 @@ from helpers import ADAPTIVE_OPTIONS, USER_OPTIONS, BatchIndexRecorder, ClipBoun
 
 
 class EstimatingRegressor(TinyRegressor):
-    def configure_optimizers(self):
+    def setup(self, stage: str) -> None:
         assert self.trainer.estimated_stepping_batches > 0  # builds the training loader
-        return super().configure_optimizers()
 
 
 if __name__ == "__main__":
