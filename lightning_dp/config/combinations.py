@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, cast
 
 from lightning_dp.accounting import ACCOUNTANTS
+from lightning_dp.clipping.groups import check_grouped_clipping
 from lightning_dp.config.errors import checking
 from lightning_dp.correlated_noise.kinds import CORRELATION_ACCOUNTANTS, NOISE_CORRELATIONS
 from lightning_dp.mechanisms.base import NoiseMechanism, mechanism_class
@@ -140,6 +141,23 @@ def check_noise_correlation(config: PrivacyConfig) -> None:
             f"noise_correlation={correlation!r} with adaptive clipping is not supported (its count release is not "
             f"part of the {accountant} accountant's mechanism): remove target_unclipped_quantile"
         )
+
+
+def check_clipping_groups(config: PrivacyConfig) -> None:
+    """``clipping_groups`` with the mechanism's clipping norm, the engine and adaptive clipping
+    (:func:`~lightning_dp.clipping.groups.check_grouped_clipping`).
+
+    Raises:
+        ValueError: a combination :func:`~lightning_dp.clipping.groups.check_grouped_clipping` refuses.
+    """
+    if config.clipping_groups is not None:
+        with checking("clipping_groups"):
+            check_grouped_clipping(
+                norm=config.clip_norm,
+                engine=config.clipping,
+                randomized=config.randomized_clipping,
+                adaptive=config.adaptive_clipping,
+            )
 
 
 def check_exact_resume(config: PrivacyConfig) -> None:

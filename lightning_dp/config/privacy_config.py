@@ -24,7 +24,6 @@ from lightning_dp.clipping.clip_functions import (
 from lightning_dp.clipping.clipper import DEFAULT_SUM_CHECK_EVERY
 from lightning_dp.clipping.groups import (
     PER_LAYER,
-    check_grouped_clipping,
     is_bound_list,
     sensitivity,
     validate_bounds,
@@ -33,6 +32,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.sum_check import validate_sum_check
 from lightning_dp.config.combinations import (
+    check_clipping_groups,
     check_exact_resume,
     check_noise_correlation,
     check_noise_given,
@@ -397,14 +397,7 @@ class PrivacyConfig:
             self.max_clipbound,
             self.unclipped_num_std,
         )
-        if self.clipping_groups is not None:
-            with checking("clipping_groups"):
-                check_grouped_clipping(
-                    norm=self._clip_norm(),
-                    engine=self.clipping,
-                    randomized=self.randomized_clipping,
-                    adaptive=self.adaptive_clipping,
-                )
+        check_clipping_groups(self)
         check_randomized_and_adaptive(self)
         check_noise_correlation(self)
         check_exact_resume(self)
@@ -428,7 +421,8 @@ class PrivacyConfig:
             return math.isclose(mechanism.max_grad_norm, self.sensitivity, rel_tol=1e-12)
         return mechanism.max_grad_norm == self.max_grad_norm
 
-    def _clip_norm(self) -> int:
+    @property
+    def clip_norm(self) -> int:
         """The mechanism's clipping norm (1 or 2)."""
         mechanism = self.noise if isinstance(self.noise, NoiseMechanism) else mechanism_class(self.noise)
         return mechanism.clip_norm
@@ -450,4 +444,4 @@ class PrivacyConfig:
         (:func:`~lightning_dp.clipping.engines.base.auto_engine`): ``'mixed'`` for l2, ``'flat'`` for l1."""
         if self.clipping != AUTO:
             return self.clipping, None
-        return auto_engine(self._clip_norm())
+        return auto_engine(self.clip_norm)
