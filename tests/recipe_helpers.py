@@ -1,23 +1,53 @@
 """Helpers of the recipe tests: where their data is, and running a recipe through the script users run, in its own
 process.
 
-The default suite reads the small real subsets committed in ``tests/data`` (:data:`TEST_DATA`; see its README.md),
-passed as ``--data_dir``, so it needs nothing beside the repository. The full local copies serve only the slow tests
-(:func:`needs_full_data`), found through ``LIGHTNING_DP_DATA`` as the recipes find them.
+The recipe tests run the recipes from :data:`ROOT`, a copy of the repository's files (git's list) in a fresh
+temporary folder with no data folder beside it, made once per test process, and without ``LIGHTNING_DP_DATA``
+(:func:`script_env`): each script run shows that the recipe needs nothing but the repository. The default suite reads
+the small real subsets committed in ``tests/data`` (:data:`TEST_DATA`; see its README.md), passed as ``--data_dir``.
+The full local copies serve only the slow tests (:func:`needs_full_data`), passed as ``--data_dir`` too.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from process_helpers import repository_files
 
-ROOT = Path(__file__).resolve().parents[1]
+CHECKOUT = Path(__file__).resolve().parents[1]
+#: Never copied when git cannot list the files.
+IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "runs", "build")
+
+
+def copy_repository(target: Path) -> None:
+    """Copy the checkout's files to ``target`` (git's list, else the whole tree without caches and outputs)."""
+    files = repository_files()
+    if not files:
+        shutil.copytree(CHECKOUT, target, ignore=IGNORED)
+        return
+    for name in files:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(CHECKOUT / name, target / name)
+
+
+def _standalone_copy() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="lightning_dp_standalone_"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    copy_repository(folder / "repository")
+    return folder / "repository"
+
+
+#: The repository the recipe tests run: a copy of the checkout's files, alone in its temporary folder.
+ROOT = _standalone_copy()
 #: The data root of the default suite: small real subsets in the layout the recipes read.
 TEST_DATA = ROOT / "tests" / "data"
 #: The data root of the full local copies (``LIGHTNING_DP_DATA``), for the slow tests; ``None`` when unset.
@@ -34,15 +64,17 @@ def needs_full_data(*files: str) -> pytest.MarkDecorator:
 
 
 def script_env() -> dict[str, str]:
-    """The environment of a recipe run in a subprocess: this checkout first on ``PYTHONPATH``."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """The environment of a recipe run in a subprocess: :data:`ROOT` alone on ``PYTHONPATH`` (its ``lightning_dp``,
+    not the checkout's), no ``LIGHTNING_DP_DATA``."""
+    env = {name: value for name, value in os.environ.items() if name not in ("LIGHTNING_DP_DATA", "PYTHONPATH")}
+    return {**env, "PYTHONPATH": str(ROOT)}
 
 
 def run_recipe_script(
     script: str, config: str, output_dir: Path, *flags: str, data_dir: Path | None = TEST_DATA, timeout: float = 1200
 ) -> dict:
-    """Run ``python recipes/SCRIPT --config configs/CONFIG --data_dir DATA_DIR FLAGS`` from the repository root (this
-    checkout first on ``PYTHONPATH``) and return its ``results.json``; a failing run fails the test with the run's
+    """Run ``python recipes/SCRIPT --config configs/CONFIG --data_dir DATA_DIR FLAGS`` from :data:`ROOT` (in
+    :func:`script_env`) and return its ``results.json``; a failing run fails the test with the run's
     stderr. ``data_dir`` defaults to the test subsets; ``FULL_DATA`` for the slow tests."""
     results = output_dir / "results.json"
     command = [sys.executable, f"recipes/{script}", "--config", f"configs/{config}", "--output_dir", str(output_dir)]

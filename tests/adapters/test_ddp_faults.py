@@ -2,8 +2,9 @@
 mid-epoch, one rank raising inside a step, rank 0 killed while it rewrites ``last.ckpt``. Each time the whole job must
 end within seconds (not the 30-minute collective timeout), the checkpoint on disk must be the one from before the
 fault, and resuming from it must continue the ledger exactly (ledger == an uninterrupted run's ledger at every step
-count, parameters at resume == the checkpoint's, no step counted twice or lost). Plus the atomic writers of
-:mod:`lightning_dp.runtime.checkpoints` on their own."""
+count, parameters at resume == the checkpoint's, no step counted twice or lost). The faults after step 6 all leave
+step 6's ``last.ckpt``: it is resumed once (rank 1 killed), checked on disk after the others. Plus the atomic
+writers of :mod:`lightning_dp.runtime.checkpoints` on their own."""
 
 from __future__ import annotations
 
@@ -51,11 +52,17 @@ def _ledger(steps: int) -> dict:
     return accountant
 
 
-def _check_resume(out: Path, checkpoint: Path, first_steps: int) -> None:
-    """Resume from ``checkpoint`` (saved after ``first_steps`` steps) and check the continued run."""
+def _check_checkpoint(checkpoint: Path, first_steps: int) -> dict:
+    """``checkpoint`` holds step ``first_steps`` and the ledger of an uninterrupted run after it."""
     saved = torch.load(checkpoint, weights_only=False)
     assert saved["global_step"] == first_steps
     assert saved["lightning_dp"]["accountant"] == _ledger(first_steps).state_dict()
+    return saved
+
+
+def _check_resume(out: Path, checkpoint: Path, first_steps: int) -> None:
+    """Resume from ``checkpoint`` (saved after ``first_steps`` steps) and check the continued run."""
+    saved = _check_checkpoint(checkpoint, first_steps)
     resumed = out / "resumed"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(resumed), "--resume", str(checkpoint)],
@@ -99,7 +106,10 @@ def test_sigkill_one_rank_mid_epoch_ends_the_job_then_resume(tmp_path, killed):
     assert any(message in log for message in GLOO_PEER_LOST), log[-2000:]
     steps = [int(line.split()[0]) for line in _curve(tmp_path, 1 - killed)]
     assert steps == list(range(1, 8))  # step 8 never completed anywhere
-    _check_resume(tmp_path, tmp_path / "ckpt" / "last.ckpt", 6)
+    if killed == 1:
+        _check_resume(tmp_path, tmp_path / "ckpt" / "last.ckpt", 6)
+    else:
+        _check_checkpoint(tmp_path / "ckpt" / "last.ckpt", 6)
 
 
 @pytest.mark.parametrize("failing", [1, 0])
@@ -116,7 +126,7 @@ def test_one_rank_raising_in_a_step_ends_the_job_and_leaves_the_previous_checkpo
         "epoch=1-step=6.ckpt",
         "last.ckpt",
     ]
-    _check_resume(tmp_path, tmp_path / "ckpt" / "last.ckpt", 6)
+    _check_checkpoint(tmp_path / "ckpt" / "last.ckpt", 6)  # the checkpoint the SIGKILL test resumes from
 
 
 def test_kill_while_rewriting_last_ckpt_leaves_the_previous_one(tmp_path):

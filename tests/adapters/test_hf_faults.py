@@ -1,9 +1,10 @@
 """Faults on several processes under ``accelerate launch`` (torchrun's elastic agent) + DPTrainer, 2 CPU processes
 over gloo (``hf_fault_script.py``): one rank SIGKILLed mid-epoch, one rank raising inside its forward, rank 0 killed
 while it saves a checkpoint folder (after the Trainer's files, before the privacy state). Each time the whole job
-must end within seconds, and ``resume_from_checkpoint=True`` must continue from the newest COMPLETE checkpoint
-folder with the ledger of an uninterrupted run at every step, the checkpoint's parameters, and no step counted twice
-or lost."""
+must end within seconds and leave the newest COMPLETE checkpoint folder holding the ledger of an uninterrupted run,
+and ``resume_from_checkpoint=True`` must continue from it with that ledger at every step, the checkpoint's parameters,
+and no step counted twice or lost. The raising rank leaves the same checkpoint folder as the killed one, so only the
+latter is resumed."""
 
 from __future__ import annotations
 
@@ -56,11 +57,18 @@ def _ledger_epsilon(state: dict, steps: int) -> tuple[dict, float]:
     return ledger, accountant.get_epsilon(state["target_delta"])
 
 
-def _check_resume(out: Path, first_steps: int) -> None:
-    folder = out / "trainer" / f"checkpoint-{first_steps}"
-    saved = json.loads((folder / PRIVACY_STATE_NAME).read_text())
+def _check_checkpoint(out: Path, first_steps: int) -> dict:
+    """The privacy state of checkpoint folder ``first_steps``: the ledger of ``first_steps`` steps at q = 1/4."""
+    saved = json.loads((out / "trainer" / f"checkpoint-{first_steps}" / PRIVACY_STATE_NAME).read_text())
     ((event, count),) = saved["accountant"]["ledger"]
     assert count == first_steps and event["sample_rate"] == 0.25  # q = 4 * 2 / 32
+    return saved
+
+
+def _check_resume(out: Path, first_steps: int) -> None:
+    """Resume from checkpoint folder ``first_steps`` (``resume_from_checkpoint=True``) and check the continued run."""
+    folder = out / "trainer" / f"checkpoint-{first_steps}"
+    saved = _check_checkpoint(out, first_steps)
     for rank in range(2):  # the resumed run writes its own curves
         if (out / f"curve{rank}.txt").exists():
             (out / f"curve{rank}.txt").rename(out / f"first_curve{rank}.txt")
@@ -108,7 +116,7 @@ def test_one_rank_raising_in_forward_ends_the_job(tmp_path):
     assert seconds < STOP_WITHIN and process.returncode != 0
     assert "RuntimeError: test failure on rank 1 at step 4" in (tmp_path / "log.txt").read_text()
     assert sorted(p.name for p in (tmp_path / "trainer").glob("checkpoint-*")) == ["checkpoint-2"]
-    _check_resume(tmp_path, 2)
+    _check_checkpoint(tmp_path, 2)  # the checkpoint the SIGKILL test resumes from
 
 
 def test_kill_while_saving_a_checkpoint_folder_resumes_from_the_previous_one(tmp_path):
