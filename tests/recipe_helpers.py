@@ -1,9 +1,11 @@
 """Helpers of the recipe tests: where their data is, and running a recipe through the script users run, in its own
 process.
 
-The recipe tests run the recipes from :data:`ROOT`, a copy of the repository's files (git's list) in a fresh
-temporary folder with no data folder beside it, made once per test process, and without ``LIGHTNING_DP_DATA``
-(:func:`script_env`): each script run shows that the recipe needs nothing but the repository. The default suite reads
+The recipe tests run the recipes' scripts on one process from :data:`ROOT`, a copy of the repository's files (git's
+list) in a fresh temporary folder with no data folder beside it, made once per test process, and without
+``LIGHTNING_DP_DATA`` (:func:`script_env`): each such run shows that the recipe needs nothing but the repository.
+:data:`ROOT` is a different folder in each test process: parametrize over paths as ``Path`` objects (pytest numbers
+them), never as strings, or pytest-xdist's workers collect different tests. The default suite reads
 the small real subsets committed in ``tests/data`` (:data:`TEST_DATA`; see its README.md), passed as ``--data_dir``.
 The full local copies serve only the slow tests (:func:`needs_full_data`), passed as ``--data_dir`` too.
 """
@@ -21,11 +23,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from process_helpers import ROOT as CHECKOUT
 from process_helpers import repository_files
 
-CHECKOUT = Path(__file__).resolve().parents[1]
-#: Never copied when git cannot list the files.
-IGNORED = shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", ".ruff_cache", "*.egg-info", "runs", "build")
+#: Never copied when git cannot list the files: git's own folder and what .gitignore lists.
+IGNORED = shutil.ignore_patterns(
+    ".git", "__pycache__", "*.egg-info", ".venv", "lightning_logs", "runs", ".pytest_cache", ".ruff_cache",
+    ".mypy_cache", "build", "dist", "*.ckpt", "wandb", "mlruns", "sst2_hf_out", "site",
+)  # fmt: skip
 
 
 def copy_repository(target: Path) -> None:
@@ -64,10 +69,12 @@ def needs_full_data(*files: str) -> pytest.MarkDecorator:
 
 
 def script_env() -> dict[str, str]:
-    """The environment of a recipe run in a subprocess: :data:`ROOT` alone on ``PYTHONPATH`` (its ``lightning_dp``,
-    not the checkout's), no ``LIGHTNING_DP_DATA``."""
-    env = {name: value for name, value in os.environ.items() if name not in ("LIGHTNING_DP_DATA", "PYTHONPATH")}
-    return {**env, "PYTHONPATH": str(ROOT)}
+    """The environment of a recipe run in a subprocess: :data:`ROOT` first on ``PYTHONPATH`` and the checkout off it
+    (the copy's ``lightning_dp``, not the checkout's), no ``LIGHTNING_DP_DATA``."""
+    env = {name: value for name, value in os.environ.items() if name != "LIGHTNING_DP_DATA"}
+    entries = env.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [entry for entry in entries if entry and Path(entry).resolve() != CHECKOUT]
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT), *kept])}
 
 
 def run_recipe_script(

@@ -24,13 +24,13 @@ GENERATION_KEYS = {"bleu", "rouge1", "rouge2", "rougeL"}
 FULL_FILES = [f"{task}/{name}" for task, names in e2e_dart.LOCAL_FILES.items() for name in names]
 
 
-def run_script(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python recipes/e2e_dart.py ARGS`` (the users' entry point) with this checkout importable."""
-    env = script_env() if env is None else env
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    """``python recipes/e2e_dart.py ARGS`` (the users' entry point) from the repository copy, in its environment
+    (``recipe_helpers.script_env``: no ``LIGHTNING_DP_DATA``)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "e2e_dart.py"), *args],
-        cwd=cwd,
-        env=env,
+        cwd=ROOT,
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -224,8 +224,7 @@ def test_unknown_task_fails_early() -> None:
 def test_missing_local_data_is_one_line(tmp_path: Path) -> None:
     """The users' script, with no data root anywhere: one error line naming the flag, the variable and the Hub
     configuration, exit status 2, no traceback."""
-    env = {k: v for k, v in script_env().items() if k != "LIGHTNING_DP_DATA"}
-    done = run_script("--config", str(DOCS_CONFIG), "--tiny_model", "true", "--output_dir", str(tmp_path), env=env)
+    done = run_script("--config", str(DOCS_CONFIG), "--tiny_model", "true", "--output_dir", str(tmp_path))
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("recipes/e2e_dart.py: error: no local data for e2e: ")
