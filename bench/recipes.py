@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from records import mean_std, replace_between_markers
@@ -151,18 +152,26 @@ def variant_command(task: str, variant: str, results_file: str, output_dir: str,
     return [*command, *flags, "--output_dir", output_dir]
 
 
+def run_variant(
+    task: str, variant: str, seed: int, results: Path, threads: int | None = None, flags: Sequence[str] = ()
+) -> None:
+    """Run ``variant`` of ``task`` with ``seed`` and the further recipe ``flags`` in its own process (at ``threads``
+    threads when given), its ``results.json`` kept as ``results`` (a path under the repository); the command is printed
+    as it runs."""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    with tempfile.TemporaryDirectory() as output_dir:
+        command = [*variant_command(task, variant, str(results.relative_to(ROOT)), output_dir, seed), *flags]
+        prefix = [] if threads is None else [f"OMP_NUM_THREADS={threads}"]
+        print("$", *prefix, shlex.join(command), flush=True)
+        subprocess.run(command, cwd=ROOT, check=True, env=env)
+
+
 def run_task(task: str, variants: list[str], seeds: list[int], threads: int | None = None) -> None:
     folder = DOCS / "recipes" / task
     folder.mkdir(parents=True, exist_ok=True)
-    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     for seed in seeds:
         for variant in variants:
-            results = folder / results_name(variant, seed, threads)
-            with tempfile.TemporaryDirectory() as output_dir:
-                command = variant_command(task, variant, str(results.relative_to(ROOT)), output_dir, seed)
-                prefix = [] if threads is None else [f"OMP_NUM_THREADS={threads}"]
-                print("$", *prefix, shlex.join(command), flush=True)
-                subprocess.run(command, cwd=ROOT, check=True, env=env)
+            run_variant(task, variant, seed, folder / results_name(variant, seed, threads), threads)
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
