@@ -131,7 +131,7 @@ def record_path(variant: str, learning_rate: float, seed: int) -> Path:
 
 def run(learning_rate: float, seeds: list[int], threads: int | None) -> None:
     """Run both variants of every seed at ``learning_rate`` (DP-SGD first), each in its own process."""
-    if learning_rate == base_rate():
+    if learning_rate == base_rate(base_runs()):
         raise ValueError(f"{learning_rate:g} is the recipe's own rate, whose runs bench/recipes.py keeps")
     RECORDS.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
@@ -140,9 +140,9 @@ def run(learning_rate: float, seeds: list[int], threads: int | None) -> None:
             run_variant(TASK, variant, seed, results, threads, ["--learning_rate", f"{learning_rate:g}"])
 
 
-def base_rate() -> float:
-    """The learning rate of the recipe's own runs."""
-    return next(iter(base_runs().values()))[0]["arguments"]["training"]["learning_rate"]
+def base_rate(base: dict[str, list[dict[str, Any]]]) -> float:
+    """The learning rate of the recipe's own runs ``base`` (:func:`base_runs`)."""
+    return next(iter(base.values()))[0]["arguments"]["training"]["learning_rate"]
 
 
 def load_runs() -> dict[float, dict[str, list[dict[str, Any]]]]:
@@ -152,7 +152,8 @@ def load_runs() -> dict[float, dict[str, list[dict[str, Any]]]]:
     Raises:
         ValueError: a record at the recipe's own rate.
     """
-    base, rate = base_runs(), base_rate()
+    base = base_runs()
+    rate = base_rate(base)
     runs: dict[float, dict[str, list[dict[str, Any]]]] = {}
     for path in sorted(RECORDS.glob("*.json")):
         result = json.loads(path.read_text())
