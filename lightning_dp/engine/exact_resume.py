@@ -5,6 +5,10 @@ with ``noise_correlation``, each optimizer's noise stream
 (:meth:`~lightning_dp.correlated_noise.CorrelatedNoise.state_dict`: the last ``b - 1`` outputs or the ``d`` buffers).
 With both, the resumed steps draw the batches (the samplers are keyed by the step) and the noise of the uninterrupted
 run, and the correlated noise's ledger stays one segment.
+
+On an FSDP2-sharded model each rank draws its shards' noise from streams of their own and keeps its shards of the
+correlated noise's state: the checkpoint gathers both (every rank's generator states, the state tensors at their full
+values), and each rank of the resumed run takes back its own streams and shards.
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ from typing import Any
 import torch
 
 from lightning_dp.accounting.segments import SegmentedAccountant
-from lightning_dp.config import PrivacyConfig
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.engine.run_state import RunState
-from lightning_dp.runtime.sharding import is_sharded
+from lightning_dp.runtime.sharding import gathered_part, part_like
 
 #: the checkpoint entry (in the privacy state) that holds the secret state.
 SECRET_KEY = "exact_resume"
@@ -27,9 +30,48 @@ SECRET_KEY = "exact_resume"
 def secret_state(run: RunState) -> dict[str, Any]:
     """``{"randomness": ..., "noise_streams": [...]}``: what :func:`restore_secret_state` continues from (a restored
     stream no optimizer has taken yet included). It reveals the noise: for a private resume file only
-    (docs/privacy.md)."""
-    streams = [s.state_dict() for s in run.noise_streams] + list(run.restored_noise_streams or [])
-    return {"randomness": run.randomness.state_dict(), "noise_streams": streams}
+    (docs/privacy.md). On an FSDP2-sharded model a collective (every rank calls it): the generator states of every
+    rank, and the streams' state tensors gathered to their full values (in CPU memory), the same on every rank.
+
+    Raises:
+        RuntimeError: two ranks hold different states of one shared noise stream (they must draw identical noise).
+    """
+    streams = [_full_stream_state(stream, params) for stream, params in run.noise_streams]
+    randomness = run.randomness.state_dict()
+    if run.distributed is not None and run.clipper is not None and run.clipper.sharded:
+        held = (randomness["generators"], run.randomness.untouched_streams)
+        randomness["generators"] = _merged(run.distributed.gather_objects(held))
+    return {"randomness": randomness, "noise_streams": streams + list(run.restored_noise_streams or [])}
+
+
+def _full_stream_state(stream: CorrelatedNoise, params: list[torch.Tensor]) -> dict[str, Any]:
+    """``stream.state_dict()`` with each state tensor at its parameter's full value (gathered from the ranks' shards
+    of a sharded parameter)."""
+    state = stream.state_dict()
+    state["state"] = [[gathered_part(t, p) for t, p in zip(vector, params, strict=True)] for vector in state["state"]]
+    return state
+
+
+def _merged(per_rank: list[tuple[dict[str, torch.Tensor], frozenset[str]]]) -> dict[str, torch.Tensor]:
+    """One ``{stream name: generator state}`` of the ranks' streams (a shard's own on one rank, a shared one on all),
+    from each rank's states and the names among them it holds as restored, untouched since: a stream another rank has
+    drawn from is taken in that rank's state.
+
+    Raises:
+        RuntimeError: a stream held by several ranks in different states, untouched on none or on all of them.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for untouched_pass in (False, True):  # the streams drawn from first, then what no rank touched since the restore
+        found: dict[str, torch.Tensor] = {}
+        for generators, untouched in per_rank:
+            for name, generator_state in generators.items():
+                if (name in untouched) != untouched_pass or name in merged:
+                    continue
+                if name in found and not torch.equal(found[name], generator_state):
+                    raise RuntimeError(f"The ranks hold different states of the shared noise stream {name!r}")
+                found[name] = generator_state
+        merged.update(found)
+    return merged
 
 
 def restore_secret_state(run: RunState, saved: Any) -> None:
@@ -60,13 +102,18 @@ def continues_segment(run: RunState) -> bool:
     return run.restored_noise_streams is not None
 
 
-def continued_stream(run: RunState) -> CorrelatedNoise | None:
+def continued_stream(run: RunState, params: Sequence[torch.Tensor]) -> CorrelatedNoise | None:
     """The next optimizer's correlated noise stream (``None`` without ``noise_correlation``): fresh, or on an exact
-    resume the checkpoint's, continued; kept in ``run.noise_streams`` for the next checkpoint.
+    resume the checkpoint's, continued (each state tensor this rank's part of the saved full value); kept in
+    ``run.noise_streams`` with ``params`` for the next checkpoint.
+
+    Args:
+        run: the run's state.
+        params: the parameters the optimizer noises, in the order of its draws (``DPOptimizer.params``).
 
     Raises:
-        ValueError: the checkpoint's stream is of another kind or strategy; more optimizers than the checkpoint's
-            streams.
+        ValueError: the checkpoint's stream is of another kind or strategy, or holds tensors of other shapes than
+            ``params``; more optimizers than the checkpoint's streams.
     """
     if run.correlation is None:
         return None
@@ -76,9 +123,28 @@ def continued_stream(run: RunState) -> CorrelatedNoise | None:
             raise ValueError(
                 "The checkpoint holds fewer noise streams than this run has optimizers: resume with the same optimizers"
             )
-        stream.load_state_dict(run.restored_noise_streams.pop(0))
-    run.noise_streams.append(stream)
+        stream.load_state_dict(_local_stream_state(run.restored_noise_streams.pop(0), params))
+    run.noise_streams.append((stream, list(params)))
     return stream
+
+
+def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """A saved stream state with each full state tensor replaced by this rank's part of it.
+
+    Raises:
+        ValueError: a state vector that does not hold one tensor of each parameter's shape.
+    """
+    vectors = saved.get("state")
+    shapes = [tuple(p.shape) for p in params]
+    if not isinstance(vectors, list) or any(
+        not isinstance(vector, list | tuple) or [tuple(getattr(t, "shape", ())) for t in vector] != shapes
+        for vector in vectors
+    ):
+        raise ValueError(
+            f"The checkpoint's noise stream does not hold one tensor per parameter of this optimizer (shapes {shapes}):"
+            " resume with the same model and optimizers"
+        )
+    return {**saved, "state": [[part_like(t, p) for t, p in zip(vector, params, strict=True)] for vector in vectors]}
 
 
 def finish_restore(run: RunState) -> None:
@@ -93,18 +159,4 @@ def finish_restore(run: RunState) -> None:
         raise ValueError(
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
-        )
-
-
-def check_unsharded(config: PrivacyConfig, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Refuse ``exact_resume`` on FSDP2-sharded parameters: each rank draws their noise from its shards' own streams,
-    which a checkpoint written by one rank does not hold.
-
-    Raises:
-        ValueError: ``exact_resume=True`` and an optimizer updates a sharded parameter.
-    """
-    if config.exact_resume and any(is_sharded(p) for o in optimizers for g in o.param_groups for p in g["params"]):
-        raise ValueError(
-            "exact_resume=True is not supported on FSDP2-sharded parameters (each rank's shards have their own noise "
-            "streams): remove exact_resume (a resume then draws fresh streams)"
         )

@@ -267,8 +267,8 @@ class PrivacyEngine:
             any_rank=any_rank,
             secure_mode=self.secure_mode,
             postprocess=state.lowpass.apply_ if state.lowpass is not None else None,
-            correlation=continued_stream(state),
         )
+        wrapped.correlation = continued_stream(state, wrapped.params)
         self._optimizers.append(wrapped)
         return wrapped
 

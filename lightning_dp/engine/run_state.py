@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
     from lightning_dp.accounting import Accountant
     from lightning_dp.checks.guard import TrainingGuard
     from lightning_dp.clipping import PerSampleClipper
@@ -121,9 +123,11 @@ class RunState:
     correlation: CorrelationPlan | None = None
     #: a restored checkpoint's strategy (``CorrelationPlan.checkpoint_entry``), until ``prepare`` uses it.
     restored_correlation: dict[str, Any] | None = None
-    #: with ``noise_correlation``, the noise stream of each wrapped optimizer of this start of training.
-    noise_streams: list[CorrelatedNoise] = field(default_factory=list)
-    #: an exact resume's noise streams (their ``state_dict``), until the optimizers take them; ``None`` otherwise.
+    #: with ``noise_correlation``, the noise stream of each wrapped optimizer of this start of training, with the
+    #: parameters it noises (in the stream's order; sharded ones are noised shard by shard).
+    noise_streams: list[tuple[CorrelatedNoise, list[torch.Tensor]]] = field(default_factory=list)
+    #: an exact resume's noise streams (their ``state_dict``, full tensors), until the optimizers take them; ``None``
+    #: otherwise.
     restored_noise_streams: list[dict[str, Any]] | None = None
     #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None

@@ -24,7 +24,6 @@ from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
-from lightning_dp.engine.exact_resume import check_unsharded
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock
@@ -248,7 +247,7 @@ class RunSequence:
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
             ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`; an optimizer updates tensors
-                that are not parameters of the clipped model; ``exact_resume`` on sharded parameters.
+                that are not parameters of the clipped model.
         """
         state = self.state
         if state.num_samples is None or state.loader_rate is None:
@@ -256,7 +255,6 @@ class RunSequence:
         for optimizer in optimizers:
             if not isinstance(optimizer, DPOptimizer):
                 self._check_optimizer_holds_model_parameters(optimizer)
-        check_unsharded(state.config, optimizers)
         state.planned_steps = total_steps
         workload = training_workload(optimizers, learning_rates, total_steps)  # used by correlated noise only
         self.noise_setup.prepare(

@@ -119,11 +119,16 @@ class DistributedContext:
                 if not is_sharded(tensor):
                     dist.broadcast(tensor.data, src=self._global_rank_zero(), group=self.group)
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (picklable; tensors in CPU memory), in rank order, on every rank."""
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def check_identical(self, what: str, value: Any) -> None:
         """Raise ``RuntimeError`` unless every rank passes an equal (picklable) ``value``, e.g. N, q or the
         mechanism."""
-        values: list[Any] = [None] * self.world_size
-        dist.all_gather_object(values, value, group=self.group)
+        values = self.gather_objects(value)
         if any(v != values[0] for v in values):
             raise RuntimeError(
                 f"The ranks disagree on the {what}: {values}. Every process must see the same dataset and "

@@ -188,6 +188,12 @@ class DPRandomness:
         # a restored stream not requested since is saved as restored: without it a later resume would start it afresh
         return {"base_seed": self._base, "restart": self._restart, "generators": {**self._saved_states, **live}}
 
+    @property
+    def untouched_streams(self) -> frozenset[str]:
+        """The streams :meth:`load_state_dict` restored that have not been requested since: :meth:`state_dict` holds
+        them as the checkpoint left them."""
+        return frozenset(self._saved_states)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the streams of :meth:`state_dict` (a resume that does not :meth:`restart`): the base seed and the
         restart count are restored, the sampling generator is reseeded, and each saved generator state is applied when

@@ -1,6 +1,7 @@
 """Parameters sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``): what the clipper and the optimizer need of
 them (docs/design.md section 8.1): the clipped sum reduce-scattered into shards (:func:`sum_into_shard`), noise per
-shard (:func:`shard_key`), and per-parameter state gathered for checkpoints (:func:`gathered`, :func:`shard_like`).
+shard (:func:`shard_key`), and per-parameter state gathered for checkpoints (:func:`gathered`, :func:`shard_like`,
+:func:`gathered_part`, :func:`part_like`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,37 @@ def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not isinstance(like, DTensor) or isinstance(full, DTensor):
         return full
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def gathered_part(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The full value, in CPU memory, of ``part``: this rank's part of a tensor laid out as ``like`` (a sharded
+    ``like``'s local shard, a collective over its mesh; for any other ``like``, ``part`` is the full value).
+
+    Args:
+        part: shaped like ``like``'s local shard (``like.to_local()``), any dtype.
+        like: the parameter ``part`` belongs to.
+    """
+    if not isinstance(like, DTensor):
+        return part.detach().cpu()
+    spread = DTensor.from_local(
+        part.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+    )
+    return gathered_on_cpu(spread)
+
+
+def part_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` laid out as ``like`` (the inverse of :func:`gathered_part`; no communication), on
+    ``like``'s device, in ``full``'s dtype.
+
+    Raises:
+        ValueError: ``full`` is not shaped like ``like`` (its global shape).
+    """
+    if full.shape != like.shape:
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot take the place of one of {tuple(like.shape)}")
+    full = full.to(like.device)
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:

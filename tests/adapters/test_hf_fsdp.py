@@ -11,7 +11,8 @@ with ``from_pretrained`` and give the sharded model's logits; ``generate`` runs 
 resuming from a checkpoint restores the model's and the optimizer's shards (also for LoRA) and continues epsilon;
 ``load_best_model_at_end`` restores the best checkpoint's shards; per-sample momentum (with stand-in batches and an
 evaluation between steps, before and after a resume) trains as unsharded, the momentum's iterates are shards (half the
-bytes) and resume from the checkpoint; banded and BLT correlated noise stream the strategy over each shard's draws.
+bytes) and resume from the checkpoint; banded and BLT correlated noise stream the strategy over each shard's draws,
+and with ``exact_resume`` a resumed run equals the uninterrupted one.
 The engine's sharded numbers (norms of every engine, the noise on shards) are
 tested in tests/engine/test_fsdp.py.
 """
@@ -184,3 +185,13 @@ def test_correlated_noise_streams_the_strategy_over_each_shards_draws(ranks, kin
     assert torch.equal(a["params"], b["params"]) and a["epsilon"] == b["epsilon"] == a["summary"]["epsilon"]
     assert a["summary"]["noise_correlation"] == kind
     assert a["summary"]["accountant"] == {"banded": "banded-mf", "blt": "blt-minsep"}[kind]
+
+
+def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks) -> None:
+    """``exact_resume=True``, unseeded, BLT noise: resumed from the step-2 checkpoint (every rank's shard-keyed
+    generator states and the buffers gathered into it, each rank taking back its own), the run's parameters at steps
+    2-4 are the uninterrupted run's bit for bit, on both ranks."""
+    for rank in ranks:
+        whole, resumed = rank["exact whole"]["params"], rank["exact resumed"]["params"]
+        assert whole.shape[0] == 5 and resumed.shape[0] == 3
+        assert torch.equal(resumed, whole[2:]) and not torch.equal(whole[3] - whole[2], whole[4] - whole[3])

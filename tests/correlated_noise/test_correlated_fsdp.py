@@ -3,8 +3,9 @@
 streams, so with zero gradients the noise of every coordinate at step ``t`` must be ``(C^{-1} s Z)_t`` where ``Z`` is
 what the independent-noise run of the same seed adds to that coordinate (the same streams, the same draws), for banded
 and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's.
-``exact_resume=True`` is refused there on every rank (a checkpoint written by one rank cannot hold every shard's
-noise streams)."""
+With ``exact_resume=True`` a run resumed mid-stream from a sharded checkpoint equals the uninterrupted one bit for
+bit: the checkpoint holds every rank's shard-keyed generator states and the BLT buffers at their full values, and each
+rank takes back its own."""
 
 from __future__ import annotations
 
@@ -43,6 +44,27 @@ def test_the_sharded_run_reports_its_plans_epsilon(ranks, kind):
     assert ranks[0][kind]["epsilon"] == ranks[1][kind]["epsilon"] == summary["epsilon"]
 
 
-def test_exact_resume_is_refused_on_sharded_parameters(ranks):
+def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks):
     for rank in ranks:
-        assert rank["exact_resume_refused"].startswith("exact_resume=True is not supported on FSDP2-sharded parameters")
+        whole, resumed = rank["exact whole"], rank["exact resumed"]
+        assert len(whole) == 7 and len(resumed) == 3 and rank["exact steps"] == 6
+        assert all(torch.equal(got, want) for got, want in zip(resumed, whole[4:], strict=True))
+        assert not torch.equal(whole[5] - whole[4], whole[6] - whole[5])  # the noise moved the parameters
+    secret = ranks[0]["exact checkpoint"]
+    assert _same(secret, ranks[1]["exact checkpoint"])  # gathered: the same on every rank
+    shard_streams = {name.split("/")[-1] for name in secret["randomness"]["generators"]}
+    assert {"1,2,0,0", "1,2,0,1"} <= shard_streams  # both ranks' own streams (mesh 1-D of 2, coordinate 0 and 1)
+    (stream,) = secret["noise_streams"]
+    shapes = [tuple(t.shape) for t in stream["state"][0]]
+    assert stream["step"] == 4 and shapes == [(24, 24), (24,), (24, 24), (24,), (3, 24), (3,)]  # full, not shards
+
+
+def _same(a, b) -> bool:
+    """Equal nested containers of tensors (``torch.equal`` on the tensors)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b

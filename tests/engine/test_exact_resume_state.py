@@ -14,8 +14,9 @@ from lightning_dp.accounting.banded_mf import BandedMFAccountant
 from lightning_dp.correlated_noise import BandedNoise, optimize_banded
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, cyclic_groups
 from lightning_dp.data.poisson import PoissonBatchSampler
-from lightning_dp.engine.exact_resume import continued_stream, finish_restore, restore_secret_state
+from lightning_dp.engine.exact_resume import continued_stream, finish_restore, restore_secret_state, secret_state
 from lightning_dp.runtime.randomness import DPRandomness
+from lightning_dp.runtime.sharding import gathered_part, part_like
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -160,10 +161,75 @@ def test_every_restored_noise_stream_goes_to_one_optimizer():
     plan = SimpleNamespace(noise_stream=lambda: BandedNoise(optimize_banded(8, 2, max_participations=1)))
     run = SimpleNamespace(correlation=plan, restored_noise_streams=[], noise_streams=[])
     with pytest.raises(ValueError, match="fewer noise streams than this run has optimizers"):
-        continued_stream(run)
+        continued_stream(run, [])
+
+
+def test_a_restored_noise_stream_must_hold_the_optimizers_parameter_shapes():
+    """The checkpoint's stream state is one full tensor per parameter; another model or optimizer is refused at the
+    restore, before any noise is drawn."""
+    stream = BandedNoise(optimize_banded(8, 3, max_participations=1))
+    for _ in range(3):
+        stream.correlate([torch.randn(4, 2), torch.randn(3)])
+    plan = SimpleNamespace(noise_stream=lambda: BandedNoise(stream.strategy))
+    params = [torch.zeros(4, 2), torch.zeros(3)]
+    run = SimpleNamespace(correlation=plan, restored_noise_streams=[stream.state_dict()], noise_streams=[])
+    continued = continued_stream(run, params)
+    assert continued is not None and continued.step_index == 3 and run.noise_streams == [(continued, params)]
+    run = SimpleNamespace(correlation=plan, restored_noise_streams=[stream.state_dict()], noise_streams=[])
+    with pytest.raises(ValueError, match="does not hold one tensor per parameter of this optimizer"):
+        continued_stream(run, [torch.zeros(4, 2), torch.zeros(4)])
+
+
+def _rank_state(checkpoint: DPRandomness, coordinate: int) -> DPRandomness:
+    """A rank of a sharded run resumed from ``checkpoint`` that has drawn from its own shard's stream only."""
+    rank = DPRandomness(seed=0)
+    rank.load_state_dict(checkpoint.state_dict())
+    torch.randn(2, generator=rank.noise_generator("cpu", (1, 2, 0, coordinate)))
+    return rank
+
+
+def _sharded_run(ranks: list[DPRandomness]) -> SimpleNamespace:
+    """A sharded run on rank 0 whose gather returns what ``ranks`` hold."""
+    held = [(r.state_dict()["generators"], r.untouched_streams) for r in ranks]
+    return SimpleNamespace(
+        randomness=ranks[0],
+        distributed=SimpleNamespace(gather_objects=lambda mine: held),
+        clipper=SimpleNamespace(sharded=True),
+        noise_streams=[],
+        restored_noise_streams=None,
+    )
+
+
+def test_a_sharded_checkpoint_holds_each_shards_stream_as_the_rank_that_draws_it_left_it():
+    """Each rank of a sharded run draws from its own shard's stream and holds the others' as restored: the
+    checkpoint takes every stream from the rank that drew from it, never a stale restored copy; two drawn states of
+    one shared stream that differ are a broken run and raise."""
+    checkpoint = DPRandomness(seed=5)
+    for coordinate in (0, 1):
+        torch.randn(3, generator=checkpoint.noise_generator("cpu", (1, 2, 0, coordinate)))
+    ranks = [_rank_state(checkpoint, coordinate) for coordinate in (0, 1)]
+    assert ranks[0].untouched_streams == {"noise/cpu/0/1,2,0,1"}
+    merged = secret_state(_sharded_run(ranks))["randomness"]["generators"]
+    for coordinate, rank in enumerate(ranks):
+        name = f"noise/cpu/0/1,2,0,{coordinate}"
+        assert torch.equal(merged[name], rank.state_dict()["generators"][name])
+        assert not torch.equal(merged[name], checkpoint.state_dict()["generators"][name])
+    apart = [DPRandomness(seed=7), DPRandomness(seed=8)]
+    for randomness in apart:
+        torch.randn(1, generator=randomness.noise_generator("cpu"))
+    with pytest.raises(RuntimeError, match="different states of the shared noise stream 'noise/cpu/0/'"):
+        secret_state(_sharded_run(apart))
 
 
 def test_a_checkpoint_before_any_correlated_step_has_nothing_to_continue():
     run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(seed=0), restored_noise_streams=None)
     restore_secret_state(run, {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [{"step": 0}]})
     assert run.restored_noise_streams is None and run.randomness.base_seed == 1
+
+
+def test_a_full_tensor_takes_the_place_of_an_unsharded_parameter_only_at_its_shape():
+    full, like = torch.arange(6.0).reshape(2, 3), torch.zeros(2, 3, dtype=torch.float64)
+    assert torch.equal(part_like(full, like), full) and part_like(full, like).dtype == torch.float32
+    assert torch.equal(gathered_part(full, like), full)
+    with pytest.raises(ValueError, match=r"a tensor of shape \(2, 3\) cannot take the place of one of \(3, 2\)"):
+        part_like(full, torch.zeros(3, 2))

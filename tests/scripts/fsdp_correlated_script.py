@@ -5,15 +5,18 @@ learning rate 1, q = 1/2 (64 examples, per-rank batch 16), seed 7, 6 steps, thre
 (``noise_correlation=None``), ``"banded"`` (``correlation_band=2``) and ``"blt"`` (``correlation_buffers=2``). Each
 rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters after every step (the first entry: before
 training), the expected batch ``q N``, the plan's strategy and scale ``s`` (``None`` for independent noise), the
-engine's epsilon and the privacy summary; and under ``"exact_resume_refused"`` the message of the refused
-``exact_resume=True`` run (``None`` if it trained)."""
+engine's epsilon and the privacy summary. Then ``"exact whole"``: BLT noise (2 buffers) with ``exact_resume=True``,
+unseeded, 6 steps (3 epochs of 2), a sharded (DCP) checkpoint at the end of each epoch; and ``"exact resumed"``: a
+fresh unseeded strategy resumed from its checkpoint at step 4 (warm buffers) to step 6. Both record the gathered
+parameters at the start of training (after the restore) and after every step; ``"exact checkpoint"`` holds the
+secret state of the step-4 checkpoint's ``meta.pt``."""
 
 import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -84,16 +87,36 @@ def sharded_trainer(strategy: DPModelParallelStrategy, callbacks: list[Callback]
         devices=2,
         max_steps=STEPS,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
     )
 
 
+def exact_resume(out: Path) -> dict:
+    """The ``"exact whole"`` and ``"exact resumed"`` runs and the step-4 checkpoint's secret state."""
+    exact = {"noise_correlation": "blt", "correlation_buffers": 2, "exact_resume": True}
+    result = {}
+    iterates = Iterates()
+    saving = ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    sharded_trainer(DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, **exact), [iterates, saving]).fit(
+        ZeroGradMLP()
+    )
+    result["exact whole"] = iterates.params
+    cut = out / "ckpt" / "epoch=1.ckpt"
+    iterates = Iterates()
+    strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, **exact)
+    sharded_trainer(strategy, [iterates]).fit(ZeroGradMLP(), ckpt_path=str(cut))
+    result["exact resumed"] = iterates.params
+    result["exact steps"] = strategy.privacy_engine.steps
+    result["exact checkpoint"] = torch.load(cut / "meta.pt", weights_only=False)["lightning_dp"]["exact_resume"]
+    return result
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    result: dict = {"exact_resume_refused": None}
+    result: dict = {}
     rank = 0
     for name, options in RUNS.items():
         strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, seed=7, **options)
@@ -102,9 +125,5 @@ if __name__ == "__main__":
         trainer.fit(ZeroGradMLP())
         rank = trainer.global_rank
         result[name] = zero_gradient_run(strategy.privacy_engine, iterates.params, trainer.lightning_module)
-    exact = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, seed=7, exact_resume=True)
-    try:  # refused on every rank before any collective of the run
-        sharded_trainer(exact, []).fit(ZeroGradMLP())
-    except ValueError as error:
-        result["exact_resume_refused"] = str(error)
+    result.update(exact_resume(out))
     torch.save(result, out / f"rank{rank}.pt")

@@ -28,7 +28,9 @@ handed to ``DPTrainer``, as a user does. Runs, each from the same initial model 
   shard by shard);
 - ``"correlated independent"``, ``"correlated banded"`` and ``"correlated blt"``: a loss with zero gradient (every
   update is pure noise), SGD at learning rate 1, q = 1/2, 4 steps, independent noise, banded noise (band 2) and BLT
-  noise (2 buffers), each recording the gathered parameters after every step.
+  noise (2 buffers), each recording the gathered parameters after every step; ``"exact whole"``: the BLT run unseeded
+  with ``exact_resume=True`` and a checkpoint at step 2, and ``"exact resumed"``: resumed from it (warm buffers) to
+  step 4.
 
 Every run records the gathered parameters and optimizer state (and the low-pass filter's and per-sample momentum's
 state, when it has them) when it writes a checkpoint and when its training begins (after a resume restored them).
@@ -183,17 +185,19 @@ class Iterates(TrainerCallback):
         self.take(model)
 
 
-def train_correlated(name: str, out: Path, options: dict) -> None:
-    """Run ``name`` on a sharded model with zero gradients and the correlation ``options``; record it in
-    ``RESULT[name]`` (``correlation_helpers.zero_gradient_run``)."""
+def train_correlated(name: str, out: Path, options: dict, *, resume: Path | None = None, **arguments) -> None:
+    """Run ``name`` on a sharded model with zero gradients and the correlation ``options`` (seed 7 unless they say
+    otherwise), resumed from ``resume`` if given, with further ``TrainingArguments``; record it in ``RESULT[name]``
+    (``correlation_helpers.zero_gradient_run``)."""
     model = shard(tiny_llama(torch.float64))
-    privacy = PrivacyArguments(noise_multiplier=0.8, per_sample_max_grad_norm=1.5, dp_seed=7, **options)
-    args = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_steps=4)
-    arguments = training_args(out / name, per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM, **args)
-    trainer = ZeroGradientTrainer(model=model, args=arguments, train_dataset=TokenDataset(n=N), privacy_args=privacy)
+    privacy = PrivacyArguments(noise_multiplier=0.8, per_sample_max_grad_norm=1.5, **{"dp_seed": 7, **options})
+    sgd = dict(optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_steps=4)
+    batches = dict(per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUM)
+    args = training_args(out / name, **sgd, **batches, **arguments)
+    trainer = ZeroGradientTrainer(model=model, args=args, train_dataset=TokenDataset(n=N), privacy_args=privacy)
     iterates = Iterates()
     trainer.add_callback(iterates)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     RESULT[name] = zero_gradient_run(trainer.privacy_engine, iterates.params, model)
 
 
@@ -258,6 +262,10 @@ def main(out: Path) -> None:
     train_correlated("correlated independent", out, {})
     train_correlated("correlated banded", out, {"noise_correlation": "banded", "correlation_band": 2})
     train_correlated("correlated blt", out, {"noise_correlation": "blt", "correlation_buffers": 2})
+    exact = {"noise_correlation": "blt", "correlation_buffers": 2, "exact_resume": True, "dp_seed": None}
+    saving = dict(save_strategy="steps", save_steps=2, ignore_data_skip=True)
+    train_correlated("exact whole", out, exact, **saving)
+    train_correlated("exact resumed", out, exact, resume=out / "exact whole" / "checkpoint-2", **saving)
     RESULT["rank"], RESULT["world_size"] = context.rank, context.world_size
     torch.save(RESULT, out / f"rank{context.rank}.pt")
 
