@@ -21,7 +21,7 @@ import torch
 from lightning_dp.accounting.segments import SegmentedAccountant
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.engine.run_state import RunState
-from lightning_dp.runtime.sharding import gathered_part, part_like
+from lightning_dp.runtime.sharding import gathered_part, is_sharded, part_like
 
 #: the checkpoint entry (in the privacy state) that holds the secret state.
 SECRET_KEY = "exact_resume"
@@ -31,24 +31,31 @@ def secret_state(run: RunState) -> dict[str, Any]:
     """``{"randomness": ..., "noise_streams": [...]}``: what :func:`restore_secret_state` continues from (a restored
     stream no optimizer has taken yet included). It reveals the noise: for a private resume file only
     (docs/privacy.md). On an FSDP2-sharded model a collective (every rank calls it): the generator states of every
-    rank, and the streams' state tensors gathered to their full values (in CPU memory), the same on every rank.
+    rank, and the streams' state tensors gathered to their full values (in CPU memory). On several processes only
+    rank 0, which writes checkpoints, keeps the state tensors (``None`` on the others); ``"layout"``:
+    :func:`noise_layout`.
 
     Raises:
         RuntimeError: two ranks hold different states of one shared noise stream (they must draw identical noise).
     """
-    streams = [_full_stream_state(stream, params) for stream, params in run.noise_streams]
+    keep = run.distributed is None or run.distributed.is_main  # the rank that writes checkpoints
+    streams = [_full_stream_state(stream, params, keep) for stream, params in run.noise_streams]
     randomness = run.randomness.state_dict()
     if run.distributed is not None and run.clipper is not None and run.clipper.sharded:
         held = (randomness["generators"], run.randomness.untouched_streams)
         randomness["generators"] = _merged(run.distributed.gather_objects(held))
-    return {"randomness": randomness, "noise_streams": streams + list(run.restored_noise_streams or [])}
+    layout = run.restored_noise_layout if run.restored_noise_layout is not None else run.noise_layout
+    streams += list(run.restored_noise_streams or [])
+    return {"randomness": randomness, "noise_streams": streams, "layout": layout}
 
 
-def _full_stream_state(stream: CorrelatedNoise, params: list[torch.Tensor]) -> dict[str, Any]:
+def _full_stream_state(stream: CorrelatedNoise, params: list[torch.Tensor], keep: bool) -> dict[str, Any]:
     """``stream.state_dict()`` with each state tensor at its parameter's full value (gathered from the ranks' shards
-    of a sharded parameter)."""
+    of a sharded parameter), or ``None`` on a rank that does not ``keep`` them (it only takes part in the gathers)."""
     state = stream.state_dict()
-    state["state"] = [[gathered_part(t, p) for t, p in zip(vector, params, strict=True)] for vector in state["state"]]
+    state["state"] = [
+        [gathered_part(t, p, keep=keep) for t, p in zip(vector, params, strict=True)] for vector in state["state"]
+    ]
     return state
 
 
@@ -93,8 +100,14 @@ def restore_secret_state(run: RunState, saved: Any) -> None:
             f"The checkpoint's noise streams ({[s.get('step') if isinstance(s, dict) else s for s in streams]} steps) "
             f"do not continue its ledger (last segment: {steps} steps); resume from an intact checkpoint"
         )
+    layout = saved.get("layout")
+    if layout is not None and not (isinstance(layout, dict) and set(layout) == {"world_size", "devices", "meshes"}):
+        raise ValueError(
+            f"The checkpoint's {SECRET_KEY} entry is corrupted (layout {layout!r}); resume from an intact checkpoint"
+        )
     run.randomness.load_state_dict(saved["randomness"])
     run.restored_noise_streams = list(streams) if steps else None  # before any correlated step: nothing to continue
+    run.restored_noise_layout = layout
 
 
 def continues_segment(run: RunState) -> bool:
@@ -137,7 +150,8 @@ def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -
     vectors = saved.get("state")
     shapes = [tuple(p.shape) for p in params]
     if not isinstance(vectors, list) or any(
-        not isinstance(vector, list | tuple) or [tuple(getattr(t, "shape", ())) for t in vector] != shapes
+        not isinstance(vector, list | tuple)
+        or [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in vector] != shapes
         for vector in vectors
     ):
         raise ValueError(
@@ -147,12 +161,15 @@ def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -
     return {**saved, "state": [[part_like(t, p) for t, p in zip(vector, params, strict=True)] for vector in vectors]}
 
 
-def finish_restore(run: RunState) -> None:
+def finish_restore(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Once the optimizers are wrapped: an exact resume's noise streams are all taken (a later ``fit`` of this run
-    restarts the correlation).
+    restarts the correlation), and the run draws its noise on the layout the checkpoint's streams were drawn on
+    (:func:`noise_layout`), which is fixed for the next checkpoint.
 
     Raises:
-        ValueError: the checkpoint holds more noise streams than this run has optimizers.
+        ValueError: the checkpoint holds more noise streams than this run has optimizers; it was written on other
+            processes, devices or sharding (the streams continued there would add draws already added, to other
+            gradients: docs/privacy.md).
     """
     left, run.restored_noise_streams = run.restored_noise_streams, None
     if left:
@@ -160,3 +177,24 @@ def finish_restore(run: RunState) -> None:
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
         )
+    layout, restored = noise_layout(run, optimizers), run.restored_noise_layout
+    run.restored_noise_layout = None
+    if restored is not None and restored != layout:
+        raise ValueError(
+            f"exact_resume: the checkpoint's noise was drawn on {restored}, this run draws it on {layout}: resume on "
+            "the same processes, devices and sharding, or without exact_resume (a resume then draws fresh streams)"
+        )
+    run.noise_layout = layout
+
+
+def noise_layout(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """Where the run's noise streams are drawn: ``{"world_size": W, "devices": [device types], "meshes": [[mesh ndim,
+    *mesh shape], ...]}`` of the optimizers' trainable parameters (the sharded ones' meshes); the same on every rank."""
+    params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
+    params = [p for p in params if p.requires_grad]
+    meshes = {(p.device_mesh.ndim, *p.device_mesh.shape) for p in params if is_sharded(p)}
+    return {
+        "world_size": 1 if run.distributed is None else run.distributed.world_size,
+        "devices": sorted({p.device.type for p in params}),
+        "meshes": [list(mesh) for mesh in sorted(meshes)],
+    }

@@ -316,9 +316,9 @@ class PrivacyEngine:
         learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`; then an exact resume's noise streams must
-        all have been taken (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
+        all have been taken, on their layout (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
         wrapped = self.run.start_training(optimizers, total_steps=total_steps, learning_rates=learning_rates)
-        finish_restore(self.state)
+        finish_restore(self.state, wrapped)
         return wrapped
 
     def per_sample_loss(

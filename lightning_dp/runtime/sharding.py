@@ -58,30 +58,32 @@ def gathered_on_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return gathered(tensor).detach().cpu()
 
 
-def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def shard_like(full: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``full`` (the same full value on every rank) laid out as ``like``: this rank's shard for a sharded ``like`` (no
-    communication), else ``full``; on ``like``'s device and dtype.
+    communication), else ``full``; on ``like``'s device, in ``dtype`` (default: ``like``'s).
     """
-    full = full.to(device=like.device, dtype=like.dtype)
+    full = full.to(device=like.device, dtype=like.dtype if dtype is None else dtype)
     if not isinstance(like, DTensor) or isinstance(full, DTensor):
         return full
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def gathered_part(part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The full value, in CPU memory, of ``part``: this rank's part of a tensor laid out as ``like`` (a sharded
-    ``like``'s local shard, a collective over its mesh; for any other ``like``, ``part`` is the full value).
+def gathered_part(part: torch.Tensor, like: torch.Tensor, *, keep: bool = True) -> torch.Tensor | None:
+    """The full value of ``part``, this rank's part of a tensor laid out as ``like``: for a sharded ``like`` its local
+    shard, gathered into CPU memory (a collective over its mesh); for any other ``like``, ``part`` itself (detached).
 
     Args:
         part: shaped like ``like``'s local shard (``like.to_local()``), any dtype.
         like: the parameter ``part`` belongs to.
+        keep: ``False`` on a rank that only takes part in the gather: ``None`` is returned, no full copy is kept.
     """
     if not isinstance(like, DTensor):
-        return part.detach().cpu()
+        return part.detach() if keep else None
     spread = DTensor.from_local(
         part.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )
-    return gathered_on_cpu(spread)
+    full = spread.full_tensor()  # a collective: every rank of the mesh takes part
+    return full.cpu() if keep else None
 
 
 def part_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -93,10 +95,7 @@ def part_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """
     if full.shape != like.shape:
         raise ValueError(f"a tensor of shape {tuple(full.shape)} cannot take the place of one of {tuple(like.shape)}")
-    full = full.to(like.device)
-    if not isinstance(like, DTensor):
-        return full
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    return local_part(shard_like(full, like, dtype=full.dtype))
 
 
 def sum_into_shard(full: torch.Tensor, param: DTensor) -> DTensor:

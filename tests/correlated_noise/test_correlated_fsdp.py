@@ -50,13 +50,18 @@ def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks):
         assert len(whole) == 7 and len(resumed) == 3 and rank["exact steps"] == 6
         assert all(torch.equal(got, want) for got, want in zip(resumed, whole[4:], strict=True))
         assert not torch.equal(whole[5] - whole[4], whole[6] - whole[5])  # the noise moved the parameters
-    secret = ranks[0]["exact checkpoint"]
-    assert _same(secret, ranks[1]["exact checkpoint"])  # gathered: the same on every rank
-    shard_streams = {name.split("/")[-1] for name in secret["randomness"]["generators"]}
+    secrets = ranks[0]["exact checkpoints"]
+    cut = secrets["cut"]
+    shard_streams = {name.split("/")[-1] for name in cut["randomness"]["generators"]}
     assert {"1,2,0,0", "1,2,0,1"} <= shard_streams  # both ranks' own streams (mesh 1-D of 2, coordinate 0 and 1)
-    (stream,) = secret["noise_streams"]
+    (stream,) = cut["noise_streams"]
     shapes = [tuple(t.shape) for t in stream["state"][0]]
     assert stream["step"] == 4 and shapes == [(24, 24), (24,), (24, 24), (24,), (3, 24), (3,)]  # full, not shards
+    assert cut["layout"] == {"world_size": 2, "devices": ["cpu"], "meshes": [[1, 2]]}
+    # the resumed run's next checkpoint holds what the uninterrupted run's holds: each rank's drawn streams, never the
+    # stale restored copy of the other rank's
+    assert _same(secrets["resumed end"], secrets["whole end"])
+    assert not _same(secrets["whole end"]["randomness"], cut["randomness"])
 
 
 def _same(a, b) -> bool:

@@ -157,7 +157,7 @@ def test_every_restored_noise_stream_goes_to_one_optimizer():
     """A checkpoint's streams and the run's optimizers pair one to one: a stream left over (or an optimizer without
     one) would continue the segment with another correlation than the ledger's."""
     with pytest.raises(ValueError, match="1 noise stream\\(s\\) more than this run has optimizers"):
-        finish_restore(SimpleNamespace(restored_noise_streams=[{"step": 3}]))
+        finish_restore(SimpleNamespace(restored_noise_streams=[{"step": 3}]), [])
     plan = SimpleNamespace(noise_stream=lambda: BandedNoise(optimize_banded(8, 2, max_participations=1)))
     run = SimpleNamespace(correlation=plan, restored_noise_streams=[], noise_streams=[])
     with pytest.raises(ValueError, match="fewer noise streams than this run has optimizers"):
@@ -180,6 +180,31 @@ def test_a_restored_noise_stream_must_hold_the_optimizers_parameter_shapes():
         continued_stream(run, [torch.zeros(4, 2), torch.zeros(4)])
 
 
+def _layout_run(world_size: int | None, restored: dict | None) -> SimpleNamespace:
+    distributed = None if world_size is None else SimpleNamespace(world_size=world_size)
+    return SimpleNamespace(
+        restored_noise_streams=None, restored_noise_layout=restored, noise_layout=None, distributed=distributed
+    )
+
+
+def test_an_exact_resume_draws_on_the_processes_devices_and_sharding_its_checkpoint_drew_on():
+    """A checkpoint's streams continued on another layout would add draws the abandoned continuation of the same
+    checkpoint already added, to other gradients: refused when training starts; the layout is fixed for the next
+    checkpoint, and a corrupted one is refused at the restore."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3)), torch.zeros(2)], lr=0.1)  # the second: frozen
+    one_process = {"world_size": 1, "devices": ["cpu"], "meshes": []}
+    run = _layout_run(None, dict(one_process))
+    finish_restore(run, [optimizer])
+    assert run.noise_layout == one_process and run.restored_noise_layout is None
+    for world_size, restored in ((2, one_process), (None, {**one_process, "meshes": [[1, 2]]})):
+        with pytest.raises(ValueError, match="exact_resume: the checkpoint's noise was drawn on .* resume on the same"):
+            finish_restore(_layout_run(world_size, restored), [optimizer])
+    run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(seed=0), restored_noise_streams=None)
+    saved = {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [], "layout": {"world_size": 1}}
+    with pytest.raises(ValueError, match="entry is corrupted \\(layout"):
+        restore_secret_state(run, saved)
+
+
 def _rank_state(checkpoint: DPRandomness, coordinate: int) -> DPRandomness:
     """A rank of a sharded run resumed from ``checkpoint`` that has drawn from its own shard's stream only."""
     rank = DPRandomness(seed=0)
@@ -193,10 +218,12 @@ def _sharded_run(ranks: list[DPRandomness]) -> SimpleNamespace:
     held = [(r.state_dict()["generators"], r.untouched_streams) for r in ranks]
     return SimpleNamespace(
         randomness=ranks[0],
-        distributed=SimpleNamespace(gather_objects=lambda mine: held),
+        distributed=SimpleNamespace(gather_objects=lambda mine: held, is_main=True),
         clipper=SimpleNamespace(sharded=True),
         noise_streams=[],
         restored_noise_streams=None,
+        restored_noise_layout=None,
+        noise_layout=None,
     )
 
 

@@ -8,8 +8,9 @@ training), the expected batch ``q N``, the plan's strategy and scale ``s`` (``No
 engine's epsilon and the privacy summary. Then ``"exact whole"``: BLT noise (2 buffers) with ``exact_resume=True``,
 unseeded, 6 steps (3 epochs of 2), a sharded (DCP) checkpoint at the end of each epoch; and ``"exact resumed"``: a
 fresh unseeded strategy resumed from its checkpoint at step 4 (warm buffers) to step 6. Both record the gathered
-parameters at the start of training (after the restore) and after every step; ``"exact checkpoint"`` holds the
-secret state of the step-4 checkpoint's ``meta.pt``."""
+parameters at the start of training (after the restore) and after every step, and the resumed run also writes a
+checkpoint at the end of each epoch; ``"exact checkpoints"`` holds the secret state of the step-4 checkpoint
+(``"cut"``) and of both runs' step-6 checkpoints (``"whole end"``, ``"resumed end"``)."""
 
 import sys
 from pathlib import Path
@@ -106,11 +107,16 @@ def exact_resume(out: Path) -> dict:
     result["exact whole"] = iterates.params
     cut = out / "ckpt" / "epoch=1.ckpt"
     iterates = Iterates()
+    saving = ModelCheckpoint(dirpath=out / "ckpt_resumed", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
     strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, **exact)
-    sharded_trainer(strategy, [iterates]).fit(ZeroGradMLP(), ckpt_path=str(cut))
+    sharded_trainer(strategy, [iterates, saving]).fit(ZeroGradMLP(), ckpt_path=str(cut))
     result["exact resumed"] = iterates.params
     result["exact steps"] = strategy.privacy_engine.steps
-    result["exact checkpoint"] = torch.load(cut / "meta.pt", weights_only=False)["lightning_dp"]["exact_resume"]
+    secret = {}
+    for name, path in (("cut", cut), ("whole end", out / "ckpt"), ("resumed end", out / "ckpt_resumed")):
+        folder = path if name == "cut" else path / "epoch=2.ckpt"
+        secret[name] = torch.load(folder / "meta.pt", weights_only=False)["lightning_dp"]["exact_resume"]
+    result["exact checkpoints"] = secret
     return result
 
 
