@@ -4,8 +4,9 @@ streams, so with zero gradients the noise of every coordinate at step ``t`` must
 what the independent-noise run of the same seed adds to that coordinate (the same streams, the same draws), for banded
 and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's.
 With ``exact_resume=True`` a run resumed mid-stream from a sharded checkpoint equals the uninterrupted one bit for
-bit: the checkpoint holds every rank's shard-keyed generator states and the BLT buffers at their full values, and each
-rank takes back its own."""
+bit, on a 1-D mesh and on an HSDP mesh: the checkpoint holds every rank's shard-keyed generator states, the BLT
+buffers at their full values and the layout, each rank takes back its own, and the resumed run's next checkpoint is
+the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -44,20 +45,30 @@ def test_the_sharded_run_reports_its_plans_epsilon(ranks, kind):
     assert ranks[0][kind]["epsilon"] == ranks[1][kind]["epsilon"] == summary["epsilon"]
 
 
-def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks):
+#: per mesh: the streams of the shards the two ranks hold (mesh ndim and shape, then sharded dimension and coordinate;
+#: HSDP replicas hold one shard), and the layout the checkpoint records.
+MESHES = {
+    "fsdp": ({"1,2,0,0", "1,2,0,1"}, [[1, 2]]),
+    "hsdp": ({"2,2,1,1,0"}, [[2, 2, 1]]),
+}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks, mesh):
     for rank in ranks:
-        whole, resumed = rank["exact whole"], rank["exact resumed"]
-        assert len(whole) == 7 and len(resumed) == 3 and rank["exact steps"] == 6
+        run = rank["exact"][mesh]
+        whole, resumed = run["whole"], run["resumed"]
+        assert len(whole) == 7 and len(resumed) == 3 and run["steps"] == 6
         assert all(torch.equal(got, want) for got, want in zip(resumed, whole[4:], strict=True))
         assert not torch.equal(whole[5] - whole[4], whole[6] - whole[5])  # the noise moved the parameters
-    secrets = ranks[0]["exact checkpoints"]
+    secrets = ranks[0]["exact"][mesh]["checkpoints"]
     cut = secrets["cut"]
-    shard_streams = {name.split("/")[-1] for name in cut["randomness"]["generators"]}
-    assert {"1,2,0,0", "1,2,0,1"} <= shard_streams  # both ranks' own streams (mesh 1-D of 2, coordinate 0 and 1)
+    shards, meshes = MESHES[mesh]
+    assert {name.split("/")[-1] for name in cut["randomness"]["generators"]} == shards
     (stream,) = cut["noise_streams"]
     shapes = [tuple(t.shape) for t in stream["state"][0]]
     assert stream["step"] == 4 and shapes == [(24, 24), (24,), (24, 24), (24,), (3, 24), (3,)]  # full, not shards
-    assert cut["layout"] == {"world_size": 2, "devices": ["cpu"], "meshes": [[1, 2]]}
+    assert cut["layout"] == {"world_size": 2, "devices": ["cpu"], "meshes": meshes}
     # the resumed run's next checkpoint holds what the uninterrupted run's holds: each rank's drawn streams, never the
     # stale restored copy of the other rank's
     assert _same(secrets["resumed end"], secrets["whole end"])

@@ -5,12 +5,13 @@ learning rate 1, q = 1/2 (64 examples, per-rank batch 16), seed 7, 6 steps, thre
 (``noise_correlation=None``), ``"banded"`` (``correlation_band=2``) and ``"blt"`` (``correlation_buffers=2``). Each
 rank writes ``OUT_DIR/rank{r}.pt``: per run the gathered parameters after every step (the first entry: before
 training), the expected batch ``q N``, the plan's strategy and scale ``s`` (``None`` for independent noise), the
-engine's epsilon and the privacy summary. Then ``"exact whole"``: BLT noise (2 buffers) with ``exact_resume=True``,
-unseeded, 6 steps (3 epochs of 2), a sharded (DCP) checkpoint at the end of each epoch; and ``"exact resumed"``: a
-fresh unseeded strategy resumed from its checkpoint at step 4 (warm buffers) to step 6. Both record the gathered
-parameters at the start of training (after the restore) and after every step, and the resumed run also writes a
-checkpoint at the end of each epoch; ``"exact checkpoints"`` holds the secret state of the step-4 checkpoint
-(``"cut"``) and of both runs' step-6 checkpoints (``"whole end"``, ``"resumed end"``)."""
+engine's epsilon and the privacy summary. Then, under ``"exact"``, on the 1-D mesh (``"fsdp"``) and on a (2, 1)
+HSDP mesh (``"hsdp"``): ``"whole"``, BLT noise (2 buffers) with ``exact_resume=True``, unseeded, 6 steps (3 epochs of
+2), a sharded (DCP) checkpoint at the end of each epoch; and ``"resumed"``: a fresh unseeded strategy resumed from its
+checkpoint at step 4 (warm buffers) to step 6. Both record the gathered parameters at the start of training (after
+the restore) and after every step, and the resumed run also writes a checkpoint at the end of each epoch;
+``"checkpoints"`` holds the secret state of the step-4 checkpoint (``"cut"``) and of both runs' step-6 checkpoints
+(``"whole end"``, ``"resumed end"``)."""
 
 import sys
 from pathlib import Path
@@ -37,18 +38,23 @@ RUNS = {
 
 
 class ZeroGradMLP(pl.LightningModule):
-    """Three linear layers, each sharded, and the root; the per-sample loss is 0 times the output."""
+    """Three linear layers, each sharded, and the root; the per-sample loss is 0 times the output. With ``hsdp``, on
+    a (2, 1) mesh: each parameter replicated over the two ranks, sharded over a dimension of size 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, hsdp: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3))
         self.data = TensorDataset(torch.randn(EXAMPLES, WIDTH))
+        self.hsdp = hsdp
 
     def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        if self.hsdp:
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for layer in self.net:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
@@ -95,28 +101,30 @@ def sharded_trainer(strategy: DPModelParallelStrategy, callbacks: list[Callback]
     )
 
 
-def exact_resume(out: Path) -> dict:
-    """The ``"exact whole"`` and ``"exact resumed"`` runs and the step-4 checkpoint's secret state."""
+def exact_resume(out: Path, hsdp: bool) -> dict:
+    """The exact-resume runs (``"exact whole"``, ``"exact resumed"``, their step count and checkpoints' secret
+    states), on an HSDP mesh with ``hsdp``."""
     exact = {"noise_correlation": "blt", "correlation_buffers": 2, "exact_resume": True}
+    out = out / ("hsdp" if hsdp else "fsdp")
     result = {}
     iterates = Iterates()
     saving = ModelCheckpoint(dirpath=out / "ckpt", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
     sharded_trainer(DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, **exact), [iterates, saving]).fit(
-        ZeroGradMLP()
+        ZeroGradMLP(hsdp)
     )
-    result["exact whole"] = iterates.params
+    result["whole"] = iterates.params
     cut = out / "ckpt" / "epoch=1.ckpt"
     iterates = Iterates()
     saving = ModelCheckpoint(dirpath=out / "ckpt_resumed", filename="{epoch}", every_n_epochs=1, save_top_k=-1)
     strategy = DPModelParallelStrategy(noise_multiplier=0.8, max_grad_norm=1.5, **exact)
-    sharded_trainer(strategy, [iterates, saving]).fit(ZeroGradMLP(), ckpt_path=str(cut))
-    result["exact resumed"] = iterates.params
-    result["exact steps"] = strategy.privacy_engine.steps
+    sharded_trainer(strategy, [iterates, saving]).fit(ZeroGradMLP(hsdp), ckpt_path=str(cut))
+    result["resumed"] = iterates.params
+    result["steps"] = strategy.privacy_engine.steps
     secret = {}
     for name, path in (("cut", cut), ("whole end", out / "ckpt"), ("resumed end", out / "ckpt_resumed")):
         folder = path if name == "cut" else path / "epoch=2.ckpt"
         secret[name] = torch.load(folder / "meta.pt", weights_only=False)["lightning_dp"]["exact_resume"]
-    result["exact checkpoints"] = secret
+    result["checkpoints"] = secret
     return result
 
 
@@ -131,5 +139,5 @@ if __name__ == "__main__":
         trainer.fit(ZeroGradMLP())
         rank = trainer.global_rank
         result[name] = zero_gradient_run(strategy.privacy_engine, iterates.params, trainer.lightning_module)
-    result.update(exact_resume(out))
+    result["exact"] = {"fsdp": exact_resume(out, hsdp=False), "hsdp": exact_resume(out, hsdp=True)}
     torch.save(result, out / f"rank{rank}.pt")
