@@ -101,7 +101,11 @@ def restore_secret_state(run: RunState, saved: Any) -> None:
             f"do not continue its ledger (last segment: {steps} steps); resume from an intact checkpoint"
         )
     layout = saved.get("layout")
-    if layout is not None and not (isinstance(layout, dict) and set(layout) == {"world_size", "devices", "meshes"}):
+    randomness = saved["randomness"]
+    drawn = steps > 0 or (isinstance(randomness, dict) and bool(randomness.get("generators")))  # noise drawn
+    if (layout is None and drawn) or (
+        layout is not None and not (isinstance(layout, dict) and set(layout) == {"world_size", "devices", "meshes"})
+    ):
         raise ValueError(
             f"The checkpoint's {SECRET_KEY} entry is corrupted (layout {layout!r}); resume from an intact checkpoint"
         )
@@ -180,6 +184,7 @@ def finish_restore(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -
     layout, restored = noise_layout(run, optimizers), run.restored_noise_layout
     run.restored_noise_layout = None
     if restored is not None and restored != layout:
+        run.noise_layout = restored  # a checkpoint written after the refusal holds the checkpoint's streams and layout
         raise ValueError(
             f"exact_resume: the checkpoint's noise was drawn on {restored}, this run draws it on {layout}: resume on "
             "the same processes, devices and sharding, or without exact_resume (a resume then draws fresh streams)"

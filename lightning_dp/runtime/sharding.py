@@ -69,8 +69,8 @@ def shard_like(full: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None
 
 
 def gathered_part(part: torch.Tensor, like: torch.Tensor, *, keep: bool = True) -> torch.Tensor | None:
-    """The full value of ``part``, this rank's part of a tensor laid out as ``like``: for a sharded ``like`` its local
-    shard, gathered into CPU memory (a collective over its mesh); for any other ``like``, ``part`` itself (detached).
+    """The full value of ``part``, this rank's part of a tensor laid out as ``like``, in CPU memory: for a sharded
+    ``like`` its local shard, gathered (a collective over its mesh); for any other ``like``, ``part`` itself.
 
     Args:
         part: shaped like ``like``'s local shard (``like.to_local()``), any dtype.
@@ -78,7 +78,7 @@ def gathered_part(part: torch.Tensor, like: torch.Tensor, *, keep: bool = True) 
         keep: ``False`` on a rank that only takes part in the gather: ``None`` is returned, no full copy is kept.
     """
     if not isinstance(like, DTensor):
-        return part.detach() if keep else None
+        return part.detach().cpu() if keep else None
     spread = DTensor.from_local(
         part.detach(), like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
     )

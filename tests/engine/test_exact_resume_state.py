@@ -197,12 +197,17 @@ def test_an_exact_resume_draws_on_the_processes_devices_and_sharding_its_checkpo
     finish_restore(run, [optimizer])
     assert run.noise_layout == one_process and run.restored_noise_layout is None
     for world_size, restored in ((2, one_process), (None, {**one_process, "meshes": [[1, 2]]})):
+        run = _layout_run(world_size, restored)
         with pytest.raises(ValueError, match="exact_resume: the checkpoint's noise was drawn on .* resume on the same"):
-            finish_restore(_layout_run(world_size, restored), [optimizer])
-    run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(seed=0), restored_noise_streams=None)
-    saved = {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [], "layout": {"world_size": 1}}
-    with pytest.raises(ValueError, match="entry is corrupted \\(layout"):
-        restore_secret_state(run, saved)
+            finish_restore(run, [optimizer])
+        assert run.noise_layout == restored  # what a checkpoint written after the refusal records
+    drawn = DPRandomness(seed=1)
+    torch.randn(2, generator=drawn.noise_generator("cpu"))
+    for layout in ({"world_size": 1}, None):  # malformed; none although noise was drawn
+        run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(0), restored_noise_streams=None)
+        saved = {"randomness": drawn.state_dict(), "noise_streams": [], "layout": layout}
+        with pytest.raises(ValueError, match="entry is corrupted \\(layout"):
+            restore_secret_state(run, saved)
 
 
 def _rank_state(checkpoint: DPRandomness, coordinate: int) -> DPRandomness:
@@ -257,6 +262,6 @@ def test_a_checkpoint_before_any_correlated_step_has_nothing_to_continue():
 def test_a_full_tensor_takes_the_place_of_an_unsharded_parameter_only_at_its_shape():
     full, like = torch.arange(6.0).reshape(2, 3), torch.zeros(2, 3, dtype=torch.float64)
     assert torch.equal(part_like(full, like), full) and part_like(full, like).dtype == torch.float32
-    assert torch.equal(gathered_part(full, like), full)
+    assert torch.equal(gathered_part(full, like), full) and gathered_part(full, like, keep=False) is None
     with pytest.raises(ValueError, match=r"a tensor of shape \(2, 3\) cannot take the place of one of \(3, 2\)"):
         part_like(full, torch.zeros(3, 2))
