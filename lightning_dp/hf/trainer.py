@@ -198,6 +198,9 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
                 callback.bind(engine)
         with HF_NAMING.applied():
             engine.start_run(self.model, self._distributed)
+        wrapped = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper, if any
+        if isinstance(wrapped, DPOptimizer):  # a second train(): wrapped afresh, so that training starts again
+            self.optimizer = wrapped.original_optimizer
         if self.args.fp16 or accelerator.mixed_precision == "fp16":
             scale_clipper_backward(engine)
         try:
