@@ -1,4 +1,4 @@
-"""Small LightningModules and data shared by the integration tests."""
+"""Small LightningModules and data shared by the integration tests, and a comparison of nested states."""
 
 from __future__ import annotations
 
@@ -107,6 +107,21 @@ def make_trainer(strategy, **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(strategy=strategy, **defaults)
+
+
+def nested_equal(a: object, b: object) -> bool:
+    """Whether two nested containers (dicts, lists, tuples) are equal, tensors by ``torch.equal`` (bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(nested_equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
 
 
 def parameter_fingerprint(module: nn.Module | Mapping[str, torch.Tensor], values: bool = False) -> dict:

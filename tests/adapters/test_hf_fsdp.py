@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from correlation_helpers import noise_per_step
+from helpers import nested_equal
 from process_helpers import SCRIPTS, accelerate_launch
 from torch.distributed.tensor import DTensor
 
@@ -52,7 +53,7 @@ def test_ranks_agree_and_the_parameters_move(ranks) -> None:
     assert (a["rank"], b["rank"], a["world_size"]) == (0, 1, WORLD)
     for name in RUNS:
         assert a[name]["sharded"] == ("replicated" not in name), name
-        assert _equal(a[name]["state"], b[name]["state"]) and a[name]["steps"] == 3, name
+        assert nested_equal(a[name]["state"], b[name]["state"]) and a[name]["steps"] == 3, name
         params_a, params_b = a[name]["params"], b[name]["params"]
         assert all(torch.equal(params_a[k], params_b[k]) for k in params_a), name
     noisy = a["noisy"]["params"]
@@ -103,16 +104,6 @@ def test_saved_model_reloads_with_the_trained_weights_and_generate_runs_sharded(
     assert a["generated sharded"].shape == (1, 8)
 
 
-def _equal(x, y) -> bool:
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-    if isinstance(x, list):
-        return len(x) == len(y) and all(_equal(i, j) for i, j in zip(x, y, strict=True))
-    if isinstance(x, torch.Tensor):
-        return torch.equal(x, y)
-    return x == y
-
-
 @pytest.mark.parametrize("kind", ["", "lora "])
 def test_resume_restores_the_shards_and_continues_epsilon(ranks, kind) -> None:
     """``resume_from_checkpoint``: the weights and the optimizer state (gathered, on rank 0) at the start of the
@@ -122,7 +113,7 @@ def test_resume_restores_the_shards_and_continues_epsilon(ranks, kind) -> None:
     saved_params, saved_optimizer = a[first]["snapshots"]["save 2"]
     start_params, start_optimizer = a[f"{kind}resumed"]["snapshots"]["begin"]
     assert all(torch.equal(saved_params[k], start_params[k]) for k in saved_params)
-    assert saved_optimizer["state"] and _equal(saved_optimizer, start_optimizer)
+    assert saved_optimizer["state"] and nested_equal(saved_optimizer, start_optimizer)
     if kind:  # nothing to compare for epsilon without noise
         return
     for rank in (a, b):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from correlation_helpers import noise_per_step
+from helpers import nested_equal
 from process_helpers import fit_on_two_processes
 
 
@@ -71,16 +72,5 @@ def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks, me
     assert cut["layout"] == {"world_size": 2, "devices": ["cpu"], "meshes": meshes}
     # the resumed run's next checkpoint holds what the uninterrupted run's holds: each rank's drawn streams, never the
     # stale restored copy of the other rank's
-    assert _same(secrets["resumed end"], secrets["whole end"])
-    assert not _same(secrets["whole end"]["randomness"], cut["randomness"])
-
-
-def _same(a, b) -> bool:
-    """Equal nested containers of tensors (``torch.equal`` on the tensors)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
+    assert nested_equal(secrets["resumed end"], secrets["whole end"])
+    assert not nested_equal(secrets["whole end"]["randomness"], cut["randomness"])

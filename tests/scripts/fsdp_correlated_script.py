@@ -102,8 +102,8 @@ def sharded_trainer(strategy: DPModelParallelStrategy, callbacks: list[Callback]
 
 
 def exact_resume(out: Path, hsdp: bool) -> dict:
-    """The exact-resume runs (``"exact whole"``, ``"exact resumed"``, their step count and checkpoints' secret
-    states), on an HSDP mesh with ``hsdp``."""
+    """The exact-resume runs (``"whole"``, ``"resumed"``, the resumed run's step count ``"steps"`` and the
+    checkpoints' secret states ``"checkpoints"``), on an HSDP mesh with ``hsdp``."""
     exact = {"noise_correlation": "blt", "correlation_buffers": 2, "exact_resume": True}
     out = out / ("hsdp" if hsdp else "fsdp")
     result = {}
