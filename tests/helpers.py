@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Mapping
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,9 +111,12 @@ def make_trainer(strategy, **kwargs) -> pl.Trainer:
 
 
 def nested_equal(a: object, b: object) -> bool:
-    """Whether two nested containers (dicts, lists, tuples) are equal, tensors by ``torch.equal`` (bit for bit)."""
+    """Whether two nested containers (dicts, lists, tuples) are equal, tensors by ``torch.equal`` and numpy arrays by
+    ``numpy.array_equal`` (bit for bit)."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
     if isinstance(a, Mapping):
         return isinstance(b, Mapping) and a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):

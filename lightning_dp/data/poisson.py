@@ -9,6 +9,7 @@ sample (docs/design.md section 8).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
+
+from lightning_dp.runtime.randomness import derive_seed
 
 
 def validate_sample_rate(sample_rate: float) -> None:
@@ -178,7 +181,10 @@ def poisson_dataloader(
     ``dataset`` and ``collate_fn``, when given, replace the loader's (e.g. the data regrouped by user);
     ``wrap_sampler`` wraps the Poisson batch sampler (e.g. :class:`~lightning_dp.data.users.UserDraws`);
     ``sampler_class`` builds it from :class:`PoissonBatchSampler`'s arguments (e.g. a ``functools.partial`` of
-    :class:`~lightning_dp.data.cyclic_poisson.CyclicPoissonBatchSampler`).
+    :class:`~lightning_dp.data.cyclic_poisson.CyclicPoissonBatchSampler`). Each new iterator draws its workers' base
+    seed from the loader's ``generator`` (else torch's global one), as any ``DataLoader`` does; when the sampler is
+    keyed by the step (``step_seed``), from a generator of its own seeded by the step the iterator starts at
+    (:class:`StepKeyedWorkerSeeds`).
 
     Raises:
         TypeError: the loader's dataset has no ``__len__`` (iterable datasets cannot be Poisson-sampled).
@@ -197,16 +203,47 @@ def poisson_dataloader(
         world_size=world_size,
         lengths=lengths,
     )
-    return DataLoader(
-        dataset,
-        batch_sampler=sampler if wrap_sampler is None else wrap_sampler(sampler),
-        collate_fn=EmptyBatchCollate(collate_fn, dataset),
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers > 0 else False,
-        timeout=loader.timeout,
-        multiprocessing_context=loader.multiprocessing_context if loader.num_workers > 0 else None,
-        prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
-        pin_memory_device=loader.pin_memory_device,
-    )
+    options: dict[str, Any] = {
+        "batch_sampler": sampler if wrap_sampler is None else wrap_sampler(sampler),
+        "collate_fn": EmptyBatchCollate(collate_fn, dataset),
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "worker_init_fn": loader.worker_init_fn,
+        "persistent_workers": loader.persistent_workers if loader.num_workers > 0 else False,
+        "timeout": loader.timeout,
+        "multiprocessing_context": loader.multiprocessing_context if loader.num_workers > 0 else None,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "pin_memory_device": loader.pin_memory_device,
+    }
+    if sampler.step_seed is None:
+        return DataLoader(dataset, generator=loader.generator, **options)
+    return StepKeyedWorkerSeeds(dataset, step_seed=functools.partial(_worker_seed, sampler), **options)
+
+
+def _worker_seed(sampler: PoissonBatchSampler) -> int:
+    """The seed of the workers' base seed of an iterator starting at the sampler's next step (one stream per step,
+    apart from the batches')."""
+    assert sampler.step_seed is not None and sampler.next_step is not None  # keyed by the step: both given
+    return derive_seed(sampler.step_seed(sampler.next_step()), "worker seeds")
+
+
+class StepKeyedWorkerSeeds(DataLoader):
+    """A ``DataLoader`` whose new iterators draw their workers' base seed from a generator of its own, seeded by
+    ``step_seed()`` as the iterator starts, never from torch's global generator (which dropout draws from): with
+    ``exact_resume`` a resumed run leaves the global generator where the checkpoint restored it, and its workers are
+    seeded as the uninterrupted run's were when both start an epoch at the same step.
+
+    Args:
+        args, kwargs: ``DataLoader``'s, without ``generator``.
+        step_seed: the seed of the next iterator's generator.
+    """
+
+    def __init__(self, *args: Any, step_seed: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "generator": torch.Generator()})
+        self._step_seed = step_seed
+
+    def __iter__(self) -> Any:
+        """Reseed the workers' generator, then iterate as ``DataLoader`` does."""
+        assert self.generator is not None  # set by __init__
+        self.generator.manual_seed(self._step_seed())
+        return super().__iter__()

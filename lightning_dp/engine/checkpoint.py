@@ -103,7 +103,7 @@ class CheckpointState:
                 corrupted ``exact_resume`` entry.
         """
         run = self.run
-        run.restored_noise_streams = run.restored_noise_layout = None  # an earlier load's: not this one's
+        run.restored_noise_streams = run.restored_draw_schedule = None  # an earlier load's: not this one's
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")

@@ -21,6 +21,7 @@ import torch
 from lightning_dp.accounting.segments import SegmentedAccountant
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.engine.run_state import RunState
+from lightning_dp.optim.dp_optimizer import noised_params
 from lightning_dp.runtime.sharding import gathered_part, is_sharded, part_like
 
 #: the checkpoint entry (in the privacy state) that holds the secret state.
@@ -32,8 +33,8 @@ def secret_state(run: RunState) -> dict[str, Any]:
     stream no optimizer has taken yet included). It reveals the noise: for a private resume file only
     (docs/privacy.md). On an FSDP2-sharded model a collective (every rank calls it): the generator states of every
     rank, and the streams' state tensors gathered to their full values (in CPU memory). On several processes only
-    rank 0, which writes checkpoints, keeps the state tensors (``None`` on the others); ``"layout"``:
-    :func:`noise_layout`.
+    rank 0, which writes checkpoints, keeps the state tensors (``None`` on the others); ``"draw_schedule"``:
+    :func:`draw_schedule`.
 
     Raises:
         RuntimeError: two ranks hold different states of one shared noise stream (they must draw identical noise).
@@ -44,9 +45,9 @@ def secret_state(run: RunState) -> dict[str, Any]:
     if run.distributed is not None and run.clipper is not None and run.clipper.sharded:
         held = (randomness["generators"], run.randomness.untouched_streams)
         randomness["generators"] = _merged(run.distributed.gather_objects(held))
-    layout = run.restored_noise_layout if run.restored_noise_layout is not None else run.noise_layout
+    schedule = run.restored_draw_schedule if run.restored_draw_schedule is not None else run.draw_schedule
     streams += list(run.restored_noise_streams or [])
-    return {"randomness": randomness, "noise_streams": streams, "layout": layout}
+    return {"randomness": randomness, "noise_streams": streams, "draw_schedule": schedule}
 
 
 def _full_stream_state(stream: CorrelatedNoise, params: list[torch.Tensor], keep: bool) -> dict[str, Any]:
@@ -100,18 +101,25 @@ def restore_secret_state(run: RunState, saved: Any) -> None:
             f"The checkpoint's noise streams ({[s.get('step') if isinstance(s, dict) else s for s in streams]} steps) "
             f"do not continue its ledger (last segment: {steps} steps); resume from an intact checkpoint"
         )
-    layout = saved.get("layout")
+    schedule = saved.get("draw_schedule")
     randomness = saved["randomness"]
     drawn = steps > 0 or (isinstance(randomness, dict) and bool(randomness.get("generators")))  # noise drawn
-    if (layout is None and drawn) or (
-        layout is not None and not (isinstance(layout, dict) and set(layout) == {"world_size", "devices", "meshes"})
-    ):
+    if schedule is None and drawn and "layout" in saved:
         raise ValueError(
-            f"The checkpoint's {SECRET_KEY} entry is corrupted (layout {layout!r}); resume from an intact checkpoint"
+            f"The checkpoint's {SECRET_KEY} entry was written by an earlier version of lightning_dp, without the draw "
+            "schedule a resume is checked against: resume it without exact_resume (the streams then restart)"
+        )
+    if (schedule is None and drawn) or (
+        schedule is not None and not (isinstance(schedule, dict) and set(schedule) == set(SCHEDULE_KEYS))
+    ):
+        keys = sorted(schedule) if isinstance(schedule, dict) else type(schedule).__name__
+        raise ValueError(
+            f"The checkpoint's {SECRET_KEY} entry is corrupted (draw schedule: {keys}); resume from an intact "
+            "checkpoint"
         )
     run.randomness.load_state_dict(saved["randomness"])
     run.restored_noise_streams = list(streams) if steps else None  # before any correlated step: nothing to continue
-    run.restored_noise_layout = layout
+    run.restored_draw_schedule = schedule
 
 
 def continues_segment(run: RunState) -> bool:
@@ -165,15 +173,32 @@ def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -
     return {**saved, "state": [[part_like(t, p) for t, p in zip(vector, params, strict=True)] for vector in vectors]}
 
 
-def finish_restore(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Once the optimizers are wrapped: an exact resume's noise streams are all taken (a later ``fit`` of this run
-    restarts the correlation), and the run draws its noise on the layout the checkpoint's streams were drawn on
-    (:func:`noise_layout`), which is fixed for the next checkpoint.
+def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Before the optimizers are wrapped: the run draws its noise on the schedule the checkpoint's streams were drawn
+    on (:func:`draw_schedule`), which is fixed for the next checkpoint. A refusal stays: a later start of this run (a
+    ``fit`` without ``ckpt_path``) is refused too, and a checkpoint written after it records the checkpoint's schedule.
 
     Raises:
-        ValueError: the checkpoint holds more noise streams than this run has optimizers; it was written on other
-            processes, devices or sharding (the streams continued there would add draws already added, to other
-            gradients: docs/privacy.md).
+        ValueError: the checkpoint's noise was drawn on other processes, devices or sharding, over another dataset
+            size, or for other trainable parameters (the streams continued here would add draws already added, to
+            other gradients: docs/privacy.md).
+    """
+    schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
+    if restored is not None and restored != schedule:
+        raise ValueError(
+            f"exact_resume: the checkpoint's noise was drawn {_difference(restored, schedule)}: resume with the same "
+            "processes, devices, sharding, dataset and trainable parameters, or without exact_resume (a resume then "
+            "draws fresh streams)"
+        )
+    run.restored_draw_schedule, run.draw_schedule = None, schedule
+
+
+def finish_restore(run: RunState) -> None:
+    """Once the optimizers are wrapped: an exact resume's noise streams are all taken (a later ``fit`` of this run
+    restarts the correlation).
+
+    Raises:
+        ValueError: the checkpoint holds more noise streams than this run has optimizers.
     """
     left, run.restored_noise_streams = run.restored_noise_streams, None
     if left:
@@ -181,25 +206,59 @@ def finish_restore(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
         )
-    layout, restored = noise_layout(run, optimizers), run.restored_noise_layout
-    run.restored_noise_layout = None
-    if restored is not None and restored != layout:
-        run.noise_layout = restored  # a checkpoint written after the refusal holds the checkpoint's streams and layout
-        raise ValueError(
-            f"exact_resume: the checkpoint's noise was drawn on {restored}, this run draws it on {layout}: resume on "
-            "the same processes, devices and sharding, or without exact_resume (a resume then draws fresh streams)"
-        )
-    run.noise_layout = layout
 
 
-def noise_layout(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
-    """Where the run's noise streams are drawn: ``{"world_size": W, "devices": [device types], "meshes": [[mesh ndim,
-    *mesh shape], ...]}`` of the optimizers' trainable parameters (the sharded ones' meshes); the same on every rank."""
-    params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
-    params = [p for p in params if p.requires_grad]
+def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:
+    """What the run's noise draws are laid on, the same on every rank: ``{"world_size": W, "devices": [device types],
+    "meshes": [[mesh ndim, *mesh shape], ...], "num_samples": N, "params": [[[name, [*global shape], dtype,
+    placements], ...] per optimizer]}``, the parameters in the order the optimizer noises them (:func:`noised_params`;
+    ``name`` is the clipped model's, ``None`` for a parameter outside it; ``placements`` a sharded parameter's, else
+    ``None``)."""
+    names = {} if run.clipper is None else {p: name for name, p in run.clipper.module.named_parameters()}
+    params = [p for optimizer in optimizers for p in noised_params(optimizer)]
     meshes = {(p.device_mesh.ndim, *p.device_mesh.shape) for p in params if is_sharded(p)}
     return {
         "world_size": 1 if run.distributed is None else run.distributed.world_size,
         "devices": sorted({p.device.type for p in params}),
         "meshes": [list(mesh) for mesh in sorted(meshes)],
+        "num_samples": run.num_samples,
+        "params": [
+            [
+                [names.get(p), list(p.shape), str(p.dtype), _placements(p) if is_sharded(p) else None]
+                for p in noised_params(optimizer)
+            ]
+            for optimizer in optimizers
+        ],
     }
+
+
+def _placements(param: torch.Tensor) -> list[list[Any]]:
+    """A sharded parameter's placements over its mesh's dimensions: ``[[kind, sharded dimension or None], ...]``."""
+    return [[type(p).__name__, getattr(p, "dim", None)] for p in param.placements]  # type: ignore[attr-defined]
+
+
+def _difference(restored: dict[str, Any], schedule: dict[str, Any]) -> str:
+    """``"<what> <the checkpoint's>, this run draws it <what> <this run's>"`` for the first key of
+    :data:`SCHEDULE_KEYS` that differs (of the parameters, the first that differs)."""
+    key = next(k for k in SCHEDULE_KEYS if restored.get(k) != schedule[k])
+    saved, here = restored.get(key), schedule[key]
+    if key == "params" and isinstance(saved, list):
+        flat_saved, flat_here = (
+            [(o, *entry) for o, entries in enumerate(lists) for entry in entries] for lists in (saved, here)
+        )
+        i = next((i for i, (a, b) in enumerate(zip(flat_saved, flat_here, strict=False)) if a != b), None)
+        i = min(len(flat_saved), len(flat_here)) if i is None else i
+        saved, here = (flat[i] if i < len(flat) else "no parameter" for flat in (flat_saved, flat_here))
+    what = _DRAWN_OVER[key]
+    return f"{what} {saved}, this run draws it {what} {here}"
+
+
+#: the keys of :func:`draw_schedule`, in the order :func:`_difference` compares them, and how it names each.
+_DRAWN_OVER = {
+    "world_size": "on world size",
+    "devices": "on devices",
+    "meshes": "on meshes",
+    "num_samples": "over a dataset of size",
+    "params": "for (optimizer, name, shape, dtype, placements)",
+}
+SCHEDULE_KEYS = tuple(_DRAWN_OVER)

@@ -24,7 +24,7 @@ from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
-from lightning_dp.engine.exact_resume import continued_stream, finish_restore
+from lightning_dp.engine.exact_resume import check_draw_schedule, continued_stream, finish_restore
 from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock, describe_users
@@ -315,10 +315,12 @@ class PrivacyEngine:
         total_steps: int | None,
         learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
-        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`; then an exact resume's noise streams must
-        all have been taken, on their layout (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`, on an exact resume's draw schedule
+        (:func:`~lightning_dp.engine.exact_resume.check_draw_schedule`); then its noise streams must all have been taken
+        (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
+        check_draw_schedule(self.state, optimizers)
         wrapped = self.run.start_training(optimizers, total_steps=total_steps, learning_rates=learning_rates)
-        finish_restore(self.state, wrapped)
+        finish_restore(self.state)
         return wrapped
 
     def per_sample_loss(

@@ -129,10 +129,10 @@ class RunState:
     #: an exact resume's noise streams (their ``state_dict``, full tensors), until the optimizers take them; ``None``
     #: otherwise.
     restored_noise_streams: list[dict[str, Any]] | None = None
-    #: the processes, devices and sharding the noise streams are drawn on (``exact_resume.noise_layout``), fixed when
-    #: training starts; an exact resume's, until then.
-    noise_layout: dict[str, Any] | None = None
-    restored_noise_layout: dict[str, Any] | None = None
+    #: the processes, devices, sharding, dataset size and parameters the noise is drawn on
+    #: (``exact_resume.draw_schedule``), fixed when training starts; an exact resume's, until then.
+    draw_schedule: dict[str, Any] | None = None
+    restored_draw_schedule: dict[str, Any] | None = None
     #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None
 

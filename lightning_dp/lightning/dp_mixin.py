@@ -46,6 +46,8 @@ from lightning_dp.engine.physical_batches import (
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.engine.queries import PrivacyQueries
+from lightning_dp.lightning.global_randomness import GlobalRandomness
+from lightning_dp.lightning.loss_checks import check_one_loss_per_example
 from lightning_dp.lightning.schedule import planned_learning_rates
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
@@ -117,6 +119,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._pending_sums: tuple[list[torch.nn.Parameter], list[Held]] | None = None
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
+        self._global_randomness = GlobalRandomness()  # with exact_resume
 
     @property
     def poisson_sampling(self) -> bool:
@@ -206,6 +209,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         correlated = self.privacy_engine.config.noise_correlation is not None
         rates = planned_learning_rates(trainer, planned) if planned and correlated else None  # its strategy's workload
         self.optimizers = self.privacy_engine.start_training(self.optimizers, total_steps=planned, learning_rates=rates)
+        self._global_randomness.started()
 
     @staticmethod
     def _check_logical_steps(trainer: pl.Trainer) -> None:
@@ -297,49 +301,9 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 f"training_step must return a per-sample loss of shape [B], got {shape}: use reduction='none' "
                 "(and reduce token losses per sample) so each example can be clipped"
             )
-        self._check_one_loss_per_example(args[0] if args else kwargs.get("batch"), loss)
+        size = self.read_batch_size(args[0] if args else kwargs.get("batch"))
+        check_one_loss_per_example(size, loss, self.privacy_engine.config)
         return loss
-
-    def _check_one_loss_per_example(self, batch: Any, loss: torch.Tensor) -> None:
-        """The loss must have one entry per sampled example: e.g. ``[2B]`` from concatenating augmented copies
-        would give each example two clipped contributions (sensitivity 2C). With ``augmentation_multiplicity = K``
-        the batch still holds the ``B`` sampled examples (the step makes their copies, the model sees ``B K`` rows)
-        and the loss is ``[B]``.
-
-        Raises:
-            ValueError: another length, saying what to change (with ``K > 1``: a loss per copy, ``[B K]``, or a batch
-                whose copies the data loader made, ``B K`` rows).
-        """
-        size = self.read_batch_size(batch)
-        if size is None or size == loss.shape[0]:  # None: the clipper still checks the layers' rows
-            return
-        if self.privacy_engine.config.privacy_unit == "user":
-            raise ValueError(
-                f"training_step returned {loss.shape[0]} losses for a batch of {size} rows: with privacy_unit='user' "
-                "return one loss per row of the batch (the sampled users' examples); the strategy averages each "
-                "user's rows into the user's loss"
-            )
-        copies = self.privacy_engine.config.augmentation_multiplicity
-        if copies > 1 and loss.shape[0] == size * copies:
-            raise ValueError(
-                f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples, one per "
-                f"augmented copy (augmentation_multiplicity={copies}): return one loss per example, the mean over its "
-                f"copies, lightning_dp.augmentation_mean(loss, {copies})"
-            )
-        if copies > 1 and size == loss.shape[0] * copies:
-            raise ValueError(
-                f"the training batch has {size} rows for {loss.shape[0]} per-sample losses: with "
-                f"augmentation_multiplicity={copies} the batch must hold the sampled examples once each (Poisson "
-                "sampling and the checks count its rows as examples). Either the data loader or collate_fn made the "
-                "copies: make them inside training_step instead; or training_step called "
-                f"lightning_dp.augmentation_mean without making the copies first: call "
-                f"lightning_dp.repeat_for_multiplicity(batch, {copies}) before the forward"
-            )
-        raise ValueError(
-            f"training_step returned {loss.shape[0]} per-sample losses for a batch of {size} examples: return "
-            "exactly one loss per example (average the losses of an example's augmented copies, "
-            "lightning_dp.augmentation_mean, with the privacy option augmentation_multiplicity)"
-        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -374,9 +338,11 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """Add the privacy state (ledger, mechanism, filter state; with ``exact_resume`` the secret state, but not in a
         weights-only checkpoint, which cannot resume) under ``checkpoint["lightning_dp"]``."""
         if self.privacy_engine.accountant is not None:
-            checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
+            entry = checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
             if "optimizer_states" not in checkpoint:  # weights only: the file users release
-                checkpoint["lightning_dp"].pop(SECRET_KEY, None)
+                entry.pop(SECRET_KEY, None)
+            elif SECRET_KEY in entry:  # exact_resume: the model's own randomness too
+                self._global_randomness.save(entry[SECRET_KEY], self.root_device, self._distributed)
         self._write_checkpoint(checkpoint, filepath, storage_options)
 
     def _write_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
@@ -406,6 +372,9 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         resuming = checkpoint.get("global_step", 0) > 0 and self.lightning_module.trainer.state.fn == "fit"
         if "lightning_dp" in checkpoint:
             self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
+            if self.privacy_engine.config.exact_resume and SECRET_KEY in checkpoint["lightning_dp"]:
+                secret = checkpoint["lightning_dp"][SECRET_KEY]
+                self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
             if resuming and self.privacy_engine.steps == 0:
                 raise ValueError(
                     f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but "

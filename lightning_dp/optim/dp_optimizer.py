@@ -125,6 +125,12 @@ def check_finite_clipped_sum(
     raise_if_nonfinite(params, flags)
 
 
+def noised_params(optimizer: Optimizer) -> list[torch.nn.Parameter]:
+    """The trainable parameters of all of ``optimizer``'s groups, in the order a :class:`DPOptimizer` wrapping it
+    noises them."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
 class DPOptimizer(Optimizer):
     """Wraps an optimizer so each ``step`` adds noise to the clipped gradient sum and rescales it.
 
@@ -224,8 +230,8 @@ class DPOptimizer(Optimizer):
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
-        """Trainable parameters of all groups (the ones that receive noise)."""
-        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        """Trainable parameters of all groups (the ones that receive noise): :func:`noised_params`."""
+        return noised_params(self)
 
     def privatising(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` followed at once by :meth:`privatise`.

@@ -5,8 +5,8 @@ what the independent-noise run of the same seed adds to that coordinate (the sam
 and BLT strategies alike; both ranks hold the same gathered parameters, and the reported epsilon is the plan's.
 With ``exact_resume=True`` a run resumed mid-stream from a sharded checkpoint equals the uninterrupted one bit for
 bit, on a 1-D mesh and on an HSDP mesh: the checkpoint holds every rank's shard-keyed generator states, the BLT
-buffers at their full values and the layout, each rank takes back its own, and the resumed run's next checkpoint is
-the uninterrupted run's."""
+buffers at their full values and the draw schedule, each rank takes back its own, and the resumed run's next
+checkpoint is the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_the_sharded_run_reports_its_plans_epsilon(ranks, kind):
 
 
 #: per mesh: the streams of the shards the two ranks hold (mesh ndim and shape, then sharded dimension and coordinate;
-#: HSDP replicas hold one shard), and the layout the checkpoint records.
+#: HSDP replicas hold one shard), and the meshes the checkpoint's draw schedule records.
 MESHES = {
     "fsdp": ({"1,2,0,0", "1,2,0,1"}, [[1, 2]]),
     "hsdp": ({"2,2,1,1,0"}, [[2, 2, 1]]),
@@ -69,7 +69,10 @@ def test_an_exact_resume_of_a_sharded_run_equals_the_uninterrupted_run(ranks, me
     (stream,) = cut["noise_streams"]
     shapes = [tuple(t.shape) for t in stream["state"][0]]
     assert stream["step"] == 4 and shapes == [(24, 24), (24,), (24, 24), (24,), (3, 24), (3,)]  # full, not shards
-    assert cut["layout"] == {"world_size": 2, "devices": ["cpu"], "meshes": meshes}
+    schedule = cut["draw_schedule"]
+    assert (schedule["world_size"], schedule["devices"], schedule["meshes"]) == (2, ["cpu"], meshes)
+    assert [tuple(shape) for _, shape, _, _ in schedule["params"][0]] == shapes  # global shapes, sharded placements
+    assert all(["Shard", 0] in placements for *_, placements in schedule["params"][0])
     # the resumed run's next checkpoint holds what the uninterrupted run's holds: each rank's drawn streams, never the
     # stale restored copy of the other rank's
     assert nested_equal(secrets["resumed end"], secrets["whole end"])

@@ -6,14 +6,17 @@ checkpoint keeps none of it (tests/correlated_noise/test_banded_resume.py) and t
 from __future__ import annotations
 
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
-from helpers import BatchIndexRecorder, TinyRegressor, make_trainer, regression_data
+from helpers import BatchIndexRecorder, TinyRegressor, make_trainer, nested_equal, regression_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dp import DPStrategy
 from lightning_dp.engine.exact_resume import SECRET_KEY
+from lightning_dp.lightning.global_randomness import KEY, GlobalRandomness
 
 STEPS, CUT = 14, 5
 NOISES = {
@@ -23,16 +26,34 @@ NOISES = {
 }
 
 
-def _fit(ckpt_path=None, checkpoints=None, *, exact_resume: bool = True, seed: int | None = 0, **options):
+class DropoutRegressor(TinyRegressor):
+    """:class:`TinyRegressor` with dropout on its hidden layer: masks drawn from torch's global generator."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net.insert(2, torch.nn.Dropout(0.5))
+
+
+def _fit(
+    ckpt_path=None,
+    checkpoints=None,
+    *,
+    exact_resume: bool = True,
+    seed: int | None = 0,
+    module_class=TinyRegressor,
+    cut: int = CUT,
+    global_seed: int = 0,
+    **options,
+):
     """A run planned for ``STEPS`` steps (from ``ckpt_path``), with batch 8 of 64 examples (q = 1/8: banded samples
-    its group at q_b = 1/2, BLT cycles over b = 8 groups); with ``checkpoints`` a folder, a checkpoint every ``CUT``
-    steps."""
+    its group at q_b = 1/2, BLT cycles over b = 8 groups); with ``checkpoints`` a folder, a checkpoint every ``cut``
+    steps; torch's global generator seeded with ``global_seed`` before the module is built."""
     strategy = DPStrategy(noise_multiplier=1.0, seed=seed, exact_resume=exact_resume, **options)
-    torch.manual_seed(0)
-    module = TinyRegressor(batch_size=8)
+    torch.manual_seed(global_seed)
+    module = module_class(batch_size=8)
     callbacks: list = [BatchIndexRecorder(regression_data().tensors[0])]
     if checkpoints is not None:
-        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=CUT, save_top_k=-1))
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=cut, save_top_k=-1))
     trainer = make_trainer(strategy, max_steps=STEPS, callbacks=callbacks, enable_checkpointing=checkpoints is not None)
     trainer.fit(module, ckpt_path=ckpt_path)
     return trainer, strategy, module, callbacks[0].batches
@@ -63,6 +84,43 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path, noise, seed):
         (optimizer,) = engine._optimizers
         assert optimizer.correlation.step_index == STEPS  # the checkpoint's stream, continued
         assert "segment" not in startup
+
+
+@pytest.mark.parametrize("cut", [CUT, 8], ids=["mid-epoch", "epoch end"])
+def test_a_resumed_run_continues_the_models_own_randomness(tmp_path, cut):
+    """Dropout draws from torch's global generator, which Lightning's checkpoints do not keep: with ``exact_resume``
+    the checkpoint holds it, so a resume whose process drew other numbers before (another global seed) equals the
+    uninterrupted run, and two resumes from one checkpoint compute the same gradients."""
+    options = {"module_class": DropoutRegressor, "cut": cut}
+    _, _, whole, _ = _fit(checkpoints=tmp_path, **options)
+    (checkpoint,) = tmp_path.glob(f"*step={cut}.ckpt")
+    _, _, resumed, _ = _fit(checkpoint, global_seed=123, **options)
+    for got, want in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(got, want)
+    states = torch.load(checkpoint, weights_only=True)["lightning_dp"][SECRET_KEY]["global_randomness"]  # plain data
+    assert len(states) == 1 and states[0].keys() == {"torch", "numpy", "python", "accelerator"}
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_a_refused_resume_stays_refused(tmp_path, noise):
+    """A resume that trains other parameters than the checkpoint's noise was drawn for is refused before any noise is
+    drawn, and so is a later ``fit`` of the same run without ``ckpt_path`` (which would otherwise continue the restored
+    streams with nothing to compare against); a checkpoint written meanwhile holds the checkpoint's state."""
+    _fit(checkpoints=tmp_path, **NOISES[noise])
+    (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=True, **NOISES[noise])
+    module = TinyRegressor(batch_size=8)
+    module.net[2].bias.requires_grad_(False)
+    trainer = make_trainer(strategy, max_steps=STEPS)
+    refused = "exact_resume: the checkpoint's noise was drawn for .*'net.2.bias'.* this run draws it for .*no parameter"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(module, ckpt_path=checkpoint)
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(module)
+    saved = torch.load(checkpoint, weights_only=True)["lightning_dp"][SECRET_KEY]
+    again = strategy.privacy_engine.state_dict()[SECRET_KEY]
+    assert again["draw_schedule"] == saved["draw_schedule"]
+    assert module.net[0].weight.grad is None or not module.net[0].weight.grad.any()  # no step was taken
 
 
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
@@ -130,3 +188,26 @@ def test_noise_streams_that_do_not_continue_the_ledger_are_refused(tmp_path):
     torch.save(checkpoint, tmp_path / "bad.ckpt")
     with pytest.raises(ValueError, match=r"noise streams \(\[4\] steps\) do not continue its ledger"):
         _fit(tmp_path / "bad.ckpt", **NOISES["banded"])
+
+
+def test_the_global_random_state_is_restored_and_saved_again_until_training_starts():
+    """torch's, numpy's and Python's global generators come back as saved; until training starts a checkpoint keeps
+    the restored states (a checkpoint written after a refused resume is the loaded one's), then the current ones; a
+    malformed entry is refused, and states of another number of processes are left to the draw schedule's refusal."""
+    cpu, randomness = torch.device("cpu"), GlobalRandomness()
+    saved: dict = {}
+    randomness.save(saved, cpu, None)
+    expected = (torch.rand(2), np.random.rand(2), random.random())  # noqa: NPY002 - the global generators
+    randomness.restore(saved, cpu, rank=0, world_size=1)
+    assert nested_equal((torch.rand(2), np.random.rand(2), random.random()), expected)  # noqa: NPY002
+    again: dict = {}
+    randomness.save(again, cpu, None)
+    assert again[KEY] is saved[KEY]
+    randomness.started()
+    randomness.save(again, cpu, None)
+    assert not nested_equal(again[KEY], saved[KEY])
+    state = torch.get_rng_state()
+    GlobalRandomness().restore(saved, cpu, rank=1, world_size=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ValueError, match="global_randomness entry is corrupted"):
+        GlobalRandomness().restore({KEY: [{"torch": state}]}, cpu, rank=0, world_size=1)

@@ -4,7 +4,8 @@ banded noise stream, identical on every rank), each rank keys its sampling by th
 from the end of its first epoch (mid-stream for band 2) equals the uninterrupted 2-process run: every rank's batches,
 parameters bit for bit, and one segment of the ledger. Unseeded, with the training loader built in the module's
 ``setup`` (it reads ``estimated_stepping_batches``), before Lightning restores the checkpoint: each rank still samples
-its own shard at the global rate, from rank 0's partition, restored."""
+its own shard at the global rate, from rank 0's partition, restored. The checkpoint holds both ranks' global random
+states (dropout's generators)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def test_an_exact_resume_on_two_processes_equals_the_uninterrupted_run(tmp_path)
     whole = fit_on_two_processes(tmp_path / "whole", *options)
     (cut,) = (tmp_path / "whole" / "ckpt").glob("epoch=0-*.ckpt")
     resumed = fit_on_two_processes(tmp_path / "resumed", *options, "--resume", str(cut))
+    states = torch.load(cut, weights_only=True)["lightning_dp"]["exact_resume"]["global_randomness"]
+    assert len(states) == 2  # each rank's global random state, gathered into rank 0's checkpoint
     per_epoch = 4  # ceil(1 / q)
     for got, want in zip(resumed, whole, strict=True):
         assert got["steps"] == want["steps"] == 2 * per_epoch

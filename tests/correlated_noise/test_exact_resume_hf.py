@@ -76,14 +76,15 @@ def test_a_model_only_checkpoint_holds_no_secret_state(tmp_path):
     assert not (tmp_path / "checkpoint-4" / TENSOR_STATE_NAMES["exact_resume"]).exists()
 
 
-def test_a_second_train_starts_training_again_and_checks_the_checkpoints_layout(tmp_path):
+def test_a_second_train_starts_training_again_and_checks_the_checkpoints_draw_schedule(tmp_path):
     """A second ``train()`` of the same DPTrainer wraps its optimizer afresh (the Trainer keeps the first one), so
     what is checked as training starts runs again: here a checkpoint recorded on 2 processes is refused on one."""
     trainer = _train(tmp_path, max_steps=4)
     secret_path = tmp_path / "checkpoint-4" / TENSOR_STATE_NAMES["exact_resume"]
     secret = torch.load(secret_path, weights_only=True)
-    secret["layout"]["world_size"] = 2
+    secret["draw_schedule"]["world_size"] = 2
     torch.save(secret, secret_path)
     trainer.args.max_steps = 8
-    with pytest.raises(ValueError, match="exact_resume: the checkpoint's noise was drawn on .*'world_size': 2"):
+    refused = "exact_resume: the checkpoint's noise was drawn on world size 2, this run draws it on world size 1"
+    with pytest.raises(ValueError, match=refused):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))

@@ -4,6 +4,7 @@ stream read back onto the CPU continues on the device of the next draw."""
 
 from __future__ import annotations
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -14,7 +15,13 @@ from lightning_dp.accounting.banded_mf import BandedMFAccountant
 from lightning_dp.correlated_noise import BandedNoise, optimize_banded
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, cyclic_groups
 from lightning_dp.data.poisson import PoissonBatchSampler
-from lightning_dp.engine.exact_resume import continued_stream, finish_restore, restore_secret_state, secret_state
+from lightning_dp.engine.exact_resume import (
+    check_draw_schedule,
+    continued_stream,
+    finish_restore,
+    restore_secret_state,
+    secret_state,
+)
 from lightning_dp.runtime.randomness import DPRandomness
 from lightning_dp.runtime.sharding import gathered_part, part_like
 
@@ -157,7 +164,7 @@ def test_every_restored_noise_stream_goes_to_one_optimizer():
     """A checkpoint's streams and the run's optimizers pair one to one: a stream left over (or an optimizer without
     one) would continue the segment with another correlation than the ledger's."""
     with pytest.raises(ValueError, match="1 noise stream\\(s\\) more than this run has optimizers"):
-        finish_restore(SimpleNamespace(restored_noise_streams=[{"step": 3}]), [])
+        finish_restore(SimpleNamespace(restored_noise_streams=[{"step": 3}]))
     plan = SimpleNamespace(noise_stream=lambda: BandedNoise(optimize_banded(8, 2, max_participations=1)))
     run = SimpleNamespace(correlation=plan, restored_noise_streams=[], noise_streams=[])
     with pytest.raises(ValueError, match="fewer noise streams than this run has optimizers"):
@@ -180,34 +187,95 @@ def test_a_restored_noise_stream_must_hold_the_optimizers_parameter_shapes():
         continued_stream(run, [torch.zeros(4, 2), torch.zeros(4)])
 
 
-def _layout_run(world_size: int | None, restored: dict | None) -> SimpleNamespace:
+def _schedule_run(world_size: int | None, restored: dict | None, module: torch.nn.Module) -> SimpleNamespace:
     distributed = None if world_size is None else SimpleNamespace(world_size=world_size)
     return SimpleNamespace(
-        restored_noise_streams=None, restored_noise_layout=restored, noise_layout=None, distributed=distributed
+        restored_noise_streams=None,
+        restored_draw_schedule=restored,
+        draw_schedule=None,
+        distributed=distributed,
+        clipper=SimpleNamespace(module=module),
+        num_samples=100,
     )
 
 
-def test_an_exact_resume_draws_on_the_processes_devices_and_sharding_its_checkpoint_drew_on():
-    """A checkpoint's streams continued on another layout would add draws the abandoned continuation of the same
-    checkpoint already added, to other gradients: refused when training starts; the layout is fixed for the next
-    checkpoint, and a corrupted one is refused at the restore."""
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3)), torch.zeros(2)], lr=0.1)  # the second: frozen
-    one_process = {"world_size": 1, "devices": ["cpu"], "meshes": []}
-    run = _layout_run(None, dict(one_process))
-    finish_restore(run, [optimizer])
-    assert run.noise_layout == one_process and run.restored_noise_layout is None
-    for world_size, restored in ((2, one_process), (None, {**one_process, "meshes": [[1, 2]]})):
-        run = _layout_run(world_size, restored)
-        with pytest.raises(ValueError, match="exact_resume: the checkpoint's noise was drawn on .* resume on the same"):
-            finish_restore(run, [optimizer])
-        assert run.noise_layout == restored  # what a checkpoint written after the refusal records
+def _optimizer(module: torch.nn.Module, params: list | None = None) -> torch.optim.Optimizer:
+    """An optimizer of ``params`` (default: all of ``module``'s parameters, the frozen ones included)."""
+    return torch.optim.SGD(list(module.parameters()) if params is None else params, lr=0.1)
+
+
+def test_an_exact_resume_draws_on_the_schedule_its_checkpoint_drew_on():
+    """A checkpoint's streams continued on other processes, devices, sharding, dataset size or trainable parameters
+    would add draws the abandoned continuation of the same checkpoint already added, to other gradients: refused when
+    training starts, saying what differs; the schedule is fixed for the next checkpoint, and a corrupted one is
+    refused at the restore."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    run = _schedule_run(None, None, module)
+    check_draw_schedule(run, [_optimizer(module)])
+    schedule = run.draw_schedule
+    assert schedule == {
+        "world_size": 1,
+        "devices": ["cpu"],
+        "meshes": [],
+        "num_samples": 100,
+        "params": [
+            [
+                ["0.weight", [2, 3], "torch.float32", None],
+                ["0.bias", [2], "torch.float32", None],
+                ["1.weight", [2, 2], "torch.float32", None],
+                ["1.bias", [2], "torch.float32", None],
+            ]
+        ],
+    }
+    run = _schedule_run(None, schedule, module)
+    check_draw_schedule(run, [_optimizer(module)])
+    assert run.draw_schedule == schedule and run.restored_draw_schedule is None
+    frozen = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    frozen[0].bias.requires_grad_(False)
+    weight, bias, weight1, bias1 = module.parameters()
+    changes = {  # the run that resumes (world size, model, its optimizer's parameters, N), what the refusal names
+        "on world size 1, this run draws it on world size 2": (2, module, None, 100),
+        "over a dataset of size 100, this run draws it over a dataset of size 99": (None, module, None, 99),
+        "\\(0, '0.bias', \\[2\\], 'torch.float32', None\\), this run draws it .*\\(0, '1.weight'": (
+            None,
+            frozen,
+            None,
+            100,
+        ),
+        "\\(0, '0.bias', .*\\(0, '1.bias', \\[2\\]": (None, module, [weight, bias1, weight1, bias], 100),
+        "\\(0, '0.weight', \\[2, 3\\], 'torch.float32', None\\), .*'torch.float64'": (
+            None,
+            copy.deepcopy(module).double(),
+            None,
+            100,
+        ),
+    }
+    for message, (world_size, resumed, params, num_samples) in changes.items():
+        run = _schedule_run(world_size, schedule, resumed)
+        run.num_samples = num_samples
+        optimizer = _optimizer(resumed, params)
+        for _ in range(2):  # the refusal stays: a later start of the run (fit without ckpt_path) is refused too
+            with pytest.raises(ValueError, match=f"exact_resume: the checkpoint's noise was drawn .*{message}"):
+                check_draw_schedule(run, [optimizer])
+        assert run.restored_draw_schedule == schedule  # what a checkpoint written after the refusal records
+    for key, saved, message in (
+        ("devices", ["cuda"], "on devices \\['cuda'\\], this run draws it on devices"),
+        ("meshes", [[1, 2]], "on meshes \\[\\[1, 2\\]\\], this run draws it on meshes \\[\\]"),
+    ):
+        run = _schedule_run(None, {**schedule, key: saved}, module)
+        with pytest.raises(ValueError, match=message):
+            check_draw_schedule(run, [_optimizer(module)])
+    module.float()
     drawn = DPRandomness(seed=1)
     torch.randn(2, generator=drawn.noise_generator("cpu"))
-    for layout in ({"world_size": 1}, None):  # malformed; none although noise was drawn
+    for malformed in ({"world_size": 1, "devices": ["cpu"], "meshes": []}, None):  # not a schedule; none at all
         run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(0), restored_noise_streams=None)
-        saved = {"randomness": drawn.state_dict(), "noise_streams": [], "layout": layout}
-        with pytest.raises(ValueError, match="entry is corrupted \\(layout"):
+        saved = {"randomness": drawn.state_dict(), "noise_streams": [], "draw_schedule": malformed}
+        with pytest.raises(ValueError, match="entry is corrupted \\(draw schedule"):
             restore_secret_state(run, saved)
+    older = {"randomness": drawn.state_dict(), "noise_streams": [], "layout": {"world_size": 1}}  # an earlier version's
+    with pytest.raises(ValueError, match="written by an earlier version .* resume it without exact_resume"):
+        restore_secret_state(run, older)
 
 
 def _rank_state(checkpoint: DPRandomness, coordinate: int) -> DPRandomness:
@@ -227,8 +295,8 @@ def _sharded_run(ranks: list[DPRandomness]) -> SimpleNamespace:
         clipper=SimpleNamespace(sharded=True),
         noise_streams=[],
         restored_noise_streams=None,
-        restored_noise_layout=None,
-        noise_layout=None,
+        restored_draw_schedule=None,
+        draw_schedule=None,
     )
 
 

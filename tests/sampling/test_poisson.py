@@ -1,5 +1,7 @@
 """Poisson sampling: inclusion rate, independence of steps, empty batches, micro-batch splitting."""
 
+import functools
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -67,6 +69,28 @@ def test_worker_settings_are_kept():
     poisson = poisson_dataloader(loader, sample_rate=0.5, num_steps=2, generator=torch.Generator().manual_seed(0))
     assert poisson.num_workers == 1 and poisson.prefetch_factor == 3 and poisson.persistent_workers
     assert sum(len(x) for (x,) in poisson) > 0
+
+
+def test_the_workers_seeds_come_from_the_loaders_generator_or_from_the_step():
+    """Each new iterator draws its workers' base seed from the loader's ``generator`` (the user's, kept in the copy);
+    with a sampler keyed by the step (``exact_resume``), from a generator reseeded by the step the iterator starts at.
+    Torch's global generator (the model's dropout) is left alone either way."""
+    dataset = TensorDataset(torch.randn(10, 3))
+    users = torch.Generator().manual_seed(1)
+    copy = poisson_dataloader(DataLoader(dataset, generator=users), sample_rate=0.5, generator=torch.Generator())
+    assert copy.generator is users
+    step = {"next": 3}
+    keyed_sampler = functools.partial(PoissonBatchSampler, next_step=lambda: step["next"], step_seed=lambda t: 7 + t)
+    keyed = poisson_dataloader(
+        DataLoader(dataset, generator=users), sample_rate=0.5, generator=torch.Generator(), sampler_class=keyed_sampler
+    )
+    state = torch.random.get_rng_state()
+    seeds = []
+    for step["next"] in (3, 3, 4):
+        seeds.append(iter(keyed)._base_seed)  # what the workers are seeded from
+        iter(copy)
+    assert seeds[0] == seeds[1] != seeds[2]
+    assert torch.equal(state, torch.random.get_rng_state())
 
 
 def test_epoch_length_and_rate_from_the_nominal_batch():

@@ -1,0 +1,94 @@
+"""``exact_resume`` under Lightning: the global random state the model's own randomness draws from (dropout, and what
+a step or the data loading draws from torch, numpy or Python's ``random``), which Lightning's checkpoints do not keep
+(the HF Trainer's do), saved per rank in the checkpoint's secret state and restored when the checkpoint is loaded
+(docs/privacy.md, "Checkpoints and resume")."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_dp.runtime.distributed import DistributedContext
+
+#: the key of the ranks' global random states in the secret state (``checkpoint["lightning_dp"]["exact_resume"]``).
+KEY = "global_randomness"
+
+
+class GlobalRandomness:
+    """Saves and restores the ranks' global random states: torch's CPU generator, the accelerator's of the rank's
+    device (CUDA, XPU, MPS), numpy's legacy global one and Python's. Each is kept as tensors, strings and numbers, so a
+    checkpoint holding them still loads with ``torch.load(weights_only=True)``. A restored state is saved again, as it
+    was, until training starts (:meth:`started`): a checkpoint written before that, or after a refused resume, is the
+    loaded checkpoint's."""
+
+    def __init__(self) -> None:
+        self._restored: list[dict[str, Any]] | None = None
+
+    def save(self, secret: dict[str, Any], device: torch.device, distributed: DistributedContext | None) -> None:
+        """Add every rank's state, in rank order, to the checkpoint's ``secret`` state (a collective on several
+        processes unless a restored state is kept: every rank calls it)."""
+        if self._restored is not None:
+            secret[KEY] = self._restored
+            return
+        state = _current_state(device)
+        secret[KEY] = [state] if distributed is None else distributed.gather_objects(state)
+
+    def restore(self, secret: dict[str, Any], device: torch.device, rank: int, world_size: int) -> None:
+        """Set this rank's state to the one :meth:`save` wrote (nothing when the checkpoint holds none, or the states
+        of another number of processes, which the draw schedule refuses when training starts:
+        :func:`~lightning_dp.engine.exact_resume.finish_restore`).
+
+        Raises:
+            ValueError: a malformed entry.
+        """
+        states = secret.get(KEY)
+        if states is None:
+            return
+        if not isinstance(states, list) or not all(isinstance(s, dict) and _KEYS <= s.keys() for s in states):
+            raise ValueError(f"The checkpoint's {KEY} entry is corrupted; resume from an intact checkpoint")
+        self._restored = states
+        if len(states) == world_size:
+            _set_state(states[rank], device)
+
+    def started(self) -> None:
+        """Training started on the restored state: later checkpoints save the current one."""
+        self._restored = None
+
+
+_KEYS = {"torch", "numpy", "python", "accelerator"}
+
+
+def _current_state(device: torch.device) -> dict[str, Any]:
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()  # noqa: NPY002 - the legacy global one
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), cached_gaussian),
+        "python": (version, tuple(internal), gauss),
+        "accelerator": _accelerator_state(device),
+    }
+
+
+def _set_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))  # noqa: NPY002
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    accelerator = state["accelerator"]
+    if accelerator is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(accelerator, device)
+    elif accelerator is not None and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(accelerator)
+
+
+def _accelerator_state(device: torch.device) -> torch.Tensor | None:
+    """The state of ``device``'s generator (``None`` on the CPU, whose generator is ``"torch"``'s)."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_device_module(device.type).get_rng_state()  # the current device's (Lightning sets it)
