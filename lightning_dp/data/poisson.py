@@ -231,7 +231,8 @@ class StepKeyedWorkerSeeds(DataLoader):
     """A ``DataLoader`` whose new iterators draw their workers' base seed from a generator of its own, seeded by
     ``step_seed()`` as the iterator starts, never from torch's global generator (which dropout draws from): with
     ``exact_resume`` a resumed run leaves the global generator where the checkpoint restored it, and its workers are
-    seeded as the uninterrupted run's were when both start an epoch at the same step.
+    seeded as the uninterrupted run's were when both start an epoch at the same step (``persistent_workers`` keep the
+    first iterator's seed).
 
     Args:
         args, kwargs: ``DataLoader``'s, without ``generator``.

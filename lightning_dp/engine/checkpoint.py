@@ -104,6 +104,7 @@ class CheckpointState:
         """
         run = self.run
         run.restored_noise_streams = run.restored_draw_schedule = None  # an earlier load's: not this one's
+        run.resume_started = False
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")

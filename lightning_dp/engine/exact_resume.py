@@ -175,27 +175,36 @@ def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -
 
 def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Before the optimizers are wrapped: the run draws its noise on the schedule the checkpoint's streams were drawn
-    on (:func:`draw_schedule`), which is fixed for the next checkpoint. A refusal stays: a later start of this run (a
-    ``fit`` without ``ckpt_path``) is refused too, and a checkpoint written after it records the checkpoint's schedule.
+    on (:func:`draw_schedule`). A start from the restored state that does not finish (:func:`finish_restore`) stays
+    refused: a later start of this run (a ``fit`` without ``ckpt_path``, which would continue the restored streams
+    with its own optimizer state and randomness) is refused until a checkpoint is loaded again, and a checkpoint
+    written meanwhile records the checkpoint's schedule.
 
     Raises:
         ValueError: the checkpoint's noise was drawn on other processes, devices or sharding, over another dataset
             size, or for other trainable parameters (the streams continued here would add draws already added, to
-            other gradients: docs/privacy.md).
+            other gradients: docs/privacy.md); an earlier start from the same restore failed.
     """
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
+    if restored is not None and run.resume_started:
+        raise ValueError(
+            "exact_resume: an earlier start of this run from the checkpoint's secret state failed, and continuing its "
+            "streams now would add their draws to other gradients: resume again with the checkpoint (ckpt_path / "
+            "resume_from_checkpoint), which loads it afresh"
+        )
+    run.resume_started = restored is not None
     if restored is not None and restored != schedule:
         raise ValueError(
             f"exact_resume: the checkpoint's noise was drawn {_difference(restored, schedule)}: resume with the same "
             "processes, devices, sharding, dataset and trainable parameters, or without exact_resume (a resume then "
             "draws fresh streams)"
         )
-    run.restored_draw_schedule, run.draw_schedule = None, schedule
+    run.draw_schedule = schedule if restored is None else restored
 
 
 def finish_restore(run: RunState) -> None:
     """Once the optimizers are wrapped: an exact resume's noise streams are all taken (a later ``fit`` of this run
-    restarts the correlation).
+    restarts the correlation), and its draw schedule is this run's.
 
     Raises:
         ValueError: the checkpoint holds more noise streams than this run has optimizers.
@@ -206,6 +215,7 @@ def finish_restore(run: RunState) -> None:
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
         )
+    run.restored_draw_schedule, run.resume_started = None, False
 
 
 def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:

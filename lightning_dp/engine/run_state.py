@@ -133,6 +133,9 @@ class RunState:
     #: (``exact_resume.draw_schedule``), fixed when training starts; an exact resume's, until then.
     draw_schedule: dict[str, Any] | None = None
     restored_draw_schedule: dict[str, Any] | None = None
+    #: whether a start of training from the restored secret state began (it ends by :func:`finish_restore`, or a
+    #: refusal that then stays until the next load): ``exact_resume.check_draw_schedule``.
+    resume_started: bool = False
     #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None
 

@@ -372,8 +372,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         resuming = checkpoint.get("global_step", 0) > 0 and self.lightning_module.trainer.state.fn == "fit"
         if "lightning_dp" in checkpoint:
             self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
-            if self.privacy_engine.config.exact_resume and SECRET_KEY in checkpoint["lightning_dp"]:
-                secret = checkpoint["lightning_dp"][SECRET_KEY]
+            if self.privacy_engine.config.exact_resume and self.lightning_module.trainer.state.fn == "fit":
+                secret = checkpoint["lightning_dp"].get(SECRET_KEY) or {}
                 self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
             if resuming and self.privacy_engine.steps == 0:
                 raise ValueError(

@@ -39,11 +39,12 @@ class GlobalRandomness:
     def restore(self, secret: dict[str, Any], device: torch.device, rank: int, world_size: int) -> None:
         """Set this rank's state to the one :meth:`save` wrote (nothing when the checkpoint holds none, or the states
         of another number of processes, which the draw schedule refuses when training starts:
-        :func:`~lightning_dp.engine.exact_resume.finish_restore`).
+        :func:`~lightning_dp.engine.exact_resume.check_draw_schedule`); an earlier load's state is forgotten.
 
         Raises:
             ValueError: a malformed entry.
         """
+        self._restored = None
         states = secret.get(KEY)
         if states is None:
             return
@@ -78,17 +79,22 @@ def _set_state(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))  # noqa: NPY002
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    accelerator = state["accelerator"]
-    if accelerator is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(accelerator, device)
-    elif accelerator is not None and device.type != "cpu":
-        torch.get_device_module(device.type).set_rng_state(accelerator)
+    if state["accelerator"] is None or state["accelerator"][0] != device.type:  # another device: drawn fresh
+        return
+    module, accelerator = torch.get_device_module(device.type), state["accelerator"][1]
+    if device.type in _INDEXED:
+        module.set_rng_state(accelerator, device)
+    else:
+        module.set_rng_state(accelerator)
 
 
-def _accelerator_state(device: torch.device) -> torch.Tensor | None:
-    """The state of ``device``'s generator (``None`` on the CPU, whose generator is ``"torch"``'s)."""
+def _accelerator_state(device: torch.device) -> tuple[str, torch.Tensor] | None:
+    """``(device type, state)`` of ``device``'s generator (``None`` on the CPU, whose generator is ``"torch"``'s)."""
     if device.type == "cpu":
         return None
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_device_module(device.type).get_rng_state()  # the current device's (Lightning sets it)
+    module = torch.get_device_module(device.type)
+    return device.type, module.get_rng_state(device) if device.type in _INDEXED else module.get_rng_state()
+
+
+#: the accelerators whose generator functions take the device (MPS has one device).
+_INDEXED = ("cuda", "xpu")

@@ -104,23 +104,25 @@ def test_a_resumed_run_continues_the_models_own_randomness(tmp_path, cut):
 @pytest.mark.parametrize("noise", ["independent", "banded"])
 def test_a_refused_resume_stays_refused(tmp_path, noise):
     """A resume that trains other parameters than the checkpoint's noise was drawn for is refused before any noise is
-    drawn, and so is a later ``fit`` of the same run without ``ckpt_path`` (which would otherwise continue the restored
-    streams with nothing to compare against); a checkpoint written meanwhile holds the checkpoint's state."""
-    _fit(checkpoints=tmp_path, **NOISES[noise])
+    drawn; so is a later ``fit`` of the same run without ``ckpt_path``, even with the checkpoint's parameters (it would
+    continue the restored streams with its own optimizer state and randomness), and a checkpoint written meanwhile
+    holds the checkpoint's schedule. Loading the checkpoint again resumes it: the uninterrupted run, bit for bit."""
+    _, _, whole, _ = _fit(checkpoints=tmp_path, **NOISES[noise])
     (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=True, **NOISES[noise])
     module = TinyRegressor(batch_size=8)
     module.net[2].bias.requires_grad_(False)
     trainer = make_trainer(strategy, max_steps=STEPS)
-    refused = "exact_resume: the checkpoint's noise was drawn for .*'net.2.bias'.* this run draws it for .*no parameter"
-    with pytest.raises(ValueError, match=refused):
+    with pytest.raises(ValueError, match="drawn for .*'net.2.bias'.* this run draws it for .*no parameter"):
         trainer.fit(module, ckpt_path=checkpoint)
-    with pytest.raises(ValueError, match=refused):
+    module.net[2].bias.requires_grad_(True)
+    with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
         trainer.fit(module)
     saved = torch.load(checkpoint, weights_only=True)["lightning_dp"][SECRET_KEY]
-    again = strategy.privacy_engine.state_dict()[SECRET_KEY]
-    assert again["draw_schedule"] == saved["draw_schedule"]
-    assert module.net[0].weight.grad is None or not module.net[0].weight.grad.any()  # no step was taken
+    assert strategy.privacy_engine.state_dict()[SECRET_KEY]["draw_schedule"] == saved["draw_schedule"]
+    trainer.fit(module, ckpt_path=checkpoint)
+    for got, want in zip(module.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):

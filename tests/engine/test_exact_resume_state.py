@@ -196,6 +196,7 @@ def _schedule_run(world_size: int | None, restored: dict | None, module: torch.n
         distributed=distributed,
         clipper=SimpleNamespace(module=module),
         num_samples=100,
+        resume_started=False,
     )
 
 
@@ -229,7 +230,12 @@ def test_an_exact_resume_draws_on_the_schedule_its_checkpoint_drew_on():
     }
     run = _schedule_run(None, schedule, module)
     check_draw_schedule(run, [_optimizer(module)])
-    assert run.draw_schedule == schedule and run.restored_draw_schedule is None
+    finish_restore(run)
+    assert run.draw_schedule == schedule and run.restored_draw_schedule is None and not run.resume_started
+    run = _schedule_run(None, schedule, module)
+    check_draw_schedule(run, [_optimizer(module)])  # then a later check of the start fails: finish_restore never runs
+    with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+        check_draw_schedule(run, [_optimizer(module)])
     frozen = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
     frozen[0].bias.requires_grad_(False)
     weight, bias, weight1, bias1 = module.parameters()
@@ -254,9 +260,11 @@ def test_an_exact_resume_draws_on_the_schedule_its_checkpoint_drew_on():
         run = _schedule_run(world_size, schedule, resumed)
         run.num_samples = num_samples
         optimizer = _optimizer(resumed, params)
-        for _ in range(2):  # the refusal stays: a later start of the run (fit without ckpt_path) is refused too
-            with pytest.raises(ValueError, match=f"exact_resume: the checkpoint's noise was drawn .*{message}"):
-                check_draw_schedule(run, [optimizer])
+        with pytest.raises(ValueError, match=f"exact_resume: the checkpoint's noise was drawn .*{message}"):
+            check_draw_schedule(run, [optimizer])
+        # the refusal stays: a later start of the run (a fit without ckpt_path), even on the checkpoint's schedule
+        with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+            check_draw_schedule(run, [_optimizer(module)])
         assert run.restored_draw_schedule == schedule  # what a checkpoint written after the refusal records
     for key, saved, message in (
         ("devices", ["cuda"], "on devices \\['cuda'\\], this run draws it on devices"),
