@@ -199,7 +199,7 @@ def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimize
             "processes, devices, sharding, dataset and trainable parameters, or without exact_resume (a resume then "
             "draws fresh streams)"
         )
-    run.draw_schedule = schedule if restored is None else restored
+    run.draw_schedule = schedule
 
 
 def finish_restore(run: RunState) -> None:
@@ -225,7 +225,8 @@ def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) ->
     ``name`` is the clipped model's, ``None`` for a parameter outside it; ``placements`` a sharded parameter's, else
     ``None``)."""
     names = {} if run.clipper is None else {p: name for name, p in run.clipper.module.named_parameters()}
-    params = [p for optimizer in optimizers for p in noised_params(optimizer)]
+    noised = [noised_params(optimizer) for optimizer in optimizers]
+    params = [p for group in noised for p in group]
     meshes = {(p.device_mesh.ndim, *p.device_mesh.shape) for p in params if is_sharded(p)}
     return {
         "world_size": 1 if run.distributed is None else run.distributed.world_size,
@@ -233,11 +234,8 @@ def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) ->
         "meshes": [list(mesh) for mesh in sorted(meshes)],
         "num_samples": run.num_samples,
         "params": [
-            [
-                [names.get(p), list(p.shape), str(p.dtype), _placements(p) if is_sharded(p) else None]
-                for p in noised_params(optimizer)
-            ]
-            for optimizer in optimizers
+            [[names.get(p), list(p.shape), str(p.dtype), _placements(p) if is_sharded(p) else None] for p in group]
+            for group in noised
         ],
     }
 
