@@ -246,15 +246,11 @@ class RunSequence:
 
         Raises:
             RuntimeError: no training loader yet; ranks that disagree.
-            ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`; an optimizer updates tensors
-                that are not parameters of the clipped model.
+            ValueError: as :meth:`~lightning_dp.engine.noise_setup.NoiseSetup.prepare`.
         """
         state = self.state
         if state.num_samples is None or state.loader_rate is None:
             raise RuntimeError("the training loader must be built (training_loader) before training starts")
-        for optimizer in optimizers:
-            if not isinstance(optimizer, DPOptimizer):
-                self._check_optimizer_holds_model_parameters(optimizer)
         state.planned_steps = total_steps
         workload = training_workload(optimizers, learning_rates, total_steps)  # used by correlated noise only
         self.noise_setup.prepare(
@@ -283,13 +279,21 @@ class RunSequence:
         self.startup.log_startup()
         return [opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, **collectives) for opt in optimizers]
 
-    def _check_optimizer_holds_model_parameters(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raise unless every tensor ``optimizer`` updates is a parameter of the model the clipper is attached to."""
+    def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Before :meth:`start_training`: every tensor the (unwrapped) optimizers update is a parameter of the model.
+
+        Raises:
+            ValueError: an optimizer updates tensors that are not parameters of the clipped model (they would be noised,
+                never clipped).
+        """
         state = self.state
         if state.clipper is None:
             return
         parameters = {id(p) for p in state.clipper.module.parameters()}
-        foreign = sum(1 for group in optimizer.param_groups for p in group["params"] if id(p) not in parameters)
+        updated = [
+            p for opt in optimizers if not isinstance(opt, DPOptimizer) for g in opt.param_groups for p in g["params"]
+        ]
+        foreign = sum(1 for p in updated if id(p) not in parameters)
         if foreign:
             raise ValueError(
                 f"the optimizer updates {foreign} tensor(s) that are not parameters of the model: their gradients "

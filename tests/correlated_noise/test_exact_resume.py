@@ -125,6 +125,24 @@ def test_a_refused_resume_stays_refused(tmp_path, noise):
         assert torch.equal(got, want)
 
 
+class OutsideTensorRegressor(TinyRegressor):
+    """Its optimizer updates a tensor outside the module in place of the module's last parameter (so that the
+    checkpoint's optimizer state still loads)."""
+
+    def configure_optimizers(self):
+        *inside, last = self.parameters()
+        return torch.optim.SGD([*inside, torch.zeros_like(last, requires_grad=True)], lr=self.lr)
+
+
+def test_a_resume_whose_optimizer_updates_a_tensor_outside_the_model_is_refused_for_that(tmp_path):
+    """The optimizers are checked for tensors outside the model before the draw schedule is compared: the message
+    names the cause, not the schedule's difference it makes."""
+    _fit(checkpoints=tmp_path)
+    (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
+    with pytest.raises(ValueError, match=r"updates 1 tensor\(s\) that are not parameters of the model"):
+        _fit(checkpoint, module_class=OutsideTensorRegressor)
+
+
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
     whole, resumed_run = _interrupted(tmp_path, exact_resume=False, **NOISES["banded"])
     (_, _, whole_module, whole_batches), (_, resumed, module, batches) = whole, resumed_run
