@@ -24,6 +24,11 @@ GIB_PER_WORKER = 6
 MAX_WORKERS = 4
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def _memory_gib() -> float:
     """The memory this process may use: the cgroup's limit where one is set (a container), else the machine's; ``inf``
     where neither can be read."""
@@ -41,6 +46,20 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     ``PYTEST_XDIST_AUTO_NUM_WORKERS`` (read by xdist itself) overrides it."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = _cpus()
     by_memory = _memory_gib() // GIB_PER_WORKER
     return int(max(1, min(cpus, MAX_WORKERS, by_memory)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On one of several xdist workers, torch's intra-op threads (and, through ``OMP_NUM_THREADS``, those of the
+    processes the worker launches) are the worker's share of the CPUs: torch's default, one thread per core in every
+    worker, has the workers' threads wait on each other's cores. An ``OMP_NUM_THREADS`` of the caller's is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    threads = max(1, _cpus() // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
