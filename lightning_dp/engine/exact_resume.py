@@ -13,7 +13,7 @@ values), and each rank of the resumed run takes back its own streams and shards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -173,7 +173,9 @@ def _local_stream_state(saved: dict[str, Any], params: Sequence[torch.Tensor]) -
     return {**saved, "state": [[part_like(t, p) for t, p in zip(vector, params, strict=True)] for vector in vectors]}
 
 
-def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def check_draw_schedule(
+    run: RunState, optimizers: Sequence[torch.optim.Optimizer], checks: Callable[[], None] = lambda: None
+) -> None:
     """Before the optimizers are wrapped: the run draws its noise on the schedule the checkpoint's streams were drawn
     on (:func:`draw_schedule`). A start from the restored state that does not finish (:func:`finish_restore`) stays
     refused: a later start of this run (a ``fit`` without ``ckpt_path``, which would continue the restored streams
@@ -181,9 +183,10 @@ def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimize
     written meanwhile records the checkpoint's schedule.
 
     Raises:
-        ValueError: the checkpoint's noise was drawn on other processes, devices or sharding, over another dataset
-            size, or for other trainable parameters (the streams continued here would add draws already added, to
-            other gradients: docs/privacy.md); an earlier start from the same restore failed.
+        ValueError: as ``checks``, the caller's checks of the optimizers (run once the start counts as started, so
+            that their refusal stays too); the checkpoint's noise was drawn on other processes, devices or sharding,
+            over another dataset size, or for other trainable parameters (the streams continued here would add draws
+            already added, to other gradients: docs/privacy.md); an earlier start from the same restore failed.
     """
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
     if restored is not None and run.resume_started:
@@ -193,6 +196,7 @@ def check_draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimize
             "resume_from_checkpoint), which loads it afresh"
         )
     run.resume_started = restored is not None
+    checks()
     if restored is not None and restored != schedule:
         raise ValueError(
             f"exact_resume: the checkpoint's noise was drawn {_difference(restored, schedule)}: resume with the same "

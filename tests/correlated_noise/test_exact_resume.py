@@ -126,21 +126,32 @@ def test_a_refused_resume_stays_refused(tmp_path, noise):
 
 
 class OutsideTensorRegressor(TinyRegressor):
-    """Its optimizer updates a tensor outside the module in place of the module's last parameter (so that the
-    checkpoint's optimizer state still loads)."""
+    """While ``outside``, its optimizer updates a tensor outside the module in place of the module's last parameter (so
+    that the checkpoint's optimizer state still loads)."""
+
+    outside = True
 
     def configure_optimizers(self):
         *inside, last = self.parameters()
-        return torch.optim.SGD([*inside, torch.zeros_like(last, requires_grad=True)], lr=self.lr)
+        stand_in = torch.zeros_like(last, requires_grad=True) if self.outside else last
+        return torch.optim.SGD([*inside, stand_in], lr=self.lr)
 
 
-def test_a_resume_whose_optimizer_updates_a_tensor_outside_the_model_is_refused_for_that(tmp_path):
-    """The optimizers are checked for tensors outside the model before the draw schedule is compared: the message
-    names the cause, not the schedule's difference it makes."""
-    _fit(checkpoints=tmp_path)
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_a_resume_whose_optimizer_updates_a_tensor_outside_the_model_is_refused_for_that(tmp_path, noise):
+    """The message names the cause (checked before the draw schedule, whose difference it also makes), and the refusal
+    stays: a later ``fit`` of the run with the model's own parameters is refused too, until the checkpoint is loaded
+    again."""
+    _fit(checkpoints=tmp_path, **NOISES[noise])
     (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=True, **NOISES[noise])
+    trainer = make_trainer(strategy, max_steps=STEPS)
+    module = OutsideTensorRegressor(batch_size=8)
     with pytest.raises(ValueError, match=r"updates 1 tensor\(s\) that are not parameters of the model"):
-        _fit(checkpoint, module_class=OutsideTensorRegressor)
+        trainer.fit(module, ckpt_path=checkpoint)
+    module.outside = False
+    with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+        trainer.fit(module)
 
 
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
