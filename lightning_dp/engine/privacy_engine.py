@@ -315,9 +315,10 @@ class PrivacyEngine:
         total_steps: int | None,
         learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
-        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`, after ``RunSequence.check_optimizers`` and
-        :func:`~lightning_dp.engine.exact_resume.check_draw_schedule`; then the restored noise streams must all have
-        been taken (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`, after
+        :func:`~lightning_dp.engine.exact_resume.check_draw_schedule` (which runs ``RunSequence.check_optimizers``);
+        then the restored noise streams must all have been taken
+        (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
         check_draw_schedule(self.state, optimizers, checks=lambda: self.run.check_optimizers(optimizers))
         wrapped = self.run.start_training(optimizers, total_steps=total_steps, learning_rates=learning_rates)
         finish_restore(self.state)
