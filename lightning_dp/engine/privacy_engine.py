@@ -26,6 +26,7 @@ from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.exact_resume import check_draw_schedule, continued_stream, finish_restore
 from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
+from lightning_dp.engine.optimizer_checks import check_optimizers
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.engine.startup import StartupBlock, describe_users
 from lightning_dp.engine.steps import LossFunction, RunSequence
@@ -315,11 +316,9 @@ class PrivacyEngine:
         total_steps: int | None,
         learning_rates: Sequence[float] | None = None,
     ) -> list[DPOptimizer]:
-        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`, after
-        :func:`~lightning_dp.engine.exact_resume.check_draw_schedule` (which runs ``RunSequence.check_optimizers``);
-        then the restored noise streams must all have been taken
-        (:func:`~lightning_dp.engine.exact_resume.finish_restore`)."""
-        check_draw_schedule(self.state, optimizers, checks=lambda: self.run.check_optimizers(optimizers))
+        """See :meth:`~lightning_dp.engine.steps.RunSequence.start_training`, after ``check_draw_schedule`` and, within
+        it, ``check_optimizers``; then the restored noise streams must all have been taken (``finish_restore``)."""
+        check_draw_schedule(self.state, optimizers, checks=lambda: check_optimizers(self.state, optimizers))
         wrapped = self.run.start_training(optimizers, total_steps=total_steps, learning_rates=learning_rates)
         finish_restore(self.state)
         return wrapped

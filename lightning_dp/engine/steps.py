@@ -279,30 +279,6 @@ class RunSequence:
         self.startup.log_startup()
         return [opt if isinstance(opt, DPOptimizer) else self.wrap_optimizer(opt, **collectives) for opt in optimizers]
 
-    def check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """Before :meth:`start_training`: every tensor the (unwrapped) optimizers update is a parameter of the model.
-
-        Raises:
-            ValueError: an optimizer updates tensors that are not parameters of the clipped model (they would be noised,
-                never clipped).
-        """
-        state = self.state
-        if state.clipper is None:
-            return
-        parameters = {id(p) for p in state.clipper.module.parameters()}
-        updated = [
-            p for opt in optimizers if not isinstance(opt, DPOptimizer) for g in opt.param_groups for p in g["params"]
-        ]
-        foreign = sum(1 for p in updated if id(p) not in parameters)
-        if foreign:
-            raise ValueError(
-                f"the optimizer updates {foreign} tensor(s) that are not parameters of the model: their gradients "
-                "would be noised but never clipped. Register them in the model, and build the optimizer from the "
-                "model's parameters after any sharding (with accelerate's FSDP2 configuration DPTrainer shards the "
-                "model itself, replacing its parameters: let the Trainer build the optimizer instead of passing "
-                "optimizers=(optimizer, scheduler))"
-            )
-
     # ------------------------------------------------------------------------------------------- per step
     def per_sample_loss(
         self,
