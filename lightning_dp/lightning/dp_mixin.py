@@ -369,10 +369,11 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 f"Cannot read the checkpoint {str(checkpoint_path)!r}: the file is truncated or corrupted ({error}). "
                 "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
             ) from error
-        resuming = checkpoint.get("global_step", 0) > 0 and self.lightning_module.trainer.state.fn == "fit"
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        resuming = checkpoint.get("global_step", 0) > 0 and fitting
         if "lightning_dp" in checkpoint:
             self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
-            if self.privacy_engine.config.exact_resume and self.lightning_module.trainer.state.fn == "fit":
+            if self.privacy_engine.config.exact_resume and fitting:
                 secret = checkpoint["lightning_dp"].get(SECRET_KEY) or {}
                 self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
             if resuming and self.privacy_engine.steps == 0:
