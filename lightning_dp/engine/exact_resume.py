@@ -178,9 +178,9 @@ def check_draw_schedule(
 ) -> None:
     """Before the optimizers are wrapped: the run draws its noise on the schedule the checkpoint's streams were drawn
     on (:func:`draw_schedule`). A start from the restored state that does not finish (:func:`finish_restore`) stays
-    refused: a later start of this run (a ``fit`` without ``ckpt_path``, which would continue the restored streams
-    with its own optimizer state and randomness) is refused until a checkpoint is loaded again, and a checkpoint
-    written meanwhile records the checkpoint's schedule.
+    refused, and so does a restore no start reached (:func:`abandon_restore`): a later start of this run (a ``fit``
+    without ``ckpt_path``, which would continue the restored streams with its own optimizer state and randomness) is
+    refused until a checkpoint is loaded again, and a checkpoint written meanwhile records the checkpoint's schedule.
 
     Raises:
         ValueError: as ``checks``, the caller's checks of the optimizers (run once the start counts as started, so
@@ -191,9 +191,9 @@ def check_draw_schedule(
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
     if restored is not None and run.resume_started:
         raise ValueError(
-            "exact_resume: an earlier start of this run from the checkpoint's secret state failed, and continuing its "
-            "streams now would add their draws to other gradients: resume again with the checkpoint (ckpt_path / "
-            "resume_from_checkpoint), which loads it afresh"
+            "exact_resume: an earlier start of this run from the checkpoint's secret state failed (or validate or "
+            "test loaded it), and continuing its streams now would add their draws to other gradients: resume again "
+            "with the checkpoint (ckpt_path / resume_from_checkpoint), which loads it afresh"
         )
     run.resume_started = restored is not None
     checks()
@@ -204,6 +204,14 @@ def check_draw_schedule(
             "draws fresh streams)"
         )
     run.draw_schedule = schedule
+
+
+def abandon_restore(run: RunState) -> None:
+    """A fit of the run begins (before it loads a checkpoint): a restored secret state that no start has finished
+    with (:func:`finish_restore`), loaded by an earlier call that failed before it or did not train (validate, test),
+    counts as a failed start: :func:`check_draw_schedule` refuses it until a checkpoint is loaded again."""
+    if run.restored_draw_schedule is not None:  # noise was drawn before the checkpoint (else nothing to continue)
+        run.resume_started = True
 
 
 def finish_restore(run: RunState) -> None:

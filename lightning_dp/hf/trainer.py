@@ -175,6 +175,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             )
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         engine = self.privacy_engine
+        engine.begin_fit(distributed_context())
         if uses_fsdp(self.model):
             check_sharded_run(self.args)
         if resume_from_checkpoint is True:

@@ -141,11 +141,12 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
-        """Start the processes as Lightning does, then join the run to them before any hook can build the training
-        loader (a module's ``setup`` or ``configure_optimizers`` reading ``estimated_stepping_batches``)."""
+        """Start the processes as Lightning does, then begin the fit (``PrivacyEngine.begin_fit``: join the run to the
+        processes) before any hook can build the training loader (a module's ``setup`` or ``configure_optimizers``
+        reading ``estimated_stepping_batches``) and before the checkpoint is loaded."""
         super().setup_environment()
         if self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
-            self.privacy_engine.join_processes(self._distributed_context())
+            self.privacy_engine.begin_fit(self._distributed_context())
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

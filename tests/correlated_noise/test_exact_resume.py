@@ -154,6 +154,47 @@ def test_a_resume_whose_optimizer_updates_a_tensor_outside_the_model_is_refused_
         trainer.fit(module)
 
 
+class FailingStartRegressor(TinyRegressor):
+    """While ``fail``, raises in ``on_fit_start`` (after Lightning loaded the checkpoint, before training starts); it
+    validates on its training data."""
+
+    fail = True
+
+    def on_fit_start(self):
+        if self.fail:
+            raise RuntimeError("on_fit_start failed")
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx).mean()
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
+    """A fit from the checkpoint that fails after the load but before the draw schedule is checked (a hook raising),
+    and a validate that loads the checkpoint, leave its secret state unused: a later ``fit`` without ``ckpt_path`` is
+    refused (it would continue the restored streams with a fresh optimizer state and randomness), until a fit from the
+    checkpoint resumes it, bit for bit."""
+    _, _, whole, _ = _fit(checkpoints=tmp_path, **NOISES[noise])
+    (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=True, **NOISES[noise])
+    trainer = make_trainer(strategy, max_steps=STEPS)
+    module = FailingStartRegressor(batch_size=8)
+    with pytest.raises(RuntimeError, match="on_fit_start failed"):
+        trainer.fit(module, ckpt_path=checkpoint)
+    module.fail = False
+    with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+        trainer.fit(module)
+    trainer.validate(module, ckpt_path=checkpoint)
+    with pytest.raises(ValueError, match=r"\(or validate or test loaded it\)"):
+        trainer.fit(module)
+    trainer.fit(module, ckpt_path=checkpoint)
+    for got, want in zip(module.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
     whole, resumed_run = _interrupted(tmp_path, exact_resume=False, **NOISES["banded"])
     (_, _, whole_module, whole_batches), (_, resumed, module, batches) = whole, resumed_run

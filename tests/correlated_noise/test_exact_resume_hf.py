@@ -5,6 +5,7 @@ parameters bit for bit, one segment of the ledger and the same epsilon, for inde
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -22,12 +23,16 @@ NOISES = {
 ARGS = dict(max_steps=10, save_strategy="steps", save_steps=4, logging_steps=100, ignore_data_skip=True)
 
 
-def _train(tmp_path, resume_from_checkpoint=None, *, exact_resume=True, max_steps=10, **noise):
+def _trainer(tmp_path, *, exact_resume=True, max_steps=10, **noise):
     privacy = PrivacyArguments(
         noise_multiplier=1.0, dp_seed=0, exact_resume=exact_resume, check_batch_independence=False, **noise
     )
     args = {**ARGS, "max_steps": max_steps}
-    trainer = make_trainer(tiny_gpt2(**NO_DROPOUT), tmp_path, TokenDataset(), privacy=privacy, args=args)
+    return make_trainer(tiny_gpt2(**NO_DROPOUT), tmp_path, TokenDataset(), privacy=privacy, args=args)
+
+
+def _train(tmp_path, resume_from_checkpoint=None, **options):
+    trainer = _trainer(tmp_path, **options)
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer
 
@@ -88,3 +93,23 @@ def test_a_second_train_starts_training_again_and_checks_the_checkpoints_draw_sc
     refused = "exact_resume: the checkpoint's noise was drawn on world size 2, this run draws it on world size 1"
     with pytest.raises(ValueError, match=refused):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+
+@pytest.mark.parametrize("noise", ["independent", "banded"])
+def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
+    """A ``train()`` from a checkpoint whose model weights are missing fails after the privacy state was restored,
+    before training starts: a later ``train()`` without ``resume_from_checkpoint`` is refused (it would continue the
+    restored streams with a fresh optimizer state), until a ``train()`` from the intact checkpoint resumes it, bit for
+    bit."""
+    whole = _train(tmp_path / "whole", **NOISES[noise])
+    checkpoint = tmp_path / "whole" / "checkpoint-4"
+    shutil.copytree(checkpoint, tmp_path / "broken")
+    (tmp_path / "broken" / "model.safetensors").unlink()
+    trainer = _trainer(tmp_path / "resumed", **NOISES[noise])
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "broken"))
+    with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+        trainer.train()
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    for (name, got), want in zip(trainer.model.named_parameters(), whole.model.parameters(), strict=True):
+        assert torch.equal(got, want), name
