@@ -103,8 +103,6 @@ class CheckpointState:
                 corrupted ``exact_resume`` entry.
         """
         run = self.run
-        run.restored_noise_streams = run.restored_draw_schedule = None  # an earlier load's: not this one's
-        run.resume_started = False
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")
@@ -177,18 +175,22 @@ class CheckpointState:
 
     def _continue_or_restart_randomness(self, secret: Any) -> None:
         """With ``exact_resume`` and the checkpoint's secret state, continue its streams; else restart them (a warning
-        when ``exact_resume`` finds no secret state: the checkpoint was written without it)."""
+        when ``exact_resume`` finds no secret state: the checkpoint was written without it). An earlier load's restore,
+        and its refusal (``exact_resume.abandon_restore``), end here, not before: a load that fails earlier leaves
+        both."""
         run = self.run
         if run.config.exact_resume and secret is not None:
-            restore_secret_state(run, secret)
-            return
-        if run.config.exact_resume:
-            log.warning(
-                "exact_resume=True, but the checkpoint was written without it (no secret state): the random streams "
-                "restart%s",
-                " and the correlated noise starts a new segment" if run.config.noise_correlation else "",
-            )
-        run.randomness.restart(run.steps)
+            restore_secret_state(run, secret)  # checks the entry before it replaces an earlier load's restore
+        else:
+            if run.config.exact_resume:
+                log.warning(
+                    "exact_resume=True, but the checkpoint was written without it (no secret state): the random "
+                    "streams restart%s",
+                    " and the correlated noise starts a new segment" if run.config.noise_correlation else "",
+                )
+            run.randomness.restart(run.steps)
+            run.restored_noise_streams = run.restored_draw_schedule = None
+        run.resume_started = False
 
     def _restored_correlation(self, saved: dict[str, Any] | None) -> dict[str, Any] | None:
         """The checkpoint's strategy (``{"kind": ..., its parameters}``), kept for this run (the correlation itself

@@ -191,9 +191,10 @@ def check_draw_schedule(
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
     if restored is not None and run.resume_started:
         raise ValueError(
-            "exact_resume: an earlier start of this run from the checkpoint's secret state failed (or validate or "
-            "test loaded it), and continuing its streams now would add their draws to other gradients: resume again "
-            "with the checkpoint (ckpt_path / resume_from_checkpoint), which loads it afresh"
+            "exact_resume: an earlier start of this run from the checkpoint's secret state failed (or a call that "
+            "did not train loaded it: validate, test, predict), and continuing its streams now would add their draws "
+            "to other gradients: resume again with the checkpoint (ckpt_path / resume_from_checkpoint), which loads "
+            "it afresh"
         )
     run.resume_started = restored is not None
     checks()
@@ -208,9 +209,10 @@ def check_draw_schedule(
 
 def abandon_restore(run: RunState) -> None:
     """A fit of the run begins (before it loads a checkpoint): a restored secret state that no start has finished
-    with (:func:`finish_restore`), loaded by an earlier call that failed before it or did not train (validate, test),
-    counts as a failed start: :func:`check_draw_schedule` refuses it until a checkpoint is loaded again."""
-    if run.restored_draw_schedule is not None:  # noise was drawn before the checkpoint (else nothing to continue)
+    with (:func:`finish_restore`), loaded by an earlier call that failed before it or did not train (validate, test,
+    predict, a fit with no step left), counts as a failed start: :func:`check_draw_schedule` refuses it until a
+    checkpoint is loaded again (a load that fails before it replaces the randomness keeps the refusal)."""
+    if run.restored_draw_schedule is not None:  # None: no noise was drawn before the checkpoint, none is replayed
         run.resume_started = True
 
 

@@ -1,5 +1,6 @@
 """The run sequence of DP training, which every trainer adapter drives through its framework's hooks.
 
+``PrivacyEngine.begin_fit`` (before a checkpoint is loaded with ``PrivacyEngine.load_state_dict``),
 :meth:`RunSequence.start_run`, :meth:`~RunSequence.training_loader`, :meth:`~RunSequence.start_training`, then per
 micro-batch :meth:`~RunSequence.per_sample_loss` and :meth:`~RunSequence.clip`, and :meth:`~RunSequence.finish_run`
 (docs/design.md section 2.2; the stand-in batch of a sharded model: section 8.1).

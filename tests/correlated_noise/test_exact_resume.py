@@ -175,8 +175,9 @@ class FailingStartRegressor(TinyRegressor):
 def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
     """A fit from the checkpoint that fails after the load but before the draw schedule is checked (a hook raising),
     and a validate that loads the checkpoint, leave its secret state unused: a later ``fit`` without ``ckpt_path`` is
-    refused (it would continue the restored streams with a fresh optimizer state and randomness), until a fit from the
-    checkpoint resumes it, bit for bit."""
+    refused (it would continue the restored streams with a fresh optimizer state and randomness), and stays refused
+    after a fit whose load fails (another clipping bound, a corrupted entry), until a fit from the checkpoint resumes
+    it, bit for bit."""
     _, _, whole, _ = _fit(checkpoints=tmp_path, **NOISES[noise])
     (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, exact_resume=True, **NOISES[noise])
@@ -188,8 +189,19 @@ def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
     with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
         trainer.fit(module)
     trainer.validate(module, ckpt_path=checkpoint)
-    with pytest.raises(ValueError, match=r"\(or validate or test loaded it\)"):
+    with pytest.raises(ValueError, match="or a call that did not train loaded it: validate"):
         trainer.fit(module)
+    saved = torch.load(checkpoint, weights_only=False)
+    saved["lightning_dp"]["mechanism"]["max_grad_norm"] = 0.5
+    torch.save(saved, tmp_path / "other_bound.ckpt")
+    saved["lightning_dp"]["mechanism"]["max_grad_norm"] = 1.0
+    saved["lightning_dp"][SECRET_KEY]["noise_streams"] = None
+    torch.save(saved, tmp_path / "corrupted.ckpt")
+    for failing, message in (("other_bound.ckpt", "max_grad_norm"), ("corrupted.ckpt", "entry is corrupted")):
+        with pytest.raises(ValueError, match=message):  # a load that fails keeps the earlier load's refusal
+            trainer.fit(module, ckpt_path=tmp_path / failing)
+        with pytest.raises(ValueError, match="an earlier start of this run from the checkpoint's secret state failed"):
+            trainer.fit(module)
     trainer.fit(module, ckpt_path=checkpoint)
     for got, want in zip(module.parameters(), whole.parameters(), strict=True):
         assert torch.equal(got, want)
