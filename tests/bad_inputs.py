@@ -111,6 +111,17 @@ def _fit(module_factory: Callable[[], Any], strategy_kwargs: dict[str, Any] | No
     return run
 
 
+def _fit_with_callback(name: str) -> Callable[[], None]:
+    """:func:`_fit` of the tiny regressor with Lightning's callback ``name`` (built when it runs)."""
+
+    def run() -> None:
+        from lightning.pytorch import callbacks
+
+        _fit(_tiny(), callbacks=[getattr(callbacks, name)()])()
+
+    return run
+
+
 def _body(factory: Callable[[], nn.Module]) -> Callable[[], Any]:
     def make() -> Any:
         from tests.helpers import ClassifierWith
@@ -685,6 +696,10 @@ CASES: list[BadInput] = [
         "Lightning fit", "Trainer(gradient_clip_val=1.0)", _fit(_tiny(), gradient_clip_val=1.0), "gradient_clip_val"
     ),
     BadInput("Lightning fit", "Trainer(precision='16-true')", _fit(_tiny(), precision="16-true"), "precision"),
+    *(
+        BadInput("Lightning fit", f"Trainer(callbacks=[{name}()])", _fit_with_callback(name), name)
+        for name in ("LearningRateFinder", "BatchSizeFinder")
+    ),
     BadInput("Lightning fit", "automatic_optimization=False", _fit(_manual_optimization), "automatic optimization"),
     BadInput("Lightning fit", "Trainer(devices=2) with DPStrategy", _fit(_tiny(), devices=2), "DPDDPStrategy"),
     BadInput(

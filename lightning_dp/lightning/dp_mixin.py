@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -57,6 +58,14 @@ from lightning_dp.utils.lightning_log_filter import drop_lightning_noise
 log = logging.getLogger("lightning_dp")
 
 _UNSUPPORTED_PRECISION = ("16-true", "transformer-engine", "transformer-engine-float16")
+#: Lightning's tuners (callbacks, or added by ``Tuner``), refused: why, and what to do instead
+_TUNERS = {
+    LearningRateFinder: "it picks the learning rate from noiseless training losses on the private data (a search no "
+    "epsilon accounts for) and rewinds the run to a checkpoint; remove it and search with "
+    "lightning_dp.tuning.private_search (docs/tuning.md)",
+    BatchSizeFinder: "a batch size changed mid-run changes the sample rate the accountant assumes; remove it, set the "
+    "loader's batch_size, and bound memory with max_physical_batch_size",
+}
 #: float16 autocast with a GradScaler: supported (docs/privacy.md, "Mixed precision")
 _FP16_MIXED = ("16-mixed", "16")
 
@@ -105,7 +114,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
 
     Raises:
         ValueError: invalid privacy arguments (at construction), unsupported layers (at setup), a loss that is
-            not per sample (first step), ``precision="16-true"`` or ``gradient_clip_val`` (at setup).
+            not per sample (first step), ``precision="16-true"``, ``gradient_clip_val``, or Lightning's
+            ``LearningRateFinder`` or ``BatchSizeFinder`` (at setup).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -166,6 +176,9 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
                 f"{type(self).__name__}(max_grad_norm=...)"
             )
+        for tuner, why in _TUNERS.items():
+            if any(isinstance(callback, tuner) for callback in trainer.callbacks):
+                raise ValueError(f"{type(self).__name__} does not support Lightning's {tuner.__name__}: {why}")
         super().setup(trainer)
         if trainer.state.fn == "fit":
             if not self.lightning_module.automatic_optimization:

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 from helpers import ClassifierWith, TinyRegressor, ZeroGradModule, make_trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import BatchSizeFinder, Callback, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.tuner import Tuner
 from torch import nn
 
 from lightning_dp import DPStrategy, PrivacyAccountantCallback, PrivacyBudget, PrivacyEngine
@@ -231,6 +232,35 @@ def test_fp16_parameters_and_gradient_clipping_are_rejected():
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, precision="16-true").fit(TinyRegressor())
     with pytest.raises(ValueError, match="gradient_clip_val"):
         make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1, gradient_clip_val=1.0).fit(TinyRegressor())
+
+
+@pytest.mark.parametrize(
+    ("callback", "tune", "message"),
+    [
+        (
+            LearningRateFinder(num_training_steps=3),
+            lambda tuner: tuner.lr_find(TinyRegressor(), num_training=3),
+            "LearningRateFinder: it picks the learning rate from noiseless training losses",
+        ),
+        (
+            BatchSizeFinder(steps_per_trial=1),
+            lambda tuner: tuner.scale_batch_size(TinyRegressor(), steps_per_trial=1),
+            "BatchSizeFinder: a batch size changed mid-run changes the sample rate",
+        ),
+    ],
+    ids=["learning rate", "batch size"],
+)
+def test_lightnings_tuners_are_rejected_before_any_step(callback, tune, message):
+    """As callbacks, and through ``Tuner`` (which adds them): the learning-rate finder reads noiseless training
+    losses and rewinds the run, the batch-size finder changes the sample rate mid-run."""
+    strategy = DPStrategy(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=message):
+        make_trainer(strategy, max_steps=4, callbacks=[callback]).fit(TinyRegressor())
+    assert strategy.privacy_engine.steps == 0
+    strategy = DPStrategy(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=message):
+        tune(Tuner(make_trainer(strategy, max_steps=4)))
+    assert strategy.privacy_engine.steps == 0
 
 
 def test_calibrated_run_spends_the_target_epsilon():
