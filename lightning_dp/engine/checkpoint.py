@@ -8,12 +8,12 @@ import logging
 import math
 from typing import Any
 
-from lightning_dp.accounting import make_accountant
+from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.exact_resume import SECRET_KEY, restore_secret_state, secret_state
 from lightning_dp.engine.run_state import RunState
-from lightning_dp.mechanisms import make_mechanism
+from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.optim.adaptive_clipping import restored_bound
 
 log = logging.getLogger("lightning_dp")
@@ -93,7 +93,8 @@ class CheckpointState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
         replayed into this run's accountant, and the random streams restart, or with ``exact_resume`` and a checkpoint
-        that holds its secret state continue (docs/design.md section 2.3).
+        that holds its secret state continue (docs/design.md section 2.3). Everything is checked before anything of
+        the run changes: a load that raises leaves the run as it was (its ledger included).
 
         Raises:
             ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
@@ -119,13 +120,58 @@ class CheckpointState:
         bound = None if adaptive is None else restored_bound(adaptive)  # malformed: fails before anything changes
         correlation = self._restored_correlation(state.get("noise_correlation"))
         if "momentum" in state:
-            run.momentum.load_state_dict(state["momentum"])
+            run.momentum.check_state_dict(state["momentum"])
         elif run.momentum.enabled:
             raise ValueError(
                 f"The checkpoint was trained without per-sample momentum, this run uses momentum_length="
                 f"{run.momentum.momentum_length}: resume with the same per-sample momentum"
             )
-        params = dict(state["mechanism"])
+        if run.lowpass is not None and state.get("lowpass") is not None:
+            run.lowpass.check_state_dict(state["lowpass"])
+        restored = self._restored_mechanism(state["mechanism"])
+        saved = make_accountant(state["accountant"]["name"])
+        try:
+            saved.load_state_dict(state["accountant"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
+        accountant = make_accountant(run.config.accountant or ("rc" if run.randomized_clipping else saved.name))
+        for event, count in saved.ledger:
+            accountant.compose(event, count)
+        # Everything is checked: from here on the run changes (the secret state first, which checks itself first).
+        self._continue_or_restart_randomness(state.get(SECRET_KEY), accountant)
+        if "momentum" in state:
+            run.momentum.load_state_dict(state["momentum"])
+        run.mechanism = restored
+        run.noise_origin = "restored from the checkpoint"
+        saved_delta = state["target_delta"]
+        if run.target_delta is None:
+            run.target_delta = saved_delta
+        elif not math.isclose(run.target_delta, saved_delta):
+            log.warning(
+                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
+                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
+                saved_delta,
+                run.target_delta,
+            )
+        run.accountant = accountant
+        self.ledger.clear_caches()  # its epsilon and step budget were those of the replaced ledger
+        run.restored_sample_rate = state["sample_rate"]
+        if run.user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
+            run.user_data.seed = run.randomness.stream_seed("user subsets")
+        if run.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
+            run.distributed.synchronize_randomness(run.randomness)  # share rank 0's fresh seed again
+        self._load_lowpass_state(state.get("lowpass"))
+        self.clip_bound.restore(bound)
+        run.restored_correlation = correlation
+
+    def _restored_mechanism(self, saved: dict[str, Any]) -> NoiseMechanism:
+        """The checkpoint's mechanism, which must be this run's noise and bound (and its noise, when fixed).
+
+        Raises:
+            ValueError: another noise, ``max_grad_norm`` or fixed noise parameters.
+        """
+        run = self.run
+        params = dict(saved)
         name = params.pop("name")
         if name != run.config.noise_name:
             raise ValueError(
@@ -142,45 +188,20 @@ class CheckpointState:
                 f"The checkpoint's noise {restored.describe()} differs from this run's {run.mechanism.describe()}; "
                 "resume with the same noise parameters (or with target_epsilon to reuse the checkpoint's)"
             )
-        run.mechanism = restored
-        run.noise_origin = "restored from the checkpoint"
-        saved_delta = state["target_delta"]
-        if run.target_delta is None:
-            run.target_delta = saved_delta
-        elif not math.isclose(run.target_delta, saved_delta):
-            log.warning(
-                "target_delta changed on resume: the checkpoint reported epsilon at delta = %.3g, this run reports "
-                "the epsilon of the whole run (the checkpoint's steps included) at delta = %.3g",
-                saved_delta,
-                run.target_delta,
-            )
-        saved = make_accountant(state["accountant"]["name"])
-        try:
-            saved.load_state_dict(state["accountant"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{_CORRUPT_STATE}: its ledger cannot be read ({error!r})") from error
-        run.accountant = make_accountant(run.config.accountant or ("rc" if run.randomized_clipping else saved.name))
-        for event, count in saved.ledger:
-            run.accountant.compose(event, count)
-        self.ledger.clear_caches()  # its epsilon and step budget were those of the replaced ledger
-        run.restored_sample_rate = state["sample_rate"]
-        self._continue_or_restart_randomness(state.get(SECRET_KEY))
-        if run.user_data is not None:  # regrouped before the restore: its subsets restart with the other streams
-            run.user_data.seed = run.randomness.stream_seed("user subsets")
-        if run.distributed is not None:  # restored after the run started (Lightning's ModelParallelStrategy does):
-            run.distributed.synchronize_randomness(run.randomness)  # share rank 0's fresh seed again
-        self._load_lowpass_state(state.get("lowpass"))
-        self.clip_bound.restore(bound)
-        run.restored_correlation = correlation
+        return restored
 
-    def _continue_or_restart_randomness(self, secret: Any) -> None:
-        """With ``exact_resume`` and the checkpoint's secret state, continue its streams; else restart them (a warning
-        when ``exact_resume`` finds no secret state: the checkpoint was written without it). An earlier load's restore,
-        and its refusal (``exact_resume.abandon_restore``), end here, not before: a load that fails earlier leaves
-        both."""
+    def _continue_or_restart_randomness(self, secret: Any, accountant: Accountant) -> None:
+        """With ``exact_resume`` and the checkpoint's secret state, continue its streams; else restart them at the
+        ledger's step count (a warning when ``exact_resume`` finds no secret state: the checkpoint was written without
+        it). An earlier load's restore, and its refusal (``exact_resume.abandon_restore``), end here, not before: a
+        load that fails earlier leaves both.
+
+        Raises:
+            ValueError: a corrupted secret state (nothing changed then).
+        """
         run = self.run
         if run.config.exact_resume and secret is not None:
-            restore_secret_state(run, secret)  # checks the entry before it replaces an earlier load's restore
+            restore_secret_state(run, secret, accountant)
         else:
             if run.config.exact_resume:
                 log.warning(
@@ -188,7 +209,7 @@ class CheckpointState:
                     "streams restart%s",
                     " and the correlated noise starts a new segment" if run.config.noise_correlation else "",
                 )
-            run.randomness.restart(run.steps)
+            run.randomness.restart(accountant.steps)
             run.restored_noise_streams = run.restored_draw_schedule = None
         run.resume_started = False
 
@@ -259,6 +280,15 @@ class CheckpointState:
             log.warning("The checkpoint holds no lowpass state: the filter starts from rest at step %d", run.steps)
         elif state is not None:
             log.warning("The checkpoint was trained with a lowpass filter, this run has none: its state is dropped")
+
+
+def saved_ledger_steps(state: Any) -> int | None:
+    """The steps in the ledger of a saved privacy state (:meth:`CheckpointState.state_dict`); ``None`` when it cannot
+    be read (:meth:`CheckpointState.load_state_dict` refuses it)."""
+    try:
+        return sum(int(count) for _, count in state["accountant"]["ledger"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _key_name(user_key: Any) -> str:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from lightning_dp.accounting import Accountant
 from lightning_dp.accounting.segments import SegmentedAccountant
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.engine.run_state import RunState
@@ -82,18 +83,26 @@ def _merged(per_rank: list[tuple[dict[str, torch.Tensor], frozenset[str]]]) -> d
     return merged
 
 
-def restore_secret_state(run: RunState, saved: Any) -> None:
+def restore_secret_state(run: RunState, saved: Any, accountant: Accountant) -> None:
     """Continue the checkpoint's streams instead of restarting them; the noise streams are handed to the optimizers by
-    :func:`continued_stream`. Call after the ledger is restored.
+    :func:`continued_stream`. Nothing changes when it raises.
+
+    Args:
+        run: the run's state.
+        saved: the checkpoint's entry (:func:`secret_state`).
+        accountant: the accountant holding the checkpoint's ledger.
 
     Raises:
         ValueError: a malformed entry; noise streams without ``noise_correlation`` or without the ledger's correlated
             steps (a stream must have taken exactly the steps of the ledger's last segment).
     """
-    if not isinstance(saved, dict) or not isinstance(saved.get("noise_streams"), list) or "randomness" not in saved:
+    if (
+        not isinstance(saved, dict)
+        or not isinstance(saved.get("noise_streams"), list)
+        or not isinstance(saved.get("randomness"), dict)
+    ):
         raise ValueError(f"The checkpoint's {SECRET_KEY} entry is corrupted; resume from an intact checkpoint")
     streams = saved["noise_streams"]
-    accountant = run.accountant
     segments = accountant.segment_steps() if isinstance(accountant, SegmentedAccountant) else []
     steps = segments[-1] if segments else 0  # of the last segment: what each stream must have taken
     if any(not isinstance(s, dict) or s.get("step") != steps for s in streams) or (steps and not streams):
@@ -103,7 +112,7 @@ def restore_secret_state(run: RunState, saved: Any) -> None:
         )
     schedule = saved.get("draw_schedule")
     randomness = saved["randomness"]
-    drawn = steps > 0 or (isinstance(randomness, dict) and bool(randomness.get("generators")))  # noise drawn
+    drawn = steps > 0 or bool(randomness.get("generators"))  # noise was drawn
     if schedule is None and drawn and "layout" in saved:
         raise ValueError(
             f"The checkpoint's {SECRET_KEY} entry was written by an earlier version of lightning_dp, without the draw "

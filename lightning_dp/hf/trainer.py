@@ -212,6 +212,19 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             engine.detach()
 
     @override
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the Trainer's search trains a candidate per trial on the private data and keeps the best by its
+        evaluation, a search no epsilon accounts for.
+
+        Raises:
+            ValueError: always; ``lightning_dp.tuning.private_search`` accounts for a search (docs/tuning.md).
+        """
+        raise ValueError(
+            "DPTrainer does not support hyperparameter_search (its trials are a search on the private data that no "
+            "epsilon accounts for): search with lightning_dp.tuning.private_search (docs/tuning.md)"
+        )
+
+    @override
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's loader drawing Poisson batches of this rank's shard at the global rate q.
 

@@ -35,6 +35,7 @@ from lightning_dp.engine.adapter import (
     rank_zero_logging,
     stop_rank_zero_logging,
 )
+from lightning_dp.engine.checkpoint import saved_ledger_steps
 from lightning_dp.engine.exact_resume import SECRET_KEY
 from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import (
@@ -61,10 +62,10 @@ _UNSUPPORTED_PRECISION = ("16-true", "transformer-engine", "transformer-engine-f
 #: Lightning's tuners (callbacks, or added by ``Tuner``), refused: why, and what to do instead
 _TUNERS = {
     LearningRateFinder: "it picks the learning rate from noiseless training losses on the private data (a search no "
-    "epsilon accounts for) and rewinds the run to a checkpoint; remove it and search with "
+    "epsilon accounts for) and rewinds the run to a checkpoint; remove it (or the Tuner call) and search with "
     "lightning_dp.tuning.private_search (docs/tuning.md)",
-    BatchSizeFinder: "a batch size changed mid-run changes the sample rate the accountant assumes; remove it, set the "
-    "loader's batch_size, and bound memory with max_physical_batch_size",
+    BatchSizeFinder: "a batch size changed mid-run changes the sample rate the accountant assumes; remove it (or the "
+    "Tuner call), set the loader's batch_size, and bound memory with max_physical_batch_size",
 }
 #: float16 autocast with a GradScaler: supported (docs/privacy.md, "Mixed precision")
 _FP16_MIXED = ("16-mixed", "16")
@@ -176,8 +177,10 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 "gradient_clip_val is redundant with DP per-sample clipping: remove it and set "
                 f"{type(self).__name__}(max_grad_norm=...)"
             )
-        for tuner, why in _TUNERS.items():
-            if any(isinstance(callback, tuner) for callback in trainer.callbacks):
+        for tuner, why in _TUNERS.items() if trainer.state.fn == "fit" else ():
+            for callback in [callback for callback in trainer.callbacks if isinstance(callback, tuner)]:
+                if getattr(callback, "_early_exit", False):  # added by Tuner, which leaves it there on an error
+                    trainer.callbacks.remove(callback)
                 raise ValueError(f"{type(self).__name__} does not support Lightning's {tuner.__name__}: {why}")
         super().setup(trainer)
         if trainer.state.fn == "fit":
@@ -385,17 +388,26 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
             ) from error
         fitting = self.lightning_module.trainer.state.fn == "fit"
         resuming = checkpoint.get("global_step", 0) > 0 and fitting
-        if "lightning_dp" in checkpoint:
-            self.privacy_engine.load_state_dict(checkpoint["lightning_dp"])
-            if self.privacy_engine.config.exact_resume and fitting:
-                secret = checkpoint["lightning_dp"].get(SECRET_KEY) or {}
-                self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
-            if resuming and self.privacy_engine.steps == 0:
+        if any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers):  # e.g. a callback's rollback
+            raise ValueError(
+                "A checkpoint loaded while training runs would rewind the privacy ledger over steps already taken: "
+                "load checkpoints before training starts (fit(ckpt_path=...))"
+            )
+        if "lightning_dp" in checkpoint:  # checked before the engine's state changes: a refused load changes nothing
+            entry = checkpoint["lightning_dp"]
+            if resuming and saved_ledger_steps(entry) == 0:
                 raise ValueError(
                     f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but "
                     "its privacy ledger is empty (damaged): resuming would restart epsilon at 0. Resume from an intact "
                     "earlier checkpoint of this run"
                 )
+            secret = (entry.get(SECRET_KEY) if isinstance(entry, dict) else None) or {}
+            restore_randomness = self.privacy_engine.config.exact_resume and fitting and isinstance(secret, dict)
+            if restore_randomness:
+                GlobalRandomness.check(secret)
+            self.privacy_engine.load_state_dict(entry)
+            if restore_randomness:
+                self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
         elif resuming:
             raise ValueError(
                 f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but holds "

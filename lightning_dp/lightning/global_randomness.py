@@ -42,17 +42,29 @@ class GlobalRandomness:
         :func:`~lightning_dp.engine.exact_resume.check_draw_schedule`); an earlier load's state is forgotten.
 
         Raises:
-            ValueError: a malformed entry.
+            ValueError: as :meth:`check` (nothing changes then).
         """
+        self.check(secret)
         self._restored = None
         states = secret.get(KEY)
         if states is None:
             return
-        if not isinstance(states, list) or not all(isinstance(s, dict) and _KEYS <= s.keys() for s in states):
-            raise ValueError(f"The checkpoint's {KEY} entry is corrupted; resume from an intact checkpoint")
         self._restored = states
         if len(states) == world_size:
             _set_state(states[rank], device)
+
+    @staticmethod
+    def check(secret: dict[str, Any]) -> None:
+        """Whether :meth:`restore` accepts ``secret``, without changing anything.
+
+        Raises:
+            ValueError: a malformed entry.
+        """
+        states = secret.get(KEY)
+        if states is not None and (
+            not isinstance(states, list) or not all(isinstance(s, dict) and _KEYS <= s.keys() for s in states)
+        ):
+            raise ValueError(f"The checkpoint's {KEY} entry is corrupted; resume from an intact checkpoint")
 
     def started(self) -> None:
         """Training started on the restored state: later checkpoints save the current one."""

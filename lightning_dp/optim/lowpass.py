@@ -192,6 +192,19 @@ class LowPassFilter:
         """Restore :meth:`state_dict` (the tensors take the gradients' device, dtype and sharding at the next step).
 
         Raises:
+            ValueError: as :meth:`check_state_dict` (nothing changes then).
+        """
+        self.check_state_dict(state)
+        self.steps = int(state["steps"])
+        self._m = [list(lag) for lag in state["m"]]
+        self._vbar = [list(lag) for lag in state["vbar"]]
+        self._c_m = [float(c) for c in state["c_m"]]
+        self._restored = True
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Whether :meth:`load_state_dict` accepts ``state``, without changing anything.
+
+        Raises:
             ValueError: the saved coefficients differ from this filter's (resume with the same ``lowpass``), or the
                 saved history does not fit them (a damaged checkpoint).
         """
@@ -208,11 +221,6 @@ class LowPassFilter:
                 f"The checkpoint's lowpass state is damaged: after {steps} steps it holds {lags} past (m, vbar, c_m), "
                 f"the filter keeps {expected}; resume from an intact checkpoint"
             )
-        self.steps = int(state["steps"])
-        self._m = [list(lag) for lag in state["m"]]
-        self._vbar = [list(lag) for lag in state["vbar"]]
-        self._c_m = [float(c) for c in state["c_m"]]
-        self._restored = True
 
     def __repr__(self) -> str:
         return f"LowPassFilter(name={self.name!r}, a={list(self.a)}, b={list(self.b)})"

@@ -105,6 +105,7 @@ class PerSampleMomentum:
         self._sharded_module = clipper.module if clipper.sharded else None
         if self._pending is not None:
             state, self._pending = self._pending, None
+            self.check_state_dict(state)
             self._restore(state)
 
     def weights(self) -> list[float]:
@@ -232,7 +233,19 @@ class PerSampleMomentum:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (now if bound, else at :meth:`bind`) to each parameter's device, dtype and shard
-        layout.
+        layout; nothing changes when it raises.
+
+        Raises:
+            ValueError: as :meth:`check_state_dict`.
+        """
+        self.check_state_dict(state)
+        if self._params:
+            self._restore(state)
+        else:
+            self._pending = state
+
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Whether :meth:`load_state_dict` accepts ``state``, without changing anything.
 
         Raises:
             ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters differ
@@ -244,26 +257,28 @@ class PerSampleMomentum:
                 f"The checkpoint was trained with momentum_length={saved[0]}, momentum_beta={saved[1]}; this run "
                 f"uses {self.momentum_length}, {self.momentum_beta}: resume with the same per-sample momentum"
             )
-        if self._params:
-            self._restore(state)
-        else:
-            self._pending = state
+        if not self._params:
+            return
+        for saved_iterate in state["iterates"]:
+            if list(saved_iterate) != self._names:
+                raise ValueError(
+                    f"The checkpoint's per-sample momentum iterates hold parameters {list(saved_iterate)}, the "
+                    f"trainable parameters are {self._names}: resume with the same model and the same frozen parameters"
+                )
+            for param, name in zip(self._params, self._names, strict=True):
+                if saved_iterate[name].shape != param.shape:
+                    raise ValueError(
+                        f"The checkpoint's per-sample momentum iterate of '{name}' has shape "
+                        f"{tuple(saved_iterate[name].shape)}, the parameter {tuple(param.shape)}"
+                    )
 
     def _restore(self, state: dict[str, Any]) -> None:
+        """The checked iterates, each on its parameter's device, dtype and shard (this rank's if sharded)."""
         self.history.clear()
         for saved in state["iterates"]:
-            if list(saved) != self._names:
-                raise ValueError(
-                    f"The checkpoint's per-sample momentum iterates hold parameters {list(saved)}, the trainable "
-                    f"parameters are {self._names}: resume with the same model and the same frozen parameters"
-                )
-            iterate = []
-            for param, name in zip(self._params, self._names, strict=True):
-                value = saved[name]
-                if value.shape != param.shape:
-                    raise ValueError(
-                        f"The checkpoint's per-sample momentum iterate of '{name}' has shape {tuple(value.shape)}, "
-                        f"the parameter {tuple(param.shape)}"
-                    )
-                iterate.append(shard_like(value.detach(), param).clone())  # this rank's shard if sharded
-            self.history.append(iterate)
+            self.history.append(
+                [
+                    shard_like(saved[name].detach(), param).clone()
+                    for param, name in zip(self._params, self._names, strict=True)
+                ]
+            )

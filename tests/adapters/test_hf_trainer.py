@@ -294,6 +294,13 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
         DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
 
 
+def test_the_trainers_hyperparameter_search_is_refused(tmp_path) -> None:
+    privacy, data = PrivacyArguments(noise_multiplier=1.0), TokenDataset()
+    trainer = DPTrainer(model=tiny_gpt2(), args=training_args(tmp_path), train_dataset=data, privacy_args=privacy)
+    with pytest.raises(ValueError, match="hyperparameter_search .* lightning_dp.tuning.private_search"):
+        trainer.hyperparameter_search(n_trials=2)
+
+
 @pytest.mark.parametrize(
     ("flag", "message"), [("is_fsdp_enabled", "FSDP plugin"), ("is_deepspeed_enabled", "DeepSpeed")]
 )

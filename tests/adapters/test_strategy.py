@@ -251,16 +251,45 @@ def test_fp16_parameters_and_gradient_clipping_are_rejected():
     ids=["learning rate", "batch size"],
 )
 def test_lightnings_tuners_are_rejected_before_any_step(callback, tune, message):
-    """As callbacks, and through ``Tuner`` (which adds them): the learning-rate finder reads noiseless training
-    losses and rewinds the run, the batch-size finder changes the sample rate mid-run."""
+    """As callbacks, and through ``Tuner`` (which adds them, and leaves them on an error: the refusal takes them out,
+    so the trainer then fits as built): the learning-rate finder reads noiseless training losses and rewinds the run,
+    the batch-size finder changes the sample rate mid-run."""
     strategy = DPStrategy(noise_multiplier=1.0)
     with pytest.raises(ValueError, match=message):
         make_trainer(strategy, max_steps=4, callbacks=[callback]).fit(TinyRegressor())
     assert strategy.privacy_engine.steps == 0
     strategy = DPStrategy(noise_multiplier=1.0)
+    trainer = make_trainer(strategy, max_steps=4)
     with pytest.raises(ValueError, match=message):
-        tune(Tuner(make_trainer(strategy, max_steps=4)))
+        tune(Tuner(trainer))
     assert strategy.privacy_engine.steps == 0
+    assert not any(isinstance(c, LearningRateFinder | BatchSizeFinder) for c in trainer.callbacks)  # Tuner's, taken out
+    trainer.fit(TinyRegressor())
+    assert strategy.privacy_engine.steps == 4
+
+
+class RollBack(Callback):
+    """Loads ``path`` into the running fit after step ``at`` (a roll-back on a loss spike, as a callback would)."""
+
+    def __init__(self, path, at: int) -> None:
+        self.path, self.at, self.done = path, at, False
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step == self.at and not self.done:
+            self.done = True
+            trainer._checkpoint_connector.restore(self.path)
+
+
+def test_a_checkpoint_loaded_while_training_runs_is_refused(tmp_path):
+    """It would rewind the ledger over the steps taken since: the run keeps them."""
+    first = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=2)
+    first.fit(TinyRegressor())
+    first.save_checkpoint(tmp_path / "early.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    trainer = make_trainer(strategy, max_steps=6, callbacks=[RollBack(tmp_path / "early.ckpt", at=4)])
+    with pytest.raises(ValueError, match="A checkpoint loaded while training runs would rewind the privacy ledger"):
+        trainer.fit(TinyRegressor())
+    assert strategy.privacy_engine.steps == 4
 
 
 def test_calibrated_run_spends_the_target_epsilon():

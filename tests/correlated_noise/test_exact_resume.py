@@ -207,6 +207,32 @@ def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
         assert torch.equal(got, want)
 
 
+def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
+    """A load refused at any of its checks (another clipping bound, a corrupted secret or global random state, an
+    empty ledger in a checkpoint that took steps) changes nothing of the run: not its ledger (a later ``fit`` would
+    otherwise count the checkpoint's steps for a model trained longer), nor its randomness or pending restore."""
+    trainer, strategy, module, _ = _fit(checkpoints=tmp_path, **NOISES["banded"])
+    (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
+    engine = strategy.privacy_engine
+    before = (engine.accountant.state_dict(), engine.state.randomness.state_dict(), engine.state.restored_draw_schedule)
+    damages = {
+        "max_grad_norm": lambda entry: entry["mechanism"].update(max_grad_norm=0.5),
+        "entry is corrupted": lambda entry: entry[SECRET_KEY].update(randomness=None),
+        "global_randomness entry is corrupted": lambda entry: entry[SECRET_KEY].update(global_randomness="x"),
+        "privacy ledger is empty": lambda entry: entry["accountant"].update(ledger=[]),
+    }
+    for message, damage in damages.items():
+        saved = torch.load(checkpoint, weights_only=False)
+        damage(saved["lightning_dp"])
+        torch.save(saved, tmp_path / "damaged.ckpt")
+        with pytest.raises(ValueError, match=message):
+            trainer.fit(module, ckpt_path=tmp_path / "damaged.ckpt")
+        assert engine.steps == STEPS
+        after = (engine.accountant.state_dict(), engine.state.randomness.state_dict())
+        assert after[0] == before[0] and nested_equal(after[1], before[1]), message
+        assert engine.state.restored_draw_schedule == before[2]
+
+
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
     whole, resumed_run = _interrupted(tmp_path, exact_resume=False, **NOISES["banded"])
     (_, _, whole_module, whole_batches), (_, resumed, module, batches) = whole, resumed_run

@@ -280,10 +280,10 @@ def test_an_exact_resume_draws_on_the_schedule_its_checkpoint_drew_on():
         run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(0), restored_noise_streams=None)
         saved = {"randomness": drawn.state_dict(), "noise_streams": [], "draw_schedule": malformed}
         with pytest.raises(ValueError, match="entry is corrupted \\(draw schedule"):
-            restore_secret_state(run, saved)
+            restore_secret_state(run, saved, run.accountant)
     older = {"randomness": drawn.state_dict(), "noise_streams": [], "layout": {"world_size": 1}}  # an earlier version's
     with pytest.raises(ValueError, match="written by an earlier version .* resume it without exact_resume"):
-        restore_secret_state(run, older)
+        restore_secret_state(run, older, run.accountant)
 
 
 def _rank_state(checkpoint: DPRandomness, coordinate: int) -> DPRandomness:
@@ -331,7 +331,8 @@ def test_a_sharded_checkpoint_holds_each_shards_stream_as_the_rank_that_draws_it
 
 def test_a_checkpoint_before_any_correlated_step_has_nothing_to_continue():
     run = SimpleNamespace(accountant=BandedMFAccountant(), randomness=DPRandomness(seed=0), restored_noise_streams=None)
-    restore_secret_state(run, {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [{"step": 0}]})
+    saved = {"randomness": DPRandomness(seed=1).state_dict(), "noise_streams": [{"step": 0}]}
+    restore_secret_state(run, saved, run.accountant)
     assert run.restored_noise_streams is None and run.randomness.base_seed == 1
 
 
