@@ -52,8 +52,8 @@ PRIVATE_TRAINER_OVERRIDES: tuple[str, ...] = (
 )
 #: The transformers releases :data:`PRIVATE_TRAINER_OVERRIDES` are tested against: pyproject.toml's floor
 #: (``transformers>=4.40``; 4.40.0's ``Trainer`` has these five methods with the same parameters) up to the release
-#: the test suite runs on (5.24.0).
-TRANSFORMERS_TESTED: tuple[str, str] = ("4.40.0", "5.24.0")
+#: the test suite runs on (5.25.0).
+TRANSFORMERS_TESTED: tuple[str, str] = ("4.40.0", "5.25.0")
 
 #: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
 SHARDED_STATE_NAME = "sharded_state"
