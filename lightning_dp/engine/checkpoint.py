@@ -104,6 +104,7 @@ class CheckpointState:
                 corrupted ``exact_resume`` entry.
         """
         run = self.run
+        run.load_unfinished, run.stale_load = True, False  # until training starts: exact_resume.finish_restore
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")
@@ -193,7 +194,7 @@ class CheckpointState:
     def _continue_or_restart_randomness(self, secret: Any, accountant: Accountant) -> None:
         """With ``exact_resume`` and the checkpoint's secret state, continue its streams; else restart them at the
         ledger's step count (a warning when ``exact_resume`` finds no secret state: the checkpoint was written without
-        it). An earlier load's restore, and its refusal (``exact_resume.abandon_restore``), end here, not before: a
+        it). An earlier load's restore, and its refusal (``RunState.resume_started``), end here, not before: a
         load that fails earlier leaves both.
 
         Raises:

@@ -187,23 +187,25 @@ def check_draw_schedule(
 ) -> None:
     """Before the optimizers are wrapped: the run draws its noise on the schedule the checkpoint's streams were drawn
     on (:func:`draw_schedule`). A start from the restored state that does not finish (:func:`finish_restore`) stays
-    refused, and so does a restore no start reached (:func:`abandon_restore`): a later start of this run (a ``fit``
-    without ``ckpt_path``, which would continue the restored streams with its own optimizer state and randomness) is
-    refused until a checkpoint is loaded again, and a checkpoint written meanwhile records the checkpoint's schedule.
+    refused, and so does any load no start followed (:func:`abandon_load`): a later start of this run (a ``fit``
+    without ``ckpt_path``, which would continue the restored streams with its own optimizer state and randomness, or
+    the loaded ledger without the loaded weights) is refused until a checkpoint is loaded again, and a checkpoint
+    written meanwhile records the checkpoint's schedule.
 
     Raises:
         ValueError: as ``checks``, the caller's checks of the optimizers (run once the start counts as started, so
             that their refusal stays too); the checkpoint's noise was drawn on other processes, devices or sharding,
             over another dataset size, or for other trainable parameters (the streams continued here would add draws
-            already added, to other gradients: docs/privacy.md); an earlier start from the same restore failed.
+            already added, to other gradients: docs/privacy.md); an earlier start from the same restore failed, or a
+            load no start followed.
     """
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
-    if restored is not None and run.resume_started:
+    if run.stale_load or (restored is not None and run.resume_started):
         raise ValueError(
-            "exact_resume: an earlier start of this run from the checkpoint's secret state failed (or a call that "
-            "did not train loaded it: validate, test, predict), and continuing its streams now would add their draws "
-            "to other gradients: resume again with the checkpoint (ckpt_path / resume_from_checkpoint), which loads "
-            "it afresh"
+            "A checkpoint loaded into this run was not trained from (a start after the load failed, or validate, test "
+            "or predict loaded it): continuing would mix its state with this run's (its privacy ledger without the "
+            "model's weights, or its noise streams on other gradients); fit from a checkpoint again (ckpt_path / "
+            "resume_from_checkpoint), which loads it afresh"
         )
     run.resume_started = restored is not None
     checks()
@@ -216,13 +218,14 @@ def check_draw_schedule(
     run.draw_schedule = schedule
 
 
-def abandon_restore(run: RunState) -> None:
-    """A fit of the run begins (before it loads a checkpoint): a restored secret state that no start has finished
-    with (:func:`finish_restore`), loaded by an earlier call that failed before it or did not train (validate, test,
-    predict, a fit with no step left), counts as a failed start: :func:`check_draw_schedule` refuses it until a
-    checkpoint is loaded again (a load that fails before it replaces the randomness keeps the refusal)."""
-    if run.restored_draw_schedule is not None:  # None: no noise was drawn before the checkpoint, none is replayed
-        run.resume_started = True
+def abandon_load(run: RunState) -> None:
+    """A fit of the run begins (before it loads a checkpoint): a load that no start of training has followed
+    (:func:`finish_restore`), because the fit that made it failed after it or it was a validate, test or predict, may
+    have changed only part of the run (Lightning loads the model's weights after the privacy state, its
+    ``ModelParallelStrategy`` before it); :func:`check_draw_schedule` refuses this fit unless it loads a checkpoint
+    itself."""
+    if run.load_unfinished:
+        run.stale_load = True
 
 
 def finish_restore(run: RunState) -> None:
@@ -238,7 +241,7 @@ def finish_restore(run: RunState) -> None:
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
         )
-    run.restored_draw_schedule, run.resume_started = None, False
+    run.restored_draw_schedule, run.resume_started, run.load_unfinished = None, False, False
 
 
 def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
-from lightning_dp.engine.exact_resume import abandon_restore, check_draw_schedule, continued_stream, finish_restore
+from lightning_dp.engine.exact_resume import abandon_load, check_draw_schedule, continued_stream, finish_restore
 from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
 from lightning_dp.engine.optimizer_checks import check_optimizers
 from lightning_dp.engine.run_state import RunState
@@ -277,8 +277,8 @@ class PrivacyEngine:
     def begin_fit(self, distributed: DistributedContext | None) -> None:
         """A fit begins, before it loads a checkpoint or builds anything of the run (a training loader built while the
         trainer sets up): the process group the loader samples this rank's shard of, rank 0's base seed
-        (:meth:`start_run` does it again, a no-op), and ``exact_resume.abandon_restore``."""
-        abandon_restore(self.state)
+        (:meth:`start_run` does it again, a no-op), and ``exact_resume.abandon_load``."""
+        abandon_load(self.state)
         self.state.distributed = distributed
         if distributed is not None:
             distributed.synchronize_randomness(self.state.randomness)

@@ -133,10 +133,15 @@ class RunState:
     #: (``exact_resume.draw_schedule``), fixed when training starts; an exact resume's, until then.
     draw_schedule: dict[str, Any] | None = None
     restored_draw_schedule: dict[str, Any] | None = None
-    #: whether a start of training from the restored secret state began (``exact_resume.check_draw_schedule``), or a
-    #: fit began after a load no start finished with (``exact_resume.abandon_restore``); it ends by
-    #: ``exact_resume.finish_restore``, or a refusal that then stays until the next load.
+    #: whether a start of training from the restored secret state began (``exact_resume.check_draw_schedule``); it
+    #: ends by ``exact_resume.finish_restore``, or a refusal that then stays until the next load.
     resume_started: bool = False
+    #: whether a checkpoint was loaded (``CheckpointState.load_state_dict``) and no start of training has followed
+    #: (``exact_resume.finish_restore``).
+    load_unfinished: bool = False
+    #: whether a fit began after such a load (``exact_resume.abandon_load``): its start is refused unless it
+    #: loads a checkpoint itself.
+    stale_load: bool = False
     #: with ``noise_correlation``, the training set its partition indexes (the first training loader's).
     partitioned_dataset: Any = None
 

@@ -292,6 +292,33 @@ def test_a_checkpoint_loaded_while_training_runs_is_refused(tmp_path):
     assert strategy.privacy_engine.steps == 4
 
 
+class FailingFitStart(TinyRegressor):
+    """Raises in ``on_fit_start`` (after Lightning loaded the checkpoint, before training starts) while ``fail``."""
+
+    fail = True
+
+    def on_fit_start(self) -> None:
+        if self.fail:
+            raise RuntimeError("on_fit_start failed")
+
+
+def test_a_fit_after_a_load_that_no_training_followed_is_refused(tmp_path):
+    """A fit that fails after its load leaves the run holding the checkpoint's ledger (and with other failures not
+    its weights): the next fit is refused unless it loads a checkpoint itself, which then trains from it."""
+    first = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=2)
+    first.fit(TinyRegressor())
+    first.save_checkpoint(tmp_path / "early.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    trainer, module = make_trainer(strategy, max_steps=6), FailingFitStart()
+    with pytest.raises(RuntimeError, match="on_fit_start failed"):
+        trainer.fit(module, ckpt_path=tmp_path / "early.ckpt")
+    module.fail = False
+    with pytest.raises(ValueError, match="A checkpoint loaded into this run was not trained from"):
+        trainer.fit(module)
+    trainer.fit(module, ckpt_path=tmp_path / "early.ckpt")
+    assert strategy.privacy_engine.steps == 6
+
+
 def test_calibrated_run_spends_the_target_epsilon():
     callback = PrivacyAccountantCallback()
     strategy = DPStrategy(target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0, seed=0)
