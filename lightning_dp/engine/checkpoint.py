@@ -37,7 +37,9 @@ def check_privacy_state(state: Any) -> None:
         problem = "missing entries (accountant, mechanism, target_delta, sample_rate)"
     elif not isinstance(state["mechanism"], dict) or "name" not in state["mechanism"]:
         problem = "no mechanism name"
-    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("ledger"), list):
+    elif not isinstance(state["accountant"], dict) or not isinstance(state["accountant"].get("name"), str):
+        problem = "no accountant name"
+    elif not isinstance(state["accountant"].get("ledger"), list):
         problem = "no accountant ledger"
     elif any(
         not isinstance(item, list | tuple) or len(item) != 2 or not isinstance(item[1], int) or item[1] < 1
@@ -90,6 +92,13 @@ class CheckpointState:
             state[SECRET_KEY] = secret_state(run)
         return state
 
+    def begin_load(self) -> None:
+        """A checkpoint's load begins, and may change the model before its privacy state is checked (Lightning's
+        ``ModelParallelStrategy`` loads the weights and the optimizers' states as it reads the checkpoint): until
+        training starts from it (``exact_resume.finish_restore``), a later fit must load a checkpoint itself
+        (``exact_resume.abandon_load``)."""
+        self.run.load_unfinished = True
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
         replayed into this run's accountant, and the random streams restart, or with ``exact_resume`` and a checkpoint
@@ -104,7 +113,8 @@ class CheckpointState:
                 corrupted ``exact_resume`` entry.
         """
         run = self.run
-        run.load_unfinished, run.stale_load = True, False  # until training starts: exact_resume.finish_restore
+        self.begin_load()
+        run.stale_load = False  # this fit loads a checkpoint itself
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")

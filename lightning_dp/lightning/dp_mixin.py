@@ -425,12 +425,14 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
 
     @override
     def teardown(self) -> None:
-        """Detach the clipping hooks (the module is exactly as before) and unwrap the optimizers."""
-        self.privacy_engine.detach()
+        """Unwrap the optimizers and detach the clipping hooks (the module is exactly as before)."""
         self.optimizers = [getattr(opt, "original_optimizer", opt) for opt in self.optimizers]
-        stop_rank_zero_logging(self._log_filter)
-        self._log_filter = None
-        super().teardown()
+        try:
+            self.privacy_engine.detach()
+        finally:
+            stop_rank_zero_logging(self._log_filter)
+            self._log_filter = None
+            super().teardown()
 
 
 # The options as explicit keyword parameters and documented arguments, derived from PrivacyConfig (LightningCLI and

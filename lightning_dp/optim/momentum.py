@@ -248,9 +248,22 @@ class PerSampleMomentum:
         """Whether :meth:`load_state_dict` accepts ``state``, without changing anything.
 
         Raises:
-            ValueError: the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters differ
-                from the trainable ones.
+            ValueError: a state that is not :meth:`state_dict`'s structure (iterates that are not dicts of tensors);
+                the checkpoint's ``k`` or ``beta`` differ from this run's, or (when bound) its parameters differ from
+                the trainable ones.
         """
+        iterates = state.get("iterates") if isinstance(state, dict) else None
+        if (
+            not isinstance(iterates, list)
+            or not {"momentum_length", "momentum_beta"} <= set(state)
+            or not all(
+                isinstance(it, dict) and all(isinstance(t, torch.Tensor) for t in it.values()) for it in iterates
+            )
+        ):
+            raise ValueError(
+                "The checkpoint's per-sample momentum state is corrupted (not momentum_length, momentum_beta and "
+                "iterates of tensors): resume from an intact checkpoint of this run"
+            )
         saved = (state["momentum_length"], state["momentum_beta"])
         if saved != (self.momentum_length, self.momentum_beta):
             raise ValueError(

@@ -1,17 +1,18 @@
 """DPModelParallelStrategy: DP training of an FSDP2-sharded model under Lightning (docs/design.md section 8.1), 2 CPU
 processes over gloo.
 
-``fsdp_fit_script.py`` runs in a subprocess, which Lightning's own launcher turns into 2 ranks; in one launch it
-trains a tiny float32 Llama (tied embeddings, sharded with ``fully_shard`` in ``configure_model``) several times
-(see its docstring). Checked: the gathered parameters are identical on both ranks and changed; epsilon (engine and
-``PrivacyAccountantCallback``) is the single-process accountant's at the same q and steps; two runs with one seed
-give identical parameters; a sharded checkpoint (DCP folder, privacy state in ``meta.pt``), and a full one in one
-file, restore the weights and resume with the uninterrupted run's step count and epsilon; ``generate`` works on the
-gathered weights on rank 0 and on the sharded model; ``Trainer(strategy="dp_fsdp")`` trains at epsilon 3; the low-pass
-filter's history resumes from a sharded checkpoint; per-sample momentum, with zero noise, trains exactly as under
-DPDDPStrategy on the unsharded model, and its iterates resume from a sharded checkpoint (epsilon continues). The
-engine's own sharded numbers (norms, the clipped sum, the noise) are tested in tests/engine/test_fsdp.py. Arguments
-that are not supported fail at construction.
+``fsdp_fit_script.py`` runs in a subprocess, which Lightning's own launcher turns into 2 ranks; in one launch it trains
+a tiny float32 Llama (tied embeddings, sharded with ``fully_shard`` in ``configure_model``) several times (see its
+docstring). Checked: the gathered parameters are identical on both ranks and changed; epsilon (engine and
+``PrivacyAccountantCallback``) is the single-process accountant's at the same q and steps; two runs with one seed give
+identical parameters; a sharded checkpoint (DCP folder, privacy state in ``meta.pt``), and a full one in one file,
+restore the weights and resume with the uninterrupted run's step count and epsilon; ``generate`` works on the gathered
+weights on rank 0 and on the sharded model; a refused load (a checkpoint without privacy state, whose weights
+ModelParallelStrategy loads before the check) refuses a fit without a checkpoint until one is loaded;
+``Trainer(strategy="dp_fsdp")`` trains at epsilon 3; the low-pass filter's history resumes from a sharded checkpoint;
+per-sample momentum, with zero noise, trains exactly as under DPDDPStrategy on the unsharded model, and its iterates
+resume from a sharded checkpoint (epsilon continues). The engine's own sharded numbers (norms, the clipped sum, the
+noise) are tested in tests/engine/test_fsdp.py. Arguments that are not supported fail at construction.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ pytest.importorskip("transformers")
 WORLD = 2
 FITS = ("a", "b", "part", "resumed", "part (one file)", "resumed (one file)", "name", "layers only")
 FITS += ("lowpass part", "lowpass resumed", "momentum sharded", "momentum replicated", "momentum part")
-FITS += ("momentum resumed",)
+FITS += ("momentum resumed",)  # and "refused": three fits on one trainer
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,18 @@ def test_sharded_checkpoint_resumes_the_privacy_ledger(ranks):
         assert resumed["summary"]["epsilon"] == pytest.approx(uninterrupted["epsilon"], rel=1e-12)
     first, second = (r["resumed"]["params"] for r in ranks)
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_a_refused_load_refuses_a_fit_without_a_checkpoint_until_one_is_loaded(ranks):
+    """ModelParallelStrategy loads a checkpoint's weights before its privacy state is checked: after the refusal of a
+    checkpoint without privacy state, a fit without a checkpoint would train those weights from an empty ledger."""
+    uninterrupted = ranks[0]["a"]
+    for rank in ranks:
+        stripped, no_checkpoint = rank["refused"]["errors"]
+        assert "holds no privacy state" in stripped
+        assert no_checkpoint.startswith("A checkpoint loaded into this run was not trained from")
+        assert rank["refused"]["steps"] == 3
+        assert rank["refused"]["epsilon"] == pytest.approx(uninterrupted["epsilon"], rel=1e-12)
 
 
 def test_full_checkpoint_in_one_file_resumes_the_privacy_ledger(ranks):

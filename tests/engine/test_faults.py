@@ -139,6 +139,7 @@ def test_corrupted_checkpoint_fails_clearly(killed_run, tmp_path):
         (lambda c: c.pop("lightning_dp"), "no privacy state.*restart epsilon at 0"),
         (lambda c: c["lightning_dp"]["accountant"].update(ledger=[]), "ledger is empty"),
         (lambda c: c["lightning_dp"].pop("accountant"), "corrupted or incomplete.*missing entries"),
+        (lambda c: c["lightning_dp"]["accountant"].pop("name"), "corrupted or incomplete.*no accountant name"),
         (lambda c: c["lightning_dp"]["accountant"].update(ledger=[[{"type": "nonsense"}, 6]]), "ledger cannot be read"),
         (lambda c: c["lightning_dp"]["accountant"]["ledger"][0].__setitem__(1, -6), "positive count"),
         (lambda c: c["lightning_dp"].update(sample_rate=0.0), "sample_rate=0.0"),

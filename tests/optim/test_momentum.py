@@ -230,6 +230,14 @@ def test_snapshots_round_trip_through_a_checkpoint(tmp_path):
 
     with pytest.raises(ValueError, match="momentum_length=3, momentum_beta=0.9; this run uses 2"):
         make_trainer(_strategy(2), max_epochs=3).fit(TinyRegressor(), ckpt_path=tmp_path / "epoch1.ckpt")
+    saved = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    iterate = saved["lightning_dp"]["momentum"]["iterates"][0]
+    iterate[next(iter(iterate))] = [0.0]  # not a tensor
+    torch.save(saved, tmp_path / "corrupted.ckpt")
+    strategy = _strategy(3)
+    with pytest.raises(ValueError, match="per-sample momentum state is corrupted"):
+        make_trainer(strategy, max_epochs=3).fit(TinyRegressor(), ckpt_path=tmp_path / "corrupted.ckpt")
+    assert strategy.privacy_engine.steps == 0  # refused before the ledger changed
 
 
 def test_accumulation_equals_large_batch_with_momentum():

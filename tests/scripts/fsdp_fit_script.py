@@ -8,6 +8,8 @@ own launcher. In one launch, every rank runs in turn:
 - ``"part"``: the same, 2 steps, with a ``ModelCheckpoint`` (sharded, DCP) at step 2; ``"resumed"``: from it to 3
   steps; ``"part (one file)"`` and ``"resumed (one file)"``: the same with ``save_distributed_checkpoint=False``
   (the full state in one file, saved with ``trainer.save_checkpoint`` after the fit);
+- ``"refused"``: a fit from ``"part"``'s checkpoint stripped of its privacy state, then one without a checkpoint (both
+  refused), then from the intact checkpoint, on one trainer (:func:`refused_then_resumed`);
 - ``"name"``: ``Trainer(strategy="dp_fsdp")``, 3 steps (epsilon 3, calibrated noise);
 - ``"layers only"``: only the decoder layers sharded (the embedding and the final norm stay plain tensors, their
   clipped sums all-reduced), and rank 1's final norm weight changed before the strategy's setup;
@@ -29,6 +31,7 @@ rank's Poisson batch is empty with probability 2^-32 per step (the runs print th
 
 import argparse
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -132,13 +135,8 @@ def dp_states(engine) -> tuple[dict | None, dict | None]:
     return lowpass, engine.momentum.state_dict() if engine.momentum.enabled else None
 
 
-def fit(
-    strategy, steps: int, name: str, callbacks=(), ckpt_path=None, **module_options
-) -> tuple[pl.Trainer, TinyLlama]:
-    module = TinyLlama(**module_options)
-    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    accountant, start = PrivacyAccountantCallback(plot=False), StartParams()
-    trainer = pl.Trainer(
+def make_trainer(strategy, steps: int, callbacks=()) -> pl.Trainer:
+    return pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
         devices=2,
@@ -147,8 +145,32 @@ def fit(
         enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks),
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[accountant, start, *callbacks],
+        callbacks=list(callbacks),
     )
+
+
+def refused_then_resumed(intact: Path, stripped: Path) -> None:
+    """``"refused"``: one trainer fits from ``stripped`` (a checkpoint of 2 steps without its privacy state, which
+    ModelParallelStrategy loads the weights of before the privacy state is checked), then without a checkpoint, then
+    from ``intact``; the messages of the refusals, and the steps and epsilon of the last fit."""
+    trainer, errors = make_trainer(DPModelParallelStrategy(**STRATEGY), 3), []
+    for ckpt_path in (stripped, None):
+        try:
+            trainer.fit(TinyLlama(), ckpt_path=ckpt_path)
+        except ValueError as error:
+            errors.append(str(error))
+    trainer.fit(TinyLlama(), ckpt_path=intact)
+    engine = trainer.strategy.privacy_engine
+    RESULT["refused"] = {"errors": errors, "steps": engine.steps, "epsilon": engine.epsilon()}
+
+
+def fit(
+    strategy, steps: int, name: str, callbacks=(), ckpt_path=None, **module_options
+) -> tuple[pl.Trainer, TinyLlama]:
+    module = TinyLlama(**module_options)
+    initial = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    accountant, start = PrivacyAccountantCallback(plot=False), StartParams()
+    trainer = make_trainer(strategy, steps, callbacks=[accountant, start, *callbacks])
     trainer.fit(module, ckpt_path=ckpt_path)
     engine = trainer.strategy.privacy_engine
     lowpass, momentum = dp_states(engine)
@@ -222,6 +244,13 @@ if __name__ == "__main__":
     if trainer.global_rank == 0:
         RESULT["checkpoint"]["meta"] = torch.load(saved / "meta.pt", weights_only=False)
     fit(DPModelParallelStrategy(**STRATEGY), 3, "resumed", ckpt_path=str(saved))
+    if trainer.global_rank == 0:
+        shutil.copytree(saved, args.out / "stripped")
+        meta = torch.load(saved / "meta.pt", weights_only=False)
+        del meta["lightning_dp"]
+        torch.save(meta, args.out / "stripped" / "meta.pt")
+    torch.distributed.barrier()
+    refused_then_resumed(saved, args.out / "stripped")
     full_file = DPModelParallelStrategy(save_distributed_checkpoint=False, **STRATEGY)
     trainer_full, _ = fit(full_file, 2, "part (one file)")
     trainer_full.save_checkpoint(args.out / "full.ckpt")  # after fit: one file, written by rank 0
