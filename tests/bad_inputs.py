@@ -2,11 +2,11 @@
 fail with. ``tests/config/test_bad_inputs.py`` asserts every case; ``scripts/validation_table.py`` runs the same cases
 and writes ``docs/validation.md`` from the messages actually raised, so the table cannot drift from the code.
 
-Surfaces: ``DPStrategy`` and ``DPModelParallelStrategy`` arguments (constructor), a Lightning ``fit`` with
-``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the ``lightning-dp``
-command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and flags, the private hyper-parameter search
-(``private_search`` and its plan), and the extension registries (``register_mechanism``, ``register_engine``,
-``register_layer``: a registration that would replace an entry).
+Surfaces: ``DPStrategy``, ``DPModelParallelStrategy`` and ``DPDDPStrategy`` arguments (constructor), a Lightning
+``fit`` with ``DPStrategy`` (setup and first step), the HF integration (``PrivacyArguments``, ``DPTrainer``), the
+``lightning-dp`` command line, YAML configs of ``lightning-dp fit``, the HF recipes' YAML and flags, the private
+hyper-parameter search (``private_search`` and its plan), and the extension registries (``register_mechanism``,
+``register_engine``, ``register_layer``: a registration that would replace an entry).
 """
 
 from __future__ import annotations
@@ -92,6 +92,15 @@ def _model_parallel(**kwargs: Any) -> Callable[[], Any]:
         from lightning_dp import DPModelParallelStrategy
 
         return DPModelParallelStrategy(**kwargs)
+
+    return run
+
+
+def _ddp(**kwargs: Any) -> Callable[[], Any]:
+    def run() -> Any:
+        from lightning_dp import DPDDPStrategy
+
+        return DPDDPStrategy(**kwargs)
 
     return run
 
@@ -619,6 +628,12 @@ CASES: list[BadInput] = [
         "tensor_parallel_size=2",
         _model_parallel(noise_multiplier=1.0, tensor_parallel_size=2),
         "over tensor parallelism is not supported",
+    ),
+    BadInput(
+        "DPDDPStrategy",
+        "start_method='spawn'",
+        _ddp(noise_multiplier=1.0, start_method="spawn"),
+        "privacy ledger never reaches this process",
     ),
     # Lightning fit with DPStrategy: setup and first step
     BadInput(

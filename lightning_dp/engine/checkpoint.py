@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning_dp.accounting import Accountant, make_accountant
@@ -69,8 +71,17 @@ class CheckpointState:
         correlated noise ``"noise_correlation"`` (its strategy's parameters, data-independent). A seed, the generators'
         states and the correlated noise's streaming state only with ``exact_resume`` (``"exact_resume"``, secret:
         docs/design.md sections 2.3 and 5.1).
+
+        Raises:
+            ValueError: a checkpoint's load into this run did not finish (``RunState.load_partial``).
         """
         run = self.run
+        if run.load_partial:
+            raise ValueError(
+                "A checkpoint's load into this run did not finish (its privacy state without its weights, or the "
+                "reverse): a checkpoint written now could pair them; write one once training has started from a "
+                "loaded checkpoint (ckpt_path / resume_from_checkpoint)"
+            )
         assert run.mechanism is not None and run.accountant is not None
         state = {
             "accountant": run.accountant.state_dict(),
@@ -93,17 +104,35 @@ class CheckpointState:
         return state
 
     def begin_load(self) -> None:
-        """A checkpoint's load begins, and may change the model before its privacy state is checked (Lightning's
-        ``ModelParallelStrategy`` loads the weights and the optimizers' states as it reads the checkpoint): until
-        training starts from it (``exact_resume.finish_restore``), a later fit must load a checkpoint itself
-        (``exact_resume.abandon_load``)."""
-        self.run.load_unfinished = True
+        """A checkpoint's load begins to change the run: its privacy state (:meth:`load_state_dict`, once checked),
+        the weights of a checkpoint without one (Lightning loads them after ``load_checkpoint``), or everything at once
+        (Lightning's ``ModelParallelStrategy``, before the privacy state is checked). Until training starts from it
+        (``exact_resume.finish_restore``) a later fit must load a checkpoint itself (``exact_resume.abandon_load``),
+        and until the adapter has loaded the rest (:meth:`end_load`) no checkpoint is written (:meth:`state_dict`)."""
+        self.run.load_unfinished = self.run.load_partial = True
+
+    def end_load(self) -> None:
+        """The adapter loaded the rest of the checkpoint (the model's weights): the run holds all of it. Without an
+        adapter, the start of training counts as that (``exact_resume.finish_restore``)."""
+        self.run.load_partial = False
+
+    @contextmanager
+    def loading_weights(self) -> Iterator[None]:
+        """Around the adapter's load of a checkpoint's weights (after its privacy state, or without one): if it
+        raises, the load stays begun (:meth:`begin_load`); once it returns, the run holds the whole checkpoint
+        (:meth:`end_load`) and a start of training that already followed the privacy state's load still counts."""
+        unfinished = self.run.load_unfinished
+        self.begin_load()
+        yield
+        self.run.load_unfinished = unfinished
+        self.end_load()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
         replayed into this run's accountant, and the random streams restart, or with ``exact_resume`` and a checkpoint
         that holds its secret state continue (docs/design.md section 2.3). Everything is checked before anything of
-        the run changes: a load that raises leaves the run as it was (its ledger included).
+        the run changes: a load its checks refuse leaves the run as it was (its ledger included); one that fails
+        after them (an entry corrupted in a way they do not see) leaves the load begun (:meth:`begin_load`).
 
         Raises:
             ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
@@ -113,8 +142,6 @@ class CheckpointState:
                 corrupted ``exact_resume`` entry.
         """
         run = self.run
-        self.begin_load()
-        run.stale_load = False  # this fit loads a checkpoint itself
         check_privacy_state(state)
         self._check_privacy_unit(state.get("privacy_unit"))
         adaptive = state.get("adaptive_clipping")
@@ -149,6 +176,8 @@ class CheckpointState:
         for event, count in saved.ledger:
             accountant.compose(event, count)
         # Everything is checked: from here on the run changes (the secret state first, which checks itself first).
+        self.begin_load()
+        run.stale_load = False  # this fit loads a checkpoint itself
         self._continue_or_restart_randomness(state.get(SECRET_KEY), accountant)
         if "momentum" in state:
             run.momentum.load_state_dict(state["momentum"])

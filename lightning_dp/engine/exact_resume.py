@@ -197,15 +197,15 @@ def check_draw_schedule(
             that their refusal stays too); the checkpoint's noise was drawn on other processes, devices or sharding,
             over another dataset size, or for other trainable parameters (the streams continued here would add draws
             already added, to other gradients: docs/privacy.md); an earlier start from the same restore failed, or a
-            load no start followed.
+            load that no start followed.
     """
     schedule, restored = draw_schedule(run, optimizers), run.restored_draw_schedule
     if run.stale_load or (restored is not None and run.resume_started):
         raise ValueError(
-            "A checkpoint loaded into this run was not trained from (a start after the load failed, or validate, test "
-            "or predict loaded it): continuing would mix its state with this run's (its privacy ledger without the "
-            "model's weights, or its noise streams on other gradients); fit from a checkpoint again (ckpt_path / "
-            "resume_from_checkpoint), which loads it afresh"
+            "A checkpoint loaded into this run was not trained from (the fit that loaded it failed or had no step "
+            "left, or validate, test or predict loaded it): continuing could mix its state with this run's (its "
+            "privacy ledger without its weights or the reverse, or its noise streams on other gradients); fit from a "
+            "checkpoint again (ckpt_path / resume_from_checkpoint), which loads it afresh"
         )
     run.resume_started = restored is not None
     checks()
@@ -219,11 +219,12 @@ def check_draw_schedule(
 
 
 def abandon_load(run: RunState) -> None:
-    """A fit of the run begins (before it loads a checkpoint): a load that no start of training has followed
-    (:func:`finish_restore`), because the fit that made it failed after it or it was a validate, test or predict, may
+    """A fit of the run begins (before it loads a checkpoint): a load that changed the run
+    (``CheckpointState.begin_load``) and that no start of training has followed (:func:`finish_restore`), because the
+    fit that made it failed after it (or, under Lightning, had no step left) or it was a validate, test or predict, may
     have changed only part of the run (Lightning loads the model's weights after the privacy state, its
-    ``ModelParallelStrategy`` before it); :func:`check_draw_schedule` refuses this fit unless it loads a checkpoint
-    itself."""
+    ``ModelParallelStrategy`` before it is checked); :func:`check_draw_schedule` refuses this fit unless it loads a
+    checkpoint itself."""
     if run.load_unfinished:
         run.stale_load = True
 
@@ -241,7 +242,8 @@ def finish_restore(run: RunState) -> None:
             f"The checkpoint holds {len(left)} noise stream(s) more than this run has optimizers: resume with the same "
             "optimizers"
         )
-    run.restored_draw_schedule, run.resume_started, run.load_unfinished = None, False, False
+    run.restored_draw_schedule, run.resume_started = None, False
+    run.load_unfinished = run.load_partial = False  # training starts from what was loaded
 
 
 def draw_schedule(run: RunState, optimizers: Sequence[torch.optim.Optimizer]) -> dict[str, Any]:

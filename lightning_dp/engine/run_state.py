@@ -136,9 +136,13 @@ class RunState:
     #: whether a start of training from the restored secret state began (``exact_resume.check_draw_schedule``); it
     #: ends by ``exact_resume.finish_restore``, or a refusal that then stays until the next load.
     resume_started: bool = False
-    #: whether a checkpoint was loaded (``CheckpointState.load_state_dict``) and no start of training has followed
-    #: (``exact_resume.finish_restore``).
+    #: whether a checkpoint's load changed the run (``CheckpointState.begin_load``) and no start of training has
+    #: followed (``exact_resume.finish_restore``).
     load_unfinished: bool = False
+    #: whether that load changed only part of the run (the privacy state, or under Lightning's
+    #: ``ModelParallelStrategy`` the weights) until the adapter loads the rest (``CheckpointState.end_load``);
+    #: ``CheckpointState.state_dict`` refuses meanwhile; the start of training ends it too.
+    load_partial: bool = False
     #: whether a fit began after such a load (``exact_resume.abandon_load``): its start is refused unless it
     #: loads a checkpoint itself.
     stale_load: bool = False

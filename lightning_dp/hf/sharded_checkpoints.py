@@ -100,15 +100,18 @@ class ShardedCheckpoints(_TrainerBase):
 
     @override
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``.
+        """The Trainer's; on an FSDP2-sharded model, each rank loads its shards from ``sharded_state``
+        (``CheckpointState.loading_weights``).
 
         Raises:
             FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
             ValueError: its shards are not this model's (another model, other adapters).
         """
-        if not uses_fsdp(self.model):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        load_sharded_model(self._sharded_state(resume_from_checkpoint), self.model)
+        with self.privacy_engine.checkpoint.loading_weights():
+            if not uses_fsdp(self.model):
+                super()._load_from_checkpoint(resume_from_checkpoint, model)
+            else:
+                load_sharded_model(self._sharded_state(resume_from_checkpoint), self.model)
 
     @override
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -34,8 +34,9 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             ``process_group_backend``, ``timeout``, ``cluster_environment``, ...).
 
     Raises:
-        ValueError: the arguments of ``DPStrategy``; DDP communication hooks, model averaging or other arguments of
-            ``DistributedDataParallel`` (``find_unused_parameters``, ...), since DDP's all-reduce is not used.
+        ValueError: the arguments of ``DPStrategy``; a ``start_method`` other than ``"popen"``; DDP communication
+            hooks, model averaging or other arguments of ``DistributedDataParallel`` (``find_unused_parameters``,
+            ...), since DDP's all-reduce is not used.
         RuntimeError: at the start of training, a dataset, sample rate or noise that differs between ranks.
     """
 
@@ -47,6 +48,12 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             raise ValueError(
                 f"DPDDPStrategy does not wrap the model in DistributedDataParallel, so {given} would have no effect: "
                 "remove them (the clipped gradient sums are all-reduced once per step by the DP optimizer)"
+            )
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(
+                f"DPDDPStrategy(start_method={kwargs['start_method']!r}) would train in child processes whose privacy "
+                "ledger never reaches this process (its epsilon would read 0, its checkpoints hold no steps): use "
+                "start_method='popen' (the default; run the script itself, or with torchrun)"
             )
         super().__init__(**kwargs)
         if self._ddp_kwargs:

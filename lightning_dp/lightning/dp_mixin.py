@@ -35,7 +35,6 @@ from lightning_dp.engine.adapter import (
     rank_zero_logging,
     stop_rank_zero_logging,
 )
-from lightning_dp.engine.checkpoint import saved_ledger_steps
 from lightning_dp.engine.exact_resume import SECRET_KEY
 from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
 from lightning_dp.engine.physical_batches import (
@@ -48,6 +47,7 @@ from lightning_dp.engine.physical_batches import (
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.engine.queries import PrivacyQueries
+from lightning_dp.lightning.checkpoint_checks import check_loaded_checkpoint
 from lightning_dp.lightning.global_randomness import GlobalRandomness
 from lightning_dp.lightning.loss_checks import check_one_loss_per_example
 from lightning_dp.lightning.schedule import planned_learning_rates
@@ -373,9 +373,10 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """Load as Lightning does and restore the privacy state, so resuming continues the epsilon curve.
 
         Raises:
-            ValueError: the file cannot be read (truncated or corrupted), a checkpoint of a run that took steps has
-                no privacy state (resuming would restart epsilon at 0), or the privacy state is malformed or does
-                not match this run (see :meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.load_state_dict`).
+            ValueError: the file cannot be read (truncated or corrupted); what
+                :func:`~lightning_dp.lightning.checkpoint_checks.check_loaded_checkpoint` refuses (a load while
+                training runs, a resume without privacy state); the privacy state is malformed or does not match this
+                run (see :meth:`~lightning_dp.engine.privacy_engine.PrivacyEngine.load_state_dict`).
         """
         try:
             checkpoint = super().load_checkpoint(
@@ -387,35 +388,27 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
             ) from error
         fitting = self.lightning_module.trainer.state.fn == "fit"
+        training = any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers)
         resuming = checkpoint.get("global_step", 0) > 0 and fitting
-        if any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers):  # e.g. a callback's rollback
-            raise ValueError(
-                "A checkpoint loaded while training runs would rewind the privacy ledger over steps already taken: "
-                "load checkpoints before training starts (fit(ckpt_path=...))"
-            )
-        if "lightning_dp" in checkpoint:  # checked before the engine's state changes: a refused load changes nothing
-            entry = checkpoint["lightning_dp"]
-            if resuming and saved_ledger_steps(entry) == 0:
-                raise ValueError(
-                    f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but "
-                    "its privacy ledger is empty (damaged): resuming would restart epsilon at 0. Resume from an intact "
-                    "earlier checkpoint of this run"
-                )
-            secret = (entry.get(SECRET_KEY) if isinstance(entry, dict) else None) or {}
-            restore_randomness = self.privacy_engine.config.exact_resume and fitting and isinstance(secret, dict)
-            if restore_randomness:
-                GlobalRandomness.check(secret)
-            self.privacy_engine.load_state_dict(entry)
-            if restore_randomness:
-                self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
-        elif resuming:
-            raise ValueError(
-                f"The checkpoint {str(checkpoint_path)!r} was saved after {checkpoint['global_step']} steps but holds "
-                "no privacy state (it was not written by a DP strategy, or the entry was removed): resuming would "
-                "restart epsilon at 0. Resume from a checkpoint of this DP run, or load only the weights "
-                "(module.load_state_dict) and start a new run without ckpt_path"
-            )
+        check_loaded_checkpoint(checkpoint, checkpoint_path, resuming=resuming, training=training)
+        if "lightning_dp" not in checkpoint:  # Lightning loads its weights next (load_model_state_dict)
+            self.privacy_engine.checkpoint.begin_load()
+            return checkpoint
+        entry = checkpoint["lightning_dp"]  # checked before the engine's state changes: a refused load changes nothing
+        secret = (entry.get(SECRET_KEY) if isinstance(entry, dict) else None) or {}
+        restore_randomness = self.privacy_engine.config.exact_resume and fitting and isinstance(secret, dict)
+        if restore_randomness:
+            GlobalRandomness.check(secret)
+        self.privacy_engine.load_state_dict(entry)
+        if restore_randomness:
+            self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
         return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load the weights as Lightning does (``CheckpointState.loading_weights``)."""
+        with self.privacy_engine.checkpoint.loading_weights():
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def on_train_end(self) -> None:

@@ -77,15 +77,17 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         register_dp_strategy(strategy_registry, cls, cls.strategy_name)
 
     @override
-    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """As :meth:`DPStrategyMixin.load_checkpoint`; ``ModelParallelStrategy`` loads the weights and the
         optimizers' states while it reads the checkpoint, before the privacy state is checked, so the load counts as
         begun first (``CheckpointState.begin_load``): after a refusal, a fit that loads no checkpoint is refused too
-        (it would train the checkpoint's weights on this run's ledger)."""
+        (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint."""
         self.privacy_engine.checkpoint.begin_load()
-        return super().load_checkpoint(checkpoint_path, weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        self.privacy_engine.checkpoint.end_load()  # the weights, the optimizers' states and the privacy state are in
+        return checkpoint
 
+    @override
     def _distributed_context(self) -> DistributedContext | None:
         """The default process group Lightning's ``setup_environment`` initialised (the data-parallel group, as the
         tensor-parallel size is 1)."""

@@ -319,6 +319,67 @@ def test_a_fit_after_a_load_that_no_training_followed_is_refused(tmp_path):
     assert strategy.privacy_engine.steps == 6
 
 
+def _saved(tmp_path, steps: int, name: str, edit=None):
+    """A checkpoint of ``steps`` steps of a fit of TinyRegressor, edited by ``edit`` (the loaded dict) if given."""
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=steps)
+    trainer.fit(TinyRegressor())
+    trainer.save_checkpoint(tmp_path / name)
+    if edit is not None:
+        saved = torch.load(tmp_path / name, weights_only=False)
+        edit(saved)
+        torch.save(saved, tmp_path / name)
+    return tmp_path / name
+
+
+def test_a_checkpoint_is_not_written_while_a_load_is_unfinished(tmp_path):
+    """A fit whose checkpoint has a weight missing fails after the privacy state (2 steps) was loaded, with the
+    model's own weights (trained 6 steps): a checkpoint written then would pair them, and a resume from it would count
+    2 steps for weights trained 6 more. Refused until a checkpoint is loaded whole."""
+    intact = _saved(tmp_path, 2, "early.ckpt")
+    broken = _saved(tmp_path, 2, "broken.ckpt", edit=lambda saved: saved["state_dict"].pop("net.0.weight"))
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    trainer, module = make_trainer(strategy, max_steps=6), TinyRegressor()
+    trainer.fit(module)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        trainer.fit(module, ckpt_path=broken)
+    with pytest.raises(ValueError, match="A checkpoint's load into this run did not finish"):
+        trainer.save_checkpoint(tmp_path / "mixed.ckpt")
+    assert not (tmp_path / "mixed.ckpt").exists()
+    trainer.fit(module, ckpt_path=intact)
+    trainer.save_checkpoint(tmp_path / "resumed.ckpt")  # loaded whole, then trained: written
+    assert strategy.privacy_engine.steps == 6
+
+
+class Validated(TinyRegressor):
+    """With a validation loop (on the training data) that computes nothing."""
+
+    def validation_step(self, batch, batch_idx) -> None:
+        return None
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.data, batch_size=8)
+
+
+def test_a_validate_that_loaded_a_checkpoints_weights_refuses_a_fit_that_loads_none(tmp_path):
+    """``validate(ckpt_path=...)`` of a checkpoint without privacy state (trained 4 steps) loads its weights: a fit
+    without a checkpoint would count only this run's steps for them. A load its checks refuse before anything changed
+    (another ``max_grad_norm``) leaves nothing to refuse."""
+    stripped = _saved(tmp_path, 4, "stripped.ckpt", edit=lambda saved: saved.pop("lightning_dp"))
+    trainer, module = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=2), Validated()
+    trainer.fit(module)
+    trainer.validate(module, ckpt_path=stripped, verbose=False)
+    trainer.fit_loop.epoch_loop.max_steps = 4  # steps left to take
+    with pytest.raises(ValueError, match="A checkpoint loaded into this run was not trained from"):
+        trainer.fit(module)
+    intact = _saved(tmp_path, 2, "intact.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=0)
+    trainer = make_trainer(strategy, max_steps=3)
+    with pytest.raises(ValueError, match="max_grad_norm=1.0, this run uses 0.5"):
+        trainer.fit(module, ckpt_path=intact)
+    trainer.fit(module)
+    assert strategy.privacy_engine.steps == 3
+
+
 def test_calibrated_run_spends_the_target_epsilon():
     callback = PrivacyAccountantCallback()
     strategy = DPStrategy(target_epsilon=2.0, target_delta=1e-5, max_grad_norm=1.0, seed=0)

@@ -269,6 +269,7 @@ def test_a_restored_state_is_saved_again_until_used_and_a_later_load_clears_it(t
     saved = _saved(tmp_path / "exact", exact_resume=True)
     engine = DPStrategy(noise_multiplier=1.0, exact_resume=True, **NOISES["banded"]).privacy_engine
     engine.load_state_dict(saved)
+    engine.checkpoint.end_load()  # as an adapter does once it loaded the weights
     again = engine.state_dict()[SECRET_KEY]
     assert again["randomness"]["base_seed"] == 0 and again["randomness"]["generators"].keys() == {"noise/cpu/0/"}
     (stream,) = again["noise_streams"]
