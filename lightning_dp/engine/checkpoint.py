@@ -103,23 +103,29 @@ class CheckpointState:
             state[SECRET_KEY] = secret_state(run)
         return state
 
-    def begin_load(self) -> None:
+    def begin_load(self, *, partial: bool = True) -> None:
         """A checkpoint's load begins to change the run: its privacy state (:meth:`load_state_dict`, once checked),
-        the weights of a checkpoint without one (Lightning loads them after ``load_checkpoint``), or everything at once
-        (Lightning's ``ModelParallelStrategy``, before the privacy state is checked). Until training starts from it
-        (``exact_resume.finish_restore``) a later fit must load a checkpoint itself (``exact_resume.abandon_load``),
-        and until the adapter has loaded the rest (:meth:`end_load`) no checkpoint is written (:meth:`state_dict`)."""
-        self.run.load_unfinished = self.run.load_partial = True
+        weights without their privacy state (a checkpoint without one), or everything at once (Lightning's
+        ``ModelParallelStrategy``, before the privacy state is checked). Until training starts from it
+        (``exact_resume.finish_restore``) a later fit must load a checkpoint itself (``exact_resume.abandon_load``).
+        With ``partial`` (an adapter loads the rest, :meth:`end_load`), no checkpoint is written (:meth:`state_dict`)
+        until it has, or training starts."""
+        self.run.load_unfinished = True
+        self.run.load_partial = self.run.load_partial or partial
 
     def end_load(self) -> None:
-        """The adapter loaded the rest of the checkpoint (the model's weights): the run holds all of it. Without an
-        adapter, the start of training counts as that (``exact_resume.finish_restore``)."""
+        """The adapter loaded the weights of the checkpoint whose privacy state it loaded: the run holds all of it."""
         self.run.load_partial = False
+
+    @property
+    def load_is_partial(self) -> bool:
+        """Whether a load holds part of a checkpoint (:meth:`begin_load`): :meth:`state_dict` refuses meanwhile."""
+        return self.run.load_partial
 
     @contextmanager
     def loading_weights(self) -> Iterator[None]:
-        """Around the adapter's load of a checkpoint's weights (after its privacy state, or without one): if it
-        raises, the load stays begun (:meth:`begin_load`); once it returns, the run holds the whole checkpoint
+        """Around the adapter's load of the weights of the checkpoint whose privacy state it loaded (and only those):
+        if it raises, the load stays begun (:meth:`begin_load`); once it returns, the run holds the whole checkpoint
         (:meth:`end_load`) and a start of training that already followed the privacy state's load still counts."""
         unfinished = self.run.load_unfinished
         self.begin_load()
@@ -127,12 +133,17 @@ class CheckpointState:
         self.run.load_unfinished = unfinished
         self.end_load()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, weights_follow: bool = False) -> None:
         """Restore :meth:`state_dict` before :meth:`prepare`: the saved mechanism replaces calibration, the ledger is
         replayed into this run's accountant, and the random streams restart, or with ``exact_resume`` and a checkpoint
         that holds its secret state continue (docs/design.md section 2.3). Everything is checked before anything of
         the run changes: a load its checks refuse leaves the run as it was (its ledger included); one that fails
         after them (an entry corrupted in a way they do not see) leaves the load begun (:meth:`begin_load`).
+
+        Args:
+            state: what :meth:`state_dict` returned, read back from a checkpoint.
+            weights_follow: an adapter loads the same checkpoint's weights next (:meth:`loading_weights`): no
+                checkpoint is written until it has (or training starts).
 
         Raises:
             ValueError: another mechanism or ``max_grad_norm``, or fixed noise parameters that differ; a malformed state
@@ -176,9 +187,9 @@ class CheckpointState:
         for event, count in saved.ledger:
             accountant.compose(event, count)
         # Everything is checked: from here on the run changes (the secret state first, which checks itself first).
-        self.begin_load()
-        run.stale_load = False  # this fit loads a checkpoint itself
         self._continue_or_restart_randomness(state.get(SECRET_KEY), accountant)
+        self.begin_load(partial=weights_follow)
+        run.stale_load = False  # this fit loads a checkpoint itself
         if "momentum" in state:
             run.momentum.load_state_dict(state["momentum"])
         run.mechanism = restored

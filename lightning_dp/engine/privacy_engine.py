@@ -434,9 +434,9 @@ class PrivacyEngine:
         self.check_finite()
         return self.checkpoint.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, weights_follow: bool = False) -> None:
         """See :meth:`~lightning_dp.engine.checkpoint.CheckpointState.load_state_dict`."""
-        self.checkpoint.load_state_dict(state)
+        self.checkpoint.load_state_dict(state, weights_follow=weights_follow)
 
     def startup_lines(self) -> list[str]:
         """See :meth:`~lightning_dp.engine.startup.StartupBlock.startup_lines`."""

@@ -139,9 +139,9 @@ class RunState:
     #: whether a checkpoint's load changed the run (``CheckpointState.begin_load``) and no start of training has
     #: followed (``exact_resume.finish_restore``).
     load_unfinished: bool = False
-    #: whether that load changed only part of the run (the privacy state, or under Lightning's
-    #: ``ModelParallelStrategy`` the weights) until the adapter loads the rest (``CheckpointState.end_load``);
-    #: ``CheckpointState.state_dict`` refuses meanwhile; the start of training ends it too.
+    #: whether an adapter's load holds part of a checkpoint (its privacy state before the weights, or weights without
+    #: their privacy state: ``CheckpointState.begin_load``) until it loads the rest (``CheckpointState.end_load``) or
+    #: training starts (``exact_resume.finish_restore``); ``CheckpointState.state_dict`` refuses meanwhile.
     load_partial: bool = False
     #: whether a fit began after such a load (``exact_resume.abandon_load``): its start is refused unless it
     #: loads a checkpoint itself.

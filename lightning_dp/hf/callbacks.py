@@ -112,7 +112,7 @@ def load_privacy_state(engine: PrivacyEngine, checkpoint: str | os.PathLike[str]
             "which has no exact_resume token" if token is None else "another token",
         )
         del state[SECRET_KEY]
-    engine.load_state_dict(state)
+    engine.load_state_dict(state, weights_follow=True)  # the Trainer's _load_from_checkpoint loads the weights next
     log.info("Restored the privacy state from %s: %d steps, epsilon=%.4g", path, engine.steps, engine.epsilon())
 
 

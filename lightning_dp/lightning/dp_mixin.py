@@ -50,7 +50,7 @@ from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.lightning.checkpoint_checks import check_loaded_checkpoint
 from lightning_dp.lightning.global_randomness import GlobalRandomness
 from lightning_dp.lightning.loss_checks import check_one_loss_per_example
-from lightning_dp.lightning.schedule import planned_learning_rates
+from lightning_dp.lightning.schedule import check_logical_steps, planned_learning_rates
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.checkpoints import save_lightning_checkpoint
 from lightning_dp.runtime.distributed import DistributedContext
@@ -131,6 +131,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         self._global_randomness = GlobalRandomness()  # with exact_resume
+        self._privacy_checkpoint: dict[str, Any] | None = None  # the checkpoint whose privacy state was loaded last
 
     @property
     def poisson_sampling(self) -> bool:
@@ -220,31 +221,13 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        self._check_logical_steps(trainer)
+        check_logical_steps(trainer)
         estimate = trainer.estimated_stepping_batches
         planned = int(estimate) if math.isfinite(estimate) else None
         correlated = self.privacy_engine.config.noise_correlation is not None
         rates = planned_learning_rates(trainer, planned) if planned and correlated else None  # its strategy's workload
         self.optimizers = self.privacy_engine.start_training(self.optimizers, total_steps=planned, learning_rates=rates)
         self._global_randomness.started()
-
-    @staticmethod
-    def _check_logical_steps(trainer: pl.Trainer) -> None:
-        micro = trainer.accumulate_grad_batches
-        if micro == 1:
-            return
-        batches = trainer.num_training_batches
-        if math.isfinite(batches) and batches % micro:
-            raise ValueError(
-                f"{batches} training batches per epoch is not a multiple of accumulate_grad_batches={micro}: an "
-                "optimizer step would use part of a Poisson batch. Remove limit_train_batches or make it a multiple"
-            )
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        if done % micro:
-            raise ValueError(
-                f"Resuming after {done} micro-batches, in the middle of a logical step of {micro}: resume from a "
-                "checkpoint saved at an optimizer step (ModelCheckpoint(every_n_train_steps=...) or epoch end)"
-            )
 
     # ------------------------------------------------------------------------------------------- the step
     @override
@@ -354,6 +337,10 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Add the privacy state (ledger, mechanism, filter state; with ``exact_resume`` the secret state, but not in a
         weights-only checkpoint, which cannot resume) under ``checkpoint["lightning_dp"]``."""
+        trainer = self.lightning_module.trainer
+        if self.privacy_engine.checkpoint.load_is_partial and trainer.interrupted and trainer.state.stage is not None:
+            log.warning("%s not written: a checkpoint's load into this run did not finish", filepath)
+            return  # OnExceptionCheckpoint in a fit its load broke: the error that stopped the fit is the one raised
         if self.privacy_engine.accountant is not None:
             entry = checkpoint["lightning_dp"] = self.privacy_engine.state_dict()
             if "optimizer_states" not in checkpoint:  # weights only: the file users release
@@ -391,6 +378,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         training = any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers)
         resuming = checkpoint.get("global_step", 0) > 0 and fitting
         check_loaded_checkpoint(checkpoint, checkpoint_path, resuming=resuming, training=training)
+        self._privacy_checkpoint = None
         if "lightning_dp" not in checkpoint:  # Lightning loads its weights next (load_model_state_dict)
             self.privacy_engine.checkpoint.begin_load()
             return checkpoint
@@ -399,14 +387,20 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         restore_randomness = self.privacy_engine.config.exact_resume and fitting and isinstance(secret, dict)
         if restore_randomness:
             GlobalRandomness.check(secret)
-        self.privacy_engine.load_state_dict(entry)
+        self.privacy_engine.load_state_dict(entry, weights_follow=True)
         if restore_randomness:
             self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
+        self._privacy_checkpoint = checkpoint
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load the weights as Lightning does (``CheckpointState.loading_weights``)."""
+        """Load the weights as Lightning does: those of the checkpoint whose privacy state was loaded in
+        ``CheckpointState.loading_weights``, others (a checkpoint without privacy state, or one Lightning kept from an
+        earlier load and applies again) as a partial load (``CheckpointState.begin_load``)."""
+        if checkpoint is not self._privacy_checkpoint:
+            self.privacy_engine.checkpoint.begin_load()
+            return super().load_model_state_dict(checkpoint, strict=strict)
         with self.privacy_engine.checkpoint.loading_weights():
             super().load_model_state_dict(checkpoint, strict=strict)
 

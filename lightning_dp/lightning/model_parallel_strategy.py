@@ -81,11 +81,18 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         """As :meth:`DPStrategyMixin.load_checkpoint`; ``ModelParallelStrategy`` loads the weights and the
         optimizers' states while it reads the checkpoint, before the privacy state is checked, so the load counts as
         begun first (``CheckpointState.begin_load``): after a refusal, a fit that loads no checkpoint is refused too
-        (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint."""
+        (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint, after the load
+        of a checkpoint without privacy state too."""
         self.privacy_engine.checkpoint.begin_load()
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        self.privacy_engine.checkpoint.end_load()  # the weights, the optimizers' states and the privacy state are in
+        if "lightning_dp" in checkpoint:  # the weights, the optimizers' states and their privacy state are in
+            self.privacy_engine.checkpoint.end_load()
         return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Nothing, as ``ModelParallelStrategy`` (:meth:`load_checkpoint` loaded the weights)."""
+        ModelParallelStrategy.load_model_state_dict(self, checkpoint, strict=strict)
 
     @override
     def _distributed_context(self) -> DistributedContext | None:

@@ -360,14 +360,29 @@ class Validated(TinyRegressor):
         return torch.utils.data.DataLoader(self.data, batch_size=8)
 
 
+def test_a_failed_load_writes_no_checkpoint_on_exception_and_raises_its_own_error(tmp_path):
+    """``OnExceptionCheckpoint`` after a load that failed partway: nothing is written, and the fit raises the error
+    that stopped it."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    broken = _saved(tmp_path, 2, "broken.ckpt", edit=lambda saved: saved["state_dict"].pop("net.0.weight"))
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=6)
+    trainer.callbacks.append(OnExceptionCheckpoint(tmp_path / "on_exception"))
+    with pytest.raises(RuntimeError, match="Missing key"):
+        trainer.fit(TinyRegressor(), ckpt_path=broken)
+    assert not list(tmp_path.rglob("on_exception/*.ckpt"))
+
+
 def test_a_validate_that_loaded_a_checkpoints_weights_refuses_a_fit_that_loads_none(tmp_path):
     """``validate(ckpt_path=...)`` of a checkpoint without privacy state (trained 4 steps) loads its weights: a fit
-    without a checkpoint would count only this run's steps for them. A load its checks refuse before anything changed
-    (another ``max_grad_norm``) leaves nothing to refuse."""
+    without a checkpoint, or a checkpoint written then, would count only this run's steps for them. A load its checks
+    refuse before anything changed (another ``max_grad_norm``) leaves nothing to refuse."""
     stripped = _saved(tmp_path, 4, "stripped.ckpt", edit=lambda saved: saved.pop("lightning_dp"))
     trainer, module = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=2), Validated()
     trainer.fit(module)
     trainer.validate(module, ckpt_path=stripped, verbose=False)
+    with pytest.raises(ValueError, match="A checkpoint's load into this run did not finish"):
+        trainer.save_checkpoint(tmp_path / "mixed.ckpt")  # its weights with this run's ledger
     trainer.fit_loop.epoch_loop.max_steps = 4  # steps left to take
     with pytest.raises(ValueError, match="A checkpoint loaded into this run was not trained from"):
         trainer.fit(module)

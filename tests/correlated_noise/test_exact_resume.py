@@ -212,7 +212,8 @@ def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise):
 def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
     """A load refused at any of its checks (another clipping bound, a corrupted secret or global random state, an
     empty ledger in a checkpoint that took steps) changes nothing of the run: not its ledger (a later ``fit`` would
-    otherwise count the checkpoint's steps for a model trained longer), nor its randomness or pending restore."""
+    otherwise count the checkpoint's steps for a model trained longer), nor its randomness or pending restore, and it
+    marks no load (a checkpoint is written after it)."""
     trainer, strategy, module, _ = _fit(checkpoints=tmp_path, **NOISES["banded"])
     (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
     engine = strategy.privacy_engine
@@ -233,6 +234,8 @@ def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
         after = (engine.accountant.state_dict(), engine.state.randomness.state_dict())
         assert after[0] == before[0] and nested_equal(after[1], before[1]), message
         assert engine.state.restored_draw_schedule == before[2]
+        assert not (engine.state.load_unfinished or engine.state.load_partial), message  # marks nothing
+    trainer.save_checkpoint(tmp_path / "after.ckpt")  # the run is its own: written
 
 
 def test_without_the_option_the_resumed_run_draws_fresh_streams(tmp_path):
@@ -269,7 +272,6 @@ def test_a_restored_state_is_saved_again_until_used_and_a_later_load_clears_it(t
     saved = _saved(tmp_path / "exact", exact_resume=True)
     engine = DPStrategy(noise_multiplier=1.0, exact_resume=True, **NOISES["banded"]).privacy_engine
     engine.load_state_dict(saved)
-    engine.checkpoint.end_load()  # as an adapter does once it loaded the weights
     again = engine.state_dict()[SECRET_KEY]
     assert again["randomness"]["base_seed"] == 0 and again["randomness"]["generators"].keys() == {"noise/cpu/0/"}
     (stream,) = again["noise_streams"]
