@@ -131,7 +131,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         self._global_randomness = GlobalRandomness()  # with exact_resume
-        self._privacy_checkpoint: dict[str, Any] | None = None  # the checkpoint whose privacy state was loaded last
+        self._privacy_entry: Any = None  # the privacy state loaded last (its checkpoint's "lightning_dp" entry)
 
     @property
     def poisson_sampling(self) -> bool:
@@ -378,7 +378,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         training = any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers)
         resuming = checkpoint.get("global_step", 0) > 0 and fitting
         check_loaded_checkpoint(checkpoint, checkpoint_path, resuming=resuming, training=training)
-        self._privacy_checkpoint = None
+        self._privacy_entry = None
         if "lightning_dp" not in checkpoint:  # Lightning loads its weights next (load_model_state_dict)
             self.privacy_engine.checkpoint.begin_load()
             return checkpoint
@@ -390,7 +390,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self.privacy_engine.load_state_dict(entry, weights_follow=True)
         if restore_randomness:
             self._global_randomness.restore(secret, self.root_device, self.global_rank, self.world_size)
-        self._privacy_checkpoint = checkpoint
+        self._privacy_entry = entry
         return checkpoint
 
     @override
@@ -398,7 +398,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """Load the weights as Lightning does: those of the checkpoint whose privacy state was loaded in
         ``CheckpointState.loading_weights``, others (a checkpoint without privacy state, or one Lightning kept from an
         earlier load and applies again) as a partial load (``CheckpointState.begin_load``)."""
-        if checkpoint is not self._privacy_checkpoint:
+        if self._privacy_entry is None or checkpoint.get("lightning_dp") is not self._privacy_entry:
             self.privacy_engine.checkpoint.begin_load()
             return super().load_model_state_dict(checkpoint, strict=strict)
         with self.privacy_engine.checkpoint.loading_weights():

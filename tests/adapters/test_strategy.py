@@ -387,6 +387,10 @@ def test_a_validate_that_loaded_a_checkpoints_weights_refuses_a_fit_that_loads_n
     with pytest.raises(ValueError, match="A checkpoint loaded into this run was not trained from"):
         trainer.fit(module)
     intact = _saved(tmp_path, 2, "intact.ckpt")
+    trainer.validate(module, ckpt_path=intact, verbose=False)  # its privacy state and its weights: written
+    trainer.save_checkpoint(tmp_path / "validated.ckpt")
+    ((_, steps),) = torch.load(tmp_path / "validated.ckpt", weights_only=False)["lightning_dp"]["accountant"]["ledger"]
+    assert steps == 2
     strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=0.5, seed=0)
     trainer = make_trainer(strategy, max_steps=3)
     with pytest.raises(ValueError, match="max_grad_norm=1.0, this run uses 0.5"):
