@@ -78,31 +78,19 @@ def failure(case: BadInput) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------- builders
+def _construct(class_name: str, **kwargs: Any) -> Callable[[], Any]:
+    """Builds ``lightning_dp.<class_name>(**kwargs)`` (a strategy's constructor)."""
+
+    def run() -> Any:
+        import lightning_dp
+
+        return getattr(lightning_dp, class_name)(**kwargs)
+
+    return run
+
+
 def _strategy(**kwargs: Any) -> Callable[[], Any]:
-    def run() -> Any:
-        from lightning_dp import DPStrategy
-
-        return DPStrategy(**kwargs)
-
-    return run
-
-
-def _model_parallel(**kwargs: Any) -> Callable[[], Any]:
-    def run() -> Any:
-        from lightning_dp import DPModelParallelStrategy
-
-        return DPModelParallelStrategy(**kwargs)
-
-    return run
-
-
-def _ddp(**kwargs: Any) -> Callable[[], Any]:
-    def run() -> Any:
-        from lightning_dp import DPDDPStrategy
-
-        return DPDDPStrategy(**kwargs)
-
-    return run
+    return _construct("DPStrategy", **kwargs)
 
 
 def _fit(module_factory: Callable[[], Any], strategy_kwargs: dict[str, Any] | None = None, **trainer_kwargs: Any):
@@ -626,13 +614,13 @@ CASES: list[BadInput] = [
     BadInput(
         "DPModelParallelStrategy",
         "tensor_parallel_size=2",
-        _model_parallel(noise_multiplier=1.0, tensor_parallel_size=2),
+        _construct("DPModelParallelStrategy", noise_multiplier=1.0, tensor_parallel_size=2),
         "over tensor parallelism is not supported",
     ),
     BadInput(
         "DPDDPStrategy",
         "start_method='spawn'",
-        _ddp(noise_multiplier=1.0, start_method="spawn"),
+        _construct("DPDDPStrategy", noise_multiplier=1.0, start_method="spawn"),
         "privacy ledger never reaches this process",
     ),
     # Lightning fit with DPStrategy: setup and first step

@@ -292,6 +292,18 @@ def test_a_checkpoint_loaded_while_training_runs_is_refused(tmp_path):
     assert strategy.privacy_engine.steps == 4
 
 
+def _saved(tmp_path, steps: int, name: str, edit=None):
+    """A checkpoint of ``steps`` steps of a fit of TinyRegressor, edited by ``edit`` (the loaded dict) if given."""
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=steps)
+    trainer.fit(TinyRegressor())
+    trainer.save_checkpoint(tmp_path / name)
+    if edit is not None:
+        saved = torch.load(tmp_path / name, weights_only=False)
+        edit(saved)
+        torch.save(saved, tmp_path / name)
+    return tmp_path / name
+
+
 class FailingFitStart(TinyRegressor):
     """Raises in ``on_fit_start`` (after Lightning loaded the checkpoint, before training starts) while ``fail``."""
 
@@ -305,30 +317,16 @@ class FailingFitStart(TinyRegressor):
 def test_a_fit_after_a_load_that_no_training_followed_is_refused(tmp_path):
     """A fit that fails after its load leaves the run holding the checkpoint's ledger (and with other failures not
     its weights): the next fit is refused unless it loads a checkpoint itself, which then trains from it."""
-    first = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=2)
-    first.fit(TinyRegressor())
-    first.save_checkpoint(tmp_path / "early.ckpt")
+    early = _saved(tmp_path, 2, "early.ckpt")
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
     trainer, module = make_trainer(strategy, max_steps=6), FailingFitStart()
     with pytest.raises(RuntimeError, match="on_fit_start failed"):
-        trainer.fit(module, ckpt_path=tmp_path / "early.ckpt")
+        trainer.fit(module, ckpt_path=early)
     module.fail = False
     with pytest.raises(ValueError, match="A checkpoint loaded into this run was not trained from"):
         trainer.fit(module)
-    trainer.fit(module, ckpt_path=tmp_path / "early.ckpt")
+    trainer.fit(module, ckpt_path=early)
     assert strategy.privacy_engine.steps == 6
-
-
-def _saved(tmp_path, steps: int, name: str, edit=None):
-    """A checkpoint of ``steps`` steps of a fit of TinyRegressor, edited by ``edit`` (the loaded dict) if given."""
-    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=steps)
-    trainer.fit(TinyRegressor())
-    trainer.save_checkpoint(tmp_path / name)
-    if edit is not None:
-        saved = torch.load(tmp_path / name, weights_only=False)
-        edit(saved)
-        torch.save(saved, tmp_path / name)
-    return tmp_path / name
 
 
 def test_a_checkpoint_is_not_written_while_a_load_is_unfinished(tmp_path):
