@@ -58,12 +58,11 @@ class GlobalRandomness:
         """Whether :meth:`restore` accepts ``secret``, without changing anything.
 
         Raises:
-            ValueError: a malformed entry.
+            ValueError: a malformed entry: not a list of states, or a state its generator does not take (each is set
+                on a generator of its own kind, not the global one).
         """
         states = secret.get(KEY)
-        if states is not None and (
-            not isinstance(states, list) or not all(isinstance(s, dict) and _KEYS <= s.keys() for s in states)
-        ):
+        if states is not None and (not isinstance(states, list) or not all(_settable(s) for s in states)):
             raise ValueError(f"The checkpoint's {KEY} entry is corrupted; resume from an intact checkpoint")
 
     def started(self) -> None:
@@ -72,6 +71,31 @@ class GlobalRandomness:
 
 
 _KEYS = {"torch", "numpy", "python", "accelerator"}
+
+
+def _settable(state: Any) -> bool:
+    """Whether :func:`_set_state` can set ``state``: tried on fresh generators of each kind (the accelerator's state is
+    only checked to be a device type and a byte tensor, as no accelerator generator can be made aside)."""
+    if not isinstance(state, dict) or not _KEYS <= state.keys():
+        return False
+    accelerator = state["accelerator"]
+    if accelerator is not None and not (
+        isinstance(accelerator, tuple | list)
+        and len(accelerator) == 2
+        and isinstance(accelerator[0], str)
+        and isinstance(accelerator[1], torch.Tensor)
+        and accelerator[1].dtype == torch.uint8
+    ):
+        return False
+    try:
+        torch.Generator().set_state(state["torch"])
+        kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
+        np.random.RandomState().set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+    except (AttributeError, IndexError, KeyError, OverflowError, RuntimeError, TypeError, ValueError):
+        return False
+    return True
 
 
 def _current_state(device: torch.device) -> dict[str, Any]:

@@ -206,8 +206,13 @@ class LowPassFilter:
 
         Raises:
             ValueError: the saved coefficients differ from this filter's (resume with the same ``lowpass``), or the
-                saved history does not fit them (a damaged checkpoint).
+                saved history does not fit them or is not made of tensors and numbers (a damaged checkpoint).
         """
+        if not _well_formed(state):
+            raise ValueError(
+                "The checkpoint's lowpass state is damaged: it is not a filter's state (a, b, steps, m, vbar, c_m); "
+                "resume from an intact checkpoint"
+            )
         saved = (tuple(float(v) for v in state["a"]), tuple(float(v) for v in state["b"]))
         if saved != (self.a, self.b):
             raise ValueError(
@@ -224,6 +229,32 @@ class LowPassFilter:
 
     def __repr__(self) -> str:
         return f"LowPassFilter(name={self.name!r}, a={list(self.a)}, b={list(self.b)})"
+
+
+def _well_formed(state: Any) -> bool:
+    """Whether ``state`` has the entries and element types :meth:`LowPassFilter.state_dict` writes."""
+
+    def numbers(values: Any) -> bool:
+        return isinstance(values, list | tuple) and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+        )
+
+    def history(lags: Any) -> bool:
+        return isinstance(lags, list | tuple) and all(
+            isinstance(lag, list | tuple) and all(isinstance(t, torch.Tensor) for t in lag) for lag in lags
+        )
+
+    return (
+        isinstance(state, Mapping)
+        and {"a", "b", "steps", "m", "vbar", "c_m"} <= state.keys()
+        and numbers(state["a"])
+        and numbers(state["b"])
+        and numbers(state["c_m"])
+        and isinstance(state["steps"], int)
+        and not isinstance(state["steps"], bool)
+        and history(state["m"])
+        and history(state["vbar"])
+    )
 
 
 def make_lowpass(spec: None | str | Mapping[str, Sequence[float]] | LowPassFilter) -> LowPassFilter | None:

@@ -218,13 +218,17 @@ def test_a_refused_load_leaves_the_run_as_it_was(tmp_path):
     (checkpoint,) = tmp_path.glob(f"*step={CUT}.ckpt")
     engine = strategy.privacy_engine
     before = (engine.accountant.state_dict(), engine.state.randomness.state_dict(), engine.state.restored_draw_schedule)
-    damages = {
-        "max_grad_norm": lambda entry: entry["mechanism"].update(max_grad_norm=0.5),
-        "entry is corrupted": lambda entry: entry[SECRET_KEY].update(randomness=None),
-        "global_randomness entry is corrupted": lambda entry: entry[SECRET_KEY].update(global_randomness="x"),
-        "privacy ledger is empty": lambda entry: entry["accountant"].update(ledger=[]),
-    }
-    for message, damage in damages.items():
+    damages = [
+        ("max_grad_norm", lambda entry: entry["mechanism"].update(max_grad_norm=0.5)),
+        ("entry is corrupted", lambda entry: entry[SECRET_KEY].update(randomness=None)),
+        ("global_randomness entry is corrupted", lambda entry: entry[SECRET_KEY].update(global_randomness="x")),
+        (  # well formed, but not a state torch's generator takes
+            "global_randomness entry is corrupted",
+            lambda entry: entry[SECRET_KEY]["global_randomness"][0].update(torch=torch.zeros(3)),
+        ),
+        ("privacy ledger is empty", lambda entry: entry["accountant"].update(ledger=[])),
+    ]
+    for message, damage in damages:
         saved = torch.load(checkpoint, weights_only=False)
         damage(saved["lightning_dp"])
         torch.save(saved, tmp_path / "damaged.ckpt")

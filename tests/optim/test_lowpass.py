@@ -318,3 +318,38 @@ def test_a_filter_state_whose_history_does_not_fit_is_rejected():
     make_lowpass("second-order").load_state_dict(state)
     with pytest.raises(ValueError, match="lowpass state is damaged"):
         make_lowpass("second-order").load_state_dict({**state, "m": state["m"][:1]})
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"steps": "3"},
+        {"steps": True},
+        {"c_m": ["x", 1.0]},
+        {"m": [[1.0], [torch.ones(2)]]},
+        {"vbar": ["x"]},
+        {"a": None},
+    ],
+)
+def test_a_filter_state_of_other_element_types_is_rejected_before_the_run_changes(damage):
+    """Checked with the rest, before the ledger is replaced: the load never fails half-way (which would leave it
+    begun, so that no checkpoint could be written and the next fit refused)."""
+    filt = make_lowpass("second-order")
+    for _ in range(3):
+        filt.apply_([torch.ones(2)])
+    state = filt.state_dict()
+    with pytest.raises(ValueError, match="lowpass state is damaged"):
+        make_lowpass("second-order").check_state_dict({**state, **damage})
+    with pytest.raises(ValueError, match="lowpass state is damaged"):
+        make_lowpass("second-order").check_state_dict({k: v for k, v in state.items() if k != "steps"})
+    engine = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=1.0, lowpass="second-order")
+    saved = {
+        "accountant": {"name": "prv", "ledger": []},
+        "mechanism": {"name": "gaussian", "noise_multiplier": 1.0, "max_grad_norm": 1.0},
+        "target_delta": 1e-5,
+        "sample_rate": 0.1,
+        "lowpass": {**state, **damage},
+    }
+    with pytest.raises(ValueError, match="lowpass state is damaged"):
+        engine.load_state_dict(saved)
+    assert not (engine.state.load_unfinished or engine.state.load_partial)
