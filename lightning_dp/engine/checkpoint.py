@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from torch import nn
+
 from lightning_dp.accounting import Accountant, make_accountant
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
@@ -17,6 +19,7 @@ from lightning_dp.engine.exact_resume import SECRET_KEY, restore_secret_state, s
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.optim.adaptive_clipping import restored_bound
+from lightning_dp.optim.stepped import replaced_by_load
 
 log = logging.getLogger("lightning_dp")
 
@@ -123,13 +126,20 @@ class CheckpointState:
         return self.run.load_partial
 
     @contextmanager
-    def loading_weights(self) -> Iterator[None]:
-        """Around the adapter's load of the weights of the checkpoint whose privacy state it loaded (and only those):
-        if it raises, the load stays begun (:meth:`begin_load`); once it returns, the run holds the whole checkpoint
-        (:meth:`end_load`) and a start of training that already followed the privacy state's load still counts."""
+    def loading_weights(self, model: nn.Module) -> Iterator[None]:
+        """Around the adapter's load of the weights of the checkpoint whose privacy state it loaded (and only those)
+        into ``model``: if it raises, or leaves a parameter that a DP optimizer of
+        this process stepped as it was (:func:`~lightning_dp.optim.stepped.replaced_by_load`), the load stays begun
+        (:meth:`begin_load`); once it returns, the run holds the whole checkpoint (:meth:`end_load`) and a start of
+        training that already followed the privacy state's load still counts.
+
+        Raises:
+            ValueError: a parameter a DP optimizer of this process stepped is not in the checkpoint.
+        """
         unfinished = self.run.load_unfinished
         self.begin_load()
-        yield
+        with replaced_by_load(model):
+            yield
         self.run.load_unfinished = unfinished
         self.end_load()
 

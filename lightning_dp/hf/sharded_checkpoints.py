@@ -107,7 +107,7 @@ class ShardedCheckpoints(_TrainerBase):
             FileNotFoundError: a sharded model's checkpoint without ``sharded_state`` (``save_only_model``).
             ValueError: its shards are not this model's (another model, other adapters).
         """
-        with self.privacy_engine.checkpoint.loading_weights():
+        with self.privacy_engine.checkpoint.loading_weights(model or self.model):
             if not uses_fsdp(self.model):
                 super()._load_from_checkpoint(resume_from_checkpoint, model)
             else:

@@ -401,7 +401,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         if self._privacy_entry is None or checkpoint.get("lightning_dp") is not self._privacy_entry:
             self.privacy_engine.checkpoint.begin_load()
             return super().load_model_state_dict(checkpoint, strict=strict)
-        with self.privacy_engine.checkpoint.loading_weights():
+        with self.privacy_engine.checkpoint.loading_weights(self.lightning_module):
             super().load_model_state_dict(checkpoint, strict=strict)
 
     @override

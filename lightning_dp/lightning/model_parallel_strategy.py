@@ -17,6 +17,7 @@ from typing_extensions import override
 from lightning_dp.config import option_parameters
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
+from lightning_dp.optim.stepped import replaced_by_load
 from lightning_dp.runtime.distributed import DistributedContext, distributed_context
 
 
@@ -82,9 +83,11 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         optimizers' states while it reads the checkpoint, before the privacy state is checked, so the load counts as
         begun first (``CheckpointState.begin_load``): after a refusal, a fit that loads no checkpoint is refused too
         (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint, after the load
-        of a checkpoint without privacy state too."""
+        of a checkpoint without privacy state too; and so is a load (``strict_loading=False``) that leaves a parameter
+        a DP optimizer of this process stepped as it was (:func:`~lightning_dp.optim.stepped.replaced_by_load`)."""
         self.privacy_engine.checkpoint.begin_load()
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        with replaced_by_load(self.lightning_module):
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if "lightning_dp" in checkpoint:  # the weights, the optimizers' states and their privacy state are in
             self.privacy_engine.checkpoint.end_load()
         return checkpoint
