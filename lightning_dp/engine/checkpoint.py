@@ -17,9 +17,9 @@ from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.exact_resume import SECRET_KEY, restore_secret_state, secret_state
 from lightning_dp.engine.run_state import RunState
+from lightning_dp.engine.weight_loads import trainable_weights_written
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
 from lightning_dp.optim.adaptive_clipping import restored_bound
-from lightning_dp.optim.stepped import replaced_by_load
 
 log = logging.getLogger("lightning_dp")
 
@@ -128,17 +128,17 @@ class CheckpointState:
     @contextmanager
     def loading_weights(self, model: nn.Module) -> Iterator[None]:
         """Around the adapter's load of the weights of the checkpoint whose privacy state it loaded (and only those)
-        into ``model``: if it raises, or leaves a parameter that a DP optimizer of
-        this process stepped as it was (:func:`~lightning_dp.optim.stepped.replaced_by_load`), the load stays begun
+        into ``model``: if it raises, or leaves a trainable parameter as it was
+        (:func:`~lightning_dp.engine.weight_loads.trainable_weights_written`), the load stays begun
         (:meth:`begin_load`); once it returns, the run holds the whole checkpoint (:meth:`end_load`) and a start of
         training that already followed the privacy state's load still counts.
 
         Raises:
-            ValueError: a parameter a DP optimizer of this process stepped is not in the checkpoint.
+            ValueError: a trainable parameter is not in the checkpoint.
         """
         unfinished = self.run.load_unfinished
         self.begin_load()
-        with replaced_by_load(model):
+        with trainable_weights_written(model):
             yield
         self.run.load_unfinished = unfinished
         self.end_load()

@@ -74,8 +74,8 @@ _KEYS = {"torch", "numpy", "python", "accelerator"}
 
 
 def _settable(state: Any) -> bool:
-    """Whether :func:`_set_state` can set ``state``: tried on fresh generators of each kind (the accelerator's state is
-    only checked to be a device type and a byte tensor, as no accelerator generator can be made aside)."""
+    """Whether :func:`_set_state` can set ``state``: tried on fresh generators of each kind, the accelerator's where
+    this machine has one of its type (a state of another device type is never set: :func:`_set_state`)."""
     if not isinstance(state, dict) or not _KEYS <= state.keys():
         return False
     accelerator = state["accelerator"]
@@ -85,9 +85,16 @@ def _settable(state: Any) -> bool:
         and isinstance(accelerator[0], str)
         and isinstance(accelerator[1], torch.Tensor)
         and accelerator[1].dtype == torch.uint8
+        and accelerator[1].device.type == "cpu"
     ):
         return False
     try:
+        if (
+            accelerator is not None
+            and accelerator[0] in _INDEXED
+            and torch.get_device_module(accelerator[0]).is_available()
+        ):
+            torch.Generator(device=accelerator[0]).set_state(accelerator[1])
         torch.Generator().set_state(state["torch"])
         kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
         np.random.RandomState().set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))

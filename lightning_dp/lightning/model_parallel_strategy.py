@@ -15,9 +15,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_dp.config import option_parameters
+from lightning_dp.engine.weight_loads import trainable_weights_written
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
-from lightning_dp.optim.stepped import replaced_by_load
 from lightning_dp.runtime.distributed import DistributedContext, distributed_context
 
 
@@ -83,10 +83,10 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         optimizers' states while it reads the checkpoint, before the privacy state is checked, so the load counts as
         begun first (``CheckpointState.begin_load``): after a refusal, a fit that loads no checkpoint is refused too
         (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint, after the load
-        of a checkpoint without privacy state too; and so is a load (``strict_loading=False``) that leaves a parameter
-        a DP optimizer of this process stepped as it was (:func:`~lightning_dp.optim.stepped.replaced_by_load`)."""
+        of a checkpoint without privacy state too; and so is a load (``strict_loading=False``) that leaves a trainable
+        parameter as it was (:func:`~lightning_dp.engine.weight_loads.trainable_weights_written`)."""
         self.privacy_engine.checkpoint.begin_load()
-        with replaced_by_load(self.lightning_module):
+        with trainable_weights_written(self.lightning_module):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if "lightning_dp" in checkpoint:  # the weights, the optimizers' states and their privacy state are in
             self.privacy_engine.checkpoint.end_load()

@@ -19,7 +19,6 @@ from lightning_dp.clipping.float32_sums import discard_float32_sums, take_float3
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.mechanisms.base import NoiseMechanism
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
-from lightning_dp.optim.stepped import mark_stepped
 from lightning_dp.runtime.randomness import DPRandomness
 from lightning_dp.runtime.sharding import is_sharded, local_part, shard_key
 
@@ -205,8 +204,6 @@ class DPOptimizer(Optimizer):
         #: the streaming correlation of the noise; its state is noise, never in a checkpoint (:meth:`state_dict`).
         self.correlation = correlation
         self._privatised = False
-        #: whether the parameters of the current groups are recorded as stepped (:func:`mark_stepped`).
-        self._marked = False
         #: privatised steps so far; the deferred finite flags (``[P]`` bool on the device, OR over the steps since the
         #: last read, ``None`` when none) and the first of those steps.
         self._steps = 0
@@ -222,7 +219,6 @@ class DPOptimizer(Optimizer):
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         self.original_optimizer.param_groups = groups
-        self._marked = False
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -367,9 +363,6 @@ class DPOptimizer(Optimizer):
         self._privatised = False
         self.before_update()
         self.original_optimizer.step()
-        if not self._marked:
-            mark_stepped(self.params)
-            self._marked = True
         self.on_step()
         return loss
 
@@ -386,7 +379,6 @@ class DPOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.check_finite()  # the deferred flags are per parameter of the current groups
         self.original_optimizer.add_param_group(param_group)
-        self._marked = False
 
     def __repr__(self) -> str:
         return f"DPOptimizer({self.original_optimizer!r}, mechanism={self.mechanism.name})"

@@ -232,11 +232,12 @@ class LowPassFilter:
 
 
 def _well_formed(state: Any) -> bool:
-    """Whether ``state`` has the entries and element types :meth:`LowPassFilter.state_dict` writes."""
+    """Whether ``state`` has the entries and element types :meth:`LowPassFilter.state_dict` writes: finite numbers,
+    and past ``m`` and ``vbar`` that each hold tensors of the same shapes (one per parameter)."""
 
     def numbers(values: Any) -> bool:
         return isinstance(values, list | tuple) and all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in values
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values
         )
 
     def history(lags: Any) -> bool:
@@ -244,7 +245,7 @@ def _well_formed(state: Any) -> bool:
             isinstance(lag, list | tuple) and all(isinstance(t, torch.Tensor) for t in lag) for lag in lags
         )
 
-    return (
+    if not (
         isinstance(state, Mapping)
         and {"a", "b", "steps", "m", "vbar", "c_m"} <= state.keys()
         and numbers(state["a"])
@@ -254,7 +255,10 @@ def _well_formed(state: Any) -> bool:
         and not isinstance(state["steps"], bool)
         and history(state["m"])
         and history(state["vbar"])
-    )
+    ):
+        return False
+    layouts = {tuple(tuple(t.shape) for t in lag) for lag in [*state["m"], *state["vbar"]]}
+    return len(layouts) <= 1
 
 
 def make_lowpass(spec: None | str | Mapping[str, Sequence[float]] | LowPassFilter) -> LowPassFilter | None:

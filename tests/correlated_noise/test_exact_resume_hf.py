@@ -119,23 +119,25 @@ def test_a_restore_no_training_started_from_stays_refused(tmp_path, noise, exact
         assert torch.equal(got, want) or not exact_resume, name
 
 
-def test_a_checkpoint_without_a_weight_the_model_was_trained_on_is_refused(tmp_path):
+def test_a_checkpoint_without_a_trainable_weight_is_refused(tmp_path):
     """The HF Trainer loads weights non-strictly: a checkpoint without a trainable weight loads with a warning, and
-    the model keeps that weight as its earlier ``train()`` in this process left it (10 steps), which the checkpoint's
-    ledger (4 steps) does not count. Refused, and so is a ``train()`` without a checkpoint after it. Into a freshly
-    built model (the weight data-independent) the same checkpoint resumes."""
+    the model keeps a weight the checkpoint's ledger (4 steps) does not count: here what its earlier ``train()`` in
+    this process trained (10 steps), and in a freshly built model too. Refused, and so is a ``train()`` without a
+    checkpoint after it; the intact checkpoint then resumes."""
     from safetensors.torch import load_file, save_file
 
     trainer = _train(tmp_path / "whole", exact_resume=False)
-    shutil.copytree(tmp_path / "whole" / "checkpoint-4", tmp_path / "broken")
+    intact = tmp_path / "whole" / "checkpoint-4"
+    shutil.copytree(intact, tmp_path / "broken")
     weights = load_file(tmp_path / "broken" / "model.safetensors")
     del weights["transformer.h.0.mlp.c_fc.weight"]
     save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
-    missing = r"holds no weights for parameter\(s\) 'transformer.h.0.mlp.c_fc.weight', which keep"
-    with pytest.raises(ValueError, match=missing):
+    refused = r"no weights for trainable parameter\(s\) 'transformer.h.0.mlp.c_fc.weight', so they would keep"
+    with pytest.raises(ValueError, match=refused):
         trainer.train(resume_from_checkpoint=str(tmp_path / "broken"))
     with pytest.raises(ValueError, match=REFUSED):
         trainer.train()
-    fresh = _trainer(tmp_path / "fresh", exact_resume=False)
-    fresh.train(resume_from_checkpoint=str(tmp_path / "broken"))
-    assert fresh.privacy_engine.steps == 10
+    trainer.train(resume_from_checkpoint=str(intact))
+    assert trainer.privacy_engine.steps == 10
+    with pytest.raises(ValueError, match=refused):
+        _trainer(tmp_path / "fresh", exact_resume=False).train(resume_from_checkpoint=str(tmp_path / "broken"))

@@ -329,6 +329,8 @@ def test_a_filter_state_whose_history_does_not_fit_is_rejected():
         {"m": [[1.0], [torch.ones(2)]]},
         {"vbar": ["x"]},
         {"a": None},
+        {"c_m": [float("nan"), 1.0]},
+        {"m": [[torch.ones(3)], [torch.ones(2)]]},  # lags of other shapes
     ],
 )
 def test_a_filter_state_of_other_element_types_is_rejected_before_the_run_changes(damage):

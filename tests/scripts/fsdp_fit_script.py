@@ -9,7 +9,8 @@ own launcher. In one launch, every rank runs in turn:
   steps; ``"part (one file)"`` and ``"resumed (one file)"``: the same with ``save_distributed_checkpoint=False``
   (the full state in one file, saved with ``trainer.save_checkpoint`` after the fit);
 - ``"refused"``: a fit from ``"part"``'s checkpoint stripped of its privacy state, then one without a checkpoint (both
-  refused), then from the intact checkpoint, on one trainer (:func:`refused_then_resumed`);
+  refused), then from the intact checkpoint twice, the second time into the module the first trained, on one trainer
+  (:func:`refused_then_resumed`);
 - ``"name"``: ``Trainer(strategy="dp_fsdp")``, 3 steps (epsilon 3, calibrated noise);
 - ``"layers only"``: only the decoder layers sharded (the embedding and the final norm stay plain tensors, their
   clipped sums all-reduced), and rank 1's final norm weight changed before the strategy's setup;
@@ -74,7 +75,7 @@ class TinyLlama(pl.LightningModule):
 
     def __init__(self, shard: str = "layers and root", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.shard = shard
+        self.shard, self.sharded = shard, False
         torch.manual_seed(0)  # every rank builds the same initial model
         self.model = LlamaForCausalLM(llama_config()).to(dtype)
         self.data = TensorDataset(torch.randint(0, VOCAB, (EXAMPLES, SEQ), generator=torch.Generator().manual_seed(1)))
@@ -84,8 +85,9 @@ class TinyLlama(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         self.norm_before_setup = None
-        if self.shard == "none":
+        if self.shard == "none" or self.sharded:
             return
+        self.sharded = True  # a second fit of the same module keeps its sharding (fully_shard applies once)
         mesh = self.device_mesh["data_parallel"]
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -152,14 +154,17 @@ def make_trainer(strategy, steps: int, callbacks=()) -> pl.Trainer:
 def refused_then_resumed(intact: Path, stripped: Path) -> None:
     """``"refused"``: one trainer fits from ``stripped`` (a checkpoint of 2 steps without its privacy state, which
     ModelParallelStrategy loads the weights of before the privacy state is checked), then without a checkpoint, then
-    from ``intact``; the messages of the refusals, and the steps and epsilon of the last fit."""
+    from ``intact``, then from ``intact`` again into the module that fit trained (the load writes every sharded
+    weight, ``engine.weight_loads``); the messages of the refusals, and the steps and epsilon of the last fit."""
     trainer, errors = make_trainer(DPModelParallelStrategy(**STRATEGY), 3), []
     for ckpt_path in (stripped, None):
         try:
             trainer.fit(TinyLlama(), ckpt_path=ckpt_path)
         except ValueError as error:
             errors.append(str(error))
-    trainer.fit(TinyLlama(), ckpt_path=intact)
+    module = TinyLlama()
+    for _ in range(2):
+        trainer.fit(module, ckpt_path=intact)
     engine = trainer.strategy.privacy_engine
     RESULT["refused"] = {"errors": errors, "steps": engine.steps, "epsilon": engine.epsilon()}
 
