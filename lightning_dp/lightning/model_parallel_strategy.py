@@ -8,14 +8,16 @@ those of :class:`~lightning_dp.lightning.dp_mixin.DPStrategyMixin`, the sharded 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_dp.config import option_parameters
-from lightning_dp.engine.weight_loads import trainable_weights_written
+from lightning_dp.engine.weight_loads import check_checkpoint_keys, trainable_weights_written
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
 from lightning_dp.runtime.distributed import DistributedContext, distributed_context
@@ -84,8 +86,16 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         begun first (``CheckpointState.begin_load``): after a refusal, a fit that loads no checkpoint is refused too
         (it would train the checkpoint's weights on this run's ledger), and so is writing a checkpoint, after the load
         of a checkpoint without privacy state too; and so is a load (``strict_loading=False``) that leaves a trainable
-        parameter as it was (:func:`~lightning_dp.engine.weight_loads.trainable_weights_written`)."""
+        parameter as it was (:func:`~lightning_dp.engine.weight_loads.trainable_weights_written`), or, for a
+        checkpoint in one file, whose privacy state comes with weights that lack a trainable parameter: Lightning's
+        non-strict load of such a file writes a missing weight with its own value
+        (:func:`~lightning_dp.engine.weight_loads.check_checkpoint_keys`)."""
         self.privacy_engine.checkpoint.begin_load()
+        path = Path(checkpoint_path)
+        if path.is_file():  # a DCP folder's load refuses a missing weight whatever strict_loading says
+            saved = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is True)
+            if "lightning_dp" in saved:
+                check_checkpoint_keys(self.lightning_module, saved.get("state_dict", {}).keys())
         with trainable_weights_written(self.lightning_module):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if "lightning_dp" in checkpoint:  # the weights, the optimizers' states and their privacy state are in

@@ -157,8 +157,13 @@ def test_a_refused_load_refuses_a_fit_without_a_checkpoint_until_one_is_loaded(r
 
 
 def test_full_checkpoint_in_one_file_resumes_the_privacy_ledger(ranks):
-    """``save_distributed_checkpoint=False``: ModelParallelStrategy gathers the full state into one file."""
+    """``save_distributed_checkpoint=False``: ModelParallelStrategy gathers the full state into one file. Without a
+    trainable weight, such a file is refused even with ``strict_loading=False`` (Lightning would write the missing
+    weight with the module's own value)."""
     assert ranks[0]["one file"]
+    for rank in ranks:
+        missing = "did not write trainable parameter(s) 'model.model.layers.0.self_attn.o_proj.weight'"
+        assert missing in rank["missing weight"]
     uninterrupted = ranks[0]["a"]
     for rank in ranks:
         part, resumed = rank["part (one file)"], rank["resumed (one file)"]

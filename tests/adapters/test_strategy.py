@@ -359,7 +359,7 @@ def test_a_non_strict_load_that_leaves_a_trainable_weight_is_refused(tmp_path):
     trainer, module = make_trainer(strategy, max_steps=6), TinyRegressor()
     module.strict_loading = False
     trainer.fit(module)
-    refused = r"no weights for trainable parameter\(s\) 'net.0.weight', so they would keep"
+    refused = r"did not write trainable parameter\(s\) 'net.0.weight', so they would keep"
     with pytest.raises(ValueError, match=refused):
         trainer.fit(module, ckpt_path=broken)
     with pytest.raises(ValueError, match="A checkpoint's load into this run did not finish"):

@@ -132,7 +132,7 @@ def test_a_checkpoint_without_a_trainable_weight_is_refused(tmp_path):
     weights = load_file(tmp_path / "broken" / "model.safetensors")
     del weights["transformer.h.0.mlp.c_fc.weight"]
     save_file(weights, tmp_path / "broken" / "model.safetensors", metadata={"format": "pt"})
-    refused = r"no weights for trainable parameter\(s\) 'transformer.h.0.mlp.c_fc.weight', so they would keep"
+    refused = r"did not write trainable parameter\(s\) 'transformer.h.0.mlp.c_fc.weight', so they would keep"
     with pytest.raises(ValueError, match=refused):
         trainer.train(resume_from_checkpoint=str(tmp_path / "broken"))
     with pytest.raises(ValueError, match=REFUSED):

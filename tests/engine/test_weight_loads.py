@@ -1,8 +1,10 @@
-"""``engine/weight_loads.py``: a load with the checkpoint's privacy state must write every trainable weight. What counts
-as written (an in-place copy, as ``load_state_dict`` makes; other data; a parameter replaced by another tensor) and what
-does not (a trainable parameter the load left), on plain tensors and on an FSDP2-sharded model loaded from a DCP folder
-(``runtime.sharding.load_sharded_model``, the HF adapter's sharded load), whose parameters can still be moved after it
-(``Module._apply`` swaps DTensor parameters, which a reference kept past the load would forbid)."""
+"""``engine/weight_loads.py``: a load with the checkpoint's privacy state must write every trainable weight. What
+counts as written (an in-place copy, as ``load_state_dict`` makes; a parameter replaced by another tensor) and what
+does not (a trainable parameter the load left, or gave other data through ``.data``); a checkpoint's keys checked
+before a load that would write a missing weight with its own value; on plain tensors and on an FSDP2-sharded model
+loaded from a DCP folder (``runtime.sharding.load_sharded_model``, the HF adapter's sharded load), whose parameters
+can still be moved after it (``Module._apply`` swaps DTensor parameters, which a reference kept past the load would
+forbid)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 from process_helpers import free_port, launch_env
 
-from lightning_dp.engine.weight_loads import trainable_weights_written
+from lightning_dp.engine.weight_loads import check_checkpoint_keys, trainable_weights_written
 
 
 def _model() -> torch.nn.Module:
@@ -23,20 +25,29 @@ def _model() -> torch.nn.Module:
 def test_a_trainable_parameter_the_load_left_is_refused_by_name():
     model = _model()
     state = {k: v for k, v in _model().state_dict().items() if k != "1.bias"}
-    with pytest.raises(ValueError, match=r"no weights for trainable parameter\(s\) '1.bias', so they would keep"):
+    with pytest.raises(ValueError, match=r"did not write trainable parameter\(s\) '1.bias', so they would keep"):
         with trainable_weights_written(model):
             model.load_state_dict(state, strict=False)
 
 
-def test_a_load_that_writes_replaces_or_reassigns_every_trainable_parameter_passes():
+def test_a_load_that_copies_into_or_replaces_every_trainable_parameter_passes():
     model = _model()
     with trainable_weights_written(model):
         model.load_state_dict(_model().state_dict())
     with trainable_weights_written(model):
         model.load_state_dict(_model().state_dict(), assign=True)  # new Parameter objects
-    with trainable_weights_written(model):
+    with pytest.raises(ValueError, match="did not write"), trainable_weights_written(model):
         for p in model.parameters():
-            p.data = torch.zeros_like(p)  # other data, the version counter unmoved
+            p.data = torch.zeros_like(p)  # not seen: ``.data`` keeps the version counter (a cast is written so too)
+
+
+def test_a_checkpoint_whose_keys_lack_a_trainable_parameter_is_refused():
+    model = _model()
+    check_checkpoint_keys(model, model.state_dict().keys())
+    with pytest.raises(ValueError, match=r"did not write trainable parameter\(s\) '0.bias'"):
+        check_checkpoint_keys(model, ["0.weight", "1.weight", "1.bias"])
+    model[0].bias.requires_grad_(False)
+    check_checkpoint_keys(model, ["0.weight", "1.weight", "1.bias"])
 
 
 def test_frozen_parameters_may_stay():

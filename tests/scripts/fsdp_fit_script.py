@@ -8,6 +8,8 @@ own launcher. In one launch, every rank runs in turn:
 - ``"part"``: the same, 2 steps, with a ``ModelCheckpoint`` (sharded, DCP) at step 2; ``"resumed"``: from it to 3
   steps; ``"part (one file)"`` and ``"resumed (one file)"``: the same with ``save_distributed_checkpoint=False``
   (the full state in one file, saved with ``trainer.save_checkpoint`` after the fit);
+- ``"missing weight"``: a fit from the one-file checkpoint without a trainable weight, ``strict_loading=False``
+  (:func:`missing_weight_refused`);
 - ``"refused"``: a fit from ``"part"``'s checkpoint stripped of its privacy state, then one without a checkpoint (both
   refused), then from the intact checkpoint twice, the second time into the module the first trained, on one trainer
   (:func:`refused_then_resumed`);
@@ -169,6 +171,26 @@ def refused_then_resumed(intact: Path, stripped: Path) -> None:
     RESULT["refused"] = {"errors": errors, "steps": engine.steps, "epsilon": engine.epsilon()}
 
 
+def missing_weight_refused(full: Path, missing: Path, rank: int) -> None:
+    """``"missing weight"``: a fit with ``strict_loading=False`` from ``full`` without the first decoder layer's
+    ``o_proj`` weight, which Lightning's non-strict load of one file would fill with the module's own value: the
+    refusal's message."""
+    if rank == 0:
+        saved = torch.load(full, weights_only=False)
+        del saved["state_dict"]["model.model.layers.0.self_attn.o_proj.weight"]
+        torch.save(saved, missing)
+    torch.distributed.barrier()
+    module = TinyLlama()
+    module.strict_loading = False
+    try:
+        make_trainer(DPModelParallelStrategy(save_distributed_checkpoint=False, **STRATEGY), 3).fit(
+            module, ckpt_path=str(missing)
+        )
+        RESULT["missing weight"] = "not refused"
+    except ValueError as error:
+        RESULT["missing weight"] = str(error)
+
+
 def fit(
     strategy, steps: int, name: str, callbacks=(), ckpt_path=None, **module_options
 ) -> tuple[pl.Trainer, TinyLlama]:
@@ -262,6 +284,7 @@ if __name__ == "__main__":
     fit(DPModelParallelStrategy(save_distributed_checkpoint=False, **STRATEGY), 3, "resumed (one file)",
         ckpt_path=str(args.out / "full.ckpt"))  # fmt: skip
     RESULT["one file"] = (args.out / "full.ckpt").is_file()
+    missing_weight_refused(args.out / "full.ckpt", args.out / "missing.ckpt", trainer.global_rank)
     fit("dp_fsdp", 3, "name")
     fit(DPModelParallelStrategy(**STRATEGY), 3, "layers only", shard="layers")
     lowpass = dict(STRATEGY, lowpass={"a": [-0.5], "b": [0.3, 0.2]})  # feedback and feed-forward history
