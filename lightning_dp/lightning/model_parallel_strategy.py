@@ -93,9 +93,13 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         self.privacy_engine.checkpoint.begin_load()
         path = Path(checkpoint_path)
         if path.is_file():  # a DCP folder's load refuses a missing weight whatever strict_loading says
-            saved = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is True)
+            try:
+                saved = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is True)
+            except Exception:  # noqa: BLE001 - a damaged file: the load below refuses it with its own message
+                saved = {}
             if "lightning_dp" in saved:
                 check_checkpoint_keys(self.lightning_module, saved.get("state_dict", {}).keys())
+            del saved
         with trainable_weights_written(self.lightning_module):
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if "lightning_dp" in checkpoint:  # the weights, the optimizers' states and their privacy state are in
