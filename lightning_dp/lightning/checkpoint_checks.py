@@ -8,6 +8,14 @@ from typing import Any
 from lightning_dp.engine.checkpoint import saved_ledger_steps
 
 
+def unreadable(path: Any, error: Exception) -> ValueError:
+    """The refusal of a checkpoint file that ``torch.load`` could not read (``error``)."""
+    return ValueError(
+        f"Cannot read the checkpoint {str(path)!r}: the file is truncated or corrupted ({error}). "
+        "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
+    )
+
+
 def check_loaded_checkpoint(checkpoint: dict[str, Any], path: Any, *, resuming: bool, training: bool) -> None:
     """Whether the privacy state of ``checkpoint`` (read from ``path``) may be loaded.
 

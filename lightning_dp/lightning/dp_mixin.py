@@ -47,7 +47,7 @@ from lightning_dp.engine.physical_batches import (
 )
 from lightning_dp.engine.privacy_engine import PrivacyEngine
 from lightning_dp.engine.queries import PrivacyQueries
-from lightning_dp.lightning.checkpoint_checks import check_loaded_checkpoint
+from lightning_dp.lightning.checkpoint_checks import check_loaded_checkpoint, unreadable
 from lightning_dp.lightning.global_randomness import GlobalRandomness
 from lightning_dp.lightning.loss_checks import check_one_loss_per_example
 from lightning_dp.lightning.schedule import check_logical_steps, planned_learning_rates
@@ -370,10 +370,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 checkpoint_path, weights_only=False if weights_only is None else weights_only
             )
         except Exception as error:  # noqa: BLE001 - torch.load fails in many ways on damaged files (zip, pickle, EOF)
-            raise ValueError(
-                f"Cannot read the checkpoint {str(checkpoint_path)!r}: the file is truncated or corrupted ({error}). "
-                "Resume from an intact earlier checkpoint of this run (the privacy ledger is never reset to 0)"
-            ) from error
+            raise unreadable(checkpoint_path, error) from error
         fitting = self.lightning_module.trainer.state.fn == "fit"
         training = any(isinstance(optimizer, DPOptimizer) for optimizer in self.optimizers)
         resuming = checkpoint.get("global_step", 0) > 0 and fitting

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_dp.config import option_parameters
 from lightning_dp.engine.weight_loads import check_checkpoint_keys, trainable_weights_written
+from lightning_dp.lightning.checkpoint_checks import unreadable
 from lightning_dp.lightning.dp_mixin import DPStrategyMixin
 from lightning_dp.lightning.registry import register_dp_strategy
 from lightning_dp.runtime.distributed import DistributedContext, distributed_context
@@ -89,14 +90,19 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         parameter as it was (:func:`~lightning_dp.engine.weight_loads.trainable_weights_written`), or, for a
         checkpoint in one file, whose privacy state comes with weights that lack a trainable parameter: Lightning's
         non-strict load of such a file writes a missing weight with its own value
-        (:func:`~lightning_dp.engine.weight_loads.check_checkpoint_keys`)."""
+        (:func:`~lightning_dp.engine.weight_loads.check_checkpoint_keys`).
+
+        Raises:
+            ValueError: as :meth:`DPStrategyMixin.load_checkpoint`; a one-file checkpoint that cannot be read, or
+                whose privacy state comes with weights that lack a trainable parameter.
+        """
         self.privacy_engine.checkpoint.begin_load()
         path = Path(checkpoint_path)
         if path.is_file():  # a DCP folder's load refuses a missing weight whatever strict_loading says
             try:
                 saved = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is True)
-            except Exception:  # noqa: BLE001 - a damaged file: the load below refuses it with its own message
-                saved = {}
+            except Exception as error:  # noqa: BLE001 - as the mixin's read: damaged files fail in many ways
+                raise unreadable(path, error) from error
             if "lightning_dp" in saved:
                 check_checkpoint_keys(self.lightning_module, saved.get("state_dict", {}).keys())
             del saved
