@@ -96,10 +96,8 @@ def _settable(state: Any) -> bool:
         ):
             torch.Generator(device=accelerator[0]).set_state(accelerator[1])
         torch.Generator().set_state(state["torch"])
-        kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-        np.random.RandomState().set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))
-        version, internal, gauss = state["python"]
-        random.Random().setstate((version, tuple(internal), gauss))
+        np.random.RandomState().set_state(_numpy_state(state["numpy"]))
+        random.Random().setstate(_python_state(state["python"]))
     except (AttributeError, IndexError, KeyError, OverflowError, RuntimeError, TypeError, ValueError):
         return False
     return True
@@ -118,10 +116,8 @@ def _current_state(device: torch.device) -> dict[str, Any]:
 
 def _set_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    kind, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian))  # noqa: NPY002
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    np.random.set_state(_numpy_state(state["numpy"]))  # noqa: NPY002 - the legacy global one
+    random.setstate(_python_state(state["python"]))
     if state["accelerator"] is None or state["accelerator"][0] != device.type:  # another device: drawn fresh
         return
     module, accelerator = torch.get_device_module(device.type), state["accelerator"][1]
@@ -129,6 +125,18 @@ def _set_state(state: dict[str, Any], device: torch.device) -> None:
         module.set_rng_state(accelerator, device)
     else:
         module.set_rng_state(accelerator)
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    """The argument of numpy's ``set_state`` for the ``"numpy"`` entry :func:`_current_state` wrote."""
+    kind, keys, position, has_gauss, cached_gaussian = saved
+    return kind, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian
+
+
+def _python_state(saved: Any) -> tuple[Any, ...]:
+    """The argument of ``random.setstate`` for the ``"python"`` entry :func:`_current_state` wrote."""
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
 
 
 def _accelerator_state(device: torch.device) -> tuple[str, torch.Tensor] | None:

@@ -93,12 +93,15 @@ class DPModelParallelStrategy(DPStrategyMixin, ModelParallelStrategy):
         (:func:`~lightning_dp.engine.weight_loads.check_checkpoint_keys`).
 
         Raises:
-            ValueError: as :meth:`DPStrategyMixin.load_checkpoint`; a one-file checkpoint that cannot be read, or
-                whose privacy state comes with weights that lack a trainable parameter.
+            ValueError: as :meth:`DPStrategyMixin.load_checkpoint`; with ``strict_loading=False``, a one-file
+                checkpoint that cannot be read, or whose privacy state comes with weights that lack a trainable
+                parameter.
         """
         self.privacy_engine.checkpoint.begin_load()
         path = Path(checkpoint_path)
-        if path.is_file():  # a DCP folder's load refuses a missing weight whatever strict_loading says
+        # only a non-strict load of one file fills a missing weight in: a strict one, and a DCP folder's whatever
+        # strict_loading says, refuse it themselves (so the file is not read twice then)
+        if path.is_file() and not self.lightning_module.strict_loading:
             try:
                 saved = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is True)
             except Exception as error:  # noqa: BLE001 - as the mixin's read: damaged files fail in many ways
