@@ -12,7 +12,7 @@ from torch import nn
 from lightning_dp.clipping.float32_sums import add_float32_sum, keeps_float32_sum
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
-from lightning_dp.clipping.terms import Factored, Materialised, Term, Writable
+from lightning_dp.clipping.terms import Factored, Materialised, Term, Writable, batch_sum
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
 
@@ -169,7 +169,4 @@ class ClippedSumMixin:
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
                 if self.clipping_fn == "automatic":  # factors above 1: a scaled factor may overflow
                     param_factors = without_overflow(param_factors, param_terms)
-                clipped = param_terms[0].batch_sum(param_factors, writable)
-                for term in param_terms[1:]:
-                    clipped = clipped + term.batch_sum(param_factors, writable)
-                add_to_grad(param, clipped)
+                add_to_grad(param, batch_sum(param_terms, param_factors, writable))

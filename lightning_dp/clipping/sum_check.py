@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_dp.clipping.hooks import Capture
 from lightning_dp.clipping.rounding import ROUNDING_EPSILONS
-from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.terms import Term, batch_sum
 
 #: Relative tolerance of the sum check in float32/float64 arithmetic.
 VERIFY_RTOL = 1e-3
@@ -64,9 +64,7 @@ class SumCheck:
 
     def add(self, param: nn.Parameter, terms: list[Term], grad: torch.Tensor | None) -> None:
         """Record one parameter's mismatch (the batch sum of its terms, ``[*param.shape]``) and rounding allowance."""
-        ours = terms[0].batch_sum()
-        for term in terms[1:]:
-            ours = ours + term.batch_sum()
+        ours = batch_sum(terms)
         reference = torch.zeros_like(ours) if grad is None else grad.to(ours.dtype)
         device = self.diffs[0].device if self.diffs else ours.device
         allowance = ROUNDING_RTOL_REDUCED if self.reduced else ROUNDING_EPSILONS * torch.finfo(ours.dtype).eps

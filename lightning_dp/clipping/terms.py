@@ -90,6 +90,12 @@ class Materialised:
         # tensordot's own matmul (the same [1, B] x [B, N] mm, the same bits) without its permutes and copies
         return (weights.view(1, -1) @ grad.view(grad.shape[0], -1)).view(grad.shape[1:])
 
+    def add_batch_sum(
+        self, total: torch.Tensor, weights: torch.Tensor | None = None, writable: Writable | None = None
+    ) -> None:
+        """``total += sum_i w_i grad_i`` in place (:meth:`batch_sum`); ``total`` ``[*param.shape]``."""
+        total.add_(self.batch_sum(weights, writable).to(total.dtype))
+
 
 @dataclass(frozen=True)
 class Factored:
@@ -167,6 +173,28 @@ class Factored:
         (:func:`~lightning_dp.clipping.clipped_sum.without_overflow`); should one overflow anyway, it stays infinite
         for the finite check of the sums, since the zeroing runs before the scaling.
         """
+        left, right = self._weighted(weights, writable)
+        if self.is_index:
+            total = right.new_zeros(self.shape[0], right.shape[-1]).index_add_(0, left.reshape(-1), right)
+        else:
+            total = left.T @ right
+        return total.reshape(self.shape)
+
+    def add_batch_sum(
+        self, total: torch.Tensor, weights: torch.Tensor | None = None, writable: Writable | None = None
+    ) -> None:
+        """``total += sum_i w_i L_i^T R_i`` in place (:meth:`batch_sum`) without a buffer of the parameter's size;
+        ``total`` ``[*shape]`` contiguous."""
+        left, right = self._weighted(weights, writable)
+        rows = total.view(self.shape[0], right.shape[-1])
+        if self.is_index:
+            rows.index_add_(0, left.reshape(-1), right.to(total.dtype))
+        else:
+            rows.addmm_(left.T.to(total.dtype), right.to(total.dtype))
+
+    def _weighted(self, weights: torch.Tensor | None, writable: Writable | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The factors of :meth:`batch_sum` as rows over the batch's ``B T`` positions: ``left`` ``[B T, P]`` (ids
+        ``[B T]``) and ``right`` ``[B T, Q]``, zeroed where not finite and weighted."""
         left, right = self.left, self.right
         if writable is not None:  # before the scaling, which thus never turns a kept sample's entry into a zero
             right = finite(right, writable)
@@ -177,13 +205,8 @@ class Factored:
                 right = scaled(right, scale, self.right)
             else:
                 left = scaled(left, scale, self.left)
-        cols = right.shape[-1]
-        right = right.reshape(-1, cols)
-        if self.is_index:
-            total = right.new_zeros(self.shape[0], cols).index_add_(0, left.reshape(-1), right)
-        else:
-            total = left.reshape(-1, left.shape[-1]).T @ right
-        return total.reshape(self.shape)
+        left = left.reshape(-1) if self.is_index else left.reshape(-1, left.shape[-1])
+        return left, right.reshape(-1, right.shape[-1])
 
 
 Term = Materialised | Factored
@@ -224,6 +247,19 @@ def term_elements(term: Term) -> int:
     if isinstance(term, Factored):
         return term.left.numel() + term.right.numel()
     return term.grad.numel()
+
+
+def batch_sum(
+    terms: Sequence[Term], weights: torch.Tensor | None = None, writable: Writable | None = None
+) -> torch.Tensor:
+    """``sum_u sum_i w_i term_ui`` over a parameter's uses ``terms``: ``[*param.shape]`` in their promoted dtype. The
+    first use's :meth:`~Factored.batch_sum` is formed, the others are added into it in place (a tied embedding and
+    head share one buffer of the parameter's size)."""
+    dtype = functools.reduce(torch.promote_types, (term.dtype for term in terms))
+    total = terms[0].batch_sum(weights, writable).to(dtype)
+    for term in terms[1:]:
+        term.add_batch_sum(total, weights, writable)
+    return total
 
 
 def materialise_sum(terms: Sequence[Term]) -> torch.Tensor:

@@ -132,6 +132,10 @@ class NoiseMechanism(ABC):
     clip_search: ClassVar[str | None] = None
     #: True when :meth:`secure_sample` has a sampler hardened against floating-point attacks (``secure_mode``).
     supports_secure: ClassVar[bool] = False
+    #: True when :meth:`sample` draws every coordinate independently, with nothing shared within a call (unlike
+    #: PLRV-O's scale, drawn once per call): a tensor may then be noised piece by piece
+    #: (:func:`~lightning_dp.mechanisms.sampling.add_in_pieces`), each piece from its own call.
+    piecewise: ClassVar[bool] = False
 
     def __init__(self, max_grad_norm: float) -> None:
         validate_max_grad_norm(max_grad_norm)

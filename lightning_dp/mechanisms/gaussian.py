@@ -38,6 +38,7 @@ class GaussianMechanism(NoiseMechanism):
     calibrated_parameter = "noise_multiplier"
     parameter_help = {"noise_multiplier": "Gaussian sigma, noise std = sigma * C"}
     supports_secure = True
+    piecewise = True
 
     def __init__(self, noise_multiplier: float, max_grad_norm: float) -> None:
         super().__init__(max_grad_norm)

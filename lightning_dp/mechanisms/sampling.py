@@ -8,6 +8,7 @@ device. 16-bit tensors are sampled in float32 and cast (docs/design.md section 1
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,30 @@ def sample_gaussian(like: torch.Tensor, std: float, generator: torch.Generator) 
     noise = torch.empty(like.shape, dtype=_working_dtype(like.dtype), device=like.device)
     noise = noise.normal_(mean=0.0, std=std, generator=generator) if std > 0 else noise.zero_()
     return noise.to(like.dtype)
+
+
+#: Elements of each piece :func:`add_in_pieces` draws (a multiple of 16, the block of torch's CPU ``normal_``).
+PIECE = 1 << 18
+
+
+def add_in_pieces(grad: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``grad += draw(piece)`` over consecutive pieces of a contiguous CPU ``grad`` (any shape), each of :data:`PIECE`
+    elements but the last, which has from 16 to ``PIECE + 15``; a smaller ``grad`` is one piece. No noise tensor of
+    ``grad``'s size is allocated, whose pages the CPU allocator would fault in afresh at every step.
+
+    ``draw`` must draw every coordinate independently (:attr:`~lightning_dp.mechanisms.base.NoiseMechanism.piecewise`).
+    Gaussian pieces (:func:`sample_gaussian`) are the same bits as one draw over ``grad``: torch's CPU ``normal_``
+    turns uniforms drawn in order into normals in blocks of 16, redrawing the last 16 when the size is not a multiple
+    of 16.
+    """
+    flat = grad.view(-1)
+    start, size = 0, flat.numel()
+    while size - start >= PIECE + 16:
+        piece = flat[start : start + PIECE]
+        piece.add_(draw(piece))
+        start += PIECE
+    rest = flat[start:]
+    rest.add_(draw(rest))
 
 
 def sample_laplace(like: torch.Tensor, scale: float | torch.Tensor, generator: torch.Generator) -> torch.Tensor:

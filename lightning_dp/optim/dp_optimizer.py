@@ -9,7 +9,7 @@ optional ``postprocess`` (post-processing, e.g. :mod:`lightning_dp.optim.lowpass
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_dp.clipping.float32_sums import discard_float32_sums, take_float32_sums
 from lightning_dp.correlated_noise.streaming import CorrelatedNoise
 from lightning_dp.mechanisms.base import NoiseMechanism
+from lightning_dp.mechanisms.sampling import add_in_pieces
 from lightning_dp.mechanisms.secure import check_secure_mechanism, secure_sample
 from lightning_dp.runtime.randomness import DPRandomness
 from lightning_dp.runtime.sharding import is_sharded, local_part, shard_key
@@ -283,12 +284,13 @@ class DPOptimizer(Optimizer):
                 clipped_sum.add_(_clipped_sum(p))
         divisor = self._finite_check(params, sums)
         grads = [local_part(clipped_sum) for clipped_sum in sums]  # sharded: this rank's shard, from its own stream
-        pairs = zip(grads, sums, strict=True)
-        draws: Iterator[torch.Tensor] = (self._draw(grad, clipped_sum) for grad, clipped_sum in pairs)
-        if self.correlation is not None:  # all of the step's draws at once: C^{-1} mixes them with the past steps'
-            draws = iter(self.correlation.correlate(list(draws)))
-        for grad, noise in zip(grads, draws, strict=True):
-            grad.add_(noise)
+        if self.correlation is None:
+            for grad, clipped_sum in zip(grads, sums, strict=True):
+                self._add_noise(grad, clipped_sum)
+        else:  # all of the step's draws at once: C^{-1} mixes them with the past steps'
+            draws = self.correlation.correlate([self._draw(grad, s) for grad, s in zip(grads, sums, strict=True)])
+            for grad, noise in zip(grads, draws, strict=True):
+                grad.add_(noise)
         _divide(grads, divisor)
         for p, clipped_sum, w in zip(params, sums, wide, strict=True):
             if w is not None:
@@ -306,6 +308,14 @@ class DPOptimizer(Optimizer):
         if self.secure_mode:
             return secure_sample(self.mechanism, grad, generator)
         return self.mechanism.sample(grad, generator)
+
+    def _add_noise(self, grad: torch.Tensor, clipped_sum: torch.Tensor) -> None:
+        """``grad += noise`` (:meth:`_draw`); piece by piece on the CPU where the mechanism allows it
+        (:func:`~lightning_dp.mechanisms.sampling.add_in_pieces`), the same bits as one draw for Gaussian noise."""
+        if self.mechanism.piecewise and not self.secure_mode and grad.device.type == "cpu" and grad.is_contiguous():
+            add_in_pieces(grad, lambda piece: self._draw(piece, clipped_sum))
+        else:
+            grad.add_(self._draw(grad, clipped_sum))
 
     def _finite_check(self, params: Sequence[torch.nn.Parameter], sums: Sequence[torch.Tensor]) -> float | torch.Tensor:
         """Check now (a reading step, or sharded gradients) and return ``q N``; or defer: record the flags and return

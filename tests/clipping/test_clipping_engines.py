@@ -8,7 +8,7 @@ import torch
 from lightning_dp.clipping import ENGINES, make_clipping_engine
 from lightning_dp.clipping.engines.base import materialised_contribution
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
-from lightning_dp.clipping.terms import Factored, Materialised, materialise_sum
+from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum
 
 
 def _linear_term(batch: int, seq: int, rows: int, cols: int, device: str = "meta") -> Factored:
@@ -92,3 +92,23 @@ def test_materialise_sum_writes_no_term_and_promotes_dtype() -> None:
     assert materialise_sum([first]) is shared  # one use: no copy
     wide = Materialised(torch.randn(3, 1, 4, generator=gen, dtype=torch.float64))
     assert materialise_sum([Materialised(shared.to(torch.bfloat16)), wide]).dtype == torch.float64
+
+
+def test_batch_sum_of_several_uses_adds_into_the_first_and_writes_no_term() -> None:
+    """A tied parameter's weighted sum over its uses (an embedding's ids, a dense head, a materialised use) is the sum
+    of each use's own, formed in the first use's buffer; no factor or term is written, and dtypes promote as ``+``."""
+    gen = torch.Generator().manual_seed(3)
+    ids = Factored(torch.tensor([[0, 2], [1, 1], [2, 0]]), torch.randn(3, 2, 4, generator=gen), torch.Size((3, 4)))
+    dense = Factored(torch.randn(3, 5, 3, generator=gen), torch.randn(3, 5, 4, generator=gen), torch.Size((3, 4)))
+    full = Materialised(torch.randn(3, 3, 4, generator=gen))
+    weights = torch.tensor([0.5, 0.0, 2.0])
+    factors = [ids.right, dense.left, dense.right, full.grad]
+    before = [factor.clone() for factor in factors]
+    for uses in ([ids, dense, full], [dense, ids, full], [full, dense, ids]):
+        expected = sum(use.batch_sum(weights) for use in uses)
+        torch.testing.assert_close(batch_sum(uses, weights), expected)
+        torch.testing.assert_close(batch_sum(uses), sum(use.batch_sum() for use in uses))
+    for factor, copy in zip(factors, before, strict=True):
+        assert torch.equal(factor, copy)
+    wide = Materialised(full.grad.double())
+    assert batch_sum([ids, wide]).dtype == torch.float64
