@@ -7,6 +7,7 @@ import torch
 
 from lightning_dp.clipping import ENGINES, make_clipping_engine
 from lightning_dp.clipping.engines.base import materialised_contribution
+from lightning_dp.clipping.engines.ghost import PANEL_ROWS, self_product
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
 from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum
 
@@ -112,3 +113,18 @@ def test_batch_sum_of_several_uses_adds_into_the_first_and_writes_no_term() -> N
         assert torch.equal(factor, copy)
     wide = Materialised(full.grad.double())
     assert batch_sum([ids, wide]).dtype == torch.float64
+
+
+@pytest.mark.parametrize("rows", [PANEL_ROWS - 1, PANEL_ROWS, PANEL_ROWS + 1, 2 * PANEL_ROWS + 3])
+def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> None:
+    """A long use's ``<L L^T, R R^T>`` from two panels per Gram matrix is the full product's (float64), and the
+    squared norm of the materialised per-sample gradient."""
+    gen = torch.Generator().manual_seed(4)
+    term = Factored(
+        torch.randn(3, rows, 7, generator=gen, dtype=torch.float64),
+        torch.randn(3, rows, 5, generator=gen, dtype=torch.float64),
+        torch.Size((7, 5)),
+    )
+    full = (term.left @ term.left.transpose(1, 2) * (term.right @ term.right.transpose(1, 2))).sum((1, 2))
+    torch.testing.assert_close(self_product(term), full, rtol=1e-12, atol=0)
+    torch.testing.assert_close(self_product(term), term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)

@@ -55,16 +55,35 @@ def merge_uses(terms: Sequence[Factored]) -> list[Factored]:
     ]
 
 
+#: A dense use of at least this many rows gets its Gram product from two panels (:func:`self_product`).
+PANEL_ROWS = 128
+
+
+def self_product(u: Factored) -> torch.Tensor:
+    """``<L L^T, R R^T>`` per sample for one use: ``[B]``. For a dense use of ``T >= PANEL_ROWS`` rows each symmetric
+    Gram matrix is formed as two panels, its first ``h = T // 2`` columns ``[B, T, h]`` and its lower-right block
+    ``[B, T - h, T - h]``, and the block below the diagonal, which the first panel holds once, is counted twice:
+    3/4 of the multiply-adds (docs/design.md section 12.6)."""
+    rows = u.right.shape[1]
+    if u.is_index or rows < PANEL_ROWS:
+        return (left_gram(u, u) * torch.bmm(u.right, u.right.transpose(1, 2))).sum((1, 2))
+    h = rows // 2
+    panel = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)) * torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
+    low_left, low_right = u.left[:, h:], u.right[:, h:]
+    corner = torch.bmm(low_left, low_left.transpose(1, 2)) * torch.bmm(low_right, low_right.transpose(1, 2))
+    return panel.sum((1, 2)) + panel[:, h:].sum((1, 2)) + corner.sum((1, 2))
+
+
 def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
     """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (after
     :func:`merge_uses`)."""
     terms = merge_uses(terms)
     total = terms[0].right.new_zeros(terms[0].right.shape[0])
     for i, u in enumerate(terms):
-        for j in range(i, len(terms)):
-            v = terms[j]
+        total = total + self_product(u)
+        for v in terms[i + 1 :]:
             cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
-            total = total + (cross if i == j else 2.0 * cross)
+            total = total + 2.0 * cross
     return total
 
 

@@ -30,7 +30,7 @@ def ghost_cost(terms: list[Factored]) -> int:
     cols = math.prod(terms[0].shape[1:])
     cost = 0
     for i, u in enumerate(terms):
-        for v in terms[i:]:  # each pair once, as gram_squared_norm computes it
+        for v in terms[i:]:  # each pair once (a long dense use pairs with itself at 3/4 of this: ghost.self_product)
             width = 1 if u.is_index or v.is_index else terms[0].shape[0]
             cost += u.right.shape[1] * v.right.shape[1] * (width + cols)
     return cost
