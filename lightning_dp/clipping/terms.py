@@ -173,12 +173,12 @@ class Factored:
         (:func:`~lightning_dp.clipping.clipped_sum.without_overflow`); should one overflow anyway, it stays infinite
         for the finite check of the sums, since the zeroing runs before the scaling.
         """
-        left, right = self._weighted(weights, writable)
         if self.is_index:
-            total = right.new_zeros(self.shape[0], right.shape[-1]).index_add_(0, left.reshape(-1), right)
-        else:
-            total = left.T @ right
-        return total.reshape(self.shape)
+            total = self.right.new_zeros(self.shape)
+            self.add_batch_sum(total, weights, writable)
+            return total
+        left, right = self._weighted(weights, writable)
+        return (left.T @ right).reshape(self.shape)
 
     def add_batch_sum(
         self, total: torch.Tensor, weights: torch.Tensor | None = None, writable: Writable | None = None
@@ -188,7 +188,7 @@ class Factored:
         left, right = self._weighted(weights, writable)
         rows = total.view(self.shape[0], right.shape[-1])
         if self.is_index:
-            rows.index_add_(0, left.reshape(-1), right.to(total.dtype))
+            rows.index_add_(0, left, right.to(total.dtype))
         else:
             rows.addmm_(left.T.to(total.dtype), right.to(total.dtype))
 
@@ -252,11 +252,11 @@ def term_elements(term: Term) -> int:
 def batch_sum(
     terms: Sequence[Term], weights: torch.Tensor | None = None, writable: Writable | None = None
 ) -> torch.Tensor:
-    """``sum_u sum_i w_i term_ui`` over a parameter's uses ``terms``: ``[*param.shape]`` in their promoted dtype. The
-    first use's :meth:`~Factored.batch_sum` is formed, the others are added into it in place (a tied embedding and
-    head share one buffer of the parameter's size)."""
+    """``sum_u sum_i w_i term_ui`` over a parameter's uses ``terms``: ``[*param.shape]`` in their promoted dtype,
+    contiguous. The first use's ``batch_sum`` is formed, the others' ``add_batch_sum`` add into it in place (a tied
+    embedding and head share one buffer of the parameter's size)."""
     dtype = functools.reduce(torch.promote_types, (term.dtype for term in terms))
-    total = terms[0].batch_sum(weights, writable).to(dtype)
+    total = terms[0].batch_sum(weights, writable).to(dtype, memory_format=torch.contiguous_format)
     for term in terms[1:]:
         term.add_batch_sum(total, weights, writable)
     return total

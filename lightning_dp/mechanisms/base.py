@@ -134,8 +134,15 @@ class NoiseMechanism(ABC):
     supports_secure: ClassVar[bool] = False
     #: True when :meth:`sample` draws every coordinate independently, with nothing shared within a call (unlike
     #: PLRV-O's scale, drawn once per call): a tensor may then be noised piece by piece
-    #: (:func:`~lightning_dp.mechanisms.sampling.add_in_pieces`), each piece from its own call.
+    #: (:func:`~lightning_dp.mechanisms.sampling.add_in_pieces`), each piece from its own call. Not inherited: a
+    #: subclass states it in its own body (:meth:`__init_subclass__`).
     piecewise: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every class opts in to :attr:`piecewise` itself: a subclass of a piecewise mechanism whose ``sample`` shares
+        a draw within a call must not inherit it."""
+        super().__init_subclass__(**kwargs)
+        cls.piecewise = cls.__dict__.get("piecewise", False)
 
     def __init__(self, max_grad_norm: float) -> None:
         validate_max_grad_norm(max_grad_norm)

@@ -9,7 +9,8 @@ tensors) on the same 64 examples, with the same privacy options, on the CPU in t
 
 (a) one Poisson sample per logical step: every micro-batch of an optimizer step comes from the same draw of the
     sampler, each step from a new one, and no draw is left unused (with and without gradient accumulation);
-(b) the noise once per step: one ``DPOptimizer.privatise`` per optimizer step, one mechanism draw per trainable tensor;
+(b) the noise once per step: one ``DPOptimizer.privatise`` per optimizer step, one mechanism draw per trainable tensor
+    (each smaller than a piece of noise drawn on the CPU, ``sampling.PIECE``);
 (c) equal epsilon for equal configurations: the single-process accountant's epsilon at the run's q and steps;
 (d) epsilon continues after resume: 2 steps, a checkpoint, resumed to 4: the steps and epsilon of 4 steps;
 (e) the per-sample hooks are removed after fit;

@@ -52,6 +52,7 @@ from torch import nn
 
 from lightning_dp import WSConv2d
 from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping.engines import ghost
 from lightning_dp.clipping.layers.positional import SharedPositionAdd, SharedTokenPrepend
 
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -637,4 +638,22 @@ def test_crafted_example(case_name: str, engine: str, dtype_name: str, train: st
 
 @pytest.mark.parametrize(ARGS, list(_params(slow=True)))
 def test_crafted_example_full_grid(case_name: str, engine: str, dtype_name: str, train: str, kind: Kind):
+    _check(case_name, engine, dtype_name, train, kind)
+
+
+def _panel_params() -> Iterator[object]:
+    """The default run's ghost cases of the kinds that cancel or align with a weight row, both dtypes."""
+    for param in _params(slow=False):
+        _, engine, _, _, kind = param.values
+        if engine == "ghost" and kind.label.startswith(("cancel", "row")):
+            yield pytest.param(*param.values, id=f"{param.id}-panels")
+
+
+@pytest.mark.parametrize(ARGS, list(_panel_params()))
+def test_crafted_example_with_gram_panels(
+    monkeypatch: pytest.MonkeyPatch, case_name: str, engine: str, dtype_name: str, train: str, kind: Kind
+):
+    """The same bound with every dense use of two rows or more pairing with itself through two Gram panels
+    (``ghost.self_product``, which in use starts at 128 rows, more than these tensors have)."""
+    monkeypatch.setattr(ghost, "PANEL_ROWS", 2)
     _check(case_name, engine, dtype_name, train, kind)

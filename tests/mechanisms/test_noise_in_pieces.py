@@ -87,3 +87,16 @@ def test_the_optimizer_draws_a_gaussian_in_pieces(monkeypatch):
     monkeypatch.setattr(sampling, "sample_gaussian", counting)
     _privatised("gaussian", 100, noise_multiplier=1.0)
     assert calls == [32, 32, 36]
+
+
+def test_a_subclass_of_the_gaussian_is_not_piecewise_unless_it_says_so():
+    """A subclass's ``sample`` may share a draw within a call (a random scale): it opts in itself."""
+    from lightning_dp.mechanisms.gaussian import GaussianMechanism
+
+    class ScaledGaussian(GaussianMechanism):
+        pass
+
+    class StillPiecewise(GaussianMechanism):
+        piecewise = True
+
+    assert GaussianMechanism.piecewise and not ScaledGaussian.piecewise and StillPiecewise.piecewise
