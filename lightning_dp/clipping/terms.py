@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeGuard, cast
 
 import torch
@@ -110,6 +110,9 @@ class Factored:
     left: torch.Tensor
     right: torch.Tensor
     shape: torch.Size
+    #: ``[||L_i||_F^2, ||R_i||_F^2]`` (each ``[B]``) once an engine that formed the Gram matrices has noted their
+    #: diagonals (:meth:`note_factor_squares`); empty until then.
+    _factor_squares: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def device(self) -> torch.device:
@@ -119,10 +122,19 @@ class Factored:
     def dtype(self) -> torch.dtype:
         return self.right.dtype
 
+    def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor) -> None:
+        """Keep ``||L_i||_F^2`` and ``||R_i||_F^2`` (``[B]`` each, the traces of ``L_i L_i^T`` and ``R_i R_i^T``) for
+        the l2 :meth:`rounding_scales`, which then reads no factor again (docs/design.md section 4.10)."""
+        self._factor_squares[:] = [left, right]
+
     def rounding_scales(self, norm: int) -> torch.Tensor:
         """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
-        (:meth:`Materialised.rounding_scales`); a one-hot row has norm 1.
+        (:meth:`Materialised.rounding_scales`); a one-hot row has norm 1. In l2, ``||L_i||_F ||R_i||_F``, from the
+        squares :meth:`note_factor_squares` kept where an engine noted them.
         """
+        if norm == 2 and self._factor_squares:
+            left, right = self._factor_squares
+            return left.sqrt() * right.sqrt()
         if self.is_index:
             if norm == 1:
                 return torch.linalg.vector_norm(self.right, 1, dim=(1, 2))

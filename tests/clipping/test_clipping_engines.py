@@ -7,9 +7,9 @@ import torch
 
 from lightning_dp.clipping import ENGINES, make_clipping_engine
 from lightning_dp.clipping.engines.base import materialised_contribution
-from lightning_dp.clipping.engines.ghost import PANEL_ROWS, self_product
+from lightning_dp.clipping.engines.ghost import MERGE_ROWS, PANEL_ROWS, gram_squared_norm, self_product
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
-from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum
+from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum, product_scale
 
 
 def _linear_term(batch: int, seq: int, rows: int, cols: int, device: str = "meta") -> Factored:
@@ -126,5 +126,49 @@ def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> Non
         torch.Size((7, 5)),
     )
     full = (term.left @ term.left.transpose(1, 2) * (term.right @ term.right.transpose(1, 2))).sum((1, 2))
-    torch.testing.assert_close(self_product(term), full, rtol=1e-12, atol=0)
-    torch.testing.assert_close(self_product(term), term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)
+    product, left_diagonal, right_diagonal = self_product(term)
+    torch.testing.assert_close(product, full, rtol=1e-12, atol=0)
+    torch.testing.assert_close(product, term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)
+    torch.testing.assert_close(left_diagonal, term.left.square().sum(2), rtol=1e-12, atol=0)
+    torch.testing.assert_close(right_diagonal, term.right.square().sum(2), rtol=1e-12, atol=0)
+
+
+def _dense_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
+    left = torch.randn(3, rows, 9, generator=gen, dtype=dtype)
+    return Factored(left, torch.randn(3, rows, 6, generator=gen, dtype=dtype), torch.Size((9, 6)))
+
+
+def _ids_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
+    ids = torch.randint(0, 9, (3, rows), generator=gen)
+    return Factored(ids, torch.randn(3, rows, 6, generator=gen, dtype=dtype), torch.Size((9, 6)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "uses",
+    [
+        [("dense", PANEL_ROWS + 3)],  # two panels
+        [("dense", 5)],
+        [("ids", 7)],
+        [("dense", 4), ("dense", 6), ("ids", 3), ("ids", 5), ("dense", PANEL_ROWS)],  # merged groups of each kind
+        [("dense", MERGE_ROWS - 2), ("dense", 3)],  # the second use starts a group of its own
+    ],
+)
+def test_ghost_rounding_scales_come_from_the_gram_diagonals(uses: list[tuple[str, int]], dtype: torch.dtype) -> None:
+    """After the ghost norm, each use's l2 rounding scale ``||L_i||_F ||R_i||_F`` is read from the Gram diagonals of
+    its own rows (merged uses split back), equal to the factors' norms (a one-hot row has norm 1); l1 is unchanged."""
+    gen = torch.Generator().manual_seed(6)
+    terms = [(_dense_use if kind == "dense" else _ids_use)(gen, rows, dtype) for kind, rows in uses]
+    fresh = [Factored(t.left, t.right, t.shape) for t in terms]
+    expected = [
+        t.right.norm(dim=(1, 2)) * (t.right.shape[1] ** 0.5 if t.is_index else t.left.norm(dim=(1, 2))) for t in terms
+    ]
+    before = [t.rounding_scales(1) for t in fresh]
+    gram_squared_norm(terms)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    for term, fresh_term, scale, l1 in zip(terms, fresh, expected, before, strict=True):
+        torch.testing.assert_close(term.rounding_scales(2), scale, rtol=rtol, atol=0)
+        torch.testing.assert_close(fresh_term.rounding_scales(2), scale, rtol=rtol, atol=0)  # not noted: by norms
+        torch.testing.assert_close(term.rounding_scales(1), l1, rtol=0, atol=0)
+        if not term.is_index:
+            torch.testing.assert_close(product_scale(term.left, term.right, 2), scale, rtol=rtol, atol=0)

@@ -31,10 +31,9 @@ def left_gram(u: Factored, v: Factored) -> torch.Tensor:
 MERGE_ROWS = 256
 
 
-def merge_uses(terms: Sequence[Factored]) -> list[Factored]:
-    """Concatenate consecutive uses of the same kind (dense or ids) along the sequence, up to ``max(MERGE_ROWS, longest
-    use)`` rows each (exact: ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``).
-    """
+def merge_uses(terms: Sequence[Factored]) -> list[list[Factored]]:
+    """Consecutive uses of the same kind (dense or ids), grouped up to ``max(MERGE_ROWS, longest use)`` rows each; a
+    group's uses are concatenated along the sequence (:func:`concatenated`)."""
     limit = max(MERGE_ROWS, max(term.right.shape[1] for term in terms))
     merged: list[list[Factored]] = []
     for term in terms:
@@ -47,41 +46,62 @@ def merge_uses(terms: Sequence[Factored]) -> list[Factored]:
             last.append(term)
         else:
             merged.append([term])
-    return [
-        group[0]
-        if len(group) == 1
-        else Factored(torch.cat([t.left for t in group], 1), torch.cat([t.right for t in group], 1), group[0].shape)
-        for group in merged
-    ]
+    return merged
+
+
+def concatenated(group: Sequence[Factored]) -> Factored:
+    """One use standing for ``group`` (exact: ``sum_u L_u^T R_u = cat_u(L_u)^T cat_u(R_u)``)."""
+    if len(group) == 1:
+        return group[0]
+    return Factored(torch.cat([t.left for t in group], 1), torch.cat([t.right for t in group], 1), group[0].shape)
 
 
 #: A dense use of at least this many rows gets its Gram product from two panels (:func:`self_product`).
 PANEL_ROWS = 128
 
 
-def self_product(u: Factored) -> torch.Tensor:
-    """``<L L^T, R R^T>`` per sample for one use: ``[B]``. For a dense use of ``T >= PANEL_ROWS`` rows each symmetric
-    Gram matrix is formed as two panels, its first ``h = T // 2`` columns ``[B, T, h]`` and its lower-right block
-    ``[B, T - h, T - h]``, and the block below the diagonal, which the first panel holds once, is counted twice:
-    3/4 of the multiply-adds (docs/design.md section 12.6)."""
+def _diagonal(gram: torch.Tensor) -> torch.Tensor:
+    """``[B, n]``: the diagonal of each sample's square Gram block ``[B, n, n]``."""
+    return gram.diagonal(dim1=1, dim2=2)
+
+
+def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``<L L^T, R R^T>`` per sample for one use, ``[B]``, and the diagonals of ``L L^T`` and ``R R^T``, ``[B, T]``
+    each (the factors' squared row norms, for the rounding scales). For a dense use of ``T >= PANEL_ROWS`` rows each
+    symmetric Gram matrix is formed as two panels, its first ``h = T // 2`` columns ``[B, T, h]`` and its
+    lower-right block ``[B, T - h, T - h]``, and the block below the diagonal, which the first panel holds once, is
+    counted twice: 3/4 of the multiply-adds (docs/design.md section 12.6)."""
     rows = u.right.shape[1]
     if u.is_index or rows < PANEL_ROWS:
-        return (left_gram(u, u) * torch.bmm(u.right, u.right.transpose(1, 2))).sum((1, 2))
+        left, right = left_gram(u, u), torch.bmm(u.right, u.right.transpose(1, 2))
+        return (left * right).sum((1, 2)), _diagonal(left), _diagonal(right)
     h = rows // 2
-    panel = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)) * torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
+    left, right = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)), torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
     low_left, low_right = u.left[:, h:], u.right[:, h:]
-    corner = torch.bmm(low_left, low_left.transpose(1, 2)) * torch.bmm(low_right, low_right.transpose(1, 2))
-    return panel.sum((1, 2)) + panel[:, h:].sum((1, 2)) + corner.sum((1, 2))
+    corner_left = torch.bmm(low_left, low_left.transpose(1, 2))
+    corner_right = torch.bmm(low_right, low_right.transpose(1, 2))
+    panel, corner = left * right, corner_left * corner_right
+    product = panel.sum((1, 2)) + panel[:, h:].sum((1, 2)) + corner.sum((1, 2))
+    left_diagonal = torch.cat([_diagonal(left[:, :h]), _diagonal(corner_left)], 1)
+    return product, left_diagonal, torch.cat([_diagonal(right[:, :h]), _diagonal(corner_right)], 1)
 
 
 def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
-    """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (after
-    :func:`merge_uses`)."""
-    terms = merge_uses(terms)
-    total = terms[0].right.new_zeros(terms[0].right.shape[0])
-    for i, u in enumerate(terms):
-        total = total + self_product(u)
-        for v in terms[i + 1 :]:
+    """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (over the groups of
+    :func:`merge_uses`). Each use gets its factors' squared norms from the Gram diagonals
+    (:meth:`~lightning_dp.clipping.terms.Factored.note_factor_squares`)."""
+    groups = merge_uses(terms)
+    uses = [concatenated(group) for group in groups]
+    total = uses[0].right.new_zeros(uses[0].right.shape[0])
+    for i, (group, u) in enumerate(zip(groups, uses, strict=True)):
+        product, left_diagonal, right_diagonal = self_product(u)
+        start = 0
+        for term in group:
+            rows = slice(start, start + term.right.shape[1])
+            term.note_factor_squares(left_diagonal[:, rows].sum(1), right_diagonal[:, rows].sum(1))
+            start = rows.stop
+        total = total + product
+        for v in uses[i + 1 :]:
             cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
             total = total + 2.0 * cross
     return total
