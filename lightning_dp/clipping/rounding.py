@@ -52,6 +52,14 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
     return torch.nan_to_num(bound, nan=math.inf, posinf=math.inf)
 
 
+def underflow_scale(underflow: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """The squared rounding scale ``a^2 / r`` (``r = 128 epsilon``) whose share ``r S^2`` of the bound
+    (:func:`rounded_norm_bound`) is ``a^2``: ``underflow`` ``[B]``, a bound ``a^2`` on what underflow took from a
+    squared norm (:func:`~lightning_dp.clipping.terms.gram_underflow`), in the units of the squared scales.
+    """
+    return underflow / (ROUNDING_EPSILONS * epsilon)
+
+
 #: Logged once per clipper whose trainable parameters include FSDP2-sharded ones in a 16-bit dtype (``%s``: the
 #: dtypes). Unsharded 16-bit parameters keep their clipped sum in float32 (:mod:`~.float32_sums`) and are cast only
 #: after the noise, which is post-processing; sharded ones still round the sum into their ``.grad``.

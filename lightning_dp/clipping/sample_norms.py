@@ -21,8 +21,9 @@ from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.registry import MisplacedParametersError, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.recomputation import reentrant_refused
+from lightning_dp.clipping.rounding import underflow_scale
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
-from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.terms import Term, gram_underflow
 
 
 @dataclass
@@ -89,6 +90,9 @@ class SampleNormsMixin:
 
         @property
         def _norm_dtype(self) -> torch.dtype: ...  # PerSampleClipper's
+
+        @property
+        def _rounding_epsilon(self) -> float: ...  # PerSampleClipper's
 
     def _group_count(self) -> int:
         """``G``, the number of clipping groups (1 for flat clipping)."""
@@ -325,7 +329,12 @@ class SampleNormsMixin:
                 # from the first use on (no ``0 +``: one add fewer per parameter, the same bits)
                 uses = [term.rounding_scales(self.norm).to(dtype) for term in param_terms]
                 scale = functools.reduce(operator.add, uses[1:], uses[0])
-                scales[clip_group] = scales[clip_group] + (scale.square() if self.norm == 2 else scale)
+                if self.norm == 2:
+                    scale = scale.square()
+                    underflow = gram_underflow(param_terms)
+                    if underflow is not None:  # Gram-product norms: their underflow, as a squared scale
+                        scale = scale + underflow_scale(underflow.to(dtype), self._rounding_epsilon)
+                scales[clip_group] = scales[clip_group] + scale
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, group, grads))
         total, scale = torch.stack(totals), torch.stack(scales)

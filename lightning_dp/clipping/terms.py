@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard, cast
@@ -110,9 +111,11 @@ class Factored:
     left: torch.Tensor
     right: torch.Tensor
     shape: torch.Size
-    #: ``[||L_i||_F^2, ||R_i||_F^2]`` (each ``[B]``) once an engine that formed the Gram matrices has noted their
-    #: diagonals (:meth:`note_factor_squares`); empty until then.
-    _factor_squares: list[torch.Tensor] = field(default_factory=list, init=False, repr=False, compare=False)
+    #: ``(||L_i||_F^2, ||R_i||_F^2)`` (each ``[B]``) once an engine that formed the Gram matrices has noted their
+    #: diagonals (:meth:`note_factor_squares`); ``None`` until then.
+    _factor_squares: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def device(self) -> torch.device:
@@ -125,15 +128,31 @@ class Factored:
     def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor) -> None:
         """Keep ``||L_i||_F^2`` and ``||R_i||_F^2`` (``[B]`` each, the traces of ``L_i L_i^T`` and ``R_i R_i^T``) for
         the l2 :meth:`rounding_scales`, which then reads no factor again (docs/design.md section 4.10)."""
-        self._factor_squares[:] = [left, right]
+        object.__setattr__(self, "_factor_squares", (left, right))  # frozen: set once per engine call
+
+    @property
+    def noted(self) -> bool:
+        """Whether an engine noted the factors' squares (:meth:`note_factor_squares`)."""
+        return self._factor_squares is not None
+
+    @property
+    def factor_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(||L_i||_F^2, ||R_i||_F^2)``, ``[B]`` each, as noted (:meth:`note_factor_squares`).
+
+        Raises:
+            ValueError: no engine noted them.
+        """
+        if self._factor_squares is None:
+            raise ValueError("no engine noted this term's factor squares")
+        return self._factor_squares
 
     def rounding_scales(self, norm: int) -> torch.Tensor:
         """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
         (:meth:`Materialised.rounding_scales`); a one-hot row has norm 1. In l2, ``||L_i||_F ||R_i||_F``, from the
         squares :meth:`note_factor_squares` kept where an engine noted them.
         """
-        if norm == 2 and self._factor_squares:
-            left, right = self._factor_squares
+        if norm == 2 and self.noted:
+            left, right = self.factor_squares
             return left.sqrt() * right.sqrt()
         if self.is_index:
             if norm == 1:
@@ -238,6 +257,26 @@ def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.T
     if norm == 1:
         return (vector_norm(left, 1, dim=-1) * vector_norm(right, 1, dim=-1)).sum(1)
     return vector_norm(left, dim=(1, 2)) * vector_norm(right, dim=(1, 2))
+
+
+def gram_underflow(terms: Sequence[Term]) -> torch.Tensor | None:
+    """``[B]``: ``a_i^2``, a bound on what underflow can take from the squared l2 norm of ``sum_u L_u^T R_u`` when an
+    engine formed it from Gram matrices and noted the factors' squares (:meth:`Factored.note_factor_squares`); ``None``
+    when not every term was so noted. With ``tau`` the dtype's smallest normal number, ``T`` the rows of all uses,
+    ``P x Q`` the parameter: ``a_i^2 = 4 tau T (P sum_u ||R_ui||_F^2 + Q sum_u ||L_ui||_F^2 + T)``. A Gram entry's
+    dot product loses at most ``2 P tau`` (``2 Q tau``) to underflow, flushed to zero or not, and ``sum_{t,s}
+    |r_t . r_s| <= T ||R||_F^2``; the rest covers the products of the entries and their sums (docs/design.md section
+    4.10).
+    """
+    if not all(isinstance(term, Factored) and term.noted for term in terms):
+        return None
+    factored = cast(list[Factored], terms)
+    left = functools.reduce(operator.add, (term.factor_squares[0] for term in factored))
+    right = functools.reduce(operator.add, (term.factor_squares[1] for term in factored))
+    rows = sum(term.right.shape[1] for term in factored)
+    shape = factored[0].shape
+    scale = 4 * torch.finfo(factored[0].dtype).tiny * rows
+    return right * (scale * shape[0]) + left * (scale * math.prod(shape[1:])) + scale * rows
 
 
 def product_scales(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

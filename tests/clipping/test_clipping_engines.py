@@ -126,11 +126,11 @@ def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> Non
         torch.Size((7, 5)),
     )
     full = (term.left @ term.left.transpose(1, 2) * (term.right @ term.right.transpose(1, 2))).sum((1, 2))
-    product, left_diagonal, right_diagonal = self_product(term)
+    product, diagonals = self_product(term)
     torch.testing.assert_close(product, full, rtol=1e-12, atol=0)
     torch.testing.assert_close(product, term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)
-    torch.testing.assert_close(left_diagonal, term.left.square().sum(2), rtol=1e-12, atol=0)
-    torch.testing.assert_close(right_diagonal, term.right.square().sum(2), rtol=1e-12, atol=0)
+    squares = torch.stack([term.left.square().sum(2), term.right.square().sum(2)])
+    torch.testing.assert_close(diagonals, squares, rtol=1e-12, atol=0)
 
 
 def _dense_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:

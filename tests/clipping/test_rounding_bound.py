@@ -220,3 +220,26 @@ def test_unsharded_half_precision_parameters_are_not_warned_about(dtype, caplog:
         PerSampleClipper(model, max_grad_norm=1.0)
     assert not [r for r in caplog.records if "rounded to that dtype" in r.getMessage()]
     assert "FSDP2-sharded" in HALF_PRECISION_WARNING
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("clipping", "seq"), [("ghost", 64), ("ghost", 130), ("fgc", 1), ("mixed", 4)])
+def test_activations_whose_squares_underflow_move_the_release_by_at_most_c(
+    clipping: str, seq: int, dtype: torch.dtype
+) -> None:
+    """An example whose activations are so small that their squares underflow (float32: 2.5e-23) and whose output
+    gradients are as large as the squares allow: its Gram matrix ``L L^T`` is 0, so its ghost norm and rounding scale
+    were 0 and it was added unclipped (27 ``C`` in float32 at ``T = 64``), while its gradient ``L^T R`` is well
+    within range. The underflow bound of the Gram-product norms (``terms.gram_underflow``) keeps it within ``C``;
+    ``T = 130`` runs the Gram panels; ``mixed`` takes the ghost norm at ``T = 4`` (a 4 x 64 weight)."""
+    tiny, huge = (2.5e-23, 1.7e19) if dtype == torch.float32 else (1e-162, 1.3e154)
+    layer = nn.Linear(64, 4, bias=False).to(dtype)
+    x = torch.randn(2, seq, 64, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    x[0] = 0.0  # the first example contributes nothing: the sum is the crafted example's contribution
+    x[1] = tiny
+    weights = torch.ones(2, seq, 4, dtype=dtype) * huge / (seq * 4) ** 0.5
+    true_norm = float(torch.linalg.vector_norm(x[1].double().T @ weights[1].double()))
+    bound = true_norm / 20  # so that an unclipped example would move the release by 20 C
+    clipper = PerSampleClipper(layer, clipping=clipping, max_grad_norm=bound, sum_check_every=None)
+    clipper.backward((layer(x) * weights).sum((1, 2)))
+    assert float(layer.weight.grad.double().norm()) <= bound * (1 + 1e-4)

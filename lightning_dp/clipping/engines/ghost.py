@@ -60,30 +60,35 @@ def concatenated(group: Sequence[Factored]) -> Factored:
 PANEL_ROWS = 128
 
 
-def _diagonal(gram: torch.Tensor) -> torch.Tensor:
-    """``[B, n]``: the diagonal of each sample's square Gram block ``[B, n, n]``."""
-    return gram.diagonal(dim1=1, dim2=2)
+def _diagonals(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``[2, B, n]``: the diagonals of the square Gram blocks ``left`` and ``right`` ``[B, n, n]``, copied (the blocks
+    can be freed)."""
+    return torch.stack([left.diagonal(dim1=1, dim2=2), right.diagonal(dim1=1, dim2=2)])
 
 
-def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``<L L^T, R R^T>`` per sample for one use, ``[B]``, and the diagonals of ``L L^T`` and ``R R^T``, ``[B, T]``
-    each (the factors' squared row norms, for the rounding scales). For a dense use of ``T >= PANEL_ROWS`` rows each
+def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor]:
+    """``<L L^T, R R^T>`` per sample for one use, ``[B]``, and the diagonals of ``L L^T`` and ``R R^T``, ``[2, B, T]``
+    (the factors' squared row norms, for the rounding scales). For a dense use of ``T >= PANEL_ROWS`` rows each
     symmetric Gram matrix is formed as two panels, its first ``h = T // 2`` columns ``[B, T, h]`` and its
     lower-right block ``[B, T - h, T - h]``, and the block below the diagonal, which the first panel holds once, is
-    counted twice: 3/4 of the multiply-adds (docs/design.md section 12.6)."""
+    counted twice: 3/4 of the multiply-adds (docs/design.md section 12.6). At most one pair of Gram blocks is held
+    at a time, multiplied in place."""
     rows = u.right.shape[1]
     if u.is_index or rows < PANEL_ROWS:
         left, right = left_gram(u, u), torch.bmm(u.right, u.right.transpose(1, 2))
-        return (left * right).sum((1, 2)), _diagonal(left), _diagonal(right)
+        diagonals = _diagonals(left, right)
+        return left.mul_(right).sum((1, 2)), diagonals
     h = rows // 2
     left, right = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)), torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
+    top = _diagonals(left[:, :h], right[:, :h])
+    panel = left.mul_(right)
+    del left, right
+    product = panel.sum((1, 2)) + panel[:, h:].sum((1, 2))
+    del panel
     low_left, low_right = u.left[:, h:], u.right[:, h:]
-    corner_left = torch.bmm(low_left, low_left.transpose(1, 2))
-    corner_right = torch.bmm(low_right, low_right.transpose(1, 2))
-    panel, corner = left * right, corner_left * corner_right
-    product = panel.sum((1, 2)) + panel[:, h:].sum((1, 2)) + corner.sum((1, 2))
-    left_diagonal = torch.cat([_diagonal(left[:, :h]), _diagonal(corner_left)], 1)
-    return product, left_diagonal, torch.cat([_diagonal(right[:, :h]), _diagonal(corner_right)], 1)
+    left, right = torch.bmm(low_left, low_left.transpose(1, 2)), torch.bmm(low_right, low_right.transpose(1, 2))
+    low = _diagonals(left, right)
+    return product + left.mul_(right).sum((1, 2)), torch.cat([top, low], 2)
 
 
 def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
@@ -94,12 +99,13 @@ def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
     uses = [concatenated(group) for group in groups]
     total = uses[0].right.new_zeros(uses[0].right.shape[0])
     for i, (group, u) in enumerate(zip(groups, uses, strict=True)):
-        product, left_diagonal, right_diagonal = self_product(u)
+        product, diagonals = self_product(u)
         start = 0
         for term in group:
             rows = slice(start, start + term.right.shape[1])
-            term.note_factor_squares(left_diagonal[:, rows].sum(1), right_diagonal[:, rows].sum(1))
+            term.note_factor_squares(*diagonals[:, :, rows].sum(2))
             start = rows.stop
+        del diagonals
         total = total + product
         for v in uses[i + 1 :]:
             cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
