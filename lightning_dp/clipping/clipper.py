@@ -40,7 +40,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily
-from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_factors, unscale_norms
+from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_bound, unscale_factors, unscale_norms
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -330,9 +330,12 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
             del batch_grads
-            totals, scales = unscale_norms(totals, scales, self._loss_scale, self.norm)
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
+            # in the backward's scaled units, then unscaled (loss_scaling.unscale_bound)
+            bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
+            bound = unscale_bound(bound, self._loss_scale)
+            totals = unscale_norms(totals, self._loss_scale, self.norm)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
@@ -347,7 +350,6 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 self.sum_check_postponed = not all_finite
             self._count_check(all_finite)  # a check over non-finite samples says nothing: due again next batch
             if kept is not None:  # accumulate
-                bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
                 # a dropped sample gets factor 0, non-finite entries are zeroed: always, so that no step reads keep
                 factors = clip_factors(bound, self._group_bounds(), self.clipping_fn, self.automatic_clipping_gamma)
                 factors = torch.where(keep, factors, 0)  # [G, B]

@@ -3,9 +3,10 @@
 Under float16 autocast the clipper's backward (one ``torch.autograd.grad`` of ``S sum_i loss_i`` to the captured
 output edges) runs with a fixed power of two ``S``, so that small per-example output gradients do not underflow in
 float16. Everything the clipper forms from the captures is linear in the output gradients, so the unscaling is exact
-(a power of two) and done in the float32 per-sample arithmetic: squared l2 norms and their rounding scales are divided
-by ``S^2`` (l1: by ``S``), and the clip factors of the clipped sum by ``S``. An example whose scaled output gradient
-overflows float16 has a non-finite norm and is dropped like any non-finite example (factor 0, ``dropped_nonfinite``).
+(a power of two) and done in the float32 per-sample arithmetic: squared l2 norms are divided by ``S^2`` (l1: by
+``S``), their bounds (rounding included) by ``S`` once formed, and the clip factors of the clipped sum by ``S``. An
+example whose scaled output gradient overflows float16 has a non-finite norm and is dropped like any non-finite
+example (factor 0, ``dropped_nonfinite``).
 
 ``S`` is a constant, never adapted to overflows: which examples are dropped is then a function of each example alone
 (and of the public model), and nothing about it is released but through the noised sum. The trainer's own
@@ -39,25 +40,20 @@ def validate_loss_scale(scale: float) -> float:
     return float(scale)
 
 
-def unscale_norms(
-    totals: torch.Tensor, scales: torch.Tensor, loss_scale: float, norm: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-sample norms and rounding scales of a backward scaled by ``loss_scale``, in unscaled units.
-
-    Args:
-        totals: ``[G, B]``, squared l2 norms (``norm=2``) or l1 norms of the scaled terms (float32/float64).
-        scales: ``[G, B]``, their squared rounding scales (``norm=2``) or rounding scales (``norm=1``).
-        loss_scale: ``S``, a power of two (1: returned unchanged).
-        norm: 2 or 1.
-
-    Returns:
-        ``(totals / S^2, scales / S^2)`` for ``norm=2``, ``(totals / S, scales / S)`` for ``norm=1``; exact (a power
-        of two) unless a value is subnormal; a non-finite value stays non-finite.
-    """
+def unscale_norms(totals: torch.Tensor, loss_scale: float, norm: int) -> torch.Tensor:
+    """The per-sample norms ``totals`` ``[G, B]`` of a backward scaled by ``loss_scale`` (``S``, a power of two; 1:
+    returned unchanged), squared l2 (``norm=2``) or l1, in unscaled units: ``totals / S^2`` or ``totals / S``; exact
+    unless a value is subnormal, a non-finite value stays non-finite."""
     if loss_scale == 1.0:
-        return totals, scales
-    divisor = loss_scale**2 if norm == 2 else loss_scale
-    return totals / divisor, scales / divisor
+        return totals
+    return totals / (loss_scale**2 if norm == 2 else loss_scale)
+
+
+def unscale_bound(bound: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """The norm bounds ``nu`` ``[G, B]`` (:func:`~.rounding.rounded_norm_bound`) of a backward scaled by ``loss_scale``
+    in unscaled units, ``nu / S``. The bound is formed in the scaled units first: its share ``r S^2`` of an unscaled
+    squared scale could be subnormal, and flushed to zero under ``torch.set_flush_denormal(True)``."""
+    return bound if loss_scale == 1.0 else bound / loss_scale
 
 
 def unscale_factors(factors: torch.Tensor, loss_scale: float) -> torch.Tensor:

@@ -55,7 +55,7 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
 def underflow_scale(underflow: torch.Tensor, epsilon: float) -> torch.Tensor:
     """The squared rounding scale ``a^2 / r`` (``r = 128 epsilon``) whose share ``r S^2`` of the bound
     (:func:`rounded_norm_bound`) is ``a^2``: ``underflow`` ``[B]``, a bound ``a^2`` on what underflow took from a
-    squared norm (:func:`~lightning_dp.clipping.terms.gram_underflow`), in the units of the squared scales.
+    squared norm (:func:`~lightning_dp.clipping.terms.underflow_bound`), in the units of the squared scales.
     """
     return underflow / (ROUNDING_EPSILONS * epsilon)
 

@@ -23,7 +23,7 @@ from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.recomputation import reentrant_refused
 from lightning_dp.clipping.rounding import underflow_scale
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
-from lightning_dp.clipping.terms import Term, gram_underflow
+from lightning_dp.clipping.terms import Term, underflow_bound
 
 
 @dataclass
@@ -329,11 +329,9 @@ class SampleNormsMixin:
                 # from the first use on (no ``0 +``: one add fewer per parameter, the same bits)
                 uses = [term.rounding_scales(self.norm).to(dtype) for term in param_terms]
                 scale = functools.reduce(operator.add, uses[1:], uses[0])
-                if self.norm == 2:
-                    scale = scale.square()
-                    underflow = gram_underflow(param_terms)
-                    if underflow is not None:  # Gram-product norms: their underflow, as a squared scale
-                        scale = scale + underflow_scale(underflow.to(dtype), self._rounding_epsilon)
+                if self.norm == 2:  # with the norm's underflow, as a squared scale
+                    underflow = underflow_scale(underflow_bound(param_terms).to(dtype), self._rounding_epsilon)
+                    scale = scale.square() + underflow
                 scales[clip_group] = scales[clip_group] + scale
             if kept is not None:
                 kept.append(self._kept_for_sum(terms, group, grads))
