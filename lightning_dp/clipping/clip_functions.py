@@ -3,7 +3,9 @@
 ``"abadi"`` (default): ``c_i = min(1, C / (nu_i + 1e-6))`` (Abadi et al. 2016, Algorithm 1). ``"automatic"``: ``c_i =
 C / (nu_i + gamma)`` (Bu et al. 2023, "Automatic Clipping: Differentially Private Deep Learning Made Easier and
 Stronger", NeurIPS, Section 4, with fastDP's ``clipping_fn="automatic"`` and its stability constant ``gamma = 0.01``);
-``gamma = 0`` is normalised SGD (Das et al. 2023), where a unit whose bound ``nu_i`` is 0 gets factor 0. ``nu_i`` is the
+``gamma = 0`` is normalised SGD (Das et al. 2023). A ``gamma`` below ``1e-6`` counts as ``1e-6``, the standard factor's
+constant: what underflow takes from a norm is absolute, and divided by ``nu_i`` alone could exceed ``C`` (docs/design.md
+section 4.10). ``nu_i`` is the
 rounding bound of section 4.10 (:func:`~.rounding.rounded_norm_bound`), the automatic factor never exceeds the
 standard one's ``C / nu_i`` as computed, and the sensitivity ``C`` (per group ``C_g``) of the clipped sum is the same
 for both.
@@ -75,13 +77,13 @@ def clip_factors(
     bounds ``C_g`` (groups: He et al. 2022, Section 3).
 
     ``"abadi"``: ``min(1, C_g / (nu_gi + 1e-6))`` (Abadi et al. 2016, Algorithm 1). ``"automatic"``: ``C_g / (nu_gi +
-    gamma)`` (Bu et al. 2023, Section 4), where a factor that is not finite (``0 / 0`` for a zero bound with ``gamma =
-    0``, or an overflow for a bound below ``C_g / float max``) is 0. Both are at most ``C_g / nu_gi`` as computed, so
-    ``c_gi nu_gi <= C_g (1 + eps)`` (the factor's own rounding, within the margin of ``nu_gi``) holds for both alike
-    (docs/design.md sections 4.10 and 4.11).
+    max(gamma, 1e-6))`` (Bu et al. 2023, Section 4), where a factor that is not finite (a non-finite bound) is 0.
+    Both are at most ``C_g / nu_gi`` as computed, so ``c_gi nu_gi <= C_g (1 + eps)`` (the factor's own rounding,
+    within the margin of ``nu_gi``) holds for both alike (docs/design.md sections 4.10 and 4.11).
     """
     if clipping_fn == "automatic":
+        floor = max(gamma, _EPS)
         return torch.stack(
-            [(bound / (n + gamma)).nan_to_num(nan=0.0, posinf=0.0) for bound, n in zip(bounds, norms, strict=True)]
+            [(bound / (n + floor)).nan_to_num(nan=0.0, posinf=0.0) for bound, n in zip(bounds, norms, strict=True)]
         )
     return torch.stack([(bound / (n + _EPS)).clamp(max=1.0) for bound, n in zip(bounds, norms, strict=True)])

@@ -89,7 +89,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         clipping_fn: the clip function, ``"abadi"`` (default, ``min(1, C / n)``) or ``"automatic"`` (``C / (n +
             gamma)``, Bu et al. 2023; :mod:`~.clip_functions`); the sensitivity is ``C`` (per group ``C_g``) for both.
         automatic_clipping_gamma: ``gamma >= 0`` of automatic clipping, in gradient-norm units (default 0.01; 0:
-            normalised SGD, Das et al. 2023).
+            normalised SGD, Das et al. 2023; below ``1e-6`` it counts as ``1e-6``).
 
     Raises:
         ValueError: unknown engine; ``norm`` not in {1, 2} or ``norm=1`` with an engine other than ``flat``; a bound

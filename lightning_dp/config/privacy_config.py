@@ -287,8 +287,9 @@ class PrivacyConfig:
     automatic_clipping_gamma: float = _option(
         DEFAULT_AUTOMATIC_CLIPPING_GAMMA,
         "gamma >= 0 of ``clipping_fn='automatic'``, in gradient-norm units: the stability constant of Bu et al. "
-        "2023 (0.01, fastDP's default); 0 is normalised SGD (Das et al. 2023), where a zero gradient gets factor "
-        "0. Ignored by ``'abadi'``.",
+        "2023 (0.01, fastDP's default); 0 is normalised SGD (Das et al. 2023). Below 1e-6 it counts as 1e-6, the "
+        "standard factor's constant, which keeps what underflow takes from a norm within the sensitivity. Ignored by "
+        "``'abadi'``.",
         "Automatic clipping: stability constant gamma >= 0 (0.01; 0: normalised SGD).",
     )
     augmentation_multiplicity: int = _option(
