@@ -111,8 +111,8 @@ class Factored:
     left: torch.Tensor
     right: torch.Tensor
     shape: torch.Size
-    #: ``(||L_i||_F^2, ||R_i||_F^2)`` (each ``[B]``) once an engine that formed the Gram matrices has noted their
-    #: diagonals (:meth:`note_factor_squares`); ``None`` until then.
+    #: The squared row norms ``(||l_it||^2, ||r_it||^2)`` (each ``[B, T]``) once an engine that formed the Gram matrices
+    #: has noted their diagonals (:meth:`note_factor_squares`); ``None`` until then.
     _factor_squares: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -126,8 +126,9 @@ class Factored:
         return self.right.dtype
 
     def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor) -> None:
-        """Keep ``||L_i||_F^2`` and ``||R_i||_F^2`` (``[B]`` each, the traces of ``L_i L_i^T`` and ``R_i R_i^T``) for
-        the l2 :meth:`rounding_scales`, which then reads no factor again (docs/design.md section 4.10)."""
+        """Keep the squared row norms ``||l_it||^2`` and ``||r_it||^2`` (``[B, T]`` each, the diagonals of ``L_i L_i^T``
+        and ``R_i R_i^T``) for the l2 :meth:`rounding_scales`, which then reads no factor again (docs/design.md section
+        4.10)."""
         object.__setattr__(self, "_factor_squares", (left, right))  # frozen: set once per engine call
 
     @property
@@ -137,7 +138,7 @@ class Factored:
 
     @property
     def factor_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(||L_i||_F^2, ||R_i||_F^2)``, ``[B]`` each, as noted (:meth:`note_factor_squares`).
+        """The squared row norms ``(||l_it||^2, ||r_it||^2)``, ``[B, T]`` each, as noted (:meth:`note_factor_squares`).
 
         Raises:
             ValueError: no engine noted them.
@@ -148,16 +149,15 @@ class Factored:
 
     def rounding_scales(self, norm: int) -> torch.Tensor:
         """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
-        (:meth:`Materialised.rounding_scales`); a one-hot row has norm 1. In l2, ``||L_i||_F ||R_i||_F``, from the
-        squares :meth:`note_factor_squares` kept where an engine noted them.
+        (:meth:`Materialised.rounding_scales`), ``sum_t ||l_t|| ||r_t||`` in the norm's own order; a one-hot row has
+        norm 1. A row whose output gradient is 0 (padding) adds nothing. In l2, from the squared row norms
+        :meth:`note_factor_squares` kept where an engine noted them.
         """
         if norm == 2 and self.noted:
             left, right = self.factor_squares
-            return left.sqrt() * right.sqrt()
+            return (left.sqrt() * right.sqrt()).sum(1)
         if self.is_index:
-            if norm == 1:
-                return torch.linalg.vector_norm(self.right, 1, dim=(1, 2))
-            return torch.linalg.vector_norm(self.right, dim=(1, 2)) * math.sqrt(self.right.shape[1])
+            return torch.linalg.vector_norm(self.right, norm, dim=-1).sum(1)
         return product_scale(self.left, self.right, norm)
 
     @property
@@ -250,13 +250,12 @@ def sample_scales(absolute: torch.Tensor) -> torch.Tensor:
 
 
 def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.Tensor:
-    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``): l1
-    ``sum_t ||l_t||_1 ||r_t||_1``; l2 the bound ``||L_i||_F ||R_i||_F``.
+    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``), ``sum_t ||l_t||
+    ||r_t||`` in l1 or l2 (``norm``): a bound on the norm of ``|L_i|^T |R_i|`` to which a row that is 0 in either factor
+    (padding) adds nothing.
     """
     vector_norm = torch.linalg.vector_norm
-    if norm == 1:
-        return (vector_norm(left, 1, dim=-1) * vector_norm(right, 1, dim=-1)).sum(1)
-    return vector_norm(left, dim=(1, 2)) * vector_norm(right, dim=(1, 2))
+    return (vector_norm(left, norm, dim=-1) * vector_norm(right, norm, dim=-1)).sum(1)
 
 
 def underflow_bound(terms: Sequence[Term]) -> torch.Tensor:
@@ -277,8 +276,8 @@ def underflow_bound(terms: Sequence[Term]) -> torch.Tensor:
         batch = first.grad.shape[0] if isinstance(first, Materialised) else first.right.shape[0]
         return torch.full((batch,), 4 * tiny * entries, dtype=first.dtype, device=first.device)
     factored = cast(list[Factored], terms)
-    left = functools.reduce(operator.add, (term.factor_squares[0] for term in factored))
-    right = functools.reduce(operator.add, (term.factor_squares[1] for term in factored))
+    left = functools.reduce(operator.add, (term.factor_squares[0].sum(1) for term in factored))
+    right = functools.reduce(operator.add, (term.factor_squares[1].sum(1) for term in factored))
     rows = sum(term.right.shape[1] for term in factored)
     scale = 4 * tiny * rows
     shape = factored[0].shape

@@ -155,13 +155,14 @@ def _ids_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
     ],
 )
 def test_ghost_rounding_scales_come_from_the_gram_diagonals(uses: list[tuple[str, int]], dtype: torch.dtype) -> None:
-    """After the ghost norm, each use's l2 rounding scale ``||L_i||_F ||R_i||_F`` is read from the Gram diagonals of
-    its own rows (merged uses split back), equal to the factors' norms (a one-hot row has norm 1); l1 is unchanged."""
+    """After the ghost norm, each use's l2 rounding scale ``sum_t ||l_t|| ||r_t||`` is read from the Gram diagonals of
+    its own rows (merged uses split back), equal to the factors' row norms (a one-hot row has norm 1); l1 is
+    unchanged."""
     gen = torch.Generator().manual_seed(6)
     terms = [(_dense_use if kind == "dense" else _ids_use)(gen, rows, dtype) for kind, rows in uses]
     fresh = [Factored(t.left, t.right, t.shape) for t in terms]
     expected = [
-        t.right.norm(dim=(1, 2)) * (t.right.shape[1] ** 0.5 if t.is_index else t.left.norm(dim=(1, 2))) for t in terms
+        t.right.norm(dim=2).sum(1) if t.is_index else (t.left.norm(dim=2) * t.right.norm(dim=2)).sum(1) for t in terms
     ]
     before = [t.rounding_scales(1) for t in fresh]
     gram_squared_norm(terms)

@@ -296,3 +296,31 @@ def test_squares_that_underflow_under_automatic_clipping_at_gamma_0_move_the_rel
         x[1], weights[1] = 3.2e-10, 1e-10 / 256
         clipper.backward((single(x) * weights).sum((1, 2)))
         assert float(single.weight.grad.double().norm()) <= 1.0 + 1e-4
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "flat", "mixed"])
+def test_an_examples_clipped_gradient_does_not_depend_on_how_far_its_batch_is_padded(clipping: str) -> None:
+    """Padding to the longest sampled sequence adds rows whose output gradients are 0 (the loss ignores them) but whose
+    activations are not. The rounding scale ``||L_i||_F ||R_i||_F`` counted them, so another example's presence moved
+    this one's clip factor (0.24 % of ``C`` from 8 to 512 rows, found in review); ``sum_t ||l_t|| ||r_t||`` does not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 50))
+    tokens = torch.randint(1, 50, (6,))
+
+    def clipped(rows: int) -> torch.Tensor:
+        ids = torch.zeros(1, rows, dtype=torch.long)
+        ids[0, :6] = tokens
+        labels = ids.clone()
+        labels[0, 6:] = -100
+        model.zero_grad(set_to_none=True)
+        clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=0.1, sum_check_every=None)
+        try:
+            logits = model(ids)
+            clipper.backward(nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").sum(1))
+        finally:
+            clipper.detach()
+        return torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+
+    short, long = clipped(8), clipped(512)
+    assert float(short.norm()) == pytest.approx(0.1, rel=1e-3)  # clipped
+    assert float((short - long).norm()) <= 1e-6 * float(short.norm())

@@ -103,7 +103,7 @@ def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
         start = 0
         for term in group:
             rows = slice(start, start + term.right.shape[1])
-            term.note_factor_squares(*diagonals[:, :, rows].sum(2))
+            term.note_factor_squares(*diagonals[:, :, rows])
             start = rows.stop
         del diagonals
         total = total + product
