@@ -40,7 +40,7 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily
-from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_bound, unscale_factors, unscale_norms
+from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_linear, unscale_norms
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
 from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
@@ -332,9 +332,9 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
-            # in the backward's scaled units, then unscaled (loss_scaling.unscale_bound)
+            # in the backward's scaled units, then unscaled (loss_scaling.unscale_linear)
             bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
-            bound = unscale_bound(bound, self._loss_scale)
+            bound = unscale_linear(bound, self._loss_scale)
             totals = unscale_norms(totals, self._loss_scale, self.norm)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
@@ -355,7 +355,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 factors = torch.where(keep, factors, 0)  # [G, B]
                 with full_precision(per_sample_loss.device):
                     writable = output_gradients(captures + self._past)
-                    self._add_clipped_sum(kept, batch, unscale_factors(factors, self._loss_scale), writable)
+                    self._add_clipped_sum(kept, batch, unscale_linear(factors, self._loss_scale), writable)
         finally:
             self._hooks.clear()
             self.discard_past_iterates()

@@ -49,17 +49,13 @@ def unscale_norms(totals: torch.Tensor, loss_scale: float, norm: int) -> torch.T
     return totals / (loss_scale**2 if norm == 2 else loss_scale)
 
 
-def unscale_bound(bound: torch.Tensor, loss_scale: float) -> torch.Tensor:
-    """The norm bounds ``nu`` ``[G, B]`` (:func:`~.rounding.rounded_norm_bound`) of a backward scaled by ``loss_scale``
-    in unscaled units, ``nu / S``. The bound is formed in the scaled units first: its share ``r S^2`` of an unscaled
-    squared scale could be subnormal, and flushed to zero under ``torch.set_flush_denormal(True)``."""
-    return bound if loss_scale == 1.0 else bound / loss_scale
-
-
-def unscale_factors(factors: torch.Tensor, loss_scale: float) -> torch.Tensor:
-    """``factors / S`` ``[G, B]``: the clip factors applied to the scaled terms give the clipped sum of the unscaled
-    per-example gradients (``c_i grad_i = (c_i / S) (S grad_i)``)."""
-    return factors if loss_scale == 1.0 else factors / loss_scale
+def unscale_linear(values: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """``values / S`` ``[G, B]`` (``S = loss_scale``; 1: returned unchanged), for what is linear in the scaled output
+    gradients: the norm bounds ``nu`` (:func:`~.rounding.rounded_norm_bound`) in unscaled units, formed in the scaled
+    units first (their share ``r S^2`` of an unscaled squared scale could be subnormal, and flushed to zero under
+    ``torch.set_flush_denormal(True)``); and the clip factors applied to the scaled terms, which then give the clipped
+    sum of the unscaled per-example gradients (``c_i grad_i = (c_i / S) (S grad_i)``)."""
+    return values if loss_scale == 1.0 else values / loss_scale
 
 
 class LossScaleMixin:

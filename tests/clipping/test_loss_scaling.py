@@ -11,7 +11,7 @@ from clipping_helpers import ENGINES, expected_sum, oracle_grads, oracle_norms, 
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE, unscale_bound, unscale_norms, validate_loss_scale
+from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE, unscale_linear, unscale_norms, validate_loss_scale
 
 B = 6
 #: float16 keeps 11 significant bits (unit roundoff 2^-11 ~ 4.9e-4); the captures, products and reductions of a
@@ -104,7 +104,7 @@ def test_validation_and_unscaling() -> None:
     totals = torch.tensor([[16.0, 4.0]])
     assert torch.equal(unscale_norms(totals, 4.0, 2), torch.tensor([[1.0, 0.25]]))
     assert torch.equal(unscale_norms(totals, 4.0, 1), torch.tensor([[4.0, 1.0]]))
-    assert torch.equal(unscale_bound(totals, 4.0), torch.tensor([[4.0, 1.0]]))
+    assert torch.equal(unscale_linear(totals, 4.0), torch.tensor([[4.0, 1.0]]))
 
 
 def test_a_sum_check_whose_float16_batch_gradient_overflows_does_not_fail() -> None:

@@ -105,7 +105,6 @@ def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
             rows = slice(start, start + term.right.shape[1])
             term.note_factor_squares(*diagonals[:, :, rows])
             start = rows.stop
-        del diagonals
         total = total + product
         for v in uses[i + 1 :]:
             cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
