@@ -28,14 +28,29 @@ def scaled(x: torch.Tensor, scale: torch.Tensor, original: torch.Tensor) -> torc
     return x.mul_(scale) if x is not original else x * scale
 
 
-def finite(x: torch.Tensor, writable: Writable) -> torch.Tensor:
-    """``x`` with its non-finite entries set to 0 (``nan_to_num``): in place when ``writable(x)`` and ``x`` is
-    contiguous (no two elements share memory), else in a copy. Only a dropped sample has non-finite entries (they make
-    its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits; zeroing them, rather than
-    the dropped samples' rows, needs no mask and no read of which samples were dropped.
+#: The integer dtype of each floating-point width, to mask a float tensor's bits (:func:`finite`).
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``[B, T, n]`` with its non-finite entries set to 0: in place when ``writable(x)`` and ``x`` is contiguous
+    (no two elements share memory), else in a copy (``nan_to_num``). Only a dropped sample has non-finite entries (they
+    make its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits, and no read of which
+    samples were dropped decides anything.
+
+    In place with ``squares`` ``[B, T]``, the squared row norms a Gram matrix's diagonal gave
+    (:meth:`Factored.note_factor_squares`): the rows whose squared norm is not finite are zeroed instead, by a bitwise
+    AND of every entry with all ones or all zeros (one read and one write of ``x``, cheaper than ``nan_to_num_``). Such
+    a row holds every non-finite entry, and only a dropped sample has one (its norm is not finite either): the same
+    bits wherever the weight is not 0.
     """
     if writable(x) and x.is_contiguous():
-        return x.nan_to_num_(0.0, 0.0, 0.0)
+        if squares is None:
+            return x.nan_to_num_(0.0, 0.0, 0.0)
+        bits = x.view(_BITS[x.element_size()])
+        keep = torch.isfinite(squares).to(bits.dtype).neg_().unsqueeze(-1)  # -1 (all ones) keeps a row, 0 zeroes it
+        bits.bitwise_and_(keep)
+        return x  # the tensor itself, as nan_to_num_ returns it (scaled() tells a copy from the term's own factor)
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 
@@ -228,8 +243,9 @@ class Factored:
         ``[B T]``) and ``right`` ``[B T, Q]``, zeroed where not finite and weighted."""
         left, right = self.left, self.right
         if writable is not None:  # before the scaling, which thus never turns a kept sample's entry into a zero
-            right = finite(right, writable)
-            left = left if self.is_index else finite(left, writable)
+            left_squares, right_squares = self._factor_squares or (None, None)
+            right = finite(right, writable, right_squares)
+            left = left if self.is_index else finite(left, writable, left_squares)
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
             if self.scales_right:

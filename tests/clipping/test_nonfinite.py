@@ -276,6 +276,29 @@ def test_finite_zeroes_in_place_only_what_is_writable() -> None:
     assert torch.isnan(expanded[0, 0]) and torch.equal(out, torch.tensor([[0.0, 1.0]] * 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_finite_with_noted_squares_zeroes_the_nonfinite_rows_bit_for_bit(dtype: torch.dtype) -> None:
+    """``finite`` given the squared row norms a Gram diagonal noted: in place, every row whose squared norm is not
+    finite (a non-finite entry, or finite entries whose squares overflow) becomes +0 entirely; every other row keeps
+    its bits (-0, subnormals); the tensor itself is returned. Not writable: ``nan_to_num`` in a copy, as before."""
+    tiny = torch.finfo(dtype).tiny / 4
+    x = torch.tensor(
+        [[[1.5, -0.0, tiny], [math.nan, 1.0, 2.0]], [[-math.inf, 3.0, 0.0], [-7.0, 1e-3, 0.25]]], dtype=dtype
+    )  # [B=2, T=2, n=3]
+    before = x.clone()
+    squares = x.float().pow(2).sum(-1)  # [2, 2]: rows (0, 1) and (1, 0) not finite
+    squares[1, 1] = math.inf  # a finite row whose squares overflowed: zeroed as well (its sample is dropped)
+    out = finite(x, lambda t: True, squares)
+    assert out is x
+    assert torch.equal(x[0, 0].view(torch.uint8), before[0, 0].view(torch.uint8))  # the same bits, -0 included
+    for b, t in [(0, 1), (1, 0), (1, 1)]:
+        assert torch.equal(x[b, t].view(torch.uint8), torch.zeros(3, dtype=dtype).view(torch.uint8))
+    y = before.clone()
+    copy_ = finite(y, lambda t: False, squares)
+    assert copy_ is not y and torch.equal(y.view(torch.uint8), before.view(torch.uint8))
+    assert torch.equal(copy_, torch.nan_to_num(before, 0.0, 0.0, 0.0))
+
+
 def test_a_kept_sample_whose_scaled_factor_overflows_is_not_zeroed() -> None:
     """Only the entries non-finite before the scaling are zeroed: a kept sample (factor 1e30) whose scaled entry
     overflows float32 makes the sum infinite (the finite check of the sums reports it) rather than silently dropping
