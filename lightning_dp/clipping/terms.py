@@ -33,20 +33,25 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` ``[B, T, n]`` with its non-finite entries set to 0: in place when ``writable(x)`` and ``x`` is contiguous
+    """``x`` ``[B, ...]`` with its non-finite entries set to 0: in place when ``writable(x)`` and ``x`` is contiguous
     (no two elements share memory), else in a copy (``nan_to_num``). Only a dropped sample has non-finite entries (they
     make its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits, and no read of which
     samples were dropped decides anything.
 
-    In place with ``squares`` ``[B, T]``, the squared row norms a Gram matrix's diagonal gave
-    (:meth:`Factored.note_factor_squares`): the rows whose squared norm is not finite are zeroed instead, by a bitwise
-    AND of every entry with all ones or all zeros (one read and one write of ``x``, cheaper than ``nan_to_num_``). Such
-    a row holds every non-finite entry, and only a dropped sample has one (its norm is not finite either): the same
-    bits wherever the weight is not 0.
+    In place with ``squares`` ``[B, T]`` for ``x`` ``[B, T, n]``, the squared row norms a Gram matrix's diagonal gave
+    (:meth:`Factored.note_factor_squares`): the whole rows whose squared norm is not finite are zeroed instead, by a
+    bitwise AND of every entry with all ones or all zeros (one read and one write of ``x``, cheaper than
+    ``nan_to_num_``). Such a row holds every non-finite entry, and only a dropped sample has one (its norm is not
+    finite either): the same bits wherever the weight is not 0.
+
+    Raises:
+        ValueError: ``squares`` is not ``[B, T]`` for ``x`` ``[B, T, n]``.
     """
     if writable(x) and x.is_contiguous():
         if squares is None:
             return x.nan_to_num_(0.0, 0.0, 0.0)
+        if x.ndim != 3 or squares.shape != x.shape[:2]:
+            raise ValueError(f"squared row norms {tuple(squares.shape)} do not match the rows of {tuple(x.shape)}")
         bits = x.view(_BITS[x.element_size()])
         keep = torch.isfinite(squares).to(bits.dtype).neg_().unsqueeze(-1)  # -1 (all ones) keeps a row, 0 zeroes it
         bits.bitwise_and_(keep)

@@ -297,6 +297,8 @@ def test_finite_with_noted_squares_zeroes_the_nonfinite_rows_bit_for_bit(dtype: 
     copy_ = finite(y, lambda t: False, squares)
     assert copy_ is not y and torch.equal(y.view(torch.uint8), before.view(torch.uint8))
     assert torch.equal(copy_, torch.nan_to_num(before, 0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="do not match the rows"):
+        finite(before.clone(), lambda t: True, squares[:, :1])  # [B, 1] would broadcast over whole examples
 
 
 def test_a_kept_sample_whose_scaled_factor_overflows_is_not_zeroed() -> None:
