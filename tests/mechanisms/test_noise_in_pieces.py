@@ -52,17 +52,22 @@ def test_only_the_gaussian_is_piecewise():
     assert {name for name, cls in MECHANISMS.items() if cls.piecewise} == {"gaussian"}
 
 
-def _privatised(noise: str, size: int, **params: float) -> torch.Tensor:
+def _privatised(noise: str, size: int, steps: int = 1, expected_batch_size: float = 1.0, **params: float) -> list:
+    """The privatised gradient of each of ``steps`` steps on a zero clipped sum (the first step reads the finite
+    check and divides by a number, the later ones defer it and divide by a 0-dim float64 tensor)."""
     param = torch.nn.Parameter(torch.zeros(size))
     optimizer = DPOptimizer(
         torch.optim.SGD([param], lr=1.0),
         mechanism=make_mechanism(noise, max_grad_norm=1.0, **params),
-        expected_batch_size=1.0,
+        expected_batch_size=expected_batch_size,
         randomness=DPRandomness(7),
     )
-    param.grad = torch.zeros(size)
-    optimizer.privatise()
-    return param.grad
+    grads = []
+    for _ in range(steps):
+        param.grad = torch.zeros(size)
+        optimizer.privatise()
+        grads.append(param.grad)
+    return grads
 
 
 @pytest.mark.parametrize(
@@ -70,9 +75,20 @@ def _privatised(noise: str, size: int, **params: float) -> torch.Tensor:
 )
 def test_the_optimizer_noise_does_not_depend_on_the_piece_size(monkeypatch, noise, params):
     """Pieces of 32 against one piece: the same bits (the Gaussian is drawn in pieces, the Laplace is not)."""
-    whole = _privatised(noise, 1000, **params)
+    whole = _privatised(noise, 1000, **params)[0]
     monkeypatch.setattr(sampling, "PIECE", 32)
-    assert torch.equal(_privatised(noise, 1000, **params), whole)
+    assert torch.equal(_privatised(noise, 1000, **params)[0], whole)
+
+
+@pytest.mark.parametrize("piece", [32, sampling.PIECE])
+def test_the_optimizer_divides_each_noised_gradient_once(monkeypatch, piece):
+    """With ``q N = 3.7``, the reading step (a number) and the deferred ones (a 0-dim float64 tensor) give the noise of
+    ``q N = 1`` divided once by 3.7, in pieces or not."""
+    monkeypatch.setattr(sampling, "PIECE", piece)
+    undivided = _privatised("gaussian", 1000, steps=3, noise_multiplier=1.3)
+    divided = _privatised("gaussian", 1000, steps=3, expected_batch_size=3.7, noise_multiplier=1.3)
+    for noise, grad in zip(undivided, divided, strict=True):
+        assert torch.equal(grad, noise / 3.7)
 
 
 def test_the_optimizer_draws_a_gaussian_in_pieces(monkeypatch):
