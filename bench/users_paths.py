@@ -28,7 +28,8 @@ batch-independence check, which a real run pays once). Load changes on a shared 
 CPU the ratios use the process's CPU time per step (``time.process_time``) with ``--threads`` intra-op threads
 (default 1), the wall time is printed beside; on CUDA the wall time between synchronisations. Reported per variant:
 the median over all kept steps of the time per step divided by the examples in it, and the ratio to the plain
-variant of its path.
+variant of its path; beside it the spread, the lowest and highest of the rounds' ratios (each round's median over
+its kept steps against the plain variant's in the same round).
 
 Breakdown (unless ``--no-breakdown``): after the timed rounds, one more fit per DP variant of this library with
 timing wrappers monkeypatched (in this script only) around the engine's parts, each counted exclusive of the parts
@@ -398,6 +399,15 @@ def _kept(steps: list[dict[str, float]], args: argparse.Namespace, per_round: in
     return [s for i, s in enumerate(steps) if i % per_round >= args.skip_first]
 
 
+def _round_medians(steps: list[dict[str, float]], args: argparse.Namespace, per_round: int, key: str) -> list[float]:
+    """Per round, the median over its kept steps of ``key`` time per example (rounds without a kept step left out)."""
+    rounds: dict[int, list[float]] = {}
+    for i, step in enumerate(steps):
+        if i % per_round >= args.skip_first:
+            rounds.setdefault(i // per_round, []).append(step[key] / step["examples"])
+    return [statistics.median(times) for _, times in sorted(rounds.items())]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = build_variants(args)
     for round_ in range(args.rounds):
@@ -417,11 +427,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "wall_per_example": statistics.median(s["wall"] / s["examples"] for s in kept),
         }
     timed_by = "cpu_per_example" if args.device == "cpu" else "wall_per_example"
+    key = "cpu" if args.device == "cpu" else "wall"
+    by_name = {variant.name: variant for variant in variants}
     for variant in variants:
         row, path = results[variant.name], variant.name.split("-")[0]
-        plain = results.get(f"{path}-plain" if path != "opacus" else "torch-plain", {})
+        plain_name = f"{path}-plain" if path != "opacus" else "torch-plain"
+        plain = results.get(plain_name, {})
         if timed_by in row and timed_by in plain:
             row["ratio"] = row[timed_by] / plain[timed_by]
+            if variant.name != plain_name:  # the spread: each round's ratio of medians
+                own = _round_medians(variant.clocks.steps, args, per_round, key)
+                base = _round_medians(by_name[plain_name].clocks.steps, args, per_round, key)
+                row["round_ratios"] = [a / b for a, b in zip(own, base, strict=True)]
     breakdown: dict[str, dict[str, float]] = {}
     if not args.no_breakdown:
         for variant in variants:

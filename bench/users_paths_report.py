@@ -16,6 +16,13 @@ START, END = "<!-- users_paths:start -->", "<!-- users_paths:end -->"
 PARTS = ("user forward", "check forwards", "per_sample_loss rest", "clip (backward)", "privatise (noise)", "opt step")
 
 
+def round_range(row: dict[str, Any]) -> str:
+    """``"lowest-highest"`` of a DP variant's per-round ratios, ``"-"`` for a plain variant or a record made before
+    they were kept."""
+    rounds = row.get("round_ratios")
+    return f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+
+
 def report_lines(record: dict[str, Any]) -> list[str]:
     """The plain-text report of one run (``record``: the JSON this script writes)."""
     args, out = record["args"], record
@@ -25,7 +32,7 @@ def report_lines(record: dict[str, Any]) -> list[str]:
         f"model={args['model']} {size}B={args['batch_size']} device={args['device']} threads={args['threads']} "
         f"rounds={args['rounds']} x {args['steps_per_round']} steps (first {args['skip_first']} of each left out); "
         f"ratio from {timed_by} time",
-        f"{'variant':<22} {'steps':>5} {'cpu ms/ex':>10} {'wall ms/ex':>11} {'x plain':>8}",
+        f"{'variant':<22} {'steps':>5} {'cpu ms/ex':>10} {'wall ms/ex':>11} {'x plain':>8} {'rounds':>11}",
     ]
     for name in out["order"]:
         row = out["results"][name]
@@ -35,7 +42,7 @@ def report_lines(record: dict[str, Any]) -> list[str]:
         ratio = f"{row['ratio']:>8.2f}" if "ratio" in row else f"{'-':>8}"
         lines.append(
             f"{name:<22} {row['steps']:>5} {row['cpu_per_example'] * 1e3:>10.3f} "
-            f"{row['wall_per_example'] * 1e3:>11.3f} {ratio}"
+            f"{row['wall_per_example'] * 1e3:>11.3f} {ratio} {round_range(row):>11}"
         )
     for name, parts in out["breakdown"].items():
         plain = out["results"].get(name.split("-")[0] + "-plain", {}).get(f"{timed_by}_per_example")
@@ -77,18 +84,18 @@ def markdown(record: dict[str, Any]) -> str:
         record["command"],
         "```",
         "",
-        "| variant | steps | cpu ms / example | wall ms / example | x plain of its path |",
-        "|---|---|---|---|---|",
+        "| variant | steps | cpu ms / example | wall ms / example | x plain of its path | rounds' range |",
+        "|---|---|---|---|---|---|",
     ]
     for name in record["order"]:
         row = record["results"][name]
         if "error" in row:
-            lines.append(f"| {name} | {row['error']} | | | |")
+            lines.append(f"| {name} | {row['error']} | | | | |")
             continue
         ratio = f"{row['ratio']:.2f}" if "ratio" in row else "-"
         lines.append(
             f"| {name} | {row['steps']} | {row['cpu_per_example'] * 1e3:.4g} | {row['wall_per_example'] * 1e3:.4g} "
-            f"| {ratio} |"
+            f"| {ratio} | {round_range(row)} |"
         )
     if record["breakdown"]:
         names = list(record["breakdown"])

@@ -26,7 +26,13 @@ def record() -> dict:
         "order": ["hf-plain", "hf-dp-mixed"],
         "results": {
             "hf-plain": {"steps": 15, "cpu_per_example": 0.2, "wall_per_example": 0.21, "ratio": 1.0},
-            "hf-dp-mixed": {"steps": 15, "cpu_per_example": 0.22, "wall_per_example": 0.23, "ratio": 1.1},
+            "hf-dp-mixed": {
+                "steps": 15,
+                "cpu_per_example": 0.22,
+                "wall_per_example": 0.23,
+                "ratio": 1.1,
+                "round_ratios": [1.12, 1.08, 1.1, 1.131, 1.09],
+            },  # fmt: skip
         },
         "breakdown": {"hf-dp-mixed": parts},
         "profile": {
@@ -42,7 +48,8 @@ def record() -> dict:
 def test_markdown_holds_the_command_and_the_recorded_numbers(monkeypatch):
     text = load_bench(monkeypatch, "users_paths_report").markdown(record())
     assert "python bench/users_paths.py --model gpt2 --seq-len 128 --batch-size 8 --clipping mixed" in text
-    assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 |" in text
+    assert "| hf-dp-mixed | 15 | 220 | 230 | 1.10 | 1.08-1.13 |" in text
+    assert "| hf-plain | 15 | 200 | 210 | 1.00 | - |" in text
     assert "| clip (backward) | 1000 (60.6%) |" in text
     assert "| plain step of the path (median) | 1600 |" in text
     assert "profiled totals 1800 ms against 1600 ms, 1.12x" in text
@@ -67,6 +74,8 @@ def test_breakdown_drives_the_engine_as_the_strategy_calls_it(monkeypatch):
         batch_size=128, seq_len=128, device="cpu", threads=1, no_breakdown=False, profile=0,
     )  # fmt: skip
     out = bench.run(args)
+    assert len(out["results"]["lightning-dp-flat"]["round_ratios"]) == 1  # one round, its ratio of medians
+    assert "round_ratios" not in out["results"]["lightning-plain"]
     parts = out["breakdown"]["lightning-dp-flat"]
     assert set(bench.PARTS) <= set(parts) and parts["step"] > 0 and parts["examples"] == 128
     assert out["profile"] == {}
