@@ -32,7 +32,7 @@ def record() -> dict:
                 "wall_per_example": 0.23,
                 "ratio": 1.1,
                 "round_ratios": [1.12, 1.08, 1.1, 1.131, 1.09],
-            },  # fmt: skip
+            },
         },
         "breakdown": {"hf-dp-mixed": parts},
         "profile": {

@@ -52,7 +52,9 @@ def test_only_the_gaussian_is_piecewise():
     assert {name for name, cls in MECHANISMS.items() if cls.piecewise} == {"gaussian"}
 
 
-def _privatised(noise: str, size: int, steps: int = 1, expected_batch_size: float = 1.0, **params: float) -> list:
+def _privatised(
+    noise: str, size: int, steps: int = 1, expected_batch_size: float = 1.0, **params: float
+) -> list[torch.Tensor]:
     """The privatised gradient of each of ``steps`` steps on a zero clipped sum (the first step reads the finite
     check and divides by a number, the later ones defer it and divide by a 0-dim float64 tensor)."""
     param = torch.nn.Parameter(torch.zeros(size))
