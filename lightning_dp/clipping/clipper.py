@@ -332,10 +332,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
-            # in the backward's scaled units, then unscaled (loss_scaling.unscale_linear)
-            bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
-            bound = unscale_linear(bound, self._loss_scale)
-            totals = unscale_norms(totals, self._loss_scale, self.norm)
+            scaled_totals, totals = totals, unscale_norms(totals, self._loss_scale, self.norm)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
@@ -350,6 +347,9 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 self.sum_check_postponed = not all_finite
             self._count_check(all_finite)  # a check over non-finite samples says nothing: due again next batch
             if kept is not None:  # accumulate
+                # the bound in the backward's scaled units, then unscaled (loss_scaling.unscale_linear)
+                bound = rounded_norm_bound(scaled_totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
+                bound = unscale_linear(bound, self._loss_scale)
                 # a dropped sample gets factor 0, non-finite entries are zeroed: always, so that no step reads keep
                 factors = clip_factors(bound, self._group_bounds(), self.clipping_fn, self.automatic_clipping_gamma)
                 factors = torch.where(keep, factors, 0)  # [G, B]
