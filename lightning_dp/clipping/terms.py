@@ -316,7 +316,7 @@ def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
     """
     if not dims:
         return Materialised(values)
-    return Materialised(values.sum(dims), sample_scales(torch.linalg.vector_norm(values, 1, dim=dims)))
+    return Materialised(values.sum(dims), sample_scales(values.abs().sum(dims)))
 
 
 def term_elements(term: Term) -> int:
