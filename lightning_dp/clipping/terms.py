@@ -316,7 +316,15 @@ def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
     """
     if not dims:
         return Materialised(values)
-    return Materialised(values.sum(dims), sample_scales(values.abs().sum(dims)))
+    return Materialised(values.sum(dims), sample_scales(absolute_sum(values, dims)))
+
+
+def absolute_sum(values: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``sum_{dims} |values|`` (``values`` ``[B, ...]``, the result without ``dims``): on the CPU as a copy ``|values|``
+    summed, elsewhere by an l1 ``vector_norm``, which holds no copy (docs/design.md section 12.6)."""
+    if values.device.type == "cpu":
+        return values.abs().sum(dims)
+    return torch.linalg.vector_norm(values, 1, dim=dims)
 
 
 def term_elements(term: Term) -> int:
