@@ -47,7 +47,9 @@ class FailingRegressor(TinyRegressor):
 
     def training_step(self, batch, batch_idx):
         if self.trainer.global_step == self.raise_at and self.global_rank == self.raise_rank:
-            (self.out / "raised").write_text(repr(time.time()))
+            partial = self.out / "raised.partial"  # renamed whole: the test reads the time once "raised" exists
+            partial.write_text(repr(time.time()))
+            partial.replace(self.out / "raised")
             raise RuntimeError(f"test failure on rank {self.global_rank} at step {self.raise_at + 1}")
         return super().training_step(batch, batch_idx)
 

@@ -47,7 +47,9 @@ class Faults(TrainerCallback):
 
     def _maybe_raise(self, module, inputs):
         if self.failing:
-            (self.args.out / "raised").write_text(repr(time.time()))
+            partial = self.args.out / "raised.partial"  # renamed whole: the test reads the time once "raised" exists
+            partial.write_text(repr(time.time()))
+            partial.replace(self.args.out / "raised")
             raise RuntimeError(f"test failure on rank {self.rank} at step {self.args.raise_at + 1}")
 
     def on_train_begin(self, args, state, control, **kwargs):
