@@ -2,8 +2,7 @@
 
 ``"random"`` (default): Poisson sampling. ``"group_by_length"``: each Poisson batch is split into micro-batches of
 similar lengths (only with ``gradient_accumulation_steps > 1``); HF's grouping across batches is not used, since it
-makes batches depend on each other. ``"sequential"`` and ``"batch_rebalance"``: ignored with a warning. Older
-transformers' ``group_by_length: bool`` is read the same way.
+makes batches depend on each other. ``"sequential"`` and ``"batch_rebalance"``: ignored with a warning.
 """
 
 from __future__ import annotations
@@ -19,12 +18,8 @@ log = logging.getLogger("lightning_dp")
 
 
 def sampling_strategy(args: TrainingArguments) -> str:
-    """The Trainer's training sampling strategy: ``train_sampling_strategy``, or ``"group_by_length"`` /
-    ``"random"`` from ``group_by_length`` on transformers releases that have only that flag."""
-    strategy = getattr(args, "train_sampling_strategy", None)
-    if strategy is not None:
-        return str(strategy)
-    return "group_by_length" if getattr(args, "group_by_length", False) else "random"
+    """The Trainer's training sampling strategy, ``args.train_sampling_strategy``."""
+    return str(args.train_sampling_strategy)
 
 
 def poisson_batch_lengths(

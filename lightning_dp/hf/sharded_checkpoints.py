@@ -51,9 +51,10 @@ PRIVATE_TRAINER_OVERRIDES: tuple[str, ...] = (
     "_load_best_model",
 )
 #: The transformers releases :data:`PRIVATE_TRAINER_OVERRIDES` are tested against: pyproject.toml's floor
-#: (``transformers>=4.40``; 4.40.0's ``Trainer`` has these five methods with the same parameters) up to the release
-#: the test suite runs on (5.25.0).
-TRANSFORMERS_TESTED: tuple[str, str] = ("4.40.0", "5.25.0")
+#: (``transformers>=5.23``, the suite run there by scripts/floor_versions.py) up to the release the test suite runs on.
+#: Before 5.23 ``save_model`` called ``_save`` on rank 0 only, and DPTrainer's ``_save`` gathers a sharded model's
+#: weights (a collective), which the other ranks then never joined.
+TRANSFORMERS_TESTED: tuple[str, str] = ("5.23.0", "5.25.0")
 
 #: The folder, inside a checkpoint of a sharded model, holding the model's and the optimizer's shards.
 SHARDED_STATE_NAME = "sharded_state"

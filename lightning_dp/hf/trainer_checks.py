@@ -12,7 +12,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import transformers
 from torch import nn
 from transformers import TrainingArguments
 
@@ -23,9 +22,6 @@ from lightning_dp.hf.arguments import PrivacyArguments
 from lightning_dp.hf.losses import head_kind
 
 log = logging.getLogger("lightning_dp")
-
-#: Whether HF checkpointing without ``use_reentrant`` in its kwargs is reentrant (before transformers 5).
-_REENTRANT_BY_DEFAULT = int(transformers.__version__.split(".")[0]) < 5
 
 #: ``TrainingArguments.max_grad_norm``'s default; DPTrainer switches it off (with a log line) rather than reject it.
 _HF_DEFAULT_MAX_GRAD_NORM = 1.0
@@ -72,12 +68,12 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
         ValueError: see :data:`_UNSUPPORTED`; ``max_grad_norm`` other than 0 or the Trainer's default; ``exact_resume``
             with a push of checkpoint folders to the Hub (they would publish its secret state).
     """
-    checkpointing = args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)  # v5 name
+    checkpointing = args.gradient_checkpointing or args.activation_checkpointing
     kwargs = dict(args.gradient_checkpointing_kwargs or {})
-    kwargs.update(getattr(args, "activation_checkpointing_kwargs", None) or {})  # v5 name
+    kwargs.update(args.activation_checkpointing_kwargs or {})
     active = {
         "reentrant activation checkpointing (gradient_checkpointing with use_reentrant=True)": bool(checkpointing)
-        and kwargs.get("use_reentrant", _REENTRANT_BY_DEFAULT) is True,
+        and kwargs.get("use_reentrant", False) is True,
         "a DeepSpeed config": bool(args.deepspeed),
         "FSDP": bool(args.fsdp),
         "torch_compile=True": args.torch_compile,
@@ -142,9 +138,8 @@ def check_accelerator_and_model(model: nn.Module, *, deepspeed_enabled: bool, fs
 def sharded_by_from_pretrained(model: nn.Module) -> bool:
     """Whether transformers' ``from_pretrained`` sharded ``model`` over the processes as it loaded it
     (``distributed_config=...``, or tensor parallelism by ``tp_plan``): the releases that name it set
-    ``is_distributed_loading_by_transformers``, and every release that shards at load time (4.x with ``tp_plan``,
-    5.x with ``distributed_config``) sets the model's ``_device_mesh`` (``None`` otherwise). A PEFT model passes both
-    on from the model it wraps."""
+    ``is_distributed_loading_by_transformers``, and every release that shards at load time sets the model's
+    ``_device_mesh`` (``None`` otherwise). A PEFT model passes both on from the model it wraps."""
     return bool(getattr(model, "is_distributed_loading_by_transformers", False)) or (
         getattr(model, "_device_mesh", None) is not None
     )

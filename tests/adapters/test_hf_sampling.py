@@ -4,7 +4,6 @@ micro-batches of similar lengths (less padding, the same step), other strategies
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 
@@ -96,9 +95,6 @@ def test_lengths_come_from_the_length_column_or_the_model_input(tmp_path) -> Non
     one_micro_batch = training_args(tmp_path, train_sampling_strategy="group_by_length")
     assert poisson_batch_lengths(one_micro_batch, with_column, None) is None  # nothing to group
     assert sampling_strategy(training_args(tmp_path)) == "random"
-    # transformers releases before train_sampling_strategy: the group_by_length flag
-    assert sampling_strategy(SimpleNamespace(group_by_length=True)) == "group_by_length"
-    assert sampling_strategy(SimpleNamespace(group_by_length=False)) == "random"
 
 
 def test_the_trainer_reads_the_length_column_its_loader_drops(tmp_path) -> None:

@@ -179,7 +179,7 @@ def test_the_pages_of_the_examples_install_their_extra(page):
 
 # ------------------------------------------------------------------------------------------------ friendly errors
 REQUIRES = [
-    'transformers>=4.40; extra == "hf"',
+    'transformers>=5.23; extra == "hf"',
     'lightning_dp[hf]; extra == "examples"',
     'no-such-dist; extra == "examples"',
 ]
