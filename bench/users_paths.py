@@ -401,11 +401,8 @@ def _kept(steps: list[dict[str, float]], args: argparse.Namespace, per_round: in
 
 def _round_medians(steps: list[dict[str, float]], args: argparse.Namespace, per_round: int, key: str) -> list[float]:
     """Per round, the median over its kept steps of ``key`` time per example (rounds without a kept step left out)."""
-    rounds: dict[int, list[float]] = {}
-    for i, step in enumerate(steps):
-        if i % per_round >= args.skip_first:
-            rounds.setdefault(i // per_round, []).append(step[key] / step["examples"])
-    return [statistics.median(times) for _, times in sorted(rounds.items())]
+    rounds = [_kept(steps[start : start + per_round], args, per_round) for start in range(0, len(steps), per_round)]
+    return [statistics.median(s[key] / s["examples"] for s in kept) for kept in rounds if kept]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -426,8 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_per_example": statistics.median(s["cpu"] / s["examples"] for s in kept),
             "wall_per_example": statistics.median(s["wall"] / s["examples"] for s in kept),
         }
-    timed_by = "cpu_per_example" if args.device == "cpu" else "wall_per_example"
     key = "cpu" if args.device == "cpu" else "wall"
+    timed_by = f"{key}_per_example"
     by_name = {variant.name: variant for variant in variants}
     for variant in variants:
         row, path = results[variant.name], variant.name.split("-")[0]
@@ -456,7 +453,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kept = _kept(clocks.steps, args, per_round)
             if not kept:
                 continue
-            key = "cpu" if args.device == "cpu" else "wall"
             mean = {part: statistics.fmean(s.get(part, 0.0) for s in kept) for part in PARTS}
             mean["step"] = statistics.fmean(s[key] for s in kept)
             mean["rest (framework, adapter)"] = mean["step"] - sum(mean[part] for part in PARTS)
