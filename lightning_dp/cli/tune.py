@@ -115,11 +115,11 @@ def digits_candidate(
     accuracy on the validation split (declared public); the artifact is the model's state dict.
 
     Raises:
-        PlanMismatchError: the run spent another event than the candidate's (a bug: the search's epsilon would not
-            hold); the search stops.
+        PlanMismatchError: the run spent another event than the candidate's (:meth:`Candidate.check_spent
+            <lightning_dp.tuning.search.Candidate.check_spent>`; a bug: the search's epsilon would not hold); the
+            search stops.
     """
     from lightning_dp.cli.demo import train_digits
-    from lightning_dp.tuning import PlanMismatchError
 
     def train_candidate(candidate: Candidate) -> tuple[float, dict[str, Any]]:
         hparams = candidate.hparams
@@ -136,9 +136,7 @@ def digits_candidate(
             target_delta=target_delta,
             secure_mode=candidate.secure_mode,
         )
-        spent = (run.privacy.get("noise_multiplier"), run.privacy.get("sample_rate"), run.privacy.get("steps"))
-        if spent != (candidate.noise_multiplier, candidate.sample_rate, candidate.steps):
-            raise PlanMismatchError(f"a candidate ran with (sigma, q, T) = {spent}, not the plan's {candidate}")
+        candidate.check_spent(run.trainer.strategy.privacy_engine)
         (validation,) = run.trainer.validate(run.model, datamodule=run.data, verbose=False)
         return validation["val_acc"], {name: value.detach().cpu() for name, value in run.model.state_dict().items()}
 

@@ -13,12 +13,16 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from lightning_dp.accounting.events import GaussianEvent, PoissonSampledEvent
 from lightning_dp.tuning.accounting import SearchPlan
 from lightning_dp.tuning.randomness import SearchRandomness
 from lightning_dp.tuning.space import draw_candidate, validate_space
 from lightning_dp.tuning.state import SearchFolder, SearchState, remove
+
+if TYPE_CHECKING:
+    from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 #: The failure of a candidate whose process stopped while it trained (a kill, a crash, ``KeyboardInterrupt``): the
 #: restart scores it NaN.
@@ -51,6 +55,29 @@ class Candidate:
     steps: int
     seed: int | None
     secure_mode: bool = False
+
+    def check_spent(self, privacy_engine: PrivacyEngine) -> None:
+        """Check that the candidate's finished run spent what the plan accounts for: its accountant's ledger is
+        exactly ``steps`` optimizer steps of ``PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier))``,
+        DP-SGD with independent Gaussian noise (:meth:`SearchPlan.candidate_event
+        <lightning_dp.tuning.accounting.SearchPlan.candidate_event>`). Call it at the end of ``train_candidate`` with
+        the run's ``privacy_engine`` (``DPStrategy``'s or ``DPTrainer``'s attribute). A run with another noise,
+        correlated noise, a randomized clipping engine, another rate or another number of steps fails, whatever
+        its three numbers say.
+
+        Raises:
+            PlanMismatchError: the ledger differs (the search's epsilon would not hold for this run), or the run
+                never started.
+        """
+        accountant = privacy_engine.accountant
+        ledger = [] if accountant is None else [[event, count] for event, count in accountant.ledger]
+        planned = [[PoissonSampledEvent(self.sample_rate, GaussianEvent(self.noise_multiplier)), self.steps]]
+        if ledger != planned:
+            raise PlanMismatchError(
+                f"the candidate's run spent {ledger}, not the plan's {planned} (steps of DP-SGD with independent "
+                "Gaussian noise at the candidate's noise_multiplier and sample_rate): the search's epsilon would not "
+                "hold for it"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

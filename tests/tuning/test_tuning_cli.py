@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import lightning_dp.tuning
+from lightning_dp.accounting import make_accountant
+from lightning_dp.accounting.events import GaussianEvent, LaplaceEvent, PoissonSampledEvent
 from lightning_dp.cli.main import main
 from lightning_dp.tuning.randomness import SearchRandomness
 from lightning_dp.tuning.repetitions import RepetitionDistribution
@@ -119,21 +121,51 @@ def test_when_every_candidate_fails_the_winner_s_failure_is_printed(tmp_path, mo
     assert json.loads(capsys.readouterr().out)["failure"] == "RuntimeError"
 
 
-def test_a_digits_candidate_that_spent_another_event_stops_the_search(monkeypatch):
-    """``digits_candidate`` compares the run's (sigma, q, T) with the plan's and raises PlanMismatchError, which the
-    search does not score as a failure."""
-    import types
-
+def test_a_digits_candidate_whose_run_correlated_its_noise_stops_the_search(monkeypatch):
+    """A run with BLT-correlated noise at the plan's (sigma, q, T) reports the same three numbers, but spends another
+    event (epsilon 11.5 where the plan's candidate spends 1.65, sigma 1, q 0.01, 500 steps, in review):
+    ``Candidate.check_spent`` compares the run's ledger with the plan's event and raises PlanMismatchError."""
     import lightning_dp.cli.demo as demo
-    from lightning_dp.cli.tune import digits_candidate
+    from lightning_dp.cli.tune import digits_candidate, digits_schedule
     from lightning_dp.tuning import Candidate, PlanMismatchError
 
-    run = types.SimpleNamespace(privacy={"noise_multiplier": 2.0, "sample_rate": 0.1, "steps": 10})
-    monkeypatch.setattr(demo, "train_digits", lambda **options: run)
-    train = digits_candidate(epochs=1, batch_size=128, target_delta=1e-5)
-    candidate = Candidate({"lr": 1.0, "max_grad_norm": 1.0, "momentum": 0.5}, 1.0, 0.1, 10, seed=None)
-    with pytest.raises(PlanMismatchError, match=r"\(sigma, q, T\) = \(2.0, 0.1, 10\)"):
+    train_digits, runs = demo.train_digits, []
+
+    def correlated(**options):
+        runs.append(train_digits(**options, noise_correlation="blt"))
+        return runs[-1]
+
+    monkeypatch.setattr(demo, "train_digits", correlated)
+    sample_rate, steps = digits_schedule(256, 1)
+    train = digits_candidate(epochs=1, batch_size=256, target_delta=1e-5)
+    candidate = Candidate({"lr": 0.5, "max_grad_norm": 1.0, "momentum": 0.5}, 1.0, sample_rate, steps, seed=0)
+    with pytest.raises(PlanMismatchError, match=r"BLTMinSepEvent.*not the plan's \[\[PoissonSampledEvent"):
         train(candidate)
+    spent = runs[0].privacy
+    assert (spent["noise_multiplier"], spent["sample_rate"], spent["steps"]) == (1.0, sample_rate, steps)
+
+
+@pytest.mark.parametrize(
+    "ledger",
+    [
+        [],  # never started
+        [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 9]],  # a step short
+        [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 5], [PoissonSampledEvent(0.2, GaussianEvent(1.0)), 5]],
+        [[PoissonSampledEvent(0.1, LaplaceEvent(1.0, 1.0)), 10]],
+    ],
+)
+def test_check_spent_accepts_only_the_plans_steps_of_the_plans_event(ledger):
+    import types
+
+    from lightning_dp.tuning import Candidate, PlanMismatchError
+
+    candidate = Candidate({}, 1.0, 0.1, 10, seed=None)
+    planned = make_accountant("pld").compose(PoissonSampledEvent(0.1, GaussianEvent(1.0)), 10)
+    candidate.check_spent(types.SimpleNamespace(accountant=planned))
+    accountant = make_accountant("pld")
+    accountant.ledger = ledger
+    with pytest.raises(PlanMismatchError, match="the search's epsilon would not hold"):
+        candidate.check_spent(types.SimpleNamespace(accountant=accountant if ledger else None))
 
 
 def test_an_unseeded_digits_run_initialises_its_model_from_fresh_os_entropy(monkeypatch):

@@ -1,5 +1,6 @@
 """A private search whose candidates are ``DPTrainer`` runs (docs/tuning.md, "With the HF Trainer"): each candidate
-trains with the plan's noise multiplier, sample rate and steps (its own ledger gives the plan's per-candidate epsilon),
+trains with the plan's noise multiplier, sample rate and steps (its own ledger is the plan's event, ``check_spent``, and
+gives the plan's per-candidate epsilon),
 with its drawn learning rate and clipping bound, and only the winner's saved model is left, loadable by
 ``from_pretrained``."""
 
@@ -42,6 +43,7 @@ def test_a_search_over_dp_trainer_candidates_releases_the_winner_only(tmp_path: 
             args={"learning_rate": candidate.hparams["lr"], "max_steps": candidate.steps},
         )
         trainer.train()
+        candidate.check_spent(trainer.privacy_engine)  # the run's ledger is the plan's event, steps times
         score = trainer.evaluate()["eval_loss"]
         trained.append(
             {
