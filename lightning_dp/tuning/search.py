@@ -57,27 +57,35 @@ class Candidate:
     secure_mode: bool = False
 
     def check_spent(self, privacy_engine: PrivacyEngine) -> None:
-        """Check that the candidate's finished run spent what the plan accounts for: its accountant's ledger is
-        exactly ``steps`` optimizer steps of ``PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier))``,
-        DP-SGD with independent Gaussian noise (:meth:`SearchPlan.candidate_event
-        <lightning_dp.tuning.accounting.SearchPlan.candidate_event>`). Call it at the end of ``train_candidate`` with
-        the run's ``privacy_engine`` (``DPStrategy``'s or ``DPTrainer``'s attribute). A run with another noise,
-        correlated noise, a randomized clipping engine, another rate or another number of steps fails, whatever
+        """Check that the candidate's finished run spent what the plan accounts for: Poisson sampling
+        (``poisson_sampling=True``) and an accountant ledger of exactly ``steps`` optimizer steps of
+        ``PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier))``, DP-SGD with independent Gaussian noise
+        (:meth:`SearchPlan.candidate_event <lightning_dp.tuning.accounting.SearchPlan.candidate_event>`). Call it after
+        the training in ``train_candidate`` with the run's ``privacy_engine`` (``DPStrategy``'s or ``DPTrainer``'s
+        attribute). A run with another noise, correlated noise, a randomized clipping engine, the framework's shuffled
+        batches, a test callback that breaks the mechanism, another rate or another number of steps fails, whatever
         its three numbers say.
 
         Raises:
-            PlanMismatchError: the ledger differs (the search's epsilon would not hold for this run), or the run
+            PlanMismatchError: what the run spent differs (the search's epsilon would not hold for it), or the run
                 never started.
         """
         accountant = privacy_engine.accountant
         ledger = [] if accountant is None else [[event, count] for event, count in accountant.ledger]
         planned = [[PoissonSampledEvent(self.sample_rate, GaussianEvent(self.noise_multiplier)), self.steps]]
-        if ledger != planned:
-            raise PlanMismatchError(
-                f"the candidate's run spent {ledger}, not the plan's {planned} (steps of DP-SGD with independent "
-                "Gaussian noise at the candidate's noise_multiplier and sample_rate): the search's epsilon would not "
-                "hold for it"
-            )
+        if not privacy_engine.config.poisson_sampling:
+            spent = "shuffled fixed-size batches (poisson_sampling=False)"
+        elif privacy_engine.broken_for_testing:
+            spent = f"a mechanism broken for testing ({privacy_engine.broken_for_testing})"
+        elif ledger != planned:
+            spent = str(ledger)
+        else:
+            return
+        raise PlanMismatchError(
+            f"the candidate's run spent {spent}, not the plan's {planned} (steps of DP-SGD with Poisson sampling and "
+            "independent Gaussian noise at the candidate's noise_multiplier and sample_rate): the search's epsilon "
+            "would not hold for it"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,27 +145,44 @@ def test_a_digits_candidate_whose_run_correlated_its_noise_stops_the_search(monk
     assert (spent["noise_multiplier"], spent["sample_rate"], spent["steps"]) == (1.0, sample_rate, steps)
 
 
-@pytest.mark.parametrize(
-    "ledger",
-    [
-        [],  # never started
-        [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 9]],  # a step short
-        [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 5], [PoissonSampledEvent(0.2, GaussianEvent(1.0)), 5]],
-        [[PoissonSampledEvent(0.1, LaplaceEvent(1.0, 1.0)), 10]],
-    ],
-)
-def test_check_spent_accepts_only_the_plans_steps_of_the_plans_event(ledger):
+def _engine(ledger: list | None, poisson_sampling: bool = True, broken_for_testing: str | None = None):
+    """A stand-in for a run's ``PrivacyEngine``: its accountant with ``ledger`` (``None``: never started)."""
     import types
 
+    accountant = None
+    if ledger is not None:
+        accountant = make_accountant("pld")
+        accountant.ledger = ledger
+    config = types.SimpleNamespace(poisson_sampling=poisson_sampling)
+    return types.SimpleNamespace(accountant=accountant, config=config, broken_for_testing=broken_for_testing)
+
+
+PLANNED = [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 10]]
+
+
+@pytest.mark.parametrize(
+    ("engine", "spent"),
+    [
+        (_engine(None), r"\[\]"),  # never started
+        (_engine([[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 9]]), "9]]"),  # a step short
+        (
+            _engine(
+                [[PoissonSampledEvent(0.1, GaussianEvent(1.0)), 5], [PoissonSampledEvent(0.2, GaussianEvent(1.0)), 5]]
+            ),
+            "sample_rate=0.2",
+        ),
+        (_engine([[PoissonSampledEvent(0.1, LaplaceEvent(1.0, 1.0)), 10]]), "LaplaceEvent"),
+        (_engine(PLANNED, poisson_sampling=False), r"shuffled fixed-size batches \(poisson_sampling=False\)"),
+        (_engine(PLANNED, broken_for_testing="noise scaled by 0.5"), "broken for testing \\(noise scaled by 0.5\\)"),
+    ],
+)
+def test_check_spent_accepts_only_poisson_sampled_runs_of_the_plans_steps_of_its_event(engine, spent):
     from lightning_dp.tuning import Candidate, PlanMismatchError
 
     candidate = Candidate({}, 1.0, 0.1, 10, seed=None)
-    planned = make_accountant("pld").compose(PoissonSampledEvent(0.1, GaussianEvent(1.0)), 10)
-    candidate.check_spent(types.SimpleNamespace(accountant=planned))
-    accountant = make_accountant("pld")
-    accountant.ledger = ledger
-    with pytest.raises(PlanMismatchError, match="the search's epsilon would not hold"):
-        candidate.check_spent(types.SimpleNamespace(accountant=accountant if ledger else None))
+    candidate.check_spent(_engine(PLANNED))
+    with pytest.raises(PlanMismatchError, match=f"spent .*{spent}.*the search's epsilon would not hold"):
+        candidate.check_spent(engine)
 
 
 def test_an_unseeded_digits_run_initialises_its_model_from_fresh_os_entropy(monkeypatch):
