@@ -4,13 +4,15 @@ lightning_dp builds on, so that those lower bounds are tested claims.
 Usage (from the repository root): ``python scripts/floor_versions.py [--venv PATH] [PYTEST ARGS...]``, e.g.
 ``python scripts/floor_versions.py -q -n 2``. It creates a fresh virtual environment (``--venv``, emptied first)
 that also sees this interpreter's packages, after its own (a ``.pth`` file adds this interpreter's site-packages, so
-that torch and the rest are the ones this interpreter has, whether or not it is itself a virtual environment),
-installs each package of :data:`FLOORED` there at the version its ``>=`` bound in pyproject.toml names, prints the
-versions it got, and runs ``python -m pytest`` there on this checkout with the other arguments; the exit status is
-pytest's (a failed install: pip's). Run by hand, not by CI.
+that every other package is the one this interpreter has, whether or not it is itself a virtual environment),
+installs each package of :data:`FLOORED` there at the version its ``>=`` bound in pyproject.toml names (with the
+build-system requirements, for the tests that build the package without isolation), prints the versions it got,
+and runs ``python -m pytest`` there on this checkout with the other arguments; the exit status is pytest's (a
+failed install: pip's). Run by hand, not by CI.
 
-torch is not among them (``torch==2.13.0`` is the local CPU wheel the suite is run with), nor numpy, scipy and
-scikit-learn, whose compiled dependants in the environment (pandas, pyarrow) are built against the installed numpy.
+torch is among them: where PyPI serves only its CUDA build (Linux x86_64), that is what the environment gets (several
+GB with the NVIDIA libraries it needs; the suite runs on the CPU all the same). numpy, scipy and scikit-learn are not,
+as their compiled dependants in the environment (pandas, pyarrow) are built against the installed numpy.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import re
 import site
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = ROOT / "pyproject.toml"
 
 #: The distributions installed at their lower bound: lightning_dp subclasses or calls into their internals.
-FLOORED = ("lightning", "transformers", "accelerate", "peft", "dp-accounting", "jsonargparse")
+FLOORED = ("torch", "lightning", "transformers", "accelerate", "peft", "dp-accounting", "jsonargparse")
 
 #: A quoted requirement with a lower bound: ``"name[extras]>=version..."`` (the project's and its extras' lists).
 _REQUIREMENT = re.compile(r'"([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*>=\s*([0-9][^,;\s"]*)')
@@ -68,7 +71,10 @@ def main(argv: list[str]) -> int:
     ).stdout.strip()  # fmt: skip
     parents = "".join(f"import site; site.addsitedir({path!r})\n" for path in site.getsitepackages())
     Path(own, "zz_parent_site_packages.pth").write_text(parents, encoding="utf-8")
-    install = subprocess.run([python, "-m", "pip", "install", "--quiet", *pinned.values()])
+    # the build backend at the version pyproject.toml asks for (the venv's own setuptools may be older), for the tests
+    # that build the package without isolation
+    build = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["build-system"]["requires"]
+    install = subprocess.run([python, "-m", "pip", "install", "--quiet", *pinned.values(), *build])
     if install.returncode:
         return install.returncode
     versions = subprocess.run(
