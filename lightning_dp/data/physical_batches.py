@@ -1,11 +1,12 @@
 """The physical batch cap (``max_physical_batch_size``, Opacus's name) on the data side: its validation, cutting one
-training batch into parts of at most ``cap`` examples (:func:`split_rows`), and the expected number of parts per
-logical step (:func:`expected_physical_batches`, for the start-up block). The passes themselves:
+training batch into parts of at most ``cap`` examples, as equal as they can be (:func:`split_rows`), and the expected
+number of parts per logical step (:func:`expected_physical_batches`, for the start-up block). The passes themselves:
 :mod:`lightning_dp.engine.physical_batches`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from typing import Any
@@ -28,8 +29,21 @@ def validate_max_physical_batch_size(cap: object) -> None:
         )
 
 
+def part_sizes(size: int, cap: int) -> list[int]:
+    """The sizes of the ``ceil(size / cap)`` parts of a batch of ``size`` examples (``[]`` for none): as equal as
+    they can be (``torch.tensor_split``'s: the first ``size mod count`` parts one larger). A batch above ``cap`` has no
+    part below ``ceil(cap / 2)``, so a pass of one example comes only with a batch of one (``cap >= 3``), not with
+    every size one above a multiple of ``cap``."""
+    if size == 0:
+        return []
+    count = -(-size // cap)
+    base, larger = divmod(size, count)
+    return [base + 1] * larger + [base] * (count - larger)
+
+
 def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
-    """``batch`` cut into ``ceil(size / cap)`` batches of at most ``cap`` examples (``[]`` for an empty batch).
+    """``batch`` cut into parts of at most ``cap`` examples, of the sizes :func:`part_sizes` gives (``[]`` for an
+    empty batch).
 
     Every tensor whose first dimension is ``size`` is sliced along it (views, in order); other entries are repeated in
     each part. A batch of at most ``cap`` examples is returned as it is.
@@ -46,13 +60,14 @@ def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
     if size <= cap:
         return [batch] if size else []
 
-    def part(start: int) -> Any:
+    def part(start: int, length: int) -> Any:
         def take(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if tensor.ndim == 0 or tensor.shape[0] != size else tensor[start : start + cap]
+            return tensor if tensor.ndim == 0 or tensor.shape[0] != size else tensor[start : start + length]
 
         return apply_to_collection(batch, torch.Tensor, take)
 
-    return [part(start) for start in range(0, size, cap)]
+    sizes = part_sizes(size, cap)
+    return [part(start, length) for start, length in zip(itertools.accumulate(sizes, initial=0), sizes, strict=False)]
 
 
 def expected_physical_batches(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_dp.clipping.float32_sums import add_float32_sum, pop_float32_sum, put_float32_sum
-from lightning_dp.data.physical_batches import split_rows
+from lightning_dp.data.physical_batches import part_sizes, split_rows
 from lightning_dp.engine.adapter import micro_batch
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def physical_batches(
             "read from it: return tensors with the examples along their first dimension, or remove the cap"
         )
     passes: list[PhysicalBatch] = [
-        (part, min(cap, size - index * cap), False) for index, part in enumerate(split_rows(batch, size, cap))
+        (part, length, False) for part, length in zip(split_rows(batch, size, cap), part_sizes(size, cap), strict=True)
     ]
     if not engine.every_rank_runs_every_step:
         return passes or [(batch, size, False)]  # an empty batch: one pass, handled as without a cap

@@ -263,7 +263,7 @@ class RunSequence:
         if state.distributed is not None:
             correlation = state.correlation
             state.distributed.check_identical(
-                "dataset size, sample rate, noise, adaptive clipping and noise correlation",
+                "dataset size, sample rate, noise, adaptive clipping, noise correlation and max_physical_batch_size",
                 (
                     state.num_samples,
                     state.sample_rate,
@@ -271,6 +271,7 @@ class RunSequence:
                     mechanism.describe(),
                     state.adaptive.describe() if state.adaptive is not None else None,
                     None if correlation is None else (correlation.checkpoint_entry(), correlation.segment),
+                    state.config.max_physical_batch_size,  # a sharded model's ranks join each pass's collectives
                 ),
             )
             collectives = {

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.config import PrivacyConfig
-from lightning_dp.data.physical_batches import expected_physical_batches, split_rows
+from lightning_dp.data.physical_batches import expected_physical_batches, part_sizes, split_rows
 from lightning_dp.data.poisson import PoissonBatchSampler
 from lightning_dp.data.users import UserBatch
 from lightning_dp.engine.physical_batches import (
@@ -24,6 +25,8 @@ from lightning_dp.engine.physical_batches import (
     run_physical_batches,
     swap_gradients,
 )
+from lightning_dp.engine.privacy_engine import PrivacyEngine
+from lightning_dp.runtime.distributed import DistributedContext
 
 
 @pytest.mark.parametrize("cap", [0, -3, 2.5, True, "4"])
@@ -49,7 +52,7 @@ def test_a_bad_cap_fails_when_the_hf_arguments_are_built() -> None:
 def test_split_rows_slices_every_tensor_of_the_batch_size_and_keeps_the_others() -> None:
     x, y, scale = torch.arange(7 * 2).reshape(7, 2), torch.arange(7), torch.tensor([5.0, 6.0])
     parts = split_rows({"x": x, "nested": (y, scale), "name": "run"}, 7, 3)
-    assert [len(part["x"]) for part in parts] == [3, 3, 1]
+    assert [len(part["x"]) for part in parts] == [3, 2, 2]
     assert torch.equal(torch.cat([part["nested"][0] for part in parts]), y)
     assert all(part["nested"][1] is scale and part["name"] == "run" for part in parts)  # not per example: repeated
     ((whole, _),) = split_rows((x, y), 7, 7)  # small enough: the batch itself
@@ -62,6 +65,22 @@ def test_split_rows_keeps_a_user_batch_and_cuts_between_users() -> None:
     parts = split_rows(batch, 5, 2)
     assert all(isinstance(part, UserBatch) for part in parts)
     assert [tuple(part["rows"]["x"].shape) for part in parts] == [(2, 4, 3), (2, 4, 3), (1, 4, 3)]
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 4, 5, 8, 13])
+def test_the_parts_are_as_equal_as_they_can_be_so_a_one_example_pass_needs_a_one_example_batch(cap) -> None:
+    """A Poisson batch of ``size`` examples is cut into ``ceil(size / cap)`` parts whose sizes differ by at most one:
+    cutting ``[cap, cap, ..., size mod cap]`` made a pass of one example whenever the draw was one above a multiple of
+    the cap, so a training step that fails on one example (a ``.squeeze()``) raised at a step the draw chose."""
+    for size in range(200):
+        sizes = part_sizes(size, cap)
+        assert sum(sizes) == size and len(sizes) == math.ceil(size / cap) and max(sizes, default=0) <= cap
+        assert max(sizes, default=0) - min(sizes, default=0) <= 1
+        if size > cap:
+            assert min(sizes) >= math.ceil(cap / 2)
+        if cap >= 3 and size > 1:
+            assert min(sizes) >= 2
+    assert part_sizes(16, 5) == [4, 4, 4, 4]
 
 
 @pytest.mark.parametrize("size", [1, 9])
@@ -170,3 +189,29 @@ def test_the_passes_of_a_micro_batch_share_one_slot_of_the_sum_check_schedule() 
             clipper.backward(model(torch.randn(rows, 3)).squeeze(1))
         schedule.append(row)
     assert schedule == [[True], [False, False, False], [True], [False, False], [True]]
+
+
+class _OtherRankWithoutTheCap:
+    """Rank 0's view of two ranks at the start of training, the other rank's options without the cap (its gather of
+    the checked settings; the check itself is DistributedContext's)."""
+
+    world_size, rank, is_main = 2, 0, True
+    reduce_clipped_sum = any_rank = None
+    check_identical = DistributedContext.check_identical
+
+    def gather_objects(self, value: tuple) -> list[tuple]:
+        return [value, (*value[:-1], None)]
+
+
+def test_ranks_that_disagree_on_the_cap_are_refused_at_the_start_of_training() -> None:
+    """A capped rank of a sharded model joins a MAX over the ranks' pass counts for every micro-batch, which an
+    uncapped rank never joins: the ranks' collectives would pair up wrongly, so the cap is among the settings every
+    rank must share."""
+    model = torch.nn.Linear(3, 1)
+    engine = PrivacyEngine(max_grad_norm=1.0, noise_multiplier=1.0, seed=3, max_physical_batch_size=4)
+    engine.start_run(model, None)
+    engine.training_loader(DataLoader(TensorDataset(torch.randn(16, 3)), batch_size=4), batch_size=4, micro_batches=1)
+    engine.distributed = _OtherRankWithoutTheCap()
+    disagree = r"ranks disagree on the .*max_physical_batch_size: \[\(16, .*4\), \(16, .*None\)\]"
+    with pytest.raises(RuntimeError, match=disagree):
+        engine.start_training([torch.optim.SGD(model.parameters(), lr=0.1)], total_steps=2)
