@@ -6,7 +6,8 @@ The adapters never backpropagate the scaled loss: the clipper runs its own backw
 float32 units; the noise is added to it there. The trainer's ``GradScaler`` then expects scaled gradients: its
 ``unscale_`` divides ``.grad`` by its scale ``S`` and its ``step`` skips the update when a result is not finite. So
 :func:`hand_to_grad_scaler` multiplies the noised gradient by ``S`` right after it is formed: ``unscale_`` gives the
-noised gradient back, which is finite, so the scaler finds no overflow, never skips the step and never lowers ``S``;
+noised gradient back, which is finite (the finite check of the clipped sums reads at every step under a scaler,
+:func:`read_finite_flags_every_step`), so the scaler finds no overflow, never skips the step and never lowers ``S``;
 ``S`` only grows every ``growth_interval`` steps, a schedule that depends on no data. Whatever the scaler does with
 ``.grad`` is post-processing of the noised gradient.
 """
@@ -24,6 +25,7 @@ from lightning_dp.runtime.sharding import local_part
 
 if TYPE_CHECKING:
     from lightning_dp.engine.privacy_engine import PrivacyEngine
+    from lightning_dp.optim.dp_optimizer import DPOptimizer
 
 log = logging.getLogger("lightning_dp")
 
@@ -78,18 +80,33 @@ def hand_to_grad_scaler(params: Sequence[torch.nn.Parameter], scaler: Any) -> No
         grad.mul_(scale.to(grad.device, grad.dtype)).clamp_(-largest, largest)
 
 
+def read_finite_flags_every_step(optimizer: DPOptimizer) -> None:
+    """Make ``optimizer`` read its finite check at every step (``finite_check_every = 1``), so that a non-finite clipped
+    sum raises before the noise and the scaler never sees one: a deferred check would divide that step's gradient by
+    NaN, which the scaler would skip and answer by halving its scale instead of the NaN model the deferred check
+    relies on. The scaler's own step reads its overflow flag from the device at every step, so this adds no stall."""
+    optimizer.finite_check_every = 1
+
+
 def handing_to_grad_scaler(
-    closure: Callable[[], Any], params: Callable[[], Sequence[torch.nn.Parameter]], scaler: Any
+    closure: Callable[[], Any],
+    params: Callable[[], Sequence[torch.nn.Parameter]],
+    scaler: Any,
+    skip: Callable[[], bool],
 ) -> Callable[[], Any]:
     """``closure`` (which ends with the noise) followed by :func:`hand_to_grad_scaler` on ``params()``.
 
     A closure that returns ``None`` (the user's step skipped its batch) returns a zero tensor instead: Lightning's
     mixed-precision plugin skips the optimizer step on ``None``, after the gradient was noised, and the step would
-    not be recorded; without a scaler the step is taken and recorded, and so it is here.
+    not be recorded; without a scaler the step is taken and recorded, and so it is here. When ``skip()`` (the
+    optimizer takes no step: the privacy budget is spent, nothing was noised) it returns ``None``, so that the plugin
+    skips the scaler's step, which has no gradient to unscale, as the optimizer would skip it anyway.
     """
 
     def closure_then_scale() -> Any:
         result = closure()
+        if skip():
+            return None
         hand_to_grad_scaler(params(), scaler)
         return torch.zeros(()) if result is None else result
 

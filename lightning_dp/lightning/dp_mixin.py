@@ -36,7 +36,11 @@ from lightning_dp.engine.adapter import (
     stop_rank_zero_logging,
 )
 from lightning_dp.engine.exact_resume import SECRET_KEY
-from lightning_dp.engine.grad_scaler import handing_to_grad_scaler, scale_clipper_backward
+from lightning_dp.engine.grad_scaler import (
+    handing_to_grad_scaler,
+    read_finite_flags_every_step,
+    scale_clipper_backward,
+)
 from lightning_dp.engine.physical_batches import (
     Held,
     add_gradients,
@@ -312,7 +316,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
             closure = optimizer.privatising(closure)
             scaler = getattr(self.precision_plugin, "scaler", None)
             if scaler is not None:  # 16-mixed: the scaler's unscale_ must give the noised gradient back
-                closure = handing_to_grad_scaler(closure, lambda: optimizer.params, scaler)
+                read_finite_flags_every_step(optimizer)
+                closure = handing_to_grad_scaler(closure, lambda: optimizer.params, scaler, optimizer.should_skip)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override

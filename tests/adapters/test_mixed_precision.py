@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from helpers import TinyRegressor, make_trainer  # noqa: E402
-from hf_helpers import TokenDataset, tiny_gpt2, trainable_snapshot  # noqa: E402
+from hf_helpers import TokenDataset, tiny_gpt2, trainable_snapshot, training_args  # noqa: E402
 from hf_helpers import make_trainer as make_hf_trainer  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
 from torch import nn  # noqa: E402
@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_dp import DPStrategy  # noqa: E402
 from lightning_dp.clipping.loss_scaling import FP16_LOSS_SCALE  # noqa: E402
 from lightning_dp.engine.grad_scaler import MAX_GRAD_SCALE, hand_to_grad_scaler  # noqa: E402
-from lightning_dp.hf import PrivacyArguments  # noqa: E402
+from lightning_dp.hf import DPTrainer, PrivacyArguments  # noqa: E402
+from lightning_dp.hf.callbacks import PrivacyBudget as HFPrivacyBudget  # noqa: E402
+from lightning_dp.lightning.callbacks import PrivacyBudget  # noqa: E402
 
 STEPS = 3
 INIT_SCALE = 2.0**16
@@ -111,6 +113,43 @@ def test_lightning_16_mixed_records_a_skipped_batch_as_without_a_scaler() -> Non
     assert steps[0] == steps[1] == (STEPS, STEPS)
 
 
+def test_lightning_16_mixed_stops_at_a_spent_budget_as_without_a_scaler() -> None:
+    """Once the budget is spent the optimizer takes no step and nothing is noised; the closure then returns None so
+    that the scaler's plugin skips its step too (with a zero loss it unscaled no gradient and raised "No inf checks
+    were recorded", found in review). ``min_steps`` keeps Lightning calling the training step past the stop."""
+    steps = []
+    for plugins in ([], [_fp16_plugin()]):
+        strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+        trainer = make_trainer(strategy, max_steps=8, min_steps=8, plugins=plugins, callbacks=[PrivacyBudget(0.6)])
+        trainer.fit(TinyRegressor())
+        steps.append((trainer.global_step, strategy.privacy_engine.steps))
+    assert steps[0] == steps[1] and 0 < steps[0][1] < 8
+
+
+class _NaNAtStep(pl.Callback):
+    """Writes NaN into a clipped sum after the backward at ``step`` (a hook writing ``p.grad``, as a bug would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer, module):
+        if trainer.global_step == self.step:
+            next(module.parameters()).grad[0, 0] = float("nan")
+
+
+def test_lightning_16_mixed_raises_on_a_nonfinite_clipped_sum_before_its_noise_at_any_step() -> None:
+    """Without a scaler the finite check is read at the first step and every 100th, and a non-finite sum at another
+    step makes the model NaN until the next read raises; the scaler would skip such a step and halve its scale
+    instead (found in review). Under a scaler the check is read at every step: the step raises before its noise, the
+    scale untouched."""
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    plugin = _fp16_plugin()
+    trainer = make_trainer(strategy, max_steps=6, plugins=[plugin], callbacks=[_NaNAtStep(2)])
+    with pytest.raises(FloatingPointError, match="is not finite before the noise is added"):
+        trainer.fit(TinyRegressor())
+    assert strategy.privacy_engine.steps == 2 and plugin.scaler.get_scale() == INIT_SCALE
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_lightning_bf16_runs_with_finite_updates(precision: str) -> None:
     module = TinyRegressor()
@@ -188,6 +227,45 @@ def _dtype_recorder(model: nn.Module) -> set[torch.dtype]:
     first = next(m for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D")
     first.register_forward_hook(lambda module, args, out: dtypes.add(out.dtype))
     return dtypes
+
+
+def test_hf_trainer_fp16_stops_at_a_spent_budget_as_without_a_scaler(tmp_path) -> None:
+    """A step past the budget noises nothing and the optimizer skips it, but accelerate's scaler step still runs: the
+    gradients are zeros for it to unscale (without them it raised "Attempted unscale_ but _scale is None", found in
+    review), and no step is recorded."""
+    runs = []
+    for fp16 in (False, True):
+        privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0)
+        trainer = make_hf_trainer(
+            tiny_gpt2(), tmp_path / str(fp16), TokenDataset(), privacy=privacy, callbacks=[HFPrivacyBudget(0.01)],
+            args={"fp16": True} if fp16 else {},
+        )  # fmt: skip
+        if fp16:
+            _hf_fp16(trainer)
+        trainer.train()
+        runs.append((trainer.state.global_step, trainer.privacy_engine.steps))
+    assert runs[0] == runs[1] == (1, 0)
+
+
+class _NaNAtStep2(DPTrainer):
+    """Writes NaN into the head's clipped sum during the step after two (a hook writing ``p.grad``, as a bug would)."""
+
+    def compute_per_example_loss(self, model, inputs):
+        if self.state.global_step == 2:
+            model.lm_head.weight.grad = torch.full_like(model.lm_head.weight, float("nan"))
+        return super().compute_per_example_loss(model, inputs)
+
+
+def test_hf_trainer_fp16_raises_on_a_nonfinite_clipped_sum_before_its_noise_at_any_step(tmp_path) -> None:
+    """As under Lightning: with accelerate's scaler the finite check is read at every step, so the third step raises
+    before its noise (without a scaler that step's update makes the model NaN until the next read)."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, accountant="rdp", dp_seed=0)
+    args = training_args(tmp_path, max_steps=5, fp16=True)
+    trainer = _NaNAtStep2(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=privacy)
+    scaler = _hf_fp16(trainer)
+    with pytest.raises(FloatingPointError, match="is not finite before the noise is added"):
+        trainer.train()
+    assert trainer.privacy_engine.steps == 2 and scaler.get_scale() == INIT_SCALE
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
