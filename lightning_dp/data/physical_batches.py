@@ -33,7 +33,7 @@ def part_sizes(size: int, cap: int) -> list[int]:
     """The sizes of the ``ceil(size / cap)`` parts of a batch of ``size`` examples (``[]`` for none): as equal as
     they can be (``torch.tensor_split``'s: the first ``size mod count`` parts one larger). A batch above ``cap`` has no
     part below ``ceil(cap / 2)``, so a pass of one example comes only with a batch of one (``cap >= 3``), not with
-    every size one above a multiple of ``cap``."""
+    every size one above a multiple of ``cap`` (a sharded model's stand-in batches aside)."""
     if size == 0:
         return []
     count = -(-size // cap)

@@ -84,8 +84,17 @@ def read_finite_flags_every_step(optimizer: DPOptimizer) -> None:
     """Make ``optimizer`` read its finite check at every step (``finite_check_every = 1``), so that a non-finite clipped
     sum raises before the noise and the scaler never sees one: a deferred check would divide that step's gradient by
     NaN, which the scaler would skip and answer by halving its scale instead of the NaN model the deferred check
-    relies on. The scaler's own step reads its overflow flag from the device at every step, so this adds no stall."""
+    relies on. The scaler's own step reads its overflow flag from the device at every step, so this adds little."""
     optimizer.finite_check_every = 1
+
+
+def hand_skipped_step_to_grad_scaler(params: Sequence[torch.nn.Parameter], scaler: Any) -> None:
+    """A step the optimizer skips (the privacy budget is spent: nothing clipped or noised): zero gradients for
+    ``params``, handed to ``scaler`` (:func:`hand_to_grad_scaler`), so that the trainer's scaler step has gradients
+    to unscale (without them its ``unscale_`` raises) and finds no overflow; the optimizer then skips the update."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    hand_to_grad_scaler(params, scaler)
 
 
 def handing_to_grad_scaler(
@@ -94,20 +103,21 @@ def handing_to_grad_scaler(
     scaler: Any,
     skip: Callable[[], bool],
 ) -> Callable[[], Any]:
-    """``closure`` (which ends with the noise) followed by :func:`hand_to_grad_scaler` on ``params()``.
+    """``closure`` (which ends with the noise) followed by :func:`hand_to_grad_scaler` on ``params()``, or by
+    :func:`hand_skipped_step_to_grad_scaler` when ``skip()`` (the optimizer takes no step).
 
-    A closure that returns ``None`` (the user's step skipped its batch) returns a zero tensor instead: Lightning's
-    mixed-precision plugin skips the optimizer step on ``None``, after the gradient was noised, and the step would
-    not be recorded; without a scaler the step is taken and recorded, and so it is here. When ``skip()`` (the
-    optimizer takes no step: the privacy budget is spent, nothing was noised) it returns ``None``, so that the plugin
-    skips the scaler's step, which has no gradient to unscale, as the optimizer would skip it anyway.
+    A closure that returns ``None`` (the user's step skipped its batch, or the budget is spent) returns a zero tensor
+    instead: Lightning's mixed-precision plugin skips the optimizer step on ``None``, after the gradient was noised,
+    and the step would not be recorded; without a scaler the step is taken and recorded, and so it is here (other
+    precision plugins, FSDP's, unscale whatever the closure returns).
     """
 
     def closure_then_scale() -> Any:
         result = closure()
         if skip():
-            return None
-        hand_to_grad_scaler(params(), scaler)
+            hand_skipped_step_to_grad_scaler(params(), scaler)
+        else:
+            hand_to_grad_scaler(params(), scaler)
         return torch.zeros(()) if result is None else result
 
     return closure_then_scale

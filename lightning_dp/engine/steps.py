@@ -271,7 +271,7 @@ class RunSequence:
                     mechanism.describe(),
                     state.adaptive.describe() if state.adaptive is not None else None,
                     None if correlation is None else (correlation.checkpoint_entry(), correlation.segment),
-                    state.config.max_physical_batch_size,  # a sharded model's ranks join each pass's collectives
+                    state.config.max_physical_batch_size,  # a capped sharded model's ranks MAX their pass counts
                 ),
             )
             collectives = {

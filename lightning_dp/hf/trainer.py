@@ -37,7 +37,12 @@ from lightning_dp.data.batch_tensors import leading_rows
 from lightning_dp.data.users import read_user_ids
 from lightning_dp.engine.accounting import summary_metrics
 from lightning_dp.engine.adapter import rank_zero_logging
-from lightning_dp.engine.grad_scaler import hand_to_grad_scaler, read_finite_flags_every_step, scale_clipper_backward
+from lightning_dp.engine.grad_scaler import (
+    hand_skipped_step_to_grad_scaler,
+    hand_to_grad_scaler,
+    read_finite_flags_every_step,
+    scale_clipper_backward,
+)
 from lightning_dp.engine.physical_batches import physical_batches, run_physical_batches
 from lightning_dp.engine.queries import PrivacyQueries
 from lightning_dp.engine.workload import scheduled_learning_rates, stand_in_optimizer
@@ -391,16 +396,15 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             loss = run_physical_batches(passes, forward, engine.clip, defer_last=False).mean(loss.device)
         if self.accelerator.sync_gradients:
             engine.end_logical_step(self.args.gradient_accumulation_steps)
-            params = self._dp_optimizer.params
-            if self.accelerator.scaler is not None:
+            scaler, params = self.accelerator.scaler, self._dp_optimizer.params
+            if scaler is not None:
                 read_finite_flags_every_step(self._dp_optimizer)
             if not exhausted:
                 self._dp_optimizer.privatise()
-            elif self.accelerator.scaler is not None:  # the budget is spent: no step, but the scaler's step runs
-                for param in params:  # and needs gradients to unscale; DPOptimizer.step then skips the update
-                    param.grad = torch.zeros_like(param)
-            if self.accelerator.scaler is not None:  # fp16: its unscale_ must give the noised gradient back
-                hand_to_grad_scaler(params, self.accelerator.scaler)
+                if scaler is not None:  # fp16: its unscale_ must give the noised gradient back
+                    hand_to_grad_scaler(params, scaler)
+            elif scaler is not None:  # the budget is spent: accelerate's scaler step still runs, DPOptimizer skips
+                hand_skipped_step_to_grad_scaler(params, scaler)
         return loss / self.args.gradient_accumulation_steps
 
     @override

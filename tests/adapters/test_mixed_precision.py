@@ -18,6 +18,7 @@ from helpers import TinyRegressor, make_trainer  # noqa: E402
 from hf_helpers import TokenDataset, tiny_gpt2, trainable_snapshot, training_args  # noqa: E402
 from hf_helpers import make_trainer as make_hf_trainer  # noqa: E402
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -113,17 +114,26 @@ def test_lightning_16_mixed_records_a_skipped_batch_as_without_a_scaler() -> Non
     assert steps[0] == steps[1] == (STEPS, STEPS)
 
 
-def test_lightning_16_mixed_stops_at_a_spent_budget_as_without_a_scaler() -> None:
-    """Once the budget is spent the optimizer takes no step and nothing is noised; the closure then returns None so
-    that the scaler's plugin skips its step too (with a zero loss it unscaled no gradient and raised "No inf checks
-    were recorded", found in review). ``min_steps`` keeps Lightning calling the training step past the stop."""
+def _fsdp_fp16_plugin() -> FSDPPrecision:
+    plugin = FSDPPrecision("16-mixed")
+    plugin.scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)  # it makes a ShardedGradScaler, CUDA only
+    return plugin
+
+
+@pytest.mark.parametrize("plugin", [_fp16_plugin, _fsdp_fp16_plugin])
+@pytest.mark.parametrize("budget", [0.01, 0.6])
+def test_lightning_16_mixed_stops_at_a_spent_budget_as_without_a_scaler(plugin, budget: float) -> None:
+    """Once the budget is spent the optimizer takes no step and nothing is noised; the scaler's step gets zero
+    gradients to unscale (with none it raised "No inf checks were recorded" or "_scale is None", found in review) and
+    the optimizer skips it. ``min_steps`` keeps Lightning calling the training step past the stop."""
     steps = []
-    for plugins in ([], [_fp16_plugin()]):
+    for plugins in ([], [plugin()]):
         strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
-        trainer = make_trainer(strategy, max_steps=8, min_steps=8, plugins=plugins, callbacks=[PrivacyBudget(0.6)])
+        callbacks = [PrivacyBudget(budget)]
+        trainer = make_trainer(strategy, max_steps=8, min_steps=8, plugins=plugins, callbacks=callbacks)
         trainer.fit(TinyRegressor())
         steps.append((trainer.global_step, strategy.privacy_engine.steps))
-    assert steps[0] == steps[1] and 0 < steps[0][1] < 8
+    assert steps[0] == steps[1] and steps[0][1] < 8
 
 
 class _NaNAtStep(pl.Callback):
