@@ -71,7 +71,7 @@ class Candidate:
                 never started.
         """
         accountant = privacy_engine.accountant
-        ledger = [] if accountant is None else [[event, count] for event, count in accountant.ledger]
+        ledger = [] if accountant is None else accountant.ledger  # [[event, count], ...]
         planned = [[PoissonSampledEvent(self.sample_rate, GaussianEvent(self.noise_multiplier)), self.steps]]
         if not privacy_engine.config.poisson_sampling:
             spent = "shuffled fixed-size batches (poisson_sampling=False)"
