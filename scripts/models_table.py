@@ -1,12 +1,13 @@
 """Write docs/models.json and docs/models.md: which architectures of the model zoo train exactly, and which the
-library refuses and why, for full fine-tuning and LoRA.
+library refuses and why, for full fine-tuning and LoRA, with and without activation checkpointing.
 
 Usage (from the repository root): ``python scripts/models_table.py [--train] [--render-only]``. Each entry of
 ``tests/models/zoo.py`` is checked by ``check_entry`` of ``tests/models/test_model_zoo.py`` (per-sample norms and
 clipped sum against the float64 ``torch.func`` oracle) under every clipping of ``CLIPPINGS``, fully trainable and
-with LoRA; ``--train`` adds 2 DP steps of DPTrainer (``train_dp_steps``) per HF architecture, full and LoRA. The
-outcomes are recorded in docs/models.json, which is rendered to docs/models.md (``--render-only``: render the
-recorded JSON again). Exit status 1 when an outcome differs from the test's ``EXPECTED``/``EXPECTED_LORA`` tables.
+with LoRA, and under "auto" with HF's activation checkpointing; ``--train`` adds 2 DP steps of DPTrainer
+(``train_dp_steps``) per HF architecture, full and LoRA. The outcomes are recorded in docs/models.json, which is
+rendered to docs/models.md (``--render-only``: render the recorded JSON again). Exit status 1 when an outcome differs
+from the test's ``EXPECTED*`` tables.
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ models marked \\*, which compute their norms in float32 even in float64); **refu
 `UnsupportedModuleError` or `ValueError` (message below). "via fallback" names the modules served by the exact
 `torch.func` fallback (`lightning_dp/clipping/layers/fallback.py`), which reruns their forward per example. **LoRA**:
 peft adapters (r 4) on the modules named, and on the parameters named (`mlp.experts.*`: the MoE models' fused expert
-weights, through `target_parameters`), the rest frozen.
+weights, through `target_parameters`), the rest frozen. **checkpointed**: the same check under "auto" with HF's
+non-reentrant activation checkpointing (`use_reentrant=False` to `activation_checkpointing_enable`; the oracle without
+it), which must also recompute at least one module in the clipper's backward.
 {train_note}
-`tests/models/test_model_zoo.py` asserts every outcome below (its `EXPECTED` and `EXPECTED_LORA` tables); this page
+`tests/models/test_model_zoo.py` asserts every outcome below (its `EXPECTED*` tables); this page
 is generated, do not edit it by hand. Produced by:
 
     {command}
@@ -117,12 +120,15 @@ def _number(value: float) -> str:
 
 def _hf_rows(entries: list[dict[str, Any]], train: bool, notes: dict[str, int]) -> list[str]:
     columns = ["architecture", "model class", "full fine-tuning", "LoRA targets", "LoRA"]
+    columns += ["checkpointed (full)", "checkpointed (LoRA)"]
     columns += ["DPTrainer (full)", "DPTrainer (LoRA)"] if train else []
     rows = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     for entry in entries:
         name = entry["name"] + ("\\*" if entry["float32_internals"] else "")
         cells = [name, f"`{entry['model']}`", _outcome_cell(entry["full"], notes)]
         cells += [", ".join(f"`{t}`" for t in entry["lora_targets"]), _outcome_cell(entry["lora"], notes)]
+        for key in ("checkpointed", "checkpointed_lora"):
+            cells.append(_outcome_cell(entry.get(key) and {"auto": entry[key]}, notes))
         if train:
             full, lora = (entry[key] or {} for key in ("full", "lora"))
             cells.append(_trained_cell(entry["dp_trainer"], full.get("auto"), notes))
@@ -178,6 +184,8 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
     from test_model_zoo import (
         CLIPPINGS,
         EXPECTED,
+        EXPECTED_CHECKPOINTED,
+        EXPECTED_CHECKPOINTED_LORA,
         EXPECTED_LORA,
         check_entry,
         expected_outcome,
@@ -208,6 +216,18 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
                 expected = expected_outcome(table, name, clipping)
                 if not matches(outcome, expected):
                     surprises.append(f"{name} ({key}, {clipping}): expected {expected!r}, got {outcome.describe()}")
+        for key, lora, table in (
+            ("checkpointed", False, EXPECTED_CHECKPOINTED),
+            ("checkpointed_lora", True, EXPECTED_CHECKPOINTED_LORA),
+        ):
+            if not entry.is_hf or (lora and not entry.lora_targets):
+                record[key] = None
+                continue
+            outcome = check_entry(entry, "auto", lora=lora, checkpointing=True)
+            record[key] = {**asdict(outcome), "seconds": round(outcome.seconds, 2)}
+            expected = expected_outcome(table, name, "auto")
+            if not matches(outcome, expected):
+                surprises.append(f"{name} ({key}): expected {expected!r}, got {outcome.describe()}")
         if train and entry.is_hf:
             for key, lora in (("dp_trainer", False), ("dp_trainer_lora", True)):
                 with tempfile.TemporaryDirectory() as output_dir, contextlib.redirect_stdout(io.StringIO()):

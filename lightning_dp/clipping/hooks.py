@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.clipping.layers.fallback import CapturedCall, covered_parameters, join_outputs, split_joined
 from lightning_dp.clipping.layers.random_replay import RandomRecorder, Records
-from lightning_dp.clipping.layers.registry import LayerFamily
+from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import fold_copies
 from lightning_dp.clipping.recomputation import recomputing, save_input, saved_tensor_hooks_active
 from lightning_dp.clipping.terms import Term
@@ -81,8 +81,13 @@ class Capture:
     def layer_terms(self, rows: int) -> dict[str, Term]:
         """The family's terms for this call per example, ``{param attribute: Term}`` (after the backward set
         ``output_grad``), each example's ``rows`` consecutive rows folded (:func:`~.multiplicity.fold_copies`)."""
-        # only captures the backward pass reached have terms (and, checkpointed, their recomputed input)
-        assert self.output_grad is not None and self.activation is not None
+        assert self.output_grad is not None  # only captures the backward pass reached have terms
+        if self.activation is None:  # checkpointed: the node on the call's outputs hands over the recomputed input
+            raise UnsupportedModuleError(
+                f"module '{self.name}' ({type(self.module).__name__}) in an activation-checkpointed region got an "
+                "output gradient that passed through none of its call's outputs, so its recomputed input never "
+                "reached the clipper: checkpoint the model without it, or freeze its parameters (requires_grad=False)"
+            )
         if self.call is not None:  # such a family folds its rows itself
             values = self.parameter_values or {k: v.detach() for k, v in self.leaves.items()}
             return self.family.terms(self.name, self.module, self.call, self.output_grad, values, rows)
@@ -145,6 +150,25 @@ def _pure_reshape_of(x: torch.Tensor) -> torch.Tensor | None:
     return base
 
 
+def _save_call_input(
+    whole: Any, output: torch.Tensor, index: int | None, x: torch.Tensor, sink: Callable[[torch.Tensor], None] | None
+) -> tuple[Any, torch.Tensor]:
+    """Pass the hooked ``output`` of a call in a checkpointed region, and the other differentiable tensors of its
+    result ``whole`` when that is a tuple (``index``: the hooked one's position), through one node saving the call's
+    input ``x`` (:func:`~.recomputation.save_input`). Returns ``whole`` with those tensors replaced and the new
+    ``output``."""
+    others = []
+    if index is not None and isinstance(whole, tuple):
+        others = [i for i, t in enumerate(whole) if i != index and isinstance(t, torch.Tensor) and t.requires_grad]
+    first, *rest = save_input([output, *(whole[i] for i in others)], x, sink)
+    if others:
+        items = list(whole)
+        for i, tensor in zip(others, rest, strict=True):
+            items[i] = tensor
+        whole = tuple(items)
+    return whole, first
+
+
 class CaptureHooks:
     """Hooks on a set of modules recording :class:`Capture` objects (only with gradients enabled and not suspended).
 
@@ -171,6 +195,9 @@ class CaptureHooks:
         self._batch_hint = 0
         #: ids of the modules whose first input the pre-hook just expanded (consumed by their forward hook)
         self._expanded: set[int] = set()
+        #: ``id(module) -> rows`` its broadcast input or output was expanded to by the forward's calls of this batch,
+        #: for their recomputation under checkpointing (:meth:`_expansion`)
+        self._expansions: dict[int, set[int]] = {}
         #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension: (that dimension, rows)
         self._fold_nodes: dict[Any, tuple[int, int]] = {}
         self._suspended = False
@@ -220,14 +247,30 @@ class CaptureHooks:
         x = _first_input(args, kwargs)
         if not (self._recording() or recomputing()) or not isinstance(x, torch.Tensor) or x.ndim == 0:
             return None
-        if x.shape[0] != 1 or self._batch_hint <= 1:
+        if x.shape[0] != 1:
             return None
-        x = x.expand(self._batch_hint, *x.shape[1:])
+        rows = self._expansion(module)
+        if rows <= 1:
+            return None
+        x = x.expand(rows, *x.shape[1:])
         self._expanded.add(id(module))
         if args:
             return (x, *args[1:]), kwargs
         first = next(iter(kwargs))
         return args, {**kwargs, first: x}
+
+    def _expansion(self, module: nn.Module) -> int:
+        """The rows a broadcast ``[1, ...]`` input or output of ``module``'s call is expanded to (none when at most
+        1): those of the most recently recorded call; in a checkpointed region's recomputation, which runs in the
+        backward, those the forward expanded the module's calls of this batch to (the latest call's when they differ,
+        none when it expanded none)."""
+        if not recomputing():
+            rows = self._batch_hint
+            if rows > 1:
+                self._expansions.setdefault(id(module), set()).add(rows)
+            return rows
+        counts = self._expansions.get(id(module), set())
+        return next(iter(counts)) if len(counts) == 1 else self._batch_hint if counts else 0
 
     def _fold_rows(self, x: Any) -> int | None:
         """The leading dimension of the tensor whose rows ``x`` holds sample-major, folded: ``x`` a pure reshape of
@@ -275,11 +318,13 @@ class CaptureHooks:
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             replaced = None
-            if family.reruns and joined is None and output.ndim and output.shape[0] == 1 and self._batch_hint > 1:
-                if not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):
+            single = family.reruns and joined is None and output.ndim and output.shape[0] == 1
+            if single and not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):
+                rows = self._expansion(module)
+                if rows > 1:
                     # a bias computed from parameters alone, [1, ...], broadcast to the rows where it is used (Swin's
                     # relative position bias): expanded to the rows of the latest call, so its gradient stays per row
-                    output = replaced = output.expand(self._batch_hint, *output.shape[1:]).clone()
+                    output = replaced = output.expand(rows, *output.shape[1:]).clone()
                     self._expanded.add(id(module))
             base = _reshaped_base(output)
             if base is not None:
@@ -295,7 +340,7 @@ class CaptureHooks:
             if rerun:
                 self._expanded.discard(id(module))
                 if deferred:
-                    replaced = save_input(output, x)
+                    whole, replaced = _save_call_input(whole, output, family.output_index, x, None)
                 return self._result(whole, output, replaced, joined, family.output_index)
             leaves: dict[str, torch.Tensor] = dict(covered_parameters(module, family.encloses))
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
@@ -317,7 +362,7 @@ class CaptureHooks:
             self._expanded.discard(id(module))
             capture.fold_rows = self._fold_rows(x)
             if deferred:
-                replaced = save_input(output, x, capture.recomputed)
+                whole, replaced = _save_call_input(whole, output, family.output_index, x, capture.recomputed)
             if capture.fold_rows is not None and output.ndim:
                 for node in {output.grad_fn, None if replaced is None else replaced.grad_fn} - {None}:
                     self._fold_nodes[node] = (capture.fold_rows, output.shape[0])
@@ -359,6 +404,7 @@ class CaptureHooks:
             self._random.stop()
         self.captures = []
         self._fold_nodes = {}
+        self._expansions = {}
         self._batch_hint = 0
 
     def remove(self) -> None:

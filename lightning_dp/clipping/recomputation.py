@@ -3,15 +3,15 @@
 Under non-reentrant activation checkpointing (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, HF
 ``gradient_checkpointing=True``, torch's ``checkpoint_wrapper`` under Lightning or FSDP2) the forward keeps no
 activation of a checkpointed region; the backward recomputes them. Inside such a region (seen as active saved-tensors
-hooks, which also covers ``torch.autograd.graph.save_on_cpu``) a hooked call's output passes through
+hooks, which also covers ``torch.autograd.graph.save_on_cpu``) a hooked call's differentiable outputs pass through
 :class:`SaveInput`, an identity whose autograd node saves the call's first input through those hooks: the forward keeps
 a handle, the recomputation refills it, and the node's backward, which every backward that reaches the layer's output
-edge runs, hands the recomputed input to the capture (docs/design.md section 4.1). Calls of hooked modules during a
-recomputation (inside a backward) make no capture but pass their outputs through the same identity, so that both
-passes save the same tensors, as checkpointing requires.
+edge through the call's outputs runs, hands the recomputed input to the capture (docs/design.md section 4.1). Calls of
+hooked modules during a recomputation (inside a backward) make no capture but pass their outputs through the same
+identity, so that both passes save the same tensors, as checkpointing requires.
 
-Reentrant checkpointing (``use_reentrant=True``) runs the region without gradients and its own backward inside the
-outer one; ``torch.autograd.grad`` to the captured edges cannot traverse it (:data:`REENTRANT_MESSAGE`).
+Reentrant checkpointing (``use_reentrant=True``) runs the region without gradients and its own backward inside the outer
+one; ``torch.autograd.grad`` to the captured edges cannot traverse it (:data:`REENTRANT_MESSAGE`).
 """
 
 from __future__ import annotations
@@ -53,31 +53,34 @@ def reentrant_refused() -> Iterator[None]:
 
 
 class SaveInput(torch.autograd.Function):
-    """Identity on a call's output ``[R, ...]`` (returned as a copy: in-place operations on a custom function's
-    returned input are refused) whose node saves the call's first input ``x`` ``[R, ...]`` through the active
-    saved-tensors hooks; its backward passes ``x`` (recomputed under checkpointing) to ``sink`` when one is given."""
+    """Identity on a call's differentiable outputs (each returned as a copy: in-place operations on a custom
+    function's returned input are refused) whose node saves the call's first input ``x`` ``[R, ...]`` through the
+    active saved-tensors hooks; its backward, which runs when any of the outputs gets a gradient, passes ``x``
+    (recomputed under checkpointing) to ``sink`` when one is given. All the outputs pass through it, not only the
+    hooked one: a router's logits reach the loss only through the scores it computes from them inside its call."""
 
     @staticmethod
     def forward(
-        ctx: Any, output: torch.Tensor, x: torch.Tensor, sink: Callable[[torch.Tensor], None] | None
-    ) -> torch.Tensor:
+        ctx: Any, x: torch.Tensor, sink: Callable[[torch.Tensor], None] | None, *outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.save_for_backward(x)
         ctx.sink = sink
-        return output.clone()
+        ctx.set_materialize_grads(False)
+        return tuple(output.clone() for output in outputs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         if ctx.sink is not None:
             ctx.sink(x)
-        return grad, None, None
+        return (None, None, *grads)
 
 
 def save_input(
-    output: torch.Tensor, x: torch.Tensor, sink: Callable[[torch.Tensor], None] | None = None
-) -> torch.Tensor:
-    """``output`` through :class:`SaveInput` saving ``x`` (detached), with the capture's ``sink`` (None during a
-    recomputation)."""
-    result = SaveInput.apply(output, x.detach(), sink)
-    assert isinstance(result, torch.Tensor)
-    return result
+    outputs: list[torch.Tensor], x: torch.Tensor, sink: Callable[[torch.Tensor], None] | None = None
+) -> list[torch.Tensor]:
+    """``outputs`` (a call's differentiable outputs) through one :class:`SaveInput` saving ``x`` (detached), with the
+    capture's ``sink`` (None during a recomputation)."""
+    result = SaveInput.apply(x.detach(), sink, *outputs)
+    assert isinstance(result, tuple)
+    return list(result)

@@ -194,3 +194,38 @@ def test_an_input_modified_in_place_after_its_call_is_refused_as_without_checkpo
     clipper = PerSampleClipper(model, clipping="ghost", max_grad_norm=1.0)
     with pytest.raises(ValueError, match="input of module 'b' was modified in place"):
         clipper.per_sample_norms(model(torch.randn(5, 4, dtype=torch.float64)).sin().sum(1))
+
+
+class KeepingRouter(nn.Module):
+    """A top-1 router (the router family's interface) that also keeps its logits on an attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.kept = F.linear(x, self.weight)
+        scores, indices = self.kept.softmax(-1).topk(1, dim=-1)
+        return self.kept, scores, indices
+
+
+class ReadsTheKeptLogits(nn.Module):
+    """Checkpoints a region that calls the router and returns the logits it kept, none of its call's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = KeepingRouter()
+
+    def region(self, x: torch.Tensor) -> torch.Tensor:
+        self.router(x)
+        return self.router.kept
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.region, x, use_reentrant=False)
+
+
+def test_an_output_gradient_that_bypasses_the_calls_outputs_is_refused_naming_the_module() -> None:
+    model = ReadsTheKeptLogits().double()
+    clipper = PerSampleClipper(model, clipping="mixed", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="module 'router' .* passed through none of its call's outputs"):
+        clipper.per_sample_norms(model(torch.randn(5, 4, dtype=torch.float64)).sin().sum(1))

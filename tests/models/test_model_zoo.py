@@ -29,6 +29,7 @@ from zoo import ENTRIES, HF_ENTRIES, LAYER_ENTRIES, B, ZooEntry
 from lightning_dp.checks.attach_probe import probe_at_attach
 from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, auto_engine
 from lightning_dp.clipping.layers.fallback import is_parameter_wrapper
+from lightning_dp.clipping.recomputation import recomputing
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -56,6 +57,25 @@ EXPECTED: dict[str, str | dict[str, str]] = {
 #: (base weights frozen).
 EXPECTED_LORA: dict[str, str | dict[str, str]] = {
     **{entry.name: EXACT for entry in HF_ENTRIES},
+    "resnet": _BATCHNORM,
+}
+_NO_CHECKPOINTING = refused(r"does not support (gradient|activation) checkpointing")
+_CHECKPOINTED_FALLBACK = refused(r"runs activation checkpointing inside, which torch.func cannot rerun")
+#: without checkpointing support in transformers (gradient_checkpointing_enable raises)
+_NOT_CHECKPOINTABLE = ("albert", "convnext")
+#: under "auto" with HF's non-reentrant activation checkpointing, full fine-tuning: the models served by the exact
+#: fallback on a module holding checkpointed layers are refused (torch.func cannot rerun them).
+EXPECTED_CHECKPOINTED: dict[str, str | dict[str, str]] = {
+    **{entry.name: EXACT for entry in HF_ENTRIES},
+    **dict.fromkeys(_NOT_CHECKPOINTABLE, _NO_CHECKPOINTING),
+    "deberta-v2": _CHECKPOINTED_FALLBACK,
+    "swin": _CHECKPOINTED_FALLBACK,
+    "resnet": _BATCHNORM,
+}
+#: the same with LoRA.
+EXPECTED_CHECKPOINTED_LORA: dict[str, str | dict[str, str]] = {
+    **{entry.name: EXACT for entry in HF_ENTRIES if entry.lora_targets},
+    **dict.fromkeys(_NOT_CHECKPOINTABLE, _NO_CHECKPOINTING),
     "resnet": _BATCHNORM,
 }
 #: why each refused architecture is refused, as measured (rendered in docs/models.md).
@@ -183,8 +203,27 @@ def prepare(entry: ZooEntry, lora: bool = False, seed: int = 3) -> tuple[nn.Modu
     return model, batch
 
 
-def check_entry(entry: ZooEntry, clipping: str, lora: bool = False) -> Outcome:
-    """Run the oracle comparison (``check_against_oracle``) of one entry; the outcome, never raising."""
+@contextmanager
+def recomputed_calls(model: nn.Module) -> Iterator[list[str]]:
+    """Collects the names of the modules called inside a backward (a checkpointed region's recomputation) while the
+    block runs."""
+    calls: list[str] = []
+
+    def hook(name: str) -> Callable[..., None]:
+        return lambda *_: calls.append(name) if recomputing() else None
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()]
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def check_entry(entry: ZooEntry, clipping: str, lora: bool = False, checkpointing: bool = False) -> Outcome:
+    """Run the oracle comparison (``check_against_oracle``) of one entry; the outcome, never raising. With
+    ``checkpointing``, under HF's non-reentrant activation checkpointing (``activation_checkpointing_enable``), the
+    oracle taken without it; "mismatch" when no recomputation ran."""
     start = time.perf_counter()
     model, batch = prepare(entry, lora)
     keys = tuple(batch)
@@ -198,9 +237,12 @@ def check_entry(entry: ZooEntry, clipping: str, lora: bool = False) -> Outcome:
         with fallback_served() as served:  # refusals at construction first
             PerSampleClipper(model, clipping=engine, max_grad_norm=1.0).detach()
         grads = loop_oracle(model, inputs, loss_fn)
+        if checkpointing:  # after the oracle: torch.func cannot run a checkpointed forward
+            base = model.get_base_model() if lora else model
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         scale = max(g.abs().max().item() for g in grads.values())
         atol = (RTOL_F32 if entry.float32_internals else RTOL_F64) * scale
-        with fallback_served() as enclosed:  # the attach probe, on the model's own example inputs
+        with fallback_served() as enclosed, recomputed_calls(model) as recomputed:  # the attach probe first
             clipper = check_against_oracle(
                 model,
                 inputs,
@@ -213,6 +255,7 @@ def check_entry(entry: ZooEntry, clipping: str, lora: bool = False) -> Outcome:
         served += enclosed
         trainable = {id(p) for p in model.parameters() if p.requires_grad}
         assert {id(p) for p in clipper.trainable_parameters} == trainable, "the clipper's parameters"
+        assert recomputed or not checkpointing, "no recomputation ran under activation checkpointing"
         clipper.detach()
     except REFUSALS as error:
         status, message = "refused", f"{type(error).__name__}: {error}"
@@ -266,6 +309,7 @@ def _cases(names: Iterable[str], quick: Callable[[str, str], bool]) -> list[Any]
 def test_tables_name_every_entry_and_why_each_architecture_is_refused() -> None:
     assert set(EXPECTED) == set(ENTRIES)
     assert set(EXPECTED_LORA) == set(LORA_NAMES)
+    assert set(EXPECTED_CHECKPOINTED) == set(HF_NAMES) and set(EXPECTED_CHECKPOINTED_LORA) == set(LORA_NAMES)
     refused_names = {name for name in EXPECTED if EXPECTED[name] != EXACT}
     assert set(WHY_REFUSED) == refused_names
 
@@ -287,6 +331,19 @@ def test_hf_model_matches_oracle_or_is_refused_as_expected(name: str, clipping: 
 def test_lora_model_matches_oracle_or_is_refused_as_expected(name: str, clipping: str) -> None:
     pytest.importorskip("peft", reason="peft is not installed: the LoRA variants are not checked")
     _assert_expected(check_entry(ENTRIES[name], clipping, lora=True), expected_outcome(EXPECTED_LORA, name, clipping))
+
+
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_hf_model_with_activation_checkpointing_matches_oracle_or_is_refused_as_expected(name: str) -> None:
+    outcome = check_entry(ENTRIES[name], "auto", checkpointing=True)
+    _assert_expected(outcome, expected_outcome(EXPECTED_CHECKPOINTED, name, "auto"))
+
+
+@pytest.mark.parametrize("name", LORA_NAMES)
+def test_lora_model_with_activation_checkpointing_matches_oracle_or_is_refused_as_expected(name: str) -> None:
+    pytest.importorskip("peft", reason="peft is not installed: the LoRA variants are not checked")
+    outcome = check_entry(ENTRIES[name], "auto", lora=True, checkpointing=True)
+    _assert_expected(outcome, expected_outcome(EXPECTED_CHECKPOINTED_LORA, name, "auto"))
 
 
 # -------------------------------------------------------------------------------------------------------- training

@@ -247,11 +247,19 @@ def describe_fallback(modules: dict[str, tuple[nn.Module, LayerFamily]]) -> str:
 def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedModuleError:
     kind = type(module).__name__
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
+    if "saved tensor hooks" in first_sentence:  # torch.func refuses the saved-tensors hooks checkpointing installs
+        why = (
+            "it runs activation checkpointing inside, which torch.func cannot rerun: turn activation checkpointing "
+            "off (HF: gradient_checkpointing=False), "
+        )
+    else:
+        why = (
+            "a module that draws random numbers other than those replayed (dropout, torch.rand and its kin), "
+            "branches on its data or calls .item() is not supported: "
+        )
     return UnsupportedModuleError(
         f"module '{name}' ({kind}) cannot be rerun per sample by the exact fallback ({type(error).__name__}: "
-        f"{first_sentence}); a module that draws random numbers other than those replayed (dropout, torch.rand and "
-        "its kin), branches on its data or "
-        "calls .item() is not supported: " + _ROUTE.format(kind=kind)
+        f"{first_sentence}); {why}" + _ROUTE.format(kind=kind)
     )
 
 
