@@ -3,10 +3,10 @@ library refuses and why, for full fine-tuning and LoRA, with and without activat
 
 Usage (from the repository root): ``python scripts/models_table.py [--train] [--render-only]``. Each entry of
 ``tests/models/zoo.py`` is checked by ``check_entry`` of ``tests/models/test_model_zoo.py`` (per-sample norms and
-clipped sum against the float64 ``torch.func`` oracle) under every clipping of ``CLIPPINGS``, fully trainable and
-with LoRA, and under "auto" with HF's activation checkpointing; ``--train`` adds 2 DP steps of DPTrainer
-(``train_dp_steps``) per HF architecture, full and LoRA. The outcomes are recorded in docs/models.json, which is
-rendered to docs/models.md (``--render-only``: render the recorded JSON again). Exit status 1 when an outcome differs
+clipped sum against the float64 ``torch.func`` oracle) under every clipping of ``CLIPPINGS``, fully trainable and with
+LoRA, and under "auto" with HF's activation checkpointing and with bfloat16 autocast; ``--train`` adds 2 DP steps of
+DPTrainer (``train_dp_steps``) per HF architecture, full and LoRA. The outcomes are recorded in docs/models.json, which
+is rendered to docs/models.md (``--render-only``: render the recorded JSON again). Exit status 1 when an outcome differs
 from the test's ``EXPECTED*`` tables.
 """
 
@@ -47,7 +47,9 @@ models marked \\*, which compute their norms in float32 even in float64); **refu
 peft adapters (r 4) on the modules named, and on the parameters named (`mlp.experts.*`: the MoE models' fused expert
 weights, through `target_parameters`), the rest frozen. **checkpointed**: the same check under "auto" with HF's
 non-reentrant activation checkpointing (`use_reentrant=False` to `activation_checkpointing_enable`; the oracle without
-it), which must also recompute at least one module in the clipper's backward.
+it), which must also recompute at least one module in the clipper's backward. **bf16**: under "auto", float32
+parameters and the forward under bfloat16 CPU autocast, against the same oracle in float32 with each example's forward
+alone under that autocast: norms and clipped sum within {rtol_autocast} relative.
 {train_note}
 `tests/models/test_model_zoo.py` asserts every outcome below (its `EXPECTED*` tables); this page
 is generated, do not edit it by hand. Produced by:
@@ -120,14 +122,14 @@ def _number(value: float) -> str:
 
 def _hf_rows(entries: list[dict[str, Any]], train: bool, notes: dict[str, int]) -> list[str]:
     columns = ["architecture", "model class", "full fine-tuning", "LoRA targets", "LoRA"]
-    columns += ["checkpointed (full)", "checkpointed (LoRA)"]
+    columns += ["checkpointed (full)", "checkpointed (LoRA)", "bf16 (full)", "bf16 (LoRA)"]
     columns += ["DPTrainer (full)", "DPTrainer (LoRA)"] if train else []
     rows = [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
     for entry in entries:
         name = entry["name"] + ("\\*" if entry["float32_internals"] else "")
         cells = [name, f"`{entry['model']}`", _outcome_cell(entry["full"], notes)]
         cells += [", ".join(f"`{t}`" for t in entry["lora_targets"]), _outcome_cell(entry["lora"], notes)]
-        for key in ("checkpointed", "checkpointed_lora"):
+        for key in ("checkpointed", "checkpointed_lora", "bf16", "bf16_lora"):
             cells.append(_outcome_cell(entry.get(key) and {"auto": entry[key]}, notes))
         if train:
             full, lora = (entry[key] or {} for key in ("full", "lora"))
@@ -181,9 +183,12 @@ def _versions() -> dict[str, str]:
 
 def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
     """Run the checks of every zoo entry; the records and the outcomes that differ from the test's tables."""
+    import torch
     from test_model_zoo import (
         CLIPPINGS,
         EXPECTED,
+        EXPECTED_BF16,
+        EXPECTED_BF16_LORA,
         EXPECTED_CHECKPOINTED,
         EXPECTED_CHECKPOINTED_LORA,
         EXPECTED_LORA,
@@ -216,14 +221,16 @@ def measure(train: bool) -> tuple[list[dict[str, Any]], list[str]]:
                 expected = expected_outcome(table, name, clipping)
                 if not matches(outcome, expected):
                     surprises.append(f"{name} ({key}, {clipping}): expected {expected!r}, got {outcome.describe()}")
-        for key, lora, table in (
-            ("checkpointed", False, EXPECTED_CHECKPOINTED),
-            ("checkpointed_lora", True, EXPECTED_CHECKPOINTED_LORA),
+        for key, lora, table, options in (
+            ("checkpointed", False, EXPECTED_CHECKPOINTED, {"checkpointing": True}),
+            ("checkpointed_lora", True, EXPECTED_CHECKPOINTED_LORA, {"checkpointing": True}),
+            ("bf16", False, EXPECTED_BF16, {"autocast": torch.bfloat16}),
+            ("bf16_lora", True, EXPECTED_BF16_LORA, {"autocast": torch.bfloat16}),
         ):
             if not entry.is_hf or (lora and not entry.lora_targets):
                 record[key] = None
                 continue
-            outcome = check_entry(entry, "auto", lora=lora, checkpointing=True)
+            outcome = check_entry(entry, "auto", lora=lora, **options)
             record[key] = {**asdict(outcome), "seconds": round(outcome.seconds, 2)}
             expected = expected_outcome(table, name, "auto")
             if not matches(outcome, expected):
@@ -251,7 +258,7 @@ def main() -> int:
 
         transformers.logging.set_verbosity_error()
         from clipping_helpers import RTOL
-        from test_model_zoo import CLIPPINGS, RTOL_F32, RTOL_F64, WHY_REFUSED
+        from test_model_zoo import CLIPPINGS, RTOL_AUTOCAST, RTOL_F32, RTOL_F64, WHY_REFUSED
 
         entries, surprises = measure(args.train)
         command = "python scripts/models_table.py" + (" --train" if args.train else "")
@@ -259,7 +266,7 @@ def main() -> int:
             "command": command,
             "versions": _versions(),
             "clippings": list(CLIPPINGS),
-            "tolerances": {"rtol": RTOL, "atol": RTOL_F64, "atol_f32": RTOL_F32},
+            "tolerances": {"rtol": RTOL, "atol": RTOL_F64, "atol_f32": RTOL_F32, "rtol_autocast": RTOL_AUTOCAST},
             "differs_from_tables": surprises,
             "why_refused": WHY_REFUSED,
             "train": args.train,

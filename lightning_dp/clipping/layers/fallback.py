@@ -23,7 +23,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by_example
@@ -244,6 +246,23 @@ def describe_fallback(modules: dict[str, tuple[nn.Module, LayerFamily]]) -> str:
     )
 
 
+class LayerNormInWeightDtype(TorchFunctionMode):
+    """Runs ``F.layer_norm`` on an input whose dtype is not its weight's (a bfloat16 input and a float32 weight: CPU
+    autocast leaves layer norms to their inputs' dtype) on the input cast to the weight's dtype, the output cast back:
+    the same values (the mixed kernel computes in float32), and a backward that ``vmap`` batches (its rule for the
+    mixed kernel raises "expected scalar type BFloat16 but found Float" when the input needs a gradient)."""
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.layer_norm:
+            x, weight = args[0], args[2] if len(args) > 2 else kwargs.get("weight")
+            if weight is not None and x.dtype != weight.dtype:
+                return func(x.to(weight.dtype), *args[1:], **kwargs).to(x.dtype)
+        return func(*args, **kwargs)
+
+
 def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedModuleError:
     kind = type(module).__name__
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
@@ -309,7 +328,8 @@ def fallback_terms(
         for index, value in zip(batched, example_inputs, strict=True):
             leaves[index] = value
         args, kwargs = tree_unflatten(leaves, spec)
-        with RandomReplay(call.draws, dict(zip(draw_indices, example_draws, strict=True))) as replay:
+        replay = RandomReplay(call.draws, dict(zip(draw_indices, example_draws, strict=True)))
+        with torch.autocast(device, dtype=dtype, enabled=enabled), replay, LayerNormInWeightDtype():
             output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
         replay.finish()
         replayed_whole.append(replay.whole)
@@ -327,7 +347,7 @@ def fallback_terms(
     replayed_whole: list[bool] = []
     device, enabled, dtype = call.autocast
     try:
-        with torch.autocast(device, dtype=dtype, enabled=enabled):
+        with torch.autocast(device, enabled=False):
             grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0, 0), randomness="error")(
                 params,
                 tuple(split(flat[i]) for i in batched),
@@ -337,7 +357,7 @@ def fallback_terms(
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
     if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
-        _check_rerun(name, layer, split(call.output), outputs)
+        _check_rerun(name, layer, split(call.output), outputs, dtype if enabled else None)
         # the split was seen to reproduce the call: kept for the later calls of this structure, unless a draw replayed
         # whole (one for the batch) may take another branch on another batch
         if examples >= 2 and not any(replayed_whole):
@@ -362,16 +382,19 @@ def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[
     return list(call.batched)
 
 
-def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:
+def _check_rerun(
+    name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor, autocast: torch.dtype | None
+) -> None:
     """Raise when the examples rerun alone (``[B, r or 1, ...]``) differ from the call's output (``[B, r, ...]``)
-    beyond rounding."""
+    beyond rounding: that of the output's dtype, or of ``autocast``'s when the call ran under autocast to it (a float32
+    output made of bfloat16 products, whose kernels differ between the batch and one row)."""
     try:
         rerun = torch.broadcast_to(rerun, output.shape)
     except RuntimeError as error:
         raise _rerun_error(name, layer, error) from error
     scale = output.abs().max().clamp_min(torch.finfo(output.dtype).tiny)
     diff = (rerun.to(output.dtype) - output).abs().max()
-    rtol = RERUN_RTOL.get(output.dtype, 1e-4)
+    rtol = max(RERUN_RTOL.get(dtype, 1e-4) for dtype in (output.dtype, autocast or output.dtype))
     if not diff <= rtol * scale:  # also NaN
         kind = type(layer).__name__
         raise UnsupportedModuleError(
