@@ -198,7 +198,8 @@ class CaptureHooks:
         #: ``id(module) -> rows`` its broadcast input or output was expanded to by the forward's calls of this batch,
         #: for their recomputation under checkpointing (:meth:`_expansion`)
         self._expansions: dict[int, set[int]] = {}
-        #: autograd nodes of the outputs of calls whose rows fold a tensor's leading dimension: (that dimension, rows)
+        #: (autograd node, output number) of the outputs of calls whose rows fold a tensor's leading dimension: (that
+        #: dimension, rows)
         self._fold_nodes: dict[Any, tuple[int, int]] = {}
         self._suspended = False
         #: the dropout masks and random draws of the calls of rerun families (:mod:`~.layers.random_replay`)
@@ -262,15 +263,24 @@ class CaptureHooks:
     def _expansion(self, module: nn.Module) -> int:
         """The rows a broadcast ``[1, ...]`` input or output of ``module``'s call is expanded to (none when at most
         1): those of the most recently recorded call; in a checkpointed region's recomputation, which runs in the
-        backward, those the forward expanded the module's calls of this batch to (the latest call's when they differ,
-        none when it expanded none)."""
+        backward, those the forward expanded the module's calls of this batch to.
+
+        Raises:
+            UnsupportedModuleError: in a recomputation, when the forward expanded the module's calls of this batch
+                to different rows (the recomputation cannot tell its calls apart).
+        """
         if not recomputing():
-            rows = self._batch_hint
-            if rows > 1:
-                self._expansions.setdefault(id(module), set()).add(rows)
+            rows = self._batch_hint if self._batch_hint > 1 else 0
+            self._expansions.setdefault(id(module), set()).add(rows)
             return rows
-        counts = self._expansions.get(id(module), set())
-        return next(iter(counts)) if len(counts) == 1 else self._batch_hint if counts else 0
+        counts = self._expansions.get(id(module), {0})
+        if len(counts) > 1:
+            raise UnsupportedModuleError(
+                f"{self._names[id(module)]} expands a broadcast [1, ...] input or output to {sorted(counts)} rows "
+                "(0: none) in the calls of one batch, which an activation-checkpointed recomputation cannot tell "
+                "apart: checkpoint the model without it"
+            )
+        return next(iter(counts))
 
     def _fold_rows(self, x: Any) -> int | None:
         """The leading dimension of the tensor whose rows ``x`` holds sample-major, folded: ``x`` a pure reshape of
@@ -280,23 +290,23 @@ class CaptureHooks:
         base = _pure_reshape_of(x)
         if base is not None and 0 < base.shape[0] != x.shape[0] and x.shape[0] % base.shape[0] == 0:
             return base.shape[0]
-        return self._node_fold_rows(x.grad_fn, x.shape[0], depth=4)
+        return self._node_fold_rows(x.grad_fn, x.output_nr, x.shape[0], depth=4)
 
-    def _node_fold_rows(self, node: Any, rows: int, depth: int) -> int | None:
-        """The fold of the output of ``node`` when it has ``rows`` rows: a folding call's output of those rows, or an
-        element-wise node all of whose inputs with a gradient are (parameters and constants aside)."""
+    def _node_fold_rows(self, node: Any, output_nr: int, rows: int, depth: int) -> int | None:
+        """The fold of output ``output_nr`` of ``node`` when it has ``rows`` rows: a folding call's output of those
+        rows, or an element-wise node all of whose inputs with a gradient are (parameters and constants aside)."""
         if node is None:
             return None
-        if node in self._fold_nodes:
-            fold, node_rows = self._fold_nodes[node]
+        if (node, output_nr) in self._fold_nodes:
+            fold, node_rows = self._fold_nodes[node, output_nr]
             return fold if node_rows == rows else None
         if depth == 0 or type(node).__name__ not in _ELEMENTWISE:
             return None
         found = set()
-        for child, _ in node.next_functions:
+        for child, child_nr in node.next_functions:
             if child is None or type(child).__name__ == "AccumulateGrad":  # a constant or a parameter
                 continue
-            child_fold = self._node_fold_rows(child, rows, depth - 1)
+            child_fold = self._node_fold_rows(child, child_nr, rows, depth - 1)
             if child_fold is None:
                 return None
             found.add(child_fold)
@@ -364,8 +374,9 @@ class CaptureHooks:
             if deferred:
                 whole, replaced = _save_call_input(whole, output, family.output_index, x, capture.recomputed)
             if capture.fold_rows is not None and output.ndim:
-                for node in {output.grad_fn, None if replaced is None else replaced.grad_fn} - {None}:
-                    self._fold_nodes[node] = (capture.fold_rows, output.shape[0])
+                for tensor in (output, replaced):  # a node of several outputs (SaveInput) folds only this one
+                    if tensor is not None and tensor.grad_fn is not None:
+                        self._fold_nodes[tensor.grad_fn, tensor.output_nr] = (capture.fold_rows, output.shape[0])
             self._batch_hint = output.shape[0] if output.ndim else 0
             return self._result(whole, output, replaced, joined, family.output_index)
 

@@ -229,3 +229,27 @@ def test_an_output_gradient_that_bypasses_the_calls_outputs_is_refused_naming_th
     clipper = PerSampleClipper(model, clipping="mixed", max_grad_norm=1.0)
     with pytest.raises(ValueError, match="module 'router' .* passed through none of its call's outputs"):
         clipper.per_sample_norms(model(torch.randn(5, 4, dtype=torch.float64)).sin().sum(1))
+
+
+class PositionsTwice(nn.Module):
+    """A checkpointed region calling a position embedding on broadcast positions ``[1, T]`` twice: first before any
+    other hooked call (not expanded), then after a linear layer (expanded to the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(3, 4), nn.Linear(4, 4)
+
+    def region(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        first = self.emb(positions)
+        return self.lin(x) + first + self.emb(positions)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.region, x, positions, use_reentrant=False)
+
+
+def test_a_module_whose_calls_expand_differently_in_a_checkpointed_region_is_refused_naming_it() -> None:
+    model = PositionsTwice().double()
+    clipper = PerSampleClipper(model, clipping="mixed", max_grad_norm=1.0)
+    x, positions = torch.randn(4, 3, 4, dtype=torch.float64), torch.arange(3)[None]
+    with pytest.raises(ValueError, match=r"module 'emb' \(Embedding\) expands a broadcast .* to \[0, 4\] rows"):
+        clipper.per_sample_norms(model(x, positions).sin().sum((1, 2)))

@@ -260,6 +260,27 @@ class Centered(nn.Module):
         return h - h.mean(0)
 
 
+class SlightlyMixing(nn.Module):
+    """A linear map of each row plus 1 % of the batch mean: below bfloat16's rounding of the map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.proj + 0.01 * x.mean(0)
+
+
+def test_slight_mixing_under_bfloat16_autocast_is_refused_by_the_float32_comparison() -> None:
+    # the comparison at bfloat16's tolerance (3e-2) would accept it: it reruns the batch and the examples in float32
+    model = nn.Sequential(nn.Linear(5, 4), SlightlyMixing())
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"'1' \(SlightlyMixing\) is not per-sample"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(rand(6, 5).float())
+        clipper.backward(output.float().sum(1))
+
+
 class Dropped(nn.Module):
     def __init__(self) -> None:
         super().__init__()

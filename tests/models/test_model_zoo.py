@@ -64,7 +64,7 @@ EXPECTED_LORA: dict[str, str | dict[str, str]] = {
     "resnet": _BATCHNORM,
 }
 _NO_CHECKPOINTING = refused(r"does not support (gradient|activation) checkpointing")
-_CHECKPOINTED_FALLBACK = refused(r"runs activation checkpointing inside, which torch.func cannot rerun")
+_CHECKPOINTED_FALLBACK = refused(r"runs activation checkpointing \(or save_on_cpu\) inside, which torch.func")
 #: without checkpointing support in transformers (gradient_checkpointing_enable raises)
 _NOT_CHECKPOINTABLE = ("albert", "convnext")
 #: under "auto" with HF's non-reentrant activation checkpointing, full fine-tuning: the models served by the exact

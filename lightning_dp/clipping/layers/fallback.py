@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Hashable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -246,11 +247,15 @@ def describe_fallback(modules: dict[str, tuple[nn.Module, LayerFamily]]) -> str:
     )
 
 
-class LayerNormInWeightDtype(TorchFunctionMode):
-    """Runs ``F.layer_norm`` on an input whose dtype is not its weight's (a bfloat16 input and a float32 weight: CPU
-    autocast leaves layer norms to their inputs' dtype) on the input cast to the weight's dtype, the output cast back:
-    the same values (the mixed kernel computes in float32), and a backward that ``vmap`` batches (its rule for the
-    mixed kernel raises "expected scalar type BFloat16 but found Float" when the input needs a gradient)."""
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class CpuLayerNormInFloat32(TorchFunctionMode):
+    """Runs ``F.layer_norm`` of a CPU input in bfloat16 or float16 with a float32 weight (CPU autocast leaves a layer
+    norm in its input's dtype) on the input cast to float32, the output cast back: the values of the mixed kernel,
+    which computes in float32 (a few entries in a thousand differ in their last bit), and a backward that ``vmap``
+    batches (its rule for the mixed kernel raises "expected scalar type BFloat16 but found Float" when the input needs
+    a gradient)."""
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -258,9 +263,15 @@ class LayerNormInWeightDtype(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.layer_norm:
             x, weight = args[0], args[2] if len(args) > 2 else kwargs.get("weight")
-            if weight is not None and x.dtype != weight.dtype:
-                return func(x.to(weight.dtype), *args[1:], **kwargs).to(x.dtype)
+            mixed = weight is not None and x.dtype in _HALF and weight.dtype == torch.float32
+            if mixed and x.device.type == "cpu":
+                return func(x.float(), *args[1:], **kwargs).to(x.dtype)
         return func(*args, **kwargs)
+
+
+def _in_float32(value: Any) -> Any:
+    """``value`` in float32 when it is a bfloat16 or float16 tensor, else itself."""
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype in _HALF else value
 
 
 def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedModuleError:
@@ -268,8 +279,8 @@ def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedM
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
     if "saved tensor hooks" in first_sentence:  # torch.func refuses the saved-tensors hooks checkpointing installs
         why = (
-            "it runs activation checkpointing inside, which torch.func cannot rerun: turn activation checkpointing "
-            "off (HF: gradient_checkpointing=False), "
+            "it runs activation checkpointing (or save_on_cpu) inside, which torch.func cannot rerun: turn it off "
+            "(HF: gradient_checkpointing=False), "
         )
     else:
         why = (
@@ -318,25 +329,42 @@ def fallback_terms(
     batched = _batched_inputs(name, layer, call, flat, rows)
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
+    def run(
+        params: dict[str, torch.Tensor],
+        inputs: tuple[torch.Tensor, ...],
+        example_draws: tuple[torch.Tensor, ...],
+        float32: bool = False,
+        batch: bool = False,
+    ) -> torch.Tensor:
+        """The layer's output on one example's ``inputs`` and draws (``batch``: the call's, whole), under the call's
+        autocast, or (``float32``) with autocast off and half-precision tensors in float32."""
+        leaves = list(flat)
+        for index, value in zip(batched, inputs, strict=True):
+            leaves[index] = value
+        weights = {**constants, **params}
+        if float32:
+            leaves, weights = [_in_float32(v) for v in leaves], {k: _in_float32(v) for k, v in weights.items()}
+        args, kwargs = tree_unflatten(leaves, spec)
+        replay = RandomReplay(call.draws, {} if batch else dict(zip(draw_indices, example_draws, strict=True)))
+        layer_norm = CpuLayerNormInFloat32() if enabled and device == "cpu" else nullcontext()
+        with torch.autocast(device, dtype=dtype, enabled=enabled and not float32), replay, layer_norm:
+            output = functional_call(layer, weights, tuple(args), kwargs)
+        replay.finish()
+        if not batch:
+            replayed_whole.append(replay.whole)
+        if call.joined is not None:
+            output = _rejoined(output, call.joined)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"the forward returned {type(output).__name__}, not a tensor")
+        return output
+
     def example_loss(
         params: dict[str, torch.Tensor],
         example_inputs: tuple[torch.Tensor, ...],
         example_grad: torch.Tensor,
         example_draws: tuple[torch.Tensor, ...],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        leaves = list(flat)
-        for index, value in zip(batched, example_inputs, strict=True):
-            leaves[index] = value
-        args, kwargs = tree_unflatten(leaves, spec)
-        replay = RandomReplay(call.draws, dict(zip(draw_indices, example_draws, strict=True)))
-        with torch.autocast(device, dtype=dtype, enabled=enabled), replay, LayerNormInWeightDtype():
-            output = functional_call(layer, {**constants, **params}, tuple(args), kwargs)
-        replay.finish()
-        replayed_whole.append(replay.whole)
-        if call.joined is not None:
-            output = _rejoined(output, call.joined)
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"the forward returned {type(output).__name__}, not a tensor")
+        output = run(params, example_inputs, example_draws)
         return (output * example_grad.to(output.dtype)).sum(), output
 
     def split(x: torch.Tensor) -> torch.Tensor:  # [R, ...] -> [B, r, ...]: each example's rows, a batch
@@ -346,18 +374,23 @@ def fallback_terms(
     draw_indices, draws = by_example(call.draws, examples)
     replayed_whole: list[bool] = []
     device, enabled, dtype = call.autocast
+    split_inputs = tuple(split(flat[i]) for i in batched)
     try:
         with torch.autocast(device, enabled=False):
             grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0, 0), randomness="error")(
-                params,
-                tuple(split(flat[i]) for i in batched),
-                split(output_grad),
-                draws,
+                params, split_inputs, split(output_grad), draws
             )
+            reference = None if call.output is None else split(call.output)
+            if reference is not None and enabled:  # under autocast the batch's kernels round otherwise than a row's:
+                with torch.no_grad():  # the comparison reruns the batch and the examples in float32, autocast off
+                    whole = run(params, tuple(flat[i] for i in batched), (), float32=True, batch=True)
+                    reference = split(torch.broadcast_to(whole, (rows, *reference.shape[2:])))
+                    rerun = vmap(partial(run, params, float32=True), randomness="error")
+                    outputs = rerun(split_inputs, draws) if split_inputs or draws else whole[None]  # parameters alone
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
-    if call.output is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
-        _check_rerun(name, layer, split(call.output), outputs, dtype if enabled else None)
+    if reference is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
+        _check_rerun(name, layer, reference, outputs)
         # the split was seen to reproduce the call: kept for the later calls of this structure, unless a draw replayed
         # whole (one for the batch) may take another branch on another batch
         if examples >= 2 and not any(replayed_whole):
@@ -382,19 +415,16 @@ def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[
     return list(call.batched)
 
 
-def _check_rerun(
-    name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor, autocast: torch.dtype | None
-) -> None:
+def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:
     """Raise when the examples rerun alone (``[B, r or 1, ...]``) differ from the call's output (``[B, r, ...]``)
-    beyond rounding: that of the output's dtype, or of ``autocast``'s when the call ran under autocast to it (a float32
-    output made of bfloat16 products, whose kernels differ between the batch and one row)."""
+    beyond rounding."""
     try:
         rerun = torch.broadcast_to(rerun, output.shape)
     except RuntimeError as error:
         raise _rerun_error(name, layer, error) from error
     scale = output.abs().max().clamp_min(torch.finfo(output.dtype).tiny)
     diff = (rerun.to(output.dtype) - output).abs().max()
-    rtol = max(RERUN_RTOL.get(dtype, 1e-4) for dtype in (output.dtype, autocast or output.dtype))
+    rtol = RERUN_RTOL.get(output.dtype, 1e-4)
     if not diff <= rtol * scale:  # also NaN
         kind = type(layer).__name__
         raise UnsupportedModuleError(
