@@ -281,6 +281,50 @@ def test_slight_mixing_under_bfloat16_autocast_is_refused_by_the_float32_compari
         clipper.backward(output.float().sum(1))
 
 
+class MixesInHalfPrecision(nn.Module):
+    """Per-sample in float32; in bfloat16 it adds half the batch mean (a branch on the dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.proj
+        return h + 0.5 * h.mean(0) if h.dtype == torch.bfloat16 else h
+
+
+def test_mixing_only_in_reduced_precision_is_refused_by_the_comparison_with_the_call() -> None:
+    # the float32 reruns do not mix: the call as it ran under autocast is compared with its autocast rerun too
+    model = nn.Sequential(nn.Linear(5, 4), MixesInHalfPrecision())
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with pytest.raises(UnsupportedModuleError, match=r"'1' \(MixesInHalfPrecision\) is not per-sample"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = model(rand(6, 5).float())
+        clipper.backward(output.float().sum(1))
+
+
+class RotatedByBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.proj = nn.Parameter(torch.randn(4, 4, generator=generator) / 2)
+        self.register_buffer("rotation", torch.linalg.qr(torch.randn(4, 4, generator=generator))[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.rotation) @ self.proj
+
+
+def test_a_bfloat16_model_with_buffers_is_served_under_autocast() -> None:
+    # the float32 comparison casts the buffers up with the parameters (a bfloat16 buffer would meet float32 inputs)
+    model = nn.Sequential(nn.Linear(5, 4), RotatedByBuffer()).to(torch.bfloat16)
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = model(rand(6, 5).to(torch.bfloat16))
+    norms = clipper.backward(output.float().sum(1))
+    assert torch.isfinite(norms).all() and (norms > 0).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 class Dropped(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -24,13 +24,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
-from torch.nn import functional as F
 from torch.nn.utils import parametrize
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
+from lightning_dp.clipping.layers.rerun_precision import CpuLayerNormInFloat32, in_float32
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
 
 log = logging.getLogger("lightning_dp")
@@ -247,33 +246,6 @@ def describe_fallback(modules: dict[str, tuple[nn.Module, LayerFamily]]) -> str:
     )
 
 
-_HALF = (torch.bfloat16, torch.float16)
-
-
-class CpuLayerNormInFloat32(TorchFunctionMode):
-    """Runs ``F.layer_norm`` of a CPU input in bfloat16 or float16 with a float32 weight (CPU autocast leaves a layer
-    norm in its input's dtype) on the input cast to float32, the output cast back: the values of the mixed kernel,
-    which computes in float32 (a few entries in a thousand differ in their last bit), and a backward that ``vmap``
-    batches (its rule for the mixed kernel raises "expected scalar type BFloat16 but found Float" when the input needs
-    a gradient)."""
-
-    def __torch_function__(
-        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.layer_norm:
-            x, weight = args[0], args[2] if len(args) > 2 else kwargs.get("weight")
-            mixed = weight is not None and x.dtype in _HALF and weight.dtype == torch.float32
-            if mixed and x.device.type == "cpu":
-                return func(x.float(), *args[1:], **kwargs).to(x.dtype)
-        return func(*args, **kwargs)
-
-
-def _in_float32(value: Any) -> Any:
-    """``value`` in float32 when it is a bfloat16 or float16 tensor, else itself."""
-    return value.float() if isinstance(value, torch.Tensor) and value.dtype in _HALF else value
-
-
 def _rerun_error(name: str, module: nn.Module, error: Exception) -> UnsupportedModuleError:
     kind = type(module).__name__
     first_sentence = (str(error).splitlines() or [""])[0].split(". ")[0]
@@ -342,8 +314,9 @@ def fallback_terms(
         for index, value in zip(batched, inputs, strict=True):
             leaves[index] = value
         weights = {**constants, **params}
-        if float32:
-            leaves, weights = [_in_float32(v) for v in leaves], {k: _in_float32(v) for k, v in weights.items()}
+        if float32:  # every parameter and buffer of the module's tree, the call's values first
+            weights = {**dict(layer.named_parameters()), **dict(layer.named_buffers()), **weights}
+            leaves, weights = [in_float32(v) for v in leaves], {k: in_float32(v.detach()) for k, v in weights.items()}
         args, kwargs = tree_unflatten(leaves, spec)
         replay = RandomReplay(call.draws, {} if batch else dict(zip(draw_indices, example_draws, strict=True)))
         layer_norm = CpuLayerNormInFloat32() if enabled and device == "cpu" else nullcontext()
@@ -381,8 +354,9 @@ def fallback_terms(
                 params, split_inputs, split(output_grad), draws
             )
             reference = None if call.output is None else split(call.output)
+            as_run = outputs  # the rerun the gradients come from, compared with the call as it ran
             if reference is not None and enabled:  # under autocast the batch's kernels round otherwise than a row's:
-                with torch.no_grad():  # the comparison reruns the batch and the examples in float32, autocast off
+                with torch.no_grad():  # mixing is looked for in the batch and the examples rerun in float32
                     whole = run(params, tuple(flat[i] for i in batched), (), float32=True, batch=True)
                     reference = split(torch.broadcast_to(whole, (rows, *reference.shape[2:])))
                     rerun = vmap(partial(run, params, float32=True), randomness="error")
@@ -391,6 +365,9 @@ def fallback_terms(
         raise _rerun_error(name, layer, error) from error
     if reference is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
         _check_rerun(name, layer, reference, outputs)
+        if enabled:  # and the call itself under its autocast, to the rounding of its dtype
+            called = split(cast(torch.Tensor, call.output))
+            _check_rerun(name, layer, called, as_run, max(RERUN_RTOL[dtype], RERUN_RTOL.get(called.dtype, 1e-4)))
         # the split was seen to reproduce the call: kept for the later calls of this structure, unless a draw replayed
         # whole (one for the batch) may take another branch on another batch
         if examples >= 2 and not any(replayed_whole):
@@ -415,16 +392,18 @@ def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[
     return list(call.batched)
 
 
-def _check_rerun(name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor) -> None:
+def _check_rerun(
+    name: str, layer: nn.Module, output: torch.Tensor, rerun: torch.Tensor, rtol: float | None = None
+) -> None:
     """Raise when the examples rerun alone (``[B, r or 1, ...]``) differ from the call's output (``[B, r, ...]``)
-    beyond rounding."""
+    beyond rounding (``rtol``; by default the output dtype's)."""
     try:
         rerun = torch.broadcast_to(rerun, output.shape)
     except RuntimeError as error:
         raise _rerun_error(name, layer, error) from error
     scale = output.abs().max().clamp_min(torch.finfo(output.dtype).tiny)
     diff = (rerun.to(output.dtype) - output).abs().max()
-    rtol = RERUN_RTOL.get(output.dtype, 1e-4)
+    rtol = RERUN_RTOL.get(output.dtype, 1e-4) if rtol is None else rtol
     if not diff <= rtol * scale:  # also NaN
         kind = type(layer).__name__
         raise UnsupportedModuleError(
