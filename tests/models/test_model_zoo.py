@@ -37,8 +37,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 CLIPPINGS = ("auto", "ghost", "flat")
 #: relative tolerance of the clipped sum (to the largest oracle gradient entry): float64 throughout, or float32 parts.
 RTOL_F64, RTOL_F32 = 1e-9, 1e-5
-#: relative tolerance of the norms and the clipped sum under bfloat16 autocast, a few of its epsilons (the batch's
-#: kernels round otherwise than one example's; 1 % was exceeded by two LoRA models).
+#: relative tolerance of the norms and the clipped sum under bfloat16 or float16 autocast, a few of bfloat16's epsilons
+#: (the batch's kernels round otherwise than one example's; 1 % was exceeded by two LoRA models).
 RTOL_AUTOCAST = 0.03
 REFUSALS = (UnsupportedModuleError, ValueError)
 
@@ -406,16 +406,22 @@ def test_lora_model_with_activation_checkpointing_matches_oracle_or_is_refused_a
     _assert_expected(outcome, expected_outcome(EXPECTED_CHECKPOINTED_LORA, name, "auto"))
 
 
+#: the half-precision dtypes of CPU autocast; float16 gives the outcomes of bfloat16's tables.
+AUTOCAST = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+
+
+@AUTOCAST
 @pytest.mark.parametrize("name", HF_NAMES)
-def test_hf_model_under_bf16_autocast_matches_the_float32_oracle_or_is_refused_as_expected(name: str) -> None:
-    outcome = check_entry(ENTRIES[name], "auto", autocast=torch.bfloat16)
+def test_hf_model_under_autocast_matches_the_oracle_or_is_refused_as_expected(name: str, dtype: torch.dtype) -> None:
+    outcome = check_entry(ENTRIES[name], "auto", autocast=dtype)
     _assert_expected(outcome, expected_outcome(EXPECTED_BF16, name, "auto"))
 
 
+@AUTOCAST
 @pytest.mark.parametrize("name", LORA_NAMES)
-def test_lora_model_under_bf16_autocast_matches_the_float32_oracle_or_is_refused_as_expected(name: str) -> None:
+def test_lora_model_under_autocast_matches_the_oracle_or_is_refused_as_expected(name: str, dtype: torch.dtype) -> None:
     pytest.importorskip("peft", reason="peft is not installed: the LoRA variants are not checked")
-    outcome = check_entry(ENTRIES[name], "auto", lora=True, autocast=torch.bfloat16)
+    outcome = check_entry(ENTRIES[name], "auto", lora=True, autocast=dtype)
     _assert_expected(outcome, expected_outcome(EXPECTED_BF16_LORA, name, "auto"))
 
 
