@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -14,6 +16,9 @@ from lightning_dp.clipping.engines.hutch import norm_dim
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms.base import mechanism_class
 
+#: A context the attach probe's forward runs in: the training's autocast (``nullcontext`` for none).
+ForwardContext: TypeAlias = Callable[[], AbstractContextManager[Any]]
+
 
 class ClippingAttachment:
     """Attaches and detaches the run's :class:`~lightning_dp.clipping.PerSampleClipper` and
@@ -23,13 +28,13 @@ class ClippingAttachment:
     def __init__(self, state: RunState) -> None:
         self.state = state
 
-    def attach(self, module: nn.Module) -> PerSampleClipper:
+    def attach(self, module: nn.Module, forward_context: ForwardContext = nullcontext) -> PerSampleClipper:
         """Attach per-sample clipping hooks to ``module`` in place (an FSDP2-sharded ``module`` included, docs/design.md
         section 8.1).
 
         With ``rows_per_unit == 1`` the model's example inputs (:mod:`lightning_dp.checks.probe_inputs`: its own, or
         built from an HF model's config) are clipped once (:func:`~lightning_dp.checks.attach_probe.probe_at_attach`),
-        so that what a forward shows is refused here.
+        under ``forward_context()`` (the training's autocast), so that what a forward shows is refused here.
 
         Raises:
             ValueError: unsupported layers (see :class:`PerSampleClipper`), found at construction or by the probe.
@@ -66,7 +71,8 @@ class ClippingAttachment:
             state.norm_dim = norm_dim(clipper.trainable_parameters)
         if state.rows_per_unit == 1:
             try:
-                probe_at_attach(module, clipper)
+                with forward_context():
+                    probe_at_attach(module, clipper)
             except BaseException:
                 state.clipper = state.guard = None
                 clipper.detach()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Generic, TypeVar, overload
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,13 +22,13 @@ from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine.accounting import PrivacyLedger
-from lightning_dp.engine.attachment import ClippingAttachment
+from lightning_dp.engine.attachment import ClippingAttachment, ForwardContext
 from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.exact_resume import abandon_load, check_draw_schedule, continued_stream, finish_restore
 from lightning_dp.engine.noise_setup import NoiseSetup, default_delta
 from lightning_dp.engine.optimizer_checks import check_optimizers
-from lightning_dp.engine.run_state import RunState
+from lightning_dp.engine.run_state import RunState, RunStateField
 from lightning_dp.engine.startup import StartupBlock, describe_users
 from lightning_dp.engine.steps import LossFunction, RunSequence
 from lightning_dp.mechanisms import NoiseMechanism, make_mechanism
@@ -40,25 +41,6 @@ from lightning_dp.runtime.distributed import DistributedContext
 __all__ = ["PrivacyEngine", "default_delta"]
 
 log = logging.getLogger("lightning_dp")
-
-T = TypeVar("T")
-
-
-class _State(Generic[T]):
-    """An attribute of :class:`PrivacyEngine` that is the field of the same name of its :class:`RunState`."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, engine: None, owner: type) -> _State[T]: ...
-    @overload
-    def __get__(self, engine: PrivacyEngine, owner: type) -> T: ...
-    def __get__(self, engine: PrivacyEngine | None, owner: type) -> T | _State[T]:
-        return self if engine is None else getattr(engine.state, self.name)
-
-    def __set__(self, engine: PrivacyEngine, value: T) -> None:
-        setattr(engine.state, self.name, value)
 
 
 class PrivacyEngine:
@@ -80,34 +62,34 @@ class PrivacyEngine:
     """
 
     # The run's state, read (and set) as attributes of the engine; see RunState for each.
-    config = _State[PrivacyConfig]()
-    momentum = _State[PerSampleMomentum]()
-    randomness = _State[DPRandomness]()
-    max_grad_norm = _State[float]()
-    current_max_grad_norm = _State[float]()
-    clipping = _State[str]()
-    lowpass = _State[LowPassFilter | None]()
-    mechanism = _State[NoiseMechanism | None]()
-    sum_mechanism = _State[NoiseMechanism | None]()
-    noise_origin = _State[str | None]()
-    target_delta = _State[float | None]()
-    defaults_applied = _State[list[str]]()
-    accountant = _State[Accountant | None]()
-    clipper = _State[PerSampleClipper | None]()
-    guard = _State[TrainingGuard | None]()
-    clipping_groups = _State[ClippingGroups | None]()
-    dropped_nonfinite = _State[bool]()
-    broken_for_testing = _State[str | None]()
-    norm_dim = _State[int | None]()
-    sample_rate = _State[float | None]()
-    num_samples = _State[int | None]()
-    num_params = _State[int | None]()
-    epsilon_budget = _State[float | None]()
-    adaptive = _State[AdaptiveClipping | None]()
-    distributed = _State[DistributedContext | None]()
-    loader_batches = _State[tuple[int | None, int] | None]()
-    length_grouped = _State[bool]()
-    planned_steps = _State[int | None]()
+    config = RunStateField[PrivacyConfig]()
+    momentum = RunStateField[PerSampleMomentum]()
+    randomness = RunStateField[DPRandomness]()
+    max_grad_norm = RunStateField[float]()
+    current_max_grad_norm = RunStateField[float]()
+    clipping = RunStateField[str]()
+    lowpass = RunStateField[LowPassFilter | None]()
+    mechanism = RunStateField[NoiseMechanism | None]()
+    sum_mechanism = RunStateField[NoiseMechanism | None]()
+    noise_origin = RunStateField[str | None]()
+    target_delta = RunStateField[float | None]()
+    defaults_applied = RunStateField[list[str]]()
+    accountant = RunStateField[Accountant | None]()
+    clipper = RunStateField[PerSampleClipper | None]()
+    guard = RunStateField[TrainingGuard | None]()
+    clipping_groups = RunStateField[ClippingGroups | None]()
+    dropped_nonfinite = RunStateField[bool]()
+    broken_for_testing = RunStateField[str | None]()
+    norm_dim = RunStateField[int | None]()
+    sample_rate = RunStateField[float | None]()
+    num_samples = RunStateField[int | None]()
+    num_params = RunStateField[int | None]()
+    epsilon_budget = RunStateField[float | None]()
+    adaptive = RunStateField[AdaptiveClipping | None]()
+    distributed = RunStateField[DistributedContext | None]()
+    loader_batches = RunStateField[tuple[int | None, int] | None]()
+    length_grouped = RunStateField[bool]()
+    planned_steps = RunStateField[int | None]()
 
     def __init__(self, config: PrivacyConfig | None = None, **options: Any) -> None:
         if config is None:
@@ -283,10 +265,12 @@ class PrivacyEngine:
         if distributed is not None:
             distributed.synchronize_randomness(self.state.randomness)
 
-    def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
+    def start_run(
+        self, module: nn.Module, distributed: DistributedContext | None, forward_context: ForwardContext = nullcontext
+    ) -> None:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.start_run`."""
         self._optimizers, self.state.noise_streams = [], []
-        self.run.start_run(module, distributed)
+        self.run.start_run(module, distributed, forward_context)
 
     def training_loader(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -183,3 +183,28 @@ class RunState:
         if not isinstance(self.sum_mechanism, GaussianNoise) or self.sum_mechanism is self.mechanism:
             raise RuntimeError("the clipped sum has its own noise only under adaptive clipping, once prepared")
         return self.sum_mechanism.noise_multiplier
+
+
+T = TypeVar("T")
+
+
+class _HasState(Protocol):
+    state: RunState
+
+
+class RunStateField(Generic[T]):
+    """An attribute of the privacy engine (any object with a ``state``) that is the field of the same name of its
+    :class:`RunState`."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type) -> RunStateField[T]: ...
+    @overload
+    def __get__(self, engine: _HasState, owner: type) -> T: ...
+    def __get__(self, engine: _HasState | None, owner: type) -> T | RunStateField[T]:
+        return self if engine is None else getattr(engine.state, self.name)
+
+    def __set__(self, engine: _HasState, value: T) -> None:
+        setattr(engine.state, self.name, value)

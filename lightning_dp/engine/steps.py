@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Hashable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
-from lightning_dp.engine.attachment import ClippingAttachment
+from lightning_dp.engine.attachment import ClippingAttachment, ForwardContext
 from lightning_dp.engine.end_of_run import log_end_of_run
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState
@@ -69,15 +70,21 @@ class RunSequence:
         return self.state.guard
 
     # -------------------------------------------------------------------------------------------- per run
-    def start_run(self, module: nn.Module, distributed: DistributedContext | None) -> None:
-        """Attach the clipping hooks to ``module``; on several processes, adopt rank 0's base seed.
+    def start_run(
+        self,
+        module: nn.Module,
+        distributed: DistributedContext | None,
+        forward_context: ForwardContext = nullcontext,
+    ) -> None:
+        """Attach the clipping hooks to ``module`` (its probe under ``forward_context()``, the training's autocast);
+        on several processes, adopt rank 0's base seed.
 
         Raises:
             UnsupportedModuleError: unsupported layers (see
                 :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`).
         """
         state = self.state
-        self.attachment.attach(module)
+        self.attachment.attach(module, forward_context)
         state.distributed = distributed
         state.micro_batches = 0
         if state.adaptive is not None:  # a step cut off before its update must not add its count to the next one's

@@ -203,7 +203,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             if isinstance(callback, PrivacyBudget):
                 callback.bind(engine)
         with HF_NAMING.applied():
-            engine.start_run(self.model, self._distributed)
+            engine.start_run(self.model, self._distributed, accelerator.autocast)  # probed under the run's autocast
         wrapped = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper, if any
         if isinstance(wrapped, DPOptimizer):  # a second train(): wrapped afresh, so that training starts again
             self.optimizer = wrapped.original_optimizer

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from hf_helpers import make_trainer, tiny_gpt2
+import torch.nn.functional as F
+from hf_helpers import VOCAB, make_trainer, tiny_gpt2
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dp.clipping import ENGINES
+from lightning_dp.clipping import ENGINES, UnsupportedModuleError
 from lightning_dp.hf import PrivacyArguments
 
 
@@ -38,3 +41,58 @@ def test_a_module_of_its_own_parameters_trains_through_dp_trainer(clipping: str,
     assert trainer.privacy_engine.steps == 2 and trainer.privacy_engine.epsilon() > 0
     assert not torch.equal(model.transformer.ln_f.weight, before)
     assert any("'transformer.ln_f' (ScaledTanhNorm" in r.getMessage() for r in caplog.records)
+
+
+class MixesUnderAutocast(ScaledTanhNorm):
+    """Per-sample without autocast; under CPU autocast it adds half the batch mean."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y + 0.5 * y.mean(0) if torch.is_autocast_enabled("cpu") else y
+
+
+def _raised_by_the_probe(excinfo: pytest.ExceptionInfo) -> bool:  # at attach, not at a training step
+    return any(entry.name == "probe_at_attach" for entry in excinfo.traceback)
+
+
+def test_dp_trainer_probes_under_its_autocast_and_refuses_before_the_first_step(tmp_path) -> None:
+    model = tiny_gpt2()
+    model.transformer.ln_f = MixesUnderAutocast(model.config.n_embd)
+    trainer = make_trainer(model, tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0), args={"bf16": True})
+    with pytest.raises(UnsupportedModuleError, match="an operation mixes examples of the batch") as e:
+        trainer.train()
+    assert _raised_by_the_probe(e) and trainer.privacy_engine.steps == 0
+
+
+class LanguageModel(pl.LightningModule):
+    """A causal LM's per-example mean token loss on 8 random sequences in batches of 4, SGD."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        logits = self.model(input_ids=ids).logits[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(len(ids), -1).mean(1)
+
+    def train_dataloader(self) -> DataLoader:
+        ids = torch.randint(0, VOCAB, (8, 8), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(ids), batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_dp_strategy_probes_under_its_autocast_and_refuses_before_the_first_step() -> None:
+    from helpers import make_trainer as make_lightning_trainer
+
+    from lightning_dp import DPStrategy
+
+    model = tiny_gpt2()
+    model.transformer.ln_f = MixesUnderAutocast(model.config.n_embd)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0)
+    trainer = make_lightning_trainer(strategy, max_steps=1, precision="bf16-mixed")
+    with pytest.raises(UnsupportedModuleError, match="an operation mixes examples of the batch") as e:
+        trainer.fit(LanguageModel(model))
+    assert _raised_by_the_probe(e) and strategy.privacy_engine.steps == 0
