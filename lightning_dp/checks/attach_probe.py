@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -93,19 +93,31 @@ def _not_probed(why: str) -> bool:
     return False
 
 
+#: A context the probe's forward runs in: the training's autocast (``nullcontext`` for none).
+ForwardContext: TypeAlias = Callable[[], AbstractContextManager[Any]]
+
+
 class _NotProbed(Exception):
     """The model's example inputs cannot be probed (the reason is the message)."""
 
 
-def _probe_once(called: nn.Module, inputs: Any, rows: int, clipper: PerSampleClipper, tracker: UseTracker) -> None:
-    """One tracked forward of ``called`` and its clip (:meth:`PerSampleClipper.probe`).
+def _probe_once(
+    called: nn.Module,
+    inputs: Any,
+    rows: int,
+    clipper: PerSampleClipper,
+    tracker: UseTracker,
+    forward_context: ForwardContext,
+) -> None:
+    """One tracked forward of ``called`` (under ``forward_context()``) and its clip (:meth:`PerSampleClipper.probe`,
+    outside it, as training clips).
 
     Raises:
         _NotProbed: the forward failed on the inputs, or returned no output with ``rows`` rows.
         MisplacedParametersError, UnsupportedModuleError: the clipper's refusal.
     """
     try:
-        with tracker.tracking():
+        with tracker.tracking(), forward_context():
             output = _call(called, inputs)
     except UnsupportedModuleError:
         raise
@@ -130,9 +142,14 @@ def _unserved(
     )
 
 
-def probe_at_attach(module: nn.Module, clipper: PerSampleClipper) -> bool:
+def probe_at_attach(
+    module: nn.Module,
+    clipper: PerSampleClipper,
+    forward_context: ForwardContext = nullcontext,
+) -> bool:
     """Clip one forward of ``module`` on its example inputs, or of the HF model it wraps on that model's
-    (:func:`~lightning_dp.checks.probe_inputs.probe_target`), with ``clipper`` (:meth:`PerSampleClipper.probe`); the
+    (:func:`~lightning_dp.checks.probe_inputs.probe_target`), the forward under ``forward_context()`` (the training's
+    autocast), with ``clipper`` (:meth:`PerSampleClipper.probe`); the
     per-example loss ``[B]`` is ``sum tanh(output)`` of the first output tensor with ``B`` rows, ``B >= 2`` being the
     inputs' leading dimension. Inputs the model does not take skip the probe (logged at DEBUG); a model that cannot be
     probed is logged once at INFO.
@@ -163,7 +180,7 @@ def probe_at_attach(module: nn.Module, clipper: PerSampleClipper) -> bool:
     for _ in range(_PROBES):
         try:
             with _restored(module):
-                _probe_once(called, inputs, rows, clipper, tracker)
+                _probe_once(called, inputs, rows, clipper, tracker, forward_context)
             return True
         except _NotProbed as error:
             if misplaced is None:

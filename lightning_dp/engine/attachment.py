@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, TypeAlias
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from lightning_dp.checks.attach_probe import probe_at_attach
+from lightning_dp.checks.attach_probe import ForwardContext, probe_at_attach
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.engines.hutch import norm_dim
 from lightning_dp.engine.run_state import RunState
 from lightning_dp.mechanisms.base import mechanism_class
-
-#: A context the attach probe's forward runs in: the training's autocast (``nullcontext`` for none).
-ForwardContext: TypeAlias = Callable[[], AbstractContextManager[Any]]
 
 
 class ClippingAttachment:
@@ -71,8 +67,7 @@ class ClippingAttachment:
             state.norm_dim = norm_dim(clipper.trainable_parameters)
         if state.rows_per_unit == 1:
             try:
-                with forward_context():
-                    probe_at_attach(module, clipper)
+                probe_at_attach(module, clipper, forward_context)
             except BaseException:
                 state.clipper = state.guard = None
                 clipper.detach()

@@ -17,12 +17,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import Accountant
+from lightning_dp.checks.attach_probe import ForwardContext
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.config import PrivacyConfig, option_docs
 from lightning_dp.engine.accounting import PrivacyLedger
-from lightning_dp.engine.attachment import ClippingAttachment, ForwardContext
+from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.checkpoint import CheckpointState
 from lightning_dp.engine.clip_bound import ClipBound
 from lightning_dp.engine.exact_resume import abandon_load, check_draw_schedule, continued_stream, finish_restore
@@ -187,9 +188,9 @@ class PrivacyEngine:
         return self.config.check_batch_independence_every
 
     # ------------------------------------------------------------------------------------ set-up and noise
-    def attach(self, module: nn.Module) -> PerSampleClipper:
+    def attach(self, module: nn.Module, forward_context: ForwardContext = nullcontext) -> PerSampleClipper:
         """See :meth:`~lightning_dp.engine.attachment.ClippingAttachment.attach`."""
-        return self.attachment.attach(module)
+        return self.attachment.attach(module, forward_context)
 
     @property
     def rows_per_unit(self) -> int:

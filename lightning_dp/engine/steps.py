@@ -19,12 +19,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.checks.attach_probe import ForwardContext
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
-from lightning_dp.engine.attachment import ClippingAttachment, ForwardContext
+from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
 from lightning_dp.engine.noise_setup import NoiseSetup
 from lightning_dp.engine.run_state import RunState

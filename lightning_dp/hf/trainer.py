@@ -126,7 +126,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         check_augmentation(engine.config.augmentation_multiplicity, augment)
         # Fail now on unsupported trainable layers; the hooks live only while train() runs.
         with HF_NAMING.applied():  # a refused option is named as in PrivacyArguments
-            self.privacy_engine.attach(self.model)
+            self.privacy_engine.attach(self.model, self.accelerator.autocast)  # the probe under the run's autocast
         self.privacy_engine.detach()
         self.add_callback(PrivacyStateCallback(self.privacy_engine))
 

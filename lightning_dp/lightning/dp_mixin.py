@@ -193,7 +193,7 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
                 raise ValueError(
                     f"{type(self).__name__} supports automatic optimization only; remove automatic_optimization=False"
                 )
-            autocast = self.precision_plugin.forward_context  # the probe at attach runs under the training's autocast
+            autocast = self.precision_plugin.train_step_context  # the probe's forward runs in it, as training's do
             self.privacy_engine.start_run(self.lightning_module, self._distributed, autocast)
             if precision in _FP16_MIXED:
                 scale_clipper_backward(self.privacy_engine)

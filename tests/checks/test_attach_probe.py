@@ -54,3 +54,38 @@ def test_inputs_the_model_does_not_take_skip_the_probe() -> None:
     assert not probe_at_attach(model, clipper)
     assert not clipper._hooks.captures
     assert not probe_at_attach(nn.Linear(2, 2), PerSampleClipper(nn.Linear(2, 2), max_grad_norm=1.0))
+
+
+class _SeesAutocast(torch.autograd.Function):
+    """Identity that notes whether CPU autocast is on in its forward and in its backward."""
+
+    seen: list[tuple[str, bool]] = []
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        _SeesAutocast.seen.append(("forward", torch.is_autocast_enabled("cpu")))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        _SeesAutocast.seen.append(("backward", torch.is_autocast_enabled("cpu")))
+        return grad
+
+
+class NotesAutocast(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 3)
+        self.example_input_array = torch.randn(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SeesAutocast.apply(self.proj(x))  # between the loss and the layer: the clip's backward runs it
+
+
+def test_the_probe_forward_runs_in_the_given_context_and_its_clip_outside_it() -> None:
+    model = NotesAutocast()
+    clipper = PerSampleClipper(model, max_grad_norm=1.0)
+    _SeesAutocast.seen.clear()
+    assert probe_at_attach(model, clipper, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert ("forward", True) in _SeesAutocast.seen and ("backward", True) not in _SeesAutocast.seen
+    assert ("backward", False) in _SeesAutocast.seen and not torch.is_autocast_enabled("cpu")
