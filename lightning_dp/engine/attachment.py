@@ -30,7 +30,7 @@ class ClippingAttachment:
 
         With ``rows_per_unit == 1`` the model's example inputs (:mod:`lightning_dp.checks.probe_inputs`: its own, or
         built from an HF model's config) are clipped once (:func:`~lightning_dp.checks.attach_probe.probe_at_attach`),
-        under ``forward_context()`` (the training's autocast), so that what a forward shows is refused here.
+        its forward under ``forward_context()`` (the training's autocast), so that what a forward shows is refused here.
 
         Raises:
             ValueError: unsupported layers (see :class:`PerSampleClipper`), found at construction or by the probe.
