@@ -253,8 +253,8 @@ def check_under_autocast(
     ref = oracle_norms(grads)
     bound = ref.median().item()
     clipper = PerSampleClipper(model, clipping=clipping, max_grad_norm=bound)
-    with torch.autocast("cpu", dtype=dtype):  # the probe under the training's autocast, as the adapters run it
-        attach(clipper)
+    attach(clipper)
+    with torch.autocast("cpu", dtype=dtype):
         loss = loss_fn(model, inputs)
     norms = clipper.backward(loss)
     assert norms.dtype == torch.float32 and ((norms - ref).abs() <= RTOL_AUTOCAST * ref).all(), (norms, ref)
@@ -304,7 +304,8 @@ def check_entry(
         atol = (RTOL_F32 if entry.float32_internals else RTOL_F64) * scale
         with fallback_served() as enclosed, recomputed_calls(model) as recomputed:  # the attach probe first
             attach = partial(probe_at_attach, model)
-            if autocast is not None:
+            if autocast is not None:  # the probe's forward under the training's autocast, as the adapters run it
+                attach = partial(attach, forward_context=partial(torch.autocast, "cpu", dtype=autocast))
                 clipper = check_under_autocast(model, inputs, engine, loss_fn, grads, autocast, attach)
             else:
                 clipper = check_against_oracle(
