@@ -353,21 +353,20 @@ def fallback_terms(
             grads, outputs = vmap(grad(example_loss, has_aux=True), in_dims=(None, 0, 0, 0), randomness="error")(
                 params, split_inputs, split(output_grad), draws
             )
-            reference = None if call.output is None else split(call.output)
-            as_run = outputs  # the rerun the gradients come from, compared with the call as it ran
-            if reference is not None and enabled:  # under autocast the batch's kernels round otherwise than a row's:
+            called = None if call.output is None else split(call.output)
+            reference, reruns = called, outputs
+            if called is not None and enabled:  # under autocast the batch's kernels round otherwise than a row's:
                 with torch.no_grad():  # mixing is looked for in the batch and the examples rerun in float32
                     whole = run(params, tuple(flat[i] for i in batched), (), float32=True, batch=True)
-                    reference = split(torch.broadcast_to(whole, (rows, *reference.shape[2:])))
+                    reference = split(torch.broadcast_to(whole, (rows, *called.shape[2:])))
                     rerun = vmap(partial(run, params, float32=True), randomness="error")
-                    outputs = rerun(split_inputs, draws) if split_inputs or draws else whole[None]  # parameters alone
+                    reruns = rerun(split_inputs, draws) if split_inputs or draws else whole[None]  # parameters alone
     except (RuntimeError, TypeError, ValueError) as error:
         raise _rerun_error(name, layer, error) from error
-    if reference is not None:  # an output computed from parameters alone is [1, ...] per example: broadcast
-        _check_rerun(name, layer, reference, outputs)
-        if enabled:  # and the call itself under its autocast, to the rounding of its dtype
-            called = split(cast(torch.Tensor, call.output))
-            _check_rerun(name, layer, called, as_run, max(RERUN_RTOL[dtype], RERUN_RTOL.get(called.dtype, 1e-4)))
+    if reference is not None and called is not None:  # an output from parameters alone is [1, ...]: broadcast
+        _check_rerun(name, layer, reference, reruns)
+        if enabled:  # and the call itself under its autocast against the rerun of the gradients, to its rounding
+            _check_rerun(name, layer, called, outputs, max(RERUN_RTOL[dtype], RERUN_RTOL.get(called.dtype, 1e-4)))
         # the split was seen to reproduce the call: kept for the later calls of this structure, unless a draw replayed
         # whole (one for the batch) may take another branch on another batch
         if examples >= 2 and not any(replayed_whole):
