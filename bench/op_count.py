@@ -10,6 +10,7 @@ optimizer update and the trainer's own loop):
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
   ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing; a
   ``TorchFunctionMode``), each a device sync on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``.
+  A read the library makes on the CPU only, where a GPU takes another path (:data:`CPU_ONLY`), is not counted.
 
 Models: ``lightning``, ``DPStrategy`` on an MLP (``--blocks`` blocks ``Linear(d, d) -> LayerNorm -> tanh``, ``d =
 --dim``, then ``Linear(d, 1)``; squared error, SGD, batch ``--batch-size``); ``hf``, ``DPTrainer`` on a GPT-2 of
@@ -55,6 +56,9 @@ TORCH = str(Path(torch.__file__).resolve().parent)
 ADAPTERS = ("lightning", "hf")
 #: calls that read a tensor's value on the host, or size their output from the values.
 READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "masked_select"}
+#: ``(file name, function)`` of the library's reads that a GPU does not make: ``nonzero_rows`` gathers rows on the CPU
+#: only (on a device it reduces the whole factor).
+CPU_ONLY = {("underflow.py", "nonzero_rows")}
 
 
 class Counter(TorchDispatchMode):
@@ -73,8 +77,8 @@ class Counter(TorchDispatchMode):
 
 
 class Reads(TorchFunctionMode):
-    """Counts the host reads (:data:`READS`, boolean-mask indexing) while :attr:`active`, and those whose innermost
-    caller outside torch is in ``lightning_dp/``."""
+    """Counts the host reads (:data:`READS`, boolean-mask indexing; not :data:`CPU_ONLY`) while :attr:`active`, and
+    those whose innermost caller outside torch is in ``lightning_dp/``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,9 +91,10 @@ class Reads(TorchFunctionMode):
             name = getattr(func, "__name__", "")
             index = args[1] if name == "__getitem__" and len(args) > 1 else None
             masked = isinstance(index, torch.Tensor) and index.dtype == torch.bool
-            if name in READS or masked:
+            stack = traceback.extract_stack()[:-1] if name in READS or masked else []
+            if stack and not any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack):
                 self.total += 1
-                outside = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith(TORCH)]
+                outside = [f for f in stack if not f.filename.startswith(TORCH)]
                 self.library += bool(outside) and outside[-1].filename.startswith(LIBRARY)
         return func(*args, **(kwargs or {}))
 

@@ -4,7 +4,8 @@ and inputs, and the tied-weight models several test files use."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -217,3 +218,16 @@ def noise_of_one_step(engine) -> torch.Tensor:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     return before - torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@contextlib.contextmanager
+def flush_to_zero(enabled: bool) -> Iterator[None]:
+    """``torch.set_flush_denormal(enabled)`` on one intra-op thread (the flag is per thread), restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(enabled)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)

@@ -37,6 +37,10 @@ DATA_DEPENDENT = {
     "nonzero_static",
 }
 
+#: ``(file name, function)`` of the library's calls that a GPU does not make: ``nonzero_rows`` gathers the rows to read
+#: on the CPU only, and reduces the whole factor on a device.
+CPU_ONLY = {("underflow.py", "nonzero_rows")}
+
 
 def _is_sync(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     if name in READS or name in DATA_DEPENDENT:
@@ -74,6 +78,12 @@ class SyncCall:
         outside_torch = [f for f in self.stack if not f.filename.startswith(TORCH)]
         return bool(outside_torch) and outside_torch[-1].filename.startswith(LIBRARY)
 
+    @property
+    def cpu_only(self) -> bool:
+        """The call is made on the CPU only (:data:`CPU_ONLY`): a GPU takes another path there, which its CUDA case
+        runs under ``torch.cuda.set_sync_debug_mode("error")``."""
+        return any((Path(f.filename).name, f.name) in CPU_ONLY for f in self.stack)
+
     def where(self) -> str:
         frame = self.caller
         return f"{self.name} at {frame.filename}:{frame.lineno} ({frame.name})"
@@ -81,7 +91,8 @@ class SyncCall:
 
 @dataclass
 class SyncRecorder(TorchFunctionMode):
-    """Records the synchronising calls made while :attr:`active` (see the module docstring)."""
+    """Records the synchronising calls made while :attr:`active` (see the module docstring), but those a GPU does not
+    make (:data:`CPU_ONLY`)."""
 
     calls: list[SyncCall] = field(default_factory=list)
     active: bool = False
@@ -94,7 +105,9 @@ class SyncRecorder(TorchFunctionMode):
         if self.active:
             name = getattr(func, "__name__", str(func))
             if _is_sync(name, args, kwargs):
-                self.calls.append(SyncCall(name, traceback.extract_stack()[:-1]))
+                call = SyncCall(name, traceback.extract_stack()[:-1])
+                if not call.cpu_only:
+                    self.calls.append(call)
         return func(*args, **kwargs)
 
     def library_calls(self) -> list[SyncCall]:

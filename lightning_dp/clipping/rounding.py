@@ -52,12 +52,19 @@ def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, ep
     return torch.nan_to_num(bound, nan=math.inf, posinf=math.inf)
 
 
+#: The multiple of the underflow bound ``a^2`` that the clip factors' bound covers: two paths to one example's norm (a
+#: Gram product or a materialised gradient, chosen by the padded length) can lose different amounts to underflow, up
+#: to ``a^2`` each, which then moves its factor by at most a relative ``2^-20``.
+UNDERFLOW_MARGIN = 2.0**20
+
+
 def underflow_scale(underflow: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """The squared rounding scale ``a^2 / r`` (``r = 128 epsilon``) whose share ``r S^2`` of the bound
-    (:func:`rounded_norm_bound`) is ``a^2``: ``underflow`` ``[B]``, a bound ``a^2`` on what underflow took from a
-    squared norm (:func:`~lightning_dp.clipping.terms.underflow_bound`), in the units of the squared scales.
+    """The squared rounding scale ``K a^2 / r`` (``K =`` :data:`UNDERFLOW_MARGIN`, ``r = 128 epsilon``) whose share
+    ``r S^2`` of the bound (:func:`rounded_norm_bound`) is ``K a^2``: ``underflow`` ``[B]``, a bound ``a^2`` on what
+    underflow took from a squared norm (:func:`~lightning_dp.clipping.underflow.underflow_bound`), in the units of the
+    squared scales.
     """
-    return underflow / (ROUNDING_EPSILONS * epsilon)
+    return underflow * (UNDERFLOW_MARGIN / (ROUNDING_EPSILONS * epsilon))
 
 
 #: Logged once per clipper whose trainable parameters include FSDP2-sharded ones in a 16-bit dtype (``%s``: the

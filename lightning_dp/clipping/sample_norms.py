@@ -23,7 +23,8 @@ from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.recomputation import reentrant_refused
 from lightning_dp.clipping.rounding import underflow_scale
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
-from lightning_dp.clipping.terms import Term, underflow_bound
+from lightning_dp.clipping.terms import Term
+from lightning_dp.clipping.underflow import underflow_bound
 
 
 @dataclass

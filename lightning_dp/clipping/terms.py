@@ -8,8 +8,6 @@ language models can be strong differentially private learners", Section 4).
 from __future__ import annotations
 
 import functools
-import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeGuard, cast
@@ -277,32 +275,6 @@ def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.T
     """
     vector_norm = torch.linalg.vector_norm
     return (vector_norm(left, norm, dim=-1) * vector_norm(right, norm, dim=-1)).sum(1)
-
-
-def underflow_bound(terms: Sequence[Term]) -> torch.Tensor:
-    """``[B]``: ``a_i^2``, a bound on what underflow can take from the squared l2 norm of a parameter's per-sample
-    gradient (summed over its uses ``terms``) as the engine computed it (docs/design.md section 4.10). With ``tau`` the
-    dtype's smallest normal number:
-
-    - from Gram matrices (every term noted its factor squares, :meth:`Factored.note_factor_squares`), with ``T`` the
-      rows of all uses and ``P x Q`` the parameter: ``4 tau T (P sum_u ||R_ui||_F^2 + Q sum_u ||L_ui||_F^2 + T)``. A
-      Gram entry's dot product loses at most ``2 P tau`` (``2 Q tau``), flushed to zero or not, and ``sum_{t,s}
-      |r_t . r_s| <= T ||R||_F^2``; the rest covers the products of the entries and their sums;
-    - otherwise (the squares of the ``N`` materialised entries): ``4 tau N``.
-    """
-    first = terms[0]
-    tiny = torch.finfo(first.dtype).tiny
-    if not all(isinstance(term, Factored) and term.noted for term in terms):
-        entries = first.grad[0].numel() if isinstance(first, Materialised) else math.prod(first.shape)
-        batch = first.grad.shape[0] if isinstance(first, Materialised) else first.right.shape[0]
-        return torch.full((batch,), 4 * tiny * entries, dtype=first.dtype, device=first.device)
-    factored = cast(list[Factored], terms)
-    left = functools.reduce(operator.add, (term.factor_squares[0].sum(1) for term in factored))
-    right = functools.reduce(operator.add, (term.factor_squares[1].sum(1) for term in factored))
-    rows = sum(term.right.shape[1] for term in factored)
-    scale = 4 * tiny * rows
-    shape = factored[0].shape
-    return right * (scale * shape[0]) + left * (scale * math.prod(shape[1:])) + scale * rows
 
 
 def product_scales(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,13 @@ most ``C`` with every exact engine (the broad grid is ``tests/clipping/test_fuzz
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
+from clipping_helpers import flush_to_zero
 from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
@@ -232,7 +231,7 @@ def test_activations_whose_squares_underflow_move_the_release_by_at_most_c(
     """An example whose activations are so small that their squares underflow (float32: 2.5e-23) and whose output
     gradients are as large as the squares allow: its Gram matrix ``L L^T`` is 0, so its ghost norm and rounding scale
     were 0 and it was added unclipped (27 ``C`` in float32 at ``T = 64``), while its gradient ``L^T R`` is well
-    within range. The underflow bound of the Gram-product norms (``terms.underflow_bound``) keeps it within ``C``;
+    within range. The underflow bound of the Gram-product norms (``underflow.underflow_bound``) keeps it within ``C``;
     ``T = 130`` runs the Gram panels; ``mixed`` takes the ghost norm at ``T = 4`` (a 4 x 64 weight)."""
     tiny, huge = (2.5e-23, 1.7e19) if dtype == torch.float32 else (1e-162, 1.3e154)
     layer = nn.Linear(64, 4, bias=False).to(dtype)
@@ -247,19 +246,6 @@ def test_activations_whose_squares_underflow_move_the_release_by_at_most_c(
     assert float(layer.weight.grad.double().norm()) <= bound * (1 + 1e-4)
 
 
-@contextlib.contextmanager
-def _flush_to_zero(enabled: bool) -> Iterator[None]:
-    """``torch.set_flush_denormal(enabled)`` on one intra-op thread (the flag is per thread), restored after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(enabled)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("ftz", [False, True])
 @pytest.mark.parametrize("clipping", ["flat", "ghost"])
 def test_squares_that_underflow_under_automatic_clipping_at_gamma_0_move_the_release_by_at_most_c(
@@ -270,9 +256,9 @@ def test_squares_that_underflow_under_automatic_clipping_at_gamma_0_move_the_rel
     ``C`` (263 with flush-to-zero); an example whose bias gradient's squares flush to zero moved it by 14.5 ``C``
     once another parameter's underflow bound made its ``nu`` positive; a loss scale's unscaling pushed ``r S^2``
     below the smallest normal number, which flush-to-zero dropped (37.8 ``C``). Every parameter's underflow bound
-    (``terms.underflow_bound``), formed before the unscaling, keeps each within ``C``."""
+    (``underflow.underflow_bound``), formed before the unscaling, keeps each within ``C``."""
     automatic = {"clipping_fn": "automatic", "automatic_clipping_gamma": 0.0, "sum_check_every": None}
-    with _flush_to_zero(ftz):
+    with flush_to_zero(ftz):
         small, big = (1e-19, 1.2e-19) if ftz else (2.5e-23, 4e-23)
         wide = nn.Linear(100_000, 1, bias=False)
         x = torch.zeros(2, 100_000)
