@@ -95,3 +95,46 @@ def test_dp_strategy_probes_under_its_autocast_and_refuses_before_the_first_step
     with pytest.raises(UnsupportedModuleError, match="an operation mixes examples of the batch") as e:
         trainer.fit(LanguageModel(model))
     assert _raised_by_the_probe(e) and strategy.privacy_engine.steps == 0
+
+
+class Images(torch.utils.data.Dataset):
+    """8 random 16 x 16 images with 3 classes (the tiny Swin's inputs)."""
+
+    def __init__(self) -> None:
+        self.pixels = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixels[i], "labels": torch.tensor(i % 3)}
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_enclosure_only_autocast_shows_is_used_in_training_through_dp_trainer(bf16: bool, tmp_path) -> None:
+    """LoRA on Swin under bfloat16: peft casts the bfloat16 input of the adapters to their float32, a copy whose rows
+    the hooks cannot trace to the windows that fold them. The probe runs under accelerate's autocast, finds it and
+    gives the adapters their Swin layer's exact fallback, which training then uses (it was refused at the first step
+    while the probe ran without autocast). In float32 the adapters need no enclosure."""
+    import peft
+    from hf_helpers import tiny_swin
+    from transformers import TrainerCallback
+
+    model = peft.get_peft_model(
+        tiny_swin(), peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    )
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n}
+    enclosed: list[dict] = []
+
+    class Enclosures(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            enclosed.append(dict(trainer.privacy_engine.state.clipper.enclosing))
+
+    privacy = PrivacyArguments(noise_multiplier=1.0, dp_seed=0)
+    trainer = make_trainer(model, tmp_path, Images(), privacy=privacy, args={"bf16": bf16, "max_steps": 2})
+    trainer.add_callback(Enclosures())
+    trainer.train()
+    assert trainer.privacy_engine.steps == 2
+    lora = [sorted(m for modules in units.values() for m in modules if "lora" in m) for units in enclosed]
+    assert lora == ([[f"attention.{p}_proj.lora_{x}.default" for p in "qv" for x in "AB"]] * 2 if bf16 else [[], []])
+    assert all(not torch.equal(p, adapters[n]) for n, p in model.named_parameters() if n in adapters)
