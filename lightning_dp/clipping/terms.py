@@ -145,8 +145,9 @@ class Factored:
 
     def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor) -> None:
         """Keep the squared row norms ``||l_it||^2`` and ``||r_it||^2`` (``[B, T]`` each, the diagonals of ``L_i L_i^T``
-        and ``R_i R_i^T``) for the l2 :meth:`rounding_scales`, which then reads no factor again (docs/design.md section
-        4.10)."""
+        and ``R_i R_i^T``) for the l2 :meth:`rounding_scales`, which then reads no factor again, and for the underflow
+        bound, which reads again only the rows whose square is 0 (:func:`~lightning_dp.clipping.underflow.nonzero_rows`;
+        docs/design.md section 4.10)."""
         object.__setattr__(self, "_factor_squares", (left, right))  # frozen: set once per engine call
 
     @property

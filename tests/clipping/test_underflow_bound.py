@@ -50,7 +50,15 @@ def test_an_underflowing_examples_factor_does_not_move_with_the_padded_length(
         short = _clipped_norm(clipping, 8, tiny, huge, bound)
         long = _clipped_norm(clipping, 512, tiny, huge, bound)
     assert 0 < short <= bound * (1 + 1e-4)
-    assert abs(short - long) <= 1e-5 * short
+    assert abs(short - long) <= 2**-20 * bound  # what the margin allows the two paths
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "mixed", "flat"])
+def test_rows_of_norm_1e19_keep_a_finite_bound(clipping: str) -> None:
+    """Activation rows of norm 1e19 (squares 1e38) with output gradients 1e-20: a gradient of norm 3.2. Their squares
+    summed over the rows overflowed the bound, which made the example's factor 0; each row's share is now scaled
+    first."""
+    assert 0 < _clipped_norm(clipping, 8, 2.5e18, 1e-20, 1.0) <= 1.0
 
 
 def test_nonzero_rows_reads_again_the_rows_whose_square_is_0() -> None:
@@ -65,7 +73,8 @@ def test_nonzero_rows_reads_again_the_rows_whose_square_is_0() -> None:
     assert squares[0, 1] == 0  # the premise: the square underflowed
     expected = torch.tensor([[True, True, True, False], [False, True, False, False]])
     assert torch.equal(nonzero_rows(x, squares), expected)  # the CPU's gather of the rows whose square is 0
-    assert torch.equal(nonzero_entries(x), expected)  # what a GPU reads: the whole factor
+    assert torch.equal(nonzero_entries(x), expected)
+    assert torch.equal(nonzero_entries(x, fused=True), expected)  # what a GPU reads: the whole factor, in one pass
 
 
 def test_the_bound_counts_the_rows_that_are_nonzero_in_both_factors() -> None:
