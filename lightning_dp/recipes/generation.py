@@ -212,7 +212,7 @@ def run_generation_recipe(
             if periodic
             else None
         ),
-        data_collator=causal_lm_collator(tokenizer),
+        data_collator=causal_lm_collator(tokenizer, **recipe.collator_padding),
         evaluate=generation_evaluator(recipe, tokenizer, evaluation, score, details, postprocess),
         details=details,
     )

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_dataset=train,
         eval_dataset=evaluation,
         evaluate=evaluate,
-        data_collator=DataCollatorWithPadding(tokenizer),
+        data_collator=DataCollatorWithPadding(tokenizer, **recipe.collator_padding),
         trainer_kwargs={"compute_metrics": compute_metrics, "optimizers": (optimizer, None)},
         details={"majority_class_accuracy": 100 * float(majority)},
     )

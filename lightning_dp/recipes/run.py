@@ -57,6 +57,10 @@ class RecipeArguments:
         train_size: use the first ``train_size`` training examples (``None``: all).
         eval_size: evaluate on the first ``eval_size`` evaluation examples (``None``: all).
         max_length: tokens per example; longer inputs are cut by the recipe's documented rule.
+        pad_to_max_length: pad every batch to ``max_length`` (HF's name) instead of to its longest example: the
+            float32 rounding of the per-example norms then does not move with which examples were sampled, which
+            crafted examples can otherwise exploit (docs/privacy.md, "What is not covered"); slower where examples
+            are shorter than ``max_length``.
         lora_rank: rank of peft LoRA adapters (0: fine-tune the model's own trainable parameters).
         lora_target_modules: module names that get adapters (e.g. ``q_proj v_proj``).
         lora_layers: adapt only the top ``lora_layers`` transformer layers (``None``: all).
@@ -77,6 +81,9 @@ class RecipeArguments:
     train_size: int | None = field(default=None, metadata={"help": "First N training examples (default all)."})
     eval_size: int | None = field(default=None, metadata={"help": "First N evaluation examples (default all)."})
     max_length: int = field(default=128, metadata={"help": "Tokens per example (longer inputs are cut)."})
+    pad_to_max_length: bool = field(
+        default=False, metadata={"help": "Pad every batch to max_length (default: to its longest example)."}
+    )
     lora_rank: int = field(default=0, metadata={"help": "LoRA rank (0: no adapters)."})
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "v_proj"], metadata={"help": "Modules that get LoRA adapters."}
@@ -84,6 +91,12 @@ class RecipeArguments:
     lora_layers: int | None = field(default=None, metadata={"help": "Adapt the top N layers only (default all)."})
     dp: bool = field(default=True, metadata={"help": "Train with DP (false: plain Trainer)."})
     results_file: str | None = field(default=None, metadata={"help": "JSON summary (default OUTPUT_DIR/results.json)."})
+
+    @property
+    def collator_padding(self) -> dict[str, Any]:
+        """The padding arguments of the recipe's ``transformers`` data collator: to ``max_length`` with
+        ``pad_to_max_length``, else none (the collator pads each batch to its longest example)."""
+        return {"padding": "max_length", "max_length": self.max_length} if self.pad_to_max_length else {}
 
     def __post_init__(self) -> None:
         if self.data_source not in ("local", "hub"):

@@ -86,6 +86,9 @@ class PromptTargetDataset(Dataset):
         return self.examples[i]
 
 
-def causal_lm_collator(tokenizer: PreTrainedTokenizerBase) -> DataCollatorForSeq2Seq:
-    """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``)."""
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX)
+def causal_lm_collator(
+    tokenizer: PreTrainedTokenizerBase, padding: bool | str = True, max_length: int | None = None
+) -> DataCollatorForSeq2Seq:
+    """Pads a batch of :class:`PromptTargetDataset` items (right side; labels padded with ``-100``): to its longest
+    item, or with ``padding="max_length"`` to ``max_length`` tokens."""
+    return DataCollatorForSeq2Seq(tokenizer, padding=padding, max_length=max_length, label_pad_token_id=IGNORE_INDEX)

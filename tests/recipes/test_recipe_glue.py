@@ -75,6 +75,27 @@ def test_smoke_docs_config_on_a_tiny_model(tmp_path):
     assert result["arguments"]["recipe"]["task"] == "sst2"
 
 
+def test_pad_to_max_length_gives_the_collator_a_fixed_length(tmp_path, monkeypatch):
+    """``--pad_to_max_length true``: every training batch is padded to ``max_length`` (docs/privacy.md, "What is not
+    covered")."""
+    from transformers import DataCollatorWithPadding
+
+    batches, call = [], DataCollatorWithPadding.__call__
+
+    def recorded(collator, rows):
+        batches.append((collator.padding, collator.max_length, call(collator, rows)["input_ids"].shape[1]))
+        return call(collator, rows)
+
+    monkeypatch.setattr(DataCollatorWithPadding, "__call__", recorded)
+    result = glue.main(
+        [*LOCAL, "--tiny_model", "true", "--pad_to_max_length", "true", "--max_length", "40", "--train_size", "16",
+         "--eval_size", "8", "--max_steps", "1", "--per_device_train_batch_size", "4", "--accountant", "rdp",
+         "--output_dir", str(tmp_path), "--results_file", str(tmp_path / "r.json")]
+    )  # fmt: skip
+    assert result["steps"] == 1 and result["arguments"]["recipe"]["pad_to_max_length"] is True
+    assert batches and set(batches) == {("max_length", 40, 40)}
+
+
 @pytest.mark.parametrize("switch", [["--dp", "false"], ["--disable_dp", "true"]], ids=["dp false", "disable_dp"])
 def test_qnli_pairs_without_dp_in_process(tmp_path, switch):
     """Sentence pairs, the plain Trainer, the CLS head with the top layer trained (no LoRA); either switch."""

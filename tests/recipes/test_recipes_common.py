@@ -28,7 +28,13 @@ from lightning_dp.recipes.run import (
     split_in_file_order,
 )
 from lightning_dp.tasks.local_data import LocalDataError, local_data_dir
-from lightning_dp.tasks.prompt_target import IGNORE_INDEX, PromptTarget, PromptTargetDataset, prompt_ids
+from lightning_dp.tasks.prompt_target import (
+    IGNORE_INDEX,
+    PromptTarget,
+    PromptTargetDataset,
+    causal_lm_collator,
+    prompt_ids,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -509,3 +515,17 @@ def test_a_run_started_by_accelerate_launch_records_the_launchers_command(tmp_pa
         cmdline.write_bytes("\0".join(other).encode() + b"\0")
         assert accelerate_launch_command(cmdline) is None, other
     assert accelerate_launch_command(tmp_path / "absent") is None
+
+
+def test_pad_to_max_length_pads_every_batch_to_max_length(smollm2_tokenizer):
+    """``--pad_to_max_length true``: the causal-LM collator pads to ``max_length`` (labels ``-100``) whatever the
+    batch's longest example; by default, to the longest."""
+    examples = [PromptTarget(body="a table", tail=" text:", target=t, references=(t,)) for t in ("yes", "a longer one")]
+    rows = [row for row in PromptTargetDataset(examples, smollm2_tokenizer, max_length=24, max_target_length=8)]
+    longest = max(len(row["input_ids"]) for row in rows)
+    fixed = glue.GlueArguments(tiny_model=True, max_length=24, pad_to_max_length=True).collator_padding
+    padded = causal_lm_collator(smollm2_tokenizer, **fixed)(rows)
+    assert padded["input_ids"].shape == (2, 24) and longest < 24
+    assert (padded["labels"][0, len(rows[0]["input_ids"]) :] == IGNORE_INDEX).all()
+    per_batch = glue.GlueArguments(tiny_model=True, max_length=24).collator_padding
+    assert per_batch == {} and causal_lm_collator(smollm2_tokenizer, **per_batch)(rows)["input_ids"].shape[1] == longest
