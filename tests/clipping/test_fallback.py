@@ -271,16 +271,6 @@ class SlightlyMixing(nn.Module):
         return x @ self.proj + 0.01 * x.mean(0)
 
 
-def test_slight_mixing_under_bfloat16_autocast_is_refused_by_the_float32_comparison() -> None:
-    # the comparison at bfloat16's tolerance (3e-2) would accept it: it reruns the batch and the examples in float32
-    model = nn.Sequential(nn.Linear(5, 4), SlightlyMixing())
-    clipper = PerSampleClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match=r"'1' \(SlightlyMixing\) is not per-sample"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            output = model(rand(6, 5).float())
-        clipper.backward(output.float().sum(1))
-
-
 class MixesInHalfPrecision(SlightlyMixing):
     """Per-sample in float32; in bfloat16 it adds half the batch mean (a branch on the dtype)."""
 
@@ -289,11 +279,19 @@ class MixesInHalfPrecision(SlightlyMixing):
         return h + 0.5 * h.mean(0) if h.dtype == torch.bfloat16 else h
 
 
-def test_mixing_only_in_reduced_precision_is_refused_by_the_comparison_with_the_call() -> None:
-    # the float32 reruns do not mix: the call as it ran under autocast is compared with its autocast rerun too
-    model = nn.Sequential(nn.Linear(5, 4), MixesInHalfPrecision())
+@pytest.mark.parametrize(
+    "mixing",
+    [
+        # the comparison at bfloat16's tolerance (3e-2) would accept it: the batch and the examples rerun in float32
+        pytest.param(SlightlyMixing, id="slightly, refused by the float32 reruns"),
+        # the float32 reruns do not mix: the call as it ran under autocast is compared with its autocast rerun too
+        pytest.param(MixesInHalfPrecision, id="only in bfloat16, refused by the comparison with the call"),
+    ],
+)
+def test_mixing_under_bfloat16_autocast_is_refused(mixing: type[nn.Module]) -> None:
+    model = nn.Sequential(nn.Linear(5, 4), mixing())
     clipper = PerSampleClipper(model, max_grad_norm=1.0)
-    with pytest.raises(UnsupportedModuleError, match=r"'1' \(MixesInHalfPrecision\) is not per-sample"):
+    with pytest.raises(UnsupportedModuleError, match=rf"'1' \({mixing.__name__}\) is not per-sample"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             output = model(rand(6, 5).float())
         clipper.backward(output.float().sum(1))
