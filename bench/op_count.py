@@ -56,9 +56,9 @@ TORCH = str(Path(torch.__file__).resolve().parent)
 ADAPTERS = ("lightning", "hf")
 #: calls that read a tensor's value on the host, or size their output from the values.
 READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "masked_select"}
-#: ``(file name, function)`` of the library's reads that a GPU does not make: ``nonzero_rows`` gathers rows on the CPU
-#: only (on a device it reduces the whole factor).
-CPU_ONLY = {("underflow.py", "nonzero_rows")}
+#: ``(file name, function)`` of the library's reads that a GPU does not make: ``zero_and_finite_rows`` gathers rows on
+#: the CPU only (on a device it reduces the whole factor).
+CPU_ONLY = {("rows.py", "zero_and_finite_rows")}
 
 
 class Counter(TorchDispatchMode):

@@ -37,9 +37,9 @@ DATA_DEPENDENT = {
     "nonzero_static",
 }
 
-#: ``(file name, function)`` of the library's calls that a GPU does not make: ``nonzero_rows`` gathers the rows to read
-#: on the CPU only, and reduces the whole factor on a device.
-CPU_ONLY = {("underflow.py", "nonzero_rows")}
+#: ``(file name, function)`` of the library's calls that a GPU does not make: ``zero_and_finite_rows`` gathers the rows
+#: to read on the CPU only, and reduces the whole factor on a device.
+CPU_ONLY = {("rows.py", "zero_and_finite_rows")}
 
 
 def _is_sync(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

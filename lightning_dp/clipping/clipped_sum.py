@@ -66,17 +66,19 @@ def add_to_grad(param: nn.Parameter, clipped: torch.Tensor) -> None:
 
 def without_overflow(factors: torch.Tensor, terms: list[Term]) -> torch.Tensor:
     """``factors`` ``[B]`` with 0 for every sample whose weighted factor in :meth:`Factored.batch_sum` would overflow
-    in some term of the parameter (``terms``): a factor above 1 (automatic clipping) times a factor's largest entry.
-    Only that scaling can overflow for a kept sample (the products it forms are at most ``C / sqrt(r)``, docs/design.md
+    in some term of the parameter (``terms``): a factor above 1 (automatic clipping, or a loss scale below 1) times the
+    largest entry of the factor's rows that count (:attr:`Factored.active`; ``large_weights`` zeroes the others before
+    the scaling, so that whether a sample is kept does not depend on the rows its batch was padded to). Only that
+    scaling can overflow for a kept sample (the products it forms are at most ``C / sqrt(r)``, docs/design.md
     section 4.11), and zeroing the sample in every term of the parameter keeps its contribution a restriction of its
     clipped gradient to whole parameters, of norm at most the bound. A sample whose terms are not finite is dropped
     anyway (factor 0). No host read.
     """
     keep = torch.ones_like(factors, dtype=torch.bool)
     for term in terms:
-        if isinstance(term, Factored):
+        if isinstance(term, Factored):  # its rows that do not count are zeroed before the scaling (large_weights)
             factor = term.right if term.scales_right else term.left
-            peak = factor.detach().abs().flatten(1).amax(1)
+            peak = torch.where(term.active, factor.detach().abs().amax(-1), 0.0).amax(1)
             keep &= torch.isfinite(factors.to(factor.dtype) * peak)
     return torch.where(keep, factors, 0.0)
 
@@ -91,6 +93,7 @@ class ClippedSumMixin:
     groups: ClippingGroups | None
     max_grad_norm: float
     clipping_fn: str
+    _loss_scale: float  # of LossScaleMixin, another base of PerSampleClipper
     last_group_norms: torch.Tensor | None
     _past_finite: torch.Tensor | None
     # a method of SampleNormsMixin, another base of PerSampleClipper
@@ -163,10 +166,11 @@ class ClippedSumMixin:
         the tensors ``writable`` accepts (:func:`~lightning_dp.clipping.terms.finite`): a no-op on finite terms, so the
         sum is the same bits whether or not a sample was dropped, and no host read decides anything.
         """
+        large = self.clipping_fn == "automatic" or self._loss_scale < 1  # factors above 1: a scaled factor may overflow
         for item in kept:
             terms = item if isinstance(item, dict) else self._terms(item, batch)
             for param, param_terms in terms.items():
                 param_factors = factors[0 if self.groups is None else self._group_of[param]]
-                if self.clipping_fn == "automatic":  # factors above 1: a scaled factor may overflow
+                if large:
                     param_factors = without_overflow(param_factors, param_terms)
-                add_to_grad(param, batch_sum(param_terms, param_factors, writable))
+                add_to_grad(param, batch_sum(param_terms, param_factors, writable, large))

@@ -15,6 +15,8 @@ from typing import TypeGuard, cast
 import torch
 from torch import nn
 
+from lightning_dp.clipping.rows import INTEGER_OF_WIDTH, active_only, active_rows
+
 #: Whether a factor may be overwritten in place: a tensor of the clipper's own (e.g. a captured output gradient),
 #: which nothing reads after the clipped sum; an activation, a parameter or a user's tensor is never writable.
 Writable = Callable[[torch.Tensor], bool]
@@ -24,10 +26,6 @@ def scaled(x: torch.Tensor, scale: torch.Tensor, original: torch.Tensor) -> torc
     """``x * scale``, in place when ``x`` is a copy made for the sum (not ``original``, the term's own factor, which
     another term may share)."""
     return x.mul_(scale) if x is not original else x * scale
-
-
-#: The integer dtype of each floating-point width, to mask a float tensor's bits (:func:`finite`).
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +38,8 @@ def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = N
     (:meth:`Factored.note_factor_squares`): the whole rows whose squared norm is not finite are zeroed instead, by a
     bitwise AND of every entry with all ones or all zeros (one read and one write of ``x``, cheaper than
     ``nan_to_num_``). Such a row holds every non-finite entry, and only a dropped sample has one (its norm is not
-    finite either): the same bits wherever the weight is not 0.
+    finite either), or is a finite row whose other factor's row is 0 (left out of the norm, :attr:`Factored.active`),
+    whose products are 0 either way: the same sum wherever the weight is not 0.
 
     Raises:
         ValueError: ``squares`` is not ``[B, T]`` for ``x`` ``[B, T, n]``.
@@ -50,7 +49,7 @@ def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = N
             return x.nan_to_num_(0.0, 0.0, 0.0)
         if x.ndim != 3 or squares.shape != x.shape[:2]:
             raise ValueError(f"squared row norms {tuple(squares.shape)} do not match the rows of {tuple(x.shape)}")
-        bits = x.view(_BITS[x.element_size()])
+        bits = x.view(INTEGER_OF_WIDTH[x.element_size()])
         keep = torch.isfinite(squares).to(bits.dtype).neg_().unsqueeze(-1)  # -1 (all ones) keeps a row, 0 zeroes it
         bits.bitwise_and_(keep)
         return x  # the tensor itself, as nan_to_num_ returns it (scaled() tells a copy from the term's own factor)
@@ -94,11 +93,14 @@ class Materialised:
         """``total += grad`` in place; ``total`` ``[B, *param.shape]``."""
         total.add_(self.grad.reshape(total.shape))
 
-    def batch_sum(self, weights: torch.Tensor | None = None, writable: Writable | None = None) -> torch.Tensor:
+    def batch_sum(
+        self, weights: torch.Tensor | None = None, writable: Writable | None = None, large_weights: bool = False
+    ) -> torch.Tensor:
         """``sum_i w_i grad_i`` (``w_i = 1`` when ``weights`` is None), ``[*param.shape]``; ``weights`` ``[B]``.
 
         With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the non-finite entries are zeroed
-        first (:func:`finite`), so that a dropped sample adds exactly nothing.
+        first (:func:`finite`), so that a dropped sample adds exactly nothing. ``large_weights`` changes nothing here
+        (it concerns factored terms, :meth:`Factored.batch_sum`).
         """
         grad = self.grad if writable is None else finite(self.grad, writable)
         if weights is None:
@@ -110,7 +112,11 @@ class Materialised:
         return (weights.view(1, -1) @ grad.view(grad.shape[0], -1)).view(grad.shape[1:])
 
     def add_batch_sum(
-        self, total: torch.Tensor, weights: torch.Tensor | None = None, writable: Writable | None = None
+        self,
+        total: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        writable: Writable | None = None,
+        large_weights: bool = False,
     ) -> None:
         """``total += sum_i w_i grad_i`` in place (:meth:`batch_sum`); ``total`` ``[*param.shape]``."""
         total.add_(self.batch_sum(weights, writable).to(total.dtype))
@@ -134,6 +140,12 @@ class Factored:
     _factor_squares: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    #: The rows that count (:attr:`active`), ``[B, T]``, once noted or computed.
+    _active: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    #: The factors' row norms by order (:meth:`row_norms`), once computed.
+    _row_norms: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @property
     def device(self) -> torch.device:
@@ -143,12 +155,13 @@ class Factored:
     def dtype(self) -> torch.dtype:
         return self.right.dtype
 
-    def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor) -> None:
+    def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor, active: torch.Tensor) -> None:
         """Keep the squared row norms ``||l_it||^2`` and ``||r_it||^2`` (``[B, T]`` each, the diagonals of ``L_i L_i^T``
         and ``R_i R_i^T``) for the l2 :meth:`rounding_scales`, which then reads no factor again, and for the underflow
-        bound, which reads again only the rows whose square is 0 (:func:`~lightning_dp.clipping.underflow.nonzero_rows`;
-        docs/design.md section 4.10)."""
+        bound; and the rows that count, ``active`` ``[B, T]`` bool (:attr:`active`), as the engine
+        found them from those squares (docs/design.md section 4.10)."""
         object.__setattr__(self, "_factor_squares", (left, right))  # frozen: set once per engine call
+        object.__setattr__(self, "_active", active)
 
     @property
     def noted(self) -> bool:
@@ -166,18 +179,40 @@ class Factored:
             raise ValueError("no engine noted this term's factor squares")
         return self._factor_squares
 
-    def rounding_scales(self, norm: int) -> torch.Tensor:
-        """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
-        (:meth:`Materialised.rounding_scales`), ``sum_t ||l_t|| ||r_t||`` in the norm's own order; a one-hot row has
-        norm 1. A row whose output gradient is 0 (padding) adds nothing. In l2, from the squared row norms
-        :meth:`note_factor_squares` kept where an engine noted them.
-        """
+    def row_norms(self, norm: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row norms ``(||l_it||, ||r_it||)`` in l1 or l2 (``norm``), ``[B, T]`` each (1 for a one-hot row): in l2
+        from the squares :meth:`note_factor_squares` kept where an engine noted them, else computed once per term."""
         if norm == 2 and self.noted:
             left, right = self.factor_squares
-            return (left.sqrt() * right.sqrt()).sum(1)
+            return left.sqrt(), right.sqrt()
+        norms = self._row_norms.get(norm)
+        if norms is None:
+            right = torch.linalg.vector_norm(self.right, norm, dim=-1)
+            left = torch.ones_like(right) if self.is_index else torch.linalg.vector_norm(self.left, norm, dim=-1)
+            norms = self._row_norms[norm] = (left, right)
+        return norms
+
+    @property
+    def active(self) -> torch.Tensor:
+        """``[B, T]`` bool: the rows that count, all but those 0 in one factor and finite in the other, whose products
+        are exact zeros (:func:`~lightning_dp.clipping.rows.active_rows`): as an engine noted them
+        (:meth:`note_factor_squares`), else found once from the row norms."""
+        if self._active is None:  # norms of either order tell; l1 ones where an l1 run formed them, else l2 ones
+            left, right = self._row_norms.get(1) or self.row_norms(2)
+            dense = None if self.is_index else self.left
+            object.__setattr__(self, "_active", active_rows(dense, self.right, None if dense is None else left, right))
+        assert self._active is not None
+        return self._active
+
+    def rounding_scales(self, norm: int) -> torch.Tensor:
+        """``[B]``: each sample's rounding scale, a bound on the l1 or l2 norm of ``|L_i|^T |R_i|``
+        (:meth:`Materialised.rounding_scales`), ``sum_t ||l_t|| ||r_t||`` over the :attr:`active` rows in the norm's
+        own order (:meth:`row_norms`): a row that is 0 in one factor and finite in the other (padding) adds nothing.
+        """
+        left, right = self.row_norms(norm)
         if self.is_index:
-            return torch.linalg.vector_norm(self.right, norm, dim=-1).sum(1)
-        return product_scale(self.left, self.right, norm)
+            return right.sum(1)
+        return torch.where(self.active, left * right, 0.0).sum(1)
 
     @property
     def is_index(self) -> bool:
@@ -212,39 +247,50 @@ class Factored:
         else:
             view.baddbmm_(self.left.transpose(1, 2), self.right)
 
-    def batch_sum(self, weights: torch.Tensor | None = None, writable: Writable | None = None) -> torch.Tensor:
+    def batch_sum(
+        self, weights: torch.Tensor | None = None, writable: Writable | None = None, large_weights: bool = False
+    ) -> torch.Tensor:
         """``sum_i w_i L_i^T R_i`` ``[*shape]`` (``w_i = 1`` when ``weights`` ``[B]`` is None), one matmul over the ``B
         T`` rows (book-keeping, Bu et al. 2023, "Differentially private optimization on large model at small cost",
         Section 3).
 
         With ``writable`` (the clipped sum: ``w_i = 0`` for every dropped sample), the dense factors' non-finite
-        entries are zeroed first (:func:`finite`), so that a dropped sample adds exactly nothing. A weight whose
-        scaling would overflow a kept sample's entry is zeroed by the caller
+        entries are zeroed first (:func:`finite`), so that a dropped sample adds exactly nothing. With
+        ``large_weights`` (weights that can exceed 1), the rows that do not count (:attr:`active`) are zeroed in the
+        factor the weights scale, where scaling could make them overflow and ``0 * inf`` NaN; a weight whose scaling
+        would overflow a kept sample's entry in a row that counts is zeroed by the caller
         (:func:`~lightning_dp.clipping.clipped_sum.without_overflow`); should one overflow anyway, it stays infinite
         for the finite check of the sums, since the zeroing runs before the scaling.
         """
         if self.is_index:
             total = self.right.new_zeros(self.shape)
-            self.add_batch_sum(total, weights, writable)
+            self.add_batch_sum(total, weights, writable, large_weights)
             return total
-        left, right = self._weighted(weights, writable)
+        left, right = self._weighted(weights, writable, large_weights)
         return (left.T @ right).reshape(self.shape)
 
     def add_batch_sum(
-        self, total: torch.Tensor, weights: torch.Tensor | None = None, writable: Writable | None = None
+        self,
+        total: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        writable: Writable | None = None,
+        large_weights: bool = False,
     ) -> None:
         """``total += sum_i w_i L_i^T R_i`` in place (:meth:`batch_sum`) without a buffer of the parameter's size;
         ``total`` ``[*shape]`` contiguous."""
-        left, right = self._weighted(weights, writable)
+        left, right = self._weighted(weights, writable, large_weights)
         rows = total.view(self.shape[0], right.shape[-1])
         if self.is_index:
             rows.index_add_(0, left, right.to(total.dtype))
         else:
             rows.addmm_(left.T.to(total.dtype), right.to(total.dtype))
 
-    def _weighted(self, weights: torch.Tensor | None, writable: Writable | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weighted(
+        self, weights: torch.Tensor | None, writable: Writable | None, large_weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The factors of :meth:`batch_sum` as rows over the batch's ``B T`` positions: ``left`` ``[B T, P]`` (ids
-        ``[B T]``) and ``right`` ``[B T, Q]``, zeroed where not finite and weighted."""
+        ``[B T]``) and ``right`` ``[B T, Q]``, zeroed where not finite (and, with ``large_weights``, where a row does
+        not count in the scaled factor) and weighted."""
         left, right = self.left, self.right
         if writable is not None:  # before the scaling, which thus never turns a kept sample's entry into a zero
             left_squares, right_squares = self._factor_squares or (None, None)
@@ -253,11 +299,19 @@ class Factored:
         if weights is not None:  # scale the narrower dense factor (ids cannot be scaled)
             scale = weights.to(right.dtype).view(-1, 1, 1)
             if self.scales_right:
-                right = scaled(right, scale, self.right)
+                right = scaled(self._counted(right, self.right, large_weights), scale, self.right)
             else:
-                left = scaled(left, scale, self.left)
+                left = scaled(self._counted(left, self.left, large_weights), scale, self.left)
         left = left.reshape(-1) if self.is_index else left.reshape(-1, left.shape[-1])
         return left, right.reshape(-1, right.shape[-1])
+
+    def _counted(self, x: torch.Tensor, original: torch.Tensor, zero_the_rest: bool) -> torch.Tensor:
+        """``x`` (``original``, the term's own factor, or a copy of it) as it is, or with ``zero_the_rest`` its rows
+        that do not count (:attr:`active`) set to 0: in place in a copy, else in a new one (:func:`scaled` then scales
+        that in place)."""
+        if not zero_the_rest:
+            return x
+        return active_only(x, self.active, in_place=x is not original)
 
 
 Term = Materialised | Factored
@@ -269,18 +323,13 @@ def sample_scales(absolute: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat.sum(1), flat.norm(dim=1)])
 
 
-def product_scale(left: torch.Tensor, right: torch.Tensor, norm: int) -> torch.Tensor:
-    """``[B]``: the rounding scale of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``), ``sum_t ||l_t||
-    ||r_t||`` in l1 or l2 (``norm``): a bound on the norm of ``|L_i|^T |R_i|`` to which a row that is 0 in either factor
-    (padding) adds nothing.
-    """
-    vector_norm = torch.linalg.vector_norm
-    return (vector_norm(left, norm, dim=-1) * vector_norm(right, norm, dim=-1)).sum(1)
-
-
 def product_scales(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``[2, B]``: :func:`product_scale` in l1 (row 0) and l2 (row 1), the rounding of a :class:`Materialised`."""
-    return torch.stack([product_scale(left, right, 1), product_scale(left, right, 2)])
+    """``[2, B]``: the rounding scales of ``L_i^T R_i`` (``left`` ``[B, T, P]``, ``right`` ``[B, T, Q]``), ``sum_t
+    ||l_t|| ||r_t||`` in l1 (row 0) and l2 (row 1) over the rows that count (:attr:`Factored.active`), the rounding of a
+    :class:`Materialised` (:meth:`Factored.rounding_scales`).
+    """
+    term = Factored(left, right, torch.Size((left.shape[-1], right.shape[-1])))
+    return torch.stack([term.rounding_scales(1), term.rounding_scales(2)])
 
 
 def reduced(values: torch.Tensor, dims: tuple[int, ...]) -> Materialised:
@@ -308,15 +357,19 @@ def term_elements(term: Term) -> int:
 
 
 def batch_sum(
-    terms: Sequence[Term], weights: torch.Tensor | None = None, writable: Writable | None = None
+    terms: Sequence[Term],
+    weights: torch.Tensor | None = None,
+    writable: Writable | None = None,
+    large_weights: bool = False,
 ) -> torch.Tensor:
     """``sum_u sum_i w_i term_ui`` over a parameter's uses ``terms``: ``[*param.shape]`` in their promoted dtype,
     contiguous. The first use's ``batch_sum`` is formed, the others' ``add_batch_sum`` add into it in place (a tied
-    embedding and head share one buffer of the parameter's size)."""
+    embedding and head share one buffer of the parameter's size). ``large_weights``: see
+    :meth:`Factored.batch_sum`."""
     dtype = functools.reduce(torch.promote_types, (term.dtype for term in terms))
-    total = terms[0].batch_sum(weights, writable).to(dtype, memory_format=torch.contiguous_format)
+    total = terms[0].batch_sum(weights, writable, large_weights).to(dtype, memory_format=torch.contiguous_format)
     for term in terms[1:]:
-        term.add_batch_sum(total, weights, writable)
+        term.add_batch_sum(total, weights, writable, large_weights)
     return total
 
 

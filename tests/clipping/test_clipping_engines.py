@@ -9,7 +9,7 @@ from lightning_dp.clipping import ENGINES, make_clipping_engine
 from lightning_dp.clipping.engines.base import materialised_contribution
 from lightning_dp.clipping.engines.ghost import MERGE_ROWS, PANEL_ROWS, gram_squared_norm, self_product
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
-from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum, product_scale
+from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum, product_scales
 
 
 def _linear_term(batch: int, seq: int, rows: int, cols: int, device: str = "meta") -> Factored:
@@ -126,7 +126,8 @@ def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> Non
         torch.Size((7, 5)),
     )
     full = (term.left @ term.left.transpose(1, 2) * (term.right @ term.right.transpose(1, 2))).sum((1, 2))
-    product, diagonals = self_product(term)
+    product, diagonals, active = self_product(term)
+    assert bool(active.all())
     torch.testing.assert_close(product, full, rtol=1e-12, atol=0)
     torch.testing.assert_close(product, term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)
     squares = torch.stack([term.left.square().sum(2), term.right.square().sum(2)])
@@ -172,4 +173,4 @@ def test_ghost_rounding_scales_come_from_the_gram_diagonals(uses: list[tuple[str
         torch.testing.assert_close(fresh_term.rounding_scales(2), scale, rtol=rtol, atol=0)  # not noted: by norms
         torch.testing.assert_close(term.rounding_scales(1), l1, rtol=0, atol=0)
         if not term.is_index:
-            torch.testing.assert_close(product_scale(term.left, term.right, 2), scale, rtol=rtol, atol=0)
+            torch.testing.assert_close(product_scales(term.left, term.right)[1], scale, rtol=rtol, atol=0)

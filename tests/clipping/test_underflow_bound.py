@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.terms import Factored
-from lightning_dp.clipping.underflow import nonzero_entries, nonzero_rows, row_squares, underflow_bound
+from lightning_dp.clipping.underflow import row_squares, underflow_bound
 
 
 def _clipped_norm(clipping: str, rows: int, tiny: float, huge: float, bound: float) -> float:
@@ -61,22 +61,6 @@ def test_rows_of_norm_1e19_keep_a_finite_bound(clipping: str) -> None:
     assert 0 < _clipped_norm(clipping, 8, 2.5e18, 1e-20, 1.0) <= 1.0
 
 
-def test_nonzero_rows_reads_again_the_rows_whose_square_is_0() -> None:
-    """A row of entries 1e-30 (square 0 in float32) is not 0; a row of zeros (either sign) is; NaN counts as not 0."""
-    x = torch.zeros(2, 4, 3)
-    x[0, 0] = 1.0
-    x[0, 1] = 1e-30
-    x[0, 2, 1] = -1e-30
-    x[1, 0] = -0.0
-    x[1, 1, 2] = float("nan")
-    squares = torch.linalg.vector_norm(x, 2, dim=-1).square()
-    assert squares[0, 1] == 0  # the premise: the square underflowed
-    expected = torch.tensor([[True, True, True, False], [False, True, False, False]])
-    assert torch.equal(nonzero_rows(x, squares), expected)  # the CPU's gather of the rows whose square is 0
-    assert torch.equal(nonzero_entries(x), expected)
-    assert torch.equal(nonzero_entries(x, fused=True), expected)  # what a GPU reads: the whole factor, in one pass
-
-
 def test_the_bound_counts_the_rows_that_are_nonzero_in_both_factors() -> None:
     """``4 tau T (P ||R||^2 + Q ||L||^2 + T)`` over the rows that are not 0 in either factor, at least ``4 tau P Q``;
     noted squares (an engine's Gram diagonals) and computed ones give the same bound."""
@@ -92,24 +76,7 @@ def test_the_bound_counts_the_rows_that_are_nonzero_in_both_factors() -> None:
     computed = underflow_bound([term])
     torch.testing.assert_close(computed, expected, rtol=1e-5, atol=0)
     noted = Factored(left, right, torch.Size([3, 5]))
-    noted.note_factor_squares(*row_squares(term))
+    noted.note_factor_squares(*row_squares(term), term.active)
     torch.testing.assert_close(underflow_bound([noted]), computed, rtol=1e-6, atol=0)
     zeros = Factored(torch.zeros(2, 6, 3), right, torch.Size([3, 5]))
     assert torch.equal(underflow_bound([zeros]), torch.full((2,), 4 * tau * 15))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_nonzero_rows_on_cuda_matches_the_cpu_without_a_host_sync() -> None:
-    """On a GPU the whole factor is reduced (a gather of the rows whose square is 0 would size its output on the
-    host): the same rows, and no synchronisation."""
-    x = torch.zeros(2, 4, 3)
-    x[0, 1] = 1e-30
-    x[1, 1, 2] = float("nan")
-    squares = torch.linalg.vector_norm(x, 2, dim=-1).square()
-    on_device, device_squares = x.cuda(), squares.cuda()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        rows = nonzero_rows(on_device, device_squares)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert torch.equal(rows.cpu(), nonzero_rows(x, squares))

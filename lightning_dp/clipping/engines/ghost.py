@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
+from lightning_dp.clipping.rows import active_products, active_rows
 from lightning_dp.clipping.terms import Factored, Term, all_factored
 
 
@@ -66,49 +67,66 @@ def _diagonals(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.stack([left.diagonal(dim1=1, dim2=2), right.diagonal(dim1=1, dim2=2)])
 
 
-def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor]:
-    """``<L L^T, R R^T>`` per sample for one use, ``[B]``, and the diagonals of ``L L^T`` and ``R R^T``, ``[2, B, T]``
-    (the factors' squared row norms, for the rounding scales). For a dense use of ``T >= PANEL_ROWS`` rows each
-    symmetric Gram matrix is formed as two panels, its first ``h = T // 2`` columns ``[B, T, h]`` and its
-    lower-right block ``[B, T - h, T - h]``, and the block below the diagonal, which the first panel holds once, is
-    counted twice: 3/4 of the multiply-adds (docs/design.md section 12.6). At most one pair of Gram blocks is held
-    at a time, multiplied in place."""
+def _active(u: Factored, rows: slice, diagonals: torch.Tensor) -> torch.Tensor:
+    """``[B, n]`` bool: the ``rows`` of ``u`` that count (:func:`~lightning_dp.clipping.rows.active_rows`), given the
+    diagonals ``[2, B, n]`` of their Gram blocks."""
+    left = None if u.is_index else u.left[:, rows]
+    return active_rows(left, u.right[:, rows], diagonals[0], diagonals[1])
+
+
+def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``<L L^T, R R^T>`` per sample for one use, ``[B]``, over the rows that count; the diagonals of ``L L^T`` and
+    ``R R^T``, ``[2, B, T]`` (the factors' squared row norms, for the rounding scales); and the rows that count,
+    ``[B, T]`` bool (:func:`~lightning_dp.clipping.rows.active_rows`). For a dense use of ``T >= PANEL_ROWS`` rows
+    each symmetric Gram matrix is formed as two blocks, its lower-right block ``[B, T - h, T - h]`` and its first
+    ``h = T // 2`` columns ``[B, T, h]``, and the block below the diagonal, which the panel holds once, is counted
+    twice: 3/4 of the multiply-adds (docs/design.md section 12.6). At most one pair of Gram blocks is held at a time,
+    multiplied in place."""
     rows = u.right.shape[1]
     if u.is_index or rows < PANEL_ROWS:
         left, right = left_gram(u, u), torch.bmm(u.right, u.right.transpose(1, 2))
         diagonals = _diagonals(left, right)
-        return left.mul_(right).sum((1, 2)), diagonals
+        active = _active(u, slice(None), diagonals)
+        return active_products(left.mul_(right), active, active).sum((1, 2)), diagonals, active
     h = rows // 2
-    left, right = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)), torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
-    top = _diagonals(left[:, :h], right[:, :h])
-    panel = left.mul_(right)
-    del left, right
-    product = panel.sum((1, 2)) + panel[:, h:].sum((1, 2))
-    del panel
-    low_left, low_right = u.left[:, h:], u.right[:, h:]
+    low_left, low_right = u.left[:, h:], u.right[:, h:]  # first: its diagonal holds the active rows from h on
     left, right = torch.bmm(low_left, low_left.transpose(1, 2)), torch.bmm(low_right, low_right.transpose(1, 2))
     low = _diagonals(left, right)
-    return product + left.mul_(right).sum((1, 2)), torch.cat([top, low], 2)
+    low_active = _active(u, slice(h, None), low)
+    low_product = active_products(left.mul_(right), low_active, low_active).sum((1, 2))
+    del left, right
+    left, right = torch.bmm(u.left, u.left[:, :h].transpose(1, 2)), torch.bmm(u.right, u.right[:, :h].transpose(1, 2))
+    top = _diagonals(left[:, :h], right[:, :h])
+    active = torch.cat([_active(u, slice(None, h), top), low_active], 1)
+    panel = active_products(left.mul_(right), active, active[:, :h])
+    del left, right
+    product = panel.sum((1, 2)) + panel[:, h:].sum((1, 2))
+    return product + low_product, torch.cat([top, low], 2), active
 
 
 def gram_squared_norm(terms: Sequence[Factored]) -> torch.Tensor:
     """``||sum_u L_u^T R_u||_F^2`` per sample via ``sum_{u,v} <L_u L_v^T, R_u R_v^T>``: ``[B]`` (over the groups of
-    :func:`merge_uses`). Each use gets its factors' squared norms from the Gram diagonals
+    :func:`merge_uses`), over the rows that count (:func:`~lightning_dp.clipping.rows.active_products`). Each use gets
+    its factors' squared norms from the Gram diagonals, and the rows that count
     (:meth:`~lightning_dp.clipping.terms.Factored.note_factor_squares`)."""
     groups = merge_uses(terms)
     uses = [concatenated(group) for group in groups]
-    total = uses[0].right.new_zeros(uses[0].right.shape[0])
-    for i, (group, u) in enumerate(zip(groups, uses, strict=True)):
-        product, diagonals = self_product(u)
+    products, actives = [], []
+    for group, u in zip(groups, uses, strict=True):
+        product, diagonals, active = self_product(u)
+        products.append(product)
+        actives.append(active)
         start = 0
         for term in group:
             rows = slice(start, start + term.right.shape[1])
-            term.note_factor_squares(*diagonals[:, :, rows])
+            term.note_factor_squares(diagonals[0, :, rows], diagonals[1, :, rows], active[:, rows])
             start = rows.stop
-        total = total + product
-        for v in uses[i + 1 :]:
-            cross = (left_gram(u, v) * torch.bmm(u.right, v.right.transpose(1, 2))).sum((1, 2))
-            total = total + 2.0 * cross
+    total = uses[0].right.new_zeros(uses[0].right.shape[0])
+    for i, u in enumerate(uses):
+        total = total + products[i]
+        for j in range(i + 1, len(uses)):
+            cross = left_gram(u, uses[j]) * torch.bmm(u.right, uses[j].right.transpose(1, 2))
+            total = total + 2.0 * active_products(cross, actives[i], actives[j]).sum((1, 2))
     return total
 
 

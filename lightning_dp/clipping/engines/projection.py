@@ -4,7 +4,9 @@ For a parameter with factored terms ``grad_i = sum_u L_ui^T R_ui`` (``P x Q`` pe
 :class:`~lightning_dp.clipping.terms.Factored`), :class:`GradientOperator` arranges ``grad_i`` as ``M_i`` (``m x n``)
 with the LARGER side ``n = max(P, Q)`` as columns, and applies ``M_i X`` and ``M_i^T Y`` through the factors: memory
 ``B (T + m) k`` for ``k`` columns, never ``B P Q`` (seed "Efficient DP-SGD for LLMs with Randomized Clipping",
-Section 4: project the larger dimension). Token-id factors (embeddings) are applied by gather and scatter.
+Section 4: project the larger dimension). Token-id factors (embeddings) are applied by gather and scatter. The rows
+that do not count (:attr:`~lightning_dp.clipping.terms.Factored.active`) are zeroed in each factor's product with
+``X`` or ``Y``, where a padding row's large activations could overflow (``0 * inf``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_dp.clipping.rows import active_only
 from lightning_dp.clipping.terms import Factored
 
 
@@ -23,6 +26,12 @@ def _left_times(term: Factored, x: torch.Tensor) -> torch.Tensor:
     if x.ndim == 2:
         return x[term.left]
     return x.gather(1, term.left.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def _counted(term: Factored, product: torch.Tensor) -> torch.Tensor:
+    """``product`` ``[B, T, k]`` of one of ``term``'s factors with a matrix (a new tensor) with the rows that do not
+    count set to 0 in place (:func:`~lightning_dp.clipping.rows.active_only`)."""
+    return active_only(product, term.active, in_place=True)
 
 
 def _left_transposed_times(term: Factored, z: torch.Tensor) -> torch.Tensor:
@@ -67,8 +76,8 @@ class GradientOperator:
     def _term_times(self, term: Factored, x: torch.Tensor) -> torch.Tensor:
         """One use's part of :meth:`times`."""
         if self.left_is_larger:  # M = grad^T = R^T L
-            return torch.bmm(term.right.transpose(1, 2), _left_times(term, x))
-        return _left_transposed_times(term, torch.matmul(term.right, x))  # M = grad = L^T R
+            return torch.bmm(term.right.transpose(1, 2), _counted(term, _left_times(term, x)))
+        return _left_transposed_times(term, _counted(term, torch.matmul(term.right, x)))  # M = grad = L^T R
 
     def transposed_times(self, y: torch.Tensor) -> torch.Tensor:
         """``M_i^T y_i``: ``[B, n, k]`` for ``y`` of shape ``[B, m, k]``."""
@@ -80,8 +89,8 @@ class GradientOperator:
     def _term_transposed_times(self, term: Factored, y: torch.Tensor) -> torch.Tensor:
         """One use's part of :meth:`transposed_times`."""
         if self.left_is_larger:  # M^T = grad = L^T R
-            return _left_transposed_times(term, torch.bmm(term.right, y))
-        return torch.bmm(term.right.transpose(1, 2), _left_times(term, y))  # M^T = grad^T = R^T L
+            return _left_transposed_times(term, _counted(term, torch.bmm(term.right, y)))
+        return torch.bmm(term.right.transpose(1, 2), _counted(term, _left_times(term, y)))  # M^T = grad^T = R^T L
 
     def gaussian(self, k: int, generator: torch.Generator) -> torch.Tensor:
         """A fresh ``n x k`` matrix with i.i.d. ``N(0, 1/k)`` entries from ``generator`` (seed Algorithm 2, line 4)."""
