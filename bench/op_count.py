@@ -8,9 +8,10 @@ optimizer update and the trainer's own loop):
 - ``ops``: every ATen operator call the dispatcher sees (a ``TorchDispatchMode``: kernels, views and copies alike;
   autograd's backward included), the launches a GPU step would make;
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
-  ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing; a
-  ``TorchFunctionMode``), each a device sync on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``.
-  A read the library makes on the CPU only, where a GPU takes another path (:data:`CPU_ONLY`), is not counted.
+  ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing, ...; a
+  ``TorchFunctionMode`` asking bench/host_reads.py, which tests/engine/test_host_syncs.py shares), each a device sync
+  on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``. A read the library makes on the CPU only,
+  where a GPU takes another path (``host_reads.CPU_ONLY``), is not counted.
 
 Models: ``lightning``, ``DPStrategy`` on an MLP (``--blocks`` blocks ``Linear(d, d) -> LayerNorm -> tanh``, ``d =
 --dim``, then ``Linear(d, 1)``; squared error, SGD, batch ``--batch-size``); ``hf``, ``DPTrainer`` on a GPT-2 of
@@ -39,26 +40,19 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import host_reads
 import torch
 from records import add_record_options, environment, finish, render_records
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import lightning_dp
 from lightning_dp.utils.help_format import HelpFormatter
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "docs" / "bench" / "op_count"
 PAGE = ROOT / "docs" / "performance.md"
 START, END = "<!-- op_count:start -->", "<!-- op_count:end -->"
-LIBRARY = str(Path(lightning_dp.__file__).resolve().parent)
-TORCH = str(Path(torch.__file__).resolve().parent)
 ADAPTERS = ("lightning", "hf")
-#: calls that read a tensor's value on the host, or size their output from the values.
-READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "masked_select"}
-#: ``(file name, function)`` of the library's reads that a GPU does not make: ``zero_and_finite_rows`` gathers rows on
-#: the CPU only (on a device it reduces the whole factor).
-CPU_ONLY = {("rows.py", "zero_and_finite_rows")}
 
 
 class Counter(TorchDispatchMode):
@@ -77,8 +71,8 @@ class Counter(TorchDispatchMode):
 
 
 class Reads(TorchFunctionMode):
-    """Counts the host reads (:data:`READS`, boolean-mask indexing; not :data:`CPU_ONLY`) while :attr:`active`, and
-    those whose innermost caller outside torch is in ``lightning_dp/``."""
+    """Counts the host reads (:func:`host_reads.is_sync`; not :func:`host_reads.cpu_only`) while :attr:`active`, and
+    those the library makes (:func:`host_reads.in_library`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,16 +81,13 @@ class Reads(TorchFunctionMode):
         self.library = 0
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.active:
-            name = getattr(func, "__name__", "")
-            index = args[1] if name == "__getitem__" and len(args) > 1 else None
-            masked = isinstance(index, torch.Tensor) and index.dtype == torch.bool
-            stack = traceback.extract_stack()[:-1] if name in READS or masked else []
-            if stack and not any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack):
+        kwargs = kwargs or {}
+        if self.active and host_reads.is_sync(getattr(func, "__name__", ""), args, kwargs):
+            stack = traceback.extract_stack()[:-1]
+            if not host_reads.cpu_only(stack):
                 self.total += 1
-                outside = [f for f in stack if not f.filename.startswith(TORCH)]
-                self.library += bool(outside) and outside[-1].filename.startswith(LIBRARY)
-        return func(*args, **(kwargs or {}))
+                self.library += host_reads.in_library(stack)
+        return func(*args, **kwargs)
 
 
 class Window:

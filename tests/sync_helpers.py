@@ -1,62 +1,31 @@
-"""Counting host-device synchronising calls (tests/engine/test_host_syncs.py, bench/op_count.py).
-
-:class:`SyncRecorder` is a ``TorchFunctionMode`` that records every call which reads a tensor's value on the host
-(``item``, ``tolist``, ``__bool__``, ``__float__``, ``__int__``, ``__index__``, ``cpu``, ``numpy``, ``.to("cpu")``,
-printing) or whose output shape depends on the values (``nonzero``, ``masked_select``, ``unique``, boolean-mask
-indexing, ...): on a GPU each is a device synchronisation. On the CPU nothing synchronises, but the same calls are
-made, so counting them on the CPU counts the syncs a GPU run would make. Each record keeps the Python stack, so a test
-can tell the library's own calls (a frame in ``lightning_dp/``) from the framework's and the model's.
+"""Recording host-device synchronising calls (tests/engine/test_host_syncs.py): :class:`SyncRecorder` is a
+``TorchFunctionMode`` that records every call which bench/host_reads.py (shared with bench/op_count.py) counts as a
+synchronisation on a GPU, with its Python stack, so that a test can tell the library's own calls (a frame in
+``lightning_dp/``) from the framework's and the model's.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.overrides import TorchFunctionMode
 
-import lightning_dp
 
-LIBRARY = str(Path(lightning_dp.__file__).resolve().parent)
-TORCH = str(Path(torch.__file__).resolve().parent)
-
-#: functions that read a value on the host.
-READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "__repr__", "__format__"}
-#: functions whose output shape depends on the values (a GPU syncs to size the output).
-DATA_DEPENDENT = {
-    "nonzero",
-    "argwhere",
-    "masked_select",
-    "unique",
-    "unique_consecutive",
-    "bincount",
-    "repeat_interleave",
-    "nonzero_static",
-}
-
-#: ``(file name, function)`` of the library's calls that a GPU does not make: ``zero_and_finite_rows`` gathers the rows
-#: to read on the CPU only, and reduces the whole factor on a device.
-CPU_ONLY = {("rows.py", "zero_and_finite_rows")}
+def _host_reads() -> Any:
+    """``bench/host_reads.py`` as a module (``bench/`` is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "host_reads.py"
+    spec = importlib.util.spec_from_file_location("host_reads", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _is_sync(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    if name in READS or name in DATA_DEPENDENT:
-        if name == "repeat_interleave":  # a tensor of repeats without output_size sizes its output from the values
-            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-            return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
-        return True
-    if name == "to":  # to("cpu") by name; .to(device) of device-agnostic code stays on the device
-        return any(isinstance(a, str) and a.startswith("cpu") for a in (*args[1:], *kwargs.values()))
-    if name in ("__getitem__", "index", "index_put_", "__setitem__"):
-        index = args[1] if len(args) > 1 else None
-        parts = index if isinstance(index, tuple | list) else (index,)
-        return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
-    if name == "where":
-        return len(args) + len(kwargs) == 1
-    return False
+host_reads = _host_reads()
 
 
 @dataclass
@@ -73,16 +42,8 @@ class SyncCall:
 
     @property
     def in_library(self) -> bool:
-        """The call is the library's own: its caller is in ``lightning_dp/``, or the innermost frame outside torch is
-        (a torch helper called by the library that reads a value)."""
-        outside_torch = [f for f in self.stack if not f.filename.startswith(TORCH)]
-        return bool(outside_torch) and outside_torch[-1].filename.startswith(LIBRARY)
-
-    @property
-    def cpu_only(self) -> bool:
-        """The call is made on the CPU only (:data:`CPU_ONLY`): a GPU takes another path there, which its CUDA case
-        runs under ``torch.cuda.set_sync_debug_mode("error")``."""
-        return any((Path(f.filename).name, f.name) in CPU_ONLY for f in self.stack)
+        """The call is the library's own (:func:`host_reads.in_library`)."""
+        return bool(host_reads.in_library(self.stack))
 
     def where(self) -> str:
         frame = self.caller
@@ -91,8 +52,8 @@ class SyncCall:
 
 @dataclass
 class SyncRecorder(TorchFunctionMode):
-    """Records the synchronising calls made while :attr:`active` (see the module docstring), but those a GPU does not
-    make (:data:`CPU_ONLY`)."""
+    """Records the synchronising calls made while :attr:`active` (:func:`host_reads.is_sync`), but those a GPU does not
+    make (:func:`host_reads.cpu_only`)."""
 
     calls: list[SyncCall] = field(default_factory=list)
     active: bool = False
@@ -104,10 +65,10 @@ class SyncRecorder(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.active:
             name = getattr(func, "__name__", str(func))
-            if _is_sync(name, args, kwargs):
-                call = SyncCall(name, traceback.extract_stack()[:-1])
-                if not call.cpu_only:
-                    self.calls.append(call)
+            if host_reads.is_sync(name, args, kwargs):
+                stack = traceback.extract_stack()[:-1]
+                if not host_reads.cpu_only(stack):
+                    self.calls.append(SyncCall(name, stack))
         return func(*args, **kwargs)
 
     def library_calls(self) -> list[SyncCall]:
