@@ -158,8 +158,8 @@ class Factored:
     def note_factor_squares(self, left: torch.Tensor, right: torch.Tensor, active: torch.Tensor) -> None:
         """Keep the squared row norms ``||l_it||^2`` and ``||r_it||^2`` (``[B, T]`` each, the diagonals of ``L_i L_i^T``
         and ``R_i R_i^T``) for the l2 :meth:`rounding_scales`, which then reads no factor again, and for the underflow
-        bound; and the rows that count, ``active`` ``[B, T]`` bool (:attr:`active`), as the engine
-        found them from those squares (docs/design.md section 4.10)."""
+        bound; and the rows that count, ``active`` ``[B, T]`` bool (:attr:`active`), as the engine found them from
+        those squares (docs/design.md section 4.10)."""
         object.__setattr__(self, "_factor_squares", (left, right))  # frozen: set once per engine call
         object.__setattr__(self, "_active", active)
 
