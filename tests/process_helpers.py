@@ -38,8 +38,11 @@ PROCESS_GROUP_VARIABLES = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "
 
 
 def launch_env() -> dict[str, str]:
-    """``os.environ`` for a launched subprocess: this checkout first on ``PYTHONPATH``, no process-group variables."""
+    """``os.environ`` for a launched subprocess: this checkout first on ``PYTHONPATH``, no process-group variables, and
+    ``PYTHONFAULTHANDLER=1``, so that a process that crashes (a segfault in a collective) prints its Python stack into
+    the output a failing test shows."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     for name in PROCESS_GROUP_VARIABLES:
         env.pop(name, None)
     return env
