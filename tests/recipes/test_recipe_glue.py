@@ -83,8 +83,9 @@ def test_pad_to_max_length_gives_the_collator_a_fixed_length(tmp_path, monkeypat
     batches, call = [], DataCollatorWithPadding.__call__
 
     def recorded(collator, rows):
-        batches.append((collator.padding, collator.max_length, call(collator, rows)["input_ids"].shape[1]))
-        return call(collator, rows)
+        batch = call(collator, rows)
+        batches.append((collator.padding, collator.max_length, batch["input_ids"].shape[1]))
+        return batch
 
     monkeypatch.setattr(DataCollatorWithPadding, "__call__", recorded)
     result = glue.main(
