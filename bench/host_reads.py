@@ -34,9 +34,10 @@ DATA_DEPENDENT = {
     "nonzero_static",
 }
 
-#: ``(file name, function)`` of the library's calls that a GPU does not make: ``zero_and_finite_rows`` gathers the rows
-#: to read on the CPU only, and reduces the whole factor on a device.
-CPU_ONLY = {("rows.py", "zero_and_finite_rows")}
+#: ``(file name, function)`` of the library's calls that a GPU does not make (``lightning_dp.clipping.rows.gathers``):
+#: on the CPU only, ``zero_and_finite_rows`` gathers the rows to read, and ``zero_rows_`` writes the rows to zero; on a
+#: device each passes over the whole factor.
+CPU_ONLY = {("rows.py", "zero_and_finite_rows"), ("rows.py", "zero_rows_")}
 
 Stack = list[traceback.FrameSummary]
 

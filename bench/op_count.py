@@ -6,12 +6,13 @@ over ``--steps`` steps, between the trainer's step-begin and step-end callbacks 
 optimizer update and the trainer's own loop):
 
 - ``ops``: every ATen operator call the dispatcher sees (a ``TorchDispatchMode``: kernels, views and copies alike;
-  autograd's backward included), the launches a GPU step would make;
+  autograd's backward included), the launches a GPU step would make: where the library's CPU path differs from a
+  GPU's (it gathers the few rows a pass needs, ``lightning_dp.clipping.rows.GATHERING_DEVICES``), the GPU's is taken;
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
   ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing, ...; a
   ``TorchFunctionMode`` asking bench/host_reads.py, which tests/engine/test_host_syncs.py shares), each a device sync
-  on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``. A read the library makes on the CPU only,
-  where a GPU takes another path (``host_reads.CPU_ONLY``), is not counted.
+  on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``. A read the library makes on the CPU only
+  (``host_reads.CPU_ONLY``) is not counted, nor made: the GPU's path is taken.
 
 Models: ``lightning``, ``DPStrategy`` on an MLP (``--blocks`` blocks ``Linear(d, d) -> LayerNorm -> tanh``, ``d =
 --dim``, then ``Linear(d, 1)``; squared error, SGD, batch ``--batch-size``); ``hf``, ``DPTrainer`` on a GPT-2 of
@@ -191,8 +192,22 @@ def _hf(args: argparse.Namespace, private: bool, window: Window) -> None:
             transformers.Trainer(**options).train()
 
 
+def as_on_a_gpu() -> None:
+    """Make the library take, on the CPU, the paths a GPU takes where the two differ: a pass over a whole factor where
+    the CPU gathers the few rows it needs (``lightning_dp.clipping.rows.GATHERING_DEVICES`` emptied; a library from
+    before that switch has no such paths)."""
+    try:
+        from lightning_dp.clipping import rows
+    except ImportError:
+        return
+    if hasattr(rows, "GATHERING_DEVICES"):
+        rows.GATHERING_DEVICES = frozenset()
+
+
 def count(args: argparse.Namespace, adapter: str, private: bool) -> dict[str, Any]:
-    """Per-step ``ops`` (with the 12 most frequent operators), ``syncs`` and ``library_syncs`` of one run."""
+    """Per-step ``ops`` (with the 12 most frequent operators), ``syncs`` and ``library_syncs`` of one run, on the paths
+    a GPU takes (:func:`as_on_a_gpu`)."""
+    as_on_a_gpu()
     counters = (Counter(), Reads())
     window = Window(counters, args.warmup)
     with counters[0], counters[1]:

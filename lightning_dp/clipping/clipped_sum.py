@@ -12,6 +12,7 @@ from torch import nn
 from lightning_dp.clipping.float32_sums import add_float32_sum, keeps_float32_sum
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture
+from lightning_dp.clipping.rows import extreme_entries
 from lightning_dp.clipping.terms import Factored, Materialised, Term, Writable, batch_sum
 from lightning_dp.runtime.sharding import is_sharded, sum_into_shard
 
@@ -78,7 +79,8 @@ def without_overflow(factors: torch.Tensor, terms: list[Term]) -> torch.Tensor:
     for term in terms:
         if isinstance(term, Factored):  # its rows that do not count are zeroed before the scaling (large_weights)
             factor = term.right if term.scales_right else term.left
-            peak = torch.where(term.active, factor.detach().abs().amax(-1), 0.0).amax(1)
+            low, high = extreme_entries(factor.detach(), fused=factor.device.type != "cpu")  # max |x|, no copy of |x|
+            peak = torch.where(term.active, torch.maximum(high, low.neg()), 0.0).amax(1)
             keep &= torch.isfinite(factors.to(factor.dtype) * peak)
     return torch.where(keep, factors, 0.0)
 

@@ -15,7 +15,7 @@ from typing import TypeGuard, cast
 import torch
 from torch import nn
 
-from lightning_dp.clipping.rows import INTEGER_OF_WIDTH, active_only, active_rows
+from lightning_dp.clipping.rows import active_only, active_rows, zero_rows_
 
 #: Whether a factor may be overwritten in place: a tensor of the clipper's own (e.g. a captured output gradient),
 #: which nothing reads after the clipped sum; an activation, a parameter or a user's tensor is never writable.
@@ -31,15 +31,15 @@ def scaled(x: torch.Tensor, scale: torch.Tensor, original: torch.Tensor) -> torc
 def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[B, ...]`` with its non-finite entries set to 0: in place when ``writable(x)`` and ``x`` is contiguous
     (no two elements share memory), else in a copy (``nan_to_num``). Only a dropped sample has non-finite entries (they
-    make its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits, and no read of which
-    samples were dropped decides anything.
+    make its norm non-finite, docs/design.md section 9.2), so every other entry keeps its bits, and which samples were
+    dropped decides no value (on the CPU, only how many rows a write touches).
 
     In place with ``squares`` ``[B, T]`` for ``x`` ``[B, T, n]``, the squared row norms a Gram matrix's diagonal gave
-    (:meth:`Factored.note_factor_squares`): the whole rows whose squared norm is not finite are zeroed instead, by a
-    bitwise AND of every entry with all ones or all zeros (one read and one write of ``x``, cheaper than
-    ``nan_to_num_``). Such a row holds every non-finite entry, and only a dropped sample has one (its norm is not
-    finite either), or is a finite row whose other factor's row is 0 (left out of the norm, :attr:`Factored.active`),
-    whose products are 0 either way: the same sum wherever the weight is not 0.
+    (:meth:`Factored.note_factor_squares`): the whole rows whose squared norm is not finite are zeroed instead
+    (:func:`~lightning_dp.clipping.rows.zero_rows_`: on the CPU a write of those rows alone, elsewhere one read and one
+    write of ``x``, cheaper than ``nan_to_num_``). Such a row holds every non-finite entry, and only a dropped sample
+    has one (its norm is not finite either), or is a finite row whose other factor's row is 0 (left out of the norm,
+    :attr:`Factored.active`), whose products are 0 either way: the same sum wherever the weight is not 0.
 
     Raises:
         ValueError: ``squares`` is not ``[B, T]`` for ``x`` ``[B, T, n]``.
@@ -49,10 +49,8 @@ def finite(x: torch.Tensor, writable: Writable, squares: torch.Tensor | None = N
             return x.nan_to_num_(0.0, 0.0, 0.0)
         if x.ndim != 3 or squares.shape != x.shape[:2]:
             raise ValueError(f"squared row norms {tuple(squares.shape)} do not match the rows of {tuple(x.shape)}")
-        bits = x.view(INTEGER_OF_WIDTH[x.element_size()])
-        keep = torch.isfinite(squares).to(bits.dtype).neg_().unsqueeze(-1)  # -1 (all ones) keeps a row, 0 zeroes it
-        bits.bitwise_and_(keep)
-        return x  # the tensor itself, as nan_to_num_ returns it (scaled() tells a copy from the term's own factor)
+        # the tensor itself, as nan_to_num_ returns it (scaled() tells a copy from the term's own factor)
+        return zero_rows_(x, squares.isfinite().logical_not_())
     return torch.nan_to_num(x, 0.0, 0.0, 0.0)
 
 

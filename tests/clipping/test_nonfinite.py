@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dp import DPStrategy
 from lightning_dp.checks.independence import BatchMixingError, check_batch_independence
 from lightning_dp.checks.leave_half_out import check_leave_half_out
-from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, rows
 from lightning_dp.clipping.terms import Factored, finite
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer, DPRandomness
@@ -276,11 +276,18 @@ def test_finite_zeroes_in_place_only_what_is_writable() -> None:
     assert torch.isnan(expanded[0, 0]) and torch.equal(out, torch.tensor([[0.0, 1.0]] * 3))
 
 
+@pytest.mark.parametrize("gathering", [True, False], ids=["cpu-write", "device-pass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-def test_finite_with_noted_squares_zeroes_the_nonfinite_rows_bit_for_bit(dtype: torch.dtype) -> None:
+def test_finite_with_noted_squares_zeroes_the_nonfinite_rows_bit_for_bit(
+    dtype: torch.dtype, gathering: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``finite`` given the squared row norms a Gram diagonal noted: in place, every row whose squared norm is not
     finite (a non-finite entry, or finite entries whose squares overflow) becomes +0 entirely; every other row keeps
-    its bits (-0, subnormals); the tensor itself is returned. Not writable: ``nan_to_num`` in a copy, as before."""
+    its bits (-0, subnormals); the tensor itself is returned. Not writable: ``nan_to_num`` in a copy, as before. The
+    CPU's write of those rows alone and a GPU's bitwise pass over every entry (run here on the CPU) give the same
+    bits."""
+    if not gathering:
+        monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
     tiny = torch.finfo(dtype).tiny / 4
     x = torch.tensor(
         [[[1.5, -0.0, tiny], [math.nan, 1.0, 2.0]], [[-math.inf, 3.0, 0.0], [-7.0, 1e-3, 0.25]]], dtype=dtype

@@ -12,7 +12,7 @@ import torch
 from clipping_helpers import flush_to_zero
 from torch import nn
 
-from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping import PerSampleClipper, rows
 from lightning_dp.clipping.rows import active_rows, extreme_entries, zero_and_finite_rows
 from lightning_dp.clipping.terms import Factored
 
@@ -63,6 +63,40 @@ def test_padding_rows_whose_squares_overflow_do_not_move_an_example(clipping: st
     torch.testing.assert_close(long, short, rtol=1e-6, atol=0)
 
 
+def _batch_sums(clipping: str, monkeypatch: pytest.MonkeyPatch, gathering: bool) -> list[torch.Tensor]:
+    """The clipped sums of a linear layer used twice on a batch of 3 examples padded to 512 rows of activations 1e19
+    (output gradients 0), example 1 dropped (a NaN output gradient in a row that counts), ``gathering`` rows on the
+    CPU or not (what a GPU runs)."""
+    with monkeypatch.context() as patch:
+        if not gathering:
+            patch.setattr(rows, "GATHERING_DEVICES", frozenset())
+        torch.manual_seed(0)
+        layer = nn.Linear(16, 24)
+        x = torch.full((3, 512, 16), 1e19)
+        x[:, :40] = torch.randn(3, 40, 16)
+        weights = torch.zeros(3, 512, 24)
+        weights[:, :40] = torch.randn(3, 40, 24)
+        weights[1, 3, 5] = float("nan")  # a non-finite output gradient: the clipper's own factor, zeroed in place
+        clipper = PerSampleClipper(layer, clipping=clipping, max_grad_norm=1.0, sum_check_every=None)
+        try:
+            clipper.backward(sum(layer(x) * weights for _ in range(2)).sum((1, 2)))
+        finally:
+            clipper.detach()
+        return [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "mixed", "flat"])
+def test_the_cpus_gathers_and_a_gpus_passes_give_the_same_bits(clipping: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU the rows to read again and the dropped example's rows to zero are gathered (``rows.gathers``); a GPU
+    passes over whole factors instead (run here on the CPU by emptying ``rows.GATHERING_DEVICES``, as
+    bench/op_count.py does). The clipped sums agree bit for bit, the dropped example adding nothing."""
+    gathered = _batch_sums(clipping, monkeypatch, gathering=True)
+    passed = _batch_sums(clipping, monkeypatch, gathering=False)
+    assert all(bool(g.isfinite().all()) and bool(g.ne(0).any()) for g in gathered)
+    for a, b in zip(gathered, passed, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
 def _seeded(device: torch.device) -> torch.Generator:
     return torch.Generator(device).manual_seed(0)
 
@@ -110,7 +144,9 @@ def test_a_row_zero_in_one_factor_and_not_finite_in_the_other_counts() -> None:
 
 
 @pytest.mark.parametrize("ftz", [False, True])
-def test_zero_and_finite_rows_reads_again_the_rows_whose_norm_underflowed_or_overflowed(ftz: bool) -> None:
+def test_zero_and_finite_rows_reads_again_the_rows_whose_norm_underflowed_or_overflowed(
+    ftz: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows of 1e-30 (square 0) are not 0, rows of 2e19 (square inf) are finite; zeros of either sign are 0, a NaN row
     neither 0 nor finite. The CPU gathers those rows, and tells 0 by the bits: a subnormal row (1e-39) is not 0 under
     flush-to-zero either, which reads it as 0 on this thread only (found in review). The pass a GPU makes over the
@@ -133,6 +169,9 @@ def test_zero_and_finite_rows_reads_again_the_rows_whose_norm_underflowed_or_ove
     low, high = extreme_entries(x, fused=True)  # what a GPU reads: the whole factor, in one pass
     assert torch.equal(low.eq(0) & high.eq(0), zero)
     assert torch.equal(low.isfinite() & high.isfinite(), finite)
+    if not ftz:  # the GPU's path, run on the CPU (whose flush-to-zero does not reach a GPU)
+        monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
+        assert [t.tolist() for t in zero_and_finite_rows(x, squares)] == [zero.tolist(), finite.tolist()]
     cpu = torch.stack(extreme_entries(x))
     torch.testing.assert_close(cpu, torch.stack([low, high]), rtol=0, atol=0, equal_nan=True)
 
