@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from zoo import ENTRIES, HF_ENTRIES, LAYER_ENTRIES, B, ZooEntry
 
 from lightning_dp.checks.attach_probe import probe_at_attach
-from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, auto_engine
+from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError, auto_engine, rows
 from lightning_dp.clipping.layers.fallback import is_parameter_wrapper
 from lightning_dp.clipping.recomputation import recomputing
 
@@ -204,16 +204,19 @@ def lora_model(entry: ZooEntry, model: nn.Module) -> nn.Module:
     return peft.get_peft_model(model, config)
 
 
-def prepare(entry: ZooEntry, lora: bool = False, seed: int = 3) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The entry's model (float64, random parameters, LoRA-wrapped when asked, train or eval mode) and batch."""
+def prepare(
+    entry: ZooEntry, lora: bool = False, seed: int = 3, device: str = "cpu"
+) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The entry's model (float64, random parameters drawn on the CPU, LoRA-wrapped when asked, train or eval mode) and
+    batch, on ``device``."""
     model = entry.build()
     _randomise(model.double(), seed, scale=0.3)
     if lora:
         model = lora_model(entry, model).double()
         _randomise(model, seed + 1, scale=0.3, trainable_only=True)
     model.train(not entry.eval_mode)
-    batch = {k: v.double() if v.is_floating_point() else v for k, v in entry.batch(B).items()}
-    return model, batch
+    batch = {k: (v.double() if v.is_floating_point() else v).to(device) for k, v in entry.batch(B).items()}
+    return model.to(device), batch
 
 
 @contextmanager
@@ -273,13 +276,16 @@ def check_entry(
     lora: bool = False,
     checkpointing: bool = False,
     autocast: torch.dtype | None = None,
+    device: str = "cpu",
 ) -> Outcome:
-    """Run the oracle comparison (``check_against_oracle``) of one entry; the outcome, never raising. With
-    ``checkpointing``, under HF's non-reentrant activation checkpointing (``activation_checkpointing_enable``), the
-    oracle taken without it; "mismatch" when no recomputation ran. With ``autocast``, a float32 model and oracle and
-    the clipper's forward under CPU autocast to that dtype (:func:`check_under_autocast`)."""
+    """Run the oracle comparison (``check_against_oracle``) of one entry on ``device`` (model, batch and oracle); the
+    outcome, never raising. With ``checkpointing``, under HF's non-reentrant activation checkpointing
+    (``activation_checkpointing_enable``), the oracle taken without it; "mismatch" when no recomputation ran. With
+    ``autocast`` (on the CPU), a float32 model and oracle and the clipper's forward under CPU autocast to that dtype
+    (:func:`check_under_autocast`)."""
+    assert autocast is None or device == "cpu", "autocast is checked on the CPU"
     start = time.perf_counter()
-    model, batch = prepare(entry, lora)
+    model, batch = prepare(entry, lora, device=device)
     if autocast is not None:
         model.float()
         batch = {k: v.float() if v.is_floating_point() else v for k, v in batch.items()}
@@ -350,6 +356,7 @@ LORA_NAMES = [entry.name for entry in HF_ENTRIES if entry.lora_targets]
 #: the default run checks every architecture under clipping="auto"; these also under ghost and flat (the others:
 #: slow), chosen to cover the layer families and the models served by the exact fallback.
 QUICK_ENGINES = ("bert", "gpt2", "llama", "falcon", "gemma3-text", "t5", "vit", "convnext")
+SLOW = pytest.mark.slow
 #: LoRA in the default run: under "auto" (all three clippings for llama and mixtral, LoRA on its experts' fused
 #: weights); the others are slow.
 QUICK_LORA = ("llama", "t5", "mixtral", "deberta-v2", "swin")
@@ -382,6 +389,24 @@ def test_layer_model_matches_oracle_or_is_refused_as_expected(name: str, clippin
 @pytest.mark.parametrize(("name", "clipping"), _cases(HF_NAMES, lambda n, c: c == "auto" or n in QUICK_ENGINES))
 def test_hf_model_matches_oracle_or_is_refused_as_expected(name: str, clipping: str) -> None:
     _assert_expected(check_entry(ENTRIES[name], clipping), expected_outcome(EXPECTED, name, clipping))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK_ENGINES else SLOW) for n in HF_NAMES])
+def test_hf_model_on_a_gpus_paths_matches_oracle_or_is_refused_as_expected(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a GPU's path differs from the CPU's (it reads whole factors where the CPU gathers the few rows a pass
+    needs, ``lightning_dp.clipping.rows.GATHERING_DEVICES``), that path, run on the CPU, gives the table's outcome under
+    "auto"."""
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
+    _assert_expected(check_entry(ENTRIES[name], "auto"), expected_outcome(EXPECTED, name, "auto"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", HF_NAMES)
+def test_hf_model_on_cuda_matches_oracle_or_is_refused_as_expected(name: str) -> None:
+    """On a GPU (model, batch and oracle in float64 on it), every architecture gives the table's outcome, "auto"."""
+    _assert_expected(check_entry(ENTRIES[name], "auto", device="cuda"), expected_outcome(EXPECTED, name, "auto"))
 
 
 @pytest.mark.parametrize(
