@@ -67,7 +67,19 @@ def in_library(stack: Stack) -> bool:
     return bool(outside_torch) and outside_torch[-1].filename.startswith(LIBRARY)
 
 
+def gathering_on_the_cpu() -> bool:
+    """Whether the library takes its CPU paths on the CPU (``lightning_dp.clipping.rows.GATHERING_DEVICES`` holds
+    ``"cpu"``; a library from before that switch always does): not while a caller has emptied it to take a GPU's."""
+    try:
+        from lightning_dp.clipping import rows
+    except ImportError:
+        return True
+    return "cpu" in getattr(rows, "GATHERING_DEVICES", {"cpu"})
+
+
 def cpu_only(stack: Stack) -> bool:
-    """Whether a call with ``stack`` is made on the CPU only (:data:`CPU_ONLY`): a GPU takes another path there, which
-    the CUDA tests run under ``torch.cuda.set_sync_debug_mode("error")``."""
-    return any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack)
+    """Whether a call with ``stack`` is made on the CPU only (:data:`CPU_ONLY`) while the library takes its CPU paths
+    (:func:`gathering_on_the_cpu`): a GPU takes another path there, which the CUDA tests run under
+    ``torch.cuda.set_sync_debug_mode("error")``, and which runs on the CPU, every read counted, once those paths are
+    switched off."""
+    return gathering_on_the_cpu() and any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack)

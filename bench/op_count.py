@@ -6,13 +6,14 @@ over ``--steps`` steps, between the trainer's step-begin and step-end callbacks 
 optimizer update and the trainer's own loop):
 
 - ``ops``: every ATen operator call the dispatcher sees (a ``TorchDispatchMode``: kernels, views and copies alike;
-  autograd's backward included), the launches a GPU step would make: where the library's CPU path differs from a
-  GPU's (it gathers the few rows a pass needs, ``lightning_dp.clipping.rows.GATHERING_DEVICES``), the GPU's is taken;
+  autograd's backward included), the launches a GPU step would make: where the library gathers on the CPU the few
+  rows a pass needs and a GPU passes over the whole factor (``lightning_dp.clipping.rows.GATHERING_DEVICES``), the
+  GPU's path is taken (the few other CPU branches, unfused reductions and noise drawn in pieces, stay the CPU's);
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
   ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing, ...; a
   ``TorchFunctionMode`` asking bench/host_reads.py, which tests/engine/test_host_syncs.py shares), each a device sync
-  on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``. A read the library makes on the CPU only
-  (``host_reads.CPU_ONLY``) is not counted, nor made: the GPU's path is taken.
+  on a GPU; ``library_syncs`` those whose caller is in ``lightning_dp/``. The CPU's gathers
+  (``host_reads.CPU_ONLY``) are not made: the GPU's path is taken, and every read it makes is counted.
 
 Models: ``lightning``, ``DPStrategy`` on an MLP (``--blocks`` blocks ``Linear(d, d) -> LayerNorm -> tanh``, ``d =
 --dim``, then ``Linear(d, 1)``; squared error, SGD, batch ``--batch-size``); ``hf``, ``DPTrainer`` on a GPT-2 of
@@ -193,9 +194,8 @@ def _hf(args: argparse.Namespace, private: bool, window: Window) -> None:
 
 
 def as_on_a_gpu() -> None:
-    """Make the library take, on the CPU, the paths a GPU takes where the two differ: a pass over a whole factor where
-    the CPU gathers the few rows it needs (``lightning_dp.clipping.rows.GATHERING_DEVICES`` emptied; a library from
-    before that switch has no such paths)."""
+    """Make the library take, on the CPU, a GPU's pass over a whole factor where the CPU gathers the few rows it needs
+    (``lightning_dp.clipping.rows.GATHERING_DEVICES`` emptied; a library from before that switch has no such paths)."""
     try:
         from lightning_dp.clipping import rows
     except ImportError:

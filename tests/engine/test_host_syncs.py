@@ -12,6 +12,8 @@ not read is never released as a number, and the next read raises. A CUDA case ru
 from __future__ import annotations
 
 import math
+import traceback
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -19,12 +21,12 @@ import torch
 from helpers import TinyRegressor, make_trainer
 from hf_helpers import TokenDataset, tiny_gpt2, training_args
 from hf_helpers import make_trainer as make_hf_trainer
-from sync_helpers import SyncRecorder
+from sync_helpers import SyncRecorder, host_reads
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from lightning_dp import DPStrategy
-from lightning_dp.clipping import PerSampleClipper
+from lightning_dp.clipping import PerSampleClipper, rows
 from lightning_dp.mechanisms import make_mechanism
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.runtime.randomness import DPRandomness
@@ -103,6 +105,26 @@ def test_lightning_step_makes_no_library_sync(options) -> None:
     plain = _lightning_syncs("auto")
     assert not private.library_calls(), private.report()
     assert len(private.calls) <= len(plain.calls), private.report()
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "flat"])
+def test_a_gpus_paths_make_no_library_sync(clipping: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The paths a GPU takes where the CPU gathers rows (``rows.GATHERING_DEVICES`` emptied, run on the CPU) read
+    nothing on the host either, every read counted (the CPU's own gathers are exempt only while they run)."""
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
+    private = _lightning_syncs(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, clipping=clipping))
+    assert not private.library_calls(), private.report()
+    hf = _hf_syncs(tmp_path, private=True)
+    assert not hf.library_calls(), hf.report()
+
+
+def test_the_cpus_gathers_are_exempt_only_while_they_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gather in ``rows.zero_rows_`` is counted once the GPU's paths are taken (the exemption would otherwise hide a
+    read added to them)."""
+    stack = [traceback.FrameSummary(str(Path(rows.__file__)), 1, "zero_rows_")]
+    assert host_reads.cpu_only(stack)
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
+    assert not host_reads.cpu_only(stack)
 
 
 def test_lightning_accumulation_makes_no_library_sync() -> None:
