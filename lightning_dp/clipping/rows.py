@@ -15,8 +15,9 @@ import torch
 #: The integer dtype of each floating-point width, to read a float tensor's bits.
 INTEGER_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-#: The device types on which a pass that only a few rows need reads or writes those rows alone, gathered by a boolean
-#: mask; the mask sizes the gather on the host, a synchronisation on a GPU, which passes over the whole tensor instead.
+#: The device types on which a pass that only a few rows need reads or writes those rows alone, picked by a boolean
+#: mask or its indices, which size the gather on the host: a synchronisation on a GPU, which passes over the whole
+#: tensor instead.
 #: bench/op_count.py empties it to count, on the CPU, the operators a GPU step dispatches.
 GATHERING_DEVICES: frozenset[str] = frozenset({"cpu"})
 
