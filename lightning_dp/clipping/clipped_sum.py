@@ -79,7 +79,7 @@ def without_overflow(factors: torch.Tensor, terms: list[Term]) -> torch.Tensor:
     for term in terms:
         if isinstance(term, Factored):  # its rows that do not count are zeroed before the scaling (large_weights)
             factor = term.right if term.scales_right else term.left
-            low, high = extreme_entries(factor.detach(), fused=factor.device.type != "cpu")  # max |x|, no copy of |x|
+            low, high = extreme_entries(factor.detach())  # max |x| = max(high, -low), without a copy of |x|
             peak = torch.where(term.active, torch.maximum(high, low.neg()), 0.0).amax(1)
             keep &= torch.isfinite(factors.to(factor.dtype) * peak)
     return torch.where(keep, factors, 0.0)

@@ -50,9 +50,12 @@ def zero_and_finite_rows(x: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Te
     return zero, finite
 
 
-def extreme_entries(x: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def extreme_entries(x: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(low, high)``, ``[*x.shape[:-1]]`` each: the smallest and largest entry of each row of ``x`` (NaN where the row
-    has one): with ``fused``, one ``torch.aminmax`` pass (on a GPU), else two reductions (faster on the CPU)."""
+    has one): with ``fused``, one ``torch.aminmax`` pass, else two reductions; by default fused off the CPU (on the CPU
+    the two reductions are faster)."""
+    if fused is None:
+        fused = x.device.type != "cpu"
     if fused:
         low, high = torch.aminmax(x, dim=-1)
         return low, high
