@@ -74,8 +74,9 @@ def markdown(record: dict[str, Any]) -> str:
     args, env = record["args"], record["environment"]
     timed_by = "cpu" if args["device"] == "cpu" else "wall"
     size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
+    kernels = f", {env['cpu_capability']} kernels" if args["device"] == "cpu" and env.get("cpu_capability") else ""
     lines = [
-        f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}, torch {env['torch']}, "
+        f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}{kernels}, torch {env['torch']}, "
         f"{plural(args['threads'], 'intra-op thread')}, "
         f"load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
         f"ratios of {timed_by} time)",

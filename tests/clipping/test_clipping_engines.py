@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lightning_dp.clipping import ENGINES, make_clipping_engine
+from lightning_dp.clipping import rows as clipping_rows
 from lightning_dp.clipping.engines.base import materialised_contribution
-from lightning_dp.clipping.engines.ghost import MERGE_ROWS, PANEL_ROWS, gram_squared_norm, self_product
+from lightning_dp.clipping.engines.ghost import LONG_ROWS, MERGE_ROWS, gram_squared_norm, self_product
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
 from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum, product_scales
 
@@ -115,10 +116,16 @@ def test_batch_sum_of_several_uses_adds_into_the_first_and_writes_no_term() -> N
     assert batch_sum([ids, wide]).dtype == torch.float64
 
 
-@pytest.mark.parametrize("rows", [PANEL_ROWS - 1, PANEL_ROWS, PANEL_ROWS + 1, 2 * PANEL_ROWS + 3])
-def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> None:
-    """A long use's ``<L L^T, R R^T>`` from two panels per Gram matrix is the full product's (float64), and the
-    squared norm of the materialised per-sample gradient."""
+@pytest.mark.parametrize("cpu_paths", [True, False], ids=["blas-triangle", "bmm-panels"])
+@pytest.mark.parametrize("rows", [LONG_ROWS - 1, LONG_ROWS, LONG_ROWS + 1, 2 * LONG_ROWS + 3])
+def test_self_product_of_a_long_use_equals_the_full_gram_product(
+    rows: int, cpu_paths: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long use's ``<L L^T, R R^T>`` from one triangle per Gram matrix (the CPU's BLAS) or from two panels (a GPU's
+    path, taken here by emptying ``rows.CPU_PATH_DEVICES``) is the full product's (float64), and the squared norm of
+    the materialised per-sample gradient; the diagonals are the factors' squared row norms."""
+    if not cpu_paths:
+        monkeypatch.setattr(clipping_rows, "CPU_PATH_DEVICES", frozenset())
     gen = torch.Generator().manual_seed(4)
     term = Factored(
         torch.randn(3, rows, 7, generator=gen, dtype=torch.float64),
@@ -148,10 +155,10 @@ def _ids_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
 @pytest.mark.parametrize(
     "uses",
     [
-        [("dense", PANEL_ROWS + 3)],  # two panels
+        [("dense", LONG_ROWS + 3)],  # two panels
         [("dense", 5)],
         [("ids", 7)],
-        [("dense", 4), ("dense", 6), ("ids", 3), ("ids", 5), ("dense", PANEL_ROWS)],  # merged groups of each kind
+        [("dense", 4), ("dense", 6), ("ids", 3), ("ids", 5), ("dense", LONG_ROWS)],  # merged groups of each kind
         [("dense", MERGE_ROWS - 2), ("dense", 3)],  # the second use starts a group of its own
     ],
 )

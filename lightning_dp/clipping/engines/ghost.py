@@ -13,6 +13,7 @@ import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
 from lightning_dp.clipping.rows import active_products, active_rows
+from lightning_dp.clipping.symmetric_gram import has_triangle_gram, triangle_gram
 from lightning_dp.clipping.terms import Factored, Term, all_factored
 
 
@@ -57,8 +58,9 @@ def concatenated(group: Sequence[Factored]) -> Factored:
     return Factored(torch.cat([t.left for t in group], 1), torch.cat([t.right for t in group], 1), group[0].shape)
 
 
-#: A dense use of at least this many rows gets its Gram product from two panels (:func:`self_product`).
-PANEL_ROWS = 128
+#: A dense use of at least this many rows gets each Gram matrix from about half the multiply-adds of a full product
+#: (:func:`self_product`).
+LONG_ROWS = 128
 
 
 def _diagonals(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -77,17 +79,24 @@ def _active(u: Factored, rows: slice, diagonals: torch.Tensor) -> torch.Tensor:
 def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``<L L^T, R R^T>`` per sample for one use, ``[B]``, over the rows that count; the diagonals of ``L L^T`` and
     ``R R^T``, ``[2, B, T]`` (the factors' squared row norms, for the rounding scales); and the rows that count,
-    ``[B, T]`` bool (:func:`~lightning_dp.clipping.rows.active_rows`). For a dense use of ``T >= PANEL_ROWS`` rows
-    each symmetric Gram matrix is formed as two blocks, its lower-right block ``[B, T - h, T - h]`` and its first
-    ``h = T // 2`` columns ``[B, T, h]``, and the block below the diagonal, which the panel holds once, is counted
-    twice: 3/4 of the multiply-adds (docs/design.md section 12.6). At most one pair of Gram blocks is held at a time,
-    multiplied in place."""
+    ``[B, T]`` bool (:func:`~lightning_dp.clipping.rows.active_rows`). A dense use of ``T >= LONG_ROWS`` rows forms
+    each symmetric Gram matrix from about half the multiply-adds: on the CPU one triangle (BLAS's symmetric product,
+    :func:`~lightning_dp.clipping.symmetric_gram.triangle_gram`), the entries off the diagonal counted twice; elsewhere
+    two blocks, its lower-right block ``[B, T - h, T - h]`` and its first ``h = T // 2`` columns ``[B, T, h]``, the
+    block below the diagonal, which the panel holds once, counted twice: 3/4 of the multiply-adds (docs/design.md
+    section 12.6). At most one pair of Gram blocks is held at a time, multiplied in place."""
     rows = u.right.shape[1]
-    if u.is_index or rows < PANEL_ROWS:
+    if u.is_index or rows < LONG_ROWS:
         left, right = left_gram(u, u), torch.bmm(u.right, u.right.transpose(1, 2))
         diagonals = _diagonals(left, right)
         active = _active(u, slice(None), diagonals)
         return active_products(left.mul_(right), active, active).sum((1, 2)), diagonals, active
+    if has_triangle_gram(u.left) and has_triangle_gram(u.right):
+        left, right = triangle_gram(u.left), triangle_gram(u.right)
+        diagonals = _diagonals(left, right)
+        active = _active(u, slice(None), diagonals)
+        triangle = active_products(left.mul_(right), active, active)
+        return 2.0 * triangle.sum((1, 2)) - triangle.diagonal(dim1=1, dim2=2).sum(1), diagonals, active
     h = rows // 2
     low_left, low_right = u.left[:, h:], u.right[:, h:]  # first: its diagonal holds the active rows from h on
     left, right = torch.bmm(low_left, low_left.transpose(1, 2)), torch.bmm(low_right, low_right.transpose(1, 2))
