@@ -32,6 +32,7 @@ the ``op_count`` markers; ``--render`` only re-renders.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +41,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,27 +196,33 @@ def _hf(args: argparse.Namespace, private: bool, window: Window) -> None:
             transformers.Trainer(**options).train()
 
 
-def as_on_a_gpu() -> None:
-    """Make the library take, on the CPU, a GPU's paths where the CPU has its own: a pass over a whole factor where the
-    CPU gathers the few rows it needs, two ``bmm`` panels where it forms a Gram matrix's triangle with BLAS
-    (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier ``GATHERING_DEVICES``, emptied; a library from before
-    that switch has no such paths)."""
+@contextlib.contextmanager
+def on_a_gpus_paths() -> Iterator[None]:
+    """Make the library take, on the CPU, a GPU's paths where the CPU has its own, until the block ends: a pass over a
+    whole factor where the CPU gathers the few rows it needs, two ``bmm`` panels where it forms a Gram matrix's
+    triangle with BLAS (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier ``GATHERING_DEVICES``, emptied; a
+    library from before that switch has no such paths)."""
     try:
         from lightning_dp.clipping import rows
     except ImportError:
+        yield
         return
-    for name in host_reads.DEVICE_SWITCHES:
-        if hasattr(rows, name):
+    kept = {name: getattr(rows, name) for name in host_reads.DEVICE_SWITCHES if hasattr(rows, name)}
+    try:
+        for name in kept:
             setattr(rows, name, frozenset())
+        yield
+    finally:
+        for name, devices in kept.items():
+            setattr(rows, name, devices)
 
 
 def count(args: argparse.Namespace, adapter: str, private: bool) -> dict[str, Any]:
     """Per-step ``ops`` (with the 12 most frequent operators), ``syncs`` and ``library_syncs`` of one run, on the paths
-    a GPU takes (:func:`as_on_a_gpu`)."""
-    as_on_a_gpu()
+    a GPU takes (:func:`on_a_gpus_paths`)."""
     counters = (Counter(), Reads())
     window = Window(counters, args.warmup)
-    with counters[0], counters[1]:
+    with on_a_gpus_paths(), counters[0], counters[1]:
         (_lightning if adapter == "lightning" else _hf)(args, private, window)
     ops = counters[0].ops
     top = sorted(ops.items(), key=lambda item: -item[1])[:12]

@@ -8,11 +8,13 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning_dp
 from lightning_dp.runtime.environment import run_environment
 
 
@@ -107,10 +109,25 @@ def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
     parser.add_argument("--render", action="store_true", help="only re-render the docs from the records")
 
 
+def library_commit() -> str | None:
+    """The commit of the library that a run measures: the short hash of the checkout that ``lightning_dp`` is imported
+    from, with ``+`` where its ``lightning_dp/`` has changes not committed; None outside a git checkout."""
+    root = Path(lightning_dp.__file__).resolve().parent.parent
+    try:
+        head, changes = (
+            subprocess.run(["git", "-C", str(root), *command], capture_output=True, text=True, check=True).stdout
+            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "--", "lightning_dp"])
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.strip() + ("+" if changes.strip() else "")
+
+
 def environment(device: str) -> dict[str, Any]:
     """What the numbers depend on (:func:`lightning_dp.runtime.environment.run_environment`: versions, threads, CPU
-    kernels, the device's name) and the load average before the run (the caller adds ``load_after``)."""
-    return {**run_environment(device), "load_before": os.getloadavg()[0]}
+    kernels, the device's name; the library's commit, :func:`library_commit`) and the load average before the run
+    (the caller adds ``load_after``)."""
+    return {**run_environment(device), "commit": library_commit(), "load_before": os.getloadavg()[0]}
 
 
 def reproducing_argv(argv: list[str], drop: tuple[str, ...] = ()) -> list[str]:

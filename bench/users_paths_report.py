@@ -75,10 +75,11 @@ def markdown(record: dict[str, Any]) -> str:
     timed_by = "cpu" if args["device"] == "cpu" else "wall"
     size = f", T={args['seq_len']}" if args["model"] == "gpt2" else ""
     kernels = f", {env['cpu_capability']} kernels" if args["device"] == "cpu" and env.get("cpu_capability") else ""
+    commit = f", at {env['commit']}" if env.get("commit") else ""
     lines = [
         f"**{args['model']}{size}, B={args['batch_size']}** ({env['device_name']}{kernels}, torch {env['torch']}, "
         f"{plural(args['threads'], 'intra-op thread')}, "
-        f"load average {env['load_before']:.2f} before / {env['load_after']:.2f} after; "
+        f"load average {env['load_before']:.2f} before / {env['load_after']:.2f} after{commit}; "
         f"ratios of {timed_by} time)",
         "",
         "```bash",

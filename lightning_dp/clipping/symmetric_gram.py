@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from scipy.linalg import blas
 from threadpoolctl import ThreadpoolController
@@ -25,7 +26,7 @@ def has_triangle_gram(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _blas_threads() -> ThreadpoolController:
+def _blas_controller() -> ThreadpoolController:
     """The BLAS libraries loaded (scipy's among them), found once."""
     return ThreadpoolController()
 
@@ -42,12 +43,16 @@ def triangle_gram(x: torch.Tensor) -> torch.Tensor:
     if syrk is None:
         raise TypeError(f"triangle_gram takes float32 or float64, not {x.dtype}")
     rows = x.detach().resolve_neg().contiguous()
-    out = torch.zeros(x.shape[0], x.shape[1], x.shape[1], dtype=x.dtype)
-    threads = _blas_threads().limit(limits=torch.get_num_threads(), user_api="blas")
+    out = x.new_zeros(x.shape[0], x.shape[1], x.shape[1])
     # named for torch's profiler, which sees no operator in BLAS's work
-    with torch.profiler.record_function("lightning_dp::triangle_gram"), threads:
+    with (
+        torch.profiler.record_function("lightning_dp::triangle_gram"),
+        _blas_controller().limit(limits=torch.get_num_threads(), user_api="blas"),
+    ):
         for sample, gram in zip(rows.numpy(), out.numpy(), strict=True):
             # column-major views: sample.T is [n, T], so trans=1 forms sample sample^T; syrk's upper triangle of
             # gram.T is the lower triangle of gram, written in place (beta = 0 reads nothing of it)
-            syrk(1.0, sample.T, trans=1, c=gram.T, overwrite_c=1)
+            result = syrk(1.0, sample.T, trans=1, c=gram.T, overwrite_c=1)
+            if not np.shares_memory(result, gram):  # scipy copied c: its copy holds the triangle
+                gram.T[...] = result
     return out

@@ -649,11 +649,11 @@ def _long_use_params() -> Iterator[object]:
             yield pytest.param(*param.values, id=f"{param.id}-long")
 
 
-@pytest.mark.parametrize("cpu_paths", [True, False], ids=["blas-triangle", "bmm-panels"])
+@pytest.mark.parametrize("path", ["triangle", "panels"])
 @pytest.mark.parametrize(ARGS, list(_long_use_params()))
 def test_crafted_example_with_long_uses(
     monkeypatch: pytest.MonkeyPatch,
-    cpu_paths: bool,
+    path: str,
     case_name: str,
     engine: str,
     dtype_name: str,
@@ -661,9 +661,11 @@ def test_crafted_example_with_long_uses(
     kind: Kind,
 ):
     """The same bound with every dense use of two rows or more treated as long (``ghost.self_product``, which in use
-    starts at 128 rows, more than these tensors have): each Gram matrix from one triangle with the CPU's BLAS, or from
+    starts at 128 rows, more than these tensors have): each Gram matrix as one triangle from the CPU's BLAS, or from
     the two panels a GPU forms (taken here by emptying ``rows.CPU_PATH_DEVICES``)."""
     monkeypatch.setattr(ghost, "LONG_ROWS", 2)
-    if not cpu_paths:
+    if path == "triangle":
+        monkeypatch.setattr(ghost, "TRIANGLE_ROWS", 2)
+    else:
         monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
     _check(case_name, engine, dtype_name, train, kind)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from threadpoolctl import ThreadpoolController
@@ -37,25 +38,50 @@ def test_triangle_gram_takes_grad_requiring_tensors() -> None:
     torch.testing.assert_close(triangle_gram(x), (x @ x.transpose(1, 2)).detach().tril())
 
 
-def test_triangle_gram_uses_as_many_blas_threads_as_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BLAS runs with torch's intra-op threads, and its setting is restored after."""
+def _blas_threads() -> set[int]:
+    return {lib["num_threads"] for lib in ThreadpoolController().info() if lib["user_api"] == "blas"}
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_triangle_gram_uses_as_many_blas_threads_as_torch(raises: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BLAS runs with torch's intra-op threads, whatever it was set to, and gets its setting back after, also when
+    BLAS raises."""
     seen: list[set[int]] = []
     syrk = symmetric_gram._SYRK[torch.float32]
 
     def spying(*args: object, **kwargs: object) -> object:
-        seen.append({lib["num_threads"] for lib in ThreadpoolController().info() if lib["user_api"] == "blas"})
+        seen.append(_blas_threads())
+        if raises:
+            raise RuntimeError("BLAS failed")
         return syrk(*args, **kwargs)
 
     monkeypatch.setitem(symmetric_gram._SYRK, torch.float32, spying)
-    before = [lib["num_threads"] for lib in ThreadpoolController().info()]
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        triangle_gram(torch.randn(2, 4, 6))
-    finally:
-        torch.set_num_threads(threads)
-    assert seen == [{1}, {1}]
-    assert [lib["num_threads"] for lib in ThreadpoolController().info()] == before
+    with ThreadpoolController().limit(limits=3, user_api="blas"):
+        try:
+            torch.set_num_threads(1)
+            if raises:
+                with pytest.raises(RuntimeError, match="BLAS failed"):
+                    triangle_gram(torch.randn(2, 4, 6))
+            else:
+                triangle_gram(torch.randn(2, 4, 6))
+        finally:
+            torch.set_num_threads(threads)
+        assert _blas_threads() == {3}
+    assert seen == ([{1}] if raises else [{1}, {1}])
+
+
+def test_triangle_gram_takes_blas_copy_of_its_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where scipy hands BLAS a copy of the output (its ``c`` not usable in place), the copy's triangle is taken, not
+    the zeros it was given."""
+    syrk = symmetric_gram._SYRK[torch.float32]
+
+    def copying(alpha: float, a: np.ndarray, trans: int, c: np.ndarray, overwrite_c: int) -> np.ndarray:
+        return syrk(alpha, a, trans=trans, c=c.copy(order="F"), overwrite_c=1)
+
+    monkeypatch.setitem(symmetric_gram._SYRK, torch.float32, copying)
+    x = torch.randn(2, 5, 7)
+    torch.testing.assert_close(triangle_gram(x), (x @ x.transpose(1, 2)).tril())
 
 
 def test_which_tensors_take_the_triangle(monkeypatch: pytest.MonkeyPatch) -> None:
