@@ -35,10 +35,9 @@ DATA_DEPENDENT = {
 }
 
 #: ``(file name, function)`` of the library's calls that a GPU does not make (``lightning_dp.clipping.rows.
-#: takes_cpu_paths``): on the CPU only, ``zero_and_finite_rows`` gathers the rows to read, ``zero_rows_`` writes the
-#: rows to zero, and ``triangle_gram`` hands a factor to BLAS as a host array; on a device each passes over the whole
-#: factor, or forms the Gram matrix from two ``bmm`` panels.
-CPU_ONLY = {("rows.py", "zero_and_finite_rows"), ("rows.py", "zero_rows_"), ("symmetric_gram.py", "triangle_gram")}
+#: takes_cpu_paths``): on the CPU only, ``zero_and_finite_rows`` gathers the rows to read, and ``zero_rows_`` writes
+#: the rows to zero; on a device each passes over the whole factor.
+CPU_ONLY = {("rows.py", "zero_and_finite_rows"), ("rows.py", "zero_rows_")}
 
 #: The names, in ``lightning_dp.clipping.rows``, of the device types on which the library takes its CPU paths (the
 #: current name first; the earlier one for commits before the rename, which benches compare against).

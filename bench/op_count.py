@@ -7,9 +7,8 @@ optimizer update and the trainer's own loop):
 
 - ``ops``: every ATen operator call the dispatcher sees (a ``TorchDispatchMode``: kernels, views and copies alike;
   autograd's backward included), the launches a GPU step would make: where the library gathers on the CPU the few
-  rows a pass needs and a GPU passes over the whole factor, and where it forms a long use's Gram triangle with BLAS
-  and a GPU from two ``bmm`` panels (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``), the GPU's path is taken (the
-  few other CPU branches, unfused reductions and noise drawn in pieces, stay the CPU's);
+  rows a pass needs and a GPU passes over the whole factor (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``), the
+  GPU's path is taken (the few other CPU branches, unfused reductions and noise drawn in pieces, stay the CPU's);
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
   ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing, ...; a
   ``TorchFunctionMode`` asking bench/host_reads.py, which tests/engine/test_host_syncs.py shares), each a device sync
@@ -199,9 +198,8 @@ def _hf(args: argparse.Namespace, private: bool, window: Window) -> None:
 @contextlib.contextmanager
 def on_a_gpus_paths() -> Iterator[None]:
     """Make the library take, on the CPU, a GPU's paths where the CPU has its own, until the block ends: a pass over a
-    whole factor where the CPU gathers the few rows it needs, two ``bmm`` panels where it forms a Gram matrix's
-    triangle with BLAS (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier ``GATHERING_DEVICES``, emptied; a
-    library from before that switch has no such paths)."""
+    whole factor where the CPU gathers the few rows it needs (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier
+    ``GATHERING_DEVICES``, emptied; a library from before that switch has no such paths)."""
     try:
         from lightning_dp.clipping import rows
     except ImportError:

@@ -17,8 +17,7 @@ INTEGER_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 #: The device types on which the library takes its CPU paths: a pass that only a few rows need reads or writes those
 #: rows alone, picked by a boolean mask or its indices, which size the gather on the host (a synchronisation on a GPU,
-#: which passes over the whole tensor instead); and a long use's Gram matrix comes from BLAS's symmetric product on a
-#: host array (:mod:`lightning_dp.clipping.symmetric_gram`; two ``bmm`` panels elsewhere).
+#: which passes over the whole tensor instead).
 #: bench/op_count.py empties it to count, on the CPU, the operators a GPU step dispatches.
 CPU_PATH_DEVICES: frozenset[str] = frozenset({"cpu"})
 

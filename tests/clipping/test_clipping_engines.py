@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from lightning_dp.clipping import ENGINES, make_clipping_engine
-from lightning_dp.clipping import rows as clipping_rows
-from lightning_dp.clipping.engines import ghost
 from lightning_dp.clipping.engines.base import materialised_contribution
-from lightning_dp.clipping.engines.ghost import LONG_ROWS, MERGE_ROWS, gram_squared_norm, self_product
+from lightning_dp.clipping.engines.ghost import MERGE_ROWS, PANEL_ROWS, gram_squared_norm, self_product
 from lightning_dp.clipping.engines.mixed import chunked_squared_norm, ghost_cost, materialise_cost
 from lightning_dp.clipping.terms import Factored, Materialised, batch_sum, materialise_sum, product_scales
 
@@ -117,24 +115,10 @@ def test_batch_sum_of_several_uses_adds_into_the_first_and_writes_no_term() -> N
     assert batch_sum([ids, wide]).dtype == torch.float64
 
 
-def _long_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Take ``path`` for every long use: ``"triangle"`` (the CPU's BLAS, from ``LONG_ROWS`` rows whatever the width)
-    or ``"panels"`` (a GPU's, on the CPU by emptying ``rows.CPU_PATH_DEVICES``)."""
-    if path == "triangle":
-        monkeypatch.setattr(ghost, "TRIANGLE_ROWS", LONG_ROWS)
-    else:
-        monkeypatch.setattr(clipping_rows, "CPU_PATH_DEVICES", frozenset())
-
-
-@pytest.mark.parametrize("path", ["triangle", "panels"])
-@pytest.mark.parametrize("rows", [LONG_ROWS - 1, LONG_ROWS, LONG_ROWS + 1, 2 * LONG_ROWS + 3])
-def test_self_product_of_a_long_use_equals_the_full_gram_product(
-    rows: int, path: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A long use's ``<L L^T, R R^T>`` from one triangle per Gram matrix (the CPU's BLAS) or from two panels (a GPU's
-    path) is the full product's (float64), and the squared norm of the materialised per-sample gradient; the
-    diagonals are the factors' squared row norms."""
-    _long_path(path, monkeypatch)
+@pytest.mark.parametrize("rows", [PANEL_ROWS - 1, PANEL_ROWS, PANEL_ROWS + 1, 2 * PANEL_ROWS + 3])
+def test_self_product_from_panels_equals_the_full_gram_product(rows: int) -> None:
+    """A long use's ``<L L^T, R R^T>`` from two panels per Gram matrix is the full product's (float64), and the
+    squared norm of the materialised per-sample gradient."""
     gen = torch.Generator().manual_seed(4)
     term = Factored(
         torch.randn(3, rows, 7, generator=gen, dtype=torch.float64),
@@ -148,64 +132,6 @@ def test_self_product_of_a_long_use_equals_the_full_gram_product(
     torch.testing.assert_close(product, term.materialise().pow(2).sum((1, 2)), rtol=1e-12, atol=0)
     squares = torch.stack([term.left.square().sum(2), term.right.square().sum(2)])
     torch.testing.assert_close(diagonals, squares, rtol=1e-12, atol=0)
-
-
-@pytest.mark.parametrize("path", ["triangle", "panels"])
-def test_self_product_of_a_padded_float32_use_counts_its_rows_only(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In float32, padding rows (output gradient 0) whose activations' squares overflow add nothing on either long
-    path: the product is the float64 one of the rows that count, which are the unpadded ones."""
-    _long_path(path, monkeypatch)
-    gen = torch.Generator().manual_seed(5)
-    left, right = torch.full((3, 200, 7), 1e19), torch.zeros(3, 200, 5)
-    lengths = (40, 200, 131)
-    for i, length in enumerate(lengths):
-        left[i, :length] = torch.randn(length, 7, generator=gen)
-        right[i, :length] = torch.randn(length, 5, generator=gen)
-    product, _, active = self_product(Factored(left, right, torch.Size((7, 5))))
-    assert active.sum(1).tolist() == list(lengths)
-    expected = [
-        torch.einsum("ti,tj->ij", left[i, :n].double(), right[i, :n].double()).square().sum()
-        for i, n in enumerate(lengths)
-    ]
-    torch.testing.assert_close(product.double(), torch.stack(expected), rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("path", ["triangle", "panels", "short"])
-def test_self_product_does_not_overflow_below_the_largest_float(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row of squared norm 2.5e38 (finite in float32): doubling the triangle's whole sum overflowed, which set
-    this example's clip factor to 0 on that path alone, so that another example's padding decided it (found in
-    review); every path now gives the same finite product."""
-    _long_path(path, monkeypatch)
-    rows = 8 if path == "short" else 2 * LONG_ROWS
-    left, right = torch.zeros(1, rows, 4), torch.zeros(1, rows, 4)
-    left[0, 0, 0] = right[0, 0, 0] = 3.97e9
-    product, _, _ = self_product(Factored(left, right, torch.Size((4, 4))))
-    assert bool(product.isfinite().all())
-    torch.testing.assert_close(product, torch.tensor([3.97e9**4]), rtol=1e-6, atol=0)
-
-
-def test_which_long_uses_take_the_triangle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU's BLAS triangle from ``TRIANGLE_ROWS`` rows, or from ``LONG_ROWS`` rows with a factor of
-    ``TRIANGLE_WIDTH`` columns; never for token ids, other dtypes or off the CPU paths."""
-
-    def use(rows: int, width: int, dtype: torch.dtype = torch.float32) -> Factored:
-        return Factored(
-            torch.zeros(1, rows, 8, dtype=dtype), torch.zeros(1, rows, width, dtype=dtype), torch.Size((8, 1))
-        )
-
-    assert ghost.uses_triangles(use(ghost.TRIANGLE_ROWS, 8))
-    assert ghost.uses_triangles(use(LONG_ROWS, ghost.TRIANGLE_WIDTH))
-    assert not ghost.uses_triangles(use(ghost.TRIANGLE_ROWS - 1, ghost.TRIANGLE_WIDTH - 1))
-    assert not ghost.uses_triangles(use(LONG_ROWS - 1, ghost.TRIANGLE_WIDTH))
-    assert not ghost.uses_triangles(use(ghost.TRIANGLE_ROWS, 8, torch.bfloat16))
-    ids = Factored(
-        torch.zeros(1, ghost.TRIANGLE_ROWS, dtype=torch.long),
-        torch.zeros(1, ghost.TRIANGLE_ROWS, 8),
-        torch.Size((9, 8)),
-    )
-    assert not ghost.uses_triangles(ids)
-    monkeypatch.setattr(clipping_rows, "CPU_PATH_DEVICES", frozenset())
-    assert not ghost.uses_triangles(use(ghost.TRIANGLE_ROWS, ghost.TRIANGLE_WIDTH))
 
 
 def _dense_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
@@ -222,10 +148,10 @@ def _ids_use(gen: torch.Generator, rows: int, dtype: torch.dtype) -> Factored:
 @pytest.mark.parametrize(
     "uses",
     [
-        [("dense", LONG_ROWS + 3)],  # a long use
+        [("dense", PANEL_ROWS + 3)],  # two panels
         [("dense", 5)],
         [("ids", 7)],
-        [("dense", 4), ("dense", 6), ("ids", 3), ("ids", 5), ("dense", LONG_ROWS)],  # merged groups of each kind
+        [("dense", 4), ("dense", 6), ("ids", 3), ("ids", 5), ("dense", PANEL_ROWS)],  # merged groups of each kind
         [("dense", MERGE_ROWS - 2), ("dense", 3)],  # the second use starts a group of its own
     ],
 )

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from lightning_dp import WSConv2d
-from lightning_dp.clipping import PerSampleClipper, rows
+from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.engines import ghost
 from lightning_dp.clipping.layers.positional import SharedPositionAdd, SharedTokenPrepend
 
@@ -641,31 +641,19 @@ def test_crafted_example_full_grid(case_name: str, engine: str, dtype_name: str,
     _check(case_name, engine, dtype_name, train, kind)
 
 
-def _long_use_params() -> Iterator[object]:
+def _panel_params() -> Iterator[object]:
     """The default run's ghost cases of the kinds that cancel or align with a weight row, both dtypes."""
     for param in _params(slow=False):
         _, engine, _, _, kind = param.values
         if engine == "ghost" and kind.label.startswith(("cancel", "row")):
-            yield pytest.param(*param.values, id=f"{param.id}-long")
+            yield pytest.param(*param.values, id=f"{param.id}-panels")
 
 
-@pytest.mark.parametrize("path", ["triangle", "panels"])
-@pytest.mark.parametrize(ARGS, list(_long_use_params()))
-def test_crafted_example_with_long_uses(
-    monkeypatch: pytest.MonkeyPatch,
-    path: str,
-    case_name: str,
-    engine: str,
-    dtype_name: str,
-    train: str,
-    kind: Kind,
+@pytest.mark.parametrize(ARGS, list(_panel_params()))
+def test_crafted_example_with_gram_panels(
+    monkeypatch: pytest.MonkeyPatch, case_name: str, engine: str, dtype_name: str, train: str, kind: Kind
 ):
-    """The same bound with every dense use of two rows or more treated as long (``ghost.self_product``, which in use
-    starts at 128 rows, more than these tensors have): each Gram matrix as one triangle from the CPU's BLAS, or from
-    the two panels a GPU forms (taken here by emptying ``rows.CPU_PATH_DEVICES``)."""
-    monkeypatch.setattr(ghost, "LONG_ROWS", 2)
-    if path == "triangle":
-        monkeypatch.setattr(ghost, "TRIANGLE_ROWS", 2)
-    else:
-        monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+    """The same bound with every dense use of two rows or more pairing with itself through two Gram panels
+    (``ghost.self_product``, which in use starts at 128 rows, more than these tensors have)."""
+    monkeypatch.setattr(ghost, "PANEL_ROWS", 2)
     _check(case_name, engine, dtype_name, train, kind)

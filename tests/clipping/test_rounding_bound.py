@@ -224,7 +224,7 @@ def test_unsharded_half_precision_parameters_are_not_warned_about(dtype, caplog:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(("clipping", "seq"), [("ghost", 64), ("ghost", 130), ("ghost", 260), ("fgc", 1), ("mixed", 4)])
+@pytest.mark.parametrize(("clipping", "seq"), [("ghost", 64), ("ghost", 130), ("fgc", 1), ("mixed", 4)])
 def test_activations_whose_squares_underflow_move_the_release_by_at_most_c(
     clipping: str, seq: int, dtype: torch.dtype
 ) -> None:
@@ -232,8 +232,7 @@ def test_activations_whose_squares_underflow_move_the_release_by_at_most_c(
     gradients are as large as the squares allow: its Gram matrix ``L L^T`` is 0, so its ghost norm and rounding scale
     were 0 and it was added unclipped (27 ``C`` in float32 at ``T = 64``), while its gradient ``L^T R`` is well
     within range. The underflow bound of the Gram-product norms (``underflow.underflow_bound``) keeps it within ``C``;
-    ``T = 130`` runs the Gram panels, ``T = 260`` the CPU's BLAS triangles; ``mixed`` takes the ghost norm at ``T = 4``
-    (a 4 x 64 weight)."""
+    ``T = 130`` runs the Gram panels; ``mixed`` takes the ghost norm at ``T = 4`` (a 4 x 64 weight)."""
     tiny, huge = (2.5e-23, 1.7e19) if dtype == torch.float32 else (1e-162, 1.3e154)
     layer = nn.Linear(64, 4, bias=False).to(dtype)
     x = torch.randn(2, seq, 64, generator=torch.Generator().manual_seed(7), dtype=dtype)

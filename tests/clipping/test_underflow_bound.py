@@ -10,7 +10,7 @@ import torch
 from clipping_helpers import flush_to_zero
 from torch import nn
 
-from lightning_dp.clipping import PerSampleClipper, rows
+from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.terms import Factored
 from lightning_dp.clipping.underflow import row_squares, underflow_bound
 
@@ -32,24 +32,20 @@ def _clipped_norm(clipping: str, rows: int, tiny: float, huge: float, bound: flo
     return float(layer.weight.grad.double().norm())
 
 
-@pytest.mark.parametrize("paths", ["cpu", "gpu"])
 @pytest.mark.parametrize("clipping", ["ghost", "mixed", "fgc", "flat"])
 @pytest.mark.parametrize(
     ("ftz", "tiny", "huge", "bound"),
     [(False, 1e-20, 1e18, 1.0), (True, 1e-19, 1e17, 0.32)],
 )
 def test_an_underflowing_examples_factor_does_not_move_with_the_padded_length(
-    clipping: str, ftz: bool, tiny: float, huge: float, bound: float, paths: str, monkeypatch: pytest.MonkeyPatch
+    clipping: str, ftz: bool, tiny: float, huge: float, bound: float
 ) -> None:
     """An example whose activations' squares underflow and whose output gradients are large, its factor set by the
     underflow bound. Counting all rows, the bound grew with the padding another example forces: padded from 8 to 512
     rows, ``ghost`` moved the example's clipped gradient from 0.046 ``C`` to 0.006 ``C``, and ``mixed``, which takes the
     ghost norm at 8 rows and materialises at 512, from 0.046 ``C`` to ``C``; a crafted copy each, the release moved by
     up to ``C`` per copy. Under flush-to-zero the two paths of ``mixed`` lose different amounts to underflow (4 % of
-    ``C`` per copy before the margin). At 512 rows the CPU forms the Gram triangles with BLAS, a GPU the panels
-    (``paths="gpu"``: ``rows.CPU_PATH_DEVICES`` emptied)."""
-    if paths == "gpu":
-        monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+    ``C`` per copy before the margin)."""
     with flush_to_zero(ftz):
         short = _clipped_norm(clipping, 8, tiny, huge, bound)
         long = _clipped_norm(clipping, 512, tiny, huge, bound)

@@ -13,7 +13,6 @@ import torch
 
 from lightning_dp.clipping.engines.base import ClippingEngine, materialised_contribution, register_engine
 from lightning_dp.clipping.rows import active_products, active_rows
-from lightning_dp.clipping.symmetric_gram import has_triangle_gram, triangle_gram
 from lightning_dp.clipping.terms import Factored, Term, all_factored
 
 
@@ -58,25 +57,8 @@ def concatenated(group: Sequence[Factored]) -> Factored:
     return Factored(torch.cat([t.left for t in group], 1), torch.cat([t.right for t in group], 1), group[0].shape)
 
 
-#: A dense use of at least this many rows gets each Gram matrix from about half the multiply-adds of a full product
-#: (:func:`self_product`).
-LONG_ROWS = 128
-#: On the CPU, a long use gets each Gram matrix as one triangle from BLAS (:func:`uses_triangles`) from this many rows,
-#: or from :data:`LONG_ROWS` rows where a factor is at least :data:`TRIANGLE_WIDTH` wide; two ``bmm`` panels otherwise
-#: (docs/design.md section 12.6, bench/gram_products.py).
-TRIANGLE_ROWS = 256
-TRIANGLE_WIDTH = 16384
-
-
-def uses_triangles(u: Factored) -> bool:
-    """Whether :func:`self_product` forms ``u``'s Gram matrices as triangles
-    (:func:`~lightning_dp.clipping.symmetric_gram.triangle_gram`): a dense use of float32 or float64 factors on the
-    CPU, of :data:`TRIANGLE_ROWS` rows or more, or of :data:`LONG_ROWS` rows or more with a factor of
-    :data:`TRIANGLE_WIDTH` columns or more."""
-    if u.is_index or not (has_triangle_gram(u.left) and has_triangle_gram(u.right)):
-        return False
-    rows, width = u.right.shape[1], max(u.left.shape[2], u.right.shape[2])
-    return rows >= TRIANGLE_ROWS or (rows >= LONG_ROWS and width >= TRIANGLE_WIDTH)
+#: A dense use of at least this many rows gets its Gram product from two panels (:func:`self_product`).
+PANEL_ROWS = 128
 
 
 def _diagonals(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -95,33 +77,18 @@ def _active(u: Factored, rows: slice, diagonals: torch.Tensor) -> torch.Tensor:
 def self_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``<L L^T, R R^T>`` per sample for one use, ``[B]``, over the rows that count; the diagonals of ``L L^T`` and
     ``R R^T``, ``[2, B, T]`` (the factors' squared row norms, for the rounding scales); and the rows that count,
-    ``[B, T]`` bool (:func:`~lightning_dp.clipping.rows.active_rows`). A dense use of ``T >= LONG_ROWS`` rows forms
-    each symmetric Gram matrix from about half the multiply-adds (docs/design.md section 12.6): one triangle, the
-    entries off the diagonal counted twice, where :func:`uses_triangles` (the CPU's BLAS); else two blocks, its
-    lower-right block ``[B, T - h, T - h]`` and its first ``h = T // 2`` columns ``[B, T, h]``, the block below the
-    diagonal, which the panel holds once, counted twice (3/4 of the multiply-adds), at most one pair of blocks held at
-    a time. Either way the blocks are multiplied in place."""
-    triangles = uses_triangles(u)
-    if triangles:
-        left, right = triangle_gram(u.left), triangle_gram(u.right)
-    elif u.is_index or u.right.shape[1] < LONG_ROWS:
+    ``[B, T]`` bool (:func:`~lightning_dp.clipping.rows.active_rows`). For a dense use of ``T >= PANEL_ROWS`` rows
+    each symmetric Gram matrix is formed as two blocks, its lower-right block ``[B, T - h, T - h]`` and its first
+    ``h = T // 2`` columns ``[B, T, h]``, and the block below the diagonal, which the panel holds once, is counted
+    twice: 3/4 of the multiply-adds (docs/design.md section 12.6). At most one pair of Gram blocks is held at a time,
+    multiplied in place."""
+    rows = u.right.shape[1]
+    if u.is_index or rows < PANEL_ROWS:
         left, right = left_gram(u, u), torch.bmm(u.right, u.right.transpose(1, 2))
-    else:
-        return _panel_product(u)
-    diagonals = _diagonals(left, right)
-    active = _active(u, slice(None), diagonals)
-    products = active_products(left.mul_(right), active, active)
-    if not triangles:
-        return products.sum((1, 2)), diagonals, active
-    trace = products.diagonal(dim1=1, dim2=2).sum(1)
-    # the entries below the diagonal, doubled apart from the trace: twice the triangle's whole sum overflows where the
-    # squared norm does not (up to twice the largest finite value), and would set the factor to 0 on this path alone
-    return 2.0 * (products.sum((1, 2)) - trace) + trace, diagonals, active
-
-
-def _panel_product(u: Factored) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`self_product` of a long dense use from two panels per Gram matrix."""
-    h = u.right.shape[1] // 2
+        diagonals = _diagonals(left, right)
+        active = _active(u, slice(None), diagonals)
+        return active_products(left.mul_(right), active, active).sum((1, 2)), diagonals, active
+    h = rows // 2
     low_left, low_right = u.left[:, h:], u.right[:, h:]  # first: its diagonal holds the active rows from h on
     left, right = torch.bmm(low_left, low_left.transpose(1, 2)), torch.bmm(low_right, low_right.transpose(1, 2))
     low = _diagonals(left, right)
