@@ -34,14 +34,10 @@ DATA_DEPENDENT = {
     "nonzero_static",
 }
 
-#: ``(file name, function)`` of the library's calls that a GPU does not make (``lightning_dp.clipping.rows.
-#: takes_cpu_paths``): on the CPU only, ``zero_and_finite_rows`` gathers the rows to read, and ``zero_rows_`` writes
-#: the rows to zero; on a device each passes over the whole factor.
+#: ``(file name, function)`` of the library's calls that a GPU does not make (``lightning_dp.clipping.rows.gathers``):
+#: on the CPU only, ``zero_and_finite_rows`` gathers the rows to read, and ``zero_rows_`` writes the rows to zero; on a
+#: device each passes over the whole factor.
 CPU_ONLY = {("rows.py", "zero_and_finite_rows"), ("rows.py", "zero_rows_")}
-
-#: The names, in ``lightning_dp.clipping.rows``, of the device types on which the library takes its CPU paths (the
-#: current name first; the earlier one for commits before the rename, which benches compare against).
-DEVICE_SWITCHES = ("CPU_PATH_DEVICES", "GATHERING_DEVICES")
 
 Stack = list[traceback.FrameSummary]
 
@@ -71,20 +67,19 @@ def in_library(stack: Stack) -> bool:
     return bool(outside_torch) and outside_torch[-1].filename.startswith(LIBRARY)
 
 
-def cpu_paths_on_the_cpu() -> bool:
-    """Whether the library takes its CPU paths on the CPU (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier
-    ``GATHERING_DEVICES``, holds ``"cpu"``; a library from before that switch always does): not while a caller has
-    emptied it to take a GPU's."""
+def gathering_on_the_cpu() -> bool:
+    """Whether the library takes its CPU paths on the CPU (``lightning_dp.clipping.rows.GATHERING_DEVICES`` holds
+    ``"cpu"``; a library from before that switch always does): not while a caller has emptied it to take a GPU's."""
     try:
         from lightning_dp.clipping import rows
     except ImportError:
         return True
-    return all("cpu" in getattr(rows, name, {"cpu"}) for name in DEVICE_SWITCHES)
+    return "cpu" in getattr(rows, "GATHERING_DEVICES", {"cpu"})
 
 
 def cpu_only(stack: Stack) -> bool:
     """Whether a call with ``stack`` is made on the CPU only (:data:`CPU_ONLY`) while the library takes its CPU paths
-    (:func:`cpu_paths_on_the_cpu`): a GPU takes another path there, which the CUDA tests run under
+    (:func:`gathering_on_the_cpu`): a GPU takes another path there, which the CUDA tests run under
     ``torch.cuda.set_sync_debug_mode("error")``, and which runs on the CPU, every read counted, once those paths are
     switched off."""
-    return cpu_paths_on_the_cpu() and any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack)
+    return gathering_on_the_cpu() and any((Path(f.filename).name, f.name) in CPU_ONLY for f in stack)

@@ -7,7 +7,7 @@ optimizer update and the trainer's own loop):
 
 - ``ops``: every ATen operator call the dispatcher sees (a ``TorchDispatchMode``: kernels, views and copies alike;
   autograd's backward included), the launches a GPU step would make: where the library gathers on the CPU the few
-  rows a pass needs and a GPU passes over the whole factor (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``), the
+  rows a pass needs and a GPU passes over the whole factor (``lightning_dp.clipping.rows.GATHERING_DEVICES``), the
   GPU's path is taken (the few other CPU branches, unfused reductions and noise drawn in pieces, stay the CPU's);
 - ``syncs``: the calls that read a tensor on the host or size an output from its values (``item``, ``tolist``,
   ``bool``/``float``/``int`` of a tensor, ``cpu``, ``numpy``, ``nonzero``, boolean-mask indexing, ...; a
@@ -197,22 +197,21 @@ def _hf(args: argparse.Namespace, private: bool, window: Window) -> None:
 
 @contextlib.contextmanager
 def on_a_gpus_paths() -> Iterator[None]:
-    """Make the library take, on the CPU, a GPU's paths where the CPU has its own, until the block ends: a pass over a
-    whole factor where the CPU gathers the few rows it needs (``lightning_dp.clipping.rows.CPU_PATH_DEVICES``, earlier
-    ``GATHERING_DEVICES``, emptied; a library from before that switch has no such paths)."""
+    """Make the library take, on the CPU, a GPU's pass over a whole factor where the CPU gathers the few rows it needs,
+    until the block ends (``lightning_dp.clipping.rows.GATHERING_DEVICES`` emptied, then restored; a library from
+    before that switch has no such paths)."""
     try:
         from lightning_dp.clipping import rows
     except ImportError:
-        yield
-        return
-    kept = {name: getattr(rows, name) for name in host_reads.DEVICE_SWITCHES if hasattr(rows, name)}
+        rows = None
+    devices = getattr(rows, "GATHERING_DEVICES", None)
+    if devices is not None:
+        rows.GATHERING_DEVICES = frozenset()
     try:
-        for name in kept:
-            setattr(rows, name, frozenset())
         yield
     finally:
-        for name, devices in kept.items():
-            setattr(rows, name, devices)
+        if devices is not None:
+            rows.GATHERING_DEVICES = devices
 
 
 def count(args: argparse.Namespace, adapter: str, private: bool) -> dict[str, Any]:

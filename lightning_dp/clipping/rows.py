@@ -15,26 +15,26 @@ import torch
 #: The integer dtype of each floating-point width, to read a float tensor's bits.
 INTEGER_OF_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-#: The device types on which the library takes its CPU paths: a pass that only a few rows need reads or writes those
-#: rows alone, picked by a boolean mask or its indices, which size the gather on the host (a synchronisation on a GPU,
-#: which passes over the whole tensor instead).
+#: The device types on which a pass that only a few rows need reads or writes those rows alone, picked by a boolean
+#: mask or its indices, which size the gather on the host: a synchronisation on a GPU, which passes over the whole
+#: tensor instead.
 #: bench/op_count.py empties it to count, on the CPU, the operators a GPU step dispatches.
-CPU_PATH_DEVICES: frozenset[str] = frozenset({"cpu"})
+GATHERING_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
-def takes_cpu_paths(x: torch.Tensor) -> bool:
-    """Whether the library takes its CPU paths for ``x`` (``x``'s device type is in :data:`CPU_PATH_DEVICES`)."""
-    return x.device.type in CPU_PATH_DEVICES
+def gathers(x: torch.Tensor) -> bool:
+    """Whether a pass over some rows of ``x`` gathers them (``x``'s device type is in :data:`GATHERING_DEVICES`)."""
+    return x.device.type in GATHERING_DEVICES
 
 
 def zero_and_finite_rows(x: torch.Tensor, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``([B, T], [B, T])`` bool: the rows of ``x`` ``[B, T, n]`` whose entries are all 0 (either sign), and those whose
     entries are all finite, given the rows' norms (or squared norms) ``norms`` ``[B, T]`` as computed. A norm can
     underflow to 0 for a row that is not 0, and overflow for a finite row, so such rows are read again: where
-    :func:`takes_cpu_paths` (the CPU) only they, gathered, and 0 by their bits (a subnormal is not 0 under flush-to-zero
+    :func:`gathers` (the CPU) only they, gathered, and 0 by their bits (a subnormal is not 0 under flush-to-zero
     either); elsewhere the whole factor in one pass (:func:`extreme_entries`), since a gather would size its output on
     the host (a synchronisation)."""
-    if not takes_cpu_paths(x):
+    if not gathers(x):
         low, high = extreme_entries(x, fused=True)
         # both finite: both times 0 are zeros, equal (an infinite or NaN one gives NaN, equal to nothing); 3 operators
         # where two isfinite and their AND are 9
@@ -64,10 +64,10 @@ def extreme_entries(x: torch.Tensor, fused: bool | None = None) -> tuple[torch.T
 
 def zero_rows_(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``x`` ``[B, T, n]`` (contiguous) itself, with the rows where ``rows`` ``[B, T]`` (bool) is True set to +0 in
-    place and every other row keeping its bits: where :func:`takes_cpu_paths` (the CPU) a write of those rows alone,
-    by index, whose cost grows with their number only; elsewhere a bitwise AND of every entry with all ones or all
-    zeros, one read and one write of ``x`` without a host read. Either way, the same bits."""
-    if takes_cpu_paths(x):  # by index (a boolean mask would be a masked_fill_, a pass over every entry)
+    place and every other row keeping its bits: where :func:`gathers` (the CPU) a write of those rows alone, by index,
+    whose cost grows with their number only; elsewhere a bitwise AND of every entry with all ones or all zeros, one
+    read and one write of ``x`` without a host read. Either way, the same bits."""
+    if gathers(x):  # by index (a boolean mask would be a masked_fill_, a pass over every entry)
         x.view(-1, x.shape[-1]).index_fill_(0, rows.flatten().nonzero().squeeze(1), 0.0)
         return x
     keep = rows.logical_not().to(INTEGER_OF_WIDTH[x.element_size()]).neg_().unsqueeze(-1)  # -1: all ones

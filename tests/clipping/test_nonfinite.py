@@ -287,7 +287,7 @@ def test_finite_with_noted_squares_zeroes_the_nonfinite_rows_bit_for_bit(
     CPU's write of those rows alone and a GPU's bitwise pass over every entry (run here on the CPU) give the same
     bits."""
     if not gathering:
-        monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+        monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
     tiny = torch.finfo(dtype).tiny / 4
     x = torch.tensor(
         [[[1.5, -0.0, tiny], [math.nan, 1.0, 2.0]], [[-math.inf, 3.0, 0.0], [-7.0, 1e-3, 0.25]]], dtype=dtype

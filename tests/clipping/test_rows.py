@@ -69,7 +69,7 @@ def _batch_sums(clipping: str, monkeypatch: pytest.MonkeyPatch, gathering: bool)
     CPU or not (what a GPU runs)."""
     with monkeypatch.context() as patch:
         if not gathering:
-            patch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+            patch.setattr(rows, "GATHERING_DEVICES", frozenset())
         torch.manual_seed(0)
         layer = nn.Linear(16, 24)
         x = torch.full((3, 512, 16), 1e19)
@@ -87,10 +87,9 @@ def _batch_sums(clipping: str, monkeypatch: pytest.MonkeyPatch, gathering: bool)
 
 @pytest.mark.parametrize("clipping", ["ghost", "mixed", "flat"])
 def test_the_cpus_gathers_and_a_gpus_passes_give_the_same_bits(clipping: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU the rows to read again and the dropped example's rows to zero are gathered
-    (``rows.takes_cpu_paths``); a GPU passes over whole factors instead (run here on the CPU by emptying
-    ``rows.CPU_PATH_DEVICES``, as bench/op_count.py does). The clipped sums agree bit for bit, the dropped example
-    adding nothing."""
+    """On the CPU the rows to read again and the dropped example's rows to zero are gathered (``rows.gathers``); a GPU
+    passes over whole factors instead (run here on the CPU by emptying ``rows.GATHERING_DEVICES``, as
+    bench/op_count.py does). The clipped sums agree bit for bit, the dropped example adding nothing."""
     gathered = _batch_sums(clipping, monkeypatch, gathering=True)
     passed = _batch_sums(clipping, monkeypatch, gathering=False)
     assert all(bool(g.isfinite().all()) and bool(g.ne(0).any()) for g in gathered)
@@ -171,7 +170,7 @@ def test_zero_and_finite_rows_reads_again_the_rows_whose_norm_underflowed_or_ove
     assert torch.equal(low.eq(0) & high.eq(0), zero)
     assert torch.equal(low.isfinite() & high.isfinite(), finite)
     if not ftz:  # the GPU's path, run on the CPU (whose flush-to-zero does not reach a GPU)
-        monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+        monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
         assert [t.tolist() for t in zero_and_finite_rows(x, squares)] == [zero.tolist(), finite.tolist()]
     cpu = torch.stack(extreme_entries(x))
     torch.testing.assert_close(cpu, torch.stack([low, high]), rtol=0, atol=0, equal_nan=True)

@@ -109,9 +109,9 @@ def test_lightning_step_makes_no_library_sync(options) -> None:
 
 @pytest.mark.parametrize("clipping", ["ghost", "flat"])
 def test_a_gpus_paths_make_no_library_sync(clipping: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """The paths a GPU takes where the CPU gathers rows (``rows.CPU_PATH_DEVICES`` emptied, run on the CPU) read
+    """The paths a GPU takes where the CPU gathers rows (``rows.GATHERING_DEVICES`` emptied, run on the CPU) read
     nothing on the host either, every read counted (the CPU's own gathers are exempt only while they run)."""
-    monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
     private = _lightning_syncs(DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, clipping=clipping))
     assert not private.library_calls(), private.report()
     hf = _hf_syncs(tmp_path, private=True)
@@ -123,7 +123,7 @@ def test_the_cpus_gathers_are_exempt_only_while_they_run(monkeypatch: pytest.Mon
     read added to them)."""
     stack = [traceback.FrameSummary(str(Path(rows.__file__)), 1, "zero_rows_")]
     assert host_reads.cpu_only(stack)
-    monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
     assert not host_reads.cpu_only(stack)
 
 

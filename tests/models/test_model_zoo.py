@@ -396,9 +396,9 @@ def test_hf_model_on_a_gpus_paths_matches_oracle_or_is_refused_as_expected(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where a GPU's path differs from the CPU's (it reads whole factors where the CPU gathers the few rows a pass
-    needs, ``lightning_dp.clipping.rows.CPU_PATH_DEVICES``), that path, run on the CPU, gives the table's outcome under
+    needs, ``lightning_dp.clipping.rows.GATHERING_DEVICES``), that path, run on the CPU, gives the table's outcome under
     "auto"."""
-    monkeypatch.setattr(rows, "CPU_PATH_DEVICES", frozenset())
+    monkeypatch.setattr(rows, "GATHERING_DEVICES", frozenset())
     _assert_expected(check_entry(ENTRIES[name], "auto"), expected_outcome(EXPECTED, name, "auto"))
 
 
