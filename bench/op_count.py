@@ -46,7 +46,7 @@ from typing import Any
 
 import host_reads
 import torch
-from records import add_record_options, environment, finish, render_records
+from records import add_record_options, environment, finish, render_records, short_head
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -239,8 +239,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _commit(tree: Path) -> str:
-    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    return short_head(tree) or "unknown"
 
 
 def before(args: argparse.Namespace) -> dict[str, Any]:

@@ -109,18 +109,26 @@ def add_record_options(parser: argparse.ArgumentParser, records: Path) -> None:
     parser.add_argument("--render", action="store_true", help="only re-render the docs from the records")
 
 
-def library_commit() -> str | None:
-    """The commit of the library that a run measures: the short hash of the checkout that ``lightning_dp`` is imported
-    from, with ``+`` where its ``lightning_dp/`` has changes not committed; None outside a git checkout."""
-    root = Path(lightning_dp.__file__).resolve().parent.parent
+def _git(tree: Path, *command: str) -> str | None:
+    """What ``git -C tree COMMAND`` prints, or None where it fails (no git, not a checkout)."""
     try:
-        head, changes = (
-            subprocess.run(["git", "-C", str(root), *command], capture_output=True, text=True, check=True).stdout
-            for command in (["rev-parse", "--short", "HEAD"], ["status", "--porcelain", "--", "lightning_dp"])
-        )
+        done = subprocess.run(["git", "-C", str(tree), *command], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head.strip() + ("+" if changes.strip() else "")
+    return done.stdout.strip()
+
+
+def short_head(tree: Path) -> str | None:
+    """The short hash of the commit checked out in ``tree``; None outside a git checkout."""
+    return _git(tree, "rev-parse", "--short", "HEAD")
+
+
+def library_commit() -> str | None:
+    """The commit of the library that a run measures: :func:`short_head` of the checkout that ``lightning_dp`` is
+    imported from, with ``+`` where its ``lightning_dp/`` has changes not committed; None outside a git checkout."""
+    root = Path(lightning_dp.__file__).resolve().parent.parent
+    head, changes = short_head(root), _git(root, "status", "--porcelain", "--", "lightning_dp")
+    return None if head is None else head + ("+" if changes else "")
 
 
 def environment(device: str) -> dict[str, Any]:
