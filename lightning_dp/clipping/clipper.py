@@ -12,6 +12,7 @@ check), :mod:`~.clipped_sum` (the clipped sum), :mod:`~.past_iterates` (momentum
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from copy import copy
 
@@ -332,7 +333,12 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
                 totals = totals.clamp_min(0)
-            scaled_totals, totals = totals, unscale_norms(totals, self._loss_scale, self.norm)
+            # the bound in the backward's scaled units (unscaled below, loss_scaling.unscale_linear)
+            bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
+            # an infinite bound (an overflowing rounding scale) gives factor 0 on every path, but the norm computed
+            # beside it is what overflow left, which the padded length moves: inf, so it is dropped and counted as such
+            totals = torch.where(bound.isinf(), math.inf, totals)
+            totals = unscale_norms(totals, self._loss_scale, self.norm)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()
@@ -347,8 +353,6 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 self.sum_check_postponed = not all_finite
             self._count_check(all_finite)  # a check over non-finite samples says nothing: due again next batch
             if kept is not None:  # accumulate
-                # the bound in the backward's scaled units, then unscaled (loss_scaling.unscale_linear)
-                bound = rounded_norm_bound(scaled_totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
                 bound = unscale_linear(bound, self._loss_scale)
                 # a dropped sample gets factor 0, non-finite entries are zeroed: always, so that no step reads keep
                 factors = clip_factors(bound, self._group_bounds(), self.clipping_fn, self.automatic_clipping_gamma)
@@ -404,7 +408,8 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
 
         Returns:
             ``n_i``, detached, ``[B]``, float32 (float64 for float64 parameters); ``hutch``/``hutchpp``: the square root
-            of an unbiased estimate of the squared norm.
+            of an unbiased estimate of the squared norm; ``inf`` where the rounding bound ``nu_i`` overflows
+            (docs/design.md section 4.10).
 
         Raises:
             ValueError: ``per_sample_loss`` not ``[B]`` or not requiring grad, a hooked layer with another row count
@@ -421,8 +426,9 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
         ``c_i = min(1, C / (nu_i + 1e-6))``, or ``C / (nu_i + gamma)`` with automatic clipping (per group with
         ``clipping_groups``); with past iterates ``grad(loss_i)`` is
         the per-sample momentum (section 7). ``p.grad`` accumulates over micro-batches; every trainable parameter
-        without a ``.grad`` afterwards gets zeros. A sample whose loss or norm is not finite gets factor 0, silently
-        (:attr:`dropped_nonfinite`; section 9.2).
+        without a ``.grad`` afterwards gets zeros. A sample whose loss or norm is not finite, or whose rounding bound
+        ``nu_i`` overflows (its norm is then ``inf``; section 4.10), gets factor 0, silently (:attr:`dropped_nonfinite`;
+        section 9.2).
 
         Args:
             per_sample_loss: ``[B]``, from the forward the hooks captured.

@@ -310,3 +310,41 @@ def test_an_examples_clipped_gradient_does_not_depend_on_how_far_its_batch_is_pa
     short, long = clipped(8), clipped(512)
     assert float(short.norm()) == pytest.approx(0.1, rel=1e-3)  # clipped
     assert float((short - long).norm()) <= 1e-6 * float(short.norm())
+
+
+@pytest.mark.parametrize("output_grad", [1e-18, 1.0])
+@pytest.mark.parametrize("clipping", ["ghost", "mixed", "flat", "fgc"])
+def test_an_example_whose_rounding_scale_overflows_is_dropped_whatever_its_batchs_padding(
+    clipping: str, output_grad: float
+) -> None:
+    """A row of activations 1e20 (its square overflows float32) makes the example's rounding scale, and so ``nu_i``,
+    infinite: factor 0 on every path. The norm computed beside it was what the overflow left, which the padded length
+    moved (``mixed`` materialised a finite 2.1e3 from 100 rows and formed inf below; the panels' ghost norm gave -inf,
+    NaN or 0 between 100 and 255 rows, found in review), and so did ``dropped_nonfinite`` and adaptive clipping's
+    count (``clamp_min(0)`` read -inf as 0, unclipped). Now its norm is inf at every length: dropped and counted
+    clipped, and the release is the other example's alone."""
+    layer = nn.Linear(16, 16)
+
+    def clip(rows: int, with_example: bool) -> tuple[torch.Tensor, bool, torch.Tensor]:
+        gen = torch.Generator().manual_seed(rows)
+        x, w = torch.zeros(2, rows, 16), torch.zeros(2, rows, 16)
+        x[0, :6], w[0, :6] = torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen) * output_grad
+        x[0, 2] = torch.randn(16, generator=gen) * 1e20  # finite, and the layer's output too
+        x[1], w[1] = torch.randn(rows, 16, generator=gen), torch.randn(rows, 16, generator=gen)
+        if not with_example:
+            w[0] = 0
+        layer.zero_grad(set_to_none=True)
+        clipper = PerSampleClipper(layer, clipping=clipping, max_grad_norm=1.0, sum_check_every=None)
+        try:
+            norms = clipper.backward((layer(x) * w).sum((1, 2)))
+            return norms, clipper.dropped_nonfinite, torch.cat([p.grad.flatten() for p in layer.parameters()])
+        finally:
+            clipper.detach()
+
+    for rows in (8, 100, 127, 128, 200, 255, 256):
+        norms, dropped, release = clip(rows, with_example=True)
+        assert math.isinf(norms[0]) and norms[0] > 0 and dropped, rows
+        assert math.isfinite(norms[1])
+        _, dropped_alone, alone = clip(rows, with_example=False)
+        assert not dropped_alone
+        torch.testing.assert_close(release, alone, rtol=0, atol=0)
