@@ -44,12 +44,7 @@ from lightning_dp.clipping.layers.registry import LayerFamily
 from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_linear, unscale_norms
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
-from lightning_dp.clipping.rounding import (
-    full_precision,
-    one_thread_for_one_sample,
-    rounded_norm_bound,
-    warn_if_half_precision,
-)
+from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
 from lightning_dp.clipping.sample_norms import SampleNormsMixin
 from lightning_dp.clipping.sum_check import reduced_precision, validate_sum_check
 from lightning_dp.clipping.swaps.base import restore_modules, swap_modules
@@ -333,8 +328,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
                 self._check_all_rows(captures, batch)
             kept: list[dict[nn.Parameter, list[Term]] | list[Capture]] | None = [] if accumulate else None
             reduced = check and reduced_precision(per_sample_loss, self._params, captures)
-            device = per_sample_loss.device
-            with full_precision(device), one_thread_for_one_sample(batch, device):
+            with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
             del batch_grads
             if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN

@@ -5,7 +5,6 @@ full precision it assumes, and the warning for FSDP2-sharded 16-bit parameters.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -33,31 +32,6 @@ def full_precision(device: torch.device) -> Iterator[None]:
             yield
     finally:
         torch.set_float32_matmul_precision(precision)
-
-
-@functools.cache
-def _threads_can_change() -> bool:
-    """Whether the intra-op thread count can be changed after parallel work has run (the OpenMP backend; the native
-    one only warns)."""
-    return "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@contextlib.contextmanager
-def one_thread_for_one_sample(batch: int, device: torch.device) -> Iterator[None]:
-    """The per-sample arithmetic of a batch of one sample (``batch == 1``) on one CPU thread, restored afterwards: torch
-    splits a CPU reduction to a single number over its threads, which sums in another order than each sample's
-    reduction in a larger batch, so a sample alone in its batch got other bits (docs/design.md section 4.10). Nothing
-    changes for larger batches, on other devices, with one thread, or where the thread count cannot change
-    (:func:`_threads_can_change`)."""
-    threads = torch.get_num_threads()
-    if batch != 1 or device.type != "cpu" or threads == 1 or not _threads_can_change():
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def rounded_norm_bound(totals: torch.Tensor, scales: torch.Tensor, norm: int, epsilon: float) -> torch.Tensor:
