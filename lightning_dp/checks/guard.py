@@ -22,7 +22,11 @@ from lightning_dp.checks.independence import (
     check_batch_independence_in_step,
     input_leaves,
 )
-from lightning_dp.checks.leave_half_out import check_leave_half_out, check_leave_half_out_in_step
+from lightning_dp.checks.leave_half_out import (
+    LEAVE_HALF_OUT_MIN_BATCH,
+    check_leave_half_out,
+    check_leave_half_out_in_step,
+)
 
 log = logging.getLogger("lightning_dp")
 
@@ -51,9 +55,10 @@ def validate_independence_every(every: int | None, check_batch_independence: boo
 class TrainingGuard:
     """The checks of :mod:`lightning_dp.checks` around each training forward of one run.
 
-    Buffers and frozen parameters on every step; batch independence (gradients, then leave-half-out) on the first step
-    with at least two examples and, with ``check_every = N``, on every optimizer step whose number (the accountant's
-    count, the same on every rank) is a multiple of N. The checks are local to each rank, never write ``.grad``, never
+    Buffers and frozen parameters on every step; batch independence (gradients, then leave-half-out) on the first batch
+    with at least two examples (leave-half-out: :data:`~.leave_half_out.LEAVE_HALF_OUT_MIN_BATCH`) from the first step
+    and, with ``check_every = N``, from every optimizer step whose number (the accountant's count, the same on every
+    rank) is a multiple of N. The checks are local to each rank, never write ``.grad``, never
     draw from the noise or sampling generators and restore the torch RNG, so they do not change the update. On an
     FSDP2-sharded model on several processes (:attr:`lockstep`) they run in lockstep. Which micro-batch is checked, and
     the lockstep protocol: docs/design.md sections 9.2, 9.4 and 12.5.
@@ -93,7 +98,7 @@ class TrainingGuard:
         self.buffers = BufferWatch(module)
         self._output_targets = output_targets
         self.independence_pending = check_batch_independence
-        #: whether :func:`check_leave_half_out` is still to run (on the first batch with two examples or more).
+        #: whether :func:`check_leave_half_out` is still to run (on the first batch with four examples or more).
         self.leave_half_out_pending = check_batch_independence
         self.check_every = check_every
         self._step = step
@@ -210,9 +215,10 @@ class TrainingGuard:
     def leave_half_out(
         self, compute_loss: Callable[[Any], torch.Tensor | None], batch: Any, batch_size: int | None, module: nn.Module
     ) -> None:
-        """Run :func:`check_leave_half_out` while pending, on the first batch with two examples or more of the first
-        step (and of every due step with ``check_every``), and again on each next batch while it is inconclusive (a
-        non-finite loss); call after :meth:`after_forward`, with the batch as the user's step received it.
+        """Run :func:`check_leave_half_out` while pending, on the first batch with :data:`LEAVE_HALF_OUT_MIN_BATCH`
+        examples or more from the first step on (and from every due step with ``check_every``), and again on each next
+        such batch while it is inconclusive (a non-finite loss); call after :meth:`after_forward`, with the batch as the
+        user's step received it.
 
         Raises:
             BatchMixingError: as :func:`check_leave_half_out`.
@@ -220,7 +226,7 @@ class TrainingGuard:
         if self.lockstep is not None:
             self._leave_half_out_in_step(compute_loss, batch, batch_size, module, self.lockstep)
             return
-        if not self.leave_half_out_pending or batch_size is None or batch_size < 2:
+        if not self.leave_half_out_pending or batch_size is None or batch_size < LEAVE_HALF_OUT_MIN_BATCH:
             return
         with self._naming_the_step():
             conclusive = check_leave_half_out(compute_loss, batch, batch_size, module)
@@ -239,7 +245,7 @@ class TrainingGuard:
         whether any check is still pending (when none is, the lockstep stops until a due step arms the checks)."""
         if self._nobody_pending:
             return
-        active = self.leave_half_out_pending and batch_size is not None and batch_size >= 2
+        active = self.leave_half_out_pending and batch_size is not None and batch_size >= LEAVE_HALF_OUT_MIN_BATCH
         (run,) = lockstep([int(active)])
         if run:
             with self._naming_the_step():

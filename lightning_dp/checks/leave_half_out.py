@@ -29,6 +29,10 @@ log = logging.getLogger("lightning_dp")
 
 #: Forwards of one check: the batch twice, the two same-shape variants, the two halves.
 LEAVE_HALF_OUT_FORWARDS = 6
+#: The smallest batch the training guard checks: its halves have two examples or more, so the check never runs the
+#: user's step on one example when the draw did not (a step that fails on one example would raise only at the draws of
+#: two or three examples).
+LEAVE_HALF_OUT_MIN_BATCH = 4
 #: Relative tolerance of the count test's common factor and of the relation between the halves' factors.
 COUNT_RTOL = 0.01
 

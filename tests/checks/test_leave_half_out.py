@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.checks.independence import BatchMixingError
-from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS, check_leave_half_out
+from lightning_dp.checks.leave_half_out import LEAVE_HALF_OUT_FORWARDS, LEAVE_HALF_OUT_MIN_BATCH, check_leave_half_out
 from lightning_dp.lightning import DPStrategy
 
 #: sums to 1 exactly; in float32 left to right gives 1, right to left 0 (1 - 1e8 rounds to -1e8).
@@ -314,3 +314,40 @@ def test_each_variant_is_gated_on_its_own_calls() -> None:
     x[0::2, 0] = -1.0
     with pytest.raises(BatchMixingError, match="even-indexed examples by copies"):
         check_leave_half_out(shortcut_then_mixing, x, 8, nn.Identity())
+
+
+def test_the_guard_never_runs_the_step_on_one_example_the_draw_did_not_give() -> None:
+    """Halves of one example (batches of 2 or 3) ran the user's step on one example: a step that fails there (a
+    ``.squeeze()``) raised only at the draws of 2 or 3 examples (found in review). The guard waits for a batch of
+    ``LEAVE_HALF_OUT_MIN_BATCH`` examples, whose halves have two or more."""
+    module = nn.Identity()
+    guard = TrainingGuard(module, dict)
+    sizes: list[int] = []
+
+    def recorded(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.shape[0])
+        return per_example(x)
+
+    for size in range(2, LEAVE_HALF_OUT_MIN_BATCH):
+        guard.leave_half_out(recorded, batch(size=size), size, module)
+        assert guard.leave_half_out_pending and not sizes
+    guard.leave_half_out(recorded, batch(size=LEAVE_HALF_OUT_MIN_BATCH), LEAVE_HALF_OUT_MIN_BATCH, module)
+    assert not guard.leave_half_out_pending and min(sizes) == 2
+
+
+class SqueezedRegressor(RowsRegressor):
+    """``[B]`` for two examples or more, a 0-dim loss for one (``.squeeze()``), which the strategy refuses."""
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return ((ordered_sum(self.layer(x)) - 1.0) ** 2).reshape(-1, 1).squeeze()
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.rows), batch_size=3)
+
+
+def test_a_step_that_fails_on_one_example_trains_when_no_draw_has_one() -> None:
+    module = SqueezedRegressor(batch(size=12))
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    make_trainer(strategy, max_steps=3).fit(module)
+    assert module.modes.count(False) == 0  # batches of 3: the check stays pending, the step never sees one example
