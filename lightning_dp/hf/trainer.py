@@ -13,7 +13,7 @@ added to every log. Privacy state is saved beside each checkpoint (:mod:`lightni
 
 Not supported (rejected at construction): reentrant activation checkpointing, DeepSpeed, FSDP
 through ``TrainingArguments`` or accelerate plugins set up outside DPTrainer, DataParallel, ``torch_compile``,
-``auto_find_batch_size``, ``model_init``, ``compute_loss_func``, models sharded by
+``auto_find_batch_size``, ``include_num_input_tokens_seen``, ``model_init``, ``compute_loss_func``, models sharded by
 ``from_pretrained(distributed_config=...)``. FSDP2 models (``fully_shard`` by the user, or accelerate's FSDP2
 configuration, :mod:`lightning_dp.hf.accelerate_fsdp`) are supported: docs/design.md section 8.1. Several processes
 (``accelerate launch``, ``torchrun``): docs/design.md section 8 and section 12.1.
@@ -406,6 +406,13 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             elif scaler is not None:  # the budget is spent: accelerate's scaler step still runs, DPOptimizer skips
                 hand_skipped_step_to_grad_scaler(params, scaler)
         return loss / self.args.gradient_accumulation_steps
+
+    @override
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """0, so that ``total_flos`` stays 0: the Trainer's count (``6 x`` the micro-batch's tokens ``x`` the
+        parameters, summed over the run) counts the sampled examples' tokens, which it would log and save in every
+        checkpoint's ``trainer_state.json`` without noise (docs/privacy.md)."""
+        return 0
 
     @override
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -41,6 +41,8 @@ _UNSUPPORTED = {
     "auto_find_batch_size=True": "a batch size changed mid-run changes the sample rate the accountant assumes; set "
     "per_device_train_batch_size",
     "several GPUs in one process (DataParallel)": "use one process per GPU",
+    "include_num_input_tokens_seen": "it logs and saves the sampled examples' token count without noise (a count of "
+    "the private data); leave it 'no'",
 }
 
 
@@ -79,6 +81,7 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
         "torch_compile=True": args.torch_compile,
         "auto_find_batch_size=True": args.auto_find_batch_size,
         "several GPUs in one process (DataParallel)": args.n_gpu > 1,
+        "include_num_input_tokens_seen": args.include_num_input_tokens_seen not in ("no", False, None),
     }
     for name, is_set in active.items():
         if is_set:

@@ -285,6 +285,8 @@ def test_privacy_budget_stops_before_exceeding(tmp_path) -> None:
         ("fsdp", "full_shard", "FSDP.*fully_shard"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
         ("torch_compile", True, "torch_compile"),
+        ("include_num_input_tokens_seen", "all", "token count without noise"),
+        ("include_num_input_tokens_seen", "non_padding", "token count without noise"),
     ],
 )
 def test_unsupported_training_arguments_fail_early(attribute, value, message, tmp_path) -> None:
@@ -292,6 +294,16 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
     setattr(args, attribute, value)  # set after construction: some need a GPU or DeepSpeed to construct
     with pytest.raises(ValueError, match=message):
         DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
+
+
+def test_total_flos_counts_no_sampled_token(tmp_path) -> None:
+    """The Trainer's ``total_flos`` (``6 x`` tokens ``x`` parameters per micro-batch) counted the sampled examples'
+    tokens, logged and saved in every checkpoint's ``trainer_state.json`` without noise (found in review)."""
+    trainer = make_trainer(tiny_gpt2(), tmp_path, args={"save_strategy": "steps", "save_steps": 3})
+    trainer.train()
+    saved = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    assert trainer.state.total_flos == saved["total_flos"] == 0
+    assert all(entry.get("total_flos", 0) == 0 for entry in trainer.state.log_history)
 
 
 def test_the_trainers_hyperparameter_search_is_refused(tmp_path) -> None:
