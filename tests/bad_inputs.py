@@ -774,6 +774,12 @@ CASES: list[BadInput] = [
     ),
     BadInput(
         "HF DPTrainer",
+        "TrainingArguments(include_num_input_tokens_seen='all')",
+        _hf_trainer("include_num_input_tokens_seen", "all"),
+        "include_num_input_tokens_seen",
+    ),
+    BadInput(
+        "HF DPTrainer",
         "BatchNorm1d added to a GPT-2",
         _hf_trainer(model=_gpt2_with(lambda: nn.BatchNorm1d(4))),
         "BatchNorm",
