@@ -132,16 +132,16 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield self.shard[torch.rand(len(self.shard), generator=self.generator) < self.sample_rate]
 
 
-def _empty_like_batch(batch: Any) -> Any:
-    """The same structure with every tensor cut to zero rows."""
+def empty_like_batch(batch: Any) -> Any:
+    """The same structure with every tensor but a 0-dim one cut to zero rows (an empty Poisson batch)."""
     if isinstance(batch, torch.Tensor):
-        return batch[:0]
+        return batch if batch.ndim == 0 else batch[:0]
     if isinstance(batch, Mapping):  # dict, or a mapping such as HF's BatchEncoding (returned as a dict)
-        return {k: _empty_like_batch(v) for k, v in batch.items()}
+        return {k: empty_like_batch(v) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_empty_like_batch(v) for v in batch))
+        return type(batch)(*(empty_like_batch(v) for v in batch))
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_empty_like_batch(v) for v in batch)
+        return type(batch)(empty_like_batch(v) for v in batch)
     return batch
 
 
@@ -157,7 +157,7 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(self.collate_fn([self.dataset[0]]))
+            return empty_like_batch(self.collate_fn([self.dataset[0]]))
         return self.collate_fn(list(samples))
 
 
