@@ -38,7 +38,7 @@ _PROBES = 4
 
 
 @contextmanager
-def restored(module: nn.Module) -> Iterator[None]:
+def _restored(module: nn.Module) -> Iterator[None]:
     """Run in train mode, then restore the modules' modes, the buffers' values and the global RNGs (torch, numpy,
     ``random``)."""
     modes = {m: m.training for m in module.modules()}
@@ -179,7 +179,7 @@ def probe_at_attach(
     misplaced: MisplacedParametersError | None = None  # the first probe's refusal, while enclosures are tried
     for _ in range(_PROBES):
         try:
-            with restored(module):
+            with _restored(module):
                 _probe_once(called, inputs, rows, clipper, tracker, forward_context)
             return True
         except _NotProbed as error:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from lightning_dp.data.batch_tensors import batch_tensors
 from lightning_dp.runtime.randomness import derive_seed
 
 
@@ -133,16 +135,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 
 def empty_like_batch(batch: Any) -> Any:
-    """The same structure with every tensor but a 0-dim one cut to zero rows (an empty Poisson batch)."""
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.ndim == 0 else batch[:0]
-    if isinstance(batch, Mapping):  # dict, or a mapping such as HF's BatchEncoding (returned as a dict)
-        return {k: empty_like_batch(v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(empty_like_batch(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(empty_like_batch(v) for v in batch)
-    return batch
+    """The same structure (dicts and other mappings, lists, tuples, namedtuples, dataclasses) with every tensor but a
+    0-dim one cut to zero rows (an empty Poisson batch)."""
+    return apply_to_collection(batch, torch.Tensor, lambda tensor: tensor if tensor.ndim == 0 else tensor[:0])
 
 
 class EmptyBatchCollate:
@@ -152,8 +147,19 @@ class EmptyBatchCollate:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
+        """
+        Raises:
+            ValueError: the collated ``dataset[0]`` holds no tensor of one dimension or more that an empty batch can cut
+                (tensors inside a custom class): an empty draw would then train ``dataset[0]`` as if it were drawn.
+        """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
+        if not batch_tensors(self(()), min_ndim=1):
+            raise ValueError(
+                "the training loader's batches hold no tensor that lightning_dp can cut to zero rows for an empty "
+                "Poisson batch (tensors inside a custom class are not seen): collate into tensors in dicts, lists, "
+                "tuples, namedtuples or dataclasses"
+            )
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:

@@ -28,7 +28,6 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_dp.checks.empty_batch import check_empty_batch
 from lightning_dp.config import option_docs, option_parameters, pop_options
 from lightning_dp.engine.adapter import (
     LOSS_SCALING_REASON,
@@ -133,8 +132,6 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         self._pending_stand_in = False
         #: the parameters and the clipped sums of a micro-batch's passes before its last (max_physical_batch_size)
         self._pending_sums: tuple[list[torch.nn.Parameter], list[Held]] | None = None
-        #: whether the user's step has yet to run on an empty batch this fit (:mod:`lightning_dp.checks.empty_batch`)
-        self._empty_batch_unchecked = True
         self._distributed: DistributedContext | None = None
         self._log_filter: logging.Filter | None = None
         self._global_randomness = GlobalRandomness()  # with exact_resume
@@ -236,8 +233,6 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         rates = planned_learning_rates(trainer, planned) if planned and correlated else None  # its strategy's workload
         self.optimizers = self.privacy_engine.start_training(self.optimizers, total_steps=planned, learning_rates=rates)
         self._global_randomness.started()
-        # a sharded model's rank runs a stand-in batch instead of an empty one; without Poisson sampling none is drawn
-        self._empty_batch_unchecked = self.poisson_sampling and not self.privacy_engine.every_rank_runs_every_step
 
     # ------------------------------------------------------------------------------------------- the step
     @override
@@ -245,9 +240,8 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         """Run the user's step through the engine's per-sample loss sequence (guard, per-sample momentum,
         independence checks), keep its per-sample loss for clipping, hand Lightning its mean for logging.
 
-        The extra runs of the user's step (at the stored iterates of per-sample momentum, the leave-half-out forwards,
-        and once on an empty batch at the first step under Poisson sampling, :mod:`lightning_dp.checks.empty_batch`)
-        have ``self.log`` / ``self.log_dict`` switched off. With ``max_physical_batch_size`` the step runs
+        The extra runs of the user's step (at the stored iterates of per-sample momentum, and the leave-half-out
+        forwards) have ``self.log`` / ``self.log_dict`` switched off. With ``max_physical_batch_size`` the step runs
         once per pass of at most that many examples (:mod:`lightning_dp.engine.physical_batches`), every pass but the
         last clipped here, and the returned loss is the mean over all the passes' examples.
         """
@@ -280,10 +274,6 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
             return engine.per_sample_loss(
                 batch, size, current, replay=replay, module=self.lightning_module, stand_in=stand_in
             )
-
-        if self._empty_batch_unchecked:  # at the first step whatever its draw, not at the draws of an empty batch
-            self._empty_batch_unchecked = False
-            check_empty_batch(replay, args[0] if args else kwargs.get("batch"), self.lightning_module)
 
         # every pass but the last is clipped here, apart from p.grad (which Lightning zeroes between this step and its
         # backward on a logical step's first micro-batch); the last one's loss goes to Lightning's backward
