@@ -134,7 +134,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
             yield self.shard[torch.rand(len(self.shard), generator=self.generator) < self.sample_rate]
 
 
-def empty_like_batch(batch: Any) -> Any:
+def _empty_like_batch(batch: Any) -> Any:
     """The same structure (dicts and other mappings, lists, tuples, namedtuples, dataclasses) with every tensor but a
     0-dim one cut to zero rows (an empty Poisson batch)."""
     return apply_to_collection(batch, torch.Tensor, lambda tensor: tensor if tensor.ndim == 0 else tensor[:0])
@@ -147,7 +147,8 @@ class EmptyBatchCollate:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
-        """
+        """Wrap ``collate_fn`` (``None``: torch's ``default_collate``) for ``dataset``, forming an empty batch once.
+
         Raises:
             ValueError: the collated ``dataset[0]`` holds no tensor of one dimension or more that an empty batch can cut
                 (tensors inside a custom class): an empty draw would then train ``dataset[0]`` as if it were drawn.
@@ -163,7 +164,7 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return empty_like_batch(self.collate_fn([self.dataset[0]]))
+            return _empty_like_batch(self.collate_fn([self.dataset[0]]))
         return self.collate_fn(list(samples))
 
 
