@@ -12,7 +12,6 @@ check), :mod:`~.clipped_sum` (the clipped sum), :mod:`~.past_iterates` (momentum
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from copy import copy
 
@@ -41,11 +40,11 @@ from lightning_dp.clipping.groups import (
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.fallback import covered_parameters, describe_fallback, own_parameters
 from lightning_dp.clipping.layers.registry import LayerFamily
-from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_linear, unscale_norms
+from lightning_dp.clipping.loss_scaling import LossScaleMixin, unscale_linear
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.clipping.past_iterates import PastIteratesMixin
-from lightning_dp.clipping.rounding import full_precision, rounded_norm_bound, warn_if_half_precision
-from lightning_dp.clipping.sample_norms import SampleNormsMixin
+from lightning_dp.clipping.rounding import full_precision, warn_if_half_precision
+from lightning_dp.clipping.sample_norms import SampleNormsMixin, reported_norms
 from lightning_dp.clipping.sum_check import reduced_precision, validate_sum_check
 from lightning_dp.clipping.swaps.base import restore_modules, swap_modules
 from lightning_dp.clipping.terms import Term
@@ -331,14 +330,7 @@ class PerSampleClipper(LossScaleMixin, PastIteratesMixin, ClippedSumMixin, Sampl
             with full_precision(per_sample_loss.device):
                 totals, scales, checker = self._norms(per_sample_loss, captures, batch_grads, check, kept, reduced)
             del batch_grads
-            if self.norm == 2:  # Gram-product norms (ghost) can round a near-zero square below 0; NaN stays NaN
-                totals = totals.clamp_min(0)
-            # the bound in the backward's scaled units (unscaled below, loss_scaling.unscale_linear)
-            bound = rounded_norm_bound(totals.detach(), scales.detach(), self.norm, self._rounding_epsilon)
-            # an infinite bound (an overflowing rounding scale) gives factor 0 on every path, but the norm computed
-            # beside it is what overflow left, which the padded length moves: inf, so it is dropped and counted as such
-            totals = torch.where(bound.isinf(), math.inf, totals)
-            totals = unscale_norms(totals, self._loss_scale, self.norm)
+            totals, bound = reported_norms(totals, scales, self.norm, self._rounding_epsilon, self._loss_scale)
             group_norms = (totals.sqrt() if self.norm == 2 else totals).detach()  # [G, B]
             # over all parameters: sqrt(sum_g n_g^2) (groups are l2 only)
             norms = group_norms[0] if self.groups is None else totals.sum(0).sqrt().detach()

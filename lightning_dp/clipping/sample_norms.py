@@ -6,6 +6,7 @@ clipper's attributes.
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,9 +20,10 @@ from lightning_dp.clipping.engines.base import ClippingEngine
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.clipping.hooks import Capture, CaptureHooks
 from lightning_dp.clipping.layers.registry import MisplacedParametersError, UnsupportedModuleError
+from lightning_dp.clipping.loss_scaling import unscale_norms
 from lightning_dp.clipping.multiplicity import check_rows
 from lightning_dp.clipping.recomputation import reentrant_refused
-from lightning_dp.clipping.rounding import underflow_scale
+from lightning_dp.clipping.rounding import rounded_norm_bound, underflow_scale
 from lightning_dp.clipping.sum_check import VERIFY_RTOL, VERIFY_RTOL_REDUCED, SumCheck
 from lightning_dp.clipping.terms import Term
 from lightning_dp.clipping.underflow import underflow_bound
@@ -35,6 +37,23 @@ class _ScheduleSlot:
     due: bool | None = None
     ran: bool = False
     inconclusive: bool = False
+
+
+def reported_norms(
+    totals: torch.Tensor, scales: torch.Tensor, norm: int, epsilon: float, loss_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sample norms the clipper reports and clips by, from the engines' ``totals`` and rounding ``scales``
+    (``[G, B]``, in the backward's units scaled by ``loss_scale``; :meth:`SampleNormsMixin._norms`): the squared l2
+    (``norm=2``, a Gram product's near-zero square rounded below 0 read as 0, NaN kept) or l1 norms in unscaled units,
+    and the bounds ``nu`` (:func:`~.rounding.rounded_norm_bound`, ``epsilon`` the per-sample arithmetic's) still in the
+    scaled units (:func:`~.loss_scaling.unscale_linear` divides them). Where ``nu`` is infinite (an overflowing rounding
+    scale: factor 0 on every path) the norm is ``inf``, not what overflow left beside it, which the padded length moved
+    (docs/design.md section 4.10), so the sample is dropped and counted as clipped.
+    """
+    if norm == 2:
+        totals = totals.clamp_min(0)
+    bound = rounded_norm_bound(totals.detach(), scales.detach(), norm, epsilon)
+    return unscale_norms(torch.where(bound.isinf(), math.inf, totals), loss_scale, norm), bound
 
 
 def _shared_parameter_groups(
