@@ -168,7 +168,9 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
         """``Trainer.train`` with the clipping hooks attached and, on resume, the checkpoint's privacy state restored.
 
         Raises:
-            ValueError: on a sharded model, what :func:`~lightning_dp.hf.trainer_checks.check_sharded_run` refuses; a
+            ValueError: what :func:`~lightning_dp.hf.trainer_checks.check_training_arguments` refuses in the
+                arguments as they are now; on a sharded model, what
+                :func:`~lightning_dp.hf.trainer_checks.check_sharded_run` refuses; a
                 checkpoint without privacy state, or one (or, sharded, whose shards) not matching this run; a sample
                 rate different from the checkpoint's.
             FileNotFoundError: a sharded model's checkpoint without its ``sharded_state`` folder.
@@ -179,6 +181,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
                 "guarantee holds, and epsilon is reported as inf"
             )
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        check_training_arguments(self.args, self.privacy_args)  # again: the arguments can change after construction
         engine = self.privacy_engine
         engine.begin_fit(distributed_context())
         if uses_fsdp(self.model):

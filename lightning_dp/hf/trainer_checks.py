@@ -2,7 +2,8 @@
 refusal saying what to change, and what it switches off or ignores with a warning.
 
 Plain functions taking what they read; :mod:`lightning_dp.hf.trainer` calls them in ``DPTrainer.__init__`` (and
-:func:`check_sharded_run` in ``DPTrainer.train``). What is not supported, and why, is summed up in the module
+:func:`check_training_arguments` again, with :func:`check_sharded_run`, in ``DPTrainer.train``: the arguments can be
+changed in between). What is not supported, and why, is summed up in the module
 docstring of :mod:`lightning_dp.hf.trainer` and in docs/hf.md.
 """
 

@@ -296,6 +296,26 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
         DPTrainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(), privacy_args=PrivacyArguments(1.0, 3.0))
 
 
+@pytest.mark.parametrize(
+    ("attribute", "value", "message"),
+    [
+        ("include_num_input_tokens_seen", "all", "token count without noise"),
+        ("torch_compile", True, "torch_compile"),
+        ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
+    ],
+)
+def test_training_arguments_changed_after_construction_are_refused_at_train(
+    attribute, value, message, tmp_path
+) -> None:
+    """``trainer.args`` can be changed between construction and ``train()``: the arguments are checked again there,
+    before any step (an ``include_num_input_tokens_seen`` set then was logged and saved without noise)."""
+    trainer = make_trainer(tiny_gpt2(), tmp_path)
+    setattr(trainer.args, attribute, value)
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 def test_total_flos_counts_no_sampled_token(tmp_path) -> None:
     """The Trainer's ``total_flos`` (``6 x`` tokens ``x`` parameters per micro-batch) counted the sampled examples'
     tokens, logged and saved in every checkpoint's ``trainer_state.json`` without noise (found in review)."""
