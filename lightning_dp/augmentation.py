@@ -27,6 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence
 
 Batch = TypeVar("Batch")
 
@@ -42,8 +43,9 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
     Returns:
         The same structure with every tensor of at least one dimension repeated along its first dimension as
         ``tensor.repeat_interleave(K, 0)`` does: ``[B K, ...]``, rows ``i K .. i K + K - 1`` copies of row ``i``
-        (a new tensor, differentiable). Scalars (0-dim tensors) and non-tensors are left as they are; ``K = 1``
-        returns ``batch`` itself.
+        (a new tensor, differentiable), and every per-example sequence the Poisson loader marked
+        (:mod:`lightning_dp.data.example_lists`) with each entry repeated ``K`` times in place. Scalars (0-dim tensors)
+        and other non-tensors are left as they are; ``K = 1`` returns ``batch`` itself.
 
     Raises:
         ValueError: ``multiplicity`` not an integer >= 1; for ``K > 1``, tensors (of at least one dimension) whose
@@ -60,10 +62,12 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
             f"if it were an example): expand it to [B, ...] first, or add it after the copies"
         )
 
-    def repeat(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if tensor.ndim == 0 else tensor.repeat_interleave(multiplicity, dim=0)
+    def repeat(value: torch.Tensor | ValueSequence) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.ndim == 0 else value.repeat_interleave(multiplicity, dim=0)
+        return type(value)(entry for entry in value for _ in range(multiplicity))
 
-    return apply_to_collection(batch, torch.Tensor, repeat)
+    return apply_to_collection(batch, (torch.Tensor, *EXAMPLE_SEQUENCES), repeat)
 
 
 def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], Batch]) -> Batch:

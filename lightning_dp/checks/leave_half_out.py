@@ -18,12 +18,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.checks.independence import BATCH_MIXING_HINT, BatchMixingError
 from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.example_lists import select_examples
 
 log = logging.getLogger("lightning_dp")
 
@@ -48,7 +48,8 @@ def check_leave_half_out(
     """Fail when an example's loss depends on the other examples' values or number without a gradient path.
 
     Every forward runs in eval mode, under ``no_grad``, with deterministic algorithms, from the same torch RNG state,
-    on rows of every tensor of ``batch`` whose first dimension is ``batch_size``. Logs a warning, and checks nothing,
+    on rows of every tensor of ``batch`` whose first dimension is ``batch_size`` (and the entries of its marked
+    per-example sequences, :mod:`lightning_dp.data.example_lists`). Logs a warning, and checks nothing,
     when no tensor of the batch has ``B`` rows.
 
     Args:
@@ -140,17 +141,10 @@ def _leave_half_out(
     odd_as_even, even_as_odd = index.clone(), index.clone()
     odd_as_even[odd] = even[: len(odd)]  # each odd row a copy of the even row before it
     even_as_odd[even[: len(odd)]] = odd  # each even row with a partner a copy of the odd row after it
-    found = False
+    found = any(tensor.ndim and tensor.shape[0] == batch_size for tensor in batch_tensors(batch))
 
     def rows(selection: torch.Tensor) -> Any:
-        def select(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal found
-            if tensor.ndim == 0 or tensor.shape[0] != batch_size:
-                return tensor
-            found = True
-            return tensor[selection.to(tensor.device)]
-
-        return apply_to_collection(batch, torch.Tensor, select)
+        return select_examples(batch, batch_size, selection)
 
     # fresh row copies for every forward, the batch's own rows included: the same layout (a view arriving
     # non-contiguous would run other kernels than its copies)

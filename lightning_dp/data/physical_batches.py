@@ -12,10 +12,10 @@ import numbers
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from scipy.stats import binom
 
 from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.example_lists import select_examples
 
 
 def validate_max_physical_batch_size(cap: object) -> None:
@@ -45,8 +45,9 @@ def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
     """``batch`` cut into parts of at most ``cap`` examples, of the sizes :func:`part_sizes` gives (``[]`` for an
     empty batch).
 
-    Every tensor whose first dimension is ``size`` is sliced along it (views, in order); other entries are repeated in
-    each part. A batch of at most ``cap`` examples is returned as it is.
+    Every tensor whose first dimension is ``size`` is sliced along it (views, in order), and every per-example sequence
+    the Poisson loader marked (:mod:`lightning_dp.data.example_lists`) with it; other entries are repeated in each part.
+    A batch of at most ``cap`` examples is returned as it is.
 
     Raises:
         ValueError: no tensor of ``batch`` has ``size`` rows (checked whatever ``size``, so that whether it raises does
@@ -59,15 +60,9 @@ def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
         )
     if size <= cap:
         return [batch] if size else []
-
-    def part(start: int, length: int) -> Any:
-        def take(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor if tensor.ndim == 0 or tensor.shape[0] != size else tensor[start : start + length]
-
-        return apply_to_collection(batch, torch.Tensor, take)
-
     sizes = part_sizes(size, cap)
-    return [part(start, length) for start, length in zip(itertools.accumulate(sizes, initial=0), sizes, strict=False)]
+    ends = list(itertools.accumulate(sizes))
+    return [select_examples(batch, size, slice(end - length, end)) for end, length in zip(ends, sizes, strict=True)]
 
 
 def expected_physical_batches(

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, mark_examples, per_example_mask
 from lightning_dp.runtime.randomness import derive_seed
 
 
@@ -136,14 +137,24 @@ class PoissonBatchSampler(Sampler[list[int]]):
 
 def _empty_like_batch(batch: Any) -> Any:
     """The same structure (dicts and other mappings, lists, tuples, namedtuples, dataclasses) with every tensor but a
-    0-dim one cut to zero rows (an empty Poisson batch)."""
-    return apply_to_collection(batch, torch.Tensor, lambda tensor: tensor if tensor.ndim == 0 else tensor[:0])
+    0-dim one cut to zero rows and every marked per-example sequence emptied (an empty Poisson batch)."""
+
+    def cut(value: torch.Tensor | ValueSequence) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.ndim == 0 else value[:0]
+        return type(value)()
+
+    return apply_to_collection(batch, (torch.Tensor, *EXAMPLE_SEQUENCES), cut)
 
 
 class EmptyBatchCollate:
-    """Wraps a ``collate_fn`` so an empty index list yields a batch of zero-row tensors shaped like the data.
+    """Wraps a ``collate_fn`` so an empty index list yields a batch of zero-row tensors shaped like the data, and
+    every batch has its per-example sequences of non-tensor entries marked
+    (:func:`~lightning_dp.data.example_lists.mark_examples`).
 
-    The zero-row structure comes from collating ``dataset[0]`` once. Picklable (works with worker processes).
+    The zero-row structure comes from collating ``dataset[0]`` once; which sequences are per example, from comparing
+    that with the collate of ``dataset[0]`` twice (once, at construction: not from any draw). Picklable (works with
+    worker processes).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
@@ -155,6 +166,8 @@ class EmptyBatchCollate:
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
+        first = dataset[0]
+        self.example_mask = per_example_mask(self.collate_fn([first]), self.collate_fn([first, first]))
         if not batch_tensors(self(()), min_ndim=1):
             raise ValueError(
                 "the training loader's batches hold no tensor that lightning_dp can cut to zero rows for an empty "
@@ -164,8 +177,8 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(self.collate_fn([self.dataset[0]]))
-        return self.collate_fn(list(samples))
+            return _empty_like_batch(mark_examples(self.collate_fn([self.dataset[0]]), self.example_mask))
+        return mark_examples(self.collate_fn(list(samples)), self.example_mask)
 
 
 def poisson_dataloader(

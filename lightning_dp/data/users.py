@@ -21,6 +21,14 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import Dataset, Sampler
 
+from lightning_dp.data.example_lists import (
+    EXAMPLE_SEQUENCES,
+    ExampleList,
+    ExampleTuple,
+    ValueSequence,
+    map_value_sequences,
+)
+
 #: the values of the ``privacy_unit`` option.
 PRIVACY_UNITS = ("example", "user")
 
@@ -221,8 +229,10 @@ class UserBatch(dict):
 class UserCollate:
     """Collate :class:`UserExamples` into a :class:`UserBatch` with the loader's own ``collate_fn`` (picklable).
 
-    Every collated tensor whose first dimension is ``U K`` is reshaped to ``[U, K, ...]``, others kept: a collator must
-    not add a tensor of ``U K`` first entries that is not one entry per row.
+    Every collated tensor whose first dimension is ``U K`` is reshaped to ``[U, K, ...]``, and every list or tuple of
+    ``U K`` non-tensor entries (strings, say) grouped into a marked sequence of ``U`` tuples of ``K``
+    (:mod:`lightning_dp.data.example_lists`); others kept: a collator must not add a tensor or such a sequence of
+    ``U K`` entries that is not one entry per row.
 
     Args:
         collate_fn: the example-level collator (e.g. ``default_collate`` or a HF data collator).
@@ -240,8 +250,15 @@ class UserCollate:
                 return tensor
             return tensor.reshape(count, k, *tensor.shape[1:])
 
+        def entries_by_user(entries: ValueSequence) -> ValueSequence:
+            if len(entries) != count * k:
+                return entries
+            marked = ExampleTuple if isinstance(entries, tuple) else ExampleList
+            return marked(tuple(entries[u * k : (u + 1) * k]) for u in range(count))
+
         weights = torch.tensor([user.weights for user in users], dtype=torch.float32)
-        return UserBatch(rows=apply_to_collection(rows, torch.Tensor, by_user), weights=weights)
+        rows = map_value_sequences(apply_to_collection(rows, torch.Tensor, by_user), entries_by_user)
+        return UserBatch(rows=rows, weights=weights)
 
 
 def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
@@ -252,7 +269,8 @@ def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
 
     Returns:
         ``(rows, weights)``: every ``[U, K, ...]`` tensor reshaped to ``[U K, ...]`` (user ``u``'s rows ``u K .. u K +
-        K - 1``), and ``weights`` ``[U, K]``.
+        K - 1``), every marked sequence of ``U`` groups of ``K`` entries flattened the same way, and ``weights``
+        ``[U, K]``.
 
     Raises:
         ValueError: ``batch`` is not a user batch (a loader other than the engine's under ``privacy_unit="user"``).
@@ -265,12 +283,16 @@ def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:
     weights = batch["weights"]
     count, k = weights.shape
 
-    def flat(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.ndim < 2 or tuple(tensor.shape[:2]) != (count, k):
-            return tensor
-        return tensor.reshape(count * k, *tensor.shape[2:])
+    def flat(value: torch.Tensor | ValueSequence) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.ndim < 2 or tuple(value.shape[:2]) != (count, k):
+                return value
+            return value.reshape(count * k, *value.shape[2:])
+        if len(value) != count or any(not isinstance(group, tuple) or len(group) != k for group in value):
+            return value
+        return type(value)(entry for group in value for entry in group)
 
-    return apply_to_collection(batch["rows"], torch.Tensor, flat), weights
+    return apply_to_collection(batch["rows"], (torch.Tensor, *EXAMPLE_SEQUENCES), flat), weights
 
 
 def user_losses(row_losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
