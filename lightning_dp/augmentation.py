@@ -27,7 +27,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.data.batch_tensors import batch_tensors
-from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, example_sequences, select_examples
 
 Batch = TypeVar("Batch")
 
@@ -77,8 +77,9 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         rows: the copies, as :func:`repeat_for_multiplicity` returns them (``[B K, ...]`` or a nesting of tuples,
             lists, dicts and dataclasses of such tensors; 0-dim tensors and non-tensors pass through to ``fn``).
         multiplicity: ``K >= 1``.
-        fn: receives one example's copies (every tensor ``[K, ...]``) and returns them augmented, the same structure,
-            every tensor of ``K`` rows. Called once per example: vectorise inside ``fn``.
+        fn: receives one example's copies (every tensor ``[K, ...]``, every marked per-example sequence ``K``
+            entries) and returns them augmented, the same structure, every tensor of ``K`` rows, the marked sequences
+            kept marked. Called once per example: vectorise inside ``fn``.
 
     Returns:
         ``rows`` with each example's slice replaced by ``fn``'s result, in sample-major order.
@@ -97,23 +98,30 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         raise ValueError(
             f"augment_each_example needs every tensor of [B*K, ...] rows with K={multiplicity}, got shapes {shapes}"
         )
+    entries = example_sequences(rows)
     parts: list[list[torch.Tensor]] = []
+    entry_parts: list[list[ValueSequence]] = []
     template: Any = None
     for start in range(0, total, multiplicity):
-        piece = apply_to_collection(
-            rows, torch.Tensor, lambda t, s=start: t if t.ndim == 0 else t[s : s + multiplicity]
-        )
-        result = fn(piece)
+        result = fn(select_examples(rows, total, slice(start, start + multiplicity)))
         template = result if template is None else template
-        out = batch_tensors(result, min_ndim=1)
-        if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out):
+        out, out_entries = batch_tensors(result, min_ndim=1), example_sequences(result)
+        if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out) or len(out_entries) != len(entries):
             raise ValueError(
-                f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows, "
-                f"got shapes {[tuple(t.shape) for t in out]}"
+                f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows "
+                f"(and the per-example lists it was given), got shapes {[tuple(t.shape) for t in out]}"
             )
         parts.append(out)
+        entry_parts.append(out_entries)
     joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
-    return apply_to_collection(template, torch.Tensor, lambda t: t if t.ndim == 0 else next(joined))
+    joined_entries = iter([type(entries[j])(entry for p in entry_parts for entry in p[j]) for j in range(len(entries))])
+
+    def join(value: torch.Tensor | ValueSequence) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.ndim == 0 else next(joined)
+        return next(joined_entries)
+
+    return apply_to_collection(template, (torch.Tensor, *EXAMPLE_SEQUENCES), join)
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

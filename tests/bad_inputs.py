@@ -779,6 +779,9 @@ CASES: list[BadInput] = [
         "include_num_input_tokens_seen",
     ),
     BadInput(
+        "HF DPTrainer", "TrainingArguments(neftune_noise_alpha=5.0)", _hf_trainer("neftune_noise_alpha", 5.0), "NEFTune"
+    ),
+    BadInput(
         "HF DPTrainer",
         "BatchNorm1d added to a GPT-2",
         _hf_trainer(model=_gpt2_with(lambda: nn.BatchNorm1d(4))),

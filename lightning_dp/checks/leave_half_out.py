@@ -22,7 +22,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.checks.independence import BATCH_MIXING_HINT, BatchMixingError
-from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.batch_tensors import batch_tensors, holds_rows
 from lightning_dp.data.example_lists import select_examples
 
 log = logging.getLogger("lightning_dp")
@@ -141,14 +141,11 @@ def _leave_half_out(
     odd_as_even, even_as_odd = index.clone(), index.clone()
     odd_as_even[odd] = even[: len(odd)]  # each odd row a copy of the even row before it
     even_as_odd[even[: len(odd)]] = odd  # each even row with a partner a copy of the odd row after it
-    found = any(tensor.ndim and tensor.shape[0] == batch_size for tensor in batch_tensors(batch))
-
-    def rows(selection: torch.Tensor) -> Any:
-        return select_examples(batch, batch_size, selection)
-
+    found = holds_rows(batch, batch_size)
     # fresh row copies for every forward, the batch's own rows included: the same layout (a view arriving
     # non-contiguous would run other kernels than its copies)
-    variants = [rows(index), rows(index), rows(odd_as_even), rows(even_as_odd), rows(even), rows(odd)] if active else []
+    selections = (index, index, odd_as_even, even_as_odd, even, odd)
+    variants = [select_examples(batch, batch_size, selection) for selection in selections] if active else []
     if active and not found:
         log.warning(
             "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "

@@ -8,12 +8,41 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES
+
 
 def batch_tensors(batch: Any, min_ndim: int = 0) -> list[torch.Tensor]:
     """Every tensor of ``batch`` with at least ``min_ndim`` dimensions, in ``apply_to_collection``'s order (the order
     in which ``apply_to_collection(batch, torch.Tensor, fn)`` visits them, so the list can be zipped back)."""
     found: list[torch.Tensor] = []
     apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim >= min_ndim else None)
+    return found
+
+
+def first_rows(batch: Any) -> int | None:
+    """The examples of ``batch`` as its first entry that holds one per example says, in ``apply_to_collection``'s
+    order: the rows of a tensor of one dimension or more, or the entries of a marked per-example sequence
+    (:mod:`lightning_dp.data.example_lists`); ``None`` without either."""
+    for value in _examples_or_tensors(batch):
+        if isinstance(value, torch.Tensor):
+            if value.ndim:
+                return value.shape[0]
+        else:
+            return len(value)
+    return None
+
+
+def holds_rows(batch: Any, size: int) -> bool:
+    """Whether a tensor of ``batch`` has ``size`` rows, or a marked per-example sequence ``size`` entries."""
+    return any(
+        len(value) == size if not isinstance(value, torch.Tensor) else value.ndim > 0 and value.shape[0] == size
+        for value in _examples_or_tensors(batch)
+    )
+
+
+def _examples_or_tensors(batch: Any) -> list[Any]:
+    found: list[Any] = []
+    apply_to_collection(batch, (torch.Tensor, *EXAMPLE_SEQUENCES), found.append)
     return found
 
 

@@ -1,16 +1,16 @@
-"""Per-example entries of a batch that are not tensors: a list of strings from ``default_collate``, a tuple from a
-collate that unzips its examples. The Poisson loader marks them (:class:`ExampleList`, :class:`ExampleTuple`, a
-``list`` and a ``tuple`` still) wherever collating two examples gives two entries where one gave one, so that what
-selects a batch's examples (an empty draw's cut, the physical batch cap's parts, the leave-half-out halves, the
-augmented copies) selects their entries with their tensors' rows (:func:`select_examples`) instead of passing the whole
-sequence to every part: a step reading them would otherwise fail, or read another example's entry, only at the draws
-that are cut.
+"""Per-example entries of a batch that are not a tensor's rows: a tuple of strings from ``default_collate``, a list of
+per-example dicts or variable-length tensors from a custom collate. The Poisson loader finds, once, the places
+(paths) where collating two examples gives a list or tuple of two entries where one example gave one
+(:func:`per_example_paths`), and marks what every batch holds there (:func:`mark_examples`: :class:`ExampleList`,
+:class:`ExampleTuple`, a ``list`` and a ``tuple`` still), so that what selects a batch's examples (an empty draw's cut,
+the physical batch cap's parts, the leave-half-out halves, the per-user grouping, the augmented copies) selects their
+entries with their tensors' rows (:func:`select_examples`) instead of passing the whole sequence to every part.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -29,77 +29,118 @@ class ExampleTuple(tuple):
 EXAMPLE_SEQUENCES = (ExampleList, ExampleTuple)
 #: A list or a tuple (marked or not).
 ValueSequence = list[Any] | tuple[Any, ...]
+#: Where a value sits in a batch: the keys, indices and dataclass field names leading to it from the batch's root.
+Path = tuple[Any, ...]
 
 
-def _is_value_sequence(value: Any) -> bool:
-    """A non-empty list or tuple (not a namedtuple) none of whose entries is a tensor or a collection."""
-    if not isinstance(value, (list, tuple)) or not value or hasattr(value, "_fields"):
-        return False
-    return not any(
-        isinstance(item, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(item) for item in value
-    )
+def _is_sequence(value: Any) -> bool:
+    """A list or a tuple that is not a namedtuple."""
+    return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
 
 
-def map_value_sequences(batch: Any, function: Callable[[ValueSequence], Any]) -> Any:
-    """``batch`` with ``function`` applied to each of its value sequences (non-empty lists or tuples, not namedtuples,
-    of entries that are neither tensors nor collections; a marked one counts as one), in ``apply_to_collection``'s
-    order, the structure rebuilt around them."""
-
-    def visit(sequence: ValueSequence) -> Any:
-        if isinstance(sequence, EXAMPLE_SEQUENCES) or _is_value_sequence(sequence):
-            return function(sequence)
-        items = [apply_to_collection(item, (list, tuple), visit) for item in sequence]
-        return type(sequence)(*items) if hasattr(sequence, "_fields") else type(sequence)(items)
-
-    return apply_to_collection(batch, (list, tuple), visit)
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
-def value_sequence_lengths(batch: Any) -> list[int]:
-    """The lengths of the value sequences of ``batch`` (lists or tuples of entries that are neither tensors nor
-    collections), in the order :func:`mark_examples` visits them."""
-    lengths: list[int] = []
-
-    def count(sequence: ValueSequence) -> ValueSequence:
-        lengths.append(len(sequence))
-        return sequence
-
-    map_value_sequences(batch, count)
-    return lengths
-
-
-def per_example_mask(one: Any, two: Any) -> tuple[bool, ...]:
-    """Which value sequences hold one entry per example: those of length 1 in ``one`` (a collate of one example) and
-    2 in ``two`` (of that example twice). ``()`` when the two batches do not have the same number of them."""
-    first, second = value_sequence_lengths(one), value_sequence_lengths(two)
-    if len(first) != len(second):
+def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
+    """The paths of the lists and tuples (not namedtuples) holding one entry per example: of length 1 in ``one``, a
+    collate of one example, and 2 in ``two``, a collate of that example twice (entries of any kind: strings, dicts,
+    tensors). Walks dicts and other mappings, dataclasses, namedtuples and the sequences of the same length in both;
+    does not look inside a per-example sequence. ``()`` when there is none."""
+    if isinstance(one, torch.Tensor) or type(one) is not type(two):
         return ()
-    return tuple(a == 1 and b == 2 for a, b in zip(first, second, strict=True))
+    if isinstance(one, Mapping):
+        children = [(key, one[key], two[key]) for key in one if key in two]
+    elif _is_dataclass_instance(one):
+        names = [field.name for field in dataclasses.fields(one) if field.init]
+        children = [(name, getattr(one, name), getattr(two, name)) for name in names]
+    elif isinstance(one, (list, tuple)):
+        if _is_sequence(one) and len(one) == 1 and len(two) == 2:
+            return (path,)
+        if len(one) != len(two):
+            return ()
+        children = [(index, a, b) for index, (a, b) in enumerate(zip(one, two, strict=True))]
+    else:
+        return ()
+    return tuple(found for key, a, b in children for found in per_example_paths(a, b, (*path, key)))
 
 
-def mark_examples(batch: Any, mask: tuple[bool, ...]) -> Any:
-    """``batch`` with the value sequences that ``mask`` (:func:`per_example_mask`) flags as :class:`ExampleList` or
-    :class:`ExampleTuple`; ``batch`` itself when none is flagged or the batch does not have ``len(mask)`` of them."""
-    if not any(mask) or len(value_sequence_lengths(batch)) != len(mask):
-        return batch
-    flags = iter(mask)
+def _child(container: Any, key: Any) -> Any:
+    if _is_dataclass_instance(container):
+        return getattr(container, key)
+    return container[key]
 
-    def mark(sequence: ValueSequence) -> Any:
-        if not next(flags):
-            return sequence
-        return ExampleTuple(sequence) if isinstance(sequence, tuple) else ExampleList(sequence)
 
-    return map_value_sequences(batch, mark)
+def _with_child(container: Any, key: Any, value: Any) -> Any:
+    """``container`` with ``value`` at ``key``: mutable mappings and lists in place (so a mapping keeps its class and
+    its attributes, e.g. a fast tokenizer's ``BatchEncoding``), tuples and dataclasses rebuilt."""
+    if isinstance(container, (MutableMapping, list)):
+        container[key] = value
+        return container
+    if isinstance(container, Mapping):
+        return type(container)({**container, key: value})  # type: ignore[call-arg]
+    if _is_dataclass_instance(container):
+        return dataclasses.replace(container, **{key: value})
+    items = list(container)
+    items[key] = value
+    return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
+
+
+def _has_path(batch: Any, path: Path) -> bool:
+    value = batch
+    for key in path:
+        if isinstance(value, Mapping):
+            if key not in value:
+                return False
+        elif _is_dataclass_instance(value):
+            if not hasattr(value, key):
+                return False
+        elif not isinstance(value, (list, tuple)) or not isinstance(key, int) or key >= len(value):
+            return False
+        value = _child(value, key)
+    return _is_sequence(value)
+
+
+def _marked_at(batch: Any, path: Path, function: Callable[[ValueSequence], ValueSequence]) -> Any:
+    if not path:
+        return function(batch)
+    key = path[0]
+    return _with_child(batch, key, _marked_at(_child(batch, key), path[1:], function))
+
+
+def _mark(sequence: ValueSequence) -> ValueSequence:
+    if isinstance(sequence, EXAMPLE_SEQUENCES):
+        return sequence
+    return ExampleTuple(sequence) if isinstance(sequence, tuple) else ExampleList(sequence)
+
+
+def map_at_paths(batch: Any, paths: tuple[Path, ...], function: Callable[[ValueSequence], ValueSequence]) -> Any:
+    """``batch`` with ``function`` applied to the list or tuple at each of ``paths`` (a path that ``batch`` lacks, or
+    where it holds no list or tuple, is skipped), mutable containers changed in place."""
+    for path in paths:
+        if _has_path(batch, path):
+            batch = _marked_at(batch, path, function)
+    return batch
+
+
+def mark_examples(batch: Any, paths: tuple[Path, ...]) -> Any:
+    """``batch`` with the list or tuple at each of ``paths`` (:func:`per_example_paths`) marked as an
+    :class:`ExampleList` or :class:`ExampleTuple`, whatever its entries; mutable containers are changed in place."""
+    return map_at_paths(batch, paths, _mark)
 
 
 def select_examples(batch: Any, size: int, index: slice | torch.Tensor) -> Any:
-    """The examples ``index`` selects from a batch of ``size``: the rows of every tensor whose first dimension is
-    ``size`` (``tensor[index]``) and the entries of every marked sequence of ``size`` entries (of the same type); every
-    other entry, 0-dim tensors included, as it is.
+    """The examples ``index`` selects from a batch of ``size``.
 
     Args:
         batch: any nesting of dicts, lists, tuples, namedtuples and dataclasses.
         size: the batch's number of examples.
         index: a ``slice`` or a 1-dim integer tensor of positions (on any device).
+
+    Returns:
+        The same structure with the rows ``tensor[index]`` of every tensor whose first dimension is ``size``, and the
+        entries at ``index`` of every marked sequence of ``size`` entries (of the same type); every other entry, 0-dim
+        tensors included, as it is.
     """
 
     def take(value: torch.Tensor | ValueSequence) -> Any:
@@ -113,3 +154,10 @@ def select_examples(batch: Any, size: int, index: slice | torch.Tensor) -> Any:
         return type(value)(value[position] for position in positions)
 
     return apply_to_collection(batch, (torch.Tensor, *EXAMPLE_SEQUENCES), take)
+
+
+def example_sequences(batch: Any) -> list[ValueSequence]:
+    """The marked sequences of ``batch``, in ``apply_to_collection``'s order."""
+    found: list[ValueSequence] = []
+    apply_to_collection(batch, EXAMPLE_SEQUENCES, found.append)
+    return found

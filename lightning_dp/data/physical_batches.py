@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from scipy.stats import binom
 
-from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.batch_tensors import holds_rows
 from lightning_dp.data.example_lists import select_examples
 
 
@@ -53,7 +53,7 @@ def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
         ValueError: no tensor of ``batch`` has ``size`` rows (checked whatever ``size``, so that whether it raises does
             not depend on the draw).
     """
-    if not any(tensor.ndim and tensor.shape[0] == size for tensor in batch_tensors(batch)):
+    if not holds_rows(batch, size):
         raise ValueError(
             f"max_physical_batch_size={cap} cannot split a training batch of {size} examples: none of its tensors has "
             "the examples along its first dimension; return such tensors from the training loader"

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data.batch_tensors import batch_tensors
-from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, mark_examples, per_example_mask
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, mark_examples, per_example_paths
 from lightning_dp.runtime.randomness import derive_seed
 
 
@@ -149,26 +149,28 @@ def _empty_like_batch(batch: Any) -> Any:
 
 class EmptyBatchCollate:
     """Wraps a ``collate_fn`` so an empty index list yields a batch of zero-row tensors shaped like the data, and
-    every batch has its per-example sequences of non-tensor entries marked
-    (:func:`~lightning_dp.data.example_lists.mark_examples`).
+    every batch has its per-example lists and tuples marked (:func:`~lightning_dp.data.example_lists.mark_examples`).
 
-    The zero-row structure comes from collating ``dataset[0]`` once; which sequences are per example, from comparing
-    that with the collate of ``dataset[0]`` twice (once, at construction: not from any draw). Picklable (works with
-    worker processes).
+    The zero-row structure comes from collating ``dataset[0]``; where the per-example sequences are, from comparing, at
+    construction, the collates of ``dataset[0]`` once and twice (each fetched afresh: a collator may change what it is
+    given), not from any draw. Picklable (works with worker processes).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
         """Wrap ``collate_fn`` (``None``: torch's ``default_collate``) for ``dataset``, forming an empty batch once.
 
         Raises:
-            ValueError: the collated ``dataset[0]`` holds no tensor of one dimension or more that an empty batch can cut
-                (tensors inside a custom class): an empty draw would then train ``dataset[0]`` as if it were drawn.
+            ValueError: the collated ``dataset[0]`` holds neither a tensor of one dimension or more that an empty batch
+                can cut nor a per-example sequence (tensors inside a custom class): an empty draw would then train
+                ``dataset[0]`` as if it were drawn.
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        first = dataset[0]
-        self.example_mask = per_example_mask(self.collate_fn([first]), self.collate_fn([first, first]))
-        if not batch_tensors(self(()), min_ndim=1):
+        one = self.collate_fn([dataset[0]])
+        #: Where every batch holds a list or tuple of one entry per example (the same places in every batch).
+        self.example_paths = per_example_paths(one, self.collate_fn([dataset[0], dataset[0]]))
+        empty = _empty_like_batch(mark_examples(one, self.example_paths))
+        if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(
                 "the training loader's batches hold no tensor that lightning_dp can cut to zero rows for an empty "
                 "Poisson batch (tensors inside a custom class are not seen): collate into tensors in dicts, lists, "
@@ -177,8 +179,8 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(mark_examples(self.collate_fn([self.dataset[0]]), self.example_mask))
-        return mark_examples(self.collate_fn(list(samples)), self.example_mask)
+            return _empty_like_batch(mark_examples(self.collate_fn([self.dataset[0]]), self.example_paths))
+        return mark_examples(self.collate_fn(list(samples)), self.example_paths)
 
 
 def poisson_dataloader(
@@ -225,7 +227,9 @@ def poisson_dataloader(
     )
     options: dict[str, Any] = {
         "batch_sampler": sampler if wrap_sampler is None else wrap_sampler(sampler),
-        "collate_fn": EmptyBatchCollate(collate_fn, dataset),
+        "collate_fn": collate_fn
+        if isinstance(collate_fn, EmptyBatchCollate)
+        else EmptyBatchCollate(collate_fn, dataset),
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,
         "worker_init_fn": loader.worker_init_fn,

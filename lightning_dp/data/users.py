@@ -25,8 +25,10 @@ from lightning_dp.data.example_lists import (
     EXAMPLE_SEQUENCES,
     ExampleList,
     ExampleTuple,
+    Path,
     ValueSequence,
-    map_value_sequences,
+    map_at_paths,
+    per_example_paths,
 )
 
 #: the values of the ``privacy_unit`` option.
@@ -184,10 +186,11 @@ class UserDataset(Dataset):
             indices = indices[torch.randperm(len(indices), generator=generator)[:k]]
         real = len(indices)
         padded = torch.cat([indices, indices.repeat(k)[: k - real]]) if real < k else indices
-        examples = [self._example(int(i)) for i in padded]
+        examples = [self.example(int(i)) for i in padded]
         return UserExamples(examples, [1.0 / real] * real + [0.0] * (k - real))
 
-    def _example(self, index: int) -> Any:
+    def example(self, index: int) -> Any:
+        """Example ``index`` of the example-level data set as the collator receives it (``drop_key`` removed)."""
         example = self.dataset[index]
         if self.drop_key is not None and isinstance(example, Mapping) and self.drop_key in example:
             example = {key: value for key, value in example.items() if key != self.drop_key}
@@ -229,17 +232,23 @@ class UserBatch(dict):
 class UserCollate:
     """Collate :class:`UserExamples` into a :class:`UserBatch` with the loader's own ``collate_fn`` (picklable).
 
-    Every collated tensor whose first dimension is ``U K`` is reshaped to ``[U, K, ...]``, and every list or tuple of
-    ``U K`` non-tensor entries (strings, say) grouped into a marked sequence of ``U`` tuples of ``K``
-    (:mod:`lightning_dp.data.example_lists`); others kept: a collator must not add a tensor or such a sequence of
-    ``U K`` entries that is not one entry per row.
+    Every collated tensor whose first dimension is ``U K`` is reshaped to ``[U, K, ...]``, others kept: a collator
+    must not add a tensor of ``U K`` first entries that is not one entry per row. The lists and tuples that hold one
+    entry per row (found once, at construction, from the collates of the first example once and twice,
+    :func:`~lightning_dp.data.example_lists.per_example_paths`) are grouped into a marked sequence of ``U`` tuples of
+    ``K`` entries; other lists are kept whole.
 
     Args:
         collate_fn: the example-level collator (e.g. ``default_collate`` or a HF data collator).
+        users: the data regrouped by user, whose first example shows where the per-row lists are.
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], users: UserDataset) -> None:
         self.collate_fn = collate_fn
+        #: Where the collated rows hold a list or tuple of one entry per row.
+        self.example_paths: tuple[Path, ...] = per_example_paths(
+            collate_fn([users.example(0)]), collate_fn([users.example(0), users.example(0)])
+        )
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:
         count, k = len(users), len(users[0].examples)
@@ -257,7 +266,7 @@ class UserCollate:
             return marked(tuple(entries[u * k : (u + 1) * k]) for u in range(count))
 
         weights = torch.tensor([user.weights for user in users], dtype=torch.float32)
-        rows = map_value_sequences(apply_to_collection(rows, torch.Tensor, by_user), entries_by_user)
+        rows = map_at_paths(apply_to_collection(rows, torch.Tensor, by_user), self.example_paths, entries_by_user)
         return UserBatch(rows=rows, weights=weights)
 
 

@@ -22,7 +22,7 @@ from torch.utils.data._utils.collate import default_collate
 from lightning_dp.checks.attach_probe import ForwardContext
 from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
-from lightning_dp.data import PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
+from lightning_dp.data import EmptyBatchCollate, PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
@@ -129,7 +129,8 @@ class RunSequence:
             raise TypeError("DP training needs a torch DataLoader over a map-style dataset (with __len__)")
         dataset, collate_fn = loader.dataset, loader.collate_fn
         if state.config.privacy_unit == "user":
-            dataset, collate_fn = self._users(dataset, user_ids), UserCollate(loader.collate_fn or default_collate)
+            dataset = self._users(dataset, user_ids)
+            collate_fn = UserCollate(loader.collate_fn or default_collate, dataset)
             if lengths is not None:
                 log.warning("privacy_unit='user': the Poisson batches of users are not grouped by length")
                 lengths = None
@@ -166,6 +167,8 @@ class RunSequence:
         state.length_grouped = lengths is not None and state.config.poisson_sampling
         state.stand_in_source = (collate_fn, dataset, rank)
         if state.config.poisson_sampling:
+            collate_fn = EmptyBatchCollate(collate_fn, dataset)  # a stand-in batch is marked as the drawn ones are
+            state.stand_in_source = (collate_fn, dataset, rank)
             return poisson_dataloader(
                 loader,
                 dataset=dataset,

@@ -13,7 +13,8 @@ added to every log. Privacy state is saved beside each checkpoint (:mod:`lightni
 
 Not supported (rejected at construction): reentrant activation checkpointing, DeepSpeed, FSDP
 through ``TrainingArguments`` or accelerate plugins set up outside DPTrainer, DataParallel, ``torch_compile``,
-``auto_find_batch_size``, ``include_num_input_tokens_seen``, ``model_init``, ``compute_loss_func``, models sharded by
+``auto_find_batch_size``, ``include_num_input_tokens_seen``, ``neftune_noise_alpha``, ``model_init``,
+``compute_loss_func``, models sharded by
 ``from_pretrained(distributed_config=...)``. FSDP2 models (``fully_shard`` by the user, or accelerate's FSDP2
 configuration, :mod:`lightning_dp.hf.accelerate_fsdp`) are supported: docs/design.md section 8.1. Several processes
 (``accelerate launch``, ``torchrun``): docs/design.md section 8 and section 12.1.

@@ -44,6 +44,8 @@ _UNSUPPORTED = {
     "several GPUs in one process (DataParallel)": "use one process per GPU",
     "include_num_input_tokens_seen": "it logs and saves the sampled examples' token count without noise (a count of "
     "the private data); leave it 'no'",
+    "neftune_noise_alpha": "NEFTune scales each example's embedding noise by the batch's padded length, so an "
+    "example's gradient depends on which other examples were drawn; leave it None",
 }
 
 
@@ -82,7 +84,8 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
         "torch_compile=True": args.torch_compile,
         "auto_find_batch_size=True": args.auto_find_batch_size,
         "several GPUs in one process (DataParallel)": args.n_gpu > 1,
-        "include_num_input_tokens_seen": args.include_num_input_tokens_seen not in ("no", False, None),
+        "include_num_input_tokens_seen": args.include_num_input_tokens_seen != "no",  # the Trainer counts unless "no"
+        "neftune_noise_alpha": args.neftune_noise_alpha is not None,
     }
     for name, is_set in active.items():
         if is_set:

@@ -27,7 +27,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_dp.config import option_docs, option_parameters, pop_options
-from lightning_dp.data.batch_tensors import batch_tensors
+from lightning_dp.data.batch_tensors import first_rows
 from lightning_dp.engine.adapter import (
     LOSS_SCALING_REASON,
     framework_clipping,
@@ -142,12 +142,11 @@ class DPStrategyMixin(PrivacyQueries, _StrategyBase):
         return self.privacy_engine.config.poisson_sampling
 
     def read_batch_size(self, batch: Any) -> int | None:
-        """The rows of the batch's first tensor of one dimension or more, in ``apply_to_collection``'s order (``None``
-        without one); the :class:`~lightning_dp.engine.adapter.TrainerAdapter` method. Not Lightning's
-        ``extract_batch_size``, which warns on a batch holding other sizes (a name per example, a 0-dim tensor) with the
-        size found in the message: a new warning at each new size the draws give."""
-        tensors = batch_tensors(batch, min_ndim=1)
-        return tensors[0].shape[0] if tensors else None
+        """:func:`~lightning_dp.data.batch_tensors.first_rows` (``None`` when unreadable); the
+        :class:`~lightning_dp.engine.adapter.TrainerAdapter` method. Not Lightning's ``extract_batch_size``, which warns
+        on a batch holding other sizes (a name per example, a 0-dim tensor) with the size found in the message: a new
+        warning at each new size the draws give."""
+        return first_rows(batch)
 
     def _distributed_context(self) -> DistributedContext | None:
         """The process group the DP collectives run over; ``None`` (one process) unless a strategy says otherwise."""

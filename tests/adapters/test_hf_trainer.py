@@ -287,6 +287,7 @@ def test_privacy_budget_stops_before_exceeding(tmp_path) -> None:
         ("torch_compile", True, "torch_compile"),
         ("include_num_input_tokens_seen", "all", "token count without noise"),
         ("include_num_input_tokens_seen", "non_padding", "token count without noise"),
+        ("neftune_noise_alpha", 5.0, "NEFTune scales .* padded length"),
     ],
 )
 def test_unsupported_training_arguments_fail_early(attribute, value, message, tmp_path) -> None:
@@ -300,6 +301,11 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
     ("attribute", "value", "message"),
     [
         ("include_num_input_tokens_seen", "all", "token count without noise"),
+        # the Trainer counts unless the value is the string "no"; only construction turns a bool into a string
+        ("include_num_input_tokens_seen", True, "token count without noise"),
+        ("include_num_input_tokens_seen", False, "token count without noise"),
+        ("include_num_input_tokens_seen", None, "token count without noise"),
+        ("neftune_noise_alpha", 5.0, "NEFTune"),
         ("torch_compile", True, "torch_compile"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
     ],

@@ -1,7 +1,9 @@
-"""Per-example entries that are not tensors (a list of names from ``default_collate``) are selected with their rows
-wherever the engine selects examples (lightning_dp/data/example_lists.py): they were passed whole to every part under
-``max_physical_batch_size``, to the leave-half-out halves and to an empty draw (``dataset[0]``'s entry), so a step
-reading them failed, or read another example's entry, only at the draws that are cut (found in review)."""
+"""Per-example entries that are not a tensor's rows (a tuple of names from ``default_collate``, a list of per-example
+spans) are selected with their rows wherever the engine selects examples (lightning_dp/data/example_lists.py): they
+were passed whole to every part under ``max_physical_batch_size``, to the leave-half-out halves and, from
+``dataset[0]``, to an empty draw, so a step reading them failed, or read another example's entry, only at the draws that
+are cut (found in review). Where they are is decided once, from ``dataset[0]``, never from a draw (found in review of
+a first version that looked at each batch's entries)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,15 @@ import warnings
 import pytest
 import torch
 from helpers import TinyRegressor, make_trainer, regression_data
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, default_collate
 
-from lightning_dp import DPStrategy, repeat_for_multiplicity
+from lightning_dp import DPStrategy, augment_each_example, repeat_for_multiplicity
 from lightning_dp.checks.leave_half_out import check_leave_half_out
 from lightning_dp.data import EmptyBatchCollate
 from lightning_dp.data.example_lists import ExampleList, ExampleTuple
 from lightning_dp.data.physical_batches import split_rows
-from lightning_dp.data.users import UserCollate, UserExamples, flatten_users
+from lightning_dp.data.users import UserCollate, UserDataset, flatten_users
+from lightning_dp.engine.privacy_engine import PrivacyEngine
 
 CLASSES = ["low", "mid", "high"]
 
@@ -41,8 +44,7 @@ def weight(name: str) -> float:
 
 
 class WeightedByName(TinyRegressor):
-    """Each example's squared error times a weight read from its name; records whether every pass's names matched
-    its rows."""
+    """Each example's squared error times a weight read from its name; records every pass's rows and names."""
 
     def __init__(self) -> None:
         super().__init__(batch_size=16, data=Named())  # type: ignore[arg-type]
@@ -81,7 +83,41 @@ def test_the_cap_splits_the_names_with_their_rows_and_passes_a_shared_list_whole
     assert torch.equal(second["x"], batch["x"][2:])
 
 
-def test_tuples_keep_their_type_and_leave_half_out_selects_their_entries() -> None:
+class Spans(Dataset):
+    """Per-example entries whose kind varies: a span ``(start, end)`` or ``None``, and a list of tags, mostly empty."""
+
+    spans = [None, (3, 5), None, (7, 9)]
+    tags: list[list[str]] = [[], ["a", "b"], [], []]
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": torch.full((2,), float(index)), "span": self.spans[index], "tags": self.tags[index]}
+
+
+def _spans(rows: list[dict]) -> dict:
+    return {
+        "x": torch.stack([r["x"] for r in rows]),
+        "span": [r["span"] for r in rows],
+        "tags": [r["tags"] for r in rows],
+    }
+
+
+@pytest.mark.parametrize("drawn", [[0, 2], [0, 1], [1, 3], [2, 1, 3]])
+def test_what_is_marked_does_not_depend_on_the_draws_entries(drawn) -> None:
+    """A first version decided per batch from the entries' kinds: example 1's span ``(3, 5)`` was taken for a list
+    of two examples at draws holding example 1, and its tags switched the marking off."""
+    collate = EmptyBatchCollate(_spans, Spans())
+    batch = collate([Spans()[i] for i in drawn])
+    assert isinstance(batch["span"], ExampleList) and isinstance(batch["tags"], ExampleList)
+    parts = split_rows(batch, len(drawn), cap=1)
+    assert [part["span"] for part in parts] == [[Spans.spans[i]] for i in drawn]
+    assert [part["tags"] for part in parts] == [[Spans.tags[i]] for i in drawn]
+    assert [int(part["x"][0, 0]) for part in parts] == drawn
+
+
+def test_lists_keep_their_type_and_leave_half_out_selects_their_entries() -> None:
     def listed(rows):
         return torch.stack([x for x, _, _ in rows]), torch.stack([y for _, y, _ in rows]), [n for _, _, n in rows]
 
@@ -92,8 +128,7 @@ def test_tuples_keep_their_type_and_leave_half_out_selects_their_entries() -> No
     def loss(b):
         x, _, names = b
         seen.append(tuple(names))
-        assert type(names) is ExampleList
-        assert len(names) == len(x)
+        assert type(names) is ExampleList and len(names) == len(x)
         return x.sum(1) * torch.tensor([weight(name) for name in names])
 
     assert check_leave_half_out(loss, batch, 4, torch.nn.Linear(1, 1))
@@ -101,31 +136,106 @@ def test_tuples_keep_their_type_and_leave_half_out_selects_their_entries() -> No
     assert ("example-0", "example-0", "example-2", "example-2") in seen  # each odd row a copy of the even one
 
 
-def test_user_batches_group_the_names_by_user_and_flatten_them_back() -> None:
-    data = Named()
-    users = [UserExamples([data[0], data[1]], [0.5, 0.5]), UserExamples([data[2], data[2]], [1.0, 0.0])]
-    batch = UserCollate(default_collate)(users)
-    assert batch["rows"][2] == (("example-0", "example-1"), ("example-2", "example-2"))
-    (first,) = [part["rows"][2] for part in split_rows(batch, 2, cap=1)[:1]]
-    assert first == (("example-0", "example-1"),)
-    rows, _ = flatten_users(batch)
-    assert rows[2] == ("example-0", "example-1", "example-2", "example-2") and rows[0].shape == (4, 6)
+class Tagged(Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": torch.full((2,), float(index)), "name": f"ex{index}"}
 
 
-def test_augmentation_copies_repeat_the_names() -> None:
+@pytest.mark.parametrize("k", [1, 2])
+def test_user_batches_group_the_names_by_user_and_never_a_shared_list(k) -> None:
+    """A first version grouped every list of ``U K`` entries: a shared list of two class names was split between the
+    users at the draws of ``U K = 2`` rows, and with ``K = 2`` taken for a per-example list for the whole run."""
+
+    def collate(rows: list[dict]) -> dict:
+        batch = default_collate(rows)
+        batch["classes"] = ["neg", "pos"]
+        return batch
+
+    users = UserDataset(Tagged(), [0, 0, 1, 1, 2, 2], examples_per_user=k)
+    loader_collate = EmptyBatchCollate(UserCollate(collate, users), users)
+    for drawn in ([], [0], [0, 1], [0, 1, 2]):
+        batch = loader_collate([users[u] for u in drawn])
+        rows, _ = flatten_users(batch)
+        assert rows["classes"] == ["neg", "pos"] and rows["x"].shape[0] == len(drawn) * k
+        assert list(rows["name"]) == [f"ex{int(x)}" for x in rows["x"][:, 0]]
+        for part in split_rows(batch, len(drawn), cap=1):
+            part_rows, _ = flatten_users(part)
+            assert part_rows["classes"] == ["neg", "pos"]
+            assert list(part_rows["name"]) == [f"ex{int(x)}" for x in part_rows["x"][:, 0]]
+
+
+def test_augmentation_copies_repeat_the_names_and_augment_each_example_gets_its_own() -> None:
     batch = EmptyBatchCollate(None, Named())([Named()[i] for i in (1, 2)])
-    x, _, names = repeat_for_multiplicity(batch, 2)
-    assert x.shape[0] == 4 and names == ("example-1", "example-1", "example-2", "example-2")
+    rows = repeat_for_multiplicity(batch, 2)
+    assert rows[0].shape[0] == 4 and rows[2] == ("example-1", "example-1", "example-2", "example-2")
+    seen = []
+
+    def augment(piece):
+        x, y, names = piece
+        seen.append(tuple(names))
+        return x + 1, y, names
+
+    x, _, names = augment_each_example(rows, 2, augment)
+    assert seen == [("example-1", "example-1"), ("example-2", "example-2")]
+    assert names == rows[2] and isinstance(names, ExampleTuple) and torch.equal(x, rows[0] + 1)
+
+
+def test_a_collator_that_changes_its_examples_and_a_fast_tokenizers_batch_are_kept() -> None:
+    """The collates at construction take fresh examples (HF's multiple-choice collator pops ``label``); marking changes
+    a mapping in place, so a ``BatchEncoding`` keeps its encodings (a first version rebuilt every batch)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def popping(features: list[dict]) -> dict:
+        labels = [feature.pop("label") for feature in features]
+        return {"x": torch.stack([f["x"] for f in features]), "labels": torch.tensor(labels)}
+
+    class Labelled(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> dict:
+            return {"x": torch.full((2,), float(index)), "label": index % 2}
+
+    assert EmptyBatchCollate(popping, Labelled())([]).get("labels").shape == (0,)
+
+    vocabulary = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "world": 3}
+    backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+    texts = ["hello world", "world", "hello"]
+
+    def tokenize(rows: list[str]):
+        encoding = tokenizer(list(rows), return_tensors="pt", padding=True)
+        encoding["text"] = list(rows)
+        return encoding
+
+    batch = EmptyBatchCollate(tokenize, texts)(texts[:2])
+    assert isinstance(batch["text"], ExampleList) and batch.is_fast and batch.word_ids(0) == [0, 1]
+
+
+def test_a_sharded_runs_stand_in_batch_is_marked_as_a_drawn_one() -> None:
+    engine = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=1.0)
+    engine.training_loader(DataLoader(Named(), batch_size=8), batch_size=8, micro_batches=1)
+    _, _, names = engine.stand_in_batch()
+    assert isinstance(names, ExampleTuple) and names == ("example-0",)
+    rows = repeat_for_multiplicity(engine.stand_in_batch(), 2)
+    assert len(rows[2]) == rows[0].shape[0] == 2
 
 
 def test_the_strategy_reads_the_batch_size_without_a_warning_naming_it() -> None:
     """Lightning's ``extract_batch_size`` warned on such batches with the size in the message, a new warning at each
     new size the draws gave (found with this file's tests)."""
     x = torch.zeros(5, 6)
+    strategy = DPStrategy(noise_multiplier=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert DPStrategy(noise_multiplier=1.0).read_batch_size((torch.tensor(2.0), x, ("a",) * 5)) == 5
-        assert DPStrategy(noise_multiplier=1.0).read_batch_size({"names": ["a"], "scale": torch.tensor(1.0)}) is None
+        assert strategy.read_batch_size((torch.tensor(2.0), x, ("a",) * 5)) == 5
+        assert strategy.read_batch_size({"names": ["a"], "scale": torch.tensor(1.0)}) is None
+        assert strategy.read_batch_size((ExampleList([torch.zeros(3), torch.zeros(4)]), torch.zeros(9, 2))) == 2
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])

@@ -151,7 +151,7 @@ def _flat(tensors) -> torch.Tensor:
 def _user_batch(data: Dataset, k: int | None, users: list[int] | None = None) -> tuple[UserDataset, UserBatch]:
     regrouped = UserDataset(data, read_user_ids(data, "user"), k, seed=0, drop_key="user")
     chosen = range(len(regrouped)) if users is None else users
-    return regrouped, UserCollate(default_collate)([regrouped[u] for u in chosen])
+    return regrouped, UserCollate(default_collate, regrouped)([regrouped[u] for u in chosen])
 
 
 def _clipped_user_sum(model, loss, key, batch, engine, bound, **clip_function):
@@ -559,7 +559,7 @@ def test_user_collate_and_flatten_users_shapes() -> None:
     assert flatten_users(dict(batch))[0]["ids"].shape == (9, SEQ)  # a plain dict, as a trainer may rebuild it
 
     # an empty Poisson batch: zero users, zero rows
-    empty = EmptyBatchCollate(UserCollate(default_collate), regrouped)([])
+    empty = EmptyBatchCollate(UserCollate(default_collate, regrouped), regrouped)([])
     rows, weights = flatten_users(empty)
     assert weights.shape == (0, 3) and rows["ids"].shape == (0, SEQ) and rows["y"].shape == (0, SEQ)
     assert user_losses(torch.zeros(0), weights).shape == (0,)
@@ -589,7 +589,7 @@ def test_user_losses_are_weighted_means_that_ignore_padding() -> None:
 def test_user_losses_are_exact_means_in_float64() -> None:
     data = [{"v": float(i), "user": 0} for i in range(3)]
     regrouped = UserDataset(data, read_user_ids(data, "user"), 3, drop_key="user")
-    batch = UserCollate(default_collate)([regrouped[0]])
+    batch = UserCollate(default_collate, regrouped)([regrouped[0]])
     rows, weights = flatten_users(batch)
     values = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
     torch.testing.assert_close(user_losses(values, weights)[0], values.mean(), rtol=1e-15, atol=0)  # float64, not 32
@@ -747,7 +747,7 @@ def _subsets_through_a_loader(workers: int) -> list[tuple[int, ...]]:
     loader = DataLoader(
         regrouped,
         batch_sampler=UserDraws(sampler),  # as the engine's loader: draws numbered in the main process
-        collate_fn=EmptyBatchCollate(UserCollate(default_collate), regrouped),
+        collate_fn=EmptyBatchCollate(UserCollate(default_collate, regrouped), regrouped),
         num_workers=workers,
     )
     return [tuple(sorted(batch["rows"]["v"][0].tolist())) for batch in loader]
