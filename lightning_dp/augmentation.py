@@ -54,7 +54,7 @@ def repeat_for_multiplicity(batch: Batch, multiplicity: int) -> Batch:
     validate_multiplicity(multiplicity)
     if multiplicity == 1:
         return batch
-    sizes = [t.shape[0] for t in batch_tensors(batch, min_ndim=1)]
+    sizes = [t.shape[0] for t in batch_tensors(batch, min_ndim=1)] + [len(s) for s in example_sequences(batch)]
     if len(set(sizes)) > 1:
         raise ValueError(
             f"repeat_for_multiplicity: every tensor's first dimension must be the batch's examples, got first "
@@ -93,6 +93,8 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
     if not leaves:
         return fn(rows)
     total = leaves[0].shape[0]
+    if total == 0:  # an empty Poisson draw: no example to augment
+        return rows
     if any(t.shape[0] != total for t in leaves) or total % multiplicity:
         shapes = [tuple(t.shape) for t in leaves]
         raise ValueError(

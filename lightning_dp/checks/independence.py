@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_dp.clipping.layers.registry import UnsupportedModuleError
 from lightning_dp.clipping.recomputation import reentrant_refused
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES
 
 log = logging.getLogger("lightning_dp")
 
@@ -57,14 +58,16 @@ def input_leaves(batch: Any, batch_size: int) -> tuple[Any, dict[str, torch.Tens
     """
     leaves: dict[str, torch.Tensor] = {}
 
-    def as_leaf(tensor: torch.Tensor) -> torch.Tensor:
+    def as_leaf(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):  # a marked per-example sequence: its tensors are not rows
+            return tensor
         if not tensor.is_floating_point() or tensor.ndim == 0 or tensor.shape[0] != batch_size:
             return tensor
         leaf = tensor.detach().requires_grad_(True)
         leaves[f"input {len(leaves)}"] = leaf
         return leaf.clone()
 
-    return apply_to_collection(batch, torch.Tensor, as_leaf), leaves
+    return apply_to_collection(batch, (torch.Tensor, *EXAMPLE_SEQUENCES), as_leaf), leaves
 
 
 _SET_REQUIRES_GRAD = torch.Tensor.requires_grad.__set__  # type: ignore[attr-defined]

@@ -48,9 +48,9 @@ def check_leave_half_out(
     """Fail when an example's loss depends on the other examples' values or number without a gradient path.
 
     Every forward runs in eval mode, under ``no_grad``, with deterministic algorithms, from the same torch RNG state,
-    on rows of every tensor of ``batch`` whose first dimension is ``batch_size`` (and the entries of its marked
-    per-example sequences, :mod:`lightning_dp.data.example_lists`). Logs a warning, and checks nothing,
-    when no tensor of the batch has ``B`` rows.
+    on rows of every tensor of ``batch`` whose first dimension is ``batch_size`` and the entries of its marked
+    per-example sequences (:mod:`lightning_dp.data.example_lists`). Logs a warning, and checks nothing, when no tensor
+    of the batch has ``B`` rows and no marked sequence ``B`` entries.
 
     Args:
         compute_loss: ``batch -> [B]`` per-sample loss of the user's step on that batch (``None``: nothing to check).

@@ -1,4 +1,6 @@
-"""The tensors of a batch of any structure (tuples, lists, dicts, dataclasses of tensors)."""
+"""The tensors of a batch of any structure (tuples, lists, dicts, dataclasses of tensors), and its number of examples.
+A marked per-example sequence (:mod:`lightning_dp.data.example_lists`) is one entry per example: what it holds is not
+looked into."""
 
 from __future__ import annotations
 
@@ -12,24 +14,23 @@ from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES
 
 
 def batch_tensors(batch: Any, min_ndim: int = 0) -> list[torch.Tensor]:
-    """Every tensor of ``batch`` with at least ``min_ndim`` dimensions, in ``apply_to_collection``'s order (the order
-    in which ``apply_to_collection(batch, torch.Tensor, fn)`` visits them, so the list can be zipped back)."""
-    found: list[torch.Tensor] = []
-    apply_to_collection(batch, torch.Tensor, lambda t: found.append(t) if t.ndim >= min_ndim else None)
-    return found
+    """Every tensor of ``batch`` with at least ``min_ndim`` dimensions outside its marked per-example sequences, in
+    ``apply_to_collection``'s order (the order in which ``apply_to_collection(batch, (torch.Tensor,
+    *EXAMPLE_SEQUENCES), fn)`` visits them, so the list can be zipped back)."""
+    return [
+        value for value in _examples_or_tensors(batch) if isinstance(value, torch.Tensor) and value.ndim >= min_ndim
+    ]
 
 
 def first_rows(batch: Any) -> int | None:
-    """The examples of ``batch`` as its first entry that holds one per example says, in ``apply_to_collection``'s
-    order: the rows of a tensor of one dimension or more, or the entries of a marked per-example sequence
-    (:mod:`lightning_dp.data.example_lists`); ``None`` without either."""
-    for value in _examples_or_tensors(batch):
-        if isinstance(value, torch.Tensor):
-            if value.ndim:
-                return value.shape[0]
-        else:
-            return len(value)
-    return None
+    """The number of examples of ``batch``: the rows of its first tensor of one dimension or more (outside marked
+    sequences), else the entries of its first marked per-example sequence; ``None`` without either."""
+    values = _examples_or_tensors(batch)
+    tensors = [value for value in values if isinstance(value, torch.Tensor) and value.ndim]
+    if tensors:
+        return tensors[0].shape[0]
+    sequences = [value for value in values if not isinstance(value, torch.Tensor)]
+    return len(sequences[0]) if sequences else None
 
 
 def holds_rows(batch: Any, size: int) -> bool:

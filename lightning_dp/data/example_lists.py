@@ -10,7 +10,7 @@ entries with their tensors' rows (:func:`select_examples`) instead of passing th
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -43,11 +43,15 @@ def _is_dataclass_instance(value: Any) -> bool:
 
 
 def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
-    """The paths of the lists and tuples (not namedtuples) holding one entry per example: of length 1 in ``one``, a
-    collate of one example, and 2 in ``two``, a collate of that example twice (entries of any kind: strings, dicts,
-    tensors). Walks dicts and other mappings, dataclasses, namedtuples and the sequences of the same length in both;
-    does not look inside a per-example sequence. ``()`` when there is none."""
-    if isinstance(one, torch.Tensor) or type(one) is not type(two):
+    """The paths where a batch holds one entry per example: of a list or tuple (not a namedtuple) of length 1 in
+    ``one``, a collate of one example, and 2 in ``two``, a collate of that example twice (entries of any kind: strings,
+    dicts, tensors); and of a tensor of 1 row in ``one`` and 2 in ``two`` (a collate may give a list there when the
+    drawn examples' tensors do not stack). Walks dicts and other mappings, dataclasses, namedtuples and the sequences of
+    the same length in both; does not look inside a per-example sequence. ``()`` when there is none."""
+    if isinstance(one, torch.Tensor):
+        rows = isinstance(two, torch.Tensor) and one.ndim > 0 and two.ndim > 0
+        return (path,) if rows and one.shape[0] == 1 and two.shape[0] == 2 else ()
+    if type(one) is not type(two):
         return ()
     if isinstance(one, Mapping):
         children = [(key, one[key], two[key]) for key in one if key in two]
@@ -72,15 +76,18 @@ def _child(container: Any, key: Any) -> Any:
 
 
 def _with_child(container: Any, key: Any, value: Any) -> Any:
-    """``container`` with ``value`` at ``key``: mutable mappings and lists in place (so a mapping keeps its class and
-    its attributes, e.g. a fast tokenizer's ``BatchEncoding``), tuples and dataclasses rebuilt."""
+    """``container`` with ``value`` at ``key``: mutable mappings, lists and dataclasses in place (so a mapping keeps its
+    class and its attributes, e.g. a fast tokenizer's ``BatchEncoding``), tuples and frozen dataclasses rebuilt."""
     if isinstance(container, (MutableMapping, list)):
         container[key] = value
         return container
     if isinstance(container, Mapping):
         return type(container)({**container, key: value})  # type: ignore[call-arg]
     if _is_dataclass_instance(container):
-        return dataclasses.replace(container, **{key: value})
+        if container.__dataclass_params__.frozen:
+            return dataclasses.replace(container, **{key: value})
+        setattr(container, key, value)
+        return container
     items = list(container)
     items[key] = value
     return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
@@ -101,11 +108,11 @@ def _has_path(batch: Any, path: Path) -> bool:
     return _is_sequence(value)
 
 
-def _marked_at(batch: Any, path: Path, function: Callable[[ValueSequence], ValueSequence]) -> Any:
+def _marked_at(batch: Any, path: Path) -> Any:
     if not path:
-        return function(batch)
+        return _mark(batch)
     key = path[0]
-    return _with_child(batch, key, _marked_at(_child(batch, key), path[1:], function))
+    return _with_child(batch, key, _marked_at(_child(batch, key), path[1:]))
 
 
 def _mark(sequence: ValueSequence) -> ValueSequence:
@@ -114,19 +121,14 @@ def _mark(sequence: ValueSequence) -> ValueSequence:
     return ExampleTuple(sequence) if isinstance(sequence, tuple) else ExampleList(sequence)
 
 
-def map_at_paths(batch: Any, paths: tuple[Path, ...], function: Callable[[ValueSequence], ValueSequence]) -> Any:
-    """``batch`` with ``function`` applied to the list or tuple at each of ``paths`` (a path that ``batch`` lacks, or
-    where it holds no list or tuple, is skipped), mutable containers changed in place."""
-    for path in paths:
-        if _has_path(batch, path):
-            batch = _marked_at(batch, path, function)
-    return batch
-
-
 def mark_examples(batch: Any, paths: tuple[Path, ...]) -> Any:
     """``batch`` with the list or tuple at each of ``paths`` (:func:`per_example_paths`) marked as an
-    :class:`ExampleList` or :class:`ExampleTuple`, whatever its entries; mutable containers are changed in place."""
-    return map_at_paths(batch, paths, _mark)
+    :class:`ExampleList` or :class:`ExampleTuple`, whatever its entries; mutable containers are changed in place. A
+    path where ``batch`` holds no list or tuple (a tensor, or nothing) is skipped."""
+    for path in paths:
+        if _has_path(batch, path):
+            batch = _marked_at(batch, path)
+    return batch
 
 
 def select_examples(batch: Any, size: int, index: slice | torch.Tensor) -> Any:

@@ -50,13 +50,14 @@ def split_rows(batch: Any, size: int, cap: int) -> list[Any]:
     A batch of at most ``cap`` examples is returned as it is.
 
     Raises:
-        ValueError: no tensor of ``batch`` has ``size`` rows (checked whatever ``size``, so that whether it raises does
-            not depend on the draw).
+        ValueError: no tensor of ``batch`` has ``size`` rows and no marked sequence ``size`` entries (checked whatever
+            ``size``, so that whether it raises does not depend on the draw).
     """
     if not holds_rows(batch, size):
         raise ValueError(
             f"max_physical_batch_size={cap} cannot split a training batch of {size} examples: none of its tensors has "
-            "the examples along its first dimension; return such tensors from the training loader"
+            "the examples along its first dimension, nor any of its lists one entry per example; return such tensors "
+            "from the training loader"
         )
     if size <= cap:
         return [batch] if size else []

@@ -9,6 +9,7 @@ sample (docs/design.md section 8).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -152,8 +153,9 @@ class EmptyBatchCollate:
     every batch has its per-example lists and tuples marked (:func:`~lightning_dp.data.example_lists.mark_examples`).
 
     The zero-row structure comes from collating ``dataset[0]``; where the per-example sequences are, from comparing, at
-    construction, the collates of ``dataset[0]`` once and twice (each fetched afresh: a collator may change what it is
-    given), not from any draw. Picklable (works with worker processes).
+    construction, the collates of ``dataset[0]`` once and twice, not from any draw. Each collate of ``dataset[0]`` gets
+    a deep copy (a collator may change what it is given, and a dataset may return what it stores). Picklable (works
+    with worker processes).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
@@ -166,9 +168,9 @@ class EmptyBatchCollate:
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        one = self.collate_fn([dataset[0]])
-        #: Where every batch holds a list or tuple of one entry per example (the same places in every batch).
-        self.example_paths = per_example_paths(one, self.collate_fn([dataset[0], dataset[0]]))
+        one = self.collate_fn([self._first()])
+        #: Where every batch holds one entry per example (the same places in every batch).
+        self.example_paths = per_example_paths(one, self.collate_fn([self._first(), self._first()]))
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(
@@ -179,8 +181,11 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(mark_examples(self.collate_fn([self.dataset[0]]), self.example_paths))
+            return _empty_like_batch(mark_examples(self.collate_fn([self._first()]), self.example_paths))
         return mark_examples(self.collate_fn(list(samples)), self.example_paths)
+
+    def _first(self) -> Any:
+        return copy.deepcopy(self.dataset[0])
 
 
 def poisson_dataloader(
@@ -228,7 +233,7 @@ def poisson_dataloader(
     options: dict[str, Any] = {
         "batch_sampler": sampler if wrap_sampler is None else wrap_sampler(sampler),
         "collate_fn": collate_fn
-        if isinstance(collate_fn, EmptyBatchCollate)
+        if isinstance(collate_fn, EmptyBatchCollate) and collate_fn.dataset is dataset
         else EmptyBatchCollate(collate_fn, dataset),
         "num_workers": loader.num_workers,
         "pin_memory": loader.pin_memory,

@@ -11,6 +11,7 @@ rows, whose gradient is clipped once.
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -23,11 +24,9 @@ from torch.utils.data import Dataset, Sampler
 
 from lightning_dp.data.example_lists import (
     EXAMPLE_SEQUENCES,
-    ExampleList,
-    ExampleTuple,
     Path,
     ValueSequence,
-    map_at_paths,
+    mark_examples,
     per_example_paths,
 )
 
@@ -246,28 +245,25 @@ class UserCollate:
     def __init__(self, collate_fn: Callable[[list[Any]], Any], users: UserDataset) -> None:
         self.collate_fn = collate_fn
         #: Where the collated rows hold a list or tuple of one entry per row.
-        self.example_paths: tuple[Path, ...] = per_example_paths(
-            collate_fn([users.example(0)]), collate_fn([users.example(0), users.example(0)])
-        )
+        one, two = ([copy.deepcopy(users.example(0)) for _ in range(count)] for count in (1, 2))
+        self.example_paths: tuple[Path, ...] = per_example_paths(collate_fn(one), collate_fn(two))
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:
         count, k = len(users), len(users[0].examples)
         rows = self.collate_fn([example for user in users for example in user.examples])
 
-        def by_user(tensor: torch.Tensor) -> torch.Tensor:
-            if tensor.ndim == 0 or tensor.shape[0] != count * k:
-                return tensor
-            return tensor.reshape(count, k, *tensor.shape[1:])
-
-        def entries_by_user(entries: ValueSequence) -> ValueSequence:
-            if len(entries) != count * k:
-                return entries
-            marked = ExampleTuple if isinstance(entries, tuple) else ExampleList
-            return marked(tuple(entries[u * k : (u + 1) * k]) for u in range(count))
+        def by_user(value: torch.Tensor | ValueSequence) -> Any:
+            if not isinstance(value, torch.Tensor):  # a per-row sequence: grouped, what it holds not looked into
+                if len(value) != count * k:
+                    return value
+                return type(value)(tuple(value[u * k : (u + 1) * k]) for u in range(count))
+            if value.ndim == 0 or value.shape[0] != count * k:
+                return value
+            return value.reshape(count, k, *value.shape[1:])
 
         weights = torch.tensor([user.weights for user in users], dtype=torch.float32)
-        rows = map_at_paths(apply_to_collection(rows, torch.Tensor, by_user), self.example_paths, entries_by_user)
-        return UserBatch(rows=rows, weights=weights)
+        rows = mark_examples(rows, self.example_paths)
+        return UserBatch(rows=apply_to_collection(rows, (torch.Tensor, *EXAMPLE_SEQUENCES), by_user), weights=weights)
 
 
 def flatten_users(batch: Any) -> tuple[Any, torch.Tensor]:

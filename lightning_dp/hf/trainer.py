@@ -59,6 +59,7 @@ from lightning_dp.hf.trainer_checks import (
     check_model_and_loss,
     check_resume_skips_no_batches,
     check_sharded_run,
+    check_trainer_neftune,
     check_training_arguments,
     warn_ignored_without_dp,
 )
@@ -183,6 +184,7 @@ class DPTrainer(PrivacyQueries, ShardedCheckpoints, Trainer):
             )
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         check_training_arguments(self.args, self.privacy_args)  # again: the arguments can change after construction
+        check_trainer_neftune(getattr(self, "neftune_noise_alpha", None))
         engine = self.privacy_engine
         engine.begin_fit(distributed_context())
         if uses_fsdp(self.model):

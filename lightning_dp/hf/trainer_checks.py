@@ -113,6 +113,17 @@ def check_training_arguments(args: TrainingArguments, privacy_args: PrivacyArgum
         args.max_grad_norm = 0.0
 
 
+def check_trainer_neftune(alpha: float | None) -> None:
+    """Refuse NEFTune as ``train()`` will run it: ``Trainer.__init__`` copies ``args.neftune_noise_alpha`` into the
+    trainer's ``neftune_noise_alpha``, the value ``Trainer.train`` reads.
+
+    Raises:
+        ValueError: ``alpha`` is not ``None``.
+    """
+    if alpha is not None:
+        raise ValueError(f"DPTrainer does not support neftune_noise_alpha: {_UNSUPPORTED['neftune_noise_alpha']}")
+
+
 def check_accelerator_and_model(model: nn.Module, *, deepspeed_enabled: bool, fsdp_enabled: bool) -> None:
     """Reject what accelerate or transformers set up outside DPTrainer: DeepSpeed, an FSDP plugin (DPTrainer hid the
     launcher's FSDP settings, so one left is a plugin set up before it, elsewhere), a model sharded by

@@ -305,7 +305,6 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
         ("include_num_input_tokens_seen", True, "token count without noise"),
         ("include_num_input_tokens_seen", False, "token count without noise"),
         ("include_num_input_tokens_seen", None, "token count without noise"),
-        ("neftune_noise_alpha", 5.0, "NEFTune"),
         ("torch_compile", True, "torch_compile"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
     ],
@@ -318,6 +317,16 @@ def test_training_arguments_changed_after_construction_are_refused_at_train(
     trainer = make_trainer(tiny_gpt2(), tmp_path)
     setattr(trainer.args, attribute, value)
     with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
+def test_neftune_set_on_the_trainer_after_construction_is_refused_at_train(tmp_path) -> None:
+    """``Trainer.__init__`` copies ``args.neftune_noise_alpha`` into the trainer, and ``train()`` reads that copy
+    (found in review)."""
+    trainer = make_trainer(tiny_gpt2(), tmp_path)
+    trainer.neftune_noise_alpha = 5.0
+    with pytest.raises(ValueError, match="NEFTune"):
         trainer.train()
     assert trainer.state.global_step == 0
 

@@ -201,6 +201,9 @@ def test_a_collator_that_changes_its_examples_and_a_fast_tokenizers_batch_are_ke
             return {"x": torch.full((2,), float(index)), "label": index % 2}
 
     assert EmptyBatchCollate(popping, Labelled())([]).get("labels").shape == (0,)
+    stored = [{"x": torch.full((2,), float(index)), "label": index % 2} for index in range(4)]  # returned as stored
+    EmptyBatchCollate(popping, stored)([])
+    assert all("label" in example for example in stored)
 
     vocabulary = {"[PAD]": 0, "[UNK]": 1, "hello": 2, "world": 3}
     backend = Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]"))
@@ -215,6 +218,74 @@ def test_a_collator_that_changes_its_examples_and_a_fast_tokenizers_batch_are_ke
 
     batch = EmptyBatchCollate(tokenize, texts)(texts[:2])
     assert isinstance(batch["text"], ExampleList) and batch.is_fast and batch.word_ids(0) == [0, 1]
+
+
+class Tokens(Dataset):
+    """Per-example token tensors of 4 entries in a list (as a collate of variable-length tensors gives them)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": torch.full((2,), float(index)), "tokens": torch.arange(4) + 10 * index}
+
+
+def _token_lists(rows: list[dict]) -> dict:
+    return {"tokens": [r["tokens"] for r in rows], "x": torch.stack([r["x"] for r in rows])}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_the_tensors_inside_a_marked_list_are_never_taken_for_rows(size) -> None:
+    """The copies, the augmentation pieces and the independence check's inputs looked inside marked lists (found in
+    review): with per-example tensors of 4 entries, ``repeat_for_multiplicity`` raised at 3 examples and not at 4, and
+    ``augment_each_example`` swapped ``x`` for a list's tensor at 1 example."""
+    from lightning_dp.checks.independence import input_leaves
+
+    batch = EmptyBatchCollate(_token_lists, Tokens())([Tokens()[i] for i in range(size)])
+    rows = repeat_for_multiplicity(batch, 2)
+    assert len(rows["tokens"]) == rows["x"].shape[0] == 2 * size
+    out = augment_each_example(rows, 2, lambda piece: {"tokens": piece["tokens"], "x": piece["x"] + 100})
+    assert torch.equal(out["x"], rows["x"] + 100) and all(
+        torch.equal(a, b) for a, b in zip(out["tokens"], rows["tokens"], strict=True)
+    )
+    _, leaves = input_leaves({"tokens": ExampleList([torch.zeros(4) for _ in range(size)]), "x": batch["x"]}, size)
+    assert list(leaves) == ["input 0"] and leaves["input 0"].shape == (size, 2)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_user_level_leaves_the_tensors_inside_per_row_lists_as_they_are(k) -> None:
+    """``UserCollate`` reshaped every tensor of ``U K`` entries, those inside the per-row lists too (found in review):
+    4-token rows became ``[2, 2]`` at the draws of ``U K = 4`` rows only."""
+    users = UserDataset(Tokens(), [0, 0, 1, 1, 2, 2, 3, 3], examples_per_user=k)
+    collate = EmptyBatchCollate(UserCollate(_token_lists, users), users)
+    for count in (1, 2, 3, 4):
+        rows, _ = flatten_users(collate([users[u] for u in range(count)]))
+        assert [tuple(t.shape) for t in rows["tokens"]] == [(4,)] * (count * k)
+
+
+def test_a_list_where_dataset_0_stacks_a_tensor_is_marked_and_augment_copes_with_empty_draws() -> None:
+    """A collate that stacks the drawn examples' tensors when their shapes match and lists them otherwise: the path is
+    found from the stacked tensor (1 row, then 2), and the list marked at the draws that give one."""
+
+    class Ragged(Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, index: int) -> dict:
+            return {"x": torch.full((2,), float(index)), "t": torch.arange(1 + index % 3)}
+
+    def stack_or_list(rows: list[dict]) -> dict:
+        tensors = [r["t"] for r in rows]
+        same = len({t.shape for t in tensors}) == 1
+        return {"x": torch.stack([r["x"] for r in rows]), "t": torch.stack(tensors) if same else tensors}
+
+    collate = EmptyBatchCollate(stack_or_list, Ragged())
+    batch = collate([Ragged()[i] for i in (0, 1, 2)])
+    assert isinstance(batch["t"], ExampleList)
+    assert [part["t"] for part in split_rows(batch, 3, cap=2)][1] == [batch["t"][2]]
+    empty = collate([])
+    assert empty["x"].shape == (0, 2) and empty["t"].shape[0] == 0
+    assert augment_each_example(repeat_for_multiplicity(empty, 2), 2, lambda piece: piece)["x"].shape == (0, 2)
 
 
 def test_a_sharded_runs_stand_in_batch_is_marked_as_a_drawn_one() -> None:
@@ -235,7 +306,9 @@ def test_the_strategy_reads_the_batch_size_without_a_warning_naming_it() -> None
         warnings.simplefilter("error")
         assert strategy.read_batch_size((torch.tensor(2.0), x, ("a",) * 5)) == 5
         assert strategy.read_batch_size({"names": ["a"], "scale": torch.tensor(1.0)}) is None
-        assert strategy.read_batch_size((ExampleList([torch.zeros(3), torch.zeros(4)]), torch.zeros(9, 2))) == 2
+        # a tensor's rows first, as the HF adapter reads them; a marked list's entries when there is no tensor
+        assert strategy.read_batch_size((ExampleList([torch.zeros(3), torch.zeros(4)]), torch.zeros(2, 9))) == 2
+        assert strategy.read_batch_size({"tokens": ExampleList([torch.zeros(3)] * 4), "scale": torch.tensor(1.0)}) == 4
 
 
 @pytest.mark.parametrize("noise", [0.0, 1.0])
