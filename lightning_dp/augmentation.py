@@ -85,22 +85,23 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         ``rows`` with each example's slice replaced by ``fn``'s result, in sample-major order.
 
     Raises:
-        ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension is not a multiple of ``K``
-            or differs between tensors; ``fn`` returned a tensor without ``K`` rows, or a different number of tensors.
+        ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension, or a marked per-example
+            sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned a tensor
+            without ``K`` rows or a marked sequence without ``K`` entries, or a different number of them.
     """
     validate_multiplicity(multiplicity)
-    leaves = batch_tensors(rows, min_ndim=1)
-    if not leaves:
+    leaves, entries = batch_tensors(rows, min_ndim=1), example_sequences(rows)
+    sizes = [t.shape[0] for t in leaves] + [len(sequence) for sequence in entries]
+    if not sizes:  # nothing of one row per copy: the batch is passed whole
         return fn(rows)
-    total = leaves[0].shape[0]
+    total = sizes[0]
+    if any(size != total for size in sizes) or total % multiplicity:
+        raise ValueError(
+            f"augment_each_example needs every tensor of [B*K, ...] rows and every per-example list of B*K entries "
+            f"with K={multiplicity}, got sizes {sizes}"
+        )
     if total == 0:  # an empty Poisson draw: no example to augment
         return rows
-    if any(t.shape[0] != total for t in leaves) or total % multiplicity:
-        shapes = [tuple(t.shape) for t in leaves]
-        raise ValueError(
-            f"augment_each_example needs every tensor of [B*K, ...] rows with K={multiplicity}, got shapes {shapes}"
-        )
-    entries = example_sequences(rows)
     parts: list[list[torch.Tensor]] = []
     entry_parts: list[list[ValueSequence]] = []
     template: Any = None
@@ -108,10 +109,11 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         result = fn(select_examples(rows, total, slice(start, start + multiplicity)))
         template = result if template is None else template
         out, out_entries = batch_tensors(result, min_ndim=1), example_sequences(result)
-        if len(out) != len(leaves) or any(t.shape[0] != multiplicity for t in out) or len(out_entries) != len(entries):
+        out_sizes = [t.shape[0] for t in out] + [len(sequence) for sequence in out_entries]
+        if len(out) != len(leaves) or len(out_entries) != len(entries) or any(s != multiplicity for s in out_sizes):
             raise ValueError(
                 f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows "
-                f"(and the per-example lists it was given), got shapes {[tuple(t.shape) for t in out]}"
+                f"and every per-example list of K entries, got sizes {out_sizes}"
             )
         parts.append(out)
         entry_parts.append(out_entries)

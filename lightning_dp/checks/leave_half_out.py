@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_dp.checks.independence import BATCH_MIXING_HINT, BatchMixingError
-from lightning_dp.data.batch_tensors import batch_tensors, holds_rows
+from lightning_dp.data.batch_tensors import holds_rows
 from lightning_dp.data.example_lists import select_examples
 
 log = logging.getLogger("lightning_dp")
@@ -149,7 +150,8 @@ def _leave_half_out(
     if active and not found:
         log.warning(
             "leave-half-out check could not run (no tensor of the batch has the batch size %d as its first "
-            "dimension), so mixing of examples without a gradient path is NOT checked",
+            "dimension, nor any per-example list as many entries), so mixing of examples without a gradient path is "
+            "NOT checked",
             batch_size,
         )
         if not lockstep:
@@ -189,7 +191,7 @@ def _forwards(
     and whether an operation without a deterministic implementation ran (its warning, under ``warn_only``). Every
     submodule's train/eval mode is restored afterwards."""
     devices = sorted(
-        {t.device.index or 0 for t in batch_tensors(batch) if t.is_cuda}
+        {t.device.index or 0 for t in _all_tensors(batch) if t.is_cuda}
         | {p.device.index or 0 for p in module.parameters() if p.is_cuda}
     )
     modes = {sub: sub.training for sub in module.modules()}
@@ -269,3 +271,10 @@ def _count_test(
         "examples or tokens), so with Poisson sampling each example's contribution depends on which others were "
         "drawn; use a per-example mean, or divide by a constant such as the expected batch size; " + BATCH_MIXING_HINT
     )
+
+
+def _all_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor of ``batch``, those inside its marked per-example sequences too (for their devices)."""
+    found: list[torch.Tensor] = []
+    apply_to_collection(batch, torch.Tensor, found.append)
+    return found

@@ -49,8 +49,12 @@ def _examples_or_tensors(batch: Any) -> list[Any]:
 
 def leading_rows(batch: Mapping[str, Any]) -> int | None:
     """Rows of the first tensor with at least one dimension among the values of ``batch`` (a HF batch, ``{name:
-    tensor}``), in their order, not looking inside nested values; ``None`` when there is none."""
+    tensor}``), in their order, not looking inside nested values; else the entries of its first marked per-example
+    sequence among them (as :func:`first_rows` orders them); ``None`` when there is neither."""
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.ndim:
             return value.shape[0]
+    for value in batch.values():
+        if isinstance(value, EXAMPLE_SEQUENCES):
+            return len(value)
     return None

@@ -14,6 +14,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from lightning_utilities.core.apply_func import apply_to_collection
 
 
@@ -27,6 +28,25 @@ class ExampleTuple(tuple):
 
 #: The marked sequences.
 EXAMPLE_SEQUENCES = (ExampleList, ExampleTuple)
+
+
+def _flatten(sequence: ExampleList | ExampleTuple) -> tuple[list[Any], None]:
+    return list(sequence), None
+
+
+# torch's pytrees (``tree_map``, ``tree_leaves``) walk them as they walk a list or tuple, and keep their type
+pytree.register_pytree_node(
+    ExampleList,
+    _flatten,
+    lambda values, _: ExampleList(values),
+    serialized_type_name="lightning_dp.data.example_lists.ExampleList",
+)
+pytree.register_pytree_node(
+    ExampleTuple,
+    _flatten,
+    lambda values, _: ExampleTuple(values),
+    serialized_type_name="lightning_dp.data.example_lists.ExampleTuple",
+)
 #: A list or a tuple (marked or not).
 ValueSequence = list[Any] | tuple[Any, ...]
 #: Where a value sits in a batch: the keys, indices and dataclass field names leading to it from the batch's root.
@@ -42,16 +62,22 @@ def _is_dataclass_instance(value: Any) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
+def _entries(value: Any) -> int | None:
+    """The rows of a tensor of one dimension or more, or the length of a list or tuple that is not a namedtuple."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.ndim else None
+    return len(value) if _is_sequence(value) else None
+
+
 def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
-    """The paths where a batch holds one entry per example: of a list or tuple (not a namedtuple) of length 1 in
-    ``one``, a collate of one example, and 2 in ``two``, a collate of that example twice (entries of any kind: strings,
-    dicts, tensors); and of a tensor of 1 row in ``one`` and 2 in ``two`` (a collate may give a list there when the
-    drawn examples' tensors do not stack). Walks dicts and other mappings, dataclasses, namedtuples and the sequences of
-    the same length in both; does not look inside a per-example sequence. ``()`` when there is none."""
-    if isinstance(one, torch.Tensor):
-        rows = isinstance(two, torch.Tensor) and one.ndim > 0 and two.ndim > 0
-        return (path,) if rows and one.shape[0] == 1 and two.shape[0] == 2 else ()
-    if type(one) is not type(two):
+    """The paths where a batch holds one entry per example: of a list, tuple (not a namedtuple) or tensor of 1 entry
+    (row) in ``one``, a collate of one example, and 2 in ``two``, a collate of that example twice (entries of any
+    kind: strings, dicts, tensors; a collate may stack the examples' tensors or list them, as their shapes allow).
+    Walks dicts and other mappings, dataclasses, namedtuples and the sequences of the same length in both; does not
+    look inside a per-example sequence. ``()`` when there is none."""
+    if _entries(one) == 1 and _entries(two) == 2:
+        return (path,)
+    if isinstance(one, torch.Tensor) or type(one) is not type(two):
         return ()
     if isinstance(one, Mapping):
         children = [(key, one[key], two[key]) for key in one if key in two]
@@ -59,8 +85,6 @@ def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
         names = [field.name for field in dataclasses.fields(one) if field.init]
         children = [(name, getattr(one, name), getattr(two, name)) for name in names]
     elif isinstance(one, (list, tuple)):
-        if _is_sequence(one) and len(one) == 1 and len(two) == 2:
-            return (path,)
         if len(one) != len(two):
             return ()
         children = [(index, a, b) for index, (a, b) in enumerate(zip(one, two, strict=True))]

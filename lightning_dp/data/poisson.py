@@ -168,9 +168,10 @@ class EmptyBatchCollate:
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        one = self.collate_fn([self._first()])
+        first = dataset[0]  # fetched once (a random transform gives each fetch its own shapes), copied per collate
+        one = self.collate_fn([copy.deepcopy(first)])
         #: Where every batch holds one entry per example (the same places in every batch).
-        self.example_paths = per_example_paths(one, self.collate_fn([self._first(), self._first()]))
+        self.example_paths = per_example_paths(one, self.collate_fn([copy.deepcopy(first), copy.deepcopy(first)]))
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(
@@ -181,11 +182,9 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(mark_examples(self.collate_fn([self._first()]), self.example_paths))
+            first = copy.deepcopy(self.dataset[0])
+            return _empty_like_batch(mark_examples(self.collate_fn([first]), self.example_paths))
         return mark_examples(self.collate_fn(list(samples)), self.example_paths)
-
-    def _first(self) -> Any:
-        return copy.deepcopy(self.dataset[0])
 
 
 def poisson_dataloader(

@@ -245,7 +245,8 @@ class UserCollate:
     def __init__(self, collate_fn: Callable[[list[Any]], Any], users: UserDataset) -> None:
         self.collate_fn = collate_fn
         #: Where the collated rows hold a list or tuple of one entry per row.
-        one, two = ([copy.deepcopy(users.example(0)) for _ in range(count)] for count in (1, 2))
+        first = users.example(0)  # fetched once, copied per collate (as EmptyBatchCollate does)
+        one, two = ([copy.deepcopy(first) for _ in range(count)] for count in (1, 2))
         self.example_paths: tuple[Path, ...] = per_example_paths(collate_fn(one), collate_fn(two))
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:

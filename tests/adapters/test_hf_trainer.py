@@ -305,6 +305,7 @@ def test_unsupported_training_arguments_fail_early(attribute, value, message, tm
         ("include_num_input_tokens_seen", True, "token count without noise"),
         ("include_num_input_tokens_seen", False, "token count without noise"),
         ("include_num_input_tokens_seen", None, "token count without noise"),
+        ("neftune_noise_alpha", 5.0, "NEFTune"),
         ("torch_compile", True, "torch_compile"),
         ("max_grad_norm", 0.5, "max_grad_norm=0.5"),
     ],

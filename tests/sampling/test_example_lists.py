@@ -288,6 +288,57 @@ def test_a_list_where_dataset_0_stacks_a_tensor_is_marked_and_augment_copes_with
     assert augment_each_example(repeat_for_multiplicity(empty, 2), 2, lambda piece: piece)["x"].shape == (0, 2)
 
 
+@pytest.mark.parametrize("size", [0, 1, 2, 3])
+def test_augment_each_example_gets_one_examples_copies_when_only_lists_hold_them(size) -> None:
+    """With no tensor of rows left outside the marked lists, ``augment_each_example`` called ``fn`` once on the whole
+    batch, so an ``fn`` mixing "its" copies mixed examples, at the draws a stack-or-list collate listed (found in
+    review); a list of another length than the rows' raised at some draws only."""
+    rows = repeat_for_multiplicity({"t": ExampleList([torch.full((1 + i,), float(i)) for i in range(size)])}, 2)
+    seen: list[int] = []
+
+    def mix_copies(piece: dict) -> dict:
+        seen.append(len(piece["t"]))
+        return {"t": ExampleList([piece["t"][0] + piece["t"][-1]] * len(piece["t"]))}
+
+    out = augment_each_example(rows, 2, mix_copies)
+    assert seen == [2] * size and [float(t[0]) for t in out["t"]] == [2.0 * i for i in range(size) for _ in range(2)]
+    with pytest.raises(ValueError, match="every per-example list of B\\*K entries"):
+        augment_each_example({"x": torch.zeros(2 * size + 2, 1), "t": ExampleList([0] * (2 * size))}, 2, mix_copies)
+
+
+def test_a_random_first_example_and_the_hf_reading_of_the_size() -> None:
+    """``dataset[0]`` is fetched once for the two set-up collates: with a random length, the collate of one example
+    stacked a tensor and the collate of two fresh fetches listed two (found in review), so the list was not marked."""
+    from lightning_dp.data.batch_tensors import leading_rows
+
+    class RandomLength(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> dict:
+            return {"t": torch.zeros(int(torch.randint(1, 50, ()))), "label": index}
+
+    def stack_or_list(rows: list[dict]) -> dict:
+        tensors = [r["t"] for r in rows]
+        same = len({t.shape for t in tensors}) == 1
+        return {"t": torch.stack(tensors) if same else tensors, "label": [r["label"] for r in rows]}
+
+    torch.manual_seed(0)
+    collate = EmptyBatchCollate(stack_or_list, RandomLength())
+    assert collate.example_paths == (("t",), ("label",))
+    batch = collate([RandomLength()[i] for i in range(3)])
+    assert leading_rows(batch) == 3 and leading_rows({"label": ExampleTuple((1, 2))}) == 2
+
+
+def test_torch_pytrees_walk_marked_lists_and_keep_them_marked() -> None:
+    from torch.utils import _pytree
+
+    batch = {"t": ExampleList([torch.zeros(2), torch.ones(3)]), "names": ExampleTuple(("a", "b"))}
+    doubled = _pytree.tree_map(lambda leaf: leaf.double() if isinstance(leaf, torch.Tensor) else leaf, batch)
+    assert len(_pytree.tree_leaves(batch)) == 4 and doubled["t"][1].dtype == torch.float64
+    assert isinstance(doubled["t"], ExampleList) and isinstance(doubled["names"], ExampleTuple)
+
+
 def test_a_sharded_runs_stand_in_batch_is_marked_as_a_drawn_one() -> None:
     engine = PrivacyEngine(noise_multiplier=1.0, max_grad_norm=1.0)
     engine.training_loader(DataLoader(Named(), batch_size=8), batch_size=8, micro_batches=1)
