@@ -78,22 +78,30 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             lists, dicts and dataclasses of such tensors; 0-dim tensors and non-tensors pass through to ``fn``).
         multiplicity: ``K >= 1``.
         fn: receives one example's copies (every tensor ``[K, ...]``, every marked per-example sequence ``K``
-            entries) and returns them augmented, the same structure, every tensor of ``K`` rows, the marked sequences
-            kept marked. Called once per example: vectorise inside ``fn``.
+            entries) and returns them augmented: the same structure, every tensor of ``K`` rows with its dtype and its
+            shape beyond the rows kept (an empty Poisson draw passes its copies through without calling ``fn``), the
+            marked sequences kept marked. The result's other values (0-dim tensors, non-tensors) are taken from the
+            first example's result: return only the copies. Called once per example: vectorise inside ``fn``.
 
     Returns:
         ``rows`` with each example's slice replaced by ``fn``'s result, in sample-major order.
 
     Raises:
-        ValueError: ``multiplicity`` not an integer >= 1; a tensor whose first dimension, or a marked per-example
-            sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned a tensor
-            without ``K`` rows or a marked sequence without ``K`` entries, or a different number of them.
+        ValueError: ``multiplicity`` not an integer >= 1; a batch with neither a tensor of one dimension or more nor a
+            marked per-example sequence (nothing to split into examples); a tensor whose first dimension, or a marked
+            sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned another
+            number of tensors or marked sequences, a tensor without ``K`` rows or with another dtype or shape beyond
+            its rows, or a marked sequence without ``K`` entries.
     """
     validate_multiplicity(multiplicity)
     leaves, entries = batch_tensors(rows, min_ndim=1), example_sequences(rows)
     sizes = [t.shape[0] for t in leaves] + [len(sequence) for sequence in entries]
-    if not sizes:  # nothing of one row per copy: the batch is passed whole
-        return fn(rows)
+    if not sizes:
+        raise ValueError(
+            "augment_each_example: the batch has no tensor of one dimension or more and no per-example list to split "
+            "into each example's copies (a list the Poisson loader did not mark is not one): return tensors from the "
+            "training loader"
+        )
     total = sizes[0]
     if any(size != total for size in sizes) or total % multiplicity:
         raise ValueError(
@@ -109,11 +117,17 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         result = fn(select_examples(rows, total, slice(start, start + multiplicity)))
         template = result if template is None else template
         out, out_entries = batch_tensors(result, min_ndim=1), example_sequences(result)
-        out_sizes = [t.shape[0] for t in out] + [len(sequence) for sequence in out_entries]
-        if len(out) != len(leaves) or len(out_entries) != len(entries) or any(s != multiplicity for s in out_sizes):
+        kinds = [(t.dtype, tuple(t.shape[1:])) for t in leaves]
+        if (
+            [(t.dtype, tuple(t.shape[1:])) for t in out] != kinds
+            or any(t.shape[0] != multiplicity for t in out)
+            or [len(sequence) for sequence in out_entries] != [multiplicity] * len(entries)
+        ):
             raise ValueError(
-                f"augment_each_example: fn must return the same structure with every tensor of K={multiplicity} rows "
-                f"and every per-example list of K entries, got sizes {out_sizes}"
+                f"augment_each_example: fn must return the same structure, every tensor of K={multiplicity} rows with "
+                "its dtype and shape beyond the rows (an empty draw passes the copies through unchanged) and every "
+                f"per-example list of K entries; it was given {_described(leaves, entries)} for all the copies and "
+                f"returned {_described(out, out_entries)} for one example's"
             )
         parts.append(out)
         entry_parts.append(out_entries)
@@ -126,6 +140,11 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         return next(joined_entries)
 
     return apply_to_collection(template, (torch.Tensor, *EXAMPLE_SEQUENCES), join)
+
+
+def _described(tensors: list[torch.Tensor], sequences: list[ValueSequence]) -> str:
+    shapes = [(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) for tensor in tensors]
+    return f"tensors {shapes} and lists of {[len(sequence) for sequence in sequences]} entries"
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

@@ -9,8 +9,9 @@ entries with their tensors' rows (:func:`select_examples`) instead of passing th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -187,3 +188,15 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
     found: list[ValueSequence] = []
     apply_to_collection(batch, EXAMPLE_SEQUENCES, found.append)
     return found
+
+
+def example_copy(example: Any, fetch: Callable[[], Any]) -> Any:
+    """A copy of ``example`` for a collate that may change what it is given: its containers deep copied, each tensor
+    detached and cloned (a view's own elements only, not the storage of a data set it indexes); when it cannot be
+    copied (a lock, a file handle), ``fetch()``, a fresh fetch of it."""
+    memo: dict[int, Any] = {}
+    apply_to_collection(example, torch.Tensor, lambda tensor: memo.setdefault(id(tensor), tensor.detach().clone()))
+    try:
+        return copy.deepcopy(example, memo)
+    except (TypeError, RuntimeError, copy.Error):
+        return fetch()

@@ -9,7 +9,6 @@ sample (docs/design.md section 8).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +20,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
 from lightning_dp.data.batch_tensors import batch_tensors
-from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, mark_examples, per_example_paths
+from lightning_dp.data.example_lists import (
+    EXAMPLE_SEQUENCES,
+    ValueSequence,
+    example_copy,
+    mark_examples,
+    per_example_paths,
+)
 from lightning_dp.runtime.randomness import derive_seed
 
 
@@ -154,8 +159,8 @@ class EmptyBatchCollate:
 
     The zero-row structure comes from collating ``dataset[0]``; where the per-example sequences are, from comparing, at
     construction, the collates of ``dataset[0]`` once and twice, not from any draw. Each collate of ``dataset[0]`` gets
-    a deep copy (a collator may change what it is given, and a dataset may return what it stores). Picklable (works
-    with worker processes).
+    a copy (:func:`~lightning_dp.data.example_lists.example_copy`: a collator may change what it is given, and a
+    dataset may return what it stores). Picklable (works with worker processes).
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, dataset: Dataset) -> None:
@@ -169,9 +174,10 @@ class EmptyBatchCollate:
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
         first = dataset[0]  # fetched once (a random transform gives each fetch its own shapes), copied per collate
-        one = self.collate_fn([copy.deepcopy(first)])
+        one = self.collate_fn([example_copy(first, self._fetch_first)])
         #: Where every batch holds one entry per example (the same places in every batch).
-        self.example_paths = per_example_paths(one, self.collate_fn([copy.deepcopy(first), copy.deepcopy(first)]))
+        two = self.collate_fn([example_copy(first, self._fetch_first), example_copy(first, self._fetch_first)])
+        self.example_paths = per_example_paths(one, two)
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(
@@ -182,9 +188,12 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            first = copy.deepcopy(self.dataset[0])
+            first = example_copy(self._fetch_first(), self._fetch_first)
             return _empty_like_batch(mark_examples(self.collate_fn([first]), self.example_paths))
         return mark_examples(self.collate_fn(list(samples)), self.example_paths)
+
+    def _fetch_first(self) -> Any:
+        return self.dataset[0]
 
 
 def poisson_dataloader(

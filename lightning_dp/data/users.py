@@ -11,7 +11,6 @@ rows, whose gradient is clipped once.
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -26,6 +25,7 @@ from lightning_dp.data.example_lists import (
     EXAMPLE_SEQUENCES,
     Path,
     ValueSequence,
+    example_copy,
     mark_examples,
     per_example_paths,
 )
@@ -246,7 +246,7 @@ class UserCollate:
         self.collate_fn = collate_fn
         #: Where the collated rows hold a list or tuple of one entry per row.
         first = users.example(0)  # fetched once, copied per collate (as EmptyBatchCollate does)
-        one, two = ([copy.deepcopy(first) for _ in range(count)] for count in (1, 2))
+        one, two = ([example_copy(first, lambda: users.example(0)) for _ in range(count)] for count in (1, 2))
         self.example_paths: tuple[Path, ...] = per_example_paths(collate_fn(one), collate_fn(two))
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:

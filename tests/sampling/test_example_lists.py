@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from helpers import TinyRegressor, make_trainer, regression_data
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from lightning_dp import DPStrategy, augment_each_example, repeat_for_multiplicity
 from lightning_dp.checks.leave_half_out import check_leave_half_out
@@ -337,6 +337,52 @@ def test_torch_pytrees_walk_marked_lists_and_keep_them_marked() -> None:
     doubled = _pytree.tree_map(lambda leaf: leaf.double() if isinstance(leaf, torch.Tensor) else leaf, batch)
     assert len(_pytree.tree_leaves(batch)) == 4 and doubled["t"][1].dtype == torch.float64
     assert isinstance(doubled["t"], ExampleList) and isinstance(doubled["names"], ExampleTuple)
+
+
+def test_augment_each_example_refuses_at_every_draw_what_an_empty_draw_could_not_pass_through() -> None:
+    """An empty draw passes its copies through without calling ``fn``, so a ``fn`` changing a tensor's dtype or shape
+    beyond its rows (a crop to 28 pixels) is refused at every draw, not only downstream of the empty ones (found in
+    review); a batch with nothing to split into examples is refused rather than given to ``fn`` whole."""
+
+    def crop(piece: dict) -> dict:
+        return {"x": piece["x"][..., :28].float(), "y": piece["y"]}
+
+    for size in (1, 2):
+        rows = repeat_for_multiplicity({"x": torch.zeros(size, 3, 32, dtype=torch.uint8), "y": torch.zeros(size)}, 2)
+        with pytest.raises(ValueError, match="its dtype and shape beyond the rows"):
+            augment_each_example(rows, 2, crop)
+    empty = {"x": torch.zeros(0, 3, 32, dtype=torch.uint8), "y": torch.zeros(0)}
+    assert augment_each_example(empty, 2, crop)["x"].shape == (0, 3, 32)
+    with pytest.raises(ValueError, match="no tensor of one dimension or more and no per-example list"):
+        augment_each_example({"images": ["a", "b"]}, 1, lambda piece: piece)
+
+
+def test_the_set_up_copies_of_dataset_0_are_cheap_and_never_fail() -> None:
+    """``dataset[0]`` of a ``TensorDataset`` is a view of the whole data tensor, which a deep copy copied whole (found
+    in review); a tensor that requires grad, or an entry that cannot be copied, made the copy raise."""
+    import threading
+
+    from lightning_dp.data.example_lists import example_copy
+
+    data = torch.zeros(1000, 64)
+    copied = example_copy(TensorDataset(data)[0], lambda: None)
+    assert copied[0].untyped_storage().nbytes() == 64 * 4 and copied[0].data_ptr() != data.data_ptr()
+    grad = torch.ones(3, requires_grad=True) * 2
+    assert not example_copy({"x": grad}, lambda: None)["x"].requires_grad
+    locked = {"x": torch.zeros(2), "lock": threading.Lock()}
+    assert example_copy(locked, lambda: "fetched again") == "fetched again"
+
+
+def test_the_exact_fallback_takes_a_marked_list_as_one_input() -> None:
+    """torch's pytrees walk marked lists: the fallback's record of a call would then hold the batch size and take
+    the list's tensors for rows (found in review), so it keeps them as one input, as it did before."""
+    from lightning_dp.clipping.layers.fallback import CapturedCall
+
+    def signature(size: int):
+        context = ExampleList([torch.randn(2 + i) for i in range(size)])
+        return CapturedCall.record((torch.randn(size, 4),), {"context": context}, torch.zeros(size, 4)).signature
+
+    assert signature(3) == signature(4)
 
 
 def test_a_sharded_runs_stand_in_batch_is_marked_as_a_drawn_one() -> None:

@@ -31,6 +31,7 @@ from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.layers.rerun_precision import CpuLayerNormInFloat32, in_float32
 from lightning_dp.clipping.terms import Materialised, Term, compute_dtype
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES
 
 log = logging.getLogger("lightning_dp")
 
@@ -78,7 +79,7 @@ class CapturedCall:
     @classmethod
     def record(cls, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> CapturedCall:
         """Detach the inputs of a call and note their structure and the autocast state."""
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = tree_flatten((args, kwargs), is_leaf=_marked)
         tensors = [x.detach() if isinstance(x, torch.Tensor) else x for x in flat]
         versions = [(x, x._version) for x in tensors if isinstance(x, torch.Tensor)]
         detached_args, detached_kwargs = tree_unflatten(tensors, spec)
@@ -297,7 +298,7 @@ def fallback_terms(
     trainable = [key for key, p in covered_parameters(layer, encloses).items() if p.requires_grad]
     rows = output_grad.shape[0]
     examples = rows // rows_per_example
-    flat, spec = tree_flatten((call.args, call.kwargs))
+    flat, spec = tree_flatten((call.args, call.kwargs), is_leaf=_marked)
     batched = _batched_inputs(name, layer, call, flat, rows)
     constants = {key: value.detach() for key, value in values.items() if key not in trainable}
 
@@ -425,3 +426,10 @@ def enclosing_family(encloses: tuple[str, ...]) -> LayerFamily:
         return FALLBACK
     terms: Callable[..., dict[str, Term]] = partial(fallback_terms, encloses=encloses)
     return LayerFamily(terms, captures_call=True, reruns=True, encloses=encloses)
+
+
+def _marked(value: Any) -> bool:
+    """A marked per-example sequence (:mod:`lightning_dp.data.example_lists`) is one input of the call, as before
+    torch's pytrees walked it: its tensors are not rows, and its length (the batch size) stays out of the call's
+    signature."""
+    return isinstance(value, EXAMPLE_SEQUENCES)
