@@ -19,7 +19,8 @@ re-runs. Why each rule, and what the checks see: docs/design.md section 4.8.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -78,20 +79,20 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             lists, dicts and dataclasses of such tensors; 0-dim tensors and non-tensors pass through to ``fn``).
         multiplicity: ``K >= 1``.
         fn: receives one example's copies (every tensor ``[K, ...]``, every marked per-example sequence ``K``
-            entries) and returns them augmented: the same structure, every tensor of ``K`` rows with its dtype and its
-            shape beyond the rows kept (an empty Poisson draw passes its copies through without calling ``fn``), the
-            marked sequences kept marked. The result's other values (0-dim tensors, non-tensors) are taken from the
-            first example's result: return only the copies. Called once per example: vectorise inside ``fn``.
+            entries) and returns them augmented in place: the same keys and containers, the same 0-dim tensors and
+            other values (the same objects), every tensor of ``K`` rows with its dtype and its shape beyond the rows,
+            every marked sequence of ``K`` entries of the same kinds (an empty Poisson draw passes its copies through
+            without calling ``fn``). Called once per example: vectorise inside ``fn``.
 
     Returns:
-        ``rows`` with each example's slice replaced by ``fn``'s result, in sample-major order.
+        ``rows`` (its structure and other values) with each example's rows and marked entries replaced by ``fn``'s,
+        in sample-major order.
 
     Raises:
         ValueError: ``multiplicity`` not an integer >= 1; a batch with neither a tensor of one dimension or more nor a
             marked per-example sequence (nothing to split into examples); a tensor whose first dimension, or a marked
-            sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned another
-            number of tensors or marked sequences, a tensor without ``K`` rows or with another dtype or shape beyond
-            its rows, or a marked sequence without ``K`` entries.
+            sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned anything
+            else than its copies augmented in place (see ``fn``), whatever the draw.
     """
     validate_multiplicity(multiplicity)
     leaves, entries = batch_tensors(rows, min_ndim=1), example_sequences(rows)
@@ -112,25 +113,19 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         return rows
     parts: list[list[torch.Tensor]] = []
     entry_parts: list[list[ValueSequence]] = []
-    template: Any = None
     for start in range(0, total, multiplicity):
-        result = fn(select_examples(rows, total, slice(start, start + multiplicity)))
-        template = result if template is None else template
-        out, out_entries = batch_tensors(result, min_ndim=1), example_sequences(result)
-        kinds = [(t.dtype, tuple(t.shape[1:])) for t in leaves]
-        if (
-            [(t.dtype, tuple(t.shape[1:])) for t in out] != kinds
-            or any(t.shape[0] != multiplicity for t in out)
-            or [len(sequence) for sequence in out_entries] != [multiplicity] * len(entries)
-        ):
+        piece = select_examples(rows, total, slice(start, start + multiplicity))
+        result = fn(piece)
+        if _skeleton(result) != _skeleton(piece):
             raise ValueError(
-                f"augment_each_example: fn must return the same structure, every tensor of K={multiplicity} rows with "
-                "its dtype and shape beyond the rows (an empty draw passes the copies through unchanged) and every "
-                f"per-example list of K entries; it was given {_described(leaves, entries)} for all the copies and "
-                f"returned {_described(out, out_entries)} for one example's"
+                "augment_each_example: fn must return the copies it was given, augmented in place: the same keys and "
+                "containers, the same 0-dim tensors and other values (the same objects), every tensor of "
+                f"K={multiplicity} rows with its dtype and shape beyond the rows, every per-example list of K entries "
+                "of the same kinds (an empty draw passes the copies through without calling fn); given "
+                f"{_skeleton(piece)}, it returned {_skeleton(result)}"
             )
-        parts.append(out)
-        entry_parts.append(out_entries)
+        parts.append(batch_tensors(result, min_ndim=1))
+        entry_parts.append(example_sequences(result))
     joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
     joined_entries = iter([type(entries[j])(entry for p in entry_parts for entry in p[j]) for j in range(len(entries))])
 
@@ -139,12 +134,31 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             return value if value.ndim == 0 else next(joined)
         return next(joined_entries)
 
-    return apply_to_collection(template, (torch.Tensor, *EXAMPLE_SEQUENCES), join)
+    return apply_to_collection(rows, (torch.Tensor, *EXAMPLE_SEQUENCES), join)
 
 
-def _described(tensors: list[torch.Tensor], sequences: list[ValueSequence]) -> str:
-    shapes = [(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)) for tensor in tensors]
-    return f"tensors {shapes} and lists of {[len(sequence) for sequence in sequences]} entries"
+def _skeleton(value: Any) -> Any:
+    """What ``fn`` must keep of one example's copies: the keys and containers (mappings of any class alike), each row
+    tensor's dtype and shape (``K`` rows), each marked sequence's entries' kinds (a tensor's dtype and shape), and the
+    other values (0-dim tensors and objects by identity, numbers and strings by value)."""
+    if isinstance(value, torch.Tensor):
+        return ("rows", str(value.dtype), tuple(value.shape)) if value.ndim else ("scalar", id(value))
+    if isinstance(value, EXAMPLE_SEQUENCES):
+        return ("entries", type(value).__name__, tuple(_entry_kind(entry) for entry in value))
+    if isinstance(value, Mapping):
+        return ("mapping", tuple((key, _skeleton(item)) for key, item in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value).__name__, tuple((field.name, _skeleton(getattr(value, field.name))) for field in fields))
+    if isinstance(value, (list, tuple)):
+        return ("sequence", tuple(_skeleton(item) for item in value))
+    return ("value", value if isinstance(value, (str, bytes, int, float, bool, type(None))) else id(value))
+
+
+def _entry_kind(entry: Any) -> Any:
+    if isinstance(entry, torch.Tensor):
+        return (str(entry.dtype), tuple(entry.shape))
+    return type(entry).__name__
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -190,13 +190,35 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
     return found
 
 
-def example_copy(example: Any, fetch: Callable[[], Any]) -> Any:
-    """A copy of ``example`` for a collate that may change what it is given: its containers deep copied, each tensor
-    detached and cloned (a view's own elements only, not the storage of a data set it indexes); when it cannot be
-    copied (a lock, a file handle), ``fetch()``, a fresh fetch of it."""
+def example_copy(example: Any) -> Any:
+    """A copy of ``example`` for a collate that may change what it is given: deep-copied, each tensor detached and
+    cloned first (a view's own elements, not the storage of a data set it indexes) through dicts and other mappings,
+    lists, tuples and dataclasses (frozen ones too).
+
+    Raises:
+        ValueError: ``example`` cannot be copied (it holds a lock, a file handle): say what to return instead.
+    """
     memo: dict[int, Any] = {}
-    apply_to_collection(example, torch.Tensor, lambda tensor: memo.setdefault(id(tensor), tensor.detach().clone()))
+    for tensor in _example_tensors(example):
+        memo.setdefault(id(tensor), tensor.detach().clone())
     try:
         return copy.deepcopy(example, memo)
-    except (TypeError, RuntimeError, copy.Error):
-        return fetch()
+    except (TypeError, RuntimeError, copy.Error) as error:
+        raise ValueError(
+            f"lightning_dp copies the training set's first example to set up the Poisson loader, and it cannot be "
+            f"copied ({error}): return examples made of tensors, numbers, strings, lists, tuples, dicts or dataclasses"
+        ) from error
+
+
+def _example_tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        items = list(value.values())
+    elif _is_dataclass_instance(value):
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return []
+    return [tensor for item in items for tensor in _example_tensors(item)]

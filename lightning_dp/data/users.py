@@ -246,7 +246,7 @@ class UserCollate:
         self.collate_fn = collate_fn
         #: Where the collated rows hold a list or tuple of one entry per row.
         first = users.example(0)  # fetched once, copied per collate (as EmptyBatchCollate does)
-        one, two = ([example_copy(first, lambda: users.example(0)) for _ in range(count)] for count in (1, 2))
+        one, two = ([example_copy(first) for _ in range(count)] for count in (1, 2))
         self.example_paths: tuple[Path, ...] = per_example_paths(collate_fn(one), collate_fn(two))
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:

@@ -360,17 +360,92 @@ def test_augment_each_example_refuses_at_every_draw_what_an_empty_draw_could_not
 def test_the_set_up_copies_of_dataset_0_are_cheap_and_never_fail() -> None:
     """``dataset[0]`` of a ``TensorDataset`` is a view of the whole data tensor, which a deep copy copied whole (found
     in review); a tensor that requires grad, or an entry that cannot be copied, made the copy raise."""
-    import threading
 
     from lightning_dp.data.example_lists import example_copy
 
     data = torch.zeros(1000, 64)
-    copied = example_copy(TensorDataset(data)[0], lambda: None)
+    copied = example_copy(TensorDataset(data)[0])
     assert copied[0].untyped_storage().nbytes() == 64 * 4 and copied[0].data_ptr() != data.data_ptr()
     grad = torch.ones(3, requires_grad=True) * 2
-    assert not example_copy({"x": grad}, lambda: None)["x"].requires_grad
-    locked = {"x": torch.zeros(2), "lock": threading.Lock()}
-    assert example_copy(locked, lambda: "fetched again") == "fetched again"
+    assert not example_copy({"x": grad})["x"].requires_grad
+    assert example_copy({"x": grad, "n": 3})["n"] == 3
+
+
+@pytest.mark.parametrize("drawn", [[0], [0, 1], [0, 3]])
+def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(drawn) -> None:
+    """What a stack-or-list collate gives as a tensor at some draws and a marked list at others is held to the same
+    rule (a crop of each sequence was refused at the stacking draws only), and a renamed key or a statistic of one
+    example's copies is refused (it was taken from the first example's result for the whole batch; found in review)."""
+
+    class Ragged(Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> dict:
+            return {"x": torch.full((2,), float(index)), "t": torch.arange(4 + index % 3)}
+
+    def stack_or_list(rows: list[dict]) -> dict:
+        tensors = [r["t"] for r in rows]
+        same = len({t.shape for t in tensors}) == 1
+        return {"x": torch.stack([r["x"] for r in rows]), "t": torch.stack(tensors) if same else tensors}
+
+    batch = EmptyBatchCollate(stack_or_list, Ragged())([Ragged()[i] for i in drawn])
+    rows = repeat_for_multiplicity(batch, 2)
+
+    def crop(piece: dict) -> dict:
+        tokens = piece["t"]
+        cropped = tokens[:, :3] if isinstance(tokens, torch.Tensor) else ExampleList(t[:3] for t in tokens)
+        return {"x": piece["x"], "t": cropped}
+
+    for fn in (
+        crop,
+        lambda piece: {"pixels": piece["x"], "t": piece["t"]},
+        lambda piece: {**piece, "scale": piece["x"].mean()},
+    ):
+        with pytest.raises(ValueError, match="augmented in place"):
+            augment_each_example(rows, 2, fn)
+    flipped = augment_each_example(rows, 2, lambda piece: {"x": -piece["x"], "t": piece["t"]})
+    assert torch.equal(flipped["x"], -rows["x"])
+
+
+def test_an_example_that_cannot_be_copied_is_refused_and_a_frozen_dataclass_is_copied() -> None:
+    import dataclasses
+    import threading
+
+    from lightning_dp.data.example_lists import example_copy
+
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        x: torch.Tensor
+
+    view = torch.zeros(100, 3)[5]
+    copied = example_copy(Frozen(view))
+    assert copied.x.untyped_storage().nbytes() == 3 * 4
+    with pytest.raises(ValueError, match="cannot be copied"):
+        example_copy({"x": torch.zeros(2), "lock": threading.Lock()})
+
+
+def test_the_exact_fallback_refuses_a_marked_list_whatever_the_draw() -> None:
+    """A per-example list passed whole to a fallback-served module's per-example reruns was accepted or refused by
+    the data of the first batch that checked it (found in review): it is refused at every draw."""
+    from torch import nn
+
+    from lightning_dp.clipping import PerSampleClipper, UnsupportedModuleError
+
+    class Context(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor, context: list[torch.Tensor]) -> torch.Tensor:
+            return x * self.weight + torch.stack([c.sum() for c in context])[:, None]
+
+    for size in (1, 3):
+        model = Context()
+        clipper = PerSampleClipper(model, max_grad_norm=1.0)
+        context = ExampleList([torch.ones(2)] * size)
+        with pytest.raises(UnsupportedModuleError, match="per-example list"):
+            clipper.per_sample_norms(model(torch.randn(size, 4), context).sum(1))
 
 
 def test_the_exact_fallback_takes_a_marked_list_as_one_input() -> None:

@@ -380,8 +380,15 @@ def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[
     confirmation) the tensors with ``rows`` rows.
 
     Raises:
-        UnsupportedModuleError: a confirmed input no longer has ``rows`` rows.
+        UnsupportedModuleError: a marked per-example list among the inputs (whatever the batch's draw); a confirmed
+            input no longer has ``rows`` rows.
     """
+    if any(isinstance(x, EXAMPLE_SEQUENCES) for x in flat):
+        raise UnsupportedModuleError(
+            f"module '{name}' ({type(layer).__name__}) is served by the exact fallback and was called with a "
+            "per-example list of the batch, which its per-example reruns cannot split: pass its entries as a tensor "
+            "with one row per example, or register a layer family for it"
+        )
     if call.batched is None:
         return [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
     if any(flat[i].shape[0] != rows for i in call.batched):
@@ -429,7 +436,7 @@ def enclosing_family(encloses: tuple[str, ...]) -> LayerFamily:
 
 
 def _marked(value: Any) -> bool:
-    """A marked per-example sequence (:mod:`lightning_dp.data.example_lists`) is one input of the call, as before
-    torch's pytrees walked it: its tensors are not rows, and its length (the batch size) stays out of the call's
+    """A marked per-example sequence (:mod:`lightning_dp.data.example_lists`) is one input of the call (refused by
+    :func:`_batched_inputs`): its tensors are not rows, and its length (the batch size) stays out of the call's
     signature."""
     return isinstance(value, EXAMPLE_SEQUENCES)
