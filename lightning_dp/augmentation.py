@@ -79,10 +79,11 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             lists, dicts and dataclasses of such tensors; 0-dim tensors and non-tensors pass through to ``fn``).
         multiplicity: ``K >= 1``.
         fn: receives one example's copies (every tensor ``[K, ...]``, every marked per-example sequence ``K``
-            entries) and returns them augmented in place: the same keys and containers, the same 0-dim tensors and
-            other values (the same objects), every tensor of ``K`` rows with its dtype and its shape beyond the rows,
-            every marked sequence of ``K`` entries of the same kinds (an empty Poisson draw passes its copies through
-            without calling ``fn``). Called once per example: vectorise inside ``fn``.
+            entries) and returns them augmented: the same keys and containers, the same 0-dim tensors and other values
+            (the same objects, unchanged), every tensor of ``K`` rows (its dtype and other dimensions may change alike
+            for every example), every marked sequence of ``K`` entries of the same types. Called once per example
+            (vectorise inside ``fn``), and once on the zero copies of an empty Poisson draw, which it must take as the
+            training step must (docs/privacy.md, "What is not covered").
 
     Returns:
         ``rows`` (its structure and other values) with each example's rows and marked entries replaced by ``fn``'s,
@@ -109,20 +110,19 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             f"augment_each_example needs every tensor of [B*K, ...] rows and every per-example list of B*K entries "
             f"with K={multiplicity}, got sizes {sizes}"
         )
-    if total == 0:  # an empty Poisson draw: no example to augment
-        return rows
     parts: list[list[torch.Tensor]] = []
     entry_parts: list[list[ValueSequence]] = []
-    for start in range(0, total, multiplicity):
+    # an empty Poisson draw is one piece of zero copies, so that fn's dtypes and shapes reach it too
+    for start in range(0, total, multiplicity) if total else [0]:
         piece = select_examples(rows, total, slice(start, start + multiplicity))
+        given = _skeleton(piece)  # before fn, which may change the piece in place
         result = fn(piece)
-        if _skeleton(result) != _skeleton(piece):
+        if _skeleton(result) != given:
             raise ValueError(
-                "augment_each_example: fn must return the copies it was given, augmented in place: the same keys and "
-                "containers, the same 0-dim tensors and other values (the same objects), every tensor of "
-                f"K={multiplicity} rows with its dtype and shape beyond the rows, every per-example list of K entries "
-                "of the same kinds (an empty draw passes the copies through without calling fn); given "
-                f"{_skeleton(piece)}, it returned {_skeleton(result)}"
+                "augment_each_example: fn must return the copies it was given, augmented: the same keys and "
+                "containers, the same 0-dim tensors and other values (the same objects, unchanged), every tensor of "
+                f"K={multiplicity} rows (0 at an empty draw) and every per-example list of K entries of the same "
+                f"types; given {given}, it returned {_skeleton(result)}"
             )
         parts.append(batch_tensors(result, min_ndim=1))
         entry_parts.append(example_sequences(result))
@@ -139,12 +139,12 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
 
 def _skeleton(value: Any) -> Any:
     """What ``fn`` must keep of one example's copies: the keys and containers (mappings of any class alike), each row
-    tensor's dtype and shape (``K`` rows), each marked sequence's entries' kinds (a tensor's dtype and shape), and the
-    other values (0-dim tensors and objects by identity, numbers and strings by value)."""
+    tensor's rows (``K``), each marked sequence's entries' types, and the other values (0-dim tensors by identity and
+    version, other objects by identity, numbers and strings by value)."""
     if isinstance(value, torch.Tensor):
-        return ("rows", str(value.dtype), tuple(value.shape)) if value.ndim else ("scalar", id(value))
+        return ("rows", value.shape[0]) if value.ndim else ("scalar", id(value), value._version)
     if isinstance(value, EXAMPLE_SEQUENCES):
-        return ("entries", type(value).__name__, tuple(_entry_kind(entry) for entry in value))
+        return ("entries", type(value).__name__, tuple(type(entry).__name__ for entry in value))
     if isinstance(value, Mapping):
         return ("mapping", tuple((key, _skeleton(item)) for key, item in value.items()))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -153,12 +153,6 @@ def _skeleton(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return ("sequence", tuple(_skeleton(item) for item in value))
     return ("value", value if isinstance(value, (str, bytes, int, float, bool, type(None))) else id(value))
-
-
-def _entry_kind(entry: Any) -> Any:
-    if isinstance(entry, torch.Tensor):
-        return (str(entry.dtype), tuple(entry.shape))
-    return type(entry).__name__
 
 
 def augmentation_mean(loss_rows: torch.Tensor, multiplicity: int) -> torch.Tensor:

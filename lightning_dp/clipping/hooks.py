@@ -18,7 +18,13 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.clipping.layers.fallback import CapturedCall, covered_parameters, join_outputs, split_joined
+from lightning_dp.clipping.layers.fallback import (
+    CapturedCall,
+    covered_parameters,
+    join_outputs,
+    refuse_example_lists,
+    split_joined,
+)
 from lightning_dp.clipping.layers.random_replay import RandomRecorder, Records
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
 from lightning_dp.clipping.multiplicity import fold_copies
@@ -356,6 +362,8 @@ class CaptureHooks:
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:
+                if family.reruns:
+                    refuse_example_lists(name, module, args, kwargs)  # at every call, whatever the batch size
                 call = CapturedCall.record(args, kwargs, output)
                 call.joined = joined
                 call.draws = self._draws(module)

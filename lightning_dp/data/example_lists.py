@@ -191,34 +191,29 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
 
 
 def example_copy(example: Any) -> Any:
-    """A copy of ``example`` for a collate that may change what it is given: deep-copied, each tensor detached and
-    cloned first (a view's own elements, not the storage of a data set it indexes) through dicts and other mappings,
-    lists, tuples and dataclasses (frozen ones too).
-
-    Raises:
-        ValueError: ``example`` cannot be copied (it holds a lock, a file handle): say what to return instead.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in _example_tensors(example):
-        memo.setdefault(id(tensor), tensor.detach().clone())
-    try:
-        return copy.deepcopy(example, memo)
-    except (TypeError, RuntimeError, copy.Error) as error:
-        raise ValueError(
-            f"lightning_dp copies the training set's first example to set up the Poisson loader, and it cannot be "
-            f"copied ({error}): return examples made of tensors, numbers, strings, lists, tuples, dicts or dataclasses"
-        ) from error
-
-
-def _example_tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        items = list(value.values())
-    elif _is_dataclass_instance(value):
-        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        return []
-    return [tensor for item in items for tensor in _example_tensors(item)]
+    """A copy of ``example``'s structure for a collate that may change what it is given (pop a key, normalise a tensor
+    in place): dicts and other mappings (their class and attributes kept), lists, tuples, namedtuples and dataclasses
+    (frozen ones too) rebuilt, each tensor detached and cloned (a view's own elements, not the storage of a data set
+    it indexes), every other value kept by reference. Never raises for what it cannot rebuild: it keeps it."""
+    if isinstance(example, torch.Tensor):
+        return example.detach().clone()
+    if isinstance(example, MutableMapping):
+        try:
+            clone = copy.copy(example)
+            for key, value in example.items():
+                clone[key] = example_copy(value)
+            return clone
+        except (TypeError, ValueError, copy.Error):
+            return example
+    if _is_dataclass_instance(example):
+        clone = copy.copy(example)
+        for field in dataclasses.fields(example):
+            object.__setattr__(clone, field.name, example_copy(getattr(example, field.name)))
+        return clone
+    if isinstance(example, (list, tuple)):
+        items = [example_copy(item) for item in example]
+        try:
+            return type(example)(*items) if hasattr(example, "_fields") else type(example)(items)
+        except TypeError:
+            return example
+    return example

@@ -167,17 +167,17 @@ class EmptyBatchCollate:
         """Wrap ``collate_fn`` (``None``: torch's ``default_collate``) for ``dataset``, forming an empty batch once.
 
         Raises:
-            ValueError: ``dataset[0]`` cannot be copied (:func:`~lightning_dp.data.example_lists.example_copy`); the
-                collated ``dataset[0]`` holds neither a tensor of one dimension or more that an empty batch
+            ValueError: the collated ``dataset[0]`` holds neither a tensor of one dimension or more that an empty batch
                 can cut nor a per-example sequence (tensors inside a custom class): an empty draw would then train
                 ``dataset[0]`` as if it were drawn.
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        first = dataset[0]  # fetched once (a random transform gives each fetch its own shapes), copied per collate
-        one = self.collate_fn([example_copy(first)])
+        #: ``dataset[0]``, fetched once (a random transform gives each fetch its own shapes) and copied per collate.
+        self.first = example_copy(dataset[0])
+        one = self.collate_fn([example_copy(self.first)])
         #: Where every batch holds one entry per example (the same places in every batch).
-        two = self.collate_fn([example_copy(first), example_copy(first)])
+        two = self.collate_fn([example_copy(self.first), example_copy(self.first)])
         self.example_paths = per_example_paths(one, two)
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
@@ -189,8 +189,7 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            first = example_copy(self.dataset[0])
-            return _empty_like_batch(mark_examples(self.collate_fn([first]), self.example_paths))
+            return _empty_like_batch(mark_examples(self.collate_fn([example_copy(self.first)]), self.example_paths))
         return mark_examples(self.collate_fn(list(samples)), self.example_paths)
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrize
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
@@ -380,15 +380,8 @@ def _batched_inputs(name: str, layer: nn.Module, call: CapturedCall, flat: list[
     confirmation) the tensors with ``rows`` rows.
 
     Raises:
-        UnsupportedModuleError: a marked per-example list among the inputs (whatever the batch's draw); a confirmed
-            input no longer has ``rows`` rows.
+        UnsupportedModuleError: a confirmed input no longer has ``rows`` rows.
     """
-    if any(isinstance(x, EXAMPLE_SEQUENCES) for x in flat):
-        raise UnsupportedModuleError(
-            f"module '{name}' ({type(layer).__name__}) is served by the exact fallback and was called with a "
-            "per-example list of the batch, which its per-example reruns cannot split: pass its entries as a tensor "
-            "with one row per example, or register a layer family for it"
-        )
     if call.batched is None:
         return [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == rows]
     if any(flat[i].shape[0] != rows for i in call.batched):
@@ -435,8 +428,23 @@ def enclosing_family(encloses: tuple[str, ...]) -> LayerFamily:
     return LayerFamily(terms, captures_call=True, reruns=True, encloses=encloses)
 
 
+def refuse_example_lists(name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a call, given a marked per-example list (:mod:`lightning_dp.data.example_lists`), of a module the exact
+    fallback serves: its reruns cannot split it, and whole it carries the others' entries. Checked at every forward.
+
+    Raises:
+        UnsupportedModuleError: such an argument, named by its position or key.
+    """
+    for path, value in tree_flatten_with_path((args, kwargs), is_leaf=_marked)[0]:
+        if _marked(value):
+            raise UnsupportedModuleError(
+                f"module '{name}' ({type(layer).__name__}) is served by the exact fallback and was given a per-example "
+                f"list of the batch ({keystr(path)}), which its per-example reruns cannot split: keep such entries "
+                "(a text column, names) out of the model's inputs (HF: remove_unused_columns=True), or pass them as a "
+                "tensor with one row per example"
+            )
+
+
 def _marked(value: Any) -> bool:
-    """A marked per-example sequence (:mod:`lightning_dp.data.example_lists`) is one input of the call (refused by
-    :func:`_batched_inputs`): its tensors are not rows, and its length (the batch size) stays out of the call's
-    signature."""
+    """A marked per-example sequence is one input of the call (refused by :func:`refuse_example_lists`)."""
     return isinstance(value, EXAMPLE_SEQUENCES)
