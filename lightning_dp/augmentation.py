@@ -80,10 +80,11 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         multiplicity: ``K >= 1``.
         fn: receives one example's copies (every tensor ``[K, ...]``, every marked per-example sequence ``K``
             entries) and returns them augmented: the same keys and containers, the same 0-dim tensors and other values
-            (the same objects, unchanged), every tensor of ``K`` rows (its dtype and other dimensions may change alike
-            for every example), every marked sequence of ``K`` entries of the same types. Called once per example
-            (vectorise inside ``fn``), and once on the zero copies of an empty Poisson draw, which it must take as the
-            training step must (docs/privacy.md, "What is not covered").
+            (the same objects, unchanged; 0-dim tensors are each call's own clones), every tensor of ``K`` rows (its
+            dtype and other dimensions may change, alike for every example), every marked sequence of ``K`` entries
+            of the same types. Called once per example (vectorise inside ``fn``) and, at every draw, once on zero
+            copies, which is all an empty Poisson draw has: each example's tensors must match that call's dtypes and
+            shapes beyond the rows. Other values (a numpy array) are shared: do not change them.
 
     Returns:
         ``rows`` (its structure and other values) with each example's rows and marked entries replaced by ``fn``'s,
@@ -110,22 +111,21 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             f"augment_each_example needs every tensor of [B*K, ...] rows and every per-example list of B*K entries "
             f"with K={multiplicity}, got sizes {sizes}"
         )
-    parts: list[list[torch.Tensor]] = []
-    entry_parts: list[list[ValueSequence]] = []
-    # an empty Poisson draw is one piece of zero copies, so that fn's dtypes and shapes reach it too
-    for start in range(0, total, multiplicity) if total else [0]:
-        piece = select_examples(rows, total, slice(start, start + multiplicity))
-        given = _skeleton(piece)  # before fn, which may change the piece in place
-        result = fn(piece)
-        if _skeleton(result) != given:
+    # fn runs on zero copies at every draw (all an empty draw has), and each example's result must match its kinds
+    template = _augmented(fn, select_examples(rows, total, slice(0, 0)), multiplicity)
+    kinds = [(t.dtype, tuple(t.shape[1:])) for t in batch_tensors(template, min_ndim=1)]
+    results = [template] if total == 0 else []
+    for start in range(0, total, multiplicity):
+        result = _augmented(fn, select_examples(rows, total, slice(start, start + multiplicity)), multiplicity)
+        if [(t.dtype, tuple(t.shape[1:])) for t in batch_tensors(result, min_ndim=1)] != kinds:
             raise ValueError(
-                "augment_each_example: fn must return the copies it was given, augmented: the same keys and "
-                "containers, the same 0-dim tensors and other values (the same objects, unchanged), every tensor of "
-                f"K={multiplicity} rows (0 at an empty draw) and every per-example list of K entries of the same "
-                f"types; given {given}, it returned {_skeleton(result)}"
+                "augment_each_example: fn must give every example's copies, and the zero copies of an empty draw, "
+                f"tensors of the same dtypes and shapes beyond the rows: {kinds} for zero copies, "
+                f"{[(t.dtype, tuple(t.shape[1:])) for t in batch_tensors(result, min_ndim=1)]} for an example's"
             )
-        parts.append(batch_tensors(result, min_ndim=1))
-        entry_parts.append(example_sequences(result))
+        results.append(result)
+    parts = [batch_tensors(result, min_ndim=1) for result in results]
+    entry_parts = [example_sequences(result) for result in results]
     joined = iter([torch.cat([p[j] for p in parts]) for j in range(len(leaves))])
     joined_entries = iter([type(entries[j])(entry for p in entry_parts for entry in p[j]) for j in range(len(entries))])
 
@@ -135,6 +135,26 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         return next(joined_entries)
 
     return apply_to_collection(rows, (torch.Tensor, *EXAMPLE_SEQUENCES), join)
+
+
+def _augmented(fn: Callable[[Any], Any], piece: Any, multiplicity: int) -> Any:
+    """``fn(piece)``, each 0-dim tensor of the piece its own clone (so that no example's ``fn`` writes into what
+    another's reads), refused unless it is the piece augmented (:func:`_skeleton`, taken before ``fn`` runs).
+
+    Raises:
+        ValueError: ``fn`` returned something else than the copies it was given.
+    """
+    piece = apply_to_collection(piece, torch.Tensor, lambda tensor: tensor.clone() if tensor.ndim == 0 else tensor)
+    given = _skeleton(piece)  # before fn, which may change the piece in place
+    result = fn(piece)
+    if _skeleton(result) != given:
+        raise ValueError(
+            "augment_each_example: fn must return the copies it was given, augmented: the same keys and containers, "
+            "the same 0-dim tensors and other values (the same objects, unchanged), every tensor of "
+            f"K={multiplicity} rows (0 for an empty draw's) and every per-example list of K entries of the same types; "
+            f"given {given}, it returned {_skeleton(result)}"
+        )
+    return result
 
 
 def _skeleton(value: Any) -> Any:

@@ -324,6 +324,8 @@ class CaptureHooks:
             rerun = recomputing()  # a checkpointed region's recomputation: the forward's outputs, no capture
             if not (rerun or self._recording()):
                 return None
+            if family.reruns:
+                refuse_example_lists(name, module, args, kwargs)  # at every call, whatever the batch size
             whole = output
             if family.output_index is not None and isinstance(output, tuple):  # a router's (logits, ...)
                 output = output[family.output_index]
@@ -362,8 +364,6 @@ class CaptureHooks:
             values = {k: leaves[k].detach().clone() for k in family.reads_parameters} or None
             call = None
             if family.captures_call:
-                if family.reruns:
-                    refuse_example_lists(name, module, args, kwargs)  # at every call, whatever the batch size
                 call = CapturedCall.record(args, kwargs, output)
                 call.joined = joined
                 call.draws = self._draws(module)

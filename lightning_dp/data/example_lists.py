@@ -191,29 +191,34 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
 
 
 def example_copy(example: Any) -> Any:
-    """A copy of ``example``'s structure for a collate that may change what it is given (pop a key, normalise a tensor
-    in place): dicts and other mappings (their class and attributes kept), lists, tuples, namedtuples and dataclasses
-    (frozen ones too) rebuilt, each tensor detached and cloned (a view's own elements, not the storage of a data set
-    it indexes), every other value kept by reference. Never raises for what it cannot rebuild: it keeps it."""
+    """A copy of ``example`` for a collate that may change what it is given (pop a key, normalise an array in place):
+    dicts and other mappings (their class and attributes kept), lists, tuples, namedtuples and dataclasses (frozen
+    ones too) rebuilt, each tensor detached and cloned (a view's own elements, not the storage of a data set it
+    indexes), every other value deep-copied. Never raises: what it cannot copy (a lock, a file handle) it keeps."""
     if isinstance(example, torch.Tensor):
         return example.detach().clone()
-    if isinstance(example, MutableMapping):
+    if isinstance(example, Mapping):
+        items = {key: example_copy(value) for key, value in example.items()}
         try:
+            if not isinstance(example, MutableMapping):
+                return type(example)(items)  # type: ignore[call-arg]
             clone = copy.copy(example)
-            for key, value in example.items():
-                clone[key] = example_copy(value)
+            clone.update(items)
             return clone
         except (TypeError, ValueError, copy.Error):
-            return example
+            return items
     if _is_dataclass_instance(example):
         clone = copy.copy(example)
         for field in dataclasses.fields(example):
             object.__setattr__(clone, field.name, example_copy(getattr(example, field.name)))
         return clone
     if isinstance(example, (list, tuple)):
-        items = [example_copy(item) for item in example]
+        entries = [example_copy(item) for item in example]
         try:
-            return type(example)(*items) if hasattr(example, "_fields") else type(example)(items)
+            return type(example)(*entries) if hasattr(example, "_fields") else type(example)(entries)
         except TypeError:
             return example
-    return example
+    try:
+        return copy.deepcopy(example)
+    except (TypeError, ValueError, RuntimeError, copy.Error):
+        return example

@@ -173,11 +173,10 @@ class EmptyBatchCollate:
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        #: ``dataset[0]``, fetched once (a random transform gives each fetch its own shapes) and copied per collate.
-        self.first = example_copy(dataset[0])
-        one = self.collate_fn([example_copy(self.first)])
+        first = dataset[0]  # fetched once (a random transform gives each fetch its own shapes), copied per collate
+        one = self.collate_fn([example_copy(first)])
         #: Where every batch holds one entry per example (the same places in every batch).
-        two = self.collate_fn([example_copy(self.first), example_copy(self.first)])
+        two = self.collate_fn([example_copy(first), example_copy(first)])
         self.example_paths = per_example_paths(one, two)
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
@@ -189,7 +188,8 @@ class EmptyBatchCollate:
 
     def __call__(self, samples: Sequence[Any]) -> Any:
         if len(samples) == 0:
-            return _empty_like_batch(mark_examples(self.collate_fn([example_copy(self.first)]), self.example_paths))
+            first = example_copy(self.dataset[0])
+            return _empty_like_batch(mark_examples(self.collate_fn([first]), self.example_paths))
         return mark_examples(self.collate_fn(list(samples)), self.example_paths)
 
 

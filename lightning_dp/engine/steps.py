@@ -24,6 +24,7 @@ from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.data import EmptyBatchCollate, PoissonBatchSampler, expected_batch_sample_rate, poisson_dataloader
 from lightning_dp.data.cyclic_poisson import CyclicPoissonBatchSampler, blt_num_groups
+from lightning_dp.data.example_lists import example_copy
 from lightning_dp.data.users import UserCollate, UserDataset, UserDraws, flatten_users, read_user_ids, user_losses
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.end_of_run import log_end_of_run
@@ -371,7 +372,7 @@ class RunSequence:
         if state.stand_in_source is None:
             raise RuntimeError("the training loader must be built (training_loader) before a stand-in batch")
         collate, dataset, rank = state.stand_in_source
-        return collate([dataset[rank % len(dataset)]])
+        return collate([example_copy(dataset[rank % len(dataset)])])  # a collate must not change the stored example
 
     def clip(self, per_sample_loss: torch.Tensor, *, stand_in: bool = False) -> torch.Tensor:
         """Add this micro-batch's clipped sum into ``p.grad``; returns the norms ``[B]``

@@ -339,10 +339,11 @@ def test_augment_each_example_keeps_rows_in_place() -> None:
 
     def fn(copies):
         seen.append(copies["y"].clone())
-        return {"x": copies["x"] + torch.arange(3.0)[:, None], "y": copies["y"]}
+        return {"x": copies["x"] + torch.arange(float(len(copies["x"])))[:, None], "y": copies["y"]}
 
     out = augment_each_example(rows, 3, fn)
-    assert all(torch.equal(s, torch.full((3,), i)) for i, s in enumerate(seen))
+    assert seen[0].shape == (0,)  # zero copies first, at every draw (all an empty draw has)
+    assert all(torch.equal(s, torch.full((3,), i)) for i, s in enumerate(seen[1:]))
     assert torch.equal(out["y"], rows["y"])
     torch.testing.assert_close(out["x"], rows["x"] + torch.arange(3.0).repeat(4)[:, None])
     with pytest.raises(ValueError, match="every tensor of K=3 rows"):

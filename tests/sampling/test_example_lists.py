@@ -180,7 +180,7 @@ def test_augmentation_copies_repeat_the_names_and_augment_each_example_gets_its_
         return x + 1, y, names
 
     x, _, names = augment_each_example(rows, 2, augment)
-    assert seen == [("example-1", "example-1"), ("example-2", "example-2")]
+    assert seen == [(), ("example-1", "example-1"), ("example-2", "example-2")]  # zero copies first, at every draw
     assert names == rows[2] and isinstance(names, ExampleTuple) and torch.equal(x, rows[0] + 1)
 
 
@@ -304,9 +304,8 @@ def test_augment_each_example_gets_one_examples_copies_when_only_lists_hold_them
         return {"t": ExampleList([piece["t"][0] + piece["t"][-1]] * len(piece["t"]))}
 
     out = augment_each_example(rows, 2, mix_copies)
-    assert seen == ([2] * size or [0]) and [float(t[0]) for t in out["t"]] == [
-        2.0 * i for i in range(size) for _ in range(2)
-    ]
+    assert seen == [0] + [2] * size  # zero copies first, at every draw
+    assert [float(t[0]) for t in out["t"]] == [2.0 * i for i in range(size) for _ in range(2)]
     with pytest.raises(ValueError, match="every per-example list of B\\*K entries"):
         augment_each_example({"x": torch.zeros(2 * size + 2, 1), "t": ExampleList([0] * (2 * size))}, 2, mix_copies)
 
@@ -425,6 +424,41 @@ def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(dr
             augment_each_example(given, 2, fn)
     flipped = augment_each_example(rows, 2, lambda piece: {"x": -piece["x"], "t": piece["t"]})
     assert torch.equal(flipped["x"], -rows["x"])
+
+
+def test_a_collator_normalising_in_place_never_changes_the_stored_first_example() -> None:
+    """``example_copy`` kept numpy arrays by reference, so the set-up collates and every empty draw halved the stored
+    ``dataset[0]`` (found in review): example 0's data then depended on how many draws were empty."""
+    import numpy as np
+
+    stored = [{"x": np.full(2, 8.0)} for _ in range(3)]
+
+    def halving(samples: list[dict]) -> dict:
+        for sample in samples:
+            sample["x"] /= 2
+        return {"x": torch.as_tensor(np.stack([sample["x"] for sample in samples]))}
+
+    collate = EmptyBatchCollate(halving, stored)
+    collate([])
+    collate([])
+    assert stored[0]["x"].tolist() == [8.0, 8.0]
+
+
+def test_each_examples_fn_gets_its_own_0_dim_tensors() -> None:
+    """A write through ``.data`` (which no version counter sees) into a shared 0-dim tensor passed one example's
+    statistic to the next example's ``fn`` (found in review)."""
+    stat = torch.tensor(0.0)
+    rows = repeat_for_multiplicity({"x": torch.arange(3.0)[:, None], "stat": stat}, 2)
+    read: list[float] = []
+
+    def leaky(piece: dict) -> dict:
+        read.append(float(piece["stat"]))
+        if len(piece["x"]):
+            piece["stat"].data.copy_(piece["x"].mean())
+        return piece
+
+    out = augment_each_example(rows, 2, leaky)
+    assert read == [0.0, 0.0, 0.0, 0.0] and out["stat"] is stat and float(stat) == 0.0
 
 
 def test_a_frozen_dataclass_example_is_copied() -> None:

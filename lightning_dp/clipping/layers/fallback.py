@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils import parametrize
-from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_leaves, tree_unflatten
 
 from lightning_dp.clipping.layers.random_replay import RandomReplay, Records, by_example
 from lightning_dp.clipping.layers.registry import LayerFamily, UnsupportedModuleError
@@ -429,20 +429,19 @@ def enclosing_family(encloses: tuple[str, ...]) -> LayerFamily:
 
 
 def refuse_example_lists(name: str, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Refuse a call, given a marked per-example list (:mod:`lightning_dp.data.example_lists`), of a module the exact
-    fallback serves: its reruns cannot split it, and whole it carries the others' entries. Checked at every forward.
-
-    Raises:
-        UnsupportedModuleError: such an argument, named by its position or key.
-    """
-    for path, value in tree_flatten_with_path((args, kwargs), is_leaf=_marked)[0]:
-        if _marked(value):
-            raise UnsupportedModuleError(
-                f"module '{name}' ({type(layer).__name__}) is served by the exact fallback and was given a per-example "
-                f"list of the batch ({keystr(path)}), which its per-example reruns cannot split: keep such entries "
-                "(a text column, names) out of the model's inputs (HF: remove_unused_columns=True), or pass them as a "
-                "tensor with one row per example"
-            )
+    """Refuse a fallback-served module's call given a marked per-example list (:mod:`lightning_dp.data.example_lists`):
+    its reruns cannot split it, and whole it carries the others' entries. Raises ``UnsupportedModuleError``."""
+    if not any(_marked(value) for value in tree_leaves((args, kwargs), is_leaf=_marked)):
+        return
+    try:
+        where = next(keystr(p) for p, v in tree_flatten_with_path((args, kwargs), is_leaf=_marked)[0] if _marked(v))
+    except ValueError:  # a pytree type registered without keys
+        where = "an argument"
+    raise UnsupportedModuleError(
+        f"module '{name}' ({type(layer).__name__}) is served by the exact fallback and was given a per-example list of "
+        f"the batch ({where}), which its per-example reruns cannot split: keep such entries (a text column, names) out "
+        "of the model's inputs (HF: remove_unused_columns=True), or pass them as a tensor with one row per example"
+    )
 
 
 def _marked(value: Any) -> bool:
