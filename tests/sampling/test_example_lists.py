@@ -264,24 +264,32 @@ def test_user_level_leaves_the_tensors_inside_per_row_lists_as_they_are(k) -> No
         assert [tuple(t.shape) for t in rows["tokens"]] == [(4,)] * (count * k)
 
 
+class Ragged(Dataset):
+    """Token tensors of ``shortest`` to ``shortest + 2`` entries."""
+
+    def __init__(self, size: int, shortest: int) -> None:
+        self.size, self.shortest = size, shortest
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict:
+        return {"x": torch.full((2,), float(index)), "t": torch.arange(self.shortest + index % 3)}
+
+
+def _stack_or_list(rows: list[dict]) -> dict:
+    """Stacks the drawn examples' ``t`` when their shapes match, lists them otherwise."""
+    tensors = [r["t"] for r in rows]
+    same = len({t.shape for t in tensors}) == 1
+    return {"x": torch.stack([r["x"] for r in rows]), "t": torch.stack(tensors) if same else tensors}
+
+
 def test_a_list_where_dataset_0_stacks_a_tensor_is_marked_and_augment_copes_with_empty_draws() -> None:
     """A collate that stacks the drawn examples' tensors when their shapes match and lists them otherwise: the path is
     found from the stacked tensor (1 row, then 2), and the list marked at the draws that give one."""
 
-    class Ragged(Dataset):
-        def __len__(self) -> int:
-            return 6
-
-        def __getitem__(self, index: int) -> dict:
-            return {"x": torch.full((2,), float(index)), "t": torch.arange(1 + index % 3)}
-
-    def stack_or_list(rows: list[dict]) -> dict:
-        tensors = [r["t"] for r in rows]
-        same = len({t.shape for t in tensors}) == 1
-        return {"x": torch.stack([r["x"] for r in rows]), "t": torch.stack(tensors) if same else tensors}
-
-    collate = EmptyBatchCollate(stack_or_list, Ragged())
-    batch = collate([Ragged()[i] for i in (0, 1, 2)])
+    collate = EmptyBatchCollate(_stack_or_list, Ragged(6, shortest=1))
+    batch = collate([Ragged(6, shortest=1)[i] for i in (0, 1, 2)])
     assert isinstance(batch["t"], ExampleList)
     assert [part["t"] for part in split_rows(batch, 3, cap=2)][1] == [batch["t"][2]]
     empty = collate([])
@@ -383,19 +391,7 @@ def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(dr
     key, a new statistic of one example's copies or one written in place into a 0-dim tensor is refused at every draw
     (they were taken from one example's result for the whole batch; found in review)."""
 
-    class Ragged(Dataset):
-        def __len__(self) -> int:
-            return 4
-
-        def __getitem__(self, index: int) -> dict:
-            return {"x": torch.full((2,), float(index)), "t": torch.arange(4 + index % 3)}
-
-    def stack_or_list(rows: list[dict]) -> dict:
-        tensors = [r["t"] for r in rows]
-        same = len({t.shape for t in tensors}) == 1
-        return {"x": torch.stack([r["x"] for r in rows]), "t": torch.stack(tensors) if same else tensors}
-
-    batch = EmptyBatchCollate(stack_or_list, Ragged())([Ragged()[i] for i in drawn])
+    batch = EmptyBatchCollate(_stack_or_list, Ragged(4, shortest=4))([Ragged(4, shortest=4)[i] for i in drawn])
     rows = repeat_for_multiplicity(batch, 2)
 
     def crop(piece: dict) -> dict:
