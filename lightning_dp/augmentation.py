@@ -94,7 +94,8 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
         ValueError: ``multiplicity`` not an integer >= 1; a batch with neither a tensor of one dimension or more nor a
             marked per-example sequence (nothing to split into examples); a tensor whose first dimension, or a marked
             sequence whose length, is not a multiple of ``K`` or differs from the others'; ``fn`` returned anything
-            else than its copies augmented in place (see ``fn``), whatever the draw.
+            else than the copies it was given, augmented (see ``fn``), or tensors whose dtypes or shapes beyond the
+            rows differ from those it returned for zero copies; each checked at every draw.
     """
     validate_multiplicity(multiplicity)
     leaves, entries = batch_tensors(rows, min_ndim=1), example_sequences(rows)
