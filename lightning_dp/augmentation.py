@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.data.batch_tensors import batch_tensors
@@ -168,7 +168,7 @@ def _skeleton(value: Any) -> Any:
         return ("entries", type(value).__name__, tuple(type(entry).__name__ for entry in value))
     if isinstance(value, Mapping):
         return ("mapping", tuple((key, _skeleton(item)) for key, item in value.items()))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    if is_dataclass_instance(value):
         fields = dataclasses.fields(value)
         return (type(value).__name__, tuple((field.name, _skeleton(getattr(value, field.name))) for field in fields))
     if isinstance(value, (list, tuple)):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from lightning_utilities.core.apply_func import apply_to_collection
+from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance
 
 
 class ExampleList(list):
@@ -59,10 +59,6 @@ def _is_sequence(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and not hasattr(value, "_fields")
 
 
-def _is_dataclass_instance(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
-
-
 def _entries(value: Any) -> int | None:
     """The rows of a tensor of one dimension or more, or the length of a list or tuple that is not a namedtuple."""
     if isinstance(value, torch.Tensor):
@@ -82,7 +78,7 @@ def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
         return ()
     if isinstance(one, Mapping):
         children = [(key, one[key], two[key]) for key in one if key in two]
-    elif _is_dataclass_instance(one):
+    elif is_dataclass_instance(one):
         names = [field.name for field in dataclasses.fields(one) if field.init]
         children = [(name, getattr(one, name), getattr(two, name)) for name in names]
     elif isinstance(one, (list, tuple)):
@@ -94,8 +90,16 @@ def per_example_paths(one: Any, two: Any, path: Path = ()) -> tuple[Path, ...]:
     return tuple(found for key, a, b in children for found in per_example_paths(a, b, (*path, key)))
 
 
+def find_example_paths(collate_fn: Callable[[list[Any]], Any], example: Any) -> tuple[Any, tuple[Path, ...]]:
+    """The collate of ``example`` alone, and :func:`per_example_paths` from it and the collate of ``example`` twice;
+    each collate gets its own :func:`example_copy` (a collator may change what it is given), all of one fetch (a random
+    transform gives each fetch its own shapes)."""
+    one = collate_fn([example_copy(example)])
+    return one, per_example_paths(one, collate_fn([example_copy(example), example_copy(example)]))
+
+
 def _child(container: Any, key: Any) -> Any:
-    if _is_dataclass_instance(container):
+    if is_dataclass_instance(container):
         return getattr(container, key)
     return container[key]
 
@@ -108,7 +112,7 @@ def _with_child(container: Any, key: Any, value: Any) -> Any:
         return container
     if isinstance(container, Mapping):
         return type(container)({**container, key: value})  # type: ignore[call-arg]
-    if _is_dataclass_instance(container):
+    if is_dataclass_instance(container):
         if container.__dataclass_params__.frozen:
             return dataclasses.replace(container, **{key: value})
         setattr(container, key, value)
@@ -124,7 +128,7 @@ def _has_path(batch: Any, path: Path) -> bool:
         if isinstance(value, Mapping):
             if key not in value:
                 return False
-        elif _is_dataclass_instance(value):
+        elif is_dataclass_instance(value):
             if not hasattr(value, key):
                 return False
         elif not isinstance(value, (list, tuple)) or not isinstance(key, int) or key >= len(value):
@@ -207,7 +211,7 @@ def example_copy(example: Any) -> Any:
             return clone
         except (TypeError, ValueError, copy.Error):
             return items
-    if _is_dataclass_instance(example):
+    if is_dataclass_instance(example):
         clone = copy.copy(example)
         for field in dataclasses.fields(example):
             object.__setattr__(clone, field.name, example_copy(getattr(example, field.name)))

@@ -24,8 +24,8 @@ from lightning_dp.data.example_lists import (
     EXAMPLE_SEQUENCES,
     ValueSequence,
     example_copy,
+    find_example_paths,
     mark_examples,
-    per_example_paths,
 )
 from lightning_dp.runtime.randomness import derive_seed
 
@@ -173,11 +173,9 @@ class EmptyBatchCollate:
         """
         self.collate_fn = collate_fn or default_collate
         self.dataset = dataset
-        first = dataset[0]  # fetched once (a random transform gives each fetch its own shapes), copied per collate
-        one = self.collate_fn([example_copy(first)])
+        one, paths = find_example_paths(self.collate_fn, dataset[0])
         #: Where every batch holds one entry per example (the same places in every batch).
-        two = self.collate_fn([example_copy(first), example_copy(first)])
-        self.example_paths = per_example_paths(one, two)
+        self.example_paths = paths
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(

@@ -25,9 +25,8 @@ from lightning_dp.data.example_lists import (
     EXAMPLE_SEQUENCES,
     Path,
     ValueSequence,
-    example_copy,
+    find_example_paths,
     mark_examples,
-    per_example_paths,
 )
 
 #: the values of the ``privacy_unit`` option.
@@ -245,9 +244,7 @@ class UserCollate:
     def __init__(self, collate_fn: Callable[[list[Any]], Any], users: UserDataset) -> None:
         self.collate_fn = collate_fn
         #: Where the collated rows hold a list or tuple of one entry per row.
-        first = users.example(0)  # fetched once, copied per collate (as EmptyBatchCollate does)
-        one, two = ([example_copy(first) for _ in range(count)] for count in (1, 2))
-        self.example_paths: tuple[Path, ...] = per_example_paths(collate_fn(one), collate_fn(two))
+        self.example_paths: tuple[Path, ...] = find_example_paths(collate_fn, users.example(0))[1]
 
     def __call__(self, users: Sequence[UserExamples]) -> UserBatch:
         count, k = len(users), len(users[0].examples)
