@@ -28,7 +28,13 @@ from lightning_utilities.core.apply_func import apply_to_collection, is_dataclas
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.data.batch_tensors import batch_tensors
-from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, example_sequences, select_examples
+from lightning_dp.data.example_lists import (
+    EXAMPLE_SEQUENCES,
+    ValueSequence,
+    example_copy,
+    example_sequences,
+    select_examples,
+)
 
 Batch = TypeVar("Batch")
 
@@ -84,7 +90,8 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             dtype and other dimensions may change, alike for every example), every marked sequence of ``K`` entries
             of the same types. Called once per example (vectorise inside ``fn``) and, at every draw, once on zero
             copies, which is all an empty Poisson draw has: each example's tensors must match that call's dtypes and
-            shapes beyond the rows. Other values (a numpy array) are shared: do not change them.
+            shapes beyond the rows. Each call gets its own clones of the 0-dim tensors and its own deep copies of the
+            other values (a numpy array), so that no example's ``fn`` writes into what another's reads.
 
     Returns:
         ``rows`` (its structure and other values) with each example's rows and marked entries replaced by ``fn``'s,
@@ -139,13 +146,14 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
 
 
 def _augmented(fn: Callable[[Any], Any], piece: Any, multiplicity: int) -> Any:
-    """``fn(piece)``, each 0-dim tensor of the piece its own clone (so that no example's ``fn`` writes into what
-    another's reads), refused unless it is the piece augmented (:func:`_skeleton`, taken before ``fn`` runs).
+    """``fn(piece)`` on the piece's own copies of what the examples share (each 0-dim tensor cloned, each other value
+    deep-copied: :func:`~lightning_dp.data.example_lists.example_copy`; the rows stay as they are), refused unless it
+    is the piece augmented (:func:`_skeleton`, taken before ``fn`` runs).
 
     Raises:
         ValueError: ``fn`` returned something else than the copies it was given.
     """
-    piece = apply_to_collection(piece, torch.Tensor, lambda tensor: tensor.clone() if tensor.ndim == 0 else tensor)
+    piece = example_copy(piece, lambda tensor: tensor.clone() if tensor.ndim == 0 else tensor)
     given = _skeleton(piece)  # before fn, which may change the piece in place
     result = fn(piece)
     if _skeleton(result) != given:

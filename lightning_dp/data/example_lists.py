@@ -194,15 +194,20 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
     return found
 
 
-def example_copy(example: Any) -> Any:
+def _detached_clone(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone()
+
+
+def example_copy(example: Any, copy_tensor: Callable[[torch.Tensor], torch.Tensor] = _detached_clone) -> Any:
     """A copy of ``example`` for a collate that may change what it is given (pop a key, normalise an array in place):
     dicts and other mappings (their class and attributes kept), lists, tuples, namedtuples and dataclasses (frozen
-    ones too) rebuilt, each tensor detached and cloned (a view's own elements, not the storage of a data set it
-    indexes), every other value deep-copied. Never raises: what it cannot copy (a lock, a file handle) it keeps."""
+    ones too) rebuilt, each tensor passed through ``copy_tensor`` (by default detached and cloned: a view's own
+    elements, not the storage of a data set it indexes), every other value deep-copied. Never raises: what it cannot
+    copy (a lock, a file handle) it keeps."""
     if isinstance(example, torch.Tensor):
-        return example.detach().clone()
+        return copy_tensor(example)
     if isinstance(example, Mapping):
-        items = {key: example_copy(value) for key, value in example.items()}
+        items = {key: example_copy(value, copy_tensor) for key, value in example.items()}
         try:
             if not isinstance(example, MutableMapping):
                 return type(example)(items)  # type: ignore[call-arg]
@@ -214,10 +219,10 @@ def example_copy(example: Any) -> Any:
     if is_dataclass_instance(example):
         clone = copy.copy(example)
         for field in dataclasses.fields(example):
-            object.__setattr__(clone, field.name, example_copy(getattr(example, field.name)))
+            object.__setattr__(clone, field.name, example_copy(getattr(example, field.name), copy_tensor))
         return clone
     if isinstance(example, (list, tuple)):
-        entries = [example_copy(item) for item in example]
+        entries = [example_copy(item, copy_tensor) for item in example]
         try:
             return type(example)(*entries) if hasattr(example, "_fields") else type(example)(entries)
         except TypeError:

@@ -422,6 +422,26 @@ def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(dr
     assert torch.equal(flipped["x"], -rows["x"])
 
 
+def test_augment_each_example_gives_each_call_its_own_copy_of_the_other_values() -> None:
+    """A numpy array beside the rows was the same object in every example's call, so an ``fn`` keeping a running
+    statistic in it gave each example a result that depended on the examples before it; each call now gets its own
+    deep copy, and the batch's own array is unchanged."""
+    import numpy as np
+
+    def running(piece: dict) -> dict:
+        piece["seen"] += piece["x"].sum().item()
+        return {"x": piece["x"] + float(piece["seen"][0]), "seen": piece["seen"]}
+
+    def augmented(first: float) -> dict:
+        x = torch.tensor([[first], [first], [5.0], [5.0]])
+        return augment_each_example({"x": x, "seen": np.zeros(1)}, 2, running)
+
+    one, other = augmented(1.0), augmented(100.0)
+    assert torch.equal(one["x"][2:], other["x"][2:])  # the second example's rows do not see the first's
+    assert torch.equal(one["x"][2:], torch.full((2, 1), 15.0))
+    assert one["seen"].tolist() == [0.0]
+
+
 def test_a_collator_normalising_in_place_never_changes_the_stored_first_example() -> None:
     """``example_copy`` kept numpy arrays by reference, so the set-up collates and every empty draw halved the stored
     ``dataset[0]`` (found in review): example 0's data then depended on how many draws were empty."""
