@@ -330,6 +330,11 @@ class PrivacyEngine:
         """See :attr:`~lightning_dp.engine.steps.RunSequence.every_rank_runs_every_step`."""
         return self.run.every_rank_runs_every_step
 
+    @property
+    def example_paths(self) -> tuple[tuple[Any, ...], ...]:
+        """See :attr:`~lightning_dp.engine.run_state.RunState.example_paths`."""
+        return self.state.example_paths
+
     def stand_in_batch(self) -> Any:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`."""
         return self.run.stand_in_batch()

@@ -568,3 +568,28 @@ def test_a_capped_run_reading_the_names_trains_as_the_uncapped_run(noise) -> Non
     assert max(rows for rows, _ in capped.passes) <= 3 < max(rows for rows, _ in plain.passes)
     for a, b in zip(plain.parameters(), capped.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class RenamedAfterTransfer(WeightedByName):
+    """Rebuilds the names as a plain list (a list comprehension) in Lightning's ``on_after_batch_transfer``."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y, names = batch
+        return x, y, [name.lower() for name in names]
+
+
+def test_a_list_a_hook_rebuilt_is_marked_again_before_the_cap_splits_it() -> None:
+    """The plain list a user's hook made was passed whole to every capped pass, so the step failed at the draws above
+    the cap only; the engine marks the loader's per-example paths again before it splits a batch."""
+    modules = []
+    for cap in (None, 3):
+        torch.manual_seed(0)
+        module = RenamedAfterTransfer()
+        strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, seed=1, max_physical_batch_size=cap)
+        make_trainer(strategy, max_steps=4).fit(module)
+        assert all(rows == names for rows, names in module.passes)
+        modules.append(module)
+    plain, capped = modules
+    assert max(rows for rows, _ in capped.passes) <= 3 < max(rows for rows, _ in plain.passes)
+    for a, b in zip(plain.parameters(), capped.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
