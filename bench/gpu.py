@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import importlib.metadata
 import json
 import logging
@@ -67,6 +66,8 @@ from timing import (
     opacus_step,
     plain_step,
     ratios,
+    release,
+    short_error,
     start_forkserver,
     time_interleaved,
 )
@@ -135,13 +136,6 @@ def _build_alone(variant: str, args: argparse.Namespace) -> Step:
     return make_step(variant, spec, build_model(spec, device), make_batch(spec, device, args.batch_size))
 
 
-def release(device: torch.device) -> None:
-    """Give the memory of dropped models back to the device, so that the measuring processes have all of it."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def row_status(row: dict[str, Any]) -> str:
     """``ok``, ``out of memory``, ``skipped``, ``refused`` (the build raised) or ``failed`` (a step raised)."""
     if "error" not in row:
@@ -183,6 +177,16 @@ def time_model(spec: ModelSpec, args: argparse.Namespace, deadline: float) -> tu
 
 
 PROFILED = ("non-private", "dp-auto")
+#: The packages whose versions the record states (and the run prints first).
+PACKAGES = ("transformers", "peft", "accelerate", "opacus", "dp-accounting")
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of ``name``; ``None`` when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def profile_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
@@ -298,13 +302,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for index, unit in enumerate(units):
         now = time.perf_counter()
         share = max(end - now, 0.0) * WEIGHTS[unit] / sum(WEIGHTS[u] for u in units[index:])
-        if unit == "batch-probe":
-            out["batch_probe"] = probe_batch(args, now + share)
-        elif unit == "checkpointing-memory":
-            out["checkpointing_memory"] = checkpointing_memory(args, now + share)
+        key, where = ("models", unit) if unit in MODELS else (unit.replace("-", "_"), None)
+        try:
+            if unit == "batch-probe":
+                result = probe_batch(args, now + share)
+            elif unit == "checkpointing-memory":
+                result = checkpointing_memory(args, now + share)
+            else:
+                result = run_model(unit, args, now + TIMING_SHARE * share, now + share)
+        except Exception as error:  # noqa: BLE001 (one unit's failure, an out-of-memory build, keeps the others)
+            result = {"error": short_error(error)}
+        release(torch.device(args.device))
+        if where is None:
+            out[key] = result
         else:
-            out["models"][unit] = run_model(unit, args, now + TIMING_SHARE * share, now + share)
+            out[key][where] = result
         out["elapsed_seconds"] = time.perf_counter() - start
+        print(f"[{out['elapsed_seconds']:.0f} s] {unit}: {result.get('error', 'done')}", flush=True)
         if args.out:
             write(args, out)
     return out
@@ -314,8 +328,8 @@ def record_of(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
     """The JSON record: the command that reproduces the run, the arguments, the environment and the results."""
     env = environment(args.device)
     env["float32_matmul_precision"] = torch.get_float32_matmul_precision()
-    for name in ("transformers", "opacus", "peft"):
-        env[name] = importlib.metadata.version(name)
+    for name in PACKAGES:
+        env[name] = package_version(name)
     env["load_before"], env["load_after"] = args.load_before, os.getloadavg()[0]
     arguments = {key: value for key, value in vars(args).items() if key not in ("load_before", "out")}
     return {
@@ -380,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     quiet()
     torch.set_num_threads(args.threads)
     args.load_before = os.getloadavg()[0]
+    versions = ", ".join(f"{name} {package_version(name)}" for name in PACKAGES)
+    print(f"{environment(args.device)['device_name']}: torch {torch.__version__}, {versions}", flush=True)
     out = run(args)
     if args.out:
         write(args, out)

@@ -147,7 +147,7 @@ def make_batch(spec: ModelSpec, device: torch.device, batch_size: int | None = N
         labels = torch.randint(0, spec.config.num_labels, (size,), generator=generator)
         return {"pixel_values": pixels.to(device, spec.dtype), "labels": labels.to(device)}
     ids = torch.randint(0, spec.config.vocab_size, (size, spec.seq_len), generator=generator).to(device)
-    positions = torch.arange(spec.seq_len, device=device).expand(size, -1)
+    positions = torch.arange(spec.seq_len, device=device).repeat(size, 1)  # its own rows, as a collator gives them
     if spec.kind == "causal-lm":
         return {"input_ids": ids, "position_ids": positions, "labels": ids}
     labels = torch.randint(0, spec.config.num_labels, (size,), generator=generator).to(device)

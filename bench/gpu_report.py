@@ -37,9 +37,11 @@ def _gib(size: float) -> str:
 
 
 def _memory(row: dict[str, Any]) -> str:
-    """``peak GiB (extra GiB)``, the memory error, or ``-``."""
+    """``peak GiB (extra GiB)``, with the second step's own extra where it was measured (``; 2nd step GiB``: without
+    the first step's one-off checks), the memory error, or ``-``."""
     if "peak_total_bytes" in row:
-        return f"{_gib(row['peak_total_bytes'])} ({_gib(row['peak_bytes'])})"
+        steady = f"; 2nd step {_gib(row['steady_peak_bytes'])}" if "steady_peak_bytes" in row else ""
+        return f"{_gib(row['peak_total_bytes'])} ({_gib(row['peak_bytes'])}{steady})"
     return row.get("memory_error", "-")
 
 

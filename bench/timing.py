@@ -5,6 +5,7 @@ and the peak memory of each variant alone in a fresh process."""
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import statistics
 import time
@@ -145,6 +146,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release(device: torch.device) -> None:
+    """Give the memory of dropped models back to the device: a collection (hooks hold reference cycles, which keep a
+    dropped model alive until one) and, on CUDA, the allocator's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def timed_by(device: str) -> str:
     """The time the ratios compare: the process's CPU time on CPU (robust to other jobs), wall time on CUDA."""
     return "cpu_seconds" if torch.device(device).type == "cpu" else "seconds"
@@ -186,6 +195,7 @@ def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> 
             except Exception as error:  # noqa: BLE001
                 results[variant] = {"error": short_error(error), "failed_at": "step"}
                 del steps[variant]
+                release(device)  # a failed variant's model must not crowd the others' steps
                 continue
             sync(device)
             elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
@@ -196,6 +206,7 @@ def time_interleaved(args: argparse.Namespace, build: Callable[[str], Step]) -> 
             if cost > args.max_step_seconds:
                 results[variant] = {"error": f"skipped: {cost:.0f} s per step > --max-step-seconds"}
                 del steps[variant]
+                release(device)
         round_seconds = time.perf_counter() - round_start
     for variant, samples in times.items():
         if variant not in results and samples:
@@ -224,20 +235,38 @@ def _memory_worker(build: Callable[[str, argparse.Namespace], Step], variant: st
     except Exception as error:  # noqa: BLE001
         queue.put({"error": short_error(error), "failed_at": "build"})
         return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-    else:
-        start = rss_kib("VmRSS:") * 1024
+    reset = _reset_peak(device)
+    start = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_kib("VmRSS:") * 1024
+    peaks = []
     try:
         for _ in range(2):
             step()
+            sync(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_kib("VmHWM:") * 1024)
+            reset = reset and _reset_peak(device)
     except Exception as error:  # noqa: BLE001 (out of memory, a refusal at the first step: reported)
         queue.put({"error": short_error(error), "failed_at": "step"})
         return
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_kib("VmHWM:") * 1024
-    queue.put({"peak_bytes": peak - start, "peak_total_bytes": peak})
+    peak = max(peaks)
+    row = {"peak_bytes": peak - start, "peak_total_bytes": peak}
+    if reset:  # the second step's own peak: without the first step's one-off work (the library's checks)
+        row["steady_peak_bytes"] = peaks[1] - start
+    queue.put(row)
+
+
+def _reset_peak(device: torch.device) -> bool:
+    """Start the peak over (CUDA: ``reset_peak_memory_stats``; CPU: the peak resident set, through
+    /proc/self/clear_refs); False where it cannot."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def start_forkserver(preload: tuple[str, ...]) -> None:
@@ -260,7 +289,8 @@ def measure_memory(
     """Peak extra memory of ``variant`` over two steps, alone in a fresh process with ``args.threads`` threads:
     ``build(variant, args)`` builds the model, the data and the step there (a module-level function, so that
     it pickles); CUDA: ``max_memory_allocated`` minus the allocation then, CPU: the peak resident set (VmHWM) minus
-    the resident set then (``peak_bytes``; ``peak_total_bytes``: the peak itself). A build or step that raises (out of
+    the resident set then (``peak_bytes``; ``peak_total_bytes``: the peak itself; ``steady_peak_bytes``: the second
+    step's alone, where the peak can be started over). A build or step that raises (out of
     memory among them) gives its ``error``. The process is spawned, or with ``preload`` (module names) forked from a
     ``forkserver`` that imported them once (a fresh process too, without paying the imports each time); one still
     running after ``timeout`` seconds is killed."""
