@@ -1,5 +1,6 @@
 """Data utilities: Poisson sampling with empty-batch support."""
 
+from lightning_dp.data.example_lists import ExampleList, ExampleTuple
 from lightning_dp.data.poisson import (
     EmptyBatchCollate,
     PoissonBatchSampler,
@@ -11,6 +12,8 @@ from lightning_dp.data.poisson import (
 
 __all__ = [
     "EmptyBatchCollate",
+    "ExampleList",
+    "ExampleTuple",
     "PoissonBatchSampler",
     "expected_batch_sample_rate",
     "poisson_dataloader",

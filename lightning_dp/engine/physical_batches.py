@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_dp.clipping.float32_sums import add_float32_sum, pop_float32_sum, put_float32_sum
-from lightning_dp.data.example_lists import mark_examples
+from lightning_dp.data.example_lists import refuse_plain_sequences
 from lightning_dp.data.physical_batches import part_sizes, split_rows
 from lightning_dp.engine.adapter import micro_batch
 
@@ -34,9 +34,9 @@ def physical_batches(
 ) -> list[PhysicalBatch]:
     """The passes one training micro-batch runs in: :data:`PhysicalBatch` tuples.
 
-    The batch's per-example lists and tuples are marked first, where the Poisson loader found them
-    (:func:`~lightning_dp.data.example_lists.mark_examples`), again: a hook of the user's (Lightning's
-    ``on_after_batch_transfer``) may have rebuilt one as a plain list.
+    A batch holding a plain list or tuple where the Poisson loader's hold a marked one of names or texts (a hook
+    rebuilt it) is refused first, at every batch
+    (:func:`~lightning_dp.data.example_lists.refuse_plain_sequences`).
 
     Without a cap: ``[micro_batch(adapter, batch, to_device)]``, the micro-batch itself (a stand-in when empty on a
     sharded model). With ``max_physical_batch_size = c``: ``max(1, ceil(B / c))`` parts of at most ``c`` examples (an
@@ -45,10 +45,11 @@ def physical_batches(
     rest, since every rank must join every pass's collectives.
 
     Raises:
-        ValueError: with a cap, a batch whose size the adapter cannot read, or that :func:`split_rows` cannot split.
+        ValueError: with a cap, a batch whose size the adapter cannot read, or that :func:`split_rows` cannot split; a
+            plain list or tuple where the loader's batches hold a marked one of values.
     """
     engine = adapter.privacy_engine
-    batch = mark_examples(batch, engine.example_paths)
+    refuse_plain_sequences(batch, engine.example_value_paths)
     cap = engine.config.max_physical_batch_size
     if cap is None:
         return [micro_batch(adapter, batch, to_device)]

@@ -422,24 +422,29 @@ def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(dr
     assert torch.equal(flipped["x"], -rows["x"])
 
 
-def test_augment_each_example_gives_each_call_its_own_copy_of_the_other_values() -> None:
-    """A numpy array beside the rows was the same object in every example's call, so an ``fn`` keeping a running
-    statistic in it gave each example a result that depended on the examples before it; each call now gets its own
-    deep copy, and the batch's own array is unchanged."""
+def test_augment_each_example_hands_numpy_arrays_read_only_and_other_objects_as_they_are() -> None:
+    """A numpy array beside the rows was the same writable object in every example's call, so an ``fn`` keeping a
+    running statistic in it gave each example a result that depended on the examples before it: a write into it
+    raises now, at every draw (an empty one too). Other objects are passed as they are: a deep copy per example cost
+    seconds for a large table, detached a module's parameters and repeated a generator's draws (found in review)."""
     import numpy as np
 
     def running(piece: dict) -> dict:
         piece["seen"] += piece["x"].sum().item()
-        return {"x": piece["x"] + float(piece["seen"][0]), "seen": piece["seen"]}
+        return piece
 
-    def augmented(first: float) -> dict:
-        x = torch.tensor([[first], [first], [5.0], [5.0]])
-        return augment_each_example({"x": x, "seen": np.zeros(1)}, 2, running)
+    table = np.zeros(1)
+    for first in (2, 0):
+        with pytest.raises(ValueError, match="read-only"):
+            augment_each_example({"x": torch.ones(first, 1), "seen": table}, 2, running)
+    assert table.tolist() == [0.0]
 
-    one, other = augmented(1.0), augmented(100.0)
-    assert torch.equal(one["x"][2:], other["x"][2:])  # the second example's rows do not see the first's
-    assert torch.equal(one["x"][2:], torch.full((2, 1), 15.0))
-    assert one["seen"].tolist() == [0.0]
+    def shifted(piece: dict) -> dict:
+        return {"x": piece["x"] + torch.rand(1, generator=piece["generator"]), "generator": piece["generator"]}
+
+    generator = torch.Generator().manual_seed(0)
+    out = augment_each_example({"x": torch.zeros(4, 1), "generator": generator}, 2, shifted)
+    assert out["generator"] is generator and out["x"][0] != out["x"][2]  # the examples' draws differ
 
 
 def test_a_collator_normalising_in_place_never_changes_the_stored_first_example() -> None:
@@ -570,26 +575,52 @@ def test_a_capped_run_reading_the_names_trains_as_the_uncapped_run(noise) -> Non
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-class RenamedAfterTransfer(WeightedByName):
-    """Rebuilds the names as a plain list (a list comprehension) in Lightning's ``on_after_batch_transfer``."""
+class RebuiltAfterTransfer(WeightedByName):
+    """Lowers the names in Lightning's ``on_after_batch_transfer``: a plain list, or one that keeps the mark."""
+
+    def __init__(self, keep_mark: bool) -> None:
+        super().__init__()
+        self.keep_mark = keep_mark
 
     def on_after_batch_transfer(self, batch, dataloader_idx):
         x, y, names = batch
-        return x, y, [name.lower() for name in names]
+        lowered = [name.lower() for name in names]
+        return x, y, ExampleList(lowered) if self.keep_mark else lowered
 
 
-def test_a_list_a_hook_rebuilt_is_marked_again_before_the_cap_splits_it() -> None:
-    """The plain list a user's hook made was passed whole to every capped pass, so the step failed at the draws above
-    the cap only; the engine marks the loader's per-example paths again before it splits a batch."""
+@pytest.mark.parametrize("cap", [None, 3])
+def test_a_plain_list_a_hook_rebuilt_is_refused_at_every_batch_and_a_marked_one_trains(cap) -> None:
+    """Such a list was passed whole to every capped pass, so the step failed or read another example's name at the
+    draws above the cap only; it is refused at every batch (with or without a cap, empty draws included), and a hook
+    that keeps the type trains as the uncapped run."""
+    torch.manual_seed(0)
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, seed=1, max_physical_batch_size=cap)
+    with pytest.raises(ValueError, match=r"plain list at \[2\].*a hook rebuilt it"):
+        make_trainer(strategy, max_steps=2).fit(RebuiltAfterTransfer(keep_mark=False))
     modules = []
-    for cap in (None, 3):
+    for kept_cap in (None, 3):
         torch.manual_seed(0)
-        module = RenamedAfterTransfer()
-        strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, seed=1, max_physical_batch_size=cap)
-        make_trainer(strategy, max_steps=4).fit(module)
+        module = RebuiltAfterTransfer(keep_mark=True)
+        kept = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.5, seed=1, max_physical_batch_size=kept_cap)
+        make_trainer(kept, max_steps=4).fit(module)
         assert all(rows == names for rows, names in module.passes)
         modules.append(module)
-    plain, capped = modules
-    assert max(rows for rows, _ in capped.passes) <= 3 < max(rows for rows, _ in plain.passes)
-    for a, b in zip(plain.parameters(), capped.parameters(), strict=True):
+    for a, b in zip(modules[0].parameters(), modules[1].parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_only_lists_of_values_are_held_to_their_mark() -> None:
+    """A list of each example's tensors may be padded by a hook into tensors at its place, as a tuple ``(ids, mask)``
+    (marking that tuple would pass every example's rows to every pass; found in review): only lists of names, texts
+    or dicts are refused when a hook rebuilt them, whatever the draw."""
+    from lightning_dp.data.example_lists import refuse_plain_sequences
+
+    tokens = EmptyBatchCollate(_token_lists, Tokens())
+    assert tokens.example_paths and tokens.value_paths == ()
+    names = EmptyBatchCollate(_with_constant, Named())
+    assert names.value_paths == (("names",),)
+    for drawn in ([], [0], [0, 1, 2]):
+        batch = names([Named()[i] for i in drawn])
+        refuse_plain_sequences(batch, names.value_paths)
+        with pytest.raises(ValueError, match=r"plain tuple at \['names'\]"):
+            refuse_plain_sequences({**batch, "names": tuple(batch["names"])}, names.value_paths)
