@@ -23,19 +23,12 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection, is_dataclass_instance
 
 from lightning_dp.clipping.multiplicity import validate_multiplicity
 from lightning_dp.data.batch_tensors import batch_tensors
-from lightning_dp.data.example_lists import (
-    EXAMPLE_SEQUENCES,
-    ValueSequence,
-    example_copy,
-    example_sequences,
-    select_examples,
-)
+from lightning_dp.data.example_lists import EXAMPLE_SEQUENCES, ValueSequence, example_sequences, select_examples
 
 Batch = TypeVar("Batch")
 
@@ -91,9 +84,7 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
             dtype and other dimensions may change, alike for every example), every marked sequence of ``K`` entries
             of the same types. Called once per example (vectorise inside ``fn``) and, at every draw, once on zero
             copies, which is all an empty Poisson draw has: each example's tensors must match that call's dtypes and
-            shapes beyond the rows. Each call gets its own containers and clones of the 0-dim tensors, and each numpy
-            array as a read-only view (a write into it raises), so that no example's ``fn`` writes into what another's
-            reads; other objects beside the rows are shared: do not change them.
+            shapes beyond the rows. Other values (a numpy array) are shared: do not change them.
 
     Returns:
         ``rows`` (its structure and other values) with each example's rows and marked entries replaced by ``fn``'s,
@@ -148,14 +139,13 @@ def augment_each_example(rows: Batch, multiplicity: int, fn: Callable[[Batch], B
 
 
 def _augmented(fn: Callable[[Any], Any], piece: Any, multiplicity: int) -> Any:
-    """``fn(piece)`` on the piece's own containers and 0-dim tensors (rebuilt and cloned:
-    :func:`~lightning_dp.data.example_lists.example_copy`), each numpy array a read-only view, the rows and other values
-    as they are; refused unless it is the piece augmented (:func:`_skeleton`, taken before ``fn`` runs).
+    """``fn(piece)``, each 0-dim tensor of the piece its own clone (so that no example's ``fn`` writes into what
+    another's reads), refused unless it is the piece augmented (:func:`_skeleton`, taken before ``fn`` runs).
 
     Raises:
         ValueError: ``fn`` returned something else than the copies it was given.
     """
-    piece = example_copy(piece, lambda tensor: tensor.clone() if tensor.ndim == 0 else tensor, _read_only)
+    piece = apply_to_collection(piece, torch.Tensor, lambda tensor: tensor.clone() if tensor.ndim == 0 else tensor)
     given = _skeleton(piece)  # before fn, which may change the piece in place
     result = fn(piece)
     if _skeleton(result) != given:
@@ -166,15 +156,6 @@ def _augmented(fn: Callable[[Any], Any], piece: Any, multiplicity: int) -> Any:
             f"given {given}, it returned {_skeleton(result)}"
         )
     return result
-
-
-def _read_only(value: Any) -> Any:
-    """A numpy array as a read-only view (a write into it raises), any other value as it is."""
-    if not isinstance(value, np.ndarray):
-        return value
-    view = value.view()
-    view.flags.writeable = False
-    return view
 
 
 def _skeleton(value: Any) -> Any:

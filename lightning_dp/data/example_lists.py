@@ -166,18 +166,11 @@ def _at(batch: Any, path: Path) -> Any:
     return batch
 
 
-def value_entry_paths(one: Any, paths: tuple[Path, ...]) -> tuple[Path, ...]:
-    """The paths among ``paths`` (:func:`per_example_paths`) where ``one``, the collate of one example, holds a list or
-    tuple whose entry is not a tensor (a name, a text, a dict): those a hook has no reason to rebuild into tensors."""
-    return tuple(
-        path for path in paths if _has_path(one, path) and not any(isinstance(e, torch.Tensor) for e in _at(one, path))
-    )
-
-
 def refuse_plain_sequences(batch: Any, paths: tuple[Path, ...]) -> None:
-    """Raise where ``batch`` holds an unmarked list or tuple at one of ``paths`` (:func:`value_entry_paths`): one that a
-    hook rebuilt (a list comprehension in Lightning's ``on_after_batch_transfer``) would be passed whole to every part
-    of the batch at the draws that are cut, so it is refused at every batch, empty ones included.
+    """Raise where ``batch`` holds an unmarked list or tuple (not a namedtuple) at one of ``paths``
+    (:func:`per_example_paths`): one that a hook rebuilt (a list comprehension in Lightning's
+    ``on_after_batch_transfer``), or a padded ``(ids, mask)`` it put there, would be passed whole to every part of the
+    batch at the draws that are cut, so it is refused at every batch, empty ones included.
 
     Raises:
         ValueError: naming the path.
@@ -188,7 +181,7 @@ def refuse_plain_sequences(batch: Any, paths: tuple[Path, ...]) -> None:
                 f"the training batch holds a plain {type(_at(batch, path)).__name__} at {list(path)}, where the "
                 "Poisson loader's batches hold one entry per example in a lightning_dp.data.ExampleList (or "
                 "ExampleTuple): a hook rebuilt it, and it would be passed whole to every part of a cut batch; keep "
-                "its type (ExampleList(...)) or leave it as the loader gives it"
+                "its type (ExampleList(...)), or put a tensor, a dict or a namedtuple of tensors there"
             )
 
 
@@ -226,31 +219,15 @@ def example_sequences(batch: Any) -> list[ValueSequence]:
     return found
 
 
-def _detached_clone(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().clone()
-
-
-def _deep_copy(value: Any) -> Any:
-    try:
-        return copy.deepcopy(value)
-    except (TypeError, ValueError, RuntimeError, copy.Error):
-        return value
-
-
-def example_copy(
-    example: Any,
-    copy_tensor: Callable[[torch.Tensor], torch.Tensor] = _detached_clone,
-    copy_value: Callable[[Any], Any] = _deep_copy,
-) -> Any:
+def example_copy(example: Any) -> Any:
     """A copy of ``example`` for a collate that may change what it is given (pop a key, normalise an array in place):
     dicts and other mappings (their class and attributes kept), lists, tuples, namedtuples and dataclasses (frozen
-    ones too) rebuilt, each tensor passed through ``copy_tensor`` (by default detached and cloned: a view's own
-    elements, not the storage of a data set it indexes), every other value through ``copy_value`` (by default
-    deep-copied). Never raises: what it cannot copy (a lock, a file handle) it keeps."""
+    ones too) rebuilt, each tensor detached and cloned (a view's own elements, not the storage of a data set it
+    indexes), every other value deep-copied. Never raises: what it cannot copy (a lock, a file handle) it keeps."""
     if isinstance(example, torch.Tensor):
-        return copy_tensor(example)
+        return example.detach().clone()
     if isinstance(example, Mapping):
-        items = {key: example_copy(value, copy_tensor, copy_value) for key, value in example.items()}
+        items = {key: example_copy(value) for key, value in example.items()}
         try:
             if not isinstance(example, MutableMapping):
                 return type(example)(items)  # type: ignore[call-arg]
@@ -262,12 +239,15 @@ def example_copy(
     if is_dataclass_instance(example):
         clone = copy.copy(example)
         for field in dataclasses.fields(example):
-            object.__setattr__(clone, field.name, example_copy(getattr(example, field.name), copy_tensor, copy_value))
+            object.__setattr__(clone, field.name, example_copy(getattr(example, field.name)))
         return clone
     if isinstance(example, (list, tuple)):
-        entries = [example_copy(item, copy_tensor, copy_value) for item in example]
+        entries = [example_copy(item) for item in example]
         try:
             return type(example)(*entries) if hasattr(example, "_fields") else type(example)(entries)
         except TypeError:
             return example
-    return copy_value(example)
+    try:
+        return copy.deepcopy(example)
+    except (TypeError, ValueError, RuntimeError, copy.Error):
+        return example

@@ -26,7 +26,6 @@ from lightning_dp.data.example_lists import (
     example_copy,
     find_example_paths,
     mark_examples,
-    value_entry_paths,
 )
 from lightning_dp.runtime.randomness import derive_seed
 
@@ -177,8 +176,6 @@ class EmptyBatchCollate:
         one, paths = find_example_paths(self.collate_fn, dataset[0])
         #: Where every batch holds one entry per example (the same places in every batch).
         self.example_paths = paths
-        #: Those of them whose entries are not tensors (names, texts): an unmarked sequence there is refused.
-        self.value_paths = value_entry_paths(one, paths)
         empty = _empty_like_batch(mark_examples(one, self.example_paths))
         if not (batch_tensors(empty, min_ndim=1) or self.example_paths):
             raise ValueError(

@@ -34,8 +34,8 @@ def physical_batches(
 ) -> list[PhysicalBatch]:
     """The passes one training micro-batch runs in: :data:`PhysicalBatch` tuples.
 
-    A batch holding a plain list or tuple where the Poisson loader's hold a marked one of names or texts (a hook
-    rebuilt it) is refused first, at every batch
+    A batch holding a plain list or tuple where the Poisson loader's hold a marked one (a hook rebuilt it) is refused
+    first, at every batch
     (:func:`~lightning_dp.data.example_lists.refuse_plain_sequences`).
 
     Without a cap: ``[micro_batch(adapter, batch, to_device)]``, the micro-batch itself (a stand-in when empty on a
@@ -46,10 +46,10 @@ def physical_batches(
 
     Raises:
         ValueError: with a cap, a batch whose size the adapter cannot read, or that :func:`split_rows` cannot split; a
-            plain list or tuple where the loader's batches hold a marked one of values.
+            plain list or tuple where the loader's batches hold a marked one.
     """
     engine = adapter.privacy_engine
-    refuse_plain_sequences(batch, engine.example_value_paths)
+    refuse_plain_sequences(batch, engine.example_paths)
     cap = engine.config.max_physical_batch_size
     if cap is None:
         return [micro_batch(adapter, batch, to_device)]

@@ -331,9 +331,9 @@ class PrivacyEngine:
         return self.run.every_rank_runs_every_step
 
     @property
-    def example_value_paths(self) -> tuple[tuple[Any, ...], ...]:
-        """See :attr:`~lightning_dp.engine.run_state.RunState.example_value_paths`."""
-        return self.state.example_value_paths
+    def example_paths(self) -> tuple[tuple[Any, ...], ...]:
+        """See :attr:`~lightning_dp.engine.run_state.RunState.example_paths`."""
+        return self.state.example_paths
 
     def stand_in_batch(self) -> Any:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`."""

@@ -97,7 +97,7 @@ def _adapter(cap, *, sharded=False, ranks_max=None, stand_in=None):
         every_rank_runs_every_step=sharded,
         distributed=distributed,
         stand_in_batch=lambda: stand_in,
-        example_value_paths=(),
+        example_paths=(),
     )
     return SimpleNamespace(privacy_engine=engine, read_batch_size=lambda batch: len(batch[0]))
 

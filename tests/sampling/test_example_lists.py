@@ -422,31 +422,6 @@ def test_augment_each_example_compares_what_fn_returns_with_what_it_was_given(dr
     assert torch.equal(flipped["x"], -rows["x"])
 
 
-def test_augment_each_example_hands_numpy_arrays_read_only_and_other_objects_as_they_are() -> None:
-    """A numpy array beside the rows was the same writable object in every example's call, so an ``fn`` keeping a
-    running statistic in it gave each example a result that depended on the examples before it: a write into it
-    raises now, at every draw (an empty one too). Other objects are passed as they are: a deep copy per example cost
-    seconds for a large table, detached a module's parameters and repeated a generator's draws (found in review)."""
-    import numpy as np
-
-    def running(piece: dict) -> dict:
-        piece["seen"] += piece["x"].sum().item()
-        return piece
-
-    table = np.zeros(1)
-    for first in (2, 0):
-        with pytest.raises(ValueError, match="read-only"):
-            augment_each_example({"x": torch.ones(first, 1), "seen": table}, 2, running)
-    assert table.tolist() == [0.0]
-
-    def shifted(piece: dict) -> dict:
-        return {"x": piece["x"] + torch.rand(1, generator=piece["generator"]), "generator": piece["generator"]}
-
-    generator = torch.Generator().manual_seed(0)
-    out = augment_each_example({"x": torch.zeros(4, 1), "generator": generator}, 2, shifted)
-    assert out["generator"] is generator and out["x"][0] != out["x"][2]  # the examples' draws differ
-
-
 def test_a_collator_normalising_in_place_never_changes_the_stored_first_example() -> None:
     """``example_copy`` kept numpy arrays by reference, so the set-up collates and every empty draw halved the stored
     ``dataset[0]`` (found in review): example 0's data then depended on how many draws were empty."""
@@ -609,18 +584,23 @@ def test_a_plain_list_a_hook_rebuilt_is_refused_at_every_batch_and_a_marked_one_
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_only_lists_of_values_are_held_to_their_mark() -> None:
-    """A list of each example's tensors may be padded by a hook into tensors at its place, as a tuple ``(ids, mask)``
-    (marking that tuple would pass every example's rows to every pass; found in review): only lists of names, texts
-    or dicts are refused when a hook rebuilt them, whatever the draw."""
+def test_a_plain_sequence_at_a_per_example_path_is_refused_whatever_it_holds_and_the_draw() -> None:
+    """Refusing only lists of names let a hook's plain list of each example's tensors through, passed whole to every
+    capped pass at the draws that were cut; marking whatever a hook left there passed a padded ``(ids, mask)`` tuple
+    whole (both found in review). Any plain sequence there is refused, at every draw; a namedtuple is not one."""
+    from collections import namedtuple
+
     from lightning_dp.data.example_lists import refuse_plain_sequences
 
-    tokens = EmptyBatchCollate(_token_lists, Tokens())
-    assert tokens.example_paths and tokens.value_paths == ()
-    names = EmptyBatchCollate(_with_constant, Named())
-    assert names.value_paths == (("names",),)
-    for drawn in ([], [0], [0, 1, 2]):
-        batch = names([Named()[i] for i in drawn])
-        refuse_plain_sequences(batch, names.value_paths)
-        with pytest.raises(ValueError, match=r"plain tuple at \['names'\]"):
-            refuse_plain_sequences({**batch, "names": tuple(batch["names"])}, names.value_paths)
+    Padded = namedtuple("Padded", "ids mask")
+    for collate, dataset, key in ((_token_lists, Tokens(), "tokens"), (_with_constant, Named(), "names")):
+        loader_collate = EmptyBatchCollate(collate, dataset)
+        assert (key,) in loader_collate.example_paths
+        for drawn in ([], [0], [0, 1, 2]):
+            batch = loader_collate([dataset[i] for i in drawn])
+            refuse_plain_sequences(batch, loader_collate.example_paths)
+            rows = torch.zeros(len(drawn), 3)
+            for plain in (list(batch[key]), tuple(batch[key]), (rows, rows > 0)):
+                with pytest.raises(ValueError, match=rf"plain (list|tuple) at \['{key}'\]"):
+                    refuse_plain_sequences({**batch, key: plain}, loader_collate.example_paths)
+            refuse_plain_sequences({**batch, key: Padded(rows, rows > 0)}, loader_collate.example_paths)
