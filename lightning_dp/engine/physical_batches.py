@@ -35,8 +35,7 @@ def physical_batches(
     """The passes one training micro-batch runs in: :data:`PhysicalBatch` tuples.
 
     A batch holding a plain list or tuple where the Poisson loader's hold a marked one (a hook rebuilt it) is refused
-    first, at every batch
-    (:func:`~lightning_dp.data.example_lists.refuse_plain_sequences`).
+    first, at every batch (:func:`~lightning_dp.data.example_lists.refuse_plain_sequences`).
 
     Without a cap: ``[micro_batch(adapter, batch, to_device)]``, the micro-batch itself (a stand-in when empty on a
     sharded model). With ``max_physical_batch_size = c``: ``max(1, ceil(B / c))`` parts of at most ``c`` examples (an
