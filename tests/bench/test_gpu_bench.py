@@ -81,6 +81,20 @@ def test_the_toy_mode_runs_every_model_and_variant_and_records_finite_ratios(mon
     assert "Where `dp-auto`'s extra CPU self time goes" in page
 
 
+def test_the_gpu_session_script_runs_the_bench_and_the_cuda_tests(tmp_path) -> None:
+    """scripts/gpu_session.sh, the one call on a lent GPU, runs here at toy size: the record and both logs under
+    ``$OUT``, each part's exit status 0 (the CUDA tests skip on a CPU)."""
+    env = {**os.environ, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    toy = "--toy --device cpu --steps 1 --models bert --no-memory --no-probe --profile 0".split()
+    command = ["bash", "scripts/gpu_session.sh", *toy]
+    subprocess.run(command, cwd=ROOT, env=env, capture_output=True, timeout=600, check=True)
+    record = json.loads((tmp_path / "real.json").read_text())
+    assert list(record["models"]) == ["bert"] and record["args"]["budget"] == 360
+    assert "bench/gpu.py exit status: 0" in (tmp_path / "bench.log").read_text()
+    tests = (tmp_path / "tests.log").read_text()
+    assert "CUDA tests exit status: 0" in tests and " passed" in tests
+
+
 def test_a_unit_that_raises_keeps_its_error_and_the_others_run(monkeypatch) -> None:
     """An out-of-memory build (or any error) in one model's run ended the whole GPU run (found in review)."""
     bench = load_bench(monkeypatch, "gpu")
