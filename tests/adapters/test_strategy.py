@@ -449,6 +449,26 @@ def test_empty_poisson_batches_still_take_noisy_steps():
     assert module.layer.weight.abs().sum() > 0  # noise was added on (mostly) empty batches
 
 
+class SkipsEmpty(ZeroGradModule):
+    """Returns ``None`` for an empty batch, as docs/privacy.md tells a step to whose model fails on zero rows."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch[0].size(0) == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_step_returning_none_for_an_empty_batch_still_takes_noisy_steps():
+    """HF's attention fails on zero rows (a tiny GPT-2 here), so such a model's step returns ``None`` for an empty
+    batch: every step is still noised, taken and accounted."""
+    from hf_helpers import tiny_gpt2
+
+    with pytest.raises(RuntimeError, match="0 elements"):
+        tiny_gpt2()(input_ids=torch.zeros(0, 4, dtype=torch.long))
+    module = SkipsEmpty(n=100, batch_size=10)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.002, seed=1)
+    make_trainer(strategy, max_steps=5).fit(module)
+    assert strategy.privacy_engine.steps == 5 and module.layer.weight.abs().sum() > 0
+
+
 def test_opting_out_of_poisson_sampling_warns(caplog):
     with caplog.at_level("WARNING", logger="lightning_dp"):
         make_trainer(DPStrategy(noise_multiplier=1.0, poisson_sampling=False), max_steps=1).fit(TinyRegressor())
