@@ -302,7 +302,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for index, unit in enumerate(units):
         now = time.perf_counter()
         share = max(end - now, 0.0) * WEIGHTS[unit] / sum(WEIGHTS[u] for u in units[index:])
-        key, where = ("models", unit) if unit in MODELS else (unit.replace("-", "_"), None)
         try:
             if unit == "batch-probe":
                 result = probe_batch(args, now + share)
@@ -313,10 +312,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as error:  # noqa: BLE001 (one unit's failure, an out-of-memory build, keeps the others)
             result = {"error": short_error(error)}
         release(torch.device(args.device))
-        if where is None:
-            out[key] = result
+        if unit in MODELS:
+            out["models"][unit] = result
         else:
-            out[key][where] = result
+            out[unit.replace("-", "_")] = result
         out["elapsed_seconds"] = time.perf_counter() - start
         print(f"[{out['elapsed_seconds']:.0f} s] {unit}: {result.get('error', 'done')}", flush=True)
         if args.out:

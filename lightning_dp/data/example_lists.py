@@ -175,10 +175,11 @@ def refuse_plain_sequences(batch: Any, paths: tuple[Path, ...]) -> None:
     Raises:
         ValueError: naming the path.
     """
-    for path in paths:
-        if _has_path(batch, path) and not isinstance(_at(batch, path), EXAMPLE_SEQUENCES):
+    for path in (path for path in paths if _has_path(batch, path)):
+        value = _at(batch, path)
+        if not isinstance(value, EXAMPLE_SEQUENCES):
             raise ValueError(
-                f"the training batch holds a plain {type(_at(batch, path)).__name__} at {list(path)}, where the "
+                f"the training batch holds a plain {type(value).__name__} at {list(path)}, where the "
                 "Poisson loader's batches hold one entry per example in a lightning_dp.data.ExampleList (or "
                 "ExampleTuple): a hook rebuilt it, and it would be passed whole to every part of a cut batch; keep "
                 "its type (ExampleList(...)), or put a tensor, a dict or a namedtuple of tensors there"

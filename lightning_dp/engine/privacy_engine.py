@@ -22,6 +22,7 @@ from lightning_dp.checks.guard import TrainingGuard
 from lightning_dp.clipping import PerSampleClipper
 from lightning_dp.clipping.groups import ClippingGroups
 from lightning_dp.config import PrivacyConfig, option_docs
+from lightning_dp.data import EmptyBatchCollate
 from lightning_dp.engine.accounting import PrivacyLedger
 from lightning_dp.engine.attachment import ClippingAttachment
 from lightning_dp.engine.checkpoint import CheckpointState
@@ -332,8 +333,10 @@ class PrivacyEngine:
 
     @property
     def example_paths(self) -> tuple[tuple[Any, ...], ...]:
-        """See :attr:`~lightning_dp.engine.run_state.RunState.example_paths`."""
-        return self.state.example_paths
+        """Where the Poisson loader's batches hold one entry per example in a marked list or tuple
+        (:attr:`~lightning_dp.data.EmptyBatchCollate.example_paths`); ``()`` without Poisson sampling."""
+        collate = self.state.stand_in_source[0] if self.state.stand_in_source is not None else None
+        return collate.example_paths if isinstance(collate, EmptyBatchCollate) else ()
 
     def stand_in_batch(self) -> Any:
         """See :meth:`~lightning_dp.engine.steps.RunSequence.stand_in_batch`."""

@@ -117,9 +117,6 @@ class RunState:
     micro_batches: int = 0
     #: the collator, dataset and rank a stand-in batch is drawn from.
     stand_in_source: tuple[Callable[[list[Any]], Any], Any, int] | None = None
-    #: where the Poisson loader's batches hold one entry per example in a marked list or tuple
-    #: (:func:`~lightning_dp.data.example_lists.per_example_paths`; ``()`` without Poisson sampling).
-    example_paths: tuple[tuple[Any, ...], ...] = ()
     #: the training set regrouped by user (``privacy_unit="user"``).
     user_data: UserDataset | None = None
     #: with ``noise_correlation``, the strategy, scale and event of this start of training (``prepare``).

@@ -169,7 +169,7 @@ class RunSequence:
         state.stand_in_source = (collate_fn, dataset, rank)
         if state.config.poisson_sampling:
             collate_fn = EmptyBatchCollate(collate_fn, dataset)  # a stand-in batch is marked as the drawn ones are
-            state.stand_in_source, state.example_paths = (collate_fn, dataset, rank), collate_fn.example_paths
+            state.stand_in_source = (collate_fn, dataset, rank)
             return poisson_dataloader(
                 loader,
                 dataset=dataset,
